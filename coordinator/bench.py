@@ -1,0 +1,185 @@
+"""`mtpipe bench engine`: mlx-lm, mtpipe without MTP and with MTP at several depths, side by side.
+
+Every prompt runs every method back to back (interleaved), so machine noise hits all of them alike;
+the report gives ratios. Decode speed is (tokens - 1) / (last token time - first token time).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ..node.protocol import SamplingParams
+from .engine import Engine, GenerationRequest, local_engine
+
+
+def bench_prompts(n: int) -> list[str]:
+    from ..training.corpus import heldout_prompts
+
+    return heldout_prompts(n)
+
+
+def _time_mlx_lm(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    from mlx_lm import stream_generate
+
+    tokens, first, last = [], None, None
+    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+        now = time.perf_counter()
+        first = first or now
+        last = now
+        if r.finish_reason == "stop" and r.token in tokenizer.eos_token_ids:
+            break
+        tokens.append(r.token)
+    return tokens, (len(tokens) - 1) / (last - first) if last and last > first else 0.0
+
+
+def _time_engine(engine: Engine, prompt: list[int], max_tokens: int, depth: int) -> tuple[list[int], float, Any]:
+    tokens, first, last, stats = [], None, None, None
+    req = GenerationRequest(prompt, max_tokens=max_tokens, params=SamplingParams(), mtp_depth=depth)
+    for chunk in engine.generate(req):
+        now = time.perf_counter()
+        if chunk.tokens:
+            first = first or now
+            last = now
+        tokens += chunk.tokens
+        stats = chunk.stats or stats
+    # The first chunk carries the first token; later chunks carry whole rounds.
+    return tokens, (len(tokens) - 1) / (last - first) if last and last > first else 0.0, stats
+
+
+def _cost_terms(engine: Engine, prompt: list[int], depths: list[int], trials: int = 20) -> dict[str, float]:
+    """Verify forward over K+1 tokens and one draft step, each over a single-token decode step."""
+    worker = engine.pipeline.stages[-1]
+    model = worker.model
+    if len(engine.pipeline.stages) != 1 or not model.has_mtp:
+        return {}
+    cache = model.make_cache()
+    h, _ = model.run_layers(model.embed(mx.array([prompt])), cache)
+    mx.eval(h, [c.state for c in cache])
+
+    def forward(T: int) -> float:
+        # Shallow copies: writes land past the prefilled offset, which the original never reads.
+        c = [copy.copy(x) for x in cache]
+        for x in c:
+            if hasattr(x, "cache"):
+                x.cache = list(x.cache)
+        t0 = time.perf_counter()
+        out, snaps = model.run_layers(model.embed(mx.array([prompt[-T:]])), c, capture=T > 1)
+        mx.eval(model.lm_logits(model.final_norm(out)), [s.states for s in snaps.values()])
+        return time.perf_counter() - t0
+
+    def draft() -> float:
+        from mlx_lm.models.cache import KVCache
+
+        mc = KVCache()
+        hid = model.final_norm(h[:, -1:])
+        mx.eval(hid)
+        t0 = time.perf_counter()
+        g = model.mtp(hid, model.embed(mx.array([[prompt[-1]]])), mc)
+        mx.eval(model.lm_logits(g))
+        return time.perf_counter() - t0
+
+    def med(fn: Any, *a: Any) -> float:
+        fn(*a)
+        return statistics.median(fn(*a) for _ in range(trials))
+
+    decode = med(forward, 1)
+    out = {"decode_ms": 1000 * decode, "draft_over_decode": med(draft) / decode}
+    for k in depths:
+        out[f"verify_k{k}_over_decode"] = med(forward, k + 1) / decode
+    return out
+
+
+def bench_engine(
+    model_path: Path, *, max_tokens: int = 128, prompts: int = 8, depths: list[int] | None = None
+) -> dict[str, Any]:
+    from mlx_lm import load as mlx_load
+
+    depths = depths or [1, 2, 3]
+    engine = local_engine(model_path)
+    if not engine.has_mtp:
+        raise ValueError(f"{model_path} has no MTP head to benchmark")
+    ref_model, ref_tok = mlx_load(str(model_path))
+    texts = bench_prompts(prompts)
+    encoded = [engine.tokenizer.encode(t) for t in texts]
+    methods = ["mlx_lm", "no_mtp"] + [f"mtp_k{k}" for k in depths]
+    speeds: dict[str, list[float]] = {m: [] for m in methods}
+    outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
+    drafted = {k: 0 for k in depths}
+    accepted = {k: 0 for k in depths}
+    per_position: dict[int, list[float]] = {}
+    # Warm up every path once (compilation, allocator).
+    _time_mlx_lm(ref_model, ref_tok, encoded[0], 8)
+    for k in [0] + depths:
+        _time_engine(engine, encoded[0], 8, k)
+    for prompt in encoded:
+        toks, tps = _time_mlx_lm(ref_model, ref_tok, prompt, max_tokens)
+        outputs["mlx_lm"].append(toks)
+        speeds["mlx_lm"].append(tps)
+        for k in [0] + depths:
+            name = "no_mtp" if k == 0 else f"mtp_k{k}"
+            toks, tps, stats = _time_engine(engine, prompt, max_tokens, k)
+            outputs[name].append(toks)
+            speeds[name].append(tps)
+            if k:
+                drafted[k] += stats.drafted
+                accepted[k] += stats.accepted
+                pos = per_position.setdefault(k, [0.0] * k)
+                for i, a in enumerate(stats.accepted_per_position):
+                    pos[i] += a
+    tok_s = {m: round(statistics.mean(v), 2) for m, v in speeds.items()}
+    best = max(depths, key=lambda k: tok_s[f"mtp_k{k}"])
+    identical = all(outputs[m] == outputs["mlx_lm"] for m in methods)
+    result = {
+        "model": str(model_path),
+        "prompts": len(encoded),
+        "max_tokens": max_tokens,
+        "identical": identical,
+        "identical_per_method": {m: outputs[m] == outputs["mlx_lm"] for m in methods},
+        "tok_s": tok_s,
+        "acceptance": {str(k): round(accepted[k] / drafted[k], 4) if drafted[k] else 0.0 for k in depths},
+        "acceptance_per_position": {
+            str(k): [round(a / (drafted[k] / k), 4) if drafted[k] else 0.0 for a in per_position.get(k, [])]
+            for k in depths
+        },
+        "best_k": best,
+        "ratios": {
+            "no_mtp_vs_mlx_lm": round(tok_s["no_mtp"] / tok_s["mlx_lm"], 3),
+            "best_mtp_vs_no_mtp": round(tok_s[f"mtp_k{best}"] / tok_s["no_mtp"], 3),
+            **{f"mtp_k{k}_vs_no_mtp": round(tok_s[f"mtp_k{k}"] / tok_s["no_mtp"], 3) for k in depths},
+        },
+        "cost_terms": {k: round(v, 3) for k, v in _cost_terms(engine, encoded[0], depths).items()},
+    }
+    engine.pipeline.close()
+    return result
+
+
+def print_engine_report(result: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"mtpipe bench engine: {result['prompts']} prompts x {result['max_tokens']} tokens")
+    table.add_column("method")
+    table.add_column("tok/s", justify="right")
+    table.add_column("vs mlx-lm", justify="right")
+    table.add_column("vs no-MTP", justify="right")
+    table.add_column("acceptance", justify="right")
+    table.add_column("identical")
+    tok = result["tok_s"]
+    for m, v in tok.items():
+        k = m.removeprefix("mtp_k")
+        table.add_row(
+            m,
+            f"{v:.1f}",
+            f"{v / tok['mlx_lm']:.2f}x",
+            f"{v / tok['no_mtp']:.2f}x",
+            f"{100 * result['acceptance'][k]:.1f}% {result['acceptance_per_position'][k]}" if k.isdigit() else "",
+            str(result["identical_per_method"][m]),
+        )
+    console.print(table)
+    if result["cost_terms"]:
+        console.print(f"cost terms: {result['cost_terms']}")

@@ -1,0 +1,209 @@
+"""`mtpipe`: the command line. Each subcommand parses its flags and calls one function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _add_mtp(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--mtp-depth", type=int, default=None, help="drafts per round (default: 2 if the model has MTP)")
+    g.add_argument("--no-mtp", action="store_true", help="decode without speculation (and without loading the MTP head)")
+
+
+def _progress_loader(label: str) -> Callable[..., Any]:
+    """A context that shows a rich progress bar while tensors are materialized."""
+    from rich.progress import Progress
+
+    class _Bar:
+        def __enter__(self) -> Callable[[int, int], None]:
+            self.progress = Progress(transient=True, console=_stderr_console())
+            self.progress.start()
+            self.task = self.progress.add_task(label, total=None)
+            return lambda done, total: self.progress.update(self.task, completed=done, total=total)
+
+        def __exit__(self, *exc: object) -> None:
+            self.progress.stop()
+
+    return _Bar
+
+
+def _stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+
+    from ..models.registry import resolve_model
+    from ..node.protocol import SamplingParams
+    from .engine import GenerationRequest, local_engine
+
+    model = resolve_model(args.model)
+    if args.nodes:
+        from .remote import remote_engine
+
+        engine = remote_engine(model, [n.strip() for n in args.nodes.split(",") if n.strip()], mtp=not args.no_mtp)
+    else:
+        engine = local_engine(model, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None)
+    depth = 0 if args.no_mtp else (args.mtp_depth if args.mtp_depth is not None else (2 if engine.has_mtp else 0))
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    tokens = (
+        engine.encode_chat([{"role": "user", "content": prompt}])
+        if args.chat
+        else engine.tokenizer.encode(prompt)
+    )
+    req = GenerationRequest(
+        prompt_tokens=tokens,
+        max_tokens=args.max_tokens,
+        params=SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed),
+        mtp_depth=depth,
+        stop=args.stop or [],
+    )
+    try:
+        if args.json:
+            result = engine.complete(req)
+            print(json.dumps({"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
+                              "mtp_depth": depth, "stats": result.stats.to_dict()}))
+        else:
+            stats = None
+            for chunk in engine.generate(req):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                stats = chunk.stats or stats
+            sys.stdout.write("\n")
+            _print_stats(stats.to_dict(), depth)
+    finally:
+        engine.pipeline.close()
+    return EXIT_OK
+
+
+def _print_stats(stats: dict[str, Any], depth: int) -> None:
+    console = _stderr_console()
+    console.print(
+        f"[dim]prompt {stats['prompt_tokens']} tok @ {stats['prefill_tps']:.1f} tok/s · "
+        f"generated {stats['generation_tokens']} tok @ {stats['decode_tps']:.1f} tok/s · "
+        f"MTP depth {depth}: accepted {stats['accepted']}/{stats['drafted']} ({100 * stats['acceptance']:.1f}%), "
+        f"per position {stats['acceptance_per_position']}[/dim]"
+    )
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ..models.convert import convert
+
+    convert(
+        Path(args.hf_path),
+        Path(args.mlx_path),
+        quantize=args.quantize,
+        bits=args.q_bits,
+        group_size=args.q_group_size,
+        quantize_mtp=not args.mtp_unquantized,
+        dtype=args.dtype,
+        mtp=not args.no_mtp,
+    )
+    return EXIT_OK
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..models.registry import resolve_model
+    from . import bench
+
+    model = resolve_model(args.model)
+    if args.target == "engine":
+        result = bench.bench_engine(model, max_tokens=args.max_tokens, prompts=args.prompts, depths=args.depths)
+        bench.print_engine_report(result, _stderr_console())
+    else:
+        from . import bench_pipeline
+
+        result = bench_pipeline.bench_pipeline(model, max_tokens=args.max_tokens, prompts=args.prompts)
+        bench_pipeline.print_report(result, _stderr_console())
+    if args.json:
+        print(json.dumps(result))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mtpipe",
+        description="Serve Qwen3.5/3.6 across a pipeline of machines with native MTP speculative decoding.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("--model", help="model directory or hub repo (default: the bundled demo model)")
+    p.add_argument("--prompt", help="prompt text (default: read standard input)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--nodes", help="comma-separated host:port of running nodes, in pipeline order")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_mtp(p)
+    _add_sampling(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("convert", help="convert an HF checkpoint to mlx, keeping the MTP head")
+    p.add_argument("--hf-path", required=True)
+    p.add_argument("--mlx-path", required=True)
+    p.add_argument("-q", "--quantize", action="store_true")
+    p.add_argument("--q-bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
+    p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument("--mtp-unquantized", action="store_true", help="keep MTP weights in full precision")
+    p.add_argument("--no-mtp", action="store_true", help="drop the MTP head")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("bench", help="side-by-side benchmarks")
+    p.add_argument("target", choices=["engine", "pipeline"])
+    p.add_argument("--model", help="model directory (default: the bundled demo model)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=8, help="number of prompts")
+    p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    p.set_defaults(func=cmd_bench)
+
+    from .cli_cluster import add_cluster_commands
+
+    add_cluster_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"mtpipe: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # a failure the user should see as one line, with -v for the trace
+        if args.verbose:
+            raise
+        print(f"mtpipe: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

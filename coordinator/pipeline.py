@@ -1,0 +1,69 @@
+"""Pipelines: how the engine reaches the stages. The engine only sees `step` and `release`.
+
+`LocalPipeline` chains in-process stages (single-node mode is one stage holding every layer);
+the gRPC pipeline in `remote.py` has the same interface.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import mlx.core as mx
+
+from ..models.loading import load_shard
+from ..models.shard import ShardSpec
+from ..node.protocol import StageError, StepOutput, StepRequest
+from ..node.worker import StageWorker
+
+
+class Pipeline(Protocol):
+    def step(self, req: StepRequest) -> StepOutput: ...
+
+    def release(self, seq_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalPipeline:
+    def __init__(self, stages: list[StageWorker]):
+        if not stages or not stages[0].spec.is_first or not stages[-1].spec.is_last:
+            raise ValueError("a pipeline runs from the first layer to the last")
+        for a, b in zip(stages, stages[1:]):
+            if a.spec.end != b.spec.start:
+                raise ValueError(f"stages are not contiguous: [{a.spec.start},{a.spec.end}) then [{b.spec.start},{b.spec.end})")
+        self.stages = stages
+
+    def step(self, req: StepRequest) -> StepOutput:
+        hidden = None
+        for stage in self.stages:
+            out = stage.step(req, hidden)
+            hidden = out if isinstance(out, mx.array) else None
+        if not isinstance(out, StepOutput):
+            raise StageError("the last stage returned no tokens")
+        return out
+
+    def release(self, seq_id: str) -> None:
+        for stage in self.stages:
+            stage.release(seq_id)
+
+    def close(self) -> None:
+        self.stages = []
+
+
+def even_split(num_layers: int, parts: int) -> list[ShardSpec]:
+    """Contiguous, near-equal layer ranges (placement proper lives in placement.py)."""
+    if not 1 <= parts <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {parts} stages")
+    bounds = [round(i * num_layers / parts) for i in range(parts + 1)]
+    return [ShardSpec(a, b, num_layers) for a, b in zip(bounds, bounds[1:])]
+
+
+def local_pipeline(
+    model_path: Path | str, *, stages: int = 1, mtp: bool = True, dtype: mx.Dtype | None = None
+) -> LocalPipeline:
+    from ..models.config import load_config
+
+    config = load_config(Path(model_path))
+    specs = even_split(config.num_layers, stages)
+    return LocalPipeline([StageWorker(load_shard(model_path, s, mtp=mtp, dtype=dtype)) for s in specs])

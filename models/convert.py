@@ -1,0 +1,89 @@
+"""HF checkpoint -> mlx checkpoint (optionally quantized), keeping the MTP head.
+
+The output uses mlx-lm's naming (`language_model.model.*`, `language_model.mtp.*`), so mlx-lm loads
+its backbone as is; norms are already shifted and conv1d already transposed, so neither mlx-lm nor
+mtpipe shifts them again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import make_shards
+
+from .loading import load_shard
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
+
+
+def mlx_name(name: str) -> str:
+    if name.startswith("mtp."):
+        return "language_model." + name
+    if name.startswith("lm_head."):
+        return "language_model." + name
+    return "language_model.model." + name
+
+
+def convert(
+    src: Path,
+    dst: Path,
+    *,
+    quantize: bool = False,
+    bits: int = 4,
+    group_size: int = 64,
+    quantize_mtp: bool = True,
+    dtype: str | None = "bfloat16",
+    mtp: bool = True,
+) -> Path:
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty")
+    shard = load_shard(src, mtp=mtp, dtype=getattr(mx, dtype) if dtype else None)
+    model = shard.model
+    config = dict(shard.config.raw)
+    if quantize:
+
+        def predicate(path: str, module: nn.Module) -> bool | dict:
+            if not hasattr(module, "to_quantized") or module.weight.shape[-1] % group_size:
+                return False
+            if path.startswith("mtp.") and not quantize_mtp:
+                return False
+            if path.endswith("mlp.gate") or path.endswith("shared_expert_gate"):
+                return {"group_size": 64, "bits": 8}  # routers stay precise, as mlx-lm does
+            return True
+
+        nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+        config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    weights = {mlx_name(k): v for k, v in tree_flatten(model.parameters())}
+    dst.mkdir(parents=True, exist_ok=True)
+    shards = make_shards(weights)
+    index: dict[str, str] = {}
+    for i, tensors in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(dst / fname), tensors, metadata={"format": "mlx"})
+        index.update({k: fname for k in tensors})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))
+    if not mtp:
+        config.get("text_config", config)["mtp_num_hidden_layers"] = 0
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+    log.info("converted %s -> %s (%s)", src, dst, f"{bits}-bit" if quantize else dtype or "original dtype")
+    return dst

@@ -1,0 +1,232 @@
+"""Load one shard of a Qwen3.5 checkpoint from a Hugging Face-layout directory.
+
+Accepted key layouts: `model.language_model.*` (HF multimodal), `model.*` (HF text-only),
+`language_model.model.*` (mlx-lm conversions), top-level `mtp.*`, `language_model.mtp.*`, and a
+separate `mtp.safetensors`. Everything is renamed to the shard's own names first, then only the
+shard's tensors are kept: `mx.load` is lazy, so other shards' tensors are never read.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .config import ModelConfig, load_config
+from .shard import Qwen35Shard, ShardSpec
+
+log = logging.getLogger(__name__)
+
+_IGNORED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
+_PREFIXES = (  # longest first; maps a checkpoint prefix to the shard's own name space
+    ("model.language_model.", ""),
+    ("language_model.model.", ""),
+    ("language_model.mtp.", "mtp."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.mtp.", "mtp."),
+    ("model.", ""),
+)
+# RMSNorms stored as w in HF (computed as 1 + w); mlx's RMSNorm computes w. Not linear_attn.norm.
+_SHIFTED_SUFFIXES = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+_SHIFTED_EXACT = ("norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight")
+
+
+class MissingMTPWeightsError(ValueError):
+    pass
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass
+class LoadedShard:
+    config: ModelConfig
+    spec: ShardSpec
+    model: Qwen35Shard
+    path: Path
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.model.has_mtp
+
+
+def canonical_name(key: str) -> str | None:
+    """The shard-local name space: embed_tokens.*, layers.N.*, norm.*, lm_head.*, mtp.*; None = skip."""
+    if key.startswith(_IGNORED_PREFIXES):
+        return None
+    for prefix, repl in _PREFIXES:
+        if key.startswith(prefix):
+            return repl + key[len(prefix) :]
+    return key
+
+
+def read_checkpoint(path: Path) -> dict[str, mx.array]:
+    """All tensors of a checkpoint directory, lazily, under canonical names."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        for key, value in mx.load(str(f)).items():
+            name = canonical_name(key)
+            if name is not None:
+                weights[name] = value
+    return weights
+
+
+def is_raw_hf(weights: dict[str, mx.array]) -> bool:
+    """Raw HF checkpoints keep conv1d as [C, 1, K]; converted ones as [C, K, 1] (mlx-lm's test).
+
+    Decided over the whole checkpoint (shapes only, nothing is read), so every shard agrees.
+    """
+    for k, v in weights.items():
+        if k.endswith("conv1d.weight"):
+            return v.shape[-1] != 1
+    return False
+
+
+def _layer_index(name: str) -> int | None:
+    m = re.match(r"layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def select_shard(weights: dict[str, mx.array], spec: ShardSpec, model: Qwen35Shard) -> dict[str, mx.array]:
+    """Keep this shard's tensors and rename global layer indices to local ones."""
+    wanted_top = {n for n, _ in tree_flatten(model.parameters()) if not n.startswith("layers.")}
+    keep_prefixes = tuple({n.split(".")[0] + "." for n in wanted_top})
+    out: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        idx = _layer_index(name)
+        if idx is not None:
+            if spec.start <= idx < spec.end:
+                out[f"layers.{idx - spec.start}." + name.split(".", 2)[2]] = value
+        elif name.startswith(keep_prefixes):
+            out[name] = value
+    return out
+
+
+def _stack_experts(weights: dict[str, mx.array], mlp_prefix: str, num_experts: int) -> None:
+    """Per-expert tensors (Qwen3.5) or a fused gate_up (Qwen3.6) -> mlx-lm's switch_mlp."""
+    fused = f"{mlp_prefix}.experts.gate_up_proj"
+    if fused in weights:
+        gate_up = weights.pop(fused)
+        mid = gate_up.shape[-2] // 2
+        weights[f"{mlp_prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        weights[f"{mlp_prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        weights[f"{mlp_prefix}.switch_mlp.down_proj.weight"] = weights.pop(f"{mlp_prefix}.experts.down_proj")
+        return
+    if f"{mlp_prefix}.experts.0.up_proj.weight" not in weights:
+        return
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        keys = [f"{mlp_prefix}.experts.{e}.{proj}.weight" for e in range(num_experts)]
+        missing = [k for k in keys if k not in weights]
+        if missing:
+            raise CheckpointError(f"MoE experts incomplete: {missing[0]} and {len(missing) - 1} more are missing")
+        weights[f"{mlp_prefix}.switch_mlp.{proj}.weight"] = mx.stack([weights.pop(k) for k in keys])
+
+
+def sanitize(weights: dict[str, mx.array], config: ModelConfig, raw_hf: bool) -> dict[str, mx.array]:
+    weights = dict(weights)
+    if config.is_moe:
+        prefixes = {n.rsplit(".mlp.", 1)[0] + ".mlp" for n in weights if ".mlp.experts" in n}
+        for prefix in sorted(prefixes):
+            _stack_experts(weights, prefix, config.args.num_experts)
+    if config.args.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    for k, v in list(weights.items()):
+        if k.endswith("conv1d.weight") and v.shape[-1] != 1:
+            weights[k] = v.moveaxis(2, 1)
+        elif raw_hf and v.ndim == 1 and (k.endswith(_SHIFTED_SUFFIXES) or k in _SHIFTED_EXACT):
+            weights[k] = v + 1.0
+    return weights
+
+
+def _missing_mtp_message(path: Path, config: ModelConfig) -> str:
+    return (
+        f"{path}: config declares {config.mtp_layers} MTP layer(s) (mtp_num_hidden_layers) but the checkpoint "
+        "has no MTP weights (no mtp.* tensors, no mtp.safetensors); it was probably converted without them. "
+        "Run without speculative decoding with --no-mtp, or use a checkpoint that keeps the MTP head."
+    )
+
+
+def _quantize(model: nn.Module, config: ModelConfig, weights: dict[str, mx.array]) -> None:
+    from mlx_lm.utils import infer_quant_config
+
+    quant = config.quantization or {}
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        if path in quant and isinstance(quant[path], dict):
+            return quant[path]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return infer_quant_config(path, module, weights)
+
+    nn.quantize(
+        model,
+        group_size=quant.get("group_size", 64),
+        bits=quant.get("bits", 4),
+        mode=quant.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def load_shard(
+    path: Path | str,
+    spec: ShardSpec | None = None,
+    *,
+    mtp: bool = True,
+    dtype: mx.Dtype | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> LoadedShard:
+    """Load layers spec.start..spec.end (default: the whole model), the MTP head when asked and present."""
+    path = Path(path)
+    config = load_config(path)
+    spec = spec or ShardSpec.whole(config.num_layers)
+    if spec.num_layers != config.num_layers:
+        raise ValueError(f"shard spec is for {spec.num_layers} layers, the model has {config.num_layers}")
+    all_weights = read_checkpoint(path)
+    has_mtp_weights = any(k.startswith("mtp.") for k in all_weights)
+    with_mtp = mtp and config.mtp_layers > 0
+    if with_mtp and spec.is_last and not has_mtp_weights:
+        raise MissingMTPWeightsError(_missing_mtp_message(path, config))
+    if mtp and config.mtp_layers == 0 and spec.is_last:
+        log.info("%s declares no MTP head; decoding without speculation", path)
+
+    model = Qwen35Shard(config, spec, with_mtp=with_mtp)
+    weights = sanitize(select_shard(all_weights, spec, model), config, is_raw_hf(all_weights))
+    del all_weights
+    if config.quantization:
+        _quantize(model, config, weights)
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+
+    expected = {n for n, _ in tree_flatten(model.parameters())}
+    missing = sorted(expected - weights.keys())
+    if missing:
+        raise CheckpointError(
+            f"{path}: checkpoint lacks {len(missing)} tensor(s) this shard needs, e.g. {', '.join(missing[:3])}"
+        )
+    unexpected = sorted(k for k in weights.keys() - expected if not k.startswith("mtp.") or with_mtp)
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensor(s) for this model: {', '.join(unexpected[:3])}")
+    model.load_weights([(k, weights[k]) for k in expected])
+    # Materialize tensor by tensor so a progress bar can follow long loads.
+    params = tree_flatten(model.parameters())
+    for i, (_, p) in enumerate(params):
+        mx.eval(p)
+        if progress is not None:
+            progress(i + 1, len(params))
+    model.eval()
+    return LoadedShard(config=config, spec=spec, model=model, path=path)

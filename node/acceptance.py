@@ -1,0 +1,63 @@
+"""Token selection and speculative acceptance (Leviathan et al. 2023; Chen et al. 2023).
+
+Target p and draft q are built with the same temperature and filters, in float32. Greedy accepts a
+draft iff it is the target argmax; sampling accepts d with probability min(1, p(d)/q(d)) and on the
+first rejection draws from max(p - q, 0) / Z, so the output distribution equals plain sampling.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from .protocol import SamplingParams
+
+
+def filtered_probs(logits: mx.array, params: SamplingParams) -> np.ndarray:
+    """Rows of logits [..., V] -> float64 probabilities after temperature, top_k, top_p, min_p."""
+    x = np.asarray(logits.astype(mx.float32), dtype=np.float64) / params.temperature
+    x = x - x.max(axis=-1, keepdims=True)
+    p = np.exp(x)
+    p /= p.sum(axis=-1, keepdims=True)
+    V = p.shape[-1]
+    if 0 < params.top_k < V:
+        kth = np.partition(p, V - params.top_k, axis=-1)[..., V - params.top_k : V - params.top_k + 1]
+        p = np.where(p >= kth, p, 0.0)
+    if params.top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
+        keep_sorted = before < params.top_p * sorted_p.sum(axis=-1, keepdims=True)
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        p = np.where(keep, p, 0.0)
+    if params.min_p > 0.0:
+        p = np.where(p >= params.min_p * p.max(axis=-1, keepdims=True), p, 0.0)
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+def draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from a probability row, by inverse CDF (exact, reproducible with the rng)."""
+    cdf = np.cumsum(p)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
+
+
+def accept_greedy(target_argmax: list[int], drafts: list[int]) -> tuple[int, list[int]]:
+    """target_argmax: argmax of p0..pK. Returns (accepted count, emitted tokens)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target_argmax[n]:
+        n += 1
+    return n, drafts[:n] + [target_argmax[n]]
+
+
+def accept_sampled(
+    p: np.ndarray, q: np.ndarray, drafts: list[int], rng: np.random.Generator
+) -> tuple[int, list[int]]:
+    """p: [K+1, V] target probs, q: [K, V] draft probs the drafts were drawn from."""
+    for i, d in enumerate(drafts):
+        if rng.random() * q[i, d] < p[i, d]:  # accept with probability min(1, p/q)
+            continue
+        residual = np.maximum(p[i] - q[i], 0.0)
+        z = residual.sum()
+        return i, drafts[:i] + [draw(residual / z if z > 0 else p[i], rng)]
+    return len(drafts), drafts + [draw(p[len(drafts)], rng)]

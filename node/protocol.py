@@ -1,0 +1,72 @@
+"""Plain messages between the engine and the stages (in-process or over gRPC)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class StepKind(str, Enum):
+    PREFILL = "prefill"  # a prompt chunk; every position is kept
+    DECODE = "decode"  # [y, d1..dK]: verified, then rolled back to the accepted prefix by the next commit
+
+
+class StageError(Exception):
+    """A request a stage refuses (malformed, unknown sequence, out of order). Its state is unchanged."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The outcome of decode step `step`: all a stage ever learns about acceptance."""
+
+    step: int
+    accepted: int  # drafts accepted, 0..K
+    trim: int  # attention KV entries to drop: K - accepted
+
+
+@dataclass
+class StepRequest:
+    seq_id: str
+    step: int  # 0, 1, 2, ... per sequence; prefill chunks first, then decode rounds
+    kind: StepKind
+    tokens: list[int]  # this step's input tokens (the last stage needs them for MTP and acceptance)
+    final: bool = False  # prefill: the prompt's last chunk, sample the first token
+    commit: Commit | None = None  # outcome of the previous decode step, applied before this one
+    params: SamplingParams | None = None  # with step 0: how the last stage samples
+    mtp_depth: int = 0  # with step 0: drafts per round (0 = no speculation)
+
+
+@dataclass
+class StepOutput:
+    """What the last stage returns: token ids and counts, never logits or state."""
+
+    seq_id: str
+    step: int
+    tokens: list[int] = field(default_factory=list)  # accepted drafts then the correction/bonus token
+    accepted: int = 0
+    drafted: int = 0
+    drafts: list[int] = field(default_factory=list)  # the next round's drafts
+    commit: Commit | None = None  # to echo to every stage with the next step

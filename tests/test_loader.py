@@ -1,0 +1,146 @@
+"""Checkpoint loading: key layouts, the (1+w) norm shift exactly once, MoE expert forms, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+from mtpipe.models.convert import convert
+from mtpipe.models.loading import CheckpointError, MissingMTPWeightsError, load_shard, read_checkpoint
+from mtpipe.models.shard import ShardSpec
+from mtpipe.models.tiny import build_tiny_checkpoint, random_raw_weights, write_checkpoint
+
+
+def params(path: Path, **kw) -> dict[str, mx.array]:
+    return dict(tree_flatten(load_shard(path, **kw).model.parameters()))
+
+
+def assert_same(a: dict[str, mx.array], b: dict[str, mx.array]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].shape == b[k].shape, k
+        assert mx.array_equal(a[k].astype(mx.float32), b[k].astype(mx.float32)).item(), k
+
+
+@pytest.mark.parametrize("layout", ["hf_text", "separate_mtp", "sharded"])
+def test_layouts_load_identically(tiny_root: Path, dense_ckpt: Path, layout: str) -> None:
+    other = build_tiny_checkpoint(layout=layout, root=tiny_root)
+    assert_same(params(dense_ckpt), params(other))
+
+
+def test_norm_shift_applied_once_to_raw_only(dense_ckpt: Path, tmp_path: Path) -> None:
+    raw = read_checkpoint(dense_ckpt)
+    loaded = params(dense_ckpt)
+    for name in ["layers.0.input_layernorm.weight", "layers.3.self_attn.q_norm.weight", "norm.weight",
+                 "mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight",
+                 "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.self_attn.k_norm.weight"]:
+        assert mx.allclose(loaded[name], raw[name] + 1.0).item(), name
+    # The GatedDeltaNet gated norm is plain w: never shifted.
+    assert mx.array_equal(loaded["layers.0.linear_attn.norm.weight"], raw["layers.0.linear_attn.norm.weight"]).item()
+    # A converted (mlx) checkpoint is already shifted: loading it must not shift again.
+    out = convert(dense_ckpt, tmp_path / "mlx", dtype="float32")
+    assert "language_model.mtp.fc.weight" in mx.load(str(out / "model.safetensors"))
+    assert_same(loaded, params(out))
+
+
+def test_mlx_lm_loads_converted_backbone(dense_ckpt: Path, tmp_path: Path) -> None:
+    from mlx_lm import load
+
+    out = convert(dense_ckpt, tmp_path / "mlx", dtype="float32")
+    model, _ = load(str(out))
+    ours = load_shard(out).model
+    x = mx.array([[5, 17, 42, 7, 99]])
+    h, _ = ours.run_layers(ours.embed(x), ours.make_cache())
+    assert mx.allclose(model(x), ours.lm_logits(ours.final_norm(h)), atol=1e-5).item()
+
+
+def test_missing_mtp_weights_error(tiny_root: Path) -> None:
+    path = build_tiny_checkpoint(layout="no_mtp", root=tiny_root)
+    with pytest.raises(MissingMTPWeightsError) as err:
+        load_shard(path)
+    msg = str(err.value)
+    assert "declares 1 MTP layer" in msg and "--no-mtp" in msg and "missing parameters" not in msg.lower()
+    assert not load_shard(path, mtp=False).has_mtp  # and --no-mtp works
+
+
+def test_moe_expert_forms(tmp_path: Path, moe_ckpt: Path) -> None:
+    """Per-expert backbone + fused MTP (the opposite of the builder's default) loads the same."""
+    raw = {k: v for k, v in mx.load(str(moe_ckpt / "model.safetensors")).items()}
+    cfg = json.loads((moe_ckpt / "config.json").read_text())["text_config"]
+    swapped: dict[str, mx.array] = {}
+    for k, v in raw.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            prefix, I = k[: -len("gate_up_proj")], v.shape[-2] // 2
+            for e in range(v.shape[0]):
+                swapped[f"{prefix}{e}.gate_proj.weight"] = v[e, :I]
+                swapped[f"{prefix}{e}.up_proj.weight"] = v[e, I:]
+        elif k.endswith("mlp.experts.down_proj"):
+            prefix = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                swapped[f"{prefix}{e}.down_proj.weight"] = v[e]
+        elif k.startswith("mtp.") and ".experts." in k:
+            continue
+        else:
+            swapped[k] = v
+    E = cfg["num_experts"]
+    for proj in ("gate", "up", "down"):
+        swapped[f"mtp.layers.0.mlp.experts.{proj}_proj"] = mx.stack(
+            [raw[f"mtp.layers.0.mlp.experts.{e}.{proj}_proj.weight"] for e in range(E)]
+        )
+    gate = swapped.pop("mtp.layers.0.mlp.experts.gate_proj")
+    swapped["mtp.layers.0.mlp.experts.gate_up_proj"] = mx.concatenate([gate, swapped.pop("mtp.layers.0.mlp.experts.up_proj")], axis=-2)
+    out = write_checkpoint(tmp_path / "swapped", cfg, swapped)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_text((moe_ckpt / f).read_text())
+    assert_same(params(moe_ckpt), params(out))
+
+
+def test_incomplete_experts_and_missing_tensor_errors(tmp_path: Path, dense_ckpt: Path) -> None:
+    cfg = json.loads((dense_ckpt / "config.json").read_text())["text_config"]
+    raw = random_raw_weights(cfg, seed=3)
+    raw.pop("model.language_model.layers.5.mlp.down_proj.weight")
+    out = write_checkpoint(tmp_path / "broken", cfg, raw)
+    with pytest.raises(CheckpointError, match="lacks 1 tensor.*layers.5.mlp.down_proj.weight"):
+        load_shard(out)
+    # A shard that does not own layer 5 loads fine: it never needs that tensor.
+    assert load_shard(out, ShardSpec(0, 4, 8)).model.parameter_bytes() > 0
+
+
+def test_shard_loads_only_its_tensors(dense_ckpt: Path) -> None:
+    whole = load_shard(dense_ckpt).model
+    parts = [load_shard(dense_ckpt, s).model for s in (ShardSpec(0, 3, 8), ShardSpec(3, 6, 8), ShardSpec(6, 8, 8))]
+    names = [set(dict(tree_flatten(p.parameters()))) for p in parts]
+    assert not any(n.startswith(("norm.", "mtp.", "lm_head.")) for n in names[0] | names[1])
+    assert {n for n in names[0] if n.startswith("layers.")} == {n for n in dict(tree_flatten(whole.parameters())) if n.startswith(("layers.0.", "layers.1.", "layers.2."))}
+    # Layer bytes add up to the whole model's; only the embedding is held twice (first + last for MTP).
+    embed = whole.embed_tokens.weight.nbytes
+    assert sum(p.parameter_bytes() for p in parts) == whole.parameter_bytes() + embed
+
+
+@pytest.mark.parametrize("mtp_quantized", [True, False])
+def test_quantized_checkpoint_loads(dense_ckpt: Path, tmp_path: Path, mtp_quantized: bool) -> None:
+    out = convert(dense_ckpt, tmp_path / "q", quantize=True, bits=8, group_size=32, quantize_mtp=mtp_quantized, dtype="float32")
+    model = load_shard(out).model
+    assert isinstance(model.layers[0].mlp.gate_proj, nn.QuantizedLinear)
+    assert isinstance(model.mtp.fc, nn.QuantizedLinear) == mtp_quantized
+    x = mx.array([[1, 2, 3]])
+    h, _ = model.run_layers(model.embed(x), model.make_cache())
+    ref = load_shard(dense_ckpt).model
+    hr, _ = ref.run_layers(ref.embed(x), ref.make_cache())
+    # 8-bit weights stay close to the float model.
+    a, b = model.final_norm(h).reshape(-1), ref.final_norm(hr).reshape(-1)
+    cosine = (a * b).sum() / (mx.linalg.norm(a) * mx.linalg.norm(b))
+    assert cosine.item() > 0.99
+
+
+def test_bad_config_errors(tmp_path: Path, dense_ckpt: Path) -> None:
+    cfg = json.loads((dense_ckpt / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
+        load_shard(tmp_path)

@@ -1,0 +1,74 @@
+"""After commit(n), every cache equals the cache of a fresh forward over the accepted tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mtpipe.coordinator.engine import Engine, GenerationRequest
+from mtpipe.coordinator.pipeline import LocalPipeline
+from mtpipe.models.loading import load_shard
+from mtpipe.node.protocol import StepKind, StepRequest
+from mtpipe.node.worker import StageWorker
+
+K = 3
+TOL = 1e-5
+
+
+def prefill(worker: StageWorker, seq: str, prompt: list[int], depth: int):
+    worker.step(StepRequest(seq, 0, StepKind.PREFILL, prompt[:-1], mtp_depth=depth))
+    return worker.step(StepRequest(seq, 1, StepKind.PREFILL, prompt[-1:], final=True))
+
+
+def max_diff(a: mx.array, b: mx.array) -> float:
+    assert a.shape == b.shape
+    return mx.abs(a - b).max().item()
+
+
+def assert_caches_equal(got, ref) -> None:
+    for i, (c, r) in enumerate(zip(got, ref)):
+        if hasattr(c, "offset"):
+            assert c.offset == r.offset, f"layer {i} KV length"
+            assert max_diff(c.keys[..., : c.offset, :], r.keys[..., : r.offset, :]) <= TOL
+            assert max_diff(c.values[..., : c.offset, :], r.values[..., : r.offset, :]) <= TOL
+        else:
+            assert max_diff(c[0], r[0]) <= TOL, f"layer {i} conv state"
+            assert max_diff(c[1], r[1]) <= TOL, f"layer {i} recurrent state"
+
+
+@pytest.mark.parametrize("accepted", list(range(K + 1)))
+def test_commit_equals_fresh_forward(ckpt: Path, dense_engine, accepted: int) -> None:
+    shard = load_shard(ckpt, dtype=mx.float32)
+    worker = StageWorker(shard)
+    prompt = dense_engine.tokenizer.encode("def parse(line):\n    return line.split(")
+    plain = Engine(LocalPipeline([StageWorker(shard)]), dense_engine.tokenizer, set(), 4096)
+    greedy = plain.complete(GenerationRequest(prompt, max_tokens=K + 2)).tokens
+    y = greedy[0]
+    out = prefill(worker, "s", prompt, K)
+    assert out.tokens == [y]
+    # Force the drafts: the first `accepted` follow the greedy path, the next one does not.
+    V = shard.config.args.vocab_size
+    drafts = greedy[1 : 1 + accepted] + [(greedy[1 + accepted] + 1) % V] + [7] * K
+    seq = worker.sequences["s"]
+    seq.draft.drafts = drafts[:K]
+    out = worker.step(StepRequest("s", 2, StepKind.DECODE, [y] + drafts[:K]))
+    assert out.accepted == accepted and out.commit.trim == K - accepted
+    assert out.tokens == greedy[1 : accepted + 2]
+    worker._apply_commit(seq, out.commit)
+
+    # Reference: a fresh stage fed prompt + [y, d1..dn], then the correction token sampled the same way.
+    fresh = StageWorker(shard)
+    ref_out = prefill(fresh, "r", prompt + greedy[: accepted + 1], K)
+    assert ref_out.tokens == out.tokens[-1:]
+    ref = fresh.sequences["r"]
+    assert seq.position == ref.position == len(prompt) + accepted + 1
+    assert_caches_equal(seq.cache, ref.cache)
+    # MTP cache: entries built from true hiddens agree; the next drafts agree too.
+    d, rd = seq.draft, ref.draft
+    assert d.mtp_len == rd.mtp_len == len(prompt) + accepted + 1
+    n = d.mtp_len
+    assert max_diff(d.mtp_cache.keys[..., :n, :], rd.mtp_cache.keys[..., :n, :]) <= TOL
+    assert max_diff(d.mtp_cache.values[..., :n, :], rd.mtp_cache.values[..., :n, :]) <= TOL
+    assert out.drafts == ref_out.drafts
