@@ -1,0 +1,138 @@
+"""Engine behaviour: stops (EOS, stop strings, max_tokens), stats, and bad input leaving state intact."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mtpipe.coordinator.engine import Engine, GenerationRequest
+from mtpipe.coordinator.pipeline import LocalPipeline
+from mtpipe.models.loading import load_shard
+from mtpipe.models.shard import ShardSpec
+from mtpipe.node.protocol import Commit, SamplingParams, StageError, StepKind, StepRequest
+from mtpipe.node.worker import StageWorker
+
+PROMPT = "def add(a, b):\n"
+
+
+@pytest.fixture(scope="module")
+def reference(dense_engine: Engine) -> tuple[list[int], list[int]]:
+    prompt = dense_engine.tokenizer.encode(PROMPT)
+    return prompt, dense_engine.complete(GenerationRequest(prompt, max_tokens=40)).tokens
+
+
+@pytest.mark.parametrize("depth", [0, 3])
+def test_max_tokens_exact(dense_engine: Engine, reference, depth: int) -> None:
+    prompt, greedy = reference
+    for n in (1, 2, 5, 7):
+        r = dense_engine.complete(GenerationRequest(prompt, max_tokens=n, mtp_depth=depth))
+        assert r.tokens == greedy[:n] and r.finish_reason == "length"
+        assert r.stats.generation_tokens == n
+
+
+@pytest.mark.parametrize("depth", [0, 3])
+def test_eos_stops_before_the_token(dense_engine: Engine, reference, depth: int) -> None:
+    prompt, greedy = reference
+    eos = greedy[6]
+    first = greedy.index(eos)
+    engine = Engine(dense_engine.pipeline, dense_engine.tokenizer, {eos}, 4096, has_mtp=True)
+    r = engine.complete(GenerationRequest(prompt, max_tokens=40, mtp_depth=depth))
+    assert r.tokens == greedy[:first] and r.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_stop_string_never_emitted(dense_engine: Engine, reference, depth: int) -> None:
+    prompt, greedy = reference
+    full = dense_engine.tokenizer.decode(greedy)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    expected = full[: full.index(stop)]
+    chunks = list(dense_engine.generate(GenerationRequest(prompt, max_tokens=40, mtp_depth=depth, stop=[stop])))
+    text = "".join(c.text for c in chunks)
+    assert text == expected and stop not in text
+    assert chunks[-1].finish_reason == "stop"
+
+
+def test_stats_are_consistent(dense_engine: Engine, reference) -> None:
+    prompt, _ = reference
+    r = dense_engine.complete(GenerationRequest(prompt, max_tokens=30, mtp_depth=3))
+    s = r.stats
+    assert s.prompt_tokens == len(prompt)
+    assert s.drafted == 3 * s.rounds and sum(s.drafted_per_position) == s.drafted
+    assert sum(s.accepted_per_position) == s.accepted <= s.drafted
+    assert s.prefill_tps > 0 and s.decode_tps > 0
+    assert len(dense_engine.pipeline.stages[0].sequences) == 0  # released
+
+
+@pytest.mark.parametrize(
+    "req, message",
+    [
+        (GenerationRequest([], max_tokens=4), "empty"),
+        (GenerationRequest([1, 2], max_tokens=0), "max_tokens"),
+        (GenerationRequest([1, 2], max_tokens=5000), "exceeds the context"),
+        (GenerationRequest([1, 2], params=SamplingParams(temperature=-1)), "temperature"),
+        (GenerationRequest([1, 2], params=SamplingParams(temperature=1, top_p=2)), "top_p"),
+    ],
+)
+def test_engine_rejects_bad_requests(dense_engine: Engine, req: GenerationRequest, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        list(dense_engine.generate(req))
+    assert len(dense_engine.pipeline.stages[0].sequences) == 0
+
+
+def snapshot(worker: StageWorker, seq_id: str) -> tuple:
+    s = worker.sequences[seq_id]
+    return (s.next_step, s.position, s.pending_k, [getattr(c, "offset", None) for c in s.cache],
+            [mx.sum(c[1]).item() if c[1] is not None else None for c in s.cache if not hasattr(c, "offset")])
+
+
+def test_stage_rejects_malformed_requests_without_state_change(dense_ckpt: Path) -> None:
+    shard = load_shard(dense_ckpt, ShardSpec(4, 8, 8), dtype=mx.float32)
+    worker = StageWorker(shard)
+    H = shard.config.args.hidden_size
+    ok = mx.zeros((1, 3, H))
+    first = worker.step(StepRequest("a", 0, StepKind.PREFILL, [1, 2, 3], final=True, mtp_depth=2), ok)
+    out = worker.step(StepRequest("a", 1, StepKind.DECODE, first.tokens + first.drafts), ok)
+    before = snapshot(worker, "a")
+    bad = [
+        (StepRequest("a", 2, StepKind.DECODE, [1, 2, 3], commit=out.commit), mx.zeros((1, 2, H))),  # wrong shape
+        (StepRequest("a", 2, StepKind.DECODE, [1, 2, 3], commit=out.commit), None),  # no hidden
+        (StepRequest("zz", 2, StepKind.DECODE, [1], commit=out.commit), mx.zeros((1, 1, H))),  # unknown sequence
+        (StepRequest("a", 5, StepKind.DECODE, [1, 2, 3], commit=out.commit), ok),  # out of order
+        (StepRequest("a", 2, StepKind.DECODE, [1, 2, 3]), ok),  # missing commit
+        (StepRequest("a", 2, StepKind.DECODE, [1, 2, 3], commit=Commit(1, 3, 0)), ok),  # impossible commit
+        (StepRequest("a", 2, StepKind.DECODE, [1, 2, 99999], commit=out.commit), ok),  # token out of range
+        (StepRequest("a", 2, StepKind.PREFILL, [1, 2, 3], commit=out.commit), ok),  # prefill after decode
+        (StepRequest("a", 2, StepKind.DECODE, [1, 2, 3], commit=out.commit), ok),  # not the drafts it made
+    ]
+    for req, hidden in bad:
+        with pytest.raises(StageError):
+            worker.step(req, hidden)
+        assert snapshot(worker, "a") == before
+    # A well-formed next step still works after all the refusals.
+    worker.step(StepRequest("a", 2, StepKind.DECODE, out.tokens[-1:] + out.drafts, commit=out.commit), ok)
+
+
+def test_cli_generate_json(dense_ckpt: Path) -> None:
+    cmd = [sys.executable, "-m", "mtpipe.coordinator.cli", "generate", "--model", str(dense_ckpt),
+           "--prompt", PROMPT, "--max-tokens", "12", "--mtp-depth", "2", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(result["tokens"]) == 12 and result["finish_reason"] == "length" and result["mtp_depth"] == 2
+    assert result["stats"]["drafted"] == 2 * result["stats"]["rounds"]
+
+
+def test_cli_missing_mtp_error(tiny_root: Path) -> None:
+    from mtpipe.models.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(layout="no_mtp", root=tiny_root)
+    base = [sys.executable, "-m", "mtpipe.coordinator.cli", "generate", "--model", str(path), "--prompt", "x",
+            "--max-tokens", "3"]
+    out = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--no-mtp" in out.stderr and "MTP" in out.stderr
+    assert subprocess.run(base + ["--no-mtp"], capture_output=True, text=True, timeout=120).returncode == 0
