@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 
 
@@ -59,25 +59,39 @@ def gdn_forward_with_snapshots(
     q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
 
     state = cache[1]
-    outs, states = [], []
-    for t in range(S):
-        y, state = gated_delta_update(
-            q[:, t : t + 1],
-            k[:, t : t + 1],
-            v[:, t : t + 1],
-            a[:, t : t + 1],
-            b[:, t : t + 1],
-            gdn.A_log,
-            gdn.dt_bias,
-            state,
-            None,
-            use_kernel=not gdn.training,
-        )
-        outs.append(y)
-        states.append(state)
+    if state is None:
+        state = mx.zeros((B, gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim), dtype=mx.float32)
+    if mx.default_device() == mx.gpu and mx.metal.is_available():
+        y, states = _stepped_kernel(gdn, q, k, v, a, b, state)
+    else:
+        y, stacked = _stepped_ops(q, k, v, compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b), state)
+        states = [stacked[t] for t in range(S)]
 
     snaps = GDNSnapshots(conv_input=conv_input, states=states, kernel=gdn.conv_kernel_size)
     snaps.restore(cache, S - 1)
     cache.advance(S)
-    out = gdn.norm(mx.concatenate(outs, axis=1), z)
+    out = gdn.norm(y, z)
     return gdn.out_proj(out.reshape(B, S, -1)), snaps
+
+
+@mx.compile
+def _stepped_ops(q, k, v, g, beta, state):
+    """The CPU recurrence one position at a time (as decode runs it), compiled per verify length."""
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        s = slice(t, t + 1)
+        y, state = gated_delta_ops(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], state)
+        ys.append(y)
+        states.append(state)
+    return mx.concatenate(ys, axis=1), mx.stack(states)
+
+
+def _stepped_kernel(gdn, q, k, v, a, b, state):
+    """On Metal: mlx-lm's recurrence kernel, one position per call."""
+    ys, states = [], []
+    for t in range(q.shape[1]):
+        s = slice(t, t + 1)
+        y, state = gated_delta_update(q[:, s], k[:, s], v[:, s], a[:, s], b[:, s], gdn.A_log, gdn.dt_bias, state)
+        ys.append(y)
+        states.append(state)
+    return mx.concatenate(ys, axis=1), states

@@ -48,6 +48,7 @@ class ShardSpec:
         return cls(0, num_layers, num_layers)
 
 
+STEPPED_MAX_TOKENS = 16  # longer inputs (prefill chunks) use mlx-lm's layer as is
 LayerCache = Any  # KVCache for attention layers, ArraysCache(2) for GatedDeltaNet layers
 
 
@@ -80,12 +81,17 @@ class Qwen35Shard(nn.Module):
     def run_layers(
         self, h: mx.array, cache: list[LayerCache], capture: bool = False
     ) -> tuple[mx.array, dict[int, GDNSnapshots]]:
-        """Run this shard's layers. With `capture`, GatedDeltaNet layers keep per-position states."""
+        """Run this shard's layers. With `capture`, GatedDeltaNet layers keep per-position states.
+
+        Short inputs (decode, verify) always take the stepped GatedDeltaNet path: it is the same
+        arithmetic as mlx-lm's decode, compiled, so decode and verify agree bit for bit.
+        """
         attn_cache = next((c for c, l in zip(cache, self.layers) if not l.is_linear), None)
         attn_mask = create_attention_mask(h, attn_cache)
+        stepped = capture or h.shape[1] <= STEPPED_MAX_TOKENS
         snapshots: dict[int, GDNSnapshots] = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            if layer.is_linear and capture:
+            if layer.is_linear and stepped:
                 r, snapshots[i] = gdn_forward_with_snapshots(layer.linear_attn, layer.input_layernorm(h), c)
                 h = h + r
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
