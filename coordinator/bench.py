@@ -96,12 +96,17 @@ def _cost_terms(engine: Engine, prompt: list[int], depths: list[int], trials: in
 
 
 def bench_engine(
-    model_path: Path, *, max_tokens: int = 128, prompts: int = 8, depths: list[int] | None = None
+    model_path: Path,
+    *,
+    max_tokens: int = 128,
+    prompts: int = 8,
+    depths: list[int] | None = None,
+    mtp_pre_norm: bool = False,
 ) -> dict[str, Any]:
     from mlx_lm import load as mlx_load
 
     depths = depths or [1, 2, 3]
-    engine = local_engine(model_path)
+    engine = local_engine(model_path, mtp_pre_norm=mtp_pre_norm)
     if not engine.has_mtp:
         raise ValueError(f"{model_path} has no MTP head to benchmark")
     ref_model, ref_tok = mlx_load(str(model_path))
@@ -137,6 +142,7 @@ def bench_engine(
     identical = all(outputs[m] == outputs["mlx_lm"] for m in methods)
     result = {
         "model": str(model_path),
+        "mtp_hidden": "pre_norm" if mtp_pre_norm else "post_norm",
         "prompts": len(encoded),
         "max_tokens": max_tokens,
         "identical": identical,

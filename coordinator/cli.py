@@ -24,6 +24,7 @@ def _add_mtp(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--mtp-depth", type=int, default=None, help="drafts per round (default: 2 if the model has MTP)")
     g.add_argument("--no-mtp", action="store_true", help="decode without speculation (and without loading the MTP head)")
+    p.add_argument("--mtp-pre-norm", action="store_true", help="feed the MTP head the hidden before the final norm")
 
 
 def _progress_loader(label: str) -> Callable[..., Any]:
@@ -62,7 +63,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         engine = remote_engine(model, [n.strip() for n in args.nodes.split(",") if n.strip()], mtp=not args.no_mtp)
     else:
-        engine = local_engine(model, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None)
+        with _progress_loader("loading model")() as progress:
+            engine = local_engine(
+                model,
+                mtp=not args.no_mtp,
+                dtype=getattr(mx, args.dtype) if args.dtype else None,
+                mtp_pre_norm=args.mtp_pre_norm,
+                progress=progress,
+            )
     depth = 0 if args.no_mtp else (args.mtp_depth if args.mtp_depth is not None else (2 if engine.has_mtp else 0))
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     tokens = (
@@ -127,7 +135,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     model = resolve_model(args.model)
     if args.target == "engine":
-        result = bench.bench_engine(model, max_tokens=args.max_tokens, prompts=args.prompts, depths=args.depths)
+        result = bench.bench_engine(
+            model, max_tokens=args.max_tokens, prompts=args.prompts, depths=args.depths, mtp_pre_norm=args.mtp_pre_norm
+        )
         bench.print_engine_report(result, _stderr_console())
     else:
         from . import bench_pipeline
@@ -177,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--mtp-pre-norm", action="store_true", help="engine bench: feed the MTP head the pre-norm hidden")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.set_defaults(func=cmd_bench)
 

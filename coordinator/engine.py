@@ -246,13 +246,15 @@ def load_tokenizer(model_path: Path | str, eos_token_ids: list[int]) -> Any:
     return mlx_load_tokenizer(Path(model_path), eos_token_ids=eos_token_ids or None)
 
 
-def local_engine(model_path: Path | str, *, stages: int = 1, mtp: bool = True, dtype: Any = None) -> Engine:
+def local_engine(
+    model_path: Path | str, *, stages: int = 1, mtp: bool = True, dtype: Any = None, **pipeline_options: Any
+) -> Engine:
     """Single-machine engine: the same engine over in-process stages."""
     from ..models.config import load_config
     from .pipeline import local_pipeline
 
     config = load_config(Path(model_path))
     tokenizer = load_tokenizer(model_path, config.eos_token_ids)
-    pipeline = local_pipeline(model_path, stages=stages, mtp=mtp, dtype=dtype)
+    pipeline = local_pipeline(model_path, stages=stages, mtp=mtp, dtype=dtype, **pipeline_options)
     has_mtp = pipeline.stages[-1].shard.has_mtp
     return Engine(pipeline, tokenizer, set(tokenizer.eos_token_ids), config.args.max_position_embeddings, has_mtp)

@@ -7,7 +7,7 @@ the gRPC pipeline in `remote.py` has the same interface.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import mlx.core as mx
 
@@ -60,10 +60,21 @@ def even_split(num_layers: int, parts: int) -> list[ShardSpec]:
 
 
 def local_pipeline(
-    model_path: Path | str, *, stages: int = 1, mtp: bool = True, dtype: mx.Dtype | None = None
+    model_path: Path | str,
+    *,
+    stages: int = 1,
+    mtp: bool = True,
+    dtype: mx.Dtype | None = None,
+    mtp_pre_norm: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> LocalPipeline:
     from ..models.config import load_config
 
     config = load_config(Path(model_path))
     specs = even_split(config.num_layers, stages)
-    return LocalPipeline([StageWorker(load_shard(model_path, s, mtp=mtp, dtype=dtype)) for s in specs])
+    return LocalPipeline(
+        [
+            StageWorker(load_shard(model_path, s, mtp=mtp, dtype=dtype, progress=progress), mtp_pre_norm=mtp_pre_norm)
+            for s in specs
+        ]
+    )

@@ -25,6 +25,7 @@ from .protocol import Commit, SamplingParams, StageError, StepKind, StepOutput, 
 log = logging.getLogger(__name__)
 
 MAX_MTP_DEPTH = 8
+CLEAR_CACHE_EVERY = 256
 
 
 @dataclass
@@ -36,7 +37,7 @@ class DraftState:
     rng: np.random.Generator
     mtp_cache: KVCache | None
     mtp_len: int = 0  # MTP cache entries built from true backbone hiddens (positions 0..mtp_len-1)
-    pending_hidden: mx.array | None = None  # post-norm hidden of the last position whose next token is unknown
+    pending_hidden: mx.array | None = None  # hidden of the last position whose next token is unknown
     last_token: int | None = None  # the token the next decode step must start with
     drafts: list[int] = field(default_factory=list)
     draft_probs: np.ndarray | None = None  # [K, V], sampling only
@@ -67,8 +68,11 @@ class StageStats:
 
 
 class StageWorker:
-    def __init__(self, shard: LoadedShard, max_sequences: int = 64):
+    def __init__(self, shard: LoadedShard, max_sequences: int = 64, mtp_pre_norm: bool = False):
         self.shard = shard
+        # The MTP head reads the backbone hidden after the final norm (vLLM, SGLang, llama.cpp) unless
+        # told to read it before (mlx-lm PR #990); post-norm measured better on trained checkpoints.
+        self.mtp_pre_norm = mtp_pre_norm
         self.model = shard.model
         self.spec = shard.spec
         self.hidden_size = shard.config.args.hidden_size
@@ -92,6 +96,8 @@ class StageWorker:
                 self.stats.last_error = str(e)
                 raise
             self.stats.steps += 1
+            if self.stats.steps % CLEAR_CACHE_EVERY == 0:
+                mx.clear_cache()  # long generations otherwise grow the allocator cache (as mlx-lm does)
             self.stats.tokens_processed += len(req.tokens)
             self.stats.step_seconds += time.perf_counter() - start
             return out
@@ -206,9 +212,10 @@ class StageWorker:
     def _head(self, req: StepRequest, seq: Sequence, h: mx.array) -> StepOutput:
         d = seq.draft
         normed = self.model.final_norm(h)
+        mtp_in = h if self.mtp_pre_norm else normed  # which backbone hidden feeds the MTP head
         out = StepOutput(seq_id=req.seq_id, step=req.step)
         if req.kind is StepKind.PREFILL:
-            self._extend_mtp(d, normed, req.tokens)
+            self._extend_mtp(d, mtp_in, req.tokens)
             if not req.final:
                 mx.eval(normed, [c.state for c in seq.cache], d.mtp_cache.state if d.mtp_cache else [])
                 return out
@@ -219,21 +226,21 @@ class StageWorker:
             out.accepted, out.drafted = n, len(req.tokens) - 1
             out.commit = seq.last_commit = Commit(step=req.step, accepted=n, trim=out.drafted - n)
             # Positions y, d1..dn pair with d1..dn, c: their MTP entries are rebuilt from true hiddens.
-            hid, toks = normed[:, : n + 1], out.tokens
+            hid, toks = mtp_in[:, : n + 1], out.tokens
         d.last_token = out.tokens[-1]
         if d.mtp_cache is not None:
             d.mtp_cache.trim(d.mtp_cache.offset - d.mtp_len)  # drop last round's chained entries
             out.drafts = self._draft(d, hid, toks)
         return out
 
-    def _extend_mtp(self, d: DraftState, normed: mx.array, tokens: list[int]) -> None:
+    def _extend_mtp(self, d: DraftState, hidden: mx.array, tokens: list[int]) -> None:
         """Prefill: add MTP entries (H[t], x[t+1]); the chunk's last position waits for its next token."""
         if d.mtp_cache is None:
             return
-        hid, toks = normed[:, :-1], tokens[1:]
+        hid, toks = hidden[:, :-1], tokens[1:]
         if d.pending_hidden is not None:
             hid, toks = mx.concatenate([d.pending_hidden, hid], axis=1), tokens
-        d.pending_hidden = normed[:, -1:]
+        d.pending_hidden = hidden[:, -1:]
         if toks:
             self.model.mtp(hid, self.model.embed(mx.array([toks])), d.mtp_cache)
             d.mtp_len += len(toks)

@@ -59,3 +59,19 @@ def test_in_process_stages_identical(dense_ckpt: Path, stages: int) -> None:
         for depth in (0, 2):
             req = GenerationRequest(prompt, max_tokens=32, mtp_depth=depth)
             assert split.complete(req).tokens == single.complete(req).tokens
+
+
+def test_pre_norm_mtp_option(dense_ckpt: Path) -> None:
+    """Pre-norm hidden feeds the MTP head other inputs (other drafts), and greedy output stays exact."""
+    post = local_engine(dense_ckpt, dtype=mx.float32)
+    pre = local_engine(dense_ckpt, dtype=mx.float32, mtp_pre_norm=True)
+    prompt = post.tokenizer.encode(PROMPTS[0])
+    req = GenerationRequest(prompt, max_tokens=24, mtp_depth=2)
+    a, b = post.complete(req), pre.complete(req)
+    assert a.tokens == b.tokens == post.complete(GenerationRequest(prompt, max_tokens=24)).tokens
+    from mtpipe.node.protocol import StepKind, StepRequest
+
+    # The drafts differ: compare the first ones after prefill.
+    outs = [e.pipeline.step(StepRequest(f"x{i}", 0, StepKind.PREFILL, prompt, final=True, mtp_depth=3))
+            for i, e in enumerate((post, pre))]
+    assert outs[0].tokens == outs[1].tokens and outs[0].drafts != outs[1].drafts
