@@ -247,26 +247,30 @@ class StageWorker:
 
     def _draft(self, d: DraftState, hid: mx.array, toks: list[int]) -> list[int]:
         """K drafts. The first MTP call adds true entries for all (hidden, next token) pairs and its
-        last output drafts d1; later drafts chain on the MTP output g (entries trimmed next round)."""
-        drafts: list[int] = []
+        last output drafts d1; later drafts chain on the MTP output g (entries trimmed next round).
+        Greedy chains stay lazy and are evaluated once; sampling draws each draft on the host."""
+        inputs = mx.array([toks])
+        lazy: list[mx.array] = []
         probs = []
         for j in range(d.depth):
-            g = self.model.mtp(hid, self.model.embed(mx.array([toks])), d.mtp_cache)[:, -1:]
-            if j == 0:
-                d.mtp_len += len(toks)
-                d.pending_hidden = None
+            g = self.model.mtp(hid, self.model.embed(inputs), d.mtp_cache)[:, -1:]
             logits = self.model.lm_logits(g).reshape(-1)
             if d.params.greedy:
-                tok = int(mx.argmax(logits).item())
+                tok = mx.argmax(logits)
+                lazy.append(tok)
+                inputs = tok.reshape(1, 1)
             else:
                 q = filtered_probs(logits, d.params)
-                tok = draw(q, d.rng)
+                drawn = draw(q, d.rng)
+                lazy.append(mx.array(drawn))
                 probs.append(q)
-            drafts.append(tok)
-            hid, toks = g, [tok]
-        d.drafts = drafts
+                inputs = mx.array([[drawn]])
+            hid = g
+        d.mtp_len += len(toks)
+        d.pending_hidden = None
+        d.drafts = mx.stack(lazy).tolist() if lazy else []
         d.draft_probs = np.stack(probs) if probs else None
-        return drafts
+        return d.drafts
 
     def _pick(self, d: DraftState, logits: mx.array) -> int:
         logits = logits.reshape(-1)
