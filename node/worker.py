@@ -52,6 +52,7 @@ class Sequence:
     pending_k: int | None = None  # drafts in the last decode step, until its commit arrives
     snapshots: dict[int, GDNSnapshots] = field(default_factory=dict)
     draft: DraftState | None = None
+    lookahead: mx.array | None = None  # hidden of an already-issued next decode step
     last_commit: Commit | None = None  # the last stage's own outcome, to check the echo against
 
 
@@ -173,8 +174,13 @@ class StageWorker:
             self._apply_commit(seq, req.commit)
         decode = req.kind is StepKind.DECODE
         T = len(req.tokens)
-        h = self.model.embed(mx.array([req.tokens])) if self.spec.is_first else hidden.astype(self.dtype)
-        h, snapshots = self.model.run_layers(h, seq.cache, capture=decode and T > 1)
+        lookahead, seq.lookahead = seq.lookahead, None
+        if decode and lookahead is not None:
+            # The forward of exactly these tokens was issued last step; its caches are in place.
+            h, snapshots = lookahead, {}
+        else:
+            h = self.model.embed(mx.array([req.tokens])) if self.spec.is_first else hidden.astype(self.dtype)
+            h, snapshots = self.model.run_layers(h, seq.cache, capture=decode and T > 1)
         seq.next_step = req.step + 1
         seq.decoding = seq.decoding or decode
         seq.position += T
@@ -219,8 +225,12 @@ class StageWorker:
             if not req.final:
                 mx.eval(normed, [c.state for c in seq.cache], d.mtp_cache.state if d.mtp_cache else [])
                 return out
-            out.tokens = [self._pick(d, self.model.lm_logits(normed[:, -1:]))]
+            out.tokens = [self._pick(d, self.model.lm_logits(normed[:, -1:]), seq)]
             hid, toks = d.pending_hidden, out.tokens
+        elif len(req.tokens) == 1:
+            out.tokens = [self._pick(d, self.model.lm_logits(normed[:, -1:]), seq)]
+            out.commit = seq.last_commit = Commit(step=req.step, accepted=0, trim=0)
+            hid, toks = mtp_in, out.tokens
         else:
             n, out.tokens = self._accept(d, self.model.lm_logits(normed), req.tokens[1:])
             out.accepted, out.drafted = n, len(req.tokens) - 1
@@ -272,17 +282,27 @@ class StageWorker:
         d.draft_probs = np.stack(probs) if probs else None
         return d.drafts
 
-    def _pick(self, d: DraftState, logits: mx.array) -> int:
+    def _pick(self, d: DraftState, logits: mx.array, seq: Sequence) -> int:
         logits = logits.reshape(-1)
         if d.params.greedy:
-            return int(mx.argmax(logits).item())
+            token = mx.argmax(logits)
+            self._issue_lookahead(seq, token)
+            return int(token.item())
         return draw(filtered_probs(logits, d.params), d.rng)
+
+    def _issue_lookahead(self, seq: Sequence, token: mx.array) -> None:
+        """Single stage, greedy, no drafts: the next step's input is this step's token, so its
+        forward can be queued on the still-lazy token and computed while the host handles this
+        one (what mlx-lm's generate does with async_eval). The next request must feed that token:
+        the decode checks above make sure it does."""
+        if not (self.spec.is_first and seq.draft.depth == 0):
+            return
+        h, _ = self.model.run_layers(self.model.embed(token.reshape(1, 1)), seq.cache)
+        seq.lookahead = h
+        mx.async_eval(h)
 
     def _accept(self, d: DraftState, logits: mx.array, drafts: list[int]) -> tuple[int, list[int]]:
         logits = logits[0]
         if d.params.greedy:
             return accept_greedy(mx.argmax(logits, axis=-1).tolist(), drafts)
-        p = filtered_probs(logits, d.params)
-        if not drafts:
-            return 0, [draw(p[0], d.rng)]
-        return accept_sampled(p, d.draft_probs, drafts, d.rng)
+        return accept_sampled(filtered_probs(logits, d.params), d.draft_probs, drafts, d.rng)
