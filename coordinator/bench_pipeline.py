@@ -1,0 +1,267 @@
+"""`mtpipe bench pipeline`: single node vs 2- and 3-node gRPC pipelines on loopback, with and without
+MTP, and mlx-lm's own ring pipeline (2 ranks under mlx.launch) as the peer.
+
+The node processes are spawned here on 127.0.0.1. Every prompt runs every mtpipe method back to
+back, so machine noise hits all of them alike; mlx-lm's ring runs after, in its own processes.
+Decode speed is (tokens - 1) / (last token time - first token time), as in `bench engine`.
+Wire figures come from the nodes' own counters (serialized Frame bytes per hop) and the
+coordinator's (what it sends to the first node and receives from the last, per decode round).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from .bench import _time_engine, bench_prompts
+from .engine import Engine, local_engine
+from .remote import RemotePipeline, remote_engine, wait_for_nodes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEPTHS = (1, 2, 3)
+RING_TIMEOUT_S = 900
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """preexec_fn for spawned nodes: on Linux the kernel kills them if this process dies first."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@contextmanager
+def spawn_nodes(n: int) -> Iterator[list[str]]:
+    """n `mtpipe node` processes on 127.0.0.1; killed on exit."""
+    procs, addresses = [], []
+    try:
+        for _ in range(n):
+            port = _free_port()
+            cmd = [sys.executable, "-m", "mtpipe.coordinator.cli", "node", "--host", "127.0.0.1", "--port", str(port)]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          preexec_fn=die_with_parent))
+            addresses.append(f"127.0.0.1:{port}")
+        wait_for_nodes(addresses, timeout=180)
+        yield addresses
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def _wire_snapshot(pipeline: RemotePipeline) -> dict[str, Any]:
+    health = pipeline.health()
+    s = pipeline.stats
+    return {
+        "hop_bytes": [h.forwarded_decode_bytes for h in health[:-1]],
+        "hop_frames": [h.forwarded_decode_frames for h in health[:-1]],
+        "rounds": s.decode_rounds,
+        "sent": s.decode_bytes_sent,
+        "received": s.decode_bytes_received,
+    }
+
+
+def _wire_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    rounds = after["rounds"] - before["rounds"]
+    frames = [a - b for a, b in zip(after["hop_frames"], before["hop_frames"])]
+    hop_bytes = [a - b for a, b in zip(after["hop_bytes"], before["hop_bytes"])]
+    return {"rounds": rounds, "hop_frames": frames, "hop_bytes": hop_bytes,
+            "control_bytes": (after["sent"] - before["sent"]) + (after["received"] - before["received"])}
+
+
+def _merge(total: dict[str, Any] | None, d: dict[str, Any]) -> dict[str, Any]:
+    if total is None:
+        return d
+    return {
+        "rounds": total["rounds"] + d["rounds"],
+        "hop_frames": [a + b for a, b in zip(total["hop_frames"], d["hop_frames"])],
+        "hop_bytes": [a + b for a, b in zip(total["hop_bytes"], d["hop_bytes"])],
+        "control_bytes": total["control_bytes"] + d["control_bytes"],
+    }
+
+
+def _wire_report(w: dict[str, Any], hidden_size: int, itemsize: int, depth: int) -> dict[str, Any]:
+    rounds = max(w["rounds"], 1)
+    return {
+        "decode_rounds": w["rounds"],
+        "hops": len(w["hop_bytes"]),
+        # Each round sends exactly one frame per hop; its payload is (K+1) hidden vectors.
+        "bytes_per_round_per_hop": [round(b / max(f, 1), 1) for b, f in zip(w["hop_bytes"], w["hop_frames"])],
+        "hidden_payload_bytes_per_round": (depth + 1) * hidden_size * itemsize,
+        "frames_per_round_per_hop": [round(f / rounds, 3) for f in w["hop_frames"]],
+        "control_bytes_per_round": round(w["control_bytes"] / rounds, 1),
+        # The coordinator sends one frame and receives one result per round: one ring trip.
+        "round_trips_per_round": 1.0,
+    }
+
+
+def run_mlx_ring(model_path: Path, prompts: list[list[int]], max_tokens: int, ranks: int = 2) -> dict[str, Any]:
+    """mlx-lm's pipeline under `mlx.launch --backend ring` on loopback; {"error": ...} if it cannot run."""
+    from .mlx_ring_peer import RESULT_PREFIX
+
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+    if not Path(launcher).exists():
+        return {"error": "mlx.launch not found"}
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts_file = Path(tmp) / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        cmd = [launcher, "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1", "--starting-port",
+               str(_free_port()), "--", sys.executable, "-m", "mtpipe.coordinator.mlx_ring_peer",
+               "--model", str(model_path), "--prompts", str(prompts_file), "--max-tokens", str(max_tokens)]
+        log.info("running %s", " ".join(cmd))
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RING_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return {"error": f"mlx.launch did not finish within {RING_TIMEOUT_S} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"error": f"mlx.launch exited with {proc.returncode}: {' | '.join(tail)}"}
+
+
+def _method(topology: str, depth: int) -> str:
+    return f"{topology}_no_mtp" if depth == 0 else f"{topology}_mtp_k{depth}"
+
+
+def bench_pipeline(
+    model_path: Path, *, max_tokens: int = 128, prompts: int = 8, depths: list[int] | None = None, ring: bool = True
+) -> dict[str, Any]:
+    """Every topology (single, pipe2, pipe3) without MTP and at each depth; `<topology>_mtp` is its best depth."""
+    from ..models.config import load_config
+
+    depths = depths or list(DEFAULT_DEPTHS)
+    config = load_config(Path(model_path))
+    single = local_engine(model_path)
+    if not single.has_mtp:
+        raise ValueError(f"{model_path} has no MTP head to benchmark")
+    dtype = single.pipeline.stages[0].dtype
+    texts = bench_prompts(prompts)
+    encoded = [single.tokenizer.encode(t) for t in texts]
+    topologies = ("single", "pipe2", "pipe3")
+    runs = [(t, k) for t in topologies for k in [0, *depths]]
+    methods = [_method(t, k) for t, k in runs]
+    speeds: dict[str, list[float]] = {m: [] for m in methods}
+    outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
+    drafted = {m: 0 for m in methods}
+    accepted = {m: 0 for m in methods}
+    wire: dict[str, dict[str, Any] | None] = {m: None for m in methods if not m.startswith("single")}
+    with spawn_nodes(5) as addresses:
+        engines: dict[str, Engine] = {"single": single}
+        try:
+            engines["pipe2"] = remote_engine(model_path, addresses[:2], mtp=True)
+            engines["pipe3"] = remote_engine(model_path, addresses[2:], mtp=True)
+            for topology, k in runs:  # warm up every path once
+                _time_engine(engines[topology], encoded[0], 8, k)
+            for prompt in encoded:
+                for topology, k in runs:
+                    m, engine = _method(topology, k), engines[topology]
+                    before = _wire_snapshot(engine.pipeline) if m in wire else None
+                    toks, tps, stats = _time_engine(engine, prompt, max_tokens, k)
+                    if before is not None:
+                        wire[m] = _merge(wire[m], _wire_delta(before, _wire_snapshot(engine.pipeline)))
+                    outputs[m].append(toks)
+                    speeds[m].append(tps)
+                    drafted[m] += stats.drafted
+                    accepted[m] += stats.accepted
+            rtt = engines["pipe3"].pipeline.health(probe_next=True)
+        finally:
+            for name, engine in engines.items():
+                if name != "single":
+                    engine.pipeline.close()
+    single.pipeline.close()
+    ring_result = run_mlx_ring(model_path, encoded, max_tokens) if ring else {"error": "skipped"}
+
+    tok_s: dict[str, float | None] = {m: round(statistics.mean(v), 2) for m, v in speeds.items()}
+    best = {t: max(depths, key=lambda k: tok_s[_method(t, k)]) for t in topologies}
+    for t in topologies:  # the headline figure of each topology with MTP: its best depth
+        tok_s[f"{t}_mtp"] = tok_s[_method(t, best[t])]
+    ring_ok = "tok_s" in ring_result
+    tok_s["mlx_lm_ring2"] = round(statistics.mean(ring_result["tok_s"]), 2) if ring_ok else None
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(tok_s[a] / tok_s[b], 3) if tok_s.get(a) and tok_s.get(b) else None
+
+    reference = {k: outputs[_method("single", k)] for k in [0, *depths]}
+    return {
+        "model": str(model_path),
+        "prompts": len(encoded),
+        "max_tokens": max_tokens,
+        "depths": depths,
+        "best_depth": best,
+        "dtype": str(dtype).removeprefix("mlx.core."),
+        "hidden_size": config.args.hidden_size,
+        "num_layers": config.num_layers,
+        "tok_s": tok_s,
+        "acceptance": {m: round(accepted[m] / drafted[m], 4) for m in methods if drafted[m]},
+        # Same kernels on the same shapes: every pipeline must match single-node at the same depth.
+        "identical_to_single": {m: outputs[m] == reference[k] for m, (t, k) in zip(methods, runs)},
+        "mtp_identical_to_no_mtp": {str(k): reference[k] == reference[0] for k in depths},
+        "mlx_lm_ring_identical_to_single": (ring_result["tokens"] == reference[0]) if ring_ok else None,
+        "mlx_lm_ring": {k: v for k, v in ring_result.items() if k != "tokens"},
+        "wire": {m: _wire_report(w, config.args.hidden_size, dtype.size, k)
+                 for m, (t, k) in zip(methods, runs) if (w := wire.get(m))},
+        "next_stage_rtt_ms": [round(h.next_rtt_ms, 3) for h in rtt[:-1]],
+        "ratios": {
+            "pipe2_no_mtp_vs_single": ratio("pipe2_no_mtp", "single_no_mtp"),
+            "pipe2_mtp_vs_single_no_mtp": ratio("pipe2_mtp", "single_no_mtp"),
+            "pipe2_mtp_vs_mlx_lm_ring": ratio("pipe2_mtp", "mlx_lm_ring2"),
+            "pipe3_no_mtp_vs_single": ratio("pipe3_no_mtp", "single_no_mtp"),
+            "pipe3_mtp_vs_single_no_mtp": ratio("pipe3_mtp", "single_no_mtp"),
+            "single_mtp_vs_single_no_mtp": ratio("single_mtp", "single_no_mtp"),
+            "pipe2_mtp_vs_single_mtp": ratio("pipe2_mtp", "single_mtp"),
+            "pipe3_mtp_vs_single_mtp": ratio("pipe3_mtp", "single_mtp"),
+            "pipe2_no_mtp_vs_mlx_lm_ring": ratio("pipe2_no_mtp", "mlx_lm_ring2"),
+        },
+    }
+
+
+def print_report(result: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"mtpipe bench pipeline: {result['prompts']} prompts x {result['max_tokens']} tokens, "
+                        f"{result['dtype']}, loopback")
+    for col in ("method", "tok/s", "vs single", "acceptance", "identical", "B/round/hop", "control B/round"):
+        table.add_column(col, justify="left" if col in ("method", "identical") else "right")
+    tok = result["tok_s"]
+    base = tok["single_no_mtp"]
+    for m, v in tok.items():
+        if m.endswith("_mtp") and not m.endswith("no_mtp"):
+            continue  # the best-depth aliases; their rows are the _mtp_kN ones
+        w = result["wire"].get(m, {})
+        best = any(m == f"{t}_mtp_k{k}" for t, k in result["best_depth"].items())
+        identical = (result["mlx_lm_ring_identical_to_single"] if m.startswith("mlx")
+                     else result["identical_to_single"][m])
+        table.add_row(
+            m + (" *" if best else ""),
+            f"{v:.1f}" if v is not None else "n/a",
+            f"{v / base:.2f}x" if v and base else "",
+            f"{100 * result['acceptance'][m]:.1f}%" if m in result["acceptance"] else "",
+            "" if identical is None else str(identical),
+            ", ".join(f"{b:.0f}" for b in w.get("bytes_per_round_per_hop", [])),
+            f"{w['control_bytes_per_round']:.0f}" if w else "",
+        )
+    console.print(table)
+    console.print("* best depth of its topology. ratios: " + ", ".join(f"{k} {v}" for k, v in result["ratios"].items()))
+    if "error" in result["mlx_lm_ring"]:
+        console.print(f"mlx-lm ring: {result['mlx_lm_ring']['error']}")
+    console.print(f"round trip to the next stage (3-node, unary ping): {result['next_stage_rtt_ms']} ms; "
+                  "round trips per decode round: 1 (coordinator -> first node -> ... -> last node -> coordinator)")

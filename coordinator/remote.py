@@ -1,0 +1,420 @@
+"""The pipeline over gRPC: the coordinator's side of a chain of `mtpipe node` daemons.
+
+A step is one trip around a ring: a Frame goes out on one long-lived stream to the first node, the
+nodes pass hidden states along among themselves, and the last node's StepResult comes back on a
+Subscribe stream. The commit of a round rides on the next round's frame, and a release travels the
+same stream behind the sequence's last step, so a decode round costs one message out and one back.
+
+Failures: every node also holds a Subscribe stream to this client, so a node that refuses a step
+(INVALID_ARGUMENT) answers at once, a node process that dies breaks its stream at once, and a node
+that stops answering (hung, stopped, unplugged) misses HTTP/2 keepalive pings and has its
+connection cut within ~2.5 s (see node/server.py). Either way the step fails naming the node.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ..models.shard import ShardSpec
+from ..node.protocol import StageError, StepKind, StepOutput, StepRequest
+from ..node.server import (
+    MAX_MESSAGE_BYTES,
+    describe_rpc_error,
+    make_channel,
+    request_to_frame,
+    result_to_output,
+    secret_metadata,
+)
+from ..proto import mtpipe_pb2 as pb
+from ..proto import mtpipe_pb2_grpc as pb_grpc
+from .engine import DEFAULT_PREFILL_CHUNK, Engine, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class NodeFailure(RuntimeError):
+    """A node died, hung or cannot be reached. The steps in flight are lost."""
+
+    def __init__(self, node: str, message: str):
+        super().__init__(f"node {node}: {message}")
+        self.node = node
+
+
+class RemoteStageError(StageError):
+    """A node refused a step (INVALID_ARGUMENT) or failed it; that node's state is unchanged."""
+
+    def __init__(self, node: str, code: str, message: str):
+        super().__init__(f"node {node}: {code}: {message}")
+        self.node = node
+        self.code = code
+
+
+class FrameStream:
+    """A long-lived Forward stream to one node. Frames are queued and written in order by gRPC's own thread.
+
+    If the stream breaks, `on_error(target, error)` is called once and the next `send` opens a new
+    one; the frames in flight are lost, which the caller learns through that callback.
+    """
+
+    def __init__(
+        self, target: str, secret: str | None = None, on_error: Callable[[str, Exception], None] | None = None
+    ):
+        self.target = target
+        self.secret = secret
+        self.on_error = on_error
+        self.channel = make_channel(target)
+        self.stub = pb_grpc.NodeStub(self.channel)
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue | None = None
+        self._closed = False
+
+    def send(self, frame: pb.Frame) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"stream to {self.target} is closed")
+            if self._queue is None:
+                self._open()
+            self._queue.put(frame)
+
+    def _open(self) -> None:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+
+        def frames() -> Iterator[pb.Frame]:
+            while (f := q.get()) is not None:
+                yield f
+
+        call = self.stub.Forward(frames(), metadata=secret_metadata(self.secret))
+        self._queue = q
+        threading.Thread(target=self._watch, args=(call, q), name=f"stream-{self.target}", daemon=True).start()
+
+    def _watch(self, call: Any, q: queue.SimpleQueue) -> None:
+        error: Exception | None = None
+        try:
+            for _ in call:  # the node never answers on this stream; we only wait for its end
+                pass
+        except grpc.RpcError as e:
+            error = e
+        with self._lock:
+            if self._queue is q:
+                self._queue = None
+            closed = self._closed
+        if not closed:
+            error = error or ConnectionError("the stream was closed by the node")
+            log.warning("stream to %s ended: %s", self.target, describe_rpc_error(error))
+            if self.on_error is not None:
+                self.on_error(self.target, error)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._queue is not None:
+                self._queue.put(None)  # half-close: the node finishes what it has and ends the call
+            self._queue = None
+        self.channel.close()
+
+
+@dataclass
+class _Waiter:
+    done: threading.Event = field(default_factory=threading.Event)
+    decode: bool = False
+    output: StepOutput | None = None
+    error: Exception | None = None
+
+    def set(self, output: StepOutput | None = None, error: Exception | None = None) -> None:
+        if not self.done.is_set():
+            self.output, self.error = output, error
+            self.done.set()
+
+
+@dataclass
+class WireStats:
+    """What crossed the coordinator's own links (serialized protobuf bytes)."""
+
+    frames_sent: int = 0
+    bytes_sent: int = 0
+    events_received: int = 0
+    bytes_received: int = 0
+    decode_rounds: int = 0
+    decode_bytes_sent: int = 0
+    decode_bytes_received: int = 0
+
+
+class _Node:
+    """One node as the coordinator sees it: a channel for unary calls and its Subscribe stream."""
+
+    def __init__(self, address: str, secret: str | None):
+        self.address = address
+        self.metadata = secret_metadata(secret)
+        self.channel = make_channel(address)
+        self.stub = pb_grpc.NodeStub(self.channel)
+        self.subscription: Any = None  # the live Subscribe call, None when there is none
+
+
+class RemotePipeline:
+    """The Pipeline protocol over a chain of nodes, in order. Thread-safe for concurrent sequences."""
+
+    def __init__(
+        self,
+        nodes: list[str],
+        *,
+        secret: str | None = None,
+        step_timeout: float = 600.0,
+        connect_timeout: float = 5.0,
+    ):
+        if not nodes:
+            raise ValueError("a pipeline needs at least one node")
+        self.addresses = list(nodes)
+        self.secret = secret
+        self.step_timeout = step_timeout
+        self.connect_timeout = connect_timeout
+        self.client_id = uuid.uuid4().hex
+        self.nodes = [_Node(a, secret) for a in nodes]
+        self.stats = WireStats()
+        self.load_replies: list[pb.LoadReply] = []
+        self._first = FrameStream(nodes[0], secret, self._stream_failed)
+        self._waiters: dict[tuple[str, int], _Waiter] = {}
+        self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()
+        self._closed = False
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def load(
+        self, model_path: Path | str, specs: list[ShardSpec], *, mtp: bool = True, dtype: str | None = None,
+        timeout: float | None = None,
+    ) -> list[pb.LoadReply]:
+        """Ask every node, in parallel, to load its shard; node i learns node i+1's address."""
+        if len(specs) != len(self.nodes):
+            raise ValueError(f"{len(specs)} shard specs for {len(self.nodes)} nodes")
+        path = str(Path(model_path).resolve())
+        requests = [
+            pb.LoadRequest(
+                model_path=path, start=s.start, end=s.end, num_layers=s.num_layers, mtp=mtp, dtype=dtype or "",
+                next=self.addresses[i + 1] if i + 1 < len(self.nodes) else "", node_name=n.address,
+            )
+            for i, (n, s) in enumerate(zip(self.nodes, specs))
+        ]
+
+        def load_one(i: int) -> pb.LoadReply:
+            node = self.nodes[i]
+            try:
+                return node.stub.Load(requests[i], timeout=timeout, metadata=node.metadata)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ValueError(f"node {node.address}: {e.details()}") from None
+                raise NodeFailure(node.address, f"load failed: {describe_rpc_error(e)}") from None
+
+        with ThreadPoolExecutor(len(self.nodes)) as pool:
+            self.load_replies = list(pool.map(load_one, range(len(self.nodes))))
+        return self.load_replies
+
+    def _connect(self) -> None:
+        """Make sure every node holds a live subscription for this client (results and errors)."""
+        if all(n.subscription is not None for n in self.nodes):
+            return
+        with self._connect_lock:
+            for node in self.nodes:
+                if node.subscription is None:
+                    self._subscribe(node)
+
+    def _subscribe(self, node: _Node) -> None:
+        call = node.stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id), metadata=node.metadata)
+        ready = threading.Event()
+        failure: list[Exception] = []
+        threading.Thread(
+            target=self._listen, args=(node, call, ready, failure), name=f"sub-{node.address}", daemon=True
+        ).start()
+        if not ready.wait(self.connect_timeout):
+            call.cancel()
+            raise NodeFailure(node.address, f"did not answer within {self.connect_timeout:.0f} s")
+        if failure:
+            raise NodeFailure(node.address, f"cannot subscribe ({describe_rpc_error(failure[0])})")
+
+    def _listen(self, node: _Node, call: Any, ready: threading.Event, failure: list[Exception]) -> None:
+        try:
+            for i, event in enumerate(call):
+                if i == 0:  # the node's empty hello: subscribed
+                    node.subscription = call
+                    ready.set()
+                    continue
+                self._dispatch(event)
+            error: Exception = ConnectionError("the node closed the subscription")
+        except grpc.RpcError as e:
+            error = e
+        if not ready.is_set():
+            failure.append(error)
+            ready.set()
+            return
+        node.subscription = None
+        if not self._closed:
+            log.warning("lost node %s: %s", node.address, describe_rpc_error(error))
+            self._fail_all(NodeFailure(node.address, f"died or stopped answering ({describe_rpc_error(error)})"))
+
+    def _dispatch(self, event: pb.Event) -> None:
+        size = event.ByteSize()
+        self.stats.events_received += 1
+        self.stats.bytes_received += size
+        kind = event.WhichOneof("kind")
+        if kind == "result":
+            key = (event.result.seq_id, event.result.step)
+            with self._lock:
+                w = self._waiters.get(key)
+            if w is None:
+                log.debug("late result for %s step %d dropped", *key)
+                return
+            if w.decode:
+                self.stats.decode_bytes_received += size
+            w.set(output=result_to_output(event.result))
+        elif kind == "error":
+            e = event.error
+            if not e.seq_id:  # a broken link between nodes: every step in flight is lost
+                self._fail_all(NodeFailure(e.node, e.message))
+                return
+            with self._lock:
+                w = self._waiters.get((e.seq_id, e.step))
+            if w is not None:
+                w.set(error=RemoteStageError(e.node, e.code, e.message))
+
+    def _stream_failed(self, target: str, error: Exception) -> None:
+        if not self._closed:
+            self._fail_all(NodeFailure(target, f"stream lost ({describe_rpc_error(error)})"))
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            waiters = list(self._waiters.values())
+        for w in waiters:
+            w.set(error=error)
+
+    # -- the Pipeline protocol ------------------------------------------------------------------
+
+    def step(self, req: StepRequest) -> StepOutput:
+        if self._closed:
+            raise RuntimeError("the pipeline is closed")
+        frame = request_to_frame(req, self.client_id)
+        key = (req.seq_id, req.step)
+        waiter = _Waiter(decode=req.kind is StepKind.DECODE)
+        with self._lock:
+            if key in self._waiters:
+                raise StageError(f"step {req.step} of {req.seq_id!r} is already in flight")
+            self._waiters[key] = waiter
+        try:
+            # Registered first, then connected: a subscription lost from here on fails this waiter.
+            self._connect()
+            size = frame.ByteSize()
+            self.stats.frames_sent += 1
+            self.stats.bytes_sent += size
+            if req.kind is StepKind.DECODE:
+                self.stats.decode_rounds += 1
+                self.stats.decode_bytes_sent += size
+            self._first.send(frame)
+            return self._wait(waiter, req)
+        finally:
+            with self._lock:
+                self._waiters.pop(key, None)
+
+    def _wait(self, waiter: _Waiter, req: StepRequest) -> StepOutput:
+        # Dead and silent nodes end the wait through their Subscribe streams; the timeout is a backstop
+        # for a node that keeps its connection alive but never answers.
+        if not waiter.done.wait(self.step_timeout):
+            raise NodeFailure(self.addresses[-1], f"no result for step {req.step} within {self.step_timeout:.0f} s")
+        if waiter.error is not None:
+            raise waiter.error
+        return waiter.output
+
+    def release(self, seq_id: str) -> None:
+        """Drop the sequence on every node: one frame behind its last step, no waiting."""
+        if self._closed:
+            return
+        try:
+            self._first.send(pb.Frame(client_id=self.client_id, seq_id=seq_id, kind=pb.RELEASE))
+        except RuntimeError:
+            pass
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._first.close()
+        for n in self.nodes:
+            if n.subscription is not None:
+                n.subscription.cancel()
+            n.channel.close()
+        self._fail_all(RuntimeError("the pipeline was closed"))
+
+    # -- inspection -----------------------------------------------------------------------------
+
+    def health(self, probe_next: bool = False, timeout: float = 5.0) -> list[pb.HealthReply]:
+        return [n.stub.Health(pb.HealthRequest(probe_next=probe_next), timeout=timeout, metadata=n.metadata)
+                for n in self.nodes]
+
+    def ping(self, timeout: float = 2.0) -> list[float]:
+        """Round trip to each node in milliseconds (unary Ping)."""
+        out = []
+        for n in self.nodes:
+            t0 = time.perf_counter()
+            n.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=n.metadata)
+            out.append(1000.0 * (time.perf_counter() - t0))
+        return out
+
+
+def wait_for_nodes(nodes: list[str], timeout: float = 30.0, secret: str | None = None) -> None:
+    """Block until every node answers a Ping (gRPC waits for the connection; no polling sleeps)."""
+    deadline = time.monotonic() + timeout
+    for address in nodes:
+        with make_channel(address) as channel:
+            stub = pb_grpc.NodeStub(channel)
+            try:
+                stub.Ping(pb.PingRequest(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True,
+                          metadata=secret_metadata(secret))
+            except grpc.RpcError as e:
+                raise NodeFailure(address, f"not ready within {timeout:.0f} s ({describe_rpc_error(e)})") from None
+
+
+def fit_prefill_chunk(hidden_size: int, chunk: int = DEFAULT_PREFILL_CHUNK, itemsize: int = 4) -> int:
+    """The largest prefill chunk whose hidden states fit a message (with a quarter kept for the frame)."""
+    return max(1, min(chunk, (MAX_MESSAGE_BYTES * 3 // 4) // (hidden_size * itemsize)))
+
+
+def remote_engine(
+    model_path: Path | str,
+    nodes: list[str],
+    mtp: bool = True,
+    secret: str | None = None,
+    *,
+    specs: list[ShardSpec] | None = None,
+    dtype: str | None = None,
+    **pipeline_options: Any,
+) -> Engine:
+    """The same Engine as single-node mode, over `nodes` in pipeline order (even split by default)."""
+    from ..models.config import load_config
+    from .pipeline import even_split
+
+    config = load_config(Path(model_path))
+    specs = specs or even_split(config.num_layers, len(nodes))
+    pipeline = RemotePipeline(nodes, secret=secret, **pipeline_options)
+    try:
+        replies = pipeline.load(model_path, specs, mtp=mtp, dtype=dtype)
+        tokenizer = load_tokenizer(model_path, config.eos_token_ids)
+    except BaseException:
+        pipeline.close()
+        raise
+    hidden = config.args.hidden_size
+    return Engine(
+        pipeline,
+        tokenizer,
+        set(tokenizer.eos_token_ids),
+        config.args.max_position_embeddings,
+        has_mtp=replies[-1].has_mtp,
+        prefill_chunk=fit_prefill_chunk(hidden),
+    )

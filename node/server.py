@@ -1,0 +1,709 @@
+"""`mtpipe node`: a gRPC daemon that serves one shard (a StageWorker) in a pipeline of nodes.
+
+Steps arrive as Frames on long-lived Forward streams: from the coordinator into the first node,
+from node i into node i+1. A node runs its layers, puts its hidden states (raw bytes) into the
+frame in place of the ones it received and writes it on its own stream to the next node. The last
+node pushes the StepResult to the frame's client over that client's Subscribe stream; any node that
+refuses or fails a step pushes an Error there directly, so errors never wait on the rest of the
+chain. All a node learns about acceptance is the Commit riding on the next step.
+
+The server is grpc.aio on one event loop: a frame is received, computed and written to the next node
+on that loop, with no thread hand-offs on the decode path (each costs more than a small decode step
+on a busy machine). MLX work is serialized by one lock per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import platform
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import grpc
+
+from ..proto import mtpipe_pb2 as pb
+from ..proto import mtpipe_pb2_grpc as pb_grpc
+from .protocol import Commit, SamplingParams, StageError, StepKind, StepOutput, StepRequest
+
+if TYPE_CHECKING:
+    from .worker import StageWorker
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 52700
+SECRET_KEY = "x-mtpipe-secret"
+# The largest message is a prefill chunk's hidden states: 512 tokens x hidden x 4 bytes is 16 MiB at
+# hidden 8192. Both ends allow 64 MiB; the coordinator shrinks its prefill chunk if a model needs more.
+MAX_MESSAGE_BYTES = 64 << 20
+# Liveness is HTTP/2 keepalive, answered by gRPC's core even while a node's loop is busy computing: a
+# peer that dies or stops (SIGSTOP, a kernel hang, a pulled cable) is cut off within ~2.5 s, and every
+# call on that connection fails at once. Application pings could not tell a hang from a long step.
+KEEPALIVE_MS = 1000
+PING_TIMEOUT_MS = 1500
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.enable_retries", 0),  # a lost frame is an error the caller must see, not a silent replay
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.so_reuseport", 0),  # a second node on a port in use must fail, not share it
+]
+
+_KINDS = {pb.PREFILL: StepKind.PREFILL, pb.DECODE: StepKind.DECODE}
+_KINDS_PB = {v: k for k, v in _KINDS.items()}
+
+
+# -- wire <-> protocol ----------------------------------------------------------------------------
+
+
+def secret_metadata(secret: str | None) -> tuple[tuple[str, str], ...]:
+    return ((SECRET_KEY, secret),) if secret else ()
+
+
+def make_channel(target: str) -> grpc.Channel:
+    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+
+def request_to_frame(req: StepRequest, client_id: str) -> pb.Frame:
+    f = pb.Frame(
+        client_id=client_id,
+        seq_id=req.seq_id,
+        step=req.step,
+        kind=_KINDS_PB[req.kind],
+        tokens=req.tokens,
+        final=req.final,
+        mtp_depth=req.mtp_depth,
+    )
+    if req.commit is not None:
+        f.commit.CopyFrom(pb.Commit(step=req.commit.step, accepted=req.commit.accepted, trim=req.commit.trim))
+    if req.params is not None:
+        p = req.params
+        f.params.CopyFrom(pb.Sampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p))
+        if p.seed is not None:
+            f.params.seed = p.seed
+    return f
+
+
+def frame_to_request(f: pb.Frame) -> StepRequest:
+    if f.kind not in _KINDS:
+        raise StageError(f"unknown step kind {f.kind}")
+    if not f.seq_id:
+        raise StageError("a step needs a sequence id")
+    commit = Commit(f.commit.step, f.commit.accepted, f.commit.trim) if f.HasField("commit") else None
+    params = None
+    if f.HasField("params"):
+        p = f.params
+        params = SamplingParams(p.temperature, p.top_p, p.top_k, p.min_p, p.seed if p.HasField("seed") else None)
+    return StepRequest(f.seq_id, f.step, _KINDS[f.kind], list(f.tokens), f.final, commit, params, f.mtp_depth)
+
+
+def output_to_result(out: StepOutput) -> pb.StepResult:
+    r = pb.StepResult(
+        seq_id=out.seq_id, step=out.step, tokens=out.tokens, accepted=out.accepted, drafted=out.drafted,
+        drafts=out.drafts,
+    )
+    if out.commit is not None:
+        r.commit.CopyFrom(pb.Commit(step=out.commit.step, accepted=out.commit.accepted, trim=out.commit.trim))
+    return r
+
+
+def result_to_output(r: pb.StepResult) -> StepOutput:
+    commit = Commit(r.commit.step, r.commit.accepted, r.commit.trim) if r.HasField("commit") else None
+    return StepOutput(r.seq_id, r.step, list(r.tokens), r.accepted, r.drafted, list(r.drafts), commit)
+
+
+def tensor_to_pb(a: Any) -> pb.Tensor:
+    from .tensors import to_raw
+
+    raw = to_raw(a)
+    return pb.Tensor(dtype=raw.dtype, shape=raw.shape, data=raw.data)
+
+
+def tensor_from_pb(t: pb.Tensor) -> Any:
+    from .tensors import TensorError, from_raw
+
+    try:
+        return from_raw(t.dtype, list(t.shape), t.data)
+    except TensorError as e:
+        raise StageError(str(e)) from None
+
+
+# -- the node's outbound stream ----------------------------------------------------------------------
+
+
+class NextStage:
+    """The node's Forward stream to the next node, written from the event loop (no thread hop).
+
+    If it breaks, `on_error(target, error)` runs once and the next `send` opens a new stream; frames in
+    flight are lost, which every client learns through that callback.
+    """
+
+    def __init__(self, target: str, secret: str | None, on_error: Callable[[str, Exception], None]):
+        self.target = target
+        self.secret = secret
+        self.on_error = on_error
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.NodeStub(self.channel)
+        self._call: Any = None
+        self._watcher: asyncio.Task | None = None  # held: the loop keeps only weak references to tasks
+        self._closed = False
+
+    async def send(self, frame: pb.Frame) -> None:
+        if self._call is None:
+            self._call = self.stub.Forward(metadata=secret_metadata(self.secret))
+            self._watcher = asyncio.get_running_loop().create_task(self._watch(self._call))
+        call = self._call
+        try:
+            await call.write(frame)
+        except Exception as e:  # the stream ended under us (AioRpcError, or a write after the end)
+            self._broken(call, e)
+
+    async def _watch(self, call: Any) -> None:
+        try:
+            async for _ in call:  # the next node never answers on this stream; wait for its end
+                pass
+            error: Exception = ConnectionError("the stream was closed by the node")
+        except Exception as e:
+            error = e
+        self._broken(call, error)
+
+    def _broken(self, call: Any, error: Exception) -> None:
+        if self._call is not call:
+            return  # already reported
+        self._call = None
+        if not self._closed:
+            log.warning("stream to %s ended: %s", self.target, describe_rpc_error(error))
+            self.on_error(self.target, error)
+
+    async def ping_ms(self, timeout: float = 2.0) -> float:
+        md = secret_metadata(self.secret)
+        try:
+            await self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=md)  # connects if needed
+            t0 = time.perf_counter()
+            await self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=md)
+            return 1000.0 * (time.perf_counter() - t0)
+        except grpc.RpcError:
+            return -1.0
+
+    async def close(self) -> None:
+        self._closed = True
+        call, self._call = self._call, None
+        if call is not None:
+            try:
+                await call.done_writing()
+            except Exception:
+                pass
+        await self.channel.close(grace=None)
+
+
+def describe_rpc_error(e: Exception) -> str:
+    if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
+        return f"{e.code().name}: {e.details()}"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+# -- the service ------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadKey:
+    model_path: str
+    start: int
+    end: int
+    num_layers: int
+    mtp: bool
+    dtype: str
+
+
+@dataclass
+class LinkStats:
+    frames: int = 0
+    bytes: int = 0
+    decode_frames: int = 0
+    decode_bytes: int = 0
+
+
+class NodeService(pb_grpc.NodeServicer):
+    """The servicer, on one asyncio loop. Steps run on the loop itself: a decode step is milliseconds
+    and a thread hop would cost more than it saves, and MLX arrays must be evaluated on the thread
+    that built them (streams are per thread), so every sequence lives on this one thread. Loads run
+    on a side thread and are fully materialized there, so nothing lazy crosses threads."""
+
+    def __init__(self, node_id: str | None = None, secret: str | None = None, name: str | None = None):
+        self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        self.name = name or self.node_id  # how errors name this node; the coordinator sets host:port
+        self.secret = secret
+        self.started = time.monotonic()
+        self.worker: StageWorker | None = None
+        self.key: LoadKey | None = None
+        self.next: NextStage | None = None
+        self.link_stats = LinkStats()
+        self.last_error: str | None = None
+        self._mlx = threading.Lock()  # a load on the side thread never overlaps a step
+        self._load_thread = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="load")
+        self._load_lock: asyncio.Lock | None = None
+        self._subs: dict[str, asyncio.Queue] = {}
+
+    # -- loading ------------------------------------------------------------------------------
+
+    async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReply:
+        key = LoadKey(request.model_path, request.start, request.end, request.num_layers, request.mtp, request.dtype)
+        self._load_lock = self._load_lock or asyncio.Lock()
+        async with self._load_lock:
+            if request.node_name:
+                self.name = request.node_name
+            reused = self.worker is not None and self.key == key
+            if not reused:
+                try:
+                    await asyncio.get_running_loop().run_in_executor(self._load_thread, self._load, key)
+                except (ValueError, FileNotFoundError, KeyError) as e:
+                    self.last_error = f"load failed: {e}"
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
+            await self._set_next(request.next)
+            shard = self.worker.shard
+            log.info("%s shard [%d, %d) of %s (%s)", "kept" if reused else "loaded", key.start, key.end,
+                     key.model_path, self._dtype_name())
+            return pb.LoadReply(
+                node_id=self.node_id,
+                parameter_bytes=shard.model.parameter_bytes(),
+                has_mtp=shard.has_mtp,
+                hidden_size=shard.config.args.hidden_size,
+                max_context=shard.config.args.max_position_embeddings,
+                reused=reused,
+            )
+
+    def _load(self, key: LoadKey) -> None:
+        import mlx.core as mx
+
+        from ..models.loading import load_shard
+        from ..models.shard import ShardSpec
+        from .worker import StageWorker
+
+        dtype = None
+        if key.dtype:
+            if key.dtype not in ("float32", "float16", "bfloat16"):
+                raise ValueError(f"unsupported dtype {key.dtype!r}")
+            dtype = getattr(mx, key.dtype)
+        spec = ShardSpec(key.start, key.end, key.num_layers)
+        with self._mlx:
+            self.worker, self.key = None, None  # free the old shard before reading the new one
+            mx.clear_cache()
+            shard = load_shard(key.model_path, spec, mtp=key.mtp, dtype=dtype)
+            mx.eval(_arrays_in(shard.model))  # nothing lazy may reach the loop thread
+            self.worker, self.key = StageWorker(shard), key
+
+    async def _set_next(self, target: str) -> None:
+        if self.next is not None and self.next.target == target:
+            return
+        if self.next is not None:
+            await self.next.close()
+        self.next = NextStage(target, self.secret, self._next_failed) if target else None
+
+    def _next_failed(self, target: str, error: Exception) -> None:
+        # Frames in flight to the next node are lost: every client waiting on this chain must know.
+        msg = f"lost the stream to the next stage {target}: {describe_rpc_error(error)}"
+        self.last_error = msg
+        self._broadcast(pb.Event(error=pb.Error(code="UNAVAILABLE", message=msg, node=target)))
+
+    def _dtype_name(self) -> str:
+        return str(self.worker.dtype).removeprefix("mlx.core.") if self.worker else ""
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def _run(self, frame: pb.Frame) -> StepOutput | pb.Tensor:
+        """One step on this node, on the loop thread."""
+        worker = self.worker
+        if worker is None:
+            raise StageError(f"{self.name} has no shard loaded")
+        req = frame_to_request(frame)
+        with self._mlx:
+            hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
+            out = worker.step(req, hidden)
+            return out if isinstance(out, StepOutput) else tensor_to_pb(out)
+
+    def _release(self, seq_id: str) -> bool:
+        worker = self.worker
+        if worker is None:
+            return False
+        with self._mlx:  # freeing arrays is MLX work too
+            return worker.release(seq_id)
+
+    async def _on_frame(self, frame: pb.Frame) -> None:
+        if frame.kind == pb.RELEASE:
+            self._release(frame.seq_id)
+            if self.worker is not None and not self.worker.spec.is_last:
+                await self._forward(frame)
+            return
+        try:
+            out = self._run(frame)
+        except StageError as e:
+            self._fail(frame, "INVALID_ARGUMENT", str(e))
+            return
+        except Exception as e:  # a bug or an MLX failure: report it, keep serving other sequences
+            log.exception("step %d of %s failed", frame.step, frame.seq_id)
+            self._fail(frame, "INTERNAL", f"{type(e).__name__}: {e}")
+            return
+        if isinstance(out, StepOutput):
+            self._emit(frame.client_id, pb.Event(result=output_to_result(out)))
+        else:
+            frame.hidden.CopyFrom(out)
+            await self._forward(frame)
+
+    async def _forward(self, frame: pb.Frame) -> None:
+        link = self.next
+        if link is None:
+            self._fail(frame, "FAILED_PRECONDITION", f"{self.name} is not the last stage but knows no next stage")
+            return
+        size = frame.ByteSize()
+        s = self.link_stats
+        s.frames += 1
+        s.bytes += size
+        if frame.kind == pb.DECODE:
+            s.decode_frames += 1
+            s.decode_bytes += size
+        await link.send(frame)
+
+    def _fail(self, frame: pb.Frame, code: str, message: str) -> None:
+        self.last_error = message
+        log.info("step %d of %s refused: %s", frame.step, frame.seq_id, message)
+        err = pb.Error(code=code, message=message, node=self.name, seq_id=frame.seq_id, step=frame.step)
+        self._emit(frame.client_id, pb.Event(error=err))
+
+    async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for frame in request_iterator:  # one stream's frames, strictly in order
+            await self._on_frame(frame)
+        return
+        yield  # an async generator: the reply stream stays silent
+
+    async def Step(self, request: pb.Frame, context: grpc.aio.ServicerContext) -> pb.StepReply:
+        if request.kind == pb.RELEASE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "use Release to drop a sequence")
+        try:
+            out = self._run(request)
+        except StageError as e:
+            self.last_error = str(e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if isinstance(out, StepOutput):
+            return pb.StepReply(result=output_to_result(out))
+        return pb.StepReply(hidden=out)
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
+        return pb.ReleaseReply(released=self._release(request.seq_id))
+
+    # -- subscriptions --------------------------------------------------------------------------
+
+    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext) -> Any:
+        q: asyncio.Queue = asyncio.Queue()
+        old = self._subs.get(request.client_id)
+        self._subs[request.client_id] = q
+        if old is not None:
+            old.put_nowait(None)
+        try:
+            yield pb.Event()  # an empty first event: the subscription is registered
+            while (event := await q.get()) is not None:
+                yield event
+        finally:
+            if self._subs.get(request.client_id) is q:
+                del self._subs[request.client_id]
+
+    def _emit(self, client_id: str, event: pb.Event) -> None:
+        q = self._subs.get(client_id)
+        if q is None:
+            log.debug("no subscriber %r; dropped %s", client_id, event.WhichOneof("kind"))
+            return
+        q.put_nowait(event)
+
+    def _broadcast(self, event: pb.Event) -> None:
+        for q in list(self._subs.values()):
+            q.put_nowait(event)
+
+    async def close(self) -> None:
+        subs, self._subs = list(self._subs.values()), {}
+        for q in subs:
+            q.put_nowait(None)
+        if self.next is not None:
+            await self.next.close()
+        self._load_thread.shutdown(wait=False)
+
+    # -- health ---------------------------------------------------------------------------------
+
+    async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingReply:
+        return pb.PingReply(payload=request.payload, node_id=self.node_id)
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthReply:
+        from .. import __version__
+
+        used, available = await asyncio.get_running_loop().run_in_executor(None, system_memory)
+        reply = pb.HealthReply(
+            node_id=self.node_id,
+            version=__version__,
+            memory_used=used,
+            memory_available=available,
+            mlx_active_memory=_mlx_active_memory(),
+            uptime_s=time.monotonic() - self.started,
+            last_error=self.last_error or "",
+            next_rtt_ms=-1.0,
+            forwarded_frames=self.link_stats.frames,
+            forwarded_bytes=self.link_stats.bytes,
+            forwarded_decode_frames=self.link_stats.decode_frames,
+            forwarded_decode_bytes=self.link_stats.decode_bytes,
+        )
+        w, key = self.worker, self.key
+        if w is not None and key is not None:
+            reply.MergeFrom(
+                pb.HealthReply(
+                    loaded=True,
+                    model_path=key.model_path,
+                    start=key.start,
+                    end=key.end,
+                    num_layers=key.num_layers,
+                    is_first=w.spec.is_first,
+                    is_last=w.spec.is_last,
+                    parameter_bytes=w.shard.model.parameter_bytes(),
+                    active_sequences=len(w.sequences),
+                    tokens_processed=w.stats.tokens_processed,
+                    steps=w.stats.steps,
+                    mean_step_ms=w.stats.mean_step_ms,
+                    dtype=self._dtype_name(),
+                    has_mtp=w.shard.has_mtp,
+                )
+            )
+            if w.stats.last_error and not self.last_error:
+                reply.last_error = w.stats.last_error
+        if self.next is not None:
+            reply.next = self.next.target
+            if request.probe_next:
+                reply.next_rtt_ms = await self.next.ping_ms()
+        return reply
+
+
+# -- auth -------------------------------------------------------------------------------------------
+
+
+class SecretInterceptor(grpc.aio.ServerInterceptor):
+    """Refuse every call whose `x-mtpipe-secret` metadata is not the cluster secret (UNAUTHENTICATED)."""
+
+    def __init__(self, secret: str):
+        self._secret = secret.encode()
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        given = dict(details.invocation_metadata or ()).get(SECRET_KEY, "")
+        given = given.encode() if isinstance(given, str) else given
+        if hmac.compare_digest(given, self._secret):
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        return _deny_handler(handler)
+
+
+def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    message = "missing or wrong cluster secret"
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # unreachable: an async generator, as streaming handlers are
+
+    make = {
+        (False, False): (grpc.unary_unary_rpc_method_handler, deny),
+        (False, True): (grpc.unary_stream_rpc_method_handler, deny_stream),
+        (True, False): (grpc.stream_unary_rpc_method_handler, deny),
+        (True, True): (grpc.stream_stream_rpc_method_handler, deny_stream),
+    }
+    factory, behavior = make[(handler.request_streaming, handler.response_streaming)]
+    return factory(behavior, request_deserializer=handler.request_deserializer,
+                   response_serializer=handler.response_serializer)
+
+
+class NodeServer:
+    """A NodeService on a grpc.aio server, on its own event-loop thread. `port=0` picks a free port."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, node_id: str | None = None,
+                 secret: str | None = None):
+        self.host, self.requested_port, self.secret = host, port, secret
+        self.service = NodeService(node_id=node_id, secret=secret)
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+        self._server: Any = None
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{_bracket(self.host)}:{self.port}"
+
+    async def _start(self) -> None:
+        interceptors = [SecretInterceptor(self.secret)] if self.secret else []
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        pb_grpc.add_NodeServicer_to_server(self.service, self._server)
+        try:
+            self.port = self._server.add_insecure_port(f"{_bracket(self.host)}:{self.requested_port}")
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.host}:{self.requested_port} (address in use?)")
+        self.service.name = f"{self.host}:{self.port}"
+        await self._server.start()
+
+    def start(self) -> "NodeServer":
+        started: futures.Future = futures.Future()
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            try:
+                self._loop.run_until_complete(self._start())
+                started.set_result(None)
+                self._loop.run_until_complete(self._server.wait_for_termination())
+            except BaseException as e:
+                if not started.done():
+                    started.set_exception(e)
+                else:
+                    log.exception("node loop failed")
+            finally:
+                self._stopped.set()
+
+        self._thread = threading.Thread(target=run, name="node-loop", daemon=True)
+        self._thread.start()
+        started.result()
+        log.info("node %s listening on %s", self.service.node_id, self.address)
+        return self
+
+    async def _stop(self, grace: float | None) -> None:
+        await self.service.close()
+        await self._server.stop(grace)
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        if self._thread is None or self._stopped.is_set():
+            return
+        asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop)
+        self._stopped.wait()
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+# -- memory -----------------------------------------------------------------------------------------
+
+
+def system_memory() -> tuple[int, int]:
+    """(used, available) bytes for the whole machine: /proc/meminfo on Linux, sysctl + vm_stat on macOS."""
+    try:
+        if platform.system() == "Linux":
+            info = {}
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    k, v = line.split(":", 1)
+                    info[k] = int(v.split()[0]) * 1024
+            total, avail = info["MemTotal"], info.get("MemAvailable", info.get("MemFree", 0))
+            return total - avail, avail
+        if platform.system() == "Darwin":
+            total = int(subprocess.check_output(["sysctl", "-n", "hw.memsize"], timeout=2))
+            out = subprocess.check_output(["vm_stat"], text=True, timeout=2)
+            page = int(out.split("page size of", 1)[1].split()[0])
+            pages = {}
+            for line in out.splitlines()[1:]:
+                if ":" in line:
+                    k, v = line.split(":", 1)
+                    pages[k.strip()] = int(v.strip().rstrip("."))
+            avail = page * sum(pages.get(k, 0) for k in ("Pages free", "Pages inactive", "Pages speculative"))
+            return total - avail, avail
+    except (OSError, ValueError, IndexError, KeyError, subprocess.SubprocessError):
+        log.debug("cannot read system memory", exc_info=True)
+    return 0, 0
+
+
+def _arrays_in(obj: Any, seen: set[int] | None = None) -> list:
+    """Every mx.array reachable from a module: parameters and also private members (RoPE tables...)."""
+    import mlx.core as mx
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        return [obj]
+    items: list = []
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith(("mlx", "mtpipe")):
+        items += list(vars(obj).values())
+    return [a for x in items for a in _arrays_in(x, seen)]
+
+
+def _mlx_active_memory() -> int:
+    try:
+        import mlx.core as mx
+
+        return int(mx.get_active_memory())
+    except Exception:
+        return 0
+
+
+# -- CLI --------------------------------------------------------------------------------------------
+
+
+def add_node_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("node", help="run a node daemon that serves one shard of a model over gRPC")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (0 = any free port)")
+    p.add_argument("--node-id", help="a name for this node (default: hostname plus a random suffix)")
+    p.add_argument("--secret", default=os.environ.get("MTPIPE_SECRET"),
+                   help="cluster secret every caller must present (default: $MTPIPE_SECRET)")
+    p.add_argument("--json", action="store_true", help="print one JSON line with the address once ready")
+    p.set_defaults(func=cmd_node)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    import json
+    import signal
+    import sys
+
+    from . import worker  # noqa: F401  (import MLX and mlx-lm now, not on the first Load)
+
+    server = NodeServer(args.host, args.port, node_id=args.node_id, secret=args.secret).start()
+
+    def on_term(*_: Any) -> None:
+        threading.Thread(target=server.stop, daemon=True).start()
+        deadline = threading.Timer(5.0, os._exit, args=(0,))  # a stuck shutdown must not keep the node alive
+        deadline.daemon = True
+        deadline.start()
+
+    signal.signal(signal.SIGTERM, on_term)
+    ready = {"node_id": server.service.node_id, "address": server.address, "pid": os.getpid()}
+    if args.json:
+        print(json.dumps(ready), flush=True)
+    else:
+        print(f"mtpipe node {ready['node_id']} listening on {ready['address']}", file=sys.stderr, flush=True)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        server.stop()
+    return 0
