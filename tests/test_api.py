@@ -1,0 +1,541 @@
+"""The OpenAI-compatible API against a live uvicorn server on loopback.
+
+One server runs for the module over a 2-stage in-process pipeline of the tiny dense checkpoint;
+the official `openai` client and raw httpx talk to it. Greedy requests are compared with a direct
+`engine.complete` of the same request.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from mtpipe.coordinator.api import create_app, nodes_cluster_info  # noqa: E402
+from mtpipe.coordinator.engine import Engine, GenerationRequest, local_engine  # noqa: E402
+from mtpipe.node.protocol import SamplingParams  # noqa: E402
+
+from helpers import PROMPTS  # noqa: E402
+
+MODEL = "tiny-dense"
+KEY = "test-key-123"
+
+
+class LiveServer:
+    """uvicorn on 127.0.0.1 and a free port, on a background thread."""
+
+    def __init__(self, app: Any):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engine(dense_ckpt: Path) -> Engine:
+    return local_engine(dense_ckpt, stages=2, dtype=mx.float32)
+
+
+@pytest.fixture(scope="module")
+def server(engine: Engine) -> Iterator[LiveServer]:
+    with LiveServer(create_app(engine, MODEL)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> Any:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+def direct(engine: Engine, tokens: list[int], max_tokens: int, depth: int = 2) -> Any:
+    return engine.complete(GenerationRequest(tokens, max_tokens, SamplingParams(temperature=0.0), mtp_depth=depth))
+
+
+def active(engine: Engine) -> list[int]:
+    return [len(stage.sequences) for stage in engine.pipeline.stages]
+
+
+def wait_idle(engine: Engine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(active(engine)):
+        assert time.monotonic() < deadline, f"sequences still held by the stages: {active(engine)}"
+        time.sleep(0.02)
+
+
+def sse_events(lines: Iterator[str]) -> list[str]:
+    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+# -- the official client ----------------------------------------------------------------------
+
+
+def test_models_and_health(server: LiveServer, client: Any) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL and health["mtp"] is True
+
+
+def test_chat(engine: Engine, client: Any) -> None:
+    messages = chat(PROMPTS[0])
+    ref = direct(engine, engine.encode_chat(messages), 12)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == ref.stats.prompt_tokens
+    assert r.usage.completion_tokens == ref.stats.generation_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    mtp = r.usage.model_extra["mtp"]
+    assert mtp["depth"] == 2 and mtp["drafted"] == ref.stats.drafted and mtp["accepted"] == ref.stats.accepted
+    assert not any(active(engine))
+
+
+def test_chat_stream(engine: Engine, client: Any) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPTS[1]}]
+    ref = direct(engine, engine.encode_chat(messages), 12, depth=1)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"mtp_depth": 1},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [ref.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref.stats.generation_tokens
+    assert chunks[-1].usage.model_extra["mtp"]["depth"] == 1
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions(engine: Engine, client: Any) -> None:
+    tokens = engine.tokenizer.encode(PROMPTS[2])
+    ref = direct(engine, tokens, 10, depth=0)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=10, temperature=0,
+                                  extra_body={"mtp_depth": 0})
+    assert r.object == "text_completion" and r.choices[0].text == ref.text
+    assert r.usage.prompt_tokens == len(tokens) and r.usage.model_extra["mtp"]["drafted"] == 0
+    # Token ids as the prompt, streamed.
+    stream = client.completions.create(model=MODEL, prompt=tokens, max_tokens=10, temperature=0, stream=True,
+                                       extra_body={"mtp_depth": 0})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_stop_and_seeded_sampling(engine: Engine, client: Any) -> None:
+    messages = chat(PROMPTS[3])
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    text = full.choices[0].message.content
+    assert len(text) >= 5
+    stop = text[3:5]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == text[: text.find(stop)]
+    a, b = (client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.9,
+                                           top_p=0.9, seed=7, extra_body={"top_k": 50, "min_p": 0.01})
+            for _ in range(2))
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+# -- raw HTTP: the SSE wire format ----------------------------------------------------------------
+
+
+def test_sse_wire_format(server: LiveServer) -> None:
+    body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert all(p["object"] == "chat.completion.chunk" and "usage" not in p for p in payloads)
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length" and payloads[-1]["choices"][0]["delta"] == {}
+
+
+# -- concurrency and disconnects ------------------------------------------------------------------
+
+
+def test_eight_concurrent_requests(engine: Engine, server: LiveServer, client: Any) -> None:
+    n, max_tokens = 8, 10
+    prompts = [chat(p) for p in PROMPTS[:n]]
+    refs = [direct(engine, engine.encode_chat(m), max_tokens).text for m in prompts]
+    results: list[str | None] = [None] * n
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            if i % 2:
+                stream = client.chat.completions.create(model=MODEL, messages=prompts[i], max_tokens=max_tokens,
+                                                        temperature=0, stream=True)
+                results[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            else:
+                r = client.chat.completions.create(model=MODEL, messages=prompts[i], max_tokens=max_tokens,
+                                                   temperature=0)
+                results[i] = r.choices[0].message.content
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    peak, health_ms, done = [0], [], threading.Event()
+
+    def watch() -> None:  # how many sequences run at once, and whether the event loop still answers
+        while not done.is_set():
+            peak[0] = max(peak[0], *active(engine))
+            t0 = time.perf_counter()
+            httpx.get(server.url + "/health", timeout=10)
+            health_ms.append(1000 * (time.perf_counter() - t0))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    done.set()
+    watcher.join()
+    assert not errors, errors
+    assert results == refs
+    assert peak[0] >= 4, f"requests did not overlap (at most {peak[0]} at once)"
+    assert health_ms and max(health_ms) < 2000, max(health_ms)
+    assert not any(active(engine))
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "mtpipe_generations_in_flight 0" in metrics
+
+
+def test_streaming_disconnect_frees_caches(engine: Engine, server: LiveServer) -> None:
+    wait_idle(engine)
+    body = {"model": MODEL, "messages": chat("go on"), "max_tokens": 3000, "temperature": 0, "stream": True}
+    cancelled = server.server.config.app.state.metrics.cancelled.value()
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 4:
+                    assert any(active(engine))  # mid-generation
+                    break
+    wait_idle(engine)
+    steps = engine.pipeline.stages[-1].stats.steps
+    time.sleep(0.3)
+    assert engine.pipeline.stages[-1].stats.steps == steps  # the generation stopped
+    assert server.server.config.app.state.metrics.cancelled.value() == cancelled + 1
+
+
+def test_non_streaming_disconnect_frees_caches(engine: Engine, server: LiveServer) -> None:
+    wait_idle(engine)
+    body = {"model": MODEL, "messages": chat("go on"), "max_tokens": 3000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.8))
+    wait_idle(engine)
+    steps = engine.pipeline.stages[-1].stats.steps
+    time.sleep(0.3)
+    assert engine.pipeline.stages[-1].stats.steps == steps
+
+
+# -- bad input: OpenAI error bodies, nothing touched ----------------------------------------------
+
+M = chat("hi")
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+BAD = [
+    # (id, endpoint, body (bytes or JSON-able), status, param)
+    ("invalid-json", CHAT, b'{"model": ', 400, None),
+    ("empty-body", CHAT, b"", 400, None),
+    ("not-an-object", CHAT, [1, 2], 422, None),
+    ("missing-messages", CHAT, {"model": MODEL}, 422, "messages"),
+    ("messages-not-a-list", CHAT, {"messages": "hi"}, 422, "messages"),
+    ("bad-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 422, "messages"),
+    ("content-int", CHAT, {"messages": [{"role": "user", "content": 5}]}, 422, "messages"),
+    ("temperature-str", CHAT, {"messages": M, "temperature": "hot"}, 422, "temperature"),
+    ("temperature-nan", CHAT, b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 422,
+     "temperature"),
+    ("max-tokens-str", CHAT, {"messages": M, "max_tokens": "10"}, 422, "max_tokens"),
+    ("max-tokens-float", CHAT, {"messages": M, "max_tokens": 1.5}, 422, "max_tokens"),
+    ("stream-str", CHAT, {"messages": M, "stream": "yes"}, 422, "stream"),
+    ("stop-int", CHAT, {"messages": M, "stop": 3}, 422, "stop"),
+    ("unknown-model", CHAT, {"model": "gpt-4o", "messages": M}, 404, "model"),
+    ("unknown-model-text", TEXT, {"model": "gpt-4o", "prompt": "x"}, 404, "model"),
+    ("empty-messages", CHAT, {"messages": []}, 400, "messages"),
+    ("image-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("max-tokens-zero", CHAT, {"messages": M, "max_tokens": 0}, 400, "max_tokens"),
+    ("max-tokens-negative", CHAT, {"messages": M, "max_tokens": -5}, 400, "max_tokens"),
+    ("max-completion-tokens-zero", CHAT, {"messages": M, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("max-tokens-beyond-context", CHAT, {"messages": M, "max_tokens": 10**9}, 400, "max_tokens"),
+    ("max-tokens-beyond-context-text", TEXT, {"prompt": "x", "max_tokens": 4096}, 400, "max_tokens"),
+    ("prompt-longer-than-context", TEXT, {"prompt": [5] * 4096}, 400, "prompt"),
+    ("chat-longer-than-context", CHAT, {"messages": chat("a b c d " * 1500)}, 400, "messages"),
+    ("temperature-negative", CHAT, {"messages": M, "temperature": -0.5}, 400, "temperature"),
+    ("top-p-zero", CHAT, {"messages": M, "top_p": 0}, 400, "top_p"),
+    ("top-p-above-one", CHAT, {"messages": M, "top_p": 1.5}, 400, "top_p"),
+    ("top-p-text", TEXT, {"prompt": "x", "top_p": -1}, 400, "top_p"),
+    ("top-k-negative", CHAT, {"messages": M, "top_k": -1}, 400, "top_k"),
+    ("min-p-above-one", CHAT, {"messages": M, "min_p": 2.0}, 400, "min_p"),
+    ("seed-negative", CHAT, {"messages": M, "seed": -1}, 400, "seed"),
+    ("n-two", CHAT, {"messages": M, "n": 2}, 400, "n"),
+    ("n-two-text", TEXT, {"prompt": "x", "n": 3}, 400, "n"),
+    ("mtp-depth-negative", CHAT, {"messages": M, "mtp_depth": -1}, 400, "mtp_depth"),
+    ("mtp-depth-too-deep", CHAT, {"messages": M, "mtp_depth": 99}, 400, "mtp_depth"),
+    ("too-many-stops", CHAT, {"messages": M, "stop": [str(i) for i in range(17)]}, 400, "stop"),
+    ("logprobs", CHAT, {"messages": M, "logprobs": True}, 400, "logprobs"),
+    ("empty-prompt", TEXT, {"prompt": ""}, 400, "prompt"),
+    ("empty-token-prompt", TEXT, {"prompt": []}, 400, "prompt"),
+    ("token-out-of-vocab", TEXT, {"prompt": [1, 10**6]}, 400, "prompt"),
+    ("two-prompts", TEXT, {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("mixed-prompt", TEXT, {"prompt": [1, "a"]}, 422, "prompt"),
+    ("echo", TEXT, {"prompt": "x", "echo": True}, 400, "echo"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input(
+    engine: Engine, server: LiveServer, endpoint: str, body: Any, status: int, param: str | None
+) -> None:
+    wait_idle(engine)
+    steps = [s.stats.steps for s in engine.pipeline.stages]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    for stream in (False, True):
+        if stream and isinstance(body, dict) and "stream" not in body:
+            content = json.dumps({**body, "stream": True}).encode()
+        r = httpx.post(server.url + endpoint, content=content, headers={"Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"]
+        assert error["param"] == param, error
+        assert set(error) == {"message", "type", "param", "code"}
+    assert [s.stats.steps for s in engine.pipeline.stages] == steps  # no node was touched
+    assert not any(active(engine))
+
+
+def test_bad_input_through_client(client: Any) -> None:
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.chat.completions.create(model=MODEL, messages=M, n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=M)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=10**6)
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_unknown_route_and_method(server: LiveServer) -> None:
+    r = httpx.get(server.url + "/v2/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.delete(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+# -- cluster, metrics, key ---------------------------------------------------------------------------
+
+
+def test_cluster_local(server: LiveServer) -> None:
+    info = httpx.get(server.url + "/v1/cluster").json()
+    stages = info["nodes"][0]["stages"]
+    assert [s["layers"] for s in stages] == [[0, 4], [4, 8]]
+    assert [p["layers"] for p in info["placement"]] == [[0, 4], [4, 8]]
+    assert info["nodes"][0]["healthy"] is True and info["model"] == MODEL
+
+
+def test_cluster_callable_and_failure(engine: Engine) -> None:
+    def boom() -> dict:
+        raise ConnectionError("node b unreachable")
+
+    with LiveServer(create_app(engine, MODEL, cluster_info=lambda: {"placement": ["x"], "links": []})) as s:
+        assert httpx.get(s.url + "/v1/cluster").json() == {"placement": ["x"], "links": []}
+    with LiveServer(create_app(engine, MODEL, cluster_info=boom)) as s:
+        r = httpx.get(s.url + "/v1/cluster")
+        assert r.status_code == 503 and "unreachable" in r.json()["error"]["message"]
+
+
+def test_metrics(server: LiveServer, client: Any) -> None:
+    client.chat.completions.create(model=MODEL, messages=M, max_tokens=4, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values['mtpipe_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
+    assert values['mtpipe_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= 1
+    assert values["mtpipe_prompt_tokens_total"] > 0 and values["mtpipe_completion_tokens_total"] >= 4
+    assert values["mtpipe_mtp_drafted_tokens_total"] > 0
+    assert 0 <= values["mtpipe_mtp_acceptance_ratio"] <= 1
+    assert values['mtpipe_request_duration_seconds_count{endpoint="/v1/chat/completions"}'] >= 1
+    assert values['mtpipe_time_to_first_token_seconds_count{endpoint="/v1/chat/completions"}'] >= 1
+    assert "# TYPE mtpipe_request_duration_seconds histogram" in text
+
+
+def test_api_key(engine: Engine) -> None:
+    with LiveServer(create_app(engine, MODEL, api_key=KEY)) as s:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = httpx.post(s.url + "/v1/chat/completions", json={"messages": M}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        assert httpx.get(s.url + "/health").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0)
+        r = good.chat.completions.create(model=MODEL, messages=M, max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3
+
+
+# -- `mtpipe serve` -------------------------------------------------------------------------------
+
+
+def test_serve_command(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mtpipe.coordinator import api, cli
+
+    seen: dict[str, Any] = {}
+
+    def fake_serve(engine: Engine, host: str, port: int, **kwargs: Any) -> None:
+        seen.update(engine=engine, host=host, port=port, **kwargs)
+
+    monkeypatch.setattr(api, "serve", fake_serve)
+    monkeypatch.setenv("MTPIPE_API_KEY", "from-env")
+    assert cli.main(["serve", "--model", str(dense_ckpt), "--port", "9999", "--mtp-depth", "1"]) == 0
+    assert seen["host"] == "127.0.0.1" and seen["port"] == 9999 and seen["api_key"] == "from-env"
+    assert seen["model_name"] == dense_ckpt.name and seen["default_mtp_depth"] == 1
+    assert seen["engine"].has_mtp
+
+
+# -- the same over a 2-node gRPC pipeline ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grpc_nodes(dense_ckpt: Path) -> Iterator[tuple[Engine, list[Any]]]:
+    remote = pytest.importorskip("mtpipe.coordinator.remote")
+    from mtpipe.node.server import NodeServer
+
+    nodes = [NodeServer("127.0.0.1", 0).start() for _ in range(2)]
+    engine = None
+    try:
+        engine = remote.remote_engine(dense_ckpt, [n.address for n in nodes], dtype="float32")
+        yield engine, nodes
+    finally:
+        if engine is not None:
+            engine.pipeline.close()
+        for n in nodes:
+            n.stop()
+
+
+def node_active(nodes: list[Any]) -> list[int]:
+    return [len(n.service.worker.sequences) for n in nodes]
+
+
+def wait_nodes_idle(nodes: list[Any], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(node_active(nodes)):
+        assert time.monotonic() < deadline, f"sequences still held by the nodes: {node_active(nodes)}"
+        time.sleep(0.02)
+
+
+def test_grpc_pipeline_concurrency_and_disconnect(engine: Engine, grpc_nodes: tuple[Engine, list[Any]]) -> None:
+    remote_engine, nodes = grpc_nodes
+    n, max_tokens = 8, 10
+    prompts = [chat(p) for p in PROMPTS[8 : 8 + n]]
+    refs = [direct(engine, engine.encode_chat(m), max_tokens).text for m in prompts]  # the in-process pipeline
+    results: list[str | None] = [None] * n
+    errors: list[BaseException] = []
+    with LiveServer(create_app(remote_engine, MODEL, cluster_info=nodes_cluster_info(remote_engine, MODEL))) as s:
+        info = httpx.get(s.url + "/v1/cluster").json()
+        assert info["healthy"] is True and [p["layers"] for p in info["placement"]] == [[0, 4], [4, 8]]
+        assert [n["address"] for n in info["nodes"]] == [n.address for n in nodes]
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def one(i: int) -> None:
+            try:
+                if i % 2:
+                    stream = client.chat.completions.create(model=MODEL, messages=prompts[i], max_tokens=max_tokens,
+                                                            temperature=0, stream=True)
+                    results[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                else:
+                    r = client.chat.completions.create(model=MODEL, messages=prompts[i], max_tokens=max_tokens,
+                                                       temperature=0)
+                    results[i] = r.choices[0].message.content
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert results == refs
+        wait_nodes_idle(nodes)
+
+        body = {"model": MODEL, "messages": chat("go on"), "max_tokens": 3000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            for i, line in enumerate(r.iter_lines()):
+                if i >= 8:
+                    assert any(node_active(nodes))
+                    break
+        wait_nodes_idle(nodes)
+        steps = nodes[-1].service.worker.stats.steps
+        time.sleep(0.3)
+        assert nodes[-1].service.worker.stats.steps == steps
+
+
+def test_stage_failure_is_a_503(engine: Engine) -> None:
+    from mtpipe.node.protocol import StageError
+
+    class Refusing:
+        released: list[str] = []
+
+        def step(self, req: Any) -> Any:
+            raise StageError("too many active sequences (64)")
+
+        def release(self, seq_id: str) -> None:
+            self.released.append(seq_id)
+
+        def close(self) -> None:
+            pass
+
+    pipeline = Refusing()
+    broken = Engine(pipeline, engine.tokenizer, engine.eos, engine.max_context, has_mtp=False)
+    with LiveServer(create_app(broken, MODEL)) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 503
+        assert r.json()["error"]["type"] == "server_error" and "too many" in r.json()["error"]["message"]
+        body = {"prompt": "x", "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body) as r:
+            events = sse_events(r.iter_lines())
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "stage_error"
+        assert "mtpipe_generations_failed_total 2" in httpx.get(s.url + "/metrics").text
+    assert len(pipeline.released) == 2  # the engine's finally ran for both
