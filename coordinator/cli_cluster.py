@@ -1,9 +1,16 @@
-"""Cluster subcommands (node, launch, serve, health). Filled in as those capabilities land."""
+"""Cluster subcommands: node (a stage daemon), serve (the REST API), launch and health."""
 
 from __future__ import annotations
 
 import argparse
 
+from ..node.server import add_node_command
+from .api import add_serve_command
+from .launch import add_launch_commands
+
 
 def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     """Register the cluster subcommands on the main parser."""
+    add_node_command(sub)
+    add_serve_command(sub)
+    add_launch_commands(sub)

@@ -1,0 +1,166 @@
+"""Node health over gRPC: probing one node, reaching a node at the best of several addresses,
+classifying what came back, and the `mtpipe health` table.
+
+A node is healthy when it answers, holds a shard, reports no error and reaches its next stage;
+degraded when it answers but one of those fails; unreachable when it does not answer (or refuses
+the cluster secret). Exit codes follow: 0 healthy, 1 degraded, 2 unreachable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+HEALTHY, DEGRADED, UNREACHABLE = "healthy", "degraded", "unreachable"
+EXIT_CODES = {HEALTHY: 0, DEGRADED: 1, UNREACHABLE: 2}
+
+
+@dataclass(frozen=True)
+class Reached:
+    target: str
+    node_id: str
+    rtt_ms: float
+
+
+def ping(target: str, secret: str | None, timeout: float = 2.0) -> Reached:
+    """Two Pings (the first opens the connection); the round trip of the second. Raises grpc.RpcError."""
+    from ..node.server import make_channel, secret_metadata
+    from ..proto import mtpipe_pb2 as pb
+    from ..proto import mtpipe_pb2_grpc as pb_grpc
+
+    with make_channel(target) as channel:
+        stub = pb_grpc.NodeStub(channel)
+        meta = secret_metadata(secret)
+        stub.Ping(pb.PingRequest(), timeout=timeout, metadata=meta)
+        t0 = time.perf_counter()
+        reply = stub.Ping(pb.PingRequest(), timeout=timeout, metadata=meta)
+        return Reached(target, reply.node_id, 1000.0 * (time.perf_counter() - t0))
+
+
+def first_reachable(
+    targets: Sequence[str], secret: str | None, node_id: str | None = None, timeout: float = 2.0
+) -> Reached | None:
+    """The first target (best first) that answers as node `node_id` (any node if None)."""
+    import grpc
+
+    for target in targets:
+        try:
+            reached = ping(target, secret, timeout)
+        except grpc.RpcError as e:
+            log.debug("%s does not answer: %s", target, e.code().name)
+            continue
+        if node_id is None or reached.node_id == node_id:
+            return reached
+        log.warning("%s answers as node %s, not %s; skipped", target, reached.node_id, node_id)
+    return None
+
+
+def _problems(h: Any, probe_next: bool) -> list[str]:
+    problems = []
+    if not h.loaded:
+        problems.append("no shard loaded")
+    if h.last_error:
+        problems.append(f"error: {h.last_error}")
+    if h.loaded and not h.is_last and not h.next:
+        problems.append("knows no next stage")
+    if h.next and h.next_rtt_ms < 0 and probe_next:
+        problems.append(f"next stage {h.next} unreachable")
+    return problems
+
+
+def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next: bool = True) -> dict[str, Any]:
+    """Health of one node as a plain dict (see `mtpipe health --json`); probe_next measures its next hop."""
+    import grpc
+
+    from ..node.server import describe_rpc_error, make_channel, secret_metadata
+    from ..proto import mtpipe_pb2 as pb
+    from ..proto import mtpipe_pb2_grpc as pb_grpc
+
+    row: dict[str, Any] = {"address": target}
+    try:
+        with make_channel(target) as channel:
+            stub = pb_grpc.NodeStub(channel)
+            t0 = time.perf_counter()
+            h = stub.Health(pb.HealthRequest(probe_next=probe_next), timeout=timeout, metadata=secret_metadata(secret))
+            row["rtt_ms"] = round(1000.0 * (time.perf_counter() - t0), 3)
+    except grpc.RpcError as e:
+        row.update(status=UNREACHABLE, reachable=False, problems=[describe_rpc_error(e)])
+        return row
+    problems = _problems(h, probe_next)
+    row.update(
+        status=DEGRADED if problems else HEALTHY,
+        reachable=True,
+        problems=problems,
+        node_id=h.node_id,
+        version=h.version,
+        model=h.model_path or None,
+        layers=[h.start, h.end] if h.loaded else None,
+        num_layers=h.num_layers if h.loaded else None,
+        memory_used=h.memory_used,
+        memory_available=h.memory_available,
+        active_sequences=h.active_sequences,
+        tokens_processed=h.tokens_processed,
+        mean_step_ms=round(h.mean_step_ms, 3),
+        next=h.next or None,
+        next_rtt_ms=round(h.next_rtt_ms, 3) if h.next_rtt_ms >= 0 else None,
+        last_error=h.last_error or None,
+        uptime_s=round(h.uptime_s, 1),
+    )
+    return row
+
+
+def probe_nodes(targets: Sequence[str], secret: str | None, timeout: float = 3.0) -> list[dict[str, Any]]:
+    if not targets:
+        return []
+    with ThreadPoolExecutor(min(len(targets), 16)) as pool:
+        return list(pool.map(lambda t: probe_node(t, secret, timeout), targets))
+
+
+def overall(rows: Sequence[dict[str, Any]]) -> str:
+    if not rows or any(r["status"] == UNREACHABLE for r in rows):
+        return UNREACHABLE
+    return DEGRADED if any(r["status"] == DEGRADED for r in rows) else HEALTHY
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.1f}"
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def render_table(rows: Sequence[dict[str, Any]], console: Any) -> None:
+    from rich.table import Table
+
+    colours = {HEALTHY: "green", DEGRADED: "yellow", UNREACHABLE: "red"}
+    table = Table(title=f"mtpipe cluster: {overall(rows)}", title_justify="left")
+    for col in ("node", "status", "version", "model", "layers", "mem GiB used/avail", "seqs", "tokens", "step ms",
+                "next rtt ms", "uptime", "problems"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        layers, model = r.get("layers"), r.get("model")
+        table.add_row(
+            f"{r.get('node_id', '?')}\n{r['address']}",
+            f"[{colours[r['status']]}]{r['status']}[/]",
+            r.get("version", "-"),
+            model.rstrip("/").rsplit("/", 1)[-1] if model else "-",
+            f"{layers[0]}-{layers[1] - 1} of {r['num_layers']}" if layers else "-",
+            f"{_gib(r.get('memory_used'))}/{_gib(r.get('memory_available'))}" if r["reachable"] else "-",
+            str(r.get("active_sequences", "-")),
+            str(r.get("tokens_processed", "-")),
+            f"{r['mean_step_ms']:.2f}" if r.get("mean_step_ms") else "-",
+            f"{r['next_rtt_ms']:.2f}" if r.get("next_rtt_ms") is not None else "-",
+            _duration(r.get("uptime_s")),
+            "; ".join(r["problems"]) or "-",
+        )
+    console.print(table)

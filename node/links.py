@@ -1,0 +1,255 @@
+"""This machine's network interfaces and what kind of link each one is.
+
+Link types: thunderbolt, ethernet, wifi, loopback, other. On macOS `networksetup
+-listallhardwareports` names the ports ("Thunderbolt Bridge", "Thunderbolt 1", "Wi-Fi", ...) and
+`ifconfig` gives the addresses; on Linux `ip -j addr` gives the addresses and /sys/class/net the
+driver (thunderbolt-net), wireless-ness and hardware type. Every parser is a pure function of the
+command output so it is tested on recorded output.
+
+Addresses are kept as CIDR strings without scope ("169.254.3.7/16", "fe80::1/64"): a scope id
+names an interface of the machine that connects, so it is added only when a hop is chosen.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class LinkType(str, Enum):
+    THUNDERBOLT = "thunderbolt"
+    ETHERNET = "ethernet"
+    WIFI = "wifi"
+    LOOPBACK = "loopback"
+    OTHER = "other"
+
+
+# Preference for a hop between two machines. Loopback is only ever shared by nodes on one host.
+LINK_RANK = {
+    LinkType.LOOPBACK: 4,
+    LinkType.THUNDERBOLT: 3,
+    LinkType.ETHERNET: 2,
+    LinkType.WIFI: 1,
+    LinkType.OTHER: 0,
+}
+
+
+@dataclass(frozen=True)
+class Interface:
+    name: str
+    link: LinkType
+    addresses: tuple[str, ...]  # CIDR, no scope id
+
+    def networks(self) -> list[ipaddress.IPv4Interface | ipaddress.IPv6Interface]:
+        return [ipaddress.ip_interface(a) for a in self.addresses]
+
+
+def is_link_local(addr: ipaddress.IPv4Interface | ipaddress.IPv6Interface | ipaddress._BaseAddress) -> bool:
+    """169.254/16 and fe80::/10: every such interface is 'on' the same prefix, so a prefix match proves nothing."""
+    ip = addr.ip if hasattr(addr, "ip") else addr
+    return ip.is_link_local
+
+
+def strip_scope(address: str) -> tuple[str, str | None]:
+    """'fe80::1%en0' -> ('fe80::1', 'en0')."""
+    addr, _, scope = address.partition("%")
+    return addr, scope or None
+
+
+def format_host_port(host: str, port: int, scope: str | None = None) -> str:
+    """A gRPC target: 'a.b.c.d:p', '[v6]:p', '[fe80::1%en0]:p' for a scoped link-local address, 'name:p'."""
+    addr, own_scope = strip_scope(host)
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return f"{host}:{port}"  # a host name
+    if ip.version == 4:
+        return f"{ip}:{port}"
+    scope = (scope or own_scope) if ip.is_link_local else None
+    return f"[{ip}%{scope}]:{port}" if scope else f"[{ip}]:{port}"
+
+
+def split_host_port(target: str, default_port: int | None = None) -> tuple[str, int]:
+    """'h:p', '[v6%scope]:p', 'v6', 'h' -> (host, port); the port defaults to `default_port`."""
+    target = target.strip()
+    if target.startswith("["):
+        host, _, rest = target[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif target.count(":") == 1:
+        host, _, port = target.partition(":")
+    else:
+        host, port = target, ""  # a host name, IPv4, or bare IPv6
+    if not port:
+        if default_port is None:
+            raise ValueError(f"{target!r} has no port")
+        return host, default_port
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{target!r}: {port!r} is not a TCP port")
+    return host, int(port)
+
+
+# -- macOS ------------------------------------------------------------------------------------
+
+
+def classify_port(port: str) -> LinkType:
+    """A `networksetup` hardware port name -> link type."""
+    p = port.strip().lower()
+    if p == "thunderbolt bridge" or re.fullmatch(r"thunderbolt \d+", p):
+        return LinkType.THUNDERBOLT
+    if "wi-fi" in p or "airport" in p or "wireless" in p:
+        return LinkType.WIFI
+    if "ethernet" in p or re.search(r"\blan\b", p):
+        return LinkType.ETHERNET
+    return LinkType.OTHER
+
+
+def parse_networksetup(text: str) -> dict[str, LinkType]:
+    """`networksetup -listallhardwareports` -> {device: link type}."""
+    out: dict[str, LinkType] = {}
+    port = None
+    for line in text.splitlines():
+        if line.startswith("Hardware Port:"):
+            port = line.split(":", 1)[1].strip()
+        elif line.startswith("Device:") and port is not None:
+            device = line.split(":", 1)[1].strip()
+            if device:
+                out[device] = classify_port(port)
+            port = None
+    return out
+
+
+def _mask_to_prefix(mask: str) -> int:
+    value = int(mask, 16) if mask.startswith("0x") else int(ipaddress.IPv4Address(mask))
+    return value.bit_count()
+
+
+def parse_ifconfig(text: str) -> dict[str, dict]:
+    """macOS `ifconfig` -> {name: {"addresses": [cidr...], "loopback": bool, "up": bool}}."""
+    out: dict[str, dict] = {}
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"^([\w.\-]+): flags=\w+<([^>]*)>", line)
+        if head:
+            flags = head.group(2).split(",")
+            current = {"addresses": [], "loopback": "LOOPBACK" in flags, "up": "UP" in flags, "active": True}
+            out[head.group(1)] = current
+            continue
+        if current is None or not line[:1].isspace():
+            continue
+        fields = line.split()
+        if fields[0] == "inet" and len(fields) >= 4 and fields[2] == "netmask":
+            current["addresses"].append(f"{fields[1]}/{_mask_to_prefix(fields[3])}")
+        elif fields[0] == "inet6" and "prefixlen" in fields:
+            addr, _ = strip_scope(fields[1])
+            current["addresses"].append(f"{addr}/{fields[fields.index('prefixlen') + 1]}")
+        elif fields[0] == "status:":
+            current["active"] = fields[1] == "active"
+    return out
+
+
+def macos_interfaces(networksetup: str, ifconfig: str) -> list[Interface]:
+    ports = parse_networksetup(networksetup)
+    result = []
+    for name, info in parse_ifconfig(ifconfig).items():
+        if not info["up"] or not info["active"] or not info["addresses"]:
+            continue
+        link = LinkType.LOOPBACK if info["loopback"] else ports.get(name, LinkType.OTHER)
+        result.append(Interface(name, link, tuple(info["addresses"])))
+    return result
+
+
+# -- Linux ------------------------------------------------------------------------------------
+
+ARPHRD_ETHER, ARPHRD_LOOPBACK = 1, 772
+
+
+@dataclass(frozen=True)
+class SysfsLink:
+    """What /sys/class/net/<name> says about an interface."""
+
+    driver: str | None  # basename of device/driver, None for virtual interfaces
+    wireless: bool
+    type: int  # ARPHRD_*
+
+
+def read_sysfs(root: Path = Path("/sys/class/net")) -> dict[str, SysfsLink]:
+    out = {}
+    for entry in sorted(root.iterdir()) if root.exists() else []:
+        driver_link = entry / "device" / "driver"
+        driver = os.path.basename(os.readlink(driver_link)) if driver_link.is_symlink() else None
+        try:
+            kind = int((entry / "type").read_text().strip())
+        except (OSError, ValueError):
+            kind = 0
+        wireless = (entry / "wireless").exists() or (entry / "phy80211").exists()
+        out[entry.name] = SysfsLink(driver=driver, wireless=wireless, type=kind)
+    return out
+
+
+def classify_linux(name: str, link: SysfsLink | None) -> LinkType:
+    if name == "lo" or (link and link.type == ARPHRD_LOOPBACK):
+        return LinkType.LOOPBACK
+    if (link and link.driver in ("thunderbolt-net", "thunderbolt_net")) or name.startswith("thunderbolt"):
+        return LinkType.THUNDERBOLT
+    if link is None:
+        return LinkType.OTHER
+    if link.wireless:
+        return LinkType.WIFI
+    if link.type == ARPHRD_ETHER and link.driver is not None:
+        return LinkType.ETHERNET
+    return LinkType.OTHER  # veth, bridges, tunnels
+
+
+def parse_ip_addr_json(text: str) -> dict[str, dict]:
+    """`ip -j addr` -> {name: {"addresses": [cidr...], "up": bool}}."""
+    out = {}
+    for entry in json.loads(text or "[]"):
+        addresses = [
+            f"{a['local']}/{a['prefixlen']}"
+            for a in entry.get("addr_info", [])
+            if a.get("family") in ("inet", "inet6") and "local" in a
+        ]
+        out[entry["ifname"]] = {"addresses": addresses, "up": "UP" in entry.get("flags", [])}
+    return out
+
+
+def linux_interfaces(ip_json: str, sysfs: dict[str, SysfsLink]) -> list[Interface]:
+    result = []
+    for name, info in parse_ip_addr_json(ip_json).items():
+        if info["up"] and info["addresses"]:
+            result.append(Interface(name, classify_linux(name, sysfs.get(name)), tuple(info["addresses"])))
+    return result
+
+
+# -- this machine -----------------------------------------------------------------------------
+
+
+def _run(*cmd: str) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=10).stdout
+
+
+def local_interfaces() -> list[Interface]:
+    """This machine's interfaces with addresses, up, each with its link type."""
+    try:
+        if sys.platform == "darwin":
+            return macos_interfaces(_run("networksetup", "-listallhardwareports"), _run("ifconfig"))
+        return linux_interfaces(_run("ip", "-j", "addr"), read_sysfs())
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        log.warning("could not list network interfaces: %s", e)
+        return []
+
+
+def interfaces_for(addresses: list[str], interfaces: list[Interface]) -> list[Interface]:
+    """The interfaces that hold any of `addresses` (plain IPs)."""
+    wanted = {ipaddress.ip_address(strip_scope(a)[0]) for a in addresses}
+    return [i for i in interfaces if any(n.ip in wanted for n in i.networks())]

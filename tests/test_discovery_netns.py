@@ -1,0 +1,366 @@
+"""Cluster formation over real multicast between network namespaces.
+
+Topology (all inside namespaces this test creates; nothing touches the machine's own interfaces):
+a bridge in its own namespace, four hosts on it over veth pairs (10.77.0.1-4/24), and a direct
+"thunderbolt0" veth link between hosts 2 and 3 with IPv6 link-local addresses only. Hosts 1-3 run `mtpipe launch` for
+cluster "lab" with different memory offers; host 4 runs a node of cluster "other". Zeroconf is bound
+to each host's 10.77.0.x address only.
+
+A fifth host has only its loopback, where the same command falls back to a single node.
+
+Checked: the three nodes find each other and elect node-a, which places the model in proportion to
+memory and picks the Thunderbolt link (a scoped IPv6 link-local address) for the b -> c hop; the other cluster's node is ignored;
+greedy generation through the namespaces is token-identical to single-node; the lone host serves
+the whole model locally; RPCs without the secret are refused with UNAUTHENTICATED; `mtpipe health`
+finds the nodes by zeroconf and reports them; a node that stops is seen to leave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from helpers import PROMPTS
+from mtpipe.coordinator.engine import GenerationRequest, local_engine
+from mtpipe.coordinator.placement import (
+    GiB,
+    NodeResources,
+    model_footprint,
+    order_nodes,
+    plan_layers,
+)
+from mtpipe.models.registry import DEMO_MODEL
+
+pytestmark = pytest.mark.netns
+
+PREFIX = "mtpz"  # namespaces are named mtpz<pid>-<role>, so leftovers of a dead run can be told apart
+SECRET = "lab-secret-7f3a"
+PORT = 52700
+API_PORT = 8123
+MEMORY_GIB = {1: 2.5, 2: 8.5, 3: 2.5}  # what each node offers; placement must follow it
+RESERVE_GIB = 0.5
+START_TIMEOUT = 90.0
+MAX_TOKENS = 24
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    r = _ip("netns", "add", probe, check=False)
+    if r.returncode != 0:
+        return f"`ip netns add` does not work here: {r.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+def _kill_namespace(name: str) -> None:
+    pids = _ip("netns", "pids", name, check=False).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    _ip("netns", "del", name, check=False)
+
+
+def clean_stale_namespaces() -> None:
+    """Namespaces left by a run that crashed (its pid is gone)."""
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            _kill_namespace(name)
+
+
+class Topology:
+    def __init__(self) -> None:
+        self.tag = f"{PREFIX}{os.getpid()}"
+        self.bridge = f"{self.tag}-br"
+        self.hosts = {i: f"{self.tag}-h{i}" for i in (1, 2, 3, 4, 5)}  # 5: loopback only, no peers
+        self.created: list[str] = []
+
+    def _add(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self.created.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+
+    def create(self) -> None:
+        self._add(self.bridge)
+        _ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.bridge, "link", "set", "br0", "up")
+        for i, ns in self.hosts.items():
+            self._add(ns)
+            if i == 5:
+                continue
+            _ip("-n", ns, "link", "add", "lan0", "type", "veth", "peer", "name", f"p{i}", "netns", self.bridge)
+            _ip("-n", self.bridge, "link", "set", f"p{i}", "master", "br0", "up")
+            _ip("-n", ns, "addr", "add", f"10.77.0.{i}/24", "dev", "lan0")
+            _ip("-n", ns, "link", "set", "lan0", "up")
+        # A point-to-point link with only IPv6 link-local addresses, as a Thunderbolt cable gets them.
+        h2, h3 = self.hosts[2], self.hosts[3]
+        _ip("-n", h2, "link", "add", "thunderbolt0", "type", "veth", "peer", "name", "thunderbolt0", "netns", h3)
+        for ns in (h2, h3):
+            _ip("-n", ns, "link", "set", "thunderbolt0", "up")
+
+    def link_local(self, host: int, dev: str) -> str:
+        info = json.loads(_ip("-n", self.hosts[host], "-j", "addr", "show", dev).stdout)
+        return next(a["local"] for a in info[0]["addr_info"] if a["family"] == "inet6")
+
+    def destroy(self) -> None:
+        for name in reversed(self.created):
+            _kill_namespace(name)
+
+    def argv(self, host: int, *cmd: str) -> list[str]:
+        return ["ip", "netns", "exec", self.hosts[host], *cmd]
+
+
+class Proc:
+    """A process in a namespace: JSON lines of stdout become events, stderr is kept for assertions."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.events: queue.Queue = queue.Queue()
+        self.stderr: list[str] = []
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        for line in self.p.stdout:
+            if line.startswith("{"):
+                self.events.put(json.loads(line))
+        self.events.put(None)
+
+    def _read_stderr(self) -> None:
+        for line in self.p.stderr:
+            with self.changed:
+                self.stderr.append(line)
+                self.changed.notify_all()
+
+    def event(self, kind: str, timeout: float = START_TIMEOUT) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ev = self.events.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise AssertionError(f"no {kind!r} event within {timeout:.0f} s:\n{self.log()}") from None
+            if ev is None:
+                raise AssertionError(f"exited ({self.p.wait()}) before a {kind!r} event:\n{self.log()}")
+            if ev["event"] == kind:
+                return ev
+
+    def wait_stderr(self, text: str, timeout: float) -> None:
+        with self.changed:
+            if not self.changed.wait_for(lambda: any(text in line for line in self.stderr), timeout):
+                raise AssertionError(f"{text!r} not logged within {timeout:.0f} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return "".join(self.stderr[-40:])
+
+    def terminate(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+
+    def stop(self) -> int:
+        self.terminate()
+        try:
+            return self.p.wait(15)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            return self.p.wait()
+
+
+@pytest.fixture(scope="module")
+def topology():
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    clean_stale_namespaces()
+    topo = Topology()
+    try:
+        topo.create()
+        yield topo
+    finally:
+        topo.destroy()
+
+
+@pytest.fixture(scope="module")
+def model_path(dense_ckpt: Path) -> Path:
+    return DEMO_MODEL if (DEMO_MODEL / "config.json").exists() else dense_ckpt
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MTPIPE_SECRET", "MTPIPE_CONFIG", "MTPIPE_STATE_DIR")}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def cluster(topology: Topology, model_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("cluster")
+    config = root / "cluster.yaml"
+    config.write_text(
+        f"name: lab\nmodel: {model_path}\ndtype: float32\nmtp_depth: 2\nnode:\n  host: '::'\n"
+        f"placement:\n  reserve_gib: {RESERVE_GIB}\n"
+        f"discovery:\n  expect: 3\n  settle: {START_TIMEOUT}\n"
+        f"api:\n  host: 127.0.0.1\n  port: {API_PORT}\n"
+    )
+    procs: dict[int, Proc] = {}
+    cli = [sys.executable, "-m", "mtpipe.coordinator.cli", "-v", "launch", "--json", "--config", str(config)]
+    try:
+        # The other cluster's node first, advertising before the lab forms, so that the coordinator
+        # has seen (and ignored) it by the time it places the model.
+        for i, node in ((4, "node-x"), (1, "node-a"), (2, "node-b"), (3, "node-c")):
+            state = root / f"state{i}"
+            state.mkdir()
+            (state / "node_id").write_text(node + "\n")
+            extra = ["--cluster", "other", "--expect", "2"] if i == 4 else ["--max-memory", str(MEMORY_GIB[i])]
+            argv = topology.argv(i, *cli, "--interface", f"10.77.0.{i}", "--state-dir", str(state), *extra)
+            procs[i] = Proc(argv, _env(MTPIPE_SECRET=SECRET))
+            if i == 4:
+                procs[4].event("node")
+        # Alone on its loopback, with the same command: the single-node fallback.
+        state = root / "state5"
+        state.mkdir()
+        argv = topology.argv(5, *cli, "--interface", "127.0.0.1", "--state-dir", str(state), "--settle", "1")
+        procs[5] = Proc(argv, _env(MTPIPE_SECRET=SECRET))
+        serving = procs[1].event("serving")
+        followers = [procs[i].event("follower") for i in (2, 3)]
+        yield {"procs": procs, "serving": serving, "followers": followers, "config": config}
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.stop()
+
+
+def run_in(topology: Topology, host: int, argv: list[str], env: dict[str, str], timeout: float = 60.0):
+    return subprocess.run(topology.argv(host, *argv), capture_output=True, text=True, env=env, timeout=timeout, check=False)
+
+
+def mtpipe(topology: Topology, host: int, *args: str, secret: str | None = SECRET) -> tuple[int, dict]:
+    env = _env(**({"MTPIPE_SECRET": secret} if secret else {}))
+    r = run_in(topology, host, [sys.executable, "-m", "mtpipe.coordinator.cli", *args], env)
+    assert r.stdout.startswith("{"), r.stderr
+    return r.returncode, json.loads(r.stdout)
+
+
+def test_election_placement_and_links(cluster: dict, topology: Topology, model_path: Path) -> None:
+    serving = cluster["serving"]
+    assert [f["coordinator"] for f in cluster["followers"]] == ["node-a", "node-a"]  # lowest id, no --coordinator
+    assert serving["discovered"] == ["node-a", "node-b", "node-c"]
+    assert serving["ignored"] == ["mtpipe-node-x._mtpipe._tcp.local."]  # cluster "other"
+    # The placement the coordinator computed from the advertised memory (TXT) and links.
+    offered = {"node-a": MEMORY_GIB[1], "node-b": MEMORY_GIB[2], "node-c": MEMORY_GIB[3]}
+    nodes = [NodeResources(n, int((gib - RESERVE_GIB) * GiB)) for n, gib in offered.items()]
+    expected = plan_layers(model_footprint(model_path), order_nodes(nodes, first="node-a"))
+    assert [(p["node"], p["layers"]) for p in serving["placement"]] == [(s.node_id, [s.start, s.end]) for s in expected]
+    assert [p["layers"][1] - p["layers"][0] for p in serving["placement"]] != [3, 3, 2]  # not an even split
+    a_b, b_c = serving["links"]
+    assert (a_b["target"], a_b["address"], a_b["link"]) == ("node-b", f"10.77.0.2:{PORT}", "other")
+    # b and c share a Thunderbolt link the coordinator is not on: that hop uses c's link-local
+    # address there, scoped by b's interface.
+    tb_hop = f"[{topology.link_local(3, 'thunderbolt0')}%thunderbolt0]:{PORT}"
+    assert (b_c["source"], b_c["target"], b_c["address"], b_c["link"]) == ("node-b", "node-c", tb_hop, "thunderbolt")
+    assert a_b["rtt_ms"] > 0 and b_c["rtt_ms"] > 0
+
+
+CLIENT = """
+import json, sys, urllib.request
+out = []
+for prompt, depth in json.loads(sys.argv[1]):
+    body = {"prompt": prompt, "max_tokens": %d, "temperature": 0, "mtp_depth": depth}
+    req = urllib.request.Request("http://127.0.0.1:%d/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    r = json.load(urllib.request.urlopen(req, timeout=60))
+    out.append({"text": r["choices"][0]["text"], "tokens": r["usage"]["completion_tokens"], "mtp": r["usage"].get("mtp")})
+print(json.dumps(out))
+""" % (MAX_TOKENS, API_PORT)
+
+
+@pytest.fixture(scope="module")
+def single_node(model_path: Path):
+    return local_engine(model_path, dtype=mx.float32)
+
+
+def check_generation(topology: Topology, host: int, single_node, proc: Proc) -> None:
+    """Greedy completions through the API on `host` equal the in-process single-node engine's."""
+    cases = [(p, d) for p in PROMPTS[:3] for d in (0, 2)]
+    r = run_in(topology, host, [sys.executable, "-c", CLIENT, json.dumps(cases)], _env())
+    assert r.returncode == 0, r.stderr + proc.log()
+    for (prompt, depth), got in zip(cases, json.loads(r.stdout)):
+        prompt_tokens = single_node.tokenizer.encode(prompt)
+        ref = single_node.complete(GenerationRequest(prompt_tokens, max_tokens=MAX_TOKENS, mtp_depth=depth))
+        assert (got["text"], got["tokens"]) == (ref.text, len(ref.tokens)), f"diverged on {prompt!r} at depth {depth}"
+        if depth:
+            assert got["mtp"]["drafted"] > 0
+
+
+def test_generation_matches_single_node(cluster: dict, topology: Topology, single_node) -> None:
+    check_generation(topology, 1, single_node, cluster["procs"][1])
+
+
+def test_single_node_fallback(cluster: dict, topology: Topology, single_node) -> None:
+    solo = cluster["procs"][5]
+    serving = solo.event("serving")
+    assert [p["layers"] for p in serving["placement"]] == [[0, single_node.pipeline.stages[0].spec.end]]
+    assert serving["links"] == [] and serving["discovered"] == [serving["placement"][0]["node"]]
+    check_generation(topology, 5, single_node, solo)
+    rc, report = mtpipe(topology, 5, "health", "--json", "--config", str(cluster["config"]), "--interface", "127.0.0.1")
+    assert rc == 0 and [n["address"] for n in report["nodes"]] == [f"127.0.0.1:{PORT}"]
+    assert report["nodes"][0]["tokens_processed"] > 0  # the local engine's stage, reported by the node server
+
+
+def test_rpcs_without_the_secret_are_refused(cluster: dict, topology: Topology) -> None:
+    for secret in (None, "wrong"):
+        rc, report = mtpipe(topology, 1, "health", "--json", f"10.77.0.2:{PORT}", "10.77.0.3", secret=secret)
+        assert rc == 2 and report["status"] == "unreachable"
+        assert [n["problems"] for n in report["nodes"]] == [["UNAUTHENTICATED: missing or wrong cluster secret"]] * 2
+
+
+def test_health_by_zeroconf(cluster: dict, topology: Topology) -> None:
+    r = run_in(topology, 1, [sys.executable, "-c", CLIENT, json.dumps([[PROMPTS[0], 2]])], _env())
+    assert r.returncode == 0, r.stderr
+    rc, report = mtpipe(topology, 1, "health", "--json", "--config", str(cluster["config"]), "--interface", "10.77.0.1")
+    assert rc == 0 and report["status"] == "healthy", report
+    by_id = {n["node_id"]: n for n in report["nodes"]}
+    assert sorted(by_id) == ["node-a", "node-b", "node-c"]  # node-x is in another cluster
+    placement = {p["node"]: p["layers"] for p in cluster["serving"]["placement"]}
+    for node_id, n in by_id.items():
+        assert n["layers"] == placement[node_id] and n["version"] and n["uptime_s"] > 0
+        assert n["tokens_processed"] > 0 and n["mean_step_ms"] > 0 and n["active_sequences"] == 0
+        assert n["memory_available"] > 0 and n["last_error"] is None
+    assert by_id["node-b"]["next"] == cluster["serving"]["links"][1]["address"] and by_id["node-b"]["next_rtt_ms"] > 0
+    assert by_id["node-c"]["next"] is None  # the last stage
+    # A reachable node holding no shard (the other cluster's, still waiting for peers) is degraded.
+    rc, report = mtpipe(topology, 1, "health", "--json", f"10.77.0.4:{PORT}")
+    assert rc == 1 and report["nodes"][0]["problems"] == ["no shard loaded"]
+
+
+def test_a_node_that_stops_is_seen_leaving(cluster: dict, topology: Topology) -> None:
+    node_c = cluster["procs"][3]
+    rc = node_c.stop()
+    assert rc == 0, f"node-c exited with {rc}:\n{node_c.log()}"
+    cluster["procs"][1].wait_stderr("node node-c of the pipeline left", timeout=30)
+    rc, report = mtpipe(topology, 1, "health", "--json", f"10.77.0.1:{PORT}", f"10.77.0.2:{PORT}", f"10.77.0.3:{PORT}")
+    assert rc == 2 and [n["status"] for n in report["nodes"]] == ["healthy", "degraded", "unreachable"], report
+    assert f"next stage {cluster['serving']['links'][1]['address']} unreachable" in report["nodes"][1]["problems"]
