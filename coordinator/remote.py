@@ -279,7 +279,7 @@ class RemotePipeline:
         elif kind == "error":
             e = event.error
             if not e.seq_id:  # a broken link between nodes: every step in flight is lost
-                self._fail_all(NodeFailure(e.node, e.message))
+                self._fail_all(NodeFailure(e.node, f"died or stopped answering ({e.message})"))
                 return
             with self._lock:
                 w = self._waiters.get((e.seq_id, e.step))
