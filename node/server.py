@@ -19,7 +19,6 @@ import asyncio
 import hmac
 import logging
 import os
-import platform
 import socket
 import subprocess
 import threading
@@ -34,6 +33,7 @@ import grpc
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .protocol import Commit, SamplingParams, StageError, StepKind, StepOutput, StepRequest
+from .sysinfo import memory
 
 if TYPE_CHECKING:
     from .worker import StageWorker
@@ -612,30 +612,13 @@ def _bracket(host: str) -> str:
 
 
 def system_memory() -> tuple[int, int]:
-    """(used, available) bytes for the whole machine: /proc/meminfo on Linux, sysctl + vm_stat on macOS."""
+    """(used, available) bytes for the whole machine; (0, 0) when it cannot be read."""
     try:
-        if platform.system() == "Linux":
-            info = {}
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    k, v = line.split(":", 1)
-                    info[k] = int(v.split()[0]) * 1024
-            total, avail = info["MemTotal"], info.get("MemAvailable", info.get("MemFree", 0))
-            return total - avail, avail
-        if platform.system() == "Darwin":
-            total = int(subprocess.check_output(["sysctl", "-n", "hw.memsize"], timeout=2))
-            out = subprocess.check_output(["vm_stat"], text=True, timeout=2)
-            page = int(out.split("page size of", 1)[1].split()[0])
-            pages = {}
-            for line in out.splitlines()[1:]:
-                if ":" in line:
-                    k, v = line.split(":", 1)
-                    pages[k.strip()] = int(v.strip().rstrip("."))
-            avail = page * sum(pages.get(k, 0) for k in ("Pages free", "Pages inactive", "Pages speculative"))
-            return total - avail, avail
+        info = memory()
     except (OSError, ValueError, IndexError, KeyError, subprocess.SubprocessError):
         log.debug("cannot read system memory", exc_info=True)
-    return 0, 0
+        return 0, 0
+    return info.total - info.available, info.available
 
 
 def _arrays_in(obj: Any, seen: set[int] | None = None) -> list:
