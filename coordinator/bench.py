@@ -24,7 +24,8 @@ def bench_prompts(n: int) -> list[str]:
     return heldout_prompts(n)
 
 
-def _time_mlx_lm(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+def time_mlx_lm(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    """mlx-lm's stream_generate: its tokens and decode speed, measured the way the engine's is."""
     from mlx_lm import stream_generate
 
     tokens, first, last = [], None, None
@@ -119,11 +120,11 @@ def bench_engine(
     accepted = {k: 0 for k in depths}
     per_position: dict[int, list[float]] = {}
     # Warm up every path once (compilation, allocator).
-    _time_mlx_lm(ref_model, ref_tok, encoded[0], 8)
+    time_mlx_lm(ref_model, ref_tok, encoded[0], 8)
     for k in [0] + depths:
         _time_engine(engine, encoded[0], 8, k)
     for prompt in encoded:
-        toks, tps = _time_mlx_lm(ref_model, ref_tok, prompt, max_tokens)
+        toks, tps = time_mlx_lm(ref_model, ref_tok, prompt, max_tokens)
         outputs["mlx_lm"].append(toks)
         speeds["mlx_lm"].append(tps)
         for k in [0] + depths:

@@ -15,8 +15,9 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from .bench import time_mlx_lm
 
 RESULT_PREFIX = "MTPIPE_RING_RESULT "
 
@@ -38,21 +39,6 @@ def with_weight_index(model_path: Path) -> Path:
     return out
 
 
-def time_generate(model, tokenizer, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    """Decode speed as mtpipe's bench measures it: (tokens - 1) / (last token time - first token time)."""
-    from mlx_lm import stream_generate
-
-    tokens, first, last = [], None, None
-    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
-        now = time.perf_counter()
-        first = first or now
-        last = now
-        if r.finish_reason == "stop" and r.token in tokenizer.eos_token_ids:
-            break
-        tokens.append(r.token)
-    return tokens, (len(tokens) - 1) / (last - first) if last and last > first else 0.0
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -66,10 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     group = mx.distributed.init(strict=True)
     model, tokenizer = sharded_load(str(with_weight_index(Path(args.model))), pipeline_group=group)
     prompts = json.loads(Path(args.prompts).read_text())
-    time_generate(model, tokenizer, prompts[0], 8)  # warm-up, in lockstep on every rank
+    time_mlx_lm(model, tokenizer, prompts[0], 8)  # warm-up, in lockstep on every rank
     speeds, outputs = [], []
     for prompt in prompts:
-        tokens, tps = time_generate(model, tokenizer, prompt, args.max_tokens)
+        tokens, tps = time_mlx_lm(model, tokenizer, prompt, args.max_tokens)
         speeds.append(tps)
         outputs.append(tokens)
     if group.rank() == 0:
