@@ -7,10 +7,11 @@ naming it, and malformed frames are refused without touching state.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,12 +42,6 @@ MAX_TOKENS = 24
 # -- node processes -------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def node_processes(n: int, secret: str | None = None) -> Iterator[list[tuple[subprocess.Popen, str]]]:
     """n `mtpipe node` processes on 127.0.0.1, ready (they answer Ping); always killed afterwards."""
@@ -54,13 +49,18 @@ def node_processes(n: int, secret: str | None = None) -> Iterator[list[tuple[sub
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         for _ in range(n):
-            port = free_port()
-            cmd = [sys.executable, "-m", "mtpipe.coordinator.cli", "node", "--host", "127.0.0.1", "--port", str(port)]
+            # Port 0: each node binds a port of its own and reports it (no free-port race between nodes).
+            cmd = [sys.executable, "-m", "mtpipe.coordinator.cli", "node", "--host", "127.0.0.1", "--port", "0", "--json"]
             if secret:
                 cmd += ["--secret", secret]
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                     preexec_fn=die_with_parent)  # no orphans even if pytest is killed
-            procs.append((proc, f"127.0.0.1:{port}"))
+            procs.append((proc, ""))
+        for i, (proc, _) in enumerate(procs):
+            ready, _, _ = select.select([proc.stdout], [], [], 120)
+            line = proc.stdout.readline() if ready else ""
+            assert line, f"node {i} printed no address (exit code {proc.poll()})"
+            procs[i] = (proc, json.loads(line)["address"])
         wait_for_nodes([a for _, a in procs], timeout=120, secret=secret)
         yield procs
     finally:
