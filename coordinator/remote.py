@@ -170,7 +170,7 @@ class RemotePipeline:
         *,
         secret: str | None = None,
         step_timeout: float = 600.0,
-        connect_timeout: float = 5.0,
+        connect_timeout: float = 15.0,  # a live node under load can be slow to accept; dead ones fail at once
     ):
         if not nodes:
             raise ValueError("a pipeline needs at least one node")
