@@ -192,6 +192,16 @@ def test_sse_wire_format(server: LiveServer) -> None:
 # -- concurrency and disconnects ------------------------------------------------------------------
 
 
+def chat_one(client: Any, messages: list, max_tokens: int, stream: bool) -> str:
+    """One greedy chat completion through the openai client, streamed or not; returns its text."""
+    if stream:
+        chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                                temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+    return r.choices[0].message.content
+
+
 def test_eight_concurrent_requests(engine: Engine, server: LiveServer, client: Any) -> None:
     n, max_tokens = 8, 10
     prompts = [chat(p) for p in PROMPTS[:n]]
@@ -201,14 +211,7 @@ def test_eight_concurrent_requests(engine: Engine, server: LiveServer, client: A
 
     def one(i: int) -> None:
         try:
-            if i % 2:
-                stream = client.chat.completions.create(model=MODEL, messages=prompts[i], max_tokens=max_tokens,
-                                                        temperature=0, stream=True)
-                results[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-            else:
-                r = client.chat.completions.create(model=MODEL, messages=prompts[i], max_tokens=max_tokens,
-                                                   temperature=0)
-                results[i] = r.choices[0].message.content
+            results[i] = chat_one(client, prompts[i], max_tokens, stream=bool(i % 2))
         except BaseException as e:  # reported below
             errors.append(e)
 
@@ -479,14 +482,7 @@ def test_grpc_pipeline_concurrency_and_disconnect(engine: Engine, grpc_nodes: tu
 
         def one(i: int) -> None:
             try:
-                if i % 2:
-                    stream = client.chat.completions.create(model=MODEL, messages=prompts[i], max_tokens=max_tokens,
-                                                            temperature=0, stream=True)
-                    results[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-                else:
-                    r = client.chat.completions.create(model=MODEL, messages=prompts[i], max_tokens=max_tokens,
-                                                       temperature=0)
-                    results[i] = r.choices[0].message.content
+                results[i] = chat_one(client, prompts[i], max_tokens, stream=bool(i % 2))
             except BaseException as e:  # reported below
                 errors.append(e)
 

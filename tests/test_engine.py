@@ -11,7 +11,6 @@ import mlx.core as mx
 import pytest
 
 from mtpipe.coordinator.engine import Engine, GenerationRequest
-from mtpipe.coordinator.pipeline import LocalPipeline
 from mtpipe.models.loading import load_shard
 from mtpipe.models.shard import ShardSpec
 from mtpipe.node.protocol import Commit, SamplingParams, StageError, StepKind, StepRequest
