@@ -2,7 +2,9 @@
 
 One round sends [y, d1..dK] to the first stage with the previous round's commit; the last stage
 verifies, accepts, drafts again and returns token ids. The engine only decides when to stop and
-keeps the statistics. Single-node mode is the same engine over a one-stage pipeline.
+keeps the statistics. Single-node mode is the same engine over a one-stage pipeline. Each step says
+how many tokens the engine still wants and which tokens end the sequence, so a remote last node can
+start the next round itself (see coordinator/remote.py); the engine's loop is the same either way.
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ class Engine:
         seq_id = uuid.uuid4().hex
         stats = GenerationStats(prompt_tokens=len(req.prompt_tokens))
         text = _TextStream(self.tokenizer, req.stop)
+        stop_tokens = tuple(sorted(self.eos))
         step = 0
         try:
             t0 = time.perf_counter()
@@ -187,6 +190,7 @@ class Engine:
                         seq_id, step, StepKind.PREFILL, chunk, final=final,
                         params=req.params if step == 0 else None,
                         mtp_depth=req.mtp_depth if step == 0 else 0,
+                        budget=req.max_tokens if final else 0, stop_tokens=stop_tokens if final else (),
                     )
                 )
                 step += 1
@@ -214,7 +218,8 @@ class Engine:
                     break
                 yield GenerationChunk(text=text.release(final=False), tokens=new)
                 out = self.pipeline.step(
-                    StepRequest(seq_id, step, StepKind.DECODE, [out.tokens[-1]] + out.drafts, commit=out.commit)
+                    StepRequest(seq_id, step, StepKind.DECODE, [out.tokens[-1]] + out.drafts, commit=out.commit,
+                                budget=req.max_tokens - len(generated), stop_tokens=stop_tokens)
                 )
                 stats.record_round(out)
                 step += 1

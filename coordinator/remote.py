@@ -2,8 +2,12 @@
 
 A step is one trip around a ring: a Frame goes out on one long-lived stream to the first node, the
 nodes pass hidden states along among themselves, and the last node's StepResult comes back on a
-Subscribe stream. The commit of a round rides on the next round's frame, and a release travels the
-same stream behind the sequence's last step, so a decode round costs one message out and one back.
+Subscribe stream. The commit of a round rides on the next round's frame. Decode rounds go further:
+the engine's steps carry how many tokens it still wants, so the last node starts the next round
+itself, straight to the first node, and says so in its result (`continued`). The engine's request
+for that step then only waits for its result: a decode round is one trip around the nodes, with the
+coordinator off the path. A release travels the coordinator's stream behind the sequence's last step;
+a round the last node started meanwhile is dropped by the first node.
 
 Failures: every node also holds a Subscribe stream to this client, so a node that refuses a step
 (INVALID_ARGUMENT) answers at once, a node process that dies breaks its stream at once, and a node
@@ -77,6 +81,7 @@ class FrameStream:
         self.stub = pb_grpc.NodeStub(self.channel)
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue | None = None
+        self._watcher: threading.Thread | None = None
         self._closed = False
 
     def send(self, frame: pb.Frame) -> None:
@@ -96,7 +101,8 @@ class FrameStream:
 
         call = self.stub.Forward(frames(), metadata=secret_metadata(self.secret))
         self._queue = q
-        threading.Thread(target=self._watch, args=(call, q), name=f"stream-{self.target}", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, args=(call, q), name=f"stream-{self.target}", daemon=True)
+        self._watcher.start()
 
     def _watch(self, call: Any, q: queue.SimpleQueue) -> None:
         error: Exception | None = None
@@ -115,12 +121,15 @@ class FrameStream:
             if self.on_error is not None:
                 self.on_error(self.target, error)
 
-    def close(self) -> None:
+    def close(self, drain: float = 2.0) -> None:
         with self._lock:
             self._closed = True
             if self._queue is not None:
                 self._queue.put(None)  # half-close: the node finishes what it has and ends the call
             self._queue = None
+        if self._watcher is not None:
+            # Closing the channel cancels the call: frames still queued (a release) would be lost.
+            self._watcher.join(drain)
         self.channel.close()
 
 
@@ -130,6 +139,9 @@ class _Waiter:
     decode: bool = False
     output: StepOutput | None = None
     error: Exception | None = None
+    # A step the last node started itself: the tokens and commit it sent, until the engine asks for it.
+    started: tuple[list[int], StepOutput] | None = None
+    claimed: bool = False
 
     def set(self, output: StepOutput | None = None, error: Exception | None = None) -> None:
         if not self.done.is_set():
@@ -171,6 +183,7 @@ class RemotePipeline:
         secret: str | None = None,
         step_timeout: float = 600.0,
         connect_timeout: float = 15.0,  # a live node under load can be slow to accept; dead ones fail at once
+        ring: bool = True,
     ):
         if not nodes:
             raise ValueError("a pipeline needs at least one node")
@@ -178,6 +191,7 @@ class RemotePipeline:
         self.secret = secret
         self.step_timeout = step_timeout
         self.connect_timeout = connect_timeout
+        self.ring = ring  # let the last node start decode rounds (False: this side sends every round)
         self.client_id = uuid.uuid4().hex
         self.nodes = [_Node(a, secret) for a in nodes]
         self.stats = WireStats()
@@ -202,6 +216,7 @@ class RemotePipeline:
             pb.LoadRequest(
                 model_path=path, start=s.start, end=s.end, num_layers=s.num_layers, mtp=mtp, dtype=dtype or "",
                 next=self.addresses[i + 1] if i + 1 < len(self.nodes) else "", node_name=n.address,
+                ring=self.addresses[0] if i + 1 == len(self.nodes) else "",
             )
             for i, (n, s) in enumerate(zip(self.nodes, specs))
         ]
@@ -267,15 +282,20 @@ class RemotePipeline:
         self.stats.bytes_received += size
         kind = event.WhichOneof("kind")
         if kind == "result":
-            key = (event.result.seq_id, event.result.step)
+            out = result_to_output(event.result)
+            key = (out.seq_id, out.step)
             with self._lock:
                 w = self._waiters.get(key)
+                if w is not None and out.continued:
+                    # Registered before this result is handed over, so the next one always finds it.
+                    nxt = _Waiter(decode=True, started=([out.tokens[-1], *out.drafts], out))
+                    self._waiters.setdefault((out.seq_id, out.step + 1), nxt)
             if w is None:
                 log.debug("late result for %s step %d dropped", *key)
                 return
             if w.decode:
                 self.stats.decode_bytes_received += size
-            w.set(output=result_to_output(event.result))
+            w.set(output=out)
         elif kind == "error":
             e = event.error
             if not e.seq_id:  # a broken link between nodes: every step in flight is lost
@@ -301,13 +321,20 @@ class RemotePipeline:
     def step(self, req: StepRequest) -> StepOutput:
         if self._closed:
             raise RuntimeError("the pipeline is closed")
-        frame = request_to_frame(req, self.client_id)
         key = (req.seq_id, req.step)
-        waiter = _Waiter(decode=req.kind is StepKind.DECODE)
         with self._lock:
-            if key in self._waiters:
+            waiter = self._waiters.get(key)
+            if waiter is not None and waiter.started is not None and not waiter.claimed:
+                waiter.claimed = True
+            elif waiter is not None:
                 raise StageError(f"step {req.step} of {req.seq_id!r} is already in flight")
-            self._waiters[key] = waiter
+            else:
+                waiter = self._waiters[key] = _Waiter(decode=req.kind is StepKind.DECODE)
+        if waiter.claimed:
+            return self._claim(waiter, req)
+        frame = request_to_frame(req, self.client_id)
+        if not self.ring:
+            frame.budget = 0
         try:
             # Registered first, then connected: a subscription lost from here on fails this waiter.
             self._connect()
@@ -323,6 +350,18 @@ class RemotePipeline:
             with self._lock:
                 self._waiters.pop(key, None)
 
+    def _claim(self, waiter: _Waiter, req: StepRequest) -> StepOutput:
+        """The last node already started this step: wait for its result."""
+        try:
+            tokens, prev = waiter.started
+            if req.kind is not StepKind.DECODE or req.tokens != tokens or req.commit != prev.commit:
+                raise StageError(f"step {req.step} of {req.seq_id!r} differs from the round the last node started")
+            self.stats.decode_rounds += 1
+            return self._wait(waiter, req)
+        finally:
+            with self._lock:
+                self._waiters.pop((req.seq_id, req.step), None)
+
     def _wait(self, waiter: _Waiter, req: StepRequest) -> StepOutput:
         # Dead and silent nodes end the wait through their Subscribe streams; the timeout is a backstop
         # for a node that keeps its connection alive but never answers.
@@ -336,6 +375,9 @@ class RemotePipeline:
         """Drop the sequence on every node: one frame behind its last step, no waiting."""
         if self._closed:
             return
+        with self._lock:  # rounds the last node started that nobody will ask for
+            for key in [k for k, w in self._waiters.items() if k[0] == seq_id and not w.claimed and w.started]:
+                del self._waiters[key]
         try:
             self._first.send(pb.Frame(client_id=self.client_id, seq_id=seq_id, kind=pb.RELEASE))
         except RuntimeError:

@@ -57,6 +57,10 @@ class StepRequest:
     commit: Commit | None = None  # outcome of the previous decode step, applied before this one
     params: SamplingParams | None = None  # with step 0: how the last stage samples
     mtp_depth: int = 0  # with step 0: drafts per round (0 = no speculation)
+    # Tokens still wanted from this step on, and the tokens that end the sequence: with them a remote
+    # last node starts the next round itself (see node/server.py). In-process stages ignore both.
+    budget: int = 0
+    stop_tokens: tuple[int, ...] = ()
 
 
 @dataclass
@@ -70,3 +74,4 @@ class StepOutput:
     drafted: int = 0
     drafts: list[int] = field(default_factory=list)  # the next round's drafts
     commit: Commit | None = None  # to echo to every stage with the next step
+    continued: bool = False  # the last node has already started the next step (remote pipelines)

@@ -49,6 +49,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 # peer that dies or stops (SIGSTOP, a kernel hang, a pulled cable) is cut off within ~2.5 s, and every
 # call on that connection fails at once. Application pings could not tell a hang from a long step.
 KEEPALIVE_MS = 1000
+RING_PROBE_S = 2.0  # how long the last node tries to reach the first at load
 PING_TIMEOUT_MS = 1500
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -92,6 +93,8 @@ def request_to_frame(req: StepRequest, client_id: str) -> pb.Frame:
         tokens=req.tokens,
         final=req.final,
         mtp_depth=req.mtp_depth,
+        budget=req.budget,
+        stop_tokens=req.stop_tokens,
     )
     if req.commit is not None:
         f.commit.CopyFrom(pb.Commit(step=req.commit.step, accepted=req.commit.accepted, trim=req.commit.trim))
@@ -108,18 +111,21 @@ def frame_to_request(f: pb.Frame) -> StepRequest:
         raise StageError(f"unknown step kind {f.kind}")
     if not f.seq_id:
         raise StageError("a step needs a sequence id")
+    if f.budget < 0:
+        raise StageError(f"budget must be >= 0, got {f.budget}")
     commit = Commit(f.commit.step, f.commit.accepted, f.commit.trim) if f.HasField("commit") else None
     params = None
     if f.HasField("params"):
         p = f.params
         params = SamplingParams(p.temperature, p.top_p, p.top_k, p.min_p, p.seed if p.HasField("seed") else None)
-    return StepRequest(f.seq_id, f.step, _KINDS[f.kind], list(f.tokens), f.final, commit, params, f.mtp_depth)
+    return StepRequest(f.seq_id, f.step, _KINDS[f.kind], list(f.tokens), f.final, commit, params, f.mtp_depth,
+                       f.budget, tuple(f.stop_tokens))
 
 
 def output_to_result(out: StepOutput) -> pb.StepResult:
     r = pb.StepResult(
         seq_id=out.seq_id, step=out.step, tokens=out.tokens, accepted=out.accepted, drafted=out.drafted,
-        drafts=out.drafts,
+        drafts=out.drafts, continued=out.continued,
     )
     if out.commit is not None:
         r.commit.CopyFrom(pb.Commit(step=out.commit.step, accepted=out.commit.accepted, trim=out.commit.trim))
@@ -128,7 +134,20 @@ def output_to_result(out: StepOutput) -> pb.StepResult:
 
 def result_to_output(r: pb.StepResult) -> StepOutput:
     commit = Commit(r.commit.step, r.commit.accepted, r.commit.trim) if r.HasField("commit") else None
-    return StepOutput(r.seq_id, r.step, list(r.tokens), r.accepted, r.drafted, list(r.drafts), commit)
+    return StepOutput(r.seq_id, r.step, list(r.tokens), r.accepted, r.drafted, list(r.drafts), commit, r.continued)
+
+
+def next_round(frame: pb.Frame, out: StepOutput) -> pb.Frame | None:
+    """The frame of the decode round after `out`, if the client still wants tokens and none of them
+    was a stop token: what the client would send next, the commit riding on it as always."""
+    left = frame.budget - len(out.tokens)
+    if frame.budget <= 0 or not out.tokens or left <= 0 or not set(out.tokens).isdisjoint(frame.stop_tokens):
+        return None
+    nxt = pb.Frame(client_id=frame.client_id, seq_id=frame.seq_id, step=frame.step + 1, kind=pb.DECODE,
+                   tokens=[out.tokens[-1], *out.drafts], budget=left, stop_tokens=frame.stop_tokens, ring=True)
+    if out.commit is not None:
+        nxt.commit.CopyFrom(pb.Commit(step=out.commit.step, accepted=out.commit.accepted, trim=out.commit.trim))
+    return nxt
 
 
 def tensor_to_pb(a: Any) -> pb.Tensor:
@@ -153,8 +172,10 @@ def tensor_from_pb(t: pb.Tensor) -> Any:
 class NextStage:
     """The node's Forward stream to the next node, written from the event loop (no thread hop).
 
-    If it breaks, `on_error(target, error)` runs once and the next `send` opens a new stream; frames in
-    flight are lost, which every client learns through that callback.
+    `send` queues the frame and returns at once; one writer task writes them in order (a gRPC call
+    takes one write at a time, and a node may forward frames of two inbound streams: its client's and
+    the ring's). If the stream breaks, `on_error(target, error)` runs once and the next frame opens a
+    new stream; frames in flight are lost, which every client learns through that callback.
     """
 
     def __init__(self, target: str, secret: str | None, on_error: Callable[[str, Exception], None]):
@@ -164,18 +185,28 @@ class NextStage:
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.NodeStub(self.channel)
         self._call: Any = None
-        self._watcher: asyncio.Task | None = None  # held: the loop keeps only weak references to tasks
+        self._queue: asyncio.Queue[pb.Frame] = asyncio.Queue()
+        # Held: the loop keeps only weak references to tasks.
+        self._watcher: asyncio.Task | None = None
+        self._writer: asyncio.Task | None = None
         self._closed = False
 
-    async def send(self, frame: pb.Frame) -> None:
-        if self._call is None:
-            self._call = self.stub.Forward(metadata=secret_metadata(self.secret))
-            self._watcher = asyncio.get_running_loop().create_task(self._watch(self._call))
-        call = self._call
-        try:
-            await call.write(frame)
-        except Exception as e:  # the stream ended under us (AioRpcError, or a write after the end)
-            self._broken(call, e)
+    def send(self, frame: pb.Frame) -> None:
+        self._queue.put_nowait(frame)
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_all())
+
+    async def _write_all(self) -> None:
+        while True:
+            frame = await self._queue.get()
+            if self._call is None:
+                self._call = self.stub.Forward(metadata=secret_metadata(self.secret))
+                self._watcher = asyncio.get_running_loop().create_task(self._watch(self._call))
+            call = self._call
+            try:
+                await call.write(frame)
+            except Exception as e:  # the stream ended under us (AioRpcError, or a write after the end)
+                self._broken(call, e)
 
     async def _watch(self, call: Any) -> None:
         try:
@@ -206,6 +237,8 @@ class NextStage:
 
     async def close(self) -> None:
         self._closed = True
+        if self._writer is not None:
+            self._writer.cancel()
         call, self._call = self._call, None
         if call is not None:
             try:
@@ -257,6 +290,12 @@ class NodeService(pb_grpc.NodeServicer):
         self.key: LoadKey | None = None
         self.next: NextStage | None = None
         self.link_stats = LinkStats()
+        # The last node's link to the first, for the decode rounds it starts itself; a node that is
+        # the whole pipeline starts them in-process.
+        self.ring: NextStage | None = None
+        self.ring_self = False
+        self.ring_stats = LinkStats()
+        self._tasks: set[asyncio.Task] = set()  # in-process rounds (the loop keeps only weak references)
         self.last_error: str | None = None
         self._mlx = threading.Lock()  # a load on the side thread never overlaps a step
         self._load_thread = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="load")
@@ -279,6 +318,7 @@ class NodeService(pb_grpc.NodeServicer):
                     self.last_error = f"load failed: {e}"
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
             await self._set_next(request.next)
+            await self._set_ring(request.ring)
             shard = self.worker.shard
             log.info("%s shard [%d, %d) of %s (%s)", "kept" if reused else "loaded", key.start, key.end,
                      key.model_path, self._dtype_name())
@@ -289,6 +329,7 @@ class NodeService(pb_grpc.NodeServicer):
                 hidden_size=shard.config.args.hidden_size,
                 max_context=shard.config.args.max_position_embeddings,
                 reused=reused,
+                ring=self.ring is not None or self.ring_self,
             )
 
     def _load(self, key: LoadKey) -> None:
@@ -317,6 +358,30 @@ class NodeService(pb_grpc.NodeServicer):
         if self.next is not None:
             await self.next.close()
         self.next = NextStage(target, self.secret, self._next_failed) if target else None
+
+    async def _set_ring(self, target: str) -> None:
+        spec = self.worker.spec
+        self.ring_self = spec.is_first and spec.is_last
+        want = target if spec.is_last and not spec.is_first else ""
+        if self.ring is not None and self.ring.target == want:
+            return
+        if self.ring is not None:
+            await self.ring.close()
+            self.ring = None
+        if not want:
+            return
+        link = NextStage(want, self.secret, self._ring_failed)
+        if await link.ping_ms(timeout=RING_PROBE_S) < 0:
+            # Not fatal: the coordinator then sends every round itself, one hop more per round.
+            log.warning("cannot reach the first node at %s; the client will start every round", want)
+            await link.close()
+            return
+        self.ring = link
+
+    def _ring_failed(self, target: str, error: Exception) -> None:
+        msg = f"lost the stream to the first stage {target}: {describe_rpc_error(error)}"
+        self.last_error = msg
+        self._broadcast(pb.Event(error=pb.Error(code="UNAVAILABLE", message=msg, node=target)))
 
     def _next_failed(self, target: str, error: Exception) -> None:
         # Frames in flight to the next node are lost: every client waiting on this chain must know.
@@ -351,7 +416,11 @@ class NodeService(pb_grpc.NodeServicer):
         if frame.kind == pb.RELEASE:
             self._release(frame.seq_id)
             if self.worker is not None and not self.worker.spec.is_last:
-                await self._forward(frame)
+                self._forward(frame)
+            return
+        if frame.ring and (self.worker is None or frame.seq_id not in self.worker.sequences):
+            # The client released the sequence while the last node was starting this round.
+            log.debug("round %d of released sequence %s dropped", frame.step, frame.seq_id)
             return
         try:
             out = self._run(frame)
@@ -363,12 +432,19 @@ class NodeService(pb_grpc.NodeServicer):
             self._fail(frame, "INTERNAL", f"{type(e).__name__}: {e}")
             return
         if isinstance(out, StepOutput):
-            self._emit(frame.client_id, pb.Event(result=output_to_result(out)))
+            # Only while the client listens: a vanished coordinator must not leave a sequence running.
+            ring = (self.ring is not None or self.ring_self) and frame.client_id in self._subs
+            nxt = next_round(frame, out) if ring else None
+            out.continued = nxt is not None
+            event = pb.Event(result=output_to_result(out))
+            if nxt is not None:
+                self._start_round(nxt)  # first: the first node starts computing at once
+            self._emit(frame.client_id, event)
         else:
             frame.hidden.CopyFrom(out)
-            await self._forward(frame)
+            self._forward(frame)
 
-    async def _forward(self, frame: pb.Frame) -> None:
+    def _forward(self, frame: pb.Frame) -> None:
         link = self.next
         if link is None:
             self._fail(frame, "FAILED_PRECONDITION", f"{self.name} is not the last stage but knows no next stage")
@@ -380,7 +456,17 @@ class NodeService(pb_grpc.NodeServicer):
         if frame.kind == pb.DECODE:
             s.decode_frames += 1
             s.decode_bytes += size
-        await link.send(frame)
+        link.send(frame)
+
+    def _start_round(self, frame: pb.Frame) -> None:
+        self.ring_stats.frames += 1
+        self.ring_stats.bytes += frame.ByteSize()
+        if self.ring is not None:
+            self.ring.send(frame)
+            return
+        task = asyncio.get_running_loop().create_task(self._on_frame(frame))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _fail(self, frame: pb.Frame, code: str, message: str) -> None:
         self.last_error = message
@@ -442,6 +528,8 @@ class NodeService(pb_grpc.NodeServicer):
             q.put_nowait(None)
         if self.next is not None:
             await self.next.close()
+        if self.ring is not None:
+            await self.ring.close()
         self._load_thread.shutdown(wait=False)
 
     # -- health ---------------------------------------------------------------------------------
@@ -466,6 +554,9 @@ class NodeService(pb_grpc.NodeServicer):
             forwarded_bytes=self.link_stats.bytes,
             forwarded_decode_frames=self.link_stats.decode_frames,
             forwarded_decode_bytes=self.link_stats.decode_bytes,
+            ring=self.ring.target if self.ring is not None else ("self" if self.ring_self else ""),
+            ring_frames=self.ring_stats.frames,
+            ring_bytes=self.ring_stats.bytes,
         )
         w, key = self.worker, self.key
         if w is not None and key is not None:

@@ -231,6 +231,53 @@ def test_concurrent_sequences_are_isolated(dense_engine: Engine, nodes: list[str
         engine.pipeline.release("probe")
 
 
+# -- the ring: the last node starts decode rounds -------------------------------------------------
+
+
+def test_last_node_starts_every_decode_round(dense_ckpt: Path, nodes: list[str]) -> None:
+    with remote(dense_ckpt, nodes[:2]) as engine:
+        prompt = engine.tokenizer.encode(PROMPTS[3])
+        prefill_steps = len(list(engine._prefill_chunks(prompt)))
+        for depth in (0, 2):
+            sent, started = engine.pipeline.stats.frames_sent, engine.pipeline.health()[-1].ring_frames
+            got = generate(engine, PROMPTS[3], depth)
+            assert got.tokens == reference(dense_ckpt, PROMPTS[3], depth).tokens
+            last = engine.pipeline.health()[-1]
+            # The coordinator sent the prompt only; every decode round came from the last node.
+            assert engine.pipeline.stats.frames_sent - sent == prefill_steps
+            assert last.ring == nodes[0] and last.ring_frames - started == got.stats.rounds > 0
+
+
+def test_coordinator_driven_rounds_when_the_ring_is_off(dense_ckpt: Path, nodes: list[str]) -> None:
+    with remote(dense_ckpt, nodes[:3], ring=False) as engine:
+        started = engine.pipeline.health()[-1].ring_frames
+        got = generate(engine, PROMPTS[3], 2)
+        assert got.tokens == reference(dense_ckpt, PROMPTS[3], 2).tokens
+        assert engine.pipeline.health()[-1].ring_frames == started
+
+
+def test_stop_string_drops_the_round_the_last_node_started(dense_engine: Engine, dense_ckpt: Path,
+                                                           nodes: list[str]) -> None:
+    # A stop string is the coordinator's call: the last node has already started the next round,
+    # which the release must cancel on every node without an error reaching anyone.
+    prompt = dense_engine.tokenizer.encode(PROMPTS[8])
+    full = dense_engine.complete(GenerationRequest(prompt, max_tokens=MAX_TOKENS))
+    stop = full.text[len(full.text) // 2 :][:2]
+    assert stop.strip()
+    for depth in (0, 2):
+        req = GenerationRequest(prompt, max_tokens=MAX_TOKENS, mtp_depth=depth, stop=[stop])
+        ref = dense_engine.complete(req)
+        assert ref.finish_reason == "stop" and len(ref.tokens) < len(full.tokens)
+        with remote(dense_ckpt, nodes[:3]) as engine:
+            got = engine.complete(req)
+            assert (got.text, got.tokens, got.finish_reason) == (ref.text, ref.tokens, ref.finish_reason)
+            deadline = time.monotonic() + 5
+            while any(h.active_sequences for h in engine.pipeline.health()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert [h.active_sequences for h in engine.pipeline.health()] == [0, 0, 0]
+            assert generate(engine, PROMPTS[8], depth).tokens == reference(dense_ckpt, PROMPTS[8], depth).tokens
+
+
 # -- memory and health ----------------------------------------------------------------------------
 
 
@@ -333,7 +380,8 @@ def test_bad_frames_rejected_without_state_change(dense_engine: Engine, dense_ck
                 frame(t, None),  # a middle node needs hidden states
                 frame([10**6, 1, 2], good),  # token outside the vocabulary
             ],
-            nodes[0]: [frame(t, good), frame(t, None, step=step + 5), frame([-1], None)],
+            nodes[0]: [frame(t, good), frame(t, None, step=step + 5), frame([-1], None),
+                       pb.Frame(seq_id="seq-a", step=step, kind=pb.DECODE, tokens=t, budget=-1)],
             nodes[2]: [frame(t, good)],  # drafts this last node never made
         }
         before = [(h.active_sequences, h.tokens_processed, h.steps) for h in engine.pipeline.health()]
