@@ -3,9 +3,11 @@ MTP, and mlx-lm's own ring pipeline (2 ranks under mlx.launch) as the peer.
 
 The node processes are spawned here on 127.0.0.1. Every prompt runs every mtpipe method back to
 back, so machine noise hits all of them alike; mlx-lm's ring runs after, in its own processes.
-Decode speed is (tokens - 1) / (last token time - first token time), as in `bench engine`.
-Wire figures come from the nodes' own counters (serialized Frame bytes per hop) and the
-coordinator's (what it sends to the first node and receives from the last, per decode round).
+Two more 2-node methods without MTP show what the pipeline's transport choices are worth: the
+coordinator starting every round itself (no ring), and node-to-node frames on gRPC streams instead
+of the TCP data plane. Decode speed is (tokens - 1) / (last token time - first token time), as in
+`bench engine`. Wire figures come from the nodes' own counters (serialized Frame bytes per hop,
+the last node's ring hop included) and the coordinator's (what it sends and receives per round).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from .remote import RemotePipeline, remote_engine, wait_for_nodes
 log = logging.getLogger(__name__)
 
 DEFAULT_DEPTHS = (1, 2, 3)
+COORDINATOR_ROUNDS = "pipe2_coordinator_rounds"  # 2 nodes, the ring off
+GRPC_HOPS = "pipe2_grpc_hops"  # 2 nodes without a data plane
 RING_TIMEOUT_S = 900
 
 
@@ -48,13 +52,14 @@ def die_with_parent() -> None:
 
 
 @contextmanager
-def spawn_nodes(n: int) -> Iterator[list[str]]:
+def spawn_nodes(n: int, data_plane: str = "tcp") -> Iterator[list[str]]:
     """n `mtpipe node` processes on 127.0.0.1; killed on exit."""
     procs, addresses = [], []
     try:
         for _ in range(n):
             port = _free_port()
-            cmd = [sys.executable, "-m", "mtpipe.coordinator.cli", "node", "--host", "127.0.0.1", "--port", str(port)]
+            cmd = [sys.executable, "-m", "mtpipe.coordinator.cli", "node", "--host", "127.0.0.1", "--port", str(port),
+                   "--data-plane", data_plane]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           preexec_fn=die_with_parent))
             addresses.append(f"127.0.0.1:{port}")
@@ -70,10 +75,11 @@ def spawn_nodes(n: int) -> Iterator[list[str]]:
 def _wire_snapshot(pipeline: RemotePipeline) -> dict[str, Any]:
     health = pipeline.health()
     s = pipeline.stats
-    return {
-        "hop_bytes": [h.forwarded_decode_bytes for h in health[:-1]],
-        "hop_frames": [h.forwarded_decode_frames for h in health[:-1]],
+    return {  # node to node, then the last node's ring hop back to the first
+        "hop_bytes": [h.forwarded_decode_bytes for h in health[:-1]] + [health[-1].ring_bytes],
+        "hop_frames": [h.forwarded_decode_frames for h in health[:-1]] + [health[-1].ring_frames],
         "rounds": s.decode_rounds,
+        "frames": s.decode_frames_sent,
         "sent": s.decode_bytes_sent,
         "received": s.decode_bytes_received,
     }
@@ -83,7 +89,7 @@ def _wire_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
     rounds = after["rounds"] - before["rounds"]
     frames = [a - b for a, b in zip(after["hop_frames"], before["hop_frames"])]
     hop_bytes = [a - b for a, b in zip(after["hop_bytes"], before["hop_bytes"])]
-    return {"rounds": rounds, "hop_frames": frames, "hop_bytes": hop_bytes,
+    return {"rounds": rounds, "hop_frames": frames, "hop_bytes": hop_bytes, "frames": after["frames"] - before["frames"],
             "control_bytes": (after["sent"] - before["sent"]) + (after["received"] - before["received"])}
 
 
@@ -94,6 +100,7 @@ def _merge(total: dict[str, Any] | None, d: dict[str, Any]) -> dict[str, Any]:
         "rounds": total["rounds"] + d["rounds"],
         "hop_frames": [a + b for a, b in zip(total["hop_frames"], d["hop_frames"])],
         "hop_bytes": [a + b for a, b in zip(total["hop_bytes"], d["hop_bytes"])],
+        "frames": total["frames"] + d["frames"],
         "control_bytes": total["control_bytes"] + d["control_bytes"],
     }
 
@@ -102,14 +109,15 @@ def _wire_report(w: dict[str, Any], hidden_size: int, itemsize: int, depth: int)
     rounds = max(w["rounds"], 1)
     return {
         "decode_rounds": w["rounds"],
+        # Node to node (one frame per round each, payload (K+1) hidden vectors), then the ring hop from
+        # the last node back to the first (tokens and commit only; 0 frames when the coordinator sends).
         "hops": len(w["hop_bytes"]),
-        # Each round sends exactly one frame per hop; its payload is (K+1) hidden vectors.
-        "bytes_per_round_per_hop": [round(b / max(f, 1), 1) for b, f in zip(w["hop_bytes"], w["hop_frames"])],
+        "bytes_per_round_per_hop": [round(b / f, 1) if f else 0.0 for b, f in zip(w["hop_bytes"], w["hop_frames"])],
         "hidden_payload_bytes_per_round": (depth + 1) * hidden_size * itemsize,
         "frames_per_round_per_hop": [round(f / rounds, 3) for f in w["hop_frames"]],
         "control_bytes_per_round": round(w["control_bytes"] / rounds, 1),
-        # The coordinator sends one frame and receives one result per round: one ring trip.
-        "round_trips_per_round": 1.0,
+        # Rounds the coordinator sent and waited for (1.0 without the ring, 0.0 with it: it only listens).
+        "round_trips_per_round": round(w["frames"] / rounds, 3),
     }
 
 
@@ -157,18 +165,23 @@ def bench_pipeline(
     texts = bench_prompts(prompts)
     encoded = [single.tokenizer.encode(t) for t in texts]
     topologies = ("single", "pipe2", "pipe3")
-    runs = [(t, k) for t in topologies for k in [0, *depths]]
+    # Without MTP only: the same 2 nodes with the coordinator sending every round, and 2 nodes whose
+    # frames travel gRPC streams instead of the TCP data plane.
+    variants = (COORDINATOR_ROUNDS, GRPC_HOPS)
+    runs = [(t, k) for t in topologies for k in [0, *depths]] + [(v, 0) for v in variants]
     methods = [_method(t, k) for t, k in runs]
     speeds: dict[str, list[float]] = {m: [] for m in methods}
     outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
     drafted = {m: 0 for m in methods}
     accepted = {m: 0 for m in methods}
     wire: dict[str, dict[str, Any] | None] = {m: None for m in methods if not m.startswith("single")}
-    with spawn_nodes(5) as addresses:
+    with spawn_nodes(5) as addresses, spawn_nodes(2, data_plane="grpc") as grpc_addresses:
         engines: dict[str, Engine] = {"single": single}
         try:
             engines["pipe2"] = remote_engine(model_path, addresses[:2], mtp=True)
             engines["pipe3"] = remote_engine(model_path, addresses[2:], mtp=True)
+            engines[COORDINATOR_ROUNDS] = remote_engine(model_path, addresses[:2], mtp=True, ring=False)
+            engines[GRPC_HOPS] = remote_engine(model_path, grpc_addresses, mtp=True)
             for topology, k in runs:  # warm up every path once
                 _time_engine(engines[topology], encoded[0], 8, k)
             for prompt in encoded:
@@ -230,6 +243,8 @@ def bench_pipeline(
             "pipe2_mtp_vs_single_mtp": ratio("pipe2_mtp", "single_mtp"),
             "pipe3_mtp_vs_single_mtp": ratio("pipe3_mtp", "single_mtp"),
             "pipe2_no_mtp_vs_mlx_lm_ring": ratio("pipe2_no_mtp", "mlx_lm_ring2"),
+            "pipe2_ring_vs_coordinator_rounds": ratio("pipe2_no_mtp", _method(COORDINATOR_ROUNDS, 0)),
+            "pipe2_tcp_vs_grpc_hops": ratio("pipe2_no_mtp", _method(GRPC_HOPS, 0)),
         },
     }
 
@@ -263,5 +278,6 @@ def print_report(result: dict[str, Any], console: Any) -> None:
     console.print("* best depth of its topology. ratios: " + ", ".join(f"{k} {v}" for k, v in result["ratios"].items()))
     if "error" in result["mlx_lm_ring"]:
         console.print(f"mlx-lm ring: {result['mlx_lm_ring']['error']}")
-    console.print(f"round trip to the next stage (3-node, unary ping): {result['next_stage_rtt_ms']} ms; "
-                  "round trips per decode round: 1 (coordinator -> first node -> ... -> last node -> coordinator)")
+    console.print(f"round trip to the next stage (3-node, unary ping): {result['next_stage_rtt_ms']} ms; a decode "
+                  "round is one trip around the nodes (first -> ... -> last -> first); the coordinator only listens, "
+                  f"except in {COORDINATOR_ROUNDS}")

@@ -211,6 +211,7 @@ class Formation:
     plan: list[StagePlan]
     control: dict[str, str]  # node id -> address the coordinator uses
     hops: list[Hop]
+    ring: Hop | None = None  # last node -> first node, for the decode rounds the last node starts
 
 
 def resources_from_advert(ad: NodeAdvert, reserve: int) -> NodeResources:
@@ -311,6 +312,33 @@ def confirm_hops(
     return hops
 
 
+def confirm_ring(
+    order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], model_path: Path, mtp: bool,
+    dtype: str | None, secret: str | None,
+) -> Hop | None:
+    """The last node's link back to the first: the best candidate address at which the first node
+    itself answers from there (the coordinator's own address of it may mean another host there)."""
+    from ..node.server import make_channel, secret_metadata
+    from ..proto import mtpipe_pb2_grpc as pb_grpc
+
+    if len(order) < 2:
+        return None
+    first, last = order[0], order[-1]
+    candidates: list[HopCandidate] = hop_candidates(last.interfaces, first) if last.interfaces else []
+    if control[first.node_id] not in [c.target for c in candidates]:
+        candidates.append(HopCandidate(control[first.node_id], first.port, None))
+    with make_channel(control[last.node_id]) as channel:
+        stub = pb_grpc.NodeStub(channel)
+        for cand in candidates:
+            req = _load_request(model_path, plan[-1], plan[-1].end, mtp, dtype, "", control[last.node_id])
+            req.ring, req.ring_node_id = cand.target, first.node_id
+            if stub.Load(req, timeout=30, metadata=secret_metadata(secret)).ring:
+                return Hop(last.node_id, first.node_id, cand.target, cand.link.value if cand.link else None, None)
+    log.warning("node %s reaches %s at none of %s: the coordinator will start every decode round",
+                last.node_id, first.node_id, ", ".join(c.target for c in candidates))
+    return None
+
+
 def load_with_progress(
     model_path: Path, order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], mtp: bool,
     dtype: str | None, secret: str | None, console: Any,
@@ -364,10 +392,11 @@ def form_cluster(
     engine = load_with_progress(model_path, order, plan, control, mtp, cfg.dtype, secret, console)
     try:
         hops = confirm_hops(order, plan, control, model_path, mtp, cfg.dtype, secret)
+        ring = confirm_ring(order, plan, control, model_path, mtp, cfg.dtype, secret)
     except BaseException:
         engine.pipeline.close()
         raise
-    return engine, Formation(plan, control, hops)
+    return engine, Formation(plan, control, hops, ring)
 
 
 def single_node_engine(server: Any, model_path: Path, mtp: bool, dtype: str | None, mtp_pre_norm: bool) -> Any:
@@ -398,10 +427,12 @@ def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, mo
     if formation is None:
         plan = [{"node": me, "address": my_target, "layers": [0, engine.pipeline.stages[0].spec.end]}]
         hops: list[dict] = []
+        ring = None
     else:
         plan = [{"node": s.node_id, "address": formation.control[s.node_id], "layers": [s.start, s.end],
                  "bytes": s.bytes} for s in formation.plan]
         hops = [asdict(h) for h in formation.hops]
+        ring = asdict(formation.ring) if formation.ring else None
 
     def info() -> dict:
         return {
@@ -413,6 +444,7 @@ def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, mo
             "max_context": engine.max_context,
             "placement": plan,
             "links": hops,
+            "ring": ring,
             "nodes": probe_nodes([p["address"] for p in plan], secret),
             "discovered": sorted(agent.peers()) if agent else [],
             "ignored": sorted(agent.discovery.ignored) if agent else [],
@@ -542,7 +574,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         stages = ", ".join(f"{p['node']} layers {p['layers'][0]}-{p['layers'][1] - 1}" for p in state["placement"])
         when_listening(cfg.api.host, cfg.api.port, lambda: _emit(
             args, console, "serving", f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at {url} over {stages}",
-            api=url, **{k: state[k] for k in ("placement", "links", "discovered", "ignored")}))
+            api=url, **{k: state[k] for k in ("placement", "links", "ring", "discovered", "ignored")}))
         serve(engine, cfg.api.host, cfg.api.port, api_key=cfg.resolve_api_key(), model_name=name,
               cluster_info=info, default_mtp_depth=0 if not mtp else cfg.mtp_depth)
         return 0

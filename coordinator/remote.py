@@ -158,6 +158,7 @@ class WireStats:
     events_received: int = 0
     bytes_received: int = 0
     decode_rounds: int = 0
+    decode_frames_sent: int = 0  # decode rounds this side started (the rest the last node started)
     decode_bytes_sent: int = 0
     decode_bytes_received: int = 0
 
@@ -212,11 +213,17 @@ class RemotePipeline:
         if len(specs) != len(self.nodes):
             raise ValueError(f"{len(specs)} shard specs for {len(self.nodes)} nodes")
         path = str(Path(model_path).resolve())
+        first = self.nodes[0]
+        try:  # the last node checks that its ring reaches this very node
+            first_id = first.stub.Ping(pb.PingRequest(), timeout=self.connect_timeout, metadata=first.metadata).node_id
+        except grpc.RpcError as e:
+            raise NodeFailure(first.address, f"cannot reach it ({describe_rpc_error(e)})") from None
         requests = [
             pb.LoadRequest(
                 model_path=path, start=s.start, end=s.end, num_layers=s.num_layers, mtp=mtp, dtype=dtype or "",
                 next=self.addresses[i + 1] if i + 1 < len(self.nodes) else "", node_name=n.address,
                 ring=self.addresses[0] if i + 1 == len(self.nodes) else "",
+                ring_node_id=first_id if i + 1 == len(self.nodes) else "",
             )
             for i, (n, s) in enumerate(zip(self.nodes, specs))
         ]
@@ -343,6 +350,7 @@ class RemotePipeline:
             self.stats.bytes_sent += size
             if req.kind is StepKind.DECODE:
                 self.stats.decode_rounds += 1
+                self.stats.decode_frames_sent += 1
                 self.stats.decode_bytes_sent += size
             self._first.send(frame)
             return self._wait(waiter, req)

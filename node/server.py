@@ -32,6 +32,8 @@ import grpc
 
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
+from .dataplane import DataPlaneError, FrameListener, TcpFrameLink
+from .links import split_host_port
 from .protocol import Commit, SamplingParams, StageError, StepKind, StepOutput, StepRequest
 from .sysinfo import memory
 
@@ -50,6 +52,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 # call on that connection fails at once. Application pings could not tell a hang from a long step.
 KEEPALIVE_MS = 1000
 RING_PROBE_S = 2.0  # how long the last node tries to reach the first at load
+CONNECT_TIMEOUT_S = 5.0  # opening a link to the next stage
 PING_TIMEOUT_MS = 1500
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -169,13 +172,36 @@ def tensor_from_pb(t: pb.Tensor) -> Any:
 # -- the node's outbound stream ----------------------------------------------------------------------
 
 
-class NextStage:
-    """The node's Forward stream to the next node, written from the event loop (no thread hop).
+class GrpcFrameLink:
+    """Frames on a Forward stream: to a node without a data plane."""
 
-    `send` queues the frame and returns at once; one writer task writes them in order (a gRPC call
-    takes one write at a time, and a node may forward frames of two inbound streams: its client's and
-    the ring's). If the stream breaks, `on_error(target, error)` runs once and the next frame opens a
-    new stream; frames in flight are lost, which every client learns through that callback.
+    transport = "grpc"
+
+    def __init__(self, stub: pb_grpc.NodeStub, secret: str | None):
+        self.call = stub.Forward(metadata=secret_metadata(secret))
+
+    async def write(self, frame: pb.Frame) -> None:
+        await self.call.write(frame)
+
+    async def wait_closed(self) -> None:
+        async for _ in self.call:  # the next node never answers on this stream; wait for its end
+            pass
+
+    async def close(self) -> None:
+        try:
+            await self.call.done_writing()
+        except Exception:
+            pass
+
+
+class NextStage:
+    """Where this node sends frames: the next node (or, from the last node, the first).
+
+    `send` queues the frame and returns at once; one writer task writes them in order (a node may
+    forward frames of two inbound streams: its client's and the ring's). The link is the next node's
+    data plane (plain TCP, see node/dataplane.py) when its Ping reply offers one, else a gRPC Forward
+    stream. If it breaks, `on_error(target, error)` runs once and the next frame opens a new link;
+    frames in flight are lost, which every client learns through that callback.
     """
 
     def __init__(self, target: str, secret: str | None, on_error: Callable[[str, Exception], None]):
@@ -184,46 +210,76 @@ class NextStage:
         self.on_error = on_error
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.NodeStub(self.channel)
-        self._call: Any = None
+        self.link: GrpcFrameLink | TcpFrameLink | None = None
         self._queue: asyncio.Queue[pb.Frame] = asyncio.Queue()
         # Held: the loop keeps only weak references to tasks.
         self._watcher: asyncio.Task | None = None
         self._writer: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()
         self._closed = False
+
+    @property
+    def transport(self) -> str:
+        return self.link.transport if self.link is not None else ""
 
     def send(self, frame: pb.Frame) -> None:
         self._queue.put_nowait(frame)
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write_all())
 
+    async def _open(self) -> GrpcFrameLink | TcpFrameLink:
+        # Asked at every opening: a restarted next node may listen on another data port.
+        reply = await self.stub.Ping(pb.PingRequest(), timeout=CONNECT_TIMEOUT_S, metadata=secret_metadata(self.secret))
+        if reply.data_port:
+            host, _ = split_host_port(self.target)
+            try:
+                return await TcpFrameLink.connect(host, reply.data_port, self.secret)
+            except DataPlaneError:
+                raise  # it answered and refused: the same secret would fail over gRPC too
+            except (OSError, asyncio.TimeoutError) as e:  # a firewall, say: gRPC still gets through
+                log.warning("no data plane to %s (port %d: %s); sending frames over gRPC", self.target,
+                            reply.data_port, e or type(e).__name__)
+        return GrpcFrameLink(self.stub, self.secret)
+
     async def _write_all(self) -> None:
         while True:
             frame = await self._queue.get()
-            if self._call is None:
-                self._call = self.stub.Forward(metadata=secret_metadata(self.secret))
-                self._watcher = asyncio.get_running_loop().create_task(self._watch(self._call))
-            call = self._call
+            link = self.link
             try:
-                await call.write(frame)
-            except Exception as e:  # the stream ended under us (AioRpcError, or a write after the end)
-                self._broken(call, e)
+                if link is None:
+                    link = self.link = await self._open()
+                    self._watcher = asyncio.get_running_loop().create_task(self._watch(link))
+                await link.write(frame)
+            except Exception as e:  # the link ended under us, or could not be opened
+                self._broken(link, e)
 
-    async def _watch(self, call: Any) -> None:
+    async def _watch(self, link: GrpcFrameLink | TcpFrameLink) -> None:
         try:
-            async for _ in call:  # the next node never answers on this stream; wait for its end
-                pass
+            await link.wait_closed()
             error: Exception = ConnectionError("the stream was closed by the node")
         except Exception as e:
             error = e
-        self._broken(call, error)
+        self._broken(link, error)
 
-    def _broken(self, call: Any, error: Exception) -> None:
-        if self._call is not call:
+    def _broken(self, link: GrpcFrameLink | TcpFrameLink | None, error: Exception) -> None:
+        if link is not None and self.link is not link:
             return  # already reported
-        self._call = None
+        self.link = None
+        if link is not None:
+            task = asyncio.get_running_loop().create_task(link.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         if not self._closed:
             log.warning("stream to %s ended: %s", self.target, describe_rpc_error(error))
             self.on_error(self.target, error)
+
+    async def node_id(self, timeout: float = 2.0) -> str | None:
+        """The id of the node that answers at the target, None if none does."""
+        try:
+            reply = await self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=secret_metadata(self.secret))
+        except grpc.RpcError:
+            return None
+        return reply.node_id
 
     async def ping_ms(self, timeout: float = 2.0) -> float:
         md = secret_metadata(self.secret)
@@ -239,12 +295,9 @@ class NextStage:
         self._closed = True
         if self._writer is not None:
             self._writer.cancel()
-        call, self._call = self._call, None
-        if call is not None:
-            try:
-                await call.done_writing()
-            except Exception:
-                pass
+        link, self.link = self.link, None
+        if link is not None:
+            await link.close()
         await self.channel.close(grace=None)
 
 
@@ -289,6 +342,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.worker: StageWorker | None = None
         self.key: LoadKey | None = None
         self.next: NextStage | None = None
+        self.data_port = 0  # set by NodeServer when it runs a data-plane listener
         self.link_stats = LinkStats()
         # The last node's link to the first, for the decode rounds it starts itself; a node that is
         # the whole pipeline starts them in-process.
@@ -318,7 +372,7 @@ class NodeService(pb_grpc.NodeServicer):
                     self.last_error = f"load failed: {e}"
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
             await self._set_next(request.next)
-            await self._set_ring(request.ring)
+            await self._set_ring(request.ring, request.ring_node_id)
             shard = self.worker.shard
             log.info("%s shard [%d, %d) of %s (%s)", "kept" if reused else "loaded", key.start, key.end,
                      key.model_path, self._dtype_name())
@@ -359,7 +413,7 @@ class NodeService(pb_grpc.NodeServicer):
             await self.next.close()
         self.next = NextStage(target, self.secret, self._next_failed) if target else None
 
-    async def _set_ring(self, target: str) -> None:
+    async def _set_ring(self, target: str, first_node_id: str) -> None:
         spec = self.worker.spec
         self.ring_self = spec.is_first and spec.is_last
         want = target if spec.is_last and not spec.is_first else ""
@@ -371,9 +425,13 @@ class NodeService(pb_grpc.NodeServicer):
         if not want:
             return
         link = NextStage(want, self.secret, self._ring_failed)
-        if await link.ping_ms(timeout=RING_PROBE_S) < 0:
-            # Not fatal: the coordinator then sends every round itself, one hop more per round.
-            log.warning("cannot reach the first node at %s; the client will start every round", want)
+        answered = await link.node_id(timeout=RING_PROBE_S)
+        # The coordinator's address of the first node may mean another host from here (127.0.0.1, a
+        # subnet this node is not on): start rounds only where the first node itself answers. Without
+        # that the coordinator sends every round itself, one hop more per round.
+        if answered is None or answered == self.node_id or (first_node_id and answered != first_node_id):
+            log.warning("the first node does not answer at %s (%s); the client will start every round", want,
+                        f"{answered} answered" if answered else "unreachable")
             await link.close()
             return
         self.ring = link
@@ -412,7 +470,7 @@ class NodeService(pb_grpc.NodeServicer):
         with self._mlx:  # freeing arrays is MLX work too
             return worker.release(seq_id)
 
-    async def _on_frame(self, frame: pb.Frame) -> None:
+    async def on_frame(self, frame: pb.Frame) -> None:
         if frame.kind == pb.RELEASE:
             self._release(frame.seq_id)
             if self.worker is not None and not self.worker.spec.is_last:
@@ -464,7 +522,7 @@ class NodeService(pb_grpc.NodeServicer):
         if self.ring is not None:
             self.ring.send(frame)
             return
-        task = asyncio.get_running_loop().create_task(self._on_frame(frame))
+        task = asyncio.get_running_loop().create_task(self.on_frame(frame))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -476,7 +534,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async for frame in request_iterator:  # one stream's frames, strictly in order
-            await self._on_frame(frame)
+            await self.on_frame(frame)
         return
         yield  # an async generator: the reply stream stays silent
 
@@ -535,7 +593,7 @@ class NodeService(pb_grpc.NodeServicer):
     # -- health ---------------------------------------------------------------------------------
 
     async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingReply:
-        return pb.PingReply(payload=request.payload, node_id=self.node_id)
+        return pb.PingReply(payload=request.payload, node_id=self.node_id, data_port=self.data_port)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthReply:
         from .. import __version__
@@ -557,6 +615,8 @@ class NodeService(pb_grpc.NodeServicer):
             ring=self.ring.target if self.ring is not None else ("self" if self.ring_self else ""),
             ring_frames=self.ring_stats.frames,
             ring_bytes=self.ring_stats.bytes,
+            data_port=self.data_port,
+            next_transport=self.next.transport if self.next is not None else "",
         )
         w, key = self.worker, self.key
         if w is not None and key is not None:
@@ -632,9 +692,11 @@ class NodeServer:
     """A NodeService on a grpc.aio server, on its own event-loop thread. `port=0` picks a free port."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, node_id: str | None = None,
-                 secret: str | None = None):
+                 secret: str | None = None, data_plane: bool = True):
         self.host, self.requested_port, self.secret = host, port, secret
         self.service = NodeService(node_id=node_id, secret=secret)
+        # Frames from other nodes over plain TCP on a port of its own (any free one), beside gRPC.
+        self.listener = FrameListener(self.service.on_frame, secret, MAX_MESSAGE_BYTES) if data_plane else None
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
@@ -656,6 +718,8 @@ class NodeServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {self.host}:{self.requested_port} (address in use?)")
         self.service.name = f"{self.host}:{self.port}"
+        if self.listener is not None:
+            self.service.data_port = await self.listener.start(self.host)
         await self._server.start()
 
     def start(self) -> "NodeServer":
@@ -682,6 +746,8 @@ class NodeServer:
         return self
 
     async def _stop(self, grace: float | None) -> None:
+        if self.listener is not None:
+            await self.listener.close()
         await self.service.close()
         await self._server.stop(grace)
 
@@ -751,6 +817,9 @@ def add_node_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node-id", help="a name for this node (default: hostname plus a random suffix)")
     p.add_argument("--secret", default=os.environ.get("MTPIPE_SECRET"),
                    help="cluster secret every caller must present (default: $MTPIPE_SECRET)")
+    p.add_argument("--data-plane", choices=("tcp", "grpc"), default="tcp",
+                   help="how other nodes send this node frames: a plain TCP stream on a second, free port "
+                        "(default), or gRPC Forward streams on --port only")
     p.add_argument("--json", action="store_true", help="print one JSON line with the address once ready")
     p.set_defaults(func=cmd_node)
 
@@ -762,7 +831,8 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     from . import worker  # noqa: F401  (import MLX and mlx-lm now, not on the first Load)
 
-    server = NodeServer(args.host, args.port, node_id=args.node_id, secret=args.secret).start()
+    server = NodeServer(args.host, args.port, node_id=args.node_id, secret=args.secret,
+                        data_plane=args.data_plane == "tcp").start()
 
     def on_term(*_: Any) -> None:
         threading.Thread(target=server.stop, daemon=True).start()
@@ -771,7 +841,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         deadline.start()
 
     signal.signal(signal.SIGTERM, on_term)
-    ready = {"node_id": server.service.node_id, "address": server.address, "pid": os.getpid()}
+    ready = {"node_id": server.service.node_id, "address": server.address, "data_port": server.service.data_port,
+             "pid": os.getpid()}
     if args.json:
         print(json.dumps(ready), flush=True)
     else:

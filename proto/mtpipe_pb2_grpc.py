@@ -83,6 +83,7 @@ class NodeServicer:
 
     def Forward(self, request_iterator, context):
         """A long-lived stream of steps into this node; the reply stream stays silent until it closes.
+        Nodes send each other frames on their data plane instead, where the next node has one (PingReply).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

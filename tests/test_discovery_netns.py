@@ -282,6 +282,10 @@ def test_election_placement_and_links(cluster: dict, topology: Topology, model_p
     tb_hop = f"[{topology.link_local(3, 'thunderbolt0')}%thunderbolt0]:{PORT}"
     assert (b_c["source"], b_c["target"], b_c["address"], b_c["link"]) == ("node-b", "node-c", tb_hop, "thunderbolt")
     assert a_b["rtt_ms"] > 0 and b_c["rtt_ms"] > 0
+    # The last node starts decode rounds on its own link back to the first: not the coordinator's
+    # 127.0.0.1 address of node-a (that is node-c itself over there) but a's address on the bridge.
+    ring = serving["ring"]
+    assert (ring["source"], ring["target"], ring["address"]) == ("node-c", "node-a", f"10.77.0.1:{PORT}")
 
 
 CLIENT = """
