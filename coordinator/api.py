@@ -724,7 +724,7 @@ def nodes_cluster_info(engine: "Engine", model_name: str, timeout: float = 2.0) 
         try:
             replies = pipeline.health(probe_next=True, timeout=timeout)
         except Exception as e:  # one node down fails the whole call: say so, and which nodes there are
-            from ..node.server import describe_rpc_error
+            from ..node.wire import describe_rpc_error
 
             return {**out, "healthy": False, "error": describe_rpc_error(e), "placement": [], "links": [],
                     "nodes": [{"address": a, "healthy": None} for a in addresses]}

@@ -222,7 +222,7 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int) 
     """Nodes named in cluster.yaml (no multicast): ask each one's Health for its id and memory."""
     import grpc
 
-    from ..node.server import describe_rpc_error, make_channel, secret_metadata
+    from ..node.wire import describe_rpc_error, make_channel, secret_metadata
     from ..proto import mtpipe_pb2 as pb
     from ..proto import mtpipe_pb2_grpc as pb_grpc
 
@@ -275,7 +275,7 @@ def confirm_hops(
     Nodes were loaded with the coordinator's addresses of their successors; a better one (a
     Thunderbolt subnet the coordinator is not on, say) replaces it once the sender reaches it.
     """
-    from ..node.server import make_channel, secret_metadata
+    from ..node.wire import make_channel, secret_metadata
     from ..proto import mtpipe_pb2 as pb
     from ..proto import mtpipe_pb2_grpc as pb_grpc
 
@@ -318,7 +318,7 @@ def confirm_ring(
 ) -> Hop | None:
     """The last node's link back to the first: the best candidate address at which the first node
     itself answers from there (the coordinator's own address of it may mean another host there)."""
-    from ..node.server import make_channel, secret_metadata
+    from ..node.wire import make_channel, secret_metadata
     from ..proto import mtpipe_pb2_grpc as pb_grpc
 
     if len(order) < 2:

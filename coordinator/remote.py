@@ -32,7 +32,7 @@ import grpc
 
 from ..models.shard import ShardSpec
 from ..node.protocol import StageError, StepKind, StepOutput, StepRequest
-from ..node.server import (
+from ..node.wire import (
     MAX_MESSAGE_BYTES,
     describe_rpc_error,
     make_channel,

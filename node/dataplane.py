@@ -1,4 +1,5 @@
-"""Node-to-node frames over a plain TCP stream: the pipeline's data plane.
+"""Node-to-node frames over a plain TCP stream: the pipeline's data plane, and `NextStage`, a node's
+outbound link, which uses it where the next node offers one and a gRPC Forward stream otherwise.
 
 A frame is the same protobuf `Frame` the gRPC Forward stream carries, prefixed by its length (4
 bytes, little-endian). gRPC stays the control plane (loads, results, errors, health, the
@@ -19,11 +20,16 @@ import hmac
 import logging
 import socket
 import struct
+import time
 from collections.abc import Awaitable, Callable
 
+import grpc
 from google.protobuf.message import DecodeError
 
 from ..proto import mtpipe_pb2 as pb
+from ..proto import mtpipe_pb2_grpc as pb_grpc
+from .links import split_host_port
+from .wire import CHANNEL_OPTIONS, describe_rpc_error, secret_metadata
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +37,7 @@ HELLO = b"mtpipe-frames/1\n"
 LENGTH = struct.Struct("<I")
 MAX_SECRET_BYTES = 4096
 HANDSHAKE_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 5.0  # opening a link to the next stage
 
 
 class DataPlaneError(ConnectionError):
@@ -179,3 +186,135 @@ class TcpFrameLink:
             await self.writer.wait_closed()
         except (ConnectionError, OSError):
             pass
+
+
+# -- the node's outbound link: this data plane, or a gRPC Forward stream -----------------------------
+
+
+class GrpcFrameLink:
+    """Frames on a Forward stream: to a node without a data plane."""
+
+    transport = "grpc"
+
+    def __init__(self, stub: pb_grpc.NodeStub, secret: str | None):
+        self.call = stub.Forward(metadata=secret_metadata(secret))
+
+    async def write(self, frame: pb.Frame) -> None:
+        await self.call.write(frame)
+
+    async def wait_closed(self) -> None:
+        async for _ in self.call:  # the next node never answers on this stream; wait for its end
+            pass
+
+    async def close(self) -> None:
+        try:
+            await self.call.done_writing()
+        except Exception:
+            pass
+
+
+class NextStage:
+    """Where this node sends frames: the next node (or, from the last node, the first).
+
+    `send` queues the frame and returns at once; one writer task writes them in order (a node may
+    forward frames of two inbound streams: its client's and the ring's). The link is the next node's
+    data plane (plain TCP, see node/dataplane.py) when its Ping reply offers one, else a gRPC Forward
+    stream. If it breaks, `on_error(target, error)` runs once and the next frame opens a new link;
+    frames in flight are lost, which every client learns through that callback.
+    """
+
+    def __init__(self, target: str, secret: str | None, on_error: Callable[[str, Exception], None]):
+        self.target = target
+        self.secret = secret
+        self.on_error = on_error
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.NodeStub(self.channel)
+        self.link: GrpcFrameLink | TcpFrameLink | None = None
+        self._queue: asyncio.Queue[pb.Frame] = asyncio.Queue()
+        # Held: the loop keeps only weak references to tasks.
+        self._watcher: asyncio.Task | None = None
+        self._writer: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()
+        self._closed = False
+
+    @property
+    def transport(self) -> str:
+        return self.link.transport if self.link is not None else ""
+
+    def send(self, frame: pb.Frame) -> None:
+        self._queue.put_nowait(frame)
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_all())
+
+    async def _open(self) -> GrpcFrameLink | TcpFrameLink:
+        # Asked at every opening: a restarted next node may listen on another data port.
+        reply = await self.stub.Ping(pb.PingRequest(), timeout=CONNECT_TIMEOUT_S, metadata=secret_metadata(self.secret))
+        if reply.data_port:
+            host, _ = split_host_port(self.target)
+            try:
+                return await TcpFrameLink.connect(host, reply.data_port, self.secret)
+            except DataPlaneError:
+                raise  # it answered and refused: the same secret would fail over gRPC too
+            except (OSError, asyncio.TimeoutError) as e:  # a firewall, say: gRPC still gets through
+                log.warning("no data plane to %s (port %d: %s); sending frames over gRPC", self.target,
+                            reply.data_port, e or type(e).__name__)
+        return GrpcFrameLink(self.stub, self.secret)
+
+    async def _write_all(self) -> None:
+        while True:
+            frame = await self._queue.get()
+            link = self.link
+            try:
+                if link is None:
+                    link = self.link = await self._open()
+                    self._watcher = asyncio.get_running_loop().create_task(self._watch(link))
+                await link.write(frame)
+            except Exception as e:  # the link ended under us, or could not be opened
+                self._broken(link, e)
+
+    async def _watch(self, link: GrpcFrameLink | TcpFrameLink) -> None:
+        try:
+            await link.wait_closed()
+            error: Exception = ConnectionError("the stream was closed by the node")
+        except Exception as e:
+            error = e
+        self._broken(link, error)
+
+    def _broken(self, link: GrpcFrameLink | TcpFrameLink | None, error: Exception) -> None:
+        if link is not None and self.link is not link:
+            return  # already reported
+        self.link = None
+        if link is not None:
+            task = asyncio.get_running_loop().create_task(link.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        if not self._closed:
+            log.warning("stream to %s ended: %s", self.target, describe_rpc_error(error))
+            self.on_error(self.target, error)
+
+    async def node_id(self, timeout: float = 2.0) -> str | None:
+        """The id of the node that answers at the target, None if none does."""
+        try:
+            reply = await self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=secret_metadata(self.secret))
+        except grpc.RpcError:
+            return None
+        return reply.node_id
+
+    async def ping_ms(self, timeout: float = 2.0) -> float:
+        md = secret_metadata(self.secret)
+        try:
+            await self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=md)  # connects if needed
+            t0 = time.perf_counter()
+            await self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=md)
+            return 1000.0 * (time.perf_counter() - t0)
+        except grpc.RpcError:
+            return -1.0
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._writer is not None:
+            self._writer.cancel()
+        link, self.link = self.link, None
+        if link is not None:
+            await link.close()
+        await self.channel.close(grace=None)

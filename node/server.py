@@ -1,13 +1,15 @@
 """`mtpipe node`: a gRPC daemon that serves one shard (a StageWorker) in a pipeline of nodes.
 
-Steps arrive as Frames on long-lived Forward streams: from the coordinator into the first node,
-from node i into node i+1. A node runs its layers, puts its hidden states (raw bytes) into the
-frame in place of the ones it received and writes it on its own stream to the next node. The last
-node pushes the StepResult to the frame's client over that client's Subscribe stream; any node that
-refuses or fails a step pushes an Error there directly, so errors never wait on the rest of the
-chain. All a node learns about acceptance is the Commit riding on the next step.
+Steps arrive as Frames on long-lived streams: from the coordinator into the first node (gRPC
+Forward), from node i into node i+1 (the data plane, node/dataplane.py). A node runs its layers,
+puts its hidden states (raw bytes) into the frame in place of the ones it received and sends it on
+to the next node. The last node pushes the StepResult to the frame's client over that client's
+Subscribe stream and, while the client's budget lasts, starts the next decode round itself: it
+sends that round's frame (tokens and commit) around the ring to the first node. Any node that
+refuses or fails a step pushes an Error to the client directly, so errors never wait on the rest of
+the chain. All a node learns about acceptance is the Commit riding on the next step.
 
-The server is grpc.aio on one event loop: a frame is received, computed and written to the next node
+The server is grpc.aio on one event loop: a frame is received, computed and queued for the next node
 on that loop, with no thread hand-offs on the decode path (each costs more than a small decode step
 on a busy machine). MLX work is serialized by one lock per process.
 """
@@ -32,10 +34,20 @@ import grpc
 
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
-from .dataplane import DataPlaneError, FrameListener, TcpFrameLink
-from .links import split_host_port
-from .protocol import Commit, SamplingParams, StageError, StepKind, StepOutput, StepRequest
+from .dataplane import FrameListener, NextStage
+from .protocol import StageError, StepOutput
 from .sysinfo import memory
+from .wire import (
+    MAX_MESSAGE_BYTES,
+    SECRET_KEY,
+    SERVER_OPTIONS,
+    describe_rpc_error,
+    frame_to_request,
+    next_round,
+    output_to_result,
+    tensor_from_pb,
+    tensor_to_pb,
+)
 
 if TYPE_CHECKING:
     from .worker import StageWorker
@@ -43,268 +55,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 52700
-SECRET_KEY = "x-mtpipe-secret"
-# The largest message is a prefill chunk's hidden states: 512 tokens x hidden x 4 bytes is 16 MiB at
-# hidden 8192. Both ends allow 64 MiB; the coordinator shrinks its prefill chunk if a model needs more.
-MAX_MESSAGE_BYTES = 64 << 20
-# Liveness is HTTP/2 keepalive, answered by gRPC's core even while a node's loop is busy computing: a
-# peer that dies or stops (SIGSTOP, a kernel hang, a pulled cable) is cut off within ~2.5 s, and every
-# call on that connection fails at once. Application pings could not tell a hang from a long step.
-KEEPALIVE_MS = 1000
 RING_PROBE_S = 2.0  # how long the last node tries to reach the first at load
-CONNECT_TIMEOUT_S = 5.0  # opening a link to the next stage
-PING_TIMEOUT_MS = 1500
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.enable_retries", 0),  # a lost frame is an error the caller must see, not a silent replay
-    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-    ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.so_reuseport", 0),  # a second node on a port in use must fail, not share it
-]
-
-_KINDS = {pb.PREFILL: StepKind.PREFILL, pb.DECODE: StepKind.DECODE}
-_KINDS_PB = {v: k for k, v in _KINDS.items()}
-
-
-# -- wire <-> protocol ----------------------------------------------------------------------------
-
-
-def secret_metadata(secret: str | None) -> tuple[tuple[str, str], ...]:
-    return ((SECRET_KEY, secret),) if secret else ()
-
-
-def make_channel(target: str) -> grpc.Channel:
-    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-
-
-def request_to_frame(req: StepRequest, client_id: str) -> pb.Frame:
-    f = pb.Frame(
-        client_id=client_id,
-        seq_id=req.seq_id,
-        step=req.step,
-        kind=_KINDS_PB[req.kind],
-        tokens=req.tokens,
-        final=req.final,
-        mtp_depth=req.mtp_depth,
-        budget=req.budget,
-        stop_tokens=req.stop_tokens,
-    )
-    if req.commit is not None:
-        f.commit.CopyFrom(pb.Commit(step=req.commit.step, accepted=req.commit.accepted, trim=req.commit.trim))
-    if req.params is not None:
-        p = req.params
-        f.params.CopyFrom(pb.Sampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p))
-        if p.seed is not None:
-            f.params.seed = p.seed
-    return f
-
-
-def frame_to_request(f: pb.Frame) -> StepRequest:
-    if f.kind not in _KINDS:
-        raise StageError(f"unknown step kind {f.kind}")
-    if not f.seq_id:
-        raise StageError("a step needs a sequence id")
-    if f.budget < 0:
-        raise StageError(f"budget must be >= 0, got {f.budget}")
-    commit = Commit(f.commit.step, f.commit.accepted, f.commit.trim) if f.HasField("commit") else None
-    params = None
-    if f.HasField("params"):
-        p = f.params
-        params = SamplingParams(p.temperature, p.top_p, p.top_k, p.min_p, p.seed if p.HasField("seed") else None)
-    return StepRequest(f.seq_id, f.step, _KINDS[f.kind], list(f.tokens), f.final, commit, params, f.mtp_depth,
-                       f.budget, tuple(f.stop_tokens))
-
-
-def output_to_result(out: StepOutput) -> pb.StepResult:
-    r = pb.StepResult(
-        seq_id=out.seq_id, step=out.step, tokens=out.tokens, accepted=out.accepted, drafted=out.drafted,
-        drafts=out.drafts, continued=out.continued,
-    )
-    if out.commit is not None:
-        r.commit.CopyFrom(pb.Commit(step=out.commit.step, accepted=out.commit.accepted, trim=out.commit.trim))
-    return r
-
-
-def result_to_output(r: pb.StepResult) -> StepOutput:
-    commit = Commit(r.commit.step, r.commit.accepted, r.commit.trim) if r.HasField("commit") else None
-    return StepOutput(r.seq_id, r.step, list(r.tokens), r.accepted, r.drafted, list(r.drafts), commit, r.continued)
-
-
-def next_round(frame: pb.Frame, out: StepOutput) -> pb.Frame | None:
-    """The frame of the decode round after `out`, if the client still wants tokens and none of them
-    was a stop token: what the client would send next, the commit riding on it as always."""
-    left = frame.budget - len(out.tokens)
-    if frame.budget <= 0 or not out.tokens or left <= 0 or not set(out.tokens).isdisjoint(frame.stop_tokens):
-        return None
-    nxt = pb.Frame(client_id=frame.client_id, seq_id=frame.seq_id, step=frame.step + 1, kind=pb.DECODE,
-                   tokens=[out.tokens[-1], *out.drafts], budget=left, stop_tokens=frame.stop_tokens, ring=True)
-    if out.commit is not None:
-        nxt.commit.CopyFrom(pb.Commit(step=out.commit.step, accepted=out.commit.accepted, trim=out.commit.trim))
-    return nxt
-
-
-def tensor_to_pb(a: Any) -> pb.Tensor:
-    from .tensors import to_raw
-
-    raw = to_raw(a)
-    return pb.Tensor(dtype=raw.dtype, shape=raw.shape, data=raw.data)
-
-
-def tensor_from_pb(t: pb.Tensor) -> Any:
-    from .tensors import TensorError, from_raw
-
-    try:
-        return from_raw(t.dtype, list(t.shape), t.data)
-    except TensorError as e:
-        raise StageError(str(e)) from None
-
-
-# -- the node's outbound stream ----------------------------------------------------------------------
-
-
-class GrpcFrameLink:
-    """Frames on a Forward stream: to a node without a data plane."""
-
-    transport = "grpc"
-
-    def __init__(self, stub: pb_grpc.NodeStub, secret: str | None):
-        self.call = stub.Forward(metadata=secret_metadata(secret))
-
-    async def write(self, frame: pb.Frame) -> None:
-        await self.call.write(frame)
-
-    async def wait_closed(self) -> None:
-        async for _ in self.call:  # the next node never answers on this stream; wait for its end
-            pass
-
-    async def close(self) -> None:
-        try:
-            await self.call.done_writing()
-        except Exception:
-            pass
-
-
-class NextStage:
-    """Where this node sends frames: the next node (or, from the last node, the first).
-
-    `send` queues the frame and returns at once; one writer task writes them in order (a node may
-    forward frames of two inbound streams: its client's and the ring's). The link is the next node's
-    data plane (plain TCP, see node/dataplane.py) when its Ping reply offers one, else a gRPC Forward
-    stream. If it breaks, `on_error(target, error)` runs once and the next frame opens a new link;
-    frames in flight are lost, which every client learns through that callback.
-    """
-
-    def __init__(self, target: str, secret: str | None, on_error: Callable[[str, Exception], None]):
-        self.target = target
-        self.secret = secret
-        self.on_error = on_error
-        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self.stub = pb_grpc.NodeStub(self.channel)
-        self.link: GrpcFrameLink | TcpFrameLink | None = None
-        self._queue: asyncio.Queue[pb.Frame] = asyncio.Queue()
-        # Held: the loop keeps only weak references to tasks.
-        self._watcher: asyncio.Task | None = None
-        self._writer: asyncio.Task | None = None
-        self._closing: set[asyncio.Task] = set()
-        self._closed = False
-
-    @property
-    def transport(self) -> str:
-        return self.link.transport if self.link is not None else ""
-
-    def send(self, frame: pb.Frame) -> None:
-        self._queue.put_nowait(frame)
-        if self._writer is None:
-            self._writer = asyncio.get_running_loop().create_task(self._write_all())
-
-    async def _open(self) -> GrpcFrameLink | TcpFrameLink:
-        # Asked at every opening: a restarted next node may listen on another data port.
-        reply = await self.stub.Ping(pb.PingRequest(), timeout=CONNECT_TIMEOUT_S, metadata=secret_metadata(self.secret))
-        if reply.data_port:
-            host, _ = split_host_port(self.target)
-            try:
-                return await TcpFrameLink.connect(host, reply.data_port, self.secret)
-            except DataPlaneError:
-                raise  # it answered and refused: the same secret would fail over gRPC too
-            except (OSError, asyncio.TimeoutError) as e:  # a firewall, say: gRPC still gets through
-                log.warning("no data plane to %s (port %d: %s); sending frames over gRPC", self.target,
-                            reply.data_port, e or type(e).__name__)
-        return GrpcFrameLink(self.stub, self.secret)
-
-    async def _write_all(self) -> None:
-        while True:
-            frame = await self._queue.get()
-            link = self.link
-            try:
-                if link is None:
-                    link = self.link = await self._open()
-                    self._watcher = asyncio.get_running_loop().create_task(self._watch(link))
-                await link.write(frame)
-            except Exception as e:  # the link ended under us, or could not be opened
-                self._broken(link, e)
-
-    async def _watch(self, link: GrpcFrameLink | TcpFrameLink) -> None:
-        try:
-            await link.wait_closed()
-            error: Exception = ConnectionError("the stream was closed by the node")
-        except Exception as e:
-            error = e
-        self._broken(link, error)
-
-    def _broken(self, link: GrpcFrameLink | TcpFrameLink | None, error: Exception) -> None:
-        if link is not None and self.link is not link:
-            return  # already reported
-        self.link = None
-        if link is not None:
-            task = asyncio.get_running_loop().create_task(link.close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
-        if not self._closed:
-            log.warning("stream to %s ended: %s", self.target, describe_rpc_error(error))
-            self.on_error(self.target, error)
-
-    async def node_id(self, timeout: float = 2.0) -> str | None:
-        """The id of the node that answers at the target, None if none does."""
-        try:
-            reply = await self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=secret_metadata(self.secret))
-        except grpc.RpcError:
-            return None
-        return reply.node_id
-
-    async def ping_ms(self, timeout: float = 2.0) -> float:
-        md = secret_metadata(self.secret)
-        try:
-            await self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=md)  # connects if needed
-            t0 = time.perf_counter()
-            await self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=md)
-            return 1000.0 * (time.perf_counter() - t0)
-        except grpc.RpcError:
-            return -1.0
-
-    async def close(self) -> None:
-        self._closed = True
-        if self._writer is not None:
-            self._writer.cancel()
-        link, self.link = self.link, None
-        if link is not None:
-            await link.close()
-        await self.channel.close(grace=None)
-
-
-def describe_rpc_error(e: Exception) -> str:
-    if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
-        return f"{e.code().name}: {e.details()}"
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+# A client (coordinator) whose subscription ended and was not renewed this long is gone: its
+# sequences are released, so a crashed coordinator does not pin caches on the nodes forever.
+ORPHAN_GRACE_S = 30.0
 
 
 # -- the service ------------------------------------------------------------------------------------
@@ -355,6 +109,8 @@ class NodeService(pb_grpc.NodeServicer):
         self._load_thread = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="load")
         self._load_lock: asyncio.Lock | None = None
         self._subs: dict[str, asyncio.Queue] = {}
+        self._owners: dict[str, str] = {}  # sequence id -> the client that started it
+        self.orphan_grace = ORPHAN_GRACE_S
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -405,6 +161,7 @@ class NodeService(pb_grpc.NodeServicer):
             shard = load_shard(key.model_path, spec, mtp=key.mtp, dtype=dtype)
             mx.eval(_arrays_in(shard.model))  # nothing lazy may reach the loop thread
             self.worker, self.key = StageWorker(shard), key
+            self._owners.clear()
 
     async def _set_next(self, target: str) -> None:
         if self.next is not None and self.next.target == target:
@@ -467,6 +224,7 @@ class NodeService(pb_grpc.NodeServicer):
         worker = self.worker
         if worker is None:
             return False
+        self._owners.pop(seq_id, None)
         with self._mlx:  # freeing arrays is MLX work too
             return worker.release(seq_id)
 
@@ -489,6 +247,8 @@ class NodeService(pb_grpc.NodeServicer):
             log.exception("step %d of %s failed", frame.step, frame.seq_id)
             self._fail(frame, "INTERNAL", f"{type(e).__name__}: {e}")
             return
+        if frame.step == 0 and frame.client_id:
+            self._owners[frame.seq_id] = frame.client_id
         if isinstance(out, StepOutput):
             # Only while the client listens: a vanished coordinator must not leave a sequence running.
             ring = (self.ring is not None or self.ring_self) and frame.client_id in self._subs
@@ -568,6 +328,17 @@ class NodeService(pb_grpc.NodeServicer):
         finally:
             if self._subs.get(request.client_id) is q:
                 del self._subs[request.client_id]
+                asyncio.get_running_loop().call_later(self.orphan_grace, self._expire, request.client_id)
+
+    def _expire(self, client_id: str) -> None:
+        """Release the sequences of a client that has not subscribed again since it went away."""
+        if client_id in self._subs:
+            return
+        gone = [seq for seq, owner in self._owners.items() if owner == client_id]
+        for seq in gone:
+            self._release(seq)
+        if gone:
+            log.info("released %d sequence(s) of client %s: gone for %.0f s", len(gone), client_id, self.orphan_grace)
 
     def _emit(self, client_id: str, event: pb.Event) -> None:
         q = self._subs.get(client_id)

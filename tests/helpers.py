@@ -2,6 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from mtpipe.node.server import NodeServer
+
+
+@contextmanager
+def node_servers(n: int, **kw) -> Iterator[list[NodeServer]]:
+    """n node servers in this process (each on its own event-loop thread), on 127.0.0.1, any free port."""
+    started: list[NodeServer] = []
+    try:
+        for _ in range(n):
+            started.append(NodeServer("127.0.0.1", 0, **kw).start())
+        yield started
+    finally:
+        for s in started:
+            s.stop(0)
+
 PROMPTS = [
     "def add(a, b):\n",
     "import os\nimport sys\n\n",

@@ -7,8 +7,6 @@ without a data plane and with a secret, and talk to the data port with a raw soc
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,23 +14,10 @@ import pytest
 from mtpipe.coordinator.engine import Engine, GenerationRequest
 from mtpipe.coordinator.remote import remote_engine
 from mtpipe.node.dataplane import HELLO, LENGTH
-from mtpipe.node.server import NodeServer
 
-from helpers import PROMPTS
+from helpers import PROMPTS, node_servers
 
 MAX_TOKENS = 16
-
-
-@contextmanager
-def servers(n: int, **kw) -> Iterator[list[NodeServer]]:
-    started: list[NodeServer] = []
-    try:
-        for _ in range(n):
-            started.append(NodeServer("127.0.0.1", 0, **kw).start())
-        yield started
-    finally:
-        for s in started:
-            s.stop(0)
 
 
 def generate(engine: Engine, text: str, depth: int) -> list[int]:
@@ -42,7 +27,7 @@ def generate(engine: Engine, text: str, depth: int) -> list[int]:
 
 @pytest.mark.parametrize("data_plane", [True, False], ids=["tcp", "grpc"])
 def test_both_transports_give_single_node_output(dense_engine: Engine, dense_ckpt: Path, data_plane: bool) -> None:
-    with servers(3, data_plane=data_plane) as nodes:
+    with node_servers(3, data_plane=data_plane) as nodes:
         engine = remote_engine(dense_ckpt, [s.address for s in nodes], dtype="float32")
         try:
             for depth in (0, 2):
@@ -69,7 +54,7 @@ def _closed(sock: socket.socket) -> bool:
 
 
 def test_data_port_checks_the_secret_and_survives_garbage(dense_engine: Engine, dense_ckpt: Path) -> None:
-    with servers(2, secret="s3cret") as nodes:
+    with node_servers(2, secret="s3cret") as nodes:
         port = nodes[1].service.data_port
         with _connect(port) as s:  # wrong secret: refused
             s.sendall(HELLO + LENGTH.pack(5) + b"wrong")

@@ -30,7 +30,8 @@ from mtpipe.coordinator.pipeline import even_split
 from mtpipe.coordinator.remote import NodeFailure, RemoteStageError, remote_engine, wait_for_nodes
 from mtpipe.models.loading import load_shard
 from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest
-from mtpipe.node.server import NodeServer, make_channel, secret_metadata, tensor_to_pb
+from mtpipe.node.server import NodeServer
+from mtpipe.node.wire import make_channel, secret_metadata, tensor_to_pb
 from mtpipe.proto import mtpipe_pb2 as pb
 from mtpipe.proto import mtpipe_pb2_grpc as pb_grpc
 

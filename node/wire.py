@@ -1,0 +1,138 @@
+"""The wire: gRPC channel settings and the conversions between protobuf messages and the plain
+protocol of node/protocol.py (steps, outputs, commits, tensors as raw bytes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from ..proto import mtpipe_pb2 as pb
+from .protocol import Commit, SamplingParams, StageError, StepKind, StepOutput, StepRequest
+
+SECRET_KEY = "x-mtpipe-secret"
+# The largest message is a prefill chunk's hidden states: 512 tokens x hidden x 4 bytes is 16 MiB at
+# hidden 8192. Both ends allow 64 MiB; the coordinator shrinks its prefill chunk if a model needs more.
+MAX_MESSAGE_BYTES = 64 << 20
+# Liveness is HTTP/2 keepalive, answered by gRPC's core even while a node's loop is busy computing: a
+# peer that dies or stops (SIGSTOP, a kernel hang, a pulled cable) is cut off within ~2.5 s, and every
+# call on that connection fails at once. Application pings could not tell a hang from a long step.
+KEEPALIVE_MS = 1000
+PING_TIMEOUT_MS = 1500
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.enable_retries", 0),  # a lost frame is an error the caller must see, not a silent replay
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.so_reuseport", 0),  # a second node on a port in use must fail, not share it
+]
+
+_KINDS = {pb.PREFILL: StepKind.PREFILL, pb.DECODE: StepKind.DECODE}
+_KINDS_PB = {v: k for k, v in _KINDS.items()}
+
+# -- wire <-> protocol ----------------------------------------------------------------------------
+
+
+def secret_metadata(secret: str | None) -> tuple[tuple[str, str], ...]:
+    return ((SECRET_KEY, secret),) if secret else ()
+
+
+def make_channel(target: str) -> grpc.Channel:
+    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+
+def request_to_frame(req: StepRequest, client_id: str) -> pb.Frame:
+    f = pb.Frame(
+        client_id=client_id,
+        seq_id=req.seq_id,
+        step=req.step,
+        kind=_KINDS_PB[req.kind],
+        tokens=req.tokens,
+        final=req.final,
+        mtp_depth=req.mtp_depth,
+        budget=req.budget,
+        stop_tokens=req.stop_tokens,
+    )
+    if req.commit is not None:
+        f.commit.CopyFrom(pb.Commit(step=req.commit.step, accepted=req.commit.accepted, trim=req.commit.trim))
+    if req.params is not None:
+        p = req.params
+        f.params.CopyFrom(pb.Sampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p))
+        if p.seed is not None:
+            f.params.seed = p.seed
+    return f
+
+
+def frame_to_request(f: pb.Frame) -> StepRequest:
+    if f.kind not in _KINDS:
+        raise StageError(f"unknown step kind {f.kind}")
+    if not f.seq_id:
+        raise StageError("a step needs a sequence id")
+    if f.budget < 0:
+        raise StageError(f"budget must be >= 0, got {f.budget}")
+    commit = Commit(f.commit.step, f.commit.accepted, f.commit.trim) if f.HasField("commit") else None
+    params = None
+    if f.HasField("params"):
+        p = f.params
+        params = SamplingParams(p.temperature, p.top_p, p.top_k, p.min_p, p.seed if p.HasField("seed") else None)
+    return StepRequest(f.seq_id, f.step, _KINDS[f.kind], list(f.tokens), f.final, commit, params, f.mtp_depth,
+                       f.budget, tuple(f.stop_tokens))
+
+
+def output_to_result(out: StepOutput) -> pb.StepResult:
+    r = pb.StepResult(
+        seq_id=out.seq_id, step=out.step, tokens=out.tokens, accepted=out.accepted, drafted=out.drafted,
+        drafts=out.drafts, continued=out.continued,
+    )
+    if out.commit is not None:
+        r.commit.CopyFrom(pb.Commit(step=out.commit.step, accepted=out.commit.accepted, trim=out.commit.trim))
+    return r
+
+
+def result_to_output(r: pb.StepResult) -> StepOutput:
+    commit = Commit(r.commit.step, r.commit.accepted, r.commit.trim) if r.HasField("commit") else None
+    return StepOutput(r.seq_id, r.step, list(r.tokens), r.accepted, r.drafted, list(r.drafts), commit, r.continued)
+
+
+def next_round(frame: pb.Frame, out: StepOutput) -> pb.Frame | None:
+    """The frame of the decode round after `out`, if the client still wants tokens and none of them
+    was a stop token: what the client would send next, the commit riding on it as always."""
+    left = frame.budget - len(out.tokens)
+    if frame.budget <= 0 or not out.tokens or left <= 0 or not set(out.tokens).isdisjoint(frame.stop_tokens):
+        return None
+    nxt = pb.Frame(client_id=frame.client_id, seq_id=frame.seq_id, step=frame.step + 1, kind=pb.DECODE,
+                   tokens=[out.tokens[-1], *out.drafts], budget=left, stop_tokens=frame.stop_tokens, ring=True)
+    if out.commit is not None:
+        nxt.commit.CopyFrom(pb.Commit(step=out.commit.step, accepted=out.commit.accepted, trim=out.commit.trim))
+    return nxt
+
+
+def tensor_to_pb(a: Any) -> pb.Tensor:
+    from .tensors import to_raw
+
+    raw = to_raw(a)
+    return pb.Tensor(dtype=raw.dtype, shape=raw.shape, data=raw.data)
+
+
+def tensor_from_pb(t: pb.Tensor) -> Any:
+    from .tensors import TensorError, from_raw
+
+    try:
+        return from_raw(t.dtype, list(t.shape), t.data)
+    except TensorError as e:
+        raise StageError(str(e)) from None
+
+def describe_rpc_error(e: Exception) -> str:
+    if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
+        return f"{e.code().name}: {e.details()}"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

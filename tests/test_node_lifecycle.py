@@ -1,0 +1,47 @@
+"""Sequences outlive neither their shard nor their client: a coordinator that vanishes (crash, lost
+host) without releasing has its sequences released by every node once its subscription has been
+gone for the grace period, while other clients' sequences on the same nodes go on untouched."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from mtpipe.coordinator.engine import GenerationRequest
+from mtpipe.coordinator.remote import remote_engine
+from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest
+
+from helpers import PROMPTS, node_servers
+
+
+def _active(engine) -> list[int]:
+    return [h.active_sequences for h in engine.pipeline.health()]
+
+
+def test_sequences_of_a_vanished_client_are_released(dense_engine, dense_ckpt: Path) -> None:
+    prompt = dense_engine.tokenizer.encode(PROMPTS[5])
+    with node_servers(2) as nodes:
+        for n in nodes:
+            n.service.orphan_grace = 0.5
+        addresses = [n.address for n in nodes]
+        gone = remote_engine(dense_ckpt, addresses, dtype="float32")
+        stays = remote_engine(dense_ckpt, addresses, dtype="float32")
+        try:
+            first = {}
+            for engine, seq in ((gone, "gone"), (stays, "stays")):
+                first[seq] = engine.pipeline.step(
+                    StepRequest(seq, 0, StepKind.PREFILL, prompt, final=True, params=SamplingParams()))
+            assert _active(stays) == [2, 2]
+            gone.pipeline.close()  # its subscriptions end; it never sent a release
+            time.sleep(0.3)
+            assert _active(stays) == [2, 2]  # within the grace period nothing is dropped
+            deadline = time.monotonic() + 5
+            while _active(stays) != [1, 1] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _active(stays) == [1, 1]
+            # The other client's sequence is intact: it decodes on as single-node mode does.
+            out = stays.pipeline.step(StepRequest("stays", 1, StepKind.DECODE, first["stays"].tokens))
+            expected = dense_engine.complete(GenerationRequest(prompt, max_tokens=2)).tokens
+            assert first["stays"].tokens + out.tokens == expected
+        finally:
+            stays.pipeline.close()
