@@ -109,6 +109,9 @@ def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next
         mean_step_ms=round(h.mean_step_ms, 3),
         next=h.next or None,
         next_rtt_ms=round(h.next_rtt_ms, 3) if h.next_rtt_ms >= 0 else None,
+        next_transport=h.next_transport or None,  # "tcp" (data plane) or "grpc", once a frame went
+        data_port=h.data_port or None,
+        ring=h.ring or None,  # last node: where it starts decode rounds
         last_error=h.last_error or None,
         uptime_s=round(h.uptime_s, 1),
     )
@@ -139,13 +142,21 @@ def _duration(s: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def _next_hop(r: dict[str, Any]) -> str:
+    """Where the node sends frames: the next stage (rtt, transport) or, on the last node, its ring."""
+    if r.get("next"):
+        rtt = f" {r['next_rtt_ms']:.2f} ms" if r.get("next_rtt_ms") is not None else ""
+        return f"{r['next']}{rtt}" + (f" {r['next_transport']}" if r.get("next_transport") else "")
+    return f"ring -> {r['ring']}" if r.get("ring") else "-"
+
+
 def render_table(rows: Sequence[dict[str, Any]], console: Any) -> None:
     from rich.table import Table
 
     colours = {HEALTHY: "green", DEGRADED: "yellow", UNREACHABLE: "red"}
     table = Table(title=f"mtpipe cluster: {overall(rows)}", title_justify="left")
     for col in ("node", "status", "version", "model", "layers", "mem GiB used/avail", "seqs", "tokens", "step ms",
-                "next rtt ms", "uptime", "problems"):
+                "next", "uptime", "problems"):
         table.add_column(col, overflow="fold")
     for r in rows:
         layers, model = r.get("layers"), r.get("model")
@@ -159,7 +170,7 @@ def render_table(rows: Sequence[dict[str, Any]], console: Any) -> None:
             str(r.get("active_sequences", "-")),
             str(r.get("tokens_processed", "-")),
             f"{r['mean_step_ms']:.2f}" if r.get("mean_step_ms") else "-",
-            f"{r['next_rtt_ms']:.2f}" if r.get("next_rtt_ms") is not None else "-",
+            _next_hop(r),
             _duration(r.get("uptime_s")),
             "; ".join(r["problems"]) or "-",
         )

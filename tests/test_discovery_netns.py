@@ -354,7 +354,11 @@ def test_health_by_zeroconf(cluster: dict, topology: Topology) -> None:
         assert n["tokens_processed"] > 0 and n["mean_step_ms"] > 0 and n["active_sequences"] == 0
         assert n["memory_available"] > 0 and n["last_error"] is None
     assert by_id["node-b"]["next"] == cluster["serving"]["links"][1]["address"] and by_id["node-b"]["next_rtt_ms"] > 0
-    assert by_id["node-c"]["next"] is None  # the last stage
+    assert by_id["node-c"]["next"] is None  # the last stage, which starts decode rounds on its ring link
+    assert by_id["node-c"]["ring"] == cluster["serving"]["ring"]["address"]
+    # Frames went node to node on the data plane, the Thunderbolt hop's scoped IPv6 address included.
+    assert by_id["node-a"]["next_transport"] == by_id["node-b"]["next_transport"] == "tcp"
+    assert all(n["data_port"] for n in by_id.values())
     # A reachable node holding no shard (the other cluster's, still waiting for peers) is degraded.
     rc, report = mtpipe(topology, 1, "health", "--json", f"10.77.0.4:{PORT}")
     assert rc == 1 and report["nodes"][0]["problems"] == ["no shard loaded"]
