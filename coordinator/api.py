@@ -21,28 +21,25 @@ fastapi and uvicorn are imported when an app is built, not when the CLI register
 (No `from __future__ import annotations` here: FastAPI reads the route annotations at run time.)
 """
 
-import argparse
 import asyncio
 import hmac
-import json
 import logging
-import os
 import sys
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..node.protocol import SamplingParams, StageError
+from .api_errors import APIError, error_body, parse_body, validation_error
+from .api_generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
 from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from .api_models import ChatCompletionRequest, _GenerationBody
-    from .engine import Engine, GenerationChunk, GenerationRequest, GenerationStats
+    from .engine import Engine, GenerationRequest, GenerationStats
 
 log = logging.getLogger(__name__)
 
@@ -57,206 +54,6 @@ GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (tiny ones overfl
 DISCONNECT_POLL_S = 0.1
 OPEN_PATHS = ("/health",)  # reachable without the API key
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/cluster", "/health", "/metrics")
-
-
-# -- errors ----------------------------------------------------------------------------------
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                 type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "none"}
-
-
-def _loc(loc: tuple) -> str:
-    """A pydantic error location as `messages[0].content`, without union member tags."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif "[" in part or part in _UNION_TAGS:
-            continue
-        else:
-            out += f".{part}" if out else part
-    return out
-
-
-def _validation_error(errors: list[dict[str, Any]], status: int = 422) -> APIError:
-    """The first three problems, as `messages[0].role: Input should be ...; ...`."""
-    parts = []
-    for err in errors[:3]:
-        where = _loc(tuple(err.get("loc", ())))
-        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
-    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-    first = errors[0]
-    param = next((p for p in first.get("loc", ()) if isinstance(p, str) and p != "body"), None)
-    return APIError(status, "; ".join(parts) + more, param=param, code=first.get("type"))
-
-
-async def _parse(request: Any, cls: type) -> Any:
-    from pydantic import ValidationError
-
-    raw = await request.body()
-    try:
-        return cls.model_validate_json(raw)
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
-        if any(err["type"] == "json_invalid" for err in errors):
-            message = f"the request body is not valid JSON: {errors[0]['msg']}"
-            raise APIError(400, message, code="invalid_json") from None
-        if errors[0]["type"] == "model_type" and not errors[0].get("loc"):
-            raise APIError(422, "the request body must be a JSON object", code="invalid_type") from None
-        raise _validation_error(errors) from None
-
-
-# -- one generation on its own thread ---------------------------------------------------------
-
-_END = object()
-
-
-class _Run:
-    """Iterates `engine.generate` on a thread and hands chunks to the event loop.
-
-    `cancel()` makes the thread stop at the next chunk and close the generator, so the engine
-    releases the sequence on every node; the queue then ends.
-    """
-
-    def __init__(self, engine: "Engine", req: "GenerationRequest", on_exit: Callable[["_Run"], None]):
-        self.engine = engine
-        self.req = req
-        self.on_exit = on_exit
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.stopping = threading.Event()
-        self.cancelled = False  # stopped before the last chunk
-        self.thread = threading.Thread(target=self._work, name="mtpipe-generation", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def cancel(self) -> None:
-        self.stopping.set()
-
-    async def chunks(self) -> AsyncIterator["GenerationChunk"]:
-        while True:
-            item = await self.queue.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def _put(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
-            pass
-
-    def _work(self) -> None:
-        gen = self.engine.generate(self.req)
-        finished = False
-        try:
-            while not self.stopping.is_set():
-                chunk = next(gen, None)
-                if chunk is None:
-                    break
-                self._put(chunk)
-                if chunk.finish_reason:
-                    finished = True
-                    break
-        except Exception as e:  # handed to the request, which answers it
-            self._put(e)
-        finally:
-            try:
-                gen.close()  # the engine's finally: release the sequence on every node
-            except Exception:
-                log.exception("releasing a sequence failed")
-            self.cancelled = not finished and self.stopping.is_set()
-            self.on_exit(self)
-            self._put(_END)
-
-
-# -- response shapes --------------------------------------------------------------------------
-
-
-def _usage(stats: "GenerationStats", depth: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generation_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generation_tokens,
-        "mtp": {
-            "depth": depth,
-            "drafted": stats.drafted,
-            "accepted": stats.accepted,
-            "acceptance": round(stats.acceptance, 4),
-            "rounds": stats.rounds,
-        },
-    }
-
-
-class _Format:
-    """OpenAI's response and chunk objects for chat (`chat.completion`) or text (`text_completion`)."""
-
-    def __init__(self, chat: bool, model: str, include_usage: bool = False):
-        self.chat = chat
-        self.model = model
-        self.include_usage = include_usage
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-
-    def _object(self, object: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        out = {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
-        if self.chat:
-            out["system_fingerprint"] = None
-        out.update(extra)
-        return out
-
-    def response(self, text: str, finish: str, usage: dict[str, Any]) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
-            return self._object("chat.completion", [choice], usage=usage)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return self._object("text_completion", [choice], usage=usage)
-
-    def chunk(self, text: str = "", finish: Optional[str] = None, role: bool = False) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {"content": text} if text else {}
-            if role:
-                delta = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        extra = {"usage": None} if self.include_usage else {}
-        return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
-
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)
-
-
-def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 # -- the service: validation, runs, metrics -----------------------------------------------------
@@ -365,10 +162,10 @@ class _Service:
 
     # runs ---------------------------------------------------------------------------------
 
-    async def start(self, req: "GenerationRequest") -> _Run:
+    async def start(self, req: "GenerationRequest") -> GenerationThread:
         await self.slots.acquire()
         try:
-            run = _Run(self.engine, req, self._on_exit)
+            run = GenerationThread(self.engine, req, self._on_exit)
             self.metrics.in_flight.inc()
             run.start()
         except BaseException:
@@ -376,7 +173,7 @@ class _Service:
             raise
         return run
 
-    def _on_exit(self, run: _Run) -> None:  # on the run's thread
+    def _on_exit(self, run: GenerationThread) -> None:  # on the run's thread
         self.metrics.in_flight.dec()
         if run.cancelled:
             self.metrics.cancelled.inc()
@@ -410,7 +207,7 @@ class _Service:
         log.error("generation failed", exc_info=e)
         return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error", code="internal_error")
 
-    async def complete(self, endpoint: str, req: "GenerationRequest", fmt: _Format, request: Any,
+    async def complete(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, request: Any,
                        started: float) -> Any:
         from fastapi.responses import JSONResponse, Response
 
@@ -433,14 +230,14 @@ class _Service:
         if final is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         self.record(endpoint, final.stats, started, first_token)
-        return JSONResponse(fmt.response("".join(parts), final.finish_reason, _usage(final.stats, req.mtp_depth)))
+        return JSONResponse(fmt.response("".join(parts), final.finish_reason, usage_of(final.stats, req.mtp_depth)))
 
-    async def _watch(self, request: Any, run: _Run) -> None:
+    async def _watch(self, request: Any, run: GenerationThread) -> None:
         while not await request.is_disconnected():
             await asyncio.sleep(DISCONNECT_POLL_S)
         run.cancel()
 
-    def stream(self, endpoint: str, req: "GenerationRequest", fmt: _Format, started: float) -> Any:
+    def stream(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, started: float) -> Any:
         from fastapi.responses import StreamingResponse
 
         return StreamingResponse(
@@ -449,7 +246,7 @@ class _Service:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _events(self, endpoint: str, req: "GenerationRequest", fmt: _Format,
+    async def _events(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat,
                       started: float) -> AsyncIterator[str]:
         # Started lazily: a response that is never iterated (the client left at once) never runs.
         # When the client leaves, Starlette cancels this generator and `finally` stops the run.
@@ -457,20 +254,20 @@ class _Service:
         first_token = None
         try:
             if fmt.chat:
-                yield _event(fmt.chunk(role=True))
+                yield sse_event(fmt.chunk(role=True))
             run = await self.start(req)
             async for chunk in run.chunks():
                 first_token = first_token or time.perf_counter()
                 if chunk.text:
-                    yield _event(fmt.chunk(chunk.text))
+                    yield sse_event(fmt.chunk(chunk.text))
                 if chunk.finish_reason:
                     self.record(endpoint, chunk.stats, started, first_token)
-                    yield _event(fmt.chunk(finish=chunk.finish_reason))
+                    yield sse_event(fmt.chunk(finish=chunk.finish_reason))
                     if fmt.include_usage:
-                        yield _event(fmt.usage_chunk(_usage(chunk.stats, req.mtp_depth)))
+                        yield sse_event(fmt.usage_chunk(usage_of(chunk.stats, req.mtp_depth)))
             yield SSE_DONE
         except Exception as e:
-            yield _event(self.server_error(e).body())
+            yield sse_event(self.server_error(e).body())
             yield SSE_DONE
         finally:
             if run is not None:
@@ -592,7 +389,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        err = _validation_error(list(e.errors()))
+        err = validation_error(list(e.errors()))
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(HTTPException)
@@ -642,7 +439,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         started = time.perf_counter()
-        body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
         service.check_model(body.model)
         if body.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
@@ -656,7 +453,7 @@ def create_app(
             max_tokens, max_param = body.max_tokens, "max_tokens"
         req = service.generation_request(body, params, tokens, max_tokens, "messages", max_param)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = _Format(True, model_name, include_usage)
+        fmt = ResponseFormat(True, model_name, include_usage)
         if body.stream:
             return service.stream("/v1/chat/completions", req, fmt, started)
         return await service.complete("/v1/chat/completions", req, fmt, request, started)
@@ -664,7 +461,7 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         started = time.perf_counter()
-        body: CompletionRequest = await _parse(request, CompletionRequest)
+        body: CompletionRequest = await parse_body(request, CompletionRequest)
         service.check_model(body.model)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
@@ -685,7 +482,7 @@ def create_app(
             tokens = list(prompt)
         req = service.generation_request(body, params, tokens, body.max_tokens, "prompt")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = _Format(False, model_name, include_usage)
+        fmt = ResponseFormat(False, model_name, include_usage)
         if body.stream:
             return service.stream("/v1/completions", req, fmt, started)
         return await service.complete("/v1/completions", req, fmt, request, started)
@@ -708,128 +505,3 @@ def _chat_messages(body: "ChatCompletionRequest") -> list[dict[str, str]]:
             content = m.content or ""
         out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     return out
-
-
-# -- serving ------------------------------------------------------------------------------------
-
-
-def nodes_cluster_info(engine: "Engine", model_name: str, timeout: float = 2.0) -> Callable[[], dict]:
-    """GET /v1/cluster for an engine over running nodes (`mtpipe serve --nodes`): each node's Health."""
-    pipeline = engine.pipeline
-
-    def info() -> dict[str, Any]:
-        addresses = list(getattr(pipeline, "addresses", []))
-        out: dict[str, Any] = {"mode": "nodes", "model": model_name, "mtp": engine.has_mtp,
-                               "max_context": engine.max_context}
-        try:
-            replies = pipeline.health(probe_next=True, timeout=timeout)
-        except Exception as e:  # one node down fails the whole call: say so, and which nodes there are
-            from ..node.wire import describe_rpc_error
-
-            return {**out, "healthy": False, "error": describe_rpc_error(e), "placement": [], "links": [],
-                    "nodes": [{"address": a, "healthy": None} for a in addresses]}
-        nodes = [{"address": a, "healthy": r.loaded, **{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}}
-                 for a, r in zip(addresses, replies)]
-        placement = [{"node": a, "layers": [r.start, r.end]} for a, r in zip(addresses, replies)]
-        links = [{"from": a, "to": r.next, "rtt_ms": r.next_rtt_ms} for a, r in zip(addresses, replies) if r.next]
-        return {**out, "healthy": all(n["healthy"] for n in nodes), "placement": placement, "links": links,
-                "nodes": nodes}
-
-    return info
-
-
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def serve(
-    engine: "Engine",
-    host: str = DEFAULT_HOST,
-    port: int = DEFAULT_PORT,
-    api_key: Optional[str] = None,
-    model_name: str = DEFAULT_MODEL_NAME,
-    cluster_info: Optional[Callable[[], dict]] = None,
-    *,
-    default_mtp_depth: Optional[int] = None,
-    max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
-) -> None:
-    """Run the API with uvicorn until interrupted. Logging goes through the root logger."""
-    import uvicorn
-
-    app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
-                     default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency)
-    if not api_key and not _is_loopback(host):
-        log.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
-    log.info("serving %s at http://%s:%d/v1", model_name, host, port)
-    uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5)
-
-
-# -- `mtpipe serve` -------------------------------------------------------------------------------
-
-
-def add_serve_command(sub: "argparse._SubParsersAction") -> None:
-    from .cli import _add_mtp
-
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible API, on this machine or over running nodes")
-    p.add_argument("--model", help="model directory or hub repo (default: the bundled demo model)")
-    p.add_argument("--nodes", help="comma-separated host:port of running nodes, in pipeline order")
-    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
-    p.add_argument("--model-name", help="the model id clients use (default: the --model name)")
-    p.add_argument("--secret", default=None, help="the nodes' shared secret, with --nodes (default: $MTPIPE_SECRET)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
-    p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
-                   help="generations at once; more requests wait")
-    _add_mtp(p)
-    p.set_defaults(func=cmd_serve)
-
-
-def model_name_for(model: Optional[str], path: Path) -> str:
-    """What clients call the model: a hub id as given, else the directory name."""
-    if model and not Path(model).expanduser().exists():
-        return model
-    return path.name
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from ..models.registry import resolve_model
-    from .cli import _progress_loader, _stderr_console
-    from .engine import local_engine
-
-    if args.max_concurrency < 1:
-        raise ValueError("--max-concurrency must be at least 1")
-    if args.mtp_depth is not None and args.mtp_depth < 0:
-        raise ValueError("--mtp-depth must be >= 0")
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    path = resolve_model(args.model)
-    if args.nodes:
-        from .remote import remote_engine
-
-        if getattr(args, "mtp_pre_norm", False):
-            raise ValueError("--mtp-pre-norm applies to local stages, not to --nodes")
-        nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
-        secret = args.secret or os.environ.get("MTPIPE_SECRET") or None
-        engine = remote_engine(path, nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype)
-    else:
-        import mlx.core as mx
-
-        options = {"mtp_pre_norm": True} if getattr(args, "mtp_pre_norm", False) else {}
-        with _progress_loader("loading model")() as progress:
-            engine = local_engine(path, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None,
-                                  progress=progress, **options)
-    depth = 0 if args.no_mtp else args.mtp_depth
-    if depth and not engine.has_mtp:
-        raise ValueError("--mtp-depth needs a model with an MTP head")
-    name = args.model_name or model_name_for(args.model, path)
-    _stderr_console().print(
-        f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at http://{args.host}:{args.port}/v1"
-        + (" (API key required)" if api_key else "")
-    )
-    try:
-        cluster_info = nodes_cluster_info(engine, name) if args.nodes else None
-        serve(engine, args.host, args.port, api_key=api_key, model_name=name, cluster_info=cluster_info,
-              default_mtp_depth=depth, max_concurrency=args.max_concurrency)
-    finally:
-        engine.pipeline.close()
-    return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..node.server import add_node_command
-from .api import add_serve_command
+from .serve import add_serve_command
 from .launch import add_launch_commands
 
 

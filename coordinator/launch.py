@@ -5,7 +5,7 @@ advertises it over zeroconf and browses for the nodes of its cluster. One of the
 the one started with `--coordinator`, else one that already says it coordinates, else the lowest
 node id once `--expect` nodes are seen or discovery settles. The coordinator places the model
 (placement.py), has the nodes load their shards in parallel, confirms each hop's address with a
-measured round trip, and serves the REST API. Alone, it runs the whole model locally.
+measured round trip (formation.py), and serves the REST API. Alone, it runs the whole model locally.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
-import itertools
 import json
 import logging
 import os
@@ -23,8 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +37,8 @@ from ..node.links import (
 )
 from .cluster_config import ClusterConfig, StaticNode, load_cluster_config, validate
 from .discovery import Discovery, elect_coordinator
-from .placement import GiB, HopCandidate, NodeResources, StagePlan, hop_candidates
+from .formation import cluster_info_fn, form_cluster, resources_from_advert, single_node_engine
+from .placement import GiB, hop_candidates
 
 log = logging.getLogger(__name__)
 
@@ -194,265 +193,6 @@ def wait_for_peers(agent: ClusterAgent, me: str, cfg: ClusterConfig, forced: boo
     return peers
 
 
-# -- placement on the coordinator ---------------------------------------------------------------
-
-
-@dataclass
-class Hop:
-    source: str  # node id
-    target: str  # node id
-    address: str
-    link: str | None
-    rtt_ms: float | None
-
-
-@dataclass
-class Formation:
-    plan: list[StagePlan]
-    control: dict[str, str]  # node id -> address the coordinator uses
-    hops: list[Hop]
-    ring: Hop | None = None  # last node -> first node, for the decode rounds the last node starts
-
-
-def resources_from_advert(ad: NodeAdvert, reserve: int) -> NodeResources:
-    return NodeResources(ad.node_id, max(ad.mem_available - reserve, 0), ad.interfaces, ad.port, ad.addresses)
-
-
-def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int) -> list[NodeResources]:
-    """Nodes named in cluster.yaml (no multicast): ask each one's Health for its id and memory."""
-    import grpc
-
-    from ..node.wire import describe_rpc_error, make_channel, secret_metadata
-    from ..proto import mtpipe_pb2 as pb
-    from ..proto import mtpipe_pb2_grpc as pb_grpc
-
-    out = []
-    for n in nodes:
-        try:
-            with make_channel(n.address) as channel:
-                h = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=10, wait_for_ready=True,
-                                                      metadata=secret_metadata(secret))
-        except grpc.RpcError as e:
-            raise ConnectionError(f"static node {n.address}: {describe_rpc_error(e)}") from None
-        out.append(NodeResources(h.node_id, max(h.memory_available - reserve, 0), (), n.port, (n.host,)))
-    return out
-
-
-def choose_control_addresses(
-    order: list[NodeResources], me: str, my_target: str, local: list[Interface], secret: str | None
-) -> dict[str, str]:
-    """How the coordinator reaches each node: the best shared link that answers as that node."""
-    from .health import first_reachable
-
-    control = {}
-    for n in order:
-        if n.node_id == me:
-            control[me] = my_target
-            continue
-        targets = [c.target for c in hop_candidates(local, n)] or [format_host_port(a, n.port) for a in n.addresses]
-        reached = first_reachable(targets, secret, n.node_id if n.interfaces else None)
-        if reached is None:
-            raise ConnectionError(f"node {n.node_id} does not answer at {', '.join(targets) or 'any address'}")
-        control[n.node_id] = reached.target
-    return control
-
-
-def _load_request(model_path: Path, plan: StagePlan, num_layers: int, mtp: bool, dtype: str | None,
-                  next_target: str, name: str) -> Any:
-    from ..proto import mtpipe_pb2 as pb
-
-    # The same request RemotePipeline.load sent: the node keeps its shard and only learns a new next stage.
-    return pb.LoadRequest(model_path=str(Path(model_path).resolve()), start=plan.start, end=plan.end,
-                          num_layers=num_layers, mtp=mtp, dtype=dtype or "", next=next_target, node_name=name)
-
-
-def confirm_hops(
-    order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], model_path: Path, mtp: bool,
-    dtype: str | None, secret: str | None,
-) -> list[Hop]:
-    """For each hop, the best candidate address that the sending node measures a round trip to.
-
-    Nodes were loaded with the coordinator's addresses of their successors; a better one (a
-    Thunderbolt subnet the coordinator is not on, say) replaces it once the sender reaches it.
-    """
-    from ..node.wire import make_channel, secret_metadata
-    from ..proto import mtpipe_pb2 as pb
-    from ..proto import mtpipe_pb2_grpc as pb_grpc
-
-    num_layers = plan[-1].end
-    meta = secret_metadata(secret)
-    hops = []
-    for i, (src, dst) in enumerate(itertools.pairwise(order)):
-        candidates: list[HopCandidate] = hop_candidates(src.interfaces, dst) if src.interfaces else []
-        if control[dst.node_id] not in [c.target for c in candidates]:
-            candidates.append(HopCandidate(control[dst.node_id], dst.port, None))
-        loaded_with = control[dst.node_id]
-        chosen = None
-        with make_channel(control[src.node_id]) as channel:
-            stub = pb_grpc.NodeStub(channel)
-            for cand in candidates:
-                if cand.target != loaded_with:
-                    req = _load_request(model_path, plan[i], num_layers, mtp, dtype, cand.target, control[src.node_id])
-                    stub.Load(req, timeout=30, metadata=meta)
-                    loaded_with = cand.target
-                rtt = stub.Health(pb.HealthRequest(probe_next=True), timeout=10, metadata=meta).next_rtt_ms
-                if rtt >= 0:
-                    chosen = Hop(src.node_id, dst.node_id, cand.target, cand.link.value if cand.link else None,
-                                 round(rtt, 3))
-                    break
-                log.info("node %s cannot reach %s at %s", src.node_id, dst.node_id, cand.target)
-            if chosen is None:
-                if loaded_with != control[dst.node_id]:
-                    stub.Load(_load_request(model_path, plan[i], num_layers, mtp, dtype, control[dst.node_id],
-                                            control[src.node_id]), timeout=30, metadata=meta)
-                log.warning("node %s reaches %s at none of %s", src.node_id, dst.node_id,
-                            ", ".join(c.target for c in candidates))
-                chosen = Hop(src.node_id, dst.node_id, control[dst.node_id], None, None)
-        hops.append(chosen)
-    return hops
-
-
-def confirm_ring(
-    order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], model_path: Path, mtp: bool,
-    dtype: str | None, secret: str | None,
-) -> Hop | None:
-    """The last node's link back to the first: the best candidate address at which the first node
-    itself answers from there (the coordinator's own address of it may mean another host there)."""
-    from ..node.wire import make_channel, secret_metadata
-    from ..proto import mtpipe_pb2_grpc as pb_grpc
-
-    if len(order) < 2:
-        return None
-    first, last = order[0], order[-1]
-    candidates: list[HopCandidate] = hop_candidates(last.interfaces, first) if last.interfaces else []
-    if control[first.node_id] not in [c.target for c in candidates]:
-        candidates.append(HopCandidate(control[first.node_id], first.port, None))
-    with make_channel(control[last.node_id]) as channel:
-        stub = pb_grpc.NodeStub(channel)
-        for cand in candidates:
-            req = _load_request(model_path, plan[-1], plan[-1].end, mtp, dtype, "", control[last.node_id])
-            req.ring, req.ring_node_id = cand.target, first.node_id
-            if stub.Load(req, timeout=30, metadata=secret_metadata(secret)).ring:
-                return Hop(last.node_id, first.node_id, cand.target, cand.link.value if cand.link else None, None)
-    log.warning("node %s reaches %s at none of %s: the coordinator will start every decode round",
-                last.node_id, first.node_id, ", ".join(c.target for c in candidates))
-    return None
-
-
-def load_with_progress(
-    model_path: Path, order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], mtp: bool,
-    dtype: str | None, secret: str | None, console: Any,
-) -> Any:
-    """remote_engine over the placed nodes, with a line per node until its shard is loaded."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from ..models.shard import ShardSpec
-    from .health import probe_node
-    from .remote import remote_engine
-
-    addresses = [control[n.node_id] for n in order]
-    specs = [ShardSpec(s.start, s.end, plan[-1].end) for s in plan]
-    with ThreadPoolExecutor(1) as pool, Progress(SpinnerColumn(), TextColumn("{task.description}"),
-                                                 TimeElapsedColumn(), console=console, transient=False) as progress:
-        tasks = {
-            s.node_id: progress.add_task(f"{s.node_id}: layers {s.start}-{s.end - 1} ({s.bytes / GiB:.2f} GiB) loading",
-                                         total=1)
-            for s in plan
-        }
-        future = pool.submit(remote_engine, model_path, addresses, mtp, secret, specs=specs, dtype=dtype)
-        pending = dict(zip([s.node_id for s in plan], zip(plan, addresses)))
-        while not wait([future], timeout=0.5).done:
-            for node, (s, address) in list(pending.items()):
-                if probe_node(address, secret, timeout=1.0, probe_next=False).get("layers") == [s.start, s.end]:
-                    progress.update(tasks[node], completed=1, description=f"{node}: layers {s.start}-{s.end - 1} loaded")
-                    del pending[node]
-        engine = future.result()
-        for node, (s, _) in pending.items():
-            progress.update(tasks[node], completed=1, description=f"{node}: layers {s.start}-{s.end - 1} loaded")
-    return engine
-
-
-def form_cluster(
-    cfg: ClusterConfig, me: str, my_target: str, peers: dict[str, NodeAdvert], local: list[Interface],
-    model_path: Path, mtp: bool, secret: str | None, console: Any,
-) -> tuple[Any, Formation]:
-    """Place the model over the discovered (and static) nodes and build the engine over them."""
-    from .placement import describe_plan, model_footprint, order_nodes, plan_layers
-
-    reserve = int(cfg.placement.reserve_gib * GiB)
-    nodes = [resources_from_advert(ad, reserve) for ad in peers.values()]
-    nodes += [n for n in static_resources(cfg.nodes, secret, reserve) if n.node_id not in peers]
-    footprint = model_footprint(model_path, mtp=mtp)
-    order = order_nodes(nodes, first=me)
-    hosts = {n.addresses[0]: n.node_id for n in nodes if n.addresses and not n.interfaces}  # static: by host too
-    overrides = {hosts.get(k, k): v for k, v in cfg.placement.layers.items()}
-    plan = plan_layers(footprint, order, overrides)
-    log.info("placement: %s", describe_plan(plan))
-    control = choose_control_addresses(order, me, my_target, local, secret)
-    engine = load_with_progress(model_path, order, plan, control, mtp, cfg.dtype, secret, console)
-    try:
-        hops = confirm_hops(order, plan, control, model_path, mtp, cfg.dtype, secret)
-        ring = confirm_ring(order, plan, control, model_path, mtp, cfg.dtype, secret)
-    except BaseException:
-        engine.pipeline.close()
-        raise
-    return engine, Formation(plan, control, hops, ring)
-
-
-def single_node_engine(server: Any, model_path: Path, mtp: bool, dtype: str | None, mtp_pre_norm: bool) -> Any:
-    """The whole model in this process; the node server reports its one stage in Health."""
-    import mlx.core as mx
-
-    from ..node.server import LoadKey
-    from .cli import _progress_loader
-    from .engine import local_engine
-
-    options = {"mtp_pre_norm": True} if mtp_pre_norm else {}
-    with _progress_loader("loading model")() as progress:
-        engine = local_engine(model_path, mtp=mtp, dtype=getattr(mx, dtype) if dtype else None, progress=progress,
-                              **options)
-    stage = engine.pipeline.stages[0]
-    n = stage.spec.num_layers
-    svc = server.service
-    svc.key = LoadKey(str(Path(model_path).resolve()), 0, n, n, mtp, dtype or "")
-    svc.worker = stage
-    return engine
-
-
-def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, model_name: str,
-                    formation: Formation | None, agent: ClusterAgent | None, secret: str | None) -> Callable[[], dict]:
-    """What GET /v1/cluster answers: placement, hops, each node's health, what discovery saw."""
-    from .health import probe_nodes
-
-    if formation is None:
-        plan = [{"node": me, "address": my_target, "layers": [0, engine.pipeline.stages[0].spec.end]}]
-        hops: list[dict] = []
-        ring = None
-    else:
-        plan = [{"node": s.node_id, "address": formation.control[s.node_id], "layers": [s.start, s.end],
-                 "bytes": s.bytes} for s in formation.plan]
-        hops = [asdict(h) for h in formation.hops]
-        ring = asdict(formation.ring) if formation.ring else None
-
-    def info() -> dict:
-        return {
-            "mode": "cluster" if formation else "local",
-            "cluster": cfg.name,
-            "coordinator": me,
-            "model": model_name,
-            "mtp": engine.has_mtp,
-            "max_context": engine.max_context,
-            "placement": plan,
-            "links": hops,
-            "ring": ring,
-            "nodes": probe_nodes([p["address"] for p in plan], secret),
-            "discovered": sorted(agent.peers()) if agent else [],
-            "ignored": sorted(agent.discovery.ignored) if agent else [],
-        }
-
-    return info
-
-
 # -- the commands -------------------------------------------------------------------------------
 
 
@@ -502,7 +242,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     )
     from ..node.identity import node_id as persistent_id
     from ..node.server import NodeServer
-    from .api import model_name_for, serve
+    from .serve import model_name_for, serve
     from .cli import _stderr_console
 
     console = _stderr_console()

@@ -22,7 +22,8 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
-from mtpipe.coordinator.api import create_app, nodes_cluster_info  # noqa: E402
+from mtpipe.coordinator.api import create_app  # noqa: E402
+from mtpipe.coordinator.serve import nodes_cluster_info  # noqa: E402
 from mtpipe.coordinator.engine import Engine, GenerationRequest, local_engine  # noqa: E402
 from mtpipe.node.protocol import SamplingParams  # noqa: E402
 
@@ -421,14 +422,14 @@ def test_api_key(engine: Engine) -> None:
 
 
 def test_serve_command(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mtpipe.coordinator import api, cli
+    from mtpipe.coordinator import cli, serve
 
     seen: dict[str, Any] = {}
 
     def fake_serve(engine: Engine, host: str, port: int, **kwargs: Any) -> None:
         seen.update(engine=engine, host=host, port=port, **kwargs)
 
-    monkeypatch.setattr(api, "serve", fake_serve)
+    monkeypatch.setattr(serve, "serve", fake_serve)
     monkeypatch.setenv("MTPIPE_API_KEY", "from-env")
     assert cli.main(["serve", "--model", str(dense_ckpt), "--port", "9999", "--mtp-depth", "1"]) == 0
     assert seen["host"] == "127.0.0.1" and seen["port"] == 9999 and seen["api_key"] == "from-env"

@@ -160,7 +160,7 @@ def test_election() -> None:
 def test_static_nodes_and_reachability() -> None:
     """Static nodes are asked for their id and memory; a hop address must answer as the right node."""
     from mtpipe.coordinator.health import first_reachable, probe_node
-    from mtpipe.coordinator.launch import static_resources
+    from mtpipe.coordinator.formation import static_resources
     from mtpipe.node.server import NodeServer
 
     server = NodeServer("127.0.0.1", 0, node_id="static-1", secret="s3").start()

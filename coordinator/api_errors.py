@@ -1,0 +1,68 @@
+"""OpenAI-shaped errors for the REST API, and request bodies parsed into them."""
+
+from typing import Any, Optional
+
+def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+def field_path(loc: tuple) -> str:
+    """A pydantic error location as `messages[0].content`, without union member tags."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in _UNION_TAGS:
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def validation_error(errors: list[dict[str, Any]], status: int = 422) -> APIError:
+    """The first three problems, as `messages[0].role: Input should be ...; ...`."""
+    parts = []
+    for err in errors[:3]:
+        where = field_path(tuple(err.get("loc", ())))
+        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    first = errors[0]
+    param = next((p for p in first.get("loc", ()) if isinstance(p, str) and p != "body"), None)
+    return APIError(status, "; ".join(parts) + more, param=param, code=first.get("type"))
+
+
+async def parse_body(request: Any, cls: type) -> Any:
+    """The request's JSON body as `cls`: 400 for invalid JSON, 422 for a body of the wrong shape."""
+    from pydantic import ValidationError
+
+    raw = await request.body()
+    try:
+        return cls.model_validate_json(raw)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        if any(err["type"] == "json_invalid" for err in errors):
+            message = f"the request body is not valid JSON: {errors[0]['msg']}"
+            raise APIError(400, message, code="invalid_json") from None
+        if errors[0]["type"] == "model_type" and not errors[0].get("loc"):
+            raise APIError(422, "the request body must be a JSON object", code="invalid_type") from None
+        raise validation_error(errors) from None

@@ -1,0 +1,144 @@
+"""One generation on a thread of its own, and the OpenAI response and chunk objects it becomes."""
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from .engine import Engine, GenerationChunk, GenerationRequest, GenerationStats
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+class GenerationThread:
+    """Iterates `engine.generate` on a thread and hands chunks to the event loop.
+
+    `cancel()` makes the thread stop at the next chunk and close the generator, so the engine
+    releases the sequence on every node; the queue then ends.
+    """
+
+    def __init__(self, engine: "Engine", req: "GenerationRequest", on_exit: Callable[["GenerationThread"], None]):
+        self.engine = engine
+        self.req = req
+        self.on_exit = on_exit
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.stopping = threading.Event()
+        self.cancelled = False  # stopped before the last chunk
+        self.thread = threading.Thread(target=self._work, name="mtpipe-generation", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def cancel(self) -> None:
+        self.stopping.set()
+
+    async def chunks(self) -> AsyncIterator["GenerationChunk"]:
+        while True:
+            item = await self.queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+            pass
+
+    def _work(self) -> None:
+        gen = self.engine.generate(self.req)
+        finished = False
+        try:
+            while not self.stopping.is_set():
+                chunk = next(gen, None)
+                if chunk is None:
+                    break
+                self._put(chunk)
+                if chunk.finish_reason:
+                    finished = True
+                    break
+        except Exception as e:  # handed to the request, which answers it
+            self._put(e)
+        finally:
+            try:
+                gen.close()  # the engine's finally: release the sequence on every node
+            except Exception:
+                log.exception("releasing a sequence failed")
+            self.cancelled = not finished and self.stopping.is_set()
+            self.on_exit(self)
+            self._put(_END)
+
+
+# -- response shapes --------------------------------------------------------------------------
+
+
+def usage_of(stats: "GenerationStats", depth: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generation_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generation_tokens,
+        "mtp": {
+            "depth": depth,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "acceptance": round(stats.acceptance, 4),
+            "rounds": stats.rounds,
+        },
+    }
+
+
+class ResponseFormat:
+    """OpenAI's response and chunk objects for chat (`chat.completion`) or text (`text_completion`)."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool = False):
+        self.chat = chat
+        self.model = model
+        self.include_usage = include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _object(self, object: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        out = {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
+        if self.chat:
+            out["system_fingerprint"] = None
+        out.update(extra)
+        return out
+
+    def response(self, text: str, finish: str, usage: dict[str, Any]) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+            return self._object("chat.completion", [choice], usage=usage)
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._object("text_completion", [choice], usage=usage)
+
+    def chunk(self, text: str = "", finish: Optional[str] = None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        extra = {"usage": None} if self.include_usage else {}
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)
+
+
+def sse_event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
