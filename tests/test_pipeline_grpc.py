@@ -74,8 +74,8 @@ def node_processes(n: int, secret: str | None = None) -> Iterator[list[tuple[sub
 
 @pytest.fixture(scope="module")
 def all_nodes() -> Iterator[list[tuple[subprocess.Popen, str]]]:
-    # Started together (startup is mostly imports): three for pipelines and one to kill.
-    with node_processes(4) as procs:
+    # Started together (startup is mostly imports): three for pipelines and two to kill.
+    with node_processes(5) as procs:
         yield procs
 
 
@@ -444,6 +444,23 @@ def test_killed_node_fails_the_request_fast(dense_ckpt: Path, nodes: list[str], 
     # The surviving nodes serve on.
     with remote(dense_ckpt, nodes[:2]) as engine:
         assert generate(engine, PROMPTS[0], 2).tokens
+
+
+def test_killed_first_node_fails_the_request_fast(dense_ckpt: Path, nodes: list[str], all_nodes) -> None:
+    # The ring's end: the last node's link back to the first breaks as well as the coordinator's own.
+    victim, victim_address = all_nodes[4]
+    with remote(dense_ckpt, [victim_address, nodes[2]]) as engine:
+        assert engine.pipeline.health()[-1].ring == victim_address
+        stream = engine.generate(GenerationRequest(engine.tokenizer.encode(PROMPTS[16]), max_tokens=1000,
+                                                   mtp_depth=1))
+        next(stream)
+        victim.kill()
+        t0 = time.monotonic()
+        with pytest.raises(NodeFailure) as err:
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 5.0
+        assert victim_address in str(err.value)
 
 
 def test_hung_node_fails_the_request_fast_and_others_go_on(
