@@ -425,20 +425,24 @@ def test_secret_required_when_set(dense_ckpt: Path) -> None:
 # -- failures -------------------------------------------------------------------------------------
 
 
+def _kill_mid_generation(engine: Engine, victim: subprocess.Popen, victim_address: str, text: str) -> None:
+    """Kill `victim` while a long generation runs: the request fails within 5 s, naming it."""
+    stream = engine.generate(GenerationRequest(engine.tokenizer.encode(text), max_tokens=1000, mtp_depth=2))
+    next(stream)
+    next(stream)
+    victim.kill()
+    t0 = time.monotonic()
+    with pytest.raises(NodeFailure) as err:
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < 5.0
+    assert victim_address in str(err.value)
+
+
 def test_killed_node_fails_the_request_fast(dense_ckpt: Path, nodes: list[str], all_nodes) -> None:
     victim, victim_address = all_nodes[3]
     with remote(dense_ckpt, [nodes[0], victim_address, nodes[1]]) as engine:
-        prompt = engine.tokenizer.encode(PROMPTS[13])
-        stream = engine.generate(GenerationRequest(prompt, max_tokens=1000, mtp_depth=2))
-        next(stream)
-        next(stream)
-        victim.kill()
-        t0 = time.monotonic()
-        with pytest.raises(NodeFailure) as err:
-            for _ in stream:
-                pass
-        assert time.monotonic() - t0 < 5.0
-        assert victim_address in str(err.value)
+        _kill_mid_generation(engine, victim, victim_address, PROMPTS[13])
         with pytest.raises(NodeFailure, match=victim_address):  # and every later step, at once
             generate(engine, PROMPTS[0], 2)
     # The surviving nodes serve on.
@@ -451,16 +455,7 @@ def test_killed_first_node_fails_the_request_fast(dense_ckpt: Path, nodes: list[
     victim, victim_address = all_nodes[4]
     with remote(dense_ckpt, [victim_address, nodes[2]]) as engine:
         assert engine.pipeline.health()[-1].ring == victim_address
-        stream = engine.generate(GenerationRequest(engine.tokenizer.encode(PROMPTS[16]), max_tokens=1000,
-                                                   mtp_depth=1))
-        next(stream)
-        victim.kill()
-        t0 = time.monotonic()
-        with pytest.raises(NodeFailure) as err:
-            for _ in stream:
-                pass
-        assert time.monotonic() - t0 < 5.0
-        assert victim_address in str(err.value)
+        _kill_mid_generation(engine, victim, victim_address, PROMPTS[16])
 
 
 def test_hung_node_fails_the_request_fast_and_others_go_on(
