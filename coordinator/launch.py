@@ -121,9 +121,12 @@ class ClusterAgent:
     """Zeroconf advertisement and browsing on a private event loop (uvicorn owns the main thread's)."""
 
     def __init__(self, bind: list[str], advert: NodeAdvert | None, cluster: str,
-                 on_change: Callable[[str, NodeAdvert], None] | None = None):
+                 on_change: Callable[[str, NodeAdvert], None] | None = None,
+                 memory_offered: Callable[[], int] | None = None):
         self.bind = bind
         self.advert = advert
+        self.memory_offered = memory_offered
+        self._refresh: asyncio.Task | None = None
         self.hash = cluster_hash(cluster)
         self.on_change = on_change
         self.loop = asyncio.new_event_loop()
@@ -145,6 +148,9 @@ class ClusterAgent:
         if self.advert is not None:
             self.advertiser = Advertiser(self.azc, self.advert, self.bind)
             await self.advertiser.start()
+            if self.memory_offered is not None:
+                self._refresh = asyncio.get_running_loop().create_task(
+                    self.advertiser.keep_memory_current(self.memory_offered))
 
     def peers(self) -> dict[str, NodeAdvert]:
         return self.run(self._snapshot())
@@ -167,12 +173,19 @@ class ClusterAgent:
         self.thread.join(5)
 
     async def _stop(self) -> None:
+        if self._refresh is not None:
+            self._refresh.cancel()
         if self.advertiser is not None:
             await self.advertiser.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         if self.azc is not None:
             await self.azc.async_close()
+
+
+def offered_memory(available: int, max_memory_gib: float | None) -> int:
+    """What this node offers a placement: the memory available, capped by `node.max_memory_gib`."""
+    return available if max_memory_gib is None else min(available, int(max_memory_gib * GiB))
 
 
 def wait_for_peers(agent: ClusterAgent, me: str, cfg: ClusterConfig, forced: bool) -> dict[str, NodeAdvert]:
@@ -258,8 +271,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     interfaces = local_interfaces()
     bind = discovery_addresses(cfg.discovery.interfaces, interfaces) if cfg.discovery.enabled else []
     mem = sysinfo.memory()
-    offered = mem.available if cfg.node.max_memory_gib is None else min(mem.available, int(cfg.node.max_memory_gib * GiB))
+    offered = offered_memory(mem.available, cfg.node.max_memory_gib)
     server = NodeServer(cfg.node.host, cfg.node.port, node_id=me, secret=secret).start()
+
+    def memory_offered() -> int:
+        # Its own shard counts as free: a new placement would replace it.
+        stage = server.service.worker
+        held = stage.shard.model.parameter_bytes() if stage is not None else 0
+        return offered_memory(sysinfo.memory().available + held, cfg.node.max_memory_gib)
+
     my_target = _self_target(cfg.node.host, server.port)
     advert = NodeAdvert(me, cluster_hash(cfg.name), server.port, mem.total, offered, sysinfo.chip(), __version__,
                         advertised_interfaces(interfaces, bind), coordinator=args.coordinator)
@@ -273,7 +293,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         elif placed and kind == "leave" and ad.node_id in placed:
             log.warning("node %s of the pipeline left; requests will fail until it is back", ad.node_id)
 
-    agent = ClusterAgent(bind, advert, cfg.name, on_change=on_change) if bind else None
+    agent = ClusterAgent(bind, advert, cfg.name, on_change=on_change, memory_offered=memory_offered) if bind else None
     engine = None
     try:
         if agent is not None:

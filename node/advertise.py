@@ -7,13 +7,18 @@ TXT keys (each `key=value` at most 255 bytes; nothing secret, the cluster is nam
   co     "1" if started as coordinator i0, i1, ... one interface each: "link|name|cidr,cidr"
 
 Zeroconf is always bound to an explicit list of interface addresses, never to all interfaces.
+The memory a node offers is republished when it moves, so a coordinator started later places by
+what is free now, not by what was free when the node started.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import ipaddress
 import logging
+import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from .links import Interface, LinkType
@@ -21,6 +26,7 @@ from .links import Interface, LinkType
 log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_mtpipe._tcp.local."
+MEMORY_REFRESH_S = 30.0
 MAX_TXT_ENTRY = 255
 _LINK_CODES = {
     LinkType.THUNDERBOLT: "tb",
@@ -134,6 +140,11 @@ def open_zeroconf(addresses: list[str]):
     return AsyncZeroconf(interfaces=[str(ipaddress.ip_address(a)) for a in addresses])
 
 
+def needs_republish(published: int, now: int) -> bool:
+    """A TXT update goes to every peer by multicast: only for a real change (5%, and at least 256 MiB)."""
+    return abs(now - published) > max(published // 20, 256 << 20)
+
+
 class Advertiser:
     """Registers one node's service; `update` republishes the TXT record (e.g. memory changed)."""
 
@@ -164,6 +175,21 @@ class Advertiser:
         self.advert = replace(self.advert, **changes)
         self.info = self._service_info()
         await self.azc.async_update_service(self.info)
+
+    async def keep_memory_current(self, offered: Callable[[], int], interval: float = MEMORY_REFRESH_S) -> None:
+        """Every `interval`, republish `mem_available` if what `offered()` says has moved (until cancelled)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                now = await loop.run_in_executor(None, offered)  # vm_stat on macOS is a subprocess
+            except (OSError, ValueError, subprocess.SubprocessError) as e:
+                log.debug("cannot read memory: %s", e)
+                continue
+            if needs_republish(self.advert.mem_available, now):
+                log.info("memory offered %.1f -> %.1f GiB; republishing", self.advert.mem_available / 2**30,
+                         now / 2**30)
+                await self.update(mem_available=now)
 
     async def stop(self) -> None:
         """Unregister, waiting until the goodbye is sent so peers see this node leave at once."""

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 from pathlib import Path
 
 import pytest
 from mtpipe.node.advertise import (
     MAX_TXT_ENTRY,
+    Advertiser,
     NodeAdvert,
     cluster_hash,
     decode_txt,
     encode_txt,
+    needs_republish,
 )
 from mtpipe.node.identity import node_id, state_dir
 from mtpipe.node.links import Interface, LinkType
@@ -82,3 +85,35 @@ def test_txt_round_trip_and_limits() -> None:
     assert cluster_hash("lab") != cluster_hash("lab2") and len(cluster_hash("lab")) == 16
     with pytest.raises(ValueError, match="malformed"):
         decode_txt({b"id": b"x"})
+
+
+class _RecordingZeroconf:
+    """Stands in for AsyncZeroconf: records the TXT records the advertiser publishes."""
+
+    def __init__(self) -> None:
+        self.published: list[dict] = []
+
+    async def async_update_service(self, info) -> None:
+        self.published.append(dict(info.properties))
+
+
+def test_memory_offered_is_republished_when_it_moves() -> None:
+    GiB = 2**30
+    assert not needs_republish(8 * GiB, 8 * GiB + (100 << 20))  # noise: neither 5% nor 256 MiB
+    assert needs_republish(8 * GiB, 6 * GiB) and needs_republish(2 * GiB, 2 * GiB + (300 << 20))
+    azc = _RecordingZeroconf()
+    ad = NodeAdvert("node-a", cluster_hash("lab"), 52700, 16 * GiB, 8 * GiB, "Apple M2 Max", "0.1.0")
+    advertiser = Advertiser(azc, ad, ["127.0.0.1"])
+    readings = iter([8 * GiB, 8 * GiB + (50 << 20), 5 * GiB, 5 * GiB])
+
+    async def run() -> None:
+        task = asyncio.get_running_loop().create_task(advertiser.keep_memory_current(lambda: next(readings), 0.01))
+        while len(azc.published) < 1:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the last, unchanged readings publish nothing more
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(run(), 5))
+    assert [decode_txt(p).mem_available for p in azc.published] == [5 * GiB]
+    assert advertiser.advert.mem_available == 5 * GiB
+
