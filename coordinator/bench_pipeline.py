@@ -8,6 +8,8 @@ coordinator starting every round itself (no ring), and node-to-node frames on gR
 of the TCP data plane. Decode speed is (tokens - 1) / (last token time - first token time), as in
 `bench engine`. Wire figures come from the nodes' own counters (serialized Frame bytes per hop,
 the last node's ring hop included) and the coordinator's (what it sends and receives per round).
+Prefill is measured apart, on one long prompt: single node, 2 and 3 nodes with several prompt chunks
+in flight, and 2 nodes taking one chunk at a time.
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .bench import _time_engine, bench_prompts
-from .engine import Engine, local_engine
+from .engine import Engine, GenerationRequest, local_engine
 from .remote import RemotePipeline, remote_engine, wait_for_nodes
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DEPTHS = (1, 2, 3)
 COORDINATOR_ROUNDS = "pipe2_coordinator_rounds"  # 2 nodes, the ring off
+PREFILL_ONE_CHUNK = "pipe2_one_chunk_in_flight"  # 2 nodes, prompt chunks one at a time
+PREFILL_TOKENS = 2048
+PREFILL_RUNS = 2
 GRPC_HOPS = "pipe2_grpc_hops"  # 2 nodes without a data plane
 RING_TIMEOUT_S = 900
 
@@ -146,6 +151,22 @@ def run_mlx_ring(model_path: Path, prompts: list[list[int]], max_tokens: int, ra
     return {"error": f"mlx.launch exited with {proc.returncode}: {' | '.join(tail)}"}
 
 
+def bench_prefill(engines: dict[str, Engine], texts: list[str]) -> dict[str, Any]:
+    """Prompt throughput on one long prompt (the held-out texts joined, PREFILL_TOKENS tokens, 512-token
+    chunks), median of PREFILL_RUNS runs per engine, engines interleaved: several chunks in flight let
+    the nodes of a pipeline work on different chunks at once."""
+    tokenizer = engines["single"].tokenizer
+    prompt = tokenizer.encode("\n".join(texts * (1 + PREFILL_TOKENS // 64)))[:PREFILL_TOKENS]
+    speeds: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(PREFILL_RUNS):
+        for name, engine in engines.items():
+            stats = engine.complete(GenerationRequest(prompt, max_tokens=1)).stats
+            speeds[name].append(stats.prefill_tps)
+    tok_s = {name: round(statistics.median(v), 1) for name, v in speeds.items()}
+    return {"prompt_tokens": len(prompt), "tok_s": tok_s,
+            "ratios": {f"{name}_vs_single": round(v / tok_s["single"], 3) for name, v in tok_s.items() if name != "single"}}
+
+
 def _method(topology: str, depth: int) -> str:
     return f"{topology}_no_mtp" if depth == 0 else f"{topology}_mtp_k{depth}"
 
@@ -182,6 +203,7 @@ def bench_pipeline(
             engines["pipe3"] = remote_engine(model_path, addresses[2:], mtp=True)
             engines[COORDINATOR_ROUNDS] = remote_engine(model_path, addresses[:2], mtp=True, ring=False)
             engines[GRPC_HOPS] = remote_engine(model_path, grpc_addresses, mtp=True)
+            engines[PREFILL_ONE_CHUNK] = remote_engine(model_path, addresses[:2], mtp=True, steps_in_flight=1)
             for topology, k in runs:  # warm up every path once
                 _time_engine(engines[topology], encoded[0], 8, k)
             for prompt in encoded:
@@ -195,6 +217,7 @@ def bench_pipeline(
                     speeds[m].append(tps)
                     drafted[m] += stats.drafted
                     accepted[m] += stats.accepted
+            prefill = bench_prefill({n: engines[n] for n in ("single", "pipe2", "pipe3", PREFILL_ONE_CHUNK)}, texts)
             rtt = engines["pipe3"].pipeline.health(probe_next=True)
         finally:
             for name, engine in engines.items():
@@ -233,6 +256,7 @@ def bench_pipeline(
         "wire": {m: _wire_report(w, config.args.hidden_size, dtype.size, k)
                  for m, (t, k) in zip(methods, runs) if (w := wire.get(m))},
         "next_stage_rtt_ms": [round(h.next_rtt_ms, 3) for h in rtt[:-1]],
+        "prefill": prefill,
         "ratios": {
             "pipe2_no_mtp_vs_single": ratio("pipe2_no_mtp", "single_no_mtp"),
             "pipe2_mtp_vs_single_no_mtp": ratio("pipe2_mtp", "single_no_mtp"),
@@ -245,6 +269,9 @@ def bench_pipeline(
             "pipe2_no_mtp_vs_mlx_lm_ring": ratio("pipe2_no_mtp", "mlx_lm_ring2"),
             "pipe2_ring_vs_coordinator_rounds": ratio("pipe2_no_mtp", _method(COORDINATOR_ROUNDS, 0)),
             "pipe2_tcp_vs_grpc_hops": ratio("pipe2_no_mtp", _method(GRPC_HOPS, 0)),
+            "pipe2_prefill_vs_single": prefill["ratios"]["pipe2_vs_single"],
+            "pipe2_prefill_vs_one_chunk_in_flight": round(
+                prefill["tok_s"]["pipe2"] / prefill["tok_s"][PREFILL_ONE_CHUNK], 3),
         },
     }
 
@@ -278,6 +305,9 @@ def print_report(result: dict[str, Any], console: Any) -> None:
     console.print("* best depth of its topology. ratios: " + ", ".join(f"{k} {v}" for k, v in result["ratios"].items()))
     if "error" in result["mlx_lm_ring"]:
         console.print(f"mlx-lm ring: {result['mlx_lm_ring']['error']}")
+    p = result["prefill"]
+    console.print(f"prefill, one {p['prompt_tokens']}-token prompt (tok/s): "
+                  + ", ".join(f"{name} {v:.0f}" for name, v in p["tok_s"].items()))
     console.print(f"round trip to the next stage (3-node, unary ping): {result['next_stage_rtt_ms']} ms; a decode "
                   "round is one trip around the nodes (first -> ... -> last -> first); the coordinator only listens, "
                   f"except in {COORDINATOR_ROUNDS}")

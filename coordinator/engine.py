@@ -180,20 +180,19 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(req.prompt_tokens))
         text = _TextStream(self.tokenizer, req.stop)
         stop_tokens = tuple(sorted(self.eos))
-        step = 0
         try:
             t0 = time.perf_counter()
-            out = None
-            for chunk, final in self._prefill_chunks(req.prompt_tokens):
-                out = self.pipeline.step(
-                    StepRequest(
-                        seq_id, step, StepKind.PREFILL, chunk, final=final,
-                        params=req.params if step == 0 else None,
-                        mtp_depth=req.mtp_depth if step == 0 else 0,
-                        budget=req.max_tokens if final else 0, stop_tokens=stop_tokens if final else (),
-                    )
+            prefill = [
+                StepRequest(
+                    seq_id, i, StepKind.PREFILL, chunk, final=final,
+                    params=req.params if i == 0 else None,
+                    mtp_depth=req.mtp_depth if i == 0 else 0,
+                    budget=req.max_tokens if final else 0, stop_tokens=stop_tokens if final else (),
                 )
-                step += 1
+                for i, (chunk, final) in enumerate(self._prefill_chunks(req.prompt_tokens))
+            ]
+            out = self.pipeline.steps(prefill)[-1]  # a pipeline of nodes works on several chunks at once
+            step = len(prefill)
             stats.prefill_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
             generated: list[int] = []

@@ -20,6 +20,8 @@ from ..node.worker import StageWorker
 class Pipeline(Protocol):
     def step(self, req: StepRequest) -> StepOutput: ...
 
+    def steps(self, reqs: list[StepRequest]) -> list[StepOutput]: ...  # in order; may overlap them
+
     def release(self, seq_id: str) -> None: ...
 
     def close(self) -> None: ...
@@ -42,6 +44,9 @@ class LocalPipeline:
         if not isinstance(out, StepOutput):
             raise StageError("the last stage returned no tokens")
         return out
+
+    def steps(self, reqs: list[StepRequest]) -> list[StepOutput]:
+        return [self.step(r) for r in reqs]  # one thread: nothing to overlap
 
     def release(self, seq_id: str) -> None:
         for stage in self.stages:

@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .engine import DEFAULT_PREFILL_CHUNK, Engine, load_tokenizer
 
 log = logging.getLogger(__name__)
+
+# Prompt chunks in flight at once: enough to keep every stage busy, while bounding the hidden states
+# queued on the nodes (a 512-token chunk of a hidden-8192 bfloat16 model is 8 MiB).
+STEPS_IN_FLIGHT = 4
 
 
 class NodeFailure(RuntimeError):
@@ -185,6 +190,7 @@ class RemotePipeline:
         step_timeout: float = 600.0,
         connect_timeout: float = 15.0,  # a live node under load can be slow to accept; dead ones fail at once
         ring: bool = True,
+        steps_in_flight: int = STEPS_IN_FLIGHT,
     ):
         if not nodes:
             raise ValueError("a pipeline needs at least one node")
@@ -193,6 +199,7 @@ class RemotePipeline:
         self.step_timeout = step_timeout
         self.connect_timeout = connect_timeout
         self.ring = ring  # let the last node start decode rounds (False: this side sends every round)
+        self.steps_in_flight = max(1, steps_in_flight)
         self.client_id = uuid.uuid4().hex
         self.nodes = [_Node(a, secret) for a in nodes]
         self.stats = WireStats()
@@ -326,45 +333,66 @@ class RemotePipeline:
     # -- the Pipeline protocol ------------------------------------------------------------------
 
     def step(self, req: StepRequest) -> StepOutput:
+        return self.steps([req])[0]
+
+    def steps(self, reqs: list[StepRequest]) -> list[StepOutput]:
+        """Consecutive steps of one sequence (a prompt's chunks), up to `steps_in_flight` at once: the
+        first node computes chunk i+1 while the next ones work on chunk i."""
         if self._closed:
             raise RuntimeError("the pipeline is closed")
+        in_flight: deque[tuple[StepRequest, _Waiter]] = deque()
+        outs: list[StepOutput] = []
+        try:
+            for req in reqs:
+                waiter = self._register(req)
+                in_flight.append((req, waiter))
+                if not waiter.claimed:
+                    self._send(req)
+                if len(in_flight) >= self.steps_in_flight:
+                    outs.append(self._finish(*in_flight.popleft()))
+            while in_flight:
+                outs.append(self._finish(*in_flight.popleft()))
+        finally:
+            with self._lock:  # after a failure: steps nobody waits for any more
+                for req, _ in in_flight:
+                    self._waiters.pop((req.seq_id, req.step), None)
+        return outs
+
+    def _register(self, req: StepRequest) -> _Waiter:
+        """The waiter for this step's result: a new one, or the one of a round the last node started."""
         key = (req.seq_id, req.step)
         with self._lock:
             waiter = self._waiters.get(key)
-            if waiter is not None and waiter.started is not None and not waiter.claimed:
-                waiter.claimed = True
-            elif waiter is not None:
-                raise StageError(f"step {req.step} of {req.seq_id!r} is already in flight")
-            else:
+            if waiter is None:
                 waiter = self._waiters[key] = _Waiter(decode=req.kind is StepKind.DECODE)
-        if waiter.claimed:
-            return self._claim(waiter, req)
+                return waiter
+            if waiter.started is None or waiter.claimed:
+                raise StageError(f"step {req.step} of {req.seq_id!r} is already in flight")
+            tokens, prev = waiter.started
+            if req.kind is not StepKind.DECODE or req.tokens != tokens or req.commit != prev.commit:
+                del self._waiters[key]
+                raise StageError(f"step {req.step} of {req.seq_id!r} differs from the round the last node started")
+            waiter.claimed = True
+        self.stats.decode_rounds += 1
+        return waiter
+
+    def _send(self, req: StepRequest) -> None:
         frame = request_to_frame(req, self.client_id)
         if not self.ring:
             frame.budget = 0
-        try:
-            # Registered first, then connected: a subscription lost from here on fails this waiter.
-            self._connect()
-            size = frame.ByteSize()
-            self.stats.frames_sent += 1
-            self.stats.bytes_sent += size
-            if req.kind is StepKind.DECODE:
-                self.stats.decode_rounds += 1
-                self.stats.decode_frames_sent += 1
-                self.stats.decode_bytes_sent += size
-            self._first.send(frame)
-            return self._wait(waiter, req)
-        finally:
-            with self._lock:
-                self._waiters.pop(key, None)
-
-    def _claim(self, waiter: _Waiter, req: StepRequest) -> StepOutput:
-        """The last node already started this step: wait for its result."""
-        try:
-            tokens, prev = waiter.started
-            if req.kind is not StepKind.DECODE or req.tokens != tokens or req.commit != prev.commit:
-                raise StageError(f"step {req.step} of {req.seq_id!r} differs from the round the last node started")
+        # Registered first, then connected: a subscription lost from here on fails the waiter.
+        self._connect()
+        size = frame.ByteSize()
+        self.stats.frames_sent += 1
+        self.stats.bytes_sent += size
+        if req.kind is StepKind.DECODE:
             self.stats.decode_rounds += 1
+            self.stats.decode_frames_sent += 1
+            self.stats.decode_bytes_sent += size
+        self._first.send(frame)
+
+    def _finish(self, req: StepRequest, waiter: _Waiter) -> StepOutput:
+        try:
             return self._wait(waiter, req)
         finally:
             with self._lock:

@@ -295,6 +295,7 @@ class NodeService(pb_grpc.NodeServicer):
     async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async for frame in request_iterator:  # one stream's frames, strictly in order
             await self.on_frame(frame)
+            await asyncio.sleep(0)  # with frames already buffered, let the writer pass this one on
         return
         yield  # an async generator: the reply stream stays silent
 

@@ -28,6 +28,7 @@ from mtpipe.coordinator.bench_pipeline import die_with_parent
 from mtpipe.coordinator.engine import Engine, GenerationRequest, local_engine
 from mtpipe.coordinator.pipeline import even_split
 from mtpipe.coordinator.remote import NodeFailure, RemoteStageError, remote_engine, wait_for_nodes
+from mtpipe.models.config import load_config
 from mtpipe.models.loading import load_shard
 from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest
 from mtpipe.node.server import NodeServer
@@ -196,6 +197,23 @@ def test_chunked_prefill_identical(accepting_ckpt: Path, nodes: list[str]) -> No
             ref, got = single.complete(req), engine.complete(req)
             assert got.tokens == ref.tokens
             assert (got.stats.accepted, got.stats.drafted) == (ref.stats.accepted, ref.stats.drafted)
+
+
+def test_refused_chunk_among_chunks_in_flight(dense_ckpt: Path, nodes: list[str]) -> None:
+    # Several prompt chunks travel at once: one refused in the middle fails the request with the
+    # node's reason, the chunks behind it change nothing, and the pipeline serves on.
+    with remote(dense_ckpt, nodes[:2]) as engine:
+        engine.prefill_chunk = 8
+        prompt = engine.tokenizer.encode("".join(PROMPTS[:4]))[:40]
+        prompt[20] = load_config(dense_ckpt).args.vocab_size + 5  # the third chunk
+        with pytest.raises(RemoteStageError) as err:
+            engine.complete(GenerationRequest(prompt, max_tokens=4))
+        assert err.value.code == "INVALID_ARGUMENT" and "vocabulary" in str(err.value)
+        deadline = time.monotonic() + 5
+        while any(h.active_sequences for h in engine.pipeline.health()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [h.active_sequences for h in engine.pipeline.health()] == [0, 0]
+        assert generate(engine, PROMPTS[9], 2).tokens == reference(dense_ckpt, PROMPTS[9], 2).tokens
 
 
 def test_large_messages_pass(nodes: list[str]) -> None:
