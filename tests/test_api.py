@@ -517,6 +517,9 @@ def test_stage_failure_is_a_503(engine: Engine) -> None:
         def step(self, req: Any) -> Any:
             raise StageError("too many active sequences (64)")
 
+        def steps(self, reqs: list[Any]) -> list[Any]:
+            return [self.step(r) for r in reqs]
+
         def release(self, seq_id: str) -> None:
             self.released.append(seq_id)
 
