@@ -219,7 +219,7 @@ class NextStage:
 
     `send` queues the frame and returns at once; one writer task writes them in order (a node may
     forward frames of two inbound streams: its client's and the ring's). The link is the next node's
-    data plane (plain TCP, see node/dataplane.py) when its Ping reply offers one, else a gRPC Forward
+    data plane (plain TCP, above) when its Ping reply offers one, else a gRPC Forward
     stream. If it breaks, `on_error(target, error)` runs once and the next frame opens a new link;
     frames in flight are lost, which every client learns through that callback.
     """
