@@ -155,8 +155,8 @@ def bench_prefill(engines: dict[str, Engine], texts: list[str]) -> dict[str, Any
     """Prompt throughput on one long prompt (the held-out texts joined, PREFILL_TOKENS tokens, 512-token
     chunks), median of PREFILL_RUNS runs per engine, engines interleaved: several chunks in flight let
     the nodes of a pipeline work on different chunks at once."""
-    tokenizer = engines["single"].tokenizer
-    prompt = tokenizer.encode("\n".join(texts * (1 + PREFILL_TOKENS // 64)))[:PREFILL_TOKENS]
+    text = engines["single"].tokenizer.encode("\n".join(texts))
+    prompt = (text * (PREFILL_TOKENS // len(text) + 1))[:PREFILL_TOKENS]
     speeds: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(PREFILL_RUNS):
         for name, engine in engines.items():

@@ -121,7 +121,6 @@ class FrameListener:
                     raise DataPlaneError(f"a frame of {size} bytes exceeds the limit of {self.max_bytes}")
                 frame = pb.Frame.FromString(await reader.readexactly(size))
                 await self.on_frame(frame)
-                await asyncio.sleep(0)  # with frames already buffered, let the writer pass this one on
         except (DataPlaneError, DecodeError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
             log.warning("data plane: closed the stream from %s: %s", peer, e or type(e).__name__)
         except (ConnectionError, OSError) as e:

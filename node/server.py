@@ -168,7 +168,7 @@ class NodeService(pb_grpc.NodeServicer):
             return
         if self.next is not None:
             await self.next.close()
-        self.next = NextStage(target, self.secret, self._next_failed) if target else None
+        self.next = NextStage(target, self.secret, self._link_lost("next stage")) if target else None
 
     async def _set_ring(self, target: str, first_node_id: str) -> None:
         spec = self.worker.spec
@@ -181,7 +181,7 @@ class NodeService(pb_grpc.NodeServicer):
             self.ring = None
         if not want:
             return
-        link = NextStage(want, self.secret, self._ring_failed)
+        link = NextStage(want, self.secret, self._link_lost("first stage"))
         answered = await link.node_id(timeout=RING_PROBE_S)
         # The coordinator's address of the first node may mean another host from here (127.0.0.1, a
         # subnet this node is not on): start rounds only where the first node itself answers. Without
@@ -193,16 +193,14 @@ class NodeService(pb_grpc.NodeServicer):
             return
         self.ring = link
 
-    def _ring_failed(self, target: str, error: Exception) -> None:
-        msg = f"lost the stream to the first stage {target}: {describe_rpc_error(error)}"
-        self.last_error = msg
-        self._broadcast(pb.Event(error=pb.Error(code="UNAVAILABLE", message=msg, node=target)))
+    def _link_lost(self, role: str) -> Callable[[str, Exception], None]:
+        def lost(target: str, error: Exception) -> None:
+            # Frames in flight on that link are lost: every client waiting on this chain must know.
+            msg = f"lost the stream to the {role} {target}: {describe_rpc_error(error)}"
+            self.last_error = msg
+            self._broadcast(pb.Event(error=pb.Error(code="UNAVAILABLE", message=msg, node=target)))
 
-    def _next_failed(self, target: str, error: Exception) -> None:
-        # Frames in flight to the next node are lost: every client waiting on this chain must know.
-        msg = f"lost the stream to the next stage {target}: {describe_rpc_error(error)}"
-        self.last_error = msg
-        self._broadcast(pb.Event(error=pb.Error(code="UNAVAILABLE", message=msg, node=target)))
+        return lost
 
     def _dtype_name(self) -> str:
         return str(self.worker.dtype).removeprefix("mlx.core.") if self.worker else ""
@@ -261,6 +259,7 @@ class NodeService(pb_grpc.NodeServicer):
         else:
             frame.hidden.CopyFrom(out)
             self._forward(frame)
+        await asyncio.sleep(0)  # with more frames already buffered, let the writer pass this one on first
 
     def _forward(self, frame: pb.Frame) -> None:
         link = self.next
@@ -295,7 +294,6 @@ class NodeService(pb_grpc.NodeServicer):
     async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async for frame in request_iterator:  # one stream's frames, strictly in order
             await self.on_frame(frame)
-            await asyncio.sleep(0)  # with frames already buffered, let the writer pass this one on
         return
         yield  # an async generator: the reply stream stays silent
 
