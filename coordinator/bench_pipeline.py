@@ -47,13 +47,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent() -> None:
-    """preexec_fn for spawned nodes: on Linux the kernel kills them if this process dies first."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
+# Run in the child right after exec: on Linux the kernel kills it if its parent dies first
+# (PR_SET_PDEATHSIG). Not a preexec_fn: that forces a plain fork(), which runs gRPC's fork handlers
+# in the child while the parent has gRPC threads, and can abort the child before exec (SIGABRT).
+_DIE_WITH_PARENT = (
+    "import ctypes, runpy, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+    "runpy.run_module('mtpipe.coordinator.cli', run_name='__main__')\n"
+)
 
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+def node_command(*args: str) -> list[str]:
+    """The command line of an `mtpipe node` child process that does not outlive this one."""
+    return [sys.executable, "-c", _DIE_WITH_PARENT, "node", *args]
 
 
 @contextmanager
@@ -63,10 +70,8 @@ def spawn_nodes(n: int, data_plane: str = "tcp") -> Iterator[list[str]]:
     try:
         for _ in range(n):
             port = _free_port()
-            cmd = [sys.executable, "-m", "mtpipe.coordinator.cli", "node", "--host", "127.0.0.1", "--port", str(port),
-                   "--data-plane", data_plane]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          preexec_fn=die_with_parent))
+            cmd = node_command("--host", "127.0.0.1", "--port", str(port), "--data-plane", data_plane)
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             addresses.append(f"127.0.0.1:{port}")
         wait_for_nodes(addresses, timeout=180)
         yield addresses

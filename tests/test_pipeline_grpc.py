@@ -14,6 +14,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ import grpc
 import mlx.core as mx
 import pytest
 
-from mtpipe.coordinator.bench_pipeline import die_with_parent
+from mtpipe.coordinator.bench_pipeline import node_command
 from mtpipe.coordinator.engine import Engine, GenerationRequest, local_engine
 from mtpipe.coordinator.pipeline import even_split
 from mtpipe.coordinator.remote import NodeFailure, RemoteStageError, remote_engine, wait_for_nodes
@@ -48,20 +49,22 @@ MAX_TOKENS = 24
 def node_processes(n: int, secret: str | None = None) -> Iterator[list[tuple[subprocess.Popen, str]]]:
     """n `mtpipe node` processes on 127.0.0.1, ready (they answer Ping); always killed afterwards."""
     procs: list[tuple[subprocess.Popen, str]] = []
+    logs = [tempfile.TemporaryFile() for _ in range(n)]  # each node's stderr, for one that fails to start
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
-        for _ in range(n):
-            # Port 0: each node binds a port of its own and reports it (no free-port race between nodes).
-            cmd = [sys.executable, "-m", "mtpipe.coordinator.cli", "node", "--host", "127.0.0.1", "--port", "0", "--json"]
-            if secret:
-                cmd += ["--secret", secret]
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                    preexec_fn=die_with_parent)  # no orphans even if pytest is killed
+        for log in logs:
+            # Port 0: each node binds a port of its own and reports it (no free-port race between nodes);
+            # node_command: no orphans even if pytest is killed.
+            cmd = node_command("--host", "127.0.0.1", "--port", "0", "--json", *(["--secret", secret] if secret else []))
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
             procs.append((proc, ""))
         for i, (proc, _) in enumerate(procs):
             ready, _, _ = select.select([proc.stdout], [], [], 120)
             line = proc.stdout.readline() if ready else ""
-            assert line, f"node {i} printed no address (exit code {proc.poll()})"
+            if not line:
+                logs[i].seek(0)
+                stderr = logs[i].read()[-3000:].decode(errors="replace")
+                raise AssertionError(f"node {i} printed no address (exit code {proc.poll()}):\n{stderr}")
             procs[i] = (proc, json.loads(line)["address"])
         wait_for_nodes([a for _, a in procs], timeout=120, secret=secret)
         yield procs
@@ -71,6 +74,8 @@ def node_processes(n: int, secret: str | None = None) -> Iterator[list[tuple[sub
                 p.send_signal(signal.SIGCONT)
                 p.kill()
             p.wait()
+        for log in logs:
+            log.close()
 
 
 @pytest.fixture(scope="module")
