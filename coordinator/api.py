@@ -436,6 +436,14 @@ def create_app(
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def respond(endpoint: str, body: Any, req: "GenerationRequest", request: Request, started: float) -> Any:
+        """A streamed (SSE) or whole response in the endpoint's object shape."""
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        fmt = ResponseFormat(endpoint == "/v1/chat/completions", model_name, include_usage)
+        if body.stream:
+            return service.stream(endpoint, req, fmt, started)
+        return await service.complete(endpoint, req, fmt, request, started)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         started = time.perf_counter()
@@ -452,11 +460,7 @@ def create_app(
         else:
             max_tokens, max_param = body.max_tokens, "max_tokens"
         req = service.generation_request(body, params, tokens, max_tokens, "messages", max_param)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = ResponseFormat(True, model_name, include_usage)
-        if body.stream:
-            return service.stream("/v1/chat/completions", req, fmt, started)
-        return await service.complete("/v1/chat/completions", req, fmt, request, started)
+        return await respond("/v1/chat/completions", body, req, request, started)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -481,11 +485,7 @@ def create_app(
             service.check_token_ids(prompt)
             tokens = list(prompt)
         req = service.generation_request(body, params, tokens, body.max_tokens, "prompt")
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = ResponseFormat(False, model_name, include_usage)
-        if body.stream:
-            return service.stream("/v1/completions", req, fmt, started)
-        return await service.complete("/v1/completions", req, fmt, request, started)
+        return await respond("/v1/completions", body, req, request, started)
 
     return app
 

@@ -86,6 +86,14 @@ def choose_control_addresses(
     return control
 
 
+def link_candidates(src: NodeResources, dst: NodeResources, control: dict[str, str]) -> list[HopCandidate]:
+    """Addresses `src` may reach `dst` at, best first, ending with the coordinator's own address of `dst`."""
+    candidates = hop_candidates(src.interfaces, dst) if src.interfaces else []
+    if control[dst.node_id] not in [c.target for c in candidates]:
+        candidates.append(HopCandidate(control[dst.node_id], dst.port, None))
+    return candidates
+
+
 def _load_request(model_path: Path, plan: StagePlan, num_layers: int, mtp: bool, dtype: str | None,
                   next_target: str, name: str) -> Any:
     from ..proto import mtpipe_pb2 as pb
@@ -112,9 +120,7 @@ def confirm_hops(
     meta = secret_metadata(secret)
     hops = []
     for i, (src, dst) in enumerate(itertools.pairwise(order)):
-        candidates: list[HopCandidate] = hop_candidates(src.interfaces, dst) if src.interfaces else []
-        if control[dst.node_id] not in [c.target for c in candidates]:
-            candidates.append(HopCandidate(control[dst.node_id], dst.port, None))
+        candidates = link_candidates(src, dst, control)
         loaded_with = control[dst.node_id]
         chosen = None
         with make_channel(control[src.node_id]) as channel:
@@ -153,9 +159,7 @@ def confirm_ring(
     if len(order) < 2:
         return None
     first, last = order[0], order[-1]
-    candidates: list[HopCandidate] = hop_candidates(last.interfaces, first) if last.interfaces else []
-    if control[first.node_id] not in [c.target for c in candidates]:
-        candidates.append(HopCandidate(control[first.node_id], first.port, None))
+    candidates = link_candidates(last, first, control)
     with make_channel(control[last.node_id]) as channel:
         stub = pb_grpc.NodeStub(channel)
         for cand in candidates:

@@ -101,7 +101,6 @@ class NodeService(pb_grpc.NodeServicer):
         # The last node's link to the first, for the decode rounds it starts itself; a node that is
         # the whole pipeline starts them in-process.
         self.ring: NextStage | None = None
-        self.ring_self = False
         self.ring_stats = LinkStats()
         self._tasks: set[asyncio.Task] = set()  # in-process rounds (the loop keeps only weak references)
         self.last_error: str | None = None
@@ -170,9 +169,13 @@ class NodeService(pb_grpc.NodeServicer):
             await self.next.close()
         self.next = NextStage(target, self.secret, self._link_lost("next stage")) if target else None
 
+    @property
+    def ring_self(self) -> bool:
+        """The node is the whole pipeline: it starts its rounds in-process."""
+        return self.worker is not None and self.worker.spec.is_first and self.worker.spec.is_last
+
     async def _set_ring(self, target: str, first_node_id: str) -> None:
         spec = self.worker.spec
-        self.ring_self = spec.is_first and spec.is_last
         want = target if spec.is_last and not spec.is_first else ""
         if self.ring is not None and self.ring.target == want:
             return

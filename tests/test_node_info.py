@@ -104,13 +104,17 @@ def test_memory_offered_is_republished_when_it_moves() -> None:
     azc = _RecordingZeroconf()
     ad = NodeAdvert("node-a", cluster_hash("lab"), 52700, 16 * GiB, 8 * GiB, "Apple M2 Max", "0.1.0")
     advertiser = Advertiser(azc, ad, ["127.0.0.1"])
-    readings = iter([8 * GiB, 8 * GiB + (50 << 20), 5 * GiB, 5 * GiB])
+    readings = [8 * GiB, 8 * GiB + (50 << 20), 5 * GiB, 5 * GiB]
+    calls: list[int] = []
+
+    def offered() -> int:
+        calls.append(1)
+        return readings[min(len(calls), len(readings)) - 1]
 
     async def run() -> None:
-        task = asyncio.get_running_loop().create_task(advertiser.keep_memory_current(lambda: next(readings), 0.01))
-        while len(azc.published) < 1:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)  # the last, unchanged readings publish nothing more
+        task = asyncio.get_running_loop().create_task(advertiser.keep_memory_current(offered, 0.001))
+        while len(calls) <= len(readings):  # a call past the last reading: every reading was handled
+            await asyncio.sleep(0.001)
         task.cancel()
 
     asyncio.run(asyncio.wait_for(run(), 5))

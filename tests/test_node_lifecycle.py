@@ -22,7 +22,7 @@ def test_sequences_of_a_vanished_client_are_released(dense_engine, dense_ckpt: P
     prompt = dense_engine.tokenizer.encode(PROMPTS[5])
     with node_servers(2) as nodes:
         for n in nodes:
-            n.service.orphan_grace = 0.5
+            n.service.orphan_grace = 1.0
         addresses = [n.address for n in nodes]
         gone = remote_engine(dense_ckpt, addresses, dtype="float32")
         stays = remote_engine(dense_ckpt, addresses, dtype="float32")
@@ -33,7 +33,6 @@ def test_sequences_of_a_vanished_client_are_released(dense_engine, dense_ckpt: P
                     StepRequest(seq, 0, StepKind.PREFILL, prompt, final=True, params=SamplingParams()))
             assert _active(stays) == [2, 2]
             gone.pipeline.close()  # its subscriptions end; it never sent a release
-            time.sleep(0.3)
             assert _active(stays) == [2, 2]  # within the grace period nothing is dropped
             deadline = time.monotonic() + 5
             while _active(stays) != [1, 1] and time.monotonic() < deadline:
