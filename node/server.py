@@ -50,7 +50,7 @@ from .wire import (
 )
 
 if TYPE_CHECKING:
-    from .worker import StageWorker
+    from .stage import StageWorker
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class NodeService(pb_grpc.NodeServicer):
 
         from ..models.loading import load_shard
         from ..models.shard import ShardSpec
-        from .worker import StageWorker
+        from .stage import StageWorker
 
         dtype = None
         if key.dtype:
@@ -602,7 +602,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     import signal
     import sys
 
-    from . import worker  # noqa: F401  (import MLX and mlx-lm now, not on the first Load)
+    from . import stage  # noqa: F401  (import MLX and mlx-lm now, not on the first Load)
 
     server = NodeServer(args.host, args.port, node_id=args.node_id, secret=args.secret,
                         data_plane=args.data_plane == "tcp").start()

@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mtpipe.coordinator.engine import Engine, local_engine
+from mtpipe.coordinator.engine.engine import Engine, local_engine
 from mtpipe.models.tiny import build_tiny_checkpoint
 
 

@@ -22,9 +22,9 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
-from mtpipe.coordinator.api import create_app  # noqa: E402
-from mtpipe.coordinator.serve import nodes_cluster_info  # noqa: E402
-from mtpipe.coordinator.engine import Engine, GenerationRequest, local_engine  # noqa: E402
+from mtpipe.coordinator.api.app import create_app  # noqa: E402
+from mtpipe.coordinator.api.serve import nodes_cluster_info  # noqa: E402
+from mtpipe.coordinator.engine.engine import Engine, GenerationRequest, local_engine  # noqa: E402
 from mtpipe.node.protocol import SamplingParams  # noqa: E402
 
 from helpers import PROMPTS  # noqa: E402
@@ -422,7 +422,8 @@ def test_api_key(engine: Engine) -> None:
 
 
 def test_serve_command(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mtpipe.coordinator import cli, serve
+    from mtpipe.coordinator.cli import main as cli
+    from mtpipe.coordinator.api import serve
 
     seen: dict[str, Any] = {}
 
@@ -442,7 +443,7 @@ def test_serve_command(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.fixture(scope="module")
 def grpc_nodes(dense_ckpt: Path) -> Iterator[tuple[Engine, list[Any]]]:
-    remote = pytest.importorskip("mtpipe.coordinator.remote")
+    remote = pytest.importorskip("mtpipe.coordinator.pipeline.remote")
     from mtpipe.node.server import NodeServer
 
     nodes = [NodeServer("127.0.0.1", 0).start() for _ in range(2)]

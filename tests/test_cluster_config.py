@@ -8,16 +8,16 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from mtpipe.coordinator.cli import build_parser
-from mtpipe.coordinator.cluster_config import (
+from mtpipe.coordinator.cli.main import build_parser
+from mtpipe.coordinator.cluster.config import (
     ClusterConfig,
     ClusterConfigError,
     StaticNode,
     load_cluster_config,
     parse_cluster_config,
 )
-from mtpipe.coordinator.discovery import elect_coordinator
-from mtpipe.coordinator.launch import (
+from mtpipe.coordinator.cluster.discovery import elect_coordinator
+from mtpipe.coordinator.cluster.launch import (
     advertised_interfaces,
     discovery_addresses,
     resolve_config,
@@ -159,8 +159,8 @@ def test_election() -> None:
 
 def test_static_nodes_and_reachability() -> None:
     """Static nodes are asked for their id and memory; a hop address must answer as the right node."""
-    from mtpipe.coordinator.health import first_reachable, probe_node
-    from mtpipe.coordinator.formation import static_resources
+    from mtpipe.coordinator.cluster.health import first_reachable, probe_node
+    from mtpipe.coordinator.cluster.formation import static_resources
     from mtpipe.node.server import NodeServer
 
     server = NodeServer("127.0.0.1", 0, node_id="static-1", secret="s3").start()

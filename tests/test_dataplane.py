@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mtpipe.coordinator.engine import Engine, GenerationRequest
-from mtpipe.coordinator.remote import remote_engine
+from mtpipe.coordinator.engine.engine import Engine, GenerationRequest
+from mtpipe.coordinator.pipeline.remote import remote_engine
 from mtpipe.node.dataplane import HELLO, LENGTH
 
 from helpers import PROMPTS, node_servers

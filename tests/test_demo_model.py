@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtpipe.coordinator.engine import GenerationRequest, local_engine
+from mtpipe.coordinator.engine.engine import GenerationRequest, local_engine
 from mtpipe.models.loading import load_shard
 from mtpipe.models.registry import DEMO_MODEL
 from mtpipe.training.corpus import heldout_prompts

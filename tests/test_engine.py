@@ -10,11 +10,11 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mtpipe.coordinator.engine import Engine, GenerationRequest
+from mtpipe.coordinator.engine.engine import Engine, GenerationRequest
 from mtpipe.models.loading import load_shard
 from mtpipe.models.shard import ShardSpec
 from mtpipe.node.protocol import Commit, SamplingParams, StageError, StepKind, StepRequest
-from mtpipe.node.worker import StageWorker
+from mtpipe.node.stage import StageWorker
 
 PROMPT = "def add(a, b):\n"
 
@@ -117,7 +117,7 @@ def test_stage_rejects_malformed_requests_without_state_change(dense_ckpt: Path)
 
 
 def test_cli_generate_json(dense_ckpt: Path) -> None:
-    cmd = [sys.executable, "-m", "mtpipe.coordinator.cli", "generate", "--model", str(dense_ckpt),
+    cmd = [sys.executable, "-m", "mtpipe.coordinator.cli.main", "generate", "--model", str(dense_ckpt),
            "--prompt", PROMPT, "--max-tokens", "12", "--mtp-depth", "2", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -130,7 +130,7 @@ def test_cli_missing_mtp_error(tiny_root: Path) -> None:
     from mtpipe.models.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(layout="no_mtp", root=tiny_root)
-    base = [sys.executable, "-m", "mtpipe.coordinator.cli", "generate", "--model", str(path), "--prompt", "x",
+    base = [sys.executable, "-m", "mtpipe.coordinator.cli.main", "generate", "--model", str(path), "--prompt", "x",
             "--max-tokens", "3"]
     out = subprocess.run(base, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--no-mtp" in out.stderr and "MTP" in out.stderr

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 
-from mtpipe.coordinator.engine import GenerationRequest, local_engine
+from mtpipe.coordinator.engine.engine import GenerationRequest, local_engine
 from mtpipe.models.loading import load_shard
 
 from helpers import PROMPTS

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from mtpipe.coordinator.engine import GenerationRequest
-from mtpipe.coordinator.remote import remote_engine
+from mtpipe.coordinator.engine.engine import GenerationRequest
+from mtpipe.coordinator.pipeline.remote import remote_engine
 from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest
 
 from helpers import PROMPTS, node_servers

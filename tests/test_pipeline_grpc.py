@@ -25,10 +25,10 @@ import grpc
 import mlx.core as mx
 import pytest
 
-from mtpipe.coordinator.bench_pipeline import node_command
-from mtpipe.coordinator.engine import Engine, GenerationRequest, local_engine
-from mtpipe.coordinator.pipeline import even_split
-from mtpipe.coordinator.remote import NodeFailure, RemoteStageError, remote_engine, wait_for_nodes
+from mtpipe.coordinator.bench.pipeline import node_command
+from mtpipe.coordinator.engine.engine import Engine, GenerationRequest, local_engine
+from mtpipe.coordinator.pipeline.local import even_split
+from mtpipe.coordinator.pipeline.remote import NodeFailure, RemoteStageError, remote_engine, wait_for_nodes
 from mtpipe.models.config import load_config
 from mtpipe.models.loading import load_shard
 from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest

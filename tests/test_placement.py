@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mtpipe.coordinator.placement import (
+from mtpipe.coordinator.cluster.placement import (
     GiB,
     ModelFootprint,
     NodeResources,

@@ -7,11 +7,11 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mtpipe.coordinator.engine import Engine, GenerationRequest
-from mtpipe.coordinator.pipeline import LocalPipeline
+from mtpipe.coordinator.engine.engine import Engine, GenerationRequest
+from mtpipe.coordinator.pipeline.local import LocalPipeline
 from mtpipe.models.loading import load_shard
 from mtpipe.node.protocol import StepKind, StepRequest
-from mtpipe.node.worker import StageWorker
+from mtpipe.node.stage import StageWorker
 
 K = 3
 TOL = 1e-5

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtpipe.coordinator.engine import GenerationRequest, local_engine
+from mtpipe.coordinator.engine.engine import GenerationRequest, local_engine
 from mtpipe.node.acceptance import accept_greedy, accept_sampled, draw, filtered_probs
 from mtpipe.node.protocol import SamplingParams
 

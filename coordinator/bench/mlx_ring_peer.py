@@ -1,6 +1,6 @@
 """mlx-lm's own pipeline, the peer in `mtpipe bench pipeline`. Every rank runs this under mlx.launch:
 
-    mlx.launch --backend ring -n 2 --hosts 127.0.0.1 -- python -m mtpipe.coordinator.mlx_ring_peer \\
+    mlx.launch --backend ring -n 2 --hosts 127.0.0.1 -- python -m mtpipe.coordinator.bench.mlx_ring_peer \\
         --model PATH --prompts prompts.json --max-tokens 128
 
 `sharded_load(path, pipeline_group)` gives each rank a contiguous slice of layers; each token is one
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .bench import time_mlx_lm
+from .engine import time_mlx_lm
 
 RESULT_PREFIX = "MTPIPE_RING_RESULT "
 

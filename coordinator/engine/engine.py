@@ -17,8 +17,8 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..node.protocol import SamplingParams, StepKind, StepOutput, StepRequest
-from .pipeline import Pipeline
+from ...node.protocol import SamplingParams, StepKind, StepOutput, StepRequest
+from ..pipeline.local import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -254,8 +254,8 @@ def local_engine(
     model_path: Path | str, *, stages: int = 1, mtp: bool = True, dtype: Any = None, **pipeline_options: Any
 ) -> Engine:
     """Single-machine engine: the same engine over in-process stages."""
-    from ..models.config import load_config
-    from .pipeline import local_pipeline
+    from ...models.config import load_config
+    from ..pipeline.local import local_pipeline
 
     config = load_config(Path(model_path))
     tokenizer = load_tokenizer(model_path, config.eos_token_ids)

@@ -30,9 +30,9 @@ class Reached:
 
 def ping(target: str, secret: str | None, timeout: float = 2.0) -> Reached:
     """Two Pings (the first opens the connection); the round trip of the second. Raises grpc.RpcError."""
-    from ..node.wire import make_channel, secret_metadata
-    from ..proto import mtpipe_pb2 as pb
-    from ..proto import mtpipe_pb2_grpc as pb_grpc
+    from ...node.wire import make_channel, secret_metadata
+    from ...proto import mtpipe_pb2 as pb
+    from ...proto import mtpipe_pb2_grpc as pb_grpc
 
     with make_channel(target) as channel:
         stub = pb_grpc.NodeStub(channel)
@@ -78,9 +78,9 @@ def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next
     """Health of one node as a plain dict (see `mtpipe health --json`); probe_next measures its next hop."""
     import grpc
 
-    from ..node.wire import describe_rpc_error, make_channel, secret_metadata
-    from ..proto import mtpipe_pb2 as pb
-    from ..proto import mtpipe_pb2_grpc as pb_grpc
+    from ...node.wire import describe_rpc_error, make_channel, secret_metadata
+    from ...proto import mtpipe_pb2 as pb
+    from ...proto import mtpipe_pb2_grpc as pb_grpc
 
     row: dict[str, Any] = {"address": target}
     try:

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from .api import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME, DEFAULT_PORT, create_app
+from .app import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME, DEFAULT_PORT, create_app
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def nodes_cluster_info(engine: "Engine", model_name: str, timeout: float = 2.0) 
         try:
             replies = pipeline.health(probe_next=True, timeout=timeout)
         except Exception as e:  # one node down fails the whole call: say so, and which nodes there are
-            from ..node.wire import describe_rpc_error
+            from ...node.wire import describe_rpc_error
 
             return {**out, "healthy": False, "error": describe_rpc_error(e), "placement": [], "links": [],
                     "nodes": [{"address": a, "healthy": None} for a in addresses]}
@@ -73,7 +73,7 @@ def serve(
 
 
 def add_serve_command(sub: "argparse._SubParsersAction") -> None:
-    from .cli import _add_mtp
+    from ..cli.main import _add_mtp
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API, on this machine or over running nodes")
     p.add_argument("--model", help="model directory or hub repo (default: the bundled demo model)")
@@ -98,9 +98,9 @@ def model_name_for(model: Optional[str], path: Path) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..models.registry import resolve_model
-    from .cli import _progress_loader, _stderr_console
-    from .engine import local_engine
+    from ...models.registry import resolve_model
+    from ..cli.main import _progress_loader, _stderr_console
+    from ..engine.engine import local_engine
 
     if args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
@@ -109,7 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     path = resolve_model(args.model)
     if args.nodes:
-        from .remote import remote_engine
+        from ..pipeline.remote import remote_engine
 
         if getattr(args, "mtp_pre_norm", False):
             raise ValueError("--mtp-pre-norm applies to local stages, not to --nodes")

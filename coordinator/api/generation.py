@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
-    from .engine import Engine, GenerationChunk, GenerationRequest, GenerationStats
+    from ..engine.engine import Engine, GenerationChunk, GenerationRequest, GenerationStats
 
 log = logging.getLogger(__name__)
 

@@ -53,13 +53,13 @@ def _stderr_console() -> Any:
 def cmd_generate(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
-    from ..models.registry import resolve_model
-    from ..node.protocol import SamplingParams
-    from .engine import GenerationRequest, local_engine
+    from ...models.registry import resolve_model
+    from ...node.protocol import SamplingParams
+    from ..engine.engine import GenerationRequest, local_engine
 
     model = resolve_model(args.model)
     if args.nodes:
-        from .remote import remote_engine
+        from ..pipeline.remote import remote_engine
 
         engine = remote_engine(model, [n.strip() for n in args.nodes.split(",") if n.strip()], mtp=not args.no_mtp)
     else:
@@ -114,7 +114,7 @@ def _print_stats(stats: dict[str, Any], depth: int) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ..models.convert import convert
+    from ...models.convert import convert
 
     convert(
         Path(args.hf_path),
@@ -130,8 +130,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..models.registry import resolve_model
-    from . import bench
+    from ...models.registry import resolve_model
+    from ..bench import engine as bench
 
     model = resolve_model(args.model)
     if args.target == "engine":
@@ -140,7 +140,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         bench.print_engine_report(result, _stderr_console())
     else:
-        from . import bench_pipeline
+        from ..bench import pipeline as bench_pipeline
 
         result = bench_pipeline.bench_pipeline(model, max_tokens=args.max_tokens, prompts=args.prompts)
         bench_pipeline.print_report(result, _stderr_console())
@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.set_defaults(func=cmd_bench)
 
-    from .cli_cluster import add_cluster_commands
+    from .cluster import add_cluster_commands
 
     add_cluster_commands(sub)
     return parser

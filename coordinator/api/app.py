@@ -30,16 +30,16 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..node.protocol import SamplingParams, StageError
-from .api_errors import APIError, error_body, parse_body, validation_error
-from .api_generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
+from ...node.protocol import SamplingParams, StageError
+from .errors import APIError, error_body, parse_body, validation_error
+from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
 from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from .api_models import ChatCompletionRequest, _GenerationBody
-    from .engine import Engine, GenerationRequest, GenerationStats
+    from .models import ChatCompletionRequest, _GenerationBody
+    from ..engine.engine import Engine, GenerationRequest, GenerationStats
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,8 @@ class _Service:
     def generation_request(self, body: "_GenerationBody", params: SamplingParams, prompt: list[int],
                            max_tokens: Optional[int], prompt_param: str,
                            max_param: str = "max_tokens") -> "GenerationRequest":
-        from ..node.worker import MAX_MTP_DEPTH
-        from .engine import GenerationRequest
+        from ...node.stage import MAX_MTP_DEPTH
+        from ..engine.engine import GenerationRequest
 
         engine = self.engine
         depth = self.default_mtp_depth if body.mtp_depth is None else body.mtp_depth
@@ -373,7 +373,7 @@ def create_app(
     from fastapi.responses import JSONResponse, PlainTextResponse
     from starlette.exceptions import HTTPException
 
-    from .api_models import ChatCompletionRequest, CompletionRequest
+    from .models import ChatCompletionRequest, CompletionRequest
 
     metrics = ServerMetrics()
     service = _Service(engine, model_name, default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,

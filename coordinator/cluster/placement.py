@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..node.links import (
+from ...node.links import (
     LINK_RANK,
     Interface,
     LinkType,
@@ -97,7 +97,7 @@ def footprint_from_sizes(
     sizes: dict[str, int], num_layers: int, *, mtp: bool, tied: bool
 ) -> ModelFootprint:
     """Sizes under checkpoint names (any layout mtpipe loads) -> a footprint."""
-    from ..models.loading import canonical_name
+    from ...models.loading import canonical_name
 
     layers = [0] * num_layers
     embed = head = mtp_bytes = 0
@@ -119,7 +119,7 @@ def footprint_from_sizes(
 
 def model_footprint(model_path: Path | str, *, mtp: bool = True) -> ModelFootprint:
     """Read the checkpoint's safetensors headers (no tensor data) and its config; sizes as stored."""
-    from ..models.config import load_config
+    from ...models.config import load_config
 
     path = Path(model_path)
     config = load_config(path)

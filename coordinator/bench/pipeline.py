@@ -26,9 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from .bench import _time_engine, bench_prompts
-from .engine import Engine, GenerationRequest, local_engine
-from .remote import RemotePipeline, remote_engine, wait_for_nodes
+from .engine import _time_engine, bench_prompts
+from ..engine.engine import Engine, GenerationRequest, local_engine
+from ..pipeline.remote import RemotePipeline, remote_engine, wait_for_nodes
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ _DIE_WITH_PARENT = (
     "import ctypes, runpy, signal, sys\n"
     "if sys.platform.startswith('linux'):\n"
     "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
-    "runpy.run_module('mtpipe.coordinator.cli', run_name='__main__')\n"
+    "runpy.run_module('mtpipe.coordinator.cli.main', run_name='__main__')\n"
 )
 
 
@@ -142,7 +142,7 @@ def run_mlx_ring(model_path: Path, prompts: list[list[int]], max_tokens: int, ra
         prompts_file = Path(tmp) / "prompts.json"
         prompts_file.write_text(json.dumps(prompts))
         cmd = [launcher, "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1", "--starting-port",
-               str(_free_port()), "--", sys.executable, "-m", "mtpipe.coordinator.mlx_ring_peer",
+               str(_free_port()), "--", sys.executable, "-m", "mtpipe.coordinator.bench.mlx_ring_peer",
                "--model", str(model_path), "--prompts", str(prompts_file), "--max-tokens", str(max_tokens)]
         log.info("running %s", " ".join(cmd))
         try:
@@ -180,7 +180,7 @@ def bench_pipeline(
     model_path: Path, *, max_tokens: int = 128, prompts: int = 8, depths: list[int] | None = None, ring: bool = True
 ) -> dict[str, Any]:
     """Every topology (single, pipe2, pipe3) without MTP and at each depth; `<topology>_mtp` is its best depth."""
-    from ..models.config import load_config
+    from ...models.config import load_config
 
     depths = depths or list(DEFAULT_DEPTHS)
     config = load_config(Path(model_path))

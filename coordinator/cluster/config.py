@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..node.links import format_host_port, split_host_port
-from ..node.server import DEFAULT_PORT as DEFAULT_GRPC_PORT
-from .api import API_KEY_ENV
-from .api import DEFAULT_HOST as DEFAULT_API_HOST
-from .api import DEFAULT_PORT as DEFAULT_API_PORT
+from ...node.links import format_host_port, split_host_port
+from ...node.server import DEFAULT_PORT as DEFAULT_GRPC_PORT
+from ..api.app import API_KEY_ENV
+from ..api.app import DEFAULT_HOST as DEFAULT_API_HOST
+from ..api.app import DEFAULT_PORT as DEFAULT_API_PORT
 
 DEFAULT_SECRET_ENV = "MTPIPE_SECRET"
 

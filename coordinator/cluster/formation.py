@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..node.advertise import NodeAdvert
-from ..node.links import Interface, format_host_port
-from .cluster_config import ClusterConfig, StaticNode
+from ...node.advertise import NodeAdvert
+from ...node.links import Interface, format_host_port
+from .config import ClusterConfig, StaticNode
 from .placement import GiB, HopCandidate, NodeResources, StagePlan, hop_candidates
 
 if TYPE_CHECKING:
@@ -51,9 +51,9 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int) 
     """Nodes named in cluster.yaml (no multicast): ask each one's Health for its id and memory."""
     import grpc
 
-    from ..node.wire import describe_rpc_error, make_channel, secret_metadata
-    from ..proto import mtpipe_pb2 as pb
-    from ..proto import mtpipe_pb2_grpc as pb_grpc
+    from ...node.wire import describe_rpc_error, make_channel, secret_metadata
+    from ...proto import mtpipe_pb2 as pb
+    from ...proto import mtpipe_pb2_grpc as pb_grpc
 
     out = []
     for n in nodes:
@@ -96,7 +96,7 @@ def link_candidates(src: NodeResources, dst: NodeResources, control: dict[str, s
 
 def _load_request(model_path: Path, plan: StagePlan, num_layers: int, mtp: bool, dtype: str | None,
                   next_target: str, name: str) -> Any:
-    from ..proto import mtpipe_pb2 as pb
+    from ...proto import mtpipe_pb2 as pb
 
     # The same request RemotePipeline.load sent: the node keeps its shard and only learns a new next stage.
     return pb.LoadRequest(model_path=str(Path(model_path).resolve()), start=plan.start, end=plan.end,
@@ -112,9 +112,9 @@ def confirm_hops(
     Nodes were loaded with the coordinator's addresses of their successors; a better one (a
     Thunderbolt subnet the coordinator is not on, say) replaces it once the sender reaches it.
     """
-    from ..node.wire import make_channel, secret_metadata
-    from ..proto import mtpipe_pb2 as pb
-    from ..proto import mtpipe_pb2_grpc as pb_grpc
+    from ...node.wire import make_channel, secret_metadata
+    from ...proto import mtpipe_pb2 as pb
+    from ...proto import mtpipe_pb2_grpc as pb_grpc
 
     num_layers = plan[-1].end
     meta = secret_metadata(secret)
@@ -153,8 +153,8 @@ def confirm_ring(
 ) -> Hop | None:
     """The last node's link back to the first: the best candidate address at which the first node
     itself answers from there (the coordinator's own address of it may mean another host there)."""
-    from ..node.wire import make_channel, secret_metadata
-    from ..proto import mtpipe_pb2_grpc as pb_grpc
+    from ...node.wire import make_channel, secret_metadata
+    from ...proto import mtpipe_pb2_grpc as pb_grpc
 
     if len(order) < 2:
         return None
@@ -179,9 +179,9 @@ def load_with_progress(
     """remote_engine over the placed nodes, with a line per node until its shard is loaded."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from ..models.shard import ShardSpec
+    from ...models.shard import ShardSpec
     from .health import probe_node
-    from .remote import remote_engine
+    from ..pipeline.remote import remote_engine
 
     addresses = [control[n.node_id] for n in order]
     specs = [ShardSpec(s.start, s.end, plan[-1].end) for s in plan]
@@ -236,9 +236,9 @@ def single_node_engine(server: Any, model_path: Path, mtp: bool, dtype: str | No
     """The whole model in this process; the node server reports its one stage in Health."""
     import mlx.core as mx
 
-    from ..node.server import LoadKey
-    from .cli import _progress_loader
-    from .engine import local_engine
+    from ...node.server import LoadKey
+    from ..cli.main import _progress_loader
+    from ..engine.engine import local_engine
 
     options = {"mtp_pre_norm": True} if mtp_pre_norm else {}
     with _progress_loader("loading model")() as progress:

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..node.advertise import SERVICE_TYPE, NodeAdvert, decode_txt
+from ...node.advertise import SERVICE_TYPE, NodeAdvert, decode_txt
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..node.protocol import SamplingParams
-from .engine import Engine, GenerationRequest, local_engine
+from ...node.protocol import SamplingParams
+from ..engine.engine import Engine, GenerationRequest, local_engine
 
 
 def bench_prompts(n: int) -> list[str]:
-    from ..training.corpus import heldout_prompts
+    from ...training.corpus import heldout_prompts
 
     return heldout_prompts(n)
 

@@ -26,8 +26,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..node.advertise import Advertiser, NodeAdvert, cluster_hash, open_zeroconf
-from ..node.links import (
+from ...node.advertise import Advertiser, NodeAdvert, cluster_hash, open_zeroconf
+from ...node.links import (
     Interface,
     LinkType,
     format_host_port,
@@ -35,7 +35,7 @@ from ..node.links import (
     split_host_port,
     strip_scope,
 )
-from .cluster_config import ClusterConfig, StaticNode, load_cluster_config, validate
+from .config import ClusterConfig, StaticNode, load_cluster_config, validate
 from .discovery import Discovery, elect_coordinator
 from .formation import cluster_info_fn, form_cluster, resources_from_advert, single_node_engine
 from .placement import GiB, hop_candidates
@@ -247,16 +247,14 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from .. import __version__
-    from ..models.registry import resolve_model
-    from ..node import (
-        sysinfo,
-        worker,  # noqa: F401  (MLX and mlx-lm now, not on the first shard load)
-    )
-    from ..node.identity import node_id as persistent_id
-    from ..node.server import NodeServer
-    from .serve import model_name_for, serve
-    from .cli import _stderr_console
+    from ... import __version__
+    from ...models.registry import resolve_model
+    from ...node import sysinfo
+    from ...node import stage  # noqa: F401  (MLX and mlx-lm now, not on the first shard load)
+    from ...node.identity import node_id as persistent_id
+    from ...node.server import NodeServer
+    from ..api.serve import model_name_for, serve
+    from ..cli.main import _stderr_console
 
     console = _stderr_console()
     signal.signal(signal.SIGTERM, _terminate)
@@ -387,7 +385,7 @@ def browse_targets(cfg: ClusterConfig, wait: float) -> list[str]:
 
 
 def add_launch_commands(sub: argparse._SubParsersAction) -> None:
-    from .cli import _add_mtp
+    from ..cli.main import _add_mtp
 
     p = sub.add_parser("launch", help="run this machine as a node of a cluster (the same command on every machine)")
     _add_common(p)

@@ -31,9 +31,9 @@ from typing import Any
 
 import grpc
 
-from ..models.shard import ShardSpec
-from ..node.protocol import StageError, StepKind, StepOutput, StepRequest
-from ..node.wire import (
+from ...models.shard import ShardSpec
+from ...node.protocol import StageError, StepKind, StepOutput, StepRequest
+from ...node.wire import (
     MAX_MESSAGE_BYTES,
     describe_rpc_error,
     make_channel,
@@ -41,9 +41,9 @@ from ..node.wire import (
     result_to_output,
     secret_metadata,
 )
-from ..proto import mtpipe_pb2 as pb
-from ..proto import mtpipe_pb2_grpc as pb_grpc
-from .engine import DEFAULT_PREFILL_CHUNK, Engine, load_tokenizer
+from ...proto import mtpipe_pb2 as pb
+from ...proto import mtpipe_pb2_grpc as pb_grpc
+from ..engine.engine import DEFAULT_PREFILL_CHUNK, Engine, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -475,8 +475,8 @@ def remote_engine(
     **pipeline_options: Any,
 ) -> Engine:
     """The same Engine as single-node mode, over `nodes` in pipeline order (even split by default)."""
-    from ..models.config import load_config
-    from .pipeline import even_split
+    from ...models.config import load_config
+    from .local import even_split
 
     config = load_config(Path(model_path))
     specs = specs or even_split(config.num_layers, len(nodes))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..node.server import add_node_command
-from .serve import add_serve_command
-from .launch import add_launch_commands
+from ...node.server import add_node_command
+from ..api.serve import add_serve_command
+from ..cluster.launch import add_launch_commands
 
 
 def add_cluster_commands(sub: argparse._SubParsersAction) -> None:

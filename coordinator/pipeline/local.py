@@ -11,10 +11,10 @@ from typing import Callable, Protocol
 
 import mlx.core as mx
 
-from ..models.loading import load_shard
-from ..models.shard import ShardSpec
-from ..node.protocol import StageError, StepOutput, StepRequest
-from ..node.worker import StageWorker
+from ...models.loading import load_shard
+from ...models.shard import ShardSpec
+from ...node.protocol import StageError, StepOutput, StepRequest
+from ...node.stage import StageWorker
 
 
 class Pipeline(Protocol):
@@ -73,7 +73,7 @@ def local_pipeline(
     mtp_pre_norm: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> LocalPipeline:
-    from ..models.config import load_config
+    from ...models.config import load_config
 
     config = load_config(Path(model_path))
     specs = even_split(config.num_layers, stages)
