@@ -1,56 +1,46 @@
-"""Memory and chip of this machine, on macOS and Linux, without psutil.
+"""Memory and chip of this machine, on macOS and Linux.
 
-Linux reads /proc/meminfo and /proc/cpuinfo; macOS asks `sysctl hw.memsize`, `vm_stat` and
-`sysctl -n machdep.cpu.brand_string`. Parsers are plain functions over command output, so they are
-tested on recorded output.
+On Apple silicon a model's weights live in GPU memory, which Metal caps at a recommended working-set
+size below the machine's RAM, so what a node offers a placement is bounded by that limit as well as by
+the memory available. psutil cannot name the CPU, so `chip()` asks sysctl or /proc/cpuinfo.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import psutil
 
 log = logging.getLogger(__name__)
+
+WORKING_SET_KEY = "max_recommended_working_set_size"
 
 
 @dataclass(frozen=True)
 class MemoryInfo:
     total: int  # bytes
     available: int  # bytes a new process can take without swapping
+    gpu_limit: int | None = None  # bytes Metal recommends the GPU keep resident; None without Metal
 
 
-def parse_meminfo(text: str) -> MemoryInfo:
-    """/proc/meminfo: MemTotal and MemAvailable (kB)."""
-    values = {}
-    for line in text.splitlines():
-        m = re.match(r"^(\w+):\s+(\d+)\s*kB", line)
-        if m:
-            values[m.group(1)] = int(m.group(2)) * 1024
-    if "MemTotal" not in values:
-        raise ValueError("no MemTotal in /proc/meminfo")
-    available = values.get("MemAvailable")
-    if available is None:  # kernels before 3.14
-        available = values.get("MemFree", 0) + values.get("Cached", 0) + values.get("Buffers", 0)
-    return MemoryInfo(total=values["MemTotal"], available=available)
+def placement_memory(available: int, gpu_limit: int | None) -> int:
+    """What a placement may use: the memory available, capped by the GPU working-set limit if there is one."""
+    return available if gpu_limit is None else min(available, gpu_limit)
 
 
-def parse_vm_stat(text: str, total: int) -> MemoryInfo:
-    """macOS `vm_stat`: free, inactive and speculative pages are available (psutil counts free + inactive)."""
-    m = re.search(r"page size of (\d+) bytes", text)
-    if not m:
-        raise ValueError("vm_stat output has no page size")
-    page = int(m.group(1))
-    pages = {k.strip().lower(): int(v) for k, v in re.findall(r"^([A-Za-z][\w \-\"]*?):\s+(\d+)\.?$", text, re.MULTILINE)}
-    wanted = ("pages free", "pages inactive", "pages speculative")
-    if "pages free" not in pages:
-        raise ValueError("vm_stat output has no 'Pages free'")
-    available = sum(pages.get(k, 0) for k in wanted) * page
-    return MemoryInfo(total=total, available=min(available, total))
+def working_set_limit(info: Mapping[str, Any]) -> int | None:
+    """The GPU working-set limit in an MLX device-info dict; None if it has none (CPU, CUDA)."""
+    value = info.get(WORKING_SET_KEY)
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def parse_cpuinfo(text: str) -> str | None:
@@ -66,11 +56,30 @@ def _run(*cmd: str) -> str:
     return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=10).stdout
 
 
+@functools.cache
+def gpu_limit() -> int | None:
+    """Metal's recommended working-set size, asked of MLX once (it is fixed for the process).
+
+    `device_info` only queries the device and evaluates no array, so any thread may call this.
+    """
+    try:
+        import mlx.core as mx
+
+        if not mx.metal.is_available():
+            return None
+        if hasattr(mx, "device_info"):
+            info = mx.device_info(mx.gpu)
+        else:  # MLX before device_info moved out of mx.metal
+            info = mx.metal.device_info()
+    except Exception as e:  # no MLX, no Metal, or an MLX without device info: no cap
+        log.debug("GPU working-set limit unavailable: %s", e)
+        return None
+    return working_set_limit(info)
+
+
 def memory() -> MemoryInfo:
-    if sys.platform == "darwin":
-        total = int(_run("sysctl", "-n", "hw.memsize").strip())
-        return parse_vm_stat(_run("vm_stat"), total)
-    return parse_meminfo(Path("/proc/meminfo").read_text())
+    vm = psutil.virtual_memory()
+    return MemoryInfo(total=vm.total, available=vm.available, gpu_limit=gpu_limit())
 
 
 def chip() -> str:
@@ -84,3 +93,23 @@ def chip() -> str:
         log.debug("chip name unavailable: %s", e)
         name = ""
     return name or platform.machine()
+
+
+def system_memory() -> tuple[int, int]:
+    """(used, available) bytes for the whole machine, available capped by the GPU working-set limit;
+    (0, 0) when it cannot be read."""
+    try:
+        info = memory()
+    except (OSError, ValueError, IndexError, KeyError, subprocess.SubprocessError):
+        log.debug("cannot read system memory", exc_info=True)
+        return 0, 0
+    return info.total - info.available, placement_memory(info.available, info.gpu_limit)
+
+
+def mlx_active_memory() -> int:
+    try:
+        import mlx.core as mx
+
+        return int(mx.get_active_memory())
+    except Exception:
+        return 0

@@ -1,46 +1,60 @@
-"""cluster.yaml: the documented example, validation errors that name the key, flags over the file,
-and the cluster-formation choices made from it (discovery addresses, election)."""
+"""cluster.yaml: the documented example, strict validation with errors that name the file and the
+key path, flags over the file, and the cluster-formation choices made from it (discovery
+addresses, election)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import re
 from pathlib import Path
 
+import pydantic
 import pytest
+import yaml
+
+from mtpipe.coordinator.cli.cluster import resolve_config
 from mtpipe.coordinator.cli.main import build_parser
+from mtpipe.coordinator.cluster.agent import advertised_interfaces, discovery_addresses
 from mtpipe.coordinator.cluster.config import (
     ClusterConfig,
     ClusterConfigError,
     StaticNode,
     load_cluster_config,
+    overlay,
     parse_cluster_config,
 )
 from mtpipe.coordinator.cluster.discovery import elect_coordinator
-from mtpipe.coordinator.cluster.launch import (
-    advertised_interfaces,
-    discovery_addresses,
-    resolve_config,
-)
 from mtpipe.node.advertise import NodeAdvert
 from mtpipe.node.links import Interface, LinkType
 
 EXAMPLE = Path(__file__).parent.parent / "cluster.yaml"
 
 
-def _field_paths(cls: type, prefix: str = "") -> list[str]:
+def _field_paths(model: type[pydantic.BaseModel], prefix: str = "") -> list[str]:
     out = []
-    for f in dataclasses.fields(cls):
-        out.append(prefix + f.name)
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
-            out += _field_paths(f.default_factory, prefix + f.name + ".")
+    for name, info in model.model_fields.items():
+        out.append(prefix + name)
+        if isinstance(info.annotation, type) and issubclass(info.annotation, pydantic.BaseModel):
+            out += _field_paths(info.annotation, prefix + name + ".")
     return out
 
 
 def test_example_documents_every_field_with_the_defaults() -> None:
     text = EXAMPLE.read_text()
-    for path in _field_paths(ClusterConfig):
-        assert f"{path.rsplit('.', 1)[-1]}:" in text, f"cluster.yaml does not document {path}"
+    example = yaml.safe_load(text)
+    paths = _field_paths(ClusterConfig)
+    assert {"discovery.settle", "placement.layers", "api.api_key_env", "node.max_memory_gib"} <= set(paths)
+    for path in paths:
+        *sections, key = path.split(".")
+        section = example
+        for name in sections:
+            section = section[name]
+        # given a value in the example, or shown commented out (the literal secret)
+        documented = key in section or re.search(rf"^\s*#\s*{key}:", text, re.MULTILINE)
+        assert documented, f"cluster.yaml does not document {path}"
+    nodes_doc = text[text.index("\nnodes:"):text.index("\nnode:")]
+    for key in StaticNode.model_fields:
+        assert f"{key}:" in nodes_doc, f"cluster.yaml does not document nodes[].{key}"
     assert load_cluster_config(EXAMPLE) == ClusterConfig()
 
 
@@ -51,14 +65,25 @@ def test_full_config(tmp_path: Path) -> None:
         "nodes: ['10.0.0.5', '10.0.0.6:6000', {host: 'fe80::1%en2', port: 7000}]\n"
         "node: {port: 6000, max_memory_gib: 48}\n"
         "discovery: {interfaces: [en0, 10.0.0.2], expect: 3, settle: 10}\n"
-        "placement: {layers: {a1b2c3: 20}, reserve_gib: 4}\n"
+        "placement: {layers: {a1b2c3: 20, 123456: 4}, reserve_gib: 4}\n"
         "api: {host: 0.0.0.0, port: 52415, api_key_env: LAB_KEY}\n"
     )
     cfg = load_cluster_config(path)
-    assert cfg.nodes == [StaticNode("10.0.0.5", 52700), StaticNode("10.0.0.6", 6000), StaticNode("fe80::1%en2", 7000)]
+    assert cfg.nodes == [StaticNode(host="10.0.0.5", port=52700), StaticNode(host="10.0.0.6", port=6000),
+                         StaticNode(host="fe80::1%en2", port=7000)]
     assert [n.address for n in cfg.nodes] == ["10.0.0.5:52700", "10.0.0.6:6000", "[fe80::1%en2]:7000"]
-    assert (cfg.discovery.expect, cfg.discovery.settle, cfg.placement.layers) == (3, 10.0, {"a1b2c3": 20})
-    assert (cfg.api.port, cfg.node.max_memory_gib, cfg.mtp_depth) == (52415, 48.0, 3)
+    assert (cfg.discovery.expect, cfg.discovery.settle, cfg.placement.layers) == (3, 10.0, {"a1b2c3": 20, "123456": 4})
+    assert (cfg.api.port, cfg.node.max_memory_gib, cfg.mtp_depth, cfg.dtype) == (52415, 48.0, 3, "bfloat16")
+    assert type(cfg.discovery.settle) is float and type(cfg.placement.reserve_gib) is float  # YAML ints, as floats
+
+
+def test_numbers_meant_as_text_and_bounds_that_are_allowed() -> None:
+    cfg = parse_cluster_config({"name": 42, "secret": 123456, "mtp_depth": 0, "discovery": {"settle": 0},
+                                "placement": {"reserve_gib": 0}, "node": {"port": 1}, "api": {"port": 65535}})
+    assert (cfg.name, cfg.secret, cfg.mtp_depth, cfg.discovery.settle) == ("42", "123456", 0, 0.0)
+    assert (cfg.placement.reserve_gib, cfg.node.port, cfg.api.port) == (0.0, 1, 65535)
+    assert parse_cluster_config({"mtp_depth": 8, "discovery": {"expect": 1}}).mtp_depth == 8
+    assert parse_cluster_config(None) == ClusterConfig()
 
 
 def test_secrets_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,33 +92,79 @@ def test_secrets_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_cluster_config({"secret_env": "LAB_SECRET"}).resolve_secret() == "s3"
     assert parse_cluster_config({}).resolve_secret() == "default"
     assert parse_cluster_config({"secret": "literal"}).resolve_secret() == "literal"
+    assert parse_cluster_config({"secret_env": None}).resolve_secret() is None
     monkeypatch.delenv("MTPIPE_SECRET")
     assert parse_cluster_config({}).resolve_secret() is None
     monkeypatch.setenv("LAB_KEY", "k")
     assert parse_cluster_config({"api": {"api_key_env": "LAB_KEY"}}).resolve_api_key() == "k"
+    assert parse_cluster_config({"api": {"api_key": "lit", "api_key_env": "LAB_KEY"}}).resolve_api_key() == "lit"
+
+
+KNOWN_TOP = "name, secret, secret_env, model, dtype, mtp_depth, nodes, node, discovery, placement, api"
 
 
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({"nmae": "x"}, "unknown field 'nmae'"),
-        ({"api": {"prot": 1}}, r"api: unknown field 'prot' \(known: host, port, api_key, api_key_env\)"),
-        ({"api": {"port": "eighty"}}, "api.port: expected int, got 'eighty'"),
-        ({"api": {"port": 70000}}, "api.port: 70000 is not a TCP port"),
-        ({"mtp_depth": 12}, "mtp_depth: 12 is not in 0..8"),
-        ({"mtp_depth": True}, "mtp_depth: expected int, got True"),
-        ({"nodes": "10.0.0.1"}, "nodes: expected a list"),
-        ({"nodes": ["h:port"]}, r"nodes\[0\]: 'h:port': 'port' is not a TCP port"),
-        ({"placement": {"layers": {"a": 0}}}, "placement.layers.a: 0 layers"),
-        ({"discovery": {"expect": 0}}, "discovery.expect: must be at least 1"),
-        ({"dtype": "int8"}, "dtype: 'int8' is not one of"),
-        ({"secret": "x", "secret_env": "OTHER"}, "either secret or secret_env"),
-        (["a"], "must be a mapping at the top level"),
+        # unknown keys, at the top level and in sections, named with their path and the known ones
+        ({"nmae": "x"}, rf": nmae: unknown key \(known: {KNOWN_TOP}\)$"),
+        ({"api": {"prot": 1}}, r": api\.prot: unknown key \(known: host, port, api_key, api_key_env\)$"),
+        ({"discovery": {"setle": 1}}, r": discovery\.setle: unknown key \(known: enabled, interfaces,"),
+        ({"nodes": ["h", {"host": "h", "prt": 1}]}, r": nodes\[1\]\.prt: unknown key \(known: host, port\)$"),
+        # wrong types: nothing is coerced silently
+        ({"api": {"port": "eighty"}}, r": api\.port: Input should be a valid integer \(got 'eighty'\)$"),
+        ({"node": {"port": "6000"}}, r": node\.port: Input should be a valid integer \(got '6000'\)$"),
+        ({"mtp_depth": True}, r": mtp_depth: Input should be a valid integer \(got True\)$"),
+        ({"discovery": {"expect": 2.0}}, r": discovery\.expect: Input should be a valid integer"),
+        ({"discovery": {"settle": "5"}}, r": discovery\.settle: Input should be a valid number"),
+        ({"discovery": {"enabled": "yes"}}, r": discovery\.enabled: Input should be a valid boolean"),
+        ({"discovery": {"interfaces": "en0"}}, r": discovery\.interfaces: Input should be a valid list"),
+        ({"nodes": "10.0.0.1"}, r": nodes: Input should be a valid list"),
+        ({"nodes": [5]}, r": nodes\[0\]: Input should be a valid dictionary"),
+        ({"name": None}, r": name: Input should be a valid string \(got None\)$"),
+        ({"api": None}, r": api: Input should be a valid dictionary"),
+        ({"placement": {"layers": {"a": 1.5}}}, r": placement\.layers\.a: Input should be a valid integer"),
+        (["a"], r" must be a mapping at the top level, got list$"),
+        # value constraints
+        ({"name": " "}, r": name: must not be empty$"),
+        ({"node": {"port": 0}}, r": node\.port: Input should be greater than or equal to 1 \(got 0\)$"),
+        ({"api": {"port": 70000}}, r": api\.port: Input should be less than or equal to 65535 \(got 70000\)"),
+        ({"nodes": [{"host": "h", "port": 65536}]}, r": nodes\[0\]\.port: Input should be less than or"),
+        ({"nodes": ["h:port"]}, r": nodes\[0\]: 'h:port': 'port' is not a TCP port$"),
+        ({"nodes": [""]}, r": nodes\[0\]\.host: String should have at least 1 character"),
+        ({"dtype": "int8"}, r": dtype: Input should be 'float32', 'float16' or 'bfloat16' \(got 'int8'\)$"),
+        ({"node": {"max_memory_gib": 0}}, r": node\.max_memory_gib: Input should be greater than 0"),
+        ({"mtp_depth": 9}, r": mtp_depth: Input should be less than or equal to 8 \(got 9\)$"),
+        ({"mtp_depth": -1}, r": mtp_depth: Input should be greater than or equal to 0 \(got -1\)$"),
+        ({"discovery": {"expect": 0}}, r": discovery\.expect: Input should be greater than or equal to 1"),
+        ({"discovery": {"settle": -0.5}}, r": discovery\.settle: Input should be greater than or equal to 0"),
+        ({"placement": {"reserve_gib": -1}}, r": placement\.reserve_gib: Input should be greater than or"),
+        ({"placement": {"layers": {"a": 0}}}, r": placement\.layers\.a: Input should be greater than or equal"),
+        ({"secret": "x", "secret_env": "OTHER"}, r": give either secret or secret_env, not both$"),
     ],
 )
-def test_errors_name_the_key(data: object, message: str) -> None:
-    with pytest.raises(ClusterConfigError, match=message):
+def test_errors_name_the_file_and_key(data: object, message: str) -> None:
+    with pytest.raises(ClusterConfigError, match=r"^cluster\.yaml" + message):
         parse_cluster_config(data)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(ClusterConfigError) as e:
+        parse_cluster_config({"api": {"port": 0}, "discovery": {"settle": -1}, "typo": 1})
+    lines = str(e.value).splitlines()
+    assert len(lines) == 3 and all(line.startswith("cluster.yaml: ") for line in lines)
+    assert {line.split(": ")[1] for line in lines} == {"api.port", "discovery.settle", "typo"}
+
+
+def test_assignment_is_validated_too() -> None:
+    cfg = ClusterConfig()
+    cfg.api.port = 9000
+    assert cfg.api.port == 9000
+    with pytest.raises(ValueError, match="less than or equal to 65535"):
+        cfg.api.port = 70000
+    with pytest.raises(ValueError, match="valid integer"):
+        cfg.node.port = "52700"  # type: ignore[assignment]
+    assert (cfg.api.port, cfg.node.port) == (9000, 52700)
 
 
 def test_file_errors(tmp_path: Path) -> None:
@@ -101,11 +172,48 @@ def test_file_errors(tmp_path: Path) -> None:
     bad.write_text("name: [unclosed\n")
     with pytest.raises(ClusterConfigError, match="not valid YAML"):
         load_cluster_config(bad)
+    where = re.escape(str(bad))  # errors start with the file's path
     bad.write_text("api:\n  port: x\n")
-    with pytest.raises(ClusterConfigError, match=r"cluster\.yaml: api\.port: expected int"):
+    with pytest.raises(ClusterConfigError, match=rf"^{where}: api\.port: Input should be a valid integer \(got 'x'\)$"):
         load_cluster_config(bad)
+    bad.write_text("- a\n")
+    with pytest.raises(ClusterConfigError, match=rf"^{where} must be a mapping at the top level"):
+        load_cluster_config(bad)
+    bad.write_text("")
+    assert load_cluster_config(bad) == ClusterConfig()
     with pytest.raises(FileNotFoundError):
         load_cluster_config(tmp_path / "missing.yaml")
+
+
+def test_overlay_puts_flags_over_the_file() -> None:
+    cfg = parse_cluster_config({"name": "lab", "secret": "literal", "node": {"port": 6000},
+                                "discovery": {"expect": 2, "interfaces": ["en0"]}, "api": {"port": 9000}})
+    out = overlay(cfg, {"name": "lab2", "discovery.expect": 4, "discovery.interfaces": ["10.0.0.2"],
+                        "nodes": ["10.0.0.9", "10.0.0.8:7000"], "api.port": None, "secret_env": "LAB_SECRET",
+                        "node.max_memory_gib": 12})
+    assert (out.name, out.discovery.expect, out.discovery.interfaces) == ("lab2", 4, ["10.0.0.2"])
+    assert out.api.port == 9000 and out.node.port == 6000  # None: not given, the file's value stays
+    # a bare static host takes this cluster's node port; a secret_env flag replaces the file's literal secret
+    assert out.nodes == [StaticNode(host="10.0.0.9", port=6000), StaticNode(host="10.0.0.8", port=7000)]
+    assert (out.secret, out.secret_env, out.node.max_memory_gib) == (None, "LAB_SECRET", 12.0)
+    assert overlay(cfg, {"nodes": ["h"], "node.port": 7100}).nodes == [StaticNode(host="h", port=7100)]
+    assert (cfg.name, cfg.secret, cfg.nodes) == ("lab", "literal", [])  # the input is left alone
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"api.port": 0}, r"api\.port: Input should be greater than or equal to 1 \(got 0\)$"),
+        ({"mtp_depth": 9}, r"mtp_depth: Input should be less than or equal to 8 \(got 9\)$"),
+        ({"discovery.settle": "soon"}, r"discovery\.settle: Input should be a valid number"),
+        ({"nodes": ["h:99999"]}, r"nodes\[0\]: 'h:99999': '99999' is not a TCP port$"),
+        ({"api.prot": 1}, r"api\.prot: unknown key \(known: host, port, api_key, api_key_env\)$"),
+        ({"dtype": "fp8"}, r"dtype: Input should be 'float32', 'float16' or 'bfloat16'"),
+    ],
+)
+def test_overlay_refuses_bad_values_like_the_file(flags: dict[str, object], message: str) -> None:
+    with pytest.raises(ClusterConfigError, match="^command line: " + message):
+        overlay(ClusterConfig(), flags)
 
 
 def _launch_args(*argv: str) -> argparse.Namespace:
@@ -116,13 +224,39 @@ def test_flags_override_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     path = tmp_path / "c.yaml"
     path.write_text("name: lab\ndiscovery: {expect: 2, interfaces: [en0]}\napi: {port: 9000}\nnode: {port: 6000}\n")
     monkeypatch.chdir(tmp_path)  # no ./cluster.yaml here
+    monkeypatch.delenv("MTPIPE_CONFIG", raising=False)
     cfg = resolve_config(_launch_args("--config", str(path), "--cluster", "lab2", "--expect", "4", "--interface",
-                                      "10.0.0.2", "--api-port", "9100", "--node", "10.0.0.9", "--max-memory", "12"))
+                                      "10.0.0.2", "--api-port", "9100", "--node", "10.0.0.9", "--max-memory", "12",
+                                      "--mtp-depth", "3", "--dtype", "float16", "--settle", "0.5"))
     assert (cfg.name, cfg.discovery.expect, cfg.discovery.interfaces, cfg.api.port) == ("lab2", 4, ["10.0.0.2"], 9100)
-    assert cfg.nodes == [StaticNode("10.0.0.9", 6000)] and cfg.node.max_memory_gib == 12.0
+    assert cfg.nodes == [StaticNode(host="10.0.0.9", port=6000)] and cfg.node.max_memory_gib == 12.0
+    assert (cfg.mtp_depth, cfg.dtype, cfg.discovery.settle, cfg.node.port) == (3, "float16", 0.5, 6000)
+    assert resolve_config(_launch_args("--config", str(path))) == load_cluster_config(path)
     assert resolve_config(_launch_args()) == ClusterConfig()
-    with pytest.raises(ClusterConfigError, match="api.port"):
-        resolve_config(_launch_args("--api-port", "0"))
+    monkeypatch.setenv("MTPIPE_CONFIG", str(path))
+    assert resolve_config(_launch_args()).name == "lab"
+    assert resolve_config(_launch_args("--secret-env", "LAB_SECRET")).secret_env == "LAB_SECRET"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--api-port", "0"], r"api\.port: Input should be greater than or equal to 1 \(got 0\)$"),
+        (["--port", "70000"], r"node\.port: Input should be less than or equal to 65535"),
+        (["--settle", "-1"], r"discovery\.settle: Input should be greater than or equal to 0"),
+        (["--expect", "0"], r"discovery\.expect: Input should be greater than or equal to 1"),
+        (["--mtp-depth", "12"], r"mtp_depth: Input should be less than or equal to 8 \(got 12\)$"),
+        (["--max-memory", "0"], r"node\.max_memory_gib: Input should be greater than 0"),
+        (["--node", "h:x"], r"nodes\[0\]: 'h:x': 'x' is not a TCP port$"),
+        (["--cluster", ""], r"name: must not be empty$"),
+    ],
+)
+def test_a_bad_flag_is_refused_clearly(argv: list[str], message: str, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MTPIPE_CONFIG", raising=False)
+    with pytest.raises(ClusterConfigError, match="^command line: " + message):
+        resolve_config(_launch_args(*argv))
 
 
 ETH = Interface("en0", LinkType.ETHERNET, ("192.168.1.20/24", "fe80::1/64"))
@@ -159,13 +293,13 @@ def test_election() -> None:
 
 def test_static_nodes_and_reachability() -> None:
     """Static nodes are asked for their id and memory; a hop address must answer as the right node."""
-    from mtpipe.coordinator.cluster.health import first_reachable, probe_node
     from mtpipe.coordinator.cluster.formation import static_resources
+    from mtpipe.coordinator.cluster.health import first_reachable, probe_node
     from mtpipe.node.server import NodeServer
 
     server = NodeServer("127.0.0.1", 0, node_id="static-1", secret="s3").start()
     try:
-        (res,) = static_resources([StaticNode("127.0.0.1", server.port)], "s3", reserve=2**20)
+        (res,) = static_resources([StaticNode(host="127.0.0.1", port=server.port)], "s3", reserve=2**20)
         assert (res.node_id, res.port, res.addresses, res.interfaces) == ("static-1", server.port, ("127.0.0.1",), ())
         assert res.available > 0
         target = f"127.0.0.1:{server.port}"
@@ -176,6 +310,6 @@ def test_static_nodes_and_reachability() -> None:
         row = probe_node(target, "s3")
         assert (row["status"], row["problems"], row["node_id"]) == ("degraded", ["no shard loaded"], "static-1")
         with pytest.raises(ConnectionError, match="UNAUTHENTICATED"):
-            static_resources([StaticNode("127.0.0.1", server.port)], None, reserve=0)
+            static_resources([StaticNode(host="127.0.0.1", port=server.port)], None, reserve=0)
     finally:
         server.stop()

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import mlx.core as mx
+import psutil
 import pytest
+
 from mtpipe.node.advertise import (
     MAX_TXT_ENTRY,
     Advertiser,
@@ -18,9 +23,16 @@ from mtpipe.node.advertise import (
 )
 from mtpipe.node.identity import node_id, state_dir
 from mtpipe.node.links import Interface, LinkType
-from mtpipe.node.sysinfo import parse_cpuinfo, parse_meminfo, parse_vm_stat
+from mtpipe.node.sysinfo import (
+    WORKING_SET_KEY,
+    gpu_limit,
+    memory,
+    parse_cpuinfo,
+    placement_memory,
+    working_set_limit,
+)
 
-DATA = Path(__file__).parent / "data"
+GiB = 2**30
 
 
 def test_node_id_is_persistent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,15 +59,75 @@ def test_node_id_rejects_garbage(tmp_path: Path) -> None:
         node_id(tmp_path)
 
 
-def test_memory_parsers() -> None:
-    mem = parse_meminfo((DATA / "linux_meminfo.txt").read_text())
-    assert mem.total == 24684092 * 1024 and mem.available == 20864844 * 1024
-    mac = parse_vm_stat((DATA / "macos_vm_stat.txt").read_text(), total=64 * 2**30)
-    assert mac.available == (412345 + 1876543 + 23456) * 16384
+def test_cpuinfo_parser() -> None:
     assert parse_cpuinfo("processor\t: 0\nmodel name\t: AMD EPYC 7B13\n") == "AMD EPYC 7B13"
     assert parse_cpuinfo("Hardware\t: BCM2835\nModel\t: Raspberry Pi 4\n") == "Raspberry Pi 4"
-    with pytest.raises(ValueError):
-        parse_vm_stat("Pages free: 1.\n", total=1)
+    assert parse_cpuinfo("processor\t: 0\n") is None
+
+
+def test_memory_agrees_with_psutil() -> None:
+    before = psutil.virtual_memory()
+    mem = memory()
+    after = psutil.virtual_memory()
+    assert mem.total == before.total == after.total
+    slack = 64 << 20  # memory moves between the readings on a shared machine
+    low, high = sorted((before.available, after.available))
+    assert low - slack <= mem.available <= high + slack
+    assert 0 < mem.available <= mem.total
+
+
+def test_placement_memory_is_capped_by_the_gpu_limit() -> None:
+    assert placement_memory(100 * GiB, 75 * GiB) == 75 * GiB  # limit below available: the limit
+    assert placement_memory(20 * GiB, 75 * GiB) == 20 * GiB  # limit above available: what is available
+    assert placement_memory(20 * GiB, None) == 20 * GiB  # no Metal: no cap
+    assert working_set_limit({WORKING_SET_KEY: 48 * GiB, "device_name": "Apple M2 Max"}) == 48 * GiB
+    assert working_set_limit({"architecture": "x86_64", "device_name": "AMD EPYC"}) is None
+    assert working_set_limit({WORKING_SET_KEY: 0}) is None
+
+
+def test_memory_on_this_machine() -> None:
+    mem = memory()
+    if sys.platform == "darwin" and mx.metal.is_available():
+        assert mem.gpu_limit is not None and 0 < mem.gpu_limit <= mem.total
+    else:
+        assert mem.gpu_limit is None
+        assert placement_memory(mem.available, mem.gpu_limit) == mem.available
+
+
+@pytest.fixture
+def fresh_gpu_limit() -> Iterator[None]:
+    gpu_limit.cache_clear()
+    yield
+    gpu_limit.cache_clear()
+
+
+def test_gpu_limit_read_from_mlx(fresh_gpu_limit: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Apple-silicon path on any machine: MLX is made to report a Metal device."""
+    from mtpipe.node.sysinfo import system_memory
+
+    asked: list[object] = []
+
+    def device_info(d: object = None) -> dict:
+        asked.append(d)
+        return {WORKING_SET_KEY: 1 * GiB, "device_name": "Apple M2 Max"}
+
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "device_info", device_info)
+    mem = memory()
+    assert mem.gpu_limit == 1 * GiB and asked == [mx.gpu]
+    used, available = system_memory()
+    assert available == min(psutil.virtual_memory().available, 1 * GiB) and used > 0
+    memory()
+    assert len(asked) == 1  # asked once: the limit is fixed for the process
+
+    gpu_limit.cache_clear()  # an older MLX: device info only under mx.metal
+    monkeypatch.delattr(mx, "device_info")
+    monkeypatch.setattr(mx.metal, "device_info", lambda: {WORKING_SET_KEY: 3 * GiB})
+    assert memory().gpu_limit == 3 * GiB
+
+    gpu_limit.cache_clear()  # a Metal device without the key: no cap, no error
+    monkeypatch.setattr(mx.metal, "device_info", lambda: {})
+    assert memory().gpu_limit is None
 
 
 def test_txt_round_trip_and_limits() -> None:

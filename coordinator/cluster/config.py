@@ -1,86 +1,139 @@
 """`cluster.yaml`: what a cluster is called, what it serves, and how it forms.
 
-Every field is optional; the top-level `cluster.yaml` of the repository documents each one. Unknown
-keys and wrong types are errors that name the offending key, so a typo never passes silently.
-Command-line flags of `mtpipe launch` override the file.
+Every field is optional; the top-level `cluster.yaml` of the repository documents each one. The
+models are strict (no silent coercion) and refuse unknown keys, and every error names the file and
+the key path, so a typo never passes silently. Command-line flags of `mtpipe launch` override the
+file through `overlay`, which validates the result the same way.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import types
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ...node.links import format_host_port, split_host_port
 from ...node.server import DEFAULT_PORT as DEFAULT_GRPC_PORT
-from ..api.app import API_KEY_ENV
-from ..api.app import DEFAULT_HOST as DEFAULT_API_HOST
-from ..api.app import DEFAULT_PORT as DEFAULT_API_PORT
+from ..api.defaults import API_KEY_ENV
+from ..api.defaults import DEFAULT_HOST as DEFAULT_API_HOST
+from ..api.defaults import DEFAULT_PORT as DEFAULT_API_PORT
 
 DEFAULT_SECRET_ENV = "MTPIPE_SECRET"
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 class ClusterConfigError(ValueError):
     pass
 
 
-@dataclass
-class StaticNode:
-    host: str
-    port: int = DEFAULT_GRPC_PORT
+def _number_to_str(value: Any) -> Any:
+    """YAML reads `secret: 123456` or `name: 42` as numbers; they are meant as text."""
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _key_to_str(value: Any) -> Any:
+    """Mapping keys (node ids) are text even when YAML reads them as numbers."""
+    return value if isinstance(value, str) else str(value)
+
+
+Text = Annotated[str, BeforeValidator(_number_to_str)]
+Key = Annotated[str, BeforeValidator(_key_to_str)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+Dtype = Literal["float32", "float16", "bfloat16"]
+
+
+class _Section(BaseModel):
+    # strict: an int is still accepted for a float (YAML `settle: 10`), but never "10" for an int or
+    # 1.0 for an int; validate_assignment: a later `cfg.api.port = 0` is refused too.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class StaticNode(_Section):
+    """A node given by address rather than discovered: "host", "host:port", "[v6]:port" or a mapping."""
+
+    host: Text = Field(min_length=1)
+    port: Port = DEFAULT_GRPC_PORT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, str):
+            return data
+        # In the file a bare host means the default node port; on the command line, node.port.
+        host, port = split_host_port(data, (info.context or {}).get("node_port", DEFAULT_GRPC_PORT))
+        return {"host": host, "port": port}
 
     @property
     def address(self) -> str:
         return format_host_port(self.host, self.port)
 
 
-@dataclass
-class DiscoveryConfig:
+class DiscoveryConfig(_Section):
     enabled: bool = True
-    interfaces: list[str] = field(default_factory=list)  # names (en0, bridge0) or addresses
-    expect: int | None = None  # nodes to wait for, this one included
-    settle: float = 5.0  # seconds: with `expect`, the most to wait; without, quiet time after the last join
+    interfaces: list[Text] = Field(default_factory=list)  # names (en0, bridge0) or addresses
+    expect: int | None = Field(None, ge=1)  # nodes to wait for, this one included
+    # seconds: with `expect`, the most to wait; without, quiet time after the last join (0: do not wait)
+    settle: float = Field(5.0, ge=0)
 
 
-@dataclass
-class PlacementConfig:
-    layers: dict[str, int] = field(default_factory=dict)  # node id (or static host) -> layer count
-    reserve_gib: float = 2.0  # memory kept free on every node for caches and the OS
+class PlacementConfig(_Section):
+    layers: dict[Key, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)  # node id or static host -> layers
+    reserve_gib: float = Field(2.0, ge=0)  # memory kept free on every node for caches and the OS
 
 
-@dataclass
-class ApiConfig:
-    host: str = DEFAULT_API_HOST
-    port: int = DEFAULT_API_PORT
-    api_key: str | None = None
-    api_key_env: str | None = API_KEY_ENV
+class ApiConfig(_Section):
+    host: Text = DEFAULT_API_HOST
+    port: Port = DEFAULT_API_PORT
+    api_key: Text | None = None
+    api_key_env: Text | None = API_KEY_ENV
 
 
-@dataclass
-class NodeConfig:
-    host: str = "0.0.0.0"  # where the gRPC server listens ("::" for IPv6 link-local hops too)
-    port: int = DEFAULT_GRPC_PORT
-    state_dir: str | None = None  # default $MTPIPE_STATE_DIR or ~/.mtpipe
-    max_memory_gib: float | None = None  # offer at most this much memory, whatever is free
+class NodeConfig(_Section):
+    host: Text = "0.0.0.0"  # where the gRPC server listens ("::" for IPv6 link-local hops too)
+    port: Port = DEFAULT_GRPC_PORT
+    state_dir: Text | None = None  # default $MTPIPE_STATE_DIR or ~/.mtpipe
+    max_memory_gib: float | None = Field(None, gt=0)  # offer at most this much memory, whatever is free
 
 
-@dataclass
-class ClusterConfig:
-    name: str = "default"
-    secret: str | None = None
-    secret_env: str | None = DEFAULT_SECRET_ENV
-    model: str | None = None
-    dtype: str | None = None  # cast weights on load: float32, float16, bfloat16
-    mtp_depth: int | None = None  # None: 2 when the model has an MTP head
-    nodes: list[StaticNode] = field(default_factory=list)
-    node: NodeConfig = field(default_factory=NodeConfig)
-    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    api: ApiConfig = field(default_factory=ApiConfig)
+class ClusterConfig(_Section):
+    name: Text = "default"
+    secret: Text | None = None
+    secret_env: Text | None = DEFAULT_SECRET_ENV
+    model: Text | None = None
+    dtype: Dtype | None = None  # cast weights on load
+    mtp_depth: Annotated[int, Field(ge=0, le=8)] | None = None  # None ("auto"): picked per round with an MTP head
+    nodes: list[StaticNode] = Field(default_factory=list)
+    node: NodeConfig = Field(default_factory=NodeConfig)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    api: ApiConfig = Field(default_factory=ApiConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name_not_blank(cls, name: str) -> str:
+        if not name.strip():
+            raise ValueError("must not be empty")
+        return name
+
+    @model_validator(mode="after")
+    def _one_secret_source(self) -> ClusterConfig:
+        # secret_env defaults to MTPIPE_SECRET, so only an explicitly different one conflicts
+        if self.secret and self.secret_env and self.secret_env != DEFAULT_SECRET_ENV:
+            raise ValueError("give either secret or secret_env, not both")
+        return self
 
     def resolve_secret(self) -> str | None:
         """The literal secret, else the one in the environment variable `secret_env`."""
@@ -93,85 +146,56 @@ class ClusterConfig:
             return self.api.api_key
         return os.environ.get(self.api.api_key_env) if self.api.api_key_env else None
 
-
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, where)
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, str) and tp is StaticNode:  # "host", "host:port", "[v6]:port"
-            try:
-                host, port = split_host_port(value, DEFAULT_GRPC_PORT)
-            except ValueError as e:
-                raise ClusterConfigError(f"{where}: {e}") from e
-            value = {"host": host, "port": port}
-        if not isinstance(value, dict):
-            raise ClusterConfigError(f"{where}: expected a mapping, got {value!r}")
-        return _build(tp, value, where)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ClusterConfigError(f"{where}: expected a list, got {value!r}")
-        return [_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ClusterConfigError(f"{where}: expected a mapping, got {value!r}")
-        return {str(k): _convert(v, args[1], f"{where}.{k}") for k, v in value.items()}
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise ClusterConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
-    return value
+    @field_validator("mtp_depth", mode="before")
+    @classmethod
+    def _auto_depth(cls, value: Any) -> Any:
+        return None if value == "auto" else value
 
 
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise ClusterConfigError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(names)})")
-    kwargs = {k: _convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ClusterConfigError(f"{where or 'cluster.yaml'}: {e}") from e
+def _known_keys(loc: tuple[int | str, ...]) -> list[str]:
+    """The keys allowed where `loc` points, for the unknown-key message."""
+    model: type[BaseModel] | None = ClusterConfig
+    for part in loc:
+        if isinstance(part, int) or model is None:
+            continue
+        annotation = model.model_fields[part].annotation if part in model.model_fields else None
+        candidates = (annotation, *typing.get_args(annotation))
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return list(model.model_fields) if model is not None else []
 
 
-def validate(config: ClusterConfig) -> ClusterConfig:
-    def check(ok: bool, message: str) -> None:
-        if not ok:
-            raise ClusterConfigError(message)
-
-    check(bool(config.name.strip()), "name: must not be empty")
-    for key, port in (("node.port", config.node.port), ("api.port", config.api.port)):
-        check(0 < port < 65536, f"{key}: {port} is not a TCP port")
-    for i, n in enumerate(config.nodes):
-        check(0 < n.port < 65536, f"nodes[{i}].port: {n.port} is not a TCP port")
-        check(bool(n.host), f"nodes[{i}].host: must not be empty")
-    check(config.dtype in (None, "float32", "float16", "bfloat16"),
-          f"dtype: {config.dtype!r} is not one of float32, float16, bfloat16")
-    check(config.node.max_memory_gib is None or config.node.max_memory_gib > 0, "node.max_memory_gib: must be > 0")
-    check(config.mtp_depth is None or 0 <= config.mtp_depth <= 8, f"mtp_depth: {config.mtp_depth} is not in 0..8")
-    check(config.discovery.expect is None or config.discovery.expect >= 1, "discovery.expect: must be at least 1")
-    check(config.discovery.settle >= 0, "discovery.settle: must be >= 0")
-    check(config.placement.reserve_gib >= 0, "placement.reserve_gib: must be >= 0")
-    for node, layers in config.placement.layers.items():
-        check(layers >= 1, f"placement.layers.{node}: {layers} layers; every stage holds at least one")
-    check(not (config.secret and config.secret_env and config.secret_env != DEFAULT_SECRET_ENV),
-          "give either secret or secret_env, not both")
-    return config
+def _describe(error: ValidationError, source: str) -> str:
+    """One line per problem: `source: key.path[0]: what is wrong (got value)`."""
+    lines = []
+    for err in error.errors(include_url=False):
+        loc = err["loc"]
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+        if err["type"] == "extra_forbidden":
+            message = f"unknown key (known: {', '.join(_known_keys(loc[:-1]))})"
+        elif err["type"] == "value_error":
+            message = err["msg"].removeprefix("Value error, ")
+        else:
+            message = err["msg"]
+            if err.get("input") is None or isinstance(err["input"], (str, int, float, bool)):
+                message += f" (got {err['input']!r})"
+        lines.append(": ".join(part for part in (source, path, message) if part))
+    return "\n".join(lines)
 
 
-def parse_cluster_config(data: dict[str, Any] | None) -> ClusterConfig:
+def _validate(data: Any, source: str, node_port: int = DEFAULT_GRPC_PORT) -> ClusterConfig:
     if data is None:
-        return ClusterConfig()
+        data = {}
     if not isinstance(data, dict):
-        raise ClusterConfigError(f"cluster.yaml must be a mapping at the top level, got {type(data).__name__}")
-    return validate(_build(ClusterConfig, data, ""))
+        raise ClusterConfigError(f"{source} must be a mapping at the top level, got {type(data).__name__}")
+    try:
+        return ClusterConfig.model_validate(data, context={"node_port": node_port})
+    except ValidationError as e:
+        raise ClusterConfigError(_describe(e, source)) from None
+
+
+def parse_cluster_config(data: Any, source: str = "cluster.yaml") -> ClusterConfig:
+    """Plain data (a parsed cluster.yaml) -> a validated config; errors start with `source`."""
+    return _validate(data, source)
 
 
 def load_cluster_config(path: Path | str) -> ClusterConfig:
@@ -184,7 +208,23 @@ def load_cluster_config(path: Path | str) -> ClusterConfig:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ClusterConfigError(f"{path}: not valid YAML: {e}") from e
-    try:
-        return parse_cluster_config(data)
-    except ClusterConfigError as e:
-        raise ClusterConfigError(f"{path}: {e}") from e
+    return _validate(data, str(path))
+
+
+def overlay(cfg: ClusterConfig, flags: Mapping[str, Any], source: str = "command line") -> ClusterConfig:
+    """`cfg` with `flags` on top, validated like the file: keys are dotted paths ("api.port"), None
+    means "not given". Static nodes given as "host[:port]" default to the resulting node.port, and a
+    `secret_env` given here replaces a literal `secret` from the file."""
+    data = cfg.model_dump()
+    for path, value in flags.items():
+        if value is None:
+            continue
+        *sections, key = path.split(".")
+        target = data
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[key] = value
+    if flags.get("secret_env") is not None:
+        data["secret"] = None
+    port = data.get("node", {}).get("port")
+    return _validate(data, source, port if type(port) is int else DEFAULT_GRPC_PORT)

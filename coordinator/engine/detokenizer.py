@@ -1,0 +1,73 @@
+"""Generated tokens to streamed text, on mlx-lm's streaming detokenizer, cut at stop strings.
+
+The tokenizer's ``.detokenizer`` turns one token at a time into text without re-decoding a window,
+holding back only what the next token may still change (an incomplete UTF-8 character, a lone
+space); ``finalize`` flushes what it holds, so at the end the text is what ``tokenizer.decode``
+gives for all the tokens, replacement characters included.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+
+class TextStream:
+    """One request's text: never releases text at or past a stop string.
+
+    While generating, the last len(longest stop) - 1 characters are held back: they may begin a
+    stop string that the next tokens complete.
+    """
+
+    def __init__(self, tokenizer: TokenizerWrapper, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.detokenizer = tokenizer.detokenizer  # a fresh one for each request
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # detokenized so far, cut at the first stop string
+        self.released = 0  # characters handed out
+        self.stopped = False
+        self._begun = False
+
+    def add(self, token: int) -> None:
+        if self.stopped:
+            return
+        self.detokenizer.add_token(token)
+        self._extend(self.detokenizer.last_segment)
+
+    def release(self, final: bool) -> str:
+        """The text not handed out yet; `final` flushes everything (but nothing past a stop)."""
+        if final and not self.stopped:
+            self.detokenizer.finalize()
+            self._extend(self.detokenizer.last_segment, final=True)
+        hold = 0 if final or self.stopped else self.hold
+        end = max(self.released, len(self.text) - hold)
+        out = self.text[self.released : end]
+        self.released = end
+        return out
+
+    def _extend(self, piece: str, final: bool = False) -> None:
+        if not self._begun and (piece or final):
+            piece = self._keep_leading_space(piece)
+        if not piece:
+            return
+        start = max(0, len(self.text) - self.hold)  # a stop may begin in the text held back
+        self.text += piece
+        found = [at for s in self.stop if (at := self.text.find(s, start)) >= 0]
+        if found:
+            self.text = self.text[: min(found)]
+            self.stopped = True
+
+    def _keep_leading_space(self, piece: str) -> str:
+        """mlx-lm's BPE detokenizer drops the text's leading space, as if it began a document; a
+        completion continues its prompt, so keep the space `decode` gives. (Its first piece holds
+        every token so far, so it is all of `decode` but that space.)"""
+        from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+        self._begun = True
+        if isinstance(self.detokenizer, BPEStreamingDetokenizer):
+            if self.tokenizer.decode(self.detokenizer.tokens) == " " + piece:
+                return " " + piece
+        return piece
