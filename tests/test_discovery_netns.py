@@ -31,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from helpers import PROMPTS
-from mtpipe.coordinator.engine.engine import GenerationRequest, local_engine
+
 from mtpipe.coordinator.cluster.placement import (
     GiB,
     NodeResources,
@@ -39,6 +39,8 @@ from mtpipe.coordinator.cluster.placement import (
     order_nodes,
     plan_layers,
 )
+from mtpipe.coordinator.engine.build import local_engine
+from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.models.registry import DEMO_MODEL
 
 pytestmark = pytest.mark.netns
@@ -189,11 +191,16 @@ class Proc:
             return self.p.wait()
 
 
+REQUIRE_ENV = "MTPIPE_REQUIRE_NETNS"  # set to 1 (CI does): no namespaces is a failure, not a skip
+
+
 @pytest.fixture(scope="module")
 def topology():
     reason = netns_unavailable()
     if reason:
-        pytest.skip(reason)
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{REQUIRE_ENV}=1 but this test cannot create network namespaces: {reason}", pytrace=False)
+        pytest.skip(f"{reason} (set {REQUIRE_ENV}=1 to make this a failure)")
     clean_stale_namespaces()
     topo = Topology()
     try:

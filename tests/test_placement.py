@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from mtpipe.coordinator.cluster.placement import (
     GiB,
     ModelFootprint,
@@ -69,6 +70,12 @@ def test_rounding_is_repaired_by_moving_a_boundary_layer() -> None:
     plan = plan_layers(f, [node("a", 5.4), node("b", 5.4), node("c", 100)])
     assert all(s.bytes <= s.available for s in plan)
     assert sum(s.layers for s in plan) == 10
+    # The case above never needs the repair (a and b get 1 layer of 5.4 GiB). Here it does: largest
+    # remainder gives a (1.6 GiB) 2 of the 10 1-GiB layers; its last layer moves to its neighbour b.
+    assert largest_remainder([1.6, 5.0, 5.0], 10) == [2, 4, 4]
+    plan = plan_layers(f, [node("a", 1.6), node("b", 5.0), node("c", 5.0)])
+    assert [(s.node_id, s.start, s.end) for s in plan] == [("a", 0, 1), ("b", 1, 6), ("c", 6, 10)]
+    assert all(s.bytes <= s.available for s in plan)
 
 
 def test_overrides() -> None:

@@ -2,18 +2,53 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtpipe.coordinator.engine.engine import GenerationRequest, local_engine
+from mtpipe.coordinator.engine.build import local_engine
+from mtpipe.coordinator.engine.engine import Engine
+from mtpipe.coordinator.engine.request import GenerationRequest
+from mtpipe.models.loading import load_shard
 from mtpipe.node.acceptance import accept_greedy, accept_sampled, draw, filtered_probs
 from mtpipe.node.protocol import SamplingParams
 
-# chi-square critical values at p = 0.001 for the degrees of freedom used below
-CHI2_999 = {4: 18.47, 5: 20.52, 24: 51.18}
+# Every goodness-of-fit test here rejects at significance ALPHA: the statistic must stay below the
+# chi-square distribution's upper ALPHA quantile for its degrees of freedom (cells - 1). The quantiles
+# are computed by chi2_critical below (scipy is not a dependency) and checked against published
+# tables in test_chi2_critical_values_match_published_tables. Seeds are fixed: no test flakes.
+ALPHA = 0.001
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(X > x) for X ~ chi-square with an integer number of degrees of freedom, in closed form
+    (Abramowitz & Stegun, section 26.4): even df, a Poisson sum; odd df, the normal tail plus a
+    finite sum."""
+    if x <= 0:
+        return 1.0
+    if df % 2 == 0:
+        term = total = 1.0
+        for i in range(1, df // 2):
+            term *= x / 2 / i
+            total += term
+        return math.exp(-x / 2) * total
+    term, total = math.sqrt(x), 0.0
+    for r in range(1, (df - 1) // 2 + 1):
+        total += term
+        term *= x / (2 * r + 1)
+    return math.erfc(math.sqrt(x / 2)) + 2 * math.exp(-x / 2) / math.sqrt(2 * math.pi) * total
+
+
+def chi2_critical(alpha: float, df: int) -> float:
+    """The x with P(X > x) = alpha, by bisection on chi2_sf (decreasing in x)."""
+    lo, hi = 0.0, df + 40.0 * math.sqrt(2 * df) + 40.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chi2_sf(mid, df) > alpha else (lo, mid)
+    return (lo + hi) / 2
 
 
 def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -32,7 +67,7 @@ def test_first_token_distribution_matches_target() -> None:
         d = draw(q[0], rng)
         _, tokens = accept_sampled(p, q, [d], rng)
         counts[tokens[0]] += 1
-    assert chi_square(counts, p[0]) < CHI2_999[4]
+    assert chi_square(counts, p[0]) < chi2_critical(ALPHA, 4)  # 5 cells: 4 degrees of freedom
 
 
 def test_two_token_joint_distribution_matches_target() -> None:
@@ -52,7 +87,18 @@ def test_two_token_joint_distribution_matches_target() -> None:
     joint = np.outer(p_row, p_row)
     keep = joint.reshape(-1) > 0
     assert counts.reshape(-1)[~keep].sum() == 0
-    assert chi_square(counts.reshape(-1)[keep], joint.reshape(-1)[keep]) < CHI2_999[24] * 2
+    # The 4 x 4 pairs of tokens with p > 0 are the cells: 15 degrees of freedom.
+    assert keep.sum() == 16
+    assert chi_square(counts.reshape(-1)[keep], joint.reshape(-1)[keep]) < chi2_critical(ALPHA, 15)
+
+
+def test_chi2_critical_values_match_published_tables() -> None:
+    # Upper-tail critical values from the NIST/SEMATECH e-Handbook of Statistical Methods, table
+    # 1.3.6.7.4 (scipy.stats.chi2.ppf(1 - alpha, df) gives the same to the digits shown).
+    published = {(0.05, 1): 3.841, (0.05, 10): 18.307, (0.001, 1): 10.828, (0.001, 4): 18.467,
+                 (0.001, 9): 27.877, (0.001, 15): 37.697, (0.001, 24): 51.179, (0.001, 99): 148.230}
+    for (alpha, df), value in published.items():
+        assert abs(chi2_critical(alpha, df) - value) < 6e-4, (alpha, df)
 
 
 def test_greedy_acceptance() -> None:
@@ -82,6 +128,60 @@ def test_seeded_sampling_is_reproducible_and_mtp_matches_distribution(dense_ckpt
     assert a.tokens == b.tokens
     other = SamplingParams(temperature=0.8, top_p=0.95, seed=43)
     assert engine.complete(GenerationRequest(prompt, max_tokens=24, params=other, mtp_depth=2)).tokens != a.tokens
+
+    # The distribution: tokens from speculative decoding (depth 2: accepted drafts and, on a rejection,
+    # draws from the residual) against plain sampling from the model, computed here without the
+    # stage or the acceptance code. Each emitted token's randomized probability integral transform
+    # (PIT) under the plain distribution given the tokens before it is U(0, 1), independently of the
+    # others, exactly when the sampler draws every token from that distribution; a chi-square test
+    # over 10 equal bins checks the PITs' uniformity (2000 tokens; measured statistic 4.1, critical
+    # 27.9; drawing the correction from p instead of the residual gives 82, accepting with
+    # sqrt(p/q) instead of p/q gives 38).
+    # No EOS: every request yields all its tokens (stopping at EOS would condition the last ones on
+    # not being EOS).
+    spec = Engine(engine.pipeline, engine.tokenizer, set(), engine.max_context, has_mtp=True)
+    model = load_shard(dense_ckpt, dtype=mx.float32).model
+    temperature, top_p, tokens, bins = 0.5, 0.95, 100, 10
+    pit_rng = np.random.default_rng(0)
+    pits: list[float] = []
+    drafted = accepted = 0
+    for seed in range(20):
+        params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+        r = spec.complete(GenerationRequest(prompt, max_tokens=tokens, params=params, mtp_depth=2))
+        assert len(r.tokens) == tokens
+        drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
+        target = plain_sampling_probs(model, prompt + r.tokens[:-1], temperature, top_p)[len(prompt) - 1 :]
+        for row, token in zip(target, r.tokens):
+            assert row[token] > 0, "a token outside the filtered distribution was emitted"
+            pits.append(randomized_pit(row, token, pit_rng.random()))
+    assert 0.1 < accepted / drafted < 0.9  # both paths made tokens: accepted drafts and residual draws
+    counts = np.bincount(np.minimum((np.array(pits) * bins).astype(int), bins - 1), minlength=bins)
+    assert chi_square(counts, np.full(bins, 1 / bins)) < chi2_critical(ALPHA, bins - 1)
+
+
+def plain_sampling_probs(model, tokens: list[int], temperature: float, top_p: float) -> np.ndarray:
+    """[len(tokens), V]: the plain-sampling distribution of the token after each prefix of `tokens`.
+    One forward over the whole sequence from an empty cache; softmax at `temperature`; top_p keeps
+    the most likely tokens while the mass above each is below top_p; renormalised."""
+    h, _ = model.run_layers(model.embed(mx.array([tokens])), model.make_cache())
+    logits = np.array(model.lm_logits(model.final_norm(h))[0].astype(mx.float32), dtype=np.float64)
+    z = logits / temperature
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    for row in p:
+        order = np.argsort(-row, kind="stable")
+        above = np.cumsum(row[order]) - row[order]
+        row[order[above >= top_p]] = 0.0
+        row /= row.sum()
+    return p
+
+
+def randomized_pit(row: np.ndarray, token: int, u: float) -> float:
+    """The token's place in `row` (most likely tokens first): F(before token) + u * p(token). U(0, 1)
+    when the token is drawn from `row` and u ~ U(0, 1)."""
+    order = np.argsort(-row, kind="stable")
+    before = row[order[: int(np.flatnonzero(order == token)[0])]].sum()
+    return float(before + u * row[token])
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(min_p=2.0)])
