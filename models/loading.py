@@ -12,7 +12,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -230,3 +230,21 @@ def load_shard(
             progress(i + 1, len(params))
     model.eval()
     return LoadedShard(config=config, spec=spec, model=model, path=path)
+
+
+def arrays_in(obj: Any, seen: set[int] | None = None) -> list:
+    """Every mx.array reachable from a module: parameters and also private members (RoPE tables...)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        return [obj]
+    items: list = []
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith(("mlx", "mtpipe")):
+        items += list(vars(obj).values())
+    return [a for x in items for a in arrays_in(x, seen)]

@@ -11,13 +11,16 @@ DEMO_MODEL = Path(__file__).parent / "demo"
 
 
 def default_model_path() -> Path:
-    """The bundled demo model; a tiny random checkpoint if this checkout has none."""
-    if (DEMO_MODEL / "config.json").exists():
-        return DEMO_MODEL
-    from .tiny import build_tiny_checkpoint
-
-    log.warning("bundled demo model not found at %s; using a tiny random checkpoint", DEMO_MODEL)
-    return build_tiny_checkpoint()
+    """The bundled demo model. Missing, it is an error that says how to get it: a random model
+    standing in for it would answer with noise and look like a bug."""
+    missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (DEMO_MODEL / f).exists()]
+    if missing:
+        raise FileNotFoundError(
+            f"the bundled demo model is incomplete at {DEMO_MODEL} (missing {', '.join(missing)}): install mtpipe "
+            "from a full checkout of its repository (`pip install -e .`), retrain it "
+            "(models/demo/README.md has the command), or pass --model PATH"
+        )
+    return DEMO_MODEL
 
 
 def resolve_model(model: str | Path | None) -> Path:

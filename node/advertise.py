@@ -182,7 +182,7 @@ class Advertiser:
         while True:
             await asyncio.sleep(interval)
             try:
-                now = await loop.run_in_executor(None, offered)  # vm_stat on macOS is a subprocess
+                now = await loop.run_in_executor(None, offered)  # psutil and MLX device info block
             except (OSError, ValueError, subprocess.SubprocessError) as e:
                 log.debug("cannot read memory: %s", e)
                 continue

@@ -11,8 +11,15 @@ class StepKind(str, Enum):
     DECODE = "decode"  # [y, d1..dK]: verified, then rolled back to the accepted prefix by the next commit
 
 
+MAX_MTP_DEPTH = 8  # drafts per round a stage accepts
+
+
 class StageError(Exception):
     """A request a stage refuses (malformed, unknown sequence, out of order). Its state is unchanged."""
+
+
+class StageUnavailable(RuntimeError):
+    """A stage cannot be reached, died or stopped answering: the steps in flight are lost."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k >= 2**31:  # the wire carries it as int32
+            raise ValueError(f"top_k must be below 2^31, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:  # and the seed as int64
+            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -56,7 +67,8 @@ class StepRequest:
     final: bool = False  # prefill: the prompt's last chunk, sample the first token
     commit: Commit | None = None  # outcome of the previous decode step, applied before this one
     params: SamplingParams | None = None  # with step 0: how the last stage samples
-    mtp_depth: int = 0  # with step 0: drafts per round (0 = no speculation)
+    mtp_depth: int = 0  # with step 0: drafts per round (0 = no speculation); with mtp_auto, the most
+    mtp_auto: bool = False  # with step 0: the last stage picks each round's depth in 0..mtp_depth
     # Tokens still wanted from this step on, and the tokens that end the sequence: with them a remote
     # last node starts the next round itself (see node/server.py). In-process stages ignore both.
     budget: int = 0

@@ -1,9 +1,8 @@
 """A stage: one shard, and the per-sequence caches and snapshots of its layers.
 
-Every stage runs its layers over a step's positions and applies commits locally. The last stage
-also turns hidden states into tokens: the acceptance walk against its own drafts, then the next
-drafts from the MTP head. Requests are validated before anything is touched, so a refused request
-leaves the sequence exactly as it was.
+Every stage runs its layers over a step's positions and applies commits locally; the last stage
+hands its hidden states to the head (head.py), which turns them into tokens. Requests are validated
+before anything is touched, so a refused request leaves the sequence exactly as it was.
 """
 
 from __future__ import annotations
@@ -14,33 +13,15 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
-from mlx_lm.models.cache import KVCache
 
 from ..models.gdn_snapshots import GDNSnapshots
 from ..models.loading import LoadedShard
-from .acceptance import accept_greedy, accept_sampled, draw, filtered_probs
-from .protocol import Commit, SamplingParams, StageError, StepKind, StepOutput, StepRequest
+from .head import DraftState, Head, new_draft_state
+from .protocol import MAX_MTP_DEPTH, Commit, StageError, StepKind, StepOutput, StepRequest
 
 log = logging.getLogger(__name__)
 
-MAX_MTP_DEPTH = 8
 CLEAR_CACHE_EVERY = 256
-
-
-@dataclass
-class DraftState:
-    """Last-stage state of one sequence: the MTP cache and what the pending drafts were drawn from."""
-
-    params: SamplingParams
-    depth: int
-    rng: np.random.Generator
-    mtp_cache: KVCache | None
-    mtp_len: int = 0  # MTP cache entries built from true backbone hiddens (positions 0..mtp_len-1)
-    pending_hidden: mx.array | None = None  # hidden of the last position whose next token is unknown
-    last_token: int | None = None  # the token the next decode step must start with
-    drafts: list[int] = field(default_factory=list)
-    draft_probs: np.ndarray | None = None  # [K, V], sampling only
 
 
 @dataclass
@@ -71,10 +52,8 @@ class StageStats:
 class StageWorker:
     def __init__(self, shard: LoadedShard, max_sequences: int = 64, mtp_pre_norm: bool = False):
         self.shard = shard
-        # The MTP head reads the backbone hidden after the final norm (vLLM, SGLang, llama.cpp) unless
-        # told to read it before (mlx-lm PR #990); post-norm measured better on trained checkpoints.
-        self.mtp_pre_norm = mtp_pre_norm
         self.model = shard.model
+        self.head = Head(self.model, mtp_pre_norm, shard.spec.num_layers) if shard.spec.is_last else None
         self.spec = shard.spec
         self.hidden_size = shard.config.args.hidden_size
         self.dtype = self.model.layers[0].input_layernorm.weight.dtype
@@ -106,6 +85,18 @@ class StageWorker:
     def release(self, seq_id: str) -> bool:
         with self.lock:
             return self.sequences.pop(seq_id, None) is not None
+
+    def describe(self) -> dict:
+        """Plain data for health and /v1/cluster."""
+        return {
+            "layers": [self.spec.start, self.spec.end],
+            "num_layers": self.spec.num_layers,
+            "active_sequences": len(self.sequences),
+            "steps": self.stats.steps,
+            "tokens_processed": self.stats.tokens_processed,
+            "mean_step_ms": round(self.stats.mean_step_ms, 3),
+            "last_error": self.stats.last_error,
+        }
 
     # -- validation (nothing is modified here) ---------------------------------------------
 
@@ -169,7 +160,7 @@ class StageWorker:
         if seq is None:
             seq = self.sequences[req.seq_id] = Sequence(cache=self.model.make_cache())
             if self.spec.is_last:
-                seq.draft = self._new_draft_state(req)
+                seq.draft = new_draft_state(req)
         if seq.pending_k is not None:
             self._apply_commit(seq, req.commit)
         decode = req.kind is StepKind.DECODE
@@ -189,7 +180,12 @@ class StageWorker:
         if not self.spec.is_last:
             mx.eval(h)
             return h
-        return self._head(req, seq, h)
+        lookahead = self.spec.is_first  # one stage: the next single-token round can start on the lazy token
+        out = self.head.run(req, seq.draft, h, seq.cache, seq.position,
+                            on_token=(lambda tok: self._issue_lookahead(seq, tok)) if lookahead else None)
+        if out.commit is not None:
+            seq.last_commit = out.commit
+        return out
 
     def _apply_commit(self, seq: Sequence, commit: Commit) -> None:
         if commit.trim:
@@ -202,107 +198,11 @@ class StageWorker:
         seq.pending_k = None
         seq.snapshots = {}
 
-    def _new_draft_state(self, req: StepRequest) -> DraftState:
-        params = req.params or SamplingParams()
-        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
-        use_mtp = req.mtp_depth > 0
-        return DraftState(
-            params=params,
-            depth=req.mtp_depth,
-            rng=np.random.default_rng(seed),
-            mtp_cache=KVCache() if use_mtp else None,
-        )
-
-    # -- last stage: tokens out --------------------------------------------------------------
-
-    def _head(self, req: StepRequest, seq: Sequence, h: mx.array) -> StepOutput:
-        d = seq.draft
-        normed = self.model.final_norm(h)
-        mtp_in = h if self.mtp_pre_norm else normed  # which backbone hidden feeds the MTP head
-        out = StepOutput(seq_id=req.seq_id, step=req.step)
-        if req.kind is StepKind.PREFILL:
-            self._extend_mtp(d, mtp_in, req.tokens)
-            if not req.final:
-                mx.eval(normed, [c.state for c in seq.cache], d.mtp_cache.state if d.mtp_cache else [])
-                return out
-            out.tokens = [self._pick(d, self.model.lm_logits(normed[:, -1:]), seq)]
-            hid, toks = d.pending_hidden, out.tokens
-        elif len(req.tokens) == 1:
-            out.tokens = [self._pick(d, self.model.lm_logits(normed[:, -1:]), seq)]
-            out.commit = seq.last_commit = Commit(step=req.step, accepted=0, trim=0)
-            hid, toks = mtp_in, out.tokens
-        else:
-            n, out.tokens = self._accept(d, self.model.lm_logits(normed), req.tokens[1:])
-            out.accepted, out.drafted = n, len(req.tokens) - 1
-            out.commit = seq.last_commit = Commit(step=req.step, accepted=n, trim=out.drafted - n)
-            # Positions y, d1..dn pair with d1..dn, c: their MTP entries are rebuilt from true hiddens.
-            hid, toks = mtp_in[:, : n + 1], out.tokens
-        d.last_token = out.tokens[-1]
-        if d.mtp_cache is not None:
-            d.mtp_cache.trim(d.mtp_cache.offset - d.mtp_len)  # drop last round's chained entries
-            out.drafts = self._draft(d, hid, toks)
-        return out
-
-    def _extend_mtp(self, d: DraftState, hidden: mx.array, tokens: list[int]) -> None:
-        """Prefill: add MTP entries (H[t], x[t+1]); the chunk's last position waits for its next token."""
-        if d.mtp_cache is None:
-            return
-        hid, toks = hidden[:, :-1], tokens[1:]
-        if d.pending_hidden is not None:
-            hid, toks = mx.concatenate([d.pending_hidden, hid], axis=1), tokens
-        d.pending_hidden = hidden[:, -1:]
-        if toks:
-            self.model.mtp(hid, self.model.embed(mx.array([toks])), d.mtp_cache)
-            d.mtp_len += len(toks)
-
-    def _draft(self, d: DraftState, hid: mx.array, toks: list[int]) -> list[int]:
-        """K drafts. The first MTP call adds true entries for all (hidden, next token) pairs and its
-        last output drafts d1; later drafts chain on the MTP output g (entries trimmed next round).
-        Greedy chains stay lazy and are evaluated once; sampling draws each draft on the host."""
-        inputs = mx.array([toks])
-        lazy: list[mx.array] = []
-        probs = []
-        for j in range(d.depth):
-            g = self.model.mtp(hid, self.model.embed(inputs), d.mtp_cache)[:, -1:]
-            logits = self.model.lm_logits(g).reshape(-1)
-            if d.params.greedy:
-                tok = mx.argmax(logits)
-                lazy.append(tok)
-                inputs = tok.reshape(1, 1)
-            else:
-                q = filtered_probs(logits, d.params)
-                drawn = draw(q, d.rng)
-                lazy.append(mx.array(drawn))
-                probs.append(q)
-                inputs = mx.array([[drawn]])
-            hid = g
-        d.mtp_len += len(toks)
-        d.pending_hidden = None
-        d.drafts = mx.stack(lazy).tolist() if lazy else []
-        d.draft_probs = np.stack(probs) if probs else None
-        return d.drafts
-
-    def _pick(self, d: DraftState, logits: mx.array, seq: Sequence) -> int:
-        logits = logits.reshape(-1)
-        if d.params.greedy:
-            token = mx.argmax(logits)
-            self._issue_lookahead(seq, token)
-            return int(token.item())
-        return draw(filtered_probs(logits, d.params), d.rng)
-
     def _issue_lookahead(self, seq: Sequence, token: mx.array) -> None:
-        """Single stage, greedy, no drafts: the next step's input is this step's token, so its
+        """Single stage, greedy, no drafts next round: the next step's input is this step's token, so its
         forward can be queued on the still-lazy token and computed while the host handles this
         one (what mlx-lm's generate does with async_eval). The next request must feed that token:
         the decode checks above make sure it does."""
-        if not (self.spec.is_first and seq.draft.depth == 0):
-            return
         h, _ = self.model.run_layers(self.model.embed(token.reshape(1, 1)), seq.cache)
         seq.lookahead = h
         mx.async_eval(h)
-
-    def _accept(self, d: DraftState, logits: mx.array, drafts: list[int]) -> tuple[int, list[int]]:
-        logits = logits[0]
-        if d.params.greedy:
-            return accept_greedy(mx.argmax(logits, axis=-1).tolist(), drafts)
-        return accept_sampled(filtered_probs(logits, d.params), d.draft_probs, drafts, d.rng)

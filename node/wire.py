@@ -60,6 +60,7 @@ def request_to_frame(req: StepRequest, client_id: str) -> pb.Frame:
         tokens=req.tokens,
         final=req.final,
         mtp_depth=req.mtp_depth,
+        mtp_auto=req.mtp_auto,
         budget=req.budget,
         stop_tokens=req.stop_tokens,
     )
@@ -86,7 +87,7 @@ def frame_to_request(f: pb.Frame) -> StepRequest:
         p = f.params
         params = SamplingParams(p.temperature, p.top_p, p.top_k, p.min_p, p.seed if p.HasField("seed") else None)
     return StepRequest(f.seq_id, f.step, _KINDS[f.kind], list(f.tokens), f.final, commit, params, f.mtp_depth,
-                       f.budget, tuple(f.stop_tokens))
+                       f.mtp_auto, f.budget, tuple(f.stop_tokens))
 
 
 def output_to_result(out: StepOutput) -> pb.StepResult:

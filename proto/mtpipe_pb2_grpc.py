@@ -39,6 +39,11 @@ class NodeStub:
                 request_serializer=mtpipe__pb2.LoadRequest.SerializeToString,
                 response_deserializer=mtpipe__pb2.LoadReply.FromString,
                 _registered_method=True)
+        self.Connect = channel.unary_unary(
+                '/mtpipe.Node/Connect',
+                request_serializer=mtpipe__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=mtpipe__pb2.ConnectReply.FromString,
+                _registered_method=True)
         self.Forward = channel.stream_stream(
                 '/mtpipe.Node/Forward',
                 request_serializer=mtpipe__pb2.Frame.SerializeToString,
@@ -75,7 +80,14 @@ class NodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Load(self, request, context):
-        """Load (or keep, if already loaded) one shard and learn where the next stage is.
+        """Load (or keep, if already loaded) one shard; Connect then says where its frames go.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Connect(self, request, context):
+        """Where this node sends its frames: the next stage, and on the last node the first one (the ring).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,6 +143,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=mtpipe__pb2.LoadRequest.FromString,
                     response_serializer=mtpipe__pb2.LoadReply.SerializeToString,
+            ),
+            'Connect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=mtpipe__pb2.ConnectRequest.FromString,
+                    response_serializer=mtpipe__pb2.ConnectReply.SerializeToString,
             ),
             'Forward': grpc.stream_stream_rpc_method_handler(
                     servicer.Forward,
@@ -190,6 +207,33 @@ class Node:
             '/mtpipe.Node/Load',
             mtpipe__pb2.LoadRequest.SerializeToString,
             mtpipe__pb2.LoadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtpipe.Node/Connect',
+            mtpipe__pb2.ConnectRequest.SerializeToString,
+            mtpipe__pb2.ConnectReply.FromString,
             options,
             channel_credentials,
             insecure,

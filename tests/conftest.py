@@ -8,9 +8,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mtpipe.coordinator.engine.engine import Engine, local_engine
+from mtpipe.coordinator.engine.build import local_engine
+from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.models.tiny import build_tiny_checkpoint
-
 
 
 @pytest.fixture(scope="session")

@@ -22,12 +22,16 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
+from helpers import PROMPTS  # noqa: E402
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
 from mtpipe.coordinator.api.app import create_app  # noqa: E402
 from mtpipe.coordinator.api.serve import nodes_cluster_info  # noqa: E402
-from mtpipe.coordinator.engine.engine import Engine, GenerationRequest, local_engine  # noqa: E402
+from mtpipe.coordinator.engine.build import local_engine  # noqa: E402
+from mtpipe.coordinator.engine.engine import Engine  # noqa: E402
+from mtpipe.coordinator.engine.request import GenerationRequest  # noqa: E402
 from mtpipe.node.protocol import SamplingParams  # noqa: E402
-
-from helpers import PROMPTS  # noqa: E402
 
 MODEL = "tiny-dense"
 KEY = "test-key-123"
@@ -95,6 +99,25 @@ def sse_events(lines: Iterator[str]) -> list[str]:
     return [line[len("data: "):] for line in lines if line.startswith("data: ")]
 
 
+class Scrape:
+    """One `GET /metrics`, parsed by prometheus_client's own parser."""
+
+    def __init__(self, url: str):
+        r = httpx.get(url + "/metrics")
+        assert r.status_code == 200 and r.headers["content-type"] == CONTENT_TYPE_LATEST
+        self.text = r.text
+        self.families = {f.name: f for f in text_string_to_metric_families(r.text)}
+        self.samples = {(s.name, frozenset(s.labels.items())): s.value
+                        for f in self.families.values() for s in f.samples}
+
+    def __call__(self, name: str, **labels: str) -> float:
+        """A sample's value; KeyError when the series is not exposed."""
+        return self.samples[(name, frozenset(labels.items()))]
+
+    def get(self, name: str, default: float = 0.0, **labels: str) -> float:
+        return self.samples.get((name, frozenset(labels.items())), default)
+
+
 # -- the official client ----------------------------------------------------------------------
 
 
@@ -120,7 +143,9 @@ def test_chat(engine: Engine, client: Any) -> None:
     assert r.usage.completion_tokens == ref.stats.generation_tokens
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     mtp = r.usage.model_extra["mtp"]
-    assert mtp["depth"] == 2 and mtp["drafted"] == ref.stats.drafted and mtp["accepted"] == ref.stats.accepted
+    # The default depth is auto: the rounds it reports add up, whatever depths it picked.
+    assert mtp["depth"] == "auto" and sum(mtp["depths"].values()) == mtp["rounds"]
+    assert mtp["drafted"] == sum(int(k) * n for k, n in mtp["depths"].items()) >= mtp["accepted"]
     assert not any(active(engine))
 
 
@@ -240,14 +265,13 @@ def test_eight_concurrent_requests(engine: Engine, server: LiveServer, client: A
     assert peak[0] >= 4, f"requests did not overlap (at most {peak[0]} at once)"
     assert health_ms and max(health_ms) < 2000, max(health_ms)
     assert not any(active(engine))
-    metrics = httpx.get(server.url + "/metrics").text
-    assert "mtpipe_generations_in_flight 0" in metrics
+    assert Scrape(server.url)("mtpipe_generations_in_flight") == 0
 
 
 def test_streaming_disconnect_frees_caches(engine: Engine, server: LiveServer) -> None:
     wait_idle(engine)
     body = {"model": MODEL, "messages": chat("go on"), "max_tokens": 3000, "temperature": 0, "stream": True}
-    cancelled = server.server.config.app.state.metrics.cancelled.value()
+    cancelled = Scrape(server.url)("mtpipe_generations_cancelled_total")
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
             seen = 0
@@ -260,7 +284,7 @@ def test_streaming_disconnect_frees_caches(engine: Engine, server: LiveServer) -
     steps = engine.pipeline.stages[-1].stats.steps
     time.sleep(0.3)
     assert engine.pipeline.stages[-1].stats.steps == steps  # the generation stopped
-    assert server.server.config.app.state.metrics.cancelled.value() == cancelled + 1
+    assert Scrape(server.url)("mtpipe_generations_cancelled_total") == cancelled + 1
 
 
 def test_non_streaming_disconnect_frees_caches(engine: Engine, server: LiveServer) -> None:
@@ -388,20 +412,98 @@ def test_cluster_callable_and_failure(engine: Engine) -> None:
 
 def test_metrics(server: LiveServer, client: Any) -> None:
     client.chat.completions.create(model=MODEL, messages=M, max_tokens=4, temperature=0)
-    text = httpx.get(server.url + "/metrics").text
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    assert values['mtpipe_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
-    assert values['mtpipe_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= 1
-    assert values["mtpipe_prompt_tokens_total"] > 0 and values["mtpipe_completion_tokens_total"] >= 4
-    assert values["mtpipe_mtp_drafted_tokens_total"] > 0
-    assert 0 <= values["mtpipe_mtp_acceptance_ratio"] <= 1
-    assert values['mtpipe_request_duration_seconds_count{endpoint="/v1/chat/completions"}'] >= 1
-    assert values['mtpipe_time_to_first_token_seconds_count{endpoint="/v1/chat/completions"}'] >= 1
-    assert "# TYPE mtpipe_request_duration_seconds histogram" in text
+    m = Scrape(server.url)
+    chat_endpoint = "/v1/chat/completions"
+    assert m("mtpipe_requests_total", endpoint=chat_endpoint, status="200") >= 1
+    assert m("mtpipe_requests_total", endpoint=chat_endpoint, status="400") >= 1
+    assert m("mtpipe_prompt_tokens_total") > 0 and m("mtpipe_completion_tokens_total") >= 4
+    assert m("mtpipe_mtp_drafted_tokens_total") > 0
+    assert 0 <= m("mtpipe_mtp_acceptance_ratio") <= 1
+    assert m("mtpipe_request_duration_seconds_count", endpoint=chat_endpoint) >= 1
+    assert m("mtpipe_time_to_first_token_seconds_count", endpoint=chat_endpoint) >= 1
+    assert "# TYPE mtpipe_request_duration_seconds histogram" in m.text
+
+    # The exposition's shape: what dashboards query, and no `_created` series.
+    kinds = {
+        "mtpipe_requests": "counter", "mtpipe_generations_cancelled": "counter",
+        "mtpipe_generations_failed": "counter", "mtpipe_prompt_tokens": "counter",
+        "mtpipe_completion_tokens": "counter", "mtpipe_mtp_drafted_tokens": "counter",
+        "mtpipe_mtp_accepted_tokens": "counter", "mtpipe_generations_in_flight": "gauge",
+        "mtpipe_mtp_acceptance_ratio": "gauge", "mtpipe_request_duration_seconds": "histogram",
+        "mtpipe_time_to_first_token_seconds": "histogram", "mtpipe_decode_tokens_per_second": "histogram",
+    }
+    assert {name: f.type for name, f in m.families.items()} == kinds
+    assert all(f.documentation for f in m.families.values())
+    assert not [s for s in m.samples if s[0].endswith("_created")]
+    for counter in [name for name, kind in kinds.items() if kind == "counter"]:
+        assert f"# TYPE {counter}_total counter" in m.text
+    request_bounds = ["0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "30.0",
+                      "60.0", "120.0", "300.0", "+Inf"]
+    for histogram in ("mtpipe_request_duration_seconds", "mtpipe_time_to_first_token_seconds"):
+        bounds = [dict(labels)["le"] for name, labels in m.samples
+                  if name == histogram + "_bucket" and dict(labels)["endpoint"] == chat_endpoint]
+        assert bounds == request_bounds
+    bounds = [dict(labels)["le"] for name, labels in m.samples if name == "mtpipe_decode_tokens_per_second_bucket"]
+    assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "1000.0", "2000.0",
+                      "+Inf"]
+
+
+def test_metrics_count_each_request(engine: Engine) -> None:
+    """A fresh app (its own registry) counts exactly what its requests did and reported."""
+    wait_idle(engine)
+    with LiveServer(create_app(engine, MODEL)) as s:
+        before = Scrape(s.url)
+        assert before.get("mtpipe_requests_total", -1, endpoint="/v1/chat/completions", status="200") == -1
+        assert before("mtpipe_prompt_tokens_total") == 0 and before("mtpipe_generations_in_flight") == 0
+        assert before("mtpipe_mtp_acceptance_ratio") == 0  # nothing drafted yet
+
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        usages = []
+        # The stream first: the gate counts a request once its response has ended.
+        stream = client.chat.completions.create(model=MODEL, messages=M, max_tokens=5, temperature=0, stream=True,
+                                                stream_options={"include_usage": True})
+        usages.append(list(stream)[-1].usage)
+        for max_tokens in (4, 6):
+            r = client.chat.completions.create(model=MODEL, messages=chat(PROMPTS[0]), max_tokens=max_tokens,
+                                               temperature=0)
+            usages.append(r.usage)
+        usages.append(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0).usage)
+        client.models.list()
+        bad = httpx.post(s.url + "/v1/chat/completions", json={"messages": M, "max_tokens": 0})
+        assert bad.status_code == 400
+        wait_idle(engine)
+
+        m = Scrape(s.url)
+        chat_endpoint, text_endpoint = "/v1/chat/completions", "/v1/completions"
+        assert m("mtpipe_requests_total", endpoint=chat_endpoint, status="200") == 3
+        assert m("mtpipe_requests_total", endpoint=chat_endpoint, status="400") == 1
+        assert m("mtpipe_requests_total", endpoint=text_endpoint, status="200") == 1
+        assert m("mtpipe_requests_total", endpoint="/v1/models", status="200") == 1
+        assert m.get("mtpipe_requests_total", endpoint=text_endpoint, status="400") == 0
+        assert m("mtpipe_request_duration_seconds_count", endpoint=chat_endpoint) == 4
+        assert m("mtpipe_request_duration_seconds_count", endpoint=text_endpoint) == 1
+        assert m("mtpipe_request_duration_seconds_bucket", endpoint=chat_endpoint, le="+Inf") == 4
+        assert m("mtpipe_request_duration_seconds_sum", endpoint=chat_endpoint) > 0
+        assert m("mtpipe_time_to_first_token_seconds_count", endpoint=chat_endpoint) == 3  # the 400 ran nothing
+        assert m("mtpipe_time_to_first_token_seconds_count", endpoint=text_endpoint) == 1
+
+        assert m("mtpipe_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+        assert m("mtpipe_completion_tokens_total") == sum(u.completion_tokens for u in usages)
+        mtp = [u.model_extra["mtp"] for u in usages]
+        drafted, accepted = sum(x["drafted"] for x in mtp), sum(x["accepted"] for x in mtp)
+        assert drafted > 0
+        assert m("mtpipe_mtp_drafted_tokens_total") == drafted
+        assert m("mtpipe_mtp_accepted_tokens_total") == accepted
+        assert m("mtpipe_mtp_acceptance_ratio") == pytest.approx(accepted / drafted)
+        decoded = sum(u.completion_tokens > 1 for u in usages)
+        assert m("mtpipe_decode_tokens_per_second_count") == decoded
+        assert m("mtpipe_generations_cancelled_total") == 0 and m("mtpipe_generations_failed_total") == 0
+
+        deadline = time.monotonic() + 10  # a run's thread leaves the gauge just after its last token
+        while (in_flight := Scrape(s.url)("mtpipe_generations_in_flight")) != 0:
+            assert time.monotonic() < deadline, in_flight
+            time.sleep(0.02)
+        assert httpx.get(s.url + "/health").json()["in_flight"] == 0
 
 
 def test_api_key(engine: Engine) -> None:
@@ -422,8 +524,8 @@ def test_api_key(engine: Engine) -> None:
 
 
 def test_serve_command(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mtpipe.coordinator.cli import main as cli
     from mtpipe.coordinator.api import serve
+    from mtpipe.coordinator.cli import main as cli
 
     seen: dict[str, Any] = {}
 
@@ -443,13 +545,13 @@ def test_serve_command(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.fixture(scope="module")
 def grpc_nodes(dense_ckpt: Path) -> Iterator[tuple[Engine, list[Any]]]:
-    remote = pytest.importorskip("mtpipe.coordinator.pipeline.remote")
+    from mtpipe.coordinator.engine.build import remote_engine
     from mtpipe.node.server import NodeServer
 
     nodes = [NodeServer("127.0.0.1", 0).start() for _ in range(2)]
     engine = None
     try:
-        engine = remote.remote_engine(dense_ckpt, [n.address for n in nodes], dtype="float32")
+        engine = remote_engine(dense_ckpt, [n.address for n in nodes], dtype="float32")
         yield engine, nodes
     finally:
         if engine is not None:
@@ -538,5 +640,5 @@ def test_stage_failure_is_a_503(engine: Engine) -> None:
             events = sse_events(r.iter_lines())
         assert r.status_code == 200 and events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "stage_error"
-        assert "mtpipe_generations_failed_total 2" in httpx.get(s.url + "/metrics").text
+        assert Scrape(s.url)("mtpipe_generations_failed_total") == 2
     assert len(pipeline.released) == 2  # the engine's finally ran for both

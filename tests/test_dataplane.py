@@ -10,12 +10,12 @@ import socket
 from pathlib import Path
 
 import pytest
-
-from mtpipe.coordinator.engine.engine import Engine, GenerationRequest
-from mtpipe.coordinator.pipeline.remote import remote_engine
-from mtpipe.node.dataplane import HELLO, LENGTH
-
 from helpers import PROMPTS, node_servers
+
+from mtpipe.coordinator.engine.build import remote_engine
+from mtpipe.coordinator.engine.engine import Engine
+from mtpipe.coordinator.engine.request import GenerationRequest
+from mtpipe.node.dataplane import HELLO, LENGTH
 
 MAX_TOKENS = 16
 

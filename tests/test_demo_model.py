@@ -10,7 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtpipe.coordinator.engine.engine import GenerationRequest, local_engine
+from mtpipe.coordinator.engine.build import local_engine
+from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.models.loading import load_shard
 from mtpipe.models.registry import DEMO_MODEL
 from mtpipe.training.corpus import heldout_prompts

@@ -10,7 +10,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mtpipe.coordinator.engine.engine import Engine, GenerationRequest
+from mtpipe.coordinator.engine.engine import Engine
+from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.models.loading import load_shard
 from mtpipe.models.shard import ShardSpec
 from mtpipe.node.protocol import Commit, SamplingParams, StageError, StepKind, StepRequest

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers import PROMPTS
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 
-from mtpipe.coordinator.engine.engine import GenerationRequest, local_engine
+from mtpipe.coordinator.engine.build import local_engine
+from mtpipe.coordinator.engine.request import GenerationRequest, resolve_depth
 from mtpipe.models.loading import load_shard
-
-from helpers import PROMPTS
 
 MAX_TOKENS = 64
 
@@ -43,11 +43,15 @@ def test_greedy_identity_all_depths(ckpt: Path) -> None:
     for text in PROMPTS:
         prompt = tok.encode(text)
         reference = mlx_lm_tokens(model, tok, prompt, engine.eos)
-        for depth in (0, 1, 2, 3):
-            result = engine.complete(GenerationRequest(prompt, max_tokens=MAX_TOKENS, mtp_depth=depth))
+        for depth in (0, 1, 2, 3, "auto"):
+            drafts, auto = resolve_depth(depth, engine.has_mtp)
+            req = GenerationRequest(prompt, max_tokens=MAX_TOKENS, mtp_depth=drafts, mtp_auto=auto)
+            result = engine.complete(req)
             assert result.tokens == reference, f"depth {depth} diverged on {text!r}"
-            if depth:
-                assert result.stats.drafted > 0
+            if depth and not auto:
+                assert result.stats.drafted > 0 and set(result.stats.depths) == {depth}
+            if auto:
+                assert set(result.stats.depths) <= {0, 1, 2, 3} and sum(result.stats.depths.values()) == result.stats.rounds
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -56,8 +60,8 @@ def test_in_process_stages_identical(dense_ckpt: Path, stages: int) -> None:
     split = local_engine(dense_ckpt, stages=stages, dtype=mx.float32)
     for text in PROMPTS[:4]:
         prompt = single.tokenizer.encode(text)
-        for depth in (0, 2):
-            req = GenerationRequest(prompt, max_tokens=32, mtp_depth=depth)
+        for depth, auto in ((0, False), (2, False), (3, True)):
+            req = GenerationRequest(prompt, max_tokens=32, mtp_depth=depth, mtp_auto=auto)
             assert split.complete(req).tokens == single.complete(req).tokens
 
 

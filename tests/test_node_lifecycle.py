@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from mtpipe.coordinator.engine.engine import GenerationRequest
-from mtpipe.coordinator.pipeline.remote import remote_engine
-from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest
-
 from helpers import PROMPTS, node_servers
+
+from mtpipe.coordinator.engine.build import remote_engine
+from mtpipe.coordinator.engine.request import GenerationRequest
+from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest
 
 
 def _active(engine) -> list[int]:

@@ -7,7 +7,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mtpipe.coordinator.engine.engine import Engine, GenerationRequest
+from mtpipe.coordinator.engine.engine import Engine
+from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.coordinator.pipeline.local import LocalPipeline
 from mtpipe.models.loading import load_shard
 from mtpipe.node.protocol import StepKind, StepRequest

@@ -2,6 +2,7 @@
 
 from typing import Any, Optional
 
+
 def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
                code: Optional[str] = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine, GenerationChunk, GenerationRequest, GenerationStats
+    from ..engine.engine import Engine
+    from ..engine.request import GenerationChunk, GenerationRequest, GenerationStats
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class GenerationThread:
 # -- response shapes --------------------------------------------------------------------------
 
 
-def usage_of(stats: "GenerationStats", depth: int) -> dict[str, Any]:
+def usage_of(stats: "GenerationStats", depth: "int | str") -> dict[str, Any]:
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generation_tokens,
@@ -93,6 +94,7 @@ def usage_of(stats: "GenerationStats", depth: int) -> dict[str, Any]:
             "accepted": stats.accepted,
             "acceptance": round(stats.acceptance, 4),
             "rounds": stats.rounds,
+            "depths": {str(k): v for k, v in sorted(stats.depths.items())},  # rounds by drafts carried
         },
     }
 

@@ -42,7 +42,7 @@ class _GenerationBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
-    mtp_depth: int | None = None  # extension: drafts per round (0 = no speculation)
+    mtp_depth: int | Literal["auto"] | None = None  # extension: drafts per round (0 = none); "auto" picks per round
 
 
 class ChatCompletionRequest(_GenerationBody):

@@ -1,16 +1,15 @@
-"""Serving the REST API: `mtpipe serve` (this machine, or running nodes with --nodes) and `serve()`,
-which `mtpipe launch` uses too."""
+"""Running the REST API with uvicorn (`mtpipe serve` and `mtpipe launch`), and what /v1/cluster says
+about an engine over running nodes."""
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from .app import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME, DEFAULT_PORT, create_app
+from .app import create_app
+from .defaults import DEFAULT_HOST, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME, DEFAULT_PORT
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -23,7 +22,7 @@ def nodes_cluster_info(engine: "Engine", model_name: str, timeout: float = 2.0) 
     pipeline = engine.pipeline
 
     def info() -> dict[str, Any]:
-        addresses = list(getattr(pipeline, "addresses", []))
+        addresses = [stage["address"] for stage in pipeline.describe()["stages"]]
         out: dict[str, Any] = {"mode": "nodes", "model": model_name, "mtp": engine.has_mtp,
                                "max_context": engine.max_context}
         try:
@@ -41,6 +40,13 @@ def nodes_cluster_info(engine: "Engine", model_name: str, timeout: float = 2.0) 
                 "nodes": nodes}
 
     return info
+
+
+def model_name_for(model: Optional[str], path: Path) -> str:
+    """What clients call the model: a hub id as given, else the directory name."""
+    if model and not Path(model).expanduser().exists():
+        return model
+    return path.name
 
 
 def _is_loopback(host: str) -> bool:
@@ -67,74 +73,3 @@ def serve(
         log.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
     log.info("serving %s at http://%s:%d/v1", model_name, host, port)
     uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5)
-
-
-# -- `mtpipe serve` -------------------------------------------------------------------------------
-
-
-def add_serve_command(sub: "argparse._SubParsersAction") -> None:
-    from ..cli.main import _add_mtp
-
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible API, on this machine or over running nodes")
-    p.add_argument("--model", help="model directory or hub repo (default: the bundled demo model)")
-    p.add_argument("--nodes", help="comma-separated host:port of running nodes, in pipeline order")
-    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
-    p.add_argument("--model-name", help="the model id clients use (default: the --model name)")
-    p.add_argument("--secret", default=None, help="the nodes' shared secret, with --nodes (default: $MTPIPE_SECRET)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
-    p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
-                   help="generations at once; more requests wait")
-    _add_mtp(p)
-    p.set_defaults(func=cmd_serve)
-
-
-def model_name_for(model: Optional[str], path: Path) -> str:
-    """What clients call the model: a hub id as given, else the directory name."""
-    if model and not Path(model).expanduser().exists():
-        return model
-    return path.name
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from ...models.registry import resolve_model
-    from ..cli.main import _progress_loader, _stderr_console
-    from ..engine.engine import local_engine
-
-    if args.max_concurrency < 1:
-        raise ValueError("--max-concurrency must be at least 1")
-    if args.mtp_depth is not None and args.mtp_depth < 0:
-        raise ValueError("--mtp-depth must be >= 0")
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    path = resolve_model(args.model)
-    if args.nodes:
-        from ..pipeline.remote import remote_engine
-
-        if getattr(args, "mtp_pre_norm", False):
-            raise ValueError("--mtp-pre-norm applies to local stages, not to --nodes")
-        nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
-        secret = args.secret or os.environ.get("MTPIPE_SECRET") or None
-        engine = remote_engine(path, nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype)
-    else:
-        import mlx.core as mx
-
-        options = {"mtp_pre_norm": True} if getattr(args, "mtp_pre_norm", False) else {}
-        with _progress_loader("loading model")() as progress:
-            engine = local_engine(path, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None,
-                                  progress=progress, **options)
-    depth = 0 if args.no_mtp else args.mtp_depth
-    if depth and not engine.has_mtp:
-        raise ValueError("--mtp-depth needs a model with an MTP head")
-    name = args.model_name or model_name_for(args.model, path)
-    _stderr_console().print(
-        f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at http://{args.host}:{args.port}/v1"
-        + (" (API key required)" if api_key else "")
-    )
-    try:
-        cluster_info = nodes_cluster_info(engine, name) if args.nodes else None
-        serve(engine, args.host, args.port, api_key=api_key, model_name=name, cluster_info=cluster_info,
-              default_mtp_depth=depth, max_concurrency=args.max_concurrency)
-    finally:
-        engine.pipeline.close()
-    return 0

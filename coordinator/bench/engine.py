@@ -14,8 +14,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from ...models import blas
 from ...node.protocol import SamplingParams
-from ..engine.engine import Engine, GenerationRequest, local_engine
+from ..engine.build import local_engine
+from ..engine.engine import Engine
+from ..engine.request import AUTO, GenerationRequest, resolve_depth
 
 
 def bench_prompts(n: int) -> list[str]:
@@ -39,9 +42,11 @@ def time_mlx_lm(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) 
     return tokens, (len(tokens) - 1) / (last - first) if last and last > first else 0.0
 
 
-def _time_engine(engine: Engine, prompt: list[int], max_tokens: int, depth: int) -> tuple[list[int], float, Any]:
+def _time_engine(engine: Engine, prompt: list[int], max_tokens: int, depth: int | str) -> tuple[list[int], float, Any]:
+    """Greedy decode of `prompt` at a depth (a number or "auto"): tokens, decode tok/s, stats."""
     tokens, first, last, stats = [], None, None, None
-    req = GenerationRequest(prompt, max_tokens=max_tokens, params=SamplingParams(), mtp_depth=depth)
+    drafts, auto = resolve_depth(depth, engine.has_mtp)
+    req = GenerationRequest(prompt, max_tokens=max_tokens, params=SamplingParams(), mtp_depth=drafts, mtp_auto=auto)
     for chunk in engine.generate(req):
         now = time.perf_counter()
         if chunk.tokens:
@@ -113,26 +118,30 @@ def bench_engine(
     ref_model, ref_tok = mlx_load(str(model_path))
     texts = bench_prompts(prompts)
     encoded = [engine.tokenizer.encode(t) for t in texts]
-    methods = ["mlx_lm", "no_mtp"] + [f"mtp_k{k}" for k in depths]
+    runs: dict[str, int | str] = {"no_mtp": 0, **{f"mtp_k{k}": k for k in depths}, "mtp_auto": AUTO}
+    methods = ["mlx_lm", *runs]
     speeds: dict[str, list[float]] = {m: [] for m in methods}
     outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
     drafted = {k: 0 for k in depths}
     accepted = {k: 0 for k in depths}
     per_position: dict[int, list[float]] = {}
+    auto_depths: dict[int, int] = {}
     # Warm up every path once (compilation, allocator).
     time_mlx_lm(ref_model, ref_tok, encoded[0], 8)
-    for k in [0] + depths:
-        _time_engine(engine, encoded[0], 8, k)
+    for depth in runs.values():
+        _time_engine(engine, encoded[0], 8, depth)
     for prompt in encoded:
         toks, tps = time_mlx_lm(ref_model, ref_tok, prompt, max_tokens)
         outputs["mlx_lm"].append(toks)
         speeds["mlx_lm"].append(tps)
-        for k in [0] + depths:
-            name = "no_mtp" if k == 0 else f"mtp_k{k}"
+        for name, k in runs.items():
             toks, tps, stats = _time_engine(engine, prompt, max_tokens, k)
             outputs[name].append(toks)
             speeds[name].append(tps)
-            if k:
+            if name == "mtp_auto":
+                for d, n in stats.depths.items():
+                    auto_depths[d] = auto_depths.get(d, 0) + n
+            elif k:
                 drafted[k] += stats.drafted
                 accepted[k] += stats.accepted
                 pos = per_position.setdefault(k, [0.0] * k)
@@ -143,6 +152,7 @@ def bench_engine(
     identical = all(outputs[m] == outputs["mlx_lm"] for m in methods)
     result = {
         "model": str(model_path),
+        "blas": blas.info().to_dict(),
         "mtp_hidden": "pre_norm" if mtp_pre_norm else "post_norm",
         "prompts": len(encoded),
         "max_tokens": max_tokens,
@@ -155,9 +165,12 @@ def bench_engine(
             for k in depths
         },
         "best_k": best,
+        "auto_depths": {str(k): v for k, v in sorted(auto_depths.items())},  # rounds by drafts carried
         "ratios": {
             "no_mtp_vs_mlx_lm": round(tok_s["no_mtp"] / tok_s["mlx_lm"], 3),
             "best_mtp_vs_no_mtp": round(tok_s[f"mtp_k{best}"] / tok_s["no_mtp"], 3),
+            "auto_vs_no_mtp": round(tok_s["mtp_auto"] / tok_s["no_mtp"], 3),
+            "auto_vs_best_fixed": round(tok_s["mtp_auto"] / max(tok_s["no_mtp"], tok_s[f"mtp_k{best}"]), 3),
             **{f"mtp_k{k}_vs_no_mtp": round(tok_s[f"mtp_k{k}"] / tok_s["no_mtp"], 3) for k in depths},
         },
         "cost_terms": {k: round(v, 3) for k, v in _cost_terms(engine, encoded[0], depths).items()},

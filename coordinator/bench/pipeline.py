@@ -26,9 +26,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from ...models import blas
+from ...node.spawn import node_command
+from ..engine.build import local_engine, remote_engine
+from ..engine.engine import Engine
+from ..engine.request import GenerationRequest
+from ..pipeline.nodes import wait_for_nodes
+from ..pipeline.remote import RemotePipeline
 from .engine import _time_engine, bench_prompts
-from ..engine.engine import Engine, GenerationRequest, local_engine
-from ..pipeline.remote import RemotePipeline, remote_engine, wait_for_nodes
 
 log = logging.getLogger(__name__)
 
@@ -45,22 +50,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# Run in the child right after exec: on Linux the kernel kills it if its parent dies first
-# (PR_SET_PDEATHSIG). Not a preexec_fn: that forces a plain fork(), which runs gRPC's fork handlers
-# in the child while the parent has gRPC threads, and can abort the child before exec (SIGABRT).
-_DIE_WITH_PARENT = (
-    "import ctypes, runpy, signal, sys\n"
-    "if sys.platform.startswith('linux'):\n"
-    "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
-    "runpy.run_module('mtpipe.coordinator.cli.main', run_name='__main__')\n"
-)
-
-
-def node_command(*args: str) -> list[str]:
-    """The command line of an `mtpipe node` child process that does not outlive this one."""
-    return [sys.executable, "-c", _DIE_WITH_PARENT, "node", *args]
 
 
 @contextmanager
@@ -244,6 +233,7 @@ def bench_pipeline(
     reference = {k: outputs[_method("single", k)] for k in [0, *depths]}
     return {
         "model": str(model_path),
+        "blas": blas.info().to_dict(),
         "prompts": len(encoded),
         "max_tokens": max_tokens,
         "depths": depths,

@@ -1,12 +1,48 @@
-"""Cluster subcommands: node (a stage daemon), serve (the REST API), launch and health."""
+"""`mtpipe node`, `serve`, `launch` and `health`: the cluster's subcommands.
+
+`mtpipe launch` is the same command on every machine (exo-style). Each one starts a node server,
+advertises it over zeroconf and browses for the nodes of its cluster. One of them coordinates:
+the one started with `--coordinator`, else one that already says it coordinates, else the lowest
+node id once `--expect` nodes are seen or discovery settles. The coordinator places the model,
+has the nodes load their shards in parallel, confirms each hop's address with a measured round
+trip (cluster/formation.py), and serves the REST API. Alone, it runs the whole model locally.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-from ...node.server import add_node_command
-from ..api.serve import add_serve_command
-from ..cluster.launch import add_launch_commands
+from ...node.advertise import NodeAdvert, cluster_hash
+from ...node.cli import add_node_command
+from ...node.links import format_host_port, local_interfaces, split_host_port
+from ..cluster.agent import (
+    ClusterAgent,
+    advertised_interfaces,
+    discovery_addresses,
+    offered_memory,
+    wait_for_peers,
+)
+from ..cluster.config import ClusterConfig, load_cluster_config, overlay
+from ..cluster.discovery import elect_coordinator
+from ..cluster.formation import cluster_info_fn, form_cluster, resources_from_advert, single_node_engine
+from ..cluster.placement import hop_candidates
+from .common import add_mtp, progress_loader, stderr_console
+from .serve import add_serve_command
+
+log = logging.getLogger(__name__)
+
+CONFIG_ENV = "MTPIPE_CONFIG"
 
 
 def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
@@ -14,3 +50,234 @@ def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     add_node_command(sub)
     add_serve_command(sub)
     add_launch_commands(sub)
+
+
+def resolve_config(args: argparse.Namespace) -> ClusterConfig:
+    """cluster.yaml (--config, $MTPIPE_CONFIG, or ./cluster.yaml if present) with flags on top."""
+    path = args.config or os.environ.get(CONFIG_ENV) or ("cluster.yaml" if Path("cluster.yaml").exists() else None)
+    cfg = load_cluster_config(path) if path else ClusterConfig()
+    flags = {  # config key -> argparse dest; a flag not given, or not defined for this subcommand, is None
+        "name": "cluster", "model": "model", "dtype": "dtype", "mtp_depth": "mtp_depth", "secret_env": "secret_env",
+        "discovery.interfaces": "interface", "discovery.expect": "expect", "discovery.settle": "settle",
+        "nodes": "node", "node.host": "host", "node.port": "port", "node.state_dir": "state_dir",
+        "node.max_memory_gib": "max_memory", "api.host": "api_host", "api.port": "api_port", "api.api_key": "api_key",
+    }
+    return overlay(cfg, {key: getattr(args, dest, None) for key, dest in flags.items()})
+
+
+def _emit(args: argparse.Namespace, console: Any, event: str, message: str, **fields: Any) -> None:
+    """A readiness event: one JSON line on stdout with --json, else a line on the console."""
+    if args.json:
+        print(json.dumps({"event": event, **fields}), flush=True)
+    else:
+        console.print(message)
+
+
+def _self_target(host: str, port: int) -> str:
+    """How this process reaches its own node server."""
+    return format_host_port("127.0.0.1" if host in ("0.0.0.0", "::", "") else host, port)
+
+
+def when_listening(host: str, port: int, callback: Callable[[], None], timeout: float = 120.0) -> None:
+    """Call `callback` once something accepts connections on host:port (the API server has started)."""
+    target = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    idle = threading.Event()  # never set: a wait between connection attempts
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((target, port), timeout=1.0).close()
+            except OSError:
+                idle.wait(0.05)
+                continue
+            callback()
+            return
+        log.warning("the API did not start listening on %s:%d within %.0f s", host, port, timeout)
+
+    threading.Thread(target=watch, name="api-ready", daemon=True).start()
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(0)  # unwinds through cmd_launch's cleanup: peers see this node leave
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from ... import __version__
+    from ...models.registry import resolve_model
+    from ...node import (
+        stage,  # noqa: F401  (MLX and mlx-lm now, not on the first shard load)
+        sysinfo,
+    )
+    from ...node.identity import node_id as persistent_id
+    from ...node.server import NodeServer
+    from ..api.serve import model_name_for, serve
+
+    console = stderr_console()
+    signal.signal(signal.SIGTERM, _terminate)
+    cfg = resolve_config(args)
+    secret = cfg.resolve_secret()
+    if not secret:
+        log.warning("no cluster secret (cluster.yaml secret/secret_env or $MTPIPE_SECRET): anyone who reaches "
+                    "the node port can drive this node")
+    me = persistent_id(cfg.node.state_dir)
+    mtp = not args.no_mtp
+    model_path = resolve_model(cfg.model)
+    interfaces = local_interfaces()
+    bind = discovery_addresses(cfg.discovery.interfaces, interfaces) if cfg.discovery.enabled else []
+    mem = sysinfo.memory()
+    offered = offered_memory(sysinfo.placement_memory(mem.available, mem.gpu_limit), cfg.node.max_memory_gib)
+    server = NodeServer(cfg.node.host, cfg.node.port, node_id=me, secret=secret).start()
+
+    def memory_offered() -> int:
+        # Its own shard counts as free: a new placement would replace it.
+        worker = server.service.worker
+        held = worker.shard.model.parameter_bytes() if worker is not None else 0
+        now = sysinfo.memory()
+        return offered_memory(sysinfo.placement_memory(now.available + held, now.gpu_limit), cfg.node.max_memory_gib)
+
+    my_target = _self_target(cfg.node.host, server.port)
+    advert = NodeAdvert(me, cluster_hash(cfg.name), server.port, mem.total, offered, sysinfo.chip(), __version__,
+                        advertised_interfaces(interfaces, bind), coordinator=args.coordinator)
+    placed: set[str] = set()
+
+    def on_change(kind: str, ad: NodeAdvert) -> None:
+        if ad.node_id == me:
+            return
+        if placed and kind == "join" and ad.node_id not in placed:
+            log.warning("node %s joined after placement; restart the coordinator to use it", ad.node_id)
+        elif placed and kind == "leave" and ad.node_id in placed:
+            log.warning("node %s of the pipeline left; requests will fail until it is back", ad.node_id)
+
+    agent = ClusterAgent(bind, advert, cfg.name, on_change=on_change, memory_offered=memory_offered) if bind else None
+    engine = None
+    try:
+        if agent is not None:
+            agent.start()
+        _emit(args, console, "node", f"[bold]mtpipe[/bold] node {me} on port {server.port}, cluster "
+              f"[cyan]{cfg.name}[/cyan], discovery on {', '.join(bind) or 'nothing (static nodes only)'}",
+              node_id=me, port=server.port, pid=os.getpid())
+        if agent is not None:
+            peers = wait_for_peers(agent, me, cfg, args.coordinator)
+            peers.setdefault(me, advert)
+            coordinator = elect_coordinator(me, peers, forced=args.coordinator)
+        else:  # static nodes only: the node started with --coordinator drives the others
+            peers = {me: advert}
+            coordinator = me if args.coordinator or not cfg.nodes else "the node started with --coordinator"
+        if coordinator != me:
+            _emit(args, console, "follower", f"node {me}: {coordinator} coordinates; serving shards until stopped",
+                  node_id=me, coordinator=coordinator)
+            while True:
+                signal.pause()  # until SIGTERM or Ctrl-C ends the process through the finally below
+        log.info("%s coordinates %d node(s)%s", me, len(peers), f" and {len(cfg.nodes)} static" if cfg.nodes else "")
+        if agent is not None:
+            agent.set_coordinator()
+        pre_norm = getattr(args, "mtp_pre_norm", False)
+        if len(peers) == 1 and not cfg.nodes:
+            log.info("no peers: running the whole model on this machine")
+            with progress_loader("loading model")() as progress:
+                engine = single_node_engine(server, model_path, mtp, cfg.dtype, pre_norm, progress)
+            formation = None
+            placed.add(me)
+        else:
+            if pre_norm:
+                raise ValueError("--mtp-pre-norm applies to local stages, not to a cluster of nodes")
+            engine, formation = form_cluster(cfg, me, my_target, peers, interfaces, model_path, mtp, secret, console)
+            placed.update(s.node_id for s in formation.plan)
+        name = model_name_for(cfg.model, model_path)
+        info = cluster_info_fn(cfg, me, my_target, engine, name, formation, agent, secret)
+        state = info()
+        url = f"http://{format_host_port(cfg.api.host, cfg.api.port)}/v1"
+        stages = ", ".join(f"{p['node']} layers {p['layers'][0]}-{p['layers'][1] - 1}" for p in state["placement"])
+        when_listening(cfg.api.host, cfg.api.port, lambda: _emit(
+            args, console, "serving", f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at {url} over {stages}",
+            api=url, **{k: state[k] for k in ("placement", "links", "ring", "discovered", "ignored")}))
+        serve(engine, cfg.api.host, cfg.api.port, api_key=cfg.resolve_api_key(), model_name=name,
+              cluster_info=info, default_mtp_depth=0 if not mtp else cfg.mtp_depth)
+        return 0
+    finally:
+        if engine is not None:
+            engine.pipeline.close()
+        if agent is not None:
+            agent.stop()
+        server.stop()
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ..cluster.health import EXIT_CODES, overall, probe_nodes, render_table
+
+    cfg = resolve_config(args)
+    secret = cfg.resolve_secret()
+    targets = [format_host_port(*split_host_port(n, cfg.node.port)) for n in args.nodes]
+    rows = probe_nodes(targets or browse_targets(cfg, args.wait), secret, timeout=args.timeout)
+    status = overall(rows)
+    if args.json:
+        print(json.dumps({"status": status, "nodes": rows}))
+    elif rows:
+        console = Console()
+        render_table(rows, console if console.is_terminal else Console(width=200))
+    else:
+        print("mtpipe: no nodes found", file=sys.stderr)
+    return EXIT_CODES[status]
+
+
+def browse_targets(cfg: ClusterConfig, wait: float) -> list[str]:
+    """The cluster's nodes by zeroconf on the discovery interfaces, each at its best address from here."""
+    from ..cluster.health import first_reachable
+
+    interfaces = local_interfaces()
+    agent = ClusterAgent(discovery_addresses(cfg.discovery.interfaces, interfaces), None, cfg.name).start()
+    try:
+        agent.run(agent.discovery.settle(min(1.0, wait), wait))
+        peers = agent.peers()
+    finally:
+        agent.stop()
+    targets = []
+    for ad in sorted(peers.values(), key=lambda a: a.node_id):
+        candidates = [c.target for c in hop_candidates(interfaces, resources_from_advert(ad, 0))]
+        reached = first_reachable(candidates, cfg.resolve_secret(), ad.node_id, timeout=1.0)
+        targets.append(reached.target if reached else candidates[0])
+    targets += [n.address for n in cfg.nodes]
+    return targets
+
+
+def add_launch_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="run this machine as a node of a cluster (the same command on every machine)")
+    _add_common(p)
+    p.add_argument("--model", help="model directory or hub repo (default: cluster.yaml's, else the demo model)")
+    p.add_argument("--coordinator", action="store_true", help="coordinate: place the model and serve the API")
+    p.add_argument("--expect", type=int, help="nodes to wait for, this one included")
+    p.add_argument("--settle", type=float, help="seconds: the most to wait for --expect nodes, else the quiet time "
+                                                 "after the last join (default 5)")
+    p.add_argument("--node", action="append", help="a static node host[:port] (networks without multicast)")
+    p.add_argument("--host", help="address the node server listens on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="node server port (default 52700)")
+    p.add_argument("--state-dir", help="where the node id is kept (default $MTPIPE_STATE_DIR or ~/.mtpipe)")
+    p.add_argument("--max-memory", type=float, help="offer at most this many GiB to the cluster")
+    p.add_argument("--api-host", help="API address on the coordinator (default 127.0.0.1)")
+    p.add_argument("--api-port", type=int, help="API port on the coordinator (default 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $MTPIPE_API_KEY)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
+    p.add_argument("--json", action="store_true", help="print readiness events as JSON lines on stdout")
+    add_mtp(p)
+    p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("health", help="health of each node: a table, or --json; exit 0 healthy, 1 degraded, "
+                                      "2 unreachable")
+    _add_common(p)
+    p.add_argument("nodes", nargs="*", metavar="NODE", help="host[:port] of a node (default: find them by zeroconf)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each node")
+    p.add_argument("--wait", type=float, default=3.0, help="seconds to browse for nodes (without NODE)")
+    p.set_defaults(func=cmd_health)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help=f"cluster.yaml (default: ${CONFIG_ENV}, else ./cluster.yaml if present)")
+    p.add_argument("--cluster", help="cluster name (overrides cluster.yaml)")
+    p.add_argument("--secret-env", help="environment variable holding the cluster secret (default MTPIPE_SECRET)")
+    p.add_argument("--interface", action="append",
+                   help="discover on this interface name or address (repeatable; default: Ethernet and Wi-Fi, "
+                        "else Thunderbolt)")

@@ -7,47 +7,10 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
-
-
-def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-
-
-def _add_mtp(p: argparse.ArgumentParser) -> None:
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--mtp-depth", type=int, default=None, help="drafts per round (default: 2 if the model has MTP)")
-    g.add_argument("--no-mtp", action="store_true", help="decode without speculation (and without loading the MTP head)")
-    p.add_argument("--mtp-pre-norm", action="store_true", help="feed the MTP head the hidden before the final norm")
-
-
-def _progress_loader(label: str) -> Callable[..., Any]:
-    """A context that shows a rich progress bar while tensors are materialized."""
-    from rich.progress import Progress
-
-    class _Bar:
-        def __enter__(self) -> Callable[[int, int], None]:
-            self.progress = Progress(transient=True, console=_stderr_console())
-            self.progress.start()
-            self.task = self.progress.add_task(label, total=None)
-            return lambda done, total: self.progress.update(self.task, completed=done, total=total)
-
-        def __exit__(self, *exc: object) -> None:
-            self.progress.stop()
-
-    return _Bar
-
-
-def _stderr_console() -> Any:
-    from rich.console import Console
-
-    return Console(stderr=True)
+from ...models import blas
+from .common import EXIT_ERROR, EXIT_OK, EXIT_USAGE, add_mtp, add_sampling, progress_loader, stderr_console
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -55,15 +18,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from ...models.registry import resolve_model
     from ...node.protocol import SamplingParams
-    from ..engine.engine import GenerationRequest, local_engine
+    from ..engine.build import local_engine
+    from ..engine.request import GenerationRequest, resolve_depth
 
     model = resolve_model(args.model)
     if args.nodes:
-        from ..pipeline.remote import remote_engine
+        from ..engine.build import remote_engine
 
         engine = remote_engine(model, [n.strip() for n in args.nodes.split(",") if n.strip()], mtp=not args.no_mtp)
     else:
-        with _progress_loader("loading model")() as progress:
+        with progress_loader("loading model")() as progress:
             engine = local_engine(
                 model,
                 mtp=not args.no_mtp,
@@ -71,7 +35,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 mtp_pre_norm=args.mtp_pre_norm,
                 progress=progress,
             )
-    depth = 0 if args.no_mtp else (args.mtp_depth if args.mtp_depth is not None else (2 if engine.has_mtp else 0))
+    depth, auto = resolve_depth(0 if args.no_mtp else args.mtp_depth, engine.has_mtp)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     tokens = (
         engine.encode_chat([{"role": "user", "content": prompt}])
@@ -83,13 +47,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         params=SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed),
         mtp_depth=depth,
+        mtp_auto=auto,
         stop=args.stop or [],
     )
     try:
         if args.json:
             result = engine.complete(req)
             print(json.dumps({"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
-                              "mtp_depth": depth, "stats": result.stats.to_dict()}))
+                              "mtp_depth": req.depth_label, "stats": result.stats.to_dict()}))
         else:
             stats = None
             for chunk in engine.generate(req):
@@ -104,7 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _print_stats(stats: dict[str, Any], depth: int) -> None:
-    console = _stderr_console()
+    console = stderr_console()
     console.print(
         f"[dim]prompt {stats['prompt_tokens']} tok @ {stats['prefill_tps']:.1f} tok/s · "
         f"generated {stats['generation_tokens']} tok @ {stats['decode_tps']:.1f} tok/s · "
@@ -138,15 +103,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.bench_engine(
             model, max_tokens=args.max_tokens, prompts=args.prompts, depths=args.depths, mtp_pre_norm=args.mtp_pre_norm
         )
-        bench.print_engine_report(result, _stderr_console())
+        bench.print_engine_report(result, stderr_console())
     else:
         from ..bench import pipeline as bench_pipeline
 
         result = bench_pipeline.bench_pipeline(model, max_tokens=args.max_tokens, prompts=args.prompts)
-        bench_pipeline.print_report(result, _stderr_console())
+        bench_pipeline.print_report(result, stderr_console())
     if args.json:
         print(json.dumps(result))
     return EXIT_OK
+
+
+COMPUTES = ("generate", "serve", "launch", "bench")  # commands that run MLX here (node: its servicer says)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", help="comma-separated host:port of running nodes, in pipeline order")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_mtp(p)
-    _add_sampling(p)
+    add_mtp(p)
+    add_sampling(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("convert", help="convert an HF checkpoint to mlx, keeping the MTP head")
@@ -202,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.command in COMPUTES:
+        blas.warn_if_reference()
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -21,7 +21,7 @@ from .config import ClusterConfig, StaticNode
 from .placement import GiB, HopCandidate, NodeResources, StagePlan, hop_candidates
 
 if TYPE_CHECKING:
-    from .launch import ClusterAgent
+    from .agent import ClusterAgent
 
 log = logging.getLogger(__name__)
 
@@ -94,19 +94,7 @@ def link_candidates(src: NodeResources, dst: NodeResources, control: dict[str, s
     return candidates
 
 
-def _load_request(model_path: Path, plan: StagePlan, num_layers: int, mtp: bool, dtype: str | None,
-                  next_target: str, name: str) -> Any:
-    from ...proto import mtpipe_pb2 as pb
-
-    # The same request RemotePipeline.load sent: the node keeps its shard and only learns a new next stage.
-    return pb.LoadRequest(model_path=str(Path(model_path).resolve()), start=plan.start, end=plan.end,
-                          num_layers=num_layers, mtp=mtp, dtype=dtype or "", next=next_target, node_name=name)
-
-
-def confirm_hops(
-    order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], model_path: Path, mtp: bool,
-    dtype: str | None, secret: str | None,
-) -> list[Hop]:
+def confirm_hops(order: list[NodeResources], control: dict[str, str], secret: str | None) -> list[Hop]:
     """For each hop, the best candidate address that the sending node measures a round trip to.
 
     Nodes were loaded with the coordinator's addresses of their successors; a better one (a
@@ -116,10 +104,9 @@ def confirm_hops(
     from ...proto import mtpipe_pb2 as pb
     from ...proto import mtpipe_pb2_grpc as pb_grpc
 
-    num_layers = plan[-1].end
     meta = secret_metadata(secret)
     hops = []
-    for i, (src, dst) in enumerate(itertools.pairwise(order)):
+    for src, dst in itertools.pairwise(order):
         candidates = link_candidates(src, dst, control)
         loaded_with = control[dst.node_id]
         chosen = None
@@ -127,8 +114,7 @@ def confirm_hops(
             stub = pb_grpc.NodeStub(channel)
             for cand in candidates:
                 if cand.target != loaded_with:
-                    req = _load_request(model_path, plan[i], num_layers, mtp, dtype, cand.target, control[src.node_id])
-                    stub.Load(req, timeout=30, metadata=meta)
+                    stub.Connect(pb.ConnectRequest(next=cand.target), timeout=30, metadata=meta)
                     loaded_with = cand.target
                 rtt = stub.Health(pb.HealthRequest(probe_next=True), timeout=10, metadata=meta).next_rtt_ms
                 if rtt >= 0:
@@ -138,8 +124,7 @@ def confirm_hops(
                 log.info("node %s cannot reach %s at %s", src.node_id, dst.node_id, cand.target)
             if chosen is None:
                 if loaded_with != control[dst.node_id]:
-                    stub.Load(_load_request(model_path, plan[i], num_layers, mtp, dtype, control[dst.node_id],
-                                            control[src.node_id]), timeout=30, metadata=meta)
+                    stub.Connect(pb.ConnectRequest(next=control[dst.node_id]), timeout=30, metadata=meta)
                 log.warning("node %s reaches %s at none of %s", src.node_id, dst.node_id,
                             ", ".join(c.target for c in candidates))
                 chosen = Hop(src.node_id, dst.node_id, control[dst.node_id], None, None)
@@ -147,13 +132,11 @@ def confirm_hops(
     return hops
 
 
-def confirm_ring(
-    order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], model_path: Path, mtp: bool,
-    dtype: str | None, secret: str | None,
-) -> Hop | None:
+def confirm_ring(order: list[NodeResources], control: dict[str, str], secret: str | None) -> Hop | None:
     """The last node's link back to the first: the best candidate address at which the first node
     itself answers from there (the coordinator's own address of it may mean another host there)."""
     from ...node.wire import make_channel, secret_metadata
+    from ...proto import mtpipe_pb2 as pb
     from ...proto import mtpipe_pb2_grpc as pb_grpc
 
     if len(order) < 2:
@@ -163,9 +146,8 @@ def confirm_ring(
     with make_channel(control[last.node_id]) as channel:
         stub = pb_grpc.NodeStub(channel)
         for cand in candidates:
-            req = _load_request(model_path, plan[-1], plan[-1].end, mtp, dtype, "", control[last.node_id])
-            req.ring, req.ring_node_id = cand.target, first.node_id
-            if stub.Load(req, timeout=30, metadata=secret_metadata(secret)).ring:
+            req = pb.ConnectRequest(ring=cand.target, ring_node_id=first.node_id)
+            if stub.Connect(req, timeout=30, metadata=secret_metadata(secret)).ring:
                 return Hop(last.node_id, first.node_id, cand.target, cand.link.value if cand.link else None, None)
     log.warning("node %s reaches %s at none of %s: the coordinator will start every decode round",
                 last.node_id, first.node_id, ", ".join(c.target for c in candidates))
@@ -180,8 +162,8 @@ def load_with_progress(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from ...models.shard import ShardSpec
+    from ..engine.build import remote_engine
     from .health import probe_node
-    from ..pipeline.remote import remote_engine
 
     addresses = [control[n.node_id] for n in order]
     specs = [ShardSpec(s.start, s.end, plan[-1].end) for s in plan]
@@ -224,31 +206,28 @@ def form_cluster(
     control = choose_control_addresses(order, me, my_target, local, secret)
     engine = load_with_progress(model_path, order, plan, control, mtp, cfg.dtype, secret, console)
     try:
-        hops = confirm_hops(order, plan, control, model_path, mtp, cfg.dtype, secret)
-        ring = confirm_ring(order, plan, control, model_path, mtp, cfg.dtype, secret)
+        hops = confirm_hops(order, control, secret)
+        ring = confirm_ring(order, control, secret)
     except BaseException:
         engine.pipeline.close()
         raise
     return engine, Formation(plan, control, hops, ring)
 
 
-def single_node_engine(server: Any, model_path: Path, mtp: bool, dtype: str | None, mtp_pre_norm: bool) -> Any:
+def single_node_engine(server: Any, model_path: Path, mtp: bool, dtype: str | None, mtp_pre_norm: bool,
+                       progress: Callable[[int, int], None] | None = None) -> Any:
     """The whole model in this process; the node server reports its one stage in Health."""
     import mlx.core as mx
 
-    from ...node.server import LoadKey
-    from ..cli.main import _progress_loader
-    from ..engine.engine import local_engine
+    from ...node.service import LoadKey
+    from ..engine.build import local_engine
 
     options = {"mtp_pre_norm": True} if mtp_pre_norm else {}
-    with _progress_loader("loading model")() as progress:
-        engine = local_engine(model_path, mtp=mtp, dtype=getattr(mx, dtype) if dtype else None, progress=progress,
-                              **options)
+    engine = local_engine(model_path, mtp=mtp, dtype=getattr(mx, dtype) if dtype else None, progress=progress,
+                          **options)
     stage = engine.pipeline.stages[0]
     n = stage.spec.num_layers
-    svc = server.service
-    svc.key = LoadKey(str(Path(model_path).resolve()), 0, n, n, mtp, dtype or "")
-    svc.worker = stage
+    server.service.adopt(stage, LoadKey(str(Path(model_path).resolve()), 0, n, n, mtp, dtype or ""))
     return engine
 
 
@@ -258,7 +237,7 @@ def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, mo
     from .health import probe_nodes
 
     if formation is None:
-        plan = [{"node": me, "address": my_target, "layers": [0, engine.pipeline.stages[0].spec.end]}]
+        plan = [{"node": me, "address": my_target, "layers": engine.pipeline.describe()["stages"][0]["layers"]}]
         hops: list[dict] = []
         ring = None
     else:

@@ -114,6 +114,7 @@ def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next
         ring=h.ring or None,  # last node: where it starts decode rounds
         last_error=h.last_error or None,
         uptime_s=round(h.uptime_s, 1),
+        blas={"name": h.blas, "optimized": h.blas_optimized, "threads": h.blas_threads or None} if h.blas else None,
     )
     return row
 
@@ -150,13 +151,20 @@ def _next_hop(r: dict[str, Any]) -> str:
     return f"ring -> {r['ring']}" if r.get("ring") else "-"
 
 
+def _blas(b: dict[str, Any] | None) -> str:
+    if not b:
+        return "-"
+    text = b["name"] + (f" x{b['threads']}" if b.get("threads") else "")
+    return text if b["optimized"] else f"[yellow]{text} (slow)[/]"
+
+
 def render_table(rows: Sequence[dict[str, Any]], console: Any) -> None:
     from rich.table import Table
 
     colours = {HEALTHY: "green", DEGRADED: "yellow", UNREACHABLE: "red"}
     table = Table(title=f"mtpipe cluster: {overall(rows)}", title_justify="left")
     for col in ("node", "status", "version", "model", "layers", "mem GiB used/avail", "seqs", "tokens", "step ms",
-                "next", "uptime", "problems"):
+                "blas", "next", "uptime", "problems"):
         table.add_column(col, overflow="fold")
     for r in rows:
         layers, model = r.get("layers"), r.get("model")
@@ -170,6 +178,7 @@ def render_table(rows: Sequence[dict[str, Any]], console: Any) -> None:
             str(r.get("active_sequences", "-")),
             str(r.get("tokens_processed", "-")),
             f"{r['mean_step_ms']:.2f}" if r.get("mean_step_ms") else "-",
+            _blas(r.get("blas")),
             _next_hop(r),
             _duration(r.get("uptime_s")),
             "; ".join(r["problems"]) or "-",

@@ -1,13 +1,9 @@
-"""Pipelines: how the engine reaches the stages. The engine only sees `step` and `release`.
-
-`LocalPipeline` chains in-process stages (single-node mode is one stage holding every layer);
-the gRPC pipeline in `remote.py` has the same interface.
-"""
+"""In-process stages chained on this thread: single-node mode is one stage holding every layer."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -15,16 +11,6 @@ from ...models.loading import load_shard
 from ...models.shard import ShardSpec
 from ...node.protocol import StageError, StepOutput, StepRequest
 from ...node.stage import StageWorker
-
-
-class Pipeline(Protocol):
-    def step(self, req: StepRequest) -> StepOutput: ...
-
-    def steps(self, reqs: list[StepRequest]) -> list[StepOutput]: ...  # in order; may overlap them
-
-    def release(self, seq_id: str) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class LocalPipeline:
@@ -52,12 +38,15 @@ class LocalPipeline:
         for stage in self.stages:
             stage.release(seq_id)
 
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "local", "stages": [dict(index=i, **stage.describe()) for i, stage in enumerate(self.stages)]}
+
     def close(self) -> None:
         self.stages = []
 
 
 def even_split(num_layers: int, parts: int) -> list[ShardSpec]:
-    """Contiguous, near-equal layer ranges (placement proper lives in placement.py)."""
+    """Contiguous, near-equal layer ranges (placement proper lives in cluster/placement.py)."""
     if not 1 <= parts <= num_layers:
         raise ValueError(f"cannot split {num_layers} layers into {parts} stages")
     bounds = [round(i * num_layers / parts) for i in range(parts + 1)]

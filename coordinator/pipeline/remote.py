@@ -12,18 +12,16 @@ a round the last node started meanwhile is dropped by the first node.
 Failures: every node also holds a Subscribe stream to this client, so a node that refuses a step
 (INVALID_ARGUMENT) answers at once, a node process that dies breaks its stream at once, and a node
 that stops answering (hung, stopped, unplugged) misses HTTP/2 keepalive pings and has its
-connection cut within ~2.5 s (see node/server.py). Either way the step fails naming the node.
+connection cut within ~2.5 s (see node/wire.py). Either way the step fails naming the node.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,108 +32,18 @@ import grpc
 from ...models.shard import ShardSpec
 from ...node.protocol import StageError, StepKind, StepOutput, StepRequest
 from ...node.wire import (
-    MAX_MESSAGE_BYTES,
     describe_rpc_error,
-    make_channel,
     request_to_frame,
     result_to_output,
-    secret_metadata,
 )
 from ...proto import mtpipe_pb2 as pb
-from ...proto import mtpipe_pb2_grpc as pb_grpc
-from ..engine.engine import DEFAULT_PREFILL_CHUNK, Engine, load_tokenizer
+from .nodes import FrameStream, NodeFailure, NodeLink, RemoteStageError
 
 log = logging.getLogger(__name__)
 
 # Prompt chunks in flight at once: enough to keep every stage busy, while bounding the hidden states
 # queued on the nodes (a 512-token chunk of a hidden-8192 bfloat16 model is 8 MiB).
 STEPS_IN_FLIGHT = 4
-
-
-class NodeFailure(RuntimeError):
-    """A node died, hung or cannot be reached. The steps in flight are lost."""
-
-    def __init__(self, node: str, message: str):
-        super().__init__(f"node {node}: {message}")
-        self.node = node
-
-
-class RemoteStageError(StageError):
-    """A node refused a step (INVALID_ARGUMENT) or failed it; that node's state is unchanged."""
-
-    def __init__(self, node: str, code: str, message: str):
-        super().__init__(f"node {node}: {code}: {message}")
-        self.node = node
-        self.code = code
-
-
-class FrameStream:
-    """A long-lived Forward stream to one node. Frames are queued and written in order by gRPC's own thread.
-
-    If the stream breaks, `on_error(target, error)` is called once and the next `send` opens a new
-    one; the frames in flight are lost, which the caller learns through that callback.
-    """
-
-    def __init__(
-        self, target: str, secret: str | None = None, on_error: Callable[[str, Exception], None] | None = None
-    ):
-        self.target = target
-        self.secret = secret
-        self.on_error = on_error
-        self.channel = make_channel(target)
-        self.stub = pb_grpc.NodeStub(self.channel)
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue | None = None
-        self._watcher: threading.Thread | None = None
-        self._closed = False
-
-    def send(self, frame: pb.Frame) -> None:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"stream to {self.target} is closed")
-            if self._queue is None:
-                self._open()
-            self._queue.put(frame)
-
-    def _open(self) -> None:
-        q: queue.SimpleQueue = queue.SimpleQueue()
-
-        def frames() -> Iterator[pb.Frame]:
-            while (f := q.get()) is not None:
-                yield f
-
-        call = self.stub.Forward(frames(), metadata=secret_metadata(self.secret))
-        self._queue = q
-        self._watcher = threading.Thread(target=self._watch, args=(call, q), name=f"stream-{self.target}", daemon=True)
-        self._watcher.start()
-
-    def _watch(self, call: Any, q: queue.SimpleQueue) -> None:
-        error: Exception | None = None
-        try:
-            for _ in call:  # the node never answers on this stream; we only wait for its end
-                pass
-        except grpc.RpcError as e:
-            error = e
-        with self._lock:
-            if self._queue is q:
-                self._queue = None
-            closed = self._closed
-        if not closed:
-            error = error or ConnectionError("the stream was closed by the node")
-            log.warning("stream to %s ended: %s", self.target, describe_rpc_error(error))
-            if self.on_error is not None:
-                self.on_error(self.target, error)
-
-    def close(self, drain: float = 2.0) -> None:
-        with self._lock:
-            self._closed = True
-            if self._queue is not None:
-                self._queue.put(None)  # half-close: the node finishes what it has and ends the call
-            self._queue = None
-        if self._watcher is not None:
-            # Closing the channel cancels the call: frames still queued (a release) would be lost.
-            self._watcher.join(drain)
-        self.channel.close()
 
 
 @dataclass
@@ -168,17 +76,6 @@ class WireStats:
     decode_bytes_received: int = 0
 
 
-class _Node:
-    """One node as the coordinator sees it: a channel for unary calls and its Subscribe stream."""
-
-    def __init__(self, address: str, secret: str | None):
-        self.address = address
-        self.metadata = secret_metadata(secret)
-        self.channel = make_channel(address)
-        self.stub = pb_grpc.NodeStub(self.channel)
-        self.subscription: Any = None  # the live Subscribe call, None when there is none
-
-
 class RemotePipeline:
     """The Pipeline protocol over a chain of nodes, in order. Thread-safe for concurrent sequences."""
 
@@ -201,7 +98,7 @@ class RemotePipeline:
         self.ring = ring  # let the last node start decode rounds (False: this side sends every round)
         self.steps_in_flight = max(1, steps_in_flight)
         self.client_id = uuid.uuid4().hex
-        self.nodes = [_Node(a, secret) for a in nodes]
+        self.nodes = [NodeLink(a, secret) for a in nodes]
         self.stats = WireStats()
         self.load_replies: list[pb.LoadReply] = []
         self._first = FrameStream(nodes[0], secret, self._stream_failed)
@@ -216,7 +113,8 @@ class RemotePipeline:
         self, model_path: Path | str, specs: list[ShardSpec], *, mtp: bool = True, dtype: str | None = None,
         timeout: float | None = None,
     ) -> list[pb.LoadReply]:
-        """Ask every node, in parallel, to load its shard; node i learns node i+1's address."""
+        """Ask every node, in parallel, to load its shard, then tell node i where node i+1 is and the
+        last node where the first is."""
         if len(specs) != len(self.nodes):
             raise ValueError(f"{len(specs)} shard specs for {len(self.nodes)} nodes")
         path = str(Path(model_path).resolve())
@@ -225,20 +123,19 @@ class RemotePipeline:
             first_id = first.stub.Ping(pb.PingRequest(), timeout=self.connect_timeout, metadata=first.metadata).node_id
         except grpc.RpcError as e:
             raise NodeFailure(first.address, f"cannot reach it ({describe_rpc_error(e)})") from None
-        requests = [
-            pb.LoadRequest(
-                model_path=path, start=s.start, end=s.end, num_layers=s.num_layers, mtp=mtp, dtype=dtype or "",
-                next=self.addresses[i + 1] if i + 1 < len(self.nodes) else "", node_name=n.address,
-                ring=self.addresses[0] if i + 1 == len(self.nodes) else "",
-                ring_node_id=first_id if i + 1 == len(self.nodes) else "",
-            )
-            for i, (n, s) in enumerate(zip(self.nodes, specs))
-        ]
+        last = len(self.nodes) - 1
 
         def load_one(i: int) -> pb.LoadReply:
-            node = self.nodes[i]
+            node, s = self.nodes[i], specs[i]
+            load = pb.LoadRequest(model_path=path, start=s.start, end=s.end, num_layers=s.num_layers, mtp=mtp,
+                                  dtype=dtype or "", node_name=node.address)
+            connect = pb.ConnectRequest(next=self.addresses[i + 1] if i < last else "",
+                                        ring=self.addresses[0] if i == last else "",
+                                        ring_node_id=first_id if i == last else "")
             try:
-                return node.stub.Load(requests[i], timeout=timeout, metadata=node.metadata)
+                reply = node.stub.Load(load, timeout=timeout, metadata=node.metadata)
+                node.stub.Connect(connect, timeout=timeout, metadata=node.metadata)
+                return reply
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ValueError(f"node {node.address}: {e.details()}") from None
@@ -257,7 +154,7 @@ class RemotePipeline:
                 if node.subscription is None:
                     self._subscribe(node)
 
-    def _subscribe(self, node: _Node) -> None:
+    def _subscribe(self, node: NodeLink) -> None:
         call = node.stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id), metadata=node.metadata)
         ready = threading.Event()
         failure: list[Exception] = []
@@ -270,7 +167,7 @@ class RemotePipeline:
         if failure:
             raise NodeFailure(node.address, f"cannot subscribe ({describe_rpc_error(failure[0])})")
 
-    def _listen(self, node: _Node, call: Any, ready: threading.Event, failure: list[Exception]) -> None:
+    def _listen(self, node: NodeLink, call: Any, ready: threading.Event, failure: list[Exception]) -> None:
         try:
             for i, event in enumerate(call):
                 if i == 0:  # the node's empty hello: subscribed
@@ -432,6 +329,9 @@ class RemotePipeline:
 
     # -- inspection -----------------------------------------------------------------------------
 
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "remote", "stages": [{"index": i, "address": a} for i, a in enumerate(self.addresses)]}
+
     def health(self, probe_next: bool = False, timeout: float = 5.0) -> list[pb.HealthReply]:
         return [n.stub.Health(pb.HealthRequest(probe_next=probe_next), timeout=timeout, metadata=n.metadata)
                 for n in self.nodes]
@@ -444,55 +344,3 @@ class RemotePipeline:
             n.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=n.metadata)
             out.append(1000.0 * (time.perf_counter() - t0))
         return out
-
-
-def wait_for_nodes(nodes: list[str], timeout: float = 30.0, secret: str | None = None) -> None:
-    """Block until every node answers a Ping (gRPC waits for the connection; no polling sleeps)."""
-    deadline = time.monotonic() + timeout
-    for address in nodes:
-        with make_channel(address) as channel:
-            stub = pb_grpc.NodeStub(channel)
-            try:
-                stub.Ping(pb.PingRequest(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True,
-                          metadata=secret_metadata(secret))
-            except grpc.RpcError as e:
-                raise NodeFailure(address, f"not ready within {timeout:.0f} s ({describe_rpc_error(e)})") from None
-
-
-def fit_prefill_chunk(hidden_size: int, chunk: int = DEFAULT_PREFILL_CHUNK, itemsize: int = 4) -> int:
-    """The largest prefill chunk whose hidden states fit a message (with a quarter kept for the frame)."""
-    return max(1, min(chunk, (MAX_MESSAGE_BYTES * 3 // 4) // (hidden_size * itemsize)))
-
-
-def remote_engine(
-    model_path: Path | str,
-    nodes: list[str],
-    mtp: bool = True,
-    secret: str | None = None,
-    *,
-    specs: list[ShardSpec] | None = None,
-    dtype: str | None = None,
-    **pipeline_options: Any,
-) -> Engine:
-    """The same Engine as single-node mode, over `nodes` in pipeline order (even split by default)."""
-    from ...models.config import load_config
-    from .local import even_split
-
-    config = load_config(Path(model_path))
-    specs = specs or even_split(config.num_layers, len(nodes))
-    pipeline = RemotePipeline(nodes, secret=secret, **pipeline_options)
-    try:
-        replies = pipeline.load(model_path, specs, mtp=mtp, dtype=dtype)
-        tokenizer = load_tokenizer(model_path, config.eos_token_ids)
-    except BaseException:
-        pipeline.close()
-        raise
-    hidden = config.args.hidden_size
-    return Engine(
-        pipeline,
-        tokenizer,
-        set(tokenizer.eos_token_ids),
-        config.args.max_position_embeddings,
-        has_mtp=replies[-1].has_mtp,
-        prefill_chunk=fit_prefill_chunk(hidden),
-    )

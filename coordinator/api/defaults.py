@@ -1,0 +1,8 @@
+"""The API's defaults, shared by `mtpipe serve`, `mtpipe launch` and cluster.yaml without importing the app."""
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MODEL_NAME = "mtpipe"
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_CONCURRENCY = 32  # generations at once; more wait their turn (a stage holds 64 sequences)
+API_KEY_ENV = "MTPIPE_API_KEY"

@@ -1,0 +1,58 @@
+"""Auth and request metrics as plain ASGI middleware (it must not buffer streamed responses)."""
+
+import hmac
+import time
+from typing import Any, Optional
+
+from .errors import error_body
+from .metrics import ServerMetrics
+
+OPEN_PATHS = ("/health",)  # reachable without the API key
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/cluster", "/health", "/metrics")
+
+
+class Gate:
+    def __init__(self, app: Any, api_key: Optional[str], metrics: ServerMetrics):
+        self.app = app
+        self.api_key = api_key
+        self.metrics = metrics
+
+    @staticmethod
+    def _endpoint(path: str) -> str:
+        if path in ENDPOINTS:
+            return path
+        return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+    def _authorized(self, scope: dict) -> bool:
+        if self.api_key is None or scope["path"] in OPEN_PATHS:
+            return True
+        headers = dict(scope.get("headers") or [])
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from fastapi.responses import JSONResponse
+
+        endpoint = self._endpoint(scope["path"])
+        status = 500
+        start = time.perf_counter()
+
+        async def send_status(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self._authorized(scope):
+                await self.app(scope, receive, send_status)
+            else:
+                body = error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key")
+                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+            self.metrics.request_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - start)

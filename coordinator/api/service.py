@@ -1,0 +1,249 @@
+"""The API's work behind the routes: turning bodies into engine requests, running them, recording them.
+
+Each generation runs on a thread of its own (generation.py), since `Engine.generate` is synchronous
+and compute-bound; chunks reach the event loop through a queue, so requests interleave step by step
+and the loop stays responsive. A client that goes away stops its thread, whose `generator.close()`
+runs the engine's `finally` and frees the sequence on every node.
+
+(No `from __future__ import annotations` here: FastAPI reads the route annotations at run time.)
+"""
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Optional
+
+from ...node.protocol import SamplingParams, StageError, StageUnavailable
+from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
+from .defaults import DEFAULT_MAX_TOKENS
+from .errors import APIError
+from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
+from .metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+    from ..engine.request import GenerationStats
+    from .models import _GenerationBody
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 16
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (tiny ones overflow the softmax)
+DISCONNECT_POLL_S = 0.1
+
+
+class Service:
+    def __init__(self, engine: "Engine", model_name: str, *, default_mtp_depth: "int | str | None",
+                 max_concurrency: int, cluster_info: Optional[Callable[[], dict]], metrics: ServerMetrics):
+        self.engine = engine
+        self.model_name = model_name
+        self.default_mtp_depth = default_mtp_depth  # None: auto where the model has an MTP head
+        self.cluster_info = cluster_info
+        self.metrics = metrics
+        self.slots = asyncio.Semaphore(max_concurrency)
+        self.tokenizer_lock = threading.Lock()  # fast tokenizers may refuse concurrent use
+        self.created = int(time.time())
+
+    # validation ---------------------------------------------------------------------------
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def sampling(self, body: "_GenerationBody") -> SamplingParams:
+        if body.n not in (None, 1):
+            raise APIError(400, f"n must be 1: this server returns one choice per request (got {body.n})", param="n")
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if 0.0 < temperature < GREEDY_BELOW:
+            temperature = 0.0
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+        )
+        try:
+            params.validate()
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split()[0]) from None
+        return params
+
+    def generation_request(self, body: "_GenerationBody", params: SamplingParams, prompt: list[int],
+                           max_tokens: Optional[int], prompt_param: str,
+                           max_param: str = "max_tokens") -> "GenerationRequest":
+        """The engine's request for this body; the engine decides whether it can serve it."""
+        try:
+            depth, auto = resolve_depth(self.default_mtp_depth if body.mtp_depth is None else body.mtp_depth,
+                                        self.engine.has_mtp)
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        if max_tokens is None:
+            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, context_room(len(prompt), depth, self.engine.max_context)))
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+        req = GenerationRequest(prompt_tokens=prompt, max_tokens=max_tokens, params=params, mtp_depth=depth, stop=stop,
+                                mtp_auto=auto)
+        try:
+            self.engine.validate(req)
+        except RequestError as e:
+            # The engine names its own fields; this endpoint may call them otherwise.
+            param = {"prompt": prompt_param, "max_tokens": max_param}.get(e.param, e.param)
+            message = str(e).replace("max_tokens", max_param, 1) if e.param == "max_tokens" else str(e)
+            raise APIError(400, message, param=param, code=e.code) from None
+        return req
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        def encode() -> list[int]:
+            with self.tokenizer_lock:
+                return self.engine.encode_chat(messages)
+
+        try:
+            return await asyncio.to_thread(encode)
+        except Exception as e:  # a template that refuses these messages
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+
+    async def encode_text(self, text: str) -> list[int]:
+        def encode() -> list[int]:
+            with self.tokenizer_lock:
+                return list(self.engine.tokenizer.encode(text))
+
+        return await asyncio.to_thread(encode)
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        vocab = len(self.engine.tokenizer)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+
+    # runs ---------------------------------------------------------------------------------
+
+    async def start(self, req: "GenerationRequest") -> GenerationThread:
+        await self.slots.acquire()
+        try:
+            run = GenerationThread(self.engine, req, self._on_exit)
+            self.metrics.in_flight.inc()
+            run.start()
+        except BaseException:
+            self.slots.release()
+            raise
+        return run
+
+    def _on_exit(self, run: GenerationThread) -> None:  # on the run's thread
+        self.metrics.in_flight.dec()
+        if run.cancelled:
+            self.metrics.cancelled.inc()
+            log.info("client went away: generation stopped and its caches released")
+
+        try:
+            run.loop.call_soon_threadsafe(self.slots.release)
+        except RuntimeError:
+            pass
+
+    def record(self, endpoint: str, stats: "GenerationStats", started: float, first_token: Optional[float]) -> None:
+        m = self.metrics
+        m.prompt_tokens.inc(stats.prompt_tokens)
+        m.completion_tokens.inc(stats.generation_tokens)
+        m.drafted.inc(stats.drafted)
+        m.accepted.inc(stats.accepted)
+        if first_token is not None:
+            m.ttft_seconds.labels(endpoint=endpoint).observe(first_token - started)
+        if stats.decode_tps:
+            m.decode_tps.observe(stats.decode_tps)
+
+    def server_error(self, e: Exception) -> APIError:
+        self.metrics.failed.inc()
+        if isinstance(e, StageError):
+            log.warning("a stage refused a generation: %s", e)
+            return APIError(503, f"a pipeline stage refused the request: {e}", type="server_error", code="stage_error")
+        if isinstance(e, StageUnavailable):
+            log.warning("a node failed during a generation: %s", e)
+            return APIError(503, f"a node failed: {e}", type="server_error", code="node_failure")
+        log.error("generation failed", exc_info=e)
+        return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error", code="internal_error")
+
+    async def complete(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, request: Any,
+                       started: float) -> Any:
+        from fastapi.responses import JSONResponse, Response
+
+        run = await self.start(req)
+        watcher = asyncio.create_task(self._watch(request, run))
+        parts: list[str] = []
+        final = None
+        first_token = None
+        try:
+            async for chunk in run.chunks():
+                first_token = first_token or time.perf_counter()
+                parts.append(chunk.text)
+                if chunk.finish_reason:
+                    final = chunk
+        except Exception as e:
+            raise self.server_error(e) from None
+        finally:
+            watcher.cancel()
+            run.cancel()
+        if final is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        self.record(endpoint, final.stats, started, first_token)
+        return JSONResponse(fmt.response("".join(parts), final.finish_reason, usage_of(final.stats, req.depth_label)))
+
+    async def _watch(self, request: Any, run: GenerationThread) -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        run.cancel()
+
+    def stream(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, started: float) -> Any:
+        from fastapi.responses import StreamingResponse
+
+        return StreamingResponse(
+            self._events(endpoint, req, fmt, started),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _events(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat,
+                      started: float) -> AsyncIterator[str]:
+        # Started lazily: a response that is never iterated (the client left at once) never runs.
+        # When the client leaves, Starlette cancels this generator and `finally` stops the run.
+        run = None
+        first_token = None
+        try:
+            if fmt.chat:
+                yield sse_event(fmt.chunk(role=True))
+            run = await self.start(req)
+            async for chunk in run.chunks():
+                first_token = first_token or time.perf_counter()
+                if chunk.text:
+                    yield sse_event(fmt.chunk(chunk.text))
+                if chunk.finish_reason:
+                    self.record(endpoint, chunk.stats, started, first_token)
+                    yield sse_event(fmt.chunk(finish=chunk.finish_reason))
+                    if fmt.include_usage:
+                        yield sse_event(fmt.usage_chunk(usage_of(chunk.stats, req.depth_label)))
+            yield SSE_DONE
+        except Exception as e:
+            yield sse_event(self.server_error(e).body())
+            yield SSE_DONE
+        finally:
+            if run is not None:
+                run.cancel()
+
+    # cluster --------------------------------------------------------------------------------
+
+    def local_cluster(self) -> dict[str, Any]:
+        """One local node: the engine's stages and their layer ranges."""
+        engine = self.engine
+        stages = engine.pipeline.describe()["stages"]
+        return {
+            "mode": "local",
+            "model": self.model_name,
+            "mtp": engine.has_mtp,
+            "max_context": engine.max_context,
+            "placement": [{"node": "local", "layers": s["layers"]} for s in stages],
+            "links": [],
+            "nodes": [{"name": "local", "address": None, "healthy": True, "stages": stages}],
+        }

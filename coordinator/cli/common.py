@@ -1,0 +1,60 @@
+"""What the subcommands share: flags, exit codes, the progress bar and the console."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+def add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def depth_arg(value: str) -> int | str:
+    """--mtp-depth: a number of drafts or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        depth = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of drafts or 'auto', got {value!r}") from None
+    if depth < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {depth}")
+    return depth
+
+
+def add_mtp(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--mtp-depth", type=depth_arg, default=None,
+                   help="drafts per round, or 'auto' to pick each round's depth (default: auto if the model has MTP)")
+    g.add_argument("--no-mtp", action="store_true", help="decode without speculation (and without loading the MTP head)")
+    p.add_argument("--mtp-pre-norm", action="store_true", help="feed the MTP head the hidden before the final norm")
+
+
+def progress_loader(label: str) -> Callable[..., Any]:
+    """A context that shows a rich progress bar while tensors are materialized."""
+    from rich.progress import Progress
+
+    class _Bar:
+        def __enter__(self) -> Callable[[int, int], None]:
+            self.progress = Progress(transient=True, console=stderr_console())
+            self.progress.start()
+            self.task = self.progress.add_task(label, total=None)
+            return lambda done, total: self.progress.update(self.task, completed=done, total=total)
+
+        def __exit__(self, *exc: object) -> None:
+            self.progress.stop()
+
+    return _Bar
+
+
+def stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)

@@ -1,0 +1,66 @@
+"""`mtpipe serve`: the REST API over this machine's stages, or over running nodes with --nodes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_CONCURRENCY, DEFAULT_PORT
+from .common import add_mtp, progress_loader, stderr_console
+
+
+def add_serve_command(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API, on this machine or over running nodes")
+    p.add_argument("--model", help="model directory or hub repo (default: the bundled demo model)")
+    p.add_argument("--nodes", help="comma-separated host:port of running nodes, in pipeline order")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    p.add_argument("--model-name", help="the model id clients use (default: the --model name)")
+    p.add_argument("--secret", default=None, help="the nodes' shared secret, with --nodes (default: $MTPIPE_SECRET)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
+    p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
+                   help="generations at once; more requests wait")
+    add_mtp(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ...models.registry import resolve_model
+    from ..api.serve import model_name_for, nodes_cluster_info, serve
+    from ..engine.build import local_engine
+
+    if args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be at least 1")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    path = resolve_model(args.model)
+    if args.nodes:
+        from ..engine.build import remote_engine
+
+        if getattr(args, "mtp_pre_norm", False):
+            raise ValueError("--mtp-pre-norm applies to local stages, not to --nodes")
+        nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+        secret = args.secret or os.environ.get("MTPIPE_SECRET") or None
+        engine = remote_engine(path, nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype)
+    else:
+        import mlx.core as mx
+
+        options = {"mtp_pre_norm": True} if getattr(args, "mtp_pre_norm", False) else {}
+        with progress_loader("loading model")() as progress:
+            engine = local_engine(path, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None,
+                                  progress=progress, **options)
+    depth = 0 if args.no_mtp else args.mtp_depth
+    if isinstance(depth, int) and depth > 0 and not engine.has_mtp:
+        raise ValueError("--mtp-depth needs a model with an MTP head")
+    name = args.model_name or model_name_for(args.model, path)
+    stderr_console().print(
+        f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at http://{args.host}:{args.port}/v1"
+        + (" (API key required)" if api_key else "")
+    )
+    try:
+        cluster_info = nodes_cluster_info(engine, name) if args.nodes else None
+        serve(engine, args.host, args.port, api_key=api_key, model_name=name, cluster_info=cluster_info,
+              default_mtp_depth=depth, max_concurrency=args.max_concurrency)
+    finally:
+        engine.pipeline.close()
+    return 0

@@ -1,0 +1,150 @@
+"""Advertisement and discovery of a cluster's nodes, and which addresses they run on.
+
+Zeroconf is bound to explicit addresses, never to every interface: by default the machine's
+Ethernet and Wi-Fi addresses, else its Thunderbolt ones (multicast can loop around a ring of Macs
+on one Thunderbolt Bridge). Each node offers the memory it has available, capped by its config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ...node.advertise import Advertiser, NodeAdvert, cluster_hash, open_zeroconf
+from ...node.links import Interface, LinkType, strip_scope
+from .config import ClusterConfig
+from .discovery import Discovery
+from .placement import GiB
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_DISCOVERY = ((LinkType.ETHERNET, LinkType.WIFI), (LinkType.THUNDERBOLT,))  # the first kinds present
+
+
+def discovery_addresses(wanted: list[str], interfaces: list[Interface]) -> list[str]:
+    """Addresses to bind zeroconf to: each entry an address, or an interface name (its IPv4 addresses).
+
+    With none given: the IPv4 addresses of this machine's Ethernet and Wi-Fi interfaces, or of its
+    Thunderbolt ones when it has neither (multicast can loop around a ring of Macs on one Thunderbolt
+    Bridge; Thunderbolt addresses are advertised for hops all the same). Never 'all interfaces'.
+    """
+    by_name = {i.name: i for i in interfaces}
+    out: list[str] = []
+    for entry in wanted:
+        if entry in by_name:
+            v4 = [str(n.ip) for n in by_name[entry].networks() if n.version == 4]
+            if not v4:
+                raise ValueError(f"interface {entry} has no IPv4 address to discover peers on")
+            out += v4
+        else:
+            try:
+                ipaddress.ip_address(strip_scope(entry)[0])
+            except ValueError:
+                raise ValueError(f"--interface {entry}: neither an address nor an interface of this machine") from None
+            out.append(entry)
+    for links in ([] if wanted else _DEFAULT_DISCOVERY):
+        out = [str(n.ip) for i in interfaces if i.link in links for n in i.networks() if n.version == 4]
+        if out:
+            break
+    if not out:
+        raise ValueError("no network interface to discover peers on; name one with --interface")
+    return list(dict.fromkeys(out))
+
+
+def advertised_interfaces(interfaces: list[Interface], bind: list[str]) -> tuple[Interface, ...]:
+    """What peers may use to reach this node: every interface but loopback (unless discovery runs on it)."""
+    on_loopback = any(ipaddress.ip_address(strip_scope(a)[0]).is_loopback for a in bind)
+    return tuple(i for i in interfaces if i.link is not LinkType.LOOPBACK or on_loopback)
+
+
+class ClusterAgent:
+    """Zeroconf advertisement and browsing on a private event loop (uvicorn owns the main thread's)."""
+
+    def __init__(self, bind: list[str], advert: NodeAdvert | None, cluster: str,
+                 on_change: Callable[[str, NodeAdvert], None] | None = None,
+                 memory_offered: Callable[[], int] | None = None):
+        self.bind = bind
+        self.advert = advert
+        self.memory_offered = memory_offered
+        self._refresh: asyncio.Task | None = None
+        self.hash = cluster_hash(cluster)
+        self.on_change = on_change
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="zeroconf", daemon=True)
+        self.azc = self.advertiser = self.discovery = None
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> ClusterAgent:
+        self.thread.start()
+        self.run(self._start(), timeout=30)
+        return self
+
+    async def _start(self) -> None:
+        self.azc = open_zeroconf(self.bind)
+        self.discovery = Discovery(self.azc, self.hash, on_change=self.on_change)
+        await self.discovery.start()
+        if self.advert is not None:
+            self.advertiser = Advertiser(self.azc, self.advert, self.bind)
+            await self.advertiser.start()
+            if self.memory_offered is not None:
+                self._refresh = asyncio.get_running_loop().create_task(
+                    self.advertiser.keep_memory_current(self.memory_offered))
+
+    def peers(self) -> dict[str, NodeAdvert]:
+        return self.run(self._snapshot())
+
+    async def _snapshot(self) -> dict[str, NodeAdvert]:
+        return dict(self.discovery.peers)
+
+    def set_coordinator(self) -> None:
+        if self.advertiser is not None:
+            self.run(self.advertiser.update(coordinator=True), timeout=10)
+
+    def stop(self) -> None:
+        if not self.thread.is_alive():
+            return
+        try:
+            self.run(self._stop(), timeout=10)
+        except Exception as e:  # shutting down: say so, never hang
+            log.debug("zeroconf shutdown: %s", e)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    async def _stop(self) -> None:
+        if self._refresh is not None:
+            self._refresh.cancel()
+        if self.advertiser is not None:
+            await self.advertiser.stop()
+        if self.discovery is not None:
+            await self.discovery.stop()
+        if self.azc is not None:
+            await self.azc.async_close()
+
+
+def offered_memory(available: int, max_memory_gib: float | None) -> int:
+    """What this node offers a placement: the memory available, capped by `node.max_memory_gib`."""
+    return available if max_memory_gib is None else min(available, int(max_memory_gib * GiB))
+
+
+def wait_for_peers(agent: ClusterAgent, me: str, cfg: ClusterConfig, forced: bool) -> dict[str, NodeAdvert]:
+    """With `expect`: wait for that many nodes (or, unless coordinating, for a coordinator), at most
+    `settle` seconds. Without: wait until nothing joined or left for `settle` seconds."""
+    expect, settle = cfg.discovery.expect, cfg.discovery.settle
+    d = agent.discovery
+    if expect is not None:
+        def enough(peers: dict[str, NodeAdvert]) -> bool:
+            return len(peers) >= expect or (not forced and any(a.coordinator and a.node_id != me for a in peers.values()))
+
+        agent.run(d.wait_for(enough, settle))
+    else:
+        agent.run(d.settle(settle, settle * 6))
+    peers = agent.peers()
+    if expect is not None and len(peers) < expect:
+        log.warning("found %d of %d expected node(s) after %.0f s; going on with them", len(peers), expect, settle)
+    return peers

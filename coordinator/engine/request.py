@@ -1,0 +1,150 @@
+"""What a caller asks the engine for and what it gets back, and the one place those requests are checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...node.protocol import MAX_MTP_DEPTH, SamplingParams, StepOutput
+
+AUTO = "auto"
+AUTO_MAX_DEPTH = 3  # the most drafts `auto` puts in a round
+
+
+def resolve_depth(depth: int | str | None, has_mtp: bool) -> tuple[int, bool]:
+    """(drafts per round, auto) for a requested depth; None is `auto` where the model has an MTP head."""
+    if depth is None:
+        depth = AUTO if has_mtp else 0
+    if depth == AUTO:
+        return (AUTO_MAX_DEPTH, True) if has_mtp else (0, False)
+    if isinstance(depth, str):
+        raise RequestError(f"mtp_depth must be a number of drafts or 'auto', got {depth!r}", "mtp_depth")
+    return depth, False
+
+
+class RequestError(ValueError):
+    """A request the engine refuses before any stage is touched; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class GenerationRequest:
+    prompt_tokens: list[int]
+    max_tokens: int = 256
+    params: SamplingParams = field(default_factory=SamplingParams)
+    mtp_depth: int = 0  # drafts per round; with mtp_auto, the most a round may carry
+    stop: list[str] = field(default_factory=list)
+    mtp_auto: bool = False  # the last stage picks each round's depth (node/depth.py)
+
+    @property
+    def depth_label(self) -> int | str:
+        """How usage reports the depth: the fixed depth, or "auto"."""
+        return "auto" if self.mtp_auto and self.mtp_depth else self.mtp_depth
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    depths: dict[int, int] = field(default_factory=dict)  # rounds by drafts they carried
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # The first token comes out of prefill; decode speed counts the rest.
+        n = max(self.generation_tokens - 1, 0)
+        return n / self.decode_seconds if self.decode_seconds else 0.0
+
+    def record_round(self, out: StepOutput) -> None:
+        self.rounds += 1
+        self.depths[out.drafted] = self.depths.get(out.drafted, 0) + 1
+        self.drafted += out.drafted
+        self.accepted += out.accepted
+        while len(self.drafted_per_position) < out.drafted:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for i in range(out.drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += int(i < out.accepted)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": round(self.acceptance, 4),
+            "acceptance_per_position": [
+                round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)
+            ],
+            "depths": {str(k): v for k, v in sorted(self.depths.items())},
+            "drafted_per_position": self.drafted_per_position,
+            "accepted_per_position": self.accepted_per_position,
+            "prefill_tps": round(self.prefill_tps, 2),
+            "decode_tps": round(self.decode_tps, 2),
+        }
+
+
+@dataclass
+class GenerationChunk:
+    text: str
+    tokens: list[int]
+    finish_reason: str | None = None  # "stop" or "length" on the last chunk
+    stats: GenerationStats | None = None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+
+def check_request(req: GenerationRequest, *, max_context: int, has_mtp: bool) -> None:
+    """Every rule a generation request must meet, with the field each rule is about."""
+    if not req.prompt_tokens:
+        raise RequestError("the prompt is empty", "prompt")
+    if not 0 <= req.mtp_depth <= MAX_MTP_DEPTH:
+        raise RequestError(f"mtp_depth must be in [0, {MAX_MTP_DEPTH}], got {req.mtp_depth}", "mtp_depth")
+    if req.mtp_depth > 0 and not has_mtp:
+        raise RequestError("this model runs without an MTP head (--no-mtp, or none in the checkpoint); use mtp_depth 0",
+                           "mtp_depth")
+    room = context_room(len(req.prompt_tokens), req.mtp_depth, max_context)
+    if room <= 0:
+        raise RequestError(f"the prompt ({len(req.prompt_tokens)} tokens) does not fit the context of {max_context} "
+                           "tokens", "prompt", "context_length_exceeded")
+    if req.max_tokens <= 0:
+        raise RequestError(f"max_tokens must be positive, got {req.max_tokens}", "max_tokens")
+    if req.max_tokens > room:
+        raise RequestError(f"max_tokens ({req.max_tokens}) plus the prompt ({len(req.prompt_tokens)} tokens) exceeds "
+                           f"the context of {max_context} tokens; at most {room} tokens can be generated",
+                           "max_tokens", "context_length_exceeded")
+    try:
+        req.params.validate()
+    except ValueError as e:
+        raise RequestError(str(e), str(e).split()[0]) from None
+
+
+def context_room(prompt_tokens: int, mtp_depth: int, max_context: int) -> int:
+    """Tokens that can still be generated: a round may hold mtp_depth drafts past the last token."""
+    return max_context - prompt_tokens - mtp_depth

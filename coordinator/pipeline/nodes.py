@@ -1,0 +1,131 @@
+"""The coordinator's connections to nodes: the Forward stream into the first one, a channel per node,
+and the errors that name a node."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from ...node.protocol import StageError, StageUnavailable
+from ...node.wire import describe_rpc_error, make_channel, secret_metadata
+from ...proto import mtpipe_pb2 as pb
+from ...proto import mtpipe_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class NodeFailure(StageUnavailable):
+    """A node died, hung or cannot be reached. The steps in flight are lost."""
+
+    def __init__(self, node: str, message: str):
+        super().__init__(f"node {node}: {message}")
+        self.node = node
+
+
+class RemoteStageError(StageError):
+    """A node refused a step (INVALID_ARGUMENT) or failed it; that node's state is unchanged."""
+
+    def __init__(self, node: str, code: str, message: str):
+        super().__init__(f"node {node}: {code}: {message}")
+        self.node = node
+        self.code = code
+
+
+class FrameStream:
+    """A long-lived Forward stream to one node. Frames are queued and written in order by gRPC's own thread.
+
+    If the stream breaks, `on_error(target, error)` is called once and the next `send` opens a new
+    one; the frames in flight are lost, which the caller learns through that callback.
+    """
+
+    def __init__(
+        self, target: str, secret: str | None = None, on_error: Callable[[str, Exception], None] | None = None
+    ):
+        self.target = target
+        self.secret = secret
+        self.on_error = on_error
+        self.channel = make_channel(target)
+        self.stub = pb_grpc.NodeStub(self.channel)
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue | None = None
+        self._watcher: threading.Thread | None = None
+        self._closed = False
+
+    def send(self, frame: pb.Frame) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"stream to {self.target} is closed")
+            if self._queue is None:
+                self._open()
+            self._queue.put(frame)
+
+    def _open(self) -> None:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+
+        def frames() -> Iterator[pb.Frame]:
+            while (f := q.get()) is not None:
+                yield f
+
+        call = self.stub.Forward(frames(), metadata=secret_metadata(self.secret))
+        self._queue = q
+        self._watcher = threading.Thread(target=self._watch, args=(call, q), name=f"stream-{self.target}", daemon=True)
+        self._watcher.start()
+
+    def _watch(self, call: Any, q: queue.SimpleQueue) -> None:
+        error: Exception | None = None
+        try:
+            for _ in call:  # the node never answers on this stream; we only wait for its end
+                pass
+        except grpc.RpcError as e:
+            error = e
+        with self._lock:
+            if self._queue is q:
+                self._queue = None
+            closed = self._closed
+        if not closed:
+            error = error or ConnectionError("the stream was closed by the node")
+            log.warning("stream to %s ended: %s", self.target, describe_rpc_error(error))
+            if self.on_error is not None:
+                self.on_error(self.target, error)
+
+    def close(self, drain: float = 2.0) -> None:
+        with self._lock:
+            self._closed = True
+            if self._queue is not None:
+                self._queue.put(None)  # half-close: the node finishes what it has and ends the call
+            self._queue = None
+        if self._watcher is not None:
+            # Closing the channel cancels the call: frames still queued (a release) would be lost.
+            self._watcher.join(drain)
+        self.channel.close()
+
+
+class NodeLink:
+    """One node as the coordinator sees it: a channel for unary calls and its Subscribe stream."""
+
+    def __init__(self, address: str, secret: str | None):
+        self.address = address
+        self.metadata = secret_metadata(secret)
+        self.channel = make_channel(address)
+        self.stub = pb_grpc.NodeStub(self.channel)
+        self.subscription: Any = None  # the live Subscribe call, None when there is none
+
+
+
+def wait_for_nodes(nodes: list[str], timeout: float = 30.0, secret: str | None = None) -> None:
+    """Block until every node answers a Ping (gRPC waits for the connection; no polling sleeps)."""
+    deadline = time.monotonic() + timeout
+    for address in nodes:
+        with make_channel(address) as channel:
+            stub = pb_grpc.NodeStub(channel)
+            try:
+                stub.Ping(pb.PingRequest(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True,
+                          metadata=secret_metadata(secret))
+            except grpc.RpcError as e:
+                raise NodeFailure(address, f"not ready within {timeout:.0f} s ({describe_rpc_error(e)})") from None

@@ -1,0 +1,54 @@
+"""`mtpipe node`: run a node daemon that serves one shard of a model."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+from typing import Any
+
+from .server import DEFAULT_PORT, NodeServer
+
+
+def add_node_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("node", help="run a node daemon that serves one shard of a model over gRPC")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (0 = any free port)")
+    p.add_argument("--node-id", help="a name for this node (default: hostname plus a random suffix)")
+    p.add_argument("--secret", default=os.environ.get("MTPIPE_SECRET"),
+                   help="cluster secret every caller must present (default: $MTPIPE_SECRET)")
+    p.add_argument("--data-plane", choices=("tcp", "grpc"), default="tcp",
+                   help="how other nodes send this node frames: a plain TCP stream on a second, free port "
+                        "(default), or gRPC Forward streams on --port only")
+    p.add_argument("--json", action="store_true", help="print one JSON line with the address once ready")
+    p.set_defaults(func=cmd_node)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    import json
+    import signal
+    import sys
+
+    from . import stage  # noqa: F401  (import MLX and mlx-lm now, not on the first Load)
+
+    server = NodeServer(args.host, args.port, node_id=args.node_id, secret=args.secret,
+                        data_plane=args.data_plane == "tcp").start()
+
+    def on_term(*_: Any) -> None:
+        threading.Thread(target=server.stop, daemon=True).start()
+        deadline = threading.Timer(5.0, os._exit, args=(0,))  # a stuck shutdown must not keep the node alive
+        deadline.daemon = True
+        deadline.start()
+
+    signal.signal(signal.SIGTERM, on_term)
+    ready = {"node_id": server.service.node_id, "address": server.address, "data_port": server.service.data_port,
+             "pid": os.getpid()}
+    if args.json:
+        print(json.dumps(ready), flush=True)
+    else:
+        print(f"mtpipe node {ready['node_id']} listening on {ready['address']}", file=sys.stderr, flush=True)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        server.stop()
+    return 0

@@ -1,0 +1,164 @@
+"""How many drafts the next round carries (`mtp_depth auto`): the depth with the most tokens per second.
+
+A round with K drafts yields 1 + a1 + a1*a2 + ... + a1*...*aK tokens on average, where ai is the
+chance that draft i is accepted once drafts 1..i-1 were, and costs one verify over K+1 tokens plus K
+draft steps. Both sides are measured: acceptance per sequence and per draft position (with the
+stage's running figures as the prior), costs per depth and per context length on this stage (a
+calibration at load as the prior, then live timings of whole rounds, so hops and other stages count
+too). Depths whose costs go stale are probed now and then, so a sequence that dropped to 0 drafts
+comes back when drafting pays again.
+
+A seeded sampled sequence must draw the same tokens on every run, so its depth may depend only on
+its own history: it uses fixed relative costs (`FIXED_COSTS`) instead of timings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRIOR_ACCEPTANCE = 0.6  # before anything was measured: a middling draft head
+PRIOR_WEIGHT = 4.0  # pseudo-rounds of the stage-wide acceptance behind each sequence's own counts
+EMA = 0.2  # weight of a new timing
+PROBE_EVERY = 16  # rounds between probes of a neighbouring depth
+WARMUP = 3  # live timings of each depth a stage takes, per context length, before it trusts them
+MIN_REACHED = 4  # drafts at a position before the stage's own rate stands for that position
+# Verify over K+1 tokens and one draft step relative to a decode step, for seeded sampling: what an
+# optimized BLAS or a GPU gives for small models (a verify costs little more than a decode).
+FIXED_VERIFY_PER_DRAFT = 0.15
+FIXED_DRAFT = 0.15
+
+
+def expected_tokens(acceptance: list[float], depth: int) -> float:
+    """Tokens a round with `depth` drafts emits on average: the accepted prefix plus one."""
+    total, reach = 1.0, 1.0
+    for a in acceptance[:depth]:
+        reach *= a
+        total += reach
+    return total
+
+
+def best_depth(acceptance: list[float], round_seconds: list[float]) -> int:
+    """The depth in 0..len(round_seconds)-1 with the most expected tokens per second (ties: fewer drafts)."""
+    rates = [expected_tokens(acceptance, k) / max(s, 1e-9) for k, s in enumerate(round_seconds)]
+    return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+
+def context_bucket(context: int) -> int:
+    """Costs are kept per power-of-two context length: attention grows with it."""
+    return max(int(context), 1).bit_length()
+
+
+@dataclass
+class Acceptance:
+    """Conditional acceptance per draft position: drafts that reached position i, and those accepted."""
+
+    reached: list[float]
+    accepted: list[float]
+
+    @classmethod
+    def empty(cls, depth: int) -> Acceptance:
+        return cls([0.0] * depth, [0.0] * depth)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        for i in range(min(drafted, accepted + 1, len(self.reached))):  # position i was reached
+            self.reached[i] += 1
+            self.accepted[i] += i < accepted
+
+    def rates(self, prior: list[float] | None = None, weight: float = PRIOR_WEIGHT) -> list[float]:
+        prior = prior or [PRIOR_ACCEPTANCE] * len(self.reached)
+        return [(a + weight * p) / (r + weight) for a, r, p in zip(self.accepted, self.reached, prior)]
+
+    def extrapolated(self) -> list[float]:
+        """Measured rates, and for positions rarely reached the rate of the position before: a draft
+        head's conditional acceptance changes slowly with depth, and a guess that kept deep positions
+        at a flat prior would never let a sequence try them."""
+        out: list[float] = []
+        for a, r in zip(self.accepted, self.reached):
+            out.append(a / r if r >= MIN_REACHED else (out[-1] if out else PRIOR_ACCEPTANCE))
+        return out
+
+
+@dataclass
+class StageCosts:
+    """Seconds per round for each depth on one last stage: a calibrated prior, then live timings per
+    context bucket. A round is everything between handing out drafts and knowing the verdict on them
+    (host, hops, every stage's forward), plus drafting the next ones."""
+
+    prior: list[float]  # round seconds for depth 0..kmax at load (verify + drafts)
+    live: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, depth) -> seconds
+    samples: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> timings taken
+    acceptance: Acceptance | None = None  # every sequence's counts: the prior for new ones
+
+    def __post_init__(self) -> None:
+        if self.acceptance is None:
+            self.acceptance = Acceptance.empty(len(self.prior) - 1)
+
+    @property
+    def kmax(self) -> int:
+        return len(self.prior) - 1
+
+    def observe(self, depth: int, context: int, seconds: float) -> None:
+        key = (context_bucket(context), depth)
+        old = self.live.get(key)
+        self.live[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.samples[key] = self.samples.get(key, 0) + 1
+
+    def unmeasured(self, context: int, kmax: int) -> int | None:
+        """A depth this stage has not timed often enough at this context length, if any."""
+        bucket = context_bucket(context)
+        return next((k for k in range(kmax + 1) if self.samples.get((bucket, k), 0) < WARMUP), None)
+
+    def round_seconds(self, context: int) -> list[float]:
+        """Estimated seconds per round for each depth at this context length."""
+        bucket = context_bucket(context)
+        scale = self._scale(bucket)
+        return [self.live.get((bucket, k), self.prior[k] * scale) for k in range(len(self.prior))]
+
+    def _scale(self, bucket: int) -> float:
+        """How live timings compare with the prior: this bucket's, else the nearest measured one's."""
+        by_bucket: dict[int, list[float]] = {}
+        for (b, k), s in self.live.items():
+            if self.prior[k] > 0:
+                by_bucket.setdefault(b, []).append(s / self.prior[k])
+        if not by_bucket:
+            return 1.0
+        nearest = min(by_bucket, key=lambda b: (abs(b - bucket), -b))
+        ratios = by_bucket[nearest]
+        return sum(ratios) / len(ratios)
+
+
+def fixed_round_seconds(kmax: int) -> list[float]:
+    """Relative round costs that do not depend on timings (seeded sampling)."""
+    return [1.0 + k * (FIXED_VERIFY_PER_DRAFT + FIXED_DRAFT) for k in range(kmax + 1)]
+
+
+@dataclass
+class DepthChooser:
+    """One sequence's choice of depth, round after round."""
+
+    kmax: int
+    deterministic: bool = False
+    acceptance: Acceptance = field(init=False)
+    rounds: int = 0
+
+    def __post_init__(self) -> None:
+        self.acceptance = Acceptance.empty(self.kmax)
+
+    def record(self, costs: StageCosts, drafted: int, accepted: int) -> None:
+        self.acceptance.record(drafted, accepted)
+        costs.acceptance.record(drafted, accepted)
+
+    def next_depth(self, costs: StageCosts, context: int) -> int:
+        self.rounds += 1
+        if self.deterministic:
+            return best_depth(self.acceptance.rates(), fixed_round_seconds(self.kmax))
+        first = costs.unmeasured(context, self.kmax)
+        if first is not None:  # measure every depth on this stage and context length first
+            return first
+        rates = self.acceptance.rates(costs.acceptance.extrapolated()[: self.kmax])
+        best = best_depth(rates, costs.round_seconds(context)[: self.kmax + 1])
+        if self.rounds % PROBE_EVERY:
+            return best
+        # A probe: the neighbour above (below every other time), so its cost and acceptance stay current.
+        up = (self.rounds // PROBE_EVERY) % 2 == 1 or best == 0
+        return min(best + 1, self.kmax) if up else max(best - 1, 0)

@@ -1,0 +1,209 @@
+"""The last stage's head: hidden states in, token ids out.
+
+It runs the acceptance walk of a decode step against the drafts it made itself, picks the
+correction or bonus token, and drafts the next round with the MTP head, as many drafts as the
+request asked for or, with `mtp_auto`, as depth.py finds pays best. Its per-sequence state (the MTP
+cache, the RNG, the pending drafts and what they were drawn from) never leaves this node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from .acceptance import accept_greedy, accept_sampled, draw, filtered_probs
+from .depth import DepthChooser, StageCosts
+from .protocol import Commit, SamplingParams, StepKind, StepOutput, StepRequest
+
+
+@dataclass
+class DraftState:
+    """Last-stage state of one sequence: the MTP cache and what the pending drafts were drawn from."""
+
+    params: SamplingParams
+    depth: int  # drafts of the next round
+    rng: np.random.Generator
+    mtp_cache: KVCache | None
+    chooser: DepthChooser | None = None  # mtp_auto: picks `depth` before each round
+    mtp_len: int = 0  # MTP cache entries built from true backbone hiddens (positions 0..mtp_len-1)
+    pending_hidden: mx.array | None = None  # hidden of the last position whose next token is unknown
+    # (hidden, next token) pairs not yet in the MTP cache: kept while rounds carry no drafts
+    idle_hidden: mx.array | None = None
+    idle_tokens: list[int] = field(default_factory=list)
+    last_token: int | None = None  # the token the next decode step must start with
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: np.ndarray | None = None  # [K, V], sampling only
+    handed_out: float = 0.0  # when the last drafts left this stage (perf_counter)
+    draft_seconds: float = 0.0  # what drafting them cost
+
+
+def new_draft_state(req: StepRequest) -> DraftState:
+    params = req.params or SamplingParams()
+    seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+    auto = req.mtp_auto and req.mtp_depth > 0
+    # A seeded sampled sequence draws the same tokens on every run only if its depths do not depend on timings.
+    chooser = DepthChooser(req.mtp_depth, deterministic=params.seed is not None and not params.greedy) if auto else None
+    return DraftState(
+        params=params,
+        depth=req.mtp_depth,
+        rng=np.random.default_rng(seed),
+        mtp_cache=KVCache() if req.mtp_depth > 0 else None,
+        chooser=chooser,
+    )
+
+
+class Head:
+    """Token selection, acceptance and drafting over a shard that holds the last layer."""
+
+    def __init__(self, model: object, mtp_pre_norm: bool = False, layers_total: int = 0):
+        self.model = model
+        # The MTP head reads the backbone hidden after the final norm (vLLM, SGLang, llama.cpp) unless
+        # told to read it before (mlx-lm PR #990); post-norm measured better on trained checkpoints.
+        self.mtp_pre_norm = mtp_pre_norm
+        self.layers_total = layers_total or len(model.layers)
+        self.costs: StageCosts | None = None  # calibrated on the first sequence with mtp_auto
+
+    def run(self, req: StepRequest, d: DraftState, h: mx.array, caches: list, context: int,
+            on_token: Callable[[mx.array], None] | None = None) -> StepOutput:
+        """One step's tokens from the last layer's hidden states `h` (`context` positions in the caches).
+        `on_token` gets a greedy pick while it is still lazy when the next round is that token alone, so
+        the caller can queue its forward before the host waits for it."""
+        normed = self.model.final_norm(h)
+        mtp_in = h if self.mtp_pre_norm else normed  # which backbone hidden feeds the MTP head
+        out = StepOutput(seq_id=req.seq_id, step=req.step)
+        if d.chooser is not None and self.costs is None:
+            self.costs = self.calibrate(d.chooser.kmax, h.dtype)
+        if req.kind is StepKind.PREFILL:
+            self._extend_mtp(d, mtp_in, req.tokens)
+            if not req.final:
+                mx.eval(normed, [c.state for c in caches], d.mtp_cache.state if d.mtp_cache else [])
+                return out
+            self._choose(d, context)
+            out.tokens = [self._pick(d, self.model.lm_logits(normed[:, -1:]), on_token)]
+            hid, toks = d.pending_hidden, out.tokens
+            d.pending_hidden = None
+        elif len(req.tokens) == 1:
+            self._choose(d, context)  # before the pick: with no drafts next, the next forward starts on it
+            out.tokens = [self._pick(d, self.model.lm_logits(normed[:, -1:]), on_token)]
+            self._observe(d, 0, context)
+            out.commit = Commit(step=req.step, accepted=0, trim=0)
+            hid, toks = mtp_in, out.tokens
+        else:
+            n, out.tokens = self._accept(d, self.model.lm_logits(normed), req.tokens[1:])
+            out.accepted, out.drafted = n, len(req.tokens) - 1
+            self._observe(d, out.drafted, context)
+            if d.chooser is not None:
+                d.chooser.record(self.costs, out.drafted, n)
+            self._choose(d, context)
+            out.commit = Commit(step=req.step, accepted=n, trim=out.drafted - n)
+            # Positions y, d1..dn pair with d1..dn, c: their MTP entries are rebuilt from true hiddens.
+            hid, toks = mtp_in[:, : n + 1], out.tokens
+        d.last_token = out.tokens[-1]
+        if d.mtp_cache is not None:
+            d.mtp_cache.trim(d.mtp_cache.offset - d.mtp_len)  # drop last round's chained entries
+            start = time.perf_counter()
+            out.drafts = self._draft(d, hid, toks)
+            d.draft_seconds = time.perf_counter() - start
+        d.handed_out = time.perf_counter()
+        return out
+
+    def _choose(self, d: DraftState, context: int) -> None:
+        if d.chooser is not None:
+            d.depth = d.chooser.next_depth(self.costs, context)
+
+    def _observe(self, d: DraftState, drafted: int, context: int) -> None:
+        """A whole round, from handing out `drafted` drafts to knowing their verdict, plus drafting them."""
+        if self.costs is not None and d.handed_out:
+            self.costs.observe(drafted, context, time.perf_counter() - d.handed_out + d.draft_seconds)
+
+    def calibrate(self, kmax: int, dtype: mx.Dtype, context: int = 64, trials: int = 3) -> StageCosts:
+        """Round costs for 0..kmax drafts before any live timing: this stage's verify over K+1
+        positions scaled to the whole model, plus K draft steps. Runs on scratch caches."""
+        model = self.model
+        hidden = model.layers[0].input_layernorm.weight.shape[0]
+        cache = model.make_cache()
+        mx.eval(model.run_layers(mx.zeros((1, context, hidden), dtype), cache)[0])
+
+        def best_of(fn: Callable[[], mx.array]) -> float:
+            times = []
+            for _ in range(trials):
+                start = time.perf_counter()
+                mx.eval(fn())
+                times.append(time.perf_counter() - start)
+            return min(times)
+
+        def verify(k: int) -> mx.array:
+            h, _ = model.run_layers(mx.zeros((1, k + 1, hidden), dtype), cache, capture=k > 0)
+            return mx.argmax(model.lm_logits(model.final_norm(h)), axis=-1)
+
+        share = self.layers_total / max(len(model.layers), 1)
+        verify_s = [best_of(lambda k=k: verify(k)) * share for k in range(kmax + 1)]
+        mtp_cache = KVCache()
+        g = mx.zeros((1, 1, hidden), dtype)
+        draft_s = best_of(lambda: mx.argmax(model.lm_logits(model.mtp(g, model.embed(mx.array([[0]])), mtp_cache))))
+        return StageCosts([v + k * draft_s for k, v in enumerate(verify_s)])
+
+    def _extend_mtp(self, d: DraftState, hidden: mx.array, tokens: list[int]) -> None:
+        """Prefill: add MTP entries (H[t], x[t+1]); the chunk's last position waits for its next token."""
+        if d.mtp_cache is None:
+            return
+        hid, toks = hidden[:, :-1], tokens[1:]
+        if d.pending_hidden is not None:
+            hid, toks = mx.concatenate([d.pending_hidden, hid], axis=1), tokens
+        d.pending_hidden = hidden[:, -1:]
+        if toks:
+            self.model.mtp(hid, self.model.embed(mx.array([toks])), d.mtp_cache)
+            d.mtp_len += len(toks)
+
+    def _draft(self, d: DraftState, hid: mx.array, toks: list[int]) -> list[int]:
+        """K drafts. The first MTP call adds true entries for all (hidden, next token) pairs and its
+        last output drafts d1; later drafts chain on the MTP output g (entries trimmed next round).
+        Greedy chains stay lazy and are evaluated once; sampling draws each draft on the host."""
+        if d.idle_hidden is not None:  # pairs from rounds without drafts go in first
+            hid, toks = mx.concatenate([d.idle_hidden, hid], axis=1), d.idle_tokens + toks
+            d.idle_hidden, d.idle_tokens = None, []
+        if d.depth == 0:  # nothing to draft: keep the pairs for when drafting pays again
+            d.idle_hidden, d.idle_tokens = hid, toks
+            d.drafts, d.draft_probs = [], None
+            return []
+        inputs = mx.array([toks])
+        lazy: list[mx.array] = []
+        probs = []
+        for _ in range(d.depth):
+            g = self.model.mtp(hid, self.model.embed(inputs), d.mtp_cache)[:, -1:]
+            logits = self.model.lm_logits(g).reshape(-1)
+            if d.params.greedy:
+                tok = mx.argmax(logits)
+                lazy.append(tok)
+                inputs = tok.reshape(1, 1)
+            else:
+                q = filtered_probs(logits, d.params)
+                drawn = draw(q, d.rng)
+                lazy.append(mx.array(drawn))
+                probs.append(q)
+                inputs = mx.array([[drawn]])
+            hid = g
+        d.mtp_len += len(toks)
+        d.drafts = mx.stack(lazy).tolist()
+        d.draft_probs = np.stack(probs) if probs else None
+        return d.drafts
+
+    def _pick(self, d: DraftState, logits: mx.array, on_token: Callable[[mx.array], None] | None) -> int:
+        logits = logits.reshape(-1)
+        if d.params.greedy:
+            token = mx.argmax(logits)
+            if on_token is not None and d.depth == 0:  # the next round is this token alone
+                on_token(token)
+            return int(token.item())
+        return draw(filtered_probs(logits, d.params), d.rng)
+
+    def _accept(self, d: DraftState, logits: mx.array, drafts: list[int]) -> tuple[int, list[int]]:
+        logits = logits[0]
+        if d.params.greedy:
+            return accept_greedy(mx.argmax(logits, axis=-1).tolist(), drafts)
+        return accept_sampled(filtered_probs(logits, d.params), d.draft_probs, drafts, d.rng)

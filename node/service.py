@@ -1,0 +1,420 @@
+"""The node's gRPC servicer: one shard (a StageWorker), its frames, subscriptions and health.
+
+Steps arrive as Frames on long-lived streams: from the coordinator into the first node (gRPC
+Forward), from node i into node i+1 (the data plane, dataplane.py). A node runs its layers, puts
+its hidden states (raw bytes) into the frame in place of the ones it received and sends it on to
+the next node. The last node pushes the StepResult to the frame's client over that client's
+Subscribe stream and, while the client's budget lasts, starts the next decode round itself: it
+sends that round's frame (tokens and commit) around the ring to the first node. Any node that
+refuses or fails a step pushes an Error to the client directly, so errors never wait on the rest of
+the chain. All a node learns about acceptance is the Commit riding on the next step.
+
+The servicer runs on one event loop: a frame is received, computed and queued for the next node on
+that loop, with no thread hand-offs on the decode path (each costs more than a small decode step on
+a busy machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import grpc
+
+from ..models import blas
+from ..proto import mtpipe_pb2 as pb
+from ..proto import mtpipe_pb2_grpc as pb_grpc
+from .dataplane import NextStage
+from .protocol import StageError, StepOutput
+from .sysinfo import mlx_active_memory, system_memory
+from .wire import describe_rpc_error, frame_to_request, next_round, output_to_result, tensor_from_pb, tensor_to_pb
+
+if TYPE_CHECKING:
+    from .stage import StageWorker
+
+log = logging.getLogger(__name__)
+
+RING_PROBE_S = 2.0  # how long the last node tries to reach the first at load
+# A client (coordinator) whose subscription ended and was not renewed this long is gone: its
+# sequences are released, so a crashed coordinator does not pin caches on the nodes forever.
+ORPHAN_GRACE_S = 30.0
+
+
+@dataclass
+class LoadKey:
+    model_path: str
+    start: int
+    end: int
+    num_layers: int
+    mtp: bool
+    dtype: str
+
+
+@dataclass
+class LinkStats:
+    frames: int = 0
+    bytes: int = 0
+    decode_frames: int = 0
+    decode_bytes: int = 0
+
+
+class NodeService(pb_grpc.NodeServicer):
+    """The servicer, on one asyncio loop. Steps run on the loop itself: a decode step is milliseconds
+    and a thread hop would cost more than it saves, and MLX arrays must be evaluated on the thread
+    that built them (streams are per thread), so every sequence lives on this one thread. Loads run
+    on a side thread and are fully materialized there, so nothing lazy crosses threads."""
+
+    def __init__(self, node_id: str | None = None, secret: str | None = None, name: str | None = None):
+        self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        self.name = name or self.node_id  # how errors name this node; the coordinator sets host:port
+        self.secret = secret
+        self.started = time.monotonic()
+        self.worker: StageWorker | None = None
+        self.key: LoadKey | None = None
+        self.next: NextStage | None = None
+        self.data_port = 0  # set by NodeServer when it runs a data-plane listener
+        self.link_stats = LinkStats()
+        # The last node's link to the first, for the decode rounds it starts itself; a node that is
+        # the whole pipeline starts them in-process.
+        self.ring: NextStage | None = None
+        self.ring_stats = LinkStats()
+        self._tasks: set[asyncio.Task] = set()  # in-process rounds (the loop keeps only weak references)
+        self.last_error: str | None = None
+        self._mlx = threading.Lock()  # a load on the side thread never overlaps a step
+        self._load_thread = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="load")
+        self._load_lock: asyncio.Lock | None = None
+        self._subs: dict[str, asyncio.Queue] = {}
+        self._owners: dict[str, str] = {}  # sequence id -> the client that started it
+        self.orphan_grace = ORPHAN_GRACE_S
+        self.blas = blas.warn_if_reference()
+
+    # -- loading ------------------------------------------------------------------------------
+
+    async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReply:
+        key = LoadKey(request.model_path, request.start, request.end, request.num_layers, request.mtp, request.dtype)
+        self._load_lock = self._load_lock or asyncio.Lock()
+        async with self._load_lock:
+            if request.node_name:
+                self.name = request.node_name
+            reused = self.worker is not None and self.key == key
+            if not reused:
+                try:
+                    await asyncio.get_running_loop().run_in_executor(self._load_thread, self._load, key)
+                except (ValueError, FileNotFoundError, KeyError) as e:
+                    self.last_error = f"load failed: {e}"
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
+            shard = self.worker.shard
+            log.info("%s shard [%d, %d) of %s (%s)", "kept" if reused else "loaded", key.start, key.end,
+                     key.model_path, self._dtype_name())
+            return pb.LoadReply(
+                node_id=self.node_id,
+                parameter_bytes=shard.model.parameter_bytes(),
+                has_mtp=shard.has_mtp,
+                hidden_size=shard.config.args.hidden_size,
+                max_context=shard.config.args.max_position_embeddings,
+                reused=reused,
+            )
+
+    async def Connect(self, request: pb.ConnectRequest, context: grpc.aio.ServicerContext) -> pb.ConnectReply:
+        self._load_lock = self._load_lock or asyncio.Lock()
+        async with self._load_lock:
+            if self.worker is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} has no shard loaded")
+            await self._set_next(request.next)
+            await self._set_ring(request.ring, request.ring_node_id)
+            return pb.ConnectReply(ring=self.ring is not None or self.ring_self,
+                                   next_transport=self.next.transport if self.next is not None else "")
+
+    def _load(self, key: LoadKey) -> None:
+        import mlx.core as mx
+
+        from ..models.loading import arrays_in, load_shard
+        from ..models.shard import ShardSpec
+        from .stage import StageWorker
+
+        dtype = None
+        if key.dtype:
+            if key.dtype not in ("float32", "float16", "bfloat16"):
+                raise ValueError(f"unsupported dtype {key.dtype!r}")
+            dtype = getattr(mx, key.dtype)
+        spec = ShardSpec(key.start, key.end, key.num_layers)
+        with self._mlx:
+            self.worker, self.key = None, None  # free the old shard before reading the new one
+            mx.clear_cache()
+            shard = load_shard(key.model_path, spec, mtp=key.mtp, dtype=dtype)
+            mx.eval(arrays_in(shard.model))  # nothing lazy may reach the loop thread
+            self.worker, self.key = StageWorker(shard), key
+            self._owners.clear()
+
+    def adopt(self, worker: StageWorker, key: LoadKey) -> None:
+        """Serve a stage built in this process (single-node `mtpipe launch`): Health reports it."""
+        with self._mlx:
+            self.worker, self.key = worker, key
+            self._owners.clear()
+
+    async def _set_next(self, target: str) -> None:
+        if self.next is not None and self.next.target == target:
+            return
+        if self.next is not None:
+            await self.next.close()
+        self.next = NextStage(target, self.secret, self._link_lost("next stage")) if target else None
+
+    @property
+    def ring_self(self) -> bool:
+        """The node is the whole pipeline: it starts its rounds in-process."""
+        return self.worker is not None and self.worker.spec.is_first and self.worker.spec.is_last
+
+    async def _set_ring(self, target: str, first_node_id: str) -> None:
+        spec = self.worker.spec
+        want = target if spec.is_last and not spec.is_first else ""
+        if self.ring is not None and self.ring.target == want:
+            return
+        if self.ring is not None:
+            await self.ring.close()
+            self.ring = None
+        if not want:
+            return
+        link = NextStage(want, self.secret, self._link_lost("first stage"))
+        answered = await link.node_id(timeout=RING_PROBE_S)
+        # The coordinator's address of the first node may mean another host from here (127.0.0.1, a
+        # subnet this node is not on): start rounds only where the first node itself answers. Without
+        # that the coordinator sends every round itself, one hop more per round.
+        if answered is None or answered == self.node_id or (first_node_id and answered != first_node_id):
+            log.warning("the first node does not answer at %s (%s); the client will start every round", want,
+                        f"{answered} answered" if answered else "unreachable")
+            await link.close()
+            return
+        self.ring = link
+
+    def _link_lost(self, role: str) -> Callable[[str, Exception], None]:
+        def lost(target: str, error: Exception) -> None:
+            # Frames in flight on that link are lost: every client waiting on this chain must know.
+            msg = f"lost the stream to the {role} {target}: {describe_rpc_error(error)}"
+            self.last_error = msg
+            self._broadcast(pb.Event(error=pb.Error(code="UNAVAILABLE", message=msg, node=target)))
+
+        return lost
+
+    def _dtype_name(self) -> str:
+        return str(self.worker.dtype).removeprefix("mlx.core.") if self.worker else ""
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def _run(self, frame: pb.Frame) -> StepOutput | pb.Tensor:
+        """One step on this node, on the loop thread."""
+        worker = self.worker
+        if worker is None:
+            raise StageError(f"{self.name} has no shard loaded")
+        req = frame_to_request(frame)
+        with self._mlx:
+            hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
+            out = worker.step(req, hidden)
+            return out if isinstance(out, StepOutput) else tensor_to_pb(out)
+
+    def _release(self, seq_id: str) -> bool:
+        worker = self.worker
+        if worker is None:
+            return False
+        self._owners.pop(seq_id, None)
+        with self._mlx:  # freeing arrays is MLX work too
+            return worker.release(seq_id)
+
+    async def on_frame(self, frame: pb.Frame) -> None:
+        if frame.kind == pb.RELEASE:
+            self._release(frame.seq_id)
+            if self.worker is not None and not self.worker.spec.is_last:
+                self._forward(frame)
+            return
+        if frame.ring and (self.worker is None or frame.seq_id not in self.worker.sequences):
+            # The client released the sequence while the last node was starting this round.
+            log.debug("round %d of released sequence %s dropped", frame.step, frame.seq_id)
+            return
+        try:
+            out = self._run(frame)
+        except StageError as e:
+            self._fail(frame, "INVALID_ARGUMENT", str(e))
+            return
+        except Exception as e:  # a bug or an MLX failure: report it, keep serving other sequences
+            log.exception("step %d of %s failed", frame.step, frame.seq_id)
+            self._fail(frame, "INTERNAL", f"{type(e).__name__}: {e}")
+            return
+        if frame.step == 0 and frame.client_id:
+            self._owners[frame.seq_id] = frame.client_id
+        if isinstance(out, StepOutput):
+            # Only while the client listens: a vanished coordinator must not leave a sequence running.
+            ring = (self.ring is not None or self.ring_self) and frame.client_id in self._subs
+            nxt = next_round(frame, out) if ring else None
+            out.continued = nxt is not None
+            event = pb.Event(result=output_to_result(out))
+            if nxt is not None:
+                self._start_round(nxt)  # first: the first node starts computing at once
+            self._emit(frame.client_id, event)
+        else:
+            frame.hidden.CopyFrom(out)
+            self._forward(frame)
+        await asyncio.sleep(0)  # with more frames already buffered, let the writer pass this one on first
+
+    def _forward(self, frame: pb.Frame) -> None:
+        link = self.next
+        if link is None:
+            self._fail(frame, "FAILED_PRECONDITION", f"{self.name} is not the last stage but knows no next stage")
+            return
+        size = frame.ByteSize()
+        s = self.link_stats
+        s.frames += 1
+        s.bytes += size
+        if frame.kind == pb.DECODE:
+            s.decode_frames += 1
+            s.decode_bytes += size
+        link.send(frame)
+
+    def _start_round(self, frame: pb.Frame) -> None:
+        self.ring_stats.frames += 1
+        self.ring_stats.bytes += frame.ByteSize()
+        if self.ring is not None:
+            self.ring.send(frame)
+            return
+        task = asyncio.get_running_loop().create_task(self.on_frame(frame))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _fail(self, frame: pb.Frame, code: str, message: str) -> None:
+        self.last_error = message
+        log.info("step %d of %s refused: %s", frame.step, frame.seq_id, message)
+        err = pb.Error(code=code, message=message, node=self.name, seq_id=frame.seq_id, step=frame.step)
+        self._emit(frame.client_id, pb.Event(error=err))
+
+    async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for frame in request_iterator:  # one stream's frames, strictly in order
+            await self.on_frame(frame)
+        return
+        yield  # an async generator: the reply stream stays silent
+
+    async def Step(self, request: pb.Frame, context: grpc.aio.ServicerContext) -> pb.StepReply:
+        if request.kind == pb.RELEASE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "use Release to drop a sequence")
+        try:
+            out = self._run(request)
+        except StageError as e:
+            self.last_error = str(e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if isinstance(out, StepOutput):
+            return pb.StepReply(result=output_to_result(out))
+        return pb.StepReply(hidden=out)
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
+        return pb.ReleaseReply(released=self._release(request.seq_id))
+
+    # -- subscriptions --------------------------------------------------------------------------
+
+    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext) -> Any:
+        q: asyncio.Queue = asyncio.Queue()
+        old = self._subs.get(request.client_id)
+        self._subs[request.client_id] = q
+        if old is not None:
+            old.put_nowait(None)
+        try:
+            yield pb.Event()  # an empty first event: the subscription is registered
+            while (event := await q.get()) is not None:
+                yield event
+        finally:
+            if self._subs.get(request.client_id) is q:
+                del self._subs[request.client_id]
+                asyncio.get_running_loop().call_later(self.orphan_grace, self._expire, request.client_id)
+
+    def _expire(self, client_id: str) -> None:
+        """Release the sequences of a client that has not subscribed again since it went away."""
+        if client_id in self._subs:
+            return
+        gone = [seq for seq, owner in self._owners.items() if owner == client_id]
+        for seq in gone:
+            self._release(seq)
+        if gone:
+            log.info("released %d sequence(s) of client %s: gone for %.0f s", len(gone), client_id, self.orphan_grace)
+
+    def _emit(self, client_id: str, event: pb.Event) -> None:
+        q = self._subs.get(client_id)
+        if q is None:
+            log.debug("no subscriber %r; dropped %s", client_id, event.WhichOneof("kind"))
+            return
+        q.put_nowait(event)
+
+    def _broadcast(self, event: pb.Event) -> None:
+        for q in list(self._subs.values()):
+            q.put_nowait(event)
+
+    async def close(self) -> None:
+        subs, self._subs = list(self._subs.values()), {}
+        for q in subs:
+            q.put_nowait(None)
+        if self.next is not None:
+            await self.next.close()
+        if self.ring is not None:
+            await self.ring.close()
+        self._load_thread.shutdown(wait=False)
+
+    # -- health ---------------------------------------------------------------------------------
+
+    async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingReply:
+        return pb.PingReply(payload=request.payload, node_id=self.node_id, data_port=self.data_port)
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthReply:
+        from .. import __version__
+
+        used, available = await asyncio.get_running_loop().run_in_executor(None, system_memory)
+        reply = pb.HealthReply(
+            node_id=self.node_id,
+            version=__version__,
+            memory_used=used,
+            memory_available=available,
+            mlx_active_memory=mlx_active_memory(),
+            uptime_s=time.monotonic() - self.started,
+            last_error=self.last_error or "",
+            next_rtt_ms=-1.0,
+            forwarded_frames=self.link_stats.frames,
+            forwarded_bytes=self.link_stats.bytes,
+            forwarded_decode_frames=self.link_stats.decode_frames,
+            forwarded_decode_bytes=self.link_stats.decode_bytes,
+            ring=self.ring.target if self.ring is not None else ("self" if self.ring_self else ""),
+            ring_frames=self.ring_stats.frames,
+            ring_bytes=self.ring_stats.bytes,
+            data_port=self.data_port,
+            next_transport=self.next.transport if self.next is not None else "",
+            blas=self.blas.name,
+            blas_optimized=self.blas.optimized,
+            blas_threads=self.blas.threads or 0,
+        )
+        w, key = self.worker, self.key
+        if w is not None and key is not None:
+            reply.MergeFrom(
+                pb.HealthReply(
+                    loaded=True,
+                    model_path=key.model_path,
+                    start=key.start,
+                    end=key.end,
+                    num_layers=key.num_layers,
+                    is_first=w.spec.is_first,
+                    is_last=w.spec.is_last,
+                    parameter_bytes=w.shard.model.parameter_bytes(),
+                    active_sequences=len(w.sequences),
+                    tokens_processed=w.stats.tokens_processed,
+                    steps=w.stats.steps,
+                    mean_step_ms=w.stats.mean_step_ms,
+                    dtype=self._dtype_name(),
+                    has_mtp=w.shard.has_mtp,
+                )
+            )
+            if w.stats.last_error and not self.last_error:
+                reply.last_error = w.stats.last_error
+        if self.next is not None:
+            reply.next = self.next.target
+            if request.probe_next:
+                reply.next_rtt_ms = await self.next.ping_ms()
+        return reply

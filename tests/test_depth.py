@@ -1,0 +1,112 @@
+"""`mtp_depth auto`: the depth policy over plain numbers, and the engine keeping greedy output exact whatever it picks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from helpers import PROMPTS
+
+from mtpipe.coordinator.engine.build import local_engine
+from mtpipe.coordinator.engine.request import AUTO_MAX_DEPTH, GenerationRequest, resolve_depth
+from mtpipe.node import depth as policy
+from mtpipe.node.depth import Acceptance, DepthChooser, StageCosts, best_depth, expected_tokens
+from mtpipe.node.protocol import SamplingParams
+
+
+def test_expected_tokens_is_the_accepted_prefix_plus_one() -> None:
+    assert expected_tokens([0.8, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.8, 0.5, 0.5], 2) == pytest.approx(1 + 0.8 + 0.4)
+    assert expected_tokens([0.8, 0.5, 0.5], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+
+
+def test_best_depth_weighs_acceptance_against_cost() -> None:
+    cheap = [1.0, 1.1, 1.2, 1.3]  # verify costs little more than a decode (optimized BLAS, GPU)
+    dear = [1.0, 2.0, 3.0, 4.0]  # a verify over K+1 tokens costs K+1 decodes (reference BLAS)
+    assert best_depth([0.9, 0.9, 0.9], cheap) == 3
+    assert best_depth([0.0, 0.0, 0.0], cheap) == 0  # drafts never accepted: no speculation
+    assert best_depth([0.9, 0.9, 0.9], dear) == 0  # nothing pays when tokens cost what rounds cost
+    assert best_depth([0.8, 0.1, 0.1], cheap) == 1  # later positions too unlikely to pay for themselves
+
+
+def test_acceptance_counts_only_positions_that_were_reached() -> None:
+    a = Acceptance.empty(3)
+    a.record(drafted=3, accepted=1)  # d1 accepted, d2 rejected, d3 never judged
+    a.record(drafted=3, accepted=3)
+    a.record(drafted=1, accepted=0)
+    assert a.reached == [3, 2, 1] and a.accepted == [2, 1, 1]
+    assert a.rates(weight=0.0) == [pytest.approx(2 / 3), 0.5, 1.0]
+    assert Acceptance.empty(2).rates([0.7, 0.2]) == [pytest.approx(0.7), pytest.approx(0.2)]  # prior alone
+
+
+def test_live_timings_replace_the_prior_per_context_length() -> None:
+    costs = StageCosts(prior=[1.0, 1.5, 2.0])
+    costs.observe(depth=1, context=100, seconds=3.0)
+    near = costs.round_seconds(context=120)  # same power-of-two bucket
+    assert near[1] == 3.0 and near[0] == pytest.approx(2.0) and near[2] == pytest.approx(4.0)  # others scaled 2x
+    far = costs.round_seconds(context=5000)  # no timing there yet: the nearest bucket's scale
+    assert far == [pytest.approx(2.0), pytest.approx(3.0), pytest.approx(4.0)]
+    costs.observe(depth=1, context=100, seconds=1.0)
+    assert costs.round_seconds(context=100)[1] == pytest.approx((1 - policy.EMA) * 3.0 + policy.EMA * 1.0)
+
+
+def test_a_sequence_at_depth_zero_probes_back() -> None:
+    costs = StageCosts(prior=[1.0, 5.0, 9.0])  # drafting looks hopeless
+    chooser = DepthChooser(kmax=2)
+    depths = [chooser.next_depth(costs, 64) for _ in range(4 * policy.PROBE_EVERY)]
+    assert depths.count(0) == len(depths) - 4 and set(depths) == {0, 1}  # one probe every PROBE_EVERY rounds
+
+
+def test_seeded_sampling_depths_follow_only_the_sequence_history() -> None:
+    slow, fast = StageCosts(prior=[1.0, 9.0, 9.0]), StageCosts(prior=[1.0, 1.0, 1.0])
+    picks = []
+    for costs in (slow, fast):
+        chooser = DepthChooser(kmax=2, deterministic=True)
+        seq = []
+        for accepted in (2, 1, 0, 0, 2, 2, 1):
+            d = chooser.next_depth(costs, 64)
+            seq.append(d)
+            chooser.record(costs, d, min(accepted, d))
+        picks.append(seq)
+    assert picks[0] == picks[1]
+
+
+def test_resolve_depth() -> None:
+    assert resolve_depth(None, True) == (AUTO_MAX_DEPTH, True)
+    assert resolve_depth(None, False) == (0, False)
+    assert resolve_depth("auto", False) == (0, False)
+    assert resolve_depth(2, True) == (2, False)
+    with pytest.raises(ValueError, match="'deep'"):
+        resolve_depth("deep", True)
+
+
+def test_greedy_auto_is_exact_through_forced_depth_changes(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rounds without drafts keep their MTP pairs aside and hand them in when drafting resumes: whatever the
+    schedule of depths, output equals plain decoding and every round carries the depth it was given."""
+    schedule = [0, 0, 3, 1, 0, 2, 0, 0, 0, 3, 3, 0, 1]
+    calls = {"n": 0}
+
+    def forced(self: DepthChooser, costs: StageCosts, context: int) -> int:
+        calls["n"] += 1
+        return schedule[(calls["n"] - 1) % len(schedule)]
+
+    engine = local_engine(ckpt, dtype=mx.float32)
+    for text in PROMPTS[:4]:
+        prompt = engine.tokenizer.encode(text)
+        plain = engine.complete(GenerationRequest(prompt, max_tokens=40)).tokens
+        with monkeypatch.context() as m:
+            m.setattr(DepthChooser, "next_depth", forced)
+            calls["n"] = 0
+            out = engine.complete(GenerationRequest(prompt, max_tokens=40, mtp_depth=3, mtp_auto=True))
+        assert out.tokens == plain
+        assert sum(out.stats.depths.values()) == out.stats.rounds
+        assert set(out.stats.depths) <= set(schedule) and out.stats.depths.get(3, 0) > 0
+
+
+def test_seeded_sampled_auto_reproduces(dense_ckpt: Path) -> None:
+    engine = local_engine(dense_ckpt, dtype=mx.float32)
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    req = GenerationRequest(prompt, max_tokens=32, params=SamplingParams(temperature=0.8, seed=11),
+                            mtp_depth=3, mtp_auto=True)
+    assert engine.complete(req).tokens == engine.complete(req).tokens
