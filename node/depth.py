@@ -97,6 +97,12 @@ class StageCosts:
     def kmax(self) -> int:
         return len(self.prior) - 1
 
+    def widened(self, prior: list[float]) -> StageCosts:
+        """The same measurements over a longer prior (a sequence asked for deeper drafts than any before)."""
+        extra = len(prior) - len(self.prior)
+        acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
+        return StageCosts(prior, dict(self.live), dict(self.samples), acceptance)
+
     def observe(self, depth: int, context: int, seconds: float) -> None:
         key = (context_bucket(context), depth)
         old = self.live.get(key)

@@ -40,6 +40,15 @@ def test_acceptance_counts_only_positions_that_were_reached() -> None:
     assert Acceptance.empty(2).rates([0.7, 0.2]) == [pytest.approx(0.7), pytest.approx(0.2)]  # prior alone
 
 
+def test_costs_widen_for_deeper_requests_and_keep_their_timings() -> None:
+    costs = StageCosts(prior=[1.0, 2.0])
+    costs.observe(1, 64, 3.0)
+    costs.acceptance.record(1, 1)
+    wide = costs.widened([1.0, 2.0, 3.0, 4.0])
+    assert wide.kmax == 3 and wide.live == costs.live and wide.acceptance.reached == [1, 0, 0]
+    assert len(wide.round_seconds(64)) == 4
+
+
 def test_live_timings_replace_the_prior_per_context_length() -> None:
     costs = StageCosts(prior=[1.0, 1.5, 2.0])
     costs.observe(depth=1, context=100, seconds=3.0)
@@ -51,8 +60,29 @@ def test_live_timings_replace_the_prior_per_context_length() -> None:
     assert costs.round_seconds(context=100)[1] == pytest.approx((1 - policy.EMA) * 3.0 + policy.EMA * 1.0)
 
 
+def test_every_depth_is_timed_before_the_timings_are_trusted() -> None:
+    costs = StageCosts(prior=[1.0, 5.0, 9.0])
+    chooser = DepthChooser(kmax=2)
+    picked = []
+    for _ in range(3 * policy.WARMUP):
+        k = chooser.next_depth(costs, 64)
+        picked.append(k)
+        costs.observe(k, 64, costs.prior[k])
+    assert picked == [0] * policy.WARMUP + [1] * policy.WARMUP + [2] * policy.WARMUP
+    assert costs.unmeasured(64, 2) is None and costs.unmeasured(4096, 2) == 0  # a new context length: again
+
+
+def test_unreached_positions_take_the_rate_before_them() -> None:
+    a = Acceptance([10, 2, 0], [8, 1, 0])
+    assert a.extrapolated() == [0.8, 0.8, 0.8]
+    assert Acceptance.empty(2).extrapolated() == [policy.PRIOR_ACCEPTANCE] * 2
+
+
 def test_a_sequence_at_depth_zero_probes_back() -> None:
     costs = StageCosts(prior=[1.0, 5.0, 9.0])  # drafting looks hopeless
+    for k in range(3):
+        for _ in range(policy.WARMUP):
+            costs.observe(k, 64, costs.prior[k])
     chooser = DepthChooser(kmax=2)
     depths = [chooser.next_depth(costs, 64) for _ in range(4 * policy.PROBE_EVERY)]
     assert depths.count(0) == len(depths) - 4 and set(depths) == {0, 1}  # one probe every PROBE_EVERY rounds
