@@ -68,16 +68,25 @@ class Head:
         self.layers_total = layers_total or len(model.layers)
         self.costs: StageCosts | None = None  # calibrated on the first sequence with mtp_auto
 
+    def prepare(self, h: mx.array) -> tuple[mx.array, mx.array]:
+        """The normed hidden and the greedy pick of a single-token step, still lazy: queued with the
+        forward that makes `h`, the whole next step computes while the host handles this one."""
+        normed = self.model.final_norm(h)
+        return normed, mx.argmax(self.model.lm_logits(normed).reshape(-1))
+
     def run(self, req: StepRequest, d: DraftState, h: mx.array, caches: list, context: int,
-            on_token: Callable[[mx.array], None] | None = None) -> StepOutput:
+            on_token: Callable[[mx.array], None] | None = None,
+            prepared: tuple[mx.array, mx.array] | None = None) -> StepOutput:
         """One step's tokens from the last layer's hidden states `h` (`context` positions in the caches).
         `on_token` gets a greedy pick while it is still lazy when the next round is that token alone, so
-        the caller can queue its forward before the host waits for it."""
-        normed = self.model.final_norm(h)
+        the caller can queue its forward before the host waits for it; `prepared` is what `prepare`
+        made of `h` for such a round."""
+        normed = self.model.final_norm(h) if prepared is None else prepared[0]
         mtp_in = h if self.mtp_pre_norm else normed  # which backbone hidden feeds the MTP head
         out = StepOutput(seq_id=req.seq_id, step=req.step)
-        if d.chooser is not None and self.costs is None:
-            self.costs = self.calibrate(d.chooser.kmax, h.dtype)
+        if d.chooser is not None and (self.costs is None or d.chooser.kmax > self.costs.kmax):
+            fresh = self.calibrate(d.chooser.kmax, h.dtype)
+            self.costs = fresh if self.costs is None else self.costs.widened(fresh.prior)
         if req.kind is StepKind.PREFILL:
             self._extend_mtp(d, mtp_in, req.tokens)
             if not req.final:
@@ -89,7 +98,8 @@ class Head:
             d.pending_hidden = None
         elif len(req.tokens) == 1:
             self._choose(d, context)  # before the pick: with no drafts next, the next forward starts on it
-            out.tokens = [self._pick(d, self.model.lm_logits(normed[:, -1:]), on_token)]
+            logits = self.model.lm_logits(normed[:, -1:]) if prepared is None else None
+            out.tokens = [self._pick(d, logits, on_token, None if prepared is None else prepared[1])]
             self._observe(d, 0, context)
             out.commit = Commit(step=req.step, accepted=0, trim=0)
             hid, toks = mtp_in, out.tokens
@@ -193,14 +203,14 @@ class Head:
         d.draft_probs = np.stack(probs) if probs else None
         return d.drafts
 
-    def _pick(self, d: DraftState, logits: mx.array, on_token: Callable[[mx.array], None] | None) -> int:
-        logits = logits.reshape(-1)
+    def _pick(self, d: DraftState, logits: mx.array | None, on_token: Callable[[mx.array], None] | None,
+              token: mx.array | None = None) -> int:
         if d.params.greedy:
-            token = mx.argmax(logits)
+            token = mx.argmax(logits.reshape(-1)) if token is None else token
             if on_token is not None and d.depth == 0:  # the next round is this token alone
                 on_token(token)
             return int(token.item())
-        return draw(filtered_probs(logits, d.params), d.rng)
+        return draw(filtered_probs(logits.reshape(-1), d.params), d.rng)
 
     def _accept(self, d: DraftState, logits: mx.array, drafts: list[int]) -> tuple[int, list[int]]:
         logits = logits[0]

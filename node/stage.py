@@ -33,7 +33,7 @@ class Sequence:
     pending_k: int | None = None  # drafts in the last decode step, until its commit arrives
     snapshots: dict[int, GDNSnapshots] = field(default_factory=dict)
     draft: DraftState | None = None
-    lookahead: mx.array | None = None  # hidden of an already-issued next decode step
+    lookahead: tuple | None = None  # (hidden, normed, greedy pick) of an already-issued next decode step
     last_commit: Commit | None = None  # the last stage's own outcome, to check the echo against
 
 
@@ -166,9 +166,11 @@ class StageWorker:
         decode = req.kind is StepKind.DECODE
         T = len(req.tokens)
         lookahead, seq.lookahead = seq.lookahead, None
+        prepared = None
         if decode and lookahead is not None:
             # The forward of exactly these tokens was issued last step; its caches are in place.
-            h, snapshots = lookahead, {}
+            h, *pick = lookahead
+            prepared, snapshots = tuple(pick), {}
         else:
             h = self.model.embed(mx.array([req.tokens])) if self.spec.is_first else hidden.astype(self.dtype)
             h, snapshots = self.model.run_layers(h, seq.cache, capture=decode and T > 1)
@@ -180,9 +182,10 @@ class StageWorker:
         if not self.spec.is_last:
             mx.eval(h)
             return h
-        lookahead = self.spec.is_first  # one stage: the next single-token round can start on the lazy token
+        overlap = self.spec.is_first  # one stage: the next single-token round can start on the lazy token
         out = self.head.run(req, seq.draft, h, seq.cache, seq.position,
-                            on_token=(lambda tok: self._issue_lookahead(seq, tok)) if lookahead else None)
+                            on_token=(lambda tok: self._issue_lookahead(seq, tok)) if overlap else None,
+                            prepared=prepared)
         if out.commit is not None:
             seq.last_commit = out.commit
         return out
@@ -199,10 +202,12 @@ class StageWorker:
         seq.snapshots = {}
 
     def _issue_lookahead(self, seq: Sequence, token: mx.array) -> None:
-        """Single stage, greedy, no drafts next round: the next step's input is this step's token, so its
-        forward can be queued on the still-lazy token and computed while the host handles this
-        one (what mlx-lm's generate does with async_eval). The next request must feed that token:
-        the decode checks above make sure it does."""
+        """Single stage, greedy, no drafts next round: the next step's input is this step's token, so the
+        whole next step (forward, logits, pick) is queued on the still-lazy token, and its tail computes
+        while the host handles this one (mlx-lm's generate does the same with async_eval; on the CPU
+        backend async_eval returns only when the last few operations are left). The next request must
+        feed that token: the decode checks above make sure it does."""
         h, _ = self.model.run_layers(self.model.embed(token.reshape(1, 1)), seq.cache)
-        seq.lookahead = h
-        mx.async_eval(h)
+        normed, pick = self.head.prepare(h)
+        seq.lookahead = (h, normed, pick)
+        mx.async_eval(pick)
