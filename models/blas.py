@@ -7,8 +7,9 @@ scope, so an optimized BLAS loaded there (RTLD_GLOBAL) before `mlx.core` is impo
 `mtpipe` does that on import. macOS is left alone: MLX uses Accelerate there.
 
 `MTPIPE_BLAS` names a library to load instead, or `reference` to keep the bundled one.
-`MTPIPE_BLAS_THREADS` sets the BLAS threads (default: the machine's cores shared by the
-`MTPIPE_LOCAL_WORKERS` processes computing on it, so node processes on one machine do not fight).
+`MTPIPE_BLAS_THREADS` sets the BLAS threads. By default each of the `MTPIPE_LOCAL_WORKERS` processes
+computing on the machine gets half its share of the cores: MLX runs its CPU work on a stream thread of
+its own and Python builds the next graph meanwhile, and BLAS threads beyond that only contend with them.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def find_optimized() -> str | None:
 
 
 def default_threads() -> int:
-    """The machine's cores shared among the processes that compute on it."""
+    """Half of this process's share of the cores (the rest is MLX's stream thread and Python's)."""
     workers = max(1, int(os.environ.get(ENV_WORKERS, "1") or 1))
-    return max(1, (os.cpu_count() or 1) // workers)
+    return max(1, (os.cpu_count() or 1) // (2 * workers))
 
 
 def preload() -> None:

@@ -6,7 +6,7 @@ draft steps. Both sides are measured: acceptance per sequence and per draft posi
 stage's running figures as the prior), costs per depth and per context length on this stage (a
 calibration at load as the prior, then live timings of whole rounds, so hops and other stages count
 too). Depths whose costs go stale are probed now and then, so a sequence that dropped to 0 drafts
-comes back when drafting pays again.
+comes back when drafting pays again; probes that keep confirming the choice come less often.
 
 A seeded sampled sequence must draw the same tokens on every run, so its depth may depend only on
 its own history: it uses fixed relative costs (`FIXED_COSTS`) instead of timings.
@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 PRIOR_ACCEPTANCE = 0.6  # before anything was measured: a middling draft head
 PRIOR_WEIGHT = 4.0  # pseudo-rounds of the stage-wide acceptance behind each sequence's own counts
 EMA = 0.2  # weight of a new timing
-PROBE_EVERY = 16  # rounds between probes of a neighbouring depth
-WARMUP = 3  # live timings of each depth a stage takes, per context length, before it trusts them
+PROBE_EVERY = 16  # rounds between probes of a neighbouring depth, at first
+PROBE_EVERY_MAX = 128  # probes that keep confirming the choice back off up to this
+WARMUP = 1  # live timings of each depth a stage takes, per context length, before it trusts them
 MIN_REACHED = 4  # drafts at a position before the stage's own rate stands for that position
 # Verify over K+1 tokens and one draft step relative to a decode step, for seeded sampling: what an
 # optimized BLAS or a GPU gives for small models (a verify costs little more than a decode).
@@ -146,6 +147,9 @@ class DepthChooser:
     deterministic: bool = False
     acceptance: Acceptance = field(init=False)
     rounds: int = 0
+    gap: int = PROBE_EVERY  # rounds from one probe to the next
+    next_probe: int = PROBE_EVERY
+    probed_from: int | None = None  # the choice a probe was made from, until the next choice is known
 
     def __post_init__(self) -> None:
         self.acceptance = Acceptance.empty(self.kmax)
@@ -163,8 +167,13 @@ class DepthChooser:
             return first
         rates = self.acceptance.rates(costs.acceptance.extrapolated()[: self.kmax])
         best = best_depth(rates, costs.round_seconds(context)[: self.kmax + 1])
-        if self.rounds % PROBE_EVERY:
+        if self.probed_from is not None:  # the probe is in: did it change the choice?
+            self.gap = min(2 * self.gap, PROBE_EVERY_MAX) if best == self.probed_from else PROBE_EVERY
+            self.next_probe = self.rounds + self.gap
+            self.probed_from = None
+        if self.rounds < self.next_probe:
             return best
         # A probe: the neighbour above (below every other time), so its cost and acceptance stay current.
-        up = (self.rounds // PROBE_EVERY) % 2 == 1 or best == 0
+        self.probed_from = best
+        up = self.rounds % 2 == 1 or best == 0
         return min(best + 1, self.kmax) if up else max(best - 1, 0)

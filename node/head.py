@@ -40,6 +40,10 @@ class DraftState:
     draft_probs: np.ndarray | None = None  # [K, V], sampling only
     handed_out: float = 0.0  # when the last drafts left this stage (perf_counter)
     draft_seconds: float = 0.0  # what drafting them cost
+    # Single-token rounds queued ahead (on_token): what this round's was computed in during the last
+    # round, and what the next round's is computing in during this one.
+    ahead_done: float = 0.0
+    ahead_next: float = 0.0
 
 
 def new_draft_state(req: StepRequest) -> DraftState:
@@ -69,18 +73,19 @@ class Head:
         self.costs: StageCosts | None = None  # calibrated on the first sequence with mtp_auto
 
     def prepare(self, h: mx.array) -> tuple[mx.array, mx.array]:
-        """The normed hidden and the greedy pick of a single-token step, still lazy: queued with the
-        forward that makes `h`, the whole next step computes while the host handles this one."""
+        """The normed hidden and the greedy pick at every position of a step, still lazy: queued with
+        the forward that makes `h`, the whole next step computes while the host handles this one."""
         normed = self.model.final_norm(h)
-        return normed, mx.argmax(self.model.lm_logits(normed).reshape(-1))
+        return normed, mx.argmax(self.model.lm_logits(normed), axis=-1).reshape(-1)
 
     def run(self, req: StepRequest, d: DraftState, h: mx.array, caches: list, context: int,
             on_token: Callable[[mx.array], None] | None = None,
+            on_drafts: Callable[[StepOutput], None] | None = None,
             prepared: tuple[mx.array, mx.array] | None = None) -> StepOutput:
         """One step's tokens from the last layer's hidden states `h` (`context` positions in the caches).
-        `on_token` gets a greedy pick while it is still lazy when the next round is that token alone, so
-        the caller can queue its forward before the host waits for it; `prepared` is what `prepare`
-        made of `h` for such a round."""
+        Greedy rounds can be queued before the host waits for this one: `on_token` gets the pick while it
+        is still lazy when the next round is that token alone, `on_drafts` the output once the next
+        round's drafts are known; `prepared` is what `prepare` made of `h` for a round queued so."""
         normed = self.model.final_norm(h) if prepared is None else prepared[0]
         mtp_in = h if self.mtp_pre_norm else normed  # which backbone hidden feeds the MTP head
         out = StepOutput(seq_id=req.seq_id, step=req.step)
@@ -104,7 +109,8 @@ class Head:
             out.commit = Commit(step=req.step, accepted=0, trim=0)
             hid, toks = mtp_in, out.tokens
         else:
-            n, out.tokens = self._accept(d, self.model.lm_logits(normed), req.tokens[1:])
+            logits = self.model.lm_logits(normed) if prepared is None else None
+            n, out.tokens = self._accept(d, logits, req.tokens[1:], None if prepared is None else prepared[1])
             out.accepted, out.drafted = n, len(req.tokens) - 1
             self._observe(d, out.drafted, context)
             if d.chooser is not None:
@@ -119,6 +125,11 @@ class Head:
             start = time.perf_counter()
             out.drafts = self._draft(d, hid, toks)
             d.draft_seconds = time.perf_counter() - start
+            if on_drafts is not None and out.drafts and d.params.greedy:
+                start = time.perf_counter()
+                on_drafts(out)
+                d.ahead_next = time.perf_counter() - start
+        d.ahead_done, d.ahead_next = d.ahead_next, 0.0
         d.handed_out = time.perf_counter()
         return out
 
@@ -127,9 +138,11 @@ class Head:
             d.depth = d.chooser.next_depth(self.costs, context)
 
     def _observe(self, d: DraftState, drafted: int, context: int) -> None:
-        """A whole round, from handing out `drafted` drafts to knowing their verdict, plus drafting them."""
+        """A whole round, from handing out `drafted` drafts to knowing their verdict, plus drafting them;
+        a round queued ahead is charged its own forward, not the next one's."""
         if self.costs is not None and d.handed_out:
-            self.costs.observe(drafted, context, time.perf_counter() - d.handed_out + d.draft_seconds)
+            seconds = time.perf_counter() - d.handed_out + d.draft_seconds + d.ahead_done - d.ahead_next
+            self.costs.observe(drafted, context, seconds)
 
     def calibrate(self, kmax: int, dtype: mx.Dtype, context: int = 64, trials: int = 3) -> StageCosts:
         """Round costs for 0..kmax drafts before any live timing: this stage's verify over K+1
@@ -208,12 +221,14 @@ class Head:
         if d.params.greedy:
             token = mx.argmax(logits.reshape(-1)) if token is None else token
             if on_token is not None and d.depth == 0:  # the next round is this token alone
+                start = time.perf_counter()
                 on_token(token)
+                d.ahead_next = time.perf_counter() - start
             return int(token.item())
         return draw(filtered_probs(logits.reshape(-1), d.params), d.rng)
 
-    def _accept(self, d: DraftState, logits: mx.array, drafts: list[int]) -> tuple[int, list[int]]:
-        logits = logits[0]
+    def _accept(self, d: DraftState, logits: mx.array | None, drafts: list[int],
+                picks: mx.array | None = None) -> tuple[int, list[int]]:
         if d.params.greedy:
-            return accept_greedy(mx.argmax(logits, axis=-1).tolist(), drafts)
-        return accept_sampled(filtered_probs(logits, d.params), d.draft_probs, drafts, d.rng)
+            return accept_greedy((mx.argmax(logits[0], axis=-1) if picks is None else picks).tolist(), drafts)
+        return accept_sampled(filtered_probs(logits[0], d.params), d.draft_probs, drafts, d.rng)

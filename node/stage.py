@@ -33,7 +33,10 @@ class Sequence:
     pending_k: int | None = None  # drafts in the last decode step, until its commit arrives
     snapshots: dict[int, GDNSnapshots] = field(default_factory=dict)
     draft: DraftState | None = None
-    lookahead: tuple | None = None  # (hidden, normed, greedy pick) of an already-issued next decode step
+    # (hidden, snapshots, normed, greedy picks) of the next decode step, already queued; the commit it
+    # was queued after (applied already), which that step's request must echo
+    lookahead: tuple | None = None
+    early_commit: Commit | None = None
     last_commit: Commit | None = None  # the last stage's own outcome, to check the echo against
 
 
@@ -50,10 +53,12 @@ class StageStats:
 
 
 class StageWorker:
-    def __init__(self, shard: LoadedShard, max_sequences: int = 64, mtp_pre_norm: bool = False):
+    def __init__(self, shard: LoadedShard, max_sequences: int = 64, mtp_pre_norm: bool = False, overlap: bool = True):
         self.shard = shard
         self.model = shard.model
         self.head = Head(self.model, mtp_pre_norm, shard.spec.num_layers) if shard.spec.is_last else None
+        # A stage that is the whole model queues each greedy round before the host has seen the last one.
+        self.overlap = overlap and shard.spec.is_first and shard.spec.is_last
         self.spec = shard.spec
         self.hidden_size = shard.config.args.hidden_size
         self.dtype = self.model.layers[0].input_layernorm.weight.dtype
@@ -138,7 +143,10 @@ class StageWorker:
             raise StageError("prefill after decoding started")
         if seq.position + T > self.max_context:
             raise StageError(f"context overflow: {seq.position + T} > {self.max_context} positions")
-        if seq.pending_k is not None:
+        if seq.early_commit is not None:
+            if req.commit != seq.early_commit:
+                raise StageError(f"step {req.step} needs the commit of step {req.step - 1} this stage decided")
+        elif seq.pending_k is not None:
             c = req.commit
             if c is None or c.step != req.step - 1:
                 raise StageError(f"step {req.step} needs the commit of step {req.step - 1}")
@@ -163,14 +171,15 @@ class StageWorker:
                 seq.draft = new_draft_state(req)
         if seq.pending_k is not None:
             self._apply_commit(seq, req.commit)
+        seq.early_commit = None
         decode = req.kind is StepKind.DECODE
         T = len(req.tokens)
         lookahead, seq.lookahead = seq.lookahead, None
         prepared = None
         if decode and lookahead is not None:
             # The forward of exactly these tokens was issued last step; its caches are in place.
-            h, *pick = lookahead
-            prepared, snapshots = tuple(pick), {}
+            h, snapshots, *pick = lookahead
+            prepared = tuple(pick)
         else:
             h = self.model.embed(mx.array([req.tokens])) if self.spec.is_first else hidden.astype(self.dtype)
             h, snapshots = self.model.run_layers(h, seq.cache, capture=decode and T > 1)
@@ -182,9 +191,9 @@ class StageWorker:
         if not self.spec.is_last:
             mx.eval(h)
             return h
-        overlap = self.spec.is_first  # one stage: the next single-token round can start on the lazy token
         out = self.head.run(req, seq.draft, h, seq.cache, seq.position,
-                            on_token=(lambda tok: self._issue_lookahead(seq, tok)) if overlap else None,
+                            on_token=(lambda tok: self._issue_lookahead(seq, tok)) if self.overlap else None,
+                            on_drafts=(lambda o: self._issue_verify(seq, o)) if self.overlap else None,
                             prepared=prepared)
         if out.commit is not None:
             seq.last_commit = out.commit
@@ -209,5 +218,19 @@ class StageWorker:
         feed that token: the decode checks above make sure it does."""
         h, _ = self.model.run_layers(self.model.embed(token.reshape(1, 1)), seq.cache)
         normed, pick = self.head.prepare(h)
-        seq.lookahead = (h, normed, pick)
+        seq.lookahead = (h, {}, normed, pick)
         mx.async_eval(pick)
+
+    def _issue_verify(self, seq: Sequence, out: StepOutput) -> None:
+        """Single stage, greedy, drafts for the next round: its verify over [token, drafts] is known, and
+        so is the commit of this round, which the next request will echo. Apply that commit now and queue
+        the verify, so it computes while the host handles this round."""
+        if out.commit is not None:  # (none after the prompt)
+            seq.last_commit = out.commit
+            self._apply_commit(seq, out.commit)
+            seq.early_commit = out.commit
+        tokens = mx.array([[out.tokens[-1], *out.drafts]])
+        h, snapshots = self.model.run_layers(self.model.embed(tokens), seq.cache, capture=True)
+        normed, picks = self.head.prepare(h)
+        seq.lookahead = (h, snapshots, normed, picks)
+        mx.async_eval(picks)

@@ -84,8 +84,12 @@ def test_a_sequence_at_depth_zero_probes_back() -> None:
         for _ in range(policy.WARMUP):
             costs.observe(k, 64, costs.prior[k])
     chooser = DepthChooser(kmax=2)
-    depths = [chooser.next_depth(costs, 64) for _ in range(4 * policy.PROBE_EVERY)]
-    assert depths.count(0) == len(depths) - 4 and set(depths) == {0, 1}  # one probe every PROBE_EVERY rounds
+    depths = [chooser.next_depth(costs, 64) for _ in range(8 * policy.PROBE_EVERY)]
+    probes = [i + 1 for i, d in enumerate(depths) if d]
+    assert set(depths) == {0, 1}  # probes go one depth up from 0
+    # The first probe after PROBE_EVERY rounds; each one that confirms 0 doubles the wait for the next.
+    P = policy.PROBE_EVERY
+    assert probes == [P, P + 1 + 2 * P, P + 1 + 2 * P + 1 + 4 * P]
 
 
 def test_seeded_sampling_depths_follow_only_the_sequence_history() -> None:

@@ -42,7 +42,7 @@ def assert_caches_equal(got, ref) -> None:
 @pytest.mark.parametrize("accepted", list(range(K + 1)))
 def test_commit_equals_fresh_forward(ckpt: Path, dense_engine, accepted: int) -> None:
     shard = load_shard(ckpt, dtype=mx.float32)
-    worker = StageWorker(shard)
+    worker = StageWorker(shard, overlap=False)  # the commit is applied here, by hand, below
     prompt = dense_engine.tokenizer.encode("def parse(line):\n    return line.split(")
     plain = Engine(LocalPipeline([StageWorker(shard)]), dense_engine.tokenizer, set(), 4096)
     greedy = plain.complete(GenerationRequest(prompt, max_tokens=K + 2)).tokens
@@ -60,7 +60,7 @@ def test_commit_equals_fresh_forward(ckpt: Path, dense_engine, accepted: int) ->
     worker._apply_commit(seq, out.commit)
 
     # Reference: a fresh stage fed prompt + [y, d1..dn], then the correction token sampled the same way.
-    fresh = StageWorker(shard)
+    fresh = StageWorker(shard, overlap=False)
     ref_out = prefill(fresh, "r", prompt + greedy[: accepted + 1], K)
     assert ref_out.tokens == out.tokens[-1:]
     ref = fresh.sequences["r"]
@@ -73,3 +73,32 @@ def test_commit_equals_fresh_forward(ckpt: Path, dense_engine, accepted: int) ->
     assert max_diff(d.mtp_cache.keys[..., :n, :], rd.mtp_cache.keys[..., :n, :]) <= TOL
     assert max_diff(d.mtp_cache.values[..., :n, :], rd.mtp_cache.values[..., :n, :]) <= TOL
     assert out.drafts == ref_out.drafts
+
+
+@pytest.mark.parametrize("which", ["dense", "demo"])
+def test_queued_rounds_match_rounds_run_on_request(dense_ckpt: Path, which: str) -> None:
+    """A single stage applies a round's commit as soon as it decides it and queues the next verify. Round
+    after round its outputs equal those of a stage that applies each commit when the next request brings
+    it (the path the test above checks against a fresh forward), and so do its caches and snapshots."""
+    from mtpipe.models.registry import DEMO_MODEL
+
+    shard = load_shard(dense_ckpt if which == "dense" else DEMO_MODEL, dtype=mx.float32)
+    queued, reference = StageWorker(shard), StageWorker(shard, overlap=False)
+    prompt = list(range(3, 40))
+    out = prefill(queued, "s", prompt, K)
+    assert prefill(reference, "s", prompt, K) == out
+    trims = 0
+    for step in range(2, 10):
+        req = StepRequest("s", step, StepKind.DECODE, out.tokens[-1:] + out.drafts, commit=out.commit)
+        out = queued.step(req)
+        assert reference.step(req) == out
+        trims += out.commit.trim > 0
+    q, r = queued.sequences["s"], reference.sequences["s"]
+    assert q.early_commit == out.commit and q.lookahead is not None and trims > 0
+    nxt = StepRequest("s", 10, StepKind.DECODE, out.tokens[-1:] + out.drafts, commit=out.commit)
+    reference.step(nxt)  # now both hold round 10's verify, its commit not yet applied
+    assert q.position + len(nxt.tokens) == r.position
+    assert_caches_equal(q.cache, r.cache)
+    for i, snap in r.snapshots.items():
+        for a, b in zip(q.lookahead[1][i].states, snap.states):
+            assert max_diff(a, b) <= TOL

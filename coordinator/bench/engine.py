@@ -108,7 +108,9 @@ def bench_engine(
     prompts: int = 8,
     depths: list[int] | None = None,
     mtp_pre_norm: bool = False,
+    contexts: list[int] | None = None,
 ) -> dict[str, Any]:
+    """Every method on the same prompts, interleaved; with `contexts`, also decode after long prompts."""
     from mlx_lm import load as mlx_load
 
     depths = depths or [1, 2, 3]
@@ -175,8 +177,60 @@ def bench_engine(
         },
         "cost_terms": {k: round(v, 3) for k, v in _cost_terms(engine, encoded[0], depths).items()},
     }
+    if contexts:
+        long = result["long_context"] = bench_long_context(engine, ref_model, ref_tok, contexts)
+        result["ratios"]["min_auto_vs_no_mtp_long"] = min(r["ratios"]["auto_vs_no_mtp"] for r in long.values())
+        result["ratios"]["min_no_mtp_vs_mlx_lm_long"] = min(r["ratios"]["no_mtp_vs_mlx_lm"] for r in long.values())
+        result["identical"] = result["identical"] and all(r["identical"] for r in long.values())
     engine.pipeline.close()
     return result
+
+
+LONG_CONTEXT_TOKENS = 96
+
+
+def long_prompt(tokenizer: Any, length: int) -> list[int]:
+    """`length` tokens of held-out standard-library source, files one after another."""
+    from ...training.corpus import GENERATED_MARKER, read_text, split_files, stdlib_files
+
+    _, held = split_files(stdlib_files())
+    tokens: list[int] = []
+    for path in held:
+        text = read_text(path)
+        if GENERATED_MARKER not in text:
+            tokens += tokenizer.encode(text)
+        if len(tokens) >= length:
+            return tokens[:length]
+    raise ValueError(f"the held-out corpus has fewer than {length} tokens")
+
+
+def bench_long_context(engine: Engine, ref_model: Any, ref_tok: Any, lengths: list[int], reps: int = 2,
+                       max_tokens: int = LONG_CONTEXT_TOKENS) -> dict[str, Any]:
+    """Decode speed after prompts of each length: mlx-lm, no MTP and auto depth, side by side."""
+    out: dict[str, Any] = {}
+    for length in lengths:
+        prompt = long_prompt(engine.tokenizer, length)
+        speeds: dict[str, list[float]] = {"mlx_lm": [], "no_mtp": [], "mtp_auto": []}
+        identical, depths = True, {}
+        for _ in range(reps):
+            reference, tps = time_mlx_lm(ref_model, ref_tok, prompt, max_tokens)
+            speeds["mlx_lm"].append(tps)
+            for name, depth in (("no_mtp", 0), ("mtp_auto", AUTO)):
+                toks, tps, stats = _time_engine(engine, prompt, max_tokens, depth)
+                speeds[name].append(tps)
+                identical = identical and toks == reference
+                if name == "mtp_auto":
+                    for d, n in stats.depths.items():
+                        depths[d] = depths.get(d, 0) + n
+        tok_s = {m: round(statistics.mean(v), 2) for m, v in speeds.items()}
+        out[str(length)] = {
+            "tok_s": tok_s,
+            "identical": identical,
+            "auto_depths": {str(k): v for k, v in sorted(depths.items())},
+            "ratios": {"no_mtp_vs_mlx_lm": round(tok_s["no_mtp"] / tok_s["mlx_lm"], 3),
+                       "auto_vs_no_mtp": round(tok_s["mtp_auto"] / tok_s["no_mtp"], 3)},
+        }
+    return out
 
 
 def print_engine_report(result: dict[str, Any], console: Any) -> None:
@@ -203,3 +257,6 @@ def print_engine_report(result: dict[str, Any], console: Any) -> None:
     console.print(table)
     if result["cost_terms"]:
         console.print(f"cost terms: {result['cost_terms']}")
+    for length, r in result.get("long_context", {}).items():
+        console.print(f"after {length} prompt tokens: {r['tok_s']} ratios {r['ratios']} auto depths "
+                      f"{r['auto_depths']} identical {r['identical']}")

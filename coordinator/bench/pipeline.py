@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import socket
 import statistics
@@ -30,7 +31,7 @@ from ...models import blas
 from ...node.spawn import node_command
 from ..engine.build import local_engine, remote_engine
 from ..engine.engine import Engine
-from ..engine.request import GenerationRequest
+from ..engine.request import AUTO, AUTO_MAX_DEPTH, GenerationRequest
 from ..pipeline.nodes import wait_for_nodes
 from ..pipeline.remote import RemotePipeline
 from .engine import _time_engine, bench_prompts
@@ -60,7 +61,8 @@ def spawn_nodes(n: int, data_plane: str = "tcp") -> Iterator[list[str]]:
         for _ in range(n):
             port = _free_port()
             cmd = node_command("--host", "127.0.0.1", "--port", str(port), "--data-plane", data_plane)
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            env = {**os.environ, blas.ENV_WORKERS: str(n)}  # the nodes share this machine's cores
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
             addresses.append(f"127.0.0.1:{port}")
         wait_for_nodes(addresses, timeout=180)
         yield addresses
@@ -161,14 +163,17 @@ def bench_prefill(engines: dict[str, Engine], texts: list[str]) -> dict[str, Any
             "ratios": {f"{name}_vs_single": round(v / tok_s["single"], 3) for name, v in tok_s.items() if name != "single"}}
 
 
-def _method(topology: str, depth: int) -> str:
+def _method(topology: str, depth: int | str) -> str:
+    if depth == AUTO:
+        return f"{topology}_mtp"
     return f"{topology}_no_mtp" if depth == 0 else f"{topology}_mtp_k{depth}"
 
 
 def bench_pipeline(
     model_path: Path, *, max_tokens: int = 128, prompts: int = 8, depths: list[int] | None = None, ring: bool = True
 ) -> dict[str, Any]:
-    """Every topology (single, pipe2, pipe3) without MTP and at each depth; `<topology>_mtp` is its best depth."""
+    """Every topology (single, pipe2, pipe3) without MTP, at each depth and with auto depth (`<topology>_mtp`,
+    what users get by default); `<topology>_mtp_best` is its best fixed depth."""
     from ...models.config import load_config
 
     depths = depths or list(DEFAULT_DEPTHS)
@@ -183,7 +188,7 @@ def bench_pipeline(
     # Without MTP only: the same 2 nodes with the coordinator sending every round, and 2 nodes whose
     # frames travel gRPC streams instead of the TCP data plane.
     variants = (COORDINATOR_ROUNDS, GRPC_HOPS)
-    runs = [(t, k) for t in topologies for k in [0, *depths]] + [(v, 0) for v in variants]
+    runs = [(t, k) for t in topologies for k in [0, *depths, AUTO]] + [(v, 0) for v in variants]
     methods = [_method(t, k) for t, k in runs]
     speeds: dict[str, list[float]] = {m: [] for m in methods}
     outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
@@ -222,15 +227,15 @@ def bench_pipeline(
 
     tok_s: dict[str, float | None] = {m: round(statistics.mean(v), 2) for m, v in speeds.items()}
     best = {t: max(depths, key=lambda k: tok_s[_method(t, k)]) for t in topologies}
-    for t in topologies:  # the headline figure of each topology with MTP: its best depth
-        tok_s[f"{t}_mtp"] = tok_s[_method(t, best[t])]
+    for t in topologies:  # beside the auto depth, each topology's best fixed depth
+        tok_s[f"{t}_mtp_best"] = tok_s[_method(t, best[t])]
     ring_ok = "tok_s" in ring_result
     tok_s["mlx_lm_ring2"] = round(statistics.mean(ring_result["tok_s"]), 2) if ring_ok else None
 
     def ratio(a: str, b: str) -> float | None:
         return round(tok_s[a] / tok_s[b], 3) if tok_s.get(a) and tok_s.get(b) else None
 
-    reference = {k: outputs[_method("single", k)] for k in [0, *depths]}
+    reference = {k: outputs[_method("single", k)] for k in [0, *depths, AUTO]}
     return {
         "model": str(model_path),
         "blas": blas.info().to_dict(),
@@ -245,10 +250,10 @@ def bench_pipeline(
         "acceptance": {m: round(accepted[m] / drafted[m], 4) for m in methods if drafted[m]},
         # Same kernels on the same shapes: every pipeline must match single-node at the same depth.
         "identical_to_single": {m: outputs[m] == reference[k] for m, (t, k) in zip(methods, runs)},
-        "mtp_identical_to_no_mtp": {str(k): reference[k] == reference[0] for k in depths},
+        "mtp_identical_to_no_mtp": {str(k): reference[k] == reference[0] for k in [*depths, AUTO]},
         "mlx_lm_ring_identical_to_single": (ring_result["tokens"] == reference[0]) if ring_ok else None,
         "mlx_lm_ring": {k: v for k, v in ring_result.items() if k != "tokens"},
-        "wire": {m: _wire_report(w, config.args.hidden_size, dtype.size, k)
+        "wire": {m: _wire_report(w, config.args.hidden_size, dtype.size, AUTO_MAX_DEPTH if k == AUTO else k)
                  for m, (t, k) in zip(methods, runs) if (w := wire.get(m))},
         "next_stage_rtt_ms": [round(h.next_rtt_ms, 3) for h in rtt[:-1]],
         "prefill": prefill,
@@ -256,6 +261,8 @@ def bench_pipeline(
             "pipe2_no_mtp_vs_single": ratio("pipe2_no_mtp", "single_no_mtp"),
             "pipe2_mtp_vs_single_no_mtp": ratio("pipe2_mtp", "single_no_mtp"),
             "pipe2_mtp_vs_mlx_lm_ring": ratio("pipe2_mtp", "mlx_lm_ring2"),
+            "pipe2_auto_vs_best_fixed": ratio("pipe2_mtp", "pipe2_mtp_best"),
+            "single_auto_vs_best_fixed": ratio("single_mtp", "single_mtp_best"),
             "pipe3_no_mtp_vs_single": ratio("pipe3_no_mtp", "single_no_mtp"),
             "pipe3_mtp_vs_single_no_mtp": ratio("pipe3_mtp", "single_no_mtp"),
             "single_mtp_vs_single_no_mtp": ratio("single_mtp", "single_no_mtp"),
@@ -281,7 +288,7 @@ def print_report(result: dict[str, Any], console: Any) -> None:
     tok = result["tok_s"]
     base = tok["single_no_mtp"]
     for m, v in tok.items():
-        if m.endswith("_mtp") and not m.endswith("no_mtp"):
+        if m.endswith("_mtp_best"):
             continue  # the best-depth aliases; their rows are the _mtp_kN ones
         w = result["wire"].get(m, {})
         best = any(m == f"{t}_mtp_k{k}" for t, k in result["best_depth"].items())

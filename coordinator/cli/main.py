@@ -62,19 +62,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 stats = chunk.stats or stats
             sys.stdout.write("\n")
-            _print_stats(stats.to_dict(), depth)
+            _print_stats(stats.to_dict(), req.depth_label)
     finally:
         engine.pipeline.close()
     return EXIT_OK
 
 
-def _print_stats(stats: dict[str, Any], depth: int) -> None:
+def _print_stats(stats: dict[str, Any], depth: int | str) -> None:
     console = stderr_console()
     console.print(
         f"[dim]prompt {stats['prompt_tokens']} tok @ {stats['prefill_tps']:.1f} tok/s · "
         f"generated {stats['generation_tokens']} tok @ {stats['decode_tps']:.1f} tok/s · "
         f"MTP depth {depth}: accepted {stats['accepted']}/{stats['drafted']} ({100 * stats['acceptance']:.1f}%), "
-        f"per position {stats['acceptance_per_position']}[/dim]"
+        f"per position {stats['acceptance_per_position']}, rounds by depth {stats['depths']}[/dim]"
     )
 
 
@@ -101,7 +101,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     if args.target == "engine":
         result = bench.bench_engine(
-            model, max_tokens=args.max_tokens, prompts=args.prompts, depths=args.depths, mtp_pre_norm=args.mtp_pre_norm
+            model, max_tokens=args.max_tokens, prompts=args.prompts, depths=args.depths, mtp_pre_norm=args.mtp_pre_norm,
+            contexts=args.context,
         )
         bench.print_engine_report(result, stderr_console())
     else:
@@ -112,6 +113,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     return EXIT_OK
+
+
+def _lengths(value: str) -> list[int]:
+    try:
+        lengths = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {value!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive token counts, got {value!r}")
+    return lengths
 
 
 COMPUTES = ("generate", "serve", "launch", "bench")  # commands that run MLX here (node: its servicer says)
@@ -156,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--mtp-pre-norm", action="store_true", help="engine bench: feed the MTP head the pre-norm hidden")
+    p.add_argument("--context", type=_lengths, default=None, metavar="L1,L2,...",
+                   help="engine bench: also decode after prompts of these lengths (e.g. 256,2048,8192)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.set_defaults(func=cmd_bench)
 
