@@ -6,7 +6,8 @@ draft steps. Both sides are measured: acceptance per sequence and per draft posi
 stage's running figures as the prior), costs per depth and per context length on this stage (a
 calibration at load as the prior, then live timings of whole rounds, so hops and other stages count
 too). Depths whose costs go stale are probed now and then, so a sequence that dropped to 0 drafts
-comes back when drafting pays again; probes that keep confirming the choice come less often.
+comes back when drafting pays again; probes that keep confirming the choices come less often, on the
+whole stage, so a model whose drafts never pay stops paying for probes.
 
 A seeded sampled sequence must draw the same tokens on every run, so its depth may depend only on
 its own history: it uses fixed relative costs (`FIXED_COSTS`) instead of timings.
@@ -88,6 +89,7 @@ class StageCosts:
     prior: list[float]  # round seconds for depth 0..kmax at load (verify + drafts)
     live: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, depth) -> seconds
     samples: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> timings taken
+    probe_gap: int = PROBE_EVERY  # rounds a sequence waits between probes
     acceptance: Acceptance | None = None  # every sequence's counts: the prior for new ones
 
     def __post_init__(self) -> None:
@@ -102,7 +104,7 @@ class StageCosts:
         """The same measurements over a longer prior (a sequence asked for deeper drafts than any before)."""
         extra = len(prior) - len(self.prior)
         acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
-        return StageCosts(prior, dict(self.live), dict(self.samples), acceptance)
+        return StageCosts(prior, dict(self.live), dict(self.samples), self.probe_gap, acceptance)
 
     def observe(self, depth: int, context: int, seconds: float) -> None:
         key = (context_bucket(context), depth)
@@ -147,8 +149,7 @@ class DepthChooser:
     deterministic: bool = False
     acceptance: Acceptance = field(init=False)
     rounds: int = 0
-    gap: int = PROBE_EVERY  # rounds from one probe to the next
-    next_probe: int = PROBE_EVERY
+    last_probe: int = 0
     probed_from: int | None = None  # the choice a probe was made from, until the next choice is known
 
     def __post_init__(self) -> None:
@@ -168,12 +169,12 @@ class DepthChooser:
         rates = self.acceptance.rates(costs.acceptance.extrapolated()[: self.kmax])
         best = best_depth(rates, costs.round_seconds(context)[: self.kmax + 1])
         if self.probed_from is not None:  # the probe is in: did it change the choice?
-            self.gap = min(2 * self.gap, PROBE_EVERY_MAX) if best == self.probed_from else PROBE_EVERY
-            self.next_probe = self.rounds + self.gap
+            confirmed = best == self.probed_from
+            costs.probe_gap = min(2 * costs.probe_gap, PROBE_EVERY_MAX) if confirmed else PROBE_EVERY
             self.probed_from = None
-        if self.rounds < self.next_probe:
+        if self.rounds - self.last_probe < costs.probe_gap:
             return best
         # A probe: the neighbour above (below every other time), so its cost and acceptance stay current.
-        self.probed_from = best
+        self.probed_from, self.last_probe = best, self.rounds
         up = self.rounds % 2 == 1 or best == 0
         return min(best + 1, self.kmax) if up else max(best - 1, 0)

@@ -89,7 +89,11 @@ def test_a_sequence_at_depth_zero_probes_back() -> None:
     assert set(depths) == {0, 1}  # probes go one depth up from 0
     # The first probe after PROBE_EVERY rounds; each one that confirms 0 doubles the wait for the next.
     P = policy.PROBE_EVERY
-    assert probes == [P, P + 1 + 2 * P, P + 1 + 2 * P + 1 + 4 * P]
+    assert probes == [P, 3 * P, 7 * P]
+    # The stage keeps what the probes learned: a new sequence waits as long before its first one.
+    later = DepthChooser(kmax=2)
+    first = next(i + 1 for i in range(1000) if later.next_depth(costs, 64))
+    assert first == costs.probe_gap == 8 * P
 
 
 def test_seeded_sampling_depths_follow_only_the_sequence_history() -> None:
