@@ -10,7 +10,7 @@ have_blas() {
     python3 - <<'PY'
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("blas", "models/blas.py")
-blas = importlib.util.module_from_spec(spec); spec.loader.exec_module(blas)
+blas = sys.modules["blas"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(blas)
 sys.exit(0 if blas.find_optimized() else 1)
 PY
 }
