@@ -189,8 +189,12 @@ def load_shard(
     mtp: bool = True,
     dtype: mx.Dtype | None = None,
     progress: Callable[[int, int], None] | None = None,
+    materialize: bool = True,
 ) -> LoadedShard:
-    """Load layers spec.start..spec.end (default: the whole model), the MTP head when asked and present."""
+    """Load layers spec.start..spec.end (default: the whole model), the MTP head when asked and present.
+
+    `materialize=False` returns the shard still lazy (nothing read from disk yet), for a caller that
+    evaluates it in pieces of its own (a node, between serving other calls on its event loop)."""
     path = Path(path)
     config = load_config(path)
     spec = spec or ShardSpec.whole(config.num_layers)
@@ -222,13 +226,15 @@ def load_shard(
     if unexpected:
         raise CheckpointError(f"{path}: unexpected tensor(s) for this model: {', '.join(unexpected[:3])}")
     model.load_weights([(k, weights[k]) for k in expected])
+    model.eval()
+    if not materialize:
+        return LoadedShard(config=config, spec=spec, model=model, path=path)
     # Materialize tensor by tensor so a progress bar can follow long loads.
     params = tree_flatten(model.parameters())
     for i, (_, p) in enumerate(params):
         mx.eval(p)
         if progress is not None:
             progress(i + 1, len(params))
-    model.eval()
     return LoadedShard(config=config, spec=spec, model=model, path=path)
 
 

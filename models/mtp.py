@@ -15,6 +15,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
+from .ragged import RaggedKV, ragged_layer
+
 
 class MTPHead(nn.Module):
     def __init__(self, args: TextModelArgs):
@@ -30,9 +32,17 @@ class MTPHead(nn.Module):
 
     def __call__(self, hidden: mx.array, token_embeddings: mx.array, cache: KVCache) -> mx.array:
         """hidden, token_embeddings: [B, T, H] for positions t and tokens x[t+1]. Returns g [B, T, H]."""
-        e = self.pre_fc_norm_embedding(token_embeddings)
-        h = self.pre_fc_norm_hidden(hidden)
-        u = self.fc(mx.concatenate([e, h], axis=-1))
+        u = self.fuse(hidden, token_embeddings)
         mask = create_attention_mask(u, cache)
         u = self.layers[0](u, mask=mask, cache=cache)
+        return self.norm(u)
+
+    def fuse(self, hidden: mx.array, token_embeddings: mx.array) -> mx.array:
+        e = self.pre_fc_norm_embedding(token_embeddings)
+        h = self.pre_fc_norm_hidden(hidden)
+        return self.fc(mx.concatenate([e, h], axis=-1))
+
+    def rows(self, hidden: mx.array, token_embeddings: mx.array, cache: RaggedKV, real: list[int]) -> mx.array:
+        """The same over padded rows of a batch, each with its own MTP cache length (ragged.py)."""
+        u, _ = ragged_layer(self.layers[0], self.fuse(hidden, token_embeddings), cache, real)
         return self.norm(u)

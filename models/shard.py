@@ -19,6 +19,7 @@ from mlx_lm.models.qwen3_5 import DecoderLayer
 from .config import ModelConfig
 from .gdn_snapshots import GDNSnapshots, gdn_forward_with_snapshots
 from .mtp import MTPHead
+from .ragged import ragged_layer
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,15 @@ class Qwen35Shard(nn.Module):
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
             else:
                 h = layer(h, mask=None if layer.is_linear else attn_mask, cache=c)
+        return h, snapshots
+
+    def run_rows(self, h: mx.array, cache: list, real: list[int]) -> tuple[mx.array, dict[int, GDNSnapshots]]:
+        """Run this shard's layers over padded rows of a batch (see ragged.py); row i has `real[i]` tokens."""
+        snapshots: dict[int, GDNSnapshots] = {}
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            h, snaps = ragged_layer(layer, h, c, real)
+            if snaps is not None:
+                snapshots[i] = snaps
         return h, snapshots
 
     def final_norm(self, h: mx.array) -> mx.array:

@@ -1,4 +1,10 @@
-"""`NodeServer`: a NodeService on a grpc.aio server and a data-plane listener, on an event-loop thread."""
+"""`NodeServer`: a NodeService on a grpc.aio server and a data-plane listener, on an event-loop thread.
+
+That thread is the node's one MLX thread: MLX streams belong to threads (a lazy array built on one
+cannot be evaluated on another, and on Apple silicon a thread without a GPU stream of its own fails
+on its first evaluation), so the loop thread owns a thread-local stream for its whole life, as
+mlx-lm's generation does, and every MLX operation of the node (loading included) runs on it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from ..models.mlx_thread import end_thread_streams
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .auth import SecretInterceptor
 from .dataplane import FrameListener
@@ -22,7 +29,8 @@ DEFAULT_PORT = 52700
 
 
 class NodeServer:
-    """A NodeService on a grpc.aio server, on its own event-loop thread. `port=0` picks a free port."""
+    """A NodeService on a grpc.aio server, on its own event-loop thread ("node-loop", the node's MLX
+    thread). `port=0` picks a free port."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, node_id: str | None = None,
                  secret: str | None = None, data_plane: bool = True):
@@ -35,6 +43,11 @@ class NodeServer:
         self._thread: threading.Thread | None = None
         self._server: Any = None
         self._stopped = threading.Event()
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The node's loop thread, where all its MLX work runs."""
+        return self._thread
 
     @property
     def address(self) -> str:
@@ -51,25 +64,30 @@ class NodeServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {self.host}:{self.requested_port} (address in use?)")
         self.service.name = f"{self.host}:{self.port}"
+        self.service.loop = asyncio.get_running_loop()
         if self.listener is not None:
             self.service.data_port = await self.listener.start(self.host)
         await self._server.start()
 
-    def start(self) -> "NodeServer":
+    def start(self) -> NodeServer:
         started: futures.Future = futures.Future()
 
         def run() -> None:
             asyncio.set_event_loop(self._loop)
             try:
-                self._loop.run_until_complete(self._start())
-                started.set_result(None)
-                self._loop.run_until_complete(self._server.wait_for_termination())
+                import mlx.core as mx
+
+                with mx.stream(mx.new_thread_local_stream(mx.default_device())):
+                    self._loop.run_until_complete(self._start())
+                    started.set_result(None)
+                    self._loop.run_until_complete(self._server.wait_for_termination())
             except BaseException as e:
                 if not started.done():
                     started.set_exception(e)
                 else:
                     log.exception("node loop failed")
             finally:
+                end_thread_streams()
                 self._stopped.set()
 
         self._thread = threading.Thread(target=run, name="node-loop", daemon=True)

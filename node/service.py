@@ -11,7 +11,8 @@ the chain. All a node learns about acceptance is the Commit riding on the next s
 
 The servicer runs on one event loop: a frame is received, computed and queued for the next node on
 that loop, with no thread hand-offs on the decode path (each costs more than a small decode step on
-a busy machine).
+a busy machine). That loop's thread is the node's one MLX thread (it owns a thread-local stream, see
+server.py): loads (loader.py), steps, releases and tensor decoding all run on it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import socket
 import threading
 import time
 import uuid
-from concurrent import futures
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -32,8 +33,9 @@ from ..models import blas
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .dataplane import NextStage
+from .loader import LoadKey, load_stage
 from .protocol import StageError, StepOutput
-from .sysinfo import mlx_active_memory, system_memory
+from .sysinfo import gpu_limit, mlx_active_memory, system_memory
 from .wire import describe_rpc_error, frame_to_request, next_round, output_to_result, tensor_from_pb, tensor_to_pb
 
 if TYPE_CHECKING:
@@ -45,16 +47,7 @@ RING_PROBE_S = 2.0  # how long the last node tries to reach the first at load
 # A client (coordinator) whose subscription ended and was not renewed this long is gone: its
 # sequences are released, so a crashed coordinator does not pin caches on the nodes forever.
 ORPHAN_GRACE_S = 30.0
-
-
-@dataclass
-class LoadKey:
-    model_path: str
-    start: int
-    end: int
-    num_layers: int
-    mtp: bool
-    dtype: str
+ADOPT_TIMEOUT_S = 30.0  # a stage handed over from another thread (single-node launch)
 
 
 @dataclass
@@ -68,8 +61,8 @@ class LinkStats:
 class NodeService(pb_grpc.NodeServicer):
     """The servicer, on one asyncio loop. Steps run on the loop itself: a decode step is milliseconds
     and a thread hop would cost more than it saves, and MLX arrays must be evaluated on the thread
-    that built them (streams are per thread), so every sequence lives on this one thread. Loads run
-    on a side thread and are fully materialized there, so nothing lazy crosses threads."""
+    that built them (streams are per thread), so every shard and sequence lives on this one thread.
+    Loads run there too, in pieces between which the loop serves other calls."""
 
     def __init__(self, node_id: str | None = None, secret: str | None = None, name: str | None = None):
         self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
@@ -87,8 +80,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.ring_stats = LinkStats()
         self._tasks: set[asyncio.Task] = set()  # in-process rounds (the loop keeps only weak references)
         self.last_error: str | None = None
-        self._mlx = threading.Lock()  # a load on the side thread never overlaps a step
-        self._load_thread = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="load")
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by NodeServer: the node's MLX thread's loop
         self._load_lock: asyncio.Lock | None = None
         self._subs: dict[str, asyncio.Queue] = {}
         self._owners: dict[str, str] = {}  # sequence id -> the client that started it
@@ -105,8 +97,11 @@ class NodeService(pb_grpc.NodeServicer):
                 self.name = request.node_name
             reused = self.worker is not None and self.key == key
             if not reused:
+                self.worker, self.key = None, None  # free the old shard before reading the new one
+                self._owners.clear()
                 try:
-                    await asyncio.get_running_loop().run_in_executor(self._load_thread, self._load, key)
+                    # On this thread (arrays belong to it), yielding to the loop between pieces.
+                    self.worker, self.key = await load_stage(key), key
                 except (ValueError, FileNotFoundError, KeyError) as e:
                     self.last_error = f"load failed: {e}"
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
@@ -132,32 +127,31 @@ class NodeService(pb_grpc.NodeServicer):
             return pb.ConnectReply(ring=self.ring is not None or self.ring_self,
                                    next_transport=self.next.transport if self.next is not None else "")
 
-    def _load(self, key: LoadKey) -> None:
-        import mlx.core as mx
-
-        from ..models.loading import arrays_in, load_shard
-        from ..models.shard import ShardSpec
-        from .stage import StageWorker
-
-        dtype = None
-        if key.dtype:
-            if key.dtype not in ("float32", "float16", "bfloat16"):
-                raise ValueError(f"unsupported dtype {key.dtype!r}")
-            dtype = getattr(mx, key.dtype)
-        spec = ShardSpec(key.start, key.end, key.num_layers)
-        with self._mlx:
-            self.worker, self.key = None, None  # free the old shard before reading the new one
-            mx.clear_cache()
-            shard = load_shard(key.model_path, spec, mtp=key.mtp, dtype=dtype)
-            mx.eval(arrays_in(shard.model))  # nothing lazy may reach the loop thread
-            self.worker, self.key = StageWorker(shard), key
-            self._owners.clear()
-
     def adopt(self, worker: StageWorker, key: LoadKey) -> None:
-        """Serve a stage built in this process (single-node `mtpipe launch`): Health reports it."""
-        with self._mlx:
-            self.worker, self.key = worker, key
-            self._owners.clear()
+        """Serve a stage built in this process (single-node `mtpipe launch`): Health reports it.
+
+        Only Python objects change hands, and on the loop thread, so no call on the loop sees half
+        an adoption. Nothing of MLX is done here: the stage's arrays belong to the thread that built
+        them, which must have materialized them (load_shard evaluates every parameter)."""
+        loop = self.loop
+        if loop is None or not loop.is_running() or _on_loop(loop):
+            self._adopt(worker, key)
+            return
+        done = threading.Event()
+
+        def adopt_on_loop() -> None:
+            try:
+                self._adopt(worker, key)
+            finally:
+                done.set()
+
+        loop.call_soon_threadsafe(adopt_on_loop)
+        if not done.wait(ADOPT_TIMEOUT_S):
+            raise TimeoutError(f"the node loop did not take the stage within {ADOPT_TIMEOUT_S:.0f} s")
+
+    def _adopt(self, worker: StageWorker, key: LoadKey) -> None:
+        self.worker, self.key = worker, key
+        self._owners.clear()
 
     async def _set_next(self, target: str) -> None:
         if self.next is not None and self.next.target == target:
@@ -213,18 +207,16 @@ class NodeService(pb_grpc.NodeServicer):
         if worker is None:
             raise StageError(f"{self.name} has no shard loaded")
         req = frame_to_request(frame)
-        with self._mlx:
-            hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
-            out = worker.step(req, hidden)
-            return out if isinstance(out, StepOutput) else tensor_to_pb(out)
+        hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
+        out = worker.step(req, hidden)
+        return out if isinstance(out, StepOutput) else tensor_to_pb(out)
 
     def _release(self, seq_id: str) -> bool:
         worker = self.worker
         if worker is None:
             return False
         self._owners.pop(seq_id, None)
-        with self._mlx:  # freeing arrays is MLX work too
-            return worker.release(seq_id)
+        return worker.release(seq_id)  # freeing arrays is MLX work too: on the loop thread, as always
 
     async def on_frame(self, frame: pb.Frame) -> None:
         if frame.kind == pb.RELEASE:
@@ -358,7 +350,6 @@ class NodeService(pb_grpc.NodeServicer):
             await self.next.close()
         if self.ring is not None:
             await self.ring.close()
-        self._load_thread.shutdown(wait=False)
 
     # -- health ---------------------------------------------------------------------------------
 
@@ -368,6 +359,7 @@ class NodeService(pb_grpc.NodeServicer):
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthReply:
         from .. import __version__
 
+        gpu_limit()  # asks MLX once, cached: here on the node's MLX thread, not on the executor's
         used, available = await asyncio.get_running_loop().run_in_executor(None, system_memory)
         reply = pb.HealthReply(
             node_id=self.node_id,
@@ -418,3 +410,10 @@ class NodeService(pb_grpc.NodeServicer):
             if request.probe_next:
                 reply.next_rtt_ms = await self.next.ping_ms()
         return reply
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

@@ -8,7 +8,9 @@ from typing import Any
 from ...models.config import load_config
 from ...models.shard import ShardSpec
 from ..pipeline.local import even_split, local_pipeline
+from .batch import BatchEngine
 from .engine import DEFAULT_PREFILL_CHUNK, Engine
+from .scheduler import ModelDims
 
 
 def load_tokenizer(model_path: Path | str, eos_token_ids: list[int]) -> Any:
@@ -26,6 +28,55 @@ def local_engine(
     pipeline = local_pipeline(model_path, stages=stages, mtp=mtp, dtype=dtype, **pipeline_options)
     has_mtp = pipeline.stages[-1].shard.has_mtp
     return Engine(pipeline, tokenizer, set(tokenizer.eos_token_ids), config.args.max_position_embeddings, has_mtp)
+
+
+def batch_engine(
+    model_path: Path | str,
+    *,
+    stages: int = 1,
+    mtp: bool = True,
+    dtype: Any = None,
+    mtp_pre_norm: bool = False,
+    progress: Any = None,
+    memory_budget: int | None = None,
+    **options: Any,
+) -> BatchEngine:
+    """Single-machine engine that batches every active sequence, on one MLX thread that also loads."""
+    from ...models.loading import load_shard
+    from ...models.mlx_thread import MLXThread
+    from ...node.batch import BatchStage
+    from ...node.stage import StageWorker
+    from ...node.sysinfo import system_memory
+    from ..pipeline.local import even_split
+
+    config = load_config(Path(model_path))
+    tokenizer = load_tokenizer(model_path, config.eos_token_ids)
+    thread = MLXThread("mlx-engine")
+
+    def build() -> list[BatchStage]:
+        import mlx.core as mx
+
+        from ...models.loading import arrays_in
+
+        out = []
+        for spec in even_split(config.num_layers, stages):
+            shard = load_shard(model_path, spec, mtp=mtp, dtype=dtype, progress=progress)
+            mx.eval(arrays_in(shard.model))
+            out.append(BatchStage(StageWorker(shard, mtp_pre_norm=mtp_pre_norm, overlap=False)))
+        return out
+
+    try:
+        built = thread.call(build)
+    except BaseException:
+        thread.close()
+        raise
+    last = built[-1].worker
+    has_mtp = last.shard.has_mtp
+    dims = ModelDims.of(config.args, itemsize=last.dtype.size, mtp=has_mtp)
+    if memory_budget is None:
+        memory_budget = max(system_memory()[1] // 2, 256 * 2**20)
+    return BatchEngine(built, tokenizer, set(tokenizer.eos_token_ids), config.args.max_position_embeddings, has_mtp,
+                       thread, dims=dims, budget=memory_budget, **options)
 
 
 def fit_prefill_chunk(hidden_size: int, chunk: int = DEFAULT_PREFILL_CHUNK, itemsize: int = 4) -> int:

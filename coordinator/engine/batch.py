@@ -1,0 +1,279 @@
+"""The batch engine: every active sequence decodes in one round, on the process's one MLX thread.
+
+Requests arrive from any thread (`open`); the MLX thread runs the loop: refuse what waited too long,
+admit what fits the memory budget (scheduler.py), run one decode round for all decoding rows, then
+one prefill chunk of the oldest prompt, and hand each request its chunks through its sink. A
+request cancelled by its client (or done) leaves the batch before the next round, on every stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...models.mlx_thread import MLXThread
+from ...node.batch import BatchStage, RowStep
+from ...node.protocol import StepKind, StepOutput, StepRequest
+from . import scheduler as plan
+from .detokenizer import TextStream
+from .request import GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, check_request
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[Any], None]  # gets GenerationChunks, then an exception or END
+END = object()
+DEFAULT_MAX_ROWS = 16
+DEFAULT_QUEUE_TIMEOUT_S = 60.0
+DEFAULT_PREFILL_CHUNK = 512
+
+
+class ServerBusy(RuntimeError):
+    """A request waited longer than the queue timeout for memory to free up."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass
+class Live:
+    """One request inside the engine (touched only on the MLX thread, except `cancelled`)."""
+
+    seq_id: str
+    req: GenerationRequest
+    sink: Sink
+    text: TextStream
+    stats: GenerationStats
+    cost: int
+    queued: float
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    prefilled: int = 0  # prompt tokens fed so far
+    step: int = 0  # prefill steps sent
+    generated: int = 0
+    next_tokens: list[int] = field(default_factory=list)  # the next round's [y, d1..dK]
+    started: float = 0.0
+
+
+class Handle:
+    def __init__(self, live: Live, wake: Callable[[], None]):
+        self._live = live
+        self._wake = wake
+
+    def cancel(self) -> None:
+        """The client is gone: the sequence leaves the batch at the next round."""
+        self._live.cancelled.set()
+        self._wake()
+
+
+class BatchEngine:
+    def __init__(self, stages: list[BatchStage], tokenizer: Any, eos_token_ids: set[int] | list[int],
+                 max_context: int, has_mtp: bool, thread: MLXThread, *, dims: plan.ModelDims, budget: int,
+                 max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S):
+        self.stages = stages
+        self.tokenizer = tokenizer
+        self.eos = set(eos_token_ids)
+        self.max_context = max_context
+        self.has_mtp = has_mtp
+        self.thread = thread
+        self.dims = dims
+        self.budget = budget
+        self.max_rows = max_rows
+        self.prefill_chunk = prefill_chunk
+        self.queue_timeout = queue_timeout
+        self._inbox: queue.SimpleQueue[Live] = queue.SimpleQueue()
+        self._waiting: list[Live] = []
+        self._prefilling: list[Live] = []
+        self._decoding: list[Live] = []  # in batch order
+        self._round_s = 0.0
+        self._prefill_token_s = 0.0
+        self._stop_tokens = tuple(sorted(self.eos))
+        self.pipeline = self  # describe() and close() for the API and CLI, as a pipeline offers them
+        thread.set_worker(self._work)
+
+    # -- any thread -------------------------------------------------------------------------------
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+    def validate(self, req: GenerationRequest) -> None:
+        check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
+
+    def open(self, req: GenerationRequest, sink: Sink) -> Handle:
+        """Queue a request; its chunks, then END or an exception, go to `sink` (from the MLX thread)."""
+        self.validate(req)
+        positions = len(req.prompt_tokens) + req.max_tokens
+        live = Live(uuid.uuid4().hex, req, sink, TextStream(self.tokenizer, req.stop),
+                    GenerationStats(prompt_tokens=len(req.prompt_tokens)),
+                    plan.sequence_cost(self.dims, positions, req.mtp_depth), time.monotonic())
+        self._inbox.put(live)
+        self.thread.wake()
+        return Handle(live, self.thread.wake)
+
+    def generate(self, req: GenerationRequest) -> Iterator[GenerationChunk]:
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        handle = self.open(req, out.put)
+        try:
+            while True:
+                item = out.get()
+                if item is END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            handle.cancel()
+
+    def complete(self, req: GenerationRequest) -> GenerationResult:
+        parts, tokens = [], []
+        for chunk in self.generate(req):
+            parts.append(chunk.text)
+            tokens += chunk.tokens
+            if chunk.finish_reason:
+                return GenerationResult("".join(parts), tokens, chunk.finish_reason, chunk.stats)
+        raise RuntimeError("generation ended without a finish reason")
+
+    def describe(self) -> dict[str, Any]:
+        stages = self.thread.call(lambda: [dict(index=i, **s.describe()) for i, s in enumerate(self.stages)])
+        return {"kind": "local", "stages": stages, "batch": {"max_rows": self.max_rows, "budget_bytes": self.budget}}
+
+    def close(self) -> None:
+        self.thread.set_worker(None)
+        self.thread.close()
+
+    # -- the MLX thread ---------------------------------------------------------------------------
+
+    def _work(self) -> bool:
+        """One unit of work: admissions, one decode round, one prefill chunk. True if more is waiting."""
+        while True:
+            try:
+                self._waiting.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        self._drop_cancelled()
+        self._admit()
+        if self._decoding:
+            self._guard(self._decoding, self._round)
+        if self._prefilling:
+            live = self._prefilling[0]
+            self._guard([live], lambda: self._prefill(live))
+        return bool(self._decoding or self._prefilling)
+
+    def _guard(self, lives: list[Live], work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception as e:  # a failed round fails its requests, never the loop
+            log.exception("a batch step failed")
+            for live in list(lives):
+                self._finish(live, e)
+
+    def _drop_cancelled(self) -> None:
+        for group in (self._waiting, self._prefilling, self._decoding):
+            for live in [x for x in group if x.cancelled.is_set()]:
+                self._finish(live, None)
+
+    def _admit(self) -> None:
+        now = time.monotonic()
+        waiting = [plan.Waiting(x.seq_id, x.cost, x.queued) for x in self._waiting]
+        for seq_id in plan.expired(waiting, now, self.queue_timeout):
+            live = next(x for x in self._waiting if x.seq_id == seq_id)
+            self._finish(live, ServerBusy(f"no memory for this request after {self.queue_timeout:.0f} s in the queue",
+                                          retry_after=max(1, int(self.queue_timeout // 4))))
+            waiting = [w for w in waiting if w.seq_id != seq_id]
+        running = self._prefilling + self._decoding
+        chosen = plan.admit(waiting, sum(x.cost for x in running), self.budget, len(running), self.max_rows)
+        for seq_id in chosen:
+            live = next(x for x in self._waiting if x.seq_id == seq_id)
+            self._waiting.remove(live)
+            live.started = time.perf_counter()
+            self._prefilling.append(live)
+
+    def _prefill(self, live: Live) -> None:
+        prompt = live.req.prompt_tokens
+        body = len(prompt) - 1
+        if live.prefilled < body:
+            n = plan.prefill_chunk(body - live.prefilled, self.prefill_chunk, bool(self._decoding), self._round_s,
+                                   self._prefill_token_s)
+            chunk, final = prompt[live.prefilled : live.prefilled + n], False
+        else:
+            chunk, final = prompt[-1:], True
+        first = live.step == 0
+        req = StepRequest(live.seq_id, live.step, StepKind.PREFILL, chunk, final=final,
+                          params=live.req.params if first else None, mtp_depth=live.req.mtp_depth if first else 0,
+                          mtp_auto=live.req.mtp_auto and first)
+        start = time.perf_counter()
+        x = None
+        for stage in self.stages:
+            x = stage.prefill(req, x)
+        if not final:
+            self._prefill_token_s = plan.ema(self._prefill_token_s, (time.perf_counter() - start) / len(chunk))
+        live.step += 1
+        live.prefilled += len(chunk)
+        if final:
+            live.stats.prefill_seconds = time.perf_counter() - live.started
+            self._prefilling.remove(live)
+            for stage in self.stages:
+                stage.join(live.seq_id)
+            self._decoding.append(live)
+            live.started = time.perf_counter()
+            self._emit(live, x)
+
+    def _round(self) -> None:
+        rows = [RowStep(x.seq_id, x.next_tokens) for x in self._decoding]
+        start = time.perf_counter()
+        h = None
+        for stage in self.stages:
+            h = stage.forward(rows, h)
+        commits = [r.output.commit for r in h]
+        for stage in self.stages:
+            stage.commit(commits)
+        self._round_s = plan.ema(self._round_s, time.perf_counter() - start)
+        for live, row in zip(list(self._decoding), h):
+            live.stats.record_round(row.output)
+            self._emit(live, row.output)
+
+    def _emit(self, live: Live, out: StepOutput) -> None:
+        """Hand the round's tokens to the request; finish it at EOS, a stop string or max_tokens."""
+        new, finish = [], None
+        for tok in out.tokens:
+            if tok in self.eos:
+                finish = "stop"
+                break
+            new.append(tok)
+            live.text.add(tok)
+            if live.text.stopped:
+                finish = "stop"
+                break
+            if live.generated + len(new) >= live.req.max_tokens:
+                finish = "length"
+                break
+        live.generated += len(new)
+        live.stats.generation_tokens = live.generated
+        if finish is None:
+            live.next_tokens = [out.tokens[-1], *out.drafts]
+            live.sink(GenerationChunk(text=live.text.release(final=False), tokens=new))
+            return
+        live.stats.decode_seconds = time.perf_counter() - live.started
+        live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
+                                  stats=live.stats))
+        self._finish(live, None)
+
+    def _finish(self, live: Live, error: BaseException | None) -> None:
+        """Take a request out of the engine and free its caches on every stage."""
+        for group in (self._waiting, self._prefilling, self._decoding):
+            if live in group:
+                group.remove(live)
+        for stage in self.stages:
+            try:
+                stage.release(live.seq_id)
+            except Exception:
+                log.exception("releasing %s failed", live.seq_id)
+        if error is not None:
+            live.sink(error)
+        live.sink(END)

@@ -1,0 +1,80 @@
+"""What the batch engine does next, as pure functions over plain data (the runner does the work).
+
+Admission is by memory: each sequence costs its attention KV for every position it may reach, its
+GatedDeltaNet states, the per-position states a verify captures for its depth, and its MTP cache;
+sequences wait in FIFO order until their cost fits the budget, and are refused after a queue timeout.
+Prompts are prefilled in chunks between decode rounds, sized so a chunk takes about as long as a
+round: running streams keep flowing while a long prompt goes in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_PREFILL_CHUNK = 16
+PREFILL_ROUND_RATIO = 1.0  # a prefill chunk between two rounds takes about this many rounds' time
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What a sequence's caches cost per layer kind (bytes), from the model's config."""
+
+    kv_bytes_per_token: int  # attention keys and values of every attention layer (+ the MTP layer)
+    state_bytes: int  # GatedDeltaNet recurrent and conv states of every linear layer
+
+    @classmethod
+    def of(cls, args: object, itemsize: int, mtp: bool) -> ModelDims:
+        layers = args.num_hidden_layers
+        interval = args.full_attention_interval
+        attention = layers // interval + (1 if mtp else 0)
+        kv = 2 * args.num_key_value_heads * args.head_dim * itemsize * attention
+        key_dim = args.linear_num_key_heads * args.linear_key_head_dim
+        value_dim = args.linear_num_value_heads * args.linear_value_head_dim
+        conv = (args.linear_conv_kernel_dim - 1) * (2 * key_dim + value_dim) * itemsize
+        recurrent = args.linear_num_value_heads * args.linear_value_head_dim * args.linear_key_head_dim * 4
+        return cls(kv, (layers - layers // interval) * (conv + recurrent))
+
+
+def sequence_cost(dims: ModelDims, positions: int, depth: int) -> int:
+    """Bytes a sequence may hold: KV for `positions` (prompt + max tokens + drafts), its states, and
+    the states a verify over depth+1 tokens captures."""
+    return dims.kv_bytes_per_token * (positions + depth) + dims.state_bytes * (2 + depth)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    seq_id: str
+    cost: int
+    since: float  # when it was queued (monotonic seconds)
+
+
+def admit(waiting: list[Waiting], used: int, budget: int, running: int, max_rows: int) -> list[str]:
+    """The head of the FIFO queue that fits: a sequence never overtakes an older one that does not fit
+    yet, and one alone is admitted whatever its cost (it was validated against the context)."""
+    out: list[str] = []
+    for w in waiting:
+        if running + len(out) >= max_rows:
+            break
+        if used + w.cost > budget and running + len(out) > 0:
+            break
+        out.append(w.seq_id)
+        used += w.cost
+    return out
+
+
+def expired(waiting: list[Waiting], now: float, timeout: float) -> list[str]:
+    return [w.seq_id for w in waiting if now - w.since > timeout]
+
+
+def prefill_chunk(remaining: int, largest: int, decoding: bool, round_seconds: float,
+                  seconds_per_token: float) -> int:
+    """Tokens of a prompt to prefill before the next round: all that fit `largest` while nothing decodes,
+    otherwise as many as take about one round's time."""
+    if not decoding or round_seconds <= 0 or seconds_per_token <= 0:
+        return min(remaining, largest)
+    fit = int(PREFILL_ROUND_RATIO * round_seconds / seconds_per_token)
+    return max(1, min(remaining, largest, max(MIN_PREFILL_CHUNK, fit)))
+
+
+def ema(old: float, new: float, weight: float = 0.2) -> float:
+    return new if old <= 0 else (1 - weight) * old + weight * new

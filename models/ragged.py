@@ -1,0 +1,208 @@
+"""A forward over many sequences at once, each at its own length and with its own number of new tokens.
+
+Rows are padded to the longest input of the round, so every matmul reads the weights once for the
+whole batch. Attention keeps each row's keys at the row's own offset (`RaggedKV`): a row's entries
+past its length are never visible to its queries (the mask), so padding writes there harmlessly and
+trimming a row after a rejected draft is only lowering its length. GatedDeltaNet layers keep the
+state after every position (gdn_snapshots.py), so each row takes the state at its own last real
+position, and later at its own accepted position.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from .gdn_snapshots import GDNSnapshots, gdn_forward_with_snapshots
+
+CAPACITY_STEP = 256
+
+
+class RaggedKV:
+    """Keys and values of one attention layer for B rows, position-major [B, capacity, heads, dim],
+    so each row writes its new entries at its own offset in one scatter."""
+
+    def __init__(self, keys: mx.array | None = None, values: mx.array | None = None, lengths: list[int] | None = None):
+        self.keys = keys
+        self.values = values
+        self.lengths = list(lengths or [])
+
+    @classmethod
+    def from_cache(cls, cache: KVCache, length: int | None = None) -> RaggedKV:
+        """One row from mlx-lm's single-sequence cache ([1, heads, positions, dim]); `length` keeps a prefix."""
+        n = cache.offset if length is None else length
+        if cache.keys is None or n == 0:
+            return cls(None, None, [0])
+        keys = cache.keys[:, :, :n].transpose(0, 2, 1, 3)
+        values = cache.values[:, :, :n].transpose(0, 2, 1, 3)
+        return cls(keys, values, [n])
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[1]
+
+    def offsets(self) -> mx.array:
+        return mx.array(self.lengths, dtype=mx.int32)
+
+    def update(self, keys: mx.array, values: mx.array, real: list[int]) -> tuple[mx.array, mx.array, mx.array]:
+        """Write new entries [B, T, heads, dim] at each row's length; row i keeps `real[i]` of them.
+        Returns keys and values as [B, heads, L, dim] and the mask [B, 1, T, L] for the queries."""
+        B, T = keys.shape[:2]
+        need = max(self.lengths) + T
+        if need > self.capacity:
+            self._grow(need, keys)
+        lengths = mx.array(self.lengths, dtype=mx.int32)
+        positions = lengths[:, None] + mx.arange(T, dtype=mx.int32)[None, :]
+        rows = mx.broadcast_to(mx.arange(B, dtype=mx.int32)[:, None], (B, T))
+        self.keys[rows, positions] = keys
+        self.values[rows, positions] = values
+        mask = mx.arange(need, dtype=mx.int32)[None, None, None, :] <= positions[:, None, :, None]
+        self.lengths = [n + r for n, r in zip(self.lengths, real)]
+        return self.keys[:, :need].transpose(0, 2, 1, 3), self.values[:, :need].transpose(0, 2, 1, 3), mask
+
+    def _grow(self, need: int, like: mx.array) -> None:
+        size = -(-need // CAPACITY_STEP) * CAPACITY_STEP
+        shape = (len(self.lengths), size - self.capacity, *like.shape[2:])
+        pad = mx.zeros(shape, like.dtype)
+        if self.keys is None:
+            self.keys, self.values = pad, mx.zeros(shape, like.dtype)
+        else:
+            self.keys = mx.concatenate([self.keys, pad], axis=1)
+            self.values = mx.concatenate([self.values, pad], axis=1)
+
+    def trim(self, amounts: list[int]) -> None:
+        self.lengths = [n - t for n, t in zip(self.lengths, amounts)]
+
+    def take(self, rows: list[int]) -> RaggedKV:
+        """The given rows, in that order."""
+        if self.keys is None:
+            return RaggedKV(None, None, [self.lengths[i] for i in rows])
+        index = mx.array(rows, dtype=mx.int32)
+        return RaggedKV(self.keys[index], self.values[index], [self.lengths[i] for i in rows])
+
+    def row(self, i: int) -> tuple[mx.array, mx.array]:
+        """Row i's valid keys and values as [1, heads, length, dim] (what a single-sequence cache holds)."""
+        n = self.lengths[i]
+        return (self.keys[i : i + 1, :n].transpose(0, 2, 1, 3), self.values[i : i + 1, :n].transpose(0, 2, 1, 3))
+
+    @staticmethod
+    def concat(parts: list[RaggedKV]) -> RaggedKV:
+        lengths = [n for p in parts for n in p.lengths]
+        filled = [p for p in parts if p.keys is not None]
+        if not filled:
+            return RaggedKV(None, None, lengths)
+        size = max(p.capacity for p in filled)
+        like = filled[0].keys
+        keys, values = [], []
+        for p in parts:
+            if p.keys is None:
+                shape = (p.rows, size, *like.shape[2:])
+                keys.append(mx.zeros(shape, like.dtype))
+                values.append(mx.zeros(shape, like.dtype))
+                continue
+            pad = [(0, 0), (0, size - p.capacity), (0, 0), (0, 0)]
+            keys.append(mx.pad(p.keys, pad) if p.capacity < size else p.keys)
+            values.append(mx.pad(p.values, pad) if p.capacity < size else p.values)
+        return RaggedKV(mx.concatenate(keys), mx.concatenate(values), lengths)
+
+
+def ragged_attention(attn: Any, x: mx.array, cache: RaggedKV, real: list[int]) -> mx.array:
+    """Qwen3.5's gated attention (mlx-lm's module and weights) with per-row positions."""
+    B, T, _ = x.shape
+    queries, gate = mx.split(attn.q_proj(x).reshape(B, T, attn.num_attention_heads, -1), 2, axis=-1)
+    gate = gate.reshape(B, T, -1)
+    keys = attn.k_norm(attn.k_proj(x).reshape(B, T, attn.num_key_value_heads, -1))
+    values = attn.v_proj(x).reshape(B, T, attn.num_key_value_heads, -1)
+    offsets = cache.offsets()
+    queries = attn.rope(attn.q_norm(queries).transpose(0, 2, 1, 3), offset=offsets)
+    keys = attn.rope(keys.transpose(0, 2, 1, 3), offset=offsets).transpose(0, 2, 1, 3)
+    keys, values, mask = cache.update(keys, values, real)
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1) * mx.sigmoid(gate))
+
+
+def ragged_layer(layer: Any, h: mx.array, cache: Any, real: list[int]) -> tuple[mx.array, GDNSnapshots | None]:
+    """One decoder layer over padded rows; GatedDeltaNet layers end at each row's last real position."""
+    x = layer.input_layernorm(h)
+    snaps = None
+    if layer.is_linear:
+        r, snaps = gdn_forward_with_snapshots(layer.linear_attn, x, cache)
+        if any(t != h.shape[1] for t in real):
+            restore_rows(snaps, cache, [t - 1 for t in real])
+    else:
+        r = ragged_attention(layer.self_attn, x, cache, real)
+    h = h + r
+    return h + layer.mlp(layer.post_attention_layernorm(h)), snaps
+
+
+def restore_rows(snaps: GDNSnapshots, cache: ArraysCache, positions: list[int]) -> None:
+    """Each row's GatedDeltaNet state and conv window after its own position (rows of one forward)."""
+    B = len(positions)
+    at = mx.array(positions, dtype=mx.int32)
+    cache[1] = mx.stack(snaps.states)[at, mx.arange(B, dtype=mx.int32)]
+    window = (at[:, None] + 1 + mx.arange(snaps.kernel - 1, dtype=mx.int32))[:, :, None]
+    cache[0] = mx.take_along_axis(snaps.conv_input, window, axis=1)
+
+
+def pad_rows(rows: list[list[int]], fill: int = 0) -> mx.array:
+    width = max(len(r) for r in rows)
+    return mx.array([r + [fill] * (width - len(r)) for r in rows], dtype=mx.int32)
+
+
+# -- the batch's caches: one entry per layer ------------------------------------------------------
+
+
+def rows_cache(cache: list, lengths: list[int] | None = None) -> list:
+    """A batch cache of one row from a single-sequence cache (KVCache / ArraysCache per layer)."""
+    out: list = []
+    for c in cache:
+        if isinstance(c, KVCache):
+            out.append(RaggedKV.from_cache(c))
+        else:
+            a = ArraysCache(size=2)
+            a[0], a[1] = c[0], c[1]
+            out.append(a)
+    return out
+
+
+def concat_caches(parts: list[list]) -> list:
+    """Batch caches side by side (rows of the first, then of the second, ...)."""
+    out: list = []
+    for layer in zip(*parts):
+        if isinstance(layer[0], RaggedKV):
+            out.append(RaggedKV.concat(list(layer)))
+        else:
+            a = ArraysCache(size=2)
+            a[0] = mx.concatenate([c[0] for c in layer])
+            a[1] = mx.concatenate([c[1] for c in layer])
+            out.append(a)
+    return out
+
+
+def take_rows(cache: list, rows: list[int]) -> list:
+    out: list = []
+    index = mx.array(rows, dtype=mx.int32)
+    for c in cache:
+        if isinstance(c, RaggedKV):
+            out.append(c.take(rows))
+        else:
+            a = ArraysCache(size=2)
+            a[0], a[1] = c[0][index], c[1][index]
+            out.append(a)
+    return out
+
+
+def cache_arrays(cache: list) -> list[mx.array]:
+    out: list[mx.array] = []
+    for c in cache:
+        if isinstance(c, RaggedKV):
+            out += [a for a in (c.keys, c.values) if a is not None]
+        else:
+            out += [a for a in (c[0], c[1]) if a is not None]
+    return out

@@ -1,0 +1,141 @@
+"""A stage over many sequences at once: prompts one by one, decode rounds for all of them in one forward.
+
+A new sequence is prefilled alone through the stage's per-sequence worker (stage.py), in chunks the
+scheduler interleaves with decode rounds, then joins the batch: its caches become one row of the
+batch's caches (ragged.py). Each decode round runs every row's [y, d1..dK] in one padded forward;
+rows carry different numbers of drafts. The commit of a round (per row: drafts accepted, entries to
+trim) is applied right after it, per row, from the states each row captured. A row leaves between
+rounds and its caches go with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..models.gdn_snapshots import GDNSnapshots
+from ..models.ragged import cache_arrays, concat_caches, pad_rows, restore_rows, rows_cache, take_rows
+from .batch_head import BatchHead, RowOutput
+from .protocol import Commit, StageError, StepOutput, StepRequest
+from .stage import StageWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RowStep:
+    """One row of a decode round: its tokens [y, d1..dK]."""
+
+    seq_id: str
+    tokens: list[int]
+
+
+class BatchStage:
+    def __init__(self, worker: StageWorker):
+        if worker.overlap:
+            raise ValueError("a batch stage prefills through a worker that does not queue rounds ahead")
+        self.worker = worker
+        self.model = worker.model
+        self.spec = worker.spec
+        self.head = BatchHead(worker.head) if worker.head is not None else None
+        self.ids: list[str] = []  # the batch's rows, in order
+        self.cache: list = []  # per layer: RaggedKV (attention) or ArraysCache with [rows, ...] states
+        self.positions: list[int] = []
+        self.snapshots: dict[int, GDNSnapshots] = {}
+        self.real: list[int] = []  # tokens each row fed to the last forward
+
+    # -- membership -------------------------------------------------------------------------
+
+    def prefill(self, req: StepRequest, hidden: mx.array | None = None) -> mx.array | StepOutput:
+        """A prompt chunk of a sequence not yet in the batch (the worker's per-sequence path)."""
+        if req.seq_id in self.ids:
+            raise StageError(f"sequence {req.seq_id!r} is already decoding")
+        return self.worker.step(req, hidden)
+
+    def join(self, seq_id: str) -> None:
+        """Move a prefilled sequence into the batch, as its last row."""
+        seq = self.worker.sequences.pop(seq_id, None)
+        if seq is None:
+            raise StageError(f"unknown sequence {seq_id!r}")
+        row = rows_cache(seq.cache)
+        self.cache = row if not self.ids else concat_caches([self.cache, row])
+        self.ids.append(seq_id)
+        self.positions.append(seq.position)
+        if self.head is not None:
+            self.head.join(seq_id, seq.draft)
+
+    def leave(self, seq_ids: set[str]) -> None:
+        """Drop rows (finished or abandoned): their caches are freed with them."""
+        for seq_id in seq_ids:
+            self.worker.release(seq_id)
+        keep = [i for i, s in enumerate(self.ids) if s not in seq_ids]
+        if len(keep) == len(self.ids):
+            return
+        self.cache = take_rows(self.cache, keep) if keep else []
+        self.ids = [self.ids[i] for i in keep]
+        self.positions = [self.positions[i] for i in keep]
+        if self.head is not None:
+            self.head.keep(keep)
+        self.snapshots = {}
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self.ids or seq_id in self.worker.sequences
+
+    @property
+    def sequences(self) -> int:
+        return len(self.ids) + len(self.worker.sequences)
+
+    # -- a round --------------------------------------------------------------------------------
+
+    def forward(self, rows: list[RowStep], hidden: mx.array | None = None) -> mx.array | list[RowOutput]:
+        """One decode round for every row, in batch order; the last stage returns each row's outcome."""
+        if [r.seq_id for r in rows] != self.ids:
+            raise StageError("a round carries exactly the batch's rows, in order")
+        real = [len(r.tokens) for r in rows]
+        if min(real) < 1:
+            raise StageError("every row of a round needs at least one token")
+        if any(p + t > self.worker.max_context for p, t in zip(self.positions, real)):
+            raise StageError("context overflow in a decode round")
+        if self.spec.is_first:
+            h = self.model.embed(pad_rows([r.tokens for r in rows]))
+        else:
+            if hidden is None or hidden.shape[:2] != (len(rows), max(real)):
+                raise StageError("this stage needs the previous stage's hidden states for every row")
+            h = hidden.astype(self.worker.dtype)
+        h, self.snapshots = self.model.run_rows(h, self.cache, real)
+        self.real = real
+        self.positions = [p + t for p, t in zip(self.positions, real)]
+        if not self.spec.is_last:
+            mx.eval(h)
+            return h
+        return self.head.decide(rows, h, self.positions)
+
+    def commit(self, commits: list[Commit]) -> None:
+        """Each row keeps its accepted prefix of the last round (one commit per row, in batch order)."""
+        trims = [c.trim for c in commits]
+        if len(trims) != len(self.ids) or any(not 0 <= t < n for t, n in zip(trims, self.real)):
+            raise StageError("commits do not fit the last round")
+        if any(trims):
+            keep = [n - 1 - t for n, t in zip(self.real, trims)]
+            for i, (c, layer) in enumerate(zip(self.cache, self.model.layers)):
+                if layer.is_linear:
+                    restore_rows(self.snapshots[i], c, keep)
+                else:
+                    c.trim(trims)
+            self.positions = [p - t for p, t in zip(self.positions, trims)]
+        self.snapshots = {}
+        mx.eval(cache_arrays(self.cache))
+
+    def release(self, seq_id: str) -> bool:
+        if seq_id in self.ids:
+            self.leave({seq_id})
+            return True
+        return self.worker.release(seq_id)
+
+    def describe(self) -> dict:
+        out = self.worker.describe()
+        out["active_sequences"] = self.sequences
+        out["batch_rows"] = len(self.ids)
+        return out

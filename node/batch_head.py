@@ -1,0 +1,148 @@
+"""The last stage's head over a batch: every row's acceptance, tokens and next drafts from one forward.
+
+Each row keeps what the single-sequence head keeps (head.py's DraftState: sampling parameters, RNG,
+depth chooser, pending drafts); only the MTP cache moves into one `RaggedKV` for the batch, so the
+draft steps of all rows run together, each row at its own MTP length and depth. Acceptance is ragged:
+each row accepts its own number of drafts. Greedy rows need one host sync per round; sampled rows
+draw on the host with their own RNG, so a row's tokens do not depend on the rows around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..models.ragged import RaggedKV, pad_rows
+from .acceptance import accept_greedy, accept_sampled, draw, filtered_probs
+from .head import DraftState, Head
+from .protocol import Commit, StageError, StepOutput
+
+
+@dataclass
+class RowOutput:
+    seq_id: str
+    output: StepOutput
+
+
+class BatchHead:
+    def __init__(self, head: Head):
+        self.head = head  # the per-sequence head: prefill, calibration and the depth costs
+        self.model = head.model
+        self.states: list[DraftState] = []
+        self.rounds: list[int] = []
+        self.mtp = RaggedKV()
+
+    def join(self, seq_id: str, d: DraftState) -> None:
+        row = RaggedKV.from_cache(d.mtp_cache, d.mtp_len) if d.mtp_cache is not None else RaggedKV(None, None, [0])
+        d.mtp_cache = None  # the batch's cache holds it now
+        self.mtp = row if not self.states else RaggedKV.concat([self.mtp, row])
+        self.states.append(d)
+        self.rounds.append(0)
+
+    def keep(self, rows: list[int]) -> None:
+        self.states = [self.states[i] for i in rows]
+        self.rounds = [self.rounds[i] for i in rows]
+        self.mtp = self.mtp.take(rows) if rows else RaggedKV()
+
+    # -- a round --------------------------------------------------------------------------------
+
+    def decide(self, rows: list, h: mx.array, positions: list[int]) -> list[RowOutput]:
+        """`rows`: the round's RowSteps (batch.py), `h`: the last layer's hidden states of all rows."""
+        self._check(rows)
+        normed = self.model.final_norm(h)
+        mtp_in = h if self.head.mtp_pre_norm else normed
+        logits = self.model.lm_logits(normed)
+        picks = mx.argmax(logits, axis=-1)
+        sampled = [i for i, d in enumerate(self.states) if not d.params.greedy]
+        mx.eval(picks, *([logits] if sampled else []))
+        picks_host = picks.tolist()
+        outs, pairs = [], []
+        for i, (row, d) in enumerate(zip(rows, self.states)):
+            drafts = row.tokens[1:]
+            K = len(drafts)
+            if d.params.greedy:
+                n, tokens = accept_greedy(picks_host[i][: K + 1], drafts)
+            elif K == 0:
+                n, tokens = 0, [draw(filtered_probs(logits[i, 0], d.params), d.rng)]
+            else:
+                n, tokens = accept_sampled(filtered_probs(logits[i, : K + 1], d.params), d.draft_probs, drafts, d.rng)
+            out = StepOutput(seq_id=row.seq_id, step=self.rounds[i], tokens=tokens, accepted=n, drafted=K,
+                             commit=Commit(step=self.rounds[i], accepted=n, trim=K - n))
+            self.rounds[i] += 1
+            if d.chooser is not None:
+                if K:
+                    d.chooser.record(self.head.costs, K, n)
+                d.depth = d.chooser.next_depth(self.head.costs, positions[i])
+            d.last_token = tokens[-1]
+            outs.append(RowOutput(row.seq_id, out))
+            pairs.append((mtp_in[i : i + 1, : n + 1], tokens))
+        self._draft(pairs)
+        for o, d in zip(outs, self.states):
+            o.output.drafts = list(d.drafts)
+        return outs
+
+    def _check(self, rows: list) -> None:
+        for row, d in zip(rows, self.states):
+            if row.tokens[0] != d.last_token or row.tokens[1:] != d.drafts:
+                raise StageError(f"round tokens of {row.seq_id!r} do not match the token and drafts this stage made")
+
+    def _draft(self, pairs: list[tuple[mx.array, list[int]]]) -> None:
+        """Every row's next drafts. The first MTP call adds each row's true (hidden, next token) pairs
+        and drafts d1 from its last one; later steps chain on the MTP output, for the rows that want
+        that many drafts (their chained entries are dropped next round)."""
+        B = len(self.states)
+        hids, toks, counts = [], [], []
+        for d, (hid, tok) in zip(self.states, pairs):
+            if d.idle_hidden is not None:  # pairs from rounds without drafts go in first
+                hid, tok = mx.concatenate([d.idle_hidden, hid], axis=1), d.idle_tokens + tok
+                d.idle_hidden, d.idle_tokens = None, []
+            if d.depth == 0:  # nothing to draft: keep the pairs for when drafting pays again
+                d.idle_hidden, d.idle_tokens = hid, tok
+                d.drafts, d.draft_probs = [], None
+                hid, tok = None, []
+            hids.append(hid)
+            toks.append(tok)
+            counts.append(len(tok))
+        depth = max(d.depth for d in self.states)
+        if depth == 0:
+            return
+        self.mtp.lengths = [d.mtp_len for d in self.states]  # drop last round's chained entries
+        width = max(counts)
+        H = next(h for h in hids if h is not None).shape[-1]
+        dtype = next(h for h in hids if h is not None).dtype
+        hidden = mx.concatenate([
+            mx.zeros((1, width, H), dtype) if h is None
+            else (mx.pad(h, [(0, 0), (0, width - h.shape[1]), (0, 0)]) if h.shape[1] < width else h)
+            for h in hids
+        ])
+        g = self.model.mtp.rows(hidden, self.model.embed(pad_rows([t or [0] for t in toks])), self.mtp, counts)
+        g = g[mx.arange(B), mx.array([max(c - 1, 0) for c in counts])][:, None]  # [B, 1, H]
+        for d, c in zip(self.states, counts):
+            d.mtp_len += c
+            d.drafts, d.draft_probs = [], None
+        lazy: list[mx.array] = []
+        probs: list[list[np.ndarray]] = [[] for _ in range(B)]
+        host = any(not d.params.greedy and d.depth for d in self.states)
+        tokens = mx.zeros((B,), mx.int32)
+        for k in range(depth):
+            if k:
+                real = [1 if d.depth > k else 0 for d in self.states]
+                g = self.model.mtp.rows(g, self.model.embed(tokens[:, None]), self.mtp, real)
+            logits = self.model.lm_logits(g)[:, 0]
+            tokens = mx.argmax(logits, axis=-1)
+            if host:
+                mx.eval(tokens, logits)
+                drawn = tokens.tolist()
+                for i, d in enumerate(self.states):
+                    if d.depth > k and not d.params.greedy:
+                        q = filtered_probs(logits[i], d.params)
+                        drawn[i] = draw(q, d.rng)
+                        probs[i].append(q)
+                tokens = mx.array(drawn, dtype=mx.int32)
+            lazy.append(tokens)
+        drafted = mx.stack(lazy, axis=1).tolist()  # [B, depth]
+        for i, d in enumerate(self.states):
+            d.drafts = drafted[i][: d.depth]
+            d.draft_probs = np.stack(probs[i]) if probs[i] else None

@@ -1,0 +1,76 @@
+"""A node's shard, loaded on the node's event-loop thread, which is the node's one MLX thread.
+
+MLX arrays belong to the thread (stream) that built them, so the shard is read and materialized on
+the loop thread itself, not on a side thread. To keep the loop serving while a large shard loads,
+the shard is built lazily (`mx.load` reads nothing until evaluated) and then evaluated a slice of
+tensors at a time, yielding to the loop between slices: Ping, Health and the other nodes' calls are
+answered between slices, each a fraction of a second of disk reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .stage import StageWorker
+
+log = logging.getLogger(__name__)
+
+PIECE_BYTES = 128 << 20  # evaluated between two turns of the loop
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class LoadKey:
+    model_path: str
+    start: int
+    end: int
+    num_layers: int
+    mtp: bool
+    dtype: str
+
+
+def pieces(arrays: list[Any], limit: int) -> Iterator[list[Any]]:
+    """Consecutive groups of arrays of at most `limit` bytes (an array larger than that alone)."""
+    group: list[Any] = []
+    size = 0
+    for a in arrays:
+        if group and size + a.nbytes > limit:
+            yield group
+            group, size = [], 0
+        group.append(a)
+        size += a.nbytes
+    if group:
+        yield group
+
+
+async def load_stage(key: LoadKey, piece_bytes: int = PIECE_BYTES) -> StageWorker:
+    """Load the shard of `key` on the calling loop's thread, yielding to the loop between pieces.
+
+    Raises ValueError (bad spec, dtype or checkpoint), FileNotFoundError or KeyError for a request
+    the node cannot serve."""
+    import mlx.core as mx
+
+    from ..models.loading import arrays_in, load_shard
+    from ..models.shard import ShardSpec
+    from .stage import StageWorker
+
+    if key.dtype and key.dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {key.dtype!r}")
+    dtype = getattr(mx, key.dtype) if key.dtype else None
+    spec = ShardSpec(key.start, key.end, key.num_layers)
+    mx.clear_cache()  # the caller dropped its old shard: give its memory back before reading
+    shard = load_shard(key.model_path, spec, mtp=key.mtp, dtype=dtype, materialize=False)
+    # Every array reachable from the model (parameters and private tables), in model order.
+    arrays = arrays_in(shard.model)
+    n = 0
+    for group in pieces(arrays, piece_bytes):
+        mx.eval(group)
+        n += 1
+        await asyncio.sleep(0)
+    log.debug("materialized %d arrays in %d pieces", len(arrays), n)
+    return StageWorker(shard)
