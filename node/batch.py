@@ -11,6 +11,7 @@ rounds and its caches go with it.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -45,6 +46,7 @@ class BatchStage:
         self.positions: list[int] = []
         self.snapshots: dict[int, GDNSnapshots] = {}
         self.real: list[int] = []  # tokens each row fed to the last forward
+        self.stats = worker.stats  # prefill steps and decode rounds alike
 
     # -- membership -------------------------------------------------------------------------
 
@@ -104,13 +106,19 @@ class BatchStage:
             if hidden is None or hidden.shape[:2] != (len(rows), max(real)):
                 raise StageError("this stage needs the previous stage's hidden states for every row")
             h = hidden.astype(self.worker.dtype)
+        start = time.perf_counter()
         h, self.snapshots = self.model.run_rows(h, self.cache, real)
         self.real = real
+        self.stats.steps += 1
+        self.stats.tokens_processed += sum(real)
         self.positions = [p + t for p, t in zip(self.positions, real)]
         if not self.spec.is_last:
             mx.eval(h)
+            self.stats.step_seconds += time.perf_counter() - start
             return h
-        return self.head.decide(rows, h, self.positions)
+        out = self.head.decide(rows, h, self.positions)
+        self.stats.step_seconds += time.perf_counter() - start
+        return out
 
     def commit(self, commits: list[Commit]) -> None:
         """Each row keeps its accepted prefix of the last round (one commit per row, in batch order)."""

@@ -9,6 +9,7 @@ draw on the host with their own RNG, so a row's tokens do not depend on the rows
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -33,6 +34,7 @@ class BatchHead:
         self.states: list[DraftState] = []
         self.rounds: list[int] = []
         self.mtp = RaggedKV()
+        self.handed_out = 0.0  # when the last round's outcome left this stage (perf_counter)
 
     def join(self, seq_id: str, d: DraftState) -> None:
         row = RaggedKV.from_cache(d.mtp_cache, d.mtp_len) if d.mtp_cache is not None else RaggedKV(None, None, [0])
@@ -51,6 +53,7 @@ class BatchHead:
     def decide(self, rows: list, h: mx.array, positions: list[int]) -> list[RowOutput]:
         """`rows`: the round's RowSteps (batch.py), `h`: the last layer's hidden states of all rows."""
         self._check(rows)
+        self._observe(rows, positions)
         normed = self.model.final_norm(h)
         mtp_in = h if self.head.mtp_pre_norm else normed
         logits = self.model.lm_logits(normed)
@@ -81,7 +84,19 @@ class BatchHead:
         self._draft(pairs)
         for o, d in zip(outs, self.states):
             o.output.drafts = list(d.drafts)
+        self.handed_out = time.perf_counter()
         return outs
+
+    def _observe(self, rows: list, positions: list[int]) -> None:
+        """A whole batched round, from handing out drafts to deciding them, timed under its deepest
+        row's depth: that is what a row going deeper makes every row wait for."""
+        costs = self.head.costs
+        if costs is None or not self.handed_out or not any(d.chooser for d in self.states):
+            return
+        seconds = time.perf_counter() - self.handed_out
+        depth = max(len(r.tokens) - 1 for r in rows)
+        for bucket_context in {1 << (max(p, 1).bit_length() - 1) for p in positions}:
+            costs.observe(depth, bucket_context, seconds)
 
     def _check(self, rows: list) -> None:
         for row, d in zip(rows, self.states):

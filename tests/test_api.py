@@ -28,7 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from mtpipe.coordinator.api.app import create_app  # noqa: E402
 from mtpipe.coordinator.api.serve import nodes_cluster_info  # noqa: E402
-from mtpipe.coordinator.engine.build import local_engine  # noqa: E402
+from mtpipe.coordinator.engine.batch import BatchEngine  # noqa: E402
+from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
 from mtpipe.coordinator.engine.engine import Engine  # noqa: E402
 from mtpipe.coordinator.engine.request import GenerationRequest  # noqa: E402
 from mtpipe.node.protocol import SamplingParams  # noqa: E402
@@ -61,12 +62,12 @@ class LiveServer:
 
 
 @pytest.fixture(scope="module")
-def engine(dense_ckpt: Path) -> Engine:
-    return local_engine(dense_ckpt, stages=2, dtype=mx.float32)
+def engine(dense_ckpt: Path) -> BatchEngine:
+    return batch_engine(dense_ckpt, stages=2, dtype=mx.float32)
 
 
 @pytest.fixture(scope="module")
-def server(engine: Engine) -> Iterator[LiveServer]:
+def server(engine: BatchEngine) -> Iterator[LiveServer]:
     with LiveServer(create_app(engine, MODEL)) as s:
         yield s
 
@@ -84,8 +85,9 @@ def direct(engine: Engine, tokens: list[int], max_tokens: int, depth: int = 2) -
     return engine.complete(GenerationRequest(tokens, max_tokens, SamplingParams(temperature=0.0), mtp_depth=depth))
 
 
-def active(engine: Engine) -> list[int]:
-    return [len(stage.sequences) for stage in engine.pipeline.stages]
+def active(engine: BatchEngine) -> list[int]:
+    """Sequences each stage holds, read on the engine's MLX thread."""
+    return engine.thread.call(lambda: [stage.sequences for stage in engine.stages])
 
 
 def wait_idle(engine: Engine, timeout: float = 10.0) -> None:

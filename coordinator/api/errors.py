@@ -12,8 +12,9 @@ class APIError(Exception):
     """An error answered with OpenAI's error body."""
 
     def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: Optional[dict[str, str]] = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param

@@ -19,10 +19,12 @@ _END = object()
 
 
 class GenerationThread:
-    """Iterates `engine.generate` on a thread and hands chunks to the event loop.
+    """One generation, its chunks handed to the event loop.
 
-    `cancel()` makes the thread stop at the next chunk and close the generator, so the engine
-    releases the sequence on every node; the queue then ends.
+    A batch engine (`open`) runs it in its own rounds and calls back with each chunk; a pipeline of
+    nodes is iterated on a thread of its own (its `generate` is synchronous, and the MLX work is on
+    the nodes). `cancel()` stops it at the next round or chunk, so the engine releases the sequence
+    on every stage; the queue then ends.
     """
 
     def __init__(self, engine: "Engine", req: "GenerationRequest", on_exit: Callable[["GenerationThread"], None]):
@@ -33,13 +35,33 @@ class GenerationThread:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.stopping = threading.Event()
         self.cancelled = False  # stopped before the last chunk
+        self.finished = False
+        self.handle: Any = None
         self.thread = threading.Thread(target=self._work, name="mtpipe-generation", daemon=True)
 
     def start(self) -> None:
-        self.thread.start()
+        if hasattr(self.engine, "open"):
+            self.handle = self.engine.open(self.req, self._on_item)
+        else:
+            self.thread.start()
 
     def cancel(self) -> None:
         self.stopping.set()
+        if self.handle is not None:
+            self.handle.cancel()
+
+    def _on_item(self, item: Any) -> None:
+        """A batch engine's callback (on its MLX thread): chunks, maybe an exception, then its END."""
+        from ..engine.batch import END
+
+        if item is END:
+            self.cancelled = not self.finished and self.stopping.is_set()
+            self.on_exit(self)
+            self._put(_END)
+            return
+        if getattr(item, "finish_reason", None):
+            self.finished = True
+        self._put(item)
 
     async def chunks(self) -> AsyncIterator["GenerationChunk"]:
         while True:

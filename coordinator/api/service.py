@@ -1,9 +1,8 @@
 """The API's work behind the routes: turning bodies into engine requests, running them, recording them.
 
-Each generation runs on a thread of its own (generation.py), since `Engine.generate` is synchronous
-and compute-bound; chunks reach the event loop through a queue, so requests interleave step by step
-and the loop stays responsive. A client that goes away stops its thread, whose `generator.close()`
-runs the engine's `finally` and frees the sequence on every node.
+A local engine batches every generation on its MLX thread; a pipeline of nodes runs each on a thread
+of its own (generation.py). Chunks reach the event loop through a queue, so the loop stays responsive.
+A client that goes away cancels its generation, which frees the sequence on every stage.
 
 (No `from __future__ import annotations` here: FastAPI reads the route annotations at run time.)
 """
@@ -16,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 from ...node.protocol import SamplingParams, StageError, StageUnavailable
+from ..engine.batch import ServerBusy
 from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
 from .defaults import DEFAULT_MAX_TOKENS
 from .errors import APIError
@@ -160,6 +160,10 @@ class Service:
         if isinstance(e, StageError):
             log.warning("a stage refused a generation: %s", e)
             return APIError(503, f"a pipeline stage refused the request: {e}", type="server_error", code="stage_error")
+        if isinstance(e, ServerBusy):
+            log.warning("a request waited too long for memory: %s", e)
+            return APIError(503, f"the server is busy: {e}", type="server_error", code="server_busy",
+                            headers={"Retry-After": str(e.retry_after)})
         if isinstance(e, StageUnavailable):
             log.warning("a node failed during a generation: %s", e)
             return APIError(503, f"a node failed: {e}", type="server_error", code="node_failure")

@@ -28,7 +28,7 @@ def add_serve_command(sub: "argparse._SubParsersAction") -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ...models.registry import resolve_model
     from ..api.serve import model_name_for, nodes_cluster_info, serve
-    from ..engine.build import local_engine
+    from ..engine.build import batch_engine
 
     if args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
@@ -47,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         options = {"mtp_pre_norm": True} if getattr(args, "mtp_pre_norm", False) else {}
         with progress_loader("loading model")() as progress:
-            engine = local_engine(path, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None,
+            engine = batch_engine(path, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None,
                                   progress=progress, **options)
     depth = 0 if args.no_mtp else args.mtp_depth
     if isinstance(depth, int) and depth > 0 and not engine.has_mtp:
