@@ -33,11 +33,13 @@ class BatchHead:
         self.model = head.model
         self.states: list[DraftState] = []
         self.rounds: list[int] = []
+        self.drafting: list[bool] = []  # rows that asked for drafts (a depth, or auto): they have an MTP cache
         self.mtp = RaggedKV()
         self.handed_out = 0.0  # when the last round's outcome left this stage (perf_counter)
 
     def join(self, seq_id: str, d: DraftState) -> None:
         row = RaggedKV.from_cache(d.mtp_cache, d.mtp_len) if d.mtp_cache is not None else RaggedKV(None, None, [0])
+        self.drafting.append(d.mtp_cache is not None)
         d.mtp_cache = None  # the batch's cache holds it now
         self.mtp = row if not self.states else RaggedKV.concat([self.mtp, row])
         self.states.append(d)
@@ -46,6 +48,7 @@ class BatchHead:
     def keep(self, rows: list[int]) -> None:
         self.states = [self.states[i] for i in rows]
         self.rounds = [self.rounds[i] for i in rows]
+        self.drafting = [self.drafting[i] for i in rows]
         self.mtp = self.mtp.take(rows) if rows else RaggedKV()
 
     # -- a round --------------------------------------------------------------------------------
@@ -109,8 +112,10 @@ class BatchHead:
         that many drafts (their chained entries are dropped next round)."""
         B = len(self.states)
         hids, toks, counts = [], [], []
-        for d, (hid, tok) in zip(self.states, pairs):
-            if d.idle_hidden is not None:  # pairs from rounds without drafts go in first
+        for d, drafting, (hid, tok) in zip(self.states, self.drafting, pairs):
+            if not drafting:  # never drafts (as the single-sequence head, which skips these rows): keep nothing
+                hid, tok = None, []
+            elif d.idle_hidden is not None:  # pairs from rounds without drafts go in first
                 hid, tok = mx.concatenate([d.idle_hidden, hid], axis=1), d.idle_tokens + tok
                 d.idle_hidden, d.idle_tokens = None, []
             if d.depth == 0:  # nothing to draft: keep the pairs for when drafting pays again

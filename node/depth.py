@@ -45,6 +45,16 @@ def best_depth(acceptance: list[float], round_seconds: list[float]) -> int:
     return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
 
+def batch_best_depth(rates: list[list[float]], kmaxes: list[int], round_seconds: list[float]) -> int:
+    """One depth for rows decoding together: a round lasts as long as its deepest row makes it, so the
+    depth with the most tokens per second summed over the rows (each row capped at its own most)."""
+    def rate(k: int) -> float:
+        tokens = sum(expected_tokens(r, min(k, m)) for r, m in zip(rates, kmaxes))
+        return tokens / max(round_seconds[k], 1e-9)
+
+    return max(range(len(round_seconds)), key=lambda k: (rate(k), -k))
+
+
 def context_bucket(context: int) -> int:
     """Costs are kept per power-of-two context length: attention grows with it."""
     return max(int(context), 1).bit_length()

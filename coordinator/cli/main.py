@@ -99,7 +99,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..bench import engine as bench
 
     model = resolve_model(args.model)
-    if args.target == "engine":
+    if args.target == "serve":
+        from ..bench import serve as bench_serve
+
+        result = bench_serve.bench_serve(
+            model, concurrency=bench_serve.parse_levels(args.concurrency), max_tokens=args.max_tokens,
+            api=not args.skip_api, gap=not args.skip_gap, mlx_lm=not args.skip_mlx_lm, reps=args.reps,
+        )
+        bench_serve.print_serve_report(result, stderr_console())
+    elif args.target == "engine":
         result = bench.bench_engine(
             model, max_tokens=args.max_tokens, prompts=args.prompts, depths=args.depths, mtp_pre_norm=args.mtp_pre_norm,
             contexts=args.context,
@@ -161,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
-    p.add_argument("target", choices=["engine", "pipeline"])
+    p.add_argument("target", choices=["engine", "pipeline", "serve"])
     p.add_argument("--model", help="model directory (default: the bundled demo model)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
@@ -169,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp-pre-norm", action="store_true", help="engine bench: feed the MTP head the pre-norm hidden")
     p.add_argument("--context", type=_lengths, default=None, metavar="L1,L2,...",
                    help="engine bench: also decode after prompts of these lengths (e.g. 256,2048,8192)")
+    p.add_argument("--concurrency", default="1,2,4,8,16", metavar="C1,C2,...",
+                   help="serve bench: numbers of concurrent streams")
+    p.add_argument("--reps", type=int, default=1, help="serve bench: runs per cell (the median is reported)")
+    p.add_argument("--skip-api", action="store_true", help="serve bench: skip the HTTP API level")
+    p.add_argument("--skip-gap", action="store_true", help="serve bench: skip the prefill-gap measurement")
+    p.add_argument("--skip-mlx-lm", action="store_true", help="serve bench: skip mlx-lm's batch_generate")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.set_defaults(func=cmd_bench)
 

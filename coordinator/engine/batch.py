@@ -22,7 +22,7 @@ from ...node.batch import BatchStage, RowStep
 from ...node.protocol import StepKind, StepOutput, StepRequest
 from . import scheduler as plan
 from .detokenizer import TextStream
-from .request import GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, check_request
+from .request import GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, RequestError, check_request
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ class BatchEngine:
         self._round_s = 0.0
         self._prefill_token_s = 0.0
         self._stop_tokens = tuple(sorted(self.eos))
+        self.vocab_size = stages[0].worker.shard.config.args.vocab_size  # what the first stage embeds
         self.pipeline = self  # describe() and close() for the API and CLI, as a pipeline offers them
         thread.set_worker(self._work)
 
@@ -104,6 +105,10 @@ class BatchEngine:
 
     def validate(self, req: GenerationRequest) -> None:
         check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
+        # The first stage would refuse it in the middle of the batch's work: refuse it here, from open().
+        bad = next((t for t in req.prompt_tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
 
     def open(self, req: GenerationRequest, sink: Sink) -> Handle:
         """Queue a request; its chunks, then END or an exception, go to `sink` (from the MLX thread)."""
@@ -163,7 +168,10 @@ class BatchEngine:
         if self._prefilling:
             live = self._prefilling[0]
             self._guard([live], lambda: self._prefill(live))
-        return bool(self._decoding or self._prefilling)
+        # Requests still waiting count as work: one admitted when the last running one finished in this
+        # unit would otherwise wait for the next open() to wake the thread (nothing running: the next
+        # unit admits at least one, so this never spins).
+        return bool(self._decoding or self._prefilling or self._waiting)
 
     def _guard(self, lives: list[Live], work: Callable[[], None]) -> None:
         try:

@@ -1,0 +1,338 @@
+"""`mtpipe bench serve`: aggregate decode speed of many concurrent streams, in-process and over HTTP,
+against mlx-lm's own batch generation, plus greedy identity across batch sizes and the stall a long
+prompt's prefill puts on running streams.
+
+Levels, at every concurrency c, on the same c prompts (held-out source windows, as `bench engine`
+uses) and the same max tokens, greedy:
+- engine: c requests opened at once on one in-process BatchEngine, per method (no_mtp: depth 0;
+  auto: up to 3 drafts, the depth picked each round);
+- api: the real API app (uvicorn on 127.0.0.1, a free port) over the same engine, c streaming
+  `POST /v1/completions` at once, timed by the client;
+- mlx_lm_batch: `mlx_lm.generate.batch_generate` over the same prompts, on the engine's MLX thread.
+
+Decode tok/s excludes prefill by measuring from the moment every stream has produced its first token
+(the engine prefills prompts one after another between decode rounds, so streams start staggered):
+tokens that arrive after that moment, over the time from it to the last token of any stream. At c=1
+this is `bench engine`'s (tokens - 1) / (last - first). Engine chunks carry exact token counts; API
+chunks carry text, so their tokens are the usage's completion tokens shared out by characters.
+mlx-lm's figure is its own `generation_tps`: generated tokens over wall time minus prompt time.
+Each cell is the median of `reps` runs; at each c every method runs back to back (interleaved).
+
+Identity: the engine's greedy outputs per prompt at c=8 (the largest c when 8 is absent), both
+methods, equal each prompt decoded alone (no_mtp).
+
+Prefill gap: 4 streams (no_mtp) decoding, then a ~4000-token prompt is submitted; the window runs
+from its submission to its first token. Every gap between consecutive chunks of the 4 streams that
+overlaps the window counts (timestamps taken as the engine emits the chunks); the report gives their
+median, p99 and max, the ratio p99 / median, and the median gap before the window as the baseline
+(`median_over_baseline`: how much slower rounds run while the prompt goes in).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ...models import blas
+from ...node.protocol import SamplingParams
+from ..engine.batch import DEFAULT_MAX_ROWS, END, BatchEngine, Handle
+from ..engine.build import batch_engine
+from ..engine.request import AUTO, GenerationRequest, context_room, resolve_depth
+from .engine import bench_prompts, long_prompt
+
+METHODS: dict[str, int | str] = {"no_mtp": 0, "auto": AUTO}
+DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16)
+RATIO_C = 8
+WARM_TOKENS = 8
+GAP_TOKENS = 4000
+GAP_STREAMS = 4
+GAP_SETTLE = 16  # chunks each stream emits before the long prompt goes in
+GAP_STREAM_TOKENS = 2048
+WAIT_S = 1800.0
+
+
+class Recorder:
+    """A request's sink: when each chunk left the engine (called on the MLX thread), and its tokens."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.counts: list[float] = []
+        self.tokens: list[int] = []
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def __call__(self, item: Any) -> None:
+        if item is END:
+            self.done.set()
+        elif isinstance(item, BaseException):
+            self.error = item
+        elif item.tokens:
+            self.times.append(time.perf_counter())
+            self.counts.append(len(item.tokens))
+            self.tokens += item.tokens
+
+    def wait(self) -> None:
+        if not self.done.wait(WAIT_S):
+            raise TimeoutError(f"a bench request did not finish in {WAIT_S:.0f} s")
+        if self.error is not None:
+            raise self.error
+
+
+def aggregate_tps(streams: list[tuple[list[float], list[float]]]) -> float:
+    """Tokens arriving after every stream has its first chunk, over that moment to the last chunk."""
+    live = [(t, n) for t, n in streams if t]
+    if not live:
+        return 0.0
+    start = max(t[0] for t, _ in live)
+    end = max(t[-1] for t, _ in live)
+    tokens = sum(c for t, n in live for ti, c in zip(t, n) if ti > start)
+    return tokens / (end - start) if end > start else 0.0
+
+
+def _request(engine: BatchEngine, prompt: list[int], max_tokens: int, method: str) -> GenerationRequest:
+    depth, auto = resolve_depth(METHODS[method], engine.has_mtp)
+    return GenerationRequest(prompt, max_tokens=max_tokens, params=SamplingParams(), mtp_depth=depth, mtp_auto=auto)
+
+
+def engine_run(engine: BatchEngine, prompts: list[list[int]], max_tokens: int,
+               method: str) -> tuple[float, list[list[int]]]:
+    """All prompts opened at once; aggregate decode tok/s and each prompt's tokens."""
+    recs = [Recorder() for _ in prompts]
+    for prompt, rec in zip(prompts, recs):
+        engine.open(_request(engine, prompt, max_tokens, method), rec)
+    for rec in recs:
+        rec.wait()
+    return aggregate_tps([(r.times, r.counts) for r in recs]), [r.tokens for r in recs]
+
+
+def api_run(url: str, prompts: list[list[int]], max_tokens: int, method: str) -> float:
+    from .serve_api import stream_completions
+
+    records = stream_completions(url, prompts, max_tokens, METHODS[method])
+    return aggregate_tps([(r.times, r.token_counts()) for r in records])
+
+
+def mlx_lm_run(engine: BatchEngine, ref: tuple[Any, Any], prompts: list[list[int]], max_tokens: int) -> float:
+    """mlx-lm's batch_generate on the engine's MLX thread (idle between runs): its generation_tps."""
+    from mlx_lm.generate import batch_generate
+
+    model, tokenizer = ref
+    response = engine.thread.call(batch_generate, model, tokenizer, prompts, max_tokens=max_tokens)
+    return response.stats.generation_tps
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+def prefill_gap(engine: BatchEngine, prompts: list[list[int]], long_tokens: int = GAP_TOKENS,
+                streams: int = GAP_STREAMS) -> dict[str, Any]:
+    """Inter-chunk gaps of `streams` decoding streams while a long prompt is prefilled."""
+    length = min(long_tokens, engine.max_context // 2)
+    long = long_prompt(engine.tokenizer, length)
+    chosen = [prompts[i % len(prompts)] for i in range(streams)]
+    recs = [Recorder() for _ in chosen]
+    handles: list[Handle] = []
+    for prompt, rec in zip(chosen, recs):
+        room = context_room(len(prompt), 0, engine.max_context)
+        handles.append(engine.open(_request(engine, prompt, min(GAP_STREAM_TOKENS, room), "no_mtp"), rec))
+    deadline = time.monotonic() + WAIT_S
+    while not all(len(r.times) >= GAP_SETTLE or r.done.is_set() for r in recs):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the gap bench's streams did not start")
+        time.sleep(0.005)
+    first = Recorder()
+    submitted = time.perf_counter()
+    engine.open(_request(engine, long, 1, "no_mtp"), first)
+    first.wait()
+    ended = first.times[0] if first.times else time.perf_counter()
+    for h in handles:
+        h.cancel()
+    for r in recs:
+        r.wait()
+    window, before = [], []
+    for r in recs:
+        for a, b in zip(r.times, r.times[1:]):
+            if b > submitted and a < ended:
+                window.append(b - a)
+            elif b <= submitted:
+                before.append(b - a)
+    out: dict[str, Any] = {
+        "prompt_tokens": len(long),
+        "streams": streams,
+        "streams_through_window": sum(1 for r in recs if r.times and r.times[-1] >= ended),
+        "prefill_s": round(ended - submitted, 4),
+        "prefill_tok_s": round(len(long) / (ended - submitted), 1) if ended > submitted else 0.0,
+        "gaps": len(window),
+        "baseline_median_ms": round(1000 * statistics.median(before), 3) if before else None,
+    }
+    if not window:
+        return {**out, "median_ms": None, "p99_ms": None, "max_ms": None, "gap_p99_over_median": None,
+                "median_over_baseline": None}
+    median, p99 = statistics.median(window), percentile(window, 99)
+    return {**out, "median_ms": round(1000 * median, 3), "p99_ms": round(1000 * p99, 3),
+            "max_ms": round(1000 * max(window), 3), "gap_p99_over_median": round(p99 / median, 3),
+            "median_over_baseline": round(1000 * median / out["baseline_median_ms"], 3) if before else None}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def ratios(tok_s: dict[str, Any], mlx: dict[str, float], levels: list[int]) -> dict[str, Any]:
+    """Engine-level ratios at c=8 (the largest c present when 8 is absent), named c8 either way."""
+    hi = RATIO_C if RATIO_C in levels else max(levels)
+    lo = 1 if 1 in levels else min(levels)
+    eng, api = tok_s["engine"], tok_s["api"]
+    k, k1 = str(hi), str(lo)
+    out: dict[str, Any] = {
+        "c8_no_mtp_vs_mlx_lm": _ratio(eng["no_mtp"][k], mlx.get(k)),
+        "c8_auto_vs_mlx_lm": _ratio(eng["auto"][k], mlx.get(k)),
+        "c8_auto_vs_no_mtp": _ratio(eng["auto"][k], eng["no_mtp"][k]),
+        "c8_vs_c1_no_mtp": _ratio(eng["no_mtp"][k], eng["no_mtp"][k1]),
+        "c8_vs_c1_auto": _ratio(eng["auto"][k], eng["auto"][k1]),
+        "api_vs_engine_c8": _ratio(api.get("no_mtp", {}).get(k), eng["no_mtp"][k]),
+        "api_vs_engine_c8_auto": _ratio(api.get("auto", {}).get(k), eng["auto"][k]),
+        "concurrency": hi,
+        "baseline_concurrency": lo,
+    }
+    if hi != RATIO_C or lo != 1:
+        out["note"] = f"c8 ratios are taken at c={hi}, c1 at c={lo} (8 or 1 not in the levels run)"
+    return out
+
+
+def bench_serve(
+    model_path: Path | str,
+    *,
+    concurrency: list[int] | tuple[int, ...] = DEFAULT_CONCURRENCY,
+    max_tokens: int = 128,
+    api: bool = True,
+    gap: bool = True,
+    mlx_lm: bool = True,
+    gap_tokens: int = GAP_TOKENS,
+    reps: int = 1,
+    dtype: Any = None,
+) -> dict[str, Any]:
+    """Every level at every concurrency (see the module docstring); the result as one dict."""
+    levels = sorted(set(concurrency))
+    if not levels or levels[0] < 1:
+        raise ValueError(f"concurrency levels must be positive, got {concurrency}")
+    top = levels[-1]
+    engine = batch_engine(model_path, dtype=dtype, max_rows=max(DEFAULT_MAX_ROWS, top))
+    server = None
+    try:
+        prompts = [list(engine.tokenizer.encode(t)) for t in bench_prompts(top)]
+        if len(prompts) < top:
+            raise ValueError(f"only {len(prompts)} bench prompts for concurrency {top}")
+        ref = engine.thread.call(_mlx_load, str(model_path)) if mlx_lm else None
+        if api:
+            from .serve_api import LiveServer
+
+            server = LiveServer(engine)
+            server.start()
+        for c in levels:  # warm every path up once at every batch size (compilation, allocator)
+            for method in METHODS:
+                engine_run(engine, prompts[:c], WARM_TOKENS, method)
+                if server:
+                    api_run(server.url, prompts[:c], WARM_TOKENS, method)
+            if ref:
+                mlx_lm_run(engine, ref, prompts[:c], WARM_TOKENS)
+        runs: dict[str, dict[str, dict[str, list[float]]]] = {"engine": {}, "api": {}}
+        mlx_runs: dict[str, list[float]] = {}
+        outputs: dict[str, list[list[int]]] = {}
+        id_c = RATIO_C if RATIO_C in levels else top
+        for c in levels:
+            batch = prompts[:c]
+            for rep in range(reps):
+                for method in METHODS:
+                    tps, toks = engine_run(engine, batch, max_tokens, method)
+                    runs["engine"].setdefault(method, {}).setdefault(str(c), []).append(tps)
+                    if c == id_c and rep == 0:
+                        outputs[method] = toks
+                    if server:
+                        tps = api_run(server.url, batch, max_tokens, method)
+                        runs["api"].setdefault(method, {}).setdefault(str(c), []).append(tps)
+                if ref:
+                    mlx_runs.setdefault(str(c), []).append(mlx_lm_run(engine, ref, batch, max_tokens))
+        singles = [engine_run(engine, [p], max_tokens, "no_mtp")[1][0] for p in prompts[:id_c]]
+        per_method = {m: outputs[m] == singles for m in METHODS}
+
+        def med(cells: dict[str, list[float]]) -> dict[str, float]:
+            return {c: round(statistics.median(v), 2) for c, v in cells.items()}
+
+        tok_s = {level: {m: med(cells) for m, cells in by.items()} for level, by in runs.items()}
+        mlx = med(mlx_runs)
+        result = {
+            "model": str(model_path),
+            "blas": blas.info().to_dict(),
+            "has_mtp": engine.has_mtp,
+            "concurrency": levels,
+            "max_tokens": max_tokens,
+            "reps": reps,
+            "prompt_tokens": [len(p) for p in prompts],
+            "measure": "decode tok/s: tokens after every stream's first token / (last token - that moment); "
+                       "mlx_lm_batch: its generation_tps",
+            "tok_s": tok_s,
+            "mlx_lm_batch": mlx,
+            "ratios": ratios(tok_s, mlx, levels),
+            "identical": all(per_method.values()),
+            "identity": {"concurrency": id_c, "per_method": per_method},
+            "prefill_gap": prefill_gap(engine, prompts, gap_tokens) if gap else None,
+        }
+    finally:
+        if server:
+            server.stop()
+        engine.close()
+    return result
+
+
+def _mlx_load(path: str) -> tuple[Any, Any]:
+    from mlx_lm import load
+
+    return load(path)
+
+
+def parse_levels(value: str) -> list[int]:
+    """--concurrency: comma-separated positive numbers of concurrent streams."""
+    try:
+        levels = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency: expected comma-separated counts, got {value!r}") from None
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency: expected positive counts, got {value!r}")
+    return levels
+
+
+def print_serve_report(result: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    tok, mlx = result["tok_s"], result["mlx_lm_batch"]
+    table = Table(title=f"mtpipe bench serve: aggregate decode tok/s, {result['max_tokens']} tokens per stream")
+    columns = [("engine", m) for m in tok["engine"]] + [("api", m) for m in tok["api"]]
+    table.add_column("streams", justify="right")
+    for level, m in columns:
+        table.add_column(f"{level} {m}", justify="right")
+    table.add_column("mlx-lm batch", justify="right")
+    table.add_column("no_mtp / mlx-lm", justify="right")
+    table.add_column("auto / mlx-lm", justify="right")
+    for c in map(str, result["concurrency"]):
+        ref = mlx.get(c)
+        cells = [f"{tok[level][m][c]:.1f}" for level, m in columns]
+        rel = [f"{tok['engine'][m][c] / ref:.2f}x" if ref else "-" for m in ("no_mtp", "auto")]
+        table.add_row(c, *cells, f"{ref:.1f}" if ref else "-", *rel)
+    console.print(table)
+    console.print(f"ratios: {result['ratios']}")
+    ident = result["identity"]
+    console.print(f"greedy outputs at c={ident['concurrency']} equal c=1: {result['identical']} {ident['per_method']}")
+    if result["prefill_gap"]:
+        g = result["prefill_gap"]
+        console.print(f"prefill gap: {g['prompt_tokens']}-token prompt in {g['prefill_s']:.2f} s; "
+                      f"{g['gaps']} gaps of {g['streams_through_window']}/{g['streams']} streams: median "
+                      f"{g['median_ms']} ms, p99 {g['p99_ms']} ms, max {g['max_ms']} ms "
+                      f"(p99/median {g['gap_p99_over_median']}; before: median {g['baseline_median_ms']} ms)")

@@ -1,0 +1,115 @@
+"""The HTTP half of `mtpipe bench serve`: the real API app on 127.0.0.1 and a free port, and concurrent
+streaming clients that time every chunk they receive.
+
+Only the public surface is used: `create_app(engine, name)` and `POST /v1/completions` with
+`stream: true` and `stream_options.include_usage`, so the bench measures whatever the API serves.
+Prompts go as token ids, so the API decodes exactly the prompts the engine level does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+MODEL_NAME = "bench"
+START_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 900.0
+
+
+class LiveServer:
+    """uvicorn serving the API app over `engine` on a background thread; port 0 picks a free port."""
+
+    def __init__(self, engine: Any):
+        import uvicorn
+
+        from ..api.app import create_app
+
+        app = create_app(engine, MODEL_NAME)
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="bench-api", daemon=True)
+        self.url = ""
+
+    def start(self) -> str:
+        """Start serving; the base URL."""
+        self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the API server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@dataclass
+class StreamRecord:
+    """One streamed completion as the client saw it: when each text chunk arrived, and its length."""
+
+    times: list[float] = field(default_factory=list)
+    chars: list[int] = field(default_factory=list)
+    text: str = ""
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+
+    def token_counts(self) -> list[float]:
+        """Tokens per chunk, estimated: the usage's completion tokens shared out by characters (the
+        chunks carry text, not token ids; a chunk holds one round's text, possibly several tokens)."""
+        total = sum(self.chars)
+        if not total:
+            return [0.0] * len(self.chars)
+        return [self.completion_tokens * c / total for c in self.chars]
+
+
+async def _stream_one(client: Any, url: str, body: dict[str, Any]) -> StreamRecord:
+    rec = StreamRecord()
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"POST /v1/completions: HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                break
+            now = time.perf_counter()
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(f"the API failed a stream: {obj['error'].get('message')}")
+            if obj.get("usage"):
+                rec.completion_tokens = obj["usage"]["completion_tokens"]
+            for choice in obj.get("choices") or []:
+                if choice.get("text"):
+                    rec.times.append(now)
+                    rec.chars.append(len(choice["text"]))
+                    rec.text += choice["text"]
+                rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
+    if not rec.completion_tokens:
+        raise RuntimeError("the stream ended without usage (stream_options.include_usage)")
+    return rec
+
+
+async def _stream_all(url: str, bodies: list[dict[str, Any]]) -> list[StreamRecord]:
+    try:
+        import httpx
+    except ImportError:
+        raise RuntimeError("the API bench needs httpx (pip install httpx), or pass --skip-api") from None
+    limits = httpx.Limits(max_connections=len(bodies) + 4, max_keepalive_connections=len(bodies) + 4)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+        return list(await asyncio.gather(*(_stream_one(client, url, b) for b in bodies)))
+
+
+def stream_completions(url: str, prompts: list[list[int]], max_tokens: int, mtp_depth: int | str) -> list[StreamRecord]:
+    """One greedy streaming request per prompt, all at once; returns when every stream has ended."""
+    bodies = [{"model": MODEL_NAME, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+               "stream_options": {"include_usage": True}, "mtp_depth": mtp_depth} for p in prompts]
+    return asyncio.run(_stream_all(url, bodies))

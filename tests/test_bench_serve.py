@@ -1,0 +1,36 @@
+"""`mtpipe bench serve` on a tiny checkpoint: every level runs and the result has the promised shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mtpipe.coordinator.bench.serve import aggregate_tps, bench_serve, percentile
+
+pytest.importorskip("httpx")
+
+
+def test_aggregate_excludes_tokens_before_every_stream_started() -> None:
+    # Stream b's first token comes at t=2: only tokens after it count, over 2..4.
+    a = ([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0])
+    b = ([2.0, 3.0, 4.0], [1.0, 2.0, 2.0])
+    assert aggregate_tps([a, b]) == pytest.approx((2 + 4) / 2)
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 99) == 2.0
+
+
+def test_bench_serve_tiny(dense_ckpt: Path) -> None:
+    result = bench_serve(dense_ckpt, concurrency=[1, 2], max_tokens=8, gap=False)
+    json.dumps(result)  # the CLI prints it as one JSON line
+    for level in ("engine", "api"):
+        for method in ("no_mtp", "auto"):
+            cells = result["tok_s"][level][method]
+            assert set(cells) == {"1", "2"} and all(v > 0 for v in cells.values()), (level, method, cells)
+    assert set(result["mlx_lm_batch"]) == {"1", "2"} and all(v > 0 for v in result["mlx_lm_batch"].values())
+    ratios = result["ratios"]
+    for key in ("c8_no_mtp_vs_mlx_lm", "c8_auto_vs_mlx_lm", "c8_vs_c1_no_mtp", "api_vs_engine_c8"):
+        assert ratios[key] > 0, key
+    assert ratios["concurrency"] == 2 and "note" in ratios
+    assert isinstance(result["identical"], bool) and result["identity"]["concurrency"] == 2
+    assert result["prefill_gap"] is None and "blas" in result
