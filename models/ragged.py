@@ -21,8 +21,8 @@ CAPACITY_STEP = 256
 
 
 class RaggedKV:
-    """Keys and values of one attention layer for B rows, position-major [B, capacity, heads, dim],
-    so each row writes its new entries at its own offset in one scatter."""
+    """Keys and values of one attention layer for B rows, [B, heads, capacity, dim] as attention reads
+    them; each row writes its new entries at its own offset in one scatter."""
 
     def __init__(self, keys: mx.array | None = None, values: mx.array | None = None, lengths: list[int] | None = None):
         self.keys = keys
@@ -35,9 +35,7 @@ class RaggedKV:
         n = cache.offset if length is None else length
         if cache.keys is None or n == 0:
             return cls(None, None, [0])
-        keys = cache.keys[:, :, :n].transpose(0, 2, 1, 3)
-        values = cache.values[:, :, :n].transpose(0, 2, 1, 3)
-        return cls(keys, values, [n])
+        return cls(cache.keys[:, :, :n], cache.values[:, :, :n], [n])
 
     @property
     def rows(self) -> int:
@@ -45,7 +43,7 @@ class RaggedKV:
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[1]
+        return 0 if self.keys is None else self.keys.shape[2]
 
     def offsets(self) -> mx.array:
         return mx.array(self.lengths, dtype=mx.int32)
@@ -60,21 +58,22 @@ class RaggedKV:
         lengths = mx.array(self.lengths, dtype=mx.int32)
         positions = lengths[:, None] + mx.arange(T, dtype=mx.int32)[None, :]
         rows = mx.broadcast_to(mx.arange(B, dtype=mx.int32)[:, None], (B, T))
-        self.keys[rows, positions] = keys
-        self.values[rows, positions] = values
+        self.keys[rows, :, positions] = keys  # (the indexed view is [B, T, heads, dim])
+        self.values[rows, :, positions] = values
         mask = mx.arange(need, dtype=mx.int32)[None, None, None, :] <= positions[:, None, :, None]
         self.lengths = [n + r for n, r in zip(self.lengths, real)]
-        return self.keys[:, :need].transpose(0, 2, 1, 3), self.values[:, :need].transpose(0, 2, 1, 3), mask
+        return self.keys[:, :, :need], self.values[:, :, :need], mask
 
     def _grow(self, need: int, like: mx.array) -> None:
         size = -(-need // CAPACITY_STEP) * CAPACITY_STEP
-        shape = (len(self.lengths), size - self.capacity, *like.shape[2:])
+        heads, dim = like.shape[2:]
+        shape = (len(self.lengths), heads, size - self.capacity, dim)
         pad = mx.zeros(shape, like.dtype)
         if self.keys is None:
             self.keys, self.values = pad, mx.zeros(shape, like.dtype)
         else:
-            self.keys = mx.concatenate([self.keys, pad], axis=1)
-            self.values = mx.concatenate([self.values, pad], axis=1)
+            self.keys = mx.concatenate([self.keys, pad], axis=2)
+            self.values = mx.concatenate([self.values, pad], axis=2)
 
     def trim(self, amounts: list[int]) -> None:
         self.lengths = [n - t for n, t in zip(self.lengths, amounts)]
@@ -89,7 +88,7 @@ class RaggedKV:
     def row(self, i: int) -> tuple[mx.array, mx.array]:
         """Row i's valid keys and values as [1, heads, length, dim] (what a single-sequence cache holds)."""
         n = self.lengths[i]
-        return (self.keys[i : i + 1, :n].transpose(0, 2, 1, 3), self.values[i : i + 1, :n].transpose(0, 2, 1, 3))
+        return self.keys[i : i + 1, :, :n], self.values[i : i + 1, :, :n]
 
     @staticmethod
     def concat(parts: list[RaggedKV]) -> RaggedKV:
@@ -102,11 +101,11 @@ class RaggedKV:
         keys, values = [], []
         for p in parts:
             if p.keys is None:
-                shape = (p.rows, size, *like.shape[2:])
+                shape = (p.rows, like.shape[1], size, like.shape[3])
                 keys.append(mx.zeros(shape, like.dtype))
                 values.append(mx.zeros(shape, like.dtype))
                 continue
-            pad = [(0, 0), (0, size - p.capacity), (0, 0), (0, 0)]
+            pad = [(0, 0), (0, 0), (0, size - p.capacity), (0, 0)]
             keys.append(mx.pad(p.keys, pad) if p.capacity < size else p.keys)
             values.append(mx.pad(p.values, pad) if p.capacity < size else p.values)
         return RaggedKV(mx.concatenate(keys), mx.concatenate(values), lengths)

@@ -17,12 +17,26 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..models.gdn_snapshots import GDNSnapshots
-from ..models.ragged import cache_arrays, concat_caches, pad_rows, restore_rows, rows_cache, take_rows
+from ..models.ragged import concat_caches, pad_rows, restore_rows, rows_cache, take_rows
 from .batch_head import BatchHead, RowOutput
 from .protocol import Commit, StageError, StepOutput, StepRequest
 from .stage import StageWorker
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Ahead:
+    """The next round's forward, queued on this round's still-lazy greedy picks (a whole-model stage
+    whose rows all carry no drafts): it computes while the host hands out this round's tokens. If the
+    next round is not exactly those picks for the same rows, the caches go back to `saved`."""
+
+    tokens: mx.array  # [rows] the picks it was fed
+    h: mx.array
+    snapshots: dict[int, GDNSnapshots]
+    prepared: tuple[mx.array, mx.array, mx.array]  # normed, logits, picks of that round
+    saved: list  # per layer: (conv, state) of a GatedDeltaNet layer, the lengths of an attention layer
+    issue_seconds: float = 0.0
 
 
 @dataclass
@@ -47,6 +61,8 @@ class BatchStage:
         self.snapshots: dict[int, GDNSnapshots] = {}
         self.real: list[int] = []  # tokens each row fed to the last forward
         self.stats = worker.stats  # prefill steps and decode rounds alike
+        self.ahead: Ahead | None = None
+        self.lookahead = self.spec.is_first and self.spec.is_last
 
     # -- membership -------------------------------------------------------------------------
 
@@ -61,6 +77,7 @@ class BatchStage:
         seq = self.worker.sequences.pop(seq_id, None)
         if seq is None:
             raise StageError(f"unknown sequence {seq_id!r}")
+        self._drop_ahead()
         row = rows_cache(seq.cache)
         self.cache = row if not self.ids else concat_caches([self.cache, row])
         self.ids.append(seq_id)
@@ -75,6 +92,7 @@ class BatchStage:
         keep = [i for i, s in enumerate(self.ids) if s not in seq_ids]
         if len(keep) == len(self.ids):
             return
+        self._drop_ahead()
         self.cache = take_rows(self.cache, keep) if keep else []
         self.ids = [self.ids[i] for i in keep]
         self.positions = [self.positions[i] for i in keep]
@@ -100,14 +118,22 @@ class BatchStage:
             raise StageError("every row of a round needs at least one token")
         if any(p + t > self.worker.max_context for p, t in zip(self.positions, real)):
             raise StageError("context overflow in a decode round")
-        if self.spec.is_first:
-            h = self.model.embed(pad_rows([r.tokens for r in rows]))
-        else:
-            if hidden is None or hidden.shape[:2] != (len(rows), max(real)):
-                raise StageError("this stage needs the previous stage's hidden states for every row")
-            h = hidden.astype(self.worker.dtype)
         start = time.perf_counter()
-        h, self.snapshots = self.model.run_rows(h, self.cache, real)
+        ahead, self.ahead = self.ahead, None
+        prepared = None
+        if ahead is not None and [r.tokens for r in rows] == [[t] for t in ahead.tokens.tolist()]:
+            h, self.snapshots, prepared = ahead.h, ahead.snapshots, ahead.prepared
+            start -= ahead.issue_seconds
+        else:
+            if ahead is not None:
+                self._restore(ahead)
+            if self.spec.is_first:
+                h = self.model.embed(pad_rows([r.tokens for r in rows]))
+            else:
+                if hidden is None or hidden.shape[:2] != (len(rows), max(real)):
+                    raise StageError("this stage needs the previous stage's hidden states for every row")
+                h = hidden.astype(self.worker.dtype)
+            h, self.snapshots = self.model.run_rows(h, self.cache, real)
         self.real = real
         self.stats.steps += 1
         self.stats.tokens_processed += sum(real)
@@ -116,7 +142,8 @@ class BatchStage:
             mx.eval(h)
             self.stats.step_seconds += time.perf_counter() - start
             return h
-        out = self.head.decide(rows, h, self.positions)
+        out = self.head.decide(rows, h, self.positions, start, prepared=prepared,
+                               on_picks=self._issue_ahead if self.lookahead else None)
         self.stats.step_seconds += time.perf_counter() - start
         return out
 
@@ -126,6 +153,7 @@ class BatchStage:
         if len(trims) != len(self.ids) or any(not 0 <= t < n for t, n in zip(trims, self.real)):
             raise StageError("commits do not fit the last round")
         if any(trims):
+            self._drop_ahead()  # (none is queued after a round with drafts)
             keep = [n - 1 - t for n, t in zip(self.real, trims)]
             for i, (c, layer) in enumerate(zip(self.cache, self.model.layers)):
                 if layer.is_linear:
@@ -134,7 +162,30 @@ class BatchStage:
                     c.trim(trims)
             self.positions = [p - t for p, t in zip(self.positions, trims)]
         self.snapshots = {}
-        mx.eval(cache_arrays(self.cache))
+
+    # -- the round queued ahead -----------------------------------------------------------------
+
+    def _issue_ahead(self, tokens: mx.array) -> None:
+        start = time.perf_counter()
+        saved = [(c[0], c[1]) if layer.is_linear else list(c.lengths) for c, layer in zip(self.cache, self.model.layers)]
+        h, snapshots = self.model.run_rows(self.model.embed(tokens[:, None]), self.cache, [1] * len(self.ids))
+        prepared = self.head.prepare(h)
+        mx.async_eval(prepared[2])
+        self.ahead = Ahead(tokens, h, snapshots, prepared, saved, time.perf_counter() - start)
+
+    def _restore(self, ahead: Ahead) -> None:
+        """Undo a queued round: GatedDeltaNet states as they were, attention lengths as they were (the
+        entries it wrote lie past them, invisible)."""
+        for c, layer, saved in zip(self.cache, self.model.layers, ahead.saved):
+            if layer.is_linear:
+                c[0], c[1] = saved
+            else:
+                c.lengths = saved
+
+    def _drop_ahead(self) -> None:
+        if self.ahead is not None:
+            self._restore(self.ahead)
+            self.ahead = None
 
     def release(self, seq_id: str) -> bool:
         if seq_id in self.ids:

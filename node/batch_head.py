@@ -10,6 +10,7 @@ draw on the host with their own RNG, so a row's tokens do not depend on the rows
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -17,6 +18,7 @@ import numpy as np
 
 from ..models.ragged import RaggedKV, pad_rows
 from .acceptance import accept_greedy, accept_sampled, draw, filtered_probs
+from .depth import BatchProbe, StageCosts, batch_best_depth
 from .head import DraftState, Head
 from .protocol import Commit, StageError, StepOutput
 
@@ -35,7 +37,9 @@ class BatchHead:
         self.rounds: list[int] = []
         self.drafting: list[bool] = []  # rows that asked for drafts (a depth, or auto): they have an MTP cache
         self.mtp = RaggedKV()
-        self.handed_out = 0.0  # when the last round's outcome left this stage (perf_counter)
+        self.draft_seconds = 0.0  # what drafting the pending drafts cost
+        self.costs_by_rows: dict[int, StageCosts] = {}
+        self.probe = BatchProbe()
 
     def join(self, seq_id: str, d: DraftState) -> None:
         row = RaggedKV.from_cache(d.mtp_cache, d.mtp_len) if d.mtp_cache is not None else RaggedKV(None, None, [0])
@@ -53,14 +57,25 @@ class BatchHead:
 
     # -- a round --------------------------------------------------------------------------------
 
-    def decide(self, rows: list, h: mx.array, positions: list[int]) -> list[RowOutput]:
-        """`rows`: the round's RowSteps (batch.py), `h`: the last layer's hidden states of all rows."""
-        self._check(rows)
-        self._observe(rows, positions)
+    def prepare(self, h: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Normed hidden, logits and greedy picks at every position of a round, still lazy."""
         normed = self.model.final_norm(h)
-        mtp_in = h if self.head.mtp_pre_norm else normed
         logits = self.model.lm_logits(normed)
-        picks = mx.argmax(logits, axis=-1)
+        return normed, logits, mx.argmax(logits, axis=-1)
+
+    def decide(self, rows: list, h: mx.array, positions: list[int], started: float,
+               prepared: tuple[mx.array, mx.array, mx.array] | None = None,
+               on_picks: Callable[[mx.array], None] | None = None) -> list[RowOutput]:
+        """`rows`: the round's RowSteps (batch.py), `h`: the last layer's hidden states of all rows,
+        whose forward on this stage began at `started` (perf_counter); `prepared`: what `prepare` made
+        of `h` when the round was queued ahead. When every row is greedy and carries no drafts this
+        round or the next, `on_picks` gets the still-lazy picks, so the next round can be queued on them."""
+        self._check(rows)
+        normed, logits, picks = prepared or self.prepare(h)
+        mtp_in = h if self.head.mtp_pre_norm else normed
+        if on_picks is not None and all(len(r.tokens) == 1 and d.params.greedy and d.depth == 0
+                                        for r, d in zip(rows, self.states)):
+            on_picks(picks[:, 0])
         sampled = [i for i, d in enumerate(self.states) if not d.params.greedy]
         mx.eval(picks, *([logits] if sampled else []))
         picks_host = picks.tolist()
@@ -80,26 +95,45 @@ class BatchHead:
             if d.chooser is not None:
                 if K:
                     d.chooser.record(self.head.costs, K, n)
-                d.depth = d.chooser.next_depth(self.head.costs, positions[i])
+                if d.chooser.deterministic:
+                    d.depth = d.chooser.next_depth(self.head.costs, positions[i])
             d.last_token = tokens[-1]
             outs.append(RowOutput(row.seq_id, out))
             pairs.append((mtp_in[i : i + 1, : n + 1], tokens))
+        self._choose(rows, positions, time.perf_counter() - started)
+        start = time.perf_counter()
         self._draft(pairs)
+        self.draft_seconds = time.perf_counter() - start
         for o, d in zip(outs, self.states):
             o.output.drafts = list(d.drafts)
-        self.handed_out = time.perf_counter()
         return outs
 
-    def _observe(self, rows: list, positions: list[int]) -> None:
-        """A whole batched round, from handing out drafts to deciding them, timed under its deepest
-        row's depth: that is what a row going deeper makes every row wait for."""
-        costs = self.head.costs
-        if costs is None or not self.handed_out or not any(d.chooser for d in self.states):
+    def _choose(self, rows: list, positions: list[int], verify_seconds: float) -> None:
+        """Depths for the rows with timed `auto`: one for all of them (batch_best_depth), from round
+        costs measured at this batch size. A round with K drafts costs drafting them (last round) and
+        verifying them (this one); a round is as wide as its deepest row, so it is timed under that."""
+        timed = [d for d in self.states if d.chooser is not None and not d.chooser.deterministic]
+        if not timed or self.head.costs is None:
             return
-        seconds = time.perf_counter() - self.handed_out
-        depth = max(len(r.tokens) - 1 for r in rows)
-        for bucket_context in {1 << (max(p, 1).bit_length() - 1) for p in positions}:
-            costs.observe(depth, bucket_context, seconds)
+        costs = self._costs(len(rows))
+        context = max(positions)
+        costs.observe(max(len(r.tokens) - 1 for r in rows), context, verify_seconds + self.draft_seconds)
+        kmax = max(d.chooser.kmax for d in timed)
+        depth = costs.unmeasured(context, kmax)
+        if depth is None:
+            rates = [d.chooser.acceptance.rates(costs.acceptance.extrapolated()[: d.chooser.kmax]) for d in timed]
+            best = batch_best_depth(rates, [d.chooser.kmax for d in timed], costs.round_seconds(context)[: kmax + 1])
+            depth = self.probe.next(best, costs, kmax)
+        for d in timed:
+            d.depth = min(depth, d.chooser.kmax)
+
+    def _costs(self, rows: int) -> StageCosts:
+        """Round costs per power-of-two batch size: how much a wider round costs depends on the rows."""
+        bucket = 1 << (rows - 1).bit_length()
+        if bucket not in self.costs_by_rows:
+            stage = self.head.costs
+            self.costs_by_rows[bucket] = StageCosts(list(stage.prior), acceptance=stage.acceptance)
+        return self.costs_by_rows[bucket]
 
     def _check(self, rows: list) -> None:
         for row, d in zip(rows, self.states):

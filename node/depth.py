@@ -188,3 +188,25 @@ class DepthChooser:
         self.probed_from, self.last_probe = best, self.rounds
         up = self.rounds % 2 == 1 or best == 0
         return min(best + 1, self.kmax) if up else max(best - 1, 0)
+
+
+@dataclass
+class BatchProbe:
+    """When rows of a batch share a depth: now and then try a neighbouring depth so its costs stay
+    current, less often while the probes keep confirming the choice (as DepthChooser does per row)."""
+
+    rounds: int = 0
+    last_probe: int = 0
+    probed_from: int | None = None
+
+    def next(self, best: int, costs: StageCosts, kmax: int) -> int:
+        self.rounds += 1
+        if self.probed_from is not None:
+            confirmed = best == self.probed_from
+            costs.probe_gap = min(2 * costs.probe_gap, PROBE_EVERY_MAX) if confirmed else PROBE_EVERY
+            self.probed_from = None
+        if self.rounds - self.last_probe < costs.probe_gap:
+            return best
+        self.probed_from, self.last_probe = best, self.rounds
+        up = self.rounds % 2 == 1 or best == 0
+        return min(best + 1, kmax) if up else max(best - 1, 0)
