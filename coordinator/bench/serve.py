@@ -8,7 +8,9 @@ uses) and the same max tokens, greedy:
   auto: up to 3 drafts, the depth picked each round);
 - api: the real API app (uvicorn on 127.0.0.1, a free port) over the same engine, c streaming
   `POST /v1/completions` at once, timed by the client;
-- mlx_lm_batch: `mlx_lm.generate.batch_generate` over the same prompts, on the engine's MLX thread.
+- mlx_lm_batch: `mlx_lm.generate.batch_generate` over the same prompts, on the engine's MLX thread;
+- single_stream (c=1 only): the per-sequence engine (`local_engine`, as `bench engine` and a lone user
+  ran before batching), for the c1 ratios.
 
 Decode tok/s excludes prefill by measuring from the moment every stream has produced its first token
 (the engine prefills prompts one after another between decode rounds, so streams start staggered):
@@ -39,7 +41,7 @@ from typing import Any
 from ...models import blas
 from ...node.protocol import SamplingParams
 from ..engine.batch import DEFAULT_MAX_ROWS, END, BatchEngine, Handle
-from ..engine.build import batch_engine
+from ..engine.build import batch_engine, local_engine
 from ..engine.request import AUTO, GenerationRequest, context_room, resolve_depth
 from .engine import bench_prompts, long_prompt
 
@@ -106,6 +108,18 @@ def engine_run(engine: BatchEngine, prompts: list[list[int]], max_tokens: int,
     for rec in recs:
         rec.wait()
     return aggregate_tps([(r.times, r.counts) for r in recs]), [r.tokens for r in recs]
+
+
+def single_run(engine: BatchEngine, single: Any, prompt: list[int], max_tokens: int, method: str) -> float:
+    """One stream through the per-sequence engine (`local_engine`, as `bench engine` runs it), on the
+    batch engine's idle MLX thread: what a lone user got before batching."""
+    def run() -> float:
+        rec = Recorder()
+        for chunk in single.generate(_request(engine, prompt, max_tokens, method)):
+            rec(chunk)
+        return aggregate_tps([(rec.times, rec.counts)])
+
+    return engine.thread.call(run)
 
 
 def api_run(url: str, prompts: list[list[int]], max_tokens: int, method: str) -> float:
@@ -189,7 +203,7 @@ def ratios(tok_s: dict[str, Any], mlx: dict[str, float], levels: list[int]) -> d
     """Engine-level ratios at c=8 (the largest c present when 8 is absent), named c8 either way."""
     hi = RATIO_C if RATIO_C in levels else max(levels)
     lo = 1 if 1 in levels else min(levels)
-    eng, api = tok_s["engine"], tok_s["api"]
+    eng, api, single = tok_s["engine"], tok_s["api"], tok_s.get("single_stream", {})
     k, k1 = str(hi), str(lo)
     out: dict[str, Any] = {
         "c8_no_mtp_vs_mlx_lm": _ratio(eng["no_mtp"][k], mlx.get(k)),
@@ -199,6 +213,8 @@ def ratios(tok_s: dict[str, Any], mlx: dict[str, float], levels: list[int]) -> d
         "c8_vs_c1_auto": _ratio(eng["auto"][k], eng["auto"][k1]),
         "api_vs_engine_c8": _ratio(api.get("no_mtp", {}).get(k), eng["no_mtp"][k]),
         "api_vs_engine_c8_auto": _ratio(api.get("auto", {}).get(k), eng["auto"][k]),
+        "c1_no_mtp_vs_single_stream": _ratio(eng["no_mtp"].get("1"), single.get("no_mtp", {}).get("1")),
+        "c1_auto_vs_single_stream": _ratio(eng["auto"].get("1"), single.get("auto", {}).get("1")),
         "concurrency": hi,
         "baseline_concurrency": lo,
     }
@@ -231,6 +247,7 @@ def bench_serve(
         if len(prompts) < top:
             raise ValueError(f"only {len(prompts)} bench prompts for concurrency {top}")
         ref = engine.thread.call(_mlx_load, str(model_path)) if mlx_lm else None
+        single = engine.thread.call(local_engine, model_path, dtype=dtype) if 1 in levels else None
         if api:
             from .serve_api import LiveServer
 
@@ -243,7 +260,10 @@ def bench_serve(
                     api_run(server.url, prompts[:c], WARM_TOKENS, method)
             if ref:
                 mlx_lm_run(engine, ref, prompts[:c], WARM_TOKENS)
-        runs: dict[str, dict[str, dict[str, list[float]]]] = {"engine": {}, "api": {}}
+        if single:
+            for method in METHODS:
+                single_run(engine, single, prompts[0], WARM_TOKENS, method)
+        runs: dict[str, dict[str, dict[str, list[float]]]] = {"engine": {}, "api": {}, "single_stream": {}}
         mlx_runs: dict[str, list[float]] = {}
         outputs: dict[str, list[list[int]]] = {}
         id_c = RATIO_C if RATIO_C in levels else top
@@ -258,6 +278,9 @@ def bench_serve(
                     if server:
                         tps = api_run(server.url, batch, max_tokens, method)
                         runs["api"].setdefault(method, {}).setdefault(str(c), []).append(tps)
+                    if single and c == 1:
+                        tps = single_run(engine, single, batch[0], max_tokens, method)
+                        runs["single_stream"].setdefault(method, {}).setdefault("1", []).append(tps)
                 if ref:
                     mlx_runs.setdefault(str(c), []).append(mlx_lm_run(engine, ref, batch, max_tokens))
         singles = [engine_run(engine, [p], max_tokens, "no_mtp")[1][0] for p in prompts[:id_c]]
@@ -327,6 +350,8 @@ def print_serve_report(result: dict[str, Any], console: Any) -> None:
         rel = [f"{tok['engine'][m][c] / ref:.2f}x" if ref else "-" for m in ("no_mtp", "auto")]
         table.add_row(c, *cells, f"{ref:.1f}" if ref else "-", *rel)
     console.print(table)
+    if tok.get("single_stream"):
+        console.print(f"one stream through the per-sequence engine: {tok['single_stream']}")
     console.print(f"ratios: {result['ratios']}")
     ident = result["identity"]
     console.print(f"greedy outputs at c={ident['concurrency']} equal c=1: {result['identical']} {ident['per_method']}")
