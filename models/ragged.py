@@ -10,6 +10,8 @@ position, and later at its own accepted position.
 
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Any
 
 import mlx.core as mx
@@ -45,22 +47,27 @@ class RaggedKV:
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def offsets(self) -> mx.array:
-        return mx.array(self.lengths, dtype=mx.int32)
+    def offsets(self) -> int | mx.array:
+        """Each row's next position: one number when the rows are level (then writes are a slice)."""
+        first = self.lengths[0]
+        return first if all(n == first for n in self.lengths) else _index(tuple(self.lengths), 0, 0, _thread())[0]
 
     def update(self, keys: mx.array, values: mx.array, real: list[int]) -> tuple[mx.array, mx.array, mx.array]:
         """Write new entries [B, T, heads, dim] at each row's length; row i keeps `real[i]` of them.
         Returns keys and values as [B, heads, L, dim] and the mask [B, 1, T, L] for the queries."""
-        B, T = keys.shape[:2]
+        T = keys.shape[1]
         need = max(self.lengths) + T
         if need > self.capacity:
             self._grow(need, keys)
-        lengths = mx.array(self.lengths, dtype=mx.int32)
-        positions = lengths[:, None] + mx.arange(T, dtype=mx.int32)[None, :]
-        rows = mx.broadcast_to(mx.arange(B, dtype=mx.int32)[:, None], (B, T))
-        self.keys[rows, :, positions] = keys  # (the indexed view is [B, T, heads, dim])
-        self.values[rows, :, positions] = values
-        mask = mx.arange(need, dtype=mx.int32)[None, None, None, :] <= positions[:, None, :, None]
+        level = self.offsets()
+        if isinstance(level, int):  # every row at the same length: a slice, and a causal mask at most
+            self.keys[:, :, level:need] = keys.transpose(0, 2, 1, 3)
+            self.values[:, :, level:need] = values.transpose(0, 2, 1, 3)
+            mask: mx.array | str | None = "causal" if T > 1 else None
+        else:
+            _, rows, positions, mask = _index(tuple(self.lengths), T, need, _thread())
+            self.keys[rows, :, positions] = keys  # (the indexed view is [B, T, heads, dim])
+            self.values[rows, :, positions] = values
         self.lengths = [n + r for n, r in zip(self.lengths, real)]
         return self.keys[:, :, :need], self.values[:, :, :need], mask
 
@@ -109,6 +116,22 @@ class RaggedKV:
             keys.append(mx.pad(p.keys, pad) if p.capacity < size else p.keys)
             values.append(mx.pad(p.values, pad) if p.capacity < size else p.values)
         return RaggedKV(mx.concatenate(keys), mx.concatenate(values), lengths)
+
+
+@functools.lru_cache(maxsize=4)
+def _index(lengths: tuple[int, ...], T: int, need: int, thread: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Row offsets, the scatter indices of T new entries per row and the mask of their queries; kept
+    for the round's other attention layers, which see the same lengths (per thread: arrays belong to
+    the thread that made them until evaluated)."""
+    offsets = mx.array(lengths, dtype=mx.int32)
+    positions = offsets[:, None] + mx.arange(T, dtype=mx.int32)[None, :]
+    rows = mx.broadcast_to(mx.arange(len(lengths), dtype=mx.int32)[:, None], (len(lengths), T))
+    mask = mx.arange(need, dtype=mx.int32)[None, None, None, :] <= positions[:, None, :, None]
+    return offsets, rows, positions, mask
+
+
+def _thread() -> int:
+    return threading.get_ident()
 
 
 def ragged_attention(attn: Any, x: mx.array, cache: RaggedKV, real: list[int]) -> mx.array:

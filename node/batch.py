@@ -36,7 +36,6 @@ class Ahead:
     snapshots: dict[int, GDNSnapshots]
     prepared: tuple[mx.array, mx.array, mx.array]  # normed, logits, picks of that round
     saved: list  # per layer: (conv, state) of a GatedDeltaNet layer, the lengths of an attention layer
-    issue_seconds: float = 0.0
 
 
 @dataclass
@@ -70,6 +69,8 @@ class BatchStage:
         """A prompt chunk of a sequence not yet in the batch (the worker's per-sequence path)."""
         if req.seq_id in self.ids:
             raise StageError(f"sequence {req.seq_id!r} is already decoding")
+        if self.head is not None:
+            self.head.interrupted = True  # the next round's timing would include this chunk
         return self.worker.step(req, hidden)
 
     def join(self, seq_id: str) -> None:
@@ -123,7 +124,6 @@ class BatchStage:
         prepared = None
         if ahead is not None and [r.tokens for r in rows] == [[t] for t in ahead.tokens.tolist()]:
             h, self.snapshots, prepared = ahead.h, ahead.snapshots, ahead.prepared
-            start -= ahead.issue_seconds
         else:
             if ahead is not None:
                 self._restore(ahead)
@@ -142,7 +142,7 @@ class BatchStage:
             mx.eval(h)
             self.stats.step_seconds += time.perf_counter() - start
             return h
-        out = self.head.decide(rows, h, self.positions, start, prepared=prepared,
+        out = self.head.decide(rows, h, self.positions, prepared=prepared,
                                on_picks=self._issue_ahead if self.lookahead else None)
         self.stats.step_seconds += time.perf_counter() - start
         return out
@@ -166,12 +166,11 @@ class BatchStage:
     # -- the round queued ahead -----------------------------------------------------------------
 
     def _issue_ahead(self, tokens: mx.array) -> None:
-        start = time.perf_counter()
         saved = [(c[0], c[1]) if layer.is_linear else list(c.lengths) for c, layer in zip(self.cache, self.model.layers)]
         h, snapshots = self.model.run_rows(self.model.embed(tokens[:, None]), self.cache, [1] * len(self.ids))
         prepared = self.head.prepare(h)
         mx.async_eval(prepared[2])
-        self.ahead = Ahead(tokens, h, snapshots, prepared, saved, time.perf_counter() - start)
+        self.ahead = Ahead(tokens, h, snapshots, prepared, saved)
 
     def _restore(self, ahead: Ahead) -> None:
         """Undo a queued round: GatedDeltaNet states as they were, attention lengths as they were (the

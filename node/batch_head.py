@@ -38,6 +38,8 @@ class BatchHead:
         self.drafting: list[bool] = []  # rows that asked for drafts (a depth, or auto): they have an MTP cache
         self.mtp = RaggedKV()
         self.draft_seconds = 0.0  # what drafting the pending drafts cost
+        self.handed_out = 0.0  # when the last round's outcome left this stage (perf_counter)
+        self.interrupted = True  # something other than rounds ran since (a prefill): do not time
         self.costs_by_rows: dict[int, StageCosts] = {}
         self.probe = BatchProbe()
 
@@ -48,12 +50,14 @@ class BatchHead:
         self.mtp = row if not self.states else RaggedKV.concat([self.mtp, row])
         self.states.append(d)
         self.rounds.append(0)
+        self.interrupted = True
 
     def keep(self, rows: list[int]) -> None:
         self.states = [self.states[i] for i in rows]
         self.rounds = [self.rounds[i] for i in rows]
         self.drafting = [self.drafting[i] for i in rows]
         self.mtp = self.mtp.take(rows) if rows else RaggedKV()
+        self.interrupted = True
 
     # -- a round --------------------------------------------------------------------------------
 
@@ -63,11 +67,11 @@ class BatchHead:
         logits = self.model.lm_logits(normed)
         return normed, logits, mx.argmax(logits, axis=-1)
 
-    def decide(self, rows: list, h: mx.array, positions: list[int], started: float,
+    def decide(self, rows: list, h: mx.array, positions: list[int],
                prepared: tuple[mx.array, mx.array, mx.array] | None = None,
                on_picks: Callable[[mx.array], None] | None = None) -> list[RowOutput]:
-        """`rows`: the round's RowSteps (batch.py), `h`: the last layer's hidden states of all rows,
-        whose forward on this stage began at `started` (perf_counter); `prepared`: what `prepare` made
+        """`rows`: the round's RowSteps (batch.py), `h`: the last layer's hidden states of all rows;
+        `prepared`: what `prepare` made
         of `h` when the round was queued ahead. When every row is greedy and carries no drafts this
         round or the next, `on_picks` gets the still-lazy picks, so the next round can be queued on them."""
         self._check(rows)
@@ -100,24 +104,29 @@ class BatchHead:
             d.last_token = tokens[-1]
             outs.append(RowOutput(row.seq_id, out))
             pairs.append((mtp_in[i : i + 1, : n + 1], tokens))
-        self._choose(rows, positions, time.perf_counter() - started)
+        self._choose(rows, positions)
         start = time.perf_counter()
         self._draft(pairs)
-        self.draft_seconds = time.perf_counter() - start
+        self.handed_out = time.perf_counter()
+        self.draft_seconds = self.handed_out - start
         for o, d in zip(outs, self.states):
             o.output.drafts = list(d.drafts)
         return outs
 
-    def _choose(self, rows: list, positions: list[int], verify_seconds: float) -> None:
+    def _choose(self, rows: list, positions: list[int]) -> None:
         """Depths for the rows with timed `auto`: one for all of them (batch_best_depth), from round
-        costs measured at this batch size. A round with K drafts costs drafting them (last round) and
-        verifying them (this one); a round is as wide as its deepest row, so it is timed under that."""
+        costs measured at this batch size. A round with K drafts costs drafting them and everything
+        from handing them out to their verdict (the other stages, the host, the commit); a round is as
+        wide as its deepest row, so it is timed under that. Rounds with a prefill between are not timed."""
         timed = [d for d in self.states if d.chooser is not None and not d.chooser.deterministic]
+        interrupted, self.interrupted = self.interrupted, False
         if not timed or self.head.costs is None:
             return
         costs = self._costs(len(rows))
         context = max(positions)
-        costs.observe(max(len(r.tokens) - 1 for r in rows), context, verify_seconds + self.draft_seconds)
+        if not interrupted:
+            seconds = time.perf_counter() - self.handed_out + self.draft_seconds
+            costs.observe(max(len(r.tokens) - 1 for r in rows), context, seconds)
         kmax = max(d.chooser.kmax for d in timed)
         depth = costs.unmeasured(context, kmax)
         if depth is None:
