@@ -39,8 +39,13 @@ class BatchHead:
         self.mtp = RaggedKV()
         self.draft_seconds = 0.0  # what drafting the pending drafts cost
         self.handed_out = 0.0  # when the last round's outcome left this stage (perf_counter)
+        # A round queued ahead computes during the one before: what queuing this round's cost (in the
+        # last round), and what queuing the next one's costs (in this one).
+        self.ahead_done = 0.0
+        self.ahead_next = 0.0
         self.interrupted = True  # something other than rounds ran since (a prefill): do not time
         self.costs_by_rows: dict[int, StageCosts] = {}
+        self.shapes: set[tuple[int, int]] = set()  # (rows, depth) of the rounds run so far
         self.probe = BatchProbe()
 
     def join(self, seq_id: str, d: DraftState) -> None:
@@ -79,7 +84,9 @@ class BatchHead:
         mtp_in = h if self.head.mtp_pre_norm else normed
         if on_picks is not None and all(len(r.tokens) == 1 and d.params.greedy and d.depth == 0
                                         for r, d in zip(rows, self.states)):
+            start = time.perf_counter()
             on_picks(picks[:, 0])
+            self.ahead_next = time.perf_counter() - start
         sampled = [i for i, d in enumerate(self.states) if not d.params.greedy]
         mx.eval(picks, *([logits] if sampled else []))
         picks_host = picks.tolist()
@@ -109,6 +116,7 @@ class BatchHead:
         self._draft(pairs)
         self.handed_out = time.perf_counter()
         self.draft_seconds = self.handed_out - start
+        self.ahead_done, self.ahead_next = self.ahead_next, 0.0
         for o, d in zip(outs, self.states):
             o.output.drafts = list(d.drafts)
         return outs
@@ -124,9 +132,13 @@ class BatchHead:
             return
         costs = self._costs(len(rows))
         context = max(positions)
-        if not interrupted:
-            seconds = time.perf_counter() - self.handed_out + self.draft_seconds
-            costs.observe(max(len(r.tokens) - 1 for r in rows), context, seconds)
+        depth = max(len(r.tokens) - 1 for r in rows)
+        shape = (len(rows), depth)
+        if shape not in self.shapes:  # the first round of a shape compiles its kernels: not a cost
+            self.shapes.add(shape)
+        elif not interrupted:  # each round charged its own forward, whichever round it computed in
+            seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
+            costs.observe(depth, context, seconds)
         kmax = max(d.chooser.kmax for d in timed)
         depth = costs.unmeasured(context, kmax)
         if depth is None:
