@@ -19,6 +19,7 @@ import mlx.core as mx
 from ..models.gdn_snapshots import GDNSnapshots
 from ..models.ragged import concat_caches, pad_rows, restore_rows, rows_cache, take_rows
 from .batch_head import BatchHead, RowOutput
+from .filling import FillGroup
 from .protocol import Commit, StageError, StepOutput, StepRequest
 from .stage import StageWorker
 
@@ -27,11 +28,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Ahead:
-    """The next round's forward, queued on this round's still-lazy greedy picks (a whole-model stage
-    whose rows all carry no drafts): it computes while the host hands out this round's tokens. If the
-    next round is not exactly those picks for the same rows, the caches go back to `saved`."""
+    """The next round's forward, queued before the host hands out this round's tokens (a whole-model
+    stage whose rows are all greedy): on this round's still-lazy picks when no row drafts, else on the
+    tokens and drafts just decided, after applying this round's commit. If the next round is not
+    exactly those tokens for the same rows, the caches go back to `saved`."""
 
-    tokens: mx.array  # [rows] the picks it was fed
+    tokens: mx.array | list[list[int]]  # the lazy picks [rows] it was fed, or each row's tokens
     h: mx.array
     snapshots: dict[int, GDNSnapshots]
     prepared: tuple[mx.array, mx.array, mx.array]  # normed, logits, picks of that round
@@ -62,6 +64,11 @@ class BatchStage:
         self.stats = worker.stats  # prefill steps and decode rounds alike
         self.ahead: Ahead | None = None
         self.lookahead = self.spec.is_first and self.spec.is_last
+        self.early: list[Commit] | None = None  # the last round's commit, applied when it was decided
+        args = worker.shard.config.args
+        self.filling = FillGroup(self.model, worker.head, first=self.spec.is_first, dtype=worker.dtype,
+                                 max_context=worker.max_context, vocab_size=args.vocab_size,
+                                 has_mtp=worker.shard.has_mtp)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -73,27 +80,45 @@ class BatchStage:
             self.head.interrupted = True  # the next round's timing would include this chunk
         return self.worker.step(req, hidden)
 
+    def fill(self, reqs: list[StepRequest], hidden: mx.array | None = None) -> mx.array | list[StepOutput]:
+        """Prompt chunks of sequences not yet in the batch, all in one forward (filling.py)."""
+        for req in reqs:
+            if req.seq_id in self.ids:
+                raise StageError(f"sequence {req.seq_id!r} is already decoding")
+        if self.head is not None:
+            self.head.interrupted = True  # the next round's timing would include this step
+        start = time.perf_counter()
+        out = self.filling.step(reqs, hidden)
+        self.stats.steps += 1
+        self.stats.tokens_processed += sum(len(r.tokens) for r in reqs)
+        self.stats.step_seconds += time.perf_counter() - start
+        return out
+
     def join(self, seq_id: str) -> None:
         """Move a prefilled sequence into the batch, as its last row."""
-        seq = self.worker.sequences.pop(seq_id, None)
-        if seq is None:
-            raise StageError(f"unknown sequence {seq_id!r}")
-        self._drop_ahead()
-        row = rows_cache(seq.cache)
+        if seq_id in self.filling:
+            row, position, draft = self.filling.take(seq_id)
+        else:
+            seq = self.worker.sequences.pop(seq_id, None)
+            if seq is None:
+                raise StageError(f"unknown sequence {seq_id!r}")
+            row, position, draft = rows_cache(seq.cache), seq.position, seq.draft
+        self.drop_ahead()
         self.cache = row if not self.ids else concat_caches([self.cache, row])
         self.ids.append(seq_id)
-        self.positions.append(seq.position)
+        self.positions.append(position)
         if self.head is not None:
-            self.head.join(seq_id, seq.draft)
+            self.head.join(seq_id, draft)
 
     def leave(self, seq_ids: set[str]) -> None:
         """Drop rows (finished or abandoned): their caches are freed with them."""
         for seq_id in seq_ids:
             self.worker.release(seq_id)
+            self.filling.release(seq_id)
         keep = [i for i, s in enumerate(self.ids) if s not in seq_ids]
         if len(keep) == len(self.ids):
             return
-        self._drop_ahead()
+        self.drop_ahead()
         self.cache = take_rows(self.cache, keep) if keep else []
         self.ids = [self.ids[i] for i in keep]
         self.positions = [self.positions[i] for i in keep]
@@ -102,11 +127,11 @@ class BatchStage:
         self.snapshots = {}
 
     def __contains__(self, seq_id: str) -> bool:
-        return seq_id in self.ids or seq_id in self.worker.sequences
+        return seq_id in self.ids or seq_id in self.worker.sequences or seq_id in self.filling
 
     @property
     def sequences(self) -> int:
-        return len(self.ids) + len(self.worker.sequences)
+        return len(self.ids) + len(self.worker.sequences) + len(self.filling.ids)
 
     # -- a round --------------------------------------------------------------------------------
 
@@ -122,7 +147,7 @@ class BatchStage:
         start = time.perf_counter()
         ahead, self.ahead = self.ahead, None
         prepared = None
-        if ahead is not None and [r.tokens for r in rows] == [[t] for t in ahead.tokens.tolist()]:
+        if ahead is not None and [r.tokens for r in rows] == _row_tokens(ahead):
             h, self.snapshots, prepared = ahead.h, ahead.snapshots, ahead.prepared
         else:
             if ahead is not None:
@@ -144,16 +169,29 @@ class BatchStage:
             return h
         out = self.head.decide(rows, h, self.positions, prepared=prepared,
                                on_picks=self._issue_ahead if self.lookahead else None)
+        if self.lookahead and self.ahead is None and self.head.all_greedy():
+            commits = [r.output.commit for r in out]
+            self._apply(commits)  # decided here: the engine's commit then only confirms it
+            self.early = commits
+            self._issue_ahead([[r.output.tokens[-1], *r.output.drafts] for r in out])
         self.stats.step_seconds += time.perf_counter() - start
         return out
 
     def commit(self, commits: list[Commit]) -> None:
         """Each row keeps its accepted prefix of the last round (one commit per row, in batch order)."""
+        early, self.early = self.early, None
+        if early is not None:
+            if commits != early:
+                raise StageError("commits differ from the outcome this stage decided")
+            return
+        self._apply(commits)
+
+    def _apply(self, commits: list[Commit]) -> None:
         trims = [c.trim for c in commits]
         if len(trims) != len(self.ids) or any(not 0 <= t < n for t, n in zip(trims, self.real)):
             raise StageError("commits do not fit the last round")
         if any(trims):
-            self._drop_ahead()  # (none is queued after a round with drafts)
+            self.drop_ahead()
             keep = [n - 1 - t for n, t in zip(self.real, trims)]
             for i, (c, layer) in enumerate(zip(self.cache, self.model.layers)):
                 if layer.is_linear:
@@ -165,9 +203,13 @@ class BatchStage:
 
     # -- the round queued ahead -----------------------------------------------------------------
 
-    def _issue_ahead(self, tokens: mx.array) -> None:
+    def _issue_ahead(self, tokens: mx.array | list[list[int]]) -> None:
         saved = [(c[0], c[1]) if layer.is_linear else list(c.lengths) for c, layer in zip(self.cache, self.model.layers)]
-        h, snapshots = self.model.run_rows(self.model.embed(tokens[:, None]), self.cache, [1] * len(self.ids))
+        if isinstance(tokens, list):
+            inputs, real = pad_rows(tokens), [len(t) for t in tokens]
+        else:
+            inputs, real = tokens[:, None], [1] * len(self.ids)
+        h, snapshots = self.model.run_rows(self.model.embed(inputs), self.cache, real)
         prepared = self.head.prepare(h)
         mx.async_eval(prepared[2])
         self.ahead = Ahead(tokens, h, snapshots, prepared, saved)
@@ -181,7 +223,9 @@ class BatchStage:
             else:
                 c.lengths = saved
 
-    def _drop_ahead(self) -> None:
+    def drop_ahead(self) -> None:
+        """Undo a round queued ahead (its work is lost; an early commit stays, it is final): before the
+        batch changes, or to read the caches as the last commit left them."""
         if self.ahead is not None:
             self._restore(self.ahead)
             self.ahead = None
@@ -190,10 +234,14 @@ class BatchStage:
         if seq_id in self.ids:
             self.leave({seq_id})
             return True
-        return self.worker.release(seq_id)
+        return self.worker.release(seq_id) or self.filling.release(seq_id)
 
     def describe(self) -> dict:
         out = self.worker.describe()
         out["active_sequences"] = self.sequences
         out["batch_rows"] = len(self.ids)
         return out
+
+
+def _row_tokens(ahead: Ahead) -> list[list[int]]:
+    return ahead.tokens if isinstance(ahead.tokens, list) else [[t] for t in ahead.tokens.tolist()]

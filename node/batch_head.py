@@ -46,6 +46,7 @@ class BatchHead:
         self.interrupted = True  # something other than rounds ran since (a prefill): do not time
         self.costs_by_rows: dict[int, StageCosts] = {}
         self.shapes: set[tuple[int, int]] = set()  # (rows, depth) of the rounds run so far
+        self.last_depth = -1
         self.probe = BatchProbe()
 
     def join(self, seq_id: str, d: DraftState) -> None:
@@ -63,6 +64,9 @@ class BatchHead:
         self.drafting = [self.drafting[i] for i in rows]
         self.mtp = self.mtp.take(rows) if rows else RaggedKV()
         self.interrupted = True
+
+    def all_greedy(self) -> bool:
+        return all(d.params.greedy for d in self.states)
 
     # -- a round --------------------------------------------------------------------------------
 
@@ -84,6 +88,8 @@ class BatchHead:
         mtp_in = h if self.head.mtp_pre_norm else normed
         if on_picks is not None and all(len(r.tokens) == 1 and d.params.greedy and d.depth == 0
                                         for r, d in zip(rows, self.states)):
+            if prepared is None:
+                mx.eval(picks)  # so the time of queuing the next round is that round's alone
             start = time.perf_counter()
             on_picks(picks[:, 0])
             self.ahead_next = time.perf_counter() - start
@@ -125,7 +131,9 @@ class BatchHead:
         """Depths for the rows with timed `auto`: one for all of them (batch_best_depth), from round
         costs measured at this batch size. A round with K drafts costs drafting them and everything
         from handing them out to their verdict (the other stages, the host, the commit); a round is as
-        wide as its deepest row, so it is timed under that. Rounds with a prefill between are not timed."""
+        wide as its deepest row, so it is timed under that. Only a round at the same depth as the one
+        before is timed (a change of depth mixes the two rounds' work: a commit, a round queued ahead),
+        and none with a prefill between."""
         timed = [d for d in self.states if d.chooser is not None and not d.chooser.deterministic]
         interrupted, self.interrupted = self.interrupted, False
         if not timed or self.head.costs is None:
@@ -134,9 +142,10 @@ class BatchHead:
         context = max(positions)
         depth = max(len(r.tokens) - 1 for r in rows)
         shape = (len(rows), depth)
+        steady, self.last_depth = depth == self.last_depth, depth
         if shape not in self.shapes:  # the first round of a shape compiles its kernels: not a cost
             self.shapes.add(shape)
-        elif not interrupted:  # each round charged its own forward, whichever round it computed in
+        elif steady and not interrupted:  # each round charged its own forward, whichever round it computed in
             seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
             costs.observe(depth, context, seconds)
         kmax = max(d.chooser.kmax for d in timed)

@@ -198,9 +198,13 @@ class BatchProbe:
     rounds: int = 0
     last_probe: int = 0
     probed_from: int | None = None
+    hold: int | None = None  # a probe lasts two rounds: the first, a change of depth, is not timed
 
     def next(self, best: int, costs: StageCosts, kmax: int) -> int:
         self.rounds += 1
+        if self.hold is not None:
+            depth, self.hold = self.hold, None
+            return depth
         if self.probed_from is not None:
             confirmed = best == self.probed_from
             costs.probe_gap = min(2 * costs.probe_gap, PROBE_EVERY_MAX) if confirmed else PROBE_EVERY
@@ -209,4 +213,5 @@ class BatchProbe:
             return best
         self.probed_from, self.last_probe = best, self.rounds
         up = self.rounds % 2 == 1 or best == 0
-        return min(best + 1, kmax) if up else max(best - 1, 0)
+        self.hold = min(best + 1, kmax) if up else max(best - 1, 0)
+        return self.hold

@@ -294,7 +294,9 @@ def max_diff(a: mx.array, b: mx.array) -> float:
 
 def check_caches(stage: BatchStage, rows: dict[str, Row]) -> float:
     """Row i's caches hold its prompt and all its emitted tokens but the last (the next round's
-    first input): stage.positions[i] of them. Compare them with a fresh forward over those tokens."""
+    first input): stage.positions[i] of them. Compare them with a fresh forward over those tokens.
+    A next round queued ahead has advanced the caches already: undo it first (its work is lost)."""
+    stage.drop_ahead()
     worst = 0.0
     for i, seq_id in enumerate(stage.ids):
         row = rows[seq_id]

@@ -166,8 +166,7 @@ class BatchEngine:
         if self._decoding:
             self._guard(self._decoding, self._round)
         if self._prefilling:
-            live = self._prefilling[0]
-            self._guard([live], lambda: self._prefill(live))
+            self._guard(self._prefilling, self._prefill)
         # Requests still waiting count as work: one admitted when the last running one finished in this
         # unit would otherwise wait for the next open() to wake the thread (nothing running: the next
         # unit admits at least one, so this never spins).
@@ -202,35 +201,42 @@ class BatchEngine:
             live.started = time.perf_counter()
             self._prefilling.append(live)
 
-    def _prefill(self, live: Live) -> None:
-        prompt = live.req.prompt_tokens
-        body = len(prompt) - 1
-        if live.prefilled < body:
-            n = plan.prefill_chunk(body - live.prefilled, self.prefill_chunk, bool(self._decoding), self._round_s,
-                                   self._prefill_token_s)
-            chunk, final = prompt[live.prefilled : live.prefilled + n], False
-        else:
-            chunk, final = prompt[-1:], True
-        first = live.step == 0
-        req = StepRequest(live.seq_id, live.step, StepKind.PREFILL, chunk, final=final,
-                          params=live.req.params if first else None, mtp_depth=live.req.mtp_depth if first else 0,
-                          mtp_auto=live.req.mtp_auto and first)
+    def _prefill(self) -> None:
+        """One prompt chunk for every sequence taking its prompt, in one forward (the prompt's last
+        token goes alone, as its own step, and yields the first token)."""
+        group = list(self._prefilling)
+        widest = max(len(x.req.prompt_tokens) - 1 - x.prefilled for x in group)
+        n = plan.prefill_chunk(max(widest, 1), self.prefill_chunk, bool(self._decoding), self._round_s,
+                               self._prefill_token_s * len(group))
+        reqs = []
+        for live in group:
+            prompt = live.req.prompt_tokens
+            left = len(prompt) - 1 - live.prefilled
+            chunk, final = (prompt[live.prefilled : live.prefilled + min(n, left)], False) if left > 0 \
+                else (prompt[-1:], True)
+            first = live.step == 0
+            reqs.append(StepRequest(live.seq_id, live.step, StepKind.PREFILL, chunk, final=final,
+                                    params=live.req.params if first else None,
+                                    mtp_depth=live.req.mtp_depth if first else 0, mtp_auto=live.req.mtp_auto and first))
         start = time.perf_counter()
         x = None
         for stage in self.stages:
-            x = stage.prefill(req, x)
-        if not final:
-            self._prefill_token_s = plan.ema(self._prefill_token_s, (time.perf_counter() - start) / len(chunk))
-        live.step += 1
-        live.prefilled += len(chunk)
-        if final:
+            x = stage.fill(reqs, x)
+        tokens = sum(len(r.tokens) for r in reqs)
+        if any(not r.final for r in reqs):
+            self._prefill_token_s = plan.ema(self._prefill_token_s, (time.perf_counter() - start) / tokens)
+        for live, req, out in zip(group, reqs, x):
+            live.step += 1
+            live.prefilled += len(req.tokens)
+            if not req.final:
+                continue
             live.stats.prefill_seconds = time.perf_counter() - live.started
             self._prefilling.remove(live)
             for stage in self.stages:
                 stage.join(live.seq_id)
             self._decoding.append(live)
             live.started = time.perf_counter()
-            self._emit(live, x)
+            self._emit(live, out)
 
     def _round(self) -> None:
         rows = [RowStep(x.seq_id, x.next_tokens) for x in self._decoding]

@@ -1,0 +1,162 @@
+"""Prompts prefilled together: one padded forward per chunk for every sequence still taking its prompt.
+
+Rows are right-padded to the longest chunk of the step. Attention writes each row's entries at its own
+length (ragged.py); GatedDeltaNet layers run mlx-lm's own prefill path with a mask for the padding and
+each row's length, so a row's state and conv window end at its last real token without keeping a
+state per position. A row that is not in a step feeds nothing (masked throughout). On the last stage
+each row's hidden states then go through the single-sequence head (head.py): its MTP cache, its
+first token and first drafts are per row. A row whose prompt is in leaves for the decode batch.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+from ..models.ragged import RaggedKV, cache_arrays, concat_caches, pad_rows, ragged_attention, take_rows
+from .head import DraftState, Head, new_draft_state
+from .protocol import MAX_MTP_DEPTH, StageError, StepKind, StepOutput, StepRequest
+
+
+class FillGroup:
+    def __init__(self, model: object, head: Head | None, *, first: bool, dtype: mx.Dtype, max_context: int,
+                 vocab_size: int, has_mtp: bool):
+        self.model = model
+        self.head = head
+        self.first = first
+        self.dtype = dtype
+        self.max_context = max_context
+        self.vocab_size = vocab_size
+        self.has_mtp = has_mtp
+        self.ids: list[str] = []
+        self.cache: list = []
+        self.positions: list[int] = []
+        self.steps: list[int] = []  # the next step each row expects
+        self.drafts: dict[str, DraftState] = {}
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self.ids
+
+    # -- rows -----------------------------------------------------------------------------------
+
+    def _add(self, req: StepRequest) -> None:
+        if req.step != 0 or req.kind is not StepKind.PREFILL:
+            raise StageError(f"unknown sequence {req.seq_id!r}")
+        if req.params is not None:
+            try:
+                req.params.validate()
+            except ValueError as e:
+                raise StageError(str(e)) from None
+        if not 0 <= req.mtp_depth <= MAX_MTP_DEPTH:
+            raise StageError(f"mtp_depth must be in [0, {MAX_MTP_DEPTH}], got {req.mtp_depth}")
+        if req.mtp_depth > 0 and self.head is not None and not self.has_mtp:
+            raise StageError("this model was loaded without an MTP head; use mtp_depth 0")
+        row = self._empty_row()
+        self.cache = row if not self.ids else concat_caches([self.cache, row])
+        self.ids.append(req.seq_id)
+        self.positions.append(0)
+        self.steps.append(0)
+        if self.head is not None:
+            self.drafts[req.seq_id] = new_draft_state(req)
+
+    def _empty_row(self) -> list:
+        row: list = []
+        for layer in self.model.layers:
+            if layer.is_linear:
+                gdn = layer.linear_attn
+                c = ArraysCache(size=2)
+                c[0] = mx.zeros((1, gdn.conv_kernel_size - 1, gdn.conv_dim), self.dtype)
+                c[1] = mx.zeros((1, gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim), mx.float32)
+                row.append(c)
+            else:
+                row.append(RaggedKV(None, None, [0]))
+        return row
+
+    def take(self, seq_id: str) -> tuple[list, int, DraftState | None]:
+        """Remove a row: its caches (one batch row), its position and its head state."""
+        i = self.ids.index(seq_id)
+        row = take_rows(self.cache, [i])
+        position = self.positions[i]
+        self._drop(i)
+        return row, position, self.drafts.pop(seq_id, None)
+
+    def release(self, seq_id: str) -> bool:
+        if seq_id not in self.ids:
+            return False
+        self._drop(self.ids.index(seq_id))
+        self.drafts.pop(seq_id, None)
+        return True
+
+    def _drop(self, i: int) -> None:
+        keep = [j for j in range(len(self.ids)) if j != i]
+        self.cache = take_rows(self.cache, keep) if keep else []
+        for lst in (self.ids, self.positions, self.steps):
+            del lst[i]
+
+    # -- a step ---------------------------------------------------------------------------------
+
+    def step(self, reqs: list[StepRequest], hidden: mx.array | None) -> mx.array | list[StepOutput]:
+        """One prompt chunk for each row named in `reqs` (other rows sit this step out). Returns the
+        hidden states of every row (padded), or on the last stage each named row's output, in order."""
+        self._check(reqs, hidden)
+        for req in reqs:
+            if req.seq_id not in self.ids:
+                self._add(req)
+        by_id = {r.seq_id: r for r in reqs}
+        tokens = [by_id[s].tokens if s in by_id else [] for s in self.ids]
+        real = [len(t) for t in tokens]
+        width = max(real)
+        if self.first:
+            h = self.model.embed(pad_rows([t or [0] for t in tokens]))
+        else:
+            if hidden is None or hidden.shape[:2] != (len(self.ids), width):
+                raise StageError("this stage needs the previous stage's hidden states for every prefilling row")
+            h = hidden.astype(self.dtype)
+        valid = mx.arange(width)[None, :] < mx.array(real)[:, None]
+        for layer, c in zip(self.model.layers, self.cache):
+            x = layer.input_layernorm(h)
+            if layer.is_linear:
+                c.lengths = mx.array(real)
+                r = layer.linear_attn(x, valid, c)
+                c.lengths = None
+            else:
+                r = ragged_attention(layer.self_attn, x, c, real)
+            h = h + r
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        self.positions = [p + n for p, n in zip(self.positions, real)]
+        for i, s in enumerate(self.ids):
+            if s in by_id:
+                self.steps[i] += 1
+        if self.head is None:
+            mx.eval(h, cache_arrays(self.cache))
+            return h
+        outs: list[StepOutput] = []
+        for i, s in enumerate(self.ids):
+            req = by_id.get(s)
+            if req is None:
+                continue
+            outs.append(self.head.run(req, self.drafts[s], h[i : i + 1, : real[i]], [], self.positions[i]))
+        mx.eval(cache_arrays(self.cache))
+        made = {o.seq_id: o for o in outs}
+        return [made[r.seq_id] for r in reqs]
+
+    def _check(self, reqs: list[StepRequest], hidden: mx.array | None) -> None:
+        seen = set()
+        for req in reqs:
+            if req.seq_id in seen:
+                raise StageError(f"sequence {req.seq_id!r} twice in one prefill step")
+            seen.add(req.seq_id)
+            if req.kind is not StepKind.PREFILL or not req.tokens:
+                raise StageError("a prefill step carries prompt tokens")
+            if any(not 0 <= t < self.vocab_size for t in req.tokens):
+                raise StageError("token id out of the vocabulary range")
+            if req.seq_id in self.ids:
+                i = self.ids.index(req.seq_id)
+                if req.step != self.steps[i]:
+                    raise StageError(f"step {req.step} out of order for {req.seq_id!r}: expected {self.steps[i]}")
+                if self.positions[i] + len(req.tokens) > self.max_context:
+                    raise StageError(f"context overflow: {self.positions[i] + len(req.tokens)} > {self.max_context}")
+            elif req.step != 0:
+                raise StageError(f"unknown sequence {req.seq_id!r}")
+        if self.first and hidden is not None:
+            raise StageError("the first stage takes token ids, not hidden states")
