@@ -33,7 +33,7 @@ class Ahead:
     tokens and drafts just decided, after applying this round's commit. If the next round is not
     exactly those tokens for the same rows, the caches go back to `saved`."""
 
-    tokens: mx.array | list[list[int]]  # the lazy picks [rows] it was fed, or each row's tokens
+    tokens: mx.array | list[list[int]]  # each row's tokens it was fed (the lazy picks until they are known)
     h: mx.array
     snapshots: dict[int, GDNSnapshots]
     prepared: tuple[mx.array, mx.array, mx.array]  # normed, logits, picks of that round
@@ -147,7 +147,7 @@ class BatchStage:
         start = time.perf_counter()
         ahead, self.ahead = self.ahead, None
         prepared = None
-        if ahead is not None and [r.tokens for r in rows] == _row_tokens(ahead):
+        if ahead is not None and [r.tokens for r in rows] == ahead.tokens:
             h, self.snapshots, prepared = ahead.h, ahead.snapshots, ahead.prepared
         else:
             if ahead is not None:
@@ -169,7 +169,10 @@ class BatchStage:
             return h
         out = self.head.decide(rows, h, self.positions, prepared=prepared,
                                on_picks=self._issue_ahead if self.lookahead else None)
-        if self.lookahead and self.ahead is None and self.head.all_greedy():
+        if self.ahead is not None and not isinstance(self.ahead.tokens, list):
+            # queued on the lazy picks: note them as the host now knows them (no wait on the queue later)
+            self.ahead.tokens = [[r.output.tokens[-1]] for r in out]
+        elif self.lookahead and self.ahead is None and self.head.all_greedy():
             commits = [r.output.commit for r in out]
             self._apply(commits)  # decided here: the engine's commit then only confirms it
             self.early = commits
@@ -241,7 +244,3 @@ class BatchStage:
         out["active_sequences"] = self.sequences
         out["batch_rows"] = len(self.ids)
         return out
-
-
-def _row_tokens(ahead: Ahead) -> list[list[int]]:
-    return ahead.tokens if isinstance(ahead.tokens, list) else [[t] for t in ahead.tokens.tolist()]
