@@ -149,7 +149,8 @@ class BatchHead:
             seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
             costs.observe(depth, context, seconds)
         kmax = max(d.chooser.kmax for d in timed)
-        depth = costs.unmeasured(context, kmax)
+        # Every depth is timed once at this batch size; other context lengths scale from those.
+        depth = next((k for k in range(kmax + 1) if not any(d == k for _, d in costs.live)), None)
         if depth is None:
             rates = [d.chooser.acceptance.rates(costs.acceptance.extrapolated()[: d.chooser.kmax]) for d in timed]
             best = batch_best_depth(rates, [d.chooser.kmax for d in timed], costs.round_seconds(context)[: kmax + 1])
