@@ -216,16 +216,17 @@ def form_cluster(
 
 def single_node_engine(server: Any, model_path: Path, mtp: bool, dtype: str | None, mtp_pre_norm: bool,
                        progress: Callable[[int, int], None] | None = None) -> Any:
-    """The whole model in this process; the node server reports its one stage in Health."""
+    """The whole model in this process, batched on its own MLX thread; the node server reports the
+    stage in Health (its statistics are the batch's)."""
     import mlx.core as mx
 
     from ...node.service import LoadKey
-    from ..engine.build import local_engine
+    from ..engine.build import batch_engine
 
     options = {"mtp_pre_norm": True} if mtp_pre_norm else {}
-    engine = local_engine(model_path, mtp=mtp, dtype=getattr(mx, dtype) if dtype else None, progress=progress,
+    engine = batch_engine(model_path, mtp=mtp, dtype=getattr(mx, dtype) if dtype else None, progress=progress,
                           **options)
-    stage = engine.pipeline.stages[0]
+    stage = engine.stages[0].worker
     n = stage.spec.num_layers
     server.service.adopt(stage, LoadKey(str(Path(model_path).resolve()), 0, n, n, mtp, dtype or ""))
     return engine
