@@ -20,6 +20,7 @@ from ..models.ragged import RaggedKV, pad_rows
 from .acceptance import accept_greedy, accept_sampled, draw, filtered_probs
 from .depth import BatchProbe, StageCosts, batch_best_depth
 from .head import DraftState, Head
+from .processors import apply, logprobs
 from .protocol import Commit, StageError, StepOutput
 
 
@@ -86,8 +87,13 @@ class BatchHead:
         self._check(rows)
         normed, logits, picks = prepared or self.prepare(h)
         mtp_in = h if self.head.mtp_pre_norm else normed
-        if on_picks is not None and all(len(r.tokens) == 1 and d.params.greedy and d.depth == 0
-                                        for r, d in zip(rows, self.states)):
+        processed = [(i, d.params, d.history, r.tokens[1:]) for i, (r, d) in enumerate(zip(rows, self.states))
+                     if d.processed]
+        if processed:  # position by position, as if the drafts before were accepted (processors.py)
+            logits = apply(logits, processed)
+            picks = mx.argmax(logits, axis=-1)
+        elif on_picks is not None and all(len(r.tokens) == 1 and d.params.greedy and d.depth == 0
+                                          for r, d in zip(rows, self.states)):
             if prepared is None:
                 mx.eval(picks)  # so the time of queuing the next round is that round's alone
             start = time.perf_counter()
@@ -115,6 +121,9 @@ class BatchHead:
                 if d.chooser.deterministic:
                     d.depth = d.chooser.next_depth(self.head.costs, positions[i])
             d.last_token = tokens[-1]
+            d.history.emit(tokens)
+            if d.params.top_logprobs >= 0:
+                out.logprobs = logprobs(logits[i, : len(tokens)], tokens, d.params.top_logprobs)
             outs.append(RowOutput(row.seq_id, out))
             pairs.append((mtp_in[i : i + 1, : n + 1], tokens))
         self._choose(rows, positions)
@@ -211,11 +220,18 @@ class BatchHead:
         probs: list[list[np.ndarray]] = [[] for _ in range(B)]
         host = any(not d.params.greedy and d.depth for d in self.states)
         tokens = mx.zeros((B,), mx.int32)
+        bias = None  # rows' logit_bias on their drafts too: drafts from the biased distribution are accepted
+        if any(d.params.logit_bias and d.depth for d in self.states):
+            vocab = self.model.embed_tokens.weight.shape[0]
+            bias = mx.stack([d.bias_row(vocab) if d.params.logit_bias else mx.zeros((vocab,), mx.float32)
+                             for d in self.states])
         for k in range(depth):
             if k:
                 real = [1 if d.depth > k else 0 for d in self.states]
                 g = self.model.mtp.rows(g, self.model.embed(tokens[:, None]), self.mtp, real)
             logits = self.model.lm_logits(g)[:, 0]
+            if bias is not None:
+                logits = logits + bias
             tokens = mx.argmax(logits, axis=-1)
             if host:
                 mx.eval(tokens, logits)

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import KVCache
 
 from .acceptance import accept_greedy, accept_sampled, draw, filtered_probs
 from .depth import DepthChooser, StageCosts
+from .processors import History, apply, bias_vector, has_processors, logprobs
 from .protocol import Commit, SamplingParams, StepKind, StepOutput, StepRequest
 
 
@@ -44,6 +45,17 @@ class DraftState:
     # round, and what the next round's is computing in during this one.
     ahead_done: float = 0.0
     ahead_next: float = 0.0
+    history: History = field(default_factory=History)  # for the logits processors
+    bias: mx.array | None = None  # logit_bias as a dense row, for the drafts (made on first use)
+
+    @property
+    def processed(self) -> bool:
+        return has_processors(self.params)
+
+    def bias_row(self, vocab: int) -> mx.array | None:
+        if self.params.logit_bias and self.bias is None:
+            self.bias = bias_vector(self.params, vocab)
+        return self.bias
 
 
 def new_draft_state(req: StepRequest) -> DraftState:
@@ -86,30 +98,37 @@ class Head:
         Greedy rounds can be queued before the host waits for this one: `on_token` gets the pick while it
         is still lazy when the next round is that token alone, `on_drafts` the output once the next
         round's drafts are known; `prepared` is what `prepare` made of `h` for a round queued so."""
+        if d.processed:  # the next pick depends on this one's outcome: nothing is queued ahead
+            on_token = on_drafts = None
         normed = self.model.final_norm(h) if prepared is None else prepared[0]
         mtp_in = h if self.mtp_pre_norm else normed  # which backbone hidden feeds the MTP head
         out = StepOutput(seq_id=req.seq_id, step=req.step)
+        report = d.params.top_logprobs >= 0
         if d.chooser is not None and (self.costs is None or d.chooser.kmax > self.costs.kmax):
             fresh = self.calibrate(d.chooser.kmax, h.dtype)
             self.costs = fresh if self.costs is None else self.costs.widened(fresh.prior)
         if req.kind is StepKind.PREFILL:
+            d.history.extend_prompt(req.tokens)
             self._extend_mtp(d, mtp_in, req.tokens)
             if not req.final:
                 mx.eval(normed, [c.state for c in caches], d.mtp_cache.state if d.mtp_cache else [])
                 return out
             self._choose(d, context)
-            out.tokens = [self._pick(d, self.model.lm_logits(normed[:, -1:]), on_token)]
+            logits = self._process(d, self.model.lm_logits(normed[:, -1:]), [])
+            out.tokens = [self._pick(d, logits, on_token)]
             hid, toks = d.pending_hidden, out.tokens
             d.pending_hidden = None
         elif len(req.tokens) == 1:
             self._choose(d, context)  # before the pick: with no drafts next, the next forward starts on it
-            logits = self.model.lm_logits(normed[:, -1:]) if prepared is None else None
+            logits = self.model.lm_logits(normed[:, -1:]) if prepared is None or report else None
+            logits = self._process(d, logits, [])
             out.tokens = [self._pick(d, logits, on_token, None if prepared is None else prepared[1])]
             self._observe(d, 0, context)
             out.commit = Commit(step=req.step, accepted=0, trim=0)
             hid, toks = mtp_in, out.tokens
         else:
-            logits = self.model.lm_logits(normed) if prepared is None else None
+            logits = self.model.lm_logits(normed) if prepared is None or report else None
+            logits = self._process(d, logits, req.tokens[1:])
             n, out.tokens = self._accept(d, logits, req.tokens[1:], None if prepared is None else prepared[1])
             out.accepted, out.drafted = n, len(req.tokens) - 1
             self._observe(d, out.drafted, context)
@@ -120,6 +139,10 @@ class Head:
             # Positions y, d1..dn pair with d1..dn, c: their MTP entries are rebuilt from true hiddens.
             hid, toks = mtp_in[:, : n + 1], out.tokens
         d.last_token = out.tokens[-1]
+        d.history.emit(out.tokens)
+        if report:
+            out.logprobs = logprobs(logits[0, -1:] if len(req.tokens) == 1 else logits[0, : len(out.tokens)],
+                                    out.tokens, d.params.top_logprobs)
         if d.mtp_cache is not None:
             d.mtp_cache.trim(d.mtp_cache.offset - d.mtp_len)  # drop last round's chained entries
             start = time.perf_counter()
@@ -132,6 +155,12 @@ class Head:
         d.ahead_done, d.ahead_next = d.ahead_next, 0.0
         d.handed_out = time.perf_counter()
         return out
+
+    @staticmethod
+    def _process(d: DraftState, logits: mx.array | None, drafts: list[int]) -> mx.array | None:
+        if logits is None or not d.processed:
+            return logits
+        return apply(logits, [(0, d.params, d.history, drafts)])
 
     def _choose(self, d: DraftState, context: int) -> None:
         if d.chooser is not None:
@@ -200,6 +229,9 @@ class Head:
         for _ in range(d.depth):
             g = self.model.mtp(hid, self.model.embed(inputs), d.mtp_cache)[:, -1:]
             logits = self.model.lm_logits(g).reshape(-1)
+            bias = d.bias_row(logits.shape[-1])
+            if bias is not None:  # drafts drawn from the biased distribution are accepted as often
+                logits = logits + bias
             if d.params.greedy:
                 tok = mx.argmax(logits)
                 lazy.append(tok)

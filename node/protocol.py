@@ -29,6 +29,12 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    # Logits processors (node/processors.py) and what to report; applied alike with and without MTP.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    top_logprobs: int = -1  # -1: no log-probabilities; 0-20: the emitted token's and this many others'
 
     @property
     def greedy(self) -> bool:
@@ -47,6 +53,16 @@ class SamplingParams:
             raise ValueError(f"top_k must be below 2^31, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:  # and the seed as int64
             raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
+        if not -1 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
 
 
 @dataclass(frozen=True)
@@ -86,4 +102,6 @@ class StepOutput:
     drafted: int = 0
     drafts: list[int] = field(default_factory=list)  # the next round's drafts
     commit: Commit | None = None  # to echo to every stage with the next step
+    # per emitted token, when asked (params.top_logprobs >= 0): its log-probability and the top others'
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     continued: bool = False  # the last node has already started the next step (remote pipelines)

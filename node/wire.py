@@ -102,7 +102,8 @@ def output_to_result(out: StepOutput) -> pb.StepResult:
 
 def result_to_output(r: pb.StepResult) -> StepOutput:
     commit = Commit(r.commit.step, r.commit.accepted, r.commit.trim) if r.HasField("commit") else None
-    return StepOutput(r.seq_id, r.step, list(r.tokens), r.accepted, r.drafted, list(r.drafts), commit, r.continued)
+    return StepOutput(r.seq_id, r.step, list(r.tokens), r.accepted, r.drafted, list(r.drafts), commit,
+                      continued=r.continued)
 
 
 def next_round(frame: pb.Frame, out: StepOutput) -> pb.Frame | None:

@@ -109,6 +109,10 @@ class BatchEngine:
         bad = next((t for t in req.prompt_tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        bad = next((t for t, _ in req.params.logit_bias if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary [0, {self.vocab_size})",
+                               "logit_bias")
 
     def open(self, req: GenerationRequest, sink: Sink) -> Handle:
         """Queue a request; its chunks, then END or an exception, go to `sink` (from the MLX thread)."""
@@ -269,13 +273,14 @@ class BatchEngine:
                 break
         live.generated += len(new)
         live.stats.generation_tokens = live.generated
+        logprobs = out.logprobs[: len(new)] if live.req.params.top_logprobs >= 0 else None
         if finish is None:
             live.next_tokens = [out.tokens[-1], *out.drafts]
-            live.sink(GenerationChunk(text=live.text.release(final=False), tokens=new))
+            live.sink(GenerationChunk(text=live.text.release(final=False), tokens=new, logprobs=logprobs))
             return
         live.stats.decode_seconds = time.perf_counter() - live.started
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
-                                  stats=live.stats))
+                                  stats=live.stats, logprobs=logprobs))
         self._finish(live, None)
 
     def _finish(self, live: Live, error: BaseException | None) -> None:

@@ -116,4 +116,5 @@ def remote_engine(
         config.args.max_position_embeddings,
         has_mtp=replies[-1].has_mtp,
         prefill_chunk=fit_prefill_chunk(hidden),
+        processors=False,
     )

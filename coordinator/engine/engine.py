@@ -15,10 +15,11 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from ...node.processors import has_processors
 from ...node.protocol import StepKind, StepRequest
 from ..pipeline.base import Pipeline
 from .detokenizer import TextStream
-from .request import GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, check_request
+from .request import GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, RequestError, check_request
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class Engine:
         max_context: int,
         has_mtp: bool = False,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        processors: bool = True,
     ):
         self.pipeline = pipeline
         self.tokenizer = tokenizer
@@ -41,6 +43,7 @@ class Engine:
         self.max_context = max_context
         self.has_mtp = has_mtp
         self.prefill_chunk = prefill_chunk
+        self.processors = processors  # logits processors and logprobs: in-process stages only, for now
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
@@ -48,6 +51,10 @@ class Engine:
     def validate(self, req: GenerationRequest) -> None:
         """Refuse a request this engine cannot serve (RequestError), before any stage is touched."""
         check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
+        p = req.params
+        if not self.processors and (has_processors(p) or p.top_logprobs >= 0):
+            raise RequestError("logit_bias, penalties and logprobs are not carried over a pipeline of nodes yet",
+                               "logit_bias" if p.logit_bias else "logprobs" if p.top_logprobs >= 0 else "penalty")
 
     def generate(self, req: GenerationRequest) -> Iterator[GenerationChunk]:
         """Stream chunks of text; the last chunk carries finish_reason and stats."""
@@ -91,7 +98,8 @@ class Engine:
                 stats.generation_tokens = len(generated)
                 if finish:
                     break
-                yield GenerationChunk(text=text.release(final=False), tokens=new)
+                yield GenerationChunk(text=text.release(final=False), tokens=new,
+                                      logprobs=out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None)
                 out = self.pipeline.step(
                     StepRequest(seq_id, step, StepKind.DECODE, [out.tokens[-1]] + out.drafts, commit=out.commit,
                                 budget=req.max_tokens - len(generated), stop_tokens=stop_tokens)
@@ -99,7 +107,8 @@ class Engine:
                 stats.record_round(out)
                 step += 1
             stats.decode_seconds = time.perf_counter() - t0
-            yield GenerationChunk(text=text.release(final=True), tokens=new, finish_reason=finish, stats=stats)
+            yield GenerationChunk(text=text.release(final=True), tokens=new, finish_reason=finish, stats=stats,
+                                  logprobs=out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None)
         finally:
             self.pipeline.release(seq_id)
 

@@ -110,6 +110,8 @@ class GenerationChunk:
     tokens: list[int]
     finish_reason: str | None = None  # "stop" or "length" on the last chunk
     stats: GenerationStats | None = None
+    # per token of `tokens`, when asked: its log-probability and the most likely tokens with theirs
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass

@@ -1,0 +1,109 @@
+"""Logits processors inside a verify, and the log-probabilities of what was emitted.
+
+A verify over [y, d1..dK] scores K+1 positions at once; position j must see the history as if d1..dj
+were already accepted, which is what decoding one token at a time would have seen. So penalties are
+applied per position: `repetition_penalty` (mlx-lm's rule, over the last REPETITION_CONTEXT tokens,
+prompt included) first, then the additive ones: `logit_bias`, and `presence_penalty` /
+`frequency_penalty` over the generated tokens (OpenAI's rule). Only the (row, position, token) triples
+a rule touches are gathered and written back, never a dense [rows, positions, vocab] array. Greedy
+picks and sampling both read the processed logits, so greedy output equals non-speculative decoding
+with the same settings and sampled output keeps its distribution.
+
+Log-probabilities are those of the processed logits before temperature and the top-k/top-p/min-p
+filters (what the model, with the request's biases and penalties, gives each token).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .protocol import SamplingParams
+
+REPETITION_CONTEXT = 20
+
+
+@dataclass
+class History:
+    """What a row's processors need: the tokens it generated, and the last tokens of its context."""
+
+    generated: list[int] = field(default_factory=list)
+    recent: list[int] = field(default_factory=list)  # prompt and generated, the last REPETITION_CONTEXT
+
+    def extend_prompt(self, tokens: list[int]) -> None:
+        self.recent = (self.recent + list(tokens))[-REPETITION_CONTEXT:]
+
+    def emit(self, tokens: list[int]) -> None:
+        self.generated += tokens
+        self.recent = (self.recent + list(tokens))[-REPETITION_CONTEXT:]
+
+
+def has_processors(params: SamplingParams) -> bool:
+    return bool(params.logit_bias) or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 \
+        or params.repetition_penalty != 1.0
+
+
+def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, History, list[int]]]) -> mx.array:
+    """Processed `logits` [B, T, V] (float32): for each (row index, params, history, drafts),
+    position j sees the history followed by drafts[:j]. Rows not listed are left as they are."""
+    bs, js, ts, factors, adds = [], [], [], [], []
+    for b, params, history, drafts in rows:
+        bias = dict(params.logit_bias)
+        for j in range(min(len(drafts), logits.shape[1] - 1) + 1):
+            seen = drafts[:j]
+            touched: dict[int, list[float]] = {}  # token -> [repetition factor, additive]
+            if params.repetition_penalty != 1.0:
+                for t in set((history.recent + seen)[-REPETITION_CONTEXT:]):
+                    touched[t] = [params.repetition_penalty, 0.0]
+            if params.presence_penalty or params.frequency_penalty:
+                for t, n in Counter(history.generated + seen).items():
+                    entry = touched.setdefault(t, [1.0, 0.0])
+                    entry[1] -= params.presence_penalty + params.frequency_penalty * n
+            for t, v in bias.items():
+                touched.setdefault(t, [1.0, 0.0])[1] += v
+            for t, (factor, add) in touched.items():
+                bs.append(b)
+                js.append(j)
+                ts.append(t)
+                factors.append(factor)
+                adds.append(add)
+    if not bs:
+        return logits
+    index = (mx.array(bs), mx.array(js), mx.array(ts))
+    values = logits[index].astype(mx.float32)
+    factor = mx.array(factors)
+    values = mx.where(values > 0, values / factor, values * factor) + mx.array(adds)
+    out = logits.astype(mx.float32)
+    out[index] = values
+    return out
+
+
+def bias_vector(params: SamplingParams, vocab: int) -> mx.array:
+    """logit_bias as a dense row over the vocabulary (ids past it are ignored: validated upstream)."""
+    row = mx.zeros((vocab,), mx.float32)
+    pairs = [(t, v) for t, v in params.logit_bias if t < vocab]
+    if pairs:
+        row[mx.array([t for t, _ in pairs])] = mx.array([v for _, v in pairs])
+    return row
+
+
+def logprobs(logits: mx.array, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per emitted position of one row (`logits` [n, V], `tokens` [n]): the token's log-probability and
+    the `top` most likely tokens with theirs, most likely first."""
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    if top > 0:
+        ids = mx.argpartition(-lp, top - 1, axis=-1)[:, :top]
+        vals = mx.take_along_axis(lp, ids, axis=-1)
+        mx.eval(chosen, ids, vals)
+        ids_h, vals_h = ids.tolist(), vals.tolist()
+    else:
+        mx.eval(chosen)
+        ids_h = vals_h = [[] for _ in tokens]
+    out = []
+    for c, i, v in zip(chosen.tolist(), ids_h, vals_h):
+        out.append((c, sorted(zip(i, v), key=lambda p: (-p[1], p[0]))))
+    return out

@@ -1,0 +1,145 @@
+"""Logits processors and logprobs inside the verify: exact whatever the MTP depth, alone or in a batch."""
+
+from __future__ import annotations
+
+import queue
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtpipe.coordinator.engine.batch import END, BatchEngine
+from mtpipe.coordinator.engine.build import batch_engine, local_engine
+from mtpipe.coordinator.engine.request import GenerationRequest, RequestError
+from mtpipe.node.processors import REPETITION_CONTEXT, History, apply, logprobs
+from mtpipe.node.protocol import SamplingParams
+
+DEPTHS = [(0, False), (1, False), (2, False), (3, False), (3, True)]
+PROCESSED = [
+    SamplingParams(presence_penalty=0.9, frequency_penalty=0.4),
+    SamplingParams(repetition_penalty=1.5),
+    SamplingParams(logit_bias=((5, 4.0), (7, -100.0)), presence_penalty=0.3, top_logprobs=3),
+]
+
+
+def reference(logits: np.ndarray, params: SamplingParams, history: History, drafts: list[int]) -> np.ndarray:
+    """The processors one position at a time, written plainly."""
+    out = logits.astype(np.float64).copy()
+    for j in range(out.shape[0]):
+        recent = (history.recent + drafts[:j])[-REPETITION_CONTEXT:]
+        for t in set(recent):
+            if params.repetition_penalty != 1.0:
+                v = out[j, t]
+                out[j, t] = v / params.repetition_penalty if v > 0 else v * params.repetition_penalty
+        for t, n in Counter(history.generated + drafts[:j]).items():
+            out[j, t] -= params.presence_penalty + params.frequency_penalty * n
+        for t, b in params.logit_bias:
+            out[j, t] += b
+    return out
+
+
+def test_apply_matches_position_by_position_reference() -> None:
+    rng = np.random.default_rng(0)
+    V, K = 12, 3
+    params = SamplingParams(presence_penalty=0.7, frequency_penalty=0.2, repetition_penalty=1.3,
+                            logit_bias=((2, 1.5), (9, -3.0)))
+    history = History()
+    history.extend_prompt([1, 2, 3, 3])
+    history.emit([4, 4, 2])
+    drafts = [4, 9, 11]
+    raw = rng.normal(size=(2, K + 1, V)).astype(np.float32)
+    got = np.array(apply(mx.array(raw), [(1, params, history, drafts)]))
+    np.testing.assert_allclose(got[1], reference(raw[1], params, history, drafts), atol=1e-5)
+    np.testing.assert_array_equal(got[0], raw[0])  # a row without processors is untouched
+
+
+def test_logprobs_are_sorted_and_consistent() -> None:
+    rng = np.random.default_rng(1)
+    raw = rng.normal(size=(3, 20)).astype(np.float32)
+    tokens = [int(np.argmax(raw[0])), 4, 7]
+    out = logprobs(mx.array(raw), tokens, 5)
+    ref = raw - np.log(np.exp(raw).sum(axis=-1, keepdims=True))
+    for (lp, top), row, t in zip(out, ref, tokens):
+        assert abs(lp - row[t]) < 1e-5
+        assert [i for i, _ in top] == list(np.argsort(-row, kind="stable")[:5])
+        assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
+    assert out[0][1][0][0] == tokens[0] and abs(out[0][1][0][1] - out[0][0]) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def engines(dense_ckpt: Path) -> tuple[BatchEngine, BatchEngine]:
+    one, two = batch_engine(dense_ckpt, dtype=mx.float32), batch_engine(dense_ckpt, stages=2, dtype=mx.float32)
+    yield one, two
+    one.close()
+    two.close()
+
+
+def prompt(engine: BatchEngine) -> list[int]:
+    return list(engine.tokenizer.encode("def add(a, b):\n    return a"))
+
+
+@pytest.mark.parametrize("params", PROCESSED, ids=["presence+frequency", "repetition", "bias+logprobs"])
+def test_greedy_identical_whatever_the_depth(engines: tuple[BatchEngine, BatchEngine], dense_ckpt: Path,
+                                             params: SamplingParams) -> None:
+    one, two = engines
+    p = prompt(one)
+    plain = one.complete(GenerationRequest(p, max_tokens=24)).tokens
+    base = one.complete(GenerationRequest(p, max_tokens=24, params=params))
+    assert base.tokens != plain  # the processors change what a greedy decode emits
+    per_sequence = local_engine(dense_ckpt, dtype=mx.float32).complete(GenerationRequest(p, 24, params))
+    assert per_sequence.tokens == base.tokens  # the per-sequence head processes the same way
+    for engine in (one, two):
+        for depth, auto in DEPTHS:
+            r = engine.complete(GenerationRequest(p, max_tokens=24, params=params, mtp_depth=depth, mtp_auto=auto))
+            assert r.tokens == base.tokens, (depth, auto)
+
+
+def collect(engine: BatchEngine, reqs: list[GenerationRequest]) -> list[tuple[list[int], list]]:
+    sinks = [queue.SimpleQueue() for _ in reqs]
+    for r, s in zip(reqs, sinks):
+        engine.open(r, s.put)
+    out = []
+    for s in sinks:
+        tokens, lps = [], []
+        while (item := s.get(timeout=120)) is not END:
+            assert not isinstance(item, BaseException), item
+            tokens += item.tokens
+            lps += item.logprobs or []
+        out.append((tokens, lps))
+    return out
+
+
+def test_logprobs_equal_across_depths_in_a_mixed_batch(engines: tuple[BatchEngine, BatchEngine]) -> None:
+    one, two = engines
+    p = prompt(one)
+    asked = SamplingParams(top_logprobs=4)
+    ref_tokens, ref_lps = collect(one, [GenerationRequest(p, max_tokens=16, params=asked)])[0]
+    assert len(ref_lps) == len(ref_tokens)
+    for tok, (lp, top) in zip(ref_tokens, ref_lps):
+        assert top[0][0] == tok and abs(top[0][1] - lp) < 1e-6  # greedy: the emitted token is the most likely
+    for engine in (one, two):
+        reqs = [GenerationRequest(p, max_tokens=16, params=asked, mtp_depth=d, mtp_auto=a) for d, a in DEPTHS]
+        reqs += [GenerationRequest(p[:5], max_tokens=16, params=PROCESSED[0], mtp_depth=2),  # rows without logprobs
+                 GenerationRequest(p, max_tokens=16, mtp_depth=3)]
+        results = collect(engine, reqs)
+        for tokens, lps in results[: len(DEPTHS)]:
+            assert tokens == ref_tokens
+            for (lp, top), (rlp, rtop) in zip(lps, ref_lps):
+                assert abs(lp - rlp) <= 1e-5 and [i for i, _ in top] == [i for i, _ in rtop]
+                assert max(abs(a - b) for (_, a), (_, b) in zip(top, rtop)) <= 1e-5
+        assert results[-1][1] == []  # nobody asked: nothing computed or sent
+
+
+def test_bad_processor_values_are_refused(engines: tuple[BatchEngine, BatchEngine]) -> None:
+    one, _ = engines
+    p = prompt(one)
+    for params, field in [(SamplingParams(presence_penalty=3.0), "presence_penalty"),
+                          (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+                          (SamplingParams(logit_bias=((10**6, 1.0),)), "logit_bias"),
+                          (SamplingParams(top_logprobs=21), "top_logprobs")]:
+        with pytest.raises(RequestError) as e:
+            one.open(GenerationRequest(p, max_tokens=4, params=params), lambda item: None)
+        assert e.value.param == field
+    assert one.complete(GenerationRequest(p, max_tokens=4)).tokens  # still serving
