@@ -18,7 +18,7 @@ import numpy as np
 
 from ..models.ragged import RaggedKV, pad_rows
 from .acceptance import accept_greedy, accept_sampled, draw, filtered_probs
-from .depth import BatchProbe, StageCosts, batch_best_depth
+from .depth import Probe, StageCosts, batch_best_depth
 from .head import DraftState, Head
 from .processors import apply, logprobs
 from .protocol import Commit, StageError, StepOutput
@@ -48,7 +48,7 @@ class BatchHead:
         self.costs_by_rows: dict[int, StageCosts] = {}
         self.shapes: set[tuple[int, int]] = set()  # (rows, depth) of the rounds run so far
         self.last_depth = -1
-        self.probe = BatchProbe()
+        self.probe = Probe(hold=True)
 
     def join(self, seq_id: str, d: DraftState) -> None:
         row = RaggedKV.from_cache(d.mtp_cache, d.mtp_len) if d.mtp_cache is not None else RaggedKV(None, None, [0])

@@ -152,15 +152,49 @@ def fixed_round_seconds(kmax: int) -> list[float]:
 
 
 @dataclass
+class Probe:
+    """Now and then the neighbouring depth (above, below every other time) instead of the best, so its
+    cost and acceptance stay current; less often, on the whole stage, while probes keep confirming the
+    choice. With `hold`, a probe lasts two rounds (rows of a batch: the first, a change of depth, is
+    not timed)."""
+
+    hold: bool = False
+    rounds: int = 0
+    last_probe: int = 0
+    probed_from: int | None = None  # the choice a probe was made from, until the next choice is known
+    held: int | None = None
+
+    def next(self, best: int, costs: StageCosts, kmax: int) -> int:
+        """A round's depth when `best` is the best known (counts the round)."""
+        self.rounds += 1
+        return self.choose(best, costs, kmax)
+
+    def choose(self, best: int, costs: StageCosts, kmax: int) -> int:
+        if self.held is not None:
+            depth, self.held = self.held, None
+            return depth
+        if self.probed_from is not None:  # the probe is in: did it change the choice?
+            confirmed = best == self.probed_from
+            costs.probe_gap = min(2 * costs.probe_gap, PROBE_EVERY_MAX) if confirmed else PROBE_EVERY
+            self.probed_from = None
+        if self.rounds - self.last_probe < costs.probe_gap:
+            return best
+        self.probed_from, self.last_probe = best, self.rounds
+        up = self.rounds % 2 == 1 or best == 0
+        depth = min(best + 1, kmax) if up else max(best - 1, 0)
+        if self.hold:
+            self.held = depth
+        return depth
+
+
+@dataclass
 class DepthChooser:
     """One sequence's choice of depth, round after round."""
 
     kmax: int
     deterministic: bool = False
     acceptance: Acceptance = field(init=False)
-    rounds: int = 0
-    last_probe: int = 0
-    probed_from: int | None = None  # the choice a probe was made from, until the next choice is known
+    probe: Probe = field(default_factory=Probe)
 
     def __post_init__(self) -> None:
         self.acceptance = Acceptance.empty(self.kmax)
@@ -170,48 +204,12 @@ class DepthChooser:
         costs.acceptance.record(drafted, accepted)
 
     def next_depth(self, costs: StageCosts, context: int) -> int:
-        self.rounds += 1
         if self.deterministic:
             return best_depth(self.acceptance.rates(), fixed_round_seconds(self.kmax))
+        self.probe.rounds += 1
         first = costs.unmeasured(context, self.kmax)
         if first is not None:  # measure every depth on this stage and context length first
             return first
         rates = self.acceptance.rates(costs.acceptance.extrapolated()[: self.kmax])
         best = best_depth(rates, costs.round_seconds(context)[: self.kmax + 1])
-        if self.probed_from is not None:  # the probe is in: did it change the choice?
-            confirmed = best == self.probed_from
-            costs.probe_gap = min(2 * costs.probe_gap, PROBE_EVERY_MAX) if confirmed else PROBE_EVERY
-            self.probed_from = None
-        if self.rounds - self.last_probe < costs.probe_gap:
-            return best
-        # A probe: the neighbour above (below every other time), so its cost and acceptance stay current.
-        self.probed_from, self.last_probe = best, self.rounds
-        up = self.rounds % 2 == 1 or best == 0
-        return min(best + 1, self.kmax) if up else max(best - 1, 0)
-
-
-@dataclass
-class BatchProbe:
-    """When rows of a batch share a depth: now and then try a neighbouring depth so its costs stay
-    current, less often while the probes keep confirming the choice (as DepthChooser does per row)."""
-
-    rounds: int = 0
-    last_probe: int = 0
-    probed_from: int | None = None
-    hold: int | None = None  # a probe lasts two rounds: the first, a change of depth, is not timed
-
-    def next(self, best: int, costs: StageCosts, kmax: int) -> int:
-        self.rounds += 1
-        if self.hold is not None:
-            depth, self.hold = self.hold, None
-            return depth
-        if self.probed_from is not None:
-            confirmed = best == self.probed_from
-            costs.probe_gap = min(2 * costs.probe_gap, PROBE_EVERY_MAX) if confirmed else PROBE_EVERY
-            self.probed_from = None
-        if self.rounds - self.last_probe < costs.probe_gap:
-            return best
-        self.probed_from, self.last_probe = best, self.rounds
-        up = self.rounds % 2 == 1 or best == 0
-        self.hold = min(best + 1, kmax) if up else max(best - 1, 0)
-        return self.hold
+        return self.probe.choose(best, costs, self.kmax)

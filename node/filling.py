@@ -15,7 +15,8 @@ from mlx_lm.models.cache import ArraysCache
 
 from ..models.ragged import RaggedKV, cache_arrays, concat_caches, pad_rows, ragged_attention, take_rows
 from .head import DraftState, Head, new_draft_state
-from .protocol import MAX_MTP_DEPTH, StageError, StepKind, StepOutput, StepRequest
+from .protocol import StageError, StepKind, StepOutput, StepRequest
+from .stage import check_first_step
 
 
 class FillGroup:
@@ -42,15 +43,7 @@ class FillGroup:
     def _add(self, req: StepRequest) -> None:
         if req.step != 0 or req.kind is not StepKind.PREFILL:
             raise StageError(f"unknown sequence {req.seq_id!r}")
-        if req.params is not None:
-            try:
-                req.params.validate()
-            except ValueError as e:
-                raise StageError(str(e)) from None
-        if not 0 <= req.mtp_depth <= MAX_MTP_DEPTH:
-            raise StageError(f"mtp_depth must be in [0, {MAX_MTP_DEPTH}], got {req.mtp_depth}")
-        if req.mtp_depth > 0 and self.head is not None and not self.has_mtp:
-            raise StageError("this model was loaded without an MTP head; use mtp_depth 0")
+        check_first_step(req, drafts_here=self.head is not None, has_mtp=self.has_mtp)
         row = self._empty_row()
         self.cache = row if not self.ids else concat_caches([self.cache, row])
         self.ids.append(req.seq_id)

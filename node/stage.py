@@ -24,6 +24,19 @@ log = logging.getLogger(__name__)
 CLEAR_CACHE_EVERY = 256
 
 
+def check_first_step(req: StepRequest, *, drafts_here: bool, has_mtp: bool) -> None:
+    """What the first step of a sequence sets for its whole life (params, depth), checked once."""
+    if req.params is not None:
+        try:
+            req.params.validate()
+        except ValueError as e:
+            raise StageError(str(e)) from None
+    if not 0 <= req.mtp_depth <= MAX_MTP_DEPTH:
+        raise StageError(f"mtp_depth must be in [0, {MAX_MTP_DEPTH}], got {req.mtp_depth}")
+    if req.mtp_depth > 0 and drafts_here and not has_mtp:
+        raise StageError("this model was loaded without an MTP head; use mtp_depth 0")
+
+
 @dataclass
 class Sequence:
     cache: list
@@ -127,15 +140,7 @@ class StageWorker:
                 raise StageError("a sequence starts with a prefill step")
             if len(self.sequences) >= self.max_sequences:
                 raise StageError(f"too many active sequences ({self.max_sequences})")
-            if req.params is not None:
-                try:
-                    req.params.validate()
-                except ValueError as e:
-                    raise StageError(str(e)) from None
-            if not 0 <= req.mtp_depth <= MAX_MTP_DEPTH:
-                raise StageError(f"mtp_depth must be in [0, {MAX_MTP_DEPTH}], got {req.mtp_depth}")
-            if req.mtp_depth > 0 and self.spec.is_last and not self.shard.has_mtp:
-                raise StageError("this model was loaded without an MTP head; use mtp_depth 0")
+            check_first_step(req, drafts_here=self.spec.is_last, has_mtp=self.shard.has_mtp)
             return None
         if req.step != seq.next_step:
             raise StageError(f"step {req.step} out of order for {req.seq_id!r}: expected {seq.next_step}")

@@ -22,7 +22,15 @@ from ...node.batch import BatchStage, RowStep
 from ...node.protocol import StepKind, StepOutput, StepRequest
 from . import scheduler as plan
 from .detokenizer import TextStream
-from .request import GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, RequestError, check_request
+from .request import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    RequestError,
+    check_request,
+    collect,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,13 +148,7 @@ class BatchEngine:
             handle.cancel()
 
     def complete(self, req: GenerationRequest) -> GenerationResult:
-        parts, tokens = [], []
-        for chunk in self.generate(req):
-            parts.append(chunk.text)
-            tokens += chunk.tokens
-            if chunk.finish_reason:
-                return GenerationResult("".join(parts), tokens, chunk.finish_reason, chunk.stats)
-        raise RuntimeError("generation ended without a finish reason")
+        return collect(self.generate(req))
 
     def describe(self) -> dict[str, Any]:
         stages = self.thread.call(lambda: [dict(index=i, **s.describe()) for i, s in enumerate(self.stages)])

@@ -19,7 +19,15 @@ from ...node.processors import has_processors
 from ...node.protocol import StepKind, StepRequest
 from ..pipeline.base import Pipeline
 from .detokenizer import TextStream
-from .request import GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, RequestError, check_request
+from .request import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    RequestError,
+    check_request,
+    collect,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +121,7 @@ class Engine:
             self.pipeline.release(seq_id)
 
     def complete(self, req: GenerationRequest) -> GenerationResult:
-        parts, tokens = [], []
-        for chunk in self.generate(req):
-            parts.append(chunk.text)
-            tokens += chunk.tokens
-            if chunk.finish_reason:
-                return GenerationResult("".join(parts), tokens, chunk.finish_reason, chunk.stats)
-        raise RuntimeError("generation ended without a finish reason")
+        return collect(self.generate(req))
 
     def _prefill_chunks(self, prompt: list[int]) -> Iterator[tuple[list[int], bool]]:
         """All but the last prompt token in chunks, then the last token alone (as mlx-lm does)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +121,17 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: str
     stats: GenerationStats
+
+
+def collect(chunks: Iterable[GenerationChunk]) -> GenerationResult:
+    """A whole generation from its chunks (the last carries finish_reason and stats)."""
+    parts, tokens = [], []
+    for chunk in chunks:
+        parts.append(chunk.text)
+        tokens += chunk.tokens
+        if chunk.finish_reason:
+            return GenerationResult("".join(parts), tokens, chunk.finish_reason, chunk.stats)
+    raise RuntimeError("generation ended without a finish reason")
 
 
 def check_request(req: GenerationRequest, *, max_context: int, has_mtp: bool) -> None:
