@@ -343,7 +343,7 @@ BAD = [
     ("mtp-depth-negative", CHAT, {"messages": M, "mtp_depth": -1}, 400, "mtp_depth"),
     ("mtp-depth-too-deep", CHAT, {"messages": M, "mtp_depth": 99}, 400, "mtp_depth"),
     ("too-many-stops", CHAT, {"messages": M, "stop": [str(i) for i in range(17)]}, 400, "stop"),
-    ("logprobs", CHAT, {"messages": M, "logprobs": True}, 400, "logprobs"),
+    ("top_logprobs without logprobs", CHAT, {"messages": M, "top_logprobs": 2}, 400, "top_logprobs"),
     ("empty-prompt", TEXT, {"prompt": ""}, 400, "prompt"),
     ("empty-token-prompt", TEXT, {"prompt": []}, 400, "prompt"),
     ("token-out-of-vocab", TEXT, {"prompt": [1, 10**6]}, 400, "prompt"),
@@ -465,9 +465,9 @@ def test_metrics_count_each_request(engine: Engine) -> None:
         stream = client.chat.completions.create(model=MODEL, messages=M, max_tokens=5, temperature=0, stream=True,
                                                 stream_options={"include_usage": True})
         usages.append(list(stream)[-1].usage)
-        for max_tokens in (4, 6):
+        for max_tokens in (4, 6):  # a fixed depth drafts every round (auto may rightly draft nothing here)
             r = client.chat.completions.create(model=MODEL, messages=chat(PROMPTS[0]), max_tokens=max_tokens,
-                                               temperature=0)
+                                               temperature=0, extra_body={"mtp_depth": 2})
             usages.append(r.usage)
         usages.append(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0).usage)
         client.models.list()

@@ -136,9 +136,9 @@ def create_app(
         started = time.perf_counter()
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
         service.check_model(body.model)
-        if body.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-        params = service.sampling(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         tokens = await service.encode_chat(_chat_messages(body))
@@ -156,11 +156,9 @@ def create_app(
         service.check_model(body.model)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
-        if body.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of must be 1", param="best_of")
-        params = service.sampling(body)
+        params = service.sampling(body, -1 if body.logprobs is None else body.logprobs)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:

@@ -130,6 +130,7 @@ class ResponseFormat:
         self.include_usage = include_usage
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.text_offset = 0  # completions' logprobs: where the next token starts in the text
 
     def _object(self, object: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
@@ -138,22 +139,38 @@ class ResponseFormat:
         out.update(extra)
         return out
 
-    def response(self, text: str, finish: str, usage: dict[str, Any]) -> dict[str, Any]:
+    def logprobs(self, entries: Optional[list[dict[str, Any]]]) -> Optional[dict[str, Any]]:
+        """Chat entries (token, logprob, bytes, top_logprobs) in this endpoint's shape; None if not asked."""
+        if entries is None:
+            return None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
+            return {"content": entries}
+        offsets = []
+        for e in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(e["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": offsets}
+
+    def response(self, text: str, finish: str, usage: dict[str, Any],
+                 logprobs: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             return self._object("chat.completion", [choice], usage=usage)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         return self._object("text_completion", [choice], usage=usage)
 
-    def chunk(self, text: str = "", finish: Optional[str] = None, role: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str = "", finish: Optional[str] = None, role: bool = False,
+              logprobs: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"content": text} if text else {}
             if role:
                 delta = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         extra = {"usage": None} if self.include_usage else {}
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
 

@@ -43,12 +43,17 @@ class _GenerationBody(_Body):
     stream_options: StreamOptions | None = None
     n: int | None = None
     mtp_depth: int | Literal["auto"] | None = None  # extension: drafts per round (0 = none); "auto" picks per round
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (mlx-lm's, over the last 20 tokens)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
 
 
 class ChatCompletionRequest(_GenerationBody):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
     logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(_GenerationBody):

@@ -53,7 +53,8 @@ class Service:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def sampling(self, body: "_GenerationBody") -> SamplingParams:
+    def sampling(self, body: "_GenerationBody", top_logprobs: int = -1) -> SamplingParams:
+        """The body's sampling, processors and logprobs (-1: none asked; else how many alternatives)."""
         if body.n not in (None, 1):
             raise APIError(400, f"n must be 1: this server returns one choice per request (got {body.n})", param="n")
         temperature = 1.0 if body.temperature is None else body.temperature
@@ -65,12 +66,37 @@ class Service:
             top_k=body.top_k or 0,
             min_p=body.min_p or 0.0,
             seed=body.seed,
+            logit_bias=self._logit_bias(body.logit_bias),
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            top_logprobs=top_logprobs,
         )
         try:
             params.validate()
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split()[0]) from None
         return params
+
+    @staticmethod
+    def _logit_bias(bias: Optional[dict[str, float]]) -> tuple[tuple[int, float], ...]:
+        out = []
+        for key, value in (bias or {}).items():
+            try:
+                out.append((int(key), float(value)))
+            except ValueError:
+                raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias") from None
+        return tuple(sorted(out))
+
+    def token_logprobs(self, tokens: list[int], logprobs: Any) -> list[dict[str, Any]]:
+        """Chat-style entries (token text, logprob, bytes, top_logprobs) for emitted tokens."""
+        def entry(token: int, value: float) -> dict[str, Any]:
+            text = self.engine.tokenizer.decode([token])
+            return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+        with self.tokenizer_lock:
+            return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                    for t, (lp, top) in zip(tokens, logprobs or [])]
 
     def generation_request(self, body: "_GenerationBody", params: SamplingParams, prompt: list[int],
                            max_tokens: Optional[int], prompt_param: str,
@@ -179,10 +205,14 @@ class Service:
         parts: list[str] = []
         final = None
         first_token = None
+        asked = req.params.top_logprobs >= 0
+        entries: list[dict[str, Any]] = []
         try:
             async for chunk in run.chunks():
                 first_token = first_token or time.perf_counter()
                 parts.append(chunk.text)
+                if asked:
+                    entries += self.token_logprobs(chunk.tokens, chunk.logprobs)
                 if chunk.finish_reason:
                     final = chunk
         except Exception as e:
@@ -193,7 +223,8 @@ class Service:
         if final is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         self.record(endpoint, final.stats, started, first_token)
-        return JSONResponse(fmt.response("".join(parts), final.finish_reason, usage_of(final.stats, req.depth_label)))
+        return JSONResponse(fmt.response("".join(parts), final.finish_reason, usage_of(final.stats, req.depth_label),
+                                         logprobs=entries if asked else None))
 
     async def _watch(self, request: Any, run: GenerationThread) -> None:
         while not await request.is_disconnected():
@@ -221,7 +252,9 @@ class Service:
             run = await self.start(req)
             async for chunk in run.chunks():
                 first_token = first_token or time.perf_counter()
-                if chunk.text:
+                if req.params.top_logprobs >= 0 and chunk.tokens:
+                    yield sse_event(fmt.chunk(chunk.text, logprobs=self.token_logprobs(chunk.tokens, chunk.logprobs)))
+                elif chunk.text:
                     yield sse_event(fmt.chunk(chunk.text))
                 if chunk.finish_reason:
                     self.record(endpoint, chunk.stats, started, first_token)

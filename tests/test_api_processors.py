@@ -1,0 +1,105 @@
+"""logprobs, penalties and logit_bias through the live API with the official client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from test_api import LiveServer  # noqa: E402
+
+from mtpipe.coordinator.api.app import create_app  # noqa: E402
+from mtpipe.coordinator.engine.batch import BatchEngine  # noqa: E402
+from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
+from mtpipe.coordinator.engine.request import GenerationRequest  # noqa: E402
+from mtpipe.node.protocol import SamplingParams  # noqa: E402
+
+MODEL = "tiny-dense"
+
+
+@pytest.fixture(scope="module")
+def engine(dense_ckpt: Path) -> Iterator[BatchEngine]:
+    e = batch_engine(dense_ckpt, dtype=mx.float32)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def client(engine: BatchEngine) -> Iterator[Any]:
+    with LiveServer(create_app(engine, MODEL)) as s:
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+PROMPT = "def add(a, b):\n    return"
+
+
+def test_chat_logprobs_match_the_engine_at_every_depth(client: Any, engine: BatchEngine) -> None:
+    messages = [{"role": "user", "content": PROMPT}]
+    tokens = engine.encode_chat(messages)
+    ref = engine.complete(GenerationRequest(tokens, 12, SamplingParams(top_logprobs=3)))
+    for depth in (0, 2, "auto"):
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                           logprobs=True, top_logprobs=3, extra_body={"mtp_depth": depth})
+        content = r.choices[0].logprobs.content
+        assert len(content) == r.usage.completion_tokens == len(ref.tokens)
+        for entry, token in zip(content, ref.tokens):
+            assert entry.token == engine.tokenizer.decode([token])
+            assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token  # greedy
+            assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-6
+            assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                     reverse=True)
+            assert entry.bytes == list(entry.token.encode())
+        first = content[0].logprob
+        assert first == pytest.approx(content[0].top_logprobs[0].logprob)
+        if depth == 0:
+            baseline = [e.logprob for e in content]
+        else:
+            assert [e.logprob for e in content] == pytest.approx(baseline, abs=1e-5)
+
+
+def test_streamed_completion_logprobs(client: Any) -> None:
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == whole.usage.completion_tokens
+    assert "".join(lp.tokens) == whole.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    streamed = []
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2,
+                                           stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.token_logprobs
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+def test_penalties_and_bias_change_the_output_identically_at_every_depth(client: Any, engine: BatchEngine) -> None:
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    banned = engine.tokenizer.encode(plain.choices[0].text)[0]
+    outs = []
+    for depth in (0, 3, "auto"):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                      presence_penalty=1.0, frequency_penalty=0.5,
+                                      logit_bias={str(banned): -100}, extra_body={"mtp_depth": depth})
+        outs.append(r.choices[0].text)
+    assert outs[0] == outs[1] == outs[2] != plain.choices[0].text
+    assert banned not in engine.tokenizer.encode(outs[0])[:1]
+    forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                       logit_bias={str(banned): 100})
+    assert engine.tokenizer.encode(forced.choices[0].text)[:4] == [banned] * 4
+
+
+def test_bad_processor_values_are_400(client: Any) -> None:
+    for kwargs, param in [({"presence_penalty": 5.0}, "presence_penalty"),
+                          ({"logit_bias": {"x": 1}}, "logit_bias"),
+                          ({"extra_body": {"repetition_penalty": -1.0}}, "repetition_penalty")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **kwargs)
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       logprobs=True, top_logprobs=21)
