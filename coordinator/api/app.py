@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
+from .chat import chat_messages, tool_spec
 from .defaults import DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
 from .errors import APIError, error_body, parse_body, validation_error
 from .gate import Gate
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
     from ..engine.engine import Engine
     from ..engine.request import GenerationRequest
-    from .models import ChatCompletionRequest
+    from .chat import ToolSpec
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +124,14 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def respond(endpoint: str, body: Any, req: "GenerationRequest", request: Request, started: float) -> Any:
-        """A streamed (SSE) or whole response in the endpoint's object shape."""
+    async def respond(endpoint: str, body: Any, req: "GenerationRequest", request: Request, started: float,
+                      tools: "ToolSpec | None" = None) -> Any:
+        """A streamed (SSE) or whole response in the endpoint's object shape; `tools`: parse the output for calls."""
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = ResponseFormat(endpoint == "/v1/chat/completions", model_name, include_usage)
         if body.stream:
-            return service.stream(endpoint, req, fmt, started)
-        return await service.complete(endpoint, req, fmt, request, started)
+            return service.stream(endpoint, req, fmt, started, tools)
+        return await service.complete(endpoint, req, fmt, request, started, tools)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -141,13 +143,14 @@ def create_app(
         params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
-        tokens = await service.encode_chat(_chat_messages(body))
+        tools = tool_spec(body)
+        tokens = await service.encode_chat(chat_messages(body), tools)
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, max_param = body.max_tokens, "max_tokens"
         req = service.generation_request(body, params, tokens, max_tokens, "messages", max_param)
-        return await respond("/v1/chat/completions", body, req, request, started)
+        return await respond("/v1/chat/completions", body, req, request, started, tools)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -173,20 +176,3 @@ def create_app(
         return await respond("/v1/completions", body, req, request, started)
 
     return app
-
-
-def _chat_messages(body: "ChatCompletionRequest") -> list[dict[str, str]]:
-    out = []
-    for i, m in enumerate(body.messages):
-        if isinstance(m.content, list):
-            texts = []
-            for part in m.content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages[{i}]: only text content parts are supported, got {part.type!r}",
-                                   param="messages")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        else:
-            content = m.content or ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-    return out

@@ -154,18 +154,24 @@ class ResponseFormat:
                 "text_offset": offsets}
 
     def response(self, text: str, finish: str, usage: dict[str, Any],
-                 logprobs: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+                 logprobs: Optional[list[dict[str, Any]]] = None,
+                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:  # the text outside the calls, or null
+                message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+            choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             return self._object("chat.completion", [choice], usage=usage)
         choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         return self._object("text_completion", [choice], usage=usage)
 
     def chunk(self, text: str = "", finish: Optional[str] = None, role: bool = False,
-              logprobs: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+              logprobs: Optional[list[dict[str, Any]]] = None,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"content": text} if text else {}
+            if tool_calls:  # each whole: index, id, type, function name and arguments
+                delta["tool_calls"] = tool_calls
             if role:
                 delta = {"role": "assistant", "content": ""}
             choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}

@@ -7,9 +7,9 @@ engine's message. Unknown fields are ignored, as OpenAI clients send many we hav
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Body(BaseModel):
@@ -21,9 +21,65 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # a JSON object as a string, as OpenAI sends it (an object is taken too)
+
+
+class MessageToolCall(_Body):
+    """A call an earlier assistant message made, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this answers
+
+
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of type object
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is not None:
+            if schema.get("type", "object") != "object":
+                raise ValueError(f"parameters must be a JSON Schema of type 'object', got {schema.get('type')!r}")
+            if not isinstance(schema.get("properties", {}), dict):
+                raise ValueError("parameters.properties must be an object")
+        return schema
+
+
+class ToolDef(_Body):
+    """One of `tools`: only function tools."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolsBody(_Body):  # `tools`, checked on its own (chat.py)
+    tools: list[ToolDef]
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Body):
@@ -54,6 +110,10 @@ class ChatCompletionRequest(_GenerationBody):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Checked in chat.py: a bad tool or tool_choice is a 400 naming it, not a 422 for the body's shape.
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_GenerationBody):

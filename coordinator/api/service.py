@@ -17,14 +17,17 @@ from typing import TYPE_CHECKING, Any, Optional
 from ...node.protocol import SamplingParams, StageError, StageUnavailable
 from ..engine.batch import ServerBusy
 from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
+from .chat import has_tool_turns, renders_tools, template_input
 from .defaults import DEFAULT_MAX_TOKENS
 from .errors import APIError
 from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
 from .metrics import ServerMetrics
+from .tools import ToolCallParser, parse_tool_calls
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
-    from ..engine.request import GenerationStats
+    from ..engine.request import GenerationChunk, GenerationStats
+    from .chat import ToolSpec
     from .models import _GenerationBody
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,7 @@ class Service:
         self.metrics = metrics
         self.slots = asyncio.Semaphore(max_concurrency)
         self.tokenizer_lock = threading.Lock()  # fast tokenizers may refuse concurrent use
+        self.native_tools: bool | None = None  # whether the chat template renders tools (probed once)
         self.created = int(time.time())
 
     # validation ---------------------------------------------------------------------------
@@ -123,10 +127,20 @@ class Service:
             raise APIError(400, message, param=param, code=e.code) from None
         return req
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, Any]], tools: "ToolSpec | None" = None) -> list[int]:
+        """The prompt: plain messages as the engine encodes them; tools and tool turns as chat.py renders them."""
+        plain = (tools is None or not tools.active) and not has_tool_turns(messages)
+
         def encode() -> list[int]:
             with self.tokenizer_lock:
-                return self.engine.encode_chat(messages)
+                if plain:
+                    return self.engine.encode_chat(messages)
+                tokenizer = self.engine.tokenizer
+                if self.native_tools is None:
+                    self.native_tools = renders_tools(tokenizer)
+                turns, rendered = template_input(messages, tools, self.native_tools)
+                return list(tokenizer.apply_chat_template(turns, tools=rendered, add_generation_prompt=True,
+                                                          tokenize=True))
 
         try:
             return await asyncio.to_thread(encode)
@@ -197,7 +211,7 @@ class Service:
         return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error", code="internal_error")
 
     async def complete(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, request: Any,
-                       started: float) -> Any:
+                       started: float, tools: "ToolSpec | None" = None) -> Any:
         from fastapi.responses import JSONResponse, Response
 
         run = await self.start(req)
@@ -223,42 +237,55 @@ class Service:
         if final is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         self.record(endpoint, final.stats, started, first_token)
-        return JSONResponse(fmt.response("".join(parts), final.finish_reason, usage_of(final.stats, req.depth_label),
-                                         logprobs=entries if asked else None))
+        text, finish, calls = "".join(parts), final.finish_reason, None
+        if tools is not None and tools.active:
+            text, found = parse_tool_calls(text, tools.tools)
+            if found:
+                calls = [c.to_dict() for c in (found if tools.parallel else found[:1])]
+                finish = "tool_calls"
+        return JSONResponse(fmt.response(text, finish, usage_of(final.stats, req.depth_label),
+                                         logprobs=entries if asked else None, tool_calls=calls))
 
     async def _watch(self, request: Any, run: GenerationThread) -> None:
         while not await request.is_disconnected():
             await asyncio.sleep(DISCONNECT_POLL_S)
         run.cancel()
 
-    def stream(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, started: float) -> Any:
+    def stream(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, started: float,
+               tools: "ToolSpec | None" = None) -> Any:
         from fastapi.responses import StreamingResponse
 
         return StreamingResponse(
-            self._events(endpoint, req, fmt, started),
+            self._events(endpoint, req, fmt, started, tools),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def _events(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat,
-                      started: float) -> AsyncIterator[str]:
+                      started: float, tools: "ToolSpec | None" = None) -> AsyncIterator[str]:
         # Started lazily: a response that is never iterated (the client left at once) never runs.
         # When the client leaves, Starlette cancels this generator and `finally` stops the run.
         run = None
         first_token = None
+        parser = ToolCallParser(tools.tools) if tools is not None and tools.active else None
+        calls = 0  # tool calls streamed
         try:
             if fmt.chat:
                 yield sse_event(fmt.chunk(role=True))
             run = await self.start(req)
             async for chunk in run.chunks():
                 first_token = first_token or time.perf_counter()
-                if req.params.top_logprobs >= 0 and chunk.tokens:
+                if parser is not None:
+                    deltas, calls = self._tool_deltas(fmt, parser, tools, chunk, calls, req.params.top_logprobs >= 0)
+                    for delta in deltas:
+                        yield sse_event(delta)
+                elif req.params.top_logprobs >= 0 and chunk.tokens:
                     yield sse_event(fmt.chunk(chunk.text, logprobs=self.token_logprobs(chunk.tokens, chunk.logprobs)))
                 elif chunk.text:
                     yield sse_event(fmt.chunk(chunk.text))
                 if chunk.finish_reason:
                     self.record(endpoint, chunk.stats, started, first_token)
-                    yield sse_event(fmt.chunk(finish=chunk.finish_reason))
+                    yield sse_event(fmt.chunk(finish="tool_calls" if calls else chunk.finish_reason))
                     if fmt.include_usage:
                         yield sse_event(fmt.usage_chunk(usage_of(chunk.stats, req.depth_label)))
             yield SSE_DONE
@@ -268,6 +295,28 @@ class Service:
         finally:
             if run is not None:
                 run.cancel()
+
+    def _tool_deltas(self, fmt: ResponseFormat, parser: ToolCallParser, tools: "ToolSpec", chunk: "GenerationChunk",
+                     calls: int, asked: bool) -> tuple[list[dict[str, Any]], int]:
+        """A chunk's text through the tool-call parser: content deltas, and each whole call as a tool_calls
+        delta. Its logprobs ride on the first delta (an empty one when the parser holds its text back)."""
+        events = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason else [])
+        items: list[tuple[str, list[dict[str, Any]] | None]] = []
+        for kind, value in events:
+            if kind == "text":
+                if items and items[-1][1] is None:
+                    items[-1] = (items[-1][0] + value, None)
+                else:
+                    items.append((value, None))
+            elif tools.parallel or calls == 0:
+                items.append(("", [value.to_dict(index=calls)]))
+                calls += 1
+        logprobs = None
+        if asked and chunk.tokens:
+            logprobs = self.token_logprobs(chunk.tokens, chunk.logprobs)
+            items = items or [("", None)]
+        return [fmt.chunk(text, tool_calls=delta, logprobs=logprobs if i == 0 else None)
+                for i, (text, delta) in enumerate(items)], calls
 
     # cluster --------------------------------------------------------------------------------
 

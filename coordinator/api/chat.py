@@ -1,0 +1,243 @@
+"""What a chat body becomes for the checkpoint's chat template: its messages, tools and tool_choice.
+
+Tools are rendered by the checkpoint's own template, `apply_chat_template(messages, tools=...)`, and so
+are the assistant's earlier `tool_calls` (arguments handed to it as objects, as Qwen's templates iterate
+them) and `role: "tool"` results. A template with no notion of tools (one that renders the same with and
+without them: the tiny and demo checkpoints' plain ChatML) gets Qwen3's conventions written into the
+messages instead: the tools, with the JSON call format, in the system message; earlier calls as
+`<tool_call>` blocks in the assistant's text; tool results as `<tool_response>` blocks in a user turn.
+
+tool_choice (the output is parsed by tools.py):
+- "auto", the default with tools: tools rendered, the output parsed for calls.
+- "none": tools neither rendered nor parsed for (earlier calls and results in the messages still are).
+- "required", or a named function: templates have no such notion and decoding is not constrained, so the
+  tools are rendered and the system message ends with an instruction to call (that) function. An output
+  with no call that parses comes back as text, with the finish reason it had.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import APIError, validation_error
+
+if TYPE_CHECKING:
+    from .models import ChatCompletionRequest, ChatMessage
+
+CHOICES = ("none", "auto", "required")
+
+# Qwen3's tool prompt (hermes JSON calls), for templates that do not render tools themselves.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_FORMAT = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call>"
+)
+REQUIRED = "In this reply you must call at least one of the functions you are provided with."
+NAMED = 'In this reply you must call the function "{name}".'
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "mtpipe_probe", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+
+@dataclass
+class ToolSpec:
+    """A request's tools (as dicts, as templates and parsers take them) and what it asked of them."""
+
+    tools: list[dict[str, Any]]
+    choice: str  # "auto", "none", "required", or "function" for a named one
+    name: str | None = None  # the named function
+    parallel: bool = True  # False: only the first call is returned
+
+    @property
+    def active(self) -> bool:
+        """Tools rendered into the prompt and the output parsed for calls."""
+        return bool(self.tools) and self.choice != "none"
+
+    def instruction(self) -> str | None:
+        if not self.active:
+            return None
+        if self.choice == "required":
+            return REQUIRED
+        return NAMED.format(name=self.name) if self.choice == "function" else None
+
+
+def tool_spec(body: ChatCompletionRequest) -> ToolSpec | None:
+    """The body's `tools` and `tool_choice`, checked: a bad one is a 400 naming it."""
+    from pydantic import ValidationError
+
+    from .models import ToolsBody
+
+    tools: list[dict[str, Any]] = []
+    if body.tools is not None:
+        if not isinstance(body.tools, list):
+            raise APIError(400, f"tools must be a list of function tools, got {type(body.tools).__name__}",
+                           param="tools", code="invalid_type")
+        try:
+            parsed = ToolsBody.model_validate({"tools": body.tools}).tools
+        except ValidationError as e:
+            raise validation_error(e.errors(include_url=False), status=400) from None
+        seen: set[str] = set()
+        for i, tool in enumerate(parsed):
+            if tool.function.name in seen:
+                raise APIError(400, f"tools[{i}].function.name: {tool.function.name!r} is given twice", param="tools")
+            seen.add(tool.function.name)
+        tools = [t.model_dump(exclude_none=True) for t in parsed]
+    choice, name = _tool_choice(body.tool_choice, tools)
+    if not tools and body.tool_choice is None:
+        return None
+    return ToolSpec(tools, choice, name, body.parallel_tool_calls is not False)
+
+
+def _tool_choice(raw: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
+    from pydantic import ValidationError
+
+    from .models import NamedToolChoice
+
+    if raw is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(raw, str):
+        if raw not in CHOICES:
+            raise APIError(400, f"tool_choice must be one of {', '.join(CHOICES)} or a function, got {raw!r}",
+                           param="tool_choice")
+        if raw == "required" and not tools:
+            raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        return raw, None
+    try:
+        named = NamedToolChoice.model_validate(raw)
+    except ValidationError:
+        raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                            '"function": {"name": ...}}', param="tool_choice") from None
+    names = [t["function"]["name"] for t in tools]
+    if named.function.name not in names:
+        known = f"; the tools are {', '.join(names)}" if names else "; no tools were given"
+        raise APIError(400, f"tool_choice names the function {named.function.name!r}, which is not among the "
+                            f"tools{known}", param="tool_choice")
+    return "function", named.function.name
+
+
+# -- messages -----------------------------------------------------------------------------------
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the template takes them; a tool message must answer an earlier call."""
+    out: list[dict[str, Any]] = []
+    call_ids: set[str] = set()
+    for i, m in enumerate(body.messages):
+        role = "system" if m.role == "developer" else m.role
+        msg: dict[str, Any] = {"role": role, "content": _content(i, m)}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_calls:
+            if role != "assistant":
+                raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls, not {m.role!r} ones",
+                               param="messages")
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in m.tool_calls]
+            call_ids.update(c.id for c in m.tool_calls)
+        if role == "tool":
+            if not m.tool_call_id:
+                raise APIError(400, f"messages[{i}]: a tool message needs the tool_call_id it answers",
+                               param="messages")
+            if m.tool_call_id not in call_ids:
+                raise APIError(400, f"messages[{i}]: tool_call_id {m.tool_call_id!r} answers no tool call of an "
+                                    "earlier assistant message", param="messages")
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def _content(i: int, m: ChatMessage) -> str:
+    if not isinstance(m.content, list):
+        return m.content or ""
+    texts = []
+    for part in m.content:
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                           param="messages")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _arguments(arguments: str | dict[str, Any]) -> Any:
+    """A call's arguments as an object where they are one (templates iterate them), else as sent."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+def has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+
+
+# -- rendering ----------------------------------------------------------------------------------
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the chat template has a notion of tools: it renders a prompt differently with one."""
+    probe = [{"role": "user", "content": "?"}]
+    try:
+        plain = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+        with_tools = tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], add_generation_prompt=True,
+                                                   tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe gets the written-in conventions
+        return False
+    return with_tools != plain
+
+
+def template_input(messages: list[dict[str, Any]], spec: ToolSpec | None,
+                   native: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) for `apply_chat_template`; `native`: the template renders tools itself."""
+    tools = spec.tools if spec is not None and spec.active else None
+    instruction = spec.instruction() if spec is not None else None
+    if native:
+        return _with_system(messages, instruction), tools
+    written = _tools_prompt(tools) if tools else None
+    extra = "\n\n".join(s for s in (written, instruction) if s)
+    return _with_system(_written_turns(messages), extra), None
+
+
+def _tools_prompt(tools: list[dict[str, Any]]) -> str:
+    return TOOLS_PREAMBLE + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_FORMAT
+
+
+def _with_system(messages: list[dict[str, Any]], extra: str | None) -> list[dict[str, Any]]:
+    """`extra` at the end of the system message (templates want it first), or as one of its own."""
+    if not extra:
+        return messages
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]
+        content = f"{first['content']}\n\n{extra}" if first["content"] else extra
+        return [{**first, "content": content}, *messages[1:]]
+    return [{"role": "system", "content": extra}, *messages]
+
+
+def _written_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier calls and their results written into the text, as Qwen3's template writes them."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1].get("tool_results"):
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + block}
+            else:
+                out.append({"role": "user", "content": block, "tool_results": True})
+            continue
+        calls = [c["function"] for c in m.get("tool_calls") or []]
+        m = {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")}
+        if calls:
+            blocks = "\n".join("<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]},
+                                                             ensure_ascii=False) + "\n</tool_call>" for c in calls)
+            m["content"] = f"{m['content']}\n{blocks}" if m["content"] else blocks
+        out.append(m)
+    return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]

@@ -1,0 +1,205 @@
+"""Tool calls in generated text, whole or as it streams: Qwen3's JSON form and Qwen3.5/3.6's XML form.
+
+Both sit between `<tool_call>` and `</tool_call>`; the body's form picks mlx-lm's parser for it:
+
+    Qwen3 (hermes JSON, mlx-lm's json_tools):
+        <tool_call>
+        {"name": "get_weather", "arguments": {"city": "Paris"}}
+        </tool_call>
+    Qwen3.5 / 3.6 / Qwen3-Coder (XML, mlx-lm's qwen3_coder):
+        <tool_call>
+        <function=get_weather>
+        <parameter=city>
+        Paris
+        </parameter>
+        </function>
+        </tool_call>
+
+XML values are typeless: they take the type the request's tool schema gives the parameter.
+
+A block ends at the first `</tool_call>` that is not inside a JSON string or an XML parameter value, so
+an argument may hold the closing tag itself. A block that does not parse, or is still open when the text
+ends, is text. Text next to a call loses the whitespace on that side (the newlines around the tags).
+
+`ToolCallParser` takes the text in pieces and hands out what it can decide: text, held back only while
+it may begin `<tool_call>` (or is whitespace that a call would drop), and whole calls. However the text
+is cut, the calls and the joined text are the same as for the whole text at once (`parse_tool_calls`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+OPEN = "<tool_call>"
+CLOSE = "</tool_call>"
+XML_FUNCTION = "<function="
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as OpenAI hands arguments out
+    id: str = field(default_factory=_call_id)
+
+    def to_dict(self, index: int | None = None) -> dict[str, Any]:
+        """The call as `message.tool_calls[i]`, or with `index` as a streamed `delta.tool_calls[i]`."""
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+Event = tuple[str, Any]  # ("text", str) or ("call", ToolCall)
+
+
+def _inside_value(body: str) -> bool:
+    """Whether the end of a block's body so far is inside a JSON string or an XML parameter value."""
+    s = body.lstrip()
+    if s.startswith(XML_FUNCTION):
+        return s.count("<parameter=") > s.count("</parameter>")
+    in_string = escaped = False
+    for ch in s:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = in_string
+        elif ch == '"':
+            in_string = not in_string
+    return in_string
+
+
+def _parse_one(item: Any) -> ToolCall:
+    if not isinstance(item, dict):
+        raise TypeError(f"a tool call is an object, got {type(item).__name__}")
+    name = item.get("name")
+    args = item.get("arguments", item.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        args = json.loads(args) if args.strip() else {}
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"a tool call needs a function name, got {name!r}")
+    if not isinstance(args, dict):
+        raise TypeError(f"a tool call's arguments are an object, got {type(args).__name__}")
+    return ToolCall(name.strip(), json.dumps(args, ensure_ascii=False))
+
+
+def parse_block(body: str, tools: list[dict[str, Any]] | None = None) -> list[ToolCall] | None:
+    """The calls in one `<tool_call>` block's body, or None when it does not parse."""
+    from mlx_lm.tool_parsers import json_tools, qwen3_coder
+
+    s = body.strip()
+    try:
+        if s.startswith(XML_FUNCTION):
+            parsed = qwen3_coder.parse_tool_call(s, tools)
+        else:
+            parsed = json_tools.parse_tool_call(s, tools)
+        items = parsed if isinstance(parsed, list) else [parsed]
+        calls = [_parse_one(item) for item in items]
+    except Exception as e:  # noqa: BLE001 - whatever the model wrote, a call that does not parse is text
+        log.info("a tool call did not parse (%s: %s); it is returned as text", type(e).__name__, e)
+        return None
+    return calls or None
+
+
+class ToolCallParser:
+    """Generated text in, as it comes; out, in order: ("text", str) and ("call", ToolCall) events."""
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None):
+        self.tools = tools
+        self._buf = ""  # not decided yet: a possible start of `<tool_call>`, or an open block
+        self._in_block = False
+        self._scanned = 0  # in an open block: where the next `</tool_call>` may start
+        self._pending_ws = ""  # trailing whitespace of the text: released if text follows, dropped if a call does
+        self._after_call = False  # whitespace right after a call is dropped
+
+    def feed(self, text: str) -> list[Event]:
+        out: list[Event] = []
+        self._buf += text
+        self._advance(out, final=False)
+        return out
+
+    def finish(self) -> list[Event]:
+        """The end of the text: an open block, or a held-back start of one, is text."""
+        out: list[Event] = []
+        self._advance(out, final=True)
+        if self._buf:
+            self._text(self._buf, out)
+            self._buf = ""
+            self._in_block = False
+        if self._pending_ws:
+            out.append(("text", self._pending_ws))
+            self._pending_ws = ""
+        return out
+
+    def _advance(self, out: list[Event], final: bool) -> None:
+        while self._buf:
+            if not self._in_block:
+                at = self._buf.find(OPEN)
+                if at < 0:
+                    keep = 0 if final else _open_prefix(self._buf)
+                    self._text(self._buf[: len(self._buf) - keep], out)
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return
+                self._text(self._buf[:at], out)
+                self._buf = self._buf[at:]
+                self._in_block = True
+                self._scanned = len(OPEN)
+            end = self._block_end()
+            if end < 0:
+                return
+            block, self._buf = self._buf[:end], self._buf[end:]
+            self._in_block = False
+            calls = parse_block(block[len(OPEN): -len(CLOSE)], self.tools)
+            if calls is None:
+                self._text(block, out)
+            else:
+                self._pending_ws = ""
+                self._after_call = True
+                out.extend(("call", c) for c in calls)
+
+    def _block_end(self) -> int:
+        """Where the open block ends (just past its `</tool_call>`), or -1 while it has not ended."""
+        while True:
+            at = self._buf.find(CLOSE, self._scanned)
+            if at < 0:
+                self._scanned = max(self._scanned, len(self._buf) - len(CLOSE) + 1)
+                return -1
+            self._scanned = at + 1
+            if not _inside_value(self._buf[len(OPEN): at]):
+                return at + len(CLOSE)
+
+    def _text(self, s: str, out: list[Event]) -> None:
+        if self._after_call:
+            s = s.lstrip()
+            if not s:
+                return
+            self._after_call = False
+        body = s.rstrip()
+        if body:
+            out.append(("text", self._pending_ws + body))
+            self._pending_ws = s[len(body):]
+        else:
+            self._pending_ws += s
+
+
+def _open_prefix(text: str) -> int:
+    """The length of the longest end of `text` that `<tool_call>` begins with."""
+    for n in range(min(len(text), len(OPEN) - 1), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
+    """The text outside the calls, and the calls, of a whole generation."""
+    parser = ToolCallParser(tools)
+    events = parser.feed(text) + parser.finish()
+    return "".join(v for k, v in events if k == "text"), [v for k, v in events if k == "call"]

@@ -1,0 +1,436 @@
+"""Tool calling: the parser, the prompt, and round trips through the live API with the official client.
+
+The parser runs on outputs in the two real formats (Qwen3's JSON calls, Qwen3.5/3.6's XML calls), well
+formed and not, whole and streamed in any cut. The round trips run on a copy of the tiny checkpoint whose
+tokenizer spells two tokens as whole tool calls (one per format), so `logit_bias` on one of them makes the
+random model call a tool; one copy keeps the plain ChatML template (tools written into the messages), the
+other has a Qwen3.5-style template that renders tools, calls and results itself.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mtpipe.coordinator.api.chat import REQUIRED, ToolSpec, renders_tools, template_input
+from mtpipe.coordinator.api.tools import ToolCallParser, parse_tool_calls
+from mtpipe.node.protocol import SamplingParams
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "threshold": {"type": "number"}, "options": {"type": "object"}, "tags": {"type": "array"}},
+        "required": ["city"]}}}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string"}}}}}
+TOOLS = [WEATHER, SEARCH]
+
+# -- the parser on recorded outputs ------------------------------------------------------------
+
+# (output, content outside the calls, [(name, arguments)])
+RECORDED: dict[str, tuple[str, str, list[tuple[str, dict[str, Any]]]]] = {
+    "qwen3_single": (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+        "", [("get_weather", {"city": "Paris", "days": 3})]),
+    "qwen3_text_before_several": (
+        ("I'll look both up.\n<tool_call>\n"
+         '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+         '{"name": "search", "arguments": {"query": "Tokyo weather"}}\n</tool_call>'),
+        "I'll look both up.", [("get_weather", {"city": "Paris"}), ("search", {"query": "Tokyo weather"})]),
+    "qwen3_text_after": (
+        '<tool_call>\n{"name": "search", "arguments": {"query": "mlx"}}\n</tool_call>\n\nWaiting for results.',
+        "Waiting for results.", [("search", {"query": "mlx"})]),
+    "qwen3_nested_and_tags_in_strings": (
+        ('Writing it.\n<tool_call>\n{"name": "write_file", "arguments": {"path": "a.py", '
+         '"content": "s = \\"</tool_call>\\"\\nt = \'<tool_call>\'\\n", '
+         '"meta": {"tags": ["<tool_call>", "</tool_call>"], "n": {"deep": [1, 2.5, null, true]}}}}\n</tool_call>'),
+        "Writing it.", [("write_file", {"path": "a.py", "content": "s = \"</tool_call>\"\nt = '<tool_call>'\n",
+                                        "meta": {"tags": ["<tool_call>", "</tool_call>"],
+                                                 "n": {"deep": [1, 2.5, None, True]}}})]),
+    "qwen3_arguments_as_string": (
+        '<tool_call>\n{"name": "search", "arguments": "{\\"query\\": \\"x\\"}"}\n</tool_call>',
+        "", [("search", {"query": "x"})]),
+    "qwen3_malformed_json": (
+        'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>\nDone.',
+        'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>\nDone.', []),
+    "qwen3_no_name": (
+        '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>',
+        '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>', []),
+    "qwen3_open_quote": (  # the closing tag sits inside a string that never ends: the block never closes
+        '<tool_call>\n{"name": "search, "arguments": {}}\n</tool_call> more',
+        '<tool_call>\n{"name": "search, "arguments": {}}\n</tool_call> more', []),
+    "qwen3_unclosed": (
+        'Let me search.\n<tool_call>\n{"name": "search", "arguments": {"query": "ml',
+        'Let me search.\n<tool_call>\n{"name": "search", "arguments": {"query": "ml', []),
+    "qwen3_call_then_unclosed": (
+        '<tool_call>\n{"name": "search", "arguments": {"query": "a"}}\n</tool_call>\n<tool_call>\n{"name": "sea',
+        '<tool_call>\n{"name": "sea', [("search", {"query": "a"})]),
+    "qwen35_thinking_then_call": (
+        ("The user wants the weather in Paris for three days.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
+        "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"),
+        "The user wants the weather in Paris for three days.\n</think>",
+        [("get_weather", {"city": "Paris", "days": 3})]),
+    "qwen35_several_typed": (
+        ("Checking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+        "<parameter=metric>\ntrue\n</parameter>\n<parameter=threshold>\n2.5\n</parameter>\n<parameter=options>\n"
+        '{"hourly": {"from": 6, "to": [18, 20]}}\n</parameter>\n<parameter=tags>\n["a", "b"]\n</parameter>\n'
+        "</function>\n</tool_call>\n<tool_call>\n<function=search>\n<parameter=query>\nline one\nline two\n"
+        "</parameter>\n</function>\n</tool_call>"),
+        "Checking.", [("get_weather", {"city": "New York", "metric": True, "threshold": 2.5,
+                                       "options": {"hourly": {"from": 6, "to": [18, 20]}}, "tags": ["a", "b"]}),
+                      ("search", {"query": "line one\nline two"})]),
+    "qwen35_tags_in_values": (
+        ("<tool_call>\n<function=search>\n<parameter=query>\nwhat does </tool_call> mean after <tool_call>?\n"
+        "</parameter>\n</function>\n</tool_call>\nThat was the call."),
+        "That was the call.", [("search", {"query": "what does </tool_call> mean after <tool_call>?"})]),
+    "qwen35_no_function_close": (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>", []),
+    "qwen35_bad_integer": (  # an integer parameter that is not one: the call does not parse
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>", []),
+    "qwen35_unclosed_parameter": (
+        "Calling.\n<tool_call>\n<function=search>\n<parameter=query>\nunfinished",
+        "Calling.\n<tool_call>\n<function=search>\n<parameter=query>\nunfinished", []),
+    "mixed_formats": (
+        ('<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>\n<tool_call>\n<function=search>\n'
+        "<parameter=query>\nx\n</parameter>\n</function>\n</tool_call>"),
+        "", [("search", {}), ("search", {"query": "x"})]),
+    "no_call": (
+        "if a < b and c <tool", "if a < b and c <tool", []),
+    "no_call_trailing_space": (
+        "  text with spaces  \n", "  text with spaces  \n", []),
+}
+
+
+def _calls(calls: list[Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def _streamed(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+    parser = ToolCallParser(TOOLS)
+    events = []
+    for a, b in zip([0, *cuts], [*cuts, len(text)]):
+        events += parser.feed(text[a:b])
+    events += parser.finish()
+    return "".join(v for k, v in events if k == "text"), _calls([v for k, v in events if k == "call"])
+
+
+@pytest.mark.parametrize("name", RECORDED)
+def test_parse_recorded(name: str) -> None:
+    text, content, calls = RECORDED[name]
+    got_content, got = parse_tool_calls(text, TOOLS)
+    assert got_content == content
+    assert _calls(got) == calls
+    assert all(c.id.startswith("call_") and int(c.id[5:], 16) >= 0 for c in got)
+    assert len({c.id for c in got}) == len(got)
+
+
+@pytest.mark.parametrize("name", RECORDED)
+def test_stream_any_cut(name: str) -> None:
+    text, content, calls = RECORDED[name]
+    assert _streamed(text, list(range(1, len(text)))) == (content, calls)  # one character at a time
+    rng = random.Random(1234)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1))))
+        assert _streamed(text, cuts) == (content, calls), cuts
+
+
+def test_stream_releases_text_early() -> None:
+    parser = ToolCallParser(TOOLS)
+    assert parser.feed("Hello there <tool") == [("text", "Hello there")]  # " <tool" may begin a call
+    assert parser.feed("kit") == [("text", " <toolkit")]
+    assert parser.feed(" <tool_call>\n{\"name\": \"search\", \"arguments\": {}}") == []
+    events = parser.feed("\n</tool_call>\n")
+    assert [k for k, _ in events] == ["call"] and events[0][1].name == "search"
+    assert parser.feed("after") == [("text", "after")] and parser.finish() == []
+
+
+# -- the prompt ----------------------------------------------------------------------------------
+
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+    {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    {"role": "tool", "content": "rain", "tool_call_id": "call_2"},
+]
+
+
+def test_template_input_written_in() -> None:
+    """A template without tools: tools, instruction, calls and results written into the messages."""
+    msgs, tools = template_input(HISTORY, ToolSpec(TOOLS, "required"), native=False)
+    assert tools is None
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    system = msgs[0]["content"]
+    assert system.startswith("Be brief.\n\n# Tools") and json.dumps(WEATHER) in system and system.endswith(REQUIRED)
+    assert msgs[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                                  '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+    assert msgs[3]["content"] == "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>"
+    assert all(set(m) == {"role", "content"} for m in msgs)
+    # "none": no tools; a named function: the instruction names it, in a system message of its own.
+    msgs, _ = template_input(HISTORY[1:], ToolSpec(TOOLS, "none"), native=False)
+    assert msgs[0]["role"] == "user"
+    msgs, _ = template_input(HISTORY[1:2], ToolSpec(TOOLS, "function", "search"), native=False)
+    assert msgs[0]["role"] == "system" and msgs[0]["content"].endswith('call the function "search".')
+
+
+def test_template_input_native() -> None:
+    msgs, tools = template_input(HISTORY, ToolSpec(TOOLS, "auto"), native=True)
+    assert tools == TOOLS and msgs == HISTORY
+    msgs, tools = template_input(HISTORY, ToolSpec(TOOLS, "none"), native=True)
+    assert tools is None and msgs == HISTORY
+    msgs, _ = template_input(HISTORY, ToolSpec(TOOLS, "required"), native=True)
+    assert msgs[0]["content"] == "Be brief.\n\n" + REQUIRED and msgs[1:] == HISTORY[1:]
+
+
+# -- checkpoints whose output the test controls ----------------------------------------------------
+
+CALL_TEXT = {
+    "json": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+    "xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+           "</parameter>\n</function>\n</tool_call>",
+}
+CALL_ARGS = {"city": "Paris", "days": 3}
+
+# A Qwen3.5-style template (XML calls) that renders tools, earlier calls and tool results itself.
+NATIVE_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n\\n<tools>' }}{%- for tool in tools %}"
+    "{{- '\\n' + (tool | tojson) }}{%- endfor %}{{- '\\n</tools>\\n\\nCall a function as <tool_call>\\n"
+    "<function=name>\\n<parameter=p>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>' }}"
+    "{%- if messages[0].role == 'system' %}{{- '\\n\\n' + messages[0].content }}{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}{%- if not loop.first %}{{- raise_exception('system first') }}{%- endif %}"
+    "{%- elif message.role == 'user' %}{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + message.content }}"
+    "{%- for tool_call in message.tool_calls or [] %}{%- set call = tool_call.function %}"
+    "{{- '\\n<tool_call>\\n<function=' + call.name + '>\\n' }}{%- for name, value in call.arguments | items %}"
+    "{{- '<parameter=' + name + '>\\n' + (value if value is string else value | tojson) + '\\n</parameter>\\n' }}"
+    "{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}{%- if loop.previtem and loop.previtem.role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- raise_exception('unexpected role') }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _byte_chars() -> dict[int, str]:
+    """How byte-level BPE vocabularies spell bytes (GPT-2's map)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = dict(zip(keep, keep)), 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = 256 + extra, extra + 1
+    return {b: chr(c) for b, c in chars.items()}
+
+
+def forced_checkpoint(src: Path, out: Path, template: str | None = None) -> dict[str, int]:
+    """A copy of `src` whose last two BPE merges' tokens are spelled as whole tool calls: {format: token}."""
+    out.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            (out / f.name).symlink_to(f)
+        else:
+            shutil.copy(f, out / f.name)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    merges, vocab = tok["model"]["merges"], tok["model"]["vocab"]
+    chars = _byte_chars()
+    ids = {}
+    for fmt, text in CALL_TEXT.items():
+        a, b = merges.pop()
+        assert a + b not in {part for m in merges for part in m}  # a last merge builds nothing further
+        ids[fmt] = vocab.pop(a + b)
+        vocab["".join(chars[x] for x in text.encode())] = ids[fmt]
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    if template is not None:
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        config["chat_template"] = template
+        (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return ids
+
+
+# -- the live API ---------------------------------------------------------------------------------
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+MODEL = "tiny-tools"
+
+
+class Live:
+    def __init__(self, engine: Any, server: Any, ids: dict[str, int], native: bool):
+        self.engine, self.server, self.ids, self.native = engine, server, ids, native
+        self.client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module", params=["written", "native"])
+def live(request: pytest.FixtureRequest, dense_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    import mlx.core as mx
+    from test_api import LiveServer
+
+    from mtpipe.coordinator.api.app import create_app
+    from mtpipe.coordinator.engine.build import batch_engine
+
+    native = request.param == "native"
+    out = tmp_path_factory.mktemp("tools") / request.param
+    ids = forced_checkpoint(dense_ckpt, out, NATIVE_TEMPLATE if native else None)
+    engine = batch_engine(out, stages=1, dtype=mx.float32)
+    assert renders_tools(engine.tokenizer) is native
+    try:
+        with LiveServer(create_app(engine, MODEL)) as server:
+            yield Live(engine, server, ids, native)
+    finally:
+        engine.close()
+
+
+def _bias(live: Live, fmt: str) -> dict[str, int]:
+    if not hasattr(SamplingParams(), "logit_bias"):
+        pytest.skip("the engine has no logit_bias yet: the test cannot make the tiny model call a tool")
+    return {str(live.ids[fmt]): 100}
+
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_forced_token_spells_a_call(live: Live) -> None:
+    assert live.engine.tokenizer.decode([live.ids["json"], live.ids["xml"]]) == CALL_TEXT["json"] + CALL_TEXT["xml"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("fmt", ["json", "xml"])
+def test_round_trip(live: Live, fmt: str, stream: bool) -> None:
+    """tools -> tool_calls (finish_reason tool_calls) -> the calls and a tool message back -> an answer."""
+    c = live.client
+    args = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 1, "temperature": 0,
+            "logit_bias": _bias(live, fmt)}
+    if stream:
+        chunks = list(c.chat.completions.create(**args, stream=True))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+        assert [(d.index, d.type, d.function.name) for d in deltas] == [(0, "function", "get_weather")]
+        call_id, name, arguments = deltas[0].id, deltas[0].function.name, deltas[0].function.arguments
+        assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        assert finishes == ["tool_calls"]
+    else:
+        r = c.chat.completions.create(**args)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [t.type for t in choice.message.tool_calls] == ["function"]
+        call_id, name, arguments = (choice.message.tool_calls[0].id, choice.message.tool_calls[0].function.name,
+                                    choice.message.tool_calls[0].function.arguments)
+        assert r.usage.completion_tokens == 1
+    assert call_id.startswith("call_") and name == "get_weather" and json.loads(arguments) == CALL_ARGS
+    messages = [*ASK,
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": call_id, "content": '{"temperature": 21, "sky": "clear"}'}]
+    answer = c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=6, temperature=0,
+                                       logit_bias={str(live.ids[f]): -100 for f in CALL_TEXT})
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
+    assert isinstance(answer.choices[0].message.content, str)
+    assert answer.usage.prompt_tokens > c.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=1, temperature=0).usage.prompt_tokens
+
+
+def test_parallel_none_and_logprobs(live: Live) -> None:
+    c = live.client
+    args = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 2, "temperature": 0,
+            "logit_bias": _bias(live, "json")}
+    r = c.chat.completions.create(**args)
+    calls = r.choices[0].message.tool_calls
+    assert [t.function.name for t in calls] == ["get_weather"] * 2 and calls[0].id != calls[1].id
+    one = c.chat.completions.create(**args, parallel_tool_calls=False)
+    assert len(one.choices[0].message.tool_calls) == 1
+    stream = list(c.chat.completions.create(**args, stream=True, logprobs=True, top_logprobs=2))
+    deltas = [tc for ch in stream if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert [d.index for d in deltas] == [0, 1] and len({d.id for d in deltas}) == 2
+    entries = [e for ch in stream if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert len(entries) == 2 and all(len(e.top_logprobs) == 2 for e in entries)
+    # tool_choice "none": tools not rendered, the output is text.
+    none = c.chat.completions.create(**args, tool_choice="none")
+    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "length"
+    assert none.choices[0].message.content == CALL_TEXT["json"] * 2
+
+
+def test_tools_rendered(live: Live) -> None:
+    """Tools reach the prompt (through the template or written in); "none" leaves them out; "required" and a
+    named function add an instruction; an output with no call under "required" is text."""
+    c = live.client
+
+    def prompt(**kw: Any) -> int:
+        r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, temperature=0, **kw)
+        return r.usage.prompt_tokens
+
+    plain = prompt()
+    with_tools = prompt(tools=TOOLS)
+    assert with_tools > plain and prompt(tools=TOOLS, tool_choice="none") == plain
+    assert prompt(tools=TOOLS, tool_choice="required") > with_tools
+    assert prompt(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "search"}}) > with_tools
+    r = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=4,
+                                  temperature=0, logit_bias={str(i): -100 for i in live.ids.values()})
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls is None
+    assert isinstance(r.choices[0].message.content, str)
+
+
+def _post(live: Live, **body: Any) -> Any:
+    return httpx.post(live.server.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, **body},
+                      timeout=60)
+
+
+@pytest.mark.parametrize(("tools", "where"), [
+    ({"type": "function"}, "tools"),
+    ([{"type": "function"}], "tools[0].function"),
+    ([{"type": "retrieval", "function": {"name": "x"}}], "tools[0].type"),
+    ([{"type": "function", "function": {"name": "has space"}}], "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+     "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}],
+     "tools[1].function.name"),
+])
+def test_bad_tools(live: Live, tools: Any, where: str) -> None:
+    r = _post(live, messages=ASK, tools=tools)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools" and where in err["message"], err
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "search"}}}, "tool_choice", "no tools"),
+    ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages", "tool_call_id"),
+    ({"messages": [*ASK, {"role": "tool", "content": "x", "tool_call_id": "call_9"}]}, "messages", "call_9"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages", "assistant"),
+])
+def test_bad_tool_requests(live: Live, body: dict[str, Any], param: str, says: str) -> None:
+    r = _post(live, **{"messages": ASK, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+
+
+def test_bad_tool_choice_with_official_client(live: Live) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=1,
+                                            tool_choice={"type": "function", "function": {"name": "missing"}})
+    assert e.value.status_code == 400 and e.value.body["param"] == "tool_choice"
