@@ -3,11 +3,13 @@
 Accepted key layouts: `model.language_model.*` (HF multimodal), `model.*` (HF text-only),
 `language_model.model.*` (mlx-lm conversions), top-level `mtp.*`, `language_model.mtp.*`, and a
 separate `mtp.safetensors`. Everything is renamed to the shard's own names first, then only the
-shard's tensors are kept: `mx.load` is lazy, so other shards' tensors are never read.
+shard's tensors are kept: `mx.load` is lazy, so other shards' tensors are never read. A node's shard
+cache directory (node/shards.py) loads the same way: it holds exactly a shard's tensors.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -19,19 +21,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .config import ModelConfig, load_config
+from .fingerprint import SHARD_MANIFEST
+from .names import canonical_name
 from .shard import Qwen35Shard, ShardSpec
 
 log = logging.getLogger(__name__)
 
-_IGNORED_PREFIXES = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.")
-_PREFIXES = (  # longest first; maps a checkpoint prefix to the shard's own name space
-    ("model.language_model.", ""),
-    ("language_model.model.", ""),
-    ("language_model.mtp.", "mtp."),
-    ("language_model.lm_head.", "lm_head."),
-    ("model.mtp.", "mtp."),
-    ("model.", ""),
-)
 # RMSNorms stored as w in HF (computed as 1 + w); mlx's RMSNorm computes w. Not linear_attn.norm.
 _SHIFTED_SUFFIXES = (
     ".input_layernorm.weight",
@@ -62,16 +57,6 @@ class LoadedShard:
         return self.model.has_mtp
 
 
-def canonical_name(key: str) -> str | None:
-    """The shard-local name space: embed_tokens.*, layers.N.*, norm.*, lm_head.*, mtp.*; None = skip."""
-    if key.startswith(_IGNORED_PREFIXES):
-        return None
-    for prefix, repl in _PREFIXES:
-        if key.startswith(prefix):
-            return repl + key[len(prefix) :]
-    return key
-
-
 def read_checkpoint(path: Path) -> dict[str, mx.array]:
     """All tensors of a checkpoint directory, lazily, under canonical names."""
     files = sorted(Path(path).glob("*.safetensors"))
@@ -95,6 +80,15 @@ def is_raw_hf(weights: dict[str, mx.array]) -> bool:
         if k.endswith("conv1d.weight"):
             return v.shape[-1] != 1
     return False
+
+
+def stored_raw_hf(path: Path) -> bool | None:
+    """What a shard cache directory (node/shards.py) recorded of its model's layout; None elsewhere."""
+    manifest = Path(path) / SHARD_MANIFEST
+    if not manifest.exists():
+        return None
+    value = json.loads(manifest.read_text()).get("raw_hf")
+    return None if value is None else bool(value)
 
 
 def _layer_index(name: str) -> int | None:
@@ -209,7 +203,9 @@ def load_shard(
         log.info("%s declares no MTP head; decoding without speculation", path)
 
     model = Qwen35Shard(config, spec, with_mtp=with_mtp)
-    weights = sanitize(select_shard(all_weights, spec, model), config, is_raw_hf(all_weights))
+    raw_hf = stored_raw_hf(path)  # a shard cache holds a few layers: the whole model's answer is kept there
+    raw_hf = is_raw_hf(all_weights) if raw_hf is None else raw_hf
+    weights = sanitize(select_shard(all_weights, spec, model), config, raw_hf)
     del all_weights
     if config.quantization:
         _quantize(model, config, weights)

@@ -23,6 +23,24 @@ def default_model_path() -> Path:
     return DEMO_MODEL
 
 
+def local_model(model: str | Path | None) -> Path | None:
+    """The model's directory on this machine, if it has one, without downloading anything: a local
+    path, the bundled demo model, or a hub repo id already in this machine's hub cache."""
+    if model is None:
+        return DEMO_MODEL if (DEMO_MODEL / "config.json").exists() else None
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if "/" in str(model) and not str(model).startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(str(model), local_files_only=True))
+        except (ImportError, OSError, ValueError):  # not in the cache: the node fetches its shard from a peer
+            return None
+    return None
+
+
 def resolve_model(model: str | Path | None) -> Path:
     """A local path as is; otherwise a hub repo id, downloaded (for real users; tests never do)."""
     if model is None:

@@ -20,6 +20,11 @@ def add_node_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-plane", choices=("tcp", "grpc"), default="tcp",
                    help="how other nodes send this node frames: a plain TCP stream on a second, free port "
                         "(default), or gRPC Forward streams on --port only")
+    p.add_argument("--model-dir", action="append", default=[],
+                   help="a local copy of a model this node may load and serve to its peers, used only when its "
+                        "fingerprint is the one asked for (repeatable)")
+    p.add_argument("--shard-cache", help="where fetched shards are kept (default: $MTPIPE_SHARD_CACHE, else "
+                                         "~/.cache/mtpipe/shards)")
     p.add_argument("--json", action="store_true", help="print one JSON line with the address once ready")
     p.set_defaults(func=cmd_node)
 
@@ -32,7 +37,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     from . import stage  # noqa: F401  (import MLX and mlx-lm now, not on the first Load)
 
     server = NodeServer(args.host, args.port, node_id=args.node_id, secret=args.secret,
-                        data_plane=args.data_plane == "tcp").start()
+                        data_plane=args.data_plane == "tcp", model_dirs=args.model_dir,
+                        shard_cache=args.shard_cache).start()
 
     def on_term(*_: Any) -> None:
         threading.Thread(target=server.stop, daemon=True).start()

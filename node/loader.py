@@ -32,6 +32,7 @@ class LoadKey:
     num_layers: int
     mtp: bool
     dtype: str
+    fingerprint: str = ""  # the model's identity (models/fingerprint.py); "" = the path's files as they are
 
 
 def pieces(arrays: list[Any], limit: int) -> Iterator[list[Any]]:

@@ -30,12 +30,15 @@ DEFAULT_PORT = 52700
 
 class NodeServer:
     """A NodeService on a grpc.aio server, on its own event-loop thread ("node-loop", the node's MLX
-    thread). `port=0` picks a free port."""
+    thread). `port=0` picks a free port. `model_dirs`: local copies of models it may load and serve to
+    peers (each checked by fingerprint); `shard_cache`: its shard cache root (default
+    $MTPIPE_SHARD_CACHE, else ~/.cache/mtpipe/shards)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, node_id: str | None = None,
-                 secret: str | None = None, data_plane: bool = True):
+                 secret: str | None = None, data_plane: bool = True, model_dirs: list[Any] | None = None,
+                 shard_cache: Any = None):
         self.host, self.requested_port, self.secret = host, port, secret
-        self.service = NodeService(node_id=node_id, secret=secret)
+        self.service = NodeService(node_id=node_id, secret=secret, model_dirs=model_dirs, shard_cache=shard_cache)
         # Frames from other nodes over plain TCP on a port of its own (any free one), beside gRPC.
         self.listener = FrameListener(self.service.on_frame, secret, MAX_MESSAGE_BYTES) if data_plane else None
         self.port = 0

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -36,6 +36,7 @@ from .dataplane import NextStage
 from .loader import LoadKey, load_stage
 from .protocol import StageError, StepOutput
 from .sysinfo import gpu_limit, mlx_active_memory, system_memory
+from .weights import WeightStore
 from .wire import describe_rpc_error, frame_to_request, next_round, output_to_result, tensor_from_pb, tensor_to_pb
 
 if TYPE_CHECKING:
@@ -64,7 +65,8 @@ class NodeService(pb_grpc.NodeServicer):
     that built them (streams are per thread), so every shard and sequence lives on this one thread.
     Loads run there too, in pieces between which the loop serves other calls."""
 
-    def __init__(self, node_id: str | None = None, secret: str | None = None, name: str | None = None):
+    def __init__(self, node_id: str | None = None, secret: str | None = None, name: str | None = None,
+                 model_dirs: list[Any] | None = None, shard_cache: Any = None):
         self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         self.name = name or self.node_id  # how errors name this node; the coordinator sets host:port
         self.secret = secret
@@ -86,11 +88,13 @@ class NodeService(pb_grpc.NodeServicer):
         self._owners: dict[str, str] = {}  # sequence id -> the client that started it
         self.orphan_grace = ORPHAN_GRACE_S
         self.blas = blas.warn_if_reference()
+        self.weights = WeightStore(model_dirs, shard_cache, secret)  # where shards come from (weights.py)
 
     # -- loading ------------------------------------------------------------------------------
 
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReply:
-        key = LoadKey(request.model_path, request.start, request.end, request.num_layers, request.mtp, request.dtype)
+        key = LoadKey(request.model_path, request.start, request.end, request.num_layers, request.mtp, request.dtype,
+                      request.fingerprint)
         self._load_lock = self._load_lock or asyncio.Lock()
         async with self._load_lock:
             if request.node_name:
@@ -100,14 +104,15 @@ class NodeService(pb_grpc.NodeServicer):
                 self.worker, self.key = None, None  # free the old shard before reading the new one
                 self._owners.clear()
                 try:
+                    found = await self.weights.resolve(request)  # a local copy, the shard cache or a peer
                     # On this thread (arrays belong to it), yielding to the loop between pieces.
-                    self.worker, self.key = await load_stage(key), key
-                except (ValueError, FileNotFoundError, KeyError) as e:
+                    self.worker, self.key = await load_stage(replace(key, model_path=str(found.path))), key
+                except (ValueError, OSError, KeyError) as e:
                     self.last_error = f"load failed: {e}"
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
             shard = self.worker.shard
             log.info("%s shard [%d, %d) of %s (%s)", "kept" if reused else "loaded", key.start, key.end,
-                     key.model_path, self._dtype_name())
+                     self.weights.loaded.path if self.weights.loaded else key.model_path, self._dtype_name())
             return pb.LoadReply(
                 node_id=self.node_id,
                 parameter_bytes=shard.model.parameter_bytes(),
@@ -115,6 +120,9 @@ class NodeService(pb_grpc.NodeServicer):
                 hidden_size=shard.config.args.hidden_size,
                 max_context=shard.config.args.max_position_embeddings,
                 reused=reused,
+                weights_source=self.weights.loaded.source if self.weights.loaded else "path",
+                weights_path=str(self.weights.loaded.path) if self.weights.loaded else key.model_path,
+                fetched_bytes=0 if reused else found.fetched,
             )
 
     async def Connect(self, request: pb.ConnectRequest, context: grpc.aio.ServicerContext) -> pb.ConnectReply:
@@ -353,6 +361,10 @@ class NodeService(pb_grpc.NodeServicer):
 
     # -- health ---------------------------------------------------------------------------------
 
+    async def FetchTensors(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> Any:
+        async for chunk in self.weights.serve(request, context, self.name):
+            yield chunk
+
     async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingReply:
         return pb.PingReply(payload=request.payload, node_id=self.node_id, data_port=self.data_port)
 
@@ -383,6 +395,7 @@ class NodeService(pb_grpc.NodeServicer):
             blas_optimized=self.blas.optimized,
             blas_threads=self.blas.threads or 0,
         )
+        reply.MergeFrom(self.weights.health())
         w, key = self.worker, self.key
         if w is not None and key is not None:
             reply.MergeFrom(

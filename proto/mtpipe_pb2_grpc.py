@@ -74,6 +74,11 @@ class NodeStub:
                 request_serializer=mtpipe__pb2.PingRequest.SerializeToString,
                 response_deserializer=mtpipe__pb2.PingReply.FromString,
                 _registered_method=True)
+        self.FetchTensors = channel.unary_stream(
+                '/mtpipe.Node/FetchTensors',
+                request_serializer=mtpipe__pb2.FetchRequest.SerializeToString,
+                response_deserializer=mtpipe__pb2.TensorChunk.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -136,6 +141,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchTensors(self, request, context):
+        """Raw bytes of named tensors of a model this node holds (a local copy whose fingerprint matches, or
+        its shard cache), for a peer that fetches its shard. Never any other file. NOT_FOUND: not held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +191,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=mtpipe__pb2.PingRequest.FromString,
                     response_serializer=mtpipe__pb2.PingReply.SerializeToString,
+            ),
+            'FetchTensors': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchTensors,
+                    request_deserializer=mtpipe__pb2.FetchRequest.FromString,
+                    response_serializer=mtpipe__pb2.TensorChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +414,33 @@ class Node:
             '/mtpipe.Node/Ping',
             mtpipe__pb2.PingRequest.SerializeToString,
             mtpipe__pb2.PingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchTensors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mtpipe.Node/FetchTensors',
+            mtpipe__pb2.FetchRequest.SerializeToString,
+            mtpipe__pb2.TensorChunk.FromString,
             options,
             channel_credentials,
             insecure,

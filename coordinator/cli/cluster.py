@@ -104,7 +104,7 @@ def _terminate(signum: int, frame: Any) -> None:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from ... import __version__
-    from ...models.registry import resolve_model
+    from ...models.registry import local_model, resolve_model
     from ...node import (
         stage,  # noqa: F401  (MLX and mlx-lm now, not on the first shard load)
         sysinfo,
@@ -122,12 +122,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
                     "the node port can drive this node")
     me = persistent_id(cfg.node.state_dir)
     mtp = not args.no_mtp
-    model_path = resolve_model(cfg.model)
+    # Only the coordinator needs the model: another node loads its own copy when it has one (checked by
+    # fingerprint), else its shard cache, else fetches its shard from the coordinator's node server.
+    model_here = local_model(cfg.model)
     interfaces = local_interfaces()
     bind = discovery_addresses(cfg.discovery.interfaces, interfaces) if cfg.discovery.enabled else []
     mem = sysinfo.memory()
     offered = offered_memory(sysinfo.placement_memory(mem.available, mem.gpu_limit), cfg.node.max_memory_gib)
-    server = NodeServer(cfg.node.host, cfg.node.port, node_id=me, secret=secret).start()
+    server = NodeServer(cfg.node.host, cfg.node.port, node_id=me, secret=secret,
+                        model_dirs=[model_here] if model_here else None).start()
 
     def memory_offered() -> int:
         # Its own shard counts as free: a new placement would replace it.
@@ -172,6 +175,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         log.info("%s coordinates %d node(s)%s", me, len(peers), f" and {len(cfg.nodes)} static" if cfg.nodes else "")
         if agent is not None:
             agent.set_coordinator()
+        model_path = model_here or resolve_model(cfg.model)
+        server.service.weights.add_model_dir(model_path)  # this node serves the model's tensors to the others
         pre_norm = getattr(args, "mtp_pre_norm", False)
         if len(peers) == 1 and not cfg.nodes:
             log.info("no peers: running the whole model on this machine")

@@ -25,7 +25,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.nodes:
         from ..engine.build import remote_engine
 
-        engine = remote_engine(model, [n.strip() for n in args.nodes.split(",") if n.strip()], mtp=not args.no_mtp)
+        sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
+        engine = remote_engine(model, [n.strip() for n in args.nodes.split(",") if n.strip()], mtp=not args.no_mtp,
+                               sources=sources)
     else:
         with progress_loader("loading model")() as progress:
             engine = local_engine(
@@ -151,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--nodes", help="comma-separated host:port of running nodes, in pipeline order")
+    p.add_argument("--weights-from", help="with --nodes: comma-separated host:port of nodes that hold the model; "
+                                          "the others fetch their shards from them")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_mtp(p)

@@ -18,6 +18,8 @@ def add_serve_command(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     p.add_argument("--model-name", help="the model id clients use (default: the --model name)")
     p.add_argument("--secret", default=None, help="the nodes' shared secret, with --nodes (default: $MTPIPE_SECRET)")
+    p.add_argument("--weights-from", help="with --nodes: comma-separated host:port of nodes that hold the model "
+                                          "(`mtpipe node --model-dir`); the others fetch their shards from them")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
                    help="generations at once; more requests wait")
@@ -41,7 +43,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError("--mtp-pre-norm applies to local stages, not to --nodes")
         nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
         secret = args.secret or os.environ.get("MTPIPE_SECRET") or None
-        engine = remote_engine(path, nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype)
+        sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
+        engine = remote_engine(path, nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype, sources=sources)
     else:
         import mlx.core as mx
 

@@ -154,16 +154,31 @@ def confirm_ring(order: list[NodeResources], control: dict[str, str], secret: st
     return None
 
 
+def weight_sources(order: list[NodeResources], holder: str, control: dict[str, str]) -> list[list[str]]:
+    """For each node, the addresses it may fetch the model's tensors from: the node `holder` (the
+    coordinator, whose node server serves the model it was given) over the best link first."""
+    src = next((n for n in order if n.node_id == holder), None)
+    if src is None:
+        return [[] for _ in order]
+    out = []
+    for n in order:
+        targets = [c.target for c in link_candidates(n, src, control)]
+        targets[-1:-1] = [t for t in (format_host_port(a, src.port) for a in src.addresses) if t not in targets]
+        out.append(targets)
+    return out
+
+
 def load_with_progress(
     model_path: Path, order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], mtp: bool,
-    dtype: str | None, secret: str | None, console: Any,
+    dtype: str | None, secret: str | None, console: Any, sources: list[list[str]] | None = None,
 ) -> Any:
-    """remote_engine over the placed nodes, with a line per node until its shard is loaded."""
+    """remote_engine over the placed nodes, with a line per node until its shard is loaded (and how
+    much of it has arrived, while a node fetches its shard from a peer)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from ...models.shard import ShardSpec
     from ..engine.build import remote_engine
-    from .health import probe_node
+    from .health import probe_node, transfer_text
 
     addresses = [control[n.node_id] for n in order]
     specs = [ShardSpec(s.start, s.end, plan[-1].end) for s in plan]
@@ -174,13 +189,18 @@ def load_with_progress(
                                          total=1)
             for s in plan
         }
-        future = pool.submit(remote_engine, model_path, addresses, mtp, secret, specs=specs, dtype=dtype)
+        future = pool.submit(remote_engine, model_path, addresses, mtp, secret, specs=specs, dtype=dtype,
+                             sources=sources)
         pending = dict(zip([s.node_id for s in plan], zip(plan, addresses)))
         while not wait([future], timeout=0.5).done:
             for node, (s, address) in list(pending.items()):
-                if probe_node(address, secret, timeout=1.0, probe_next=False).get("layers") == [s.start, s.end]:
+                row = probe_node(address, secret, timeout=1.0, probe_next=False)
+                if row.get("layers") == [s.start, s.end]:
                     progress.update(tasks[node], completed=1, description=f"{node}: layers {s.start}-{s.end - 1} loaded")
                     del pending[node]
+                elif transfer_text(row):
+                    progress.update(tasks[node], description=f"{node}: layers {s.start}-{s.end - 1} "
+                                                             f"{transfer_text(row)}")
         engine = future.result()
         for node, (s, _) in pending.items():
             progress.update(tasks[node], completed=1, description=f"{node}: layers {s.start}-{s.end - 1} loaded")
@@ -204,7 +224,8 @@ def form_cluster(
     plan = plan_layers(footprint, order, overrides)
     log.info("placement: %s", describe_plan(plan))
     control = choose_control_addresses(order, me, my_target, local, secret)
-    engine = load_with_progress(model_path, order, plan, control, mtp, cfg.dtype, secret, console)
+    sources = weight_sources(order, me, control)  # nodes without the model fetch their shards from this one
+    engine = load_with_progress(model_path, order, plan, control, mtp, cfg.dtype, secret, console, sources)
     try:
         hops = confirm_hops(order, control, secret)
         ring = confirm_ring(order, control, secret)

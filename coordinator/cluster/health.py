@@ -115,8 +115,21 @@ def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next
         last_error=h.last_error or None,
         uptime_s=round(h.uptime_s, 1),
         blas={"name": h.blas, "optimized": h.blas_optimized, "threads": h.blas_threads or None} if h.blas else None,
+        weights={"fingerprint": h.fingerprint or None, "source": h.weights_source or None,
+                 "transfer": {"state": h.transfer_state, "done": h.transfer_done, "total": h.transfer_total}
+                 if h.transfer_state else None,
+                 "fetched_bytes": h.fetched_bytes, "served_bytes": h.served_bytes},
     )
     return row
+
+
+def transfer_text(row: dict[str, Any]) -> str:
+    """A node's shard transfer in a few words ("" when none is under way)."""
+    t = (row.get("weights") or {}).get("transfer")
+    if not t or t["state"] not in ("fetching", "verifying"):
+        return ""
+    pct = 100.0 * t["done"] / max(t["total"], 1)
+    return f"{t['state']} {t['done'] / 2**20:.1f}/{t['total'] / 2**20:.1f} MiB ({pct:.0f}%)"
 
 
 def probe_nodes(targets: Sequence[str], secret: str | None, timeout: float = 3.0) -> list[dict[str, Any]]:
@@ -172,7 +185,7 @@ def render_table(rows: Sequence[dict[str, Any]], console: Any) -> None:
             f"{r.get('node_id', '?')}\n{r['address']}",
             f"[{colours[r['status']]}]{r['status']}[/]",
             r.get("version", "-"),
-            model.rstrip("/").rsplit("/", 1)[-1] if model else "-",
+            (model.rstrip("/").rsplit("/", 1)[-1] if model else "-") + (f"\n{transfer_text(r)}" if transfer_text(r) else ""),
             f"{layers[0]}-{layers[1] - 1} of {r['num_layers']}" if layers else "-",
             f"{_gib(r.get('memory_used'))}/{_gib(r.get('memory_available'))}" if r["reachable"] else "-",
             str(r.get("active_sequences", "-")),

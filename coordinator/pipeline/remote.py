@@ -88,6 +88,7 @@ class RemotePipeline:
         connect_timeout: float = 15.0,  # a live node under load can be slow to accept; dead ones fail at once
         ring: bool = True,
         steps_in_flight: int = STEPS_IN_FLIGHT,
+        sources: list[str] | list[list[str]] | None = None,
     ):
         if not nodes:
             raise ValueError("a pipeline needs at least one node")
@@ -97,6 +98,10 @@ class RemotePipeline:
         self.connect_timeout = connect_timeout
         self.ring = ring  # let the last node start decode rounds (False: this side sends every round)
         self.steps_in_flight = max(1, steps_in_flight)
+        # Nodes (host:port) that can serve the model's tensors to a node without them: one list for
+        # every node, or a list per node in pipeline order (the addresses each one reaches them at).
+        srcs = list(sources or [])
+        self.sources = srcs if srcs and not isinstance(srcs[0], str) else [srcs] * len(nodes)
         self.client_id = uuid.uuid4().hex
         self.nodes = [NodeLink(a, secret) for a in nodes]
         self.stats = WireStats()
@@ -114,10 +119,16 @@ class RemotePipeline:
         timeout: float | None = None,
     ) -> list[pb.LoadReply]:
         """Ask every node, in parallel, to load its shard, then tell node i where node i+1 is and the
-        last node where the first is."""
+        last node where the first is. The model is named by its fingerprint (this side's copy, hashed
+        once and then kept beside it); the path is a hint. A node without the model fetches the
+        tensors its shard reads from `sources` (node/weights.py)."""
         if len(specs) != len(self.nodes):
             raise ValueError(f"{len(specs)} shard specs for {len(self.nodes)} nodes")
+        from ...models.fingerprint import model_fingerprint, shard_names
+
         path = str(Path(model_path).resolve())
+        # The model by identity: each node checks its own copy against it, or fetches its shard's tensors.
+        fingerprint = model_fingerprint(path)
         first = self.nodes[0]
         try:  # the last node checks that its ring reaches this very node
             first_id = first.stub.Ping(pb.PingRequest(), timeout=self.connect_timeout, metadata=first.metadata).node_id
@@ -128,7 +139,9 @@ class RemotePipeline:
         def load_one(i: int) -> pb.LoadReply:
             node, s = self.nodes[i], specs[i]
             load = pb.LoadRequest(model_path=path, start=s.start, end=s.end, num_layers=s.num_layers, mtp=mtp,
-                                  dtype=dtype or "", node_name=node.address)
+                                  dtype=dtype or "", node_name=node.address, fingerprint=fingerprint,
+                                  sources=self.sources[i],
+                                  tensors=shard_names(path, s.start, s.end, s.num_layers, mtp))
             connect = pb.ConnectRequest(next=self.addresses[i + 1] if i < last else "",
                                         ring=self.addresses[0] if i == last else "",
                                         ring_node_id=first_id if i == last else "")

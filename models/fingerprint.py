@@ -1,0 +1,236 @@
+"""A model's identity, from its files alone (no MLX): what every node checks before it serves a model.
+
+The fingerprint is the sha256 of a canonical JSON of: config.json's content, the hash of each
+tokenizer file, every tensor's name, dtype and shape (from the safetensors headers, nothing loaded),
+and each safetensors file's content hash. Two copies with the same names and shapes but one weight
+changed have different fingerprints.
+
+Hashing a file is a streamed pass over it that also hashes each tensor's bytes (by the offsets in
+its header), so the per-tensor hashes a shard transfer is verified with come with the file's hash.
+Both are kept in a sidecar (`.mtpipe-hashes.json` in the model directory, keyed by each file's size
+and mtime), so fingerprinting a large model again reads only its headers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .names import shard_tensors
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mtpipe-fingerprint-1"
+SIDECAR = ".mtpipe-hashes.json"
+SHARD_MANIFEST = "mtpipe-shard.json"  # in a node's shard cache directory (node/shards.py)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+READ_BYTES = 8 << 20
+MAX_HEADER_BYTES = 100 << 20
+
+_lock = threading.Lock()
+_memo: dict[tuple[str, int, int], FileHashes] = {}  # (file, size, mtime_ns) -> hashes, this process
+
+
+@dataclass(frozen=True)
+class TensorLoc:
+    """Where one tensor's bytes are: `size` bytes at absolute offset `start` of `file`."""
+
+    name: str
+    file: Path
+    start: int
+    size: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FileHashes:
+    sha256: str
+    tensors: dict[str, str]  # tensor name -> sha256 of its raw bytes
+
+
+def read_header(file: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header and the offset its data starts at."""
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{file}: not a safetensors file (shorter than its header length)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER_BYTES:
+            raise ValueError(f"{file}: not a safetensors file (header of {n} bytes)")
+        header = json.loads(f.read(n))
+    return header, 8 + n
+
+
+def file_tensors(file: Path) -> dict[str, TensorLoc]:
+    header, data_start = read_header(file)
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = meta["data_offsets"]
+        out[name] = TensorLoc(name, file, data_start + begin, end - begin, meta["dtype"], tuple(meta["shape"]))
+    return out
+
+
+def weight_files(model_dir: Path | str) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    return files
+
+
+def checkpoint_index(model_dir: Path | str) -> dict[str, TensorLoc]:
+    """Every tensor of a checkpoint directory under its checkpoint name (a later file wins, as in loading)."""
+    index: dict[str, TensorLoc] = {}
+    for f in weight_files(model_dir):
+        index.update(file_tensors(f))
+    return index
+
+
+def raw_hf_layout(index: dict[str, TensorLoc]) -> bool:
+    """Raw HF checkpoints keep conv1d as [C, 1, K]; converted ones as [C, K, 1] (loading.is_raw_hf)."""
+    for name, loc in index.items():
+        if name.endswith("conv1d.weight"):
+            return loc.shape[-1] != 1
+    return False
+
+
+def hash_range(file: Path, start: int, size: int) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        f.seek(start)
+        left = size
+        while left > 0:
+            block = f.read(min(READ_BYTES, left))
+            if not block:
+                raise ValueError(f"{file}: truncated ({left} bytes missing at offset {start + size - left})")
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
+def _hash_file(file: Path) -> FileHashes:
+    """One pass over the file: its sha256 and each tensor's, from the bytes as they stream by."""
+    tensors = sorted(file_tensors(file).values(), key=lambda t: t.start)
+    hashers = [hashlib.sha256() for _ in tensors]
+    whole = hashlib.sha256()
+    pos, i = 0, 0
+    with open(file, "rb") as f:
+        while block := f.read(READ_BYTES):
+            whole.update(block)
+            end = pos + len(block)
+            view = memoryview(block)
+            j = i
+            while j < len(tensors) and tensors[j].start < end:
+                t = tensors[j]
+                lo, hi = max(t.start, pos), min(t.start + t.size, end)
+                if hi > lo:
+                    hashers[j].update(view[lo - pos : hi - pos])
+                if t.start + t.size <= end:
+                    j += 1
+                    i = j
+                else:
+                    break
+            pos = end
+    return FileHashes(whole.hexdigest(), {t.name: h.hexdigest() for t, h in zip(tensors, hashers)})
+
+
+def _sidecar(model_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((model_dir / SIDECAR).read_text())
+        return data if data.get("format") == FORMAT else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_sidecar(model_dir: Path, files: dict[str, Any]) -> None:
+    path = model_dir / SIDECAR
+    tmp = path.with_name(f"{SIDECAR}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"format": FORMAT, "files": files}))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only copy: hashed again next time
+        log.debug("cannot keep file hashes in %s: %s", path, e)
+        tmp.unlink(missing_ok=True)
+
+
+def file_hashes(model_dir: Path | str) -> dict[str, FileHashes]:
+    """Hashes of every safetensors file of a directory, from the sidecar where size and mtime still match."""
+    model_dir = Path(model_dir)
+    files = weight_files(model_dir)
+    out: dict[str, FileHashes] = {}
+    stale = False
+    stored = _sidecar(model_dir).get("files", {})
+    for f in files:
+        st = f.stat()
+        key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
+        with _lock:
+            memo = _memo.get(key)
+        entry = stored.get(f.name, {})
+        if memo is None and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+            memo = FileHashes(entry["sha256"], dict(entry["tensors"]))
+        if memo is None:
+            log.info("hashing %s (%.1f MiB)", f, st.st_size / 2**20)
+            memo = _hash_file(f)
+            stale = True
+        with _lock:
+            _memo[key] = memo
+        if not stale and entry.get("sha256") != memo.sha256:
+            stale = True
+        out[f.name] = memo
+        stored[f.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": memo.sha256,
+                          "tensors": memo.tensors}
+    if stale:
+        _write_sidecar(model_dir, {k: v for k, v in stored.items() if k in out})
+    return out
+
+
+def tensor_hashes(model_dir: Path | str, names: list[str]) -> dict[str, str]:
+    """The sha256 of each named tensor's raw bytes, as stored (KeyError for a name the model lacks)."""
+    index = checkpoint_index(model_dir)
+    hashes = file_hashes(model_dir)
+    return {n: hashes[index[n].file.name].tensors[n] for n in names}
+
+
+def identity(model_dir: Path | str) -> dict[str, Any]:
+    """What the fingerprint is a hash of."""
+    model_dir = Path(model_dir)
+    config_file = model_dir / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    tokenizer = {}
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            tokenizer[name] = hashlib.sha256((model_dir / name).read_bytes()).hexdigest()
+    index = checkpoint_index(model_dir)
+    return {
+        "format": FORMAT,
+        "config": json.loads(config_file.read_text()),
+        "tokenizer": tokenizer,
+        "tensors": {n: [t.dtype, list(t.shape)] for n, t in sorted(index.items())},
+        "files": {name: h.sha256 for name, h in sorted(file_hashes(model_dir).items())},
+    }
+
+
+def shard_names(model_dir: Path | str, start: int, end: int, num_layers: int, mtp: bool) -> list[str]:
+    """The checkpoint names of the tensors a shard of layers [start, end) reads (models/names.py)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return shard_tensors(checkpoint_index(model_dir), config, start, end, num_layers, mtp)
+
+
+def canonical_json(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def model_fingerprint(model_dir: Path | str) -> str:
+    """The model's identity as 64 hex digits (see the module docstring)."""
+    return hashlib.sha256(canonical_json(identity(model_dir))).hexdigest()

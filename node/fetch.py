@@ -1,0 +1,186 @@
+"""Fetching a shard's tensors from a peer into the shard cache (shards.py), on the node's event loop.
+
+The bytes of the requested tensors arrive back to back (FetchTensors) and are appended to
+`model.safetensors.part` behind a header made from the first message's tensor list, so the part
+file is the final file from its first byte. After an interruption (a broken stream, a killed node)
+the next attempt asks for the bytes from the part file's size on, after checking that its header is
+the one the source describes. Once complete, every tensor's hash is checked against the source's
+list before the file moves into the cache; a mismatch drops the part file and tries the next source.
+A node without the disk space for what remains refuses before the first byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from ..proto import mtpipe_pb2 as pb
+from ..proto import mtpipe_pb2_grpc as pb_grpc
+from .shards import PART, Manifest, ShardCache, ShardKey, TensorInfo, free_bytes, safetensors_header, verify_file
+from .wire import CHANNEL_OPTIONS, secret_metadata
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0  # for the first message (the tensor list) of a source
+ROUNDS = 2  # passes over the sources (a broken stream is resumed from the same source on the next one)
+DISK_MARGIN = 64 << 20
+LOG_EVERY_S = 5.0
+
+
+class NoDiskSpace(ValueError):
+    pass
+
+
+class TransferInterrupted(ConnectionError):
+    """Raised by the test hook `Transfer.interrupt_after`: the transfer stops as if the node were killed."""
+
+
+class _SourceFailed(Exception):
+    pass
+
+
+@dataclass
+class Transfer:
+    """Progress of this node's shard transfers (HealthReply), and counters since the node started."""
+
+    state: str = ""  # "", "fetching", "verifying", "done", "failed"
+    done: int = 0
+    total: int = 0
+    source: str = ""
+    fetched_bytes: int = 0  # received from peers, all transfers
+    served_bytes: int = 0  # sent to peers
+    interrupt_after: int | None = None  # test hook: stop a transfer after this many bytes received
+
+    def __post_init__(self) -> None:
+        self._logged = 0.0
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        self.fetched_bytes += n
+        now = time.monotonic()
+        if now - self._logged >= LOG_EVERY_S or self.done >= self.total:
+            self._logged = now
+            log.info("shard transfer from %s: %.1f / %.1f MiB (%.0f%%)", self.source, self.done / 2**20,
+                     self.total / 2**20, 100.0 * self.done / max(self.total, 1))
+
+
+def _resume_offset(part: Path) -> int:
+    """Tensor bytes already in the part file (beyond its header), 0 if there is none worth keeping."""
+    if not part.exists():
+        return 0
+    try:
+        from ..models.fingerprint import read_header
+
+        _, data_start = read_header(part)
+        return max(part.stat().st_size - data_start, 0)
+    except (OSError, ValueError):
+        part.unlink(missing_ok=True)
+        return 0
+
+
+async def fetch_shard(cache: ShardCache, key: ShardKey, names: list[str], sources: list[str], secret: str | None,
+                      progress: Transfer) -> tuple[int, str]:
+    """Fetch `names` of model `key.fingerprint` into the cache entry of `key`; (bytes received, source)."""
+    d = cache.dir(key)
+    d.mkdir(parents=True, exist_ok=True)
+    errors: list[str] = []
+    refused: set[str] = set()
+    for _ in range(ROUNDS):
+        for source in sources:
+            if source in refused:
+                continue
+            try:
+                received = await _fetch_from(source, cache, key, names, secret, progress)
+                progress.state = "done"
+                return received, source
+            except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED,
+                                grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT):
+                    refused.add(source)
+                elif e.code() == grpc.StatusCode.OUT_OF_RANGE:  # a part file longer than the shard: start over
+                    (cache.dir(key) / PART).unlink(missing_ok=True)
+                errors.append(f"{source}: {e.code().name}: {e.details()}")
+            except (_SourceFailed, asyncio.TimeoutError) as e:
+                errors.append(f"{source}: {e or 'no answer'}")
+            except BaseException:
+                progress.state = "failed"
+                raise
+            log.warning("shard transfer from %s failed: %s", source, errors[-1])
+    progress.state = "failed"
+    raise FileNotFoundError(f"could not fetch the shard's {len(names)} tensors from any of {', '.join(sources)}: "
+                            + "; ".join(errors))
+
+
+async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list[str], secret: str | None,
+                      progress: Transfer) -> int:
+    loop = asyncio.get_running_loop()
+    part = cache.dir(key) / PART
+    offset = _resume_offset(part)
+    async with grpc.aio.insecure_channel(source, options=CHANNEL_OPTIONS) as channel:
+        call = pb_grpc.NodeStub(channel).FetchTensors(
+            pb.FetchRequest(fingerprint=key.fingerprint, names=names, offset=offset), metadata=secret_metadata(secret))
+        chunks = call.__aiter__()
+        try:
+            first = await asyncio.wait_for(chunks.__anext__(), CONNECT_TIMEOUT_S)
+        except StopAsyncIteration:
+            raise _SourceFailed("sent nothing") from None
+        tensors = [TensorInfo(t.name, t.dtype, tuple(t.shape), t.size, t.sha256) for t in first.tensors]
+        if [t.name for t in tensors] != names:
+            call.cancel()
+            raise _SourceFailed("answered with other tensors than asked for")
+        header = safetensors_header(tensors)
+        total = sum(t.size for t in tensors)
+        if offset and (await loop.run_in_executor(None, _head, part, len(header))) != header:
+            call.cancel()
+            log.info("%s holds another transfer; starting over", part)
+            part.unlink()
+            return await _fetch_from(source, cache, key, names, secret, progress)
+        need = total - offset + (0 if offset else len(header))
+        free = await loop.run_in_executor(None, free_bytes, part.parent)
+        if free < need + DISK_MARGIN:
+            call.cancel()
+            raise NoDiskSpace(f"not enough disk space for the shard: {need / 2**30:.2f} GiB to fetch into "
+                              f"{part.parent}, {free / 2**30:.2f} GiB free")
+        progress.state, progress.source, progress.total, progress.done = "fetching", source, total, offset
+        if offset:
+            log.info("resuming the shard transfer from %s at %.1f of %.1f MiB", source, offset / 2**20, total / 2**20)
+        received = 0
+        f = await loop.run_in_executor(None, open, part, "ab" if offset else "wb")
+        try:
+            if not offset:
+                f.write(header)
+            async for chunk in chunks:
+                if chunk.offset != offset:
+                    call.cancel()
+                    raise _SourceFailed(f"sent bytes at {chunk.offset}, expected {offset}")
+                await loop.run_in_executor(None, f.write, chunk.data)
+                offset += len(chunk.data)
+                received += len(chunk.data)
+                progress.advance(len(chunk.data))
+                if progress.interrupt_after is not None and received >= progress.interrupt_after:
+                    call.cancel()
+                    raise TransferInterrupted(f"transfer stopped after {received} bytes (test hook)")
+        finally:
+            f.close()
+    if offset != total:
+        raise _SourceFailed(f"the stream ended at {offset} of {total} bytes")
+    progress.state = "verifying"
+    problem = await loop.run_in_executor(None, verify_file, part, tensors)
+    if problem is not None:
+        part.unlink(missing_ok=True)
+        raise _SourceFailed(f"verification failed ({problem}); the part file is dropped")
+    manifest = Manifest(key.fingerprint, key.start, key.end, key.num_layers, key.mtp, first.raw_hf, tensors)
+    await loop.run_in_executor(None, cache.complete, key, manifest, first.config_json)
+    log.info("shard [%d, %d) of model %s: %.1f MiB fetched from %s", key.start, key.end, key.fingerprint[:12],
+             received / 2**20, source)
+    return received
+
+
+def _head(path: Path, n: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(n)

@@ -1,0 +1,199 @@
+"""A node's shard cache: the tensors of the shards it fetched, by model fingerprint and layer range.
+
+    $MTPIPE_SHARD_CACHE (default ~/.cache/mtpipe/shards)/<fingerprint>/<start>-<end>-<mtp>/
+        config.json             the model's, as served with the tensors
+        model.safetensors       exactly the shard's tensors, under their checkpoint names, bytes as stored
+        model.safetensors.part  while a transfer is under way (resumed from its size)
+        mtpipe-shard.json       the manifest, written last: fingerprint, layer range, every tensor's
+                                dtype, shape, size and sha256, and the model's layout (raw HF or not)
+
+load_shard reads such a directory as any checkpoint (it takes the layout from the manifest: a few
+layers may hold no tensor that tells). An entry counts only once every tensor's hash matches its
+manifest; one that does not is deleted and fetched again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..models.fingerprint import SHARD_MANIFEST, file_tensors, hash_range
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "MTPIPE_SHARD_CACHE"
+WEIGHTS = "model.safetensors"
+PART = WEIGHTS + ".part"
+MANIFEST_FORMAT = "mtpipe-shard-1"
+
+
+def cache_root(root: Path | str | None = None) -> Path:
+    if root is not None:
+        return Path(root).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mtpipe" / "shards"
+
+
+def free_bytes(path: Path) -> int:
+    """Free space on the file system that holds `path` (its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+@dataclass(frozen=True)
+class ShardKey:
+    fingerprint: str
+    start: int
+    end: int
+    num_layers: int
+    mtp: bool
+
+    @property
+    def dirname(self) -> str:
+        return f"{self.start}-{self.end}-{int(self.mtp)}"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    size: int
+    sha256: str
+
+
+def safetensors_header(tensors: list[TensorInfo]) -> bytes:
+    """The header (length prefix included) of a file holding `tensors` back to back, in this order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.size]}
+        offset += t.size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data 8-byte aligned, as the safetensors writers do
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def verify_file(file: Path, tensors: list[TensorInfo]) -> str | None:
+    """None if `file` holds exactly `tensors` with their hashes; else what is wrong."""
+    try:
+        held = file_tensors(file)
+    except (OSError, ValueError, KeyError) as e:
+        return f"unreadable: {e}"
+    if set(held) != {t.name for t in tensors}:
+        return "holds other tensors than its manifest"
+    for t in tensors:
+        loc = held[t.name]
+        if loc.size != t.size or loc.dtype != t.dtype or loc.shape != tuple(t.shape):
+            return f"{t.name}: header differs from the manifest"
+        try:
+            if hash_range(file, loc.start, loc.size) != t.sha256:
+                return f"{t.name}: content hash differs"
+        except (OSError, ValueError) as e:
+            return f"{t.name}: {e}"
+    return None
+
+
+@dataclass
+class Manifest:
+    fingerprint: str
+    start: int
+    end: int
+    num_layers: int
+    mtp: bool
+    raw_hf: bool
+    tensors: list[TensorInfo]
+    format: str = MANIFEST_FORMAT
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.size for t in self.tensors)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def read(cls, path: Path) -> Manifest:
+        data = json.loads(path.read_text())
+        if data.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"{path}: not a shard manifest of format {MANIFEST_FORMAT}")
+        data["tensors"] = [TensorInfo(t["name"], t["dtype"], tuple(t["shape"]), t["size"], t["sha256"])
+                           for t in data["tensors"]]
+        return cls(**data)
+
+
+class ShardCache:
+    """Shard directories under one root; the blocking calls here run on an executor thread."""
+
+    def __init__(self, root: Path | str | None = None):
+        self.root = cache_root(root)
+
+    def dir(self, key: ShardKey) -> Path:
+        if not key.fingerprint.isalnum():  # a path component, never a path
+            raise ValueError(f"invalid model fingerprint {key.fingerprint!r}")
+        return self.root / key.fingerprint / key.dirname
+
+    def lookup(self, key: ShardKey, names: list[str] | None = None) -> Path | None:
+        """The verified directory of this shard, or None; a corrupted entry is removed (fetched again)."""
+        d = self.dir(key)
+        manifest_file = d / SHARD_MANIFEST
+        if not manifest_file.exists():
+            return None
+        try:
+            m = Manifest.read(manifest_file)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problem: str | None = f"bad manifest: {e}"
+        else:
+            problem = None
+            if (m.fingerprint, m.start, m.end, m.num_layers, m.mtp) != (key.fingerprint, key.start, key.end,
+                                                                         key.num_layers, key.mtp):
+                problem = "manifest is for another shard"
+            elif names is not None and sorted(names) != sorted(t.name for t in m.tensors):
+                problem = "manifest lists other tensors than the shard needs"
+            elif not (d / "config.json").exists():
+                problem = "config.json is missing"
+            else:
+                problem = verify_file(d / WEIGHTS, m.tensors)
+        if problem is None:
+            return d
+        log.warning("shard cache %s is invalid (%s): removed, to be fetched again", d, problem)
+        self.discard(key)
+        return None
+
+    def discard(self, key: ShardKey) -> None:
+        d = self.dir(key)
+        for name in (SHARD_MANIFEST, WEIGHTS, "config.json"):
+            (d / name).unlink(missing_ok=True)
+
+    def complete(self, key: ShardKey, manifest: Manifest, config_json: str) -> Path:
+        """Move a verified .part into place and write the manifest last (the entry exists from then on)."""
+        d = self.dir(key)
+        (d / "config.json").write_text(config_json)
+        os.replace(d / PART, d / WEIGHTS)
+        tmp = d / (SHARD_MANIFEST + ".tmp")
+        tmp.write_text(manifest.to_json())
+        os.replace(tmp, d / SHARD_MANIFEST)
+        return d
+
+    def holding(self, fingerprint: str, names: list[str]) -> tuple[Path, Manifest] | None:
+        """A complete entry of this model that holds every one of `names` (to serve them to a peer)."""
+        base = self.root / fingerprint
+        if not fingerprint.isalnum() or not base.is_dir():
+            return None
+        want = set(names)
+        for d in sorted(base.iterdir()):
+            try:
+                m = Manifest.read(d / SHARD_MANIFEST)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if m.fingerprint == fingerprint and want <= {t.name for t in m.tensors} and (d / WEIGHTS).exists():
+                return d, m
+        return None

@@ -1,0 +1,199 @@
+"""Where a node's shard comes from, and the tensors it serves to its peers.
+
+A Load that names the model's fingerprint is resolved in this order:
+  1. a local copy: the request's path (a hint) or one of the node's own model directories
+     (`--model-dir`), used only if its fingerprint is the requested one;
+  2. the node's shard cache (shards.py), verified tensor by tensor;
+  3. the shard's tensors fetched from the first of the request's sources that holds them (fetch.py).
+A Load without a fingerprint reads the request's path as it is.
+
+FetchTensors serves raw tensor bytes, by checkpoint name, of a model whose fingerprint this node
+holds: a local copy that matched, or a shard cache entry holding every name asked for. It reads only
+the byte ranges that the safetensors headers of that model give for those names: no other file,
+nothing outside the model. The secret interceptor (auth.py) guards it like every other call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from ..models.fingerprint import (
+    TensorLoc,
+    checkpoint_index,
+    file_tensors,
+    model_fingerprint,
+    raw_hf_layout,
+    tensor_hashes,
+)
+from ..proto import mtpipe_pb2 as pb
+from .fetch import Transfer, fetch_shard
+from .shards import WEIGHTS, ShardCache, ShardKey
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 4 << 20
+
+
+@dataclass
+class Found:
+    path: Path
+    source: str  # "local", "cache", "peer <host:port>", "path"
+    fetched: int = 0
+    fingerprint: str = ""
+
+
+@dataclass
+class _Held:
+    """What this node serves of one model: where each tensor is, its hash, config and layout."""
+
+    index: dict[str, TensorLoc]
+    hashes: Callable[[list[str]], dict[str, str]]
+    config_json: str
+    raw_hf: bool
+
+
+class WeightStore:
+    def __init__(self, model_dirs: list[Path | str] | None = None, shard_cache: Path | str | None = None,
+                 secret: str | None = None):
+        self.model_dirs = [Path(d).expanduser() for d in model_dirs or ()]
+        self.cache = ShardCache(shard_cache)
+        self.secret = secret
+        self.transfer = Transfer()
+        self.loaded: Found | None = None
+        # The request's path is a hint of where the coordinator keeps the model; False ignores it (the
+        # tests' nodes share one file system, and play machines that do not have it).
+        self.path_hint = True
+
+    def add_model_dir(self, path: Path | str) -> None:
+        """A local copy this node may load and serve (checked by fingerprint whenever used)."""
+        path = Path(path).expanduser()
+        if path not in self.model_dirs:
+            self.model_dirs.append(path)
+
+    async def _fingerprint(self, path: Path) -> str | None:
+        if not (path / "config.json").is_file():
+            return None
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, model_fingerprint, path)
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("cannot fingerprint %s: %s", path, e)
+            return None
+
+    # -- Load -----------------------------------------------------------------------------------
+
+    async def resolve(self, request: pb.LoadRequest) -> Found:
+        """The directory to load `request`'s shard from (see the module docstring)."""
+        fp = request.fingerprint
+        if not fp:
+            return self._found(Found(Path(request.model_path), "path"))
+        candidates = [Path(request.model_path)] if request.model_path and self.path_hint else []
+        for path in candidates + [d for d in self.model_dirs if d not in candidates]:
+            got = await self._fingerprint(path)
+            if got == fp:
+                self.add_model_dir(path)
+                return self._found(Found(path, "local", 0, fp))
+            if got is not None:
+                log.warning("%s is another model (fingerprint %s, asked for %s): not used", path, got[:12], fp[:12])
+        key = ShardKey(fp, request.start, request.end, request.num_layers, request.mtp)
+        names = list(request.tensors)
+        loop = asyncio.get_running_loop()
+        cached = await loop.run_in_executor(None, self.cache.lookup, key, names or None)
+        if cached is not None:
+            return self._found(Found(cached, "cache", 0, fp))
+        if not names or not request.sources:
+            raise FileNotFoundError(
+                f"model {fp[:12]} is not here (no local copy at {request.model_path or 'any model directory'} "
+                f"with that fingerprint, no shard cache entry) and the request names "
+                f"{'no tensors' if not names else 'no node'} to fetch it from")
+        received, source = await fetch_shard(self.cache, key, names, list(request.sources), self.secret,
+                                             self.transfer)
+        return self._found(Found(self.cache.dir(key), f"peer {source}", received, fp))
+
+    def _found(self, found: Found) -> Found:
+        self.loaded = found
+        if found.fingerprint:
+            log.info("shard of model %s from %s (%s)", found.fingerprint[:12], found.source, found.path)
+        return found
+
+    def health(self) -> pb.HealthReply:
+        t, found = self.transfer, self.loaded
+        return pb.HealthReply(
+            fingerprint=found.fingerprint if found else "", weights_source=found.source if found else "",
+            transfer_state=t.state, transfer_done=t.done, transfer_total=t.total, fetched_bytes=t.fetched_bytes,
+            served_bytes=t.served_bytes)
+
+    # -- FetchTensors ---------------------------------------------------------------------------
+
+    async def _held(self, fp: str, names: list[str]) -> _Held | None:
+        for path in list(self.model_dirs):
+            if await self._fingerprint(path) == fp:
+                index = await asyncio.get_running_loop().run_in_executor(None, checkpoint_index, path)
+                return _Held(index, lambda ns, p=path: tensor_hashes(p, ns), (path / "config.json").read_text(),
+                             raw_hf_layout(index))
+        entry = await asyncio.get_running_loop().run_in_executor(None, self.cache.holding, fp, names)
+        if entry is None:
+            return None
+        d, m = entry
+        hashes = {t.name: t.sha256 for t in m.tensors}
+        return _Held(file_tensors(d / WEIGHTS), lambda ns: {n: hashes[n] for n in ns}, (d / "config.json").read_text(),
+                     m.raw_hf)
+
+    async def serve(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext, node: str) -> AsyncIterator:
+        names = list(request.names)
+        if not names:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{node}: no tensor names asked for")
+        held = await self._held(request.fingerprint, names)
+        if held is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"{node} holds no model with fingerprint {request.fingerprint[:16]!r}")
+        unknown = [n for n in names if n not in held.index]
+        if unknown:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{node}: the model has no tensor {unknown[0]!r}"
+                                + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+        locs = [held.index[n] for n in names]
+        total = sum(t.size for t in locs)
+        if not 0 <= request.offset <= total:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"{node}: offset {request.offset} beyond {total} bytes")
+        loop = asyncio.get_running_loop()
+        hashes = await loop.run_in_executor(None, held.hashes, names)
+        yield pb.TensorChunk(
+            tensors=[pb.TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, size=t.size, sha256=hashes[t.name])
+                     for t in locs],
+            total_bytes=total, config_json=held.config_json, raw_hf=held.raw_hf)
+        log.info("serving %d tensors (%.1f MiB from byte %d) of model %s", len(locs), total / 2**20,
+                 request.offset, request.fingerprint[:12])
+        offset = request.offset
+        while offset < total:
+            data = await loop.run_in_executor(None, _read_stream, locs, offset, CHUNK_BYTES)
+            yield pb.TensorChunk(offset=offset, data=data)
+            offset += len(data)
+            self.transfer.served_bytes += len(data)
+
+
+def _read_stream(locs: list[TensorLoc], offset: int, limit: int) -> bytes:
+    """Up to `limit` bytes of the tensors' concatenated bytes, from `offset` on."""
+    out: list[bytes] = []
+    got, pos = 0, 0
+    for t in locs:
+        if got >= limit:
+            break
+        end = pos + t.size
+        if end > offset + got:
+            start = offset + got - pos
+            n = min(t.size - start, limit - got)
+            with open(t.file, "rb") as f:
+                f.seek(t.start + start)
+                piece = f.read(n)
+            if len(piece) != n:
+                raise OSError(f"{t.file}: truncated at tensor {t.name}")
+            out.append(piece)
+            got += n
+        pos = end
+    return b"".join(out)
+

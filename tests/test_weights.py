@@ -1,0 +1,327 @@
+"""Weights reach every node (issue 14), over loopback: nodes without the model fetch exactly their
+shard's tensors from a node that holds it, verified by hash, into a shard cache of their own.
+
+The in-process nodes share one file system, so each one ignores the path the coordinator sends
+(`path_hint = False`) and has its own shard cache in a temporary directory: a node sees the model
+only where it was given it (`model_dirs`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import mlx.core as mx
+import pytest
+from helpers import PROMPTS
+from mlx.utils import tree_flatten
+
+from mtpipe.coordinator.engine.build import local_engine, remote_engine
+from mtpipe.coordinator.engine.engine import Engine
+from mtpipe.coordinator.engine.request import GenerationRequest
+from mtpipe.models import fingerprint as fpmod
+from mtpipe.models.fingerprint import checkpoint_index, model_fingerprint, shard_names
+from mtpipe.models.loading import load_shard
+from mtpipe.models.shard import ShardSpec
+from mtpipe.node import fetch, weights
+from mtpipe.node.server import NodeServer
+from mtpipe.node.shards import PART, WEIGHTS, ShardCache, ShardKey
+from mtpipe.node.wire import make_channel, secret_metadata
+from mtpipe.proto import mtpipe_pb2 as pb
+from mtpipe.proto import mtpipe_pb2_grpc as pb_grpc
+
+SPECS = [(0, 3), (3, 4), (4, 8)]  # the middle shard is one full-attention layer: no conv1d tells its layout
+HALVES = [(0, 4), (4, 8)]
+MAX_TOKENS = 16
+
+
+@contextmanager
+def nodes(root: Path, model_dirs: list[list[Path]], secret: str | None = None) -> Iterator[list[NodeServer]]:
+    """One node per entry of `model_dirs` (its local copies), each with its own shard cache under `root`."""
+    started: list[NodeServer] = []
+    try:
+        for i, dirs in enumerate(model_dirs):
+            s = NodeServer("127.0.0.1", 0, model_dirs=dirs, shard_cache=root / f"cache{i}", secret=secret).start()
+            s.service.weights.path_hint = False
+            started.append(s)
+        yield started
+    finally:
+        for s in started:
+            s.stop(0)
+
+
+@contextmanager
+def engine_over(ckpt: Path, servers: list[NodeServer], specs=SPECS, **kw) -> Iterator[Engine]:
+    specs = [ShardSpec(a, b, 8) for a, b in specs]
+    engine = remote_engine(ckpt, [s.address for s in servers], dtype="float32", specs=specs,
+                           sources=[servers[0].address], **kw)
+    try:
+        yield engine
+    finally:
+        engine.pipeline.close()
+
+
+def generate(engine: Engine, text: str) -> list[int]:
+    prompt = engine.tokenizer.encode(text)
+    return engine.complete(GenerationRequest(prompt, max_tokens=MAX_TOKENS, mtp_depth=2)).tokens
+
+
+@pytest.fixture(scope="module")
+def reference(dense_ckpt: Path) -> dict[str, list[int]]:
+    single = local_engine(dense_ckpt, dtype=mx.float32)
+    return {text: generate(single, text) for text in PROMPTS[:2]}
+
+
+def shard_bytes(ckpt: Path, spec: tuple[int, int], mtp: bool = True) -> int:
+    index = checkpoint_index(ckpt)
+    return sum(index[n].size for n in shard_names(ckpt, spec[0], spec[1], 8, mtp))
+
+
+def same_weights(a: Path, b: Path, spec: ShardSpec, mtp: bool = True) -> bool:
+    x = dict(tree_flatten(load_shard(a, spec, mtp=mtp, dtype=mx.float32).model.parameters()))
+    y = dict(tree_flatten(load_shard(b, spec, mtp=mtp, dtype=mx.float32).model.parameters()))
+    return x.keys() == y.keys() and all(mx.array_equal(x[k], y[k]).item() for k in x)
+
+
+def perturbed_copy(src: Path, dst: Path, tensor: str) -> Path:
+    """The same model, names and shapes, with one tensor changed a little."""
+    shutil.copytree(src, dst)
+    w = dict(mx.load(str(src / "model.safetensors")))
+    w[tensor] = w[tensor] + 1e-3
+    mx.save_safetensors(str(dst / "model.safetensors"), w, metadata={"format": "pt"})
+    return dst
+
+
+# -- the fingerprint --------------------------------------------------------------------------------
+
+
+def test_fingerprint_names_the_content(dense_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fp = model_fingerprint(dense_ckpt)
+    assert len(fp) == 64 and fp == model_fingerprint(dense_ckpt)
+    # Per-tensor hashes (from the one pass over each file) are the hashes of the bytes at each offset.
+    index = checkpoint_index(dense_ckpt)
+    names = shard_names(dense_ckpt, 4, 8, 8, True)
+    for name, digest in fpmod.tensor_hashes(dense_ckpt, names).items():
+        loc = index[name]
+        assert digest == fpmod.hash_range(loc.file, loc.start, loc.size)
+    # A copy is the same model; one weight changed (same names and shapes) or another tokenizer is not.
+    copy = tmp_path / "copy"
+    shutil.copytree(dense_ckpt, copy)
+    assert model_fingerprint(copy) == fp
+    other = perturbed_copy(dense_ckpt, tmp_path / "other", "model.language_model.layers.5.mlp.down_proj.weight")
+    assert model_fingerprint(other) != fp
+    tok = json.loads((copy / "tokenizer.json").read_text())
+    tok["added_tokens"][0]["content"] += "x"
+    (copy / "tokenizer.json").write_text(json.dumps(tok))
+    assert model_fingerprint(copy) != fp
+    # Hashes come from the sidecar (keyed by size and mtime) once computed: no file is read again...
+    fresh = tmp_path / "fresh"
+    shutil.copytree(dense_ckpt, fresh)
+    (fresh / fpmod.SIDECAR).unlink(missing_ok=True)
+    assert model_fingerprint(fresh) == fp and (fresh / fpmod.SIDECAR).exists()
+    monkeypatch.setattr(fpmod, "_memo", {})
+
+    def no_hashing(file: Path):
+        raise AssertionError(f"{file} hashed again")
+
+    monkeypatch.setattr(fpmod, "_hash_file", no_hashing)
+    assert model_fingerprint(fresh) == fp
+    # ...until a file changes.
+    (fresh / "model.safetensors").touch()
+    with pytest.raises(AssertionError, match="hashed again"):
+        model_fingerprint(fresh)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_shard_cache_directory_loads_as_the_same_shard(moe: bool, dense_ckpt: Path, moe_ckpt: Path,
+                                                         tmp_path: Path) -> None:
+    """Exactly shard_names' tensors, bytes as stored, plus the manifest: load_shard gives the same weights."""
+    import asyncio
+
+    ckpt = moe_ckpt if moe else dense_ckpt
+    with nodes(tmp_path, [[ckpt]]) as (holder,):
+        for start, end, mtp in [(0, 3, True), (3, 4, True), (4, 8, True), (6, 8, False)]:
+            key = ShardKey(model_fingerprint(ckpt), start, end, 8, mtp)
+            cache = ShardCache(tmp_path / "mine")
+            names = shard_names(ckpt, start, end, 8, mtp)
+            got, source = asyncio.run(fetch.fetch_shard(cache, key, names, [holder.address], None, fetch.Transfer()))
+            assert got == sum(checkpoint_index(ckpt)[n].size for n in names) and source == holder.address
+            d = cache.lookup(key, names)
+            assert d is not None and sorted(checkpoint_index(d)) == names
+            assert same_weights(d, ckpt, ShardSpec(start, end, 8), mtp), (start, end, mtp)
+
+
+# -- shards reach the nodes -------------------------------------------------------------------------
+
+
+def test_shards_reach_nodes_without_the_model(dense_ckpt: Path, tmp_path: Path, reference) -> None:
+    totals = [shard_bytes(dense_ckpt, s) for s in SPECS]
+    with nodes(tmp_path, [[dense_ckpt], [], []]) as servers:
+        with engine_over(dense_ckpt, servers) as engine:
+            replies = engine.pipeline.load_replies
+            assert [r.weights_source for r in replies] == ["local"] + [f"peer {servers[0].address}"] * 2
+            assert [r.fetched_bytes for r in replies] == [0, totals[1], totals[2]]
+            for text, tokens in reference.items():
+                assert generate(engine, text) == tokens
+            health = engine.pipeline.health()
+            fp = model_fingerprint(dense_ckpt)
+            assert all(h.fingerprint == fp for h in health)
+            assert [(h.transfer_state, h.transfer_done, h.transfer_total) for h in health[1:]] == [
+                ("done", totals[1], totals[1]), ("done", totals[2], totals[2])]
+            assert health[0].served_bytes == totals[1] + totals[2]
+        # Exactly the shard's tensors arrived, and load as the same shard.
+        for i in (1, 2):
+            d = Path(replies[i].weights_path)
+            assert d.is_relative_to(tmp_path / f"cache{i}")
+            assert sorted(checkpoint_index(d)) == shard_names(dense_ckpt, *SPECS[i], 8, True)
+        assert same_weights(Path(replies[1].weights_path), dense_ckpt, ShardSpec(3, 4, 8))
+        # A node serves what its cache holds too: the bytes of the original's tensors.
+        names = shard_names(dense_ckpt, *SPECS[2], 8, True)
+        with make_channel(servers[2].address) as channel:
+            chunks = list(pb_grpc.NodeStub(channel).FetchTensors(pb.FetchRequest(fingerprint=fp, names=names)))
+        index = checkpoint_index(dense_ckpt)
+        expected = b"".join(_read(index[n]) for n in names)
+        assert b"".join(c.data for c in chunks[1:]) == expected
+
+    # Started again on the same caches (a second launch): nothing crosses the network.
+    with nodes(tmp_path, [[dense_ckpt], [], []]) as servers, engine_over(dense_ckpt, servers) as engine:
+        replies = engine.pipeline.load_replies
+        assert [r.weights_source for r in replies] == ["local", "cache", "cache"]
+        assert [r.fetched_bytes for r in replies] == [0, 0, 0]
+        assert [h.fetched_bytes for h in engine.pipeline.health()] == [0, 0, 0]
+        assert engine.pipeline.health()[0].served_bytes == 0
+        text = PROMPTS[0]
+        assert generate(engine, text) == reference[text]
+
+
+def test_a_local_copy_with_other_weights_is_refused(dense_ckpt: Path, tmp_path: Path, reference) -> None:
+    other = perturbed_copy(dense_ckpt, tmp_path / "other", "model.language_model.layers.5.mlp.down_proj.weight")
+    with nodes(tmp_path, [[dense_ckpt], [other]]) as servers, engine_over(dense_ckpt, servers, specs=HALVES) as engine:
+        last = engine.pipeline.load_replies[1]
+        assert last.weights_source == f"peer {servers[0].address}"
+        assert last.fetched_bytes == shard_bytes(dense_ckpt, (4, 8))
+        text = PROMPTS[0]
+        assert generate(engine, text) == reference[text]
+    # The same copy with the right weights is taken as it is.
+    good = tmp_path / "good"
+    shutil.copytree(dense_ckpt, good)
+    with nodes(tmp_path, [[dense_ckpt], [good]]) as servers, engine_over(dense_ckpt, servers, specs=HALVES) as engine:
+        last = engine.pipeline.load_replies[1]
+        assert (last.weights_source, last.weights_path, last.fetched_bytes) == ("local", str(good), 0)
+
+
+def test_a_corrupted_cache_entry_is_fetched_again(dense_ckpt: Path, tmp_path: Path, reference) -> None:
+    specs = HALVES
+    with nodes(tmp_path, [[dense_ckpt], []]) as servers, engine_over(dense_ckpt, servers, specs=specs) as engine:
+        cached = Path(engine.pipeline.load_replies[1].weights_path) / WEIGHTS
+    data = bytearray(cached.read_bytes())
+    data[-100] ^= 0xFF  # one byte of a tensor
+    cached.write_bytes(bytes(data))
+    with nodes(tmp_path, [[dense_ckpt], []]) as servers, engine_over(dense_ckpt, servers, specs=specs) as engine:
+        last = engine.pipeline.load_replies[1]
+        assert last.weights_source.startswith("peer ")
+        assert last.fetched_bytes == shard_bytes(dense_ckpt, (4, 8))
+        text = PROMPTS[1]
+        assert generate(engine, text) == reference[text]
+
+
+def test_an_interrupted_transfer_resumes(dense_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         reference) -> None:
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 64 << 10)
+    total = shard_bytes(dense_ckpt, (4, 8))
+    stop_after = total // 3
+    with nodes(tmp_path, [[dense_ckpt], []]) as servers:
+        receiver = servers[1].service.weights
+        receiver.transfer.interrupt_after = stop_after  # as if the node were killed there
+        with pytest.raises(ValueError, match="transfer stopped"), engine_over(dense_ckpt, servers, specs=HALVES):
+            pass
+        key = ShardKey(model_fingerprint(dense_ckpt), 4, 8, 8, True)
+        part = receiver.cache.dir(key) / PART
+        _, data_start = fpmod.read_header(part)
+        kept = part.stat().st_size - data_start
+        assert stop_after <= kept < total
+        health = servers[1].service.weights.health()
+        assert (health.transfer_state, health.transfer_done, health.transfer_total) == ("failed", kept, total)
+        receiver.transfer.interrupt_after = None
+        with engine_over(dense_ckpt, servers, specs=HALVES) as engine:
+            last = engine.pipeline.load_replies[1]
+            assert last.weights_source.startswith("peer ")
+            assert last.fetched_bytes == total - kept < total  # only what was missing
+            assert not part.exists()
+            text = PROMPTS[0]
+            assert generate(engine, text) == reference[text]
+
+
+def test_no_disk_space_refuses_before_the_transfer(dense_ckpt: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fetch, "free_bytes", lambda path: 10 << 20)
+    with nodes(tmp_path, [[dense_ckpt], []]) as servers:
+        with pytest.raises(ValueError, match="not enough disk space for the shard"), \
+                engine_over(dense_ckpt, servers, specs=HALVES):
+            pass
+        assert servers[1].service.weights.transfer.fetched_bytes == 0
+        assert servers[0].service.weights.transfer.served_bytes == 0
+        assert not list((tmp_path / "cache1").rglob(PART))
+
+
+def test_without_a_source_the_node_says_what_is_missing(dense_ckpt: Path, tmp_path: Path) -> None:
+    with nodes(tmp_path, [[dense_ckpt], []]) as servers:
+        specs = [ShardSpec(0, 4, 8), ShardSpec(4, 8, 8)]
+        with pytest.raises(ValueError, match="no node to fetch it from"):
+            remote_engine(dense_ckpt, [s.address for s in servers], dtype="float32", specs=specs)
+
+
+# -- serving tensors --------------------------------------------------------------------------------
+
+
+def _read(loc: fpmod.TensorLoc) -> bytes:
+    with open(loc.file, "rb") as f:
+        f.seek(loc.start)
+        return f.read(loc.size)
+
+
+def test_fetch_tensors_serves_only_tensors_of_a_model_it_holds(dense_ckpt: Path, tmp_path: Path) -> None:
+    fp = model_fingerprint(dense_ckpt)
+    index = checkpoint_index(dense_ckpt)
+    names = sorted(index)[:5]
+    with nodes(tmp_path, [[dense_ckpt]], secret="s3cret") as (node,), make_channel(node.address) as channel:
+        stub = pb_grpc.NodeStub(channel)
+        meta = secret_metadata("s3cret")
+
+        def fetch_all(req: pb.FetchRequest, metadata=meta) -> list[pb.TensorChunk]:
+            return list(stub.FetchTensors(req, metadata=metadata, timeout=10))
+
+        chunks = fetch_all(pb.FetchRequest(fingerprint=fp, names=names))
+        head = chunks[0]
+        assert [t.name for t in head.tensors] == names and head.total_bytes == sum(index[n].size for n in names)
+        assert [t.sha256 for t in head.tensors] == [fpmod.hash_range(index[n].file, index[n].start, index[n].size)
+                                                    for n in names]
+        assert json.loads(head.config_json) == json.loads((dense_ckpt / "config.json").read_text())
+        whole = b"".join(_read(index[n]) for n in names)
+        assert b"".join(c.data for c in chunks[1:]) == whole
+        # Resumed from an offset: the rest, at that offset.
+        tail = fetch_all(pb.FetchRequest(fingerprint=fp, names=names, offset=1000))
+        assert tail[1].offset == 1000 and b"".join(c.data for c in tail[1:]) == whole[1000:]
+
+        refused = [
+            (pb.FetchRequest(fingerprint="0" * 64, names=names), grpc.StatusCode.NOT_FOUND),
+            (pb.FetchRequest(fingerprint="../" + fp, names=names), grpc.StatusCode.NOT_FOUND),
+            (pb.FetchRequest(fingerprint=fp, names=["config.json"]), grpc.StatusCode.NOT_FOUND),
+            (pb.FetchRequest(fingerprint=fp, names=["tokenizer.json"]), grpc.StatusCode.NOT_FOUND),
+            (pb.FetchRequest(fingerprint=fp, names=["../../../../etc/passwd"]), grpc.StatusCode.NOT_FOUND),
+            (pb.FetchRequest(fingerprint=fp, names=[fpmod.SIDECAR]), grpc.StatusCode.NOT_FOUND),
+            (pb.FetchRequest(fingerprint=fp, names=[]), grpc.StatusCode.INVALID_ARGUMENT),
+            (pb.FetchRequest(fingerprint=fp, names=names, offset=len(whole) + 1), grpc.StatusCode.OUT_OF_RANGE),
+        ]
+        for req, code in refused:
+            with pytest.raises(grpc.RpcError) as err:
+                fetch_all(req)
+            assert err.value.code() == code, req
+        with pytest.raises(grpc.RpcError) as err:
+            fetch_all(pb.FetchRequest(fingerprint=fp, names=names), metadata=secret_metadata("wrong"))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert node.service.weights.transfer.served_bytes == 2 * len(whole) - 1000
