@@ -59,7 +59,7 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         for token, bias in self.logit_bias:
-            if token < 0 or not -100.0 <= bias <= 100.0:
+            if not 0 <= token < 2**31 or not -100.0 <= bias <= 100.0:  # ids cross the wire as int32
                 raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
         if not -1 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")

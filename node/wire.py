@@ -67,10 +67,7 @@ def request_to_frame(req: StepRequest, client_id: str) -> pb.Frame:
     if req.commit is not None:
         f.commit.CopyFrom(pb.Commit(step=req.commit.step, accepted=req.commit.accepted, trim=req.commit.trim))
     if req.params is not None:
-        p = req.params
-        f.params.CopyFrom(pb.Sampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p))
-        if p.seed is not None:
-            f.params.seed = p.seed
+        f.params.CopyFrom(params_to_pb(req.params))
     return f
 
 
@@ -82,12 +79,32 @@ def frame_to_request(f: pb.Frame) -> StepRequest:
     if f.budget < 0:
         raise StageError(f"budget must be >= 0, got {f.budget}")
     commit = Commit(f.commit.step, f.commit.accepted, f.commit.trim) if f.HasField("commit") else None
-    params = None
-    if f.HasField("params"):
-        p = f.params
-        params = SamplingParams(p.temperature, p.top_p, p.top_k, p.min_p, p.seed if p.HasField("seed") else None)
+    params = params_from_pb(f.params) if f.HasField("params") else None
     return StepRequest(f.seq_id, f.step, _KINDS[f.kind], list(f.tokens), f.final, commit, params, f.mtp_depth,
                        f.mtp_auto, f.budget, tuple(f.stop_tokens))
+
+
+def params_to_pb(p: SamplingParams) -> pb.Sampling:
+    s = pb.Sampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                    logit_bias=[pb.TokenBias(token=t, bias=b) for t, b in p.logit_bias],
+                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty)
+    if p.seed is not None:
+        s.seed = p.seed
+    if p.repetition_penalty != 1.0:
+        s.repetition_penalty = p.repetition_penalty
+    if p.top_logprobs >= 0:  # presence says "asked": 0 (the emitted token's alone) differs from unset
+        s.top_logprobs = p.top_logprobs
+    return s
+
+
+def params_from_pb(p: pb.Sampling) -> SamplingParams:
+    return SamplingParams(
+        p.temperature, p.top_p, p.top_k, p.min_p, p.seed if p.HasField("seed") else None,
+        logit_bias=tuple((b.token, b.bias) for b in p.logit_bias),
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else -1,
+    )
 
 
 def output_to_result(out: StepOutput) -> pb.StepResult:
@@ -97,13 +114,16 @@ def output_to_result(out: StepOutput) -> pb.StepResult:
     )
     if out.commit is not None:
         r.commit.CopyFrom(pb.Commit(step=out.commit.step, accepted=out.commit.accepted, trim=out.commit.trim))
+    for lp, top in out.logprobs:  # empty unless the client asked for them
+        r.logprobs.add(logprob=lp, top_ids=[i for i, _ in top], top_logprobs=[v for _, v in top])
     return r
 
 
 def result_to_output(r: pb.StepResult) -> StepOutput:
     commit = Commit(r.commit.step, r.commit.accepted, r.commit.trim) if r.HasField("commit") else None
+    logprobs = [(e.logprob, list(zip(e.top_ids, e.top_logprobs))) for e in r.logprobs]
     return StepOutput(r.seq_id, r.step, list(r.tokens), r.accepted, r.drafted, list(r.drafts), commit,
-                      continued=r.continued)
+                      logprobs=logprobs, continued=r.continued)
 
 
 def next_round(frame: pb.Frame, out: StepOutput) -> pb.Frame | None:

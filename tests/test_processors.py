@@ -143,3 +143,12 @@ def test_bad_processor_values_are_refused(engines: tuple[BatchEngine, BatchEngin
             one.open(GenerationRequest(p, max_tokens=4, params=params), lambda item: None)
         assert e.value.param == field
     assert one.complete(GenerationRequest(p, max_tokens=4)).tokens  # still serving
+
+
+def test_per_sequence_engine_checks_logit_bias_ids(dense_ckpt: Path) -> None:
+    engine = local_engine(dense_ckpt, dtype=mx.float32)
+    p = list(engine.tokenizer.encode("x = 1"))
+    with pytest.raises(RequestError) as e:
+        engine.validate(GenerationRequest(p, max_tokens=4, params=SamplingParams(logit_bias=((10**6, 1.0),))))
+    assert e.value.param == "logit_bias"
+    engine.validate(GenerationRequest(p, max_tokens=4, params=SamplingParams(logit_bias=((3, 1.0),))))

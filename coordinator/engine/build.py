@@ -27,7 +27,8 @@ def local_engine(
     tokenizer = load_tokenizer(model_path, config.eos_token_ids)
     pipeline = local_pipeline(model_path, stages=stages, mtp=mtp, dtype=dtype, **pipeline_options)
     has_mtp = pipeline.stages[-1].shard.has_mtp
-    return Engine(pipeline, tokenizer, set(tokenizer.eos_token_ids), config.args.max_position_embeddings, has_mtp)
+    return Engine(pipeline, tokenizer, set(tokenizer.eos_token_ids), config.args.max_position_embeddings, has_mtp,
+                  vocab_size=config.args.vocab_size)
 
 
 def batch_engine(
@@ -116,5 +117,5 @@ def remote_engine(
         config.args.max_position_embeddings,
         has_mtp=replies[-1].has_mtp,
         prefill_chunk=fit_prefill_chunk(hidden),
-        processors=False,
+        vocab_size=config.args.vocab_size,
     )

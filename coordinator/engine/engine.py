@@ -44,6 +44,7 @@ class Engine:
         has_mtp: bool = False,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         processors: bool = True,
+        vocab_size: int | None = None,
     ):
         self.pipeline = pipeline
         self.tokenizer = tokenizer
@@ -51,7 +52,8 @@ class Engine:
         self.max_context = max_context
         self.has_mtp = has_mtp
         self.prefill_chunk = prefill_chunk
-        self.processors = processors  # logits processors and logprobs: in-process stages only, for now
+        self.vocab_size = vocab_size  # what the model embeds: logit_bias ids are checked against it
+        self.processors = processors  # False: the pipeline cannot carry logits processors and logprobs
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
@@ -60,8 +62,12 @@ class Engine:
         """Refuse a request this engine cannot serve (RequestError), before any stage is touched."""
         check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
         p = req.params
+        bad = next((t for t, _ in p.logit_bias if self.vocab_size and not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary [0, {self.vocab_size})",
+                               "logit_bias")
         if not self.processors and (has_processors(p) or p.top_logprobs >= 0):
-            raise RequestError("logit_bias, penalties and logprobs are not carried over a pipeline of nodes yet",
+            raise RequestError("this pipeline does not carry logit_bias, penalties or logprobs",
                                "logit_bias" if p.logit_bias else "logprobs" if p.top_logprobs >= 0 else "penalty")
 
     def generate(self, req: GenerationRequest) -> Iterator[GenerationChunk]:
