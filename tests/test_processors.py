@@ -152,3 +152,36 @@ def test_per_sequence_engine_checks_logit_bias_ids(dense_ckpt: Path) -> None:
         engine.validate(GenerationRequest(p, max_tokens=4, params=SamplingParams(logit_bias=((10**6, 1.0),))))
     assert e.value.param == "logit_bias"
     engine.validate(GenerationRequest(p, max_tokens=4, params=SamplingParams(logit_bias=((3, 1.0),))))
+
+
+def test_sampled_joint_distribution_with_penalties_matches_plain_sampling() -> None:
+    """Tiny vocabulary, logits fixed per position: the first two tokens of a speculative round with a
+    presence and frequency penalty (the second position scored as if the draft were accepted) have the
+    joint distribution of sampling one token at a time with the penalty."""
+    from test_sampling import ALPHA, chi2_critical, chi_square
+
+    from mtpipe.node.acceptance import accept_sampled, draw, filtered_probs
+
+    rng = np.random.default_rng(11)
+    base = np.array([[1.0, 0.5, 0.0, -0.5, 0.2], [0.3, 1.2, -0.2, 0.0, 0.4]], dtype=np.float32)
+    params = SamplingParams(temperature=1.0, presence_penalty=0.8, frequency_penalty=0.4)
+    q0 = np.array([0.1, 0.5, 0.2, 0.1, 0.1])
+
+    def target(position: int, generated: list[int], drafts: list[int]) -> np.ndarray:
+        history = History()
+        history.emit(generated)
+        logits = mx.array(base[None, position : position + len(drafts) + 1])
+        return filtered_probs(apply(logits, [(0, params, history, drafts)])[0], params)
+
+    reference = np.zeros((5, 5))
+    p0 = target(0, [], [])[0]
+    for a in range(5):
+        reference[a] = p0[a] * target(1, [a], [])[0]
+    counts = np.zeros((5, 5))
+    for _ in range(20000):
+        d = draw(q0, rng)
+        _, tokens = accept_sampled(target(0, [], [d]), q0[None], [d], rng)
+        if len(tokens) < 2:  # rejected: the next round scores position 1 after the corrected token
+            tokens = tokens + [draw(target(1, tokens, [])[0], rng)]
+        counts[tokens[0], tokens[1]] += 1
+    assert chi_square(counts.reshape(-1), reference.reshape(-1)) < chi2_critical(ALPHA, 24)
