@@ -115,6 +115,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             contexts=args.context,
         )
         bench.print_engine_report(result, stderr_console())
+    elif args.target == "transfer":
+        from ..bench import transfer as bench_transfer
+
+        problem = bench_transfer.netns_problem()
+        if problem:
+            print(f"mtpipe: {problem}", file=sys.stderr)
+            return EXIT_ERROR
+        result = bench_transfer.bench_transfer(model, repeat=args.repeat)
+        bench_transfer.print_report(result, stderr_console())
     else:
         from ..bench import pipeline as bench_pipeline
 
@@ -173,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
-    p.add_argument("target", choices=["engine", "pipeline", "serve"])
+    p.add_argument("target", choices=["engine", "pipeline", "serve", "transfer"])
     p.add_argument("--model", help="model directory (default: the bundled demo model)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
@@ -183,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine bench: also decode after prompts of these lengths (e.g. 256,2048,8192)")
     p.add_argument("--concurrency", default="1,2,4,8,16", metavar="C1,C2,...",
                    help="serve bench: numbers of concurrent streams")
+    p.add_argument("--repeat", type=int, default=3, help="transfer bench: transfers, each into a fresh cache")
     p.add_argument("--reps", type=int, default=1, help="serve bench: runs per cell (the median is reported)")
     p.add_argument("--skip-api", action="store_true", help="serve bench: skip the HTTP API level")
     p.add_argument("--skip-gap", action="store_true", help="serve bench: skip the prefill-gap measurement")
