@@ -9,7 +9,8 @@ Measured on the 2-core VM, ping-pong with a 4-layer MLX step between hops: 0.6-0
 gRPC, 0.25-0.4 ms over this stream.
 
 A connection opens with a hello and the cluster secret (the one gRPC calls carry in metadata); the
-listener answers OK or NO and, after OK, frames flow one way until either side closes. Broken
+listener answers OK or NO and, after OK, frames flow one way until either side closes. A connection
+that opens with `BULK_HELLO` instead is a shard-tensor transfer, handed to `on_bulk` (bulk.py). Broken
 input (a wrong hello, an oversized or undecodable frame) closes that connection only.
 """
 
@@ -34,6 +35,8 @@ from .wire import CHANNEL_OPTIONS, describe_rpc_error, secret_metadata
 log = logging.getLogger(__name__)
 
 HELLO = b"mtpipe-frames/1\n"
+BULK_HELLO = b"mtpipe-tensors1\n"  # a shard-tensor stream (bulk.py), authorized by a FetchTensors token
+assert len(BULK_HELLO) == len(HELLO)
 LENGTH = struct.Struct("<I")
 MAX_SECRET_BYTES = 4096
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -80,8 +83,10 @@ def _encode(frame: pb.Frame) -> tuple[bytes, bytes]:
 class FrameListener:
     """Accepts data-plane connections and hands each frame, in order per connection, to `on_frame`."""
 
-    def __init__(self, on_frame: Callable[[pb.Frame], Awaitable[None]], secret: str | None, max_bytes: int):
+    def __init__(self, on_frame: Callable[[pb.Frame], Awaitable[None]], secret: str | None, max_bytes: int,
+                 on_bulk: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]] | None = None):
         self.on_frame = on_frame
+        self.on_bulk = on_bulk
         self.secret = (secret or "").encode()
         self.max_bytes = max_bytes
         self.port = 0
@@ -109,6 +114,12 @@ class FrameListener:
         peer = writer.get_extra_info("peername")
         _keepalive(writer.get_extra_info("socket"))
         try:
+            hello = await asyncio.wait_for(reader.readexactly(len(HELLO)), HANDSHAKE_TIMEOUT_S)
+            if hello == BULK_HELLO and self.on_bulk is not None:
+                await self.on_bulk(reader, writer)
+                return
+            if hello != HELLO:
+                raise DataPlaneError("not a data-plane hello")
             if not await self._handshake(reader, writer):
                 log.warning("data plane: refused %s (wrong cluster secret)", peer)
                 return
@@ -131,9 +142,7 @@ class FrameListener:
                 self._tasks.discard(task)
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        async def read() -> bytes:
-            if await reader.readexactly(len(HELLO)) != HELLO:
-                raise DataPlaneError("not a data-plane hello")
+        async def read() -> bytes:  # after the hello
             (n,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
             if n > MAX_SECRET_BYTES:
                 raise DataPlaneError("oversized secret")

@@ -7,6 +7,10 @@ the next attempt asks for the bytes from the part file's size on, after checking
 the one the source describes. Once complete, every tensor's hash is checked against the source's
 list before the file moves into the cache; a mismatch drops the part file and tries the next source.
 A node without the disk space for what remains refuses before the first byte.
+
+The bytes travel on the source's data plane (a plain TCP stream, bulk.py) when its first message
+offers a token for it; otherwise (an older node, no data port, the port unreachable or the token
+refused before the first byte) they come as FetchTensors chunks.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import grpc
 
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
+from . import bulk
+from .links import split_host_port
 from .shards import PART, Manifest, ShardCache, ShardKey, TensorInfo, free_bytes, safetensors_header, verify_file
 from .wire import CHANNEL_OPTIONS, secret_metadata
 
@@ -52,6 +58,7 @@ class Transfer:
     done: int = 0
     total: int = 0
     source: str = ""
+    transport: str = ""  # of the last transfer: "tcp" (data plane) or "grpc" (FetchTensors chunks)
     fetched_bytes: int = 0  # received from peers, all transfers
     served_bytes: int = 0  # sent to peers
     interrupt_after: int | None = None  # test hook: stop a transfer after this many bytes received
@@ -117,13 +124,13 @@ async def fetch_shard(cache: ShardCache, key: ShardKey, names: list[str], source
 
 
 async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list[str], secret: str | None,
-                      progress: Transfer) -> int:
+                      progress: Transfer, raw: bool = True) -> int:
     loop = asyncio.get_running_loop()
     part = cache.dir(key) / PART
     offset = _resume_offset(part)
     async with grpc.aio.insecure_channel(source, options=CHANNEL_OPTIONS) as channel:
         call = pb_grpc.NodeStub(channel).FetchTensors(
-            pb.FetchRequest(fingerprint=key.fingerprint, names=names, offset=offset), metadata=secret_metadata(secret))
+            pb.FetchRequest(fingerprint=key.fingerprint, names=names, offset=offset, raw=raw), metadata=secret_metadata(secret))
         chunks = call.__aiter__()
         try:
             first = await asyncio.wait_for(chunks.__anext__(), CONNECT_TIMEOUT_S)
@@ -139,7 +146,7 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
             call.cancel()
             log.info("%s holds another transfer; starting over", part)
             part.unlink()
-            return await _fetch_from(source, cache, key, names, secret, progress)
+            return await _fetch_from(source, cache, key, names, secret, progress, raw)
         need = total - offset + (0 if offset else len(header))
         free = await loop.run_in_executor(None, free_bytes, part.parent)
         if free < need + DISK_MARGIN:
@@ -150,10 +157,38 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
         if offset:
             log.info("resuming the shard transfer from %s at %.1f of %.1f MiB", source, offset / 2**20, total / 2**20)
         received = 0
+
+        def count(n: int) -> None:  # in the receiving thread on the data plane
+            nonlocal received
+            received += n
+            progress.advance(n)
+            if progress.interrupt_after is not None and received >= progress.interrupt_after:
+                raise TransferInterrupted(f"transfer stopped after {received} bytes (test hook)")
+
+        fallback = False
         f = await loop.run_in_executor(None, open, part, "ab" if offset else "wb")
         try:
             if not offset:
                 f.write(header)
+            if first.token and first.data_port:
+                host = split_host_port(source)[0]
+                try:
+                    sock = await loop.run_in_executor(None, bulk.connect, host, first.data_port, first.token)
+                except (OSError, asyncio.TimeoutError) as e:
+                    log.warning("no data plane to %s (port %d: %s); fetching over gRPC", source, first.data_port, e)
+                    fallback = True
+                else:
+                    progress.transport = "tcp"
+                    try:
+                        offset += await loop.run_in_executor(None, bulk.receive, sock, f, total - offset, count)
+                    except TransferInterrupted:
+                        raise
+                    except OSError as e:
+                        raise _SourceFailed(f"the data-plane stream broke: {e}") from e
+                    finally:
+                        bulk.close(sock)
+            else:
+                progress.transport = "grpc"
             async for chunk in chunks:
                 if chunk.offset != offset:
                     call.cancel()
@@ -167,6 +202,8 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
                     raise TransferInterrupted(f"transfer stopped after {received} bytes (test hook)")
         finally:
             f.close()
+    if fallback:
+        return await _fetch_from(source, cache, key, names, secret, progress, raw=False)
     if offset != total:
         raise _SourceFailed(f"the stream ended at {offset} of {total} bytes")
     progress.state = "verifying"

@@ -40,7 +40,8 @@ class NodeServer:
         self.host, self.requested_port, self.secret = host, port, secret
         self.service = NodeService(node_id=node_id, secret=secret, model_dirs=model_dirs, shard_cache=shard_cache)
         # Frames from other nodes over plain TCP on a port of its own (any free one), beside gRPC.
-        self.listener = FrameListener(self.service.on_frame, secret, MAX_MESSAGE_BYTES) if data_plane else None
+        self.listener = FrameListener(self.service.on_frame, secret, MAX_MESSAGE_BYTES,
+                                      self.service.weights.serve_bulk) if data_plane else None
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
@@ -69,7 +70,7 @@ class NodeServer:
         self.service.name = f"{self.host}:{self.port}"
         self.service.loop = asyncio.get_running_loop()
         if self.listener is not None:
-            self.service.data_port = await self.listener.start(self.host)
+            self.service.data_port = self.service.weights.data_port = await self.listener.start(self.host)
         await self._server.start()
 
     def start(self) -> NodeServer:

@@ -10,7 +10,9 @@ A Load without a fingerprint reads the request's path as it is.
 FetchTensors serves raw tensor bytes, by checkpoint name, of a model whose fingerprint this node
 holds: a local copy that matched, or a shard cache entry holding every name asked for. It reads only
 the byte ranges that the safetensors headers of that model give for those names: no other file,
-nothing outside the model. The secret interceptor (auth.py) guards it like every other call.
+nothing outside the model. The secret interceptor (auth.py) guards it like every other call. A
+request with `raw` set gets a one-time token and the data port instead of the bytes, which then
+travel on a plain TCP stream (bulk.py), sent from the files with sendfile.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ..models.fingerprint import (
     tensor_hashes,
 )
 from ..proto import mtpipe_pb2 as pb
+from .bulk import BulkGrants, serve_bulk
 from .fetch import Transfer, fetch_shard
 from .shards import WEIGHTS, ShardCache, ShardKey
 
@@ -65,6 +68,8 @@ class WeightStore:
         self.cache = ShardCache(shard_cache)
         self.secret = secret
         self.transfer = Transfer()
+        self.data_port = 0  # the node's data-plane listener, where raw transfers go (0: none)
+        self.grants = BulkGrants()
         self.loaded: Found | None = None
         # The request's path is a hint of where the coordinator keeps the model; False ignores it (the
         # tests' nodes share one file system, and play machines that do not have it).
@@ -162,18 +167,30 @@ class WeightStore:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"{node}: offset {request.offset} beyond {total} bytes")
         loop = asyncio.get_running_loop()
         hashes = await loop.run_in_executor(None, held.hashes, names)
+        raw = bool(request.raw and self.data_port)
         yield pb.TensorChunk(
             tensors=[pb.TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, size=t.size, sha256=hashes[t.name])
                      for t in locs],
-            total_bytes=total, config_json=held.config_json, raw_hf=held.raw_hf)
-        log.info("serving %d tensors (%.1f MiB from byte %d) of model %s", len(locs), total / 2**20,
-                 request.offset, request.fingerprint[:12])
+            total_bytes=total, config_json=held.config_json, raw_hf=held.raw_hf,
+            token=self.grants.issue(locs, request.offset) if raw else b"", data_port=self.data_port if raw else 0)
+        log.info("serving %d tensors (%.1f MiB from byte %d) of model %s%s", len(locs), total / 2**20,
+                 request.offset, request.fingerprint[:12], f" on data port {self.data_port}" if raw else "")
+        if raw:
+            return
         offset = request.offset
         while offset < total:
             data = await loop.run_in_executor(None, _read_stream, locs, offset, CHUNK_BYTES)
             yield pb.TensorChunk(offset=offset, data=data)
             offset += len(data)
             self.transfer.served_bytes += len(data)
+
+    async def serve_bulk(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A data-plane connection that opened with bulk.BULK_HELLO: the bytes a FetchTensors token grants."""
+
+        def sent(n: int) -> None:
+            self.transfer.served_bytes += n
+
+        await serve_bulk(self.grants, reader, writer, sent)
 
 
 def _read_stream(locs: list[TensorLoc], offset: int, limit: int) -> bytes:

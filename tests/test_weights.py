@@ -27,7 +27,7 @@ from mtpipe.models import fingerprint as fpmod
 from mtpipe.models.fingerprint import checkpoint_index, model_fingerprint, shard_names
 from mtpipe.models.loading import load_shard
 from mtpipe.models.shard import ShardSpec
-from mtpipe.node import fetch, weights
+from mtpipe.node import bulk, fetch, weights
 from mtpipe.node.server import NodeServer
 from mtpipe.node.shards import PART, WEIGHTS, ShardCache, ShardKey
 from mtpipe.node.wire import make_channel, secret_metadata
@@ -225,6 +225,7 @@ def test_a_corrupted_cache_entry_is_fetched_again(dense_ckpt: Path, tmp_path: Pa
         last = engine.pipeline.load_replies[1]
         assert last.weights_source.startswith("peer ")
         assert last.fetched_bytes == shard_bytes(dense_ckpt, (4, 8))
+        assert servers[1].service.weights.transfer.transport == "tcp"
         text = PROMPTS[1]
         assert generate(engine, text) == reference[text]
 
@@ -232,6 +233,7 @@ def test_a_corrupted_cache_entry_is_fetched_again(dense_ckpt: Path, tmp_path: Pa
 def test_an_interrupted_transfer_resumes(dense_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          reference) -> None:
     monkeypatch.setattr(weights, "CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(bulk, "RECV_BYTES", 64 << 10)
     total = shard_bytes(dense_ckpt, (4, 8))
     stop_after = total // 3
     with nodes(tmp_path, [[dense_ckpt], []]) as servers:
@@ -246,14 +248,59 @@ def test_an_interrupted_transfer_resumes(dense_ckpt: Path, tmp_path: Path, monke
         assert stop_after <= kept < total
         health = servers[1].service.weights.health()
         assert (health.transfer_state, health.transfer_done, health.transfer_total) == ("failed", kept, total)
+        assert receiver.transfer.transport == "tcp"
         receiver.transfer.interrupt_after = None
         with engine_over(dense_ckpt, servers, specs=HALVES) as engine:
             last = engine.pipeline.load_replies[1]
             assert last.weights_source.startswith("peer ")
             assert last.fetched_bytes == total - kept < total  # only what was missing
+            assert receiver.transfer.transport == "tcp"
             assert not part.exists()
             text = PROMPTS[0]
             assert generate(engine, text) == reference[text]
+
+
+def test_tensor_bytes_travel_on_the_data_plane(dense_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               reference) -> None:
+    total = shard_bytes(dense_ckpt, (4, 8))
+    with nodes(tmp_path, [[dense_ckpt], []]) as servers, engine_over(dense_ckpt, servers, specs=HALVES) as engine:
+        assert engine.pipeline.load_replies[1].fetched_bytes == total
+        assert servers[1].service.weights.transfer.transport == "tcp"
+        assert servers[0].service.weights.transfer.served_bytes == total
+        assert not servers[0].service.weights.grants._grants  # the token was used up
+        text = PROMPTS[0]
+        assert generate(engine, text) == reference[text]
+
+    # A data plane that cannot be reached: the same transfer arrives as FetchTensors chunks.
+    def unreachable(*args: object) -> None:
+        raise ConnectionRefusedError("test: no route")
+
+    monkeypatch.setattr(bulk, "connect", unreachable)
+    with nodes(tmp_path / "again", [[dense_ckpt], []]) as servers, \
+            engine_over(dense_ckpt, servers, specs=HALVES) as engine:
+        assert engine.pipeline.load_replies[1].fetched_bytes == total
+        assert servers[1].service.weights.transfer.transport == "grpc"
+        text = PROMPTS[0]
+        assert generate(engine, text) == reference[text]
+
+
+def test_a_bulk_token_is_good_once(dense_ckpt: Path, tmp_path: Path) -> None:
+    fp = model_fingerprint(dense_ckpt)
+    index = checkpoint_index(dense_ckpt)
+    names = sorted(index)[:3]
+    with nodes(tmp_path, [[dense_ckpt]], secret="s3cret") as (node,), make_channel(node.address) as channel:
+        stub = pb_grpc.NodeStub(channel)
+        chunks = list(stub.FetchTensors(pb.FetchRequest(fingerprint=fp, names=names, raw=True),
+                                        metadata=secret_metadata("s3cret"), timeout=10))
+        assert len(chunks) == 1 and chunks[0].token and chunks[0].data_port == node.service.data_port
+        sock = bulk.connect("127.0.0.1", chunks[0].data_port, chunks[0].token)
+        got = bytearray()
+        while chunk := sock.recv(1 << 16):
+            got += chunk
+        sock.close()
+        assert bytes(got) == b"".join(_read(index[n]) for n in names)
+        with pytest.raises(bulk.BulkRefused):
+            bulk.connect("127.0.0.1", chunks[0].data_port, chunks[0].token)
 
 
 def test_no_disk_space_refuses_before_the_transfer(dense_ckpt: Path, tmp_path: Path,
