@@ -187,15 +187,11 @@ class BatchHead:
         B = len(self.states)
         hids, toks, counts = [], [], []
         for d, drafting, (hid, tok) in zip(self.states, self.drafting, pairs):
-            if not drafting:  # never drafts (as the single-sequence head, which skips these rows): keep nothing
+            if drafting:
+                hid, tok = d.pairs_to_draft(hid, tok)
+            else:  # never drafts (as the single-sequence head, which skips these rows): keep nothing
                 hid, tok = None, []
-            elif d.idle_hidden is not None:  # pairs from rounds without drafts go in first
-                hid, tok = mx.concatenate([d.idle_hidden, hid], axis=1), d.idle_tokens + tok
-                d.idle_hidden, d.idle_tokens = None, []
-            if d.depth == 0:  # nothing to draft: keep the pairs for when drafting pays again
-                d.idle_hidden, d.idle_tokens = hid, tok
                 d.drafts, d.draft_probs = [], None
-                hid, tok = None, []
             hids.append(hid)
             toks.append(tok)
             counts.append(len(tok))

@@ -52,6 +52,18 @@ class DraftState:
     def processed(self) -> bool:
         return has_processors(self.params)
 
+    def pairs_to_draft(self, hid: mx.array, toks: list[int]) -> tuple[mx.array | None, list[int]]:
+        """This round's (hidden, next token) pairs, after those kept from rounds without drafts; at
+        depth 0 they are all kept for when drafting pays again, and (None, []) is returned."""
+        if self.idle_hidden is not None:
+            hid, toks = mx.concatenate([self.idle_hidden, hid], axis=1), self.idle_tokens + toks
+            self.idle_hidden, self.idle_tokens = None, []
+        if self.depth == 0:
+            self.idle_hidden, self.idle_tokens = hid, toks
+            self.drafts, self.draft_probs = [], None
+            return None, []
+        return hid, toks
+
     def bias_row(self, vocab: int) -> mx.array | None:
         if self.params.logit_bias and self.bias is None:
             self.bias = bias_vector(self.params, vocab)
@@ -216,12 +228,8 @@ class Head:
         """K drafts. The first MTP call adds true entries for all (hidden, next token) pairs and its
         last output drafts d1; later drafts chain on the MTP output g (entries trimmed next round).
         Greedy chains stay lazy and are evaluated once; sampling draws each draft on the host."""
-        if d.idle_hidden is not None:  # pairs from rounds without drafts go in first
-            hid, toks = mx.concatenate([d.idle_hidden, hid], axis=1), d.idle_tokens + toks
-            d.idle_hidden, d.idle_tokens = None, []
-        if d.depth == 0:  # nothing to draft: keep the pairs for when drafting pays again
-            d.idle_hidden, d.idle_tokens = hid, toks
-            d.drafts, d.draft_probs = [], None
+        hid, toks = d.pairs_to_draft(hid, toks)
+        if hid is None:
             return []
         inputs = mx.array([toks])
         lazy: list[mx.array] = []

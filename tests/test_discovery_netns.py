@@ -26,7 +26,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -194,20 +196,25 @@ class Proc:
 REQUIRE_ENV = "MTPIPE_REQUIRE_NETNS"  # set to 1 (CI does): no namespaces is a failure, not a skip
 
 
-@pytest.fixture(scope="module")
-def topology():
+def namespaces(topo: Any, clean: Callable[[], None]) -> Iterator[Any]:
+    """A topology's namespaces for a module's tests (skipped, or failed under REQUIRE_ENV, without them);
+    `clean` first removes what an earlier, killed run of that module left."""
     reason = netns_unavailable()
     if reason:
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail(f"{REQUIRE_ENV}=1 but this test cannot create network namespaces: {reason}", pytrace=False)
         pytest.skip(f"{reason} (set {REQUIRE_ENV}=1 to make this a failure)")
-    clean_stale_namespaces()
-    topo = Topology()
+    clean()
     try:
         topo.create()
         yield topo
     finally:
         topo.destroy()
+
+
+@pytest.fixture(scope="module")
+def topology():
+    yield from namespaces(Topology(), clean_stale_namespaces)
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,11 @@ import pytest
 from helpers import PROMPTS
 from test_discovery_netns import (
     CLIENT,
-    REQUIRE_ENV,
     Proc,
     _env,
     _ip,
     _kill_namespace,
-    netns_unavailable,
+    namespaces,
 )
 
 from mtpipe.coordinator.engine.build import local_engine
@@ -93,18 +92,7 @@ class Topology:
 
 @pytest.fixture(scope="module")
 def topology():
-    reason = netns_unavailable()
-    if reason:
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{REQUIRE_ENV}=1 but this test cannot create network namespaces: {reason}", pytrace=False)
-        pytest.skip(f"{reason} (set {REQUIRE_ENV}=1 to make this a failure)")
-    clean_stale_namespaces()
-    topo = Topology()
-    try:
-        topo.create()
-        yield topo
-    finally:
-        topo.destroy()
+    yield from namespaces(Topology(), clean_stale_namespaces)
 
 
 @pytest.fixture(scope="module")
