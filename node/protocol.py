@@ -89,6 +89,7 @@ class StepRequest:
     # last node starts the next round itself (see node/server.py). In-process stages ignore both.
     budget: int = 0
     stop_tokens: tuple[int, ...] = ()
+    group: int = 0  # remote prefill: once prefilled, the sequence joins this ring group (node/groups.py)
 
 
 @dataclass
@@ -105,3 +106,27 @@ class StepOutput:
     # per emitted token, when asked (params.top_logprobs >= 0): its log-probability and the top others'
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     continued: bool = False  # the last node has already started the next step (remote pipelines)
+
+
+@dataclass
+class GroupRow:
+    """One sequence in a group round: its tokens [y, d1..dK]; its previous round's outcome (None when
+    it joins now, or on the round a non-last node never saw the outcome of)."""
+
+    seq_id: str
+    tokens: list[int]
+    commit: Commit | None = None
+    join: bool = False
+
+
+@dataclass
+class GroupRound:
+    client_id: str
+    group: int
+    round: int
+    rows: list[GroupRow]
+    from_last: bool = False  # sent by the last node (an ending frame that came back around stops there)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.client_id, self.group

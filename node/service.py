@@ -33,6 +33,7 @@ from ..models import blas
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .dataplane import NextStage
+from .group_frames import GroupFrames
 from .loader import LoadKey, load_stage
 from .protocol import StageError, StepOutput
 from .sysinfo import gpu_limit, mlx_active_memory, system_memory
@@ -59,7 +60,7 @@ class LinkStats:
     decode_bytes: int = 0
 
 
-class NodeService(pb_grpc.NodeServicer):
+class NodeService(GroupFrames, pb_grpc.NodeServicer):
     """The servicer, on one asyncio loop. Steps run on the loop itself: a decode step is milliseconds
     and a thread hop would cost more than it saves, and MLX arrays must be evaluated on the thread
     that built them (streams are per thread), so every shard and sequence lives on this one thread.
@@ -102,6 +103,7 @@ class NodeService(pb_grpc.NodeServicer):
             reused = self.worker is not None and self.key == key
             if not reused:
                 self.worker, self.key = None, None  # free the old shard before reading the new one
+                self.drop_groups()
                 self._owners.clear()
                 try:
                     found = await self.weights.resolve(request)  # a local copy, the shard cache or a peer
@@ -159,6 +161,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     def _adopt(self, worker: StageWorker, key: LoadKey) -> None:
         self.worker, self.key = worker, key
+        self.drop_groups()
         self._owners.clear()
 
     async def _set_next(self, target: str) -> None:
@@ -224,13 +227,24 @@ class NodeService(pb_grpc.NodeServicer):
         if worker is None:
             return False
         self._owners.pop(seq_id, None)
-        return worker.release(seq_id)  # freeing arrays is MLX work too: on the loop thread, as always
+        # freeing arrays is MLX work too: on the loop thread, as always
+        return self.ring_groups.release(seq_id) if not worker.overlap else worker.release(seq_id)
+
+    def _listens(self, client_id: str) -> bool:
+        return client_id in self._subs
 
     async def on_frame(self, frame: pb.Frame) -> None:
         if frame.kind == pb.RELEASE:
+            self._owners.pop(frame.seq_id, None)
+            if self.release_grouped(frame):
+                return
             self._release(frame.seq_id)
             if self.worker is not None and not self.worker.spec.is_last:
                 self._forward(frame)
+            return
+        if frame.kind == pb.GROUP:
+            self.on_group(frame)
+            await asyncio.sleep(0)
             return
         if frame.ring and (self.worker is None or frame.seq_id not in self.worker.sequences):
             # The client released the sequence while the last node was starting this round.
@@ -247,7 +261,9 @@ class NodeService(pb_grpc.NodeServicer):
             return
         if frame.step == 0 and frame.client_id:
             self._owners[frame.seq_id] = frame.client_id
-        if isinstance(out, StepOutput):
+        if isinstance(out, StepOutput) and frame.group and frame.final and not self.worker.overlap:
+            self._emit(frame.client_id, self.joined(frame, out))
+        elif isinstance(out, StepOutput):
             # Only while the client listens: a vanished coordinator must not leave a sequence running.
             ring = (self.ring is not None or self.ring_self) and frame.client_id in self._subs
             nxt = next_round(frame, out) if ring else None
@@ -334,6 +350,8 @@ class NodeService(pb_grpc.NodeServicer):
         if client_id in self._subs:
             return
         gone = [seq for seq, owner in self._owners.items() if owner == client_id]
+        if self.worker is not None and not self.worker.overlap:
+            self.ring_groups.drop_client(client_id)
         for seq in gone:
             self._release(seq)
         if gone:
@@ -408,7 +426,7 @@ class NodeService(pb_grpc.NodeServicer):
                     is_first=w.spec.is_first,
                     is_last=w.spec.is_last,
                     parameter_bytes=w.shard.model.parameter_bytes(),
-                    active_sequences=len(w.sequences),
+                    active_sequences=len(w.sequences) + (self.ring_groups.rows if not w.overlap else 0),
                     tokens_processed=w.stats.tokens_processed,
                     steps=w.stats.steps,
                     mean_step_ms=w.stats.mean_step_ms,

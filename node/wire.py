@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 
 from ..proto import mtpipe_pb2 as pb
-from .protocol import Commit, SamplingParams, StageError, StepKind, StepOutput, StepRequest
+from .protocol import Commit, GroupRound, GroupRow, SamplingParams, StageError, StepKind, StepOutput, StepRequest
 
 SECRET_KEY = "x-mtpipe-secret"
 # The largest message is a prefill chunk's hidden states: 512 tokens x hidden x 4 bytes is 16 MiB at
@@ -63,6 +63,7 @@ def request_to_frame(req: StepRequest, client_id: str) -> pb.Frame:
         mtp_auto=req.mtp_auto,
         budget=req.budget,
         stop_tokens=req.stop_tokens,
+        group=req.group,
     )
     if req.commit is not None:
         f.commit.CopyFrom(pb.Commit(step=req.commit.step, accepted=req.commit.accepted, trim=req.commit.trim))
@@ -78,10 +79,12 @@ def frame_to_request(f: pb.Frame) -> StepRequest:
         raise StageError("a step needs a sequence id")
     if f.budget < 0:
         raise StageError(f"budget must be >= 0, got {f.budget}")
+    if f.group < 0:
+        raise StageError(f"group must be >= 0, got {f.group}")
     commit = Commit(f.commit.step, f.commit.accepted, f.commit.trim) if f.HasField("commit") else None
     params = params_from_pb(f.params) if f.HasField("params") else None
     return StepRequest(f.seq_id, f.step, _KINDS[f.kind], list(f.tokens), f.final, commit, params, f.mtp_depth,
-                       f.mtp_auto, f.budget, tuple(f.stop_tokens))
+                       f.mtp_auto, f.budget, tuple(f.stop_tokens), f.group)
 
 
 def params_to_pb(p: SamplingParams) -> pb.Sampling:
@@ -137,6 +140,31 @@ def next_round(frame: pb.Frame, out: StepOutput) -> pb.Frame | None:
     if out.commit is not None:
         nxt.commit.CopyFrom(pb.Commit(step=out.commit.step, accepted=out.commit.accepted, trim=out.commit.trim))
     return nxt
+
+
+def frame_to_group(f: pb.Frame) -> GroupRound:
+    rows = [GroupRow(r.seq_id, list(r.tokens), None if r.join else Commit(f.step - 1, r.accepted, r.trim), r.join)
+            for r in f.rows]
+    for r in f.rows:
+        if r.accepted < 0 or r.trim < 0:
+            raise StageError(f"row {r.seq_id!r}: negative commit")
+    return GroupRound(f.client_id, f.group, f.step, rows, from_last=f.ring)
+
+
+def group_to_frame(rnd: GroupRound) -> pb.Frame:
+    # `ring` only on an ending frame (where it says who sent it): every byte of a round counts per hop
+    f = pb.Frame(client_id=rnd.client_id, kind=pb.GROUP, group=rnd.group, step=rnd.round,
+                 ring=rnd.from_last and not rnd.rows)
+    for r in rnd.rows:
+        row = f.rows.add(seq_id=r.seq_id, tokens=r.tokens, join=r.join)
+        if r.commit is not None:
+            row.accepted, row.trim = r.commit.accepted, r.commit.trim
+    return f
+
+
+def group_result(rnd: GroupRound, outs: list[Any]) -> pb.GroupResult:
+    """`outs`: the RowOutputs to hand out (batch_head.py)."""
+    return pb.GroupResult(group=rnd.group, round=rnd.round, rows=[output_to_result(o.output) for o in outs])
 
 
 def tensor_to_pb(a: Any) -> pb.Tensor:

@@ -1,0 +1,134 @@
+"""The node service's side of ring batches: group frames in, group frames and results out (groups.py decides).
+
+A mixin of NodeService, on the node's loop thread like the rest of it: a group frame is computed and
+passed on, or, on the last node, its outcome goes to the client and the group's next round straight
+to the first node. A round that fails on a node fails its rows (an error per row to the client) and
+ends the group on every node: the failing node passes an ending frame on, the last node sends one
+around to the nodes before it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ..proto import mtpipe_pb2 as pb
+from .groups import RingGroups
+from .protocol import GroupRound, StageError, StepOutput
+from .wire import frame_to_group, group_result, group_to_frame, output_to_result, tensor_from_pb, tensor_to_pb
+
+if TYPE_CHECKING:
+    from .stage import StageWorker
+
+log = logging.getLogger(__name__)
+
+
+class GroupFrames:
+    worker: StageWorker | None
+    name: str
+    _ring_groups: RingGroups | None = None
+    _ring_worker: StageWorker | None = None
+
+    # what NodeService provides
+    def _emit(self, client_id: str, event: pb.Event) -> None: ...
+    def _forward(self, frame: pb.Frame) -> None: ...
+    def _start_round(self, frame: pb.Frame) -> None: ...
+    def _listens(self, client_id: str) -> bool: ...
+
+    @property
+    def ring_groups(self) -> RingGroups:
+        """This shard's groups (a new shard starts with none)."""
+        worker = self.worker
+        if worker is None:
+            raise StageError(f"{self.name} has no shard loaded")
+        if worker.overlap:
+            raise StageError(f"{self.name} is the whole model: it runs no ring groups")
+        if self._ring_worker is not worker:
+            self._ring_groups, self._ring_worker = RingGroups(worker), worker
+        return self._ring_groups
+
+    def drop_groups(self) -> None:
+        """Forget every group (the shard goes): nothing may keep the old shard's arrays alive."""
+        self._ring_groups = self._ring_worker = None
+
+    def on_group(self, frame: pb.Frame) -> None:
+        try:
+            rnd = frame_to_group(frame)
+            groups = self.ring_groups
+        except (StageError, ValueError) as e:
+            self._fail_rows(frame, "INVALID_ARGUMENT", str(e))
+            return
+        last = groups.spec.is_last
+        if not rnd.rows:  # the group ended
+            if not last:
+                groups.end(rnd.key)
+                self._forward(frame)
+            elif not rnd.from_last:  # it failed on a node before: end it on the nodes before that one too
+                self._end_around(groups, rnd)
+            return  # (an ending frame the last node sent came back around: a new group may hold the id)
+        try:
+            hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
+            out = groups.run(rnd, hidden)
+        except StageError as e:
+            self._group_failed(groups, rnd, frame, "INVALID_ARGUMENT", str(e))
+            return
+        except Exception as e:  # a bug or an MLX failure: fail this group, keep serving the others
+            log.exception("round %d of group %d failed", rnd.round, rnd.group)
+            self._group_failed(groups, rnd, frame, "INTERNAL", f"{type(e).__name__}: {e}")
+            return
+        if not last:
+            frame.hidden.CopyFrom(tensor_to_pb(out))
+            self._forward(frame)
+            return
+        if not self._listens(rnd.client_id):  # the client is gone: no more rounds for its rows
+            groups.groups[rnd.key].released.update(r.seq_id for r in rnd.rows)
+        shown, nxt = groups.next_round(rnd, out)
+        if nxt is not None:
+            self._start_round(group_to_frame(nxt))
+        if shown:
+            self._emit(rnd.client_id, pb.Event(group=group_result(rnd, shown)))
+
+    def joined(self, frame: pb.Frame, out: StepOutput) -> pb.Event:
+        """The last node after a prompt's last chunk meant for a group: the sequence joins it."""
+        groups = self.ring_groups
+        out.continued, rnd = groups.joined(frame.client_id, frame.group, out, frame.budget, tuple(frame.stop_tokens))
+        if rnd is not None:
+            self._start_round(group_to_frame(rnd))
+        return pb.Event(result=output_to_result(out))
+
+    def release_grouped(self, frame: pb.Frame) -> bool:
+        """A release of a sequence meant for a group (False: it is not). The client's is acted on by
+        the last node alone (it may still be on its way into a group on the nodes before); the last
+        node's, sent around to the nodes before it, frees it there."""
+        if not frame.group or self.worker is None or self.worker.overlap:
+            return False
+        groups = self.ring_groups
+        if not groups.spec.is_last:
+            if frame.ring:
+                groups.release(frame.seq_id)
+            self._forward(frame)
+        elif not frame.ring and not groups.client_release(frame.seq_id):  # (ring: it came back around)
+            self._start_round(pb.Frame(client_id=frame.client_id, seq_id=frame.seq_id, kind=pb.RELEASE,
+                                       group=frame.group, ring=True))
+        return True
+
+    def _group_failed(self, groups: RingGroups, rnd: GroupRound, frame: pb.Frame, code: str, message: str) -> None:
+        self._fail_rows(frame, code, message)
+        if groups.spec.is_last:
+            self._end_around(groups, rnd)
+        else:
+            groups.end(rnd.key)
+            self._forward(group_to_frame(GroupRound(rnd.client_id, rnd.group, rnd.round, [])))
+
+    def _end_around(self, groups: RingGroups, rnd: GroupRound) -> None:
+        self._start_round(group_to_frame(GroupRound(rnd.client_id, rnd.group, rnd.round, [], from_last=True)))
+        fresh = groups.failed(rnd.key)  # rows that were waiting to join start the group anew
+        if fresh is not None:
+            self._start_round(group_to_frame(fresh))
+
+    def _fail_rows(self, frame: pb.Frame, code: str, message: str) -> None:
+        log.info("round %d of group %d refused: %s", frame.step, frame.group, message)
+        self.last_error = message
+        for r in frame.rows:
+            err = pb.Error(code=code, message=message, node=self.name, seq_id=r.seq_id, step=frame.step)
+            self._emit(frame.client_id, pb.Event(error=err))

@@ -1,0 +1,215 @@
+"""Ring batches on a node: groups of sequences whose decode rounds go around the nodes one after another.
+
+A client's sequences are split into groups; each group is a batch of its own (a BatchStage over the
+node's one StageWorker, so all groups share the weights and the prefill path). While node i runs
+group g's round, node i+1 runs group g-1's: with as many groups in flight as there are stages, no
+node waits. A group round is one frame with every row's tokens and the outcome of its previous
+round, and one hidden-state tensor for all rows.
+
+The last node decides everything about membership, so every node sees the same batch in the same
+order: it verifies, accepts and drafts per row, drops the rows that are done (budget spent, a stop
+token, released by the client), adds rows whose prompt was just prefilled, and sends the next round
+straight to the first node. Every other node applies what the frame says, in a fixed order: the
+last round's commit for every row it holds, then the rows missing from the frame leave, then the
+`join` rows enter. A frame without rows ends the group everywhere. A sequence meant for a group is
+freed on a non-last node only on the last node's word (a frame it is missing from, or a release the
+last node sends around), never on the client's release, which could overtake the frame that joins it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .batch import BatchStage, RowStep
+from .batch_head import RowOutput
+from .protocol import MAX_MTP_DEPTH, Commit, GroupRound, GroupRow, StageError, StepOutput
+from .stage import StageWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Group:
+    stage: BatchStage
+    round: int = 0
+    pending: bool = False  # a round ran here whose commit has not been applied (non-last nodes)
+    # The last node only:
+    in_flight: bool = False  # a round of this group is on its way around the nodes
+    budgets: dict[str, int] = field(default_factory=dict)  # tokens each row may still emit
+    stops: dict[str, frozenset[int]] = field(default_factory=dict)
+    joins: list[GroupRow] = field(default_factory=list)  # prefilled, waiting for the next round
+    released: set[str] = field(default_factory=set)  # the client let go: out of the next round
+
+
+class RingGroups:
+    """The groups of every client on this node, and what the last node decides about them."""
+
+    def __init__(self, worker: StageWorker):
+        if worker.overlap:
+            raise ValueError("ring groups need a stage that is not the whole model")
+        self.worker = worker
+        self.spec = worker.spec
+        self.vocab_size = worker.shard.config.args.vocab_size
+        self.groups: dict[tuple[str, int], Group] = {}
+
+    # -- every node -------------------------------------------------------------------------
+
+    def run(self, rnd: GroupRound, hidden: mx.array | None) -> mx.array | list[RowOutput]:
+        """This node's part of a group round (an ending round must not get here)."""
+        self._validate(rnd)
+        g = self.groups.get(rnd.key)
+        kept = [r for r in rnd.rows if not r.join]
+        joins = [r for r in rnd.rows if r.join]
+        if g is None and kept:
+            raise StageError(f"group {rnd.group} is unknown here, yet its round carries rows that do not join")
+        ids = g.stage.ids if g is not None else []
+        if [r.seq_id for r in kept] != [s for s in ids if s in {r.seq_id for r in kept}]:
+            raise StageError(f"group {rnd.group}: the rows are not in the group's order")
+        missing = [r.seq_id for r in joins if r.seq_id not in self.worker.sequences]
+        if missing:
+            raise StageError(f"group {rnd.group}: sequence {missing[0]!r} joins but was not prefilled here")
+        if g is None:
+            g = self.groups[rnd.key] = Group(BatchStage(self.worker))
+        stage = g.stage
+        if g.pending:
+            by_id = {r.seq_id: r.commit for r in kept}
+            commits = [by_id.get(s) or Commit(0, 0, 0) for s in stage.ids]  # leaving rows: any outcome
+            stage.commit(commits)
+            g.pending = False
+        stage.leave(set(stage.ids) - {r.seq_id for r in kept})
+        for r in joins:
+            stage.join(r.seq_id)
+        g.round = rnd.round
+        out = stage.forward([RowStep(r.seq_id, r.tokens) for r in rnd.rows], hidden)
+        if self.spec.is_last:
+            stage.commit([o.output.commit for o in out])  # decided here: applied at once
+        else:
+            g.pending = True
+        return out
+
+    def end(self, key: tuple[str, int]) -> None:
+        """Drop a group and every row in it."""
+        g = self.groups.pop(key, None)
+        if g is not None:
+            g.stage.leave(set(g.stage.ids))
+
+    def release(self, seq_id: str) -> bool:
+        """The last node's word, or a client gone for good: free the sequence wherever it is here."""
+        for g in self.groups.values():
+            if seq_id in g.stage.ids:
+                g.stage.leave({seq_id})
+                return True
+        return self.worker.release(seq_id)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(g.stage.ids) for g in self.groups.values())
+
+    def drop_client(self, client_id: str) -> list[str]:
+        """Every group of a client that is gone: their rows are freed."""
+        gone = []
+        for key in [k for k in self.groups if k[0] == client_id]:
+            gone += self.groups[key].stage.ids
+            self.end(key)
+        return gone
+
+    def _validate(self, rnd: GroupRound) -> None:
+        if rnd.group < 1:
+            raise StageError("a group round needs a group id >= 1")
+        ids = [r.seq_id for r in rnd.rows]
+        if len(set(ids)) != len(ids) or not all(ids):
+            raise StageError("a group round names each sequence once, by a non-empty id")
+        for r in rnd.rows:
+            if not 1 <= len(r.tokens) <= MAX_MTP_DEPTH + 1:
+                raise StageError(f"row {r.seq_id!r} carries {len(r.tokens)} tokens, not 1..{MAX_MTP_DEPTH + 1}")
+            if self.spec.is_first and any(not 0 <= t < self.vocab_size for t in r.tokens):
+                raise StageError(f"row {r.seq_id!r}: token id out of the vocabulary range")
+            if r.join and r.commit is not None:
+                raise StageError(f"row {r.seq_id!r} joins and carries a commit")
+            if r.commit is not None and not 0 <= r.commit.trim <= MAX_MTP_DEPTH:
+                raise StageError(f"row {r.seq_id!r}: trim {r.commit.trim} out of range")
+
+    # -- the last node ----------------------------------------------------------------------
+
+    def joined(self, client_id: str, group: int, out: StepOutput, budget: int,
+               stops: tuple[int, ...]) -> tuple[bool, GroupRound | None]:
+        """A prompt's last chunk gave its first tokens: the sequence joins `group` at the group's next
+        round, which starts now if the group has none on its way. Returns whether it joins (not when
+        it is already done) and the round to start."""
+        seq_id = out.seq_id
+        left = budget - len(out.tokens)
+        if left <= 0 or not set(out.tokens).isdisjoint(stops):
+            self.worker.release(seq_id)
+            return False, None
+        g = self.groups.get((client_id, group))
+        if g is None:
+            g = self.groups[(client_id, group)] = Group(BatchStage(self.worker))
+        g.budgets[seq_id] = left
+        g.stops[seq_id] = frozenset(stops)
+        g.joins.append(GroupRow(seq_id, [out.tokens[-1], *out.drafts], join=True))
+        if g.in_flight:
+            return True, None
+        return True, self._launch(client_id, group, g, [])
+
+    def next_round(self, rnd: GroupRound, outs: list[RowOutput]) -> tuple[list[RowOutput], GroupRound | None]:
+        """After the last node's part of a round: the outcomes to hand out (rows the client released
+        are left out) and the group's next round, or the frame that ends it (no rows)."""
+        g = self.groups[rnd.key]
+        g.in_flight = False
+        shown, rows = [], []
+        for o in outs:
+            seq_id, out = o.seq_id, o.output
+            if seq_id in g.released:
+                continue
+            shown.append(o)
+            g.budgets[seq_id] -= len(out.tokens)
+            if g.budgets[seq_id] > 0 and g.stops[seq_id].isdisjoint(out.tokens):
+                rows.append(GroupRow(seq_id, [out.tokens[-1], *out.drafts], out.commit))
+        done = set(g.stage.ids) - {r.seq_id for r in rows}
+        for seq_id in done:
+            g.budgets.pop(seq_id, None)
+            g.stops.pop(seq_id, None)
+            g.released.discard(seq_id)
+        return shown, self._launch(rnd.client_id, rnd.group, g, rows)
+
+    def failed(self, key: tuple[str, int]) -> GroupRound | None:
+        """A round of the group failed somewhere: the group is gone; its waiting joins start a new one."""
+        g = self.groups.get(key)
+        joins = g.joins if g is not None else []
+        self.end(key)
+        if not joins:
+            return None
+        fresh = self.groups[key] = Group(BatchStage(self.worker))
+        fresh.joins = joins
+        for r in joins:
+            fresh.budgets[r.seq_id], fresh.stops[r.seq_id] = g.budgets[r.seq_id], g.stops[r.seq_id]
+        return self._launch(key[0], key[1], fresh, [])
+
+    def _launch(self, client_id: str, group: int, g: Group, rows: list[GroupRow]) -> GroupRound:
+        joins, g.joins = g.joins, []
+        rows += joins
+        g.round += 1
+        if not rows:
+            self.end((client_id, group))
+            return GroupRound(client_id, group, g.round, [], from_last=True)
+        g.in_flight = True
+        return GroupRound(client_id, group, g.round, rows, from_last=True)
+
+    def client_release(self, seq_id: str) -> bool:
+        """The client let go of a sequence (last node). True: it is out of a group's next round, and
+        the group's frames free it everywhere. False: it is in no group; the caller frees it here and
+        sends the release around, so the other nodes free it too."""
+        for g in self.groups.values():
+            if seq_id in g.stage.ids and g.in_flight:
+                g.released.add(seq_id)
+                return True
+            for r in list(g.joins):
+                if r.seq_id == seq_id:
+                    g.joins.remove(r)
+                    g.budgets.pop(seq_id, None)
+                    g.stops.pop(seq_id, None)
+        self.release(seq_id)
+        return False
