@@ -37,14 +37,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     path = resolve_model(args.model)
     if args.nodes:
-        from ..engine.build import remote_engine
+        from ..engine.build import ring_engine
 
         if getattr(args, "mtp_pre_norm", False):
             raise ValueError("--mtp-pre-norm applies to local stages, not to --nodes")
         nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
         secret = args.secret or os.environ.get("MTPIPE_SECRET") or None
         sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
-        engine = remote_engine(path, nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype, sources=sources)
+        engine = ring_engine(path, nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype, sources=sources,
+                             max_rows=args.max_concurrency)
     else:
         import mlx.core as mx
 

@@ -172,12 +172,12 @@ def load_with_progress(
     model_path: Path, order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], mtp: bool,
     dtype: str | None, secret: str | None, console: Any, sources: list[list[str]] | None = None,
 ) -> Any:
-    """remote_engine over the placed nodes, with a line per node until its shard is loaded (and how
+    """ring_engine over the placed nodes, with a line per node until its shard is loaded (and how
     much of it has arrived, while a node fetches its shard from a peer)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from ...models.shard import ShardSpec
-    from ..engine.build import remote_engine
+    from ..engine.build import ring_engine
     from .health import probe_node, transfer_text
 
     addresses = [control[n.node_id] for n in order]
@@ -189,7 +189,7 @@ def load_with_progress(
                                          total=1)
             for s in plan
         }
-        future = pool.submit(remote_engine, model_path, addresses, mtp, secret, specs=specs, dtype=dtype,
+        future = pool.submit(ring_engine, model_path, addresses, mtp, secret, specs=specs, dtype=dtype,
                              sources=sources)
         pending = dict(zip([s.node_id for s in plan], zip(plan, addresses)))
         while not wait([future], timeout=0.5).done:

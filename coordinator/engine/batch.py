@@ -27,9 +27,10 @@ from .request import (
     GenerationRequest,
     GenerationResult,
     GenerationStats,
-    RequestError,
     check_request,
+    check_vocabulary,
     collect,
+    take_tokens,
 )
 
 log = logging.getLogger(__name__)
@@ -114,13 +115,7 @@ class BatchEngine:
     def validate(self, req: GenerationRequest) -> None:
         check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
         # The first stage would refuse it in the middle of the batch's work: refuse it here, from open().
-        bad = next((t for t in req.prompt_tokens if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
-        bad = next((t for t, _ in req.params.logit_bias if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary [0, {self.vocab_size})",
-                               "logit_bias")
+        check_vocabulary(req, self.vocab_size)
 
     def open(self, req: GenerationRequest, sink: Sink) -> Handle:
         """Queue a request; its chunks, then END or an exception, go to `sink` (from the MLX thread)."""
@@ -260,19 +255,7 @@ class BatchEngine:
 
     def _emit(self, live: Live, out: StepOutput) -> None:
         """Hand the round's tokens to the request; finish it at EOS, a stop string or max_tokens."""
-        new, finish = [], None
-        for tok in out.tokens:
-            if tok in self.eos:
-                finish = "stop"
-                break
-            new.append(tok)
-            live.text.add(tok)
-            if live.text.stopped:
-                finish = "stop"
-                break
-            if live.generated + len(new) >= live.req.max_tokens:
-                finish = "length"
-                break
+        new, finish = take_tokens(out.tokens, self.eos, live.text, live.generated, live.req.max_tokens)
         live.generated += len(new)
         live.stats.generation_tokens = live.generated
         logprobs = out.logprobs[: len(new)] if live.req.params.top_logprobs >= 0 else None

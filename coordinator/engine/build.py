@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,11 @@ from ...models.shard import ShardSpec
 from ..pipeline.local import even_split, local_pipeline
 from .batch import BatchEngine
 from .engine import DEFAULT_PREFILL_CHUNK, Engine
+from .ring import DEFAULT_MAX_ROWS as RING_MAX_ROWS
+from .ring import RingEngine
 from .scheduler import ModelDims
+
+log = logging.getLogger(__name__)
 
 
 def load_tokenizer(model_path: Path | str, eos_token_ids: list[int]) -> Any:
@@ -97,25 +102,57 @@ def remote_engine(
     dtype: str | None = None,
     **pipeline_options: Any,
 ) -> Engine:
-    """The same Engine as single-node mode, over `nodes` in pipeline order (even split by default)."""
-    from ..pipeline.remote import RemotePipeline
-
-    config = load_config(Path(model_path))
-    specs = specs or even_split(config.num_layers, len(nodes))
-    pipeline = RemotePipeline(nodes, secret=secret, **pipeline_options)
-    try:
-        replies = pipeline.load(model_path, specs, mtp=mtp, dtype=dtype)
-        tokenizer = load_tokenizer(model_path, config.eos_token_ids)
-    except BaseException:
-        pipeline.close()
-        raise
-    hidden = config.args.hidden_size
+    """The same Engine as single-node mode, over `nodes` in pipeline order (even split by default):
+    one sequence at a time per caller, each round its own trip around the nodes."""
+    pipeline, tokenizer, config = _load_remote(model_path, nodes, mtp, secret, specs, dtype, pipeline_options)
     return Engine(
         pipeline,
         tokenizer,
         set(tokenizer.eos_token_ids),
         config.args.max_position_embeddings,
-        has_mtp=replies[-1].has_mtp,
-        prefill_chunk=fit_prefill_chunk(hidden),
+        has_mtp=pipeline.load_replies[-1].has_mtp,
+        prefill_chunk=fit_prefill_chunk(config.args.hidden_size),
         vocab_size=config.args.vocab_size,
     )
+
+
+def ring_engine(
+    model_path: Path | str,
+    nodes: list[str],
+    mtp: bool = True,
+    secret: str | None = None,
+    *,
+    specs: list[ShardSpec] | None = None,
+    dtype: str | None = None,
+    groups: int | None = None,
+    max_rows: int = RING_MAX_ROWS,
+    **pipeline_options: Any,
+) -> RingEngine | Engine:
+    """Many sequences over `nodes`, in groups whose rounds circle the nodes (engine/ring.py). One node,
+    or a last node that cannot reach the first, has no ring: the per-sequence Engine then."""
+    pipeline, tokenizer, config = _load_remote(model_path, nodes, mtp, secret, specs, dtype, pipeline_options)
+    eos, context, has_mtp = set(tokenizer.eos_token_ids), config.args.max_position_embeddings, \
+        pipeline.load_replies[-1].has_mtp
+    chunk = fit_prefill_chunk(config.args.hidden_size)
+    if not pipeline.rings:
+        log.warning("no ring groups over %d node(s) (%s): one sequence per round", len(nodes),
+                    "one node" if len(nodes) == 1 else "the last node cannot reach the first")
+        return Engine(pipeline, tokenizer, eos, context, has_mtp, prefill_chunk=chunk, vocab_size=config.args.vocab_size)
+    return RingEngine(pipeline, tokenizer, eos, context, has_mtp, config.args.vocab_size, prefill_chunk=chunk,
+                      groups=groups, max_rows=max_rows)
+
+
+def _load_remote(model_path: Path | str, nodes: list[str], mtp: bool, secret: str | None,
+                 specs: list[ShardSpec] | None, dtype: str | None, options: dict[str, Any]) -> tuple[Any, Any, Any]:
+    from ..pipeline.remote import RemotePipeline
+
+    config = load_config(Path(model_path))
+    specs = specs or even_split(config.num_layers, len(nodes))
+    pipeline = RemotePipeline(nodes, secret=secret, **options)
+    try:
+        pipeline.load(model_path, specs, mtp=mtp, dtype=dtype)
+        tokenizer = load_tokenizer(model_path, config.eos_token_ids)
+    except BaseException:
+        pipeline.close()
+        raise
+    return pipeline, tokenizer, config

@@ -27,6 +27,7 @@ from .request import (
     RequestError,
     check_request,
     collect,
+    take_tokens,
 )
 
 log = logging.getLogger(__name__)
@@ -93,21 +94,8 @@ class Engine:
             stats.prefill_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
             generated: list[int] = []
-            finish = None
             while True:
-                new = []
-                for tok in out.tokens:
-                    if tok in self.eos:
-                        finish = "stop"
-                        break
-                    new.append(tok)
-                    text.add(tok)
-                    if text.stopped:
-                        finish = "stop"
-                        break
-                    if len(generated) + len(new) >= req.max_tokens:
-                        finish = "length"
-                        break
+                new, finish = take_tokens(out.tokens, self.eos, text, len(generated), req.max_tokens)
                 generated += new
                 stats.generation_tokens = len(generated)
                 if finish:

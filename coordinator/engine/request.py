@@ -159,6 +159,32 @@ def check_request(req: GenerationRequest, *, max_context: int, has_mtp: bool) ->
         raise RequestError(str(e), str(e).split()[0]) from None
 
 
+def check_vocabulary(req: GenerationRequest, vocab_size: int) -> None:
+    """Token ids (prompt, logit_bias) the model embeds: a batch refuses them before any round."""
+    bad = next((t for t in req.prompt_tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+    bad = next((t for t, _ in req.params.logit_bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary [0, {vocab_size})", "logit_bias")
+
+
 def context_room(prompt_tokens: int, mtp_depth: int, max_context: int) -> int:
     """Tokens that can still be generated: a round may hold mtp_depth drafts past the last token."""
     return max_context - prompt_tokens - mtp_depth
+
+
+def take_tokens(tokens: list[int], eos: set[int], text: Any, generated: int, max_tokens: int) -> tuple[list[int], str | None]:
+    """A round's tokens as the request sees them: up to an EOS token, a stop string (`text`, a
+    TextStream, gets each one) or max_tokens; with the finish reason when one of those ended it."""
+    new: list[int] = []
+    for tok in tokens:
+        if tok in eos:
+            return new, "stop"
+        new.append(tok)
+        text.add(tok)
+        if text.stopped:
+            return new, "stop"
+        if generated + len(new) >= max_tokens:
+            return new, "length"
+    return new, None

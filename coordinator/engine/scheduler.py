@@ -9,6 +9,7 @@ round: running streams keep flowing while a long prompt goes in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MIN_PREFILL_CHUNK = 32  # shorter chunks cost much more per token (the stepped GatedDeltaNet path)
@@ -78,3 +79,21 @@ def prefill_chunk(remaining: int, largest: int, decoding: bool, round_seconds: f
 
 def ema(old: float, new: float, weight: float = 0.2) -> float:
     return new if old <= 0 else (1 - weight) * old + weight * new
+
+
+def ring_groups(stages: int, stage_seconds: list[float], hop_seconds: float = 0.0, most: int | None = None) -> int:
+    """Groups to keep in flight around a ring of `stages` nodes so that the busiest one never waits: a
+    group's trip takes every stage's time and every hop, and the busiest stage must have a group to
+    work on during all of it. Unmeasured: one group per stage."""
+    if stages <= 1:
+        return 1
+    most = most or 2 * stages
+    if len(stage_seconds) != stages or min(stage_seconds) <= 0:
+        return stages
+    trip = sum(stage_seconds) + stages * max(hop_seconds, 0.0)
+    return max(1, min(most, math.ceil(trip / max(stage_seconds))))
+
+
+def pick_group(rows: dict[int, int], groups: int) -> int:
+    """The group (1..groups) a new sequence joins: the one with the fewest rows, the lowest id first."""
+    return min(range(1, groups + 1), key=lambda g: (rows.get(g, 0), g))

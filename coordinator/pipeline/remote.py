@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,12 +103,15 @@ class RemotePipeline:
         # every node, or a list per node in pipeline order (the addresses each one reaches them at).
         srcs = list(sources or [])
         self.sources = srcs if srcs and not isinstance(srcs[0], str) else [srcs] * len(nodes)
-        self.client_id = uuid.uuid4().hex
+        self.client_id = uuid.uuid4().hex[:16]  # 64 random bits: unique among a node's clients, short on the wire
         self.nodes = [NodeLink(a, secret) for a in nodes]
         self.stats = WireStats()
         self.load_replies: list[pb.LoadReply] = []
+        self.connect_replies: list[pb.ConnectReply] = []
         self._first = FrameStream(nodes[0], secret, self._stream_failed)
         self._waiters: dict[tuple[str, int], _Waiter] = {}
+        # Sequences in ring groups (engine/ring.py): each row's results and errors, as they come.
+        self.row_sinks: dict[str, Callable[[StepOutput | Exception], None]] = {}
         self._lock = threading.Lock()
         self._connect_lock = threading.Lock()
         self._closed = False
@@ -136,7 +140,7 @@ class RemotePipeline:
             raise NodeFailure(first.address, f"cannot reach it ({describe_rpc_error(e)})") from None
         last = len(self.nodes) - 1
 
-        def load_one(i: int) -> pb.LoadReply:
+        def load_one(i: int) -> tuple[pb.LoadReply, pb.ConnectReply]:
             node, s = self.nodes[i], specs[i]
             load = pb.LoadRequest(model_path=path, start=s.start, end=s.end, num_layers=s.num_layers, mtp=mtp,
                                   dtype=dtype or "", node_name=node.address, fingerprint=fingerprint,
@@ -147,16 +151,22 @@ class RemotePipeline:
                                         ring_node_id=first_id if i == last else "")
             try:
                 reply = node.stub.Load(load, timeout=timeout, metadata=node.metadata)
-                node.stub.Connect(connect, timeout=timeout, metadata=node.metadata)
-                return reply
+                return reply, node.stub.Connect(connect, timeout=timeout, metadata=node.metadata)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ValueError(f"node {node.address}: {e.details()}") from None
                 raise NodeFailure(node.address, f"load failed: {describe_rpc_error(e)}") from None
 
         with ThreadPoolExecutor(len(self.nodes)) as pool:
-            self.load_replies = list(pool.map(load_one, range(len(self.nodes))))
+            replies = list(pool.map(load_one, range(len(self.nodes))))
+        self.load_replies = [r for r, _ in replies]
+        self.connect_replies = [c for _, c in replies]
         return self.load_replies
+
+    @property
+    def rings(self) -> bool:
+        """The last node starts rounds itself (it reached the first node): ring groups can run."""
+        return len(self.nodes) > 1 and bool(self.connect_replies) and self.connect_replies[-1].ring
 
     def _connect(self) -> None:
         """Make sure every node holds a live subscription for this client (results and errors)."""
@@ -220,6 +230,12 @@ class RemotePipeline:
             if w.decode:
                 self.stats.decode_bytes_received += size
             w.set(output=out)
+        elif kind == "group":
+            self.stats.decode_bytes_received += size
+            for r in event.group.rows:
+                sink = self.row_sinks.get(r.seq_id)
+                if sink is not None:
+                    sink(result_to_output(r))
         elif kind == "error":
             e = event.error
             if not e.seq_id:  # a broken link between nodes: every step in flight is lost
@@ -229,6 +245,8 @@ class RemotePipeline:
                 w = self._waiters.get((e.seq_id, e.step))
             if w is not None:
                 w.set(error=RemoteStageError(e.node, e.code, e.message))
+            elif (sink := self.row_sinks.get(e.seq_id)) is not None:
+                sink(RemoteStageError(e.node, e.code, e.message))
 
     def _stream_failed(self, target: str, error: Exception) -> None:
         if not self._closed:
@@ -239,6 +257,8 @@ class RemotePipeline:
             waiters = list(self._waiters.values())
         for w in waiters:
             w.set(error=error)
+        for sink in list(self.row_sinks.values()):
+            sink(error)
 
     # -- the Pipeline protocol ------------------------------------------------------------------
 
@@ -317,15 +337,16 @@ class RemotePipeline:
             raise waiter.error
         return waiter.output
 
-    def release(self, seq_id: str) -> None:
-        """Drop the sequence on every node: one frame behind its last step, no waiting."""
+    def release(self, seq_id: str, group: int = 0) -> None:
+        """Drop the sequence on every node: one frame behind its last step, no waiting. `group`: the
+        ring group it was meant for (the last node then decides when the others free it)."""
         if self._closed:
             return
         with self._lock:  # rounds the last node started that nobody will ask for
             for key in [k for k, w in self._waiters.items() if k[0] == seq_id and not w.claimed and w.started]:
                 del self._waiters[key]
         try:
-            self._first.send(pb.Frame(client_id=self.client_id, seq_id=seq_id, kind=pb.RELEASE))
+            self._first.send(pb.Frame(client_id=self.client_id, seq_id=seq_id, kind=pb.RELEASE, group=group))
         except RuntimeError:
             pass
 

@@ -1,0 +1,258 @@
+"""The ring engine: many sequences over a pipeline of nodes, in groups whose rounds circle the nodes.
+
+The coordinator only forms groups and listens. A request is prefilled (its chunks in flight along
+the nodes, pipeline/remote.py) with the group it joins named on every chunk; the last node then puts
+it in that group (node/groups.py) and from there on every round of the group starts on the last node
+and goes straight to the first. Each round's outcome for the row comes back on the subscription;
+the engine detokenizes it, ends the request at EOS, a stop string or max_tokens, and releases the
+sequence. Several groups are in flight at once (scheduler.ring_groups), so while one group is on
+node i another is on node i+1.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...node.protocol import StepKind, StepOutput, StepRequest
+from . import scheduler as plan
+from .batch import END, ServerBusy
+from .detokenizer import TextStream
+from .request import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    check_request,
+    check_vocabulary,
+    collect,
+    take_tokens,
+)
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[Any], None]
+DEFAULT_MAX_ROWS = 32
+DEFAULT_QUEUE_TIMEOUT_S = 60.0
+GROUPS_REFRESH_S = 10.0  # how often the number of groups is reconsidered from the nodes' step times
+
+
+@dataclass
+class RingLive:
+    """One request in the ring; its outcomes come from the prefill's thread, then the subscription's."""
+
+    seq_id: str
+    req: GenerationRequest
+    sink: Sink
+    text: TextStream
+    stats: GenerationStats
+    queued: float
+    group: int = 0
+    generated: int = 0
+    started: float = 0.0
+    admitted: bool = False
+    done: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    expected: int = 0  # the order of the next outcome to hand out (0: the prefill's)
+    early: dict[int, StepOutput] = field(default_factory=dict)  # outcomes that overtook an earlier one
+
+
+class RingHandle:
+    def __init__(self, engine: RingEngine, live: RingLive):
+        self._engine, self._live = engine, live
+
+    def cancel(self) -> None:
+        """The client is gone: the sequence leaves its group at the next round, on every node."""
+        self._engine._finish(self._live, None)
+
+
+class RingEngine:
+    def __init__(self, pipeline: Any, tokenizer: Any, eos_token_ids: set[int] | list[int], max_context: int,
+                 has_mtp: bool, vocab_size: int, *, prefill_chunk: int, max_rows: int = DEFAULT_MAX_ROWS,
+                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, groups: int | None = None):
+        self.pipeline = pipeline  # a RemotePipeline whose last node starts rounds itself
+        self.tokenizer = tokenizer
+        self.eos = set(eos_token_ids)
+        self.max_context = max_context
+        self.has_mtp = has_mtp
+        self.vocab_size = vocab_size
+        self.prefill_chunk = prefill_chunk
+        self.max_rows = max_rows
+        self.queue_timeout = queue_timeout
+        self.fixed_groups = groups
+        self.groups = groups or len(pipeline.nodes)
+        self._groups_at = 0.0
+        self._stop_tokens = tuple(sorted(self.eos))
+        self._slots = threading.BoundedSemaphore(max_rows)
+        self._pool = ThreadPoolExecutor(max_rows + 1, thread_name_prefix="ring-prefill")
+        self._lock = threading.Lock()
+        self._rows: dict[int, int] = {}  # group -> live rows in it
+
+    # -- any thread -------------------------------------------------------------------------------
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+    def validate(self, req: GenerationRequest) -> None:
+        check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
+        check_vocabulary(req, self.vocab_size)
+
+    def open(self, req: GenerationRequest, sink: Sink) -> RingHandle:
+        """Queue a request; its chunks, then END or an exception, go to `sink` (from another thread)."""
+        self.validate(req)
+        # 64 random bits for an id: every group frame names each of its rows
+        live = RingLive(uuid.uuid4().hex[:16], req, sink, TextStream(self.tokenizer, req.stop),
+                        GenerationStats(prompt_tokens=len(req.prompt_tokens)), time.monotonic())
+        self._pool.submit(self._start, live)
+        return RingHandle(self, live)
+
+    def generate(self, req: GenerationRequest) -> Iterator[GenerationChunk]:
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        handle = self.open(req, out.put)
+        try:
+            while True:
+                item = out.get()
+                if item is END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            handle.cancel()
+
+    def complete(self, req: GenerationRequest) -> GenerationResult:
+        return collect(self.generate(req))
+
+    def describe(self) -> dict[str, Any]:
+        out = self.pipeline.describe()
+        with self._lock:
+            out["ring"] = {"groups": self.groups, "max_rows": self.max_rows,
+                           "rows": {str(g): n for g, n in sorted(self._rows.items()) if n}}
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pipeline.close()
+
+    # -- a request's life -------------------------------------------------------------------------
+
+    def _start(self, live: RingLive) -> None:
+        """Admission, then the prompt (a thread of the pool: prefill waits on the nodes)."""
+        if not self._slots.acquire(timeout=max(0.0, self.queue_timeout - (time.monotonic() - live.queued))):
+            self._finish(live, ServerBusy(f"no free row for this request after {self.queue_timeout:.0f} s in the queue",
+                                          retry_after=max(1, int(self.queue_timeout // 4))))
+            return
+        with live.lock:
+            if live.done:  # cancelled while it waited
+                self._slots.release()
+                return
+            live.admitted = True
+            live.started = time.perf_counter()
+            with self._lock:
+                live.group = plan.pick_group(self._rows, self._groups_now())
+                self._rows[live.group] = self._rows.get(live.group, 0) + 1
+            self.pipeline.row_sinks[live.seq_id] = lambda item: self._on_row(live, item)
+        req = live.req
+        prompt = req.prompt_tokens
+        body = prompt[:-1]
+        chunks = [(body[i : i + self.prefill_chunk], False) for i in range(0, len(body), self.prefill_chunk)]
+        chunks.append((prompt[-1:], True))
+        steps = [StepRequest(live.seq_id, i, StepKind.PREFILL, chunk, final=final,
+                             params=req.params if i == 0 else None, mtp_depth=req.mtp_depth if i == 0 else 0,
+                             mtp_auto=req.mtp_auto and i == 0, budget=req.max_tokens if final else 0,
+                             stop_tokens=self._stop_tokens if final else (), group=live.group)
+                 for i, (chunk, final) in enumerate(chunks)]
+        try:
+            out = self.pipeline.steps(steps)[-1]
+        except Exception as e:
+            self._finish(live, e)
+            return
+        live.stats.prefill_seconds = time.perf_counter() - live.started
+        live.started = time.perf_counter()
+        self._deliver(live, 0, out)
+
+    def _on_row(self, live: RingLive, item: StepOutput | Exception) -> None:
+        """A group round's outcome for this row, or an error about it (the subscription's thread)."""
+        if isinstance(item, Exception):
+            self._finish(live, item)
+            return
+        self._deliver(live, item.step + 1, item)
+
+    def _deliver(self, live: RingLive, order: int, out: StepOutput) -> None:
+        """Outcomes in order: the prefill's, then the group rounds' (the prefill's thread may hand its
+        own over after the first round's has arrived)."""
+        ready = []
+        with live.lock:
+            if live.done:
+                return
+            live.early[order] = out
+            while live.expected in live.early:
+                ready.append((live.expected, live.early.pop(live.expected)))
+                live.expected += 1
+        for n, o in ready:
+            if n:
+                live.stats.record_round(o)
+            if self._emit(live, o, first=n == 0):
+                return
+
+    def _emit(self, live: RingLive, out: StepOutput, first: bool) -> bool:
+        """Hand the round's tokens to the request; True when that finished it."""
+        req = live.req
+        new, finish = take_tokens(out.tokens, self.eos, live.text, live.generated, req.max_tokens)
+        live.generated += len(new)
+        live.stats.generation_tokens = live.generated
+        logprobs = out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None
+        if finish is None and first and not out.continued:
+            self._finish(live, RuntimeError(f"the last node did not put sequence {live.seq_id} in a group"))
+            return True
+        if finish is None:
+            live.sink(GenerationChunk(text=live.text.release(final=False), tokens=new, logprobs=logprobs))
+            return False
+        live.stats.decode_seconds = time.perf_counter() - live.started
+        live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
+                                  stats=live.stats, logprobs=logprobs))
+        self._finish(live, None)
+        return True
+
+    def _finish(self, live: RingLive, error: BaseException | None) -> None:
+        """Take a request out (once): its row leaves the group and is freed on every node."""
+        with live.lock:
+            if live.done:
+                return
+            live.done = True
+            admitted = live.admitted
+        if admitted:
+            self.pipeline.row_sinks.pop(live.seq_id, None)
+            try:
+                self.pipeline.release(live.seq_id, group=live.group)
+            except Exception:
+                log.exception("releasing %s failed", live.seq_id)
+            with self._lock:
+                self._rows[live.group] -= 1
+            self._slots.release()
+        if error is not None:
+            live.sink(error)
+        live.sink(END)
+
+    def _groups_now(self) -> int:
+        """Groups in flight: fixed, or from the nodes' measured step times now and then."""
+        if self.fixed_groups:
+            return self.fixed_groups
+        now = time.monotonic()
+        if now - self._groups_at > GROUPS_REFRESH_S:
+            self._groups_at = now
+            try:
+                health = self.pipeline.health(probe_next=True, timeout=1.0)
+                hops = [h.next_rtt_ms / 2000.0 for h in health if h.next_rtt_ms > 0]
+                self.groups = plan.ring_groups(len(health), [h.mean_step_ms / 1000.0 for h in health],
+                                               sum(hops) / len(hops) if hops else 0.0)
+            except Exception as e:  # keep the last choice; the nodes' own errors reach the requests
+                log.debug("no step times from the nodes: %s", e)
+        return self.groups

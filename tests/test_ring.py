@@ -1,0 +1,238 @@
+"""Ring batches (issue 13): groups of sequences in flight around the nodes, each round one trip.
+
+Greedy rows give the tokens of the same request run alone on one in-process stage, over 2 and 3
+nodes, depths 0-3 and auto, dense and MoE, with rows joining and leaving while groups are in flight;
+seeded sampled rows reproduce. Nodes learn only commits: the group frames each node receives are
+checked field by field. Cancelled and finished rows leave nothing on any node; a lost node fails
+every row within seconds, naming it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from helpers import PROMPTS, node_servers
+
+from mtpipe.coordinator.engine.batch import END
+from mtpipe.coordinator.engine.build import local_engine, ring_engine
+from mtpipe.coordinator.engine.engine import Engine
+from mtpipe.coordinator.engine.request import GenerationRequest, resolve_depth
+from mtpipe.coordinator.engine.ring import RingEngine
+from mtpipe.coordinator.pipeline.nodes import NodeFailure
+from mtpipe.models.config import load_config
+from mtpipe.node.groups import RingGroups
+from mtpipe.node.protocol import Commit, GroupRound, GroupRow, SamplingParams, StageError
+from mtpipe.proto import mtpipe_pb2 as pb
+
+WAIT_S = 60.0
+FRAME_HEADER = 48
+
+
+def request(engine: Any, i: int, depth: int | str, max_tokens: int, **kw: Any) -> GenerationRequest:
+    mtp_depth, auto = resolve_depth(depth, True)
+    return GenerationRequest(engine.tokenizer.encode(PROMPTS[i % len(PROMPTS)]), max_tokens=max_tokens,
+                             mtp_depth=mtp_depth, mtp_auto=auto, **kw)
+
+
+def run_all(engine: RingEngine, reqs: list[GenerationRequest], stagger: float = 0.0) -> list[list[int]]:
+    """Every request at once from threads of their own (joining `stagger` seconds apart)."""
+    out: list[Any] = [None] * len(reqs)
+
+    def one(i: int) -> None:
+        try:
+            out[i] = engine.complete(reqs[i]).tokens
+        except Exception as e:  # surfaced below
+            out[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+        time.sleep(stagger)
+    for t in threads:
+        t.join(WAIT_S)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    for r in out:
+        if isinstance(r, Exception):
+            raise r
+    return out
+
+
+def quiet(servers: list[Any], timeout: float = 5.0) -> list[int]:
+    """Sequences (alone and in groups) left on each node, once frames in flight have landed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [len(s.service.worker.sequences) + s.service.ring_groups.rows + len(s.service.ring_groups.groups)
+                for s in servers]
+        if not any(left) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2nodes", "3nodes"])
+def ring(request: pytest.FixtureRequest, ckpt: Path) -> Any:
+    with node_servers(request.param) as servers:
+        engine = ring_engine(ckpt, [s.address for s in servers], dtype="float32")
+        assert isinstance(engine, RingEngine) and engine.groups == request.param
+        yield engine, servers, ckpt
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def references(ckpt: Path) -> dict[Path, Engine]:
+    return {}
+
+
+def alone(refs: dict[Path, Engine], ckpt: Path, req: GenerationRequest) -> list[int]:
+    if ckpt not in refs:
+        refs[ckpt] = local_engine(ckpt, dtype=mx.float32)
+    return refs[ckpt].complete(req).tokens
+
+
+def test_greedy_rows_match_one_node(ring: Any, references: dict) -> None:
+    """Eight rows of every depth, starting apart and of different lengths (they join and leave while
+    other groups are in flight): each gives the tokens it gives alone on one stage."""
+    engine, servers, ckpt = ring
+    depths: list[int | str] = [0, 1, 2, 3, "auto", 0, 2, "auto"]
+    reqs = [request(engine, i, d, 10 + 3 * i) for i, d in enumerate(depths)]
+    got = run_all(engine, reqs, stagger=0.02)
+    for req, tokens, d in zip(reqs, got, depths):
+        assert tokens == alone(references, ckpt, req), f"depth {d}"
+    assert quiet(servers) == [0] * len(servers)
+    # the rounds went around: the last node started them, several groups were used
+    last = servers[-1].service
+    assert last.ring_stats.frames > len(reqs)
+
+
+def test_seeded_rows_reproduce(ring: Any) -> None:
+    """A seeded sampled row draws the same tokens alone and among other rows."""
+    engine, servers, _ = ring
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
+    sampled = request(engine, 3, 2, 24, params=params)
+    solo = run_all(engine, [sampled])[0]
+    others = [request(engine, i, d, 20, params=SamplingParams(temperature=1.0, seed=i)) for i, d in
+              enumerate([0, 1, 3, "auto", 2])]
+    busy = run_all(engine, [*others[:3], sampled, *others[3:]], stagger=0.01)[3]
+    assert busy == solo
+    assert quiet(servers) == [0] * len(servers)
+
+
+def test_nodes_see_only_commits(ring: Any) -> None:
+    """Each node's group frames carry row ids, tokens, per-row commits and the previous node's hidden
+    states (none into the first node): no logits, sampling parameters or other state, and at most
+    rows x hidden x (K+1) x 4 bytes + 64 bytes per row, plus the frame's own header (client, group,
+    round, the tensor's dtype and shape: under 48 bytes), which a group of 2 rows or more fits in
+    those 64 bytes per row."""
+    engine, servers, ckpt = ring
+    hidden = load_config(ckpt).args.hidden_size
+    seen: list[list[pb.Frame]] = [[] for _ in servers]
+    originals = []
+    for i, s in enumerate(servers):
+        svc = s.service
+        originals.append(svc.on_group)
+
+        def spy(frame: pb.Frame, i: int = i, inner: Any = svc.on_group) -> None:
+            copy = pb.Frame()
+            copy.CopyFrom(frame)
+            seen[i].append(copy)
+            inner(frame)
+
+        svc.on_group = spy
+    try:
+        run_all(engine, [request(engine, i, d, 16) for i, d in enumerate([0, 2, 3, "auto"])])
+    finally:
+        for s, inner in zip(servers, originals):
+            s.service.on_group = inner
+    allowed = {"client_id", "kind", "group", "step", "ring", "rows", "hidden"}
+    for i, frames in enumerate(seen):
+        rounds = [f for f in frames if f.rows]
+        assert rounds, f"node {i} saw no group round"
+        for f in rounds:
+            assert {d.name for d, _ in f.ListFields()} <= allowed
+            for r in f.rows:
+                assert {d.name for d, _ in r.ListFields()} <= {"seq_id", "tokens", "accepted", "trim", "join"}
+            width = max(len(r.tokens) for r in f.rows)
+            if i == 0:
+                assert not f.HasField("hidden")
+                continue
+            assert list(f.hidden.shape) == [len(f.rows), width, hidden] and f.hidden.dtype == "float32"
+            header = 0 if len(f.rows) > 1 else FRAME_HEADER
+            assert f.ByteSize() <= len(f.rows) * (hidden * width * 4 + 64) + header, f.ByteSize()
+
+
+def test_cancelled_and_stopped_rows_leave_nothing(ring: Any) -> None:
+    """Rows cancelled mid-flight and rows ended by a stop string leave no sequence on any node, and
+    the rows beside them still match one node."""
+    engine, servers, _ = ring
+    items: list[queue.SimpleQueue] = []
+    handles = []
+    for i in range(6):
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        handles.append(engine.open(request(engine, i, [0, 2, "auto"][i % 3], 200), q.put))
+        items.append(q)
+    for q in items[:3]:  # a first chunk, then the client goes away
+        assert not isinstance(q.get(timeout=WAIT_S), BaseException)
+    for h in handles[:3]:
+        h.cancel()
+    for h in handles[3:]:
+        h.cancel()
+    for q in items:
+        while (item := q.get(timeout=WAIT_S)) is not END:
+            assert not isinstance(item, BaseException)
+    assert quiet(servers) == [0] * len(servers)
+    stopped = request(engine, 5, 2, 60, stop=["\n"])
+    assert engine.complete(stopped).finish_reason in ("stop", "length")
+    assert quiet(servers) == [0] * len(servers)
+
+
+def test_lost_node_fails_every_row(ckpt: Path) -> None:
+    """A node that goes away fails every row of every group within seconds, naming it."""
+    with node_servers(2) as servers:
+        engine = ring_engine(ckpt, [s.address for s in servers], dtype="float32")
+        try:
+            errors: list[queue.SimpleQueue] = []
+            for i in range(4):
+                q: queue.SimpleQueue = queue.SimpleQueue()
+                engine.open(request(engine, i, 2, 2000), q.put)
+                errors.append(q)
+            for q in errors:
+                assert not isinstance(q.get(timeout=WAIT_S), BaseException)
+            victim = servers[1].address
+            start = time.monotonic()
+            servers[1].stop(0)
+            for q in errors:
+                while not isinstance(item := q.get(timeout=10), BaseException):
+                    assert item is not END, "a row ended without an error"
+                assert isinstance(item, NodeFailure) and victim in str(item)
+            assert time.monotonic() - start < 5.0
+        finally:
+            engine.close()
+
+
+def test_group_frames_are_checked(dense_ckpt: Path) -> None:
+    """A malformed group round is refused with a clear error and changes nothing on the node."""
+    from mtpipe.models.loading import load_shard
+    from mtpipe.models.shard import ShardSpec
+    from mtpipe.node.stage import StageWorker
+
+    n = load_config(dense_ckpt).num_layers
+    worker = StageWorker(load_shard(dense_ckpt, ShardSpec(0, n // 2, n), dtype=mx.float32))
+    groups = RingGroups(worker)
+    bad = [
+        GroupRound("c", 0, 1, [GroupRow("a", [1], join=True)]),  # group ids start at 1
+        GroupRound("c", 1, 1, [GroupRow("a", [1])]),  # unknown group, a row that does not join
+        GroupRound("c", 1, 1, [GroupRow("a", [1], join=True)]),  # never prefilled here
+        GroupRound("c", 1, 1, [GroupRow("a", [1], join=True), GroupRow("a", [2], join=True)]),
+        GroupRound("c", 1, 1, [GroupRow("a", [])]),
+        GroupRound("c", 1, 1, [GroupRow("a", [10**6], join=True)]),
+        GroupRound("c", 1, 1, [GroupRow("a", [1], Commit(0, 0, 0), join=True)]),
+    ]
+    for rnd in bad:
+        with pytest.raises(StageError):
+            groups.run(rnd, None)
+        assert not worker.sequences and not groups.groups
