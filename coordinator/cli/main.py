@@ -101,7 +101,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..bench import engine as bench
 
     model = resolve_model(args.model)
-    if args.target == "serve":
+    if args.target == "serve" and args.nodes:
+        from ..bench import serve as bench_serve
+        from ..bench import serve_nodes
+
+        result = serve_nodes.bench_serve_nodes(
+            model, nodes=bench_serve.parse_levels(args.nodes), concurrency=bench_serve.parse_levels(args.concurrency),
+            max_tokens=args.max_tokens, reps=args.reps, mlx_ring=not args.skip_mlx_lm,
+        )
+        serve_nodes.print_nodes_report(result, stderr_console())
+    elif args.target == "serve":
         from ..bench import serve as bench_serve
 
         result = bench_serve.bench_serve(
@@ -192,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine bench: also decode after prompts of these lengths (e.g. 256,2048,8192)")
     p.add_argument("--concurrency", default="1,2,4,8,16", metavar="C1,C2,...",
                    help="serve bench: numbers of concurrent streams")
+    p.add_argument("--nodes", default=None, metavar="N1,N2,...",
+                   help="serve bench: ring batches over this many node processes each (e.g. 2,3), against one node")
     p.add_argument("--repeat", type=int, default=3, help="transfer bench: transfers, each into a fresh cache")
     p.add_argument("--reps", type=int, default=1, help="serve bench: runs per cell (the median is reported)")
     p.add_argument("--skip-api", action="store_true", help="serve bench: skip the HTTP API level")
