@@ -30,22 +30,26 @@ TOKENIZER_SOURCES = ("textwrap.py", "json/encoder.py", "json/decoder.py", "strin
 LAYOUTS = ("hf", "hf_text", "mlx", "separate_mtp", "sharded", "no_mtp")
 
 
-def tiny_text_config(vocab_size: int, eos_token_id: int, *, moe: bool = False, num_layers: int = 8) -> dict[str, Any]:
+def tiny_text_config(vocab_size: int, eos_token_id: int, *, moe: bool = False, num_layers: int = 8,
+                     hidden_size: int = 64) -> dict[str, Any]:
+    """A small config of the real architecture; `hidden_size` (a multiple of 16) scales every width
+    with it (heads stay 4 and 2), for benchmarks where the weights, not the per-op overhead, dominate."""
+    head = hidden_size // 4
     config: dict[str, Any] = {
         "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
         "num_hidden_layers": num_layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 16,
+        "head_dim": head,
         "rms_norm_eps": 1e-6,
         "vocab_size": vocab_size,
         "max_position_embeddings": 4096,
         "linear_num_value_heads": 4,
         "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
+        "linear_key_head_dim": head,
+        "linear_value_head_dim": head,
         "linear_conv_kernel_dim": 4,
         "full_attention_interval": 4,
         "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)],
@@ -163,10 +167,14 @@ def cache_root() -> Path:
 
 
 def build_tiny_checkpoint(
-    *, moe: bool = False, layout: str = "hf", seed: int = 0, num_layers: int = 8, root: Path | None = None
+    *, moe: bool = False, layout: str = "hf", seed: int = 0, num_layers: int = 8, root: Path | None = None,
+    hidden_size: int = 64,
 ) -> Path:
     """Build (or reuse from the cache) a tiny random checkpoint; returns its directory."""
-    tag = json.dumps({"moe": moe, "layout": layout, "seed": seed, "layers": num_layers, "v": 2})
+    if hidden_size % 16:
+        raise ValueError(f"hidden_size must be a multiple of 16, got {hidden_size}")
+    shape = {"hidden": hidden_size} if hidden_size != 64 else {}  # (the tag of the default stays as it was)
+    tag = json.dumps({"moe": moe, "layout": layout, "seed": seed, "layers": num_layers, "v": 2, **shape})
     out = (root or cache_root()) / f"{'moe' if moe else 'dense'}-{layout}-{hashlib.sha1(tag.encode()).hexdigest()[:10]}"
     if (out / "config.json").exists():
         return out
@@ -175,7 +183,7 @@ def build_tiny_checkpoint(
     vocab = json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"]
     added = {t["content"]: t["id"] for t in json.loads((tmp / "tokenizer.json").read_text())["added_tokens"]}
     vocab_size = max(max(vocab.values()), max(added.values())) + 1
-    text_config = tiny_text_config(vocab_size, added[IM_END], moe=moe, num_layers=num_layers)
+    text_config = tiny_text_config(vocab_size, added[IM_END], moe=moe, num_layers=num_layers, hidden_size=hidden_size)
     write_checkpoint(tmp, text_config, random_raw_weights(text_config, seed), layout)
     tmp.rename(out)
     log.info("built tiny checkpoint %s", out)

@@ -83,14 +83,15 @@ class Recorder:
             raise self.error
 
 
-def aggregate_tps(streams: list[tuple[list[float], list[float]]]) -> float:
-    """Tokens arriving after every stream has its first chunk, over that moment to the last chunk."""
+def aggregate_tps(streams: list[tuple[list[float], list[float]]], full: bool = False) -> float:
+    """Tokens arriving after every stream has its first chunk, over that moment to the last chunk
+    (`full`: to the moment the first stream ends, while every stream is running)."""
     live = [(t, n) for t, n in streams if t]
     if not live:
         return 0.0
     start = max(t[0] for t, _ in live)
-    end = max(t[-1] for t, _ in live)
-    tokens = sum(c for t, n in live for ti, c in zip(t, n) if ti > start)
+    end = min(t[-1] for t, _ in live) if full else max(t[-1] for t, _ in live)
+    tokens = sum(c for t, n in live for ti, c in zip(t, n) if start < ti <= end)
     return tokens / (end - start) if end > start else 0.0
 
 

@@ -8,13 +8,15 @@ drafts). Decode tok/s is `bench serve`'s aggregate: tokens after every stream's 
 time from that moment to the last token. The peer is mlx-lm's own 2-rank ring pipeline (mlx.launch,
 `bench pipeline`'s run), one stream at a time: its pipeline does not batch.
 
-Per-hop breakdown (2 nodes, c=1, no MTP): each node's mean time per round and the bytes of a round
-on each hop, from the nodes' own counters, against the single node's round time.
+Per-hop breakdown (2 nodes, c=1, no MTP, one more stream after the timed runs): each node's compute
+per round, how busy it was and the bytes of a round on each hop (the last node's: its ring hop), from
+the nodes' own counters over the decode rounds alone, against the single node's time per token.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from ..engine.build import batch_engine, ring_engine
 from ..engine.ring import RingEngine
 from .engine import bench_prompts
 from .pipeline import run_mlx_ring, spawn_nodes
-from .serve import METHODS, WARM_TOKENS, engine_run
+from .serve import METHODS, WARM_TOKENS, Recorder, _request, aggregate_tps, engine_run
 
 RING_RANKS = 2
 
@@ -46,8 +48,22 @@ def _breakdown(before: list[dict[str, float]], after: list[dict[str, float]], to
     for b, a in zip(before, after):
         steps, frames = a["steps"] - b["steps"], a["frames"] - b["frames"]
         nodes.append({"ms_per_step": round(1000 * (a["seconds"] - b["seconds"]) / steps, 3) if steps else None,
-                      "steps": steps, "bytes_per_frame": round((a["bytes"] - b["bytes"]) / frames, 1) if frames else None})
+                      "steps": steps, "bytes_per_frame": round((a["bytes"] - b["bytes"]) / frames, 1) if frames else None,
+                      "busy": round((a["seconds"] - b["seconds"]) / seconds, 3) if seconds else None})
     return {"nodes": nodes, "ms_per_token": round(1000 * seconds / tokens, 3) if tokens else None}
+
+
+def probe_run(engine: RingEngine, prompt: list[int], max_tokens: int, method: str) -> dict[str, Any]:
+    """One stream, the nodes' counters read once its first token is out and again at its end: the
+    decode rounds alone (the prompt's steps excluded)."""
+    rec = Recorder()
+    engine.open(_request(engine, prompt, max_tokens, method), rec)
+    while not rec.times and not rec.done.is_set():
+        time.sleep(0.0005)
+    before, start, first = _node_counters(engine), time.perf_counter(), len(rec.tokens)
+    rec.wait()
+    seconds = rec.times[-1] - start if rec.times else 0.0
+    return _breakdown(before, _node_counters(engine), len(rec.tokens) - first, seconds)
 
 
 def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: list[int], max_tokens: int = 128,
@@ -65,33 +81,31 @@ def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: 
             engine = ring_engine(model_path, stack.enter_context(spawn_nodes(n)), mtp=True,
                                  max_rows=max(DEFAULT_MAX_ROWS, top))
             stack.callback(engine.close)
-            if not isinstance(engine, RingEngine):
-                raise RuntimeError(f"{n} nodes gave no ring (see the log)")
+            if not engine.pipeline.rings:
+                raise RuntimeError(f"{n} nodes gave no ring: the last node cannot reach the first (see the log)")
             engines[f"pipe{n}"] = engine
         for c in levels:  # warm-up: compilation, allocators, every batch size
             for engine in engines.values():
                 for method in METHODS:
                     engine_run(engine, prompts[:c], WARM_TOKENS, method)
         runs: dict[str, dict[str, dict[str, list[float]]]] = {name: {} for name in engines}
+        full_runs: dict[str, dict[str, dict[str, list[float]]]] = {name: {} for name in engines}
         outputs: dict[str, list[list[int]]] = {}
         hops: dict[str, Any] = {}
         for rep in range(reps):
             for c in levels:
                 for method in METHODS:
                     for name, engine in engines.items():
-                        probe = name == "pipe2" and c == 1 and method == "no_mtp" and rep == 0
-                        before = _node_counters(engine) if probe else []
-                        tps, toks = engine_run(engine, prompts[:c], max_tokens, method)
+                        tps, full, toks = _run(engine, prompts[:c], max_tokens, method)
                         runs[name].setdefault(method, {}).setdefault(str(c), []).append(tps)
-                        if probe:
-                            tokens = sum(len(t) for t in toks)
-                            hops = _breakdown(before, _node_counters(engine), tokens, tokens / tps if tps else 0.0)
+                        full_runs[name].setdefault(method, {}).setdefault(str(c), []).append(full)
                         if c == top and rep == 0:
                             outputs[f"{name}/{method}"] = toks
+        if "pipe2" in engines:
+            hops = probe_run(engines["pipe2"], prompts[0], max_tokens, "no_mtp")
     # after the nodes are gone: mlx-lm's ranks get the machine to themselves, as the nodes had
     ring = run_mlx_ring(Path(model_path), prompts[:top], max_tokens, ranks=RING_RANKS) if mlx_ring else None
-    tok_s = {name: {m: {c: round(statistics.median(v), 2) for c, v in cells.items()} for m, cells in by.items()}
-             for name, by in runs.items()}
+    tok_s, full_tok_s = _medians(runs), _medians(full_runs)
     ring_tok_s = round(statistics.median(ring["tok_s"]), 2) if ring and "tok_s" in ring else None
     reference = outputs["single/no_mtp"]
     identity = {key: toks == reference for key, toks in outputs.items()}
@@ -102,15 +116,35 @@ def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: 
         "concurrency": levels,
         "max_tokens": max_tokens,
         "reps": reps,
-        "measure": "aggregate decode tok/s (bench serve's); mlx_lm_ring: one stream at a time, its decode tok/s",
+        "measure": "aggregate decode tok/s (bench serve's: from every stream's first token to the last token); "
+                   "full_window: to the first stream's end, while all streams run; mlx_lm_ring: one stream at a "
+                   "time, its decode tok/s",
         "tok_s": tok_s,
+        "full_window_tok_s": full_tok_s,
         "mlx_lm_ring": {"ranks": RING_RANKS, "tok_s": ring_tok_s, **({"error": ring["error"]} if ring and
                                                                     "error" in ring else {})},
         "hop_breakdown_pipe2_c1_no_mtp": {**hops, "single_ms_per_token": _ms(tok_s["single"]["no_mtp"].get("1"))},
         "identical": all(identity.values()),
         "identity": {"concurrency": top, "per_engine_method": identity},
         "ratios": ratios(tok_s, ring_tok_s, nodes, top),
+        "full_window_ratios": {k: v for k, v in ratios(full_tok_s, ring_tok_s, nodes, top).items() if "c8" in k},
     }
+
+
+def _run(engine: Any, prompts: list[list[int]], max_tokens: int, method: str) -> tuple[float, float, list[list[int]]]:
+    """All prompts at once: aggregate tok/s to the last token and while all streams run, and the tokens."""
+    recs = [Recorder() for _ in prompts]
+    for prompt, rec in zip(prompts, recs):
+        engine.open(_request(engine, prompt, max_tokens, method), rec)
+    for rec in recs:
+        rec.wait()
+    streams = [(r.times, r.counts) for r in recs]
+    return aggregate_tps(streams), aggregate_tps(streams, full=True), [r.tokens for r in recs]
+
+
+def _medians(runs: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str, Any]:
+    return {name: {m: {c: round(statistics.median(v), 2) for c, v in cells.items()} for m, cells in by.items()}
+            for name, by in runs.items()}
 
 
 def _ms(tps: float | None) -> float | None:
@@ -152,5 +186,6 @@ def print_nodes_report(result: dict[str, Any], console: Any) -> None:
     console.print(f"mlx-lm ring ({result['mlx_lm_ring']['ranks']} ranks, one stream): {result['mlx_lm_ring']}")
     console.print(f"hop breakdown (2 nodes, c=1, no MTP): {result['hop_breakdown_pipe2_c1_no_mtp']}")
     console.print(f"ratios: {result['ratios']}")
+    console.print(f"while every stream runs: {result['full_window_tok_s']}; ratios {result['full_window_ratios']}")
     console.print(f"greedy outputs at c={result['identity']['concurrency']} equal the single node's: "
                   f"{result['identical']} {result['identity']['per_engine_method']}")
