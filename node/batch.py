@@ -120,6 +120,7 @@ class BatchStage:
             return
         self.drop_ahead()
         self.cache = take_rows(self.cache, keep) if keep else []
+        self.real = [self.real[i] for i in keep] if len(self.real) == len(self.ids) else []
         self.ids = [self.ids[i] for i in keep]
         self.positions = [self.positions[i] for i in keep]
         if self.head is not None:

@@ -10,7 +10,7 @@ around to the nodes before it.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..proto import mtpipe_pb2 as pb
 from .groups import RingGroups
@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 class GroupFrames:
     worker: StageWorker | None
     name: str
+    last_error: str | None
+    _subs: dict[str, Any]
     _ring_groups: RingGroups | None = None
     _ring_worker: StageWorker | None = None
 
@@ -33,7 +35,9 @@ class GroupFrames:
     def _emit(self, client_id: str, event: pb.Event) -> None: ...
     def _forward(self, frame: pb.Frame) -> None: ...
     def _start_round(self, frame: pb.Frame) -> None: ...
-    def _listens(self, client_id: str) -> bool: ...
+
+    def _listens(self, client_id: str) -> bool:
+        return client_id in self._subs
 
     @property
     def ring_groups(self) -> RingGroups:
@@ -51,12 +55,25 @@ class GroupFrames:
         """Forget every group (the shard goes): nothing may keep the old shard's arrays alive."""
         self._ring_groups = self._ring_worker = None
 
+    def end_groups(self) -> None:
+        """A link of the ring broke: the rounds on it are lost, every group ends here."""
+        if self._ring_groups is not None:
+            self._ring_groups.end_all()
+
     def on_group(self, frame: pb.Frame) -> None:
         try:
-            rnd = frame_to_group(frame)
             groups = self.ring_groups
-        except (StageError, ValueError) as e:
-            self._fail_rows(frame, "INVALID_ARGUMENT", str(e))
+        except StageError as e:
+            self._fail_rows(frame, "FAILED_PRECONDITION", str(e))
+            return
+        try:
+            rnd = frame_to_group(frame)
+        except StageError as e:  # unreadable: its group cannot go on, here or anywhere
+            if frame.group >= 1:
+                self._group_failed(groups, GroupRound(frame.client_id, frame.group, frame.step, []), frame,
+                                   "INVALID_ARGUMENT", str(e))
+            else:
+                self._fail_rows(frame, "INVALID_ARGUMENT", str(e))
             return
         last = groups.spec.is_last
         if not rnd.rows:  # the group ended

@@ -41,6 +41,7 @@ class Group:
     budgets: dict[str, int] = field(default_factory=dict)  # tokens each row may still emit
     stops: dict[str, frozenset[int]] = field(default_factory=dict)
     joins: list[GroupRow] = field(default_factory=list)  # prefilled, waiting for the next round
+    joining: set[str] = field(default_factory=set)  # joins riding the round on its way
     released: set[str] = field(default_factory=set)  # the client let go: out of the next round
 
 
@@ -65,6 +66,8 @@ class RingGroups:
         joins = [r for r in rnd.rows if r.join]
         if g is None and kept:
             raise StageError(f"group {rnd.group} is unknown here, yet its round carries rows that do not join")
+        if g is not None and not self.spec.is_last and rnd.round != g.round + 1:
+            raise StageError(f"group {rnd.group}: round {rnd.round} after round {g.round}")
         ids = g.stage.ids if g is not None else []
         if [r.seq_id for r in kept] != [s for s in ids if s in {r.seq_id for r in kept}]:
             raise StageError(f"group {rnd.group}: the rows are not in the group's order")
@@ -97,12 +100,22 @@ class RingGroups:
             g.stage.leave(set(g.stage.ids))
 
     def release(self, seq_id: str) -> bool:
-        """The last node's word, or a client gone for good: free the sequence wherever it is here."""
-        for g in self.groups.values():
+        """The last node's word, or a client gone for good: free the sequence wherever it is here. A
+        group waiting for its last round's commit cannot lose a row before it (the commit is per row):
+        such a group ends here, and its next round is refused, which ends it everywhere."""
+        for key, g in list(self.groups.items()):
             if seq_id in g.stage.ids:
-                g.stage.leave({seq_id})
+                if g.pending:
+                    self.end(key)
+                else:
+                    g.stage.leave({seq_id})
                 return True
         return self.worker.release(seq_id)
+
+    def end_all(self) -> None:
+        """Every group ends here (a link of the ring broke: their rounds are lost)."""
+        for key in list(self.groups):
+            self.end(key)
 
     @property
     def rows(self) -> int:
@@ -159,6 +172,7 @@ class RingGroups:
         are left out) and the group's next round, or the frame that ends it (no rows)."""
         g = self.groups[rnd.key]
         g.in_flight = False
+        g.joining = set()
         shown, rows = [], []
         for o in outs:
             seq_id, out = o.seq_id, o.output
@@ -196,6 +210,7 @@ class RingGroups:
             self.end((client_id, group))
             return GroupRound(client_id, group, g.round, [], from_last=True)
         g.in_flight = True
+        g.joining = {r.seq_id for r in joins}
         return GroupRound(client_id, group, g.round, rows, from_last=True)
 
     def client_release(self, seq_id: str) -> bool:
@@ -203,7 +218,7 @@ class RingGroups:
         the group's frames free it everywhere. False: it is in no group; the caller frees it here and
         sends the release around, so the other nodes free it too."""
         for g in self.groups.values():
-            if seq_id in g.stage.ids and g.in_flight:
+            if g.in_flight and (seq_id in g.stage.ids or seq_id in g.joining):
                 g.released.add(seq_id)
                 return True
             for r in list(g.joins):

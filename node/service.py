@@ -203,6 +203,7 @@ class NodeService(GroupFrames, pb_grpc.NodeServicer):
             # Frames in flight on that link are lost: every client waiting on this chain must know.
             msg = f"lost the stream to the {role} {target}: {describe_rpc_error(error)}"
             self.last_error = msg
+            self.end_groups()
             self._broadcast(pb.Event(error=pb.Error(code="UNAVAILABLE", message=msg, node=target)))
 
         return lost
@@ -229,9 +230,6 @@ class NodeService(GroupFrames, pb_grpc.NodeServicer):
         self._owners.pop(seq_id, None)
         # freeing arrays is MLX work too: on the loop thread, as always
         return self.ring_groups.release(seq_id) if not worker.overlap else worker.release(seq_id)
-
-    def _listens(self, client_id: str) -> bool:
-        return client_id in self._subs
 
     async def on_frame(self, frame: pb.Frame) -> None:
         if frame.kind == pb.RELEASE:

@@ -236,3 +236,37 @@ def test_group_frames_are_checked(dense_ckpt: Path) -> None:
         with pytest.raises(StageError):
             groups.run(rnd, None)
         assert not worker.sequences and not groups.groups
+
+
+def test_a_row_released_while_it_joins_leaves_cleanly(dense_ckpt: Path) -> None:
+    """The last node: a row released while the round that brings it in is on its way is dropped from
+    the next round; the group and the other rows go on."""
+    from mtpipe.models.loading import load_shard
+    from mtpipe.models.shard import ShardSpec
+    from mtpipe.node.protocol import StepKind, StepRequest
+    from mtpipe.node.stage import StageWorker
+
+    n = load_config(dense_ckpt).num_layers
+    worker = StageWorker(load_shard(dense_ckpt, ShardSpec(n // 2, n, n), mtp=False, dtype=mx.float32))
+    hidden = worker.hidden_size
+    groups = RingGroups(worker)
+
+    def prefill(seq: str) -> Any:
+        return worker.step(StepRequest(seq, 0, StepKind.PREFILL, [5, 6, 7], final=True),
+                           mx.random.normal((1, 3, hidden)))
+
+    def arrive(rnd: GroupRound) -> tuple[list, GroupRound | None]:  # the round comes back around
+        out = groups.run(rnd, mx.random.normal((len(rnd.rows), max(len(r.tokens) for r in rnd.rows), hidden)))
+        return groups.next_round(rnd, out)
+
+    joined, first = groups.joined("c", 1, prefill("a"), 50, (0,))
+    assert joined and first is not None and [r.seq_id for r in first.rows] == ["a"]
+    assert groups.joined("c", 1, prefill("b"), 50, (0,)) == (True, None)  # waits: a round is on its way
+    shown, second = arrive(first)
+    assert [o.seq_id for o in shown] == ["a"] and [(r.seq_id, r.join) for r in second.rows] == [("a", False),
+                                                                                                  ("b", True)]
+    assert groups.client_release("b") is True  # in the round on its way: out of the next one
+    shown, third = arrive(second)
+    assert [o.seq_id for o in shown] == ["a"] and [r.seq_id for r in third.rows] == ["a"]
+    arrive(third)
+    assert groups.rows == 1 and "b" not in worker.sequences

@@ -58,8 +58,10 @@ class RingLive:
     generated: int = 0
     started: float = 0.0
     admitted: bool = False
+    prefilling: bool = False  # its prompt is on its way: a release now could overtake it
     done: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Held while outcomes are handed out (in order, by one thread at a time) and while it finishes.
+    lock: threading.RLock = field(default_factory=threading.RLock)
     expected: int = 0  # the order of the next outcome to hand out (0: the prefill's)
     early: dict[int, StepOutput] = field(default_factory=dict)  # outcomes that overtook an earlier one
 
@@ -169,10 +171,19 @@ class RingEngine:
                              mtp_auto=req.mtp_auto and i == 0, budget=req.max_tokens if final else 0,
                              stop_tokens=self._stop_tokens if final else (), group=live.group)
                  for i, (chunk, final) in enumerate(chunks)]
+        with live.lock:
+            live.prefilling = True
         try:
             out = self.pipeline.steps(steps)[-1]
         except Exception as e:
-            self._finish(live, e)
+            out = e
+        with live.lock:
+            live.prefilling = False
+            if live.done:  # cancelled meanwhile: now that the prompt is through, free it everywhere
+                self._release(live)
+                return
+        if isinstance(out, Exception):
+            self._finish(live, out)
             return
         live.stats.prefill_seconds = time.perf_counter() - live.started
         live.started = time.perf_counter()
@@ -188,19 +199,16 @@ class RingEngine:
     def _deliver(self, live: RingLive, order: int, out: StepOutput) -> None:
         """Outcomes in order: the prefill's, then the group rounds' (the prefill's thread may hand its
         own over after the first round's has arrived)."""
-        ready = []
         with live.lock:
             if live.done:
                 return
             live.early[order] = out
-            while live.expected in live.early:
-                ready.append((live.expected, live.early.pop(live.expected)))
+            while not live.done and live.expected in live.early:
+                n, o = live.expected, live.early.pop(live.expected)
                 live.expected += 1
-        for n, o in ready:
-            if n:
-                live.stats.record_round(o)
-            if self._emit(live, o, first=n == 0):
-                return
+                if n:
+                    live.stats.record_round(o)
+                self._emit(live, o, first=n == 0)
 
     def _emit(self, live: RingLive, out: StepOutput, first: bool) -> bool:
         """Hand the round's tokens to the request; True when that finished it."""
@@ -222,24 +230,27 @@ class RingEngine:
         return True
 
     def _finish(self, live: RingLive, error: BaseException | None) -> None:
-        """Take a request out (once): its row leaves the group and is freed on every node."""
+        """Take a request out (once): its row leaves the group and is freed on every node (once its
+        prompt is through, if it is still on its way)."""
         with live.lock:
             if live.done:
                 return
             live.done = True
-            admitted = live.admitted
-        if admitted:
-            self.pipeline.row_sinks.pop(live.seq_id, None)
-            try:
-                self.pipeline.release(live.seq_id, group=live.group)
-            except Exception:
-                log.exception("releasing %s failed", live.seq_id)
-            with self._lock:
-                self._rows[live.group] -= 1
-            self._slots.release()
-        if error is not None:
-            live.sink(error)
-        live.sink(END)
+            if live.admitted and not live.prefilling:
+                self._release(live)
+            if error is not None:
+                live.sink(error)
+            live.sink(END)
+
+    def _release(self, live: RingLive) -> None:
+        self.pipeline.row_sinks.pop(live.seq_id, None)
+        try:
+            self.pipeline.release(live.seq_id, group=live.group)
+        except Exception:
+            log.exception("releasing %s failed", live.seq_id)
+        with self._lock:
+            self._rows[live.group] -= 1
+        self._slots.release()
 
     def _groups_now(self) -> int:
         """Groups in flight: fixed, or from the nodes' measured step times now and then."""
