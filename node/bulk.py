@@ -115,8 +115,9 @@ def connect(host: str, port: int, token: bytes, timeout: float = HANDSHAKE_TIMEO
         raise
 
 
-def receive(sock: socket.socket, out: BinaryIO, want: int, on_bytes: Callable[[int], None]) -> int:
-    """Copy up to `want` bytes from `sock` to `out` (run in a thread); the count received."""
+def receive(sock: socket.socket, out: BinaryIO, want: int, on_data: Callable[[memoryview], None]) -> int:
+    """Copy up to `want` bytes from `sock` to `out` (run in a thread), each piece also to `on_data`
+    (valid only during the call); the count received."""
     buf = memoryview(bytearray(min(RECV_BYTES, max(want, 1))))
     got = 0
     while got < want:
@@ -125,7 +126,7 @@ def receive(sock: socket.socket, out: BinaryIO, want: int, on_bytes: Callable[[i
             break
         out.write(buf[:n])
         got += n
-        on_bytes(n)
+        on_data(buf[:n])
     return got
 
 

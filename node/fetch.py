@@ -4,8 +4,10 @@ The bytes of the requested tensors arrive back to back (FetchTensors) and are ap
 `model.safetensors.part` behind a header made from the first message's tensor list, so the part
 file is the final file from its first byte. After an interruption (a broken stream, a killed node)
 the next attempt asks for the bytes from the part file's size on, after checking that its header is
-the one the source describes. Once complete, every tensor's hash is checked against the source's
-list before the file moves into the cache; a mismatch drops the part file and tries the next source.
+the one the source describes. Every tensor's hash is checked against the source's list as its bytes
+arrive (shards.StreamVerifier, beside the receiving thread; a resumed transfer first hashes what the
+part file holds), and the file moves into the cache only if all match; a mismatch drops the part
+file and tries the next source.
 A node without the disk space for what remains refuses before the first byte.
 
 The bytes travel on the source's data plane (a plain TCP stream, bulk.py) when its first message
@@ -27,7 +29,7 @@ from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from . import bulk
 from .links import split_host_port
-from .shards import PART, Manifest, ShardCache, ShardKey, TensorInfo, free_bytes, safetensors_header, verify_file
+from .shards import PART, Manifest, ShardCache, ShardKey, StreamVerifier, TensorInfo, free_bytes, safetensors_header
 from .wire import CHANNEL_OPTIONS, secret_metadata
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ class _SourceFailed(Exception):
 class Transfer:
     """Progress of this node's shard transfers (HealthReply), and counters since the node started."""
 
-    state: str = ""  # "", "fetching", "verifying", "done", "failed"
+    state: str = ""  # "", "fetching" (hashes checked as the bytes arrive), "done", "failed"
     done: int = 0
     total: int = 0
     source: str = ""
@@ -157,17 +159,21 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
         if offset:
             log.info("resuming the shard transfer from %s at %.1f of %.1f MiB", source, offset / 2**20, total / 2**20)
         received = 0
+        verifier = StreamVerifier(tensors)
 
-        def count(n: int) -> None:  # in the receiving thread on the data plane
+        def count(data: memoryview) -> None:  # in the receiving thread on the data plane
             nonlocal received
-            received += n
-            progress.advance(n)
+            verifier.feed(data)
+            received += len(data)
+            progress.advance(len(data))
             if progress.interrupt_after is not None and received >= progress.interrupt_after:
                 raise TransferInterrupted(f"transfer stopped after {received} bytes (test hook)")
 
         fallback = False
         f = await loop.run_in_executor(None, open, part, "ab" if offset else "wb")
         try:
+            if offset:  # what the part file holds goes through the hashes first
+                await loop.run_in_executor(None, _feed_part, part, len(header), offset, verifier)
             if not offset:
                 f.write(header)
             if first.token and first.data_port:
@@ -194,6 +200,7 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
                     call.cancel()
                     raise _SourceFailed(f"sent bytes at {chunk.offset}, expected {offset}")
                 await loop.run_in_executor(None, f.write, chunk.data)
+                verifier.feed(chunk.data)
                 offset += len(chunk.data)
                 received += len(chunk.data)
                 progress.advance(len(chunk.data))
@@ -202,12 +209,11 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
                     raise TransferInterrupted(f"transfer stopped after {received} bytes (test hook)")
         finally:
             f.close()
+            problem = await loop.run_in_executor(None, verifier.finish)  # the thread ends either way
     if fallback:
         return await _fetch_from(source, cache, key, names, secret, progress, raw=False)
     if offset != total:
         raise _SourceFailed(f"the stream ended at {offset} of {total} bytes")
-    progress.state = "verifying"
-    problem = await loop.run_in_executor(None, verify_file, part, tensors)
     if problem is not None:
         part.unlink(missing_ok=True)
         raise _SourceFailed(f"verification failed ({problem}); the part file is dropped")
@@ -216,6 +222,17 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
     log.info("shard [%d, %d) of model %s: %.1f MiB fetched from %s", key.start, key.end, key.fingerprint[:12],
              received / 2**20, source)
     return received
+
+
+def _feed_part(part: Path, data_start: int, size: int, verifier: StreamVerifier) -> None:
+    with open(part, "rb") as f:
+        f.seek(data_start)
+        while size > 0:
+            block = f.read(min(bulk.RECV_BYTES, size))
+            if not block:
+                raise OSError(f"{part}: shorter than its resume offset")
+            verifier.feed(block)
+            size -= len(block)
 
 
 def _head(path: Path, n: int) -> bytes:

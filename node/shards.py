@@ -9,16 +9,21 @@
 
 load_shard reads such a directory as any checkpoint (it takes the layout from the manifest: a few
 layers may hold no tensor that tells). An entry counts only once every tensor's hash matches its
-manifest; one that does not is deleted and fetched again.
+manifest (checked as the bytes arrive, StreamVerifier); one that does not is deleted and fetched
+again. The manifest also records the weights file's size and modification time when it was
+verified: a later load trusts an unchanged file and hashes it again only when either differs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import queue
 import shutil
 import struct
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -112,6 +117,9 @@ class Manifest:
     raw_hf: bool
     tensors: list[TensorInfo]
     format: str = MANIFEST_FORMAT
+    # the weights file as verified: (size, mtime_ns); an entry without them is hashed at every lookup
+    verified_size: int = -1
+    verified_mtime_ns: int = -1
 
     @property
     def total_bytes(self) -> int:
@@ -128,6 +136,69 @@ class Manifest:
         data["tensors"] = [TensorInfo(t["name"], t["dtype"], tuple(t["shape"]), t["size"], t["sha256"])
                            for t in data["tensors"]]
         return cls(**data)
+
+
+def _unchanged(file: Path, m: Manifest) -> bool:
+    try:
+        st = file.stat()
+    except OSError:
+        return False
+    return (st.st_size, st.st_mtime_ns) == (m.verified_size, m.verified_mtime_ns)
+
+
+class StreamVerifier:
+    """The tensors' hashes over their bytes as they arrive, in order, on a thread of its own (hashlib
+    releases the GIL, so hashing overlaps receiving): no second read of the finished file."""
+
+    def __init__(self, tensors: list[TensorInfo]):
+        self.tensors = tensors
+        self._problem: str | None = None
+        self._index = -1
+        self._next()
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="shard-verify", daemon=True)
+        self._thread.start()
+
+    def feed(self, data: bytes | memoryview) -> None:
+        """The next bytes of the concatenated tensors (copied: the caller may reuse its buffer)."""
+        self._queue.put(bytes(data))
+
+    def finish(self) -> str | None:
+        """None if every tensor arrived whole with its hash; else what is wrong."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._problem is None and self._index < len(self.tensors):
+            self._problem = f"{self.tensors[self._index].name}: truncated"
+        return self._problem
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            view = memoryview(data)
+            while view and self._problem is None:
+                if self._index >= len(self.tensors):
+                    self._problem = "more bytes than the tensors hold"
+                    break
+                take = min(self._left, len(view))
+                self._hash.update(view[:take])
+                view, self._left = view[take:], self._left - take
+                if self._left == 0:
+                    self._check()
+                    self._next()
+
+    def _next(self) -> None:
+        """On to the next tensor that has bytes (empty ones are checked on the way)."""
+        self._index += 1
+        self._hash = hashlib.sha256()
+        while self._index < len(self.tensors) and self.tensors[self._index].size == 0:
+            self._check()
+            self._index += 1
+            self._hash = hashlib.sha256()
+        self._left = self.tensors[self._index].size if self._index < len(self.tensors) else 0
+
+    def _check(self) -> None:
+        t = self.tensors[self._index]
+        if self._problem is None and self._hash.hexdigest() != t.sha256:
+            self._problem = f"{t.name}: content hash differs"
 
 
 class ShardCache:
@@ -160,8 +231,10 @@ class ShardCache:
                 problem = "manifest lists other tensors than the shard needs"
             elif not (d / "config.json").exists():
                 problem = "config.json is missing"
-            else:
+            elif not _unchanged(d / WEIGHTS, m):
                 problem = verify_file(d / WEIGHTS, m.tensors)
+                if problem is None:  # intact after all (copied, touched): trusted from now on
+                    self._write_manifest(d, m)
         if problem is None:
             return d
         log.warning("shard cache %s is invalid (%s): removed, to be fetched again", d, problem)
@@ -178,10 +251,16 @@ class ShardCache:
         d = self.dir(key)
         (d / "config.json").write_text(config_json)
         os.replace(d / PART, d / WEIGHTS)
+        self._write_manifest(d, manifest)
+        return d
+
+    def _write_manifest(self, d: Path, manifest: Manifest) -> None:
+        """The manifest, with the weights file's size and time as verified now (written last, atomically)."""
+        st = (d / WEIGHTS).stat()
+        manifest.verified_size, manifest.verified_mtime_ns = st.st_size, st.st_mtime_ns
         tmp = d / (SHARD_MANIFEST + ".tmp")
         tmp.write_text(manifest.to_json())
         os.replace(tmp, d / SHARD_MANIFEST)
-        return d
 
     def holding(self, fingerprint: str, names: list[str]) -> tuple[Path, Manifest] | None:
         """A complete entry of this model that holds every one of `names` (to serve them to a peer)."""

@@ -372,3 +372,42 @@ def test_fetch_tensors_serves_only_tensors_of_a_model_it_holds(dense_ckpt: Path,
             fetch_all(pb.FetchRequest(fingerprint=fp, names=names), metadata=secret_metadata("wrong"))
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert node.service.weights.transfer.served_bytes == 2 * len(whole) - 1000
+
+
+def test_stream_verifier_checks_every_tensor_as_bytes_arrive() -> None:
+    """Hashes over pieces of any size, empty tensors included; a flipped byte, a short or a long stream fail."""
+    import hashlib
+    import os
+
+    from mtpipe.node.shards import StreamVerifier, TensorInfo
+
+    blobs = [os.urandom(1000), b"", os.urandom(5000), os.urandom(7)]
+    tensors = [TensorInfo(f"t{i}", "F32", (len(b),), len(b), hashlib.sha256(b).hexdigest()) for i, b in enumerate(blobs)]
+    data = b"".join(blobs)
+    v = StreamVerifier(tensors)
+    for i in range(0, len(data), 333):
+        v.feed(memoryview(data)[i : i + 333])
+    assert v.finish() is None
+    for bad, why in [(data[:-1], "t3: truncated"), (data[:500] + b"x" + data[501:], "t0: content hash differs"),
+                     (data + b"y", "more bytes than the tensors hold")]:
+        v = StreamVerifier(tensors)
+        v.feed(bad)
+        assert v.finish() == why
+
+
+def test_an_unchanged_cache_entry_is_not_hashed_again(dense_ckpt: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached shard verified once is trusted while its file keeps its size and time; touched, it is hashed."""
+    from mtpipe.node import shards
+
+    with nodes(tmp_path, [[dense_ckpt], []]) as servers, engine_over(dense_ckpt, servers, specs=HALVES) as engine:
+        entry = Path(engine.pipeline.load_replies[1].weights_path)
+    cache = ShardCache(entry.parents[1])
+    key = ShardKey(entry.parent.name, 4, 8, 8, True)
+    hashed: list[Path] = []
+    real = shards.verify_file
+    monkeypatch.setattr(shards, "verify_file", lambda f, t: hashed.append(f) or real(f, t))
+    assert cache.lookup(key) == entry and hashed == []
+    (entry / WEIGHTS).touch()
+    assert cache.lookup(key) == entry and hashed == [entry / WEIGHTS]
+    assert cache.lookup(key) == entry and len(hashed) == 1  # verified again, trusted again
