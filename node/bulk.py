@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import queue
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from .dataplane import BULK_HELLO, HANDSHAKE_TIMEOUT_S
 TOKEN_BYTES = 32
 TOKEN_TTL_S = 30.0
 RECV_BYTES = 4 << 20
+BUFFERS = 4  # receive buffers in turn: one filling while the others are written and hashed
 IDLE_TIMEOUT_S = 30.0  # a stalled holder
 
 
@@ -115,18 +118,72 @@ def connect(host: str, port: int, token: bytes, timeout: float = HANDSHAKE_TIMEO
         raise
 
 
-def receive(sock: socket.socket, out: BinaryIO, want: int, on_data: Callable[[memoryview], None]) -> int:
-    """Copy up to `want` bytes from `sock` to `out` (run in a thread), each piece also to `on_data`
-    (valid only during the call); the count received."""
-    buf = memoryview(bytearray(min(RECV_BYTES, max(want, 1))))
+class _Piece:
+    """A filled receive buffer on its way to the writer and the hasher; back to the pool after both."""
+
+    def __init__(self, buf: bytearray, n: int, pool: queue.SimpleQueue):
+        self.view = memoryview(buf)[:n]
+        self._buf, self._pool, self._left, self._lock = buf, pool, 2, threading.Lock()
+
+    def done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._pool.put(self._buf)
+
+
+def receive(sock: socket.socket, out: BinaryIO, want: int, hash_piece: Callable[[memoryview, Callable[[], None]], None],
+            on_bytes: Callable[[int], None]) -> int:
+    """Copy up to `want` bytes from `sock` to `out`; the count received. This thread receives into a
+    few large buffers in turn, a second one writes them and `hash_piece(view, done)` hashes them (it
+    calls `done` when finished with the view), so receiving, writing and hashing overlap and no byte
+    is copied in Python."""
+    pool: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+    for _ in range(BUFFERS):
+        pool.put(bytearray(min(RECV_BYTES, max(want, 1))))
+    writes: queue.SimpleQueue[_Piece | None] = queue.SimpleQueue()
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        while (piece := writes.get()) is not None:
+            try:
+                if not failed:
+                    out.write(piece.view)
+            except BaseException as e:  # handed to the receiving thread, which raises it
+                failed.append(e)
+            finally:
+                piece.done()
+
+    writer = threading.Thread(target=write, name="shard-write", daemon=True)
+    writer.start()
     got = 0
-    while got < want:
-        n = sock.recv_into(buf, min(len(buf), want - got))
-        if not n:
-            break
-        out.write(buf[:n])
-        got += n
-        on_data(buf[:n])
+    try:
+        while got < want and not failed:
+            buf = pool.get()
+            view, n = memoryview(buf), 0
+            room = min(len(buf), want - got)
+            while n < room:  # fill the buffer: fewer, larger writes and hash calls
+                k = sock.recv_into(view[n:room])
+                if not k:
+                    break
+                n += k
+            view.release()
+            if not n:
+                pool.put(buf)
+                break
+            piece = _Piece(buf, n, pool)
+            writes.put(piece)
+            hash_piece(piece.view, piece.done)
+            got += n
+            on_bytes(n)
+            if n < room:  # the sender closed
+                break
+    finally:
+        writes.put(None)
+        writer.join()
+    if failed:
+        raise failed[0]
     return got
 
 

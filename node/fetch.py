@@ -161,11 +161,10 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
         received = 0
         verifier = StreamVerifier(tensors)
 
-        def count(data: memoryview) -> None:  # in the receiving thread on the data plane
+        def count(n: int) -> None:  # in the receiving thread on the data plane
             nonlocal received
-            verifier.feed(data)
-            received += len(data)
-            progress.advance(len(data))
+            received += n
+            progress.advance(n)
             if progress.interrupt_after is not None and received >= progress.interrupt_after:
                 raise TransferInterrupted(f"transfer stopped after {received} bytes (test hook)")
 
@@ -186,7 +185,8 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
                 else:
                     progress.transport = "tcp"
                     try:
-                        offset += await loop.run_in_executor(None, bulk.receive, sock, f, total - offset, count)
+                        offset += await loop.run_in_executor(None, bulk.receive, sock, f, total - offset,
+                                                           verifier.feed, count)
                     except TransferInterrupted:
                         raise
                     except OSError as e:

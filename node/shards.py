@@ -24,6 +24,7 @@ import queue
 import shutil
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -155,13 +156,14 @@ class StreamVerifier:
         self._problem: str | None = None
         self._index = -1
         self._next()
-        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, Callable[[], None] | None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="shard-verify", daemon=True)
         self._thread.start()
 
-    def feed(self, data: bytes | memoryview) -> None:
-        """The next bytes of the concatenated tensors (copied: the caller may reuse its buffer)."""
-        self._queue.put(bytes(data))
+    def feed(self, data: bytes | memoryview, done: Callable[[], None] | None = None) -> None:
+        """The next bytes of the concatenated tensors: copied, or with `done`, read in place until
+        `done` is called (the caller keeps the buffer untouched until then)."""
+        self._queue.put((data, done) if done is not None else (bytes(data), None))
 
     def finish(self) -> str | None:
         """None if every tensor arrived whole with its hash; else what is wrong."""
@@ -172,18 +174,25 @@ class StreamVerifier:
         return self._problem
 
     def _run(self) -> None:
-        while (data := self._queue.get()) is not None:
-            view = memoryview(data)
-            while view and self._problem is None:
-                if self._index >= len(self.tensors):
-                    self._problem = "more bytes than the tensors hold"
-                    break
-                take = min(self._left, len(view))
-                self._hash.update(view[:take])
-                view, self._left = view[take:], self._left - take
-                if self._left == 0:
-                    self._check()
-                    self._next()
+        while (item := self._queue.get()) is not None:
+            data, done = item
+            try:
+                self._hash_bytes(memoryview(data))
+            finally:
+                if done is not None:
+                    done()
+
+    def _hash_bytes(self, view: memoryview) -> None:
+        while view and self._problem is None:
+            if self._index >= len(self.tensors):
+                self._problem = "more bytes than the tensors hold"
+                return
+            take = min(self._left, len(view))
+            self._hash.update(view[:take])
+            view, self._left = view[take:], self._left - take
+            if self._left == 0:
+                self._check()
+                self._next()
 
     def _next(self) -> None:
         """On to the next tensor that has bytes (empty ones are checked on the way)."""

@@ -11,7 +11,8 @@ measuring worker (this module with `--worker`), which for every repeat:
 The transfer time is the median cold Load's time minus the median warm one's: both fingerprint,
 verify every tensor hash once and build the stage; what the cold one does in addition is the
 transfer itself (gRPC stream, writes into the part file). The whole cold Load's throughput is
-reported too, and the raw copy's median time.
+reported too, and the raw copy's median time; and the raw copy again written into a new file beside
+the shard cache, which is what the disk adds (a transfer writes the shard to disk; the raw copy does not).
 Time to first token is from the Load request to the first generated token, cold and warm.
 Needs root (`ip netns`).
 """
@@ -195,12 +196,13 @@ def _load(model: Path, address: str, source: str, secret: str) -> dict[str, Any]
     return {"load_s": load_s, "ttft_s": ttft_s, "fetched_bytes": reply.fetched_bytes, "source": reply.weights_source}
 
 
-def _raw_tcp(target: str, n: int) -> float:
-    """Seconds to receive `n` bytes from the sender at `target`."""
+def _raw_tcp(target: str, n: int, into: Path | None = None) -> float:
+    """Seconds to receive `n` bytes from the sender at `target` (and write them to a new file `into`)."""
     host, port = target.rsplit(":", 1)
     buf = bytearray(4 << 20)
     view = memoryview(buf)
-    with socket.create_connection((host, int(port)), timeout=60) as s:
+    with socket.create_connection((host, int(port)), timeout=60) as s, \
+            (open(into, "wb") if into else open(os.devnull, "wb")) as out:
         t0 = time.perf_counter()
         s.sendall(struct.pack("<Q", n))
         got = 0
@@ -208,9 +210,13 @@ def _raw_tcp(target: str, n: int) -> float:
             k = s.recv_into(view, min(len(buf), n - got))
             if not k:
                 raise ConnectionError(f"raw TCP copy ended at {got} of {n} bytes")
+            if into:
+                out.write(view[:k])
             got += k
         seconds = time.perf_counter() - t0
         s.sendall(b"x")
+    if into:
+        into.unlink()
     return seconds
 
 
@@ -251,6 +257,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         if n <= 0 or run["warm"]["fetched_bytes"] != 0:
             raise RuntimeError(f"expected a fetching cold load and a cached warm one, got {run}")
         run["raw_tcp_s"] = _raw_tcp(spec["raw"], n)
+        # the same bytes into a new file where the shard cache is: what the disk adds to a transfer
+        run["raw_tcp_to_file_s"] = _raw_tcp(spec["raw"], n, tmp / f"raw{i}.bin")
         runs.append(run)
     return summarize(runs)
 
@@ -262,6 +270,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     n = runs[0]["cold"]["fetched_bytes"]
     cold, warm = median(r["cold"]["load_s"] for r in runs), median(r["warm"]["load_s"] for r in runs)
     raw_s = median(r["raw_tcp_s"] for r in runs)
+    to_file = n / median(r["raw_tcp_to_file_s"] for r in runs)
     transfer, load, raw = n / max(cold - warm, 1e-9), n / cold, n / raw_s
     return {
         "repeat": len(runs),
@@ -269,14 +278,17 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "transfer_bytes_per_s": round(transfer),
         "cold_load_bytes_per_s": round(load),
         "raw_tcp_bytes_per_s": round(raw),
-        "ratios": {"transfer_vs_raw_tcp": round(transfer / raw, 3), "cold_load_vs_raw_tcp": round(load / raw, 3)},
+        "raw_tcp_to_file_bytes_per_s": round(to_file),
+        "ratios": {"transfer_vs_raw_tcp": round(transfer / raw, 3), "cold_load_vs_raw_tcp": round(load / raw, 3),
+                   "transfer_vs_raw_tcp_to_file": round(transfer / to_file, 3)},
         "cold_load_s": round(cold, 4),
         "warm_load_s": round(warm, 4),
         "raw_tcp_s": round(raw_s, 4),
         "ttft_cold_s": round(median(r["cold"]["ttft_s"] for r in runs), 4),
         "ttft_warm_s": round(median(r["warm"]["ttft_s"] for r in runs), 4),
         "sources": sorted({r["cold"]["source"].split()[0] for r in runs} | {r["warm"]["source"] for r in runs}),
-        "runs": [{"raw_tcp_s": round(r["raw_tcp_s"], 4), "cold_load_s": round(r["cold"]["load_s"], 4),
+        "runs": [{"raw_tcp_s": round(r["raw_tcp_s"], 4), "raw_tcp_to_file_s": round(r["raw_tcp_to_file_s"], 4),
+                  "cold_load_s": round(r["cold"]["load_s"], 4),
                   "warm_load_s": round(r["warm"]["load_s"], 4), "cold_ttft_s": round(r["cold"]["ttft_s"], 4),
                   "warm_ttft_s": round(r["warm"]["ttft_s"], 4)} for r in runs],
     }
@@ -292,6 +304,8 @@ def print_report(result: dict[str, Any], console: Any) -> None:
     console.print(f"  whole cold Load             {result['cold_load_bytes_per_s'] / mib:8.1f} MiB/s  "
                   f"({r['cold_load_vs_raw_tcp']:.2f}x raw TCP)")
     console.print(f"  raw TCP copy                {result['raw_tcp_bytes_per_s'] / mib:8.1f} MiB/s")
+    console.print(f"  raw TCP copy into a file    {result['raw_tcp_to_file_bytes_per_s'] / mib:8.1f} MiB/s  "
+                  f"(transfer: {r['transfer_vs_raw_tcp_to_file']:.2f}x of it)")
     console.print(f"  time to first token: cold {result['ttft_cold_s']:.2f} s, warm {result['ttft_warm_s']:.2f} s")
 
 
