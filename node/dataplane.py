@@ -232,10 +232,12 @@ class NextStage:
     frames in flight are lost, which every client learns through that callback.
     """
 
-    def __init__(self, target: str, secret: str | None, on_error: Callable[[str, Exception], None]):
+    def __init__(self, target: str, secret: str | None, on_error: Callable[[str, Exception], None],
+                 on_open: Callable[[str], None] | None = None):
         self.target = target
         self.secret = secret
         self.on_error = on_error
+        self.on_open = on_open  # a link opened (after a break: the break is over)
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.NodeStub(self.channel)
         self.link: GrpcFrameLink | TcpFrameLink | None = None
@@ -277,6 +279,8 @@ class NextStage:
                 if link is None:
                     link = self.link = await self._open()
                     self._watcher = asyncio.get_running_loop().create_task(self._watch(link))
+                    if self.on_open is not None:
+                        self.on_open(self.target)
                 await link.write(frame)
             except Exception as e:  # the link ended under us, or could not be opened
                 self._broken(link, e)

@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ..proto import mtpipe_pb2 as pb
+from .conditions import Conditions
 from .groups import RingGroups
 from .protocol import GroupRound, StageError, StepOutput
 from .wire import frame_to_group, group_result, group_to_frame, output_to_result, tensor_from_pb, tensor_to_pb
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 class GroupFrames:
     worker: StageWorker | None
     name: str
-    last_error: str | None
+    conditions: Conditions
     _subs: dict[str, Any]
     _ring_groups: RingGroups | None = None
     _ring_worker: StageWorker | None = None
@@ -50,6 +51,12 @@ class GroupFrames:
         if self._ring_worker is not worker:
             self._ring_groups, self._ring_worker = RingGroups(worker), worker
         return self._ring_groups
+
+    def left_to_the_ring(self, seq_id: str) -> bool:
+        """A sequence in a group on a node other than the last: it leaves by the group's frames (the
+        last node decides), never on this node's own account."""
+        groups = self._ring_groups
+        return groups is not None and not groups.spec.is_last and groups.in_group(seq_id)
 
     def drop_groups(self) -> None:
         """Forget every group (the shard goes): nothing may keep the old shard's arrays alive."""
@@ -145,7 +152,7 @@ class GroupFrames:
 
     def _fail_rows(self, frame: pb.Frame, code: str, message: str) -> None:
         log.info("round %d of group %d refused: %s", frame.step, frame.group, message)
-        self.last_error = message
+        self.conditions.failed(code, message)
         for r in frame.rows:
             err = pb.Error(code=code, message=message, node=self.name, seq_id=r.seq_id, step=frame.step)
             self._emit(frame.client_id, pb.Event(error=err))

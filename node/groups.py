@@ -104,6 +104,9 @@ class RingGroups:
         group waiting for its last round's commit cannot lose a row before it (the commit is per row):
         such a group ends here, and its next round is refused, which ends it everywhere."""
         for key, g in list(self.groups.items()):
+            if self.spec.is_last and g.in_flight and (seq_id in g.stage.ids or seq_id in g.joining):
+                g.released.add(seq_id)  # out of the group's next round, and so freed on every node
+                return True
             if seq_id in g.stage.ids:
                 if g.pending:
                     self.end(key)
@@ -218,13 +221,12 @@ class RingGroups:
         the group's frames free it everywhere. False: it is in no group; the caller frees it here and
         sends the release around, so the other nodes free it too."""
         for g in self.groups.values():
-            if g.in_flight and (seq_id in g.stage.ids or seq_id in g.joining):
-                g.released.add(seq_id)
-                return True
             for r in list(g.joins):
                 if r.seq_id == seq_id:
                     g.joins.remove(r)
                     g.budgets.pop(seq_id, None)
                     g.stops.pop(seq_id, None)
-        self.release(seq_id)
-        return False
+        return self.release(seq_id) and any(seq_id in g.released for g in self.groups.values())
+
+    def in_group(self, seq_id: str) -> bool:
+        return any(seq_id in g.stage.ids for g in self.groups.values())

@@ -32,11 +32,13 @@ import grpc
 from ..models import blas
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
+from .conditions import Conditions
 from .dataplane import NextStage
 from .group_frames import GroupFrames
+from .health import health_reply
+from .leases import LeaseHolder
 from .loader import LoadKey, load_stage
 from .protocol import StageError, StepOutput
-from .sysinfo import gpu_limit, mlx_active_memory, system_memory
 from .weights import WeightStore
 from .wire import describe_rpc_error, frame_to_request, next_round, output_to_result, tensor_from_pb, tensor_to_pb
 
@@ -60,7 +62,7 @@ class LinkStats:
     decode_bytes: int = 0
 
 
-class NodeService(GroupFrames, pb_grpc.NodeServicer):
+class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
     """The servicer, on one asyncio loop. Steps run on the loop itself: a decode step is milliseconds
     and a thread hop would cost more than it saves, and MLX arrays must be evaluated on the thread
     that built them (streams are per thread), so every shard and sequence lives on this one thread.
@@ -82,7 +84,7 @@ class NodeService(GroupFrames, pb_grpc.NodeServicer):
         self.ring: NextStage | None = None
         self.ring_stats = LinkStats()
         self._tasks: set[asyncio.Task] = set()  # in-process rounds (the loop keeps only weak references)
-        self.last_error: str | None = None
+        self.conditions = Conditions()  # what is wrong with the node now, since when (Health)
         self.loop: asyncio.AbstractEventLoop | None = None  # set by NodeServer: the node's MLX thread's loop
         self._load_lock: asyncio.Lock | None = None
         self._subs: dict[str, asyncio.Queue] = {}
@@ -109,8 +111,9 @@ class NodeService(GroupFrames, pb_grpc.NodeServicer):
                     found = await self.weights.resolve(request)  # a local copy, the shard cache or a peer
                     # On this thread (arrays belong to it), yielding to the loop between pieces.
                     self.worker, self.key = await load_stage(replace(key, model_path=str(found.path))), key
+                    self.conditions.clear("load")
                 except (ValueError, OSError, KeyError) as e:
-                    self.last_error = f"load failed: {e}"
+                    self.conditions.set("load", f"load failed: {e}")
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
             shard = self.worker.shard
             log.info("%s shard [%d, %d) of %s (%s)", "kept" if reused else "loaded", key.start, key.end,
@@ -169,7 +172,7 @@ class NodeService(GroupFrames, pb_grpc.NodeServicer):
             return
         if self.next is not None:
             await self.next.close()
-        self.next = NextStage(target, self.secret, self._link_lost("next stage")) if target else None
+        self.next = NextStage(target, self.secret, *self._link_watch("next stage")) if target else None
 
     @property
     def ring_self(self) -> bool:
@@ -186,7 +189,7 @@ class NodeService(GroupFrames, pb_grpc.NodeServicer):
             self.ring = None
         if not want:
             return
-        link = NextStage(want, self.secret, self._link_lost("first stage"))
+        link = NextStage(want, self.secret, *self._link_watch("first stage"))
         answered = await link.node_id(timeout=RING_PROBE_S)
         # The coordinator's address of the first node may mean another host from here (127.0.0.1, a
         # subnet this node is not on): start rounds only where the first node itself answers. Without
@@ -198,15 +201,17 @@ class NodeService(GroupFrames, pb_grpc.NodeServicer):
             return
         self.ring = link
 
-    def _link_lost(self, role: str) -> Callable[[str, Exception], None]:
+    def _link_watch(self, role: str) -> tuple[Callable[[str, Exception], None], Callable[[str], None]]:
+        """What the node does when a link breaks, and when one opens (the break is over)."""
+
         def lost(target: str, error: Exception) -> None:
             # Frames in flight on that link are lost: every client waiting on this chain must know.
             msg = f"lost the stream to the {role} {target}: {describe_rpc_error(error)}"
-            self.last_error = msg
+            self.conditions.set(f"link:{role}", msg)
             self.end_groups()
             self._broadcast(pb.Event(error=pb.Error(code="UNAVAILABLE", message=msg, node=target)))
 
-        return lost
+        return lost, lambda target: self.conditions.clear(f"link:{role}")
 
     def _dtype_name(self) -> str:
         return str(self.worker.dtype).removeprefix("mlx.core.") if self.worker else ""
@@ -259,6 +264,7 @@ class NodeService(GroupFrames, pb_grpc.NodeServicer):
             return
         if frame.step == 0 and frame.client_id:
             self._owners[frame.seq_id] = frame.client_id
+            self.lease(frame.seq_id)
         if isinstance(out, StepOutput) and frame.group and frame.final and not self.worker.overlap:
             self._emit(frame.client_id, self.joined(frame, out))
         elif isinstance(out, StepOutput):
@@ -300,7 +306,7 @@ class NodeService(GroupFrames, pb_grpc.NodeServicer):
         task.add_done_callback(self._tasks.discard)
 
     def _fail(self, frame: pb.Frame, code: str, message: str) -> None:
-        self.last_error = message
+        self.conditions.failed(code, message)
         log.info("step %d of %s refused: %s", frame.step, frame.seq_id, message)
         err = pb.Error(code=code, message=message, node=self.name, seq_id=frame.seq_id, step=frame.step)
         self._emit(frame.client_id, pb.Event(error=err))
@@ -317,7 +323,6 @@ class NodeService(GroupFrames, pb_grpc.NodeServicer):
         try:
             out = self._run(request)
         except StageError as e:
-            self.last_error = str(e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if isinstance(out, StepOutput):
             return pb.StepReply(result=output_to_result(out))
@@ -385,61 +390,7 @@ class NodeService(GroupFrames, pb_grpc.NodeServicer):
         return pb.PingReply(payload=request.payload, node_id=self.node_id, data_port=self.data_port)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthReply:
-        from .. import __version__
-
-        gpu_limit()  # asks MLX once, cached: here on the node's MLX thread, not on the executor's
-        used, available = await asyncio.get_running_loop().run_in_executor(None, system_memory)
-        reply = pb.HealthReply(
-            node_id=self.node_id,
-            version=__version__,
-            memory_used=used,
-            memory_available=available,
-            mlx_active_memory=mlx_active_memory(),
-            uptime_s=time.monotonic() - self.started,
-            last_error=self.last_error or "",
-            next_rtt_ms=-1.0,
-            forwarded_frames=self.link_stats.frames,
-            forwarded_bytes=self.link_stats.bytes,
-            forwarded_decode_frames=self.link_stats.decode_frames,
-            forwarded_decode_bytes=self.link_stats.decode_bytes,
-            ring=self.ring.target if self.ring is not None else ("self" if self.ring_self else ""),
-            ring_frames=self.ring_stats.frames,
-            ring_bytes=self.ring_stats.bytes,
-            data_port=self.data_port,
-            next_transport=self.next.transport if self.next is not None else "",
-            blas=self.blas.name,
-            blas_optimized=self.blas.optimized,
-            blas_threads=self.blas.threads or 0,
-        )
-        reply.MergeFrom(self.weights.health())
-        w, key = self.worker, self.key
-        if w is not None and key is not None:
-            reply.MergeFrom(
-                pb.HealthReply(
-                    loaded=True,
-                    model_path=key.model_path,
-                    start=key.start,
-                    end=key.end,
-                    num_layers=key.num_layers,
-                    is_first=w.spec.is_first,
-                    is_last=w.spec.is_last,
-                    parameter_bytes=w.shard.model.parameter_bytes(),
-                    active_sequences=len(w.sequences) + (self.ring_groups.rows if not w.overlap else 0),
-                    tokens_processed=w.stats.tokens_processed,
-                    steps=w.stats.steps,
-                    mean_step_ms=w.stats.mean_step_ms,
-                    dtype=self._dtype_name(),
-                    has_mtp=w.shard.has_mtp,
-                )
-            )
-            if w.stats.last_error and not self.last_error:
-                reply.last_error = w.stats.last_error
-        if self.next is not None:
-            reply.next = self.next.target
-            if request.probe_next:
-                reply.next_rtt_ms = await self.next.ping_ms()
-        return reply
-
+        return await health_reply(self, request.probe_next)
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
     try:

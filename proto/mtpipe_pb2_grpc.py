@@ -64,6 +64,11 @@ class NodeStub:
                 request_serializer=mtpipe__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=mtpipe__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/mtpipe.Node/Renew',
+                request_serializer=mtpipe__pb2.RenewRequest.SerializeToString,
+                response_deserializer=mtpipe__pb2.RenewReply.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/mtpipe.Node/Health',
                 request_serializer=mtpipe__pb2.HealthRequest.SerializeToString,
@@ -128,6 +133,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """The client still wants these sequences: their leases run on. A client's sequence whose lease runs
+        out (the client stopped renewing it: finished, failed, or the client is gone) is released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -181,6 +194,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=mtpipe__pb2.ReleaseRequest.FromString,
                     response_serializer=mtpipe__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=mtpipe__pb2.RenewRequest.FromString,
+                    response_serializer=mtpipe__pb2.RenewReply.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -360,6 +378,33 @@ class Node:
             '/mtpipe.Node/Release',
             mtpipe__pb2.ReleaseRequest.SerializeToString,
             mtpipe__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtpipe.Node/Renew',
+            mtpipe__pb2.RenewRequest.SerializeToString,
+            mtpipe__pb2.RenewReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from ...models.shard import ShardSpec
+from ...node.leases import renew_all
 from ...node.protocol import StageError, StepKind, StepOutput, StepRequest
 from ...node.wire import (
     describe_rpc_error,
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 # Prompt chunks in flight at once: enough to keep every stage busy, while bounding the hidden states
 # queued on the nodes (a 512-token chunk of a hidden-8192 bfloat16 model is 8 MiB).
 STEPS_IN_FLIGHT = 4
+RENEW_S = 1.0  # how often the sequences' leases are renewed on every node (a lease runs for seconds)
 
 
 @dataclass
@@ -115,6 +117,11 @@ class RemotePipeline:
         self._lock = threading.Lock()
         self._connect_lock = threading.Lock()
         self._closed = False
+        # Sequences this client still wants: their leases on every node are renewed about once a second
+        # (node/leases.py), so a lost release or a crash of this process never pins them there.
+        self.live: set[str] = set()
+        self._renewer: threading.Thread | None = None
+        self._stop = threading.Event()
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -176,6 +183,17 @@ class RemotePipeline:
             for node in self.nodes:
                 if node.subscription is None:
                     self._subscribe(node)
+            if self._renewer is None:
+                self._renewer = threading.Thread(target=self._renew, name="lease-renewer", daemon=True)
+                self._renewer.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(RENEW_S):
+            with self._lock:
+                live = sorted(self.live)
+            if live:
+                renew_all([n.stub for n in self.nodes], [n.metadata for n in self.nodes], self.client_id, live,
+                          timeout=RENEW_S)
 
     def _subscribe(self, node: NodeLink) -> None:
         call = node.stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id), metadata=node.metadata)
@@ -292,6 +310,7 @@ class RemotePipeline:
         """The waiter for this step's result: a new one, or the one of a round the last node started."""
         key = (req.seq_id, req.step)
         with self._lock:
+            self.live.add(req.seq_id)
             waiter = self._waiters.get(key)
             if waiter is None:
                 waiter = self._waiters[key] = _Waiter(decode=req.kind is StepKind.DECODE)
@@ -343,6 +362,7 @@ class RemotePipeline:
         if self._closed:
             return
         with self._lock:  # rounds the last node started that nobody will ask for
+            self.live.discard(seq_id)
             for key in [k for k, w in self._waiters.items() if k[0] == seq_id and not w.claimed and w.started]:
                 del self._waiters[key]
         try:
@@ -354,6 +374,7 @@ class RemotePipeline:
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
         self._first.close()
         for n in self.nodes:
             if n.subscription is not None:

@@ -1,0 +1,105 @@
+"""Leases on a node's sequences: a sequence stays only while the client that started it renews it.
+
+A client (coordinator) renews every sequence it still wants, on every node, about once a second
+(Renew). A sequence whose lease runs out is released, whatever happened to the frames that would
+have released it: a release lost with a broken stream, a client that crashed or hung, a node that
+was frozen longer than the lease. So a stage never fills up with the dead. A lease starts with the
+sequence's first frame, so a sequence whose first renewal is still on its way keeps its place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from ..proto import mtpipe_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+LEASE_S = 5.0
+SWEEP_S = 1.0
+
+
+class Leases:
+    """Expiry times of the sequences clients started (plain data; the service does the releasing)."""
+
+    def __init__(self, lease_s: float = LEASE_S):
+        self.lease_s = lease_s
+        self.expires: dict[str, float] = {}
+
+    def start(self, seq_id: str, now: float | None = None) -> None:
+        self.expires[seq_id] = (now if now is not None else time.monotonic()) + self.lease_s
+
+    def renew(self, seq_ids: list[str], owned: set[str], now: float | None = None) -> None:
+        """Extend the leases of `seq_ids` that `owned` (the renewing client's sequences) holds."""
+        until = (now if now is not None else time.monotonic()) + self.lease_s
+        for seq_id in seq_ids:
+            if seq_id in owned and seq_id in self.expires:
+                self.expires[seq_id] = until
+
+    def expired(self, now: float | None = None) -> list[str]:
+        now = now if now is not None else time.monotonic()
+        return [s for s, t in self.expires.items() if t < now]
+
+    def end(self, seq_id: str) -> None:
+        self.expires.pop(seq_id, None)
+
+
+class LeaseHolder:
+    """The node service's side (a mixin of NodeService, on its loop)."""
+
+    _owners: dict[str, str]
+    _leases: Leases | None = None
+    _sweeping: bool = False
+
+    def _release(self, seq_id: str) -> bool: ...  # NodeService's
+    def left_to_the_ring(self, seq_id: str) -> bool: ...  # GroupFrames'
+
+    @property
+    def leases(self) -> Leases:
+        if self._leases is None:
+            self._leases = Leases()
+        return self._leases
+
+    def lease(self, seq_id: str) -> None:
+        """A client's sequence starts here: its lease runs from now; the sweep runs while any does."""
+        self.leases.start(seq_id)
+        if not self._sweeping:
+            self._sweeping = True
+            asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        leases = self.leases
+        gone = [s for s in leases.expired() if s in self._owners and not self.left_to_the_ring(s)]
+        for seq_id in gone:
+            self._release(seq_id)
+        for seq_id in leases.expired():  # released some other way meanwhile, or just now
+            if seq_id not in self._owners:
+                leases.end(seq_id)
+        if gone:
+            log.info("released %d sequence(s) whose client stopped renewing them for %.0f s", len(gone),
+                     leases.lease_s)
+        self._sweeping = bool(leases.expires)
+        if self._sweeping:
+            asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+
+    async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewReply:
+        owned = {s for s, c in self._owners.items() if c == request.client_id}
+        self.leases.renew(list(request.seq_ids), owned)
+        return pb.RenewReply(lease_s=self.leases.lease_s)
+
+
+def renew_all(stubs: list[Any], metadata: list[Any], client_id: str, seq_ids: list[str], timeout: float) -> None:
+    """One renewal round from a client to every node (blocking; a node that does not answer is skipped:
+    its own failure is reported through the client's streams)."""
+    request = pb.RenewRequest(client_id=client_id, seq_ids=seq_ids)
+    futures = [stub.Renew.future(request, timeout=timeout, metadata=md) for stub, md in zip(stubs, metadata)]
+    for f in futures:
+        try:
+            f.result()
+        except grpc.RpcError as e:
+            log.debug("renewal not taken: %s", e)
