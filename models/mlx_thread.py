@@ -64,6 +64,11 @@ class MLXThread:
     def ident(self) -> int | None:
         return self._thread.ident
 
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs (GET /health: a dead MLX thread serves nothing)."""
+        return self._thread.is_alive() and not self._closed
+
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         future: Future[T] = Future()
         if self._closed:

@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
-from helpers import PROMPTS  # noqa: E402
+from helpers import PROMPTS, LiveServer  # noqa: E402
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -36,29 +36,6 @@ from mtpipe.node.protocol import SamplingParams  # noqa: E402
 
 MODEL = "tiny-dense"
 KEY = "test-key-123"
-
-
-class LiveServer:
-    """uvicorn on 127.0.0.1 and a free port, on a background thread."""
-
-    def __init__(self, app: Any):
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

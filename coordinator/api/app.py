@@ -8,7 +8,11 @@ Routes only: what a body means is decided in service.py, auth and request metric
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 400 for a bad value (or invalid JSON), 422 for a body of the wrong shape (a wrong type, a missing
 field), 404 for an unknown model, 401 for a missing or wrong API key, 503 when a stage refuses
-work, 500 for a bug. A request is validated completely before any node is touched.
+work, 500 for a bug, 413 for a body over `max_body_bytes`. A request is validated completely before
+any node is touched; parsing large bodies and tokenizing run off the event loop (service.py).
+
+GET /health answers 200 only when every stage is ready, else 503 naming each node that is not and why
+(readiness.py).
 
 Extensions: the `mtp_depth` request field, and `usage.mtp` = {depth, drafted, accepted,
 acceptance, rounds}. Defaults: temperature 1.0 and top_p 1.0 as in OpenAI's API, max_tokens
@@ -25,11 +29,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 from .chat import chat_messages, tool_spec
-from .defaults import DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
+from .defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
 from .errors import APIError, error_body, parse_body, validation_error
 from .gate import Gate
 from .generation import ResponseFormat
+from .limits import BodyLimit
 from .metrics import ServerMetrics
+from .readiness import Readiness
 from .service import Service
 
 if TYPE_CHECKING:
@@ -53,8 +59,10 @@ def create_app(
     cluster_info: Optional[Callable[[], dict]] = None,
     default_mtp_depth: Optional[int] = None,
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+    max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES,
 ) -> "FastAPI":
-    """The API over `engine`. `cluster_info` answers GET /v1/cluster (default: the local stages)."""
+    """The API over `engine`. `cluster_info` answers GET /v1/cluster (default: the local stages);
+    bodies over `max_body_bytes` are refused with 413 (None: no cap)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
@@ -69,7 +77,9 @@ def create_app(
     app = FastAPI(title="mtpipe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.state.metrics = metrics
-    app.add_middleware(Gate, api_key=api_key or None, metrics=metrics)
+    readiness = Readiness(engine)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(Gate, api_key=api_key or None, metrics=metrics)  # outermost: auth before any body is read
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError) -> JSONResponse:
@@ -92,9 +102,14 @@ def create_app(
                                        code="internal_error"), status_code=500)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": model_name, "mtp": engine.has_mtp,
-                "in_flight": metrics.in_flight_now()}
+    async def health() -> JSONResponse:
+        ready, details = await asyncio.to_thread(readiness.check)  # asks the nodes: blocking, bounded
+        body = {"status": "ok" if ready else "unavailable", "model": model_name, "mtp": engine.has_mtp,
+                "in_flight": metrics.in_flight_now(), **details}
+        if not ready:
+            body["error"] = error_body("; ".join(f"node {u['address']}: {u['reason']}" for u in details["unready"]),
+                                       type="server_error", code="not_ready")["error"]
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": service.created, "owned_by": "mtpipe",
@@ -170,8 +185,7 @@ def create_app(
         if isinstance(prompt, str):
             tokens = await service.encode_text(prompt)
         else:
-            service.check_token_ids(prompt)
-            tokens = list(prompt)
+            tokens = await service.token_ids(prompt)
         req = service.generation_request(body, params, tokens, body.max_tokens, "prompt")
         return await respond("/v1/completions", body, req, request, started)
 

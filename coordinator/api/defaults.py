@@ -6,3 +6,4 @@ DEFAULT_MODEL_NAME = "mtpipe"
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_CONCURRENCY = 32  # generations at once; more wait their turn (a stage holds 64 sequences)
 API_KEY_ENV = "MTPIPE_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # larger request bodies are refused with 413

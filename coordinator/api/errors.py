@@ -1,6 +1,9 @@
 """OpenAI-shaped errors for the REST API, and request bodies parsed into them."""
 
+import asyncio
 from typing import Any, Optional
+
+INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed on a worker thread, not on the event loop
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
@@ -59,6 +62,8 @@ async def parse_body(request: Any, cls: type) -> Any:
 
     raw = await request.body()
     try:
+        if len(raw) > INLINE_PARSE_BYTES:  # megabytes of JSON take the loop from every other request
+            return await asyncio.to_thread(cls.model_validate_json, raw)
         return cls.model_validate_json(raw)
     except ValidationError as e:
         errors = e.errors(include_url=False)

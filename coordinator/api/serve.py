@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from .app import create_app
-from .defaults import DEFAULT_HOST, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME, DEFAULT_PORT
+from .defaults import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME, DEFAULT_PORT
+from .readiness import NodeWatch, timestamp
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -18,26 +19,25 @@ log = logging.getLogger(__name__)
 
 
 def nodes_cluster_info(engine: "Engine", model_name: str, timeout: float = 2.0) -> Callable[[], dict]:
-    """GET /v1/cluster for an engine over running nodes (`mtpipe serve --nodes`): each node's Health."""
-    pipeline = engine.pipeline
+    """GET /v1/cluster for an engine over running nodes (`mtpipe serve --nodes`): each node's Health,
+    asked of each node on its own, so one that is down shows as down beside the others' real state."""
+    watch = NodeWatch(engine.pipeline)
 
     def info() -> dict[str, Any]:
-        addresses = [stage["address"] for stage in pipeline.describe()["stages"]]
+        states = watch.check(timeout, probe_next=True)
+        nodes = [s.as_dict() for s in states]
+        placement = [{"node": s.address, "layers": [s.reply.start, s.reply.end] if s.reply else None}
+                     for s in states]
+        links = [{"from": s.address, "to": s.reply.next, "rtt_ms": s.reply.next_rtt_ms}
+                 for s in states if s.reply and s.reply.next]
+        errors = [{"node": n["address"], "error": n["error"], "at": n["error_at"]} for n in nodes if n["error"]]
         out: dict[str, Any] = {"mode": "nodes", "model": model_name, "mtp": engine.has_mtp,
-                               "max_context": engine.max_context}
-        try:
-            replies = pipeline.health(probe_next=True, timeout=timeout)
-        except Exception as e:  # one node down fails the whole call: say so, and which nodes there are
-            from ...node.wire import describe_rpc_error
-
-            return {**out, "healthy": False, "error": describe_rpc_error(e), "placement": [], "links": [],
-                    "nodes": [{"address": a, "healthy": None} for a in addresses]}
-        nodes = [{"address": a, "healthy": r.loaded, **{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}}
-                 for a, r in zip(addresses, replies)]
-        placement = [{"node": a, "layers": [r.start, r.end]} for a, r in zip(addresses, replies)]
-        links = [{"from": a, "to": r.next, "rtt_ms": r.next_rtt_ms} for a, r in zip(addresses, replies) if r.next]
-        return {**out, "healthy": all(n["healthy"] for n in nodes), "placement": placement, "links": links,
-                "nodes": nodes}
+                               "max_context": engine.max_context, "healthy": not errors,
+                               "checked_at": timestamp(min(s.checked_at for s in states)),
+                               "placement": placement, "links": links, "nodes": nodes, "errors": errors}
+        if errors:
+            out["error"] = "; ".join(f"{e['node']}: {e['error']}" for e in errors)
+        return out
 
     return info
 
@@ -63,12 +63,14 @@ def serve(
     *,
     default_mtp_depth: Optional[int] = None,
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+    max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES,
 ) -> None:
     """Run the API with uvicorn until interrupted. Logging goes through the root logger."""
     import uvicorn
 
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
-                     default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency)
+                     default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
+                     max_body_bytes=max_body_bytes)
     if not api_key and not _is_loopback(host):
         log.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
     log.info("serving %s at http://%s:%d/v1", model_name, host, port)

@@ -4,15 +4,20 @@ A local engine batches every generation on its MLX thread; a pipeline of nodes r
 of its own (generation.py). Chunks reach the event loop through a queue, so the loop stays responsive.
 A client that goes away cancels its generation, which frees the sequence on every stage.
 
+Tokenizing runs on worker threads. A long prompt (seconds of tokenizing) takes a lane of its own with
+a copy of the tokenizer, so short requests never queue behind it for the shared one.
+
 (No `from __future__ import annotations` here: FastAPI reads the route annotations at run time.)
 """
 
 import asyncio
+import copy
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from ...node.protocol import SamplingParams, StageError, StageUnavailable
 from ..engine.batch import ServerBusy
@@ -31,10 +36,24 @@ if TYPE_CHECKING:
     from .models import _GenerationBody
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_STOP_STRINGS = 16
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (tiny ones overflow the softmax)
 DISCONNECT_POLL_S = 0.1
+LONG_PROMPT_CHARS = 32 * 1024  # longer prompts are tokenized on the long lane
+LONG_TOKEN_IDS = 64 * 1024  # longer token-id prompts are checked on a worker thread
+
+
+def _text_size(messages: list[dict[str, Any]]) -> int:
+    """About how many characters the messages hold (content, tool calls): what tokenizing costs."""
+    size = 0
+    for m in messages:
+        for key in ("content", "tool_calls", "reasoning_content"):
+            value = m.get(key)
+            if value:
+                size += len(value) if isinstance(value, str) else len(str(value))
+    return size
 
 
 class Service:
@@ -47,6 +66,8 @@ class Service:
         self.metrics = metrics
         self.slots = asyncio.Semaphore(max_concurrency)
         self.tokenizer_lock = threading.Lock()  # fast tokenizers may refuse concurrent use
+        self.long_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")  # one long prompt at a time
+        self._long_tokenizer: Any = None  # the long lane's own copy, made on first use
         self.native_tools: bool | None = None  # whether the chat template renders tools (probed once)
         self.created = int(time.time())
 
@@ -127,32 +148,53 @@ class Service:
             raise APIError(400, message, param=param, code=e.code) from None
         return req
 
+    async def tokenize(self, size: int, fn: Callable[[Any], T]) -> T:
+        """`fn(tokenizer)` off the event loop: the shared tokenizer for short texts, the long lane's
+        copy when `size` (characters) is long, so a long prompt holds up no short one."""
+        if size <= LONG_PROMPT_CHARS:
+            def short() -> T:
+                with self.tokenizer_lock:
+                    return fn(self.engine.tokenizer)
+
+            return await asyncio.to_thread(short)
+
+        def long() -> T:  # on the long lane's one thread
+            if self._long_tokenizer is None:
+                with self.tokenizer_lock:
+                    self._long_tokenizer = copy.deepcopy(self.engine.tokenizer)
+            return fn(self._long_tokenizer)
+
+        return await asyncio.get_running_loop().run_in_executor(self.long_lane, long)
+
     async def encode_chat(self, messages: list[dict[str, Any]], tools: "ToolSpec | None" = None) -> list[int]:
         """The prompt: plain messages as the engine encodes them; tools and tool turns as chat.py renders them."""
         plain = (tools is None or not tools.active) and not has_tool_turns(messages)
+        if self.native_tools is None and not plain:
+            self.native_tools = await self.tokenize(0, lambda tok: renders_tools(tok))
 
-        def encode() -> list[int]:
-            with self.tokenizer_lock:
-                if plain:
-                    return self.engine.encode_chat(messages)
-                tokenizer = self.engine.tokenizer
-                if self.native_tools is None:
-                    self.native_tools = renders_tools(tokenizer)
+        def encode(tokenizer: Any) -> list[int]:
+            if plain:
+                turns, rendered = messages, None
+            else:
                 turns, rendered = template_input(messages, tools, self.native_tools)
-                return list(tokenizer.apply_chat_template(turns, tools=rendered, add_generation_prompt=True,
-                                                          tokenize=True))
+            kwargs = {"tools": rendered} if rendered is not None else {}
+            return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, **kwargs))
 
         try:
-            return await asyncio.to_thread(encode)
+            return await self.tokenize(_text_size(messages), encode)
         except Exception as e:  # a template that refuses these messages
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
     async def encode_text(self, text: str) -> list[int]:
-        def encode() -> list[int]:
-            with self.tokenizer_lock:
-                return list(self.engine.tokenizer.encode(text))
+        return await self.tokenize(len(text), lambda tok: list(tok.encode(text)))
 
-        return await asyncio.to_thread(encode)
+    async def token_ids(self, ids: list[int]) -> list[int]:
+        """A prompt given as token ids, checked against the vocabulary (a long one off the event loop)."""
+        if len(ids) > LONG_TOKEN_IDS:
+            await asyncio.to_thread(self.check_token_ids, ids)
+        else:
+            self.check_token_ids(ids)
+        return list(ids)
 
     def check_token_ids(self, ids: list[int]) -> None:
         vocab = len(self.engine.tokenizer)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_CONCURRENCY, DEFAULT_PORT
+from ..api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_PORT
 from .common import add_mtp, progress_loader, stderr_console
 
 
@@ -23,6 +23,8 @@ def add_serve_command(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
                    help="generations at once; more requests wait")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"refuse larger request bodies with 413 (default {DEFAULT_MAX_BODY_BYTES}; 0: no limit)")
     add_mtp(p)
     p.set_defaults(func=cmd_serve)
 
@@ -34,6 +36,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
+    if args.max_body_bytes < 0:
+        raise ValueError("--max-body-bytes must be 0 (no limit) or more")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     path = resolve_model(args.model)
     if args.nodes:
@@ -64,7 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         cluster_info = nodes_cluster_info(engine, name) if args.nodes else None
         serve(engine, args.host, args.port, api_key=api_key, model_name=name, cluster_info=cluster_info,
-              default_mtp_depth=depth, max_concurrency=args.max_concurrency)
+              default_mtp_depth=depth, max_concurrency=args.max_concurrency,
+              max_body_bytes=args.max_body_bytes or None)
     finally:
         engine.pipeline.close()
     return 0

@@ -1,0 +1,189 @@
+"""Faults the API must survive: huge bodies, long prompts beside short ones, and nodes that go down.
+
+Each test bounds its waits: a request that stalls the others fails an upper bound here instead
+of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from helpers import LiveServer, node_servers
+
+from mtpipe.coordinator.api.app import create_app
+from mtpipe.coordinator.api.readiness import NodeWatch, Readiness
+from mtpipe.coordinator.api.serve import nodes_cluster_info
+from mtpipe.coordinator.engine.batch import BatchEngine
+from mtpipe.coordinator.engine.build import batch_engine, remote_engine
+from mtpipe.proto import mtpipe_pb2 as pb
+
+MODEL = "tiny-dense"
+SMALL = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def engine(dense_ckpt: Path) -> BatchEngine:
+    return batch_engine(dense_ckpt, stages=2, dtype=mx.float32)
+
+
+@pytest.fixture(scope="module")
+def server(engine: BatchEngine) -> Iterator[LiveServer]:
+    with LiveServer(create_app(engine, MODEL)) as s:  # the default cap, 4 MiB
+        yield s
+
+
+def timed(fn: Any) -> tuple[Any, float, float]:
+    """fn()'s result, and when it ended and how long it took (perf_counter)."""
+    t0 = time.perf_counter()
+    out = fn()
+    t1 = time.perf_counter()
+    return out, t1, t1 - t0
+
+
+def beside(big: Any, small: Any, head_start: float = 0.1) -> tuple[tuple, tuple]:
+    """`big()` on a thread and, a moment later, `small()` here: both timed."""
+    got: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: got.update(big=timed(big)))
+    thread.start()
+    time.sleep(head_start)
+    small_out = timed(small)
+    thread.join(timeout=60)
+    assert "big" in got, "the big request did not finish within 60 s"
+    return got["big"], small_out
+
+
+def test_huge_body_refused_fast_beside_a_small_request(server: LiveServer) -> None:
+    prompt = "hello world, " * (5_000_000 // 13)  # about 5 MB of JSON
+    with httpx.Client(timeout=30) as a, httpx.Client(timeout=30) as b:
+        a.post(server.url + "/v1/completions", json=SMALL)  # warm: the first generation compiles
+        (big, _, big_s), (small, _, small_s) = beside(
+            lambda: a.post(server.url + "/v1/completions", json={**SMALL, "prompt": prompt}),
+            lambda: b.post(server.url + "/v1/completions", json=SMALL), head_start=0.0)
+    assert big.status_code == 413, big.text
+    assert big.json()["error"]["code"] == "request_too_large" and big.json()["error"]["type"]
+    assert big_s < 3.0, f"a 5 MB body took {big_s:.1f} s to be refused"
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2
+    assert small_s < 3.0, f"a small request beside it took {small_s:.1f} s"
+
+
+def test_long_prompt_does_not_hold_up_short_ones(server: LiveServer) -> None:
+    """A prompt under the cap but seconds to tokenize: a short request sent after it finishes first."""
+    prompt = "hello world, " * (3_000_000 // 13)
+    with httpx.Client(timeout=60) as a, httpx.Client(timeout=30) as b:
+        (big, big_end, big_s), (small, small_end, small_s) = beside(
+            lambda: a.post(server.url + "/v1/completions", json={**SMALL, "prompt": prompt}),
+            lambda: b.post(server.url + "/v1/completions", json=SMALL))
+    assert big.status_code == 400 and big.json()["error"]["param"] == "prompt"  # longer than the context
+    assert small.status_code == 200
+    assert small_s < 1.5, f"a small request waited {small_s:.1f} s beside a long prompt ({big_s:.1f} s)"
+    assert small_end < big_end
+
+
+def test_chunked_body_counted_without_content_length(engine: BatchEngine) -> None:
+    limit = 64 * 1024
+    body = json.dumps({**SMALL, "prompt": "x" * (4 * limit)}).encode()
+
+    def chunks(data: bytes) -> Iterator[bytes]:  # no Content-Length: httpx sends it chunked
+        for i in range(0, len(data), 8192):
+            yield data[i:i + 8192]
+
+    with LiveServer(create_app(engine, MODEL, max_body_bytes=limit)) as s, httpx.Client(timeout=30) as c:
+        r, _, took = timed(lambda: c.post(s.url + "/v1/completions", content=chunks(body),
+                                          headers={"Content-Type": "application/json"}))
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert took < 3.0
+        r = c.post(s.url + "/v1/completions", content=b"x" * (limit + 1))  # with Content-Length
+        assert r.status_code == 413 and str(limit) in r.json()["error"]["message"]
+        small = json.dumps(SMALL).encode()
+        r = c.post(s.url + "/v1/completions", content=chunks(small), headers={"Content-Type": "application/json"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_health_local(server: LiveServer, engine: BatchEngine) -> None:
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+    class Dead:
+        pipeline = object()
+        thread = type("T", (), {"alive": False})()
+
+    ready, details = Readiness(Dead()).check()  # type: ignore[arg-type]
+    assert not ready and "stopped" in details["unready"][0]["reason"]
+
+
+def test_health_names_each_reason() -> None:
+    """Not answering, no shard and a reported error are each named, beside a node that is fine."""
+    import grpc
+
+    class Unreachable(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "connection refused"
+
+    def link(address: str, reply: Any) -> Any:
+        def health(req: Any, timeout: float, metadata: Any) -> Any:
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
+        return type("Link", (), {"address": address, "metadata": None, "stub": type("S", (), {"Health": staticmethod(health)})()})()
+
+    links = [link("a:1", pb.HealthReply(loaded=True)), link("b:2", Unreachable()),
+             link("c:3", pb.HealthReply(loaded=False)), link("d:4", pb.HealthReply(loaded=True, last_error="boom"))]
+    engine = type("E", (), {"pipeline": type("P", (), {"nodes": links})()})()
+    ready, details = Readiness(engine).check()  # type: ignore[arg-type]
+    assert not ready
+    reasons = {u["address"]: u["reason"] for u in details["unready"]}
+    assert set(reasons) == {"b:2", "c:3", "d:4"}
+    assert "UNAVAILABLE" in reasons["b:2"] and "no shard" in reasons["c:3"] and "boom" in reasons["d:4"]
+    watch = NodeWatch(engine.pipeline)
+    first = watch.check(1.0)[3].error_at
+    time.sleep(0.01)
+    assert watch.check(1.0)[3].error_at == first  # since when, not when last asked
+
+
+def test_health_and_cluster_over_nodes(dense_ckpt: Path) -> None:
+    with node_servers(2) as nodes:
+        engine = remote_engine(dense_ckpt, [n.address for n in nodes], dtype="float32")
+        try:
+            app = create_app(engine, MODEL, cluster_info=nodes_cluster_info(engine, MODEL))
+            with LiveServer(app) as s, httpx.Client(timeout=30) as c:
+                r = c.get(s.url + "/health")
+                assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["nodes"] == 2
+                info = c.get(s.url + "/v1/cluster").json()
+                assert info["healthy"] is True and [n["healthy"] for n in info["nodes"]] == [True, True]
+
+                nodes[1].stop(0)
+                r, _, took = timed(lambda: c.get(s.url + "/health"))
+                assert r.status_code == 503 and took < 5.0
+                body = r.json()
+                assert body["status"] == "unavailable"
+                assert [u["address"] for u in body["unready"]] == [nodes[1].address]
+                assert "does not answer" in body["unready"][0]["reason"]
+                assert nodes[1].address in body["error"]["message"]
+
+                info = c.get(s.url + "/v1/cluster").json()
+                first, second = info["nodes"]
+                assert info["healthy"] is False and nodes[1].address in info["error"]
+                assert first["healthy"] is True and first["loaded"] is True and first["error"] is None
+                assert first["node_id"] and first["end"] == 4  # the live node's own state, not hidden
+                assert second["healthy"] is False and second["reachable"] is False
+                assert "does not answer" in second["error"] and second["error_at"]
+                assert info["errors"] == [{"node": nodes[1].address, "error": second["error"],
+                                           "at": second["error_at"]}]
+                assert info["placement"][0]["layers"] == [0, 4] and info["placement"][1]["layers"] is None
+        finally:
+            engine.pipeline.close()
