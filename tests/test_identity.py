@@ -36,11 +36,10 @@ def test_backbone_logits_match_mlx_lm(ckpt: Path) -> None:
     assert mx.abs(ours.lm_logits(ours.final_norm(h)) - ref).max().item() <= 1e-5
 
 
-def test_greedy_identity_all_depths(ckpt: Path) -> None:
-    assert len(PROMPTS) >= 20
+def check_identity_all_depths(ckpt: Path, prompts: list[str]) -> None:
     engine = local_engine(ckpt, dtype=mx.float32)
     model, tok = mlx_load(str(ckpt))
-    for text in PROMPTS:
+    for text in prompts:
         prompt = tok.encode(text)
         reference = mlx_lm_tokens(model, tok, prompt, engine.eos)
         for depth in (0, 1, 2, 3, "auto"):
@@ -52,6 +51,21 @@ def test_greedy_identity_all_depths(ckpt: Path) -> None:
                 assert result.stats.drafted > 0 and set(result.stats.depths) == {depth}
             if auto:
                 assert set(result.stats.depths) <= {0, 1, 2, 3} and sum(result.stats.depths.values()) == result.stats.rounds
+
+
+def test_greedy_identity_all_depths(dense_ckpt: Path) -> None:
+    assert len(PROMPTS) >= 20
+    check_identity_all_depths(dense_ckpt, PROMPTS)
+
+
+def test_greedy_identity_all_depths_moe(moe_ckpt: Path) -> None:
+    """Every third prompt by default (the MoE path is the same code past the MLP); all with -m slow."""
+    check_identity_all_depths(moe_ckpt, PROMPTS[::3])
+
+
+@pytest.mark.slow
+def test_greedy_identity_all_depths_moe_every_prompt(moe_ckpt: Path) -> None:
+    check_identity_all_depths(moe_ckpt, PROMPTS)
 
 
 @pytest.mark.parametrize("stages", [2, 3])

@@ -388,7 +388,7 @@ def test_stream_verifier_checks_every_tensor_as_bytes_arrive() -> None:
     for i in range(0, len(data), 333):
         v.feed(memoryview(data)[i : i + 333])
     assert v.finish() is None
-    for bad, why in [(data[:-1], "t3: truncated"), (data[:500] + b"x" + data[501:], "t0: content hash differs"),
+    for bad, why in [(data[:-1], "t3: truncated"), (data[:500] + bytes([data[500] ^ 1]) + data[501:], "t0: content hash differs"),
                      (data + b"y", "more bytes than the tensors hold")]:
         v = StreamVerifier(tensors)
         v.feed(bad)
