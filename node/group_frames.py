@@ -29,6 +29,7 @@ class GroupFrames:
     name: str
     conditions: Conditions
     _subs: dict[str, Any]
+    _owners: dict[str, str]
     _ring_groups: RingGroups | None = None
     _ring_worker: StageWorker | None = None
 
@@ -57,6 +58,10 @@ class GroupFrames:
         last node decides), never on this node's own account."""
         groups = self._ring_groups
         return groups is not None and not groups.spec.is_last and groups.in_group(seq_id)
+
+    def end_idle_groups(self, idle_s: float) -> None:
+        if self._ring_groups is not None and (n := self._ring_groups.end_idle(idle_s)):
+            log.info("ended %d group(s) whose rounds stopped coming for %.0f s", n, idle_s)
 
     def drop_groups(self) -> None:
         """Forget every group (the shard goes): nothing may keep the old shard's arrays alive."""
@@ -128,12 +133,15 @@ class GroupFrames:
             return False
         groups = self.ring_groups
         if not groups.spec.is_last:
-            if frame.ring:
+            if frame.ring:  # (the client's own: its lease keeps running here until the last node's word)
+                self._owners.pop(frame.seq_id, None)
                 groups.release(frame.seq_id)
             self._forward(frame)
-        elif not frame.ring and not groups.client_release(frame.seq_id):  # (ring: it came back around)
-            self._start_round(pb.Frame(client_id=frame.client_id, seq_id=frame.seq_id, kind=pb.RELEASE,
-                                       group=frame.group, ring=True))
+        elif not frame.ring:  # (ring: it came back around)
+            self._owners.pop(frame.seq_id, None)
+            if not groups.client_release(frame.seq_id):
+                self._start_round(pb.Frame(client_id=frame.client_id, seq_id=frame.seq_id, kind=pb.RELEASE,
+                                           group=frame.group, ring=True))
         return True
 
     def _group_failed(self, groups: RingGroups, rnd: GroupRound, frame: pb.Frame, code: str, message: str) -> None:

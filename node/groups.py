@@ -19,6 +19,7 @@ last node sends around), never on the client's release, which could overtake the
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -43,6 +44,7 @@ class Group:
     joins: list[GroupRow] = field(default_factory=list)  # prefilled, waiting for the next round
     joining: set[str] = field(default_factory=set)  # joins riding the round on its way
     released: set[str] = field(default_factory=set)  # the client let go: out of the next round
+    seen: float = field(default_factory=time.monotonic)  # when a round of it was last here
 
 
 class RingGroups:
@@ -62,6 +64,11 @@ class RingGroups:
         """This node's part of a group round (an ending round must not get here)."""
         self._validate(rnd)
         g = self.groups.get(rnd.key)
+        if g is not None and rnd.round == 1 and not self.spec.is_last:
+            # a first round of a group this node still holds: the last node started it anew (it
+            # restarted, or the old group failed there); the old one is gone
+            self.end(rnd.key)
+            g = None
         kept = [r for r in rnd.rows if not r.join]
         joins = [r for r in rnd.rows if r.join]
         if g is None and kept:
@@ -76,6 +83,7 @@ class RingGroups:
             raise StageError(f"group {rnd.group}: sequence {missing[0]!r} joins but was not prefilled here")
         if g is None:
             g = self.groups[rnd.key] = Group(BatchStage(self.worker))
+        g.seen = time.monotonic()
         stage = g.stage
         if g.pending:
             by_id = {r.seq_id: r.commit for r in kept}
@@ -114,6 +122,15 @@ class RingGroups:
                     g.stage.leave({seq_id})
                 return True
         return self.worker.release(seq_id)
+
+    def end_idle(self, idle_s: float) -> int:
+        """End the groups no round of which came by for `idle_s`: a live group always has one going
+        around (its rounds were lost with a node or a link). Returns how many."""
+        now = time.monotonic()
+        stale = [k for k, g in self.groups.items() if now - g.seen > idle_s]
+        for key in stale:
+            self.end(key)
+        return len(stale)
 
     def end_all(self) -> None:
         """Every group ends here (a link of the ring broke: their rounds are lost)."""
@@ -214,6 +231,7 @@ class RingGroups:
             return GroupRound(client_id, group, g.round, [], from_last=True)
         g.in_flight = True
         g.joining = {r.seq_id for r in joins}
+        g.seen = time.monotonic()
         return GroupRound(client_id, group, g.round, rows, from_last=True)
 
     def client_release(self, seq_id: str) -> bool:

@@ -58,6 +58,7 @@ class LeaseHolder:
 
     def _release(self, seq_id: str) -> bool: ...  # NodeService's
     def left_to_the_ring(self, seq_id: str) -> bool: ...  # GroupFrames'
+    def end_idle_groups(self, idle_s: float) -> None: ...  # GroupFrames'
 
     @property
     def leases(self) -> Leases:
@@ -73,6 +74,7 @@ class LeaseHolder:
             asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
 
     def _sweep(self) -> None:
+        self.end_idle_groups(self.leases.lease_s)
         leases = self.leases
         gone = [s for s in leases.expired() if s in self._owners and not self.left_to_the_ring(s)]
         for seq_id in gone:

@@ -238,7 +238,6 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
 
     async def on_frame(self, frame: pb.Frame) -> None:
         if frame.kind == pb.RELEASE:
-            self._owners.pop(frame.seq_id, None)
             if self.release_grouped(frame):
                 return
             self._release(frame.seq_id)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from helpers import PROMPTS
 
@@ -29,19 +30,24 @@ FREEZE_S = 4.0
 SETTLE_S = 15.0  # failures noticed (~2.5 s), leases run out (5 s), sweeps (1 s), with room for a slow machine
 
 
+def start_node(address: str) -> subprocess.Popen:
+    port = address.rsplit(":", 1)[1]
+    return subprocess.Popen(node_command("--host", "127.0.0.1", "--port", port), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
 @contextmanager
-def node_processes(n: int) -> Iterator[list[tuple[subprocess.Popen, str]]]:
+def node_processes(n: int) -> Iterator[list[list]]:
+    """[process, address] per node (a test may restart a node in place)."""
+    import socket
+
     procs = []
     try:
         for _ in range(n):
-            import socket
-
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            cmd = node_command("--host", "127.0.0.1", "--port", str(port))
-            procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-                          f"127.0.0.1:{port}"))
+                address = f"127.0.0.1:{s.getsockname()[1]}"
+            procs.append([start_node(address), address])
         wait_for_nodes([a for _, a in procs], timeout=120)
         yield procs
     finally:
@@ -82,40 +88,47 @@ def test_leases_run_out_unless_renewed() -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("victim", [0, 1])
-@pytest.mark.parametrize("build", [ring_engine, remote_engine], ids=["ring", "per_sequence"])
-def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victim: int) -> None:
-    """Streams through a node frozen for 4 s fail; then every node holds 0 sequences and new requests
-    succeed, cycle after cycle."""
+@pytest.mark.parametrize(("build", "victim", "cycles"), [(ring_engine, 1, 2), (ring_engine, 0, 1), (remote_engine, 1, 1)],
+                         ids=["ring-last", "ring-first", "per_sequence-last"])
+def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victim: int, cycles: int) -> None:
+    """A node frozen for 4 s: the ring engine's streams pause and go on with the tokens of an
+    undisturbed run (the per-sequence engine's fail, naming the node); either way every node holds
+    0 sequences afterwards and new requests succeed, cycle after cycle."""
+    from mtpipe.coordinator.engine.build import local_engine
+
+    reference = local_engine(dense_ckpt, dtype=mx.float32)
     with node_processes(2) as procs:
         engine = build(dense_ckpt, [a for _, a in procs], dtype="float32")
+        resumes = build is ring_engine
         try:
-            tokens = engine.tokenizer.encode(PROMPTS[0])
-            for _ in range(2):
+            reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i + 1]), max_tokens=160, mtp_depth=2)
+                    for i in range(4)]
+            want = [reference.complete(r).tokens for r in reqs]
+            for _ in range(cycles):
                 sinks = []
-                for i in range(4):
+                for r in reqs:
                     q: queue.SimpleQueue = queue.SimpleQueue()
-                    prompt = engine.tokenizer.encode(PROMPTS[i + 1])
-                    open_stream(engine, GenerationRequest(prompt, max_tokens=3000, mtp_depth=2), q.put)
+                    open_stream(engine, r, q.put)
                     sinks.append(q)
-                for q in sinks:
-                    assert not isinstance(q.get(timeout=60), BaseException)
+                got: list[list[int]] = [[] for _ in reqs]
+                for i, q in enumerate(sinks):
+                    got[i] += q.get(timeout=60).tokens
                 pid = procs[victim][0].pid
                 os.kill(pid, signal.SIGSTOP)
                 time.sleep(FREEZE_S)
                 os.kill(pid, signal.SIGCONT)
-                for q in sinks:  # every stream ends, with an error
-                    item = q.get(timeout=30)
-                    while item is not END and not isinstance(item, BaseException):
-                        item = q.get(timeout=30)
-                    assert isinstance(item, BaseException)
+                for i, q in enumerate(sinks):  # every stream ends: whole when resumed, else with an error
+                    while (item := q.get(timeout=60)) is not END and not isinstance(item, BaseException):
+                        got[i] += item.tokens
+                    if resumes:
+                        assert item is END and got[i] == want[i]
+                    else:
+                        assert isinstance(item, BaseException) and procs[victim][1] in str(item)
                 deadline = time.monotonic() + SETTLE_S
                 while any(left := active(engine)) and time.monotonic() < deadline:
                     time.sleep(0.25)
                 assert left == [0, 0]
-                result = engine.complete(GenerationRequest(tokens, max_tokens=8))
-                assert result.finish_reason in ("length", "stop") and result.tokens
-            assert active(engine) == [0, 0] or not any(active(engine))
+                assert engine.complete(reqs[0]).tokens == want[0]
         finally:
             getattr(engine, "close", engine.pipeline.close)()
 
@@ -146,3 +159,56 @@ def test_a_sequence_nobody_renews_is_released(dense_ckpt: Path) -> None:
             assert all("kept" in s.service.worker.sequences for s in servers)
         finally:
             pipeline.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n: int) -> None:
+    """Kill the last node mid-generation and start it again on its address: the engine forms the
+    pipeline again by itself (new requests meanwhile get a retry hint, /health is 503 naming the node, then
+    200 again), and the greedy requests that
+    were running finish with exactly the tokens of an undisturbed run."""
+    from mtpipe.coordinator.api.readiness import Readiness
+    from mtpipe.coordinator.engine.batch import ServerBusy
+    from mtpipe.coordinator.engine.build import local_engine
+
+    with node_processes(n) as procs:
+        engine = ring_engine(dense_ckpt, [a for _, a in procs], dtype="float32")
+        readiness = Readiness(engine, timeout=2.0)
+        try:
+            reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=48, mtp_depth=d)
+                    for i, d in enumerate([0, 2, 3])]
+            reference = local_engine(dense_ckpt, dtype=mx.float32)
+            want = [reference.complete(r).tokens for r in reqs]
+            sinks = []
+            for r in reqs:
+                q: queue.SimpleQueue = queue.SimpleQueue()
+                engine.open(r, q.put)
+                sinks.append(q)
+            got: list[list[int]] = [[] for _ in reqs]
+            for i, q in enumerate(sinks):  # some tokens out before the fault
+                got[i] += q.get(timeout=60).tokens
+            victim = procs[-1]
+            victim[0].kill()
+            victim[0].wait()
+            deadline = time.monotonic() + 10
+            while engine.pipeline.reformer.down is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with pytest.raises(ServerBusy):
+                engine.open(reqs[0], lambda item: None)
+            ready, details = readiness.check()  # GET /health: 503 naming the node
+            assert not ready and victim[1] in [u["address"] for u in details["unready"]]
+            victim[0] = start_node(victim[1])
+            for i, q in enumerate(sinks):
+                while (item := q.get(timeout=90)) is not END:
+                    assert not isinstance(item, BaseException), item
+                    got[i] += item.tokens
+            assert got == want
+            assert engine.pipeline.reformer.down is None and readiness.check() == (True, {"nodes": n, "unready": []})
+            assert engine.complete(reqs[1]).tokens == want[1]  # and it serves new requests
+            deadline = time.monotonic() + SETTLE_S
+            while any(left := active(engine)) and time.monotonic() < deadline:
+                time.sleep(0.25)
+            assert left == [0] * n
+        finally:
+            engine.close()

@@ -115,6 +115,11 @@ class Readiness:
             states = self.nodes.check(self.timeout)
             down = [{"address": s.address, "reason": s.error, "since": timestamp(s.error_at or s.checked_at)}
                     for s in states if not s.ready]
+            reformer = getattr(self.engine.pipeline, "reformer", None)
+            if not down and reformer is not None and (lost := reformer.down) is not None:
+                # every node answers, but the pipeline over them is not formed again yet
+                down = [{"address": getattr(lost, "node", "pipeline"), "reason": f"being formed again after: {lost}",
+                         "since": timestamp(reformer.down_at)}]
             return not down, {"nodes": len(states), "unready": down}
         thread = getattr(self.engine, "thread", None)  # a BatchEngine runs every stage on one MLX thread
         if thread is not None and not getattr(thread, "alive", True):

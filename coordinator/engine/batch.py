@@ -43,7 +43,8 @@ DEFAULT_PREFILL_CHUNK = 512
 
 
 class ServerBusy(RuntimeError):
-    """A request waited longer than the queue timeout for memory to free up."""
+    """The engine cannot take a request now (it waited past the queue timeout for room, or the
+    pipeline is being formed again): the client should retry after `retry_after` seconds."""
 
     def __init__(self, message: str, retry_after: int):
         super().__init__(message)

@@ -12,7 +12,7 @@ from ..pipeline.local import even_split, local_pipeline
 from .batch import BatchEngine
 from .engine import DEFAULT_PREFILL_CHUNK, Engine
 from .ring import DEFAULT_MAX_ROWS as RING_MAX_ROWS
-from .ring import RingEngine
+from .ring import RESUME_WINDOW_S, RingEngine
 from .scheduler import ModelDims
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,7 @@ def ring_engine(
     dtype: str | None = None,
     groups: int | None = None,
     max_rows: int = RING_MAX_ROWS,
+    resume_window: float = RESUME_WINDOW_S,
     **pipeline_options: Any,
 ) -> RingEngine | Engine:
     """Many sequences over `nodes`, in groups whose rounds circle the nodes (engine/ring.py). One node,
@@ -139,7 +140,7 @@ def ring_engine(
                     "one node" if len(nodes) == 1 else "the last node cannot reach the first")
         return Engine(pipeline, tokenizer, eos, context, has_mtp, prefill_chunk=chunk, vocab_size=config.args.vocab_size)
     return RingEngine(pipeline, tokenizer, eos, context, has_mtp, config.args.vocab_size, prefill_chunk=chunk,
-                      groups=groups, max_rows=max_rows)
+                      groups=groups, max_rows=max_rows, resume_window=resume_window)
 
 
 def _load_remote(model_path: Path | str, nodes: list[str], mtp: bool, secret: str | None,

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...node.protocol import StepKind, StepOutput, StepRequest
+from ...node.protocol import StageUnavailable, StepKind, StepOutput, StepRequest
 from . import scheduler as plan
 from .batch import END, ServerBusy
 from .detokenizer import TextStream
@@ -42,6 +42,8 @@ Sink = Callable[[Any], None]
 DEFAULT_MAX_ROWS = 32
 DEFAULT_QUEUE_TIMEOUT_S = 60.0
 GROUPS_REFRESH_S = 10.0  # how often the number of groups is reconsidered from the nodes' step times
+RESUME_WINDOW_S = 30.0  # a request whose node is lost waits this long for the pipeline to come back
+RETRY_AFTER_DOWN_S = 5  # the Retry-After of a request refused while the pipeline is down
 
 
 @dataclass
@@ -59,6 +61,9 @@ class RingLive:
     started: float = 0.0
     admitted: bool = False
     prefilling: bool = False  # its prompt is on its way: a release now could overtake it
+    resuming: bool = False  # its sequence was lost with a node: waiting for the pipeline to come back
+    resumes: int = 0
+    emitted: list[int] = field(default_factory=list)  # every token handed out (replayed on a resume)
     done: bool = False
     # Held while outcomes are handed out (in order, by one thread at a time) and while it finishes.
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -78,7 +83,8 @@ class RingHandle:
 class RingEngine:
     def __init__(self, pipeline: Any, tokenizer: Any, eos_token_ids: set[int] | list[int], max_context: int,
                  has_mtp: bool, vocab_size: int, *, prefill_chunk: int, max_rows: int = DEFAULT_MAX_ROWS,
-                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, groups: int | None = None):
+                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, groups: int | None = None,
+                 resume_window: float = RESUME_WINDOW_S):
         self.pipeline = pipeline  # a RemotePipeline whose last node starts rounds itself
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
@@ -88,6 +94,7 @@ class RingEngine:
         self.prefill_chunk = prefill_chunk
         self.max_rows = max_rows
         self.queue_timeout = queue_timeout
+        self.resume_window = resume_window
         self.fixed_groups = groups
         self.groups = groups or len(pipeline.nodes)
         self._groups_at = 0.0
@@ -109,6 +116,9 @@ class RingEngine:
     def open(self, req: GenerationRequest, sink: Sink) -> RingHandle:
         """Queue a request; its chunks, then END or an exception, go to `sink` (from another thread)."""
         self.validate(req)
+        down = self.pipeline.reformer.down
+        if down is not None:
+            raise ServerBusy(f"{down}; the pipeline is being formed again", retry_after=RETRY_AFTER_DOWN_S)
         # 64 random bits for an id: every group frame names each of its rows
         live = RingLive(uuid.uuid4().hex[:16], req, sink, TextStream(self.tokenizer, req.stop),
                         GenerationStats(prompt_tokens=len(req.prompt_tokens)), time.monotonic())
@@ -157,20 +167,31 @@ class RingEngine:
                 return
             live.admitted = True
             live.started = time.perf_counter()
-            with self._lock:
-                live.group = plan.pick_group(self._rows, self._groups_now())
-                self._rows[live.group] = self._rows.get(live.group, 0) + 1
-            self.pipeline.row_sinks[live.seq_id] = lambda item: self._on_row(live, item)
+            self._place(live)
+        self._prefill(live)
+
+    def _place(self, live: RingLive) -> None:
+        """Into the group with the fewest rows; its outcomes come to this request (under live.lock)."""
+        with self._lock:
+            live.group = plan.pick_group(self._rows, self._groups_now())
+            self._rows[live.group] = self._rows.get(live.group, 0) + 1
+        self.pipeline.row_sinks[live.seq_id] = lambda item, seq=live.seq_id: self._on_row(live, seq, item)
+
+    def _prefill(self, live: RingLive) -> None:
+        """The prompt, and after a resume the tokens already handed out, in chunks; then the row
+        decodes in its group for the tokens still wanted."""
         req = live.req
-        prompt = req.prompt_tokens
+        prompt = req.prompt_tokens + live.emitted
         body = prompt[:-1]
         chunks = [(body[i : i + self.prefill_chunk], False) for i in range(0, len(body), self.prefill_chunk)]
         chunks.append((prompt[-1:], True))
+        left = req.max_tokens - live.generated
         steps = [StepRequest(live.seq_id, i, StepKind.PREFILL, chunk, final=final,
                              params=req.params if i == 0 else None, mtp_depth=req.mtp_depth if i == 0 else 0,
-                             mtp_auto=req.mtp_auto and i == 0, budget=req.max_tokens if final else 0,
+                             mtp_auto=req.mtp_auto and i == 0, budget=left if final else 0,
                              stop_tokens=self._stop_tokens if final else (), group=live.group)
                  for i, (chunk, final) in enumerate(chunks)]
+        seq_id = live.seq_id
         with live.lock:
             live.prefilling = True
         try:
@@ -183,18 +204,48 @@ class RingEngine:
                 self._release(live)
                 return
         if isinstance(out, Exception):
-            self._finish(live, out)
+            self._on_row(live, seq_id, out)
             return
-        live.stats.prefill_seconds = time.perf_counter() - live.started
+        live.stats.prefill_seconds += time.perf_counter() - live.started
         live.started = time.perf_counter()
         self._deliver(live, 0, out)
 
-    def _on_row(self, live: RingLive, item: StepOutput | Exception) -> None:
-        """A group round's outcome for this row, or an error about it (the subscription's thread)."""
+    def _on_row(self, live: RingLive, seq_id: str, item: StepOutput | Exception) -> None:
+        """A group round's outcome for this row, or an error about it (the subscription's thread).
+        A lost node does not end the request while the pipeline may come back: it resumes."""
         if isinstance(item, Exception):
+            if isinstance(item, StageUnavailable) and self.resume_window > 0:
+                with live.lock:
+                    resume = not live.done and not live.resuming and live.seq_id == seq_id
+                    if resume:
+                        live.resuming = True
+                        self._release(live, slot=False)  # the lost sequence: freed where it survived
+                if resume:
+                    self._pool.submit(self._resume, live, item)
+                return
             self._finish(live, item)
             return
-        self._deliver(live, item.step + 1, item)
+        if seq_id == live.seq_id:
+            self._deliver(live, item.step + 1, item)
+
+    def _resume(self, live: RingLive, error: Exception) -> None:
+        """Wait for the pipeline to be formed again, then go on as a new sequence: the prompt and the
+        tokens already handed out are prefilled, and decoding continues where it stopped."""
+        log.info("request %s waits for the pipeline (%s)", live.seq_id, error)
+        if not self.pipeline.reformer.wait(self.resume_window):
+            with live.lock:
+                live.resuming = False
+            self._finish(live, error, released=True)
+            return
+        with live.lock:
+            if live.done:  # cancelled while it waited (its slot went back then)
+                return
+            live.seq_id = uuid.uuid4().hex[:16]
+            live.expected, live.early, live.resuming = 0, {}, False
+            live.resumes += 1
+            live.started = time.perf_counter()
+            self._place(live)
+        self._prefill(live)
 
     def _deliver(self, live: RingLive, order: int, out: StepOutput) -> None:
         """Outcomes in order: the prefill's, then the group rounds' (the prefill's thread may hand its
@@ -215,6 +266,7 @@ class RingEngine:
         req = live.req
         new, finish = take_tokens(out.tokens, self.eos, live.text, live.generated, req.max_tokens)
         live.generated += len(new)
+        live.emitted += new
         live.stats.generation_tokens = live.generated
         logprobs = out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None
         if finish is None and first and not out.continued:
@@ -229,20 +281,23 @@ class RingEngine:
         self._finish(live, None)
         return True
 
-    def _finish(self, live: RingLive, error: BaseException | None) -> None:
+    def _finish(self, live: RingLive, error: BaseException | None, released: bool = False) -> None:
         """Take a request out (once): its row leaves the group and is freed on every node (once its
-        prompt is through, if it is still on its way)."""
+        prompt is through, if it is still on its way). A request waiting to resume has no sequence
+        on the nodes (`released`): only its slot is given back."""
         with live.lock:
             if live.done:
                 return
             live.done = True
-            if live.admitted and not live.prefilling:
+            if released or live.resuming:
+                self._slots.release()
+            elif live.admitted and not live.prefilling:
                 self._release(live)
             if error is not None:
                 live.sink(error)
             live.sink(END)
 
-    def _release(self, live: RingLive) -> None:
+    def _release(self, live: RingLive, slot: bool = True) -> None:
         self.pipeline.row_sinks.pop(live.seq_id, None)
         try:
             self.pipeline.release(live.seq_id, group=live.group)
@@ -250,7 +305,8 @@ class RingEngine:
             log.exception("releasing %s failed", live.seq_id)
         with self._lock:
             self._rows[live.group] -= 1
-        self._slots.release()
+        if slot:
+            self._slots.release()
 
     def _groups_now(self) -> int:
         """Groups in flight: fixed, or from the nodes' measured step times now and then."""

@@ -40,6 +40,7 @@ from ...node.wire import (
 )
 from ...proto import mtpipe_pb2 as pb
 from .nodes import FrameStream, NodeFailure, NodeLink, RemoteStageError
+from .reform import Reformer
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ class RemotePipeline:
         self.live: set[str] = set()
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
+        self._load_args: tuple | None = None
+        self.reformer = Reformer(self._reform)  # a lost node: down, then formed again (reform.py)
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -138,6 +141,7 @@ class RemotePipeline:
         from ...models.fingerprint import model_fingerprint, shard_names
 
         path = str(Path(model_path).resolve())
+        self._load_args = (model_path, specs, mtp, dtype)
         # The model by identity: each node checks its own copy against it, or fetches its shard's tensors.
         fingerprint = model_fingerprint(path)
         first = self.nodes[0]
@@ -174,6 +178,17 @@ class RemotePipeline:
     def rings(self) -> bool:
         """The last node starts rounds itself (it reached the first node): ring groups can run."""
         return len(self.nodes) > 1 and bool(self.connect_replies) and self.connect_replies[-1].ring
+
+    def _reform(self) -> None:
+        """The same pipeline again (Reformer's attempts): every node answers and holds its shard, the
+        ring and the subscriptions are back."""
+        if self._load_args is None:
+            raise RuntimeError("the pipeline was never loaded")
+        for n in self.nodes:
+            n.stub.Ping(pb.PingRequest(), timeout=2.0, metadata=n.metadata)
+        model_path, specs, mtp, dtype = self._load_args
+        self.load(model_path, specs, mtp=mtp, dtype=dtype)
+        self._connect()
 
     def _connect(self) -> None:
         """Make sure every node holds a live subscription for this client (results and errors)."""
@@ -226,7 +241,7 @@ class RemotePipeline:
         node.subscription = None
         if not self._closed:
             log.warning("lost node %s: %s", node.address, describe_rpc_error(error))
-            self._fail_all(NodeFailure(node.address, f"died or stopped answering ({describe_rpc_error(error)})"))
+            self._lost(NodeFailure(node.address, f"died or stopped answering ({describe_rpc_error(error)})"))
 
     def _dispatch(self, event: pb.Event) -> None:
         size = event.ByteSize()
@@ -257,7 +272,7 @@ class RemotePipeline:
         elif kind == "error":
             e = event.error
             if not e.seq_id:  # a broken link between nodes: every step in flight is lost
-                self._fail_all(NodeFailure(e.node, f"died or stopped answering ({e.message})"))
+                self._lost(NodeFailure(e.node, f"died or stopped answering ({e.message})"))
                 return
             with self._lock:
                 w = self._waiters.get((e.seq_id, e.step))
@@ -268,7 +283,11 @@ class RemotePipeline:
 
     def _stream_failed(self, target: str, error: Exception) -> None:
         if not self._closed:
-            self._fail_all(NodeFailure(target, f"stream lost ({describe_rpc_error(error)})"))
+            self._lost(NodeFailure(target, f"stream lost ({describe_rpc_error(error)})"))
+
+    def _lost(self, error: NodeFailure) -> None:
+        self.reformer.lost(error)  # first: a failed step's owner may ask whether the pipeline comes back
+        self._fail_all(error)
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
@@ -375,6 +394,7 @@ class RemotePipeline:
             return
         self._closed = True
         self._stop.set()
+        self.reformer.stop()
         self._first.close()
         for n in self.nodes:
             if n.subscription is not None:
