@@ -133,6 +133,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return EXIT_ERROR
         result = bench_transfer.bench_transfer(model, repeat=args.repeat)
         bench_transfer.print_report(result, stderr_console())
+    elif args.target == "faults":
+        from ..bench import faults as bench_faults
+        from ..bench.serve import parse_levels
+
+        result = bench_faults.bench_faults(model, nodes=parse_levels(args.nodes or "2,3"), max_tokens=args.max_tokens,
+                                           fault_s=args.fault_seconds)
+        bench_faults.print_report(result, stderr_console())
     else:
         from ..bench import pipeline as bench_pipeline
 
@@ -191,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
-    p.add_argument("target", choices=["engine", "pipeline", "serve", "transfer"])
+    p.add_argument("target", choices=["engine", "pipeline", "serve", "transfer", "faults"])
     p.add_argument("--model", help="model directory (default: the bundled demo model)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
@@ -202,7 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default="1,2,4,8,16", metavar="C1,C2,...",
                    help="serve bench: numbers of concurrent streams")
     p.add_argument("--nodes", default=None, metavar="N1,N2,...",
-                   help="serve bench: ring batches over this many node processes each (e.g. 2,3), against one node")
+                   help="serve bench: ring batches over this many node processes each (e.g. 2,3), against one node; "
+                        "faults bench: pipelines of these sizes (default 2,3)")
+    p.add_argument("--fault-seconds", type=float, default=4.0,
+                   help="faults bench: how long a node is frozen, or gone before it starts again")
     p.add_argument("--repeat", type=int, default=3, help="transfer bench: transfers, each into a fresh cache")
     p.add_argument("--reps", type=int, default=1, help="serve bench: runs per cell (the median is reported)")
     p.add_argument("--skip-api", action="store_true", help="serve bench: skip the HTTP API level")

@@ -6,10 +6,11 @@ import argparse
 import os
 
 from ..api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_PORT
+from ..engine.ring import RESUME_WINDOW_S
 from .common import add_mtp, progress_loader, stderr_console
 
 
-def add_serve_command(sub: "argparse._SubParsersAction") -> None:
+def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API, on this machine or over running nodes")
     p.add_argument("--model", help="model directory or hub repo (default: the bundled demo model)")
     p.add_argument("--nodes", help="comma-separated host:port of running nodes, in pipeline order")
@@ -23,6 +24,9 @@ def add_serve_command(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
                    help="generations at once; more requests wait")
+    p.add_argument("--resume-window", type=float, default=RESUME_WINDOW_S,
+                   help="with --nodes: how long a request whose node is lost waits for the pipeline to be formed "
+                        f"again, then goes on where it stopped (default {RESUME_WINDOW_S:g} s; 0: fail at once)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"refuse larger request bodies with 413 (default {DEFAULT_MAX_BODY_BYTES}; 0: no limit)")
     add_mtp(p)
@@ -38,6 +42,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-concurrency must be at least 1")
     if args.max_body_bytes < 0:
         raise ValueError("--max-body-bytes must be 0 (no limit) or more")
+    if args.resume_window < 0:
+        raise ValueError("--resume-window must be 0 (no resume) or more")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     path = resolve_model(args.model)
     if args.nodes:
@@ -49,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         secret = args.secret or os.environ.get("MTPIPE_SECRET") or None
         sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
         engine = ring_engine(path, nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype, sources=sources,
-                             max_rows=args.max_concurrency)
+                             max_rows=args.max_concurrency, resume_window=args.resume_window)
     else:
         import mlx.core as mx
 

@@ -1,0 +1,204 @@
+"""`mtpipe bench faults`: faults injected into node processes on 127.0.0.1 while requests stream.
+
+Each scenario starts its own nodes, opens greedy streams (MTP on), waits until every stream has
+tokens, then freezes a node (SIGSTOP, then SIGCONT) or kills one and starts it again on its address.
+It reports what the clients saw (a pause, or errors), the longest pause in a stream, the time from
+the end of the fault to the first token after it, whether each finished stream holds exactly the
+tokens of an undisturbed run (single node, same requests), and the sequences still held by the nodes
+once the cluster is quiet (and how long that took). The ring engine resumes its requests; the
+per-sequence engine (`generate --nodes`, or a pipeline without a ring) fails them, naming the node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from ...models import blas
+from ...node.spawn import node_command
+from ..engine.batch import END
+from ..engine.build import local_engine, remote_engine, ring_engine
+from ..engine.request import GenerationRequest
+from ..pipeline.nodes import wait_for_nodes
+from .engine import bench_prompts
+from .pipeline import _free_port
+
+log = logging.getLogger(__name__)
+
+SCENARIOS = (  # (name, engine, what happens, node index: -1 the last)
+    ("freeze-last", "ring", "freeze", -1),
+    ("freeze-first", "ring", "freeze", 0),
+    ("kill-restart-last", "ring", "restart", -1),
+    ("freeze-last", "per_sequence", "freeze", -1),
+)
+SETTLE_S = 30.0
+STREAM_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Stream:
+    chunks: list[tuple[float, list[int]]] = field(default_factory=list)  # (arrival, tokens)
+    error: str | None = None
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    engine: str
+    nodes: int
+    fault_s: float  # how long the node was frozen or gone
+    clients_saw: str
+    max_pause_s: float  # the longest wait between two chunks of a stream
+    recovery_s: float | None  # end of the fault to the first token after it (None: nothing came)
+    identical: str  # finished streams with the undisturbed run's tokens, of all streams
+    held_at_end: list[int]  # sequences per node when every stream had ended
+    sequences_left: list[int]  # per node, once quiet (or after SETTLE_S)
+    quiet_after_s: float | None  # from the streams' end until every node held no sequence
+
+
+class Nodes:
+    """`mtpipe node` processes on 127.0.0.1 that can be frozen, killed and started again in place."""
+
+    def __init__(self, n: int):
+        self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(n)]
+        self.procs = [self._start(a) for a in self.addresses]
+        wait_for_nodes(self.addresses, timeout=180)
+
+    def _start(self, address: str) -> subprocess.Popen:
+        cmd = node_command("--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1])
+        env = {**os.environ, blas.ENV_WORKERS: str(len(self.addresses))}
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+    def freeze(self, i: int, seconds: float) -> None:
+        os.kill(self.procs[i].pid, signal.SIGSTOP)
+        time.sleep(seconds)
+        os.kill(self.procs[i].pid, signal.SIGCONT)
+
+    def restart(self, i: int, down_s: float) -> None:
+        self.procs[i].kill()
+        self.procs[i].wait()
+        time.sleep(down_s)
+        self.procs[i] = self._start(self.addresses[i])
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.wait()
+
+
+def _open(engine: Any, req: GenerationRequest, stream: Stream, done: threading.Event) -> None:
+    """Collect a stream's chunks with their arrival times, on the engine's threads or one of its own."""
+    def sink(item: Any) -> None:
+        if item is END:
+            done.set()
+        elif isinstance(item, BaseException):
+            stream.error = str(item)
+        else:
+            stream.chunks.append((time.monotonic(), list(item.tokens)))
+
+    if hasattr(engine, "open"):
+        engine.open(req, sink)
+        return
+
+    def run() -> None:
+        try:
+            for chunk in engine.generate(req):
+                sink(chunk)
+        except Exception as e:  # noqa: BLE001 - what the client sees
+            sink(e)
+        sink(END)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def _active(engine: Any) -> list[int]:
+    try:
+        return [h.active_sequences for h in engine.pipeline.health(timeout=5.0)]
+    except Exception:  # noqa: BLE001 - a node not back yet
+        return [-1]
+
+
+def run_scenario(model: str, n: int, scenario: tuple[str, str, str, int], reqs: list[GenerationRequest],
+                 want: list[list[int]], fault_s: float) -> Outcome:
+    name, kind, fault, victim = scenario
+    nodes = Nodes(n)
+    build = ring_engine if kind == "ring" else remote_engine
+    engine = build(model, nodes.addresses, dtype="float32")
+    try:
+        streams = [Stream() for _ in reqs]
+        ends = [threading.Event() for _ in reqs]
+        for r, s, e in zip(reqs, streams, ends):
+            _open(engine, r, s, e)
+        deadline = time.monotonic() + STREAM_TIMEOUT_S
+        while not all(s.chunks or e.is_set() for s, e in zip(streams, ends)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if fault == "freeze":
+            nodes.freeze(victim, fault_s)
+        else:
+            nodes.restart(victim, fault_s)
+        end = time.monotonic()
+        for e in ends:
+            e.wait(max(0.0, deadline - time.monotonic()))
+        ended = time.monotonic()
+        held = left = _active(engine)
+        quiet_at = ended if left == [0] * n else None
+        while quiet_at is None and time.monotonic() < ended + SETTLE_S:
+            time.sleep(0.25)
+            if (left := _active(engine)) == [0] * n:
+                quiet_at = time.monotonic()
+        after = [t for s in streams for t, _ in s.chunks if t > end]
+        pauses = [b[0] - a[0] for s in streams for a, b in zip(s.chunks, s.chunks[1:])]
+        errors = [s.error for s in streams if s.error]
+        got = [[t for _, toks in s.chunks for t in toks] for s in streams]
+        same = sum(1 for s, g, w in zip(streams, got, want) if not s.error and g == w)
+        saw = f"{len(errors)} errors: {errors[0]}" if errors else "a pause"
+        return Outcome(name, kind, n, fault_s, saw, max(pauses, default=0.0),
+                       min(after) - end if after else None, f"{same}/{len(reqs)}", held, left,
+                       quiet_at - ended if quiet_at is not None else None)
+    finally:
+        getattr(engine, "close", engine.pipeline.close)()
+        nodes.close()
+
+
+def bench_faults(model: str, nodes: list[int], streams: int = 4, max_tokens: int = 384,
+                 fault_s: float = 4.0) -> dict[str, Any]:
+    reference = local_engine(model, dtype=mx.float32)
+    tok = reference.tokenizer
+    reqs = [GenerationRequest(tok.encode(p), max_tokens=max_tokens, mtp_depth=2) for p in bench_prompts(streams)]
+    want = [reference.complete(r).tokens for r in reqs]
+    outcomes = []
+    for n in nodes:
+        for scenario in SCENARIOS:
+            log.info("fault scenario %s (%s engine) over %d nodes", scenario[0], scenario[1], n)
+            outcomes.append(run_scenario(model, n, scenario, reqs, want, fault_s))
+    return {"streams": streams, "max_tokens": max_tokens, "fault_s": fault_s,
+            "outcomes": [asdict(o) for o in outcomes]}
+
+
+def print_report(result: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"faults: {result['streams']} greedy streams (MTP 2, {result['max_tokens']} tokens), "
+                        f"node frozen or gone {result['fault_s']:g} s")
+    for col in ("fault", "engine", "nodes", "clients saw", "longest pause", "recovery", "identical",
+                "held at end", "left", "quiet after"):
+        table.add_column(col, overflow="fold")
+
+    def secs(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f} s"
+
+    for o in result["outcomes"]:
+        saw = o["clients_saw"].split(":", 1)[0]  # the whole message is in --json
+        table.add_row(o["scenario"], o["engine"], str(o["nodes"]), saw, secs(o["max_pause_s"]), secs(o["recovery_s"]),
+                      o["identical"], str(o["held_at_end"]), str(o["sequences_left"]), secs(o["quiet_after_s"]))
+    console.print(table)
