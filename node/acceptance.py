@@ -3,6 +3,14 @@
 Target p and draft q are built with the same temperature and filters, in float32. Greedy accepts a
 draft iff it is the target argmax; sampling accepts d with probability min(1, p(d)/q(d)) and on the
 first rejection draws from max(p - q, 0) / Z, so the output distribution equals plain sampling.
+
+A seeded request draws instead by the Gumbel-max trick with noise keyed by (seed, position, token):
+a position's token is argmax(log p + g), its draft argmax(log q + g) with the same noise, and a draft
+is accepted iff the target picks it (on the first rejection the target's pick is emitted). Each token
+is still a plain sample of p, and which token it is depends only on the seed, the position and the
+context, never on the drafts: the same seed gives the same tokens at every MTP depth, alone or in a
+batch, over one machine or many, and after a request resumes. This coupling accepts a little less
+often than min(1, p/q), at least (1 - TV) / (1 + TV) where the rule above accepts 1 - TV.
 """
 
 from __future__ import annotations
@@ -11,6 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from .protocol import SamplingParams
+
+MASK64 = (1 << 64) - 1
 
 
 def filtered_probs(logits: mx.array, params: SamplingParams) -> np.ndarray:
@@ -61,3 +71,39 @@ def accept_sampled(
         z = residual.sum()
         return i, drafts[:i] + [draw(residual / z if z > 0 else p[i], rng)]
     return len(drafts), drafts + [draw(p[len(drafts)], rng)]
+
+
+def gumbel_pick(p: np.ndarray, seed: int, position: int) -> int:
+    """The token of a probability row at `position` of a seeded sequence: argmax over its support of
+    log p + Gumbel noise that depends only on (seed, position, token)."""
+    support = np.flatnonzero(p)
+    return int(support[np.argmax(np.log(p[support]) + _gumbel(seed, position, support))])
+
+
+def accept_coupled(p: np.ndarray, drafts: list[int], seed: int, position: int) -> tuple[int, list[int]]:
+    """p: [K+1, V] target probs at positions position..position+K; the drafts were picked from their
+    own rows with gumbel_pick at the same positions."""
+    for i, d in enumerate(drafts):
+        token = gumbel_pick(p[i], seed, position + i)
+        if token != d:
+            return i, drafts[:i] + [token]
+    return len(drafts), drafts + [gumbel_pick(p[len(drafts)], seed, position + len(drafts))]
+
+
+def _mix(z: int) -> int:
+    """SplitMix64's finalizer on a Python int."""
+    z = (z + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def _gumbel(seed: int, position: int, tokens: np.ndarray) -> np.ndarray:
+    """Standard Gumbel noise for `tokens`, the same for the same (seed, position, token) everywhere."""
+    z = tokens.astype(np.uint64) ^ np.uint64(_mix(_mix(seed) ^ position))
+    z = z + np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's finalizer, vectorized (uint64 arithmetic wraps)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    u = ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # in (0, 1)
+    return -np.log(-np.log(u))

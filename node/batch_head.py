@@ -4,7 +4,7 @@ Each row keeps what the single-sequence head keeps (head.py's DraftState: sampli
 depth chooser, pending drafts); only the MTP cache moves into one `RaggedKV` for the batch, so the
 draft steps of all rows run together, each row at its own MTP length and depth. Acceptance is ragged:
 each row accepts its own number of drafts. Greedy rows need one host sync per round; sampled rows
-draw on the host with their own RNG, so a row's tokens do not depend on the rows around it.
+draw on the host with their own RNG or seed, so a row's tokens do not depend on the rows around it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..models.ragged import RaggedKV, pad_rows
-from .acceptance import accept_greedy, accept_sampled, draw, filtered_probs
+from .acceptance import accept_greedy, filtered_probs
 from .depth import Probe, StageCosts, batch_best_depth
 from .head import DraftState, Head
 from .processors import apply, logprobs
@@ -109,17 +109,14 @@ class BatchHead:
             if d.params.greedy:
                 n, tokens = accept_greedy(picks_host[i][: K + 1], drafts)
             elif K == 0:
-                n, tokens = 0, [draw(filtered_probs(logits[i, 0], d.params), d.rng)]
+                n, tokens = 0, [d.pick(filtered_probs(logits[i, 0], d.params))]
             else:
-                n, tokens = accept_sampled(filtered_probs(logits[i, : K + 1], d.params), d.draft_probs, drafts, d.rng)
+                n, tokens = d.accept(filtered_probs(logits[i, : K + 1], d.params), drafts)
             out = StepOutput(seq_id=row.seq_id, step=self.rounds[i], tokens=tokens, accepted=n, drafted=K,
                              commit=Commit(step=self.rounds[i], accepted=n, trim=K - n))
             self.rounds[i] += 1
-            if d.chooser is not None:
-                if K:
-                    d.chooser.record(self.head.costs, K, n)
-                if d.chooser.deterministic:
-                    d.depth = d.chooser.next_depth(self.head.costs, positions[i])
+            if d.chooser is not None and K:
+                d.chooser.record(self.head.costs, K, n)
             d.last_token = tokens[-1]
             d.history.emit(tokens)
             if d.params.top_logprobs >= 0:
@@ -143,7 +140,7 @@ class BatchHead:
         wide as its deepest row, so it is timed under that. Only a round at the same depth as the one
         before is timed (a change of depth mixes the two rounds' work: a commit, a round queued ahead),
         and none with a prefill between."""
-        timed = [d for d in self.states if d.chooser is not None and not d.chooser.deterministic]
+        timed = [d for d in self.states if d.chooser is not None]
         interrupted, self.interrupted = self.interrupted, False
         if not timed or self.head.costs is None:
             return
@@ -235,7 +232,7 @@ class BatchHead:
                 for i, d in enumerate(self.states):
                     if d.depth > k and not d.params.greedy:
                         q = filtered_probs(logits[i], d.params)
-                        drawn[i] = draw(q, d.rng)
+                        drawn[i] = d.pick(q, k)
                         probs[i].append(q)
                 tokens = mx.array(drawn, dtype=mx.int32)
             lazy.append(tokens)

@@ -9,8 +9,8 @@ too). Depths whose costs go stale are probed now and then, so a sequence that dr
 comes back when drafting pays again; probes that keep confirming the choices come less often, on the
 whole stage, so a model whose drafts never pay stops paying for probes.
 
-A seeded sampled sequence must draw the same tokens on every run, so its depth may depend only on
-its own history: it uses fixed relative costs (`FIXED_COSTS`) instead of timings.
+A seeded sampled sequence draws the same tokens whatever its depths (acceptance.py), so its depth is
+timed like any other.
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ PROBE_EVERY = 16  # rounds between probes of a neighbouring depth, at first
 PROBE_EVERY_MAX = 128  # probes that keep confirming the choice back off up to this
 WARMUP = 1  # live timings of each depth a stage takes, per context length, before it trusts them
 MIN_REACHED = 4  # drafts at a position before the stage's own rate stands for that position
-# Verify over K+1 tokens and one draft step relative to a decode step, for seeded sampling: what an
-# optimized BLAS or a GPU gives for small models (a verify costs little more than a decode).
-FIXED_VERIFY_PER_DRAFT = 0.15
-FIXED_DRAFT = 0.15
 
 
 def expected_tokens(acceptance: list[float], depth: int) -> float:
@@ -146,11 +142,6 @@ class StageCosts:
         return sum(ratios) / len(ratios)
 
 
-def fixed_round_seconds(kmax: int) -> list[float]:
-    """Relative round costs that do not depend on timings (seeded sampling)."""
-    return [1.0 + k * (FIXED_VERIFY_PER_DRAFT + FIXED_DRAFT) for k in range(kmax + 1)]
-
-
 @dataclass
 class Probe:
     """Now and then the neighbouring depth (above, below every other time) instead of the best, so its
@@ -192,7 +183,6 @@ class DepthChooser:
     """One sequence's choice of depth, round after round."""
 
     kmax: int
-    deterministic: bool = False
     acceptance: Acceptance = field(init=False)
     probe: Probe = field(default_factory=Probe)
 
@@ -204,8 +194,6 @@ class DepthChooser:
         costs.acceptance.record(drafted, accepted)
 
     def next_depth(self, costs: StageCosts, context: int) -> int:
-        if self.deterministic:
-            return best_depth(self.acceptance.rates(), fixed_round_seconds(self.kmax))
         self.probe.rounds += 1
         first = costs.unmeasured(context, self.kmax)
         if first is not None:  # measure every depth on this stage and context length first

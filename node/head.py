@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from .acceptance import accept_greedy, accept_sampled, draw, filtered_probs
+from .acceptance import accept_coupled, accept_greedy, accept_sampled, draw, filtered_probs, gumbel_pick
 from .depth import DepthChooser, StageCosts
 from .processors import History, apply, bias_vector, has_processors, logprobs
 from .protocol import Commit, SamplingParams, StepKind, StepOutput, StepRequest
@@ -28,7 +28,7 @@ class DraftState:
 
     params: SamplingParams
     depth: int  # drafts of the next round
-    rng: np.random.Generator
+    rng: np.random.Generator  # unseeded sampling
     mtp_cache: KVCache | None
     chooser: DepthChooser | None = None  # mtp_auto: picks `depth` before each round
     mtp_len: int = 0  # MTP cache entries built from true backbone hiddens (positions 0..mtp_len-1)
@@ -45,12 +45,25 @@ class DraftState:
     # round, and what the next round's is computing in during this one.
     ahead_done: float = 0.0
     ahead_next: float = 0.0
-    history: History = field(default_factory=History)  # for the logits processors
+    history: History = field(default_factory=History)  # for the logits processors, and positions
     bias: mx.array | None = None  # logit_bias as a dense row, for the drafts (made on first use)
 
     @property
     def processed(self) -> bool:
         return has_processors(self.params)
+
+    def pick(self, p: np.ndarray, offset: int = 0) -> int:
+        """A sampled token (or draft) for the position `offset` after the sequence's end: keyed by
+        the seed and that position if the request has a seed (acceptance.py), else from the RNG."""
+        if self.params.seed is not None:
+            return gumbel_pick(p, self.params.seed, self.history.length + offset)
+        return draw(p, self.rng)
+
+    def accept(self, p: np.ndarray, drafts: list[int]) -> tuple[int, list[int]]:
+        """Sampled acceptance of this round's drafts against the target rows `p` [K+1, V]."""
+        if self.params.seed is not None:
+            return accept_coupled(p, drafts, self.params.seed, self.history.length)
+        return accept_sampled(p, self.draft_probs, drafts, self.rng)
 
     def pairs_to_draft(self, hid: mx.array, toks: list[int]) -> tuple[mx.array | None, list[int]]:
         """This round's (hidden, next token) pairs, after those kept from rounds without drafts; at
@@ -74,14 +87,14 @@ def new_draft_state(req: StepRequest) -> DraftState:
     params = req.params or SamplingParams()
     seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
     auto = req.mtp_auto and req.mtp_depth > 0
-    # A seeded sampled sequence draws the same tokens on every run only if its depths do not depend on timings.
-    chooser = DepthChooser(req.mtp_depth, deterministic=params.seed is not None and not params.greedy) if auto else None
+    chooser = DepthChooser(req.mtp_depth) if auto else None
     return DraftState(
         params=params,
         depth=req.mtp_depth,
         rng=np.random.default_rng(seed),
         mtp_cache=KVCache() if req.mtp_depth > 0 else None,
         chooser=chooser,
+        history=History(generated_from=req.resumed_at),
     )
 
 
@@ -234,7 +247,7 @@ class Head:
         inputs = mx.array([toks])
         lazy: list[mx.array] = []
         probs = []
-        for _ in range(d.depth):
+        for k in range(d.depth):
             g = self.model.mtp(hid, self.model.embed(inputs), d.mtp_cache)[:, -1:]
             logits = self.model.lm_logits(g).reshape(-1)
             bias = d.bias_row(logits.shape[-1])
@@ -246,7 +259,7 @@ class Head:
                 inputs = tok.reshape(1, 1)
             else:
                 q = filtered_probs(logits, d.params)
-                drawn = draw(q, d.rng)
+                drawn = d.pick(q, k)
                 lazy.append(mx.array(drawn))
                 probs.append(q)
                 inputs = mx.array([[drawn]])
@@ -265,10 +278,10 @@ class Head:
                 on_token(token)
                 d.ahead_next = time.perf_counter() - start
             return int(token.item())
-        return draw(filtered_probs(logits.reshape(-1), d.params), d.rng)
+        return d.pick(filtered_probs(logits.reshape(-1), d.params))
 
     def _accept(self, d: DraftState, logits: mx.array | None, drafts: list[int],
                 picks: mx.array | None = None) -> tuple[int, list[int]]:
         if d.params.greedy:
             return accept_greedy((mx.argmax(logits[0], axis=-1) if picks is None else picks).tolist(), drafts)
-        return accept_sampled(filtered_probs(logits[0], d.params), d.draft_probs, drafts, d.rng)
+        return d.accept(filtered_probs(logits[0], d.params), drafts)

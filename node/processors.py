@@ -31,13 +31,19 @@ class History:
 
     generated: list[int] = field(default_factory=list)
     recent: list[int] = field(default_factory=list)  # prompt and generated, the last REPETITION_CONTEXT
+    length: int = 0  # tokens in the sequence: the position of the next one
+    generated_from: int = 0  # a resumed sequence: its prompt's tokens from here on were generated (0: none)
 
     def extend_prompt(self, tokens: list[int]) -> None:
+        if self.generated_from:
+            self.generated += list(tokens)[max(0, self.generated_from - self.length) :]
         self.recent = (self.recent + list(tokens))[-REPETITION_CONTEXT:]
+        self.length += len(tokens)
 
     def emit(self, tokens: list[int]) -> None:
         self.generated += tokens
         self.recent = (self.recent + list(tokens))[-REPETITION_CONTEXT:]
+        self.length += len(tokens)
 
 
 def has_processors(params: SamplingParams) -> bool:

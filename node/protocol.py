@@ -90,6 +90,7 @@ class StepRequest:
     budget: int = 0
     stop_tokens: tuple[int, ...] = ()
     group: int = 0  # remote prefill: once prefilled, the sequence joins this ring group (node/groups.py)
+    resumed_at: int = 0  # with step 0: the prompt's tokens from here on were generated before (a resume)
 
 
 @dataclass

@@ -96,20 +96,6 @@ def test_a_sequence_at_depth_zero_probes_back() -> None:
     assert first == costs.probe_gap == 8 * P
 
 
-def test_seeded_sampling_depths_follow_only_the_sequence_history() -> None:
-    slow, fast = StageCosts(prior=[1.0, 9.0, 9.0]), StageCosts(prior=[1.0, 1.0, 1.0])
-    picks = []
-    for costs in (slow, fast):
-        chooser = DepthChooser(kmax=2, deterministic=True)
-        seq = []
-        for accepted in (2, 1, 0, 0, 2, 2, 1):
-            d = chooser.next_depth(costs, 64)
-            seq.append(d)
-            chooser.record(costs, d, min(accepted, d))
-        picks.append(seq)
-    assert picks[0] == picks[1]
-
-
 def test_resolve_depth() -> None:
     assert resolve_depth(None, True) == (AUTO_MAX_DEPTH, True)
     assert resolve_depth(None, False) == (0, False)

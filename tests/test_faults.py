@@ -166,11 +166,12 @@ def test_a_sequence_nobody_renews_is_released(dense_ckpt: Path) -> None:
 def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n: int) -> None:
     """Kill the last node mid-generation and start it again on its address: the engine forms the
     pipeline again by itself (new requests meanwhile get a retry hint, /health is 503 naming the node, then
-    200 again), and the greedy requests that
+    200 again), and the greedy requests (one with penalties) and a seeded sampled one that
     were running finish with exactly the tokens of an undisturbed run."""
     from mtpipe.coordinator.api.readiness import Readiness
     from mtpipe.coordinator.engine.batch import ServerBusy
     from mtpipe.coordinator.engine.build import local_engine
+    from mtpipe.node.protocol import SamplingParams
 
     with node_processes(n) as procs:
         engine = ring_engine(dense_ckpt, [a for _, a in procs], dtype="float32")
@@ -178,6 +179,10 @@ def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n:
         try:
             reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=48, mtp_depth=d)
                     for i, d in enumerate([0, 2, 3])]
+            for i, params in enumerate([SamplingParams(temperature=0.8, top_p=0.95, seed=11),
+                                        SamplingParams(presence_penalty=1.5, frequency_penalty=0.5)]):
+                reqs.append(GenerationRequest(engine.tokenizer.encode(PROMPTS[3 + i]), max_tokens=96, mtp_depth=2,
+                                              params=params))
             reference = local_engine(dense_ckpt, dtype=mx.float32)
             want = [reference.complete(r).tokens for r in reqs]
             sinks = []
@@ -186,8 +191,9 @@ def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n:
                 engine.open(r, q.put)
                 sinks.append(q)
             got: list[list[int]] = [[] for _ in reqs]
-            for i, q in enumerate(sinks):  # some tokens out before the fault
-                got[i] += q.get(timeout=60).tokens
+            for i, q in enumerate(sinks):  # some tokens out before the fault (penalties then count them)
+                while len(got[i]) < 12:
+                    got[i] += q.get(timeout=60).tokens
             victim = procs[-1]
             victim[0].kill()
             victim[0].wait()

@@ -1,8 +1,10 @@
-"""The speculative sampler's output distribution equals plain sampling; filters behave as documented."""
+"""The speculative sampler's output distribution equals plain sampling, and a seeded request's tokens do
+not depend on the drafts; filters behave as documented."""
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,7 +15,7 @@ from mtpipe.coordinator.engine.build import local_engine
 from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.models.loading import load_shard
-from mtpipe.node.acceptance import accept_greedy, accept_sampled, draw, filtered_probs
+from mtpipe.node.acceptance import accept_coupled, accept_greedy, accept_sampled, draw, filtered_probs, gumbel_pick
 from mtpipe.node.protocol import SamplingParams
 
 # Every goodness-of-fit test here rejects at significance ALPHA: the statistic must stay below the
@@ -134,9 +136,8 @@ def test_seeded_sampling_is_reproducible_and_mtp_matches_distribution(dense_ckpt
     # stage or the acceptance code. Each emitted token's randomized probability integral transform
     # (PIT) under the plain distribution given the tokens before it is U(0, 1), independently of the
     # others, exactly when the sampler draws every token from that distribution; a chi-square test
-    # over 10 equal bins checks the PITs' uniformity (2000 tokens; measured statistic 4.1, critical
-    # 27.9; drawing the correction from p instead of the residual gives 82, accepting with
-    # sqrt(p/q) instead of p/q gives 38).
+    # over 10 equal bins checks the PITs' uniformity (2000 tokens, critical value 27.9). Seeded, so
+    # this is the Gumbel-max path (acceptance.py); the unseeded rule is checked above on fixed rows.
     # No EOS: every request yields all its tokens (stopping at EOS would condition the last ones on
     # not being EOS).
     spec = Engine(engine.pipeline, engine.tokenizer, set(), engine.max_context, has_mtp=True)
@@ -182,6 +183,52 @@ def randomized_pit(row: np.ndarray, token: int, u: float) -> float:
     order = np.argsort(-row, kind="stable")
     before = row[order[: int(np.flatnonzero(order == token)[0])]].sum()
     return float(before + u * row[token])
+
+
+def test_seeded_first_token_distribution_matches_target() -> None:
+    """Gumbel-max picks keyed by (seed, position, token): over seeds, the emitted token follows p."""
+    p = np.array([[0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.1, 0.2, 0.3, 0.3]])
+    q = np.array([0.1, 0.6, 0.1, 0.1, 0.1])
+    counts, accepted = np.zeros(5), 0
+    for seed in range(20000):
+        n, tokens = accept_coupled(p, [gumbel_pick(q, seed, 9)], seed, 9)
+        counts[tokens[0]] += 1
+        accepted += n
+    assert chi_square(counts, p[0]) < chi2_critical(ALPHA, 4)
+    assert accepted > 0.3 * 20000  # sum(min(p, q)) = 0.45 with the min(1, p/q) rule
+
+
+def test_seeded_picks_accept_iff_the_target_picks_the_draft() -> None:
+    """A position's token is its pick with that position's noise, whatever was drafted before it."""
+    p = np.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6], [0.1, 0.1, 0.8]])
+    for seed in range(200):
+        alone = [gumbel_pick(p[i], seed, 40 + i) for i in range(3)]
+        for drafts in ([], [0], [1, 2], [alone[0], 0], alone[:2]):
+            n, tokens = accept_coupled(p[: len(drafts) + 1], drafts, seed, 40)
+            assert tokens == alone[: len(tokens)] and tokens[:n] == drafts[:n]
+            assert n == len(drafts) or tokens[n] != drafts[n]
+    assert gumbel_pick(np.array([0.0, 1.0, 0.0]), 1, 2) == 1  # never a token outside the support
+
+
+def test_seeded_tokens_do_not_depend_on_depth_or_batch(dense_ckpt: Path) -> None:
+    """The same seeded request gives the same tokens at every depth, auto included, and in a batch."""
+    from mtpipe.coordinator.engine.build import batch_engine
+
+    engine = local_engine(dense_ckpt, dtype=mx.float32)
+    prompts = [engine.tokenizer.encode(t) for t in ("def main():\n", "import os\n")]
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    reqs = [GenerationRequest(p, max_tokens=32, params=params, mtp_depth=k, mtp_auto=auto)
+            for p in prompts for k, auto in ((0, False), (1, False), (3, False), (3, True))]
+    results = [engine.complete(r) for r in reqs]
+    for i in range(len(prompts)):
+        mine = results[4 * i : 4 * i + 4]
+        assert all(r.tokens == mine[0].tokens for r in mine) and any(r.stats.accepted for r in mine)
+    batch = batch_engine(dense_ckpt, dtype=mx.float32)
+    try:
+        with ThreadPoolExecutor(len(reqs)) as pool:  # all at once: rows of the same rounds
+            assert [r.tokens for r in pool.map(batch.complete, reqs)] == [r.tokens for r in results]
+    finally:
+        batch.close()
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(min_p=2.0)])

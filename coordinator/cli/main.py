@@ -133,6 +133,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return EXIT_ERROR
         result = bench_transfer.bench_transfer(model, repeat=args.repeat)
         bench_transfer.print_report(result, stderr_console())
+    elif args.target == "sampled":
+        from ..bench import sampled as bench_sampled
+
+        result = bench_sampled.bench_sampled(model, max_tokens=args.max_tokens, prompts=args.prompts, depths=args.depths)
+        bench_sampled.print_report(result, stderr_console())
     elif args.target == "faults":
         from ..bench import faults as bench_faults
         from ..bench.serve import parse_levels
@@ -198,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
-    p.add_argument("target", choices=["engine", "pipeline", "serve", "transfer", "faults"])
+    p.add_argument("target", choices=["engine", "pipeline", "serve", "transfer", "faults", "sampled"])
     p.add_argument("--model", help="model directory (default: the bundled demo model)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")

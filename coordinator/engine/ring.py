@@ -189,7 +189,8 @@ class RingEngine:
         steps = [StepRequest(live.seq_id, i, StepKind.PREFILL, chunk, final=final,
                              params=req.params if i == 0 else None, mtp_depth=req.mtp_depth if i == 0 else 0,
                              mtp_auto=req.mtp_auto and i == 0, budget=left if final else 0,
-                             stop_tokens=self._stop_tokens if final else (), group=live.group)
+                             stop_tokens=self._stop_tokens if final else (), group=live.group,
+                             resumed_at=len(req.prompt_tokens) if live.emitted and i == 0 else 0)
                  for i, (chunk, final) in enumerate(chunks)]
         seq_id = live.seq_id
         with live.lock:
