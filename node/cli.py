@@ -7,6 +7,7 @@ import os
 import threading
 from typing import Any
 
+from .secrets import add_secret_args, check_exposure, read_secret
 from .server import DEFAULT_PORT, NodeServer
 
 
@@ -15,8 +16,9 @@ def add_node_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (0 = any free port)")
     p.add_argument("--node-id", help="a name for this node (default: hostname plus a random suffix)")
-    p.add_argument("--secret", default=os.environ.get("MTPIPE_SECRET"),
-                   help="cluster secret every caller must present (default: $MTPIPE_SECRET)")
+    add_secret_args(p, "the cluster secret every caller must present")
+    p.add_argument("--insecure", action="store_true",
+                   help="without a secret, listen on a non-loopback address anyway (a network you trust)")
     p.add_argument("--data-plane", choices=("tcp", "grpc"), default="tcp",
                    help="how other nodes send this node frames: a plain TCP stream on a second, free port "
                         "(default), or gRPC Forward streams on --port only")
@@ -36,7 +38,9 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     from . import stage  # noqa: F401  (import MLX and mlx-lm now, not on the first Load)
 
-    server = NodeServer(args.host, args.port, node_id=args.node_id, secret=args.secret,
+    secret = read_secret(args.secret_file)
+    check_exposure(args.host, secret, args.insecure)
+    server = NodeServer(args.host, args.port, node_id=args.node_id, secret=secret,
                         data_plane=args.data_plane == "tcp", model_dirs=args.model_dir,
                         shard_cache=args.shard_cache).start()
 

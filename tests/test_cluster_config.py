@@ -100,7 +100,7 @@ def test_secrets_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_cluster_config({"api": {"api_key": "lit", "api_key_env": "LAB_KEY"}}).resolve_api_key() == "lit"
 
 
-KNOWN_TOP = "name, secret, secret_env, model, dtype, mtp_depth, nodes, node, discovery, placement, api"
+KNOWN_TOP = "name, secret, secret_file, secret_env, model, dtype, mtp_depth, nodes, node, discovery, placement, api"
 
 
 @pytest.mark.parametrize(

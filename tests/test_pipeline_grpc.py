@@ -51,12 +51,12 @@ def node_processes(n: int, secret: str | None = None) -> Iterator[list[tuple[sub
     """n `mtpipe node` processes on 127.0.0.1, ready (they answer Ping); always killed afterwards."""
     procs: list[tuple[subprocess.Popen, str]] = []
     logs = [tempfile.TemporaryFile() for _ in range(n)]  # each node's stderr, for one that fails to start
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **({"MTPIPE_SECRET": secret} if secret else {}))
     try:
         for log in logs:
             # Port 0: each node binds a port of its own and reports it (no free-port race between nodes);
             # node_command: no orphans even if pytest is killed.
-            cmd = node_command("--host", "127.0.0.1", "--port", "0", "--json", *(["--secret", secret] if secret else []))
+            cmd = node_command("--host", "127.0.0.1", "--port", "0", "--json")
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
             procs.append((proc, ""))
         for i, (proc, _) in enumerate(procs):

@@ -26,6 +26,7 @@ from typing import Any
 from ...node.advertise import NodeAdvert, cluster_hash
 from ...node.cli import add_node_command
 from ...node.links import format_host_port, local_interfaces, split_host_port
+from ...node.secrets import add_secret_args, check_exposure
 from ..cluster.agent import (
     ClusterAgent,
     advertised_interfaces,
@@ -58,6 +59,7 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
     cfg = load_cluster_config(path) if path else ClusterConfig()
     flags = {  # config key -> argparse dest; a flag not given, or not defined for this subcommand, is None
         "name": "cluster", "model": "model", "dtype": "dtype", "mtp_depth": "mtp_depth", "secret_env": "secret_env",
+        "secret_file": "secret_file",
         "discovery.interfaces": "interface", "discovery.expect": "expect", "discovery.settle": "settle",
         "nodes": "node", "node.host": "host", "node.port": "port", "node.state_dir": "state_dir",
         "node.max_memory_gib": "max_memory", "api.host": "api_host", "api.port": "api_port", "api.api_key": "api_key",
@@ -117,9 +119,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     cfg = resolve_config(args)
     secret = cfg.resolve_secret()
+    check_exposure(cfg.node.host, secret, args.insecure)
     if not secret:
-        log.warning("no cluster secret (cluster.yaml secret/secret_env or $MTPIPE_SECRET): anyone who reaches "
-                    "the node port can drive this node")
+        log.warning("no cluster secret (cluster.yaml secret/secret_file/secret_env or $MTPIPE_SECRET): anyone "
+                    "who reaches the node port can drive this node")
     me = persistent_id(cfg.node.state_dir)
     mtp = not args.no_mtp
     # Only the coordinator needs the model: another node loads its own copy when it has one (checked by
@@ -253,6 +256,8 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     _add_common(p)
     p.add_argument("--model", help="model directory or hub repo (default: cluster.yaml's, else the demo model)")
     p.add_argument("--coordinator", action="store_true", help="coordinate: place the model and serve the API")
+    p.add_argument("--insecure", action="store_true",
+                   help="without a secret, let the node server listen on a non-loopback address (a trusted network)")
     p.add_argument("--expect", type=int, help="nodes to wait for, this one included")
     p.add_argument("--settle", type=float, help="seconds: the most to wait for --expect nodes, else the quiet time "
                                                  "after the last join (default 5)")
@@ -283,6 +288,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help=f"cluster.yaml (default: ${CONFIG_ENV}, else ./cluster.yaml if present)")
     p.add_argument("--cluster", help="cluster name (overrides cluster.yaml)")
     p.add_argument("--secret-env", help="environment variable holding the cluster secret (default MTPIPE_SECRET)")
+    add_secret_args(p, "the cluster secret")
     p.add_argument("--interface", action="append",
                    help="discover on this interface name or address (repeatable; default: Ethernet and Wi-Fi, "
                         "else Thunderbolt)")

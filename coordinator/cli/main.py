@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ...models import blas
+from ...node.secrets import add_secret_args
 from .common import EXIT_ERROR, EXIT_OK, EXIT_USAGE, add_mtp, add_sampling, progress_loader, stderr_console
 
 
@@ -23,11 +24,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     model = resolve_model(args.model)
     if args.nodes:
+        from ...node.secrets import read_secret
         from ..engine.build import remote_engine
 
         sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
         engine = remote_engine(model, [n.strip() for n in args.nodes.split(",") if n.strip()], mtp=not args.no_mtp,
-                               sources=sources)
+                               secret=read_secret(args.secret_file), dtype=args.dtype, sources=sources)
     else:
         with progress_loader("loading model")() as progress:
             engine = local_engine(
@@ -183,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--nodes", help="comma-separated host:port of running nodes, in pipeline order")
+    add_secret_args(p, "the nodes' shared secret, with --nodes")
     p.add_argument("--weights-from", help="with --nodes: comma-separated host:port of nodes that hold the model; "
                                           "the others fetch their shards from them")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ...node.secrets import add_secret_args, read_secret
 from ..api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_PORT
 from ..engine.ring import RESUME_WINDOW_S
 from .common import add_mtp, progress_loader, stderr_console
@@ -18,7 +19,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     p.add_argument("--model-name", help="the model id clients use (default: the --model name)")
-    p.add_argument("--secret", default=None, help="the nodes' shared secret, with --nodes (default: $MTPIPE_SECRET)")
+    add_secret_args(p, "the nodes' shared secret, with --nodes")
     p.add_argument("--weights-from", help="with --nodes: comma-separated host:port of nodes that hold the model "
                                           "(`mtpipe node --model-dir`); the others fetch their shards from them")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
@@ -52,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if getattr(args, "mtp_pre_norm", False):
             raise ValueError("--mtp-pre-norm applies to local stages, not to --nodes")
         nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
-        secret = args.secret or os.environ.get("MTPIPE_SECRET") or None
+        secret = read_secret(args.secret_file)
         sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
         engine = ring_engine(path, nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype, sources=sources,
                              max_rows=args.max_concurrency, resume_window=args.resume_window)

@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from ...node.links import format_host_port, split_host_port
+from ...node.secrets import read_secret
 from ...node.server import DEFAULT_PORT as DEFAULT_GRPC_PORT
 from ..api.defaults import API_KEY_ENV
 from ..api.defaults import DEFAULT_HOST as DEFAULT_API_HOST
@@ -111,6 +112,7 @@ class NodeConfig(_Section):
 class ClusterConfig(_Section):
     name: Text = "default"
     secret: Text | None = None
+    secret_file: Text | None = None  # a file holding the secret (kept out of cluster.yaml and argv)
     secret_env: Text | None = DEFAULT_SECRET_ENV
     model: Text | None = None
     dtype: Dtype | None = None  # cast weights on load
@@ -133,12 +135,16 @@ class ClusterConfig(_Section):
         # secret_env defaults to MTPIPE_SECRET, so only an explicitly different one conflicts
         if self.secret and self.secret_env and self.secret_env != DEFAULT_SECRET_ENV:
             raise ValueError("give either secret or secret_env, not both")
+        if self.secret and self.secret_file:
+            raise ValueError("give either secret or secret_file, not both")
         return self
 
     def resolve_secret(self) -> str | None:
-        """The literal secret, else the one in the environment variable `secret_env`."""
+        """The literal secret, else the one in `secret_file`, else in the environment variable `secret_env`."""
         if self.secret:
             return self.secret
+        if self.secret_file:
+            return read_secret(self.secret_file, env=None)
         return os.environ.get(self.secret_env) if self.secret_env else None
 
     def resolve_api_key(self) -> str | None:

@@ -1,0 +1,67 @@
+"""Where the cluster secret comes from: a file (`--secret-file`) or the environment, never argv.
+
+A secret on a command line shows in `ps` and in shell history, so `--secret` is refused with the
+alternatives. Every command that talks to nodes reads the secret the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SECRET_ENV = "MTPIPE_SECRET"
+ON_ARGV = ("a secret on the command line shows in `ps` and in shell history: put it in a file "
+           f"(--secret-file PATH) or in ${SECRET_ENV}")
+
+
+class _RefuseSecretOnArgv(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: str | None = None) -> None:
+        parser.error(f"{option}: {ON_ARGV}")
+
+
+def add_secret_args(p: argparse.ArgumentParser, what: str = "the nodes' shared secret") -> None:
+    p.add_argument("--secret-file", metavar="PATH",
+                   help=f"a file holding {what} (default: ${SECRET_ENV})")
+    p.add_argument("--secret", nargs="?", action=_RefuseSecretOnArgv, help=argparse.SUPPRESS)
+
+
+def read_secret(path: str | None = None, env: str | None = SECRET_ENV) -> str | None:
+    """The secret in `path` (surrounding whitespace dropped), else in $env; None when neither has one."""
+    if path:
+        file = Path(path).expanduser()
+        try:
+            text = file.read_text()
+        except OSError as e:
+            raise ValueError(f"--secret-file {path}: {e.strerror or e}") from None
+        if not text.strip():
+            raise ValueError(f"--secret-file {path}: the file is empty")
+        if os.name == "posix" and file.stat().st_mode & (stat.S_IRGRP | stat.S_IROTH):
+            log.warning("%s can be read by other users (chmod 600 it)", path)
+        return text.strip()
+    return (os.environ.get(env) or None) if env else None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address to bind) is reachable from this machine only."""
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]").split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, secret: str | None, insecure: bool) -> None:
+    """A node without a secret listens on loopback only, unless told `--insecure`."""
+    if secret or insecure or is_loopback(host):
+        return
+    raise ValueError(f"refusing to listen on {host} without a cluster secret: anyone who reaches it could load "
+                     f"files and read hidden states. Give one (--secret-file PATH or ${SECRET_ENV}), listen on "
+                     "127.0.0.1, or pass --insecure on a network you trust")

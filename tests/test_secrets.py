@@ -1,0 +1,63 @@
+"""Secrets come from a file or the environment, never argv; a node without one stays on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtpipe.coordinator.cli.main import build_parser
+from mtpipe.coordinator.cluster.config import ClusterConfig
+from mtpipe.node.secrets import check_exposure, is_loopback, read_secret
+
+CLI = [sys.executable, "-m", "mtpipe.coordinator.cli.main"]
+
+
+@pytest.mark.parametrize("argv", [["node"], ["serve", "--nodes", "a:1"], ["generate", "--nodes", "a:1"],
+                                  ["launch"], ["health"]])
+def test_a_secret_on_the_command_line_is_refused(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*argv, "--secret", "hunter2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--secret-file" in err and "MTPIPE_SECRET" in err and "ps" in err
+
+
+def test_secret_from_a_file_else_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MTPIPE_SECRET", "from-env")
+    f = tmp_path / "secret"
+    f.write_text("from-file\n")
+    f.chmod(0o600)
+    assert read_secret(str(f)) == "from-file"
+    assert read_secret(None) == "from-env"
+    monkeypatch.delenv("MTPIPE_SECRET")
+    assert read_secret(None) is None
+    f.write_text("  \n")
+    with pytest.raises(ValueError, match="empty"):
+        read_secret(str(f))
+    with pytest.raises(ValueError, match="No such file"):
+        read_secret(str(tmp_path / "missing"))
+    f.write_text("cfg\n")
+    assert ClusterConfig(secret_file=str(f)).resolve_secret() == "cfg"
+    with pytest.raises(ValueError, match="either secret or secret_file"):
+        ClusterConfig(secret="a", secret_file=str(f))
+
+
+def test_no_secret_means_loopback_only() -> None:
+    assert all(is_loopback(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.0.0.2"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "fe80::1%eth0", "example.org"))
+    check_exposure("127.0.0.1", None, insecure=False)
+    check_exposure("0.0.0.0", "s3cret", insecure=False)
+    check_exposure("0.0.0.0", None, insecure=True)
+    with pytest.raises(ValueError, match="refusing to listen on 0.0.0.0 without a cluster secret"):
+        check_exposure("0.0.0.0", None, insecure=False)
+
+
+def test_node_without_a_secret_will_not_listen_on_all_interfaces(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    r = subprocess.run([*CLI, "node", "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True,
+                       env=env, timeout=120, check=False)
+    assert r.returncode == 2 and "refusing to listen on 0.0.0.0 without a cluster secret" in r.stderr
+    assert "--insecure" in r.stderr
