@@ -8,8 +8,9 @@ reader's event loop, where a gRPC stream write and read each cost several thread
 Measured on the 2-core VM, ping-pong with a 4-layer MLX step between hops: 0.6-0.8 ms a hop over
 gRPC, 0.25-0.4 ms over this stream.
 
-A connection opens with a hello and the cluster secret (the one gRPC calls carry in metadata); the
-listener answers OK or NO and, after OK, frames flow one way until either side closes. A connection
+With a cluster secret the stream is mutual TLS keyed by it (tls.py), as gRPC is: a peer without the
+secret cannot connect, and frames cannot be read, altered or replayed. A connection opens with a
+hello; the listener answers OK and frames flow one way until either side closes. A connection
 that opens with `BULK_HELLO` instead is a shard-tensor transfer, handed to `on_bulk` (bulk.py). Broken
 input (a wrong hello, an oversized or undecodable frame) closes that connection only.
 """
@@ -17,7 +18,6 @@ input (a wrong hello, an oversized or undecodable frame) closes that connection 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import socket
 import struct
@@ -30,7 +30,8 @@ from google.protobuf.message import DecodeError
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .links import split_host_port
-from .wire import CHANNEL_OPTIONS, describe_rpc_error, secret_metadata
+from .tls import NAME, ssl_context
+from .wire import describe_rpc_error, make_aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +39,12 @@ HELLO = b"mtpipe-frames/1\n"
 BULK_HELLO = b"mtpipe-tensors1\n"  # a shard-tensor stream (bulk.py), authorized by a FetchTensors token
 assert len(BULK_HELLO) == len(HELLO)
 LENGTH = struct.Struct("<I")
-MAX_SECRET_BYTES = 4096
 HANDSHAKE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0  # opening a link to the next stage
 
 
 class DataPlaneError(ConnectionError):
-    """The peer refused the connection (wrong secret, not a data plane) or sent broken input."""
+    """The peer is not a data plane, or sent broken input."""
 
 
 def _keepalive(sock: socket.socket | None) -> None:
@@ -87,7 +87,7 @@ class FrameListener:
                  on_bulk: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]] | None = None):
         self.on_frame = on_frame
         self.on_bulk = on_bulk
-        self.secret = (secret or "").encode()
+        self.ssl = ssl_context(secret, server=True) if secret else None
         self.max_bytes = max_bytes
         self.port = 0
         self._server: asyncio.AbstractServer | None = None
@@ -95,9 +95,9 @@ class FrameListener:
 
     async def start(self, host: str, port: int = 0) -> int:
         if host in ("", "0.0.0.0", "::"):
-            self._server = await asyncio.start_server(self._serve, sock=_any_address_socket(port))
+            self._server = await asyncio.start_server(self._serve, sock=_any_address_socket(port), ssl=self.ssl)
         else:
-            self._server = await asyncio.start_server(self._serve, host, port)
+            self._server = await asyncio.start_server(self._serve, host, port, ssl=self.ssl)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -120,9 +120,8 @@ class FrameListener:
                 return
             if hello != HELLO:
                 raise DataPlaneError("not a data-plane hello")
-            if not await self._handshake(reader, writer):
-                log.warning("data plane: refused %s (wrong cluster secret)", peer)
-                return
+            writer.write(b"OK")
+            await writer.drain()
             while True:
                 try:
                     (size,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
@@ -141,19 +140,6 @@ class FrameListener:
             if task is not None:
                 self._tasks.discard(task)
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        async def read() -> bytes:  # after the hello
-            (n,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
-            if n > MAX_SECRET_BYTES:
-                raise DataPlaneError("oversized secret")
-            return await reader.readexactly(n)
-
-        given = await asyncio.wait_for(read(), HANDSHAKE_TIMEOUT_S)
-        ok = hmac.compare_digest(given, self.secret)
-        writer.write(b"OK" if ok else b"NO")
-        await writer.drain()
-        return ok
-
 
 class TcpFrameLink:
     """One outgoing data-plane stream. `write` never waits for the peer unless the socket buffer is full."""
@@ -165,11 +151,11 @@ class TcpFrameLink:
 
     @classmethod
     async def connect(cls, host: str, port: int, secret: str | None, timeout: float = HANDSHAKE_TIMEOUT_S
-                      ) -> "TcpFrameLink":
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+                      ) -> TcpFrameLink:
+        tls = {"ssl": ssl_context(secret, server=False), "server_hostname": NAME} if secret else {}
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, **tls), timeout)
         _keepalive(writer.get_extra_info("socket"))
-        token = (secret or "").encode()
-        writer.write(HELLO + LENGTH.pack(len(token)) + token)
+        writer.write(HELLO)
         try:
             answer = await asyncio.wait_for(reader.readexactly(2), timeout)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError):
@@ -177,7 +163,7 @@ class TcpFrameLink:
             raise DataPlaneError(f"{host}:{port} is not an mtpipe data plane") from None
         if answer != b"OK":
             writer.close()
-            raise DataPlaneError(f"{host}:{port} refused the cluster secret")
+            raise DataPlaneError(f"{host}:{port} is not an mtpipe data plane")
         return cls(reader, writer)
 
     async def write(self, frame: pb.Frame) -> None:
@@ -205,8 +191,8 @@ class GrpcFrameLink:
 
     transport = "grpc"
 
-    def __init__(self, stub: pb_grpc.NodeStub, secret: str | None):
-        self.call = stub.Forward(metadata=secret_metadata(secret))
+    def __init__(self, stub: pb_grpc.NodeStub):
+        self.call = stub.Forward()
 
     async def write(self, frame: pb.Frame) -> None:
         await self.call.write(frame)
@@ -238,7 +224,7 @@ class NextStage:
         self.secret = secret
         self.on_error = on_error
         self.on_open = on_open  # a link opened (after a break: the break is over)
-        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.channel = make_aio_channel(target, secret)
         self.stub = pb_grpc.NodeStub(self.channel)
         self.link: GrpcFrameLink | TcpFrameLink | None = None
         self._queue: asyncio.Queue[pb.Frame] = asyncio.Queue()
@@ -259,17 +245,17 @@ class NextStage:
 
     async def _open(self) -> GrpcFrameLink | TcpFrameLink:
         # Asked at every opening: a restarted next node may listen on another data port.
-        reply = await self.stub.Ping(pb.PingRequest(), timeout=CONNECT_TIMEOUT_S, metadata=secret_metadata(self.secret))
+        reply = await self.stub.Ping(pb.PingRequest(), timeout=CONNECT_TIMEOUT_S)
         if reply.data_port:
             host, _ = split_host_port(self.target)
             try:
                 return await TcpFrameLink.connect(host, reply.data_port, self.secret)
             except DataPlaneError:
-                raise  # it answered and refused: the same secret would fail over gRPC too
+                raise  # its data port is something else
             except (OSError, asyncio.TimeoutError) as e:  # a firewall, say: gRPC still gets through
                 log.warning("no data plane to %s (port %d: %s); sending frames over gRPC", self.target,
                             reply.data_port, e or type(e).__name__)
-        return GrpcFrameLink(self.stub, self.secret)
+        return GrpcFrameLink(self.stub)
 
     async def _write_all(self) -> None:
         while True:
@@ -308,17 +294,16 @@ class NextStage:
     async def node_id(self, timeout: float = 2.0) -> str | None:
         """The id of the node that answers at the target, None if none does."""
         try:
-            reply = await self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=secret_metadata(self.secret))
+            reply = await self.stub.Ping(pb.PingRequest(), timeout=timeout)
         except grpc.RpcError:
             return None
         return reply.node_id
 
     async def ping_ms(self, timeout: float = 2.0) -> float:
-        md = secret_metadata(self.secret)
         try:
-            await self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=md)  # connects if needed
+            await self.stub.Ping(pb.PingRequest(), timeout=timeout)  # connects if needed
             t0 = time.perf_counter()
-            await self.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=md)
+            await self.stub.Ping(pb.PingRequest(), timeout=timeout)
             return 1000.0 * (time.perf_counter() - t0)
         except grpc.RpcError:
             return -1.0

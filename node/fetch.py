@@ -30,7 +30,7 @@ from ..proto import mtpipe_pb2_grpc as pb_grpc
 from . import bulk
 from .links import split_host_port
 from .shards import PART, Manifest, ShardCache, ShardKey, StreamVerifier, TensorInfo, free_bytes, safetensors_header
-from .wire import CHANNEL_OPTIONS, secret_metadata
+from .wire import make_aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +130,9 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
     loop = asyncio.get_running_loop()
     part = cache.dir(key) / PART
     offset = _resume_offset(part)
-    async with grpc.aio.insecure_channel(source, options=CHANNEL_OPTIONS) as channel:
+    async with make_aio_channel(source, secret) as channel:
         call = pb_grpc.NodeStub(channel).FetchTensors(
-            pb.FetchRequest(fingerprint=key.fingerprint, names=names, offset=offset, raw=raw), metadata=secret_metadata(secret))
+            pb.FetchRequest(fingerprint=key.fingerprint, names=names, offset=offset, raw=raw))
         chunks = call.__aiter__()
         try:
             first = await asyncio.wait_for(chunks.__anext__(), CONNECT_TIMEOUT_S)
@@ -178,7 +178,7 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
             if first.token and first.data_port:
                 host = split_host_port(source)[0]
                 try:
-                    sock = await loop.run_in_executor(None, bulk.connect, host, first.data_port, first.token)
+                    sock = await loop.run_in_executor(None, bulk.connect, host, first.data_port, first.token, secret)
                 except (OSError, asyncio.TimeoutError) as e:
                     log.warning("no data plane to %s (port %d: %s); fetching over gRPC", source, first.data_port, e)
                     fallback = True

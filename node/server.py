@@ -18,9 +18,9 @@ import grpc
 
 from ..models.mlx_thread import end_thread_streams
 from ..proto import mtpipe_pb2_grpc as pb_grpc
-from .auth import SecretInterceptor
 from .dataplane import FrameListener
 from .service import NodeService
+from .tls import server_credentials
 from .wire import MAX_MESSAGE_BYTES, SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -58,11 +58,12 @@ class NodeServer:
         return f"{_bracket(self.host)}:{self.port}"
 
     async def _start(self) -> None:
-        interceptors = [SecretInterceptor(self.secret)] if self.secret else []
-        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_NodeServicer_to_server(self.service, self._server)
-        try:
-            self.port = self._server.add_insecure_port(f"{_bracket(self.host)}:{self.requested_port}")
+        bind = f"{_bracket(self.host)}:{self.requested_port}"
+        try:  # with a secret, only a peer that proves it gets through (tls.py)
+            self.port = (self._server.add_secure_port(bind, server_credentials(self.secret)) if self.secret
+                         else self._server.add_insecure_port(bind))
         except RuntimeError:
             self.port = 0
         if self.port == 0:

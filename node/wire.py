@@ -9,8 +9,8 @@ import grpc
 
 from ..proto import mtpipe_pb2 as pb
 from .protocol import Commit, GroupRound, GroupRow, SamplingParams, StageError, StepKind, StepOutput, StepRequest
+from .tls import TARGET_NAME_OPTION, channel_credentials
 
-SECRET_KEY = "x-mtpipe-secret"
 # The largest message is a prefill chunk's hidden states: 512 tokens x hidden x 4 bytes is 16 MiB at
 # hidden 8192. Both ends allow 64 MiB; the coordinator shrinks its prefill chunk if a model needs more.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -43,12 +43,19 @@ _KINDS_PB = {v: k for k, v in _KINDS.items()}
 # -- wire <-> protocol ----------------------------------------------------------------------------
 
 
-def secret_metadata(secret: str | None) -> tuple[tuple[str, str], ...]:
-    return ((SECRET_KEY, secret),) if secret else ()
-
-
-def make_channel(target: str) -> grpc.Channel:
+def make_channel(target: str, secret: str | None = None) -> grpc.Channel:
+    """A channel to a node: mutual TLS keyed by the cluster secret (tls.py) when there is one."""
+    if secret:
+        return grpc.secure_channel(target, channel_credentials(secret), options=[*CHANNEL_OPTIONS, TARGET_NAME_OPTION])
     return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+
+def make_aio_channel(target: str, secret: str | None = None) -> grpc.aio.Channel:
+    """The same from a node's event loop (the next stage, a peer it fetches weights from)."""
+    if secret:
+        return grpc.aio.secure_channel(target, channel_credentials(secret),
+                                       options=[*CHANNEL_OPTIONS, TARGET_NAME_OPTION])
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
 
 
 def request_to_frame(req: StepRequest, client_id: str) -> pb.Frame:
@@ -185,5 +192,8 @@ def tensor_from_pb(t: pb.Tensor) -> Any:
 
 def describe_rpc_error(e: Exception) -> str:
     if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
-        return f"{e.code().name}: {e.details()}"
+        details = e.details() or ""
+        if "handshake failed" in details.lower():  # TLS keyed by another secret (tls.py)
+            return f"{e.code().name}: refused: not this cluster's secret ({details})"
+        return f"{e.code().name}: {details}"
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

@@ -135,11 +135,11 @@ def test_health_names_each_reason() -> None:
             return "connection refused"
 
     def link(address: str, reply: Any) -> Any:
-        def health(req: Any, timeout: float, metadata: Any) -> Any:
+        def health(req: Any, timeout: float) -> Any:
             if isinstance(reply, Exception):
                 raise reply
             return reply
-        return type("Link", (), {"address": address, "metadata": None, "stub": type("S", (), {"Health": staticmethod(health)})()})()
+        return type("Link", (), {"address": address, "stub": type("S", (), {"Health": staticmethod(health)})()})()
 
     links = [link("a:1", pb.HealthReply(loaded=True)), link("b:2", Unreachable()),
              link("c:3", pb.HealthReply(loaded=False)), link("d:4", pb.HealthReply(loaded=True, last_error="boom"))]

@@ -7,6 +7,7 @@ without a data plane and with a secret, and talk to the data port with a raw soc
 from __future__ import annotations
 
 import socket
+import ssl
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from mtpipe.coordinator.engine.build import remote_engine
 from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.node.dataplane import HELLO, LENGTH
+from mtpipe.node.tls import NAME, ssl_context
 
 MAX_TOKENS = 16
 
@@ -53,22 +55,28 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
+def _tls(port: int, secret: str) -> ssl.SSLSocket:
+    return ssl_context(secret, server=False).wrap_socket(_connect(port), server_hostname=NAME)
+
+
 def test_data_port_checks_the_secret_and_survives_garbage(dense_engine: Engine, dense_ckpt: Path) -> None:
     with node_servers(2, secret="s3cret") as nodes:
         port = nodes[1].service.data_port
-        with _connect(port) as s:  # wrong secret: refused
-            s.sendall(HELLO + LENGTH.pack(5) + b"wrong")
-            assert s.recv(2) == b"NO" and _closed(s)
-        with _connect(port) as s:  # not our protocol at all
+        with pytest.raises(ssl.SSLError):  # TLS keyed by another secret: no handshake
+            _tls(port, "wrong")
+        with _connect(port) as s:  # plain bytes, the old hello with a secret in it, HTTP: closed
+            s.sendall(HELLO + LENGTH.pack(6) + b"s3cret")
+            assert _closed(s)
+        with _connect(port) as s:
             s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             assert _closed(s)
-        with _connect(port) as s:  # the right secret, then a frame larger than any message may be
-            s.sendall(HELLO + LENGTH.pack(6) + b"s3cret")
+        with _tls(port, "s3cret") as s:  # the right secret, then a frame larger than any message may be
+            s.sendall(HELLO)
             assert s.recv(2) == b"OK"
             s.sendall(LENGTH.pack(2**31))
             assert _closed(s)
-        with _connect(port) as s:  # bytes that do not decode as a Frame
-            s.sendall(HELLO + LENGTH.pack(6) + b"s3cret")
+        with _tls(port, "s3cret") as s:  # bytes that do not decode as a Frame
+            s.sendall(HELLO)
             assert s.recv(2) == b"OK"
             s.sendall(LENGTH.pack(4) + b"\xff\xff\xff\xff")
             assert _closed(s)

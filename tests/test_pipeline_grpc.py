@@ -36,7 +36,7 @@ from mtpipe.models.loading import load_shard
 from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest
 from mtpipe.node.server import NodeServer
 from mtpipe.node.spawn import node_command
-from mtpipe.node.wire import make_channel, secret_metadata, tensor_to_pb
+from mtpipe.node.wire import make_channel, tensor_to_pb
 from mtpipe.proto import mtpipe_pb2 as pb
 from mtpipe.proto import mtpipe_pb2_grpc as pb_grpc
 
@@ -463,16 +463,17 @@ def test_bad_frames_rejected_without_state_change(dense_engine: Engine, dense_ck
 def test_secret_required_when_set(dense_ckpt: Path) -> None:
     server = NodeServer("127.0.0.1", 0, secret="s3cret").start()
     try:
-        with make_channel(server.address) as ch:
-            stub = pb_grpc.NodeStub(ch)
-            for md in ((), secret_metadata("wrong")):
+        for secret in (None, "wrong"):  # no TLS, or TLS keyed by another secret: no call gets through
+            with make_channel(server.address, secret) as ch:
+                stub = pb_grpc.NodeStub(ch)
                 with pytest.raises(grpc.RpcError) as err:
-                    stub.Health(pb.HealthRequest(), timeout=5, metadata=md)
-                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    stub.Health(pb.HealthRequest(), timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
                 with pytest.raises(grpc.RpcError) as err:
-                    list(stub.Subscribe(pb.SubscribeRequest(client_id="x"), timeout=5, metadata=md))
-                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            reply = stub.Ping(pb.PingRequest(payload=b"hi"), timeout=5, metadata=secret_metadata("s3cret"))
+                    list(stub.Subscribe(pb.SubscribeRequest(client_id="x"), timeout=5))
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with make_channel(server.address, "s3cret") as ch:
+            reply = pb_grpc.NodeStub(ch).Ping(pb.PingRequest(payload=b"hi"), timeout=5)
             assert reply.payload == b"hi"
         with pytest.raises(NodeFailure):
             remote_engine(dense_ckpt, [server.address], secret=None)

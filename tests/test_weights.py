@@ -30,7 +30,7 @@ from mtpipe.models.shard import ShardSpec
 from mtpipe.node import bulk, fetch, weights
 from mtpipe.node.server import NodeServer
 from mtpipe.node.shards import PART, WEIGHTS, ShardCache, ShardKey
-from mtpipe.node.wire import make_channel, secret_metadata
+from mtpipe.node.wire import make_channel
 from mtpipe.proto import mtpipe_pb2 as pb
 from mtpipe.proto import mtpipe_pb2_grpc as pb_grpc
 
@@ -288,12 +288,14 @@ def test_a_bulk_token_is_good_once(dense_ckpt: Path, tmp_path: Path) -> None:
     fp = model_fingerprint(dense_ckpt)
     index = checkpoint_index(dense_ckpt)
     names = sorted(index)[:3]
-    with nodes(tmp_path, [[dense_ckpt]], secret="s3cret") as (node,), make_channel(node.address) as channel:
+    with nodes(tmp_path, [[dense_ckpt]], secret="s3cret") as (node,), \
+            make_channel(node.address, "s3cret") as channel:
         stub = pb_grpc.NodeStub(channel)
-        chunks = list(stub.FetchTensors(pb.FetchRequest(fingerprint=fp, names=names, raw=True),
-                                        metadata=secret_metadata("s3cret"), timeout=10))
+        chunks = list(stub.FetchTensors(pb.FetchRequest(fingerprint=fp, names=names, raw=True), timeout=10))
         assert len(chunks) == 1 and chunks[0].token and chunks[0].data_port == node.service.data_port
-        sock = bulk.connect("127.0.0.1", chunks[0].data_port, chunks[0].token)
+        with pytest.raises(OSError):  # the data plane speaks TLS keyed by the secret
+            bulk.connect("127.0.0.1", chunks[0].data_port, chunks[0].token, "wrong")
+        sock = bulk.connect("127.0.0.1", chunks[0].data_port, chunks[0].token, "s3cret")
         got = bytearray()
         while chunk := sock.recv(1 << 16):
             got += chunk
@@ -335,12 +337,15 @@ def test_fetch_tensors_serves_only_tensors_of_a_model_it_holds(dense_ckpt: Path,
     fp = model_fingerprint(dense_ckpt)
     index = checkpoint_index(dense_ckpt)
     names = sorted(index)[:5]
-    with nodes(tmp_path, [[dense_ckpt]], secret="s3cret") as (node,), make_channel(node.address) as channel:
+    with nodes(tmp_path, [[dense_ckpt]], secret="s3cret") as (node,), \
+            make_channel(node.address, "s3cret") as channel:
         stub = pb_grpc.NodeStub(channel)
-        meta = secret_metadata("s3cret")
 
-        def fetch_all(req: pb.FetchRequest, metadata=meta) -> list[pb.TensorChunk]:
-            return list(stub.FetchTensors(req, metadata=metadata, timeout=10))
+        def fetch_all(req: pb.FetchRequest, secret: str = "s3cret") -> list[pb.TensorChunk]:
+            if secret == "s3cret":
+                return list(stub.FetchTensors(req, timeout=10))
+            with make_channel(node.address, secret) as other:
+                return list(pb_grpc.NodeStub(other).FetchTensors(req, timeout=10))
 
         chunks = fetch_all(pb.FetchRequest(fingerprint=fp, names=names))
         head = chunks[0]
@@ -369,8 +374,8 @@ def test_fetch_tensors_serves_only_tensors_of_a_model_it_holds(dense_ckpt: Path,
                 fetch_all(req)
             assert err.value.code() == code, req
         with pytest.raises(grpc.RpcError) as err:
-            fetch_all(pb.FetchRequest(fingerprint=fp, names=names), metadata=secret_metadata("wrong"))
-        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            fetch_all(pb.FetchRequest(fingerprint=fp, names=names), secret="wrong")
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # the TLS handshake fails: nothing reaches the node
         assert node.service.weights.transfer.served_bytes == 2 * len(whole) - 1000
 
 

@@ -93,8 +93,7 @@ class NodeWatch:
         from ...proto import mtpipe_pb2 as pb
 
         try:
-            reply = link.stub.Health(pb.HealthRequest(probe_next=probe_next), timeout=timeout,
-                                     metadata=link.metadata)
+            reply = link.stub.Health(pb.HealthRequest(probe_next=probe_next), timeout=timeout)
         except Exception as e:  # noqa: BLE001 - grpc.RpcError, or a closed channel: the node is down either way
             log.debug("node %s does not answer Health: %s", link.address, e)
             return NodeState(link.address, error=f"does not answer: {describe_rpc_error(e)}")

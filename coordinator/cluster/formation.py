@@ -51,16 +51,15 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int) 
     """Nodes named in cluster.yaml (no multicast): ask each one's Health for its id and memory."""
     import grpc
 
-    from ...node.wire import describe_rpc_error, make_channel, secret_metadata
+    from ...node.wire import describe_rpc_error, make_channel
     from ...proto import mtpipe_pb2 as pb
     from ...proto import mtpipe_pb2_grpc as pb_grpc
 
     out = []
     for n in nodes:
         try:
-            with make_channel(n.address) as channel:
-                h = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=10, wait_for_ready=True,
-                                                      metadata=secret_metadata(secret))
+            with make_channel(n.address, secret) as channel:
+                h = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=10, wait_for_ready=True)
         except grpc.RpcError as e:
             raise ConnectionError(f"static node {n.address}: {describe_rpc_error(e)}") from None
         out.append(NodeResources(h.node_id, max(h.memory_available - reserve, 0), (), n.port, (n.host,)))
@@ -100,23 +99,22 @@ def confirm_hops(order: list[NodeResources], control: dict[str, str], secret: st
     Nodes were loaded with the coordinator's addresses of their successors; a better one (a
     Thunderbolt subnet the coordinator is not on, say) replaces it once the sender reaches it.
     """
-    from ...node.wire import make_channel, secret_metadata
+    from ...node.wire import make_channel
     from ...proto import mtpipe_pb2 as pb
     from ...proto import mtpipe_pb2_grpc as pb_grpc
 
-    meta = secret_metadata(secret)
     hops = []
     for src, dst in itertools.pairwise(order):
         candidates = link_candidates(src, dst, control)
         loaded_with = control[dst.node_id]
         chosen = None
-        with make_channel(control[src.node_id]) as channel:
+        with make_channel(control[src.node_id], secret) as channel:
             stub = pb_grpc.NodeStub(channel)
             for cand in candidates:
                 if cand.target != loaded_with:
-                    stub.Connect(pb.ConnectRequest(next=cand.target), timeout=30, metadata=meta)
+                    stub.Connect(pb.ConnectRequest(next=cand.target), timeout=30)
                     loaded_with = cand.target
-                rtt = stub.Health(pb.HealthRequest(probe_next=True), timeout=10, metadata=meta).next_rtt_ms
+                rtt = stub.Health(pb.HealthRequest(probe_next=True), timeout=10).next_rtt_ms
                 if rtt >= 0:
                     chosen = Hop(src.node_id, dst.node_id, cand.target, cand.link.value if cand.link else None,
                                  round(rtt, 3))
@@ -124,7 +122,7 @@ def confirm_hops(order: list[NodeResources], control: dict[str, str], secret: st
                 log.info("node %s cannot reach %s at %s", src.node_id, dst.node_id, cand.target)
             if chosen is None:
                 if loaded_with != control[dst.node_id]:
-                    stub.Connect(pb.ConnectRequest(next=control[dst.node_id]), timeout=30, metadata=meta)
+                    stub.Connect(pb.ConnectRequest(next=control[dst.node_id]), timeout=30)
                 log.warning("node %s reaches %s at none of %s", src.node_id, dst.node_id,
                             ", ".join(c.target for c in candidates))
                 chosen = Hop(src.node_id, dst.node_id, control[dst.node_id], None, None)
@@ -135,7 +133,7 @@ def confirm_hops(order: list[NodeResources], control: dict[str, str], secret: st
 def confirm_ring(order: list[NodeResources], control: dict[str, str], secret: str | None) -> Hop | None:
     """The last node's link back to the first: the best candidate address at which the first node
     itself answers from there (the coordinator's own address of it may mean another host there)."""
-    from ...node.wire import make_channel, secret_metadata
+    from ...node.wire import make_channel
     from ...proto import mtpipe_pb2 as pb
     from ...proto import mtpipe_pb2_grpc as pb_grpc
 
@@ -143,11 +141,11 @@ def confirm_ring(order: list[NodeResources], control: dict[str, str], secret: st
         return None
     first, last = order[0], order[-1]
     candidates = link_candidates(last, first, control)
-    with make_channel(control[last.node_id]) as channel:
+    with make_channel(control[last.node_id], secret) as channel:
         stub = pb_grpc.NodeStub(channel)
         for cand in candidates:
             req = pb.ConnectRequest(ring=cand.target, ring_node_id=first.node_id)
-            if stub.Connect(req, timeout=30, metadata=secret_metadata(secret)).ring:
+            if stub.Connect(req, timeout=30).ring:
                 return Hop(last.node_id, first.node_id, cand.target, cand.link.value if cand.link else None, None)
     log.warning("node %s reaches %s at none of %s: the coordinator will start every decode round",
                 last.node_id, first.node_id, ", ".join(c.target for c in candidates))

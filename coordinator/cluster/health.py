@@ -30,16 +30,15 @@ class Reached:
 
 def ping(target: str, secret: str | None, timeout: float = 2.0) -> Reached:
     """Two Pings (the first opens the connection); the round trip of the second. Raises grpc.RpcError."""
-    from ...node.wire import make_channel, secret_metadata
+    from ...node.wire import make_channel
     from ...proto import mtpipe_pb2 as pb
     from ...proto import mtpipe_pb2_grpc as pb_grpc
 
-    with make_channel(target) as channel:
+    with make_channel(target, secret) as channel:
         stub = pb_grpc.NodeStub(channel)
-        meta = secret_metadata(secret)
-        stub.Ping(pb.PingRequest(), timeout=timeout, metadata=meta)
+        stub.Ping(pb.PingRequest(), timeout=timeout)
         t0 = time.perf_counter()
-        reply = stub.Ping(pb.PingRequest(), timeout=timeout, metadata=meta)
+        reply = stub.Ping(pb.PingRequest(), timeout=timeout)
         return Reached(target, reply.node_id, 1000.0 * (time.perf_counter() - t0))
 
 
@@ -78,16 +77,16 @@ def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next
     """Health of one node as a plain dict (see `mtpipe health --json`); probe_next measures its next hop."""
     import grpc
 
-    from ...node.wire import describe_rpc_error, make_channel, secret_metadata
+    from ...node.wire import describe_rpc_error, make_channel
     from ...proto import mtpipe_pb2 as pb
     from ...proto import mtpipe_pb2_grpc as pb_grpc
 
     row: dict[str, Any] = {"address": target}
     try:
-        with make_channel(target) as channel:
+        with make_channel(target, secret) as channel:
             stub = pb_grpc.NodeStub(channel)
             t0 = time.perf_counter()
-            h = stub.Health(pb.HealthRequest(probe_next=probe_next), timeout=timeout, metadata=secret_metadata(secret))
+            h = stub.Health(pb.HealthRequest(probe_next=probe_next), timeout=timeout)
             row["rtt_ms"] = round(1000.0 * (time.perf_counter() - t0), 3)
     except grpc.RpcError as e:
         row.update(status=UNREACHABLE, reachable=False, problems=[describe_rpc_error(e)])

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from ...node.protocol import StageError, StageUnavailable
-from ...node.wire import describe_rpc_error, make_channel, secret_metadata
+from ...node.wire import describe_rpc_error, make_channel
 from ...proto import mtpipe_pb2 as pb
 from ...proto import mtpipe_pb2_grpc as pb_grpc
 
@@ -50,7 +50,7 @@ class FrameStream:
         self.target = target
         self.secret = secret
         self.on_error = on_error
-        self.channel = make_channel(target)
+        self.channel = make_channel(target, secret)
         self.stub = pb_grpc.NodeStub(self.channel)
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue | None = None
@@ -72,7 +72,7 @@ class FrameStream:
             while (f := q.get()) is not None:
                 yield f
 
-        call = self.stub.Forward(frames(), metadata=secret_metadata(self.secret))
+        call = self.stub.Forward(frames())
         self._queue = q
         self._watcher = threading.Thread(target=self._watch, args=(call, q), name=f"stream-{self.target}", daemon=True)
         self._watcher.start()
@@ -111,8 +111,7 @@ class NodeLink:
 
     def __init__(self, address: str, secret: str | None):
         self.address = address
-        self.metadata = secret_metadata(secret)
-        self.channel = make_channel(address)
+        self.channel = make_channel(address, secret)
         self.stub = pb_grpc.NodeStub(self.channel)
         self.subscription: Any = None  # the live Subscribe call, None when there is none
 
@@ -122,10 +121,9 @@ def wait_for_nodes(nodes: list[str], timeout: float = 30.0, secret: str | None =
     """Block until every node answers a Ping (gRPC waits for the connection; no polling sleeps)."""
     deadline = time.monotonic() + timeout
     for address in nodes:
-        with make_channel(address) as channel:
+        with make_channel(address, secret) as channel:
             stub = pb_grpc.NodeStub(channel)
             try:
-                stub.Ping(pb.PingRequest(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True,
-                          metadata=secret_metadata(secret))
+                stub.Ping(pb.PingRequest(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True)
             except grpc.RpcError as e:
                 raise NodeFailure(address, f"not ready within {timeout:.0f} s ({describe_rpc_error(e)})") from None

@@ -146,7 +146,7 @@ class RemotePipeline:
         fingerprint = model_fingerprint(path)
         first = self.nodes[0]
         try:  # the last node checks that its ring reaches this very node
-            first_id = first.stub.Ping(pb.PingRequest(), timeout=self.connect_timeout, metadata=first.metadata).node_id
+            first_id = first.stub.Ping(pb.PingRequest(), timeout=self.connect_timeout).node_id
         except grpc.RpcError as e:
             raise NodeFailure(first.address, f"cannot reach it ({describe_rpc_error(e)})") from None
         last = len(self.nodes) - 1
@@ -161,8 +161,8 @@ class RemotePipeline:
                                         ring=self.addresses[0] if i == last else "",
                                         ring_node_id=first_id if i == last else "")
             try:
-                reply = node.stub.Load(load, timeout=timeout, metadata=node.metadata)
-                return reply, node.stub.Connect(connect, timeout=timeout, metadata=node.metadata)
+                reply = node.stub.Load(load, timeout=timeout)
+                return reply, node.stub.Connect(connect, timeout=timeout)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ValueError(f"node {node.address}: {e.details()}") from None
@@ -185,7 +185,7 @@ class RemotePipeline:
         if self._load_args is None:
             raise RuntimeError("the pipeline was never loaded")
         for n in self.nodes:
-            n.stub.Ping(pb.PingRequest(), timeout=2.0, metadata=n.metadata)
+            n.stub.Ping(pb.PingRequest(), timeout=2.0)
         model_path, specs, mtp, dtype = self._load_args
         self.load(model_path, specs, mtp=mtp, dtype=dtype)
         self._connect()
@@ -207,11 +207,11 @@ class RemotePipeline:
             with self._lock:
                 live = sorted(self.live)
             if live:
-                renew_all([n.stub for n in self.nodes], [n.metadata for n in self.nodes], self.client_id, live,
+                renew_all([n.stub for n in self.nodes], self.client_id, live,
                           timeout=RENEW_S)
 
     def _subscribe(self, node: NodeLink) -> None:
-        call = node.stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id), metadata=node.metadata)
+        call = node.stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id))
         ready = threading.Event()
         failure: list[Exception] = []
         threading.Thread(
@@ -408,7 +408,7 @@ class RemotePipeline:
         return {"kind": "remote", "stages": [{"index": i, "address": a} for i, a in enumerate(self.addresses)]}
 
     def health(self, probe_next: bool = False, timeout: float = 5.0) -> list[pb.HealthReply]:
-        return [n.stub.Health(pb.HealthRequest(probe_next=probe_next), timeout=timeout, metadata=n.metadata)
+        return [n.stub.Health(pb.HealthRequest(probe_next=probe_next), timeout=timeout)
                 for n in self.nodes]
 
     def ping(self, timeout: float = 2.0) -> list[float]:
@@ -416,6 +416,6 @@ class RemotePipeline:
         out = []
         for n in self.nodes:
             t0 = time.perf_counter()
-            n.stub.Ping(pb.PingRequest(), timeout=timeout, metadata=n.metadata)
+            n.stub.Ping(pb.PingRequest(), timeout=timeout)
             out.append(1000.0 * (time.perf_counter() - t0))
         return out
