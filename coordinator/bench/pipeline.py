@@ -44,6 +44,8 @@ PREFILL_ONE_CHUNK = "pipe2_one_chunk_in_flight"  # 2 nodes, prompt chunks one at
 PREFILL_TOKENS = 2048
 PREFILL_RUNS = 2
 GRPC_HOPS = "pipe2_grpc_hops"  # 2 nodes without a data plane
+AUTH = "pipe2_auth"  # 2 nodes with a cluster secret: mutual TLS on every link (node/tls.py)
+BENCH_SECRET = "mtpipe-bench-secret"
 RING_TIMEOUT_S = 900
 
 
@@ -54,7 +56,7 @@ def _free_port() -> int:
 
 
 @contextmanager
-def spawn_nodes(n: int, data_plane: str = "tcp") -> Iterator[list[str]]:
+def spawn_nodes(n: int, data_plane: str = "tcp", secret: str | None = None) -> Iterator[list[str]]:
     """n `mtpipe node` processes on 127.0.0.1; killed on exit."""
     procs, addresses = [], []
     try:
@@ -62,9 +64,12 @@ def spawn_nodes(n: int, data_plane: str = "tcp") -> Iterator[list[str]]:
             port = _free_port()
             cmd = node_command("--host", "127.0.0.1", "--port", str(port), "--data-plane", data_plane)
             env = {**os.environ, blas.ENV_WORKERS: str(n)}  # the nodes share this machine's cores
+            env.pop("MTPIPE_SECRET", None)
+            if secret:
+                env["MTPIPE_SECRET"] = secret
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
             addresses.append(f"127.0.0.1:{port}")
-        wait_for_nodes(addresses, timeout=180)
+        wait_for_nodes(addresses, timeout=180, secret=secret)
         yield addresses
     finally:
         for p in procs:
@@ -186,22 +191,26 @@ def bench_pipeline(
     encoded = [single.tokenizer.encode(t) for t in texts]
     topologies = ("single", "pipe2", "pipe3")
     # Without MTP only: the same 2 nodes with the coordinator sending every round, and 2 nodes whose
-    # frames travel gRPC streams instead of the TCP data plane.
+    # frames travel gRPC streams instead of the TCP data plane. With and without MTP: 2 nodes with a
+    # cluster secret (every link mutual TLS), against pipe2 without one.
     variants = (COORDINATOR_ROUNDS, GRPC_HOPS)
-    runs = [(t, k) for t in topologies for k in [0, *depths, AUTO]] + [(v, 0) for v in variants]
+    runs = ([(t, k) for t in topologies for k in [0, *depths, AUTO]] + [(v, 0) for v in variants]
+            + [(AUTH, 0), (AUTH, AUTO)])
     methods = [_method(t, k) for t, k in runs]
     speeds: dict[str, list[float]] = {m: [] for m in methods}
     outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
     drafted = {m: 0 for m in methods}
     accepted = {m: 0 for m in methods}
     wire: dict[str, dict[str, Any] | None] = {m: None for m in methods if not m.startswith("single")}
-    with spawn_nodes(5) as addresses, spawn_nodes(2, data_plane="grpc") as grpc_addresses:
+    with spawn_nodes(5) as addresses, spawn_nodes(2, data_plane="grpc") as grpc_addresses, \
+            spawn_nodes(2, secret=BENCH_SECRET) as auth_addresses:
         engines: dict[str, Engine] = {"single": single}
         try:
             engines["pipe2"] = remote_engine(model_path, addresses[:2], mtp=True)
             engines["pipe3"] = remote_engine(model_path, addresses[2:], mtp=True)
             engines[COORDINATOR_ROUNDS] = remote_engine(model_path, addresses[:2], mtp=True, ring=False)
             engines[GRPC_HOPS] = remote_engine(model_path, grpc_addresses, mtp=True)
+            engines[AUTH] = remote_engine(model_path, auth_addresses, mtp=True, secret=BENCH_SECRET)
             engines[PREFILL_ONE_CHUNK] = remote_engine(model_path, addresses[:2], mtp=True, steps_in_flight=1)
             for topology, k in runs:  # warm up every path once
                 _time_engine(engines[topology], encoded[0], 8, k)
@@ -271,6 +280,8 @@ def bench_pipeline(
             "pipe2_no_mtp_vs_mlx_lm_ring": ratio("pipe2_no_mtp", "mlx_lm_ring2"),
             "pipe2_ring_vs_coordinator_rounds": ratio("pipe2_no_mtp", _method(COORDINATOR_ROUNDS, 0)),
             "pipe2_tcp_vs_grpc_hops": ratio("pipe2_no_mtp", _method(GRPC_HOPS, 0)),
+            "auth_on_vs_off": ratio(_method(AUTH, 0), "pipe2_no_mtp"),
+            "auth_on_vs_off_mtp": ratio(_method(AUTH, AUTO), "pipe2_mtp"),
             "pipe2_prefill_vs_single": prefill["ratios"]["pipe2_vs_single"],
             "pipe2_prefill_vs_one_chunk_in_flight": round(
                 prefill["tok_s"]["pipe2"] / prefill["tok_s"][PREFILL_ONE_CHUNK], 3),
