@@ -6,7 +6,9 @@ port. The client connects there, sends `BULK_HELLO` and the token, reads OK (or 
 expired token), and then receives the requested byte ranges back to back, sent from the files with
 sendfile. A token is good for one connection within `TOKEN_TTL_S` of the gRPC call that issued it,
 and only for the tensors and offset that call named: it was handed out over the authenticated
-gRPC channel. With a cluster secret the stream is TLS keyed by it, as the data plane is (tls.py).
+gRPC channel (TLS keyed by the cluster secret). The bytes themselves travel in the clear, sent
+with sendfile: they are the model's weights, and each tensor is checked against the hash in the
+fingerprint the client got over that authenticated channel, so altered or replayed bytes fail.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from typing import BinaryIO
 
 from ..models.fingerprint import TensorLoc
 from .dataplane import BULK_HELLO, HANDSHAKE_TIMEOUT_S
-from .tls import NAME, ssl_context
 
 TOKEN_BYTES = 32
 TOKEN_TTL_S = 30.0
@@ -98,12 +99,9 @@ async def serve_bulk(grants: BulkGrants, reader: asyncio.StreamReader, writer: a
     await writer.drain()
 
 
-def connect(host: str, port: int, token: bytes, secret: str | None = None,
-            timeout: float = HANDSHAKE_TIMEOUT_S) -> socket.socket:
-    """A blocking socket on which the granted bytes follow (run in a thread); TLS with a secret."""
+def connect(host: str, port: int, token: bytes, timeout: float = HANDSHAKE_TIMEOUT_S) -> socket.socket:
+    """A blocking socket on which the granted bytes follow (run in a thread)."""
     sock = socket.create_connection((host, port), timeout=timeout)
-    if secret:
-        sock = ssl_context(secret, server=False).wrap_socket(sock, server_hostname=NAME)
     try:
         sock.sendall(BULK_HELLO + token)
         answer = b""

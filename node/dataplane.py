@@ -8,9 +8,10 @@ reader's event loop, where a gRPC stream write and read each cost several thread
 Measured on the 2-core VM, ping-pong with a 4-layer MLX step between hops: 0.6-0.8 ms a hop over
 gRPC, 0.25-0.4 ms over this stream.
 
-With a cluster secret the stream is mutual TLS keyed by it (tls.py), as gRPC is: a peer without the
-secret cannot connect, and frames cannot be read, altered or replayed. A connection opens with a
-hello; the listener answers OK and frames flow one way until either side closes. A connection
+A connection opens with a hello; the listener answers OK and, with a cluster secret, both ends then
+turn the stream into mutual TLS keyed by it (tls.py), as gRPC is: a peer without the secret gets no
+further, and frames cannot be read, altered or replayed. Frames then flow one way until either
+side closes. A connection
 that opens with `BULK_HELLO` instead is a shard-tensor transfer, handed to `on_bulk` (bulk.py). Broken
 input (a wrong hello, an oversized or undecodable frame) closes that connection only.
 """
@@ -95,9 +96,9 @@ class FrameListener:
 
     async def start(self, host: str, port: int = 0) -> int:
         if host in ("", "0.0.0.0", "::"):
-            self._server = await asyncio.start_server(self._serve, sock=_any_address_socket(port), ssl=self.ssl)
+            self._server = await asyncio.start_server(self._serve, sock=_any_address_socket(port))
         else:
-            self._server = await asyncio.start_server(self._serve, host, port, ssl=self.ssl)
+            self._server = await asyncio.start_server(self._serve, host, port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -122,6 +123,8 @@ class FrameListener:
                 raise DataPlaneError("not a data-plane hello")
             writer.write(b"OK")
             await writer.drain()
+            if self.ssl is not None:  # the peer sends nothing more until it has read OK
+                await writer.start_tls(self.ssl, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
             while True:
                 try:
                     (size,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
@@ -131,7 +134,7 @@ class FrameListener:
                     raise DataPlaneError(f"a frame of {size} bytes exceeds the limit of {self.max_bytes}")
                 frame = pb.Frame.FromString(await reader.readexactly(size))
                 await self.on_frame(frame)
-        except (DataPlaneError, DecodeError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+        except (TimeoutError, DataPlaneError, DecodeError, asyncio.IncompleteReadError) as e:
             log.warning("data plane: closed the stream from %s: %s", peer, e or type(e).__name__)
         except (ConnectionError, OSError) as e:
             log.info("data plane: stream from %s ended: %s", peer, e)
@@ -152,18 +155,20 @@ class TcpFrameLink:
     @classmethod
     async def connect(cls, host: str, port: int, secret: str | None, timeout: float = HANDSHAKE_TIMEOUT_S
                       ) -> TcpFrameLink:
-        tls = {"ssl": ssl_context(secret, server=False), "server_hostname": NAME} if secret else {}
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, **tls), timeout)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
         _keepalive(writer.get_extra_info("socket"))
         writer.write(HELLO)
         try:
             answer = await asyncio.wait_for(reader.readexactly(2), timeout)
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError):
+        except (TimeoutError, asyncio.IncompleteReadError):
             writer.close()
             raise DataPlaneError(f"{host}:{port} is not an mtpipe data plane") from None
         if answer != b"OK":
             writer.close()
             raise DataPlaneError(f"{host}:{port} is not an mtpipe data plane")
+        if secret:
+            await writer.start_tls(ssl_context(secret, server=False), server_hostname=NAME,
+                                   ssl_handshake_timeout=timeout)
         return cls(reader, writer)
 
     async def write(self, frame: pb.Frame) -> None:
@@ -252,7 +257,7 @@ class NextStage:
                 return await TcpFrameLink.connect(host, reply.data_port, self.secret)
             except DataPlaneError:
                 raise  # its data port is something else
-            except (OSError, asyncio.TimeoutError) as e:  # a firewall, say: gRPC still gets through
+            except (TimeoutError, OSError) as e:  # a firewall, say: gRPC still gets through
                 log.warning("no data plane to %s (port %d: %s); sending frames over gRPC", self.target,
                             reply.data_port, e or type(e).__name__)
         return GrpcFrameLink(self.stub)

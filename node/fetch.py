@@ -114,7 +114,7 @@ async def fetch_shard(cache: ShardCache, key: ShardKey, names: list[str], source
                 elif e.code() == grpc.StatusCode.OUT_OF_RANGE:  # a part file longer than the shard: start over
                     (cache.dir(key) / PART).unlink(missing_ok=True)
                 errors.append(f"{source}: {e.code().name}: {e.details()}")
-            except (_SourceFailed, asyncio.TimeoutError) as e:
+            except (TimeoutError, _SourceFailed) as e:
                 errors.append(f"{source}: {e or 'no answer'}")
             except BaseException:
                 progress.state = "failed"
@@ -178,8 +178,8 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
             if first.token and first.data_port:
                 host = split_host_port(source)[0]
                 try:
-                    sock = await loop.run_in_executor(None, bulk.connect, host, first.data_port, first.token, secret)
-                except (OSError, asyncio.TimeoutError) as e:
+                    sock = await loop.run_in_executor(None, bulk.connect, host, first.data_port, first.token)
+                except (TimeoutError, OSError) as e:
                     log.warning("no data plane to %s (port %d: %s); fetching over gRPC", source, first.data_port, e)
                     fallback = True
                 else:

@@ -56,7 +56,11 @@ def _closed(sock: socket.socket) -> bool:
 
 
 def _tls(port: int, secret: str) -> ssl.SSLSocket:
-    return ssl_context(secret, server=False).wrap_socket(_connect(port), server_hostname=NAME)
+    """The hello in the clear, OK back, then TLS keyed by `secret` (dataplane.py)."""
+    s = _connect(port)
+    s.sendall(HELLO)
+    assert s.recv(2) == b"OK"
+    return ssl_context(secret, server=False).wrap_socket(s, server_hostname=NAME)
 
 
 def test_data_port_checks_the_secret_and_survives_garbage(dense_engine: Engine, dense_ckpt: Path) -> None:
@@ -64,20 +68,18 @@ def test_data_port_checks_the_secret_and_survives_garbage(dense_engine: Engine, 
         port = nodes[1].service.data_port
         with pytest.raises(ssl.SSLError):  # TLS keyed by another secret: no handshake
             _tls(port, "wrong")
-        with _connect(port) as s:  # plain bytes, the old hello with a secret in it, HTTP: closed
-            s.sendall(HELLO + LENGTH.pack(6) + b"s3cret")
+        with _connect(port) as s:  # frames in the clear after the hello: the TLS handshake fails, closed
+            s.sendall(HELLO)
+            assert s.recv(2) == b"OK"
+            s.sendall(LENGTH.pack(6) + b"s3cret")
             assert _closed(s)
         with _connect(port) as s:
             s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             assert _closed(s)
         with _tls(port, "s3cret") as s:  # the right secret, then a frame larger than any message may be
-            s.sendall(HELLO)
-            assert s.recv(2) == b"OK"
             s.sendall(LENGTH.pack(2**31))
             assert _closed(s)
         with _tls(port, "s3cret") as s:  # bytes that do not decode as a Frame
-            s.sendall(HELLO)
-            assert s.recv(2) == b"OK"
             s.sendall(LENGTH.pack(4) + b"\xff\xff\xff\xff")
             assert _closed(s)
         engine = remote_engine(dense_ckpt, [s.address for s in nodes], secret="s3cret", dtype="float32")

@@ -12,7 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timezone, UTC
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ HEALTH_TIMEOUT_S = 1.0  # GET /health: a load balancer polls it, so a dead node 
 
 def timestamp(t: float) -> str:
     """A wall-clock time as ISO 8601 in UTC, the form error reports carry."""
-    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
 
 
 @dataclass

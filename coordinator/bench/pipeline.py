@@ -194,8 +194,9 @@ def bench_pipeline(
     # frames travel gRPC streams instead of the TCP data plane. With and without MTP: 2 nodes with a
     # cluster secret (every link mutual TLS), against pipe2 without one.
     variants = (COORDINATOR_ROUNDS, GRPC_HOPS)
-    runs = ([(t, k) for t in topologies for k in [0, *depths, AUTO]] + [(v, 0) for v in variants]
-            + [(AUTH, 0), (AUTH, AUTO)])
+    runs = [(t, k) for t in topologies for k in [0, *depths, AUTO]] + [(v, 0) for v in variants]
+    for k in (0, AUTO):  # each right after the same pipe2 run: side by side, in the same conditions
+        runs.insert(runs.index(("pipe2", k)) + 1, (AUTH, k))
     methods = [_method(t, k) for t, k in runs]
     speeds: dict[str, list[float]] = {m: [] for m in methods}
     outputs: dict[str, list[list[int]]] = {m: [] for m in methods}

@@ -115,7 +115,7 @@ class Discovery:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: predicate(self.peers)), timeout)
                 return True
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return False
 
     async def wait_count(self, count: int, timeout: float) -> bool:
@@ -132,7 +132,7 @@ class Discovery:
             async with self._changed:
                 try:
                     await asyncio.wait_for(self._changed.wait(), remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
 
