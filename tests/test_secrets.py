@@ -61,3 +61,34 @@ def test_node_without_a_secret_will_not_listen_on_all_interfaces(tmp_path: Path)
                        env=env, timeout=120, check=False)
     assert r.returncode == 2 and "refusing to listen on 0.0.0.0 without a cluster secret" in r.stderr
     assert "--insecure" in r.stderr
+
+
+def test_only_nodes_that_prove_membership_count(caplog: pytest.LogCaptureFixture) -> None:
+    """Adverts from a node with another secret, from nobody, or under another node's id are left out of
+    the election and the placement, each with a log line; a coordinator flag in an advert wins nothing."""
+    from mtpipe.coordinator.cluster.discovery import elect_coordinator
+    from mtpipe.coordinator.cluster.formation import members_only
+    from mtpipe.node.advertise import NodeAdvert
+    from mtpipe.node.server import NodeServer
+
+    good = NodeServer("127.0.0.1", 0, node_id="node-b", secret="s3").start()
+    rogue = NodeServer("127.0.0.1", 0, node_id="node-0", secret="guess").start()
+    try:
+        def advert(node_id: str, port: int, coordinator: bool = False) -> NodeAdvert:
+            return NodeAdvert(node_id, "h", port, 1 << 30, 1 << 30, "cpu", "v", coordinator=coordinator,
+                              addresses=("127.0.0.1",))
+
+        peers = {"node-a": advert("node-a", 1), "node-b": advert("node-b", good.port),
+                 "node-0": advert("node-0", rogue.port, coordinator=True),  # wrong secret, claims to coordinate
+                 "node-1": advert("node-1", 9),  # nobody listens
+                 "node-c": advert("node-c", good.port)}  # someone else's address
+        assert elect_coordinator("node-a", peers) == "node-0"  # what an advert alone would win
+        with caplog.at_level("WARNING"):
+            kept = members_only(peers, "node-a", [], "s3", timeout=2.0)
+        assert sorted(kept) == ["node-a", "node-b"]
+        assert elect_coordinator("node-a", kept) == "node-a"
+        left_out = [r.getMessage() for r in caplog.records if "did not prove" in r.getMessage()]
+        assert sorted(m.split()[1] for m in left_out) == ["node-0", "node-1", "node-c"]
+    finally:
+        good.stop(0)
+        rogue.stop(0)

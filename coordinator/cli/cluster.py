@@ -36,7 +36,13 @@ from ..cluster.agent import (
 )
 from ..cluster.config import ClusterConfig, load_cluster_config, overlay
 from ..cluster.discovery import elect_coordinator
-from ..cluster.formation import cluster_info_fn, form_cluster, resources_from_advert, single_node_engine
+from ..cluster.formation import (
+    cluster_info_fn,
+    form_cluster,
+    members_only,
+    resources_from_advert,
+    single_node_engine,
+)
 from ..cluster.placement import hop_candidates
 from .common import add_mtp, progress_loader, stderr_console
 from .serve import add_serve_command
@@ -166,6 +172,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if agent is not None:
             peers = wait_for_peers(agent, me, cfg, args.coordinator)
             peers.setdefault(me, advert)
+            peers = members_only(peers, me, interfaces, secret)
             coordinator = elect_coordinator(me, peers, forced=args.coordinator)
         else:  # static nodes only: the node started with --coordinator drives the others
             peers = {me: advert}

@@ -47,6 +47,28 @@ def resources_from_advert(ad: NodeAdvert, reserve: int) -> NodeResources:
     return NodeResources(ad.node_id, max(ad.mem_available - reserve, 0), ad.interfaces, ad.port, ad.addresses)
 
 
+def members_only(peers: dict[str, NodeAdvert], me: str, local: list[Interface], secret: str | None,
+                 timeout: float = 2.0) -> dict[str, NodeAdvert]:
+    """The discovered nodes that prove they belong: each must answer, under the id it advertises, a
+    Ping over a link that (with a secret) is mutual TLS keyed by it. An advert alone counts for
+    nothing: a node that fails is logged once and left out of the election and the placement."""
+    from .health import first_reachable
+    from .placement import hop_candidates
+
+    kept = {}
+    for node_id, ad in peers.items():
+        if node_id == me:
+            kept[node_id] = ad
+            continue
+        targets = [c.target for c in hop_candidates(local, resources_from_advert(ad, 0))]
+        if first_reachable(targets, secret, node_id, timeout=timeout) is not None:
+            kept[node_id] = ad
+        else:
+            log.warning("node %s (advertised from %s) did not prove it belongs to this cluster at %s: left out",
+                        node_id, ", ".join(ad.addresses) or "?", ", ".join(targets) or "no address")
+    return kept
+
+
 def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int) -> list[NodeResources]:
     """Nodes named in cluster.yaml (no multicast): ask each one's Health for its id and memory."""
     import grpc
