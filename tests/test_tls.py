@@ -1,0 +1,223 @@
+"""What a rogue on the network gets from mtpipe with a cluster secret: nothing that authenticates.
+
+A rogue listener that records every byte sent to it learns neither the secret nor anything derived
+from it (a client stops after its TLS hello when the server cannot prove the key), and replaying the
+recording to a real node gets nowhere. Data-plane frames altered on the way are refused, the link is
+closed and nothing reaches the node."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from mtpipe.coordinator.cluster.health import first_reachable, probe_node
+from mtpipe.node.dataplane import HELLO, LENGTH, FrameListener, TcpFrameLink
+from mtpipe.node.server import NodeServer
+from mtpipe.node.tls import NAME, identity, ssl_context
+from mtpipe.proto import mtpipe_pb2 as pb
+
+SECRET = "correct horse battery staple"
+
+
+class Recorder:
+    """Accepts connections and records every byte they send; answers nothing."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.received: list[bytes] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._record, args=(conn,), daemon=True).start()
+
+    def _record(self, conn: socket.socket) -> None:
+        data = b""
+        conn.settimeout(3)
+        try:
+            while chunk := conn.recv(65536):
+                data += chunk
+        except OSError:
+            pass
+        self.received.append(data)
+        conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def node() -> Iterator[NodeServer]:
+    server = NodeServer("127.0.0.1", 0, node_id="real", secret=SECRET).start()
+    yield server
+    server.stop(0)
+
+
+def test_a_rogue_listener_records_nothing_that_authenticates(node: NodeServer) -> None:
+    rogue = Recorder()
+    try:
+        target = f"127.0.0.1:{rogue.port}"
+        assert first_reachable([target], SECRET, timeout=1.5) is None
+        assert probe_node(target, SECRET, timeout=1.5)["reachable"] is False
+
+        async def data_plane() -> None:
+            with pytest.raises((OSError, asyncio.TimeoutError, ConnectionError)):
+                await TcpFrameLink.connect("127.0.0.1", rogue.port, SECRET, timeout=1.5)
+
+        asyncio.run(data_plane())
+        threading.Event().wait(3.5)  # the recorder's read timeout
+        recorded = b"".join(rogue.received)
+        assert recorded  # it did receive connections
+        key, cert = identity(SECRET)
+        for secret_thing in (SECRET.encode(), key, cert, key.split(b"\n")[1], cert.split(b"\n")[1]):
+            assert secret_thing not in recorded
+        # Replayed to a real node, the recorded bytes authenticate nothing: no reply is application data.
+        for blob in rogue.received:
+            for port in (node.port, node.service.data_port):
+                with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
+                    s.sendall(blob)
+                    s.settimeout(2)
+                    reply = b""
+                    try:
+                        while chunk := s.recv(65536):
+                            reply += chunk
+                    except OSError:
+                        pass
+                    assert b"node_id" not in reply and b"real" not in reply
+        assert not node.service._subs and not node.service._owners  # no client got through
+    finally:
+        rogue.close()
+
+
+class FlippingProxy:
+    """Forwards a TCP stream, flipping one byte of the client's data after the first `after` bytes."""
+
+    def __init__(self, port: int, after: int) -> None:
+        self.target, self.after = port, after
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        conn, _ = self.sock.accept()
+        up = socket.create_connection(("127.0.0.1", self.target))
+        threading.Thread(target=self._pipe, args=(up, conn, None), daemon=True).start()
+        self._pipe(conn, up, self.after)
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, flip_after: int | None) -> None:
+        seen = 0
+        try:
+            while chunk := src.recv(65536):
+                if flip_after is not None and seen <= flip_after < seen + len(chunk):
+                    i = flip_after - seen
+                    chunk = chunk[:i] + bytes([chunk[i] ^ 0x01]) + chunk[i + 1 :]
+                seen += len(chunk)
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            _hang_up(dst)
+
+
+def _hang_up(sock: socket.socket) -> None:
+    """EOF to the peer now (a close while another thread reads the socket would not send it)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def test_an_altered_frame_is_refused_and_nothing_reaches_the_node() -> None:
+    loop = asyncio.new_event_loop()
+    got: list[pb.Frame] = []
+
+    async def on_frame(frame: pb.Frame) -> None:
+        got.append(frame)
+
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    listener = FrameListener(on_frame, SECRET, max_bytes=1 << 20)
+    port = asyncio.run_coroutine_threadsafe(listener.start("127.0.0.1"), loop).result(10)
+    try:
+        frame = pb.Frame(client_id="c", seq_id="s", step=1, kind=pb.DECODE, tokens=[1, 2, 3])
+        data = LENGTH.pack(frame.ByteSize()) + frame.SerializeToString()
+
+        def send(via: int, payload: bytes) -> bool:
+            """Through the data plane at `via`; True if the listener kept the connection open."""
+            s = socket.create_connection(("127.0.0.1", via), timeout=5)
+            s.sendall(HELLO)
+            assert s.recv(2) == b"OK"
+            tls = ssl_context(SECRET, server=False).wrap_socket(s, server_hostname=NAME)
+            tls.sendall(payload)
+            tls.settimeout(2)
+            try:
+                return tls.recv(1) != b""  # the listener never writes: a timeout means still open
+            except TimeoutError:
+                return True
+            except (ssl.SSLError, OSError):
+                return False
+            finally:
+                tls.close()
+
+        assert send(port, data) and _wait(lambda: len(got) == 1) and got[0] == frame
+        # The proxy flips a byte past the hello and the handshake: inside the frame's TLS record.
+        handshake = _client_bytes_before_data(port)
+        proxy = FlippingProxy(port, after=handshake + 10)
+        assert not send(proxy.port, data)  # the record fails its check: the connection is closed
+        threading.Event().wait(0.5)
+        assert len(got) == 1  # and nothing more reached the node
+    finally:
+        asyncio.run_coroutine_threadsafe(listener.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def _wait(cond, timeout: float = 5.0) -> bool:
+    for _ in range(int(timeout / 0.02)):
+        if cond():
+            return True
+        threading.Event().wait(0.02)
+    return cond()
+
+
+def _client_bytes_before_data(port: int) -> int:
+    """How many bytes a client sends before its first application data (hello + TLS handshake)."""
+    counter = CountingProxy(port)
+    s = socket.create_connection(("127.0.0.1", counter.port), timeout=5)
+    s.sendall(HELLO)
+    assert s.recv(2) == b"OK"
+    tls = ssl_context(SECRET, server=False).wrap_socket(s, server_hostname=NAME)
+    threading.Event().wait(0.3)
+    n = counter.seen
+    tls.close()
+    return n
+
+
+class CountingProxy(FlippingProxy):
+    def __init__(self, port: int) -> None:
+        self.seen = 0
+        super().__init__(port, after=-1)
+
+    def _run(self) -> None:
+        conn, _ = self.sock.accept()
+        up = socket.create_connection(("127.0.0.1", self.target))
+        threading.Thread(target=self._pipe, args=(up, conn, None), daemon=True).start()
+        try:
+            while chunk := conn.recv(65536):
+                self.seen += len(chunk)
+                up.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            _hang_up(up)
