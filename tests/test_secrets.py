@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -63,7 +64,7 @@ def test_node_without_a_secret_will_not_listen_on_all_interfaces(tmp_path: Path)
     assert "--insecure" in r.stderr
 
 
-def test_only_nodes_that_prove_membership_count(caplog: pytest.LogCaptureFixture) -> None:
+def test_only_nodes_that_prove_membership_count() -> None:
     """Adverts from a node with another secret, from nobody, or under another node's id are left out of
     the election and the placement, each with a log line; a coordinator flag in an advert wins nothing."""
     from mtpipe.coordinator.cluster.discovery import elect_coordinator
@@ -83,11 +84,18 @@ def test_only_nodes_that_prove_membership_count(caplog: pytest.LogCaptureFixture
                  "node-1": advert("node-1", 9),  # nobody listens
                  "node-c": advert("node-c", good.port)}  # someone else's address
         assert elect_coordinator("node-a", peers) == "node-0"  # what an advert alone would win
-        with caplog.at_level("WARNING"):
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append  # type: ignore[method-assign]
+        log = logging.getLogger("mtpipe.coordinator.cluster.formation")
+        log.addHandler(handler)
+        try:
             kept = members_only(peers, "node-a", [], "s3", timeout=2.0)
+        finally:
+            log.removeHandler(handler)
         assert sorted(kept) == ["node-a", "node-b"]
         assert elect_coordinator("node-a", kept) == "node-a"
-        left_out = [r.getMessage() for r in caplog.records if "did not prove" in r.getMessage()]
+        left_out = [r.getMessage() for r in records if "did not prove" in r.getMessage()]
         assert sorted(m.split()[1] for m in left_out) == ["node-0", "node-1", "node-c"]
     finally:
         good.stop(0)
