@@ -10,7 +10,7 @@ A Load without a fingerprint reads the request's path as it is.
 FetchTensors serves raw tensor bytes, by checkpoint name, of a model whose fingerprint this node
 holds: a local copy that matched, or a shard cache entry holding every name asked for. It reads only
 the byte ranges that the safetensors headers of that model give for those names: no other file,
-nothing outside the model. The secret interceptor (auth.py) guards it like every other call. A
+nothing outside the model. The cluster's mutual TLS (tls.py) guards it like every other call. A
 request with `raw` set gets a one-time token and the data port instead of the bytes, which then
 travel on a plain TCP stream (bulk.py), sent from the files with sendfile.
 """
