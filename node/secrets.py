@@ -50,8 +50,8 @@ def read_secret(path: str | None = None, env: str | None = SECRET_ENV) -> str | 
 
 def is_loopback(host: str) -> bool:
     """Whether `host` (an address to bind) is reachable from this machine only."""
-    if host in ("localhost", ""):
-        return host == "localhost"
+    if host == "localhost":
+        return True
     try:
         return ipaddress.ip_address(host.strip("[]").split("%", 1)[0]).is_loopback
     except ValueError:

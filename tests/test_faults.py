@@ -5,72 +5,22 @@ succeed. Node processes on 127.0.0.1, frozen with SIGSTOP; bounded in time.
 
 from __future__ import annotations
 
-import os
 import queue
-import signal
-import subprocess
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from helpers import PROMPTS
 
-from mtpipe.coordinator.engine.batch import END
+from mtpipe.coordinator.bench.pipeline import NodeProcesses
+from mtpipe.coordinator.engine.batch import END, open_stream
 from mtpipe.coordinator.engine.build import remote_engine, ring_engine
 from mtpipe.coordinator.engine.request import GenerationRequest
-from mtpipe.coordinator.pipeline.nodes import wait_for_nodes
 from mtpipe.node.leases import LEASE_S, SWEEP_S, Leases
-from mtpipe.node.spawn import node_command
 
 FREEZE_S = 4.0
 SETTLE_S = 15.0  # failures noticed (~2.5 s), leases run out (5 s), sweeps (1 s), with room for a slow machine
-
-
-def start_node(address: str) -> subprocess.Popen:
-    port = address.rsplit(":", 1)[1]
-    return subprocess.Popen(node_command("--host", "127.0.0.1", "--port", port), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-
-
-@contextmanager
-def node_processes(n: int) -> Iterator[list[list]]:
-    """[process, address] per node (a test may restart a node in place)."""
-    import socket
-
-    procs = []
-    try:
-        for _ in range(n):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                address = f"127.0.0.1:{s.getsockname()[1]}"
-            procs.append([start_node(address), address])
-        wait_for_nodes([a for _, a in procs], timeout=120)
-        yield procs
-    finally:
-        for p, _ in procs:
-            p.kill()
-            p.wait()
-
-
-def open_stream(engine, req: GenerationRequest, sink) -> None:
-    """A streaming request on a thread of its own, chunks (then an exception or END) to `sink`."""
-    if hasattr(engine, "open"):
-        engine.open(req, sink)
-        return
-
-    def run() -> None:
-        try:
-            for chunk in engine.generate(req):
-                sink(chunk)
-        except Exception as e:  # noqa: BLE001 - handed to the test
-            sink(e)
-        sink(END)
-
-    threading.Thread(target=run, daemon=True).start()
 
 
 def active(engine) -> list[int]:
@@ -97,8 +47,8 @@ def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victim: int, 
     from mtpipe.coordinator.engine.build import local_engine
 
     reference = local_engine(dense_ckpt, dtype=mx.float32)
-    with node_processes(2) as procs:
-        engine = build(dense_ckpt, [a for _, a in procs], dtype="float32")
+    with NodeProcesses(2) as nodes:
+        engine = build(dense_ckpt, nodes.addresses, dtype="float32")
         resumes = build is ring_engine
         try:
             reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i + 1]), max_tokens=160, mtp_depth=2)
@@ -113,17 +63,14 @@ def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victim: int, 
                 got: list[list[int]] = [[] for _ in reqs]
                 for i, q in enumerate(sinks):
                     got[i] += q.get(timeout=60).tokens
-                pid = procs[victim][0].pid
-                os.kill(pid, signal.SIGSTOP)
-                time.sleep(FREEZE_S)
-                os.kill(pid, signal.SIGCONT)
+                nodes.freeze(victim, FREEZE_S)
                 for i, q in enumerate(sinks):  # every stream ends: whole when resumed, else with an error
                     while (item := q.get(timeout=60)) is not END and not isinstance(item, BaseException):
                         got[i] += item.tokens
                     if resumes:
                         assert item is END and got[i] == want[i]
                     else:
-                        assert isinstance(item, BaseException) and procs[victim][1] in str(item)
+                        assert isinstance(item, BaseException) and nodes.addresses[victim] in str(item)
                 deadline = time.monotonic() + SETTLE_S
                 while any(left := active(engine)) and time.monotonic() < deadline:
                     time.sleep(0.25)
@@ -173,8 +120,8 @@ def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n:
     from mtpipe.coordinator.engine.build import local_engine
     from mtpipe.node.protocol import SamplingParams
 
-    with node_processes(n) as procs:
-        engine = ring_engine(dense_ckpt, [a for _, a in procs], dtype="float32")
+    with NodeProcesses(n) as nodes:
+        engine = ring_engine(dense_ckpt, nodes.addresses, dtype="float32")
         readiness = Readiness(engine, timeout=2.0)
         try:
             reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=48, mtp_depth=d)
@@ -194,17 +141,15 @@ def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n:
             for i, q in enumerate(sinks):  # some tokens out before the fault (penalties then count them)
                 while len(got[i]) < 12:
                     got[i] += q.get(timeout=60).tokens
-            victim = procs[-1]
-            victim[0].kill()
-            victim[0].wait()
+            nodes.kill(-1)
             deadline = time.monotonic() + 10
             while engine.pipeline.reformer.down is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             with pytest.raises(ServerBusy):
                 engine.open(reqs[0], lambda item: None)
             ready, details = readiness.check()  # GET /health: 503 naming the node
-            assert not ready and victim[1] in [u["address"] for u in details["unready"]]
-            victim[0] = start_node(victim[1])
+            assert not ready and nodes.addresses[-1] in [u["address"] for u in details["unready"]]
+            nodes.start(-1)
             for i, q in enumerate(sinks):
                 while (item := q.get(timeout=90)) is not END:
                     assert not isinstance(item, BaseException), item

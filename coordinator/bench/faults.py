@@ -12,9 +12,6 @@ per-sequence engine (`generate --nodes`, or a pipeline without a ring) fails the
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,14 +19,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...models import blas
-from ...node.spawn import node_command
-from ..engine.batch import END
+from ..engine.batch import END, open_stream
 from ..engine.build import local_engine, remote_engine, ring_engine
 from ..engine.request import GenerationRequest
-from ..pipeline.nodes import wait_for_nodes
 from .engine import bench_prompts
-from .pipeline import _free_port
+from .pipeline import NodeProcesses
 
 log = logging.getLogger(__name__)
 
@@ -64,38 +58,6 @@ class Outcome:
     quiet_after_s: float | None  # from the streams' end until every node held no sequence
 
 
-class Nodes:
-    """`mtpipe node` processes on 127.0.0.1 that can be frozen, killed and started again in place."""
-
-    def __init__(self, n: int):
-        self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(n)]
-        self.procs = [self._start(a) for a in self.addresses]
-        wait_for_nodes(self.addresses, timeout=180)
-
-    def _start(self, address: str) -> subprocess.Popen:
-        cmd = node_command("--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1])
-        env = {**os.environ, blas.ENV_WORKERS: str(len(self.addresses))}
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-
-    def freeze(self, i: int, seconds: float) -> None:
-        os.kill(self.procs[i].pid, signal.SIGSTOP)
-        time.sleep(seconds)
-        os.kill(self.procs[i].pid, signal.SIGCONT)
-
-    def restart(self, i: int, down_s: float) -> None:
-        self.procs[i].kill()
-        self.procs[i].wait()
-        time.sleep(down_s)
-        self.procs[i] = self._start(self.addresses[i])
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-                p.kill()
-            p.wait()
-
-
 def _open(engine: Any, req: GenerationRequest, stream: Stream, done: threading.Event) -> None:
     """Collect a stream's chunks with their arrival times, on the engine's threads or one of its own."""
     def sink(item: Any) -> None:
@@ -106,19 +68,7 @@ def _open(engine: Any, req: GenerationRequest, stream: Stream, done: threading.E
         else:
             stream.chunks.append((time.monotonic(), list(item.tokens)))
 
-    if hasattr(engine, "open"):
-        engine.open(req, sink)
-        return
-
-    def run() -> None:
-        try:
-            for chunk in engine.generate(req):
-                sink(chunk)
-        except Exception as e:  # noqa: BLE001 - what the client sees
-            sink(e)
-        sink(END)
-
-    threading.Thread(target=run, daemon=True).start()
+    open_stream(engine, req, sink)
 
 
 def _active(engine: Any) -> list[int]:
@@ -131,7 +81,7 @@ def _active(engine: Any) -> list[int]:
 def run_scenario(model: str, n: int, scenario: tuple[str, str, str, int], reqs: list[GenerationRequest],
                  want: list[list[int]], fault_s: float) -> Outcome:
     name, kind, fault, victim = scenario
-    nodes = Nodes(n)
+    nodes = NodeProcesses(n)
     build = ring_engine if kind == "ring" else remote_engine
     engine = build(model, nodes.addresses, dtype="float32")
     try:
@@ -145,7 +95,9 @@ def run_scenario(model: str, n: int, scenario: tuple[str, str, str, int], reqs: 
         if fault == "freeze":
             nodes.freeze(victim, fault_s)
         else:
-            nodes.restart(victim, fault_s)
+            nodes.kill(victim)
+            time.sleep(fault_s)
+            nodes.start(victim)
         end = time.monotonic()
         for e in ends:
             e.wait(max(0.0, deadline - time.monotonic()))

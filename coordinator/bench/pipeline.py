@@ -18,14 +18,16 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Self
 
 from ...models import blas
 from ...node.spawn import node_command
@@ -55,27 +57,63 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class NodeProcesses:
+    """n `mtpipe node` processes on 127.0.0.1, answering once constructed; each can be frozen, killed
+    and started again on its address (bench faults, tests/test_faults.py)."""
+
+    def __init__(self, n: int, data_plane: str = "tcp", secret: str | None = None):
+        self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(n)]
+        self.data_plane = data_plane
+        self.env = {**os.environ, blas.ENV_WORKERS: str(n)}  # the nodes share this machine's cores
+        self.env.pop("MTPIPE_SECRET", None)
+        if secret:
+            self.env["MTPIPE_SECRET"] = secret
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for i in range(n):
+                self.procs.append(self._spawn(i))
+            wait_for_nodes(self.addresses, timeout=180, secret=secret)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, i: int) -> subprocess.Popen:
+        port = self.addresses[i].rsplit(":", 1)[1]
+        cmd = node_command("--host", "127.0.0.1", "--port", port, "--data-plane", self.data_plane)
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
+
+    def start(self, i: int) -> None:
+        """Node i again, on its address (after `kill`)."""
+        self.procs[i] = self._spawn(i)
+
+    def kill(self, i: int) -> None:
+        self.procs[i].kill()
+        self.procs[i].wait()
+
+    def freeze(self, i: int, seconds: float) -> None:
+        os.kill(self.procs[i].pid, signal.SIGSTOP)
+        time.sleep(seconds)
+        os.kill(self.procs[i].pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)  # a frozen process dies only once it runs
+                p.kill()
+            p.wait()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 @contextmanager
 def spawn_nodes(n: int, data_plane: str = "tcp", secret: str | None = None) -> Iterator[list[str]]:
     """n `mtpipe node` processes on 127.0.0.1; killed on exit."""
-    procs, addresses = [], []
-    try:
-        for _ in range(n):
-            port = _free_port()
-            cmd = node_command("--host", "127.0.0.1", "--port", str(port), "--data-plane", data_plane)
-            env = {**os.environ, blas.ENV_WORKERS: str(n)}  # the nodes share this machine's cores
-            env.pop("MTPIPE_SECRET", None)
-            if secret:
-                env["MTPIPE_SECRET"] = secret
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
-            addresses.append(f"127.0.0.1:{port}")
-        wait_for_nodes(addresses, timeout=180, secret=secret)
-        yield addresses
-    finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
+    with NodeProcesses(n, data_plane, secret) as nodes:
+        yield nodes.addresses
 
 
 def _wire_snapshot(pipeline: RemotePipeline) -> dict[str, Any]:

@@ -12,7 +12,6 @@ node i another is on node i+1.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -23,7 +22,7 @@ from typing import Any
 
 from ...node.protocol import StageUnavailable, StepKind, StepOutput, StepRequest
 from . import scheduler as plan
-from .batch import END, ServerBusy
+from .batch import END, ServerBusy, stream
 from .detokenizer import TextStream
 from .request import (
     GenerationChunk,
@@ -126,18 +125,7 @@ class RingEngine:
         return RingHandle(self, live)
 
     def generate(self, req: GenerationRequest) -> Iterator[GenerationChunk]:
-        out: queue.SimpleQueue = queue.SimpleQueue()
-        handle = self.open(req, out.put)
-        try:
-            while True:
-                item = out.get()
-                if item is END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            handle.cancel()
+        return stream(lambda sink: self.open(req, sink))
 
     def complete(self, req: GenerationRequest) -> GenerationResult:
         return collect(self.generate(req))
