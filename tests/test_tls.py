@@ -31,6 +31,7 @@ class Recorder:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.received: list[bytes] = []
+        self.accepted = 0
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -40,6 +41,7 @@ class Recorder:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            self.accepted += 1
             threading.Thread(target=self._record, args=(conn,), daemon=True).start()
 
     def _record(self, conn: socket.socket) -> None:
@@ -52,6 +54,10 @@ class Recorder:
             pass
         self.received.append(data)
         conn.close()
+
+    def settled(self) -> bool:
+        """Every connection it took has ended (its client gave up) and is recorded."""
+        return self.accepted > 0 and len(self.received) == self.accepted
 
     def close(self) -> None:
         self.sock.close()
@@ -76,7 +82,7 @@ def test_a_rogue_listener_records_nothing_that_authenticates(node: NodeServer) -
                 await TcpFrameLink.connect("127.0.0.1", rogue.port, SECRET, timeout=1.5)
 
         asyncio.run(data_plane())
-        threading.Event().wait(3.5)  # the recorder's read timeout
+        assert _wait(rogue.settled)
         recorded = b"".join(rogue.received)
         assert recorded  # it did receive connections
         key, cert = identity(SECRET)
@@ -100,11 +106,13 @@ def test_a_rogue_listener_records_nothing_that_authenticates(node: NodeServer) -
         rogue.close()
 
 
-class FlippingProxy:
-    """Forwards a TCP stream, flipping one byte of the client's data after the first `after` bytes."""
+class Proxy:
+    """Forwards one TCP connection to `port`, counting the client's bytes (`seen`) and flipping one
+    bit of byte number `flip_at` of them, if given."""
 
-    def __init__(self, port: int, after: int) -> None:
-        self.target, self.after = port, after
+    def __init__(self, port: int, flip_at: int | None = None) -> None:
+        self.target, self.flip_at = port, flip_at
+        self.seen = 0
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._run, daemon=True).start()
@@ -112,18 +120,23 @@ class FlippingProxy:
     def _run(self) -> None:
         conn, _ = self.sock.accept()
         up = socket.create_connection(("127.0.0.1", self.target))
-        threading.Thread(target=self._pipe, args=(up, conn, None), daemon=True).start()
-        self._pipe(conn, up, self.after)
+        threading.Thread(target=self._back, args=(up, conn), daemon=True).start()
+        try:
+            while chunk := conn.recv(65536):
+                if self.flip_at is not None and self.seen <= self.flip_at < self.seen + len(chunk):
+                    i = self.flip_at - self.seen
+                    chunk = chunk[:i] + bytes([chunk[i] ^ 0x01]) + chunk[i + 1 :]
+                self.seen += len(chunk)
+                up.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            _hang_up(up)
 
     @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket, flip_after: int | None) -> None:
-        seen = 0
+    def _back(src: socket.socket, dst: socket.socket) -> None:
         try:
             while chunk := src.recv(65536):
-                if flip_after is not None and seen <= flip_after < seen + len(chunk):
-                    i = flip_after - seen
-                    chunk = chunk[:i] + bytes([chunk[i] ^ 0x01]) + chunk[i + 1 :]
-                seen += len(chunk)
                 dst.sendall(chunk)
         except OSError:
             pass
@@ -171,12 +184,13 @@ def test_an_altered_frame_is_refused_and_nothing_reaches_the_node() -> None:
             finally:
                 tls.close()
 
-        assert send(port, data) and _wait(lambda: len(got) == 1) and got[0] == frame
-        # The proxy flips a byte past the hello and the handshake: inside the frame's TLS record.
-        handshake = _client_bytes_before_data(port)
-        proxy = FlippingProxy(port, after=handshake + 10)
-        assert not send(proxy.port, data)  # the record fails its check: the connection is closed
-        threading.Event().wait(0.5)
+        counted = Proxy(port)
+        assert send(counted.port, data) and _wait(lambda: len(got) == 1) and got[0] == frame
+        # The same again, one bit flipped inside the frame's TLS record (TLS 1.3: a 5-byte header,
+        # then the data, its content type and a 16-byte tag), past the hello and the handshake.
+        record = len(data) + 22
+        flipped = Proxy(port, flip_at=counted.seen - record + 10)
+        assert not send(flipped.port, data)  # the record fails its check: the listener closed the link
         assert len(got) == 1  # and nothing more reached the node
     finally:
         asyncio.run_coroutine_threadsafe(listener.close(), loop).result(10)
@@ -189,35 +203,3 @@ def _wait(cond, timeout: float = 5.0) -> bool:
             return True
         threading.Event().wait(0.02)
     return cond()
-
-
-def _client_bytes_before_data(port: int) -> int:
-    """How many bytes a client sends before its first application data (hello + TLS handshake)."""
-    counter = CountingProxy(port)
-    s = socket.create_connection(("127.0.0.1", counter.port), timeout=5)
-    s.sendall(HELLO)
-    assert s.recv(2) == b"OK"
-    tls = ssl_context(SECRET, server=False).wrap_socket(s, server_hostname=NAME)
-    threading.Event().wait(0.3)
-    n = counter.seen
-    tls.close()
-    return n
-
-
-class CountingProxy(FlippingProxy):
-    def __init__(self, port: int) -> None:
-        self.seen = 0
-        super().__init__(port, after=-1)
-
-    def _run(self) -> None:
-        conn, _ = self.sock.accept()
-        up = socket.create_connection(("127.0.0.1", self.target))
-        threading.Thread(target=self._pipe, args=(up, conn, None), daemon=True).start()
-        try:
-            while chunk := conn.recv(65536):
-                self.seen += len(chunk)
-                up.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            _hang_up(up)
