@@ -23,8 +23,10 @@ def add_node_command(sub: argparse._SubParsersAction) -> None:
                    help="how other nodes send this node frames: a plain TCP stream on a second, free port "
                         "(default), or gRPC Forward streams on --port only")
     p.add_argument("--model-dir", action="append", default=[],
-                   help="a local copy of a model this node may load and serve to its peers, used only when its "
-                        "fingerprint is the one asked for (repeatable)")
+                   help="a local copy of a model, or a directory of models, this node may load and serve to its "
+                        "peers; a copy is used only when its fingerprint is the one asked for (repeatable; also "
+                        "$MTPIPE_MODEL_DIRS). Besides these, a node reads only the demo model, the Hugging Face "
+                        "hub cache and its shard cache")
     p.add_argument("--shard-cache", help="where fetched shards are kept (default: $MTPIPE_SHARD_CACHE, else "
                                          "~/.cache/mtpipe/shards)")
     p.add_argument("--json", action="store_true", help="print one JSON line with the address once ready")

@@ -104,11 +104,16 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
                 self.name = request.node_name
             reused = self.worker is not None and self.key == key
             if not reused:
+                try:
+                    # A local copy, the shard cache or a peer; the old shard serves meanwhile, and
+                    # stays if the request is refused.
+                    found = await self.weights.resolve(request)
+                except (ValueError, OSError, KeyError) as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
                 self.worker, self.key = None, None  # free the old shard before reading the new one
                 self.drop_groups()
                 self._owners.clear()
                 try:
-                    found = await self.weights.resolve(request)  # a local copy, the shard cache or a peer
                     # On this thread (arrays belong to it), yielding to the loop between pieces.
                     self.worker, self.key = await load_stage(replace(key, model_path=str(found.path))), key
                     self.conditions.clear("load")

@@ -1,11 +1,12 @@
 """Where a node's shard comes from, and the tensors it serves to its peers.
 
 A Load that names the model's fingerprint is resolved in this order:
-  1. a local copy: the request's path (a hint) or one of the node's own model directories
-     (`--model-dir`), used only if its fingerprint is the requested one;
+  1. a local copy: the request's path (a hint, followed only under the node's model directories,
+     model_dirs.py) or one of the node's own model copies (`--model-dir`), used only if its
+     fingerprint is the requested one;
   2. the node's shard cache (shards.py), verified tensor by tensor;
   3. the shard's tensors fetched from the first of the request's sources that holds them (fetch.py).
-A Load without a fingerprint reads the request's path as it is.
+A Load without a fingerprint reads the request's path as it is, if it lies under those directories.
 
 FetchTensors serves raw tensor bytes, by checkpoint name, of a model whose fingerprint this node
 holds: a local copy that matched, or a shard cache entry holding every name asked for. It reads only
@@ -36,6 +37,7 @@ from ..models.fingerprint import (
 from ..proto import mtpipe_pb2 as pb
 from .bulk import BulkGrants, serve_bulk
 from .fetch import Transfer, fetch_shard
+from .model_dirs import ModelDirs, env_model_dirs
 from .shards import WEIGHTS, ShardCache, ShardKey
 
 log = logging.getLogger(__name__)
@@ -64,8 +66,9 @@ class _Held:
 class WeightStore:
     def __init__(self, model_dirs: list[Path | str] | None = None, shard_cache: Path | str | None = None,
                  secret: str | None = None):
-        self.model_dirs = [Path(d).expanduser() for d in model_dirs or ()]
+        self.model_dirs = [Path(d).expanduser() for d in model_dirs or ()] + env_model_dirs()
         self.cache = ShardCache(shard_cache)
+        self.readable = ModelDirs(self.model_dirs, self.cache.root)  # what a Load may read at all
         self.secret = secret
         self.transfer = Transfer()
         self.data_port = 0  # the node's data-plane listener, where raw transfers go (0: none)
@@ -95,9 +98,15 @@ class WeightStore:
     async def resolve(self, request: pb.LoadRequest) -> Found:
         """The directory to load `request`'s shard from (see the module docstring)."""
         fp = request.fingerprint
+        hint = request.model_path if request.model_path and self.path_hint else ""
+        refused = bool(hint) and not self.readable.allows(hint)
+        if refused:
+            log.warning("Load named %s: %s", hint, self.readable.refusal(hint))
         if not fp:
-            return self._found(Found(Path(request.model_path), "path"))
-        candidates = [Path(request.model_path)] if request.model_path and self.path_hint else []
+            if refused or not hint:
+                raise PermissionError(self.readable.refusal(request.model_path or "''"))
+            return self._found(Found(Path(hint), "path"))
+        candidates = [Path(hint)] if hint and not refused else []
         for path in candidates + [d for d in self.model_dirs if d not in candidates]:
             got = await self._fingerprint(path)
             if got == fp:
@@ -112,9 +121,10 @@ class WeightStore:
         if cached is not None:
             return self._found(Found(cached, "cache", 0, fp))
         if not names or not request.sources:
+            where = self.readable.refusal(hint) if refused else \
+                f"no local copy at {hint or 'any model directory'} with that fingerprint"
             raise FileNotFoundError(
-                f"model {fp[:12]} is not here (no local copy at {request.model_path or 'any model directory'} "
-                f"with that fingerprint, no shard cache entry) and the request names "
+                f"model {fp[:12]} is not here ({where}; no shard cache entry) and the request names "
                 f"{'no tensors' if not names else 'no node'} to fetch it from")
         received, source = await fetch_shard(self.cache, key, names, list(request.sources), self.secret,
                                              self.transfer)

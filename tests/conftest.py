@@ -11,6 +11,15 @@ import pytest
 from mtpipe.coordinator.engine.build import local_engine
 from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.models.tiny import build_tiny_checkpoint
+from mtpipe.node.model_dirs import MODEL_DIRS_ENV
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_dirs_for_nodes(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Nodes read models only under their model directories (node/model_dirs.py): the tests' nodes,
+    in this process or spawned, may read what the tests build in their temporary directories."""
+    dirs = [str(tmp_path_factory.getbasetemp()), os.environ.get("MTPIPE_TEST_CACHE", "")]
+    os.environ[MODEL_DIRS_ENV] = os.pathsep.join(d for d in dirs if d)
 
 
 @pytest.fixture(scope="session")

@@ -47,7 +47,7 @@ def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victim: int, 
     from mtpipe.coordinator.engine.build import local_engine
 
     reference = local_engine(dense_ckpt, dtype=mx.float32)
-    with NodeProcesses(2) as nodes:
+    with NodeProcesses(2, model_dirs=[dense_ckpt]) as nodes:
         engine = build(dense_ckpt, nodes.addresses, dtype="float32")
         resumes = build is ring_engine
         try:
@@ -120,7 +120,7 @@ def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n:
     from mtpipe.coordinator.engine.build import local_engine
     from mtpipe.node.protocol import SamplingParams
 
-    with NodeProcesses(n) as nodes:
+    with NodeProcesses(n, model_dirs=[dense_ckpt]) as nodes:
         engine = ring_engine(dense_ckpt, nodes.addresses, dtype="float32")
         readiness = Readiness(engine, timeout=2.0)
         try:

@@ -81,7 +81,7 @@ def _active(engine: Any) -> list[int]:
 def run_scenario(model: str, n: int, scenario: tuple[str, str, str, int], reqs: list[GenerationRequest],
                  want: list[list[int]], fault_s: float) -> Outcome:
     name, kind, fault, victim = scenario
-    nodes = NodeProcesses(n)
+    nodes = NodeProcesses(n, model_dirs=[model])
     build = ring_engine if kind == "ring" else remote_engine
     engine = build(model, nodes.addresses, dtype="float32")
     try:

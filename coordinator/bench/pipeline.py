@@ -27,7 +27,8 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Self
+from collections.abc import Iterator, Sequence
+from typing import Any, Self
 
 from ...models import blas
 from ...node.spawn import node_command
@@ -59,11 +60,14 @@ def _free_port() -> int:
 
 class NodeProcesses:
     """n `mtpipe node` processes on 127.0.0.1, answering once constructed; each can be frozen, killed
-    and started again on its address (bench faults, tests/test_faults.py)."""
+    and started again on its address (bench faults, tests/test_faults.py). `model_dirs`: what they
+    may load (`mtpipe node --model-dir`)."""
 
-    def __init__(self, n: int, data_plane: str = "tcp", secret: str | None = None):
+    def __init__(self, n: int, data_plane: str = "tcp", secret: str | None = None,
+                 model_dirs: Sequence[Path | str] = ()):
         self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(n)]
         self.data_plane = data_plane
+        self.model_dirs = [str(d) for d in model_dirs]
         self.env = {**os.environ, blas.ENV_WORKERS: str(n)}  # the nodes share this machine's cores
         self.env.pop("MTPIPE_SECRET", None)
         if secret:
@@ -79,7 +83,8 @@ class NodeProcesses:
 
     def _spawn(self, i: int) -> subprocess.Popen:
         port = self.addresses[i].rsplit(":", 1)[1]
-        cmd = node_command("--host", "127.0.0.1", "--port", port, "--data-plane", self.data_plane)
+        cmd = node_command("--host", "127.0.0.1", "--port", port, "--data-plane", self.data_plane,
+                           *(a for d in self.model_dirs for a in ("--model-dir", d)))
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
 
     def start(self, i: int) -> None:
@@ -110,9 +115,9 @@ class NodeProcesses:
 
 
 @contextmanager
-def spawn_nodes(n: int, data_plane: str = "tcp", secret: str | None = None) -> Iterator[list[str]]:
-    """n `mtpipe node` processes on 127.0.0.1; killed on exit."""
-    with NodeProcesses(n, data_plane, secret) as nodes:
+def spawn_nodes(n: int, model: Path | str, data_plane: str = "tcp", secret: str | None = None) -> Iterator[list[str]]:
+    """n `mtpipe node` processes on 127.0.0.1 that may load `model`; killed on exit."""
+    with NodeProcesses(n, data_plane, secret, model_dirs=[model]) as nodes:
         yield nodes.addresses
 
 
@@ -241,8 +246,8 @@ def bench_pipeline(
     drafted = {m: 0 for m in methods}
     accepted = {m: 0 for m in methods}
     wire: dict[str, dict[str, Any] | None] = {m: None for m in methods if not m.startswith("single")}
-    with spawn_nodes(5) as addresses, spawn_nodes(2, data_plane="grpc") as grpc_addresses, \
-            spawn_nodes(2, secret=BENCH_SECRET) as auth_addresses:
+    with spawn_nodes(5, model_path) as addresses, spawn_nodes(2, model_path, data_plane="grpc") as grpc_addresses, \
+            spawn_nodes(2, model_path, secret=BENCH_SECRET) as auth_addresses:
         engines: dict[str, Engine] = {"single": single}
         try:
             engines["pipe2"] = remote_engine(model_path, addresses[:2], mtp=True)

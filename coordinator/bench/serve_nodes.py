@@ -78,7 +78,7 @@ def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: 
     with ExitStack() as stack:
         stack.callback(single.close)
         for n in nodes:
-            engine = ring_engine(model_path, stack.enter_context(spawn_nodes(n)), mtp=True,
+            engine = ring_engine(model_path, stack.enter_context(spawn_nodes(n, model_path)), mtp=True,
                                  max_rows=max(DEFAULT_MAX_ROWS, top))
             stack.callback(engine.close)
             if not engine.pipeline.rings:
