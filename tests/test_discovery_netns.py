@@ -6,12 +6,15 @@ a bridge in its own namespace, four hosts on it over veth pairs (10.77.0.1-4/24)
 cluster "lab" with different memory offers; host 4 runs a node of cluster "other". Zeroconf is bound
 to each host's 10.77.0.x address only.
 
-A fifth host has only its loopback, where the same command falls back to a single node.
+A fifth host has only its loopback, where the same command falls back to a single node. A sixth runs
+a rogue (tests/rogue_node.py) that knows the cluster's name but not its secret.
 
 Checked: the three nodes find each other and elect node-a, which places the model in proportion to
 memory and picks the Thunderbolt link (a scoped IPv6 link-local address) for the b -> c hop; the other cluster's node is ignored;
 greedy generation through the namespaces is token-identical to single-node; the lone host serves
-the whole model locally; RPCs without the secret cannot connect (mutual TLS); `mtpipe health`
+the whole model locally; RPCs without the secret cannot connect (mutual TLS); the rogue's adverts
+(lower ids, the coordinator flag, the most memory) take neither the election nor a place, and what it
+recorded of the nodes' connections neither holds the secret nor gets anywhere replayed; `mtpipe health`
 finds the nodes by zeroconf and reports them; a node that stops is seen to leave.
 """
 
@@ -22,6 +25,7 @@ import os
 import queue
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -99,7 +103,7 @@ class Topology:
     def __init__(self) -> None:
         self.tag = f"{PREFIX}{os.getpid()}"
         self.bridge = f"{self.tag}-br"
-        self.hosts = {i: f"{self.tag}-h{i}" for i in (1, 2, 3, 4, 5)}  # 5: loopback only, no peers
+        self.hosts = {i: f"{self.tag}-h{i}" for i in (1, 2, 3, 4, 5, 6)}  # 5: loopback only; 6: a rogue
         self.created: list[str] = []
 
     def _add(self, name: str) -> None:
@@ -229,7 +233,21 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(topology: Topology, model_path: Path, tmp_path_factory: pytest.TempPathFactory):
+def rogue(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """tests/rogue_node.py on host 6: adverts for cluster "lab" without its secret, advertising before
+    the lab's nodes start, so that they see it while they wait for each other."""
+    out = tmp_path_factory.mktemp("rogue")
+    script = Path(__file__).with_name("rogue_node.py")
+    proc = Proc(topology.argv(6, sys.executable, str(script), "10.77.0.6", "lab", str(out)), _env())
+    try:
+        proc.event("advertising")
+        yield {"proc": proc, "recorded": out}
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(topology: Topology, model_path: Path, tmp_path_factory: pytest.TempPathFactory, rogue: dict):
     root = tmp_path_factory.mktemp("cluster")
     config = root / "cluster.yaml"
     config.write_text(
@@ -348,6 +366,13 @@ def test_single_node_fallback(cluster: dict, topology: Topology, single_node) ->
     assert report["nodes"][0]["tokens_processed"] > 0  # the local engine's stage, reported by the node server
 
 
+def test_health_with_a_wrong_secret_finds_no_member(cluster: dict, topology: Topology) -> None:
+    rc, report = mtpipe(topology, 1, "health", "--json", "--config", str(cluster["config"]), "--interface",
+                        "10.77.0.1", secret="wrong")
+    assert rc == 2 and report["status"] == "unreachable" and report["nodes"] == []
+    assert {"node-a", "node-b", "node-c"} <= set(report["left_out"])
+
+
 def test_rpcs_without_the_secret_are_refused(cluster: dict, topology: Topology) -> None:
     for secret in (None, "wrong"):
         rc, report = mtpipe(topology, 1, "health", "--json", f"10.77.0.2:{PORT}", "10.77.0.3", secret=secret)
@@ -363,6 +388,9 @@ def test_health_by_zeroconf(cluster: dict, topology: Topology) -> None:
     assert r.returncode == 0, r.stderr
     rc, report = mtpipe(topology, 1, "health", "--json", "--config", str(cluster["config"]), "--interface", "10.77.0.1")
     assert rc == 0 and report["status"] == "healthy", report
+    # The rogue's adverts (tests/rogue_node.py) are left out, and say so, without changing the status.
+    assert sorted(report["left_out"]) == ["node-0", "node-1"]
+    assert all(why.startswith("did not prove it belongs (10.77.0.6") for why in report["left_out"].values())
     by_id = {n["node_id"]: n for n in report["nodes"]}
     assert sorted(by_id) == ["node-a", "node-b", "node-c"]  # node-x is in another cluster
     placement = {p["node"]: p["layers"] for p in cluster["serving"]["placement"]}
@@ -389,3 +417,49 @@ def test_a_node_that_stops_is_seen_leaving(cluster: dict, topology: Topology) ->
     rc, report = mtpipe(topology, 1, "health", "--json", f"10.77.0.1:{PORT}", f"10.77.0.2:{PORT}", f"10.77.0.3:{PORT}")
     assert rc == 2 and [n["status"] for n in report["nodes"]] == ["healthy", "degraded", "unreachable"], report
     assert f"next stage {cluster['serving']['links'][1]['address']} unreachable" in report["nodes"][1]["problems"]
+
+
+REPLAY = """
+import json, socket, sys
+out = []
+for blob_file in sys.argv[2:]:
+    blob = open(blob_file, "rb").read()
+    with socket.create_connection((sys.argv[1], %d), timeout=5) as s:
+        s.sendall(blob)
+        s.settimeout(2)
+        reply = b""
+        try:
+            while chunk := s.recv(65536):
+                reply += chunk
+        except OSError:
+            pass
+    out.append(reply.hex())
+print(json.dumps(out))
+""" % PORT
+
+
+def test_a_rogue_wins_nothing(cluster: dict, rogue: dict, topology: Topology) -> None:
+    from mtpipe.node.tls import identity
+
+    # Neither its adverts' flag nor their ids took the election, and no layer went to it.
+    assert [f["coordinator"] for f in cluster["followers"]] == ["node-a", "node-a"]
+    assert {p["node"] for p in cluster["serving"]["placement"]} == {"node-a", "node-b", "node-c"}
+    assert cluster["serving"]["left_out"] == {"node-0": "did not prove it belongs", "node-1": "did not prove it belongs"}
+    for node_id in ("node-0", "node-1"):  # each left out with one log line naming it and where it is
+        lines = [ln for ln in cluster["procs"][1].stderr if f"node {node_id} (advertised from 10.77.0.6) did not prove"
+                 in ln]
+        assert len(lines) == 1, cluster["procs"][1].log()
+    # The nodes did try it, and nothing they sent holds the secret or the key and certificate it makes.
+    recorded = sorted(rogue["recorded"].iterdir())
+    assert recorded and all(f.stat().st_size for f in recorded)
+    everything = b"".join(f.read_bytes() for f in recorded)
+    key, cert = identity(SECRET)
+    der = ssl.PEM_cert_to_DER_cert(cert.decode())
+    for secret_thing in (SECRET.encode(), key, cert, der, key.split(b"\n")[1]):
+        assert secret_thing not in everything
+    # Replayed to a real node, the recordings authenticate nothing: no reply carries application data.
+    argv = [sys.executable, "-c", REPLAY, "10.77.0.2", *map(str, recorded[:4])]
+    r = run_in(topology, 6, argv, _env())
+    assert r.returncode == 0, r.stderr
+    for reply in map(bytes.fromhex, json.loads(r.stdout)):
+        assert b"node-b" not in reply and b"node_id" not in reply

@@ -68,7 +68,7 @@ def test_only_nodes_that_prove_membership_count() -> None:
     """Adverts from a node with another secret, from nobody, or under another node's id are left out of
     the election and the placement, each with a log line; a coordinator flag in an advert wins nothing."""
     from mtpipe.coordinator.cluster.discovery import elect_coordinator
-    from mtpipe.coordinator.cluster.formation import members_only
+    from mtpipe.coordinator.cluster.membership import members_only
     from mtpipe.node.advertise import NodeAdvert
     from mtpipe.node.server import NodeServer
 
@@ -87,7 +87,7 @@ def test_only_nodes_that_prove_membership_count() -> None:
         records: list[logging.LogRecord] = []
         handler = logging.Handler(logging.WARNING)
         handler.emit = records.append  # type: ignore[method-assign]
-        log = logging.getLogger("mtpipe.coordinator.cluster.formation")
+        log = logging.getLogger("mtpipe.coordinator.cluster.membership")
         log.addHandler(handler)
         try:
             kept = members_only(peers, "node-a", [], "s3", timeout=2.0)
@@ -100,3 +100,45 @@ def test_only_nodes_that_prove_membership_count() -> None:
     finally:
         good.stop(0)
         rogue.stop(0)
+
+
+def test_membership_tries_a_failed_proof_again_later() -> None:
+    """A node that advertises a moment before it answers is proven once it does (not before the retry
+    time has passed), and its failure is logged once; a proof is kept, not probed again."""
+    import socket
+
+    from mtpipe.coordinator.cluster import membership as mod
+    from mtpipe.node.advertise import NodeAdvert
+    from mtpipe.node.server import NodeServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ad = NodeAdvert("late", "h", port, 1, 1, "cpu", "v", addresses=("127.0.0.1",))
+    now = [0.0]
+    members = mod.Membership("me", [], "s3", timeout=1.0, retry_s=5.0, clock=lambda: now[0])
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger(mod.__name__).addHandler(handler)
+    server = None
+    try:
+        assert members.members({"late": ad}) == {}
+        server = NodeServer("127.0.0.1", port, node_id="late", secret="s3").start()
+        now[0] = 4.0
+        assert members.members({"late": ad}) == {}  # not tried again yet
+        assert members.report({"late": ad}) == ([], {"late": "did not prove it belongs"})
+        now[0] = 5.0
+        assert members.members({"late": ad}) == {"late": ad}
+        assert members.address(ad) == f"127.0.0.1:{port}"
+        probes = []
+        real_prove = members._prove
+        members._prove = lambda key: probes.append(key) or real_prove(key)  # type: ignore[method-assign]
+        assert members.members({"late": ad}) == {"late": ad} and probes == []
+        new = NodeAdvert("new", "h", port + 1, 1, 1, "cpu", "v", addresses=("127.0.0.1",))
+        assert members.report({"late": ad, "new": new}) == (["late"], {"new": "not checked"})
+    finally:
+        logging.getLogger(mod.__name__).removeHandler(handler)
+        if server is not None:
+            server.stop(0)
+    assert sum("node late" in r.getMessage() for r in records) == 1

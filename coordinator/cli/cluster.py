@@ -39,11 +39,9 @@ from ..cluster.discovery import elect_coordinator
 from ..cluster.formation import (
     cluster_info_fn,
     form_cluster,
-    members_only,
-    resources_from_advert,
     single_node_engine,
 )
-from ..cluster.placement import hop_candidates
+from ..cluster.membership import Membership
 from .common import add_mtp, progress_loader, stderr_console
 from .serve import add_serve_command
 
@@ -162,6 +160,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             log.warning("node %s of the pipeline left; requests will fail until it is back", ad.node_id)
 
     agent = ClusterAgent(bind, advert, cfg.name, on_change=on_change, memory_offered=memory_offered) if bind else None
+    membership = Membership(me, interfaces, secret)  # which discovered nodes count (membership.py)
     engine = None
     try:
         if agent is not None:
@@ -170,9 +169,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
               f"[cyan]{cfg.name}[/cyan], discovery on {', '.join(bind) or 'nothing (static nodes only)'}",
               node_id=me, port=server.port, pid=os.getpid())
         if agent is not None:
-            peers = wait_for_peers(agent, me, cfg, args.coordinator)
+            peers = wait_for_peers(agent, me, cfg, args.coordinator, membership.members)
             peers.setdefault(me, advert)
-            peers = members_only(peers, me, interfaces, secret)
             coordinator = elect_coordinator(me, peers, forced=args.coordinator)
         else:  # static nodes only: the node started with --coordinator drives the others
             peers = {me: advert}
@@ -200,13 +198,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
             engine, formation = form_cluster(cfg, me, my_target, peers, interfaces, model_path, mtp, secret, console)
             placed.update(s.node_id for s in formation.plan)
         name = model_name_for(cfg.model, model_path)
-        info = cluster_info_fn(cfg, me, my_target, engine, name, formation, agent, secret)
+        info = cluster_info_fn(cfg, me, my_target, engine, name, formation, agent, secret, membership)
         state = info()
         url = f"http://{format_host_port(cfg.api.host, cfg.api.port)}/v1"
         stages = ", ".join(f"{p['node']} layers {p['layers'][0]}-{p['layers'][1] - 1}" for p in state["placement"])
         when_listening(cfg.api.host, cfg.api.port, lambda: _emit(
             args, console, "serving", f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at {url} over {stages}",
-            api=url, **{k: state[k] for k in ("placement", "links", "ring", "discovered", "ignored")}))
+            api=url, **{k: state[k] for k in ("placement", "links", "ring", "discovered", "left_out", "ignored")}))
         serve(engine, cfg.api.host, cfg.api.port, api_key=cfg.resolve_api_key(), model_name=name,
               cluster_info=info, default_mtp_depth=0 if not mtp else cfg.mtp_depth)
         return 0
@@ -226,22 +224,28 @@ def cmd_health(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     secret = cfg.resolve_secret()
     targets = [format_host_port(*split_host_port(n, cfg.node.port)) for n in args.nodes]
-    rows = probe_nodes(targets or browse_targets(cfg, args.wait), secret, timeout=args.timeout)
-    status = overall(rows)
+    left_out: dict[str, str] = {}
+    if not targets:
+        targets, left_out = browse_targets(cfg, args.wait)
+    rows = probe_nodes(targets, secret, timeout=args.timeout)
+    status = overall(rows)  # of the nodes that proved they belong: an advert alone changes nothing
     if args.json:
-        print(json.dumps({"status": status, "nodes": rows}))
-    elif rows:
-        console = Console()
-        render_table(rows, console if console.is_terminal else Console(width=200))
+        print(json.dumps({"status": status, "nodes": rows, "left_out": left_out}))
     else:
-        print("mtpipe: no nodes found", file=sys.stderr)
+        if rows:
+            console = Console()
+            render_table(rows, console if console.is_terminal else Console(width=200))
+        for node_id, why in sorted(left_out.items()):
+            print(f"mtpipe: node {node_id} advertises this cluster but {why}: left out", file=sys.stderr)
+        if not rows:
+            print("mtpipe: no nodes found" + (" that prove they belong (is the secret right?)" if left_out else ""),
+                  file=sys.stderr)
     return EXIT_CODES[status]
 
 
-def browse_targets(cfg: ClusterConfig, wait: float) -> list[str]:
-    """The cluster's nodes by zeroconf on the discovery interfaces, each at its best address from here."""
-    from ..cluster.health import first_reachable
-
+def browse_targets(cfg: ClusterConfig, wait: float) -> tuple[list[str], dict[str, str]]:
+    """The cluster's nodes by zeroconf on the discovery interfaces, each at the address where it proved
+    it belongs (membership.py), then the static ones; and the advertised nodes left out, with why."""
     interfaces = local_interfaces()
     agent = ClusterAgent(discovery_addresses(cfg.discovery.interfaces, interfaces), None, cfg.name).start()
     try:
@@ -249,13 +253,12 @@ def browse_targets(cfg: ClusterConfig, wait: float) -> list[str]:
         peers = agent.peers()
     finally:
         agent.stop()
-    targets = []
-    for ad in sorted(peers.values(), key=lambda a: a.node_id):
-        candidates = [c.target for c in hop_candidates(interfaces, resources_from_advert(ad, 0))]
-        reached = first_reachable(candidates, cfg.resolve_secret(), ad.node_id, timeout=1.0)
-        targets.append(reached.target if reached else candidates[0])
-    targets += [n.address for n in cfg.nodes]
-    return targets
+    membership = Membership("", interfaces, cfg.resolve_secret(), timeout=1.0)
+    members = membership.members(peers)
+    targets = [membership.address(ad) or "" for _, ad in sorted(members.items())]
+    left_out = {node_id: f"{reason} ({', '.join(peers[node_id].addresses) or '?'})"
+                for node_id, reason in membership.report(peers)[1].items()}
+    return targets + [n.address for n in cfg.nodes], left_out
 
 
 def add_launch_commands(sub: argparse._SubParsersAction) -> None:

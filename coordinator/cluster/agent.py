@@ -11,6 +11,7 @@ import asyncio
 import ipaddress
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from .placement import GiB
 
 log = logging.getLogger(__name__)
 
+PROOF_POLL_S = 0.5  # while waiting for peers: how often proofs that failed may be tried again
 _DEFAULT_DISCOVERY = ((LinkType.ETHERNET, LinkType.WIFI), (LinkType.THUNDERBOLT,))  # the first kinds present
 
 
@@ -132,19 +134,30 @@ def offered_memory(available: int, max_memory_gib: float | None) -> int:
     return available if max_memory_gib is None else min(available, int(max_memory_gib * GiB))
 
 
-def wait_for_peers(agent: ClusterAgent, me: str, cfg: ClusterConfig, forced: bool) -> dict[str, NodeAdvert]:
-    """With `expect`: wait for that many nodes (or, unless coordinating, for a coordinator), at most
-    `settle` seconds. Without: wait until nothing joined or left for `settle` seconds."""
+def wait_for_peers(agent: ClusterAgent, me: str, cfg: ClusterConfig, forced: bool,
+                   members: Callable[[dict[str, NodeAdvert]], dict[str, NodeAdvert]]) -> dict[str, NodeAdvert]:
+    """The nodes that proved they belong (`members`, membership.py), this one included. With `expect`:
+    wait for that many (or, unless coordinating, for a coordinator among them), at most `settle`
+    seconds. Without: wait until nothing joined or left for `settle` seconds. Adverts alone count
+    for nothing, so a rogue one can neither end the wait early nor win the election."""
     expect, settle = cfg.discovery.expect, cfg.discovery.settle
     d = agent.discovery
-    if expect is not None:
-        def enough(peers: dict[str, NodeAdvert]) -> bool:
-            return len(peers) >= expect or (not forced and any(a.coordinator and a.node_id != me for a in peers.values()))
-
-        agent.run(d.wait_for(enough, settle))
-    else:
+    if expect is None:
         agent.run(d.settle(settle, settle * 6))
-    peers = agent.peers()
-    if expect is not None and len(peers) < expect:
-        log.warning("found %d of %d expected node(s) after %.0f s; going on with them", len(peers), expect, settle)
-    return peers
+        return members(agent.peers())
+
+    def enough(peers: dict[str, NodeAdvert]) -> bool:
+        return len(peers) >= expect or (not forced and any(a.coordinator and a.node_id != me for a in peers.values()))
+
+    deadline = time.monotonic() + settle
+    while True:
+        proven = members(agent.peers())
+        remaining = deadline - time.monotonic()
+        if enough(proven) or remaining <= 0:
+            break
+        seen = len(agent.peers())
+        # Until the adverts change, or a little while: a proof that failed is tried again.
+        agent.run(d.wait_for(lambda peers, seen=seen: len(peers) != seen, min(remaining, PROOF_POLL_S)))
+    if len(proven) < expect:
+        log.warning("found %d of %d expected node(s) after %.0f s; going on with them", len(proven), expect, settle)
+    return proven

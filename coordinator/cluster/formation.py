@@ -22,6 +22,7 @@ from .placement import GiB, HopCandidate, NodeResources, StagePlan, hop_candidat
 
 if TYPE_CHECKING:
     from .agent import ClusterAgent
+    from .membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -45,28 +46,6 @@ class Formation:
 
 def resources_from_advert(ad: NodeAdvert, reserve: int) -> NodeResources:
     return NodeResources(ad.node_id, max(ad.mem_available - reserve, 0), ad.interfaces, ad.port, ad.addresses)
-
-
-def members_only(peers: dict[str, NodeAdvert], me: str, local: list[Interface], secret: str | None,
-                 timeout: float = 2.0) -> dict[str, NodeAdvert]:
-    """The discovered nodes that prove they belong: each must answer, under the id it advertises, a
-    Ping over a link that (with a secret) is mutual TLS keyed by it. An advert alone counts for
-    nothing: a node that fails is logged once and left out of the election and the placement."""
-    from .health import first_reachable
-    from .placement import hop_candidates
-
-    kept = {}
-    for node_id, ad in peers.items():
-        if node_id == me:
-            kept[node_id] = ad
-            continue
-        targets = [c.target for c in hop_candidates(local, resources_from_advert(ad, 0))]
-        if first_reachable(targets, secret, node_id, timeout=timeout) is not None:
-            kept[node_id] = ad
-        else:
-            log.warning("node %s (advertised from %s) did not prove it belongs to this cluster at %s: left out",
-                        node_id, ", ".join(ad.addresses) or "?", ", ".join(targets) or "no address")
-    return kept
 
 
 def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int) -> list[NodeResources]:
@@ -274,8 +253,10 @@ def single_node_engine(server: Any, model_path: Path, mtp: bool, dtype: str | No
 
 
 def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, model_name: str,
-                    formation: Formation | None, agent: ClusterAgent | None, secret: str | None) -> Callable[[], dict]:
-    """What GET /v1/cluster answers: placement, hops, each node's health, what discovery saw."""
+                    formation: Formation | None, agent: ClusterAgent | None, secret: str | None,
+                    membership: Membership | None = None) -> Callable[[], dict]:
+    """What GET /v1/cluster answers: placement, hops, each node's health, what discovery saw (only the
+    nodes that proved membership count as discovered; the others are left out, with why)."""
     from .health import probe_nodes
 
     if formation is None:
@@ -289,6 +270,8 @@ def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, mo
         ring = asdict(formation.ring) if formation.ring else None
 
     def info() -> dict:
+        peers = agent.peers() if agent else {}
+        discovered, left_out = membership.report(peers) if membership else (sorted(peers), {})
         return {
             "mode": "cluster" if formation else "local",
             "cluster": cfg.name,
@@ -300,7 +283,8 @@ def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, mo
             "links": hops,
             "ring": ring,
             "nodes": probe_nodes([p["address"] for p in plan], secret),
-            "discovered": sorted(agent.peers()) if agent else [],
+            "discovered": discovered,
+            "left_out": left_out,
             "ignored": sorted(agent.discovery.ignored) if agent else [],
         }
 

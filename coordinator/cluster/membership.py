@@ -1,0 +1,97 @@
+"""Which discovered nodes belong to the cluster: the ones that proved it, not the ones that say so.
+
+An advert is public: anyone on the LAN can send one with the cluster's hash, any node id, a huge
+memory offer and the coordinator flag. A discovered node counts (waiting for peers, the election,
+the placement) only after it answered, under the id it advertises, a Ping over a link that, with a
+secret, is mutual TLS keyed by it. Adverts are probed in parallel as they arrive; a proof is kept
+for as long as the advert stays the same, a failure is logged once and tried again a little later
+(a node may advertise a moment before it answers).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from ...node.advertise import NodeAdvert
+from ...node.links import Interface
+from .health import first_reachable
+from .placement import NodeResources, hop_candidates
+
+log = logging.getLogger(__name__)
+
+PROOF_TIMEOUT_S = 2.0
+RETRY_S = 2.0
+MAX_PROBES = 16  # at once
+
+
+def advert_targets(local: list[Interface], ad: NodeAdvert) -> list[str]:
+    """Where this machine can reach an advertised node, best link first."""
+    resources = NodeResources(ad.node_id, 0, ad.interfaces, ad.port, ad.addresses)
+    return [c.target for c in hop_candidates(local, resources)]
+
+
+class Membership:
+    """Proofs of membership, one probe per advert (see the module docstring)."""
+
+    def __init__(self, me: str, local: list[Interface], secret: str | None, timeout: float = PROOF_TIMEOUT_S,
+                 retry_s: float = RETRY_S, clock: Callable[[], float] = time.monotonic):
+        self.me, self.local, self.secret = me, local, secret
+        self.timeout, self.retry_s, self.clock = timeout, retry_s, clock
+        self._proven: dict[tuple[str, tuple[str, ...]], str] = {}  # -> the address that answered
+        self._failed: dict[tuple[str, tuple[str, ...]], float] = {}  # -> when it last failed
+
+    def _key(self, ad: NodeAdvert) -> tuple[str, tuple[str, ...]]:
+        return ad.node_id, tuple(advert_targets(self.local, ad))
+
+    def _due(self, key: tuple[str, tuple[str, ...]], now: float) -> bool:
+        failed = self._failed.get(key)
+        return key not in self._proven and (failed is None or now - failed >= self.retry_s)
+
+    def _prove(self, key: tuple[str, tuple[str, ...]]) -> str | None:
+        node_id, targets = key
+        reached = first_reachable(list(targets), self.secret, node_id, timeout=self.timeout)
+        return reached.target if reached is not None else None
+
+    def address(self, ad: NodeAdvert) -> str | None:
+        """Where a proven node answered (None if it has not proved it belongs)."""
+        return self._proven.get(self._key(ad))
+
+    def members(self, peers: dict[str, NodeAdvert]) -> dict[str, NodeAdvert]:
+        """The peers that proved they belong (this node always does), probing the ones not yet tried."""
+        keys = {node_id: self._key(ad) for node_id, ad in peers.items() if node_id != self.me}
+        now = self.clock()
+        due = [k for k in keys.values() if self._due(k, now)]
+        if due:
+            with ThreadPoolExecutor(min(len(due), MAX_PROBES)) as pool:
+                results = list(pool.map(self._prove, due))
+            for key, reached in zip(due, results):
+                if reached is not None:
+                    self._proven[key] = reached
+                    self._failed.pop(key, None)
+                    continue
+                if key not in self._failed:
+                    ad = peers[key[0]]
+                    log.warning("node %s (advertised from %s) did not prove it belongs to this cluster at %s: "
+                                "left out", key[0], ", ".join(ad.addresses) or "?", ", ".join(key[1]) or "no address")
+                self._failed[key] = self.clock()
+        return {node_id: ad for node_id, ad in peers.items() if node_id == self.me or keys[node_id] in self._proven}
+
+    def report(self, peers: dict[str, NodeAdvert]) -> tuple[list[str], dict[str, str]]:
+        """Without probing: the ids of the peers that proved they belong, and why each other is left out."""
+        members, left_out = [], {}
+        for node_id, ad in peers.items():
+            key = self._key(ad)
+            if node_id == self.me or key in self._proven:
+                members.append(node_id)
+            else:
+                left_out[node_id] = "did not prove it belongs" if key in self._failed else "not checked"
+        return sorted(members), left_out
+
+
+def members_only(peers: dict[str, NodeAdvert], me: str, local: list[Interface], secret: str | None,
+                 timeout: float = PROOF_TIMEOUT_S) -> dict[str, NodeAdvert]:
+    """The peers that prove they belong, each probed once now."""
+    return Membership(me, local, secret, timeout).members(peers)
