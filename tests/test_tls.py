@@ -113,6 +113,7 @@ class Proxy:
     def __init__(self, port: int, flip_at: int | None = None) -> None:
         self.target, self.flip_at = port, flip_at
         self.seen = 0
+        self.recorded = bytearray()  # what the client sent, as sent
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._run, daemon=True).start()
@@ -123,6 +124,7 @@ class Proxy:
         threading.Thread(target=self._back, args=(up, conn), daemon=True).start()
         try:
             while chunk := conn.recv(65536):
+                self.recorded += chunk
                 if self.flip_at is not None and self.seen <= self.flip_at < self.seen + len(chunk):
                     i = self.flip_at - self.seen
                     chunk = chunk[:i] + bytes([chunk[i] ^ 0x01]) + chunk[i + 1 :]
@@ -192,6 +194,24 @@ def test_an_altered_frame_is_refused_and_nothing_reaches_the_node() -> None:
         flipped = Proxy(port, flip_at=counted.seen - record + 10)
         assert not send(flipped.port, data)  # the record fails its check: the listener closed the link
         assert len(got) == 1  # and nothing more reached the node
+        # The good connection's bytes replayed as they were, on a new connection: the handshake
+        # cannot complete (fresh server randoms), the listener hangs up, and no frame reaches the node.
+        recorded = bytes(counted.recorded)
+        assert recorded.startswith(HELLO)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(HELLO)
+            assert s.recv(2) == b"OK"
+            s.sendall(recorded[len(HELLO):])
+            s.settimeout(5)
+            closed = False
+            try:
+                while s.recv(65536):
+                    pass
+                closed = True
+            except ConnectionResetError:
+                closed = True
+            assert closed
+        assert len(got) == 1
     finally:
         asyncio.run_coroutine_threadsafe(listener.close(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
