@@ -76,9 +76,10 @@ def _any_address_socket(port: int) -> socket.socket:
     return sock
 
 
-def _encode(frame: pb.Frame) -> tuple[bytes, bytes]:
+def _encode(frame: pb.Frame) -> bytes:
+    """The frame with its length, in one buffer: over TLS one record per frame, not one per part."""
     data = frame.SerializeToString()
-    return LENGTH.pack(len(data)), data
+    return LENGTH.pack(len(data)) + data
 
 
 class FrameListener:
@@ -172,7 +173,7 @@ class TcpFrameLink:
         return cls(reader, writer)
 
     async def write(self, frame: pb.Frame) -> None:
-        self.writer.writelines(_encode(frame))
+        self.writer.write(_encode(frame))
         await self.writer.drain()  # returns at once below the high-water mark; raises if the peer is gone
 
     async def wait_closed(self) -> None:

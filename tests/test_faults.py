@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 from helpers import PROMPTS
 
-from mtpipe.coordinator.bench.pipeline import NodeProcesses
+from mtpipe.coordinator.bench.nodes import NodeProcesses
 from mtpipe.coordinator.engine.batch import END, open_stream
 from mtpipe.coordinator.engine.build import remote_engine, ring_engine
 from mtpipe.coordinator.engine.request import GenerationRequest

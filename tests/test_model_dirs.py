@@ -104,7 +104,7 @@ def test_the_env_names_model_dirs(models: dict[str, Path], tmp_path: Path,
 @pytest.fixture
 def spawned(models: dict[str, Path], tmp_path: Path, no_env_dirs: None) -> Iterator[str]:
     """`mtpipe node --model-dir` as a user starts it."""
-    from mtpipe.coordinator.bench.pipeline import NodeProcesses
+    from mtpipe.coordinator.bench.nodes import NodeProcesses
 
     with NodeProcesses(1, model_dirs=[models["allowed"]]) as nodes:
         yield nodes.addresses[0]

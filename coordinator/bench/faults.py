@@ -23,7 +23,7 @@ from ..engine.batch import END, open_stream
 from ..engine.build import local_engine, remote_engine, ring_engine
 from ..engine.request import GenerationRequest
 from .engine import bench_prompts
-from .pipeline import NodeProcesses
+from .nodes import NodeProcesses
 
 log = logging.getLogger(__name__)
 

@@ -16,28 +16,22 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Iterator, Sequence
-from typing import Any, Self
+from typing import Any
 
 from ...models import blas
-from ...node.spawn import node_command
 from ..engine.build import local_engine, remote_engine
 from ..engine.engine import Engine
 from ..engine.request import AUTO, AUTO_MAX_DEPTH, GenerationRequest
-from ..pipeline.nodes import wait_for_nodes
 from ..pipeline.remote import RemotePipeline
+from .auth import bench_auth
 from .engine import _time_engine, bench_prompts
+from .nodes import free_port, spawn_nodes
 
 log = logging.getLogger(__name__)
 
@@ -47,78 +41,7 @@ PREFILL_ONE_CHUNK = "pipe2_one_chunk_in_flight"  # 2 nodes, prompt chunks one at
 PREFILL_TOKENS = 2048
 PREFILL_RUNS = 2
 GRPC_HOPS = "pipe2_grpc_hops"  # 2 nodes without a data plane
-AUTH = "pipe2_auth"  # 2 nodes with a cluster secret: mutual TLS on every link (node/tls.py)
-BENCH_SECRET = "mtpipe-bench-secret"
 RING_TIMEOUT_S = 900
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class NodeProcesses:
-    """n `mtpipe node` processes on 127.0.0.1, answering once constructed; each can be frozen, killed
-    and started again on its address (bench faults, tests/test_faults.py). `model_dirs`: what they
-    may load (`mtpipe node --model-dir`)."""
-
-    def __init__(self, n: int, data_plane: str = "tcp", secret: str | None = None,
-                 model_dirs: Sequence[Path | str] = ()):
-        self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(n)]
-        self.data_plane = data_plane
-        self.model_dirs = [str(d) for d in model_dirs]
-        self.env = {**os.environ, blas.ENV_WORKERS: str(n)}  # the nodes share this machine's cores
-        self.env.pop("MTPIPE_SECRET", None)
-        if secret:
-            self.env["MTPIPE_SECRET"] = secret
-        self.procs: list[subprocess.Popen] = []
-        try:
-            for i in range(n):
-                self.procs.append(self._spawn(i))
-            wait_for_nodes(self.addresses, timeout=180, secret=secret)
-        except BaseException:
-            self.close()
-            raise
-
-    def _spawn(self, i: int) -> subprocess.Popen:
-        port = self.addresses[i].rsplit(":", 1)[1]
-        cmd = node_command("--host", "127.0.0.1", "--port", port, "--data-plane", self.data_plane,
-                           *(a for d in self.model_dirs for a in ("--model-dir", d)))
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
-
-    def start(self, i: int) -> None:
-        """Node i again, on its address (after `kill`)."""
-        self.procs[i] = self._spawn(i)
-
-    def kill(self, i: int) -> None:
-        self.procs[i].kill()
-        self.procs[i].wait()
-
-    def freeze(self, i: int, seconds: float) -> None:
-        os.kill(self.procs[i].pid, signal.SIGSTOP)
-        time.sleep(seconds)
-        os.kill(self.procs[i].pid, signal.SIGCONT)
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)  # a frozen process dies only once it runs
-                p.kill()
-            p.wait()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-@contextmanager
-def spawn_nodes(n: int, model: Path | str, data_plane: str = "tcp", secret: str | None = None) -> Iterator[list[str]]:
-    """n `mtpipe node` processes on 127.0.0.1 that may load `model`; killed on exit."""
-    with NodeProcesses(n, data_plane, secret, model_dirs=[model]) as nodes:
-        yield nodes.addresses
 
 
 def _wire_snapshot(pipeline: RemotePipeline) -> dict[str, Any]:
@@ -181,7 +104,7 @@ def run_mlx_ring(model_path: Path, prompts: list[list[int]], max_tokens: int, ra
         prompts_file = Path(tmp) / "prompts.json"
         prompts_file.write_text(json.dumps(prompts))
         cmd = [launcher, "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1", "--starting-port",
-               str(_free_port()), "--", sys.executable, "-m", "mtpipe.coordinator.bench.mlx_ring_peer",
+               str(free_port()), "--", sys.executable, "-m", "mtpipe.coordinator.bench.mlx_ring_peer",
                "--model", str(model_path), "--prompts", str(prompts_file), "--max-tokens", str(max_tokens)]
         log.info("running %s", " ".join(cmd))
         try:
@@ -218,10 +141,12 @@ def _method(topology: str, depth: int | str) -> str:
 
 
 def bench_pipeline(
-    model_path: Path, *, max_tokens: int = 128, prompts: int = 8, depths: list[int] | None = None, ring: bool = True
+    model_path: Path, *, max_tokens: int = 128, prompts: int = 8, depths: list[int] | None = None, ring: bool = True,
+    auth_reps: int = 3,
 ) -> dict[str, Any]:
     """Every topology (single, pipe2, pipe3) without MTP, at each depth and with auto depth (`<topology>_mtp`,
-    what users get by default); `<topology>_mtp_best` is its best fixed depth."""
+    what users get by default); `<topology>_mtp_best` is its best fixed depth. Then the cost of a
+    cluster secret (auth.py, `auth_reps` passes over the prompts)."""
     from ...models.config import load_config
 
     depths = depths or list(DEFAULT_DEPTHS)
@@ -234,27 +159,23 @@ def bench_pipeline(
     encoded = [single.tokenizer.encode(t) for t in texts]
     topologies = ("single", "pipe2", "pipe3")
     # Without MTP only: the same 2 nodes with the coordinator sending every round, and 2 nodes whose
-    # frames travel gRPC streams instead of the TCP data plane. With and without MTP: 2 nodes with a
-    # cluster secret (every link mutual TLS), against pipe2 without one.
+    # frames travel gRPC streams instead of the TCP data plane. The cost of a cluster secret is
+    # measured on its own pairs of nodes afterwards (auth.py).
     variants = (COORDINATOR_ROUNDS, GRPC_HOPS)
     runs = [(t, k) for t in topologies for k in [0, *depths, AUTO]] + [(v, 0) for v in variants]
-    for k in (0, AUTO):  # each right after the same pipe2 run: side by side, in the same conditions
-        runs.insert(runs.index(("pipe2", k)) + 1, (AUTH, k))
     methods = [_method(t, k) for t, k in runs]
     speeds: dict[str, list[float]] = {m: [] for m in methods}
     outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
     drafted = {m: 0 for m in methods}
     accepted = {m: 0 for m in methods}
     wire: dict[str, dict[str, Any] | None] = {m: None for m in methods if not m.startswith("single")}
-    with spawn_nodes(5, model_path) as addresses, spawn_nodes(2, model_path, data_plane="grpc") as grpc_addresses, \
-            spawn_nodes(2, model_path, secret=BENCH_SECRET) as auth_addresses:
+    with spawn_nodes(5, model_path) as addresses, spawn_nodes(2, model_path, data_plane="grpc") as grpc_addresses:
         engines: dict[str, Engine] = {"single": single}
         try:
             engines["pipe2"] = remote_engine(model_path, addresses[:2], mtp=True)
             engines["pipe3"] = remote_engine(model_path, addresses[2:], mtp=True)
             engines[COORDINATOR_ROUNDS] = remote_engine(model_path, addresses[:2], mtp=True, ring=False)
             engines[GRPC_HOPS] = remote_engine(model_path, grpc_addresses, mtp=True)
-            engines[AUTH] = remote_engine(model_path, auth_addresses, mtp=True, secret=BENCH_SECRET)
             engines[PREFILL_ONE_CHUNK] = remote_engine(model_path, addresses[:2], mtp=True, steps_in_flight=1)
             for topology, k in runs:  # warm up every path once
                 _time_engine(engines[topology], encoded[0], 8, k)
@@ -276,6 +197,7 @@ def bench_pipeline(
                 if name != "single":
                     engine.pipeline.close()
     single.pipeline.close()
+    auth = bench_auth(model_path, encoded, max_tokens, reps=auth_reps)
     ring_result = run_mlx_ring(model_path, encoded, max_tokens) if ring else {"error": "skipped"}
 
     tok_s: dict[str, float | None] = {m: round(statistics.mean(v), 2) for m, v in speeds.items()}
@@ -310,6 +232,7 @@ def bench_pipeline(
                  for m, (t, k) in zip(methods, runs) if (w := wire.get(m))},
         "next_stage_rtt_ms": [round(h.next_rtt_ms, 3) for h in rtt[:-1]],
         "prefill": prefill,
+        "auth": auth,
         "ratios": {
             "pipe2_no_mtp_vs_single": ratio("pipe2_no_mtp", "single_no_mtp"),
             "pipe2_mtp_vs_single_no_mtp": ratio("pipe2_mtp", "single_no_mtp"),
@@ -324,8 +247,9 @@ def bench_pipeline(
             "pipe2_no_mtp_vs_mlx_lm_ring": ratio("pipe2_no_mtp", "mlx_lm_ring2"),
             "pipe2_ring_vs_coordinator_rounds": ratio("pipe2_no_mtp", _method(COORDINATOR_ROUNDS, 0)),
             "pipe2_tcp_vs_grpc_hops": ratio("pipe2_no_mtp", _method(GRPC_HOPS, 0)),
-            "auth_on_vs_off": ratio(_method(AUTH, 0), "pipe2_no_mtp"),
-            "auth_on_vs_off_mtp": ratio(_method(AUTH, AUTO), "pipe2_mtp"),
+            "auth_on_vs_off": auth["ratios"]["auth_on_vs_off_no_mtp"],
+            "auth_on_vs_off_mtp": auth["ratios"]["auth_on_vs_off_mtp"],
+            "auth_control_b_vs_a": auth["ratios"]["control_b_vs_a_no_mtp"],
             "pipe2_prefill_vs_single": prefill["ratios"]["pipe2_vs_single"],
             "pipe2_prefill_vs_one_chunk_in_flight": round(
                 prefill["tok_s"]["pipe2"] / prefill["tok_s"][PREFILL_ONE_CHUNK], 3),

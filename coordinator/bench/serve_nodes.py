@@ -26,7 +26,8 @@ from ..engine.batch import DEFAULT_MAX_ROWS
 from ..engine.build import batch_engine, ring_engine
 from ..engine.ring import RingEngine
 from .engine import bench_prompts
-from .pipeline import run_mlx_ring, spawn_nodes
+from .nodes import spawn_nodes
+from .pipeline import run_mlx_ring
 from .serve import METHODS, WARM_TOKENS, Recorder, _request, aggregate_tps, engine_run
 
 RING_RANKS = 2
