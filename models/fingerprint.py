@@ -212,12 +212,21 @@ def identity(model_dir: Path | str) -> dict[str, Any]:
         if (model_dir / name).is_file():
             tokenizer[name] = hashlib.sha256((model_dir / name).read_bytes()).hexdigest()
     index = checkpoint_index(model_dir)
+    return identity_of(json.loads(config_file.read_text()), tokenizer,
+                       {n: (t.dtype, t.shape) for n, t in index.items()},
+                       {name: h.sha256 for name, h in file_hashes(model_dir).items()})
+
+
+def identity_of(config: dict[str, Any], tokenizer: dict[str, str], tensors: dict[str, tuple[str, Any]],
+                files: dict[str, str]) -> dict[str, Any]:
+    """The identity from its parts, wherever they were read (a directory, or a hub repo's metadata):
+    config.json's content, tokenizer file -> sha256, tensor -> (dtype, shape), safetensors file -> sha256."""
     return {
         "format": FORMAT,
-        "config": json.loads(config_file.read_text()),
-        "tokenizer": tokenizer,
-        "tensors": {n: [t.dtype, list(t.shape)] for n, t in sorted(index.items())},
-        "files": {name: h.sha256 for name, h in sorted(file_hashes(model_dir).items())},
+        "config": config,
+        "tokenizer": dict(sorted(tokenizer.items())),
+        "tensors": {n: [dtype, list(shape)] for n, (dtype, shape) in sorted(tensors.items())},
+        "files": dict(sorted(files.items())),
     }
 
 
@@ -233,4 +242,8 @@ def canonical_json(value: Any) -> bytes:
 
 def model_fingerprint(model_dir: Path | str) -> str:
     """The model's identity as 64 hex digits (see the module docstring)."""
-    return hashlib.sha256(canonical_json(identity(model_dir))).hexdigest()
+    return digest(identity(model_dir))
+
+
+def digest(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(identity)).hexdigest()

@@ -56,3 +56,18 @@ def resolve_model(model: str | Path | None) -> Path:
             snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"])
         )
     raise FileNotFoundError(f"model {model} not found")
+
+
+def hub_origin(path: Path | str) -> tuple[str, str] | None:
+    """The hub repo id and commit a model directory is a snapshot of, from the hub cache's layout
+    (`.../models--owner--name/snapshots/<commit>`), or None for any other directory."""
+    import re
+
+    parts = Path(path).resolve().parts
+    if len(parts) < 3 or parts[-2] != "snapshots" or not re.fullmatch(r"[0-9a-f]{40}", parts[-1]):
+        return None
+    folder = parts[-3]
+    if not folder.startswith("models--") or folder.count("--") < 2:
+        return None
+    owner, name = folder.removeprefix("models--").split("--", 1)
+    return f"{owner}/{name}", parts[-1]

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .secrets import add_secret_args, check_exposure, read_secret
 from .server import DEFAULT_PORT, NodeServer
+
+if TYPE_CHECKING:
+    from .fetch import Transfer
 
 
 def add_node_command(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +32,9 @@ def add_node_command(sub: argparse._SubParsersAction) -> None:
                         "hub cache and its shard cache")
     p.add_argument("--shard-cache", help="where fetched shards are kept (default: $MTPIPE_SHARD_CACHE, else "
                                          "~/.cache/mtpipe/shards)")
+    p.add_argument("--download", action="store_true",
+                   help="when no node can send this node its shard, download from the Hugging Face hub only the "
+                        "files that hold it (a model the coordinator took from the hub; checked by fingerprint)")
     p.add_argument("--json", action="store_true", help="print one JSON line with the address once ready")
     p.set_defaults(func=cmd_node)
 
@@ -44,7 +50,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     check_exposure(args.host, secret, args.insecure)
     server = NodeServer(args.host, args.port, node_id=args.node_id, secret=secret,
                         data_plane=args.data_plane == "tcp", model_dirs=args.model_dir,
-                        shard_cache=args.shard_cache).start()
+                        shard_cache=args.shard_cache, download=args.download).start()
 
     def on_term(*_: Any) -> None:
         threading.Thread(target=server.stop, daemon=True).start()
@@ -53,6 +59,12 @@ def cmd_node(args: argparse.Namespace) -> int:
         deadline.start()
 
     signal.signal(signal.SIGTERM, on_term)
+    stop_watching = threading.Event()
+    if not args.json and sys.stderr.isatty():
+        from rich.console import Console
+
+        threading.Thread(target=show_transfers, args=(server.service.weights.transfer, Console(stderr=True),
+                                                      stop_watching), daemon=True).start()
     ready = {"node_id": server.service.node_id, "address": server.address, "data_port": server.service.data_port,
              "pid": os.getpid()}
     if args.json:
@@ -63,4 +75,29 @@ def cmd_node(args: argparse.Namespace) -> int:
         server.wait()
     except KeyboardInterrupt:
         server.stop()
+    finally:
+        stop_watching.set()
     return 0
+
+
+def show_transfers(transfer: Transfer, console: Any, stop: threading.Event, every: float = 0.25) -> None:
+    """A progress bar while the node fetches its shard from a peer (the log says the same, less often)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    bar: Any = None
+    task = 0
+    while not stop.wait(every):
+        fetching = transfer.state == "fetching" and transfer.total > 0
+        if fetching and bar is None:
+            bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                           TimeRemainingColumn(), console=console, transient=False)
+            bar.start()
+            task = bar.add_task(f"shard from {transfer.source}", total=transfer.total)
+        if bar is not None:
+            bar.update(task, completed=transfer.done, total=transfer.total)
+            if not fetching:
+                bar.update(task, description=f"shard from {transfer.source}: {transfer.state or 'ended'}")
+                bar.stop()
+                bar = None
+    if bar is not None:
+        bar.stop()

@@ -69,7 +69,7 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
     Loads run there too, in pieces between which the loop serves other calls."""
 
     def __init__(self, node_id: str | None = None, secret: str | None = None, name: str | None = None,
-                 model_dirs: list[Any] | None = None, shard_cache: Any = None):
+                 model_dirs: list[Any] | None = None, shard_cache: Any = None, download: bool = False):
         self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         self.name = name or self.node_id  # how errors name this node; the coordinator sets host:port
         self.secret = secret
@@ -91,7 +91,7 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
         self._owners: dict[str, str] = {}  # sequence id -> the client that started it
         self.orphan_grace = ORPHAN_GRACE_S
         self.blas = blas.warn_if_reference()
-        self.weights = WeightStore(model_dirs, shard_cache, secret)  # where shards come from (weights.py)
+        self.weights = WeightStore(model_dirs, shard_cache, secret, download)  # where shards come from (weights.py)
 
     # -- loading ------------------------------------------------------------------------------
 

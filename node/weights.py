@@ -5,7 +5,8 @@ A Load that names the model's fingerprint is resolved in this order:
      model_dirs.py) or one of the node's own model copies (`--model-dir`), used only if its
      fingerprint is the requested one;
   2. the node's shard cache (shards.py), verified tensor by tensor;
-  3. the shard's tensors fetched from the first of the request's sources that holds them (fetch.py).
+  3. the shard's tensors fetched from the first of the request's sources that holds them (fetch.py);
+  4. with `--download` and a hub repo in the request, the hub files that hold them (hub.py).
 A Load without a fingerprint reads the request's path as it is, if it lies under those directories.
 
 FetchTensors serves raw tensor bytes, by checkpoint name, of a model whose fingerprint this node
@@ -37,6 +38,7 @@ from ..models.fingerprint import (
 from ..proto import mtpipe_pb2 as pb
 from .bulk import BulkGrants, serve_bulk
 from .fetch import Transfer, fetch_shard
+from .hub import HubRepo, download_shard, hub_repo
 from .model_dirs import ModelDirs, env_model_dirs
 from .shards import WEIGHTS, ShardCache, ShardKey
 
@@ -65,7 +67,7 @@ class _Held:
 
 class WeightStore:
     def __init__(self, model_dirs: list[Path | str] | None = None, shard_cache: Path | str | None = None,
-                 secret: str | None = None):
+                 secret: str | None = None, download: bool = False):
         self.model_dirs = [Path(d).expanduser() for d in model_dirs or ()] + env_model_dirs()
         self.cache = ShardCache(shard_cache)
         self.readable = ModelDirs(self.model_dirs, self.cache.root)  # what a Load may read at all
@@ -77,6 +79,8 @@ class WeightStore:
         # The request's path is a hint of where the coordinator keeps the model; False ignores it (the
         # tests' nodes share one file system, and play machines that do not have it).
         self.path_hint = True
+        self.download = download  # may fetch its shard's files from the hub (hub.py)
+        self.hub_repo: Callable[[str, str], HubRepo] = hub_repo
 
     def add_model_dir(self, path: Path | str) -> None:
         """A local copy this node may load and serve (checked by fingerprint whenever used)."""
@@ -120,15 +124,27 @@ class WeightStore:
         cached = await loop.run_in_executor(None, self.cache.lookup, key, names or None)
         if cached is not None:
             return self._found(Found(cached, "cache", 0, fp))
-        if not names or not request.sources:
+        hub = bool(self.download and request.hub_repo and names)
+        if not names or not (request.sources or hub):
             where = self.readable.refusal(hint) if refused else \
                 f"no local copy at {hint or 'any model directory'} with that fingerprint"
             raise FileNotFoundError(
                 f"model {fp[:12]} is not here ({where}; no shard cache entry) and the request names "
-                f"{'no tensors' if not names else 'no node'} to fetch it from")
-        received, source = await fetch_shard(self.cache, key, names, list(request.sources), self.secret,
-                                             self.transfer)
-        return self._found(Found(self.cache.dir(key), f"peer {source}", received, fp))
+                f"{'no tensors' if not names else 'no node'} to fetch it from"
+                + (f" (and this node may not download {request.hub_repo} from the hub: --download)"
+                   if request.hub_repo and not self.download else ""))
+        if request.sources:
+            try:
+                received, source = await fetch_shard(self.cache, key, names, list(request.sources), self.secret,
+                                                     self.transfer)
+                return self._found(Found(self.cache.dir(key), f"peer {source}", received, fp))
+            except FileNotFoundError as e:  # no source could serve it (a full disk or a bad fingerprint is final)
+                if not hub:
+                    raise
+                log.warning("%s; downloading the shard's files from the hub instead", e)
+        repo = self.hub_repo(request.hub_repo, request.hub_revision)
+        path = await loop.run_in_executor(None, download_shard, repo, fp, names)
+        return self._found(Found(path, f"hub {request.hub_repo}@{request.hub_revision[:12]}", 0, fp))
 
     def _found(self, found: Found) -> Found:
         self.loaded = found

@@ -66,7 +66,7 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         "secret_file": "secret_file",
         "discovery.interfaces": "interface", "discovery.expect": "expect", "discovery.settle": "settle",
         "nodes": "node", "node.host": "host", "node.port": "port", "node.state_dir": "state_dir",
-        "node.max_memory_gib": "max_memory", "node.model_dirs": "model_dir", "api.host": "api_host", "api.port": "api_port", "api.api_key": "api_key",
+        "node.max_memory_gib": "max_memory", "node.model_dirs": "model_dir", "node.download": "download", "api.host": "api_host", "api.port": "api_port", "api.api_key": "api_key",
     }
     return overlay(cfg, {key: getattr(args, dest, None) for key, dest in flags.items()})
 
@@ -137,7 +137,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     mem = sysinfo.memory()
     offered = offered_memory(sysinfo.placement_memory(mem.available, mem.gpu_limit), cfg.node.max_memory_gib)
     server = NodeServer(cfg.node.host, cfg.node.port, node_id=me, secret=secret,
-                        model_dirs=[*cfg.node.model_dirs, *([model_here] if model_here else [])]).start()
+                        model_dirs=[*cfg.node.model_dirs, *([model_here] if model_here else [])],
+                        download=cfg.node.download).start()
 
     def memory_offered() -> int:
         # Its own shard counts as free: a new placement would replace it.
@@ -278,6 +279,8 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-memory", type=float, help="offer at most this many GiB to the cluster")
     p.add_argument("--model-dir", action="append",
                    help="a model, or a directory of models, this node may load (repeatable; see `mtpipe node --help`)")
+    p.add_argument("--download", action="store_true", default=None,
+                   help="when no node can send this node its shard, download only its files from the hub")
     p.add_argument("--api-host", help="API address on the coordinator (default 127.0.0.1)")
     p.add_argument("--api-port", type=int, help="API port on the coordinator (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $MTPIPE_API_KEY)")

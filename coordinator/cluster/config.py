@@ -108,6 +108,7 @@ class NodeConfig(_Section):
     state_dir: Text | None = None  # default $MTPIPE_STATE_DIR or ~/.mtpipe
     max_memory_gib: float | None = Field(None, gt=0)  # offer at most this much memory, whatever is free
     model_dirs: list[Text] = Field(default_factory=list)  # where it may load models from (node/model_dirs.py)
+    download: bool = False  # may take its shard's files from the hub when no node can send them (node/hub.py)
 
 
 class ClusterConfig(_Section):

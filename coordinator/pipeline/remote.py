@@ -139,11 +139,13 @@ class RemotePipeline:
         if len(specs) != len(self.nodes):
             raise ValueError(f"{len(specs)} shard specs for {len(self.nodes)} nodes")
         from ...models.fingerprint import model_fingerprint, shard_names
+        from ...models.registry import hub_origin
 
         path = str(Path(model_path).resolve())
         self._load_args = (model_path, specs, mtp, dtype)
         # The model by identity: each node checks its own copy against it, or fetches its shard's tensors.
         fingerprint = model_fingerprint(path)
+        hub_repo, hub_revision = hub_origin(model_path) or ("", "")  # nodes with --download may use it
         first = self.nodes[0]
         try:  # the last node checks that its ring reaches this very node
             first_id = first.stub.Ping(pb.PingRequest(), timeout=self.connect_timeout).node_id
@@ -155,7 +157,7 @@ class RemotePipeline:
             node, s = self.nodes[i], specs[i]
             load = pb.LoadRequest(model_path=path, start=s.start, end=s.end, num_layers=s.num_layers, mtp=mtp,
                                   dtype=dtype or "", node_name=node.address, fingerprint=fingerprint,
-                                  sources=self.sources[i],
+                                  sources=self.sources[i], hub_repo=hub_repo, hub_revision=hub_revision,
                                   tensors=shard_names(path, s.start, s.end, s.num_layers, mtp))
             connect = pb.ConnectRequest(next=self.addresses[i + 1] if i < last else "",
                                         ring=self.addresses[0] if i == last else "",

@@ -1,0 +1,160 @@
+"""A node's shard from the Hugging Face hub (`mtpipe node --download`): only the files that hold it.
+
+The coordinator names a model it took from the hub by repo and commit, beside its fingerprint. Before
+it downloads any weights, a node checks that the repo at that commit is that model: the fingerprint
+is computed from the repo's config and tokenizer files (downloaded, small), its safetensors headers
+(read with range requests) and its files' content hashes (a git-LFS object id is the file's sha256).
+Then it downloads only the safetensors files that hold its shard's tensors into its hub cache, checks
+each against its hash, and loads from that partial snapshot. A marker beside the files records what
+was verified, so the next Load of the same shard needs no network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..models.fingerprint import TOKENIZER_FILES, digest, file_hashes, identity_of
+
+log = logging.getLogger(__name__)
+
+VERIFIED = ".mtpipe-hub-verified.json"  # in the snapshot directory: fingerprint -> files checked
+
+
+class HubRepo(Protocol):
+    """One repo at one commit, as far as a node needs it."""
+
+    def files(self) -> list[str]:
+        """Every file name in the repo."""
+
+    def safetensors(self) -> dict[str, tuple[str, dict[str, tuple[str, list[int]]]]]:
+        """Each safetensors file -> (its sha256, {tensor: (dtype, shape)}), without the tensor bytes."""
+
+    def download(self, filename: str) -> Path:
+        """The file in the local snapshot directory, downloaded if it is not there yet."""
+
+    def local_dir(self) -> Path:
+        """Where the snapshot's files are (or will be) on this machine."""
+
+
+class HfHubRepo:
+    """The Hugging Face hub through huggingface_hub (for real users; tests use a local repo)."""
+
+    def __init__(self, repo: str, revision: str):
+        self.repo, self.revision = repo, revision
+
+    def files(self) -> list[str]:
+        from huggingface_hub import HfApi
+
+        return HfApi().list_repo_files(self.repo, revision=self.revision)
+
+    def safetensors(self) -> dict[str, tuple[str, dict[str, tuple[str, list[int]]]]]:
+        from huggingface_hub import HfApi, get_safetensors_metadata
+
+        meta = get_safetensors_metadata(self.repo, revision=self.revision)
+        names = sorted(meta.files_metadata)
+        infos = HfApi().get_paths_info(self.repo, names, revision=self.revision, expand=True)
+        sha = {i.path: i.lfs.sha256 for i in infos if getattr(i, "lfs", None) is not None}
+        missing = [n for n in names if n not in sha]
+        if missing:
+            raise ValueError(f"{self.repo}: no content hash on the hub for {missing[0]} (not stored in LFS)")
+        return {n: (sha[n], {t: (info.dtype, list(info.shape)) for t, info in meta.files_metadata[n].tensors.items()})
+                for n in names}
+
+    def download(self, filename: str) -> Path:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(self.repo, filename, revision=self.revision))
+
+    def local_dir(self) -> Path:
+        from huggingface_hub.constants import HF_HUB_CACHE
+        from huggingface_hub.file_download import repo_folder_name
+
+        return Path(HF_HUB_CACHE) / repo_folder_name(repo_id=self.repo, repo_type="model") / "snapshots" / self.revision
+
+
+def hub_repo(repo: str, revision: str) -> HfHubRepo:
+    """The repo named by a Load request, checked: an "owner/name" id and a commit hash, since both end
+    up in a path under the hub cache."""
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", repo) or ".." in repo:
+        raise ValueError(f"not a hub repo id: {repo!r}")
+    if not re.fullmatch(r"[0-9a-f]{40}", revision):
+        raise ValueError(f"not a commit hash: {revision!r}")
+    return HfHubRepo(repo, revision)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verified(snapshot: Path, fingerprint: str, names: list[str]) -> bool:
+    """The files holding `names`, config and tokenizer were checked against `fingerprint` before and
+    have not changed since (weight hashes from the fingerprint sidecar, kept by size and mtime)."""
+    try:
+        marker = json.loads((snapshot / VERIFIED).read_text())[fingerprint]
+        needed = {marker["tensors"][n] for n in names}
+        weights = {name: h.sha256 for name, h in file_hashes(snapshot).items()}
+        others = {f: sha for f, sha in marker["files"].items() if not f.endswith(".safetensors")}
+        return all(weights.get(f) == marker["files"][f] for f in needed) and all(
+            _sha256(snapshot / f) == sha for f, sha in others.items())
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def download_shard(repo: HubRepo, fingerprint: str, names: list[str]) -> Path:
+    """The snapshot directory holding config, tokenizer and the files with `names`, all checked against
+    `fingerprint` (ValueError if the repo is another model; OSError if a download fails)."""
+    if _verified(repo.local_dir(), fingerprint, names):
+        return repo.local_dir()
+    files = set(repo.files())
+    if "config.json" not in files:
+        raise ValueError("the repo has no config.json")
+    config_path = repo.download("config.json")
+    snapshot = config_path.parent
+    small = {"config.json": _sha256(config_path)}
+    small.update({name: _sha256(repo.download(name)) for name in TOKENIZER_FILES if name in files})
+    weights = repo.safetensors()
+    tensors: dict[str, tuple[str, list[int]]] = {}
+    holder: dict[str, str] = {}
+    for file in sorted(weights):  # a later file wins, as in loading
+        tensors.update(weights[file][1])
+        holder.update(dict.fromkeys(weights[file][1], file))
+    tokenizer = {k: v for k, v in small.items() if k != "config.json"}
+    got = digest(identity_of(json.loads(config_path.read_text()), tokenizer, tensors,
+                             {f: sha for f, (sha, _) in weights.items()}))
+    if got != fingerprint:
+        raise ValueError(f"the repo is model {got[:12]}, not {fingerprint[:12]}")
+    unknown = [n for n in names if n not in holder]
+    if unknown:
+        raise ValueError(f"the repo has no tensor {unknown[0]!r}")
+    needed = sorted({holder[n] for n in names})
+    log.info("this shard reads %d of the model's %d weight files: %s", len(needed), len(weights), ", ".join(needed))
+    have = {name: h.sha256 for name, h in file_hashes(snapshot).items()} if any(snapshot.glob("*.safetensors")) else {}
+    for file in needed:
+        if have.get(file) == weights[file][0]:  # here already (another shard's), as the repo has it
+            small[file] = have[file]
+            continue
+        sha = _sha256(repo.download(file))
+        if sha != weights[file][0]:
+            raise ValueError(f"{file} downloaded with sha256 {sha[:12]}, the repo says {weights[file][0][:12]}")
+        small[file] = sha
+    _mark(snapshot, fingerprint, holder, small)
+    return snapshot
+
+
+def _mark(snapshot: Path, fingerprint: str, holder: dict[str, str], checked: dict[str, str]) -> None:
+    try:
+        marker: dict[str, Any] = json.loads((snapshot / VERIFIED).read_text())
+    except (OSError, ValueError):
+        marker = {}
+    entry = marker.setdefault(fingerprint, {"tensors": holder, "files": {}})
+    entry["files"].update(checked)
+    (snapshot / VERIFIED).write_text(json.dumps(marker))

@@ -1,0 +1,161 @@
+"""A node with --download takes from the hub only the files that hold its shard, after checking that
+the repo is the model named by the fingerprint (node/hub.py).
+
+No test talks to the hub: `LocalRepo` plays a hub repo from a model directory, answering what
+huggingface_hub answers (file list, safetensors headers, LFS content hashes) and "downloading" by
+copying into a snapshot directory laid out like the hub cache's."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mtpipe.models.fingerprint import checkpoint_index, model_fingerprint, read_header, shard_names
+from mtpipe.models.registry import hub_origin
+from mtpipe.models.tiny import build_tiny_checkpoint
+from mtpipe.node import hub
+from mtpipe.node.model_dirs import MODEL_DIRS_ENV
+from mtpipe.node.server import NodeServer
+from mtpipe.node.wire import make_channel
+from mtpipe.proto import mtpipe_pb2 as pb
+from mtpipe.proto import mtpipe_pb2_grpc as pb_grpc
+
+REPO, REVISION = "tiny-org/tiny-model", "0123456789abcdef0123456789abcdef01234567"
+
+
+class LocalRepo:
+    """A hub repo at one commit, served from `source`; records what was downloaded."""
+
+    def __init__(self, source: Path, cache: Path, tamper: str | None = None):
+        self.source, self.tamper = source, tamper
+        self.snapshot = cache / "models--tiny-org--tiny-model" / "snapshots" / REVISION
+        self.downloaded: list[str] = []
+        self.calls = 0
+
+    def files(self) -> list[str]:
+        self.calls += 1
+        return sorted(p.name for p in self.source.iterdir() if p.is_file() and not p.name.startswith("."))
+
+    def safetensors(self) -> dict[str, tuple[str, dict[str, tuple[str, list[int]]]]]:
+        self.calls += 1
+        out = {}
+        for f in sorted(self.source.glob("*.safetensors")):
+            header, _ = read_header(f)
+            tensors = {n: (m["dtype"], m["shape"]) for n, m in header.items() if n != "__metadata__"}
+            out[f.name] = (hashlib.sha256(f.read_bytes()).hexdigest(), tensors)
+        return out
+
+    def download(self, filename: str) -> Path:
+        self.calls += 1
+        self.snapshot.mkdir(parents=True, exist_ok=True)
+        dst = self.snapshot / filename
+        shutil.copyfile(self.source / filename, dst)
+        if filename == self.tamper:  # a transfer that went wrong: one byte differs
+            data = bytearray(dst.read_bytes())
+            data[-1] ^= 0x01
+            dst.write_bytes(bytes(data))
+        self.downloaded.append(filename)
+        return dst
+
+    def local_dir(self) -> Path:
+        return self.snapshot
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_root: Path) -> Path:
+    return build_tiny_checkpoint(layout="sharded", root=tiny_root)
+
+
+def holders(ckpt: Path, names: list[str]) -> set[str]:
+    index = checkpoint_index(ckpt)
+    return {index[n].file.name for n in names}
+
+
+def test_only_the_files_holding_the_shard(sharded: Path, tmp_path: Path) -> None:
+    fp = model_fingerprint(sharded)
+    specs = [(a, b, mtp) for a in range(8) for b in range(a + 1, 9) for mtp in (False, True)]
+    one_file = next(s for s in specs if len(holders(sharded, shard_names(sharded, s[0], s[1], 8, s[2]))) == 1)
+    names = shard_names(sharded, one_file[0], one_file[1], 8, one_file[2])
+    repo = LocalRepo(sharded, tmp_path)
+    snapshot = hub.download_shard(repo, fp, names)
+    weights = [f for f in repo.downloaded if f.endswith(".safetensors")]
+    assert weights == sorted(holders(sharded, names)) and len(weights) == 1
+    assert "config.json" in repo.downloaded and "tokenizer.json" in repo.downloaded
+    assert sorted(p.name for p in snapshot.glob("*.safetensors")) == weights
+    # Everything that shard reads is there, as stored.
+    index = checkpoint_index(snapshot)
+    original = checkpoint_index(sharded)
+    for n in names:
+        loc, ref = index[n], original[n]
+        with open(loc.file, "rb") as a, open(ref.file, "rb") as b:
+            a.seek(loc.start)
+            b.seek(ref.start)
+            assert a.read(loc.size) == b.read(ref.size)
+    # The same shard again: checked from the marker, without asking the repo anything.
+    calls = repo.calls
+    assert hub.download_shard(repo, fp, names) == snapshot and repo.calls == calls
+    # A shard that needs the other file downloads only that one.
+    everything = shard_names(sharded, 0, 8, 8, True)
+    hub.download_shard(repo, fp, everything)
+    assert sorted(f for f in repo.downloaded if f.endswith(".safetensors")) == sorted(holders(sharded, everything))
+
+
+def test_another_model_or_a_bad_file_is_refused(sharded: Path, tmp_path: Path) -> None:
+    names = shard_names(sharded, 0, 8, 8, True)
+    repo = LocalRepo(sharded, tmp_path / "a")
+    with pytest.raises(ValueError, match="the repo is model"):
+        hub.download_shard(repo, "0" * 64, names)
+    assert not [f for f in repo.downloaded if f.endswith(".safetensors")]  # refused before any weights
+    weight_file = min(holders(sharded, names))
+    repo = LocalRepo(sharded, tmp_path / "b", tamper=weight_file)
+    with pytest.raises(ValueError, match=f"{weight_file} downloaded with sha256"):
+        hub.download_shard(repo, model_fingerprint(sharded), names)
+    assert not (repo.snapshot / hub.VERIFIED).exists()
+
+
+def test_repo_names_are_checked_and_read_from_the_cache_layout() -> None:
+    for repo, revision in [("../etc", REVISION), ("a/b/../../c", REVISION), ("org/name", "main"),
+                           ("org/name", "../" + REVISION[3:])]:
+        with pytest.raises(ValueError):
+            hub.hub_repo(repo, revision)
+    assert hub.hub_repo("Qwen/Qwen3.5-0.8B", REVISION).repo == "Qwen/Qwen3.5-0.8B"
+    assert hub_origin(f"/h/models--Qwen--Qwen3.5-0.8B/snapshots/{REVISION}") == ("Qwen/Qwen3.5-0.8B", REVISION)
+    assert hub_origin("/h/models/Qwen3.5") is None and hub_origin(f"/h/snapshots/{REVISION}") is None
+
+
+def test_a_node_loads_its_shard_from_the_hub(sharded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Load names a path the node may not read, no source, and the hub repo: a node with --download
+    takes its shard from there; one without says how to allow it."""
+    monkeypatch.delenv(MODEL_DIRS_ENV, raising=False)
+    fp = model_fingerprint(sharded)
+    names = shard_names(sharded, 4, 8, 8, True)
+    request = pb.LoadRequest(model_path=str(sharded), start=4, end=8, num_layers=8, mtp=True, dtype="float32",
+                             fingerprint=fp, tensors=names, hub_repo=REPO, hub_revision=REVISION)
+    repos: list[LocalRepo] = []
+
+    def local_repo(repo: str, revision: str) -> LocalRepo:
+        assert (repo, revision) == (REPO, REVISION)
+        repos.append(LocalRepo(sharded, tmp_path / "hub"))
+        return repos[-1]
+
+    for download in (False, True):
+        server = NodeServer("127.0.0.1", 0, shard_cache=tmp_path / "cache", download=download).start()
+        server.service.weights.hub_repo = local_repo
+        server.service.weights.readable.given.append(tmp_path / "hub")  # the node's hub cache
+        try:
+            with make_channel(server.address) as channel:
+                stub = pb_grpc.NodeStub(channel)
+                if not download:
+                    with pytest.raises(grpc.RpcError) as e:
+                        stub.Load(request)
+                    assert "--download" in e.value.details() and not repos
+                    continue
+                reply = stub.Load(request)
+                assert reply.weights_source == f"hub {REPO}@{REVISION[:12]}"
+                assert Path(reply.weights_path) == repos[0].snapshot and reply.has_mtp
+        finally:
+            server.stop(0)
