@@ -5,9 +5,11 @@ ids than any real node, the coordinator flag and more memory than anyone:
   node-0  accepts every connection and records every byte it is sent (one file per connection in
           OUT_DIR), and answers nothing;
   node-1  a real mtpipe node server keyed by a wrong secret.
-Prints {"event": "advertising"} once both adverts are out, then runs until killed.
+Prints {"event": "advertising"} once both adverts are out, then runs until killed. Its second use:
+replay recorded bytes to a real node and print what came back (hex, one per recording, as JSON).
 
-usage: python rogue_node.py ADDRESS CLUSTER OUT_DIR
+usage: python rogue_node.py advertise ADDRESS CLUSTER OUT_DIR
+       python rogue_node.py replay HOST PORT RECORDING...
 """
 
 from __future__ import annotations
@@ -56,8 +58,26 @@ async def advertise(address: str, cluster: str) -> None:
     await asyncio.Event().wait()
 
 
+def replay(host: str, port: int, blob: bytes, timeout: float = 2.0) -> bytes:
+    """Send `blob` as it is on a new connection to host:port; everything that comes back until it closes."""
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.sendall(blob)
+        s.settimeout(timeout)
+        reply = b""
+        try:
+            while chunk := s.recv(65536):
+                reply += chunk
+        except OSError:
+            pass
+    return reply
+
+
 def main() -> None:
-    address, cluster, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    if sys.argv[1] == "replay":
+        host, port = sys.argv[2], int(sys.argv[3])
+        print(json.dumps([replay(host, port, Path(f).read_bytes()).hex() for f in sys.argv[4:]]))
+        return
+    address, cluster, out = sys.argv[2], sys.argv[3], Path(sys.argv[4])
     out.mkdir(parents=True, exist_ok=True)
     threading.Thread(target=recorder, args=(address, out), daemon=True).start()
     NodeServer(address, WRONG_SECRET_PORT, node_id="node-1", secret="not-the-lab-secret").start()

@@ -238,7 +238,7 @@ def rogue(topology: Topology, tmp_path_factory: pytest.TempPathFactory) -> Itera
     the lab's nodes start, so that they see it while they wait for each other."""
     out = tmp_path_factory.mktemp("rogue")
     script = Path(__file__).with_name("rogue_node.py")
-    proc = Proc(topology.argv(6, sys.executable, str(script), "10.77.0.6", "lab", str(out)), _env())
+    proc = Proc(topology.argv(6, sys.executable, str(script), "advertise", "10.77.0.6", "lab", str(out)), _env())
     try:
         proc.event("advertising")
         yield {"proc": proc, "recorded": out}
@@ -419,25 +419,6 @@ def test_a_node_that_stops_is_seen_leaving(cluster: dict, topology: Topology) ->
     assert f"next stage {cluster['serving']['links'][1]['address']} unreachable" in report["nodes"][1]["problems"]
 
 
-REPLAY = """
-import json, socket, sys
-out = []
-for blob_file in sys.argv[2:]:
-    blob = open(blob_file, "rb").read()
-    with socket.create_connection((sys.argv[1], %d), timeout=5) as s:
-        s.sendall(blob)
-        s.settimeout(2)
-        reply = b""
-        try:
-            while chunk := s.recv(65536):
-                reply += chunk
-        except OSError:
-            pass
-    out.append(reply.hex())
-print(json.dumps(out))
-""" % PORT
-
-
 def test_a_rogue_wins_nothing(cluster: dict, rogue: dict, topology: Topology) -> None:
     from mtpipe.node.tls import identity
 
@@ -458,7 +439,8 @@ def test_a_rogue_wins_nothing(cluster: dict, rogue: dict, topology: Topology) ->
     for secret_thing in (SECRET.encode(), key, cert, der, key.split(b"\n")[1]):
         assert secret_thing not in everything
     # Replayed to a real node, the recordings authenticate nothing: no reply carries application data.
-    argv = [sys.executable, "-c", REPLAY, "10.77.0.2", *map(str, recorded[:4])]
+    script = Path(__file__).with_name("rogue_node.py")
+    argv = [sys.executable, str(script), "replay", "10.77.0.2", str(PORT), *map(str, recorded[:4])]
     r = run_in(topology, 6, argv, _env())
     assert r.returncode == 0, r.stderr
     for reply in map(bytes.fromhex, json.loads(r.stdout)):

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from rogue_node import replay
 
 from mtpipe.coordinator.cluster.health import first_reachable, probe_node
 from mtpipe.node.dataplane import HELLO, LENGTH, FrameListener, TcpFrameLink
@@ -91,16 +92,8 @@ def test_a_rogue_listener_records_nothing_that_authenticates(node: NodeServer) -
         # Replayed to a real node, the recorded bytes authenticate nothing: no reply is application data.
         for blob in rogue.received:
             for port in (node.port, node.service.data_port):
-                with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
-                    s.sendall(blob)
-                    s.settimeout(2)
-                    reply = b""
-                    try:
-                        while chunk := s.recv(65536):
-                            reply += chunk
-                    except OSError:
-                        pass
-                    assert b"node_id" not in reply and b"real" not in reply
+                reply = replay("127.0.0.1", port, blob)
+                assert b"node_id" not in reply and b"real" not in reply
         assert not node.service._subs and not node.service._owners  # no client got through
     finally:
         rogue.close()
