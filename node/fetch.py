@@ -28,6 +28,7 @@ import grpc
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from . import bulk
+from .cache_admin import make_room
 from .links import split_host_port
 from .shards import PART, Manifest, ShardCache, ShardKey, StreamVerifier, TensorInfo, free_bytes, safetensors_header
 from .wire import make_aio_channel
@@ -151,6 +152,8 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
             return await _fetch_from(source, cache, key, names, secret, progress, raw)
         need = total - offset + (0 if offset else len(header))
         free = await loop.run_in_executor(None, free_bytes, part.parent)
+        if free < need + DISK_MARGIN:  # make room: other cached shards, least recently used first
+            free = await loop.run_in_executor(None, make_room, cache.root, need + DISK_MARGIN, free, part.parent)
         if free < need + DISK_MARGIN:
             call.cancel()
             raise NoDiskSpace(f"not enough disk space for the shard: {need / 2**30:.2f} GiB to fetch into "

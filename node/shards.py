@@ -245,6 +245,7 @@ class ShardCache:
                 if problem is None:  # intact after all (copied, touched): trusted from now on
                     self._write_manifest(d, m)
         if problem is None:
+            os.utime(manifest_file)  # when it was last used: the least recently used go first (cache_admin.py)
             return d
         log.warning("shard cache %s is invalid (%s): removed, to be fetched again", d, problem)
         self.discard(key)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ...node.advertise import NodeAdvert, cluster_hash
+from ...node.cache_cli import add_cache_command
 from ...node.cli import add_node_command
 from ...node.links import format_host_port, local_interfaces, split_host_port
 from ...node.secrets import add_secret_args, check_exposure
@@ -53,6 +54,7 @@ CONFIG_ENV = "MTPIPE_CONFIG"
 def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     """Register the cluster subcommands on the main parser."""
     add_node_command(sub)
+    add_cache_command(sub)
     add_serve_command(sub)
     add_launch_commands(sub)
 

@@ -1,0 +1,97 @@
+"""What a node's shard cache holds, and making room in it.
+
+Entries are removed least recently used first: a cache hit touches the entry's manifest (shards.py),
+so its modification time says when the entry was last loaded or completed. A node that lacks disk
+space for a shard it must fetch first removes entries of other models this way (fetch.py); `mtpipe
+cache` lists and prunes by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..models.fingerprint import SHARD_MANIFEST
+from .shards import PART, WEIGHTS, Manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    fingerprint: str
+    layers: str  # the entry's directory name: <start>-<end>-of-<n>[-mtp]
+    bytes: int  # on disk
+    last_used: float  # seconds since the epoch
+    complete: bool  # False: a transfer under way or interrupted (its .part)
+
+    def to_dict(self) -> dict:
+        return {"path": str(self.path), "fingerprint": self.fingerprint, "layers": self.layers, "bytes": self.bytes,
+                "last_used": self.last_used, "complete": self.complete}
+
+
+def _size(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+
+
+def entries(root: Path) -> list[Entry]:
+    """Every shard directory under `root`, least recently used first."""
+    out = []
+    if not root.is_dir():
+        return out
+    for model in sorted(p for p in root.iterdir() if p.is_dir()):
+        for d in sorted(p for p in model.iterdir() if p.is_dir()):
+            manifest = d / SHARD_MANIFEST
+            complete = False
+            if manifest.exists():
+                try:
+                    complete = Manifest.read(manifest).fingerprint == model.name and (d / WEIGHTS).exists()
+                except (OSError, ValueError, KeyError, TypeError):
+                    complete = False
+            stamp = manifest if complete else (d / PART if (d / PART).exists() else d)
+            out.append(Entry(d, model.name, d.name, _size(d), stamp.stat().st_mtime, complete))
+    return sorted(out, key=lambda e: e.last_used)
+
+
+def remove(entry: Entry) -> None:
+    shutil.rmtree(entry.path, ignore_errors=True)
+    try:
+        entry.path.parent.rmdir()  # the model's directory, once it holds no shard
+    except OSError:
+        pass
+    log.info("shard cache: removed %s (%.1f MiB)", entry.path, entry.bytes / 2**20)
+
+
+def make_room(root: Path, need: int, free: int, keep: Path | None = None, keep_model: str = "") -> int:
+    """Remove entries, least recently used first, until `need` bytes fit (never `keep` nor entries of
+    `keep_model`); returns the free bytes it reaches by that count."""
+    for e in entries(root):
+        if free >= need:
+            break
+        if e.path == keep or e.fingerprint == keep_model:
+            continue
+        remove(e)
+        free += e.bytes
+    return free
+
+
+def prune(root: Path, *, max_bytes: int | None = None, fingerprint: str | None = None) -> list[Entry]:
+    """Remove every entry of `fingerprint` (or of every model when None) or, with `max_bytes`, the least
+    recently used entries until the cache holds at most that many bytes. Returns what was removed."""
+    all_entries = entries(root)
+    if max_bytes is None:
+        chosen = [e for e in all_entries if fingerprint is None or e.fingerprint.startswith(fingerprint)]
+    else:
+        total = sum(e.bytes for e in all_entries)
+        chosen = []
+        for e in all_entries:
+            if total <= max_bytes:
+                break
+            chosen.append(e)
+            total -= e.bytes
+    for e in chosen:
+        remove(e)
+    return chosen

@@ -1,0 +1,83 @@
+"""The shard cache is listed and pruned least recently used first, and a fetch that lacks disk space
+makes room by removing other entries (node/cache_admin.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from mtpipe.coordinator.cli.main import main
+from mtpipe.models.fingerprint import model_fingerprint, shard_names
+from mtpipe.node import cache_admin, fetch
+from mtpipe.node.server import NodeServer
+from mtpipe.node.shards import ShardCache, ShardKey
+
+SPECS = [(0, 3, False), (3, 6, False), (6, 8, True)]
+
+
+def fetch_into(cache: ShardCache, ckpt: Path, holder: str, spec: tuple[int, int, bool]) -> Path:
+    key = ShardKey(model_fingerprint(ckpt), spec[0], spec[1], 8, spec[2])
+    names = shard_names(ckpt, spec[0], spec[1], 8, spec[2])
+    asyncio.run(fetch.fetch_shard(cache, key, names, [holder], None, fetch.Transfer()))
+    d = cache.lookup(key, names)
+    assert d is not None
+    return d
+
+
+@pytest.fixture
+def filled(dense_ckpt: Path, tmp_path: Path):
+    """A cache with three shards of the model, used in the order 1, 0, 2 (0 least recently: oldest stamp)."""
+    holder = NodeServer("127.0.0.1", 0, model_dirs=[dense_ckpt], shard_cache=tmp_path / "holder").start()
+    try:
+        cache = ShardCache(tmp_path / "cache")
+        dirs = [fetch_into(cache, dense_ckpt, holder.address, s) for s in SPECS]
+        for age, i in enumerate((1, 0, 2)):  # lookup marks use; set the stamps apart explicitly
+            key = ShardKey(model_fingerprint(dense_ckpt), SPECS[i][0], SPECS[i][1], 8, SPECS[i][2])
+            assert cache.lookup(key) == dirs[i]
+            manifest = dirs[i] / "mtpipe-shard.json"
+            os.utime(manifest, (1_000_000 + age, 1_000_000 + age))
+        yield cache, dirs, holder
+    finally:
+        holder.stop(0)
+
+
+def test_entries_least_recently_used_first_and_prune(filled, capsys: pytest.CaptureFixture) -> None:
+    cache, dirs, _ = filled
+    listed = cache_admin.entries(cache.root)
+    assert [e.path for e in listed] == [dirs[1], dirs[0], dirs[2]] and all(e.complete for e in listed)
+    sizes = {e.path: e.bytes for e in listed}
+    # Down to what the two most recently used hold: the least recently used goes.
+    removed = cache_admin.prune(cache.root, max_bytes=sizes[dirs[0]] + sizes[dirs[2]])
+    assert [e.path for e in removed] == [dirs[1]] and not dirs[1].exists() and dirs[0].exists()
+    # The CLI lists what is left, and prunes one model's entries.
+    assert main(["cache", "list", "--json", "--shard-cache", str(cache.root)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [e["path"] for e in report["holds"]] == [str(dirs[0]), str(dirs[2])]
+    assert main(["cache", "prune", "--shard-cache", str(cache.root)]) == 2  # which entries: not said
+    fp = listed[0].fingerprint
+    assert main(["cache", "prune", "--json", "--model", fp[:10], "--shard-cache", str(cache.root)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert len(json.loads(out)["removed"]) == 2 and cache_admin.entries(cache.root) == []
+    assert not (cache.root / fp).exists()
+
+
+def test_a_fetch_short_of_disk_space_removes_the_least_recently_used(filled, dense_ckpt: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    cache, dirs, holder = filled
+    monkeypatch.setattr(fetch, "DISK_MARGIN", 0)
+    # A disk with no room at all: the fetch removes entries, least recently used first, until the new
+    # shard (as large as the first entry removed) fits.
+    monkeypatch.setattr(fetch, "free_bytes", lambda path: 0)
+    new = (2, 5, False)
+    d = fetch_into(cache, dense_ckpt, holder.address, new)
+    assert d.exists() and not dirs[1].exists() and dirs[2].exists()  # the most recently used stays
+    # Nothing left to remove and still no room: the fetch says so, before it starts.
+    monkeypatch.setattr(cache_admin, "entries", lambda root: [])
+    key = ShardKey(model_fingerprint(dense_ckpt), 0, 8, 8, True)
+    with pytest.raises(fetch.NoDiskSpace, match="not enough disk space"):
+        asyncio.run(fetch.fetch_shard(cache, key, shard_names(dense_ckpt, 0, 8, 8, True), [holder.address], None,
+                                      fetch.Transfer()))
