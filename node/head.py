@@ -34,7 +34,7 @@ class DraftState:
     mtp_len: int = 0  # MTP cache entries built from true backbone hiddens (positions 0..mtp_len-1)
     pending_hidden: mx.array | None = None  # hidden of the last position whose next token is unknown
     # (hidden, next token) pairs not yet in the MTP cache: kept while rounds carry no drafts
-    idle_hidden: mx.array | None = None
+    idle_hidden: list[mx.array] = field(default_factory=list)  # joined once, when drafting resumes
     idle_tokens: list[int] = field(default_factory=list)
     last_token: int | None = None  # the token the next decode step must start with
     drafts: list[int] = field(default_factory=list)
@@ -68,13 +68,14 @@ class DraftState:
     def pairs_to_draft(self, hid: mx.array, toks: list[int]) -> tuple[mx.array | None, list[int]]:
         """This round's (hidden, next token) pairs, after those kept from rounds without drafts; at
         depth 0 they are all kept for when drafting pays again, and (None, []) is returned."""
-        if self.idle_hidden is not None:
-            hid, toks = mx.concatenate([self.idle_hidden, hid], axis=1), self.idle_tokens + toks
-            self.idle_hidden, self.idle_tokens = None, []
         if self.depth == 0:
-            self.idle_hidden, self.idle_tokens = hid, toks
+            self.idle_hidden.append(hid)
+            self.idle_tokens += toks
             self.drafts, self.draft_probs = [], None
             return None, []
+        if self.idle_hidden:
+            hid, toks = mx.concatenate([*self.idle_hidden, hid], axis=1), self.idle_tokens + toks
+            self.idle_hidden, self.idle_tokens = [], []
         return hid, toks
 
     def bias_row(self, vocab: int) -> mx.array | None:
