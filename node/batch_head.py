@@ -38,7 +38,12 @@ class BatchHead:
         self.rounds: list[int] = []
         self.drafting: list[bool] = []  # rows that asked for drafts (a depth, or auto): they have an MTP cache
         self.mtp = RaggedKV()
-        self.last_verdict = 0.0  # when the last round's verdict was in (perf_counter): rounds are timed end to end
+        self.draft_seconds = 0.0  # what drafting the pending drafts cost
+        self.handed_out = 0.0  # when the last round's outcome left this stage (perf_counter)
+        # A round queued ahead computes during the one before: what queuing this round's cost (in the
+        # last round), and what queuing the next one's costs (in this one).
+        self.ahead_done = 0.0
+        self.ahead_next = 0.0
         self.interrupted = True  # something other than rounds ran since (a prefill): do not time
         self.costs_by_rows: dict[int, StageCosts] = {}
         self.shapes: set[tuple[int, int]] = set()  # (rows, depth) of the rounds run so far
@@ -89,7 +94,11 @@ class BatchHead:
             picks = mx.argmax(logits, axis=-1)
         elif on_picks is not None and all(len(r.tokens) == 1 and d.params.greedy and d.depth == 0
                                           for r, d in zip(rows, self.states)):
+            if prepared is None:
+                mx.eval(picks)  # so the time of queuing the next round is that round's alone
+            start = time.perf_counter()
             on_picks(picks[:, 0])
+            self.ahead_next = time.perf_counter() - start
         sampled = [i for i, d in enumerate(self.states) if not d.params.greedy]
         mx.eval(picks, *([logits] if sampled else []))
         picks_host = picks.tolist()
@@ -115,22 +124,23 @@ class BatchHead:
             outs.append(RowOutput(row.seq_id, out))
             pairs.append((mtp_in[i : i + 1, : n + 1], tokens))
         self._choose(rows, positions)
+        start = time.perf_counter()
         self._draft(pairs)
+        self.handed_out = time.perf_counter()
+        self.draft_seconds = self.handed_out - start
+        self.ahead_done, self.ahead_next = self.ahead_next, 0.0
         for o, d in zip(outs, self.states):
             o.output.drafts = list(d.drafts)
         return outs
 
     def _choose(self, rows: list, positions: list[int]) -> None:
         """Depths for the rows with timed `auto`: one for all of them (batch_best_depth), from round
-        costs measured at this batch size. A round is timed end to end, from the verdict on the round
-        before to its own: everything the batch waits for at that depth (drafting, the other stages,
-        the host, the commit) and what it gains (at depth 0 the next round is queued while the host
-        handles this one). A round is as wide as its deepest row, so it is timed under that. Only a
-        round at the same depth as the one before is timed (a change of depth mixes the two rounds'
-        work), and none with a prefill between."""
+        costs measured at this batch size. A round with K drafts costs drafting them and everything
+        from handing them out to their verdict (the other stages, the host, the commit); a round is as
+        wide as its deepest row, so it is timed under that. Only a round at the same depth as the one
+        before is timed (a change of depth mixes the two rounds' work: a commit, a round queued ahead),
+        and none with a prefill between."""
         timed = [d for d in self.states if d.chooser is not None]
-        now, last = time.perf_counter(), self.last_verdict
-        self.last_verdict = now
         interrupted, self.interrupted = self.interrupted, False
         if not timed or self.head.costs is None:
             return
@@ -141,8 +151,9 @@ class BatchHead:
         steady, self.last_depth = depth == self.last_depth, depth
         if shape not in self.shapes:  # the first round of a shape compiles its kernels: not a cost
             self.shapes.add(shape)
-        elif steady and not interrupted and last:
-            costs.observe(depth, context, now - last)
+        elif steady and not interrupted:  # each round charged its own forward, whichever round it computed in
+            seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
+            costs.observe(depth, context, seconds)
         kmax = max(d.chooser.kmax for d in timed)
         # Every depth is timed once at this batch size; other context lengths scale from those.
         depth = next((k for k in range(kmax + 1) if not any(d == k for _, d in costs.live)), None)

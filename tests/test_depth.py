@@ -134,37 +134,3 @@ def test_seeded_sampled_auto_reproduces(dense_ckpt: Path) -> None:
     req = GenerationRequest(prompt, max_tokens=32, params=SamplingParams(temperature=0.8, seed=11),
                             mtp_depth=3, mtp_auto=True)
     assert engine.complete(req).tokens == engine.complete(req).tokens
-
-
-def test_a_batch_times_rounds_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch round costs the time from the verdict on the round before to its own: what the batch
-    waits for at that depth, the next round queued ahead at depth 0 included. Not timed: the first
-    round of a shape (compiling), a change of depth, a round after a prefill."""
-    from types import SimpleNamespace
-
-    from mtpipe.node import batch_head
-    from mtpipe.node.depth import DepthChooser, StageCosts, context_bucket
-
-    clock = [0.0]
-    monkeypatch.setattr(batch_head.time, "perf_counter", lambda: clock[0])
-    costs = StageCosts([0.004, 0.005, 0.006, 0.007])
-    head = batch_head.BatchHead(SimpleNamespace(model=None, costs=costs))
-    head.states = [SimpleNamespace(chooser=DepthChooser(3), depth=0) for _ in range(2)]
-    bucket = head._costs(2)
-    bucket.live = {(context_bucket(100), k): s for k, s in enumerate([0.004, 0.005, 0.006, 0.007])}
-
-    def round_at(depth: int, period: float) -> None:
-        clock[0] += period
-        head._choose([SimpleNamespace(tokens=[1] * (depth + 1)) for _ in head.states], [100, 90])
-
-    head.interrupted = False
-    round_at(0, 0.010)  # the first round of its shape: compiling, not a cost
-    round_at(0, 0.003)
-    assert bucket.samples.get((context_bucket(100), 0)) == 1
-    assert bucket.live[context_bucket(100), 0] == pytest.approx(0.8 * 0.004 + 0.2 * 0.003)  # the period, averaged in
-    round_at(2, 0.020)  # a change of depth: mixes two rounds' work
-    assert (context_bucket(100), 2) not in bucket.samples
-    head.interrupted = True  # a prefill ran since
-    round_at(0, 0.050)
-    round_at(0, 0.003)
-    assert bucket.samples[context_bucket(100), 0] == 2
