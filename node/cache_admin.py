@@ -2,19 +2,21 @@
 
 Entries are removed least recently used first: a cache hit touches the entry's manifest (shards.py),
 so its modification time says when the entry was last loaded or completed. A node that lacks disk
-space for a shard it must fetch first removes entries of other models this way (fetch.py); `mtpipe
-cache` lists and prunes by hand.
+space for a shard it must fetch first removes other entries this way (fetch.py): a peer fetching one
+of them then fails over to its other sources. `mtpipe cache` lists and prunes by hand.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..models.fingerprint import SHARD_MANIFEST
-from .shards import PART, WEIGHTS, Manifest
+from .shards import PART, WEIGHTS, Manifest, free_bytes
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +25,7 @@ log = logging.getLogger(__name__)
 class Entry:
     path: Path
     fingerprint: str
-    layers: str  # the entry's directory name: <start>-<end>-of-<n>[-mtp]
+    layers: str  # the entry's directory name: <start>-<end>-<mtp 0|1>
     bytes: int  # on disk
     last_used: float  # seconds since the epoch
     complete: bool  # False: a transfer under way or interrupted (its .part)
@@ -37,14 +39,22 @@ def _size(d: Path) -> int:
     return sum(f.stat().st_size for f in d.iterdir() if f.is_file())
 
 
+FINGERPRINT = re.compile(r"[0-9a-f]{64}")
+SHARD_DIR = re.compile(r"\d+-\d+-[01]")
+
+
 def entries(root: Path) -> list[Entry]:
-    """Every shard directory under `root`, least recently used first."""
+    """Every shard directory under `root`, least recently used first. Only what the cache itself
+    writes counts: <64 hex digits>/<start>-<end>-<0|1>/ holding a manifest or a part file, so a root
+    pointed at the wrong directory lists (and prunes) nothing of it."""
     out = []
     if not root.is_dir():
         return out
-    for model in sorted(p for p in root.iterdir() if p.is_dir()):
-        for d in sorted(p for p in model.iterdir() if p.is_dir()):
+    for model in sorted(p for p in root.iterdir() if p.is_dir() and FINGERPRINT.fullmatch(p.name)):
+        for d in sorted(p for p in model.iterdir() if p.is_dir() and SHARD_DIR.fullmatch(p.name)):
             manifest = d / SHARD_MANIFEST
+            if not manifest.exists() and not (d / PART).exists():
+                continue
             complete = False
             if manifest.exists():
                 try:
@@ -52,7 +62,10 @@ def entries(root: Path) -> list[Entry]:
                 except (OSError, ValueError, KeyError, TypeError):
                     complete = False
             stamp = manifest if complete else (d / PART if (d / PART).exists() else d)
-            out.append(Entry(d, model.name, d.name, _size(d), stamp.stat().st_mtime, complete))
+            try:
+                out.append(Entry(d, model.name, d.name, _size(d), stamp.stat().st_mtime, complete))
+            except FileNotFoundError:  # a part file renamed meanwhile: the next listing has it
+                continue
     return sorted(out, key=lambda e: e.last_used)
 
 
@@ -65,22 +78,25 @@ def remove(entry: Entry) -> None:
     log.info("shard cache: removed %s (%.1f MiB)", entry.path, entry.bytes / 2**20)
 
 
-def make_room(root: Path, need: int, free: int, keep: Path | None = None, keep_model: str = "") -> int:
-    """Remove entries, least recently used first, until `need` bytes fit (never `keep` nor entries of
-    `keep_model`); returns the free bytes it reaches by that count."""
+def make_room(root: Path, need: int, free: int, keep: Path | None = None,
+              measure: Callable[[Path], int] = free_bytes) -> int:
+    """Remove entries other than `keep`, least recently used first, until `need` bytes fit; returns
+    the free bytes `measure` finds after the last removal."""
     for e in entries(root):
         if free >= need:
             break
-        if e.path == keep or e.fingerprint == keep_model:
+        if e.path == keep:
             continue
         remove(e)
-        free += e.bytes
+        free = measure(root)
     return free
 
 
 def prune(root: Path, *, max_bytes: int | None = None, fingerprint: str | None = None) -> list[Entry]:
     """Remove every entry of `fingerprint` (or of every model when None) or, with `max_bytes`, the least
     recently used entries until the cache holds at most that many bytes. Returns what was removed."""
+    if fingerprint is not None and not fingerprint:
+        raise ValueError("an empty model fingerprint names every model: use --all for that")
     all_entries = entries(root)
     if max_bytes is None:
         chosen = [e for e in all_entries if fingerprint is None or e.fingerprint.startswith(fingerprint)]

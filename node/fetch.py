@@ -153,7 +153,8 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
         need = total - offset + (0 if offset else len(header))
         free = await loop.run_in_executor(None, free_bytes, part.parent)
         if free < need + DISK_MARGIN:  # make room: other cached shards, least recently used first
-            free = await loop.run_in_executor(None, make_room, cache.root, need + DISK_MARGIN, free, part.parent)
+            free = await loop.run_in_executor(None, make_room, cache.root, need + DISK_MARGIN, free, part.parent,
+                                              free_bytes)
         if free < need + DISK_MARGIN:
             call.cancel()
             raise NoDiskSpace(f"not enough disk space for the shard: {need / 2**30:.2f} GiB to fetch into "

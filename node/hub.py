@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any, Protocol
@@ -142,8 +143,10 @@ def download_shard(repo: HubRepo, fingerprint: str, names: list[str]) -> Path:
         if have.get(file) == weights[file][0]:  # here already (another shard's), as the repo has it
             small[file] = have[file]
             continue
-        sha = _sha256(repo.download(file))
+        path = repo.download(file)
+        sha = _sha256(path)
         if sha != weights[file][0]:
+            path.unlink(missing_ok=True)  # else the hub cache would hand the same bad copy back next time
             raise ValueError(f"{file} downloaded with sha256 {sha[:12]}, the repo says {weights[file][0][:12]}")
         small[file] = sha
     _mark(snapshot, fingerprint, holder, small)
@@ -157,4 +160,6 @@ def _mark(snapshot: Path, fingerprint: str, holder: dict[str, str], checked: dic
         marker = {}
     entry = marker.setdefault(fingerprint, {"tensors": holder, "files": {}})
     entry["files"].update(checked)
-    (snapshot / VERIFIED).write_text(json.dumps(marker))
+    tmp = snapshot / f"{VERIFIED}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(marker))
+    os.replace(tmp, snapshot / VERIFIED)  # whole or not at all, for nodes that share a hub cache

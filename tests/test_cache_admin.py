@@ -58,6 +58,7 @@ def test_entries_least_recently_used_first_and_prune(filled, capsys: pytest.Capt
     report = json.loads(capsys.readouterr().out)
     assert [e["path"] for e in report["holds"]] == [str(dirs[0]), str(dirs[2])]
     assert main(["cache", "prune", "--shard-cache", str(cache.root)]) == 2  # which entries: not said
+    assert main(["cache", "prune", "--model", "", "--shard-cache", str(cache.root)]) == 2  # "" is not a model
     fp = listed[0].fingerprint
     assert main(["cache", "prune", "--json", "--model", fp[:10], "--shard-cache", str(cache.root)]) == 0
     out = capsys.readouterr().out.strip().splitlines()[-1]
@@ -71,7 +72,9 @@ def test_a_fetch_short_of_disk_space_removes_the_least_recently_used(filled, den
     monkeypatch.setattr(fetch, "DISK_MARGIN", 0)
     # A disk with no room at all: the fetch removes entries, least recently used first, until the new
     # shard (as large as the first entry removed) fits.
-    monkeypatch.setattr(fetch, "free_bytes", lambda path: 0)
+    listing = cache_admin.entries
+    full = sum(e.bytes for e in listing(cache.root))
+    monkeypatch.setattr(fetch, "free_bytes", lambda path: full - sum(e.bytes for e in listing(cache.root)))
     new = (2, 5, False)
     d = fetch_into(cache, dense_ckpt, holder.address, new)
     assert d.exists() and not dirs[1].exists() and dirs[2].exists()  # the most recently used stays
@@ -81,3 +84,15 @@ def test_a_fetch_short_of_disk_space_removes_the_least_recently_used(filled, den
     with pytest.raises(fetch.NoDiskSpace, match="not enough disk space"):
         asyncio.run(fetch.fetch_shard(cache, key, shard_names(dense_ckpt, 0, 8, 8, True), [holder.address], None,
                                       fetch.Transfer()))
+
+
+def test_a_root_pointed_elsewhere_lists_and_removes_nothing(tmp_path: Path) -> None:
+    """Only directories the cache writes count: a wrong root loses nothing to `prune --all`."""
+    (tmp_path / "photos" / "2026").mkdir(parents=True)
+    (tmp_path / "photos" / "2026" / "a.jpg").write_bytes(b"x")
+    fake = tmp_path / ("a" * 64) / "0-4-1"
+    fake.mkdir(parents=True)  # a cache-shaped directory holding no manifest nor part file
+    (fake / "notes.txt").write_text("mine")
+    assert cache_admin.entries(tmp_path) == []
+    assert cache_admin.prune(tmp_path) == [] and (tmp_path / "photos" / "2026" / "a.jpg").exists()
+    assert (fake / "notes.txt").exists()

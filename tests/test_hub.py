@@ -115,6 +115,7 @@ def test_another_model_or_a_bad_file_is_refused(sharded: Path, tmp_path: Path) -
     with pytest.raises(ValueError, match=f"{weight_file} downloaded with sha256"):
         hub.download_shard(repo, model_fingerprint(sharded), names)
     assert not (repo.snapshot / hub.VERIFIED).exists()
+    assert not (repo.snapshot / weight_file).exists()  # dropped, not handed back by the cache next time
 
 
 def test_repo_names_are_checked_and_read_from_the_cache_layout() -> None:

@@ -30,14 +30,15 @@ def bench_auth(model_path: Path, prompts: list[list[int]], max_tokens: int, reps
     outputs: dict[tuple[str, int | str], list[list[int]]] = {(p, k): [] for p in PAIRS for k in depths}
     with NodeProcesses(2, model_dirs=[model_path]) as a, NodeProcesses(2, model_dirs=[model_path]) as b, \
             NodeProcesses(2, secret=BENCH_SECRET, model_dirs=[model_path]) as c:
-        engines = {"A": remote_engine(model_path, a.addresses, mtp=True),
-                   "B": remote_engine(model_path, b.addresses, mtp=True),
-                   "C_auth": remote_engine(model_path, c.addresses, mtp=True, secret=BENCH_SECRET)}
+        engines: dict[str, Any] = {}
         try:
+            engines["A"] = remote_engine(model_path, a.addresses, mtp=True)
+            engines["B"] = remote_engine(model_path, b.addresses, mtp=True)
+            engines["C_auth"] = remote_engine(model_path, c.addresses, mtp=True, secret=BENCH_SECRET)
             for engine in engines.values():  # warm up every path once
                 for k in depths:
                     _time_engine(engine, prompts[0], 8, k)
-            trial = 0
+            trial = 0  # the same order for every depth of a prompt: each depth sees all six
             for _ in range(reps):
                 for prompt in prompts:
                     for k in depths:
@@ -45,7 +46,7 @@ def bench_auth(model_path: Path, prompts: list[list[int]], max_tokens: int, reps
                             tokens, tps, _ = _time_engine(engines[pair], prompt, max_tokens, k)
                             speeds[pair, k].append(tps)
                             outputs[pair, k].append(tokens)
-                        trial += 1
+                    trial += 1
         finally:
             for engine in engines.values():
                 engine.pipeline.close()
@@ -55,7 +56,7 @@ def bench_auth(model_path: Path, prompts: list[list[int]], max_tokens: int, reps
 
     out: dict[str, Any] = {"reps": reps, "prompts": len(prompts), "tok_s": {}, "ratios": {}, "identical": {}}
     for k in depths:
-        name = "mtp" if k == AUTO else "no_mtp"
+        name = "mtp" if k == AUTO else "no_mtp" if k == 0 else f"mtp_k{k}"
         a_s, b_s, c_s = (speeds[p, k] for p in PAIRS)
         out["tok_s"].update({f"{p}_{name}": round(statistics.mean(speeds[p, k]), 2) for p in PAIRS})
         out["ratios"][f"auth_on_vs_off_{name}"] = median_ratio(c_s, [(u + v) / 2 for u, v in zip(a_s, b_s)])

@@ -173,7 +173,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
               node_id=me, port=server.port, pid=os.getpid())
         if agent is not None:
             peers = wait_for_peers(agent, me, cfg, args.coordinator, membership.members)
-            peers.setdefault(me, advert)
+            peers[me] = advert  # its own, not an advert claiming its id
             coordinator = elect_coordinator(me, peers, forced=args.coordinator)
         else:  # static nodes only: the node started with --coordinator drives the others
             peers = {me: advert}
@@ -229,9 +229,11 @@ def cmd_health(args: argparse.Namespace) -> int:
     targets = [format_host_port(*split_host_port(n, cfg.node.port)) for n in args.nodes]
     left_out: dict[str, str] = {}
     if not targets:
-        targets, left_out = browse_targets(cfg, args.wait)
+        targets, left_out = browse_targets(cfg, args.wait, args.timeout)
     rows = probe_nodes(targets, secret, timeout=args.timeout)
-    status = overall(rows)  # of the nodes that proved they belong: an advert alone changes nothing
+    status = overall(rows)
+    if left_out and status == "healthy":  # something advertises the cluster and did not prove it belongs
+        status = "degraded"
     if args.json:
         print(json.dumps({"status": status, "nodes": rows, "left_out": left_out}))
     else:
@@ -246,7 +248,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     return EXIT_CODES[status]
 
 
-def browse_targets(cfg: ClusterConfig, wait: float) -> tuple[list[str], dict[str, str]]:
+def browse_targets(cfg: ClusterConfig, wait: float, timeout: float = 1.0) -> tuple[list[str], dict[str, str]]:
     """The cluster's nodes by zeroconf on the discovery interfaces, each at the address where it proved
     it belongs (membership.py), then the static ones; and the advertised nodes left out, with why."""
     interfaces = local_interfaces()
@@ -256,7 +258,7 @@ def browse_targets(cfg: ClusterConfig, wait: float) -> tuple[list[str], dict[str
         peers = agent.peers()
     finally:
         agent.stop()
-    membership = Membership("", interfaces, cfg.resolve_secret(), timeout=1.0)
+    membership = Membership("", interfaces, cfg.resolve_secret(), timeout=timeout)
     members = membership.members(peers)
     targets = [membership.address(ad) or "" for _, ad in sorted(members.items())]
     left_out = {node_id: f"{reason} ({', '.join(peers[node_id].addresses) or '?'})"
