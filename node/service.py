@@ -74,6 +74,7 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
         self.name = name or self.node_id  # how errors name this node; the coordinator sets host:port
         self.secret = secret
         self.started = time.monotonic()
+        self.coordinating = False  # it drives the cluster (set by `mtpipe launch`): Ping says so
         self.worker: StageWorker | None = None
         self.key: LoadKey | None = None
         self.next: NextStage | None = None
@@ -391,7 +392,8 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
             yield chunk
 
     async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingReply:
-        return pb.PingReply(payload=request.payload, node_id=self.node_id, data_port=self.data_port)
+        return pb.PingReply(payload=request.payload, node_id=self.node_id, data_port=self.data_port,
+                            coordinator=self.coordinating)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthReply:
         return await health_reply(self, request.probe_next)

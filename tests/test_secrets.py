@@ -142,3 +142,24 @@ def test_membership_tries_a_failed_proof_again_later() -> None:
         if server is not None:
             server.stop(0)
     assert sum("node late" in r.getMessage() for r in records) == 1
+
+
+def test_the_coordinator_flag_is_the_one_the_node_reports() -> None:
+    """An advert claiming that a member coordinates (say, someone replaying its advert with the flag
+    set) counts the flag only if the member says so over the authenticated channel."""
+    from mtpipe.coordinator.cluster.discovery import elect_coordinator
+    from mtpipe.coordinator.cluster.membership import Membership
+    from mtpipe.node.advertise import NodeAdvert
+    from mtpipe.node.server import NodeServer
+
+    node = NodeServer("127.0.0.1", 0, node_id="node-b", secret="s3").start()
+    try:
+        claims = NodeAdvert("node-b", "h", node.port, 1, 1, "cpu", "v", coordinator=True, addresses=("127.0.0.1",))
+        members = Membership("node-c", [], "s3", timeout=2.0)
+        kept = members.members({"node-b": claims})
+        assert not kept["node-b"].coordinator
+        assert elect_coordinator("node-c", {**kept, "node-c": claims}) == "node-b"  # the lowest id, not a flag
+        node.service.coordinating = True  # elected: from now on its Ping says so
+        assert Membership("node-c", [], "s3", timeout=2.0).members({"node-b": claims})["node-b"].coordinator
+    finally:
+        node.stop(0)

@@ -141,6 +141,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     server = NodeServer(cfg.node.host, cfg.node.port, node_id=me, secret=secret,
                         model_dirs=[*cfg.node.model_dirs, *([model_here] if model_here else [])],
                         download=cfg.node.download).start()
+    server.service.coordinating = bool(args.coordinator)
 
     def memory_offered() -> int:
         # Its own shard counts as free: a new placement would replace it.
@@ -184,6 +185,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             while True:
                 signal.pause()  # until SIGTERM or Ctrl-C ends the process through the finally below
         log.info("%s coordinates %d node(s)%s", me, len(peers), f" and {len(cfg.nodes)} static" if cfg.nodes else "")
+        server.service.coordinating = True  # before the advert says so: peers check the advert against it
         if agent is not None:
             agent.set_coordinator()
         model_path = model_here or resolve_model(cfg.model)

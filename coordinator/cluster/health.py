@@ -26,6 +26,7 @@ class Reached:
     target: str
     node_id: str
     rtt_ms: float
+    coordinator: bool = False  # what the node says over the authenticated channel
 
 
 def ping(target: str, secret: str | None, timeout: float = 2.0) -> Reached:
@@ -39,7 +40,7 @@ def ping(target: str, secret: str | None, timeout: float = 2.0) -> Reached:
         stub.Ping(pb.PingRequest(), timeout=timeout)
         t0 = time.perf_counter()
         reply = stub.Ping(pb.PingRequest(), timeout=timeout)
-        return Reached(target, reply.node_id, 1000.0 * (time.perf_counter() - t0))
+        return Reached(target, reply.node_id, 1000.0 * (time.perf_counter() - t0), reply.coordinator)
 
 
 def first_reachable(

@@ -3,7 +3,7 @@
 An advert is public: anyone on the LAN can send one with the cluster's hash, any node id, a huge
 memory offer and the coordinator flag. A discovered node counts (waiting for peers, the election,
 the placement) only after it answered, under the id it advertises, a Ping over a link that, with a
-secret, is mutual TLS keyed by it. Adverts are probed in parallel as they arrive; a proof is kept
+secret, is mutual TLS keyed by it; its coordinator flag is the one that Ping reports, not the advert's. Adverts are probed in parallel as they arrive; a proof is kept
 for as long as the advert stays the same, a failure is logged once and tried again a little later
 (a node may advertise a moment before it answers).
 """
@@ -14,13 +14,16 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from ...node.advertise import NodeAdvert
 from ...node.links import Interface
-from .health import first_reachable
+from .health import Reached, first_reachable
 from .placement import NodeResources, hop_candidates
 
 log = logging.getLogger(__name__)
+
+Key = tuple[str, tuple[str, ...], bool]  # node id, where it is reached, whether the advert claims to coordinate
 
 PROOF_TIMEOUT_S = 2.0
 RETRY_S = 2.0
@@ -40,24 +43,25 @@ class Membership:
                  retry_s: float = RETRY_S, clock: Callable[[], float] = time.monotonic):
         self.me, self.local, self.secret = me, local, secret
         self.timeout, self.retry_s, self.clock = timeout, retry_s, clock
-        self._proven: dict[tuple[str, tuple[str, ...]], str] = {}  # -> the address that answered
-        self._failed: dict[tuple[str, tuple[str, ...]], float] = {}  # -> when it last failed
+        self._proven: dict[Key, Reached] = {}  # -> how it answered
+        self._failed: dict[Key, float] = {}  # -> when it last failed
 
-    def _key(self, ad: NodeAdvert) -> tuple[str, tuple[str, ...]]:
-        return ad.node_id, tuple(advert_targets(self.local, ad))
+    def _key(self, ad: NodeAdvert) -> Key:
+        # The coordinator flag is part of it: a node's advert that starts to claim it is checked again.
+        return ad.node_id, tuple(advert_targets(self.local, ad)), ad.coordinator
 
-    def _due(self, key: tuple[str, tuple[str, ...]], now: float) -> bool:
+    def _due(self, key: Key, now: float) -> bool:
         failed = self._failed.get(key)
         return key not in self._proven and (failed is None or now - failed >= self.retry_s)
 
-    def _prove(self, key: tuple[str, tuple[str, ...]]) -> str | None:
-        node_id, targets = key
-        reached = first_reachable(list(targets), self.secret, node_id, timeout=self.timeout)
-        return reached.target if reached is not None else None
+    def _prove(self, key: Key) -> Reached | None:
+        node_id, targets, _ = key
+        return first_reachable(list(targets), self.secret, node_id, timeout=self.timeout)
 
     def address(self, ad: NodeAdvert) -> str | None:
         """Where a proven node answered (None if it has not proved it belongs)."""
-        return self._proven.get(self._key(ad))
+        reached = self._proven.get(self._key(ad))
+        return reached.target if reached is not None else None
 
     def members(self, peers: dict[str, NodeAdvert]) -> dict[str, NodeAdvert]:
         """The peers that proved they belong (this node always does), probing the ones not yet tried."""
@@ -77,7 +81,8 @@ class Membership:
                     log.warning("node %s (advertised from %s) did not prove it belongs to this cluster at %s: "
                                 "left out", key[0], ", ".join(ad.addresses) or "?", ", ".join(key[1]) or "no address")
                 self._failed[key] = self.clock()
-        return {node_id: ad for node_id, ad in peers.items() if node_id == self.me or keys[node_id] in self._proven}
+        return {node_id: ad if node_id == self.me else replace(ad, coordinator=self._proven[keys[node_id]].coordinator)
+                for node_id, ad in peers.items() if node_id == self.me or keys[node_id] in self._proven}
 
     def report(self, peers: dict[str, NodeAdvert]) -> tuple[list[str], dict[str, str]]:
         """Without probing: the ids of the peers that proved they belong, and why each other is left out."""
