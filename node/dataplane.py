@@ -11,9 +11,9 @@ gRPC, 0.25-0.4 ms over this stream.
 A connection opens with a hello; the listener answers OK and, with a cluster secret, both ends then
 turn the stream into mutual TLS keyed by it (tls.py), as gRPC is: a peer without the secret gets no
 further, and frames cannot be read, altered or replayed. Frames then flow one way until either
-side closes. A connection
-that opens with `BULK_HELLO` instead is a shard-tensor transfer, handed to `on_bulk` (bulk.py). Broken
-input (a wrong hello, an oversized or undecodable frame) closes that connection only.
+side closes. A connection that opens with `BULK_HELLO` instead is a shard-tensor transfer, handed to
+`on_bulk` (bulk.py). Broken input (a wrong hello, an oversized or undecodable frame) closes that
+connection only.
 """
 
 from __future__ import annotations

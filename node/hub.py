@@ -11,7 +11,6 @@ was verified, so the next Load of the same shard needs no network.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -19,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..models.fingerprint import TOKENIZER_FILES, digest, file_hashes, identity_of
+from ..models.fingerprint import TOKENIZER_FILES, digest, file_hashes, hash_range, identity_of
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +88,7 @@ def hub_repo(repo: str, revision: str) -> HfHubRepo:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    return hash_range(path, 0, path.stat().st_size)
 
 
 def _verified(snapshot: Path, fingerprint: str, names: list[str]) -> bool:
@@ -120,15 +115,14 @@ def download_shard(repo: HubRepo, fingerprint: str, names: list[str]) -> Path:
         raise ValueError("the repo has no config.json")
     config_path = repo.download("config.json")
     snapshot = config_path.parent
-    small = {"config.json": _sha256(config_path)}
-    small.update({name: _sha256(repo.download(name)) for name in TOKENIZER_FILES if name in files})
+    tokenizer = {name: _sha256(repo.download(name)) for name in TOKENIZER_FILES if name in files}
+    small = {"config.json": _sha256(config_path), **tokenizer}  # the files checked, for the marker
     weights = repo.safetensors()
     tensors: dict[str, tuple[str, list[int]]] = {}
     holder: dict[str, str] = {}
     for file in sorted(weights):  # a later file wins, as in loading
         tensors.update(weights[file][1])
         holder.update(dict.fromkeys(weights[file][1], file))
-    tokenizer = {k: v for k, v in small.items() if k != "config.json"}
     got = digest(identity_of(json.loads(config_path.read_text()), tokenizer, tensors,
                              {f: sha for f, (sha, _) in weights.items()}))
     if got != fingerprint:

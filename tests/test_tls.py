@@ -17,6 +17,7 @@ import pytest
 from rogue_node import replay
 
 from mtpipe.coordinator.cluster.health import first_reachable, probe_node
+from mtpipe.node.bulk import close
 from mtpipe.node.dataplane import HELLO, LENGTH, FrameListener, TcpFrameLink
 from mtpipe.node.server import NodeServer
 from mtpipe.node.tls import NAME, identity, ssl_context
@@ -126,7 +127,7 @@ class Proxy:
         except OSError:
             pass
         finally:
-            _hang_up(up)
+            close(up)
 
     @staticmethod
     def _back(src: socket.socket, dst: socket.socket) -> None:
@@ -136,16 +137,7 @@ class Proxy:
         except OSError:
             pass
         finally:
-            _hang_up(dst)
-
-
-def _hang_up(sock: socket.socket) -> None:
-    """EOF to the peer now (a close while another thread reads the socket would not send it)."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
+            close(dst)
 
 
 def test_an_altered_frame_is_refused_and_nothing_reaches_the_node() -> None:

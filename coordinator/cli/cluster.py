@@ -68,7 +68,8 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         "secret_file": "secret_file",
         "discovery.interfaces": "interface", "discovery.expect": "expect", "discovery.settle": "settle",
         "nodes": "node", "node.host": "host", "node.port": "port", "node.state_dir": "state_dir",
-        "node.max_memory_gib": "max_memory", "node.model_dirs": "model_dir", "node.download": "download", "api.host": "api_host", "api.port": "api_port", "api.api_key": "api_key",
+        "node.max_memory_gib": "max_memory", "node.model_dirs": "model_dir", "node.download": "download",
+        "api.host": "api_host", "api.port": "api_port", "api.api_key": "api_key",
     }
     return overlay(cfg, {key: getattr(args, dest, None) for key, dest in flags.items()})
 

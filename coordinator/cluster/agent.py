@@ -151,11 +151,12 @@ def wait_for_peers(agent: ClusterAgent, me: str, cfg: ClusterConfig, forced: boo
 
     deadline = time.monotonic() + settle
     while True:
-        proven = members(agent.peers())
+        peers = agent.peers()
+        proven = members(peers)
         remaining = deadline - time.monotonic()
         if enough(proven) or remaining <= 0:
             break
-        seen = len(agent.peers())
+        seen = len(peers)
         # Until the adverts change, or a little while: a proof that failed is tried again.
         agent.run(d.wait_for(lambda peers, seen=seen: len(peers) != seen, min(remaining, PROOF_POLL_S)))
     if len(proven) < expect:

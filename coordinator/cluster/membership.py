@@ -3,9 +3,10 @@
 An advert is public: anyone on the LAN can send one with the cluster's hash, any node id, a huge
 memory offer and the coordinator flag. A discovered node counts (waiting for peers, the election,
 the placement) only after it answered, under the id it advertises, a Ping over a link that, with a
-secret, is mutual TLS keyed by it; its coordinator flag is the one that Ping reports, not the advert's. Adverts are probed in parallel as they arrive; a proof is kept
-for as long as the advert stays the same, a failure is logged once and tried again a little later
-(a node may advertise a moment before it answers).
+secret, is mutual TLS keyed by it; its coordinator flag is the one that Ping reports, not the
+advert's. Adverts are probed in parallel as they arrive; a proof is kept for as long as the advert
+stays the same, a failure is logged once and tried again a little later (a node may advertise a
+moment before it answers).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from dataclasses import replace
 
 from ...node.advertise import NodeAdvert
 from ...node.links import Interface
+from .formation import resources_from_advert
 from .health import Reached, first_reachable
-from .placement import NodeResources, hop_candidates
+from .placement import hop_candidates
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +34,7 @@ MAX_PROBES = 16  # at once
 
 def advert_targets(local: list[Interface], ad: NodeAdvert) -> list[str]:
     """Where this machine can reach an advertised node, best link first."""
-    resources = NodeResources(ad.node_id, 0, ad.interfaces, ad.port, ad.addresses)
-    return [c.target for c in hop_candidates(local, resources)]
+    return [c.target for c in hop_candidates(local, resources_from_advert(ad, 0))]
 
 
 class Membership:
@@ -67,19 +68,19 @@ class Membership:
         """The peers that proved they belong (this node always does), probing the ones not yet tried."""
         keys = {node_id: self._key(ad) for node_id, ad in peers.items() if node_id != self.me}
         now = self.clock()
-        due = [k for k in keys.values() if self._due(k, now)]
+        due = [(node_id, key) for node_id, key in keys.items() if self._due(key, now)]
         if due:
             with ThreadPoolExecutor(min(len(due), MAX_PROBES)) as pool:
-                results = list(pool.map(self._prove, due))
-            for key, reached in zip(due, results):
+                results = list(pool.map(self._prove, [key for _, key in due]))
+            for (node_id, key), reached in zip(due, results):
                 if reached is not None:
                     self._proven[key] = reached
                     self._failed.pop(key, None)
                     continue
                 if key not in self._failed:
-                    ad = peers[key[0]]
                     log.warning("node %s (advertised from %s) did not prove it belongs to this cluster at %s: "
-                                "left out", key[0], ", ".join(ad.addresses) or "?", ", ".join(key[1]) or "no address")
+                                "left out", node_id, ", ".join(peers[node_id].addresses) or "?",
+                                ", ".join(key[1]) or "no address")
                 self._failed[key] = self.clock()
         return {node_id: ad if node_id == self.me else replace(ad, coordinator=self._proven[keys[node_id]].coordinator)
                 for node_id, ad in peers.items() if node_id == self.me or keys[node_id] in self._proven}
