@@ -80,24 +80,47 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
-def show_transfers(transfer: Transfer, console: Any, stop: threading.Event, every: float = 0.25) -> None:
+class TransferBar:
     """A progress bar while the node fetches its shard from a peer (the log says the same, less often)."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    bar: Any = None
-    task = 0
-    while not stop.wait(every):
-        fetching = transfer.state == "fetching" and transfer.total > 0
-        if fetching and bar is None:
-            bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                           TimeRemainingColumn(), console=console, transient=False)
-            bar.start()
-            task = bar.add_task(f"shard from {transfer.source}", total=transfer.total)
-        if bar is not None:
-            bar.update(task, completed=transfer.done, total=transfer.total)
+    def __init__(self, transfer: Transfer, console: Any):
+        self.transfer, self.console = transfer, console
+        self.bar: Any = None
+        self.task = 0
+
+    def tick(self) -> None:
+        """Show the transfer as it is now: start a bar when one begins, end it when it ends."""
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        t = self.transfer
+        fetching = t.state == "fetching" and t.total > 0
+        if fetching and self.bar is None:
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                                TimeRemainingColumn(), console=self.console, transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task(f"shard from {t.source}", total=t.total)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=t.done, total=t.total)
             if not fetching:
-                bar.update(task, description=f"shard from {transfer.source}: {transfer.state or 'ended'}")
-                bar.stop()
-                bar = None
-    if bar is not None:
-        bar.stop()
+                self.bar.update(self.task, description=f"shard from {t.source}: {t.state or 'ended'}")
+                self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def show_transfers(transfer: Transfer, console: Any, stop: threading.Event, every: float = 0.25) -> None:
+    """A TransferBar brought up to date every `every` seconds until `stop` is set."""
+    bar = TransferBar(transfer, console)
+    while not stop.wait(every):
+        bar.tick()
+    bar.close()
