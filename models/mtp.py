@@ -15,7 +15,18 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
-from .ragged import RaggedKV, ragged_layer
+from .ragged import RaggedKV, attention_entries, ragged_layer
+
+# Queries x keys past which new cache entries whose outputs nobody reads are better written alone
+# (keys and values only) than run through the layer with the one position whose output drafts.
+ENTRIES_ONLY_WORK = 4096
+
+
+def entries_only_pays(positions: int, context: int) -> bool:
+    """Whether `positions` new pairs over a cache of `context` entries, of which only the last
+    position's output is read, are better split (entries for the rest, the layer for the last):
+    the split saves their attention and MLP and costs a few more small ops."""
+    return positions > 1 and (positions - 1) * (context + positions) >= ENTRIES_ONLY_WORK
 
 
 class MTPHead(nn.Module):
@@ -36,6 +47,20 @@ class MTPHead(nn.Module):
         mask = create_attention_mask(u, cache)
         u = self.layers[0](u, mask=mask, cache=cache)
         return self.norm(u)
+
+    def extend(self, hidden: mx.array, token_embeddings: mx.array, cache: KVCache | RaggedKV,
+               real: list[int] | None = None) -> None:
+        """Cache entries for positions whose outputs nobody reads (a prompt, the positions decoded
+        without drafts): a position's keys and values depend only on its own input, so the attention
+        over the context and the MLP are skipped. With a RaggedKV, row i adds `real[i]` entries."""
+        layer = self.layers[0]
+        x = layer.input_layernorm(self.fuse(hidden, token_embeddings))
+        if isinstance(cache, RaggedKV):
+            keys, values = attention_entries(layer.self_attn, x, cache.offsets())
+            cache.update(keys, values, real if real is not None else [x.shape[1]] * x.shape[0])
+        else:
+            keys, values = attention_entries(layer.self_attn, x, cache.offset)
+            cache.update_and_fetch(keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3))
 
     def fuse(self, hidden: mx.array, token_embeddings: mx.array) -> mx.array:
         e = self.pre_fc_norm_embedding(token_embeddings)

@@ -134,16 +134,24 @@ def _thread() -> int:
     return threading.get_ident()
 
 
+def attention_entries(attn: Any, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
+    """The keys (normed, rotated) and values [B, T, heads, dim] Qwen3.5's gated attention caches for
+    inputs `x` (after the layer's input norm) starting at position `offset` (per row: an array)."""
+    B, T, _ = x.shape
+    keys = attn.k_norm(attn.k_proj(x).reshape(B, T, attn.num_key_value_heads, -1))
+    values = attn.v_proj(x).reshape(B, T, attn.num_key_value_heads, -1)
+    keys = attn.rope(keys.transpose(0, 2, 1, 3), offset=offset).transpose(0, 2, 1, 3)
+    return keys, values
+
+
 def ragged_attention(attn: Any, x: mx.array, cache: RaggedKV, real: list[int]) -> mx.array:
     """Qwen3.5's gated attention (mlx-lm's module and weights) with per-row positions."""
     B, T, _ = x.shape
     queries, gate = mx.split(attn.q_proj(x).reshape(B, T, attn.num_attention_heads, -1), 2, axis=-1)
     gate = gate.reshape(B, T, -1)
-    keys = attn.k_norm(attn.k_proj(x).reshape(B, T, attn.num_key_value_heads, -1))
-    values = attn.v_proj(x).reshape(B, T, attn.num_key_value_heads, -1)
     offsets = cache.offsets()
     queries = attn.rope(attn.q_norm(queries).transpose(0, 2, 1, 3), offset=offsets)
-    keys = attn.rope(keys.transpose(0, 2, 1, 3), offset=offsets).transpose(0, 2, 1, 3)
+    keys, values = attention_entries(attn, x, offsets)
     keys, values, mask = cache.update(keys, values, real)
     out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1) * mx.sigmoid(gate))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..models.mtp import entries_only_pays
 from ..models.ragged import RaggedKV, pad_rows
 from .acceptance import accept_greedy, filtered_probs
 from .depth import Probe, StageCosts, batch_best_depth
@@ -204,8 +205,16 @@ class BatchHead:
             else (mx.pad(h, [(0, 0), (0, width - h.shape[1]), (0, 0)]) if h.shape[1] < width else h)
             for h in hids
         ])
-        g = self.model.mtp.rows(hidden, self.model.embed(pad_rows([t or [0] for t in toks])), self.mtp, counts)
-        g = g[mx.arange(B), mx.array([max(c - 1, 0) for c in counts])][:, None]  # [B, 1, H]
+        embedded = self.model.embed(pad_rows([t or [0] for t in toks]))
+        last = mx.array([max(c - 1, 0) for c in counts])
+        if entries_only_pays(width, max(self.mtp.lengths)):  # only each row's last pair's output drafts
+            self.model.mtp.extend(hidden[:, :-1], embedded[:, :-1], self.mtp, [max(c - 1, 0) for c in counts])
+            rows = mx.arange(B)
+            g = self.model.mtp.rows(hidden[rows, last][:, None], embedded[rows, last][:, None], self.mtp,
+                                    [min(c, 1) for c in counts])
+        else:
+            g = self.model.mtp.rows(hidden, embedded, self.mtp, counts)
+            g = g[mx.arange(B), last][:, None]  # [B, 1, H]
         for d, c in zip(self.states, counts):
             d.mtp_len += c
             d.drafts, d.draft_probs = [], None

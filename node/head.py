@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from ..models.mtp import entries_only_pays
 from .acceptance import accept_coupled, accept_greedy, accept_sampled, draw, filtered_probs, gumbel_pick
 from .depth import DepthChooser, StageCosts
 from .processors import History, apply, bias_vector, has_processors, logprobs
@@ -234,8 +235,8 @@ class Head:
         if d.pending_hidden is not None:
             hid, toks = mx.concatenate([d.pending_hidden, hid], axis=1), tokens
         d.pending_hidden = hidden[:, -1:]
-        if toks:
-            self.model.mtp(hid, self.model.embed(mx.array([toks])), d.mtp_cache)
+        if toks:  # no output of a prompt position is read: its cache entries are all it needs
+            self.model.mtp.extend(hid, self.model.embed(mx.array([toks])), d.mtp_cache)
             d.mtp_len += len(toks)
 
     def _draft(self, d: DraftState, hid: mx.array, toks: list[int]) -> list[int]:
@@ -246,6 +247,9 @@ class Head:
         if hid is None:
             return []
         inputs = mx.array([toks])
+        if entries_only_pays(len(toks), d.mtp_cache.offset):  # only the last pair's output drafts
+            self.model.mtp.extend(hid[:, :-1], self.model.embed(inputs[:, :-1]), d.mtp_cache)
+            hid, inputs = hid[:, -1:], inputs[:, -1:]
         lazy: list[mx.array] = []
         probs = []
         for k in range(d.depth):
