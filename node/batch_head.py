@@ -116,8 +116,8 @@ class BatchHead:
             out = StepOutput(seq_id=row.seq_id, step=self.rounds[i], tokens=tokens, accepted=n, drafted=K,
                              commit=Commit(step=self.rounds[i], accepted=n, trim=K - n))
             self.rounds[i] += 1
-            if d.chooser is not None and K:
-                d.chooser.record(self.head.costs, K, n)
+            if K:
+                self.head.record(d, K, n)
             d.last_token = tokens[-1]
             d.history.emit(tokens)
             if d.params.top_logprobs >= 0:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 PRIOR_ACCEPTANCE = 0.6  # before anything was measured: a middling draft head
 PRIOR_WEIGHT = 4.0  # pseudo-rounds of the stage-wide acceptance behind each sequence's own counts
 EMA = 0.2  # weight of a new timing
+OUTLIER = 2.0  # a timing counts as at most this many times the estimate it updates
 PROBE_EVERY = 16  # rounds between probes of a neighbouring depth, at first
 PROBE_EVERY_MAX = 128  # probes that keep confirming the choice back off up to this
 WARMUP = 1  # live timings of each depth a stage takes, per context length, before it trusts them
@@ -113,21 +114,40 @@ class StageCosts:
         return StageCosts(prior, dict(self.live), dict(self.samples), self.probe_gap, acceptance)
 
     def observe(self, depth: int, context: int, seconds: float) -> None:
+        """A round's timing. One far above the estimate (the machine busy elsewhere a moment) moves
+        it by at most OUTLIER times: a depth that then looks dear is rarely chosen, so rarely
+        timed again, and an estimate raised by a stall would keep it out for long."""
         key = (context_bucket(context), depth)
         old = self.live.get(key)
-        self.live[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.live[key] = seconds if old is None else (1 - EMA) * old + EMA * min(seconds, OUTLIER * old)
         self.samples[key] = self.samples.get(key, 0) + 1
 
     def unmeasured(self, context: int, kmax: int) -> int | None:
-        """A depth this stage has not timed often enough at this context length, if any."""
-        bucket = context_bucket(context)
-        return next((k for k in range(kmax + 1) if self.samples.get((bucket, k), 0) < WARMUP), None)
+        """A depth to time before choosing: each depth once on this stage, then no drafts at each new
+        context length (never a loss against decoding without MTP), from which the other depths'
+        costs there are scaled until they are timed there too."""
+        timed = {k for _, k in self.samples}
+        first = next((k for k in range(kmax + 1) if k not in timed), None)
+        if first is not None:
+            return first
+        return 0 if self.samples.get((context_bucket(context), 0), 0) < WARMUP else None
 
     def round_seconds(self, context: int) -> list[float]:
         """Estimated seconds per round for each depth at this context length."""
         bucket = context_bucket(context)
-        scale = self._scale(bucket)
-        return [self.live.get((bucket, k), self.prior[k] * scale) for k in range(len(self.prior))]
+        return [self._estimate(bucket, k) for k in range(len(self.prior))]
+
+    def _estimate(self, bucket: int, depth: int) -> float:
+        """Timed here; else timed at the nearest length where rounds without drafts were timed too,
+        scaled as those compare with here; else the prior, scaled."""
+        if (bucket, depth) in self.live:
+            return self.live[(bucket, depth)]
+        plain = self.live.get((bucket, 0))
+        near = [b for b, k in self.live if k == depth and (b, 0) in self.live]
+        if plain is not None and near:
+            b = min(near, key=lambda b: (abs(b - bucket), -b))
+            return self.live[(b, depth)] * plain / self.live[(b, 0)]
+        return self.prior[depth] * self._scale(bucket)
 
     def _scale(self, bucket: int) -> float:
         """How live timings compare with the prior: this bucket's, else the nearest measured one's."""
@@ -184,7 +204,7 @@ class DepthChooser:
 
     kmax: int
     acceptance: Acceptance = field(init=False)
-    probe: Probe = field(default_factory=Probe)
+    probe: Probe = field(default_factory=lambda: Probe(hold=True))  # a probe's first round is not timed
 
     def __post_init__(self) -> None:
         self.acceptance = Acceptance.empty(self.kmax)

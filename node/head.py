@@ -40,7 +40,8 @@ class DraftState:
     last_token: int | None = None  # the token the next decode step must start with
     drafts: list[int] = field(default_factory=list)
     draft_probs: np.ndarray | None = None  # [K, V], sampling only
-    handed_out: float = 0.0  # when the last drafts left this stage (perf_counter)
+    handed_out: float = 0.0  # when the last drafts left this stage (perf_counter); 0: after a prefill
+    last_drafted: int = -1  # drafts the last round carried
     draft_seconds: float = 0.0  # what drafting them cost
     # Single-token rounds queued ahead (on_token): what this round's was computed in during the last
     # round, and what the next round's is computing in during this one.
@@ -110,6 +111,10 @@ class Head:
         self.mtp_pre_norm = mtp_pre_norm
         self.layers_total = layers_total or len(model.layers)
         self.costs: StageCosts | None = None  # calibrated on the first sequence with mtp_auto
+        # Sequences with logits processors are measured apart: none of their rounds is queued ahead
+        # and each does more on the host, so no drafts cost them more than plain rounds; and the
+        # processors move the target away from the drafts, so fewer are accepted.
+        self.processed_costs: StageCosts | None = None
 
     def prepare(self, h: mx.array) -> tuple[mx.array, mx.array]:
         """The normed hidden and the greedy pick at every position of a step, still lazy: queued with
@@ -134,6 +139,7 @@ class Head:
         if d.chooser is not None and (self.costs is None or d.chooser.kmax > self.costs.kmax):
             fresh = self.calibrate(d.chooser.kmax, h.dtype)
             self.costs = fresh if self.costs is None else self.costs.widened(fresh.prior)
+            self.processed_costs = None
         if req.kind is StepKind.PREFILL:
             d.history.extend_prompt(req.tokens)
             self._extend_mtp(d, mtp_in, req.tokens)
@@ -159,8 +165,7 @@ class Head:
             n, out.tokens = self._accept(d, logits, req.tokens[1:], None if prepared is None else prepared[1])
             out.accepted, out.drafted = n, len(req.tokens) - 1
             self._observe(d, out.drafted, context)
-            if d.chooser is not None:
-                d.chooser.record(self.costs, out.drafted, n)
+            self.record(d, out.drafted, n)
             self._choose(d, context)
             out.commit = Commit(step=req.step, accepted=n, trim=out.drafted - n)
             # Positions y, d1..dn pair with d1..dn, c: their MTP entries are rebuilt from true hiddens.
@@ -180,7 +185,7 @@ class Head:
                 on_drafts(out)
                 d.ahead_next = time.perf_counter() - start
         d.ahead_done, d.ahead_next = d.ahead_next, 0.0
-        d.handed_out = time.perf_counter()
+        d.handed_out = 0.0 if req.kind is StepKind.PREFILL else time.perf_counter()
         return out
 
     @staticmethod
@@ -191,14 +196,32 @@ class Head:
 
     def _choose(self, d: DraftState, context: int) -> None:
         if d.chooser is not None:
-            d.depth = d.chooser.next_depth(self.costs, context)
+            d.depth = d.chooser.next_depth(self.costs_for(d), context)
 
     def _observe(self, d: DraftState, drafted: int, context: int) -> None:
         """A whole round, from handing out `drafted` drafts to knowing their verdict, plus drafting them;
-        a round queued ahead is charged its own forward, not the next one's."""
-        if self.costs is not None and d.handed_out:
+        a round queued ahead is charged its own forward, not the next one's. Only a round at the depth
+        of the one before is timed: the first after a change (or a prefill) also pays for what the
+        change cost once (no round queued ahead of it, the rest of the prompt's work)."""
+        steady, d.last_drafted = drafted == d.last_drafted, drafted
+        if self.costs is not None and d.handed_out and steady:
             seconds = time.perf_counter() - d.handed_out + d.draft_seconds + d.ahead_done - d.ahead_next
-            self.costs.observe(drafted, context, seconds)
+            self.costs_for(d).observe(drafted, context, seconds)
+
+    def record(self, d: DraftState, drafted: int, accepted: int) -> None:
+        """A verdict on drafts: the sequence's own (auto) and the stage's, which every sequence that
+        drafts informs (the prior of sequences that have not drafted yet)."""
+        if d.chooser is not None:
+            d.chooser.record(self.costs_for(d), drafted, accepted)
+        elif self.costs is not None and drafted:
+            self.costs_for(d).acceptance.record(drafted, accepted)
+
+    def costs_for(self, d: DraftState) -> StageCosts:
+        if not d.processed:
+            return self.costs
+        if self.processed_costs is None:
+            self.processed_costs = StageCosts(list(self.costs.prior))
+        return self.processed_costs
 
     def calibrate(self, kmax: int, dtype: mx.Dtype, context: int = 64, trials: int = 3) -> StageCosts:
         """Round costs for 0..kmax drafts before any live timing: this stage's verify over K+1
@@ -277,7 +300,12 @@ class Head:
     def _pick(self, d: DraftState, logits: mx.array | None, on_token: Callable[[mx.array], None] | None,
               token: mx.array | None = None) -> int:
         if d.params.greedy:
-            token = mx.argmax(logits.reshape(-1)) if token is None else token
+            if token is None:
+                token = mx.argmax(logits.reshape(-1))
+                if on_token is not None and d.depth == 0:
+                    # The CPU's async_eval waits for most of what it queues, this round's forward too:
+                    # computed first, queuing the next round costs (and is charged) that round alone.
+                    mx.eval(token)
             if on_token is not None and d.depth == 0:  # the next round is this token alone
                 start = time.perf_counter()
                 on_token(token)

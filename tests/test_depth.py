@@ -88,8 +88,9 @@ def test_a_sequence_at_depth_zero_probes_back() -> None:
     probes = [i + 1 for i, d in enumerate(depths) if d]
     assert set(depths) == {0, 1}  # probes go one depth up from 0
     # The first probe after PROBE_EVERY rounds; each one that confirms 0 doubles the wait for the next.
+    # A probe lasts two rounds: the first, a change of depth, is not timed.
     P = policy.PROBE_EVERY
-    assert probes == [P, 3 * P, 7 * P]
+    assert probes == [P, P + 1, 3 * P, 3 * P + 1, 7 * P, 7 * P + 1]
     # The stage keeps what the probes learned: a new sequence waits as long before its first one.
     later = DepthChooser(kmax=2)
     first = next(i + 1 for i in range(1000) if later.next_depth(costs, 64))
@@ -134,3 +135,42 @@ def test_seeded_sampled_auto_reproduces(dense_ckpt: Path) -> None:
     req = GenerationRequest(prompt, max_tokens=32, params=SamplingParams(temperature=0.8, seed=11),
                             mtp_depth=3, mtp_auto=True)
     assert engine.complete(req).tokens == engine.complete(req).tokens
+
+
+def test_a_new_context_length_times_no_drafts_and_scales_the_rest() -> None:
+    costs = StageCosts(prior=[1.0, 1.2, 1.4])
+    for k, seconds in enumerate([2.0, 3.0, 5.0]):  # every depth timed once, at short contexts
+        costs.observe(k, 100, seconds)
+    assert costs.unmeasured(100, 2) is None
+    # A new length: only the rounds without drafts are timed first (never a loss against no MTP) ...
+    assert costs.unmeasured(8000, 2) == 0
+    costs.observe(0, 8000, 4.0)
+    assert costs.unmeasured(8000, 2) is None
+    # ... and each depth's cost there is its own cost at the nearest length, scaled as no drafts scaled.
+    assert costs.round_seconds(8000) == pytest.approx([4.0, 6.0, 10.0])
+    costs.observe(1, 8000, 9.0)  # timed there: the timing stands
+    assert costs.round_seconds(8000)[1] == 9.0
+
+
+def test_a_stalled_round_moves_the_estimate_a_bounded_step() -> None:
+    costs = StageCosts(prior=[1.0, 1.2])
+    costs.observe(0, 100, 2.0)
+    costs.observe(0, 100, 50.0)  # the machine was busy elsewhere for a moment
+    expected = (1 - policy.EMA) * 2.0 + policy.EMA * policy.OUTLIER * 2.0
+    assert costs.round_seconds(100)[0] == pytest.approx(expected)
+
+
+def test_rounds_with_logits_processors_are_timed_apart(ckpt: Path) -> None:
+    """Such rounds are never queued ahead and accept fewer drafts: measured with plain ones, they would
+    make no drafts look dear and drafts look worthless to every plain sequence."""
+    engine = local_engine(ckpt, dtype=mx.float32)
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    engine.complete(GenerationRequest(prompt, max_tokens=24, mtp_depth=2, mtp_auto=True))
+    head = engine.pipeline.stages[-1].head
+    plain = dict(head.costs.samples)
+    reached = list(head.costs.acceptance.reached)
+    assert sum(plain.values()) > 0 and head.processed_costs is None
+    processed = SamplingParams(presence_penalty=0.5)
+    engine.complete(GenerationRequest(prompt, max_tokens=24, params=processed, mtp_depth=2, mtp_auto=True))
+    assert head.costs.samples == plain and head.costs.acceptance.reached == reached
+    assert sum(head.processed_costs.samples.values()) > 0
