@@ -31,6 +31,10 @@ class RowOutput:
     output: StepOutput
 
 
+def rows_bucket(rows: int) -> int:
+    return 1 << (rows - 1).bit_length()
+
+
 class BatchHead:
     def __init__(self, head: Head):
         self.head = head  # the per-sequence head: prefill, calibration and the depth costs
@@ -145,7 +149,8 @@ class BatchHead:
         interrupted, self.interrupted = self.interrupted, False
         if not timed or self.head.costs is None:
             return
-        costs = self._costs(len(rows))
+        bucket = rows_bucket(len(rows))
+        costs = self._costs(bucket)
         context = max(positions)
         depth = max(len(r.tokens) - 1 for r in rows)
         shape = (len(rows), depth)
@@ -156,18 +161,42 @@ class BatchHead:
             seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
             costs.observe(depth, context, seconds)
         kmax = max(d.chooser.kmax for d in timed)
-        # Every depth is timed once at this batch size; other context lengths scale from those.
-        depth = next((k for k in range(kmax + 1) if not any(d == k for _, d in costs.live)), None)
+        depth = self._untimed(costs, kmax)
         if depth is None:
             rates = [d.chooser.acceptance.rates(costs.acceptance.extrapolated()[: d.chooser.kmax]) for d in timed]
-            best = batch_best_depth(rates, [d.chooser.kmax for d in timed], costs.round_seconds(context)[: kmax + 1])
+            seconds = self._round_seconds(bucket, context)[: kmax + 1]
+            best = batch_best_depth(rates, [d.chooser.kmax for d in timed], seconds)
             depth = self.probe.next(best, costs, kmax)
         for d in timed:
             d.depth = min(depth, d.chooser.kmax)
 
-    def _costs(self, rows: int) -> StageCosts:
+    def _untimed(self, costs: StageCosts, kmax: int) -> int | None:
+        """A depth to time before choosing: each depth once on this stage (at any batch size), then no
+        drafts at each batch size (never a loss against decoding without MTP)."""
+        anywhere = {k for c in self.costs_by_rows.values() for _, k in c.live}
+        first = next((k for k in range(kmax + 1) if k not in anywhere), None)
+        if first is not None:
+            return first
+        return None if any(k == 0 for _, k in costs.live) else 0
+
+    def _round_seconds(self, bucket: int, context: int) -> list[float]:
+        """Round costs at this batch size; a depth not timed at it is its cost at the nearest batch
+        size where it was, scaled as rounds without drafts compare between the two."""
+        own = self.costs_by_rows[bucket]
+        out = own.round_seconds(context)
+        for k in range(1, len(out)):
+            if any(d == k for _, d in own.live):
+                continue
+            near = [b for b, c in self.costs_by_rows.items()
+                    if b != bucket and {0, k} <= {d for _, d in c.live} and len(c.prior) == len(own.prior)]
+            if near:
+                theirs = self.costs_by_rows[min(near, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))]
+                seconds = theirs.round_seconds(context)
+                out[k] = seconds[k] * out[0] / seconds[0]
+        return out
+
+    def _costs(self, bucket: int) -> StageCosts:
         """Round costs per power-of-two batch size: how much a wider round costs depends on the rows."""
-        bucket = 1 << (rows - 1).bit_length()
         if bucket not in self.costs_by_rows:
             stage = self.head.costs
             self.costs_by_rows[bucket] = StageCosts(list(stage.prior), acceptance=stage.acceptance)

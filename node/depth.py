@@ -22,8 +22,9 @@ PRIOR_WEIGHT = 4.0  # pseudo-rounds of the stage-wide acceptance behind each seq
 EMA = 0.2  # weight of a new timing
 OUTLIER = 2.0  # a timing counts as at most this many times the estimate it updates
 PROBE_EVERY = 16  # rounds between probes of a neighbouring depth, at first
-PROBE_EVERY_MAX = 128  # probes that keep confirming the choice back off up to this
-WARMUP = 1  # live timings of each depth a stage takes, per context length, before it trusts them
+PROBE_EVERY_MAX = 64  # probes that keep confirming the choice back off up to this
+WARMUP = 1  # timings of rounds without drafts a stage takes at each context length before choosing
+TRUSTED = 3  # timings of a depth on a stage before they may say it costs more than the calibration
 MIN_REACHED = 4  # drafts at a position before the stage's own rate stands for that position
 
 
@@ -98,6 +99,9 @@ class StageCosts:
     samples: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> timings taken
     probe_gap: int = PROBE_EVERY  # rounds a sequence waits between probes
     acceptance: Acceptance | None = None  # every sequence's counts: the prior for new ones
+    # Under TRUSTED timings a depth costs at most what the calibration says: for timings that cannot
+    # leave out a depth's first rounds on the stage (the batch head leaves out each shape's first).
+    optimistic: bool = False
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
@@ -111,7 +115,7 @@ class StageCosts:
         """The same measurements over a longer prior (a sequence asked for deeper drafts than any before)."""
         extra = len(prior) - len(self.prior)
         acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
-        return StageCosts(prior, dict(self.live), dict(self.samples), self.probe_gap, acceptance)
+        return StageCosts(prior, dict(self.live), dict(self.samples), self.probe_gap, acceptance, self.optimistic)
 
     def observe(self, depth: int, context: int, seconds: float) -> None:
         """A round's timing. One far above the estimate (the machine busy elsewhere a moment) moves
@@ -139,15 +143,23 @@ class StageCosts:
 
     def _estimate(self, bucket: int, depth: int) -> float:
         """Timed here; else timed at the nearest length where rounds without drafts were timed too,
-        scaled as those compare with here; else the prior, scaled."""
-        if (bucket, depth) in self.live:
-            return self.live[(bucket, depth)]
+        scaled as those compare with here; else the prior, scaled. In an optimistic table, while a
+        depth has few timings on the stage, it costs at most what the calibration says relative to
+        rounds without drafts: a depth that looked dear once would otherwise rarely be chosen again,
+        so rarely timed again."""
         plain = self.live.get((bucket, 0))
-        near = [b for b, k in self.live if k == depth and (b, 0) in self.live]
-        if plain is not None and near:
+        if (bucket, depth) in self.live:
+            seconds = self.live[(bucket, depth)]
+        else:
+            near = [b for b, k in self.live if k == depth and (b, 0) in self.live]
+            if plain is None or not near:
+                return self.prior[depth] * self._scale(bucket)
             b = min(near, key=lambda b: (abs(b - bucket), -b))
-            return self.live[(b, depth)] * plain / self.live[(b, 0)]
-        return self.prior[depth] * self._scale(bucket)
+            seconds = self.live[(b, depth)] * plain / self.live[(b, 0)]
+        timings = sum(n for (_, k), n in self.samples.items() if k == depth)
+        if self.optimistic and depth and plain is not None and timings < TRUSTED and self.prior[0] > 0:
+            seconds = min(seconds, self.prior[depth] * plain / self.prior[0])
+        return seconds
 
     def _scale(self, bucket: int) -> float:
         """How live timings compare with the prior: this bucket's, else the nearest measured one's."""

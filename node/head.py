@@ -220,7 +220,7 @@ class Head:
         if not d.processed:
             return self.costs
         if self.processed_costs is None:
-            self.processed_costs = StageCosts(list(self.costs.prior))
+            self.processed_costs = StageCosts(list(self.costs.prior), optimistic=True)
         return self.processed_costs
 
     def calibrate(self, kmax: int, dtype: mx.Dtype, context: int = 64, trials: int = 3) -> StageCosts:
@@ -248,7 +248,7 @@ class Head:
         mtp_cache = KVCache()
         g = mx.zeros((1, 1, hidden), dtype)
         draft_s = best_of(lambda: mx.argmax(model.lm_logits(model.mtp(g, model.embed(mx.array([[0]])), mtp_cache))))
-        return StageCosts([v + k * draft_s for k, v in enumerate(verify_s)])
+        return StageCosts([v + k * draft_s for k, v in enumerate(verify_s)], optimistic=True)
 
     def _extend_mtp(self, d: DraftState, hidden: mx.array, tokens: list[int]) -> None:
         """Prefill: add MTP entries (H[t], x[t+1]); the chunk's last position waits for its next token."""

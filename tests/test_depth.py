@@ -94,7 +94,7 @@ def test_a_sequence_at_depth_zero_probes_back() -> None:
     # The stage keeps what the probes learned: a new sequence waits as long before its first one.
     later = DepthChooser(kmax=2)
     first = next(i + 1 for i in range(1000) if later.next_depth(costs, 64))
-    assert first == costs.probe_gap == 8 * P
+    assert first == costs.probe_gap == min(8 * P, policy.PROBE_EVERY_MAX)
 
 
 def test_resolve_depth() -> None:
@@ -139,8 +139,9 @@ def test_seeded_sampled_auto_reproduces(dense_ckpt: Path) -> None:
 
 def test_a_new_context_length_times_no_drafts_and_scales_the_rest() -> None:
     costs = StageCosts(prior=[1.0, 1.2, 1.4])
-    for k, seconds in enumerate([2.0, 3.0, 5.0]):  # every depth timed once, at short contexts
-        costs.observe(k, 100, seconds)
+    for k, seconds in enumerate([2.0, 3.0, 5.0]):  # every depth timed, at short contexts
+        for _ in range(policy.TRUSTED):
+            costs.observe(k, 100, seconds)
     assert costs.unmeasured(100, 2) is None
     # A new length: only the rounds without drafts are timed first (never a loss against no MTP) ...
     assert costs.unmeasured(8000, 2) == 0
@@ -174,3 +175,15 @@ def test_rounds_with_logits_processors_are_timed_apart(ckpt: Path) -> None:
     engine.complete(GenerationRequest(prompt, max_tokens=24, params=processed, mtp_depth=2, mtp_auto=True))
     assert head.costs.samples == plain and head.costs.acceptance.reached == reached
     assert sum(head.processed_costs.samples.values()) > 0
+
+
+def test_a_depth_timed_dear_once_stays_worth_trying() -> None:
+    """A depth's first timings on a stage may pay for building kernels for new shapes: until it has a
+    few, it costs at most what the calibration says relative to rounds without drafts."""
+    costs = StageCosts(prior=[1.0, 1.5], optimistic=True)
+    costs.observe(0, 100, 2.0)
+    costs.observe(1, 100, 9.0)  # its first round, with the kernels built
+    assert costs.round_seconds(100) == pytest.approx([2.0, 3.0])
+    for _ in range(policy.TRUSTED - 1):
+        costs.observe(1, 100, 9.0)  # still dear: believed now
+    assert costs.round_seconds(100)[1] > 3.0
