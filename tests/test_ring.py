@@ -271,3 +271,26 @@ def test_a_row_released_while_it_joins_leaves_cleanly(dense_ckpt: Path) -> None:
     assert [o.seq_id for o in shown] == ["a"] and [r.seq_id for r in third.rows] == ["a"]
     arrive(third)
     assert groups.rows == 1 and "b" not in worker.sequences
+
+
+def test_prompt_chunks_shrink_to_a_node_round_while_rows_decode() -> None:
+    """Each chunk a node takes holds up the groups behind it: while rows decode, a prompt goes in chunks
+    of about a node's share of a group round (its trip over the groups), at the prompt speed measured
+    when nothing else ran; with nothing decoding, or nothing measured yet, in whole chunks."""
+    class Pipeline:
+        nodes = ("a", "b")
+
+        def close(self) -> None:
+            pass
+
+    engine = RingEngine(Pipeline(), None, [0], 8192, False, 100, prefill_chunk=512)
+    try:
+        engine._rows = {1: 1}  # this request alone
+        assert engine._chunk_size(4000) == (512, True)
+        engine._rows = {1: 3, 2: 2}
+        assert engine._chunk_size(4000) == (512, False)  # nothing measured yet
+        engine._trip_s, engine._token_s = 0.02, 0.0001  # 2 groups: 10 ms per node round, 0.1 ms per token
+        assert engine._chunk_size(4000) == (100, False)
+        assert engine._chunk_size(60) == (60, False)
+    finally:
+        engine.close()

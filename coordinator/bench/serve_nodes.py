@@ -28,7 +28,7 @@ from ..engine.ring import RingEngine
 from .engine import bench_prompts
 from .nodes import spawn_nodes
 from .pipeline import run_mlx_ring
-from .serve import METHODS, WARM_TOKENS, Recorder, _request, aggregate_tps, engine_run
+from .serve import METHODS, WARM_TOKENS, Recorder, _request, aggregate_tps, engine_run, prefill_gap
 
 RING_RANKS = 2
 
@@ -68,7 +68,7 @@ def probe_run(engine: RingEngine, prompt: list[int], max_tokens: int, method: st
 
 
 def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: list[int], max_tokens: int = 128,
-                      reps: int = 1, mlx_ring: bool = True) -> dict[str, Any]:
+                      reps: int = 1, mlx_ring: bool = True, gap: bool = True) -> dict[str, Any]:
     levels = sorted(set(concurrency))
     if min(nodes) < 2:
         raise ValueError(f"--nodes: a ring needs 2 nodes or more, got {nodes}")
@@ -104,6 +104,8 @@ def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: 
                             outputs[f"{name}/{method}"] = toks
         if "pipe2" in engines:
             hops = probe_run(engines["pipe2"], prompts[0], max_tokens, "no_mtp")
+        # a long prompt while streams decode, on every topology: how much it holds them up
+        gaps = {name: prefill_gap(engine, prompts) for name, engine in engines.items()} if gap else {}
     # after the nodes are gone: mlx-lm's ranks get the machine to themselves, as the nodes had
     ring = run_mlx_ring(Path(model_path), prompts[:top], max_tokens, ranks=RING_RANKS) if mlx_ring else None
     tok_s, full_tok_s = _medians(runs), _medians(full_runs)
@@ -127,6 +129,7 @@ def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: 
         "hop_breakdown_pipe2_c1_no_mtp": {**hops, "single_ms_per_token": _ms(tok_s["single"]["no_mtp"].get("1"))},
         "identical": all(identity.values()),
         "identity": {"concurrency": top, "per_engine_method": identity},
+        "prefill_gap": gaps,
         "ratios": ratios(tok_s, ring_tok_s, nodes, top),
         "full_window_ratios": {k: v for k, v in ratios(full_tok_s, ring_tok_s, nodes, top).items() if "c8" in k},
     }
@@ -190,3 +193,7 @@ def print_nodes_report(result: dict[str, Any], console: Any) -> None:
     console.print(f"while every stream runs: {result['full_window_tok_s']}; ratios {result['full_window_ratios']}")
     console.print(f"greedy outputs at c={result['identity']['concurrency']} equal the single node's: "
                   f"{result['identical']} {result['identity']['per_engine_method']}")
+    for name, g in result.get("prefill_gap", {}).items():
+        console.print(f"prefill gap, {name}: {g['prompt_tokens']}-token prompt in {g['prefill_s']:.2f} s; gaps of "
+                      f"{g['streams']} streams: median {g['median_ms']} ms, p99 {g['p99_ms']} ms (p99/median "
+                      f"{g['gap_p99_over_median']}; before: median {g['baseline_median_ms']} ms)")

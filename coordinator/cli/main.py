@@ -109,7 +109,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         result = serve_nodes.bench_serve_nodes(
             model, nodes=bench_serve.parse_levels(args.nodes), concurrency=bench_serve.parse_levels(args.concurrency),
-            max_tokens=args.max_tokens, reps=args.reps, mlx_ring=not args.skip_mlx_lm,
+            max_tokens=args.max_tokens, reps=args.reps, mlx_ring=not args.skip_mlx_lm, gap=not args.skip_gap,
         )
         serve_nodes.print_nodes_report(result, stderr_console())
     elif args.target == "serve":

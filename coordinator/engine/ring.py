@@ -6,7 +6,8 @@ it in that group (node/groups.py) and from there on every round of the group sta
 and goes straight to the first. Each round's outcome for the row comes back on the subscription;
 the engine detokenizes it, ends the request at EOS, a stop string or max_tokens, and releases the
 sequence. Several groups are in flight at once (scheduler.ring_groups), so while one group is on
-node i another is on node i+1.
+node i another is on node i+1. While rows decode, a prompt goes in chunks of about a node's share of
+a group round, so the groups behind a chunk are not held up for long.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ DEFAULT_QUEUE_TIMEOUT_S = 60.0
 GROUPS_REFRESH_S = 10.0  # how often the number of groups is reconsidered from the nodes' step times
 RESUME_WINDOW_S = 30.0  # a request whose node is lost waits this long for the pipeline to come back
 RETRY_AFTER_DOWN_S = 5  # the Retry-After of a request refused while the pipeline is down
+MEASURED_PROMPT = 64  # prompts at least this long time the pipeline's seconds per prompt token
 
 
 @dataclass
@@ -58,6 +60,7 @@ class RingLive:
     group: int = 0
     generated: int = 0
     started: float = 0.0
+    last_at: float = 0.0  # when its last round's outcome came (perf_counter)
     admitted: bool = False
     prefilling: bool = False  # its prompt is on its way: a release now could overtake it
     resuming: bool = False  # its sequence was lost with a node: waiting for the pipeline to come back
@@ -102,6 +105,10 @@ class RingEngine:
         self._pool = ThreadPoolExecutor(max_rows + 1, thread_name_prefix="ring-prefill")
         self._lock = threading.Lock()
         self._rows: dict[int, int] = {}  # group -> live rows in it
+        # Measured here, to size prompt chunks while rows decode: a group's trip around the nodes
+        # (between two outcomes of a row), and a prompt's seconds per token through the pipeline.
+        self._trip_s = 0.0
+        self._token_s = 0.0
 
     # -- any thread -------------------------------------------------------------------------------
 
@@ -171,7 +178,8 @@ class RingEngine:
         req = live.req
         prompt = req.prompt_tokens + live.emitted
         body = prompt[:-1]
-        chunks = [(body[i : i + self.prefill_chunk], False) for i in range(0, len(body), self.prefill_chunk)]
+        size, alone = self._chunk_size(len(body))
+        chunks = [(body[i : i + size], False) for i in range(0, len(body), size)]
         chunks.append((prompt[-1:], True))
         left = req.max_tokens - live.generated
         steps = [StepRequest(live.seq_id, i, StepKind.PREFILL, chunk, final=final,
@@ -195,7 +203,11 @@ class RingEngine:
         if isinstance(out, Exception):
             self._on_row(live, seq_id, out)
             return
-        live.stats.prefill_seconds += time.perf_counter() - live.started
+        elapsed = time.perf_counter() - live.started
+        live.stats.prefill_seconds += elapsed
+        if alone and len(prompt) >= MEASURED_PROMPT:  # (with rows decoding, their rounds would count)
+            with self._lock:
+                self._token_s = plan.ema(self._token_s, elapsed / len(prompt))
         live.started = time.perf_counter()
         self._deliver(live, 0, out)
 
@@ -246,6 +258,11 @@ class RingEngine:
             while not live.done and live.expected in live.early:
                 n, o = live.expected, live.early.pop(live.expected)
                 live.expected += 1
+                now = time.perf_counter()
+                if n > 1:  # the time between two rounds of its group: one trip around the nodes
+                    with self._lock:
+                        self._trip_s = plan.ema(self._trip_s, now - live.last_at)
+                live.last_at = now
                 if n:
                     live.stats.record_round(o)
                 self._emit(live, o, first=n == 0)
@@ -296,6 +313,16 @@ class RingEngine:
             self._rows[live.group] -= 1
         if slot:
             self._slots.release()
+
+    def _chunk_size(self, tokens: int) -> tuple[int, bool]:
+        """A prompt's chunk: about a node's share of a group round while other rows decode (each chunk
+        a node takes delays the groups behind it), the whole of `prefill_chunk` otherwise; and whether
+        no other row decodes."""
+        with self._lock:
+            decoding = sum(self._rows.values()) > 1  # (this request is placed already)
+            node_round = self._trip_s / max(self.groups, 1)
+            size = plan.prefill_chunk(max(tokens, 1), self.prefill_chunk, decoding, node_round, self._token_s)
+            return size, not decoding
 
     def _groups_now(self) -> int:
         """Groups in flight: fixed, or from the nodes' measured step times now and then."""
