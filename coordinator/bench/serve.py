@@ -7,7 +7,7 @@ uses) and the same max tokens, greedy:
 - engine: c requests opened at once on one in-process BatchEngine, per method (no_mtp: depth 0;
   auto: up to 3 drafts, the depth picked each round);
 - api: the real API app (uvicorn on 127.0.0.1, a free port) over the same engine, c streaming
-  `POST /v1/completions` at once, timed by the client;
+  `POST /v1/completions` at once, timed by the client (in a process of its own);
 - mlx_lm_batch: `mlx_lm.generate.batch_generate` over the same prompts, on the engine's MLX thread;
 - single_stream (c=1 only): the per-sequence engine (`local_engine`, as `bench engine` and a lone user
   ran before batching), for the c1 ratios.
@@ -123,10 +123,8 @@ def single_run(engine: BatchEngine, single: Any, prompt: list[int], max_tokens: 
     return engine.thread.call(run)
 
 
-def api_run(url: str, prompts: list[list[int]], max_tokens: int, method: str) -> float:
-    from .serve_api import stream_completions
-
-    records = stream_completions(url, prompts, max_tokens, METHODS[method])
+def api_run(clients: Any, url: str, prompts: list[list[int]], max_tokens: int, method: str) -> float:
+    records = clients.stream(url, prompts, max_tokens, METHODS[method])
     return aggregate_tps([(r.times, r.token_counts()) for r in records])
 
 
@@ -242,7 +240,7 @@ def bench_serve(
         raise ValueError(f"concurrency levels must be positive, got {concurrency}")
     top = levels[-1]
     engine = batch_engine(model_path, dtype=dtype, max_rows=max(DEFAULT_MAX_ROWS, top))
-    server = None
+    server = clients = None
     try:
         prompts = [list(engine.tokenizer.encode(t)) for t in bench_prompts(top)]
         if len(prompts) < top:
@@ -250,15 +248,16 @@ def bench_serve(
         ref = engine.thread.call(_mlx_load, str(model_path)) if mlx_lm else None
         single = engine.thread.call(local_engine, model_path, dtype=dtype) if 1 in levels else None
         if api:
-            from .serve_api import LiveServer
+            from .serve_api import Clients, LiveServer
 
             server = LiveServer(engine)
             server.start()
+            clients = Clients()
         for c in levels:  # warm every path up once at every batch size (compilation, allocator)
             for method in METHODS:
                 engine_run(engine, prompts[:c], WARM_TOKENS, method)
                 if server:
-                    api_run(server.url, prompts[:c], WARM_TOKENS, method)
+                    api_run(clients, server.url, prompts[:c], WARM_TOKENS, method)
             if ref:
                 mlx_lm_run(engine, ref, prompts[:c], WARM_TOKENS)
         if single:
@@ -277,7 +276,7 @@ def bench_serve(
                     if c == id_c and rep == 0:
                         outputs[method] = toks
                     if server:
-                        tps = api_run(server.url, batch, max_tokens, method)
+                        tps = api_run(clients, server.url, batch, max_tokens, method)
                         runs["api"].setdefault(method, {}).setdefault(str(c), []).append(tps)
                     if single and c == 1:
                         tps = single_run(engine, single, batch[0], max_tokens, method)
@@ -310,6 +309,8 @@ def bench_serve(
             "prefill_gap": prefill_gap(engine, prompts, gap_tokens) if gap else None,
         }
     finally:
+        if clients:
+            clients.close()
         if server:
             server.stop()
         engine.close()

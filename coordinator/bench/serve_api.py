@@ -3,7 +3,9 @@ streaming clients that time every chunk they receive.
 
 Only the public surface is used: `create_app(engine, name)` and `POST /v1/completions` with
 `stream: true` and `stream_options.include_usage`, so the bench measures whatever the API serves.
-Prompts go as token ids, so the API decodes exactly the prompts the engine level does.
+Prompts go as token ids, so the API decodes exactly the prompts the engine level does. The clients
+run in a process of their own, as real clients do: in the server's process, parsing the streams
+would take the interpreter lock from the API and the engine.
 """
 
 from __future__ import annotations
@@ -113,3 +115,21 @@ def stream_completions(url: str, prompts: list[list[int]], max_tokens: int, mtp_
     bodies = [{"model": MODEL_NAME, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                "stream_options": {"include_usage": True}, "mtp_depth": mtp_depth} for p in prompts]
     return asyncio.run(_stream_all(url, bodies))
+
+
+class Clients:
+    """Streaming clients in one spawned process, kept for the whole bench (the process's start-up is
+    not timed). Chunk times are `time.perf_counter`, the system's monotonic clock on Linux and macOS,
+    so they compare with the server's."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+    def stream(self, url: str, prompts: list[list[int]], max_tokens: int, mtp_depth: int | str) -> list[StreamRecord]:
+        return self.pool.submit(stream_completions, url, prompts, max_tokens, mtp_depth).result(REQUEST_TIMEOUT_S)
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
