@@ -187,3 +187,39 @@ def test_health_and_cluster_over_nodes(dense_ckpt: Path) -> None:
                 assert info["placement"][0]["layers"] == [0, 4] and info["placement"][1]["layers"] is None
         finally:
             engine.pipeline.close()
+
+
+def test_chunks_from_another_thread_arrive_in_order_with_few_wake_ups() -> None:
+    """The engine's thread hands every stream's chunks to the event loop; a burst of them (one round of
+    a batch) wakes the loop once, not once per chunk, and each stream gets its own in order."""
+    import asyncio
+
+    from mtpipe.coordinator.api.generation import inbox
+
+    async def main() -> tuple[list[list[int]], int]:
+        loop = asyncio.get_running_loop()
+        wake_ups = 0
+        plain = loop.call_soon_threadsafe
+
+        def counted(*args: Any) -> Any:
+            nonlocal wake_ups
+            wake_ups += 1
+            return plain(*args)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        box, queues = inbox(loop), [asyncio.Queue() for _ in range(8)]
+
+        def engine_rounds() -> None:
+            for rnd in range(20):
+                for q in queues:
+                    box.put(q, rnd)
+
+        worker = threading.Thread(target=engine_rounds)
+        worker.start()
+        got = [[await q.get() for _ in range(20)] for q in queues]
+        worker.join()
+        return got, wake_ups
+
+    got, wake_ups = asyncio.run(main())
+    assert got == [list(range(20))] * 8
+    assert wake_ups <= 8 * 20 // 2

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -16,6 +17,44 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _END = object()
+
+
+class LoopInbox:
+    """Items for an event loop's queues from other threads, with one wake-up of the loop for all that
+    arrive before it runs: a wake-up is a write to the loop's self-pipe on the sending thread, and
+    the engine's thread would otherwise make one per stream per round."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.items: list[tuple[asyncio.Queue, Any]] = []
+
+    def put(self, queue: asyncio.Queue, item: Any) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            if len(self.items) > 1:  # a wake-up is on its way and will take this one too
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+            pass
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_inboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopInbox]" = weakref.WeakKeyDictionary()
+
+
+def inbox(loop: asyncio.AbstractEventLoop) -> LoopInbox:
+    """The loop's inbox (made on the loop's own thread, the only one that makes them)."""
+    box = _inboxes.get(loop)
+    if box is None:
+        box = _inboxes[loop] = LoopInbox(loop)
+    return box
 
 
 class GenerationThread:
@@ -32,6 +71,7 @@ class GenerationThread:
         self.req = req
         self.on_exit = on_exit
         self.loop = asyncio.get_running_loop()
+        self.inbox = inbox(self.loop)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.stopping = threading.Event()
         self.cancelled = False  # stopped before the last chunk
@@ -73,10 +113,7 @@ class GenerationThread:
             yield item
 
     def _put(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
-            pass
+        self.inbox.put(self.queue, item)
 
     def _work(self) -> None:
         gen = self.engine.generate(self.req)
