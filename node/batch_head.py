@@ -19,7 +19,7 @@ import numpy as np
 from ..models.mtp import entries_only_pays
 from ..models.ragged import RaggedKV, pad_rows
 from .acceptance import accept_greedy, filtered_probs
-from .depth import Probe, StageCosts, batch_best_depth
+from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, batch_best_depth
 from .head import DraftState, Head
 from .processors import apply, logprobs
 from .protocol import Commit, StageError, StepOutput
@@ -53,7 +53,7 @@ class BatchHead:
         self.costs_by_rows: dict[int, StageCosts] = {}
         self.shapes: set[tuple[int, int]] = set()  # (rows, depth) of the rounds run so far
         self.last_depth = -1
-        self.probe = Probe(hold=True)
+        self.probe = Probe(hold=True, most=PROBE_EVERY_MAX_BATCH)
 
     def join(self, seq_id: str, d: DraftState) -> None:
         row = RaggedKV.from_cache(d.mtp_cache, d.mtp_len) if d.mtp_cache is not None else RaggedKV(None, None, [0])

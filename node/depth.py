@@ -23,6 +23,7 @@ EMA = 0.2  # weight of a new timing
 OUTLIER = 2.0  # a timing counts as at most this many times the estimate it updates
 PROBE_EVERY = 16  # rounds between probes of a neighbouring depth, at first
 PROBE_EVERY_MAX = 64  # probes that keep confirming the choice back off up to this
+PROBE_EVERY_MAX_BATCH = 128  # the same for a batch, whose probe costs every row a round
 WARMUP = 1  # timings of rounds without drafts a stage takes at each context length before choosing
 TRUSTED = 3  # timings of a depth on a stage before they may say it costs more than the calibration
 MIN_REACHED = 4  # drafts at a position before the stage's own rate stands for that position
@@ -178,10 +179,11 @@ class StageCosts:
 class Probe:
     """Now and then the neighbouring depth (above, below every other time) instead of the best, so its
     cost and acceptance stay current; less often, on the whole stage, while probes keep confirming the
-    choice. With `hold`, a probe lasts two rounds (rows of a batch: the first, a change of depth, is
-    not timed)."""
+    choice, down to one every `most` rounds. With `hold`, a probe lasts two rounds (the first, a change
+    of depth, is not timed)."""
 
     hold: bool = False
+    most: int = PROBE_EVERY_MAX
     rounds: int = 0
     last_probe: int = 0
     probed_from: int | None = None  # the choice a probe was made from, until the next choice is known
@@ -198,7 +200,7 @@ class Probe:
             return depth
         if self.probed_from is not None:  # the probe is in: did it change the choice?
             confirmed = best == self.probed_from
-            costs.probe_gap = min(2 * costs.probe_gap, PROBE_EVERY_MAX) if confirmed else PROBE_EVERY
+            costs.probe_gap = min(2 * costs.probe_gap, self.most) if confirmed else PROBE_EVERY
             self.probed_from = None
         if self.rounds - self.last_probe < costs.probe_gap:
             return best
