@@ -157,7 +157,9 @@ class BatchHead:
         steady, self.last_depth = depth == self.last_depth, depth
         if shape not in self.shapes:  # the first round of a shape compiles its kernels: not a cost
             self.shapes.add(shape)
-        elif steady and not interrupted:  # each round charged its own forward, whichever round it computed in
+        elif steady and not interrupted and not any(d.processed for d in self.states):
+            # each round charged its own forward, whichever round it computed in (rows with logits
+            # processors are never queued ahead: their rounds are not what plain rounds cost)
             seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
             costs.observe(depth, context, seconds)
         kmax = max(d.chooser.kmax for d in timed)
@@ -196,9 +198,15 @@ class BatchHead:
         return out
 
     def _costs(self, bucket: int) -> StageCosts:
-        """Round costs per power-of-two batch size: how much a wider round costs depends on the rows."""
+        """Round costs per power-of-two batch size: how much a wider round costs depends on the rows.
+        The tables follow the stage's: deeper when a sequence asked for deeper drafts than any before,
+        and reading its acceptance (which every drafting sequence informs)."""
+        stage = self.head.costs
+        for b, table in self.costs_by_rows.items():
+            if len(table.prior) < len(stage.prior):
+                self.costs_by_rows[b] = table = table.widened(stage.prior)
+            table.acceptance = stage.acceptance
         if bucket not in self.costs_by_rows:
-            stage = self.head.costs
             self.costs_by_rows[bucket] = StageCosts(list(stage.prior), acceptance=stage.acceptance)
         return self.costs_by_rows[bucket]
 

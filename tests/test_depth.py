@@ -187,3 +187,28 @@ def test_a_depth_timed_dear_once_stays_worth_trying() -> None:
     for _ in range(policy.TRUSTED - 1):
         costs.observe(1, 100, 9.0)  # still dear: believed now
     assert costs.round_seconds(100)[1] > 3.0
+
+
+def test_batch_cost_tables_follow_a_deeper_stage() -> None:
+    """A sequence asking for deeper drafts than any before widens the stage's costs; the batch's
+    tables per batch size follow (no depth past their end) and read the stage's acceptance."""
+    from types import SimpleNamespace
+
+    from mtpipe.node.batch_head import BatchHead
+
+    head = SimpleNamespace(model=None, mtp_pre_norm=False, costs=StageCosts([1.0, 1.2], optimistic=True))
+    batch = BatchHead(head)
+
+    def rounds(state: SimpleNamespace, context: int, n: int) -> None:
+        batch.states = [state]
+        for _ in range(n):
+            batch._choose([SimpleNamespace(tokens=[0] * (state.depth + 1))], [context])
+
+    rounds(SimpleNamespace(chooser=DepthChooser(1), depth=0, processed=False), 100, 6)
+    head.costs = head.costs.widened([1.0, 1.2, 1.4, 1.6])
+    deeper = SimpleNamespace(chooser=DepthChooser(3), depth=0, processed=False)
+    rounds(deeper, 100, 20)
+    rounds(deeper, 5000, 20)  # a new context length: estimates scaled from the prior's shape
+    table = batch.costs_by_rows[1]
+    assert len(table.prior) == 4 and {k for _, k in table.live} >= {2, 3}
+    assert table.acceptance is head.costs.acceptance
