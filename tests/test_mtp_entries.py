@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from helpers import PROMPTS
 from mlx_lm.models.cache import KVCache
@@ -18,6 +19,8 @@ from mtpipe.models.ragged import RaggedKV
 from mtpipe.models.registry import DEMO_MODEL
 from mtpipe.node.batch_head import BatchHead
 from mtpipe.node.depth import DepthChooser, StageCosts
+from mtpipe.node.head import DraftState, Head
+from mtpipe.node.protocol import SamplingParams
 
 TOL = 1e-5
 # Long stretches without drafts, then drafting again: many positions to catch up at once.
@@ -133,3 +136,48 @@ def test_prompt_entries_match_the_layer(ckpt: Path) -> None:
     assert d.mtp_len >= n
     assert max_diff(d.mtp_cache.keys[..., :n, :], reference.keys[..., :n, :]) <= TOL
     assert max_diff(d.mtp_cache.values[..., :n, :], reference.values[..., :n, :]) <= TOL
+
+
+@pytest.mark.parametrize(("lengths", "depths", "drafting", "counts", "idle"), [
+    # a row adding 4 pairs beside rows adding 1 and 2, one that never drafts, one catching up 20 idle pairs
+    ([40, 5, 0, 30], [3, 2, 0, 1], [True, True, False, True], [4, 1, 1, 2], [0, 0, 0, 20]),
+    ([70, 70], [2, 2], [True, True], [1, 3], [12, 0]),
+    # a row at depth 0 keeps its pairs aside while the others draft
+    ([10, 200, 3], [0, 3, 2], [True, True, True], [2, 1, 1], [5, 30, 0]),
+])
+def test_batch_drafts_with_entries_only_equal_the_layer(monkeypatch: pytest.MonkeyPatch, lengths: list[int],
+                                                        depths: list[int], drafting: list[bool], counts: list[int],
+                                                        idle: list[int]) -> None:
+    """BatchHead._draft over ragged rows (each with its own cache length, pairs and depth) gives the same
+    drafts, MTP lengths and cache entries whether the pairs before each row's last are written alone."""
+    model = load_shard(DEMO_MODEL, dtype=mx.float32).model
+    hidden_size = model.layers[0].input_layernorm.weight.shape[0]
+
+    def run(work: int) -> tuple[list[list[int]], list[int], RaggedKV]:
+        monkeypatch.setattr(mtp_module, "ENTRIES_ONLY_WORK", work)
+        batch = BatchHead(Head(model))
+        for i, (n, depth, drafts) in enumerate(zip(lengths, depths, drafting)):
+            cache = None
+            if drafts:
+                cache = KVCache()
+                if n:
+                    model.mtp(mx.random.normal((1, n, hidden_size), key=mx.random.key(10 + i)),
+                              model.embed(mx.random.randint(0, 500, (1, n), key=mx.random.key(20 + i))), cache)
+            state = DraftState(params=SamplingParams(), depth=depth, rng=np.random.default_rng(0), mtp_cache=cache,
+                               mtp_len=n if drafts else 0)
+            if idle[i]:
+                state.idle_hidden = [mx.random.normal((1, idle[i], hidden_size), key=mx.random.key(50 + i))]
+                state.idle_tokens = list(range(100, 100 + idle[i]))
+            batch.join(str(i), state)
+        pairs = [(mx.random.normal((1, c, hidden_size), key=mx.random.key(30 + i)), list(range(7, 7 + c)))
+                 for i, c in enumerate(counts)]
+        batch._draft(pairs)
+        return [d.drafts for d in batch.states], [d.mtp_len for d in batch.states], batch.mtp
+
+    whole, split = run(10**9), run(1)
+    assert whole[0] == split[0] and whole[1] == split[1]
+    assert any(whole[0])
+    for i, n in enumerate(split[1]):
+        if n:
+            for a, b in zip(whole[2].row(i), split[2].row(i)):
+                assert max_diff(a, b) <= TOL
