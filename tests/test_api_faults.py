@@ -223,3 +223,19 @@ def test_chunks_from_another_thread_arrive_in_order_with_few_wake_ups() -> None:
     got, wake_ups = asyncio.run(main())
     assert got == [list(range(20))] * 8
     assert wake_ups <= 8 * 20 // 2
+
+
+def test_chunks_for_a_closed_loop_are_dropped() -> None:
+    """A chunk handed over after the server's loop closed is dropped (nobody listens), not an error on
+    the engine's thread, and the inbox keeps nothing."""
+    import asyncio
+
+    from mtpipe.coordinator.api.generation import inbox
+
+    async def make() -> tuple[Any, asyncio.Queue]:
+        return inbox(asyncio.get_running_loop()), asyncio.Queue()
+
+    box, queue = asyncio.run(make())
+    box.put(queue, "late")
+    box.put(queue, "later")
+    assert box.items == [] and queue.empty()

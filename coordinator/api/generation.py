@@ -25,7 +25,7 @@ class LoopInbox:
     the engine's thread would otherwise make one per stream per round."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
+        self.loop = weakref.ref(loop)  # (the inboxes are kept by loop: a strong one would keep it alive)
         self.lock = threading.Lock()
         self.items: list[tuple[asyncio.Queue, Any]] = []
 
@@ -34,10 +34,14 @@ class LoopInbox:
             self.items.append((queue, item))
             if len(self.items) > 1:  # a wake-up is on its way and will take this one too
                 return
+        loop = self.loop()
         try:
-            self.loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
-            pass
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed or gone (shutdown): nobody is listening
+            with self.lock:
+                self.items.clear()
 
     def _drain(self) -> None:
         with self.lock:
