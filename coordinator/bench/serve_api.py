@@ -129,7 +129,16 @@ class Clients:
         self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
 
     def stream(self, url: str, prompts: list[list[int]], max_tokens: int, mtp_depth: int | str) -> list[StreamRecord]:
-        return self.pool.submit(stream_completions, url, prompts, max_tokens, mtp_depth).result(REQUEST_TIMEOUT_S)
+        return self.pool.submit(_stream_in_child, url, prompts, max_tokens, mtp_depth).result()
 
     def close(self) -> None:
-        self.pool.shutdown(cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _stream_in_child(url: str, prompts: list[list[int]], max_tokens: int, mtp_depth: int | str) -> list[StreamRecord]:
+    """stream_completions in the clients' process; its errors come back as plain RuntimeErrors (an
+    httpx exception need not survive the trip between processes)."""
+    try:
+        return stream_completions(url, prompts, max_tokens, mtp_depth)
+    except Exception as e:  # noqa: BLE001 - re-raised as an error the parent can unpickle
+        raise RuntimeError(f"{type(e).__name__}: {e}") from None

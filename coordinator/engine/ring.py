@@ -45,6 +45,7 @@ GROUPS_REFRESH_S = 10.0  # how often the number of groups is reconsidered from t
 RESUME_WINDOW_S = 30.0  # a request whose node is lost waits this long for the pipeline to come back
 RETRY_AFTER_DOWN_S = 5  # the Retry-After of a request refused while the pipeline is down
 MEASURED_PROMPT = 64  # prompts at least this long time the pipeline's seconds per prompt token
+TRIP_OUTLIER = 2.0  # a trip counts as at most this many times the running figure (a stall, a lost node)
 
 
 @dataclass
@@ -259,9 +260,11 @@ class RingEngine:
                 n, o = live.expected, live.early.pop(live.expected)
                 live.expected += 1
                 now = time.perf_counter()
-                if n > 1:  # the time between two rounds of its group: one trip around the nodes
+                if n > 1 and n == order:  # between two rounds of its group as they came: one trip
                     with self._lock:
-                        self._trip_s = plan.ema(self._trip_s, now - live.last_at)
+                        trip = now - live.last_at
+                        cap = TRIP_OUTLIER * self._trip_s if self._trip_s else trip
+                        self._trip_s = plan.ema(self._trip_s, min(trip, cap))
                 live.last_at = now
                 if n:
                     live.stats.record_round(o)
