@@ -19,7 +19,7 @@ import numpy as np
 from ..models.mtp import entries_only_pays
 from ..models.ragged import RaggedKV, pad_rows
 from .acceptance import accept_greedy, filtered_probs
-from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, batch_best_depth
+from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, batch_rates, best_of, shortfall
 from .head import DraftState, Head
 from .processors import apply, logprobs
 from .protocol import Commit, StageError, StepOutput
@@ -139,7 +139,7 @@ class BatchHead:
         return outs
 
     def _choose(self, rows: list, positions: list[int]) -> None:
-        """Depths for the rows with timed `auto`: one for all of them (batch_best_depth), from round
+        """Depths for the rows with timed `auto`: one for all of them (depth.batch_rates), from round
         costs measured at this batch size. A round with K drafts costs drafting them and everything
         from handing them out to their verdict (the other stages, the host, the commit); a round is as
         wide as its deepest row, so it is timed under that. Only a round at the same depth as the one
@@ -167,8 +167,9 @@ class BatchHead:
         if depth is None:
             rates = [d.chooser.acceptance.rates(costs.acceptance.extrapolated()[: d.chooser.kmax]) for d in timed]
             seconds = self._round_seconds(bucket, context)[: kmax + 1]
-            best = batch_best_depth(rates, [d.chooser.kmax for d in timed], seconds)
-            depth = self.probe.next(best, costs, kmax)
+            per_depth = batch_rates(rates, [d.chooser.kmax for d in timed], seconds)
+            best = best_of(per_depth)
+            depth = self.probe.next(best, costs, kmax, shortfall(per_depth, best))
         for d in timed:
             d.depth = min(depth, d.chooser.kmax)
 

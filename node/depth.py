@@ -24,6 +24,10 @@ OUTLIER = 2.0  # a timing counts as at most this many times the estimate it upda
 PROBE_EVERY = 16  # rounds between probes of a neighbouring depth, at first
 PROBE_EVERY_MAX = 64  # probes that keep confirming the choice back off up to this
 PROBE_EVERY_MAX_BATCH = 128  # the same for a batch, whose probe costs every row a round
+# A neighbouring depth estimated this much slower than the best is within the estimates' noise; one
+# estimated n times as far behind is probed up to n times less often (at most PROBE_STRETCH times).
+PROBE_SHORTFALL = 0.1
+PROBE_STRETCH = 4
 WARMUP = 1  # timings of rounds without drafts a stage takes at each context length before choosing
 TRUSTED = 3  # timings of a depth on a stage before they may say it costs more than the calibration
 MIN_REACHED = 4  # drafts at a position before the stage's own rate stands for that position
@@ -38,20 +42,33 @@ def expected_tokens(acceptance: list[float], depth: int) -> float:
     return total
 
 
-def best_depth(acceptance: list[float], round_seconds: list[float]) -> int:
-    """The depth in 0..len(round_seconds)-1 with the most expected tokens per second (ties: fewer drafts)."""
-    rates = [expected_tokens(acceptance, k) / max(s, 1e-9) for k, s in enumerate(round_seconds)]
+def depth_rates(acceptance: list[float], round_seconds: list[float]) -> list[float]:
+    """Expected tokens per second at each depth 0..len(round_seconds)-1."""
+    return [expected_tokens(acceptance, k) / max(s, 1e-9) for k, s in enumerate(round_seconds)]
+
+
+def batch_rates(rates: list[list[float]], kmaxes: list[int], round_seconds: list[float]) -> list[float]:
+    """The same for rows decoding together: a round lasts as long as its deepest row makes it, so
+    tokens per second summed over the rows (each row capped at its own most drafts)."""
+    return [sum(expected_tokens(r, min(k, m)) for r, m in zip(rates, kmaxes)) / max(s, 1e-9)
+            for k, s in enumerate(round_seconds)]
+
+
+def best_of(rates: list[float]) -> int:
+    """The depth with the most tokens per second (ties: fewer drafts)."""
     return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
 
-def batch_best_depth(rates: list[list[float]], kmaxes: list[int], round_seconds: list[float]) -> int:
-    """One depth for rows decoding together: a round lasts as long as its deepest row makes it, so the
-    depth with the most tokens per second summed over the rows (each row capped at its own most)."""
-    def rate(k: int) -> float:
-        tokens = sum(expected_tokens(r, min(k, m)) for r, m in zip(rates, kmaxes))
-        return tokens / max(round_seconds[k], 1e-9)
+def best_depth(acceptance: list[float], round_seconds: list[float]) -> int:
+    return best_of(depth_rates(acceptance, round_seconds))
 
-    return max(range(len(round_seconds)), key=lambda k: (rate(k), -k))
+
+def shortfall(rates: list[float], best: int) -> float:
+    """How far below the best depth's tokens per second its nearest neighbour is estimated (0..1)."""
+    near = [rates[k] for k in (best - 1, best + 1) if 0 <= k < len(rates)]
+    if not near or rates[best] <= 0:
+        return 0.0
+    return max(0.0, 1.0 - max(near) / rates[best])
 
 
 def context_bucket(context: int) -> int:
@@ -179,8 +196,9 @@ class StageCosts:
 class Probe:
     """Now and then the neighbouring depth (above, below every other time) instead of the best, so its
     cost and acceptance stay current; less often, on the whole stage, while probes keep confirming the
-    choice, down to one every `most` rounds. With `hold`, a probe lasts two rounds (the first, a change
-    of depth, is not timed)."""
+    choice, down to one every `most` rounds, or fewer while the neighbours are estimated far behind
+    (a probe then rarely changes the choice). With `hold`, a probe lasts two rounds (the first, a
+    change of depth, is not timed)."""
 
     hold: bool = False
     most: int = PROBE_EVERY_MAX
@@ -189,18 +207,20 @@ class Probe:
     probed_from: int | None = None  # the choice a probe was made from, until the next choice is known
     held: int | None = None
 
-    def next(self, best: int, costs: StageCosts, kmax: int) -> int:
-        """A round's depth when `best` is the best known (counts the round)."""
+    def next(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0) -> int:
+        """A round's depth when `best` is the best known (counts the round); `behind`: its neighbours'
+        shortfall (`shortfall`)."""
         self.rounds += 1
-        return self.choose(best, costs, kmax)
+        return self.choose(best, costs, kmax, behind)
 
-    def choose(self, best: int, costs: StageCosts, kmax: int) -> int:
+    def choose(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0) -> int:
         if self.held is not None:
             depth, self.held = self.held, None
             return depth
         if self.probed_from is not None:  # the probe is in: did it change the choice?
             confirmed = best == self.probed_from
-            costs.probe_gap = min(2 * costs.probe_gap, self.most) if confirmed else PROBE_EVERY
+            most = int(self.most * min(PROBE_STRETCH, max(1.0, behind / PROBE_SHORTFALL)))
+            costs.probe_gap = min(2 * costs.probe_gap, most) if confirmed else PROBE_EVERY
             self.probed_from = None
         if self.rounds - self.last_probe < costs.probe_gap:
             return best
@@ -232,6 +252,7 @@ class DepthChooser:
         first = costs.unmeasured(context, self.kmax)
         if first is not None:  # measure every depth on this stage and context length first
             return first
-        rates = self.acceptance.rates(costs.acceptance.extrapolated()[: self.kmax])
-        best = best_depth(rates, costs.round_seconds(context)[: self.kmax + 1])
-        return self.probe.choose(best, costs, self.kmax)
+        acceptance = self.acceptance.rates(costs.acceptance.extrapolated()[: self.kmax])
+        rates = depth_rates(acceptance, costs.round_seconds(context)[: self.kmax + 1])
+        best = best_of(rates)
+        return self.probe.choose(best, costs, self.kmax, shortfall(rates, best))

@@ -91,10 +91,23 @@ def test_a_sequence_at_depth_zero_probes_back() -> None:
     # A probe lasts two rounds: the first, a change of depth, is not timed.
     P = policy.PROBE_EVERY
     assert probes == [P, P + 1, 3 * P, 3 * P + 1, 7 * P, 7 * P + 1]
-    # The stage keeps what the probes learned: a new sequence waits as long before its first one.
+    # The stage keeps what the probes learned: a new sequence waits as long before its first one. Its
+    # neighbour is estimated far behind (a probe would rarely change the choice): the wait grows past
+    # PROBE_EVERY_MAX.
     later = DepthChooser(kmax=2)
     first = next(i + 1 for i in range(1000) if later.next_depth(costs, 64))
-    assert first == costs.probe_gap == min(8 * P, policy.PROBE_EVERY_MAX)
+    assert first == costs.probe_gap == 8 * P > policy.PROBE_EVERY_MAX
+
+
+def test_probes_of_a_close_neighbour_back_off_to_the_usual_most() -> None:
+    costs = StageCosts(prior=[1.0, 1.62, 9.0])  # one draft estimated just behind no drafts
+    for k in range(3):
+        costs.observe(k, 64, costs.prior[k])
+    chooser = DepthChooser(kmax=2)
+    for _ in range(40 * policy.PROBE_EVERY):
+        chooser.next_depth(costs, 64)
+    assert costs.probe_gap == policy.PROBE_EVERY_MAX
+    assert policy.shortfall(policy.depth_rates([0.6, 0.6], [1.0, 1.62, 9.0]), 0) < policy.PROBE_SHORTFALL
 
 
 def test_resolve_depth() -> None:
