@@ -19,7 +19,7 @@ import numpy as np
 from ..models.mtp import entries_only_pays
 from ..models.ragged import RaggedKV, pad_rows
 from .acceptance import accept_greedy, filtered_probs
-from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, batch_rates, best_of, shortfall
+from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, batch_rates, best_of, nearest, shortfall
 from .head import DraftState, Head
 from .processors import apply, logprobs
 from .protocol import Commit, StageError, StepOutput
@@ -193,8 +193,7 @@ class BatchHead:
             near = [b for b, c in self.costs_by_rows.items()
                     if b != bucket and {0, k} <= {d for _, d in c.live} and len(c.prior) == len(own.prior)]
             if near:
-                theirs = self.costs_by_rows[min(near, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))]
-                seconds = theirs.round_seconds(context)
+                seconds = self.costs_by_rows[nearest(near, bucket, int.bit_length)].round_seconds(context)
                 out[k] = seconds[k] * out[0] / seconds[0]
         return out
 
@@ -244,9 +243,10 @@ class BatchHead:
             for h in hids
         ])
         embedded = self.model.embed(pad_rows([t or [0] for t in toks]))
-        last = mx.array([max(c - 1, 0) for c in counts])
+        before_last = [max(c - 1, 0) for c in counts]  # each row's pairs before its last
+        last = mx.array(before_last)
         if entries_only_pays(width, max(self.mtp.lengths)):  # only each row's last pair's output drafts
-            self.model.mtp.extend(hidden[:, :-1], embedded[:, :-1], self.mtp, [max(c - 1, 0) for c in counts])
+            self.model.mtp.extend(hidden[:, :-1], embedded[:, :-1], self.mtp, before_last)
             rows = mx.arange(B)
             g = self.model.mtp.rows(hidden[rows, last][:, None], embedded[rows, last][:, None], self.mtp,
                                     [min(c, 1) for c in counts])

@@ -15,6 +15,7 @@ timed like any other.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 PRIOR_ACCEPTANCE = 0.6  # before anything was measured: a middling draft head
@@ -69,6 +70,11 @@ def shortfall(rates: list[float], best: int) -> float:
     if not near or rates[best] <= 0:
         return 0.0
     return max(0.0, 1.0 - max(near) / rates[best])
+
+
+def nearest(buckets: Iterable[int], at: int, index: Callable[[int], int] = lambda b: b) -> int:
+    """The bucket closest to `at` by `index` (ties: the larger one)."""
+    return min(buckets, key=lambda b: (abs(index(b) - index(at)), -b))
 
 
 def context_bucket(context: int) -> int:
@@ -172,12 +178,14 @@ class StageCosts:
             near = [b for b, k in self.live if k == depth and (b, 0) in self.live]
             if plain is None or not near:
                 return self.prior[depth] * self._scale(bucket)
-            b = min(near, key=lambda b: (abs(b - bucket), -b))
+            b = nearest(near, bucket)
             seconds = self.live[(b, depth)] * plain / self.live[(b, 0)]
-        timings = sum(n for (_, k), n in self.samples.items() if k == depth)
-        if self.optimistic and depth and plain is not None and timings < TRUSTED and self.prior[0] > 0:
+        if self.optimistic and depth and plain is not None and self.prior[0] > 0 and self._timings(depth) < TRUSTED:
             seconds = min(seconds, self.prior[depth] * plain / self.prior[0])
         return seconds
+
+    def _timings(self, depth: int) -> int:
+        return sum(n for (_, k), n in self.samples.items() if k == depth)
 
     def _scale(self, bucket: int) -> float:
         """How live timings compare with the prior: this bucket's, else the nearest measured one's."""
@@ -187,8 +195,7 @@ class StageCosts:
                 by_bucket.setdefault(b, []).append(s / self.prior[k])
         if not by_bucket:
             return 1.0
-        nearest = min(by_bucket, key=lambda b: (abs(b - bucket), -b))
-        ratios = by_bucket[nearest]
+        ratios = by_bucket[nearest(by_bucket, bucket)]
         return sum(ratios) / len(ratios)
 
 

@@ -213,7 +213,7 @@ class Head:
         drafts informs (the prior of sequences that have not drafted yet)."""
         if d.chooser is not None:
             d.chooser.record(self.costs_for(d), drafted, accepted)
-        elif self.costs is not None and drafted:
+        elif self.costs is not None:
             self.costs_for(d).acceptance.record(drafted, accepted)
 
     def costs_for(self, d: DraftState) -> StageCosts:
@@ -300,13 +300,14 @@ class Head:
     def _pick(self, d: DraftState, logits: mx.array | None, on_token: Callable[[mx.array], None] | None,
               token: mx.array | None = None) -> int:
         if d.params.greedy:
+            ahead = on_token is not None and d.depth == 0  # the next round is this token alone
             if token is None:
                 token = mx.argmax(logits.reshape(-1))
-                if on_token is not None and d.depth == 0:
+                if ahead:
                     # The CPU's async_eval waits for most of what it queues, this round's forward too:
                     # computed first, queuing the next round costs (and is charged) that round alone.
                     mx.eval(token)
-            if on_token is not None and d.depth == 0:  # the next round is this token alone
+            if ahead:
                 start = time.perf_counter()
                 on_token(token)
                 d.ahead_next = time.perf_counter() - start
