@@ -124,6 +124,7 @@ class BatchHead:
                 self.head.record(d, K, n)
             d.last_token = tokens[-1]
             d.history.emit(tokens)
+            self.head.observe(tokens)
             if d.params.top_logprobs >= 0:
                 out.logprobs = logprobs(logits[i, : len(tokens)], tokens, d.params.top_logprobs)
             outs.append(RowOutput(row.seq_id, out))
@@ -260,25 +261,25 @@ class BatchHead:
         probs: list[list[np.ndarray]] = [[] for _ in range(B)]
         host = any(not d.params.greedy and d.depth for d in self.states)
         tokens = mx.zeros((B,), mx.int32)
+        vocab = self.head.vocab
         bias = None  # rows' logit_bias on their drafts too: drafts from the biased distribution are accepted
         if any(d.params.logit_bias and d.depth for d in self.states):
-            vocab = self.model.embed_tokens.weight.shape[0]
-            bias = mx.stack([d.bias_row(vocab) if d.params.logit_bias else mx.zeros((vocab,), mx.float32)
-                             for d in self.states])
+            bias = vocab.narrow(mx.stack([d.bias_row(vocab.vocab) if d.params.logit_bias
+                                          else mx.zeros((vocab.vocab,), mx.float32) for d in self.states]))
         for k in range(depth):
             if k:
                 real = [1 if d.depth > k else 0 for d in self.states]
                 g = self.model.mtp.rows(g, self.model.embed(tokens[:, None]), self.mtp, real)
-            logits = self.model.lm_logits(g)[:, 0]
+            logits = vocab.logits(g)[:, 0]
             if bias is not None:
                 logits = logits + bias
-            tokens = mx.argmax(logits, axis=-1)
+            tokens = vocab.tokens(mx.argmax(logits, axis=-1))
             if host:
                 mx.eval(tokens, logits)
                 drawn = tokens.tolist()
                 for i, d in enumerate(self.states):
                     if d.depth > k and not d.params.greedy:
-                        q = filtered_probs(logits[i], d.params)
+                        q = filtered_probs(vocab.widen(logits[i]), d.params)
                         drawn[i] = d.pick(q, k)
                         probs[i].append(q)
                 tokens = mx.array(drawn, dtype=mx.int32)

@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from ..models.draft_vocab import DraftVocab, default_size
 from ..models.mtp import entries_only_pays
 from .acceptance import accept_coupled, accept_greedy, accept_sampled, draw, filtered_probs, gumbel_pick
 from .depth import DepthChooser, StageCosts
@@ -104,7 +105,8 @@ def new_draft_state(req: StepRequest) -> DraftState:
 class Head:
     """Token selection, acceptance and drafting over a shard that holds the last layer."""
 
-    def __init__(self, model: object, mtp_pre_norm: bool = False, layers_total: int = 0):
+    def __init__(self, model: object, mtp_pre_norm: bool = False, layers_total: int = 0,
+                 draft_vocab: int | None = None):
         self.model = model
         # The MTP head reads the backbone hidden after the final norm (vLLM, SGLang, llama.cpp) unless
         # told to read it before (mlx-lm PR #990); post-norm measured better on trained checkpoints.
@@ -115,6 +117,11 @@ class Head:
         # and each does more on the host, so no drafts cost them more than plain rounds; and the
         # processors move the target away from the drafts, so fewer are accepted.
         self.processed_costs: StageCosts | None = None
+        # Drafts score only the most frequent tokens (None: the default share of the vocabulary).
+        self.vocab: DraftVocab | None = None
+        if model.has_mtp:
+            size = default_size(model.config.args.vocab_size) if draft_vocab is None else draft_vocab
+            self.vocab = DraftVocab(model, size)
 
     def prepare(self, h: mx.array) -> tuple[mx.array, mx.array]:
         """The normed hidden and the greedy pick at every position of a step, still lazy: queued with
@@ -141,6 +148,7 @@ class Head:
             self.costs = fresh if self.costs is None else self.costs.widened(fresh.prior)
             self.processed_costs = None
         if req.kind is StepKind.PREFILL:
+            self.observe(req.tokens)
             d.history.extend_prompt(req.tokens)
             self._extend_mtp(d, mtp_in, req.tokens)
             if not req.final:
@@ -172,6 +180,7 @@ class Head:
             hid, toks = mtp_in[:, : n + 1], out.tokens
         d.last_token = out.tokens[-1]
         d.history.emit(out.tokens)
+        self.observe(out.tokens)
         if report:
             out.logprobs = logprobs(logits[0, -1:] if len(req.tokens) == 1 else logits[0, : len(out.tokens)],
                                     out.tokens, d.params.top_logprobs)
@@ -187,6 +196,11 @@ class Head:
         d.ahead_done, d.ahead_next = d.ahead_next, 0.0
         d.handed_out = 0.0 if req.kind is StepKind.PREFILL else time.perf_counter()
         return out
+
+    def observe(self, tokens: list[int]) -> None:
+        """Tokens seen here, which rank the draft vocabulary."""
+        if self.vocab is not None:
+            self.vocab.observe(tokens)
 
     @staticmethod
     def _process(d: DraftState, logits: mx.array | None, drafts: list[int]) -> mx.array | None:
@@ -247,7 +261,7 @@ class Head:
         verify_s = [best_of(lambda k=k: verify(k)) * share for k in range(kmax + 1)]
         mtp_cache = KVCache()
         g = mx.zeros((1, 1, hidden), dtype)
-        draft_s = best_of(lambda: mx.argmax(model.lm_logits(model.mtp(g, model.embed(mx.array([[0]])), mtp_cache))))
+        draft_s = best_of(lambda: mx.argmax(self.vocab.logits(model.mtp(g, model.embed(mx.array([[0]])), mtp_cache))))
         return StageCosts([v + k * draft_s for k, v in enumerate(verify_s)], optimistic=True)
 
     def _extend_mtp(self, d: DraftState, hidden: mx.array, tokens: list[int]) -> None:
@@ -275,18 +289,21 @@ class Head:
             hid, inputs = hid[:, -1:], inputs[:, -1:]
         lazy: list[mx.array] = []
         probs = []
+        vocab = self.vocab
+        bias = d.bias_row(vocab.vocab)  # drafts drawn from the biased distribution are accepted as often
+        narrowed = vocab.narrow(bias) if bias is not None and d.params.greedy else None
         for k in range(d.depth):
             g = self.model.mtp(hid, self.model.embed(inputs), d.mtp_cache)[:, -1:]
-            logits = self.model.lm_logits(g).reshape(-1)
-            bias = d.bias_row(logits.shape[-1])
-            if bias is not None:  # drafts drawn from the biased distribution are accepted as often
-                logits = logits + bias
+            logits = vocab.logits(g).reshape(-1)
             if d.params.greedy:
-                tok = mx.argmax(logits)
+                if narrowed is not None:
+                    logits = logits + narrowed
+                tok = vocab.tokens(mx.argmax(logits))
                 lazy.append(tok)
                 inputs = tok.reshape(1, 1)
             else:
-                q = filtered_probs(logits, d.params)
+                logits = vocab.widen(logits)
+                q = filtered_probs(logits if bias is None else logits + bias, d.params)
                 drawn = d.pick(q, k)
                 lazy.append(mx.array(drawn))
                 probs.append(q)

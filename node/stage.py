@@ -68,10 +68,12 @@ class StageStats:
 
 
 class StageWorker:
-    def __init__(self, shard: LoadedShard, max_sequences: int = 64, mtp_pre_norm: bool = False, overlap: bool = True):
+    def __init__(self, shard: LoadedShard, max_sequences: int = 64, mtp_pre_norm: bool = False, overlap: bool = True,
+                 draft_vocab: int | None = None):
         self.shard = shard
         self.model = shard.model
-        self.head = Head(self.model, mtp_pre_norm, shard.spec.num_layers) if shard.spec.is_last else None
+        self.head = (Head(self.model, mtp_pre_norm, shard.spec.num_layers, draft_vocab=draft_vocab)
+                     if shard.spec.is_last else None)
         # A stage that is the whole model queues each greedy round before the host has seen the last one.
         self.overlap = overlap and shard.spec.is_first and shard.spec.is_last
         self.spec = shard.spec

@@ -61,6 +61,7 @@ def local_pipeline(
     dtype: mx.Dtype | None = None,
     mtp_pre_norm: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    draft_vocab: int | None = None,
 ) -> LocalPipeline:
     from ...models.config import load_config
 
@@ -68,7 +69,8 @@ def local_pipeline(
     specs = even_split(config.num_layers, stages)
     return LocalPipeline(
         [
-            StageWorker(load_shard(model_path, s, mtp=mtp, dtype=dtype, progress=progress), mtp_pre_norm=mtp_pre_norm)
+            StageWorker(load_shard(model_path, s, mtp=mtp, dtype=dtype, progress=progress), mtp_pre_norm=mtp_pre_norm,
+                        draft_vocab=draft_vocab)
             for s in specs
         ]
     )
