@@ -14,6 +14,12 @@ if TYPE_CHECKING:
     from .fetch import Transfer
 
 
+def add_draft_vocab(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="drafts score only the N most frequent tokens (0: the whole vocabulary; default: half "
+                        "of it, at most 32768)")
+
+
 def add_node_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("node", help="run a node daemon that serves one shard of a model over gRPC")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
@@ -35,6 +41,7 @@ def add_node_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--download", action="store_true",
                    help="when no node can send this node its shard, download from the Hugging Face hub only the "
                         "files that hold it (a model the coordinator took from the hub; checked by fingerprint)")
+    add_draft_vocab(p)
     p.add_argument("--json", action="store_true", help="print one JSON line with the address once ready")
     p.set_defaults(func=cmd_node)
 
@@ -48,9 +55,11 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     secret = read_secret(args.secret_file)
     check_exposure(args.host, secret, args.insecure)
+    if args.draft_vocab is not None and args.draft_vocab < 0:
+        raise ValueError("--draft-vocab must be 0 (the whole vocabulary) or more")
     server = NodeServer(args.host, args.port, node_id=args.node_id, secret=secret,
                         data_plane=args.data_plane == "tcp", model_dirs=args.model_dir,
-                        shard_cache=args.shard_cache, download=args.download).start()
+                        shard_cache=args.shard_cache, download=args.download, draft_vocab=args.draft_vocab).start()
 
     def on_term(*_: Any) -> None:
         threading.Thread(target=server.stop, daemon=True).start()

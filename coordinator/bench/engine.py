@@ -84,7 +84,7 @@ def _cost_terms(engine: Engine, prompt: list[int], depths: list[int], trials: in
         mx.eval(model.lm_logits(model.final_norm(out)), [s.states for s in snaps.values()])
         return time.perf_counter() - t0
 
-    def draft() -> float:
+    def draft(logits: Any) -> float:
         from mlx_lm.models.cache import KVCache
 
         mc = KVCache()
@@ -92,7 +92,7 @@ def _cost_terms(engine: Engine, prompt: list[int], depths: list[int], trials: in
         mx.eval(hid)
         t0 = time.perf_counter()
         g = model.mtp(hid, model.embed(mx.array([[prompt[-1]]])), mc)
-        mx.eval(model.lm_logits(g))
+        mx.eval(mx.argmax(logits(g)))
         return time.perf_counter() - t0
 
     def med(fn: Any, *a: Any) -> float:
@@ -100,7 +100,8 @@ def _cost_terms(engine: Engine, prompt: list[int], depths: list[int], trials: in
         return statistics.median(fn(*a) for _ in range(trials))
 
     decode = med(forward, 1)
-    out = {"decode_ms": 1000 * decode, "draft_over_decode": med(draft) / decode}
+    out = {"decode_ms": 1000 * decode, "draft_over_decode": med(draft, worker.head.vocab.logits) / decode,
+           "draft_whole_vocab_over_decode": med(draft, model.lm_logits) / decode}
     for k in depths:
         out[f"verify_k{k}_over_decode"] = med(forward, k + 1) / decode
     return out
@@ -114,19 +115,26 @@ def bench_engine(
     depths: list[int] | None = None,
     mtp_pre_norm: bool = False,
     contexts: list[int] | None = None,
+    draft_vocab: int | None = None,
 ) -> dict[str, Any]:
-    """Every method on the same prompts, interleaved; with `contexts`, also decode after long prompts."""
+    """Every method on the same prompts, interleaved; with `contexts`, also decode after long prompts.
+    Where drafts score a subset of the vocabulary (models/draft_vocab.py), the deepest fixed depth and
+    auto also run with drafts over the whole vocabulary, on a second engine (`*_whole_vocab`)."""
     from mlx_lm import load as mlx_load
 
     depths = depths or [1, 2, 3]
-    engine = local_engine(model_path, mtp_pre_norm=mtp_pre_norm)
+    engine = local_engine(model_path, mtp_pre_norm=mtp_pre_norm, draft_vocab=draft_vocab)
     if not engine.has_mtp:
         raise ValueError(f"{model_path} has no MTP head to benchmark")
+    vocab = engine.pipeline.stages[-1].head.vocab
+    whole = None if vocab.whole else local_engine(model_path, mtp_pre_norm=mtp_pre_norm, draft_vocab=0)
     ref_model, ref_tok = mlx_load(str(model_path))
     texts = bench_prompts(prompts)
     encoded = [engine.tokenizer.encode(t) for t in texts]
     runs: dict[str, int | str] = {"no_mtp": 0, **{f"mtp_k{k}": k for k in depths}, "mtp_auto": AUTO}
-    methods = ["mlx_lm", *runs]
+    kmax = max(depths)
+    whole_runs: dict[str, int | str] = {f"mtp_k{kmax}_whole_vocab": kmax, "mtp_auto_whole_vocab": AUTO} if whole else {}
+    methods = ["mlx_lm", *runs, *whole_runs]
     speeds: dict[str, list[float]] = {m: [] for m in methods}
     outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
     drafted = {k: 0 for k in depths}
@@ -137,6 +145,8 @@ def bench_engine(
     time_mlx_lm(ref_model, ref_tok, encoded[0], 8)
     for depth in runs.values():
         _time_engine(engine, encoded[0], 8, depth)
+    for depth in whole_runs.values():
+        _time_engine(whole, encoded[0], 8, depth)
     _time_engine(engine, encoded[0], 8, AUTO, PROCESSORS)
     speeds["mtp_auto_processors"] = []
     for prompt in encoded:
@@ -156,6 +166,10 @@ def bench_engine(
                 pos = per_position.setdefault(k, [0.0] * k)
                 for i, a in enumerate(stats.accepted_per_position):
                     pos[i] += a
+        for name, k in whole_runs.items():
+            toks, tps, _ = _time_engine(whole, prompt, max_tokens, k)
+            outputs[name].append(toks)
+            speeds[name].append(tps)
         # Penalties and logprobs change the output (not compared) but must not cost speculation much.
         speeds["mtp_auto_processors"].append(_time_engine(engine, prompt, max_tokens, AUTO, PROCESSORS)[1])
     tok_s = {m: round(statistics.mean(v), 2) for m, v in speeds.items()}
@@ -170,6 +184,7 @@ def bench_engine(
         "identical": identical,
         "identical_per_method": {m: outputs[m] == outputs["mlx_lm"] for m in methods},
         "tok_s": tok_s,
+        "draft_vocab": vocab.describe(),
         "acceptance": {str(k): round(accepted[k] / drafted[k], 4) if drafted[k] else 0.0 for k in depths},
         "acceptance_per_position": {
             str(k): [round(a / (drafted[k] / k), 4) if drafted[k] else 0.0 for a in per_position.get(k, [])]
@@ -184,6 +199,9 @@ def bench_engine(
             "auto_vs_best_fixed": round(tok_s["mtp_auto"] / max(tok_s["no_mtp"], tok_s[f"mtp_k{best}"]), 3),
             "processors_vs_plain_auto": round(tok_s["mtp_auto_processors"] / tok_s["mtp_auto"], 3),
             **{f"mtp_k{k}_vs_no_mtp": round(tok_s[f"mtp_k{k}"] / tok_s["no_mtp"], 3) for k in depths},
+            **({f"draft_vocab_k{kmax}_vs_whole": round(tok_s[f"mtp_k{kmax}"] / tok_s[f"mtp_k{kmax}_whole_vocab"], 3),
+                "draft_vocab_auto_vs_whole": round(tok_s["mtp_auto"] / tok_s["mtp_auto_whole_vocab"], 3)}
+               if whole else {}),
         },
         "cost_terms": {k: round(v, 3) for k, v in _cost_terms(engine, encoded[0], depths).items()},
     }
@@ -193,6 +211,8 @@ def bench_engine(
         result["ratios"]["min_no_mtp_vs_mlx_lm_long"] = min(r["ratios"]["no_mtp_vs_mlx_lm"] for r in long.values())
         result["identical"] = result["identical"] and all(r["identical"] for r in long.values())
     engine.pipeline.close()
+    if whole:
+        whole.pipeline.close()
     return result
 
 
@@ -267,6 +287,7 @@ def print_engine_report(result: dict[str, Any], console: Any) -> None:
     console.print(table)
     if result["cost_terms"]:
         console.print(f"cost terms: {result['cost_terms']}")
+    console.print(f"draft vocabulary: {result['draft_vocab']}")
     for length, r in result.get("long_context", {}).items():
         console.print(f"after {length} prompt tokens: {r['tok_s']} ratios {r['ratios']} auto depths "
                       f"{r['auto_depths']} identical {r['identical']}")

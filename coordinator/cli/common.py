@@ -6,6 +6,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from ...node.cli import add_draft_vocab
+
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 
@@ -36,6 +38,19 @@ def add_mtp(p: argparse.ArgumentParser) -> None:
                    help="drafts per round, or 'auto' to pick each round's depth (default: auto if the model has MTP)")
     g.add_argument("--no-mtp", action="store_true", help="decode without speculation (and without loading the MTP head)")
     p.add_argument("--mtp-pre-norm", action="store_true", help="feed the MTP head the hidden before the final norm")
+    add_draft_vocab(p)
+
+
+def stage_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Options of local stages given on the command line (a cluster's nodes take their own)."""
+    options: dict[str, Any] = {}
+    if getattr(args, "mtp_pre_norm", False):
+        options["mtp_pre_norm"] = True
+    if getattr(args, "draft_vocab", None) is not None:
+        if args.draft_vocab < 0:
+            raise ValueError("--draft-vocab must be 0 (the whole vocabulary) or more")
+        options["draft_vocab"] = args.draft_vocab
+    return options
 
 
 def progress_loader(label: str) -> Callable[..., Any]:

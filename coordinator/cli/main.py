@@ -11,7 +11,16 @@ from typing import Any
 
 from ...models import blas
 from ...node.secrets import add_secret_args
-from .common import EXIT_ERROR, EXIT_OK, EXIT_USAGE, add_mtp, add_sampling, progress_loader, stderr_console
+from .common import (
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_mtp,
+    add_sampling,
+    progress_loader,
+    stage_options,
+    stderr_console,
+)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -23,8 +32,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..engine.request import GenerationRequest, resolve_depth
 
     model = resolve_model(args.model)
+    options = stage_options(args)
     if args.nodes:
         from ...node.secrets import read_secret
+
+        if options:
+            raise ValueError("--mtp-pre-norm and --draft-vocab apply to local stages; nodes take their own")
         from ..engine.build import remote_engine
 
         sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
@@ -36,8 +49,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 model,
                 mtp=not args.no_mtp,
                 dtype=getattr(mx, args.dtype) if args.dtype else None,
-                mtp_pre_norm=args.mtp_pre_norm,
                 progress=progress,
+                **options,
             )
     depth, auto = resolve_depth(0 if args.no_mtp else args.mtp_depth, engine.has_mtp)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
@@ -123,7 +136,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.target == "engine":
         result = bench.bench_engine(
             model, max_tokens=args.max_tokens, prompts=args.prompts, depths=args.depths, mtp_pre_norm=args.mtp_pre_norm,
-            contexts=args.context,
+            contexts=args.context, draft_vocab=args.draft_vocab,
         )
         bench.print_engine_report(result, stderr_console())
     elif args.target == "transfer":
@@ -212,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--mtp-pre-norm", action="store_true", help="engine bench: feed the MTP head the pre-norm hidden")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="engine bench: drafts score the N most frequent tokens (0: all; default: the engine's)")
     p.add_argument("--context", type=_lengths, default=None, metavar="L1,L2,...",
                    help="engine bench: also decode after prompts of these lengths (e.g. 256,2048,8192)")
     p.add_argument("--concurrency", default="1,2,4,8,16", metavar="C1,C2,...",

@@ -8,7 +8,7 @@ import os
 from ...node.secrets import add_secret_args, read_secret
 from ..api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_PORT
 from ..engine.ring import RESUME_WINDOW_S
-from .common import add_mtp, progress_loader, stderr_console
+from .common import add_mtp, progress_loader, stage_options, stderr_console
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -50,8 +50,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.nodes:
         from ..engine.build import ring_engine
 
-        if getattr(args, "mtp_pre_norm", False):
-            raise ValueError("--mtp-pre-norm applies to local stages, not to --nodes")
+        if stage_options(args):
+            raise ValueError("--mtp-pre-norm and --draft-vocab apply to local stages; nodes take their own")
         nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
         secret = read_secret(args.secret_file)
         sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
@@ -60,7 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         import mlx.core as mx
 
-        options = {"mtp_pre_norm": True} if getattr(args, "mtp_pre_norm", False) else {}
+        options = stage_options(args)
         with progress_loader("loading model")() as progress:
             engine = batch_engine(path, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None,
                                   progress=progress, **options)

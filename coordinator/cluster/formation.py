@@ -234,7 +234,7 @@ def form_cluster(
     return engine, Formation(plan, control, hops, ring)
 
 
-def single_node_engine(server: Any, model_path: Path, mtp: bool, dtype: str | None, mtp_pre_norm: bool,
+def single_node_engine(server: Any, model_path: Path, mtp: bool, dtype: str | None, options: dict[str, Any],
                        progress: Callable[[int, int], None] | None = None) -> Any:
     """The whole model in this process, batched on its own MLX thread; the node server reports the
     stage in Health (its statistics are the batch's)."""
@@ -243,7 +243,6 @@ def single_node_engine(server: Any, model_path: Path, mtp: bool, dtype: str | No
     from ...node.service import LoadKey
     from ..engine.build import batch_engine
 
-    options = {"mtp_pre_norm": True} if mtp_pre_norm else {}
     engine = batch_engine(model_path, mtp=mtp, dtype=getattr(mx, dtype) if dtype else None, progress=progress,
                           **options)
     stage = engine.stages[0].worker
