@@ -110,7 +110,7 @@ class StageWorker:
 
     def describe(self) -> dict:
         """Plain data for health and /v1/cluster."""
-        return {
+        out = {
             "layers": [self.spec.start, self.spec.end],
             "num_layers": self.spec.num_layers,
             "active_sequences": len(self.sequences),
@@ -119,6 +119,9 @@ class StageWorker:
             "mean_step_ms": round(self.stats.mean_step_ms, 3),
             "last_error": self.stats.last_error,
         }
+        if self.head is not None and self.head.vocab is not None:
+            out["draft_vocab"] = self.head.vocab.describe()
+        return out
 
     # -- validation (nothing is modified here) ---------------------------------------------
 

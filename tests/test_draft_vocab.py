@@ -104,6 +104,8 @@ def test_greedy_tokens_unchanged_per_sequence(prompts: list[list[int]], monkeypa
             assert r.tokens == ref, (depth, auto)
             drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
     assert vocab.rankings >= 1 and drafted > 0 and 0 < accepted < drafted
+    described = small.pipeline.stages[-1].describe()["draft_vocab"]
+    assert described == {"size": SMALL, "vocab": 4096, "rankings": vocab.rankings}
 
 
 def test_seeded_sampled_tokens_unchanged(prompts: list[list[int]]) -> None:
