@@ -58,6 +58,7 @@ class DraftVocab:
         self.next_rank = RANK_FIRST
         self.rankings = 0  # rankings that replaced the subset
         self.ids: mx.array | None = None
+        self._ids_host = np.arange(0, dtype=np.int32)
         self.rows: dict[str, mx.array] = {}
         if self.size:
             self._use(np.arange(self.size, dtype=np.int32))
