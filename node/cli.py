@@ -14,8 +14,15 @@ if TYPE_CHECKING:
     from .fetch import Transfer
 
 
+def draft_vocab_size(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be 0 (the whole vocabulary) or more")
+    return n
+
+
 def add_draft_vocab(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+    p.add_argument("--draft-vocab", type=draft_vocab_size, default=None, metavar="N",
                    help="drafts score only the N most frequent tokens (0: the whole vocabulary; default: half "
                         "of it, at most 32768)")
 
@@ -55,8 +62,6 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     secret = read_secret(args.secret_file)
     check_exposure(args.host, secret, args.insecure)
-    if args.draft_vocab is not None and args.draft_vocab < 0:
-        raise ValueError("--draft-vocab must be 0 (the whole vocabulary) or more")
     server = NodeServer(args.host, args.port, node_id=args.node_id, secret=secret,
                         data_plane=args.data_plane == "tcp", model_dirs=args.model_dir,
                         shard_cache=args.shard_cache, download=args.download, draft_vocab=args.draft_vocab).start()

@@ -291,19 +291,18 @@ class Head:
         probs = []
         vocab = self.vocab
         bias = d.bias_row(vocab.vocab)  # drafts drawn from the biased distribution are accepted as often
-        narrowed = vocab.narrow(bias) if bias is not None and d.params.greedy else None
+        bias = vocab.narrow(bias) if bias is not None else None
         for k in range(d.depth):
             g = self.model.mtp(hid, self.model.embed(inputs), d.mtp_cache)[:, -1:]
             logits = vocab.logits(g).reshape(-1)
+            if bias is not None:
+                logits = logits + bias
             if d.params.greedy:
-                if narrowed is not None:
-                    logits = logits + narrowed
                 tok = vocab.tokens(mx.argmax(logits))
                 lazy.append(tok)
                 inputs = tok.reshape(1, 1)
             else:
-                logits = vocab.widen(logits)
-                q = filtered_probs(logits if bias is None else logits + bias, d.params)
+                q = filtered_probs(vocab.widen(logits), d.params)
                 drawn = d.pick(q, k)
                 lazy.append(mx.array(drawn))
                 probs.append(q)

@@ -47,8 +47,6 @@ def stage_options(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "mtp_pre_norm", False):
         options["mtp_pre_norm"] = True
     if getattr(args, "draft_vocab", None) is not None:
-        if args.draft_vocab < 0:
-            raise ValueError("--draft-vocab must be 0 (the whole vocabulary) or more")
         options["draft_vocab"] = args.draft_vocab
     return options
 

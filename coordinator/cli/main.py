@@ -15,6 +15,7 @@ from .common import (
     EXIT_ERROR,
     EXIT_OK,
     EXIT_USAGE,
+    add_draft_vocab,
     add_mtp,
     add_sampling,
     progress_loader,
@@ -225,8 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--mtp-pre-norm", action="store_true", help="engine bench: feed the MTP head the pre-norm hidden")
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="engine bench: drafts score the N most frequent tokens (0: all; default: the engine's)")
+    add_draft_vocab(p)  # engine bench
     p.add_argument("--context", type=_lengths, default=None, metavar="L1,L2,...",
                    help="engine bench: also decode after prompts of these lengths (e.g. 256,2048,8192)")
     p.add_argument("--concurrency", default="1,2,4,8,16", metavar="C1,C2,...",
