@@ -4,11 +4,18 @@ A verify forward feeds [y, d1..dK] in one pass. To roll back to "after position 
 forward we need the recurrent state after each position and the conv window ending at each position.
 The projections run batched over all positions (one weight read); only the recurrence is stepped,
 which is what mlx-lm's own decode does one token at a time.
+
+On the CPU a decode or verify input runs each whole layer compiled: the same arithmetic (bit for
+bit; tests hold it), with its elementwise ops fused and its graph traced once per input shape, so a
+step launches fewer kernels and builds less graph on the host. Metal keeps the uncompiled path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,18 +40,66 @@ class GDNSnapshots:
         cache[1] = self.states[position]
 
 
-def gdn_forward_with_snapshots(
-    gdn: GatedDeltaNet, x: mx.array, cache: ArraysCache
+COMPILED_MAX_TOKENS = 8  # decode and verify inputs; a compiled layer is traced once per input shape
+
+
+class CompiledLayers:
+    """A shard's GatedDeltaNet layers, each compiled once and kept by the shard that owns them (a
+    compiled function holds its layer, and reads the layer's weights afresh at every call)."""
+
+    def __init__(self) -> None:
+        self._fns: dict[int, Callable] = {}
+
+    def applies(self, h: mx.array) -> bool:
+        return h.shape[1] <= COMPILED_MAX_TOKENS and not _on_metal()
+
+    def get(self, layer: Any) -> Callable:
+        fn = self._fns.get(id(layer))
+        if fn is None:
+            fn = self._fns[id(layer)] = mx.compile(partial(_layer, layer), inputs=layer.state)
+        return fn
+
+
+def gdn_layer(
+    layer: Any, h: mx.array, cache: ArraysCache, compiled: CompiledLayers | None = None
 ) -> tuple[mx.array, GDNSnapshots]:
+    """A GatedDeltaNet decoder layer (input norm, mixer, residual, MLP) over `h` [B, T, hidden]; the
+    cache ends after the last position, and the snapshots hold every position's state."""
+    gdn = layer.linear_attn
+    B = h.shape[0]
+    conv_state, state = cache[0], cache[1]
+    if conv_state is None:
+        conv_state = mx.zeros((B, gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=h.dtype)
+    if state is None:
+        state = mx.zeros((B, gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim), dtype=mx.float32)
+    run = compiled.get(layer) if compiled is not None and compiled.applies(h) else partial(_layer, layer)
+    h, conv_input, states = run(h, conv_state, state)
+    return h, _snapshots(gdn, cache, conv_input, states)
+
+
+def _layer(layer: Any, h: mx.array, conv_state: mx.array, state: mx.array) -> tuple[mx.array, mx.array, list[mx.array]]:
+    r, conv_input, states = _mixer(layer.linear_attn, layer.input_layernorm(h), conv_state, state)
+    h = h + r
+    return h + layer.mlp(layer.post_attention_layernorm(h)), conv_input, states
+
+
+def _snapshots(gdn: GatedDeltaNet, cache: ArraysCache, conv_input: mx.array, states: list[mx.array]) -> GDNSnapshots:
+    snaps = GDNSnapshots(conv_input=conv_input, states=states, kernel=gdn.conv_kernel_size)
+    snaps.restore(cache, len(states) - 1)
+    cache.advance(len(states))
+    return snaps
+
+
+def _mixer(
+    gdn: GatedDeltaNet, x: mx.array, conv_state: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """Output, conv input (old window + new inputs) and the state after each position."""
     B, S, _ = x.shape
     qkv = gdn.in_proj_qkv(x)
     z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
     b = gdn.in_proj_b(x)
     a = gdn.in_proj_a(x)
 
-    conv_state = cache[0]
-    if conv_state is None:
-        conv_state = mx.zeros((B, gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=x.dtype)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
     conv_out = nn.silu(gdn.conv1d(conv_input))
 
@@ -58,20 +113,17 @@ def gdn_forward_with_snapshots(
     ]
     q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
 
-    state = cache[1]
-    if state is None:
-        state = mx.zeros((B, gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim), dtype=mx.float32)
-    if mx.default_device() == mx.gpu and mx.metal.is_available():
+    if _on_metal():
         y, states = _stepped_kernel(gdn, q, k, v, a, b, state)
     else:
         y, stacked = _stepped_ops(q, k, v, compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b), state)
         states = [stacked[t] for t in range(S)]
-
-    snaps = GDNSnapshots(conv_input=conv_input, states=states, kernel=gdn.conv_kernel_size)
-    snaps.restore(cache, S - 1)
-    cache.advance(S)
     out = gdn.norm(y, z)
-    return gdn.out_proj(out.reshape(B, S, -1)), snaps
+    return gdn.out_proj(out.reshape(B, S, -1)), conv_input, states
+
+
+def _on_metal() -> bool:
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
 
 
 @mx.compile

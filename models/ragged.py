@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .gdn_snapshots import GDNSnapshots, gdn_forward_with_snapshots
+from .gdn_snapshots import CompiledLayers, GDNSnapshots, gdn_layer
 
 CAPACITY_STEP = 256
 
@@ -157,18 +157,17 @@ def ragged_attention(attn: Any, x: mx.array, cache: RaggedKV, real: list[int]) -
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1) * mx.sigmoid(gate))
 
 
-def ragged_layer(layer: Any, h: mx.array, cache: Any, real: list[int]) -> tuple[mx.array, GDNSnapshots | None]:
+def ragged_layer(
+    layer: Any, h: mx.array, cache: Any, real: list[int], compiled: CompiledLayers | None = None
+) -> tuple[mx.array, GDNSnapshots | None]:
     """One decoder layer over padded rows; GatedDeltaNet layers end at each row's last real position."""
-    x = layer.input_layernorm(h)
-    snaps = None
     if layer.is_linear:
-        r, snaps = gdn_forward_with_snapshots(layer.linear_attn, x, cache)
+        h, snaps = gdn_layer(layer, h, cache, compiled)
         if any(t != h.shape[1] for t in real):
             restore_rows(snaps, cache, [t - 1 for t in real])
-    else:
-        r = ragged_attention(layer.self_attn, x, cache, real)
-    h = h + r
-    return h + layer.mlp(layer.post_attention_layernorm(h)), snaps
+        return h, snaps
+    h = h + ragged_attention(layer.self_attn, layer.input_layernorm(h), cache, real)
+    return h + layer.mlp(layer.post_attention_layernorm(h)), None
 
 
 def restore_rows(snaps: GDNSnapshots, cache: ArraysCache, positions: list[int]) -> None:

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .config import ModelConfig
-from .gdn_snapshots import GDNSnapshots, gdn_forward_with_snapshots
+from .gdn_snapshots import CompiledLayers, GDNSnapshots, gdn_layer
 from .mtp import MTPHead
 from .ragged import ragged_layer
 
@@ -60,6 +60,7 @@ class Qwen35Shard(nn.Module):
         self.config = config
         self.spec = spec
         self.has_mtp = with_mtp and spec.is_last
+        self.compiled = CompiledLayers()  # (a plain object: not one of the module's parameters)
         # The last shard needs the embedding too: tied lm_head and the MTP head both read it.
         if spec.is_first or (spec.is_last and (args.tie_word_embeddings or self.has_mtp)):
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
@@ -93,9 +94,7 @@ class Qwen35Shard(nn.Module):
         snapshots: dict[int, GDNSnapshots] = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             if layer.is_linear and stepped:
-                r, snapshots[i] = gdn_forward_with_snapshots(layer.linear_attn, layer.input_layernorm(h), c)
-                h = h + r
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h, snapshots[i] = gdn_layer(layer, h, c, self.compiled)
             else:
                 h = layer(h, mask=None if layer.is_linear else attn_mask, cache=c)
         return h, snapshots
@@ -104,7 +103,7 @@ class Qwen35Shard(nn.Module):
         """Run this shard's layers over padded rows of a batch (see ragged.py); row i has `real[i]` tokens."""
         snapshots: dict[int, GDNSnapshots] = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            h, snaps = ragged_layer(layer, h, c, real)
+            h, snaps = ragged_layer(layer, h, c, real, self.compiled)
             if snaps is not None:
                 snapshots[i] = snaps
         return h, snapshots
