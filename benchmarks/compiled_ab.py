@@ -2,7 +2,7 @@
 
 One engine on the demo model; each run switches the shard's compiled layers on or off, in an order
 that alternates, PASSES times over the bench prompts (one stream) or over runs of STREAMS concurrent
-streams (a batch engine). Prints the median and mean of the per-pair ratios (compiled / uncompiled)
+streams (a batch engine; STREAMS 1 is one stream through the batch engine). Prints the median and mean of the per-pair ratios (compiled / uncompiled)
 for no drafts and for DEPTH, and whether every pair's tokens were identical.
 
     python benchmarks/compiled_ab.py DEPTH|auto PASSES [STREAMS]
@@ -79,8 +79,8 @@ def batched(depths: list[int | str], passes: int, streams: int) -> None:
 
 if __name__ == "__main__":
     depths: list[int | str] = [0, AUTO if sys.argv[1] == "auto" else int(sys.argv[1])]
-    streams = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    if streams > 1:
+    streams = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    if streams:
         batched(depths, int(sys.argv[2]), streams)
     else:
         single(depths, int(sys.argv[2]))
