@@ -116,8 +116,7 @@ def _mixer(
     if _on_metal():
         y, states = _stepped_kernel(gdn, q, k, v, a, b, state)
     else:
-        y, stacked = _stepped_ops(q, k, v, compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b), state)
-        states = [stacked[t] for t in range(S)]
+        y, states = _stepped_ops(q, k, v, compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b), state)
     out = gdn.norm(y, z)
     return gdn.out_proj(out.reshape(B, S, -1)), conv_input, states
 
@@ -128,14 +127,17 @@ def _on_metal() -> bool:
 
 @mx.compile
 def _stepped_ops(q, k, v, g, beta, state):
-    """The CPU recurrence one position at a time (as decode runs it), compiled per verify length."""
+    """The CPU recurrence one position at a time (as decode runs it), compiled per verify length. The
+    key heads are repeated for the value heads once, not at every position."""
+    if (repeat := v.shape[-2] // q.shape[-2]) > 1:
+        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
     ys, states = [], []
     for t in range(q.shape[1]):
         s = slice(t, t + 1)
         y, state = gated_delta_ops(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], state)
         ys.append(y)
         states.append(state)
-    return mx.concatenate(ys, axis=1), mx.stack(states)
+    return mx.concatenate(ys, axis=1), states
 
 
 def _stepped_kernel(gdn, q, k, v, a, b, state):
