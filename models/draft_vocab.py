@@ -125,5 +125,10 @@ class DraftVocab:
         self.rows = {name: mx.contiguous(a[self.ids]) for name, a in rows.items()}  # all per token
         mx.eval(self.ids, list(self.rows.values()))
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of the projection rows copied for drafting (placement counts them on the last stage)."""
+        return sum(a.nbytes for a in self.rows.values())
+
     def describe(self) -> dict[str, int]:
         return {"size": self.size or self.vocab, "vocab": self.vocab, "rankings": self.rankings}

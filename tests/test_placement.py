@@ -106,6 +106,20 @@ def test_footprint_matches_loaded_shards(dense_ckpt: Path) -> None:
     assert no_mtp.stage_bytes(3, 8) == load_shard(dense_ckpt, ShardSpec(3, 8, 8), mtp=False).model.parameter_bytes()
 
 
+def test_footprint_counts_the_draft_vocabulary() -> None:
+    """The last stage holds a copy of the draft tokens' projection rows (the demo model's tied embedding)."""
+    from mtpipe.models.draft_vocab import DraftVocab, default_size
+    from mtpipe.models.registry import DEMO_MODEL
+
+    f = model_footprint(DEMO_MODEL)
+    model = load_shard(DEMO_MODEL, ShardSpec(4, 8, 8)).model
+    vocab = DraftVocab(model, default_size(model.config.args.vocab_size))
+    assert 0 < f.draft_bytes == vocab.row_bytes < f.embed_bytes
+    assert f.stage_bytes(4, 8) == model.parameter_bytes() + vocab.row_bytes
+    assert f.stage_bytes(0, 4) == load_shard(DEMO_MODEL, ShardSpec(0, 4, 8)).model.parameter_bytes()
+    assert model_footprint(DEMO_MODEL, mtp=False).draft_bytes == 0
+
+
 def test_footprint_layouts() -> None:
     sizes = {"model.language_model.embed_tokens.weight": 100, "model.language_model.layers.0.mlp.w": 10,
              "model.language_model.layers.1.mlp.w": 20, "model.language_model.norm.weight": 1, "lm_head.weight": 100,
@@ -116,6 +130,9 @@ def test_footprint_layouts() -> None:
     assert (tied.head_bytes, tied.mtp_bytes, tied.last_needs_embedding) == (1, 0, True)
     plain = footprint_from_sizes(sizes, 2, mtp=False, tied=False)
     assert plain.total_bytes(2) == 100 + 30 + 101 and plain.stage_bytes(1, 2) == 20 + 101
+    drafts = footprint_from_sizes(sizes, 2, mtp=True, tied=False, draft_share=0.25)
+    assert drafts.draft_bytes == 25 and drafts.stage_bytes(1, 2) == 20 + 101 + 7 + 25 + 100
+    assert footprint_from_sizes(sizes, 2, mtp=False, tied=False, draft_share=0.25).draft_bytes == 0
 
 
 # -- links and hops ----------------------------------------------------------------------------

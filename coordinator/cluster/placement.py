@@ -3,7 +3,8 @@
 Pure functions over plain dataclasses (like exo's worker/plan.py), so every decision is testable
 without a network:
 
-- `model_footprint` reads only safetensors headers: bytes per layer, embedding, head, MTP head.
+- `model_footprint` reads only safetensors headers: bytes per layer, embedding, head, MTP head, and
+  the draft vocabulary's copy of the output projection's rows (models/draft_vocab.py, default size).
 - `order_nodes` picks the stage order whose consecutive stages share the best links
   (loopback > thunderbolt > ethernet > wifi > other), the coordinator first.
 - `plan_layers` splits the layers in proportion to available memory (largest remainder), with the
@@ -56,16 +57,18 @@ class ModelFootprint:
     head_bytes: int  # final norm + lm_head (0 when tied)
     mtp_bytes: int  # the MTP head, on the last stage when speculating
     last_needs_embedding: bool  # tied lm_head or MTP head: the last stage keeps its own embedding
+    draft_bytes: int = 0  # the draft vocabulary's rows of the projection, copied, on the last stage
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_bytes)
 
     def end_bytes(self, first: bool, last: bool) -> int:
-        """What a stage holds besides its layers: the embedding first, head + MTP (+ embedding) last."""
+        """What a stage holds besides its layers: the embedding first; head, MTP head, draft rows (and
+        the embedding) last."""
         total = self.embed_bytes if first else 0
         if last:
-            total += self.head_bytes + self.mtp_bytes
+            total += self.head_bytes + self.mtp_bytes + self.draft_bytes
             if not first and self.last_needs_embedding:
                 total += self.embed_bytes
         return total
@@ -94,13 +97,14 @@ def safetensors_sizes(path: Path) -> dict[str, int]:
 
 
 def footprint_from_sizes(
-    sizes: dict[str, int], num_layers: int, *, mtp: bool, tied: bool
+    sizes: dict[str, int], num_layers: int, *, mtp: bool, tied: bool, draft_share: float = 0.0
 ) -> ModelFootprint:
-    """Sizes under checkpoint names (any layout mtpipe loads) -> a footprint."""
+    """Sizes under checkpoint names (any layout mtpipe loads) -> a footprint. `draft_share`: the share of
+    the projection's rows (lm_head, or the embedding when tied) the draft vocabulary copies."""
     from ...models.loading import canonical_name
 
     layers = [0] * num_layers
-    embed = head = mtp_bytes = 0
+    embed = head = mtp_bytes = lm_head = 0
     for key, size in sizes.items():
         name = canonical_name(key)
         if name is None:
@@ -114,12 +118,17 @@ def footprint_from_sizes(
             mtp_bytes += size
         elif name.startswith("norm.") or (name.startswith("lm_head.") and not tied):
             head += size
-    return ModelFootprint(tuple(layers), embed, head, mtp_bytes if mtp else 0, tied or (mtp and mtp_bytes > 0))
+            lm_head += size if name.startswith("lm_head.") else 0
+    speculating = mtp and mtp_bytes > 0
+    draft = round((embed if tied else lm_head) * draft_share) if speculating else 0
+    return ModelFootprint(tuple(layers), embed, head, mtp_bytes if mtp else 0, tied or speculating, draft)
 
 
 def model_footprint(model_path: Path | str, *, mtp: bool = True) -> ModelFootprint:
-    """Read the checkpoint's safetensors headers (no tensor data) and its config; sizes as stored."""
+    """Read the checkpoint's safetensors headers (no tensor data) and its config; sizes as stored. The
+    draft vocabulary is counted at its default size (a node told another size holds more or less)."""
     from ...models.config import load_config
+    from ...models.draft_vocab import default_size
 
     path = Path(model_path)
     config = load_config(path)
@@ -128,8 +137,9 @@ def model_footprint(model_path: Path | str, *, mtp: bool = True) -> ModelFootpri
         sizes.update(safetensors_sizes(f))
     if not sizes:
         raise FileNotFoundError(f"no .safetensors files in {path}")
+    vocab = config.args.vocab_size
     return footprint_from_sizes(sizes, config.num_layers, mtp=mtp and config.mtp_layers > 0,
-                                tied=config.args.tie_word_embeddings)
+                                tied=config.args.tie_word_embeddings, draft_share=default_size(vocab) / vocab)
 
 
 # -- nodes and links ----------------------------------------------------------------------------
