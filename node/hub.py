@@ -6,7 +6,9 @@ is computed from the repo's config and tokenizer files (downloaded, small), its 
 (read with range requests) and its files' content hashes (a git-LFS object id is the file's sha256).
 Then it downloads only the safetensors files that hold its shard's tensors into its hub cache, checks
 each against its hash, and loads from that partial snapshot. A marker beside the files records what
-was verified, so the next Load of the same shard needs no network.
+was verified, so the next Load of the same shard needs no network. A downloaded file is read once for
+its hash: the same pass hashes its tensors into the fingerprint sidecar, which the marker's next check
+and peers fetching tensors from this node read instead of the file.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import logging
 import os
 import re
+import struct
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -138,13 +141,22 @@ def download_shard(repo: HubRepo, fingerprint: str, names: list[str]) -> Path:
             small[file] = have[file]
             continue
         path = repo.download(file)
-        sha = _sha256(path)
+        sha = _downloaded_sha256(snapshot, file)
         if sha != weights[file][0]:
             path.unlink(missing_ok=True)  # else the hub cache would hand the same bad copy back next time
             raise ValueError(f"{file} downloaded with sha256 {sha[:12]}, the repo says {weights[file][0][:12]}")
         small[file] = sha
     _mark(snapshot, fingerprint, holder, small)
     return snapshot
+
+
+def _downloaded_sha256(snapshot: Path, file: str) -> str:
+    """A downloaded file's sha256, from the pass that also hashes its tensors for the sidecar; a file
+    whose header does not parse (a bad download) is hashed whole."""
+    try:
+        return file_hashes(snapshot)[file].sha256
+    except (OSError, ValueError, KeyError, struct.error):
+        return _sha256(snapshot / file)
 
 
 def _mark(snapshot: Path, fingerprint: str, holder: dict[str, str], checked: dict[str, str]) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mtpipe.models.fingerprint import checkpoint_index, model_fingerprint, read_header, shard_names
+from mtpipe.models.fingerprint import checkpoint_index, hash_range, model_fingerprint, read_header, shard_names
 from mtpipe.models.registry import hub_origin
 from mtpipe.models.tiny import build_tiny_checkpoint
 from mtpipe.node import hub
@@ -160,3 +160,25 @@ def test_a_node_loads_its_shard_from_the_hub(sharded: Path, tmp_path: Path, monk
                 assert Path(reply.weights_path) == repos[0].snapshot and reply.has_mtp
         finally:
             server.stop(0)
+
+
+def test_a_downloaded_file_is_read_once(sharded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checking a download hashes its tensors too: the next check and the fingerprint read none again."""
+    from mtpipe.models import fingerprint
+
+    reads: list[str] = []
+    hash_file = fingerprint._hash_file
+    monkeypatch.setattr(fingerprint, "_hash_file", lambda f: reads.append(f.name) or hash_file(f))
+    monkeypatch.setattr(hub, "_sha256", lambda p: reads.append(p.name) or hash_range(p, 0, p.stat().st_size))
+    fp = model_fingerprint(sharded)
+    reads.clear()
+    names = shard_names(sharded, 0, 8, 8, True)
+    repo = LocalRepo(sharded, tmp_path)
+    snapshot = hub.download_shard(repo, fp, names)
+    weights = sorted(f for f in repo.downloaded if f.endswith(".safetensors"))
+    assert sorted(r for r in reads if r.endswith(".safetensors")) == weights
+    reads.clear()
+    fingerprint._memo.clear()  # a new process: only the sidecar is left
+    assert hub.download_shard(repo, fp, names) == snapshot
+    assert model_fingerprint(snapshot) == fp
+    assert not [r for r in reads if r.endswith(".safetensors")]
