@@ -70,6 +70,11 @@ def read_header(file: Path) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
+# Bytes per element of each safetensors dtype (sizes from headers, before any data is read).
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
+               "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
 def file_tensors(file: Path) -> dict[str, TensorLoc]:
     header, data_start = read_header(file)
     out = {}

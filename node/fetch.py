@@ -30,19 +30,25 @@ from ..proto import mtpipe_pb2_grpc as pb_grpc
 from . import bulk
 from .cache_admin import make_room
 from .links import split_host_port
-from .shards import PART, Manifest, ShardCache, ShardKey, StreamVerifier, TensorInfo, free_bytes, safetensors_header
+from .shards import (
+    DISK_MARGIN,
+    PART,
+    Manifest,
+    NoDiskSpace,
+    ShardCache,
+    ShardKey,
+    StreamVerifier,
+    TensorInfo,
+    free_bytes,
+    safetensors_header,
+)
 from .wire import make_aio_channel
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0  # for the first message (the tensor list) of a source
 ROUNDS = 2  # passes over the sources (a broken stream is resumed from the same source on the next one)
-DISK_MARGIN = 64 << 20
 LOG_EVERY_S = 5.0
-
-
-class NoDiskSpace(ValueError):
-    pass
 
 
 class TransferInterrupted(ConnectionError):

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import struct
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..models.fingerprint import TOKENIZER_FILES, digest, file_hashes, hash_range, identity_of
+from ..models.fingerprint import DTYPE_BYTES, TOKENIZER_FILES, digest, file_hashes, hash_range, identity_of
+from .shards import DISK_MARGIN, NoDiskSpace, free_bytes
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,7 @@ def download_shard(repo: HubRepo, fingerprint: str, names: list[str]) -> Path:
     needed = sorted({holder[n] for n in names})
     log.info("this shard reads %d of the model's %d weight files: %s", len(needed), len(weights), ", ".join(needed))
     have = {name: h.sha256 for name, h in file_hashes(snapshot).items()} if any(snapshot.glob("*.safetensors")) else {}
+    _check_room(snapshot, {f: weights[f][1] for f in needed if have.get(f) != weights[f][0]})
     for file in needed:
         if have.get(file) == weights[file][0]:  # here already (another shard's), as the repo has it
             small[file] = have[file]
@@ -148,6 +151,16 @@ def download_shard(repo: HubRepo, fingerprint: str, names: list[str]) -> Path:
         small[file] = sha
     _mark(snapshot, fingerprint, holder, small)
     return snapshot
+
+
+def _check_room(snapshot: Path, files: dict[str, dict[str, tuple[str, list[int]]]]) -> None:
+    """Refuse before downloading what the disk cannot hold (the files' tensor bytes, from the headers)."""
+    need = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 2) for tensors in files.values()
+               for dtype, shape in tensors.values())
+    free = free_bytes(snapshot)
+    if need and free < need + DISK_MARGIN:
+        raise NoDiskSpace(f"not enough disk space for the shard's hub files: {len(files)} file(s), "
+                          f"{need / 2**30:.2f} GiB to download into {snapshot}, {free / 2**30:.2f} GiB free")
 
 
 def _downloaded_sha256(snapshot: Path, file: str) -> str:

@@ -46,6 +46,13 @@ def cache_root(root: Path | str | None = None) -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "mtpipe" / "shards"
 
 
+DISK_MARGIN = 64 << 20  # left free on a disk that takes weights
+
+
+class NoDiskSpace(ValueError):
+    """Weights that would not fit on the disk that is to hold them (a peer's shard, hub files)."""
+
+
 def free_bytes(path: Path) -> int:
     """Free space on the file system that holds `path` (its nearest existing parent)."""
     path = Path(path)

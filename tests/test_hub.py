@@ -182,3 +182,16 @@ def test_a_downloaded_file_is_read_once(sharded: Path, tmp_path: Path, monkeypat
     assert hub.download_shard(repo, fp, names) == snapshot
     assert model_fingerprint(snapshot) == fp
     assert not [r for r in reads if r.endswith(".safetensors")]
+
+
+def test_no_room_for_the_files_is_refused_before_downloading(sharded: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from mtpipe.node.shards import NoDiskSpace
+
+    names = shard_names(sharded, 0, 8, 8, True)
+    repo = LocalRepo(sharded, tmp_path)
+    monkeypatch.setattr(hub, "free_bytes", lambda path: 1 << 20)
+    with pytest.raises(NoDiskSpace, match="not enough disk space for the shard's hub files"):
+        hub.download_shard(repo, model_fingerprint(sharded), names)
+    assert not [f for f in repo.downloaded if f.endswith(".safetensors")]
+    assert not (repo.snapshot / hub.VERIFIED).exists()

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...models.fingerprint import DTYPE_BYTES
 from ...node.links import (
     LINK_RANK,
     Interface,
@@ -39,8 +40,6 @@ from ...node.links import (
 log = logging.getLogger(__name__)
 
 GiB = 2**30
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
-                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 class PlacementError(ValueError):
@@ -92,7 +91,7 @@ def safetensors_sizes(path: Path) -> dict[str, int]:
         if name == "__metadata__":
             continue
         start, end = meta.get("data_offsets", (0, 0))
-        out[name] = end - start if end > start else math.prod(meta["shape"]) * _DTYPE_BYTES.get(meta["dtype"], 2)
+        out[name] = end - start if end > start else math.prod(meta["shape"]) * DTYPE_BYTES.get(meta["dtype"], 2)
     return out
 
 
