@@ -19,6 +19,7 @@ import logging
 import os
 import struct
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,10 +169,12 @@ def _write_sidecar(model_dir: Path, files: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def file_hashes(model_dir: Path | str) -> dict[str, FileHashes]:
-    """Hashes of every safetensors file of a directory, from the sidecar where size and mtime still match."""
+def file_hashes(model_dir: Path | str, names: Collection[str] | None = None) -> dict[str, FileHashes]:
+    """Hashes of every safetensors file of a directory (or of the files `names`), from the sidecar
+    where size and mtime still match."""
     model_dir = Path(model_dir)
-    files = weight_files(model_dir)
+    everything = weight_files(model_dir)
+    files = everything if names is None else [f for f in everything if f.name in names]
     out: dict[str, FileHashes] = {}
     stale = False
     stored = _sidecar(model_dir).get("files", {})
@@ -195,7 +198,8 @@ def file_hashes(model_dir: Path | str) -> dict[str, FileHashes]:
         stored[f.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": memo.sha256,
                           "tensors": memo.tensors}
     if stale:
-        _write_sidecar(model_dir, {k: v for k, v in stored.items() if k in out})
+        present = {f.name for f in everything}
+        _write_sidecar(model_dir, {k: v for k, v in stored.items() if k in present})
     return out
 
 

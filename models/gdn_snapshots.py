@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
@@ -49,15 +50,29 @@ class CompiledLayers:
 
     def __init__(self) -> None:
         self._fns: dict[int, Callable] = {}
+        self._traced: set[tuple] = set()  # (layer, input shapes and dtypes) traced without an error
 
     def applies(self, h: mx.array) -> bool:
-        return h.shape[1] <= COMPILED_MAX_TOKENS and not _on_metal()
+        return h.shape[1] <= COMPILED_MAX_TOKENS and mx.default_device() == mx.cpu
 
-    def get(self, layer: Any) -> Callable:
+    def run(self, layer: Any, h: mx.array, conv_state: mx.array, state: mx.array) -> tuple:
+        """The compiled layer. While MLX traces a new input shape it swaps the layer's weights for
+        placeholders and puts them back only if the trace succeeds: a failed trace (bad input) must
+        not leave the layer without its weights."""
         fn = self._fns.get(id(layer))
         if fn is None:
             fn = self._fns[id(layer)] = mx.compile(partial(_layer, layer), inputs=layer.state)
-        return fn
+        key = (id(layer), *((a.shape, a.dtype) for a in (h, conv_state, state)))
+        if key in self._traced:
+            return fn(h, conv_state, state)
+        weights = tree_flatten(layer.parameters())
+        try:
+            out = fn(h, conv_state, state)
+        except BaseException:
+            layer.update(tree_unflatten(weights))
+            raise
+        self._traced.add(key)
+        return out
 
 
 def gdn_layer(
@@ -72,8 +87,10 @@ def gdn_layer(
         conv_state = mx.zeros((B, gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=h.dtype)
     if state is None:
         state = mx.zeros((B, gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim), dtype=mx.float32)
-    run = compiled.get(layer) if compiled is not None and compiled.applies(h) else partial(_layer, layer)
-    h, conv_input, states = run(h, conv_state, state)
+    if compiled is not None and compiled.applies(h):
+        h, conv_input, states = compiled.run(layer, h, conv_state, state)
+    else:
+        h, conv_input, states = _layer(layer, h, conv_state, state)
     return h, _snapshots(gdn, cache, conv_input, states)
 
 

@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import re
-import struct
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -112,7 +111,8 @@ def _verified(snapshot: Path, fingerprint: str, names: list[str]) -> bool:
 
 def download_shard(repo: HubRepo, fingerprint: str, names: list[str]) -> Path:
     """The snapshot directory holding config, tokenizer and the files with `names`, all checked against
-    `fingerprint` (ValueError if the repo is another model; OSError if a download fails)."""
+    `fingerprint` (ValueError if the repo is another model; NoDiskSpace, before any weights come, if
+    the files would not fit; OSError if a download fails)."""
     if _verified(repo.local_dir(), fingerprint, names):
         return repo.local_dir()
     files = set(repo.files())
@@ -144,7 +144,7 @@ def download_shard(repo: HubRepo, fingerprint: str, names: list[str]) -> Path:
             small[file] = have[file]
             continue
         path = repo.download(file)
-        sha = _downloaded_sha256(snapshot, file)
+        sha = _downloaded_sha256(snapshot, path)
         if sha != weights[file][0]:
             path.unlink(missing_ok=True)  # else the hub cache would hand the same bad copy back next time
             raise ValueError(f"{file} downloaded with sha256 {sha[:12]}, the repo says {weights[file][0][:12]}")
@@ -163,13 +163,14 @@ def _check_room(snapshot: Path, files: dict[str, dict[str, tuple[str, list[int]]
                           f"{need / 2**30:.2f} GiB to download into {snapshot}, {free / 2**30:.2f} GiB free")
 
 
-def _downloaded_sha256(snapshot: Path, file: str) -> str:
+def _downloaded_sha256(snapshot: Path, path: Path) -> str:
     """A downloaded file's sha256, from the pass that also hashes its tensors for the sidecar; a file
-    whose header does not parse (a bad download) is hashed whole."""
+    whose header does not parse (a bad download) is hashed whole, and then fails its check."""
     try:
-        return file_hashes(snapshot)[file].sha256
-    except (OSError, ValueError, KeyError, struct.error):
-        return _sha256(snapshot / file)
+        return file_hashes(snapshot, [path.name])[path.name].sha256
+    except Exception as e:  # noqa: BLE001 (any malformed header: the whole-file hash decides)
+        log.warning("%s: its tensors could not be hashed (%s); hashing the whole file", path.name, e)
+        return _sha256(path)
 
 
 def _mark(snapshot: Path, fingerprint: str, holder: dict[str, str], checked: dict[str, str]) -> None:

@@ -1,4 +1,5 @@
-"""Compiled GatedDeltaNet layers compute exactly what the uncompiled layers compute, and decode uses them."""
+"""Compiled GatedDeltaNet layers compute exactly what the uncompiled layers compute, decode and verify
+use them, and a failed trace costs the layer nothing."""
 
 from __future__ import annotations
 
@@ -19,11 +20,15 @@ def run(layer, h, conv, state, compiled):
     return [out, snaps.conv_input, *snaps.states, cache[0], cache[1]]
 
 
+cpu_only = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="layers are compiled on the CPU only")
+
+
+@cpu_only
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("rows,tokens", [(1, 1), (1, 4), (3, 2), (3, 4)])
 def test_compiled_layer_is_bit_identical(ckpt: Path, rows: int, tokens: int, dtype: mx.Dtype) -> None:
     shard = load_shard(ckpt, dtype=dtype).model
-    if dtype != mx.float32 and shard.config.is_moe and mx.default_device() == mx.cpu:
+    if dtype != mx.float32 and shard.config.is_moe:
         pytest.skip("MLX's gather_mm runs float32 only on the CPU (MoE layers, compiled or not)")
     layers = [layer for layer in shard.layers if layer.is_linear]
     gdn = layers[0].linear_attn
@@ -33,6 +38,7 @@ def test_compiled_layer_is_bit_identical(ckpt: Path, rows: int, tokens: int, dty
     conv = mx.random.normal((rows, gdn.conv_kernel_size - 1, gdn.conv_dim), key=k2).astype(dtype)
     state = 0.1 * mx.random.normal((rows, gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim), key=k3)
     compiled = CompiledLayers()
+    assert compiled.applies(h)
     for layer in layers:
         for start in ((conv, state), (None, None)):  # a running sequence, and a first input
             want = run(layer, h, *start, None)
@@ -42,21 +48,35 @@ def test_compiled_layer_is_bit_identical(ckpt: Path, rows: int, tokens: int, dty
             for a, b in zip(got, want):
                 assert a.shape == b.shape and a.dtype == b.dtype
                 assert mx.array_equal(a, b).item()
-    assert compiled.applies(h) == (mx.default_device() == mx.cpu)
-    assert not compiled.applies(mx.zeros((1, COMPILED_MAX_TOKENS + 1, 4)))
+    assert len(compiled._fns) == len(layers)
 
 
-def test_decode_runs_the_shards_compiled_layers(dense_engine) -> None:
-    """A decode and a verify go through the shard's compiled layers (one per GatedDeltaNet layer)."""
-    if mx.default_device() != mx.cpu:
-        pytest.skip("layers are compiled on the CPU only")
+@cpu_only
+def test_decode_and_verify_run_compiled_and_prefill_does_not(dense_engine) -> None:
     shard = dense_engine.pipeline.stages[-1].model
+    linear = sum(layer.is_linear for layer in shard.layers)
     cache = shard.make_cache()
-    mx.eval(shard.run_layers(shard.embed(mx.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])), cache)[0])
-    shard.compiled = CompiledLayers()
     try:
-        shard.run_layers(shard.embed(mx.array([[11]])), cache)
-        shard.run_layers(shard.embed(mx.array([[12, 13, 14]])), cache, capture=True)
-        assert len(shard.compiled._fns) == sum(layer.is_linear for layer in shard.layers)
+        for tokens, capture, traced in (([1] * (COMPILED_MAX_TOKENS + 2), False, 0), ([11], False, linear),
+                                        ([12, 13, 14], True, linear)):
+            shard.compiled = CompiledLayers()
+            mx.eval(shard.run_layers(shard.embed(mx.array([tokens])), cache, capture=capture)[0])
+            assert len(shard.compiled._traced) == traced
     finally:
         shard.compiled = CompiledLayers()
+
+
+@cpu_only
+def test_a_failed_trace_leaves_the_layer_whole(dense_ckpt: Path) -> None:
+    """MLX swaps a layer's weights for placeholders while it traces: a bad input must not lose them."""
+    shard = load_shard(dense_ckpt, dtype=mx.float32).model
+    layer = next(layer for layer in shard.layers if layer.is_linear)
+    hidden = shard.config.args.hidden_size
+    compiled = CompiledLayers()
+    with pytest.raises(ValueError):
+        run(layer, mx.zeros((1, 1, hidden + 1)), None, None, compiled)
+    h = mx.ones((1, 2, hidden))
+    want = run(layer, h, None, None, None)
+    got = run(layer, h, None, None, compiled)
+    mx.eval(want, got)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
