@@ -45,7 +45,7 @@ class ShardSpec:
         return self.end == self.num_layers
 
     @classmethod
-    def whole(cls, num_layers: int) -> "ShardSpec":
+    def whole(cls, num_layers: int) -> ShardSpec:
         return cls(0, num_layers, num_layers)
 
 
