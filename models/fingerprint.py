@@ -16,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,11 @@ def read_header(file: Path) -> tuple[dict[str, Any], int]:
 # Bytes per element of each safetensors dtype (sizes from headers, before any data is read).
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def tensor_bytes(dtype: str, shape: Sequence[int]) -> int:
+    """A tensor's size from its safetensors dtype and shape (an unknown dtype counts 2 bytes)."""
+    return math.prod(shape) * DTYPE_BYTES.get(dtype, 2)
 
 
 def file_tensors(file: Path) -> dict[str, TensorLoc]:

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..models.fingerprint import DTYPE_BYTES, TOKENIZER_FILES, digest, file_hashes, hash_range, identity_of
+from ..models.fingerprint import TOKENIZER_FILES, digest, file_hashes, hash_range, identity_of, tensor_bytes
 from .shards import DISK_MARGIN, NoDiskSpace, free_bytes
 
 log = logging.getLogger(__name__)
@@ -155,8 +154,7 @@ def download_shard(repo: HubRepo, fingerprint: str, names: list[str]) -> Path:
 
 def _check_room(snapshot: Path, files: dict[str, dict[str, tuple[str, list[int]]]]) -> None:
     """Refuse before downloading what the disk cannot hold (the files' tensor bytes, from the headers)."""
-    need = sum(math.prod(shape) * DTYPE_BYTES.get(dtype, 2) for tensors in files.values()
-               for dtype, shape in tensors.values())
+    need = sum(tensor_bytes(dtype, shape) for tensors in files.values() for dtype, shape in tensors.values())
     free = free_bytes(snapshot)
     if need and free < need + DISK_MARGIN:
         raise NoDiskSpace(f"not enough disk space for the shard's hub files: {len(files)} file(s), "

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...models.fingerprint import DTYPE_BYTES
+from ...models.fingerprint import tensor_bytes
 from ...node.links import (
     LINK_RANK,
     Interface,
@@ -91,7 +91,7 @@ def safetensors_sizes(path: Path) -> dict[str, int]:
         if name == "__metadata__":
             continue
         start, end = meta.get("data_offsets", (0, 0))
-        out[name] = end - start if end > start else math.prod(meta["shape"]) * DTYPE_BYTES.get(meta["dtype"], 2)
+        out[name] = end - start if end > start else tensor_bytes(meta["dtype"], meta["shape"])
     return out
 
 
