@@ -191,16 +191,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
             agent.set_coordinator()
         model_path = model_here or resolve_model(cfg.model)
         server.service.weights.add_model_dir(model_path)  # this node serves the model's tensors to the others
-        options = stage_options(args)
-        if len(peers) == 1 and not cfg.nodes:
+        alone = len(peers) == 1 and not cfg.nodes
+        options = stage_options(args, remote=not alone)
+        if alone:
             log.info("no peers: running the whole model on this machine")
             with progress_loader("loading model")() as progress:
                 engine = single_node_engine(server, model_path, mtp, cfg.dtype, options, progress)
             formation = None
             placed.add(me)
         else:
-            if options:
-                raise ValueError("--mtp-pre-norm and --draft-vocab apply to local stages; nodes take their own")
             engine, formation = form_cluster(cfg, me, my_target, peers, interfaces, model_path, mtp, secret, console)
             placed.update(s.node_id for s in formation.plan)
         name = model_name_for(cfg.model, model_path)

@@ -41,13 +41,16 @@ def add_mtp(p: argparse.ArgumentParser) -> None:
     add_draft_vocab(p)
 
 
-def stage_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Options of local stages given on the command line (a cluster's nodes take their own)."""
+def stage_options(args: argparse.Namespace, *, remote: bool = False) -> dict[str, Any]:
+    """Options of local stages given on the command line; an error when the stages are `remote`
+    nodes, which take their own."""
     options: dict[str, Any] = {}
     if getattr(args, "mtp_pre_norm", False):
         options["mtp_pre_norm"] = True
     if getattr(args, "draft_vocab", None) is not None:
         options["draft_vocab"] = args.draft_vocab
+    if remote and options:
+        raise ValueError("--mtp-pre-norm and --draft-vocab apply to local stages; nodes take their own")
     return options
 
 

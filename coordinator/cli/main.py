@@ -33,12 +33,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..engine.request import GenerationRequest, resolve_depth
 
     model = resolve_model(args.model)
-    options = stage_options(args)
+    options = stage_options(args, remote=bool(args.nodes))
     if args.nodes:
         from ...node.secrets import read_secret
-
-        if options:
-            raise ValueError("--mtp-pre-norm and --draft-vocab apply to local stages; nodes take their own")
         from ..engine.build import remote_engine
 
         sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]

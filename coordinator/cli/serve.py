@@ -47,11 +47,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--resume-window must be 0 (no resume) or more")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     path = resolve_model(args.model)
+    options = stage_options(args, remote=bool(args.nodes))
     if args.nodes:
         from ..engine.build import ring_engine
 
-        if stage_options(args):
-            raise ValueError("--mtp-pre-norm and --draft-vocab apply to local stages; nodes take their own")
         nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
         secret = read_secret(args.secret_file)
         sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
@@ -60,7 +59,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         import mlx.core as mx
 
-        options = stage_options(args)
         with progress_loader("loading model")() as progress:
             engine = batch_engine(path, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None,
                                   progress=progress, **options)
