@@ -60,10 +60,6 @@ def best_of(rates: list[float]) -> int:
     return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
 
-def best_depth(acceptance: list[float], round_seconds: list[float]) -> int:
-    return best_of(depth_rates(acceptance, round_seconds))
-
-
 def shortfall(rates: list[float], best: int) -> float:
     """How far below the best depth's tokens per second its nearest neighbour is estimated (0..1)."""
     near = [rates[k] for k in (best - 1, best + 1) if 0 <= k < len(rates)]

@@ -11,7 +11,7 @@ from helpers import PROMPTS
 from mtpipe.coordinator.engine.build import local_engine
 from mtpipe.coordinator.engine.request import AUTO_MAX_DEPTH, GenerationRequest, resolve_depth
 from mtpipe.node import depth as policy
-from mtpipe.node.depth import Acceptance, DepthChooser, StageCosts, best_depth, expected_tokens
+from mtpipe.node.depth import Acceptance, DepthChooser, StageCosts, best_of, depth_rates, expected_tokens
 from mtpipe.node.protocol import SamplingParams
 
 
@@ -24,6 +24,9 @@ def test_expected_tokens_is_the_accepted_prefix_plus_one() -> None:
 def test_best_depth_weighs_acceptance_against_cost() -> None:
     cheap = [1.0, 1.1, 1.2, 1.3]  # verify costs little more than a decode (optimized BLAS, GPU)
     dear = [1.0, 2.0, 3.0, 4.0]  # a verify over K+1 tokens costs K+1 decodes (reference BLAS)
+    def best_depth(acceptance: list[float], seconds: list[float]) -> int:
+        return best_of(depth_rates(acceptance, seconds))
+
     assert best_depth([0.9, 0.9, 0.9], cheap) == 3
     assert best_depth([0.0, 0.0, 0.0], cheap) == 0  # drafts never accepted: no speculation
     assert best_depth([0.9, 0.9, 0.9], dear) == 0  # nothing pays when tokens cost what rounds cost
