@@ -61,7 +61,7 @@ def main(reps: int) -> None:
                 print(rep, method, f"{tps:.1f} tok/s, {ms:.2f} ms and {per_round:.2f} tokens per round",
                       dict(sorted(depths.items())), [drafted, accepted], flush=True)
         head = engine.stages[-1].head
-        for rows, costs in sorted(head.costs_by_rows.items()):
+        for rows, costs in sorted(head.plan.costs_by_rows.items()):
             print("auto's round costs at", rows, "rows:", {k: round(v * 1000, 2) for k, v in sorted(costs.live.items())})
     finally:
         engine.close()

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from ..models.gdn_snapshots import GDNSnapshots
 from ..models.ragged import concat_caches, pad_rows, restore_rows, rows_cache, take_rows
+from .batch_depth import DepthPlan
 from .batch_head import BatchHead, RowOutput
 from .filling import FillGroup
 from .protocol import Commit, StageError, StepOutput, StepRequest
@@ -49,13 +50,13 @@ class RowStep:
 
 
 class BatchStage:
-    def __init__(self, worker: StageWorker):
+    def __init__(self, worker: StageWorker, plan: DepthPlan | None = None):
         if worker.overlap:
             raise ValueError("a batch stage prefills through a worker that does not queue rounds ahead")
         self.worker = worker
         self.model = worker.model
         self.spec = worker.spec
-        self.head = BatchHead(worker.head) if worker.head is not None else None
+        self.head = BatchHead(worker.head, plan) if worker.head is not None else None
         self.ids: list[str] = []  # the batch's rows, in order
         self.cache: list = []  # per layer: RaggedKV (attention) or ArraysCache with [rows, ...] states
         self.positions: list[int] = []
@@ -77,7 +78,7 @@ class BatchStage:
         if req.seq_id in self.ids:
             raise StageError(f"sequence {req.seq_id!r} is already decoding")
         if self.head is not None:
-            self.head.interrupted = True  # the next round's timing would include this chunk
+            self.head.plan.interrupt()  # the next round's timing would include this chunk
         return self.worker.step(req, hidden)
 
     def fill(self, reqs: list[StepRequest], hidden: mx.array | None = None) -> mx.array | list[StepOutput]:
@@ -86,7 +87,7 @@ class BatchStage:
             if req.seq_id in self.ids:
                 raise StageError(f"sequence {req.seq_id!r} is already decoding")
         if self.head is not None:
-            self.head.interrupted = True  # the next round's timing would include this step
+            self.head.plan.interrupt()  # the next round's timing would include this step
         start = time.perf_counter()
         out = self.filling.step(reqs, hidden)
         self.stats.steps += 1

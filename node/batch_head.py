@@ -19,7 +19,8 @@ import numpy as np
 from ..models.mtp import entries_only_pays
 from ..models.ragged import RaggedKV, pad_rows
 from .acceptance import accept_greedy, filtered_probs
-from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, batch_rates, best_of, nearest, shortfall
+from .batch_depth import DepthPlan
+from .depth import batch_rates
 from .head import DraftState, Head
 from .processors import apply, logprobs
 from .protocol import Commit, StageError, StepOutput
@@ -36,7 +37,7 @@ def rows_bucket(rows: int) -> int:
 
 
 class BatchHead:
-    def __init__(self, head: Head):
+    def __init__(self, head: Head, plan: DepthPlan | None = None):
         self.head = head  # the per-sequence head: prefill, calibration and the depth costs
         self.model = head.model
         self.states: list[DraftState] = []
@@ -49,11 +50,8 @@ class BatchHead:
         # last round), and what queuing the next one's costs (in this one).
         self.ahead_done = 0.0
         self.ahead_next = 0.0
-        self.interrupted = True  # something other than rounds ran since (a prefill): do not time
-        self.costs_by_rows: dict[int, StageCosts] = {}
-        self.shapes: set[tuple[int, int]] = set()  # (rows, depth) of the rounds run so far
+        self.plan = plan or DepthPlan()  # the depth of `auto` rows, shared with the batches beside this one
         self.last_depth = -1
-        self.probe = Probe(hold=True, most=PROBE_EVERY_MAX_BATCH)
 
     def join(self, seq_id: str, d: DraftState) -> None:
         row = RaggedKV.from_cache(d.mtp_cache, d.mtp_len) if d.mtp_cache is not None else RaggedKV(None, None, [0])
@@ -62,14 +60,16 @@ class BatchHead:
         self.mtp = row if not self.states else RaggedKV.concat([self.mtp, row])
         self.states.append(d)
         self.rounds.append(0)
-        self.interrupted = True
+        self.plan.interrupt()
 
     def keep(self, rows: list[int]) -> None:
         self.states = [self.states[i] for i in rows]
         self.rounds = [self.rounds[i] for i in rows]
         self.drafting = [self.drafting[i] for i in rows]
         self.mtp = self.mtp.take(rows) if rows else RaggedKV()
-        self.interrupted = True
+        self.plan.interrupt()
+        if not rows:
+            self.plan.leave(self)
 
     def all_greedy(self) -> bool:
         return all(d.params.greedy for d in self.states)
@@ -140,76 +140,39 @@ class BatchHead:
         return outs
 
     def _choose(self, rows: list, positions: list[int]) -> None:
-        """Depths for the rows with timed `auto`: one for all of them (depth.batch_rates), from round
-        costs measured at this batch size. A round with K drafts costs drafting them and everything
-        from handing them out to their verdict (the other stages, the host, the commit); a round is as
-        wide as its deepest row, so it is timed under that. Only a round at the same depth as the one
-        before is timed (a change of depth mixes the two rounds' work: a commit, a round queued ahead),
-        and none with a prefill between."""
+        """Depths for the rows with timed `auto`: one for all of them and for the batches that share the
+        plan (batch_depth.py), from round costs measured at this batch size. A round with K drafts costs
+        drafting them and everything from handing them out to their verdict (the other stages, the
+        host, the commit, the other batches' rounds); a round is as wide as its deepest row, so it is
+        timed under that. Only a round at the same depth as the one before is timed (a change of depth
+        mixes the two rounds' work: a commit, a round queued ahead), and none the plan calls unclean."""
         timed = [d for d in self.states if d.chooser is not None]
-        interrupted, self.interrupted = self.interrupted, False
         if not timed or self.head.costs is None:
+            self.plan.leave(self)
             return
+        plan = self.plan
         bucket = rows_bucket(len(rows))
-        costs = self._costs(bucket)
+        costs = plan.costs(bucket, self.head.costs)
         context = max(positions)
         depth = max(len(r.tokens) - 1 for r in rows)
-        shape = (len(rows), depth)
         steady, self.last_depth = depth == self.last_depth, depth
-        if shape not in self.shapes:  # the first round of a shape compiles its kernels: not a cost
-            self.shapes.add(shape)
-        elif steady and not interrupted and not any(d.processed for d in self.states):
+        if plan.first_shape((len(rows), depth)):
+            pass
+        elif steady and plan.clean(self.handed_out) and not any(d.processed for d in self.states):
             # each round charged its own forward, whichever round it computed in (rows with logits
             # processors are never queued ahead: their rounds are not what plain rounds cost)
             seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
             costs.observe(depth, context, seconds)
-        kmax = max(d.chooser.kmax for d in timed)
-        depth = self._untimed(costs, kmax)
-        if depth is None:
-            rates = [d.chooser.acceptance.rates(costs.acceptance.extrapolated()[: d.chooser.kmax]) for d in timed]
-            seconds = self._round_seconds(bucket, context)[: kmax + 1]
-            per_depth = batch_rates(rates, [d.chooser.kmax for d in timed], seconds)
-            best = best_of(per_depth)
-            depth = self.probe.next(best, costs, kmax, shortfall(per_depth, best))
+            plan.timed(depth)
+        kmaxes = [d.chooser.kmax for d in timed]
+
+        def rates(seconds: list[float]) -> list[float]:
+            acceptance = [d.chooser.acceptance.rates(costs.acceptance.extrapolated()[: d.chooser.kmax]) for d in timed]
+            return batch_rates(acceptance, kmaxes, seconds)
+
+        depth = plan.next(self, bucket, context, max(kmaxes), rates)
         for d in timed:
             d.depth = min(depth, d.chooser.kmax)
-
-    def _untimed(self, costs: StageCosts, kmax: int) -> int | None:
-        """A depth to time before choosing: each depth once on this stage (at any batch size), then no
-        drafts at each batch size (never a loss against decoding without MTP)."""
-        anywhere = {k for c in self.costs_by_rows.values() for _, k in c.live}
-        first = next((k for k in range(kmax + 1) if k not in anywhere), None)
-        if first is not None:
-            return first
-        return None if any(k == 0 for _, k in costs.live) else 0
-
-    def _round_seconds(self, bucket: int, context: int) -> list[float]:
-        """Round costs at this batch size; a depth not timed at it is its cost at the nearest batch
-        size where it was, scaled as rounds without drafts compare between the two."""
-        own = self.costs_by_rows[bucket]
-        out = own.round_seconds(context)
-        for k in range(1, len(out)):
-            if any(d == k for _, d in own.live):
-                continue
-            near = [b for b, c in self.costs_by_rows.items()
-                    if b != bucket and {0, k} <= {d for _, d in c.live} and len(c.prior) == len(own.prior)]
-            if near:
-                seconds = self.costs_by_rows[nearest(near, bucket, int.bit_length)].round_seconds(context)
-                out[k] = seconds[k] * out[0] / seconds[0]
-        return out
-
-    def _costs(self, bucket: int) -> StageCosts:
-        """Round costs per power-of-two batch size: how much a wider round costs depends on the rows.
-        The tables follow the stage's: deeper when a sequence asked for deeper drafts than any before,
-        and reading its acceptance (which every drafting sequence informs)."""
-        stage = self.head.costs
-        for b, table in self.costs_by_rows.items():
-            if len(table.prior) < len(stage.prior):
-                self.costs_by_rows[b] = table = table.widened(stage.prior)
-            table.acceptance = stage.acceptance
-        if bucket not in self.costs_by_rows:
-            self.costs_by_rows[bucket] = StageCosts(list(stage.prior), acceptance=stage.acceptance)
-        return self.costs_by_rows[bucket]
 
     def _check(self, rows: list) -> None:
         for row, d in zip(rows, self.states):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .batch import BatchStage, RowStep
+from .batch_depth import DepthPlan
 from .batch_head import RowOutput
 from .protocol import MAX_MTP_DEPTH, Commit, GroupRound, GroupRow, StageError, StepOutput
 from .stage import StageWorker
@@ -57,6 +58,18 @@ class RingGroups:
         self.spec = worker.spec
         self.vocab_size = worker.shard.config.args.vocab_size
         self.groups: dict[tuple[str, int], Group] = {}
+        # The last node: one depth for a client's groups, which take turns on every node (batch_depth.py)
+        self.plans: dict[str, DepthPlan] = {}
+
+    def _new_group(self, client_id: str) -> Group:
+        plan = self.plans.setdefault(client_id, DepthPlan()) if self.spec.is_last else None
+        return Group(BatchStage(self.worker, plan))
+
+    def prefilled(self, client_id: str) -> None:
+        """A prompt chunk of the client's ran on the last node: its groups' rounds in flight waited for it."""
+        plan = self.plans.get(client_id)
+        if plan is not None:
+            plan.interrupt()
 
     # -- every node -------------------------------------------------------------------------
 
@@ -82,7 +95,7 @@ class RingGroups:
         if missing:
             raise StageError(f"group {rnd.group}: sequence {missing[0]!r} joins but was not prefilled here")
         if g is None:
-            g = self.groups[rnd.key] = Group(BatchStage(self.worker))
+            g = self.groups[rnd.key] = self._new_group(rnd.client_id)
         g.seen = time.monotonic()
         stage = g.stage
         if g.pending:
@@ -147,6 +160,7 @@ class RingGroups:
         for key in [k for k in self.groups if k[0] == client_id]:
             gone += self.groups[key].stage.ids
             self.end(key)
+        self.plans.pop(client_id, None)
         return gone
 
     def _validate(self, rnd: GroupRound) -> None:
@@ -179,7 +193,7 @@ class RingGroups:
             return False, None
         g = self.groups.get((client_id, group))
         if g is None:
-            g = self.groups[(client_id, group)] = Group(BatchStage(self.worker))
+            g = self.groups[(client_id, group)] = self._new_group(client_id)
         g.budgets[seq_id] = left
         g.stops[seq_id] = frozenset(stops)
         g.joins.append(GroupRow(seq_id, [out.tokens[-1], *out.drafts], join=True))
@@ -216,7 +230,7 @@ class RingGroups:
         self.end(key)
         if not joins:
             return None
-        fresh = self.groups[key] = Group(BatchStage(self.worker))
+        fresh = self.groups[key] = self._new_group(key[0])
         fresh.joins = joins
         for r in joins:
             fresh.budgets[r.seq_id], fresh.stops[r.seq_id] = g.budgets[r.seq_id], g.stops[r.seq_id]

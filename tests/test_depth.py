@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -219,12 +220,13 @@ def test_batch_cost_tables_follow_a_deeper_stage() -> None:
         batch.states = [state]
         for _ in range(n):
             batch._choose([SimpleNamespace(tokens=[0] * (state.depth + 1))], [context])
+            batch.handed_out = time.perf_counter()  # the round's drafts go out
 
     rounds(SimpleNamespace(chooser=DepthChooser(1), depth=0, processed=False), 100, 6)
     head.costs = head.costs.widened([1.0, 1.2, 1.4, 1.6])
     deeper = SimpleNamespace(chooser=DepthChooser(3), depth=0, processed=False)
     rounds(deeper, 100, 20)
     rounds(deeper, 5000, 20)  # a new context length: estimates scaled from the prior's shape
-    table = batch.costs_by_rows[1]
+    table = batch.plan.costs_by_rows[1]
     assert len(table.prior) == 4 and {k for _, k in table.live} >= {2, 3}
     assert table.acceptance is head.costs.acceptance
