@@ -53,6 +53,16 @@ STEPPED_MAX_TOKENS = 16  # longer inputs (prefill chunks) use mlx-lm's layer as 
 LayerCache = Any  # KVCache for attention layers, ArraysCache(2) for GatedDeltaNet layers
 
 
+def queue_layers() -> bool:
+    """Whether a forward the caller evaluates at once should queue each layer as it is built. On the
+    CPU, MLX computes queued work on the stream's own thread and `async_eval` returns while the last
+    of it runs, so the host builds the next layer while this one finishes, instead of building the
+    whole forward first and then waiting for all of it (queuing and waiting per layer instead is
+    slower than neither). Not for forwards queued ahead of their use: the host has other work to do
+    while those compute. Metal keeps one submission per forward (not measured here)."""
+    return mx.default_device() == mx.cpu
+
+
 class Qwen35Shard(nn.Module):
     def __init__(self, config: ModelConfig, spec: ShardSpec, with_mtp: bool):
         super().__init__()
@@ -81,9 +91,10 @@ class Qwen35Shard(nn.Module):
         return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
 
     def run_layers(
-        self, h: mx.array, cache: list[LayerCache], capture: bool = False
+        self, h: mx.array, cache: list[LayerCache], capture: bool = False, eager: bool = False
     ) -> tuple[mx.array, dict[int, GDNSnapshots]]:
-        """Run this shard's layers. With `capture`, GatedDeltaNet layers keep per-position states.
+        """Run this shard's layers. With `capture`, GatedDeltaNet layers keep per-position states;
+        `eager`: the caller evaluates the result at once (see `queue_layers`).
 
         Short inputs (decode, verify) always take the stepped GatedDeltaNet path: it is the same
         arithmetic as mlx-lm's decode, compiled, so decode and verify agree bit for bit.
@@ -91,21 +102,28 @@ class Qwen35Shard(nn.Module):
         attn_cache = next((c for c, l in zip(cache, self.layers) if not l.is_linear), None)
         attn_mask = create_attention_mask(h, attn_cache)
         stepped = capture or h.shape[1] <= STEPPED_MAX_TOKENS
+        queue = eager and queue_layers()
         snapshots: dict[int, GDNSnapshots] = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             if layer.is_linear and stepped:
                 h, snapshots[i] = gdn_layer(layer, h, c, self.compiled)
             else:
                 h = layer(h, mask=None if layer.is_linear else attn_mask, cache=c)
+            if queue:
+                mx.async_eval(h)
         return h, snapshots
 
-    def run_rows(self, h: mx.array, cache: list, real: list[int]) -> tuple[mx.array, dict[int, GDNSnapshots]]:
+    def run_rows(self, h: mx.array, cache: list, real: list[int], eager: bool = False
+                 ) -> tuple[mx.array, dict[int, GDNSnapshots]]:
         """Run this shard's layers over padded rows of a batch (see ragged.py); row i has `real[i]` tokens."""
+        queue = eager and queue_layers()
         snapshots: dict[int, GDNSnapshots] = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h, snaps = ragged_layer(layer, h, c, real, self.compiled)
             if snaps is not None:
                 snapshots[i] = snaps
+            if queue:
+                mx.async_eval(h)
         return h, snapshots
 
     def final_norm(self, h: mx.array) -> mx.array:
