@@ -7,8 +7,10 @@ lengthens the other groups' rounds), so it picks deeper than pays; and groups at
 leave nodes waiting on the heaviest group. So the groups of a client share one `DepthPlan`: one depth
 for all of them, cost tables per batch size, and a round is timed only if every group ran the plan's
 depth for all of it: from the moment the last group took up a new depth (or something else ran,
-such as a prompt chunk), rounds handed out after it are clean. A single batch is the case of one
-group. Choosing is depth.py's: tokens per second by depth from acceptance and round costs, probes.
+such as a prompt chunk), rounds handed out after it are clean. One member, the oldest, decides, once
+per its round (so probes come as often in rounds of the ring whatever the number of groups), from
+every member's rows; the others follow. A single batch is the case of one group. Choosing is
+depth.py's: tokens per second by depth from acceptance and round costs, probes.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from collections.abc import Callable
 
 from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, best_of, nearest, shortfall
 
-# A new depth is held until a round at it was timed; rounds that cannot be timed (logits processors,
-# prompt chunks in between) release it after this many choices per member.
-HOLD_PER_MEMBER = 4
+# A new depth is held until a round at it was timed (two rounds of the deciding member, when nothing
+# else runs); rounds that cannot be timed (prompt chunks in between) release it after this many.
+HOLD_ROUNDS = 4
+
+Rates = Callable[[list[float]], list[float]]  # a member's rows: tokens per second by depth, from round seconds
 
 
 class DepthPlan:
@@ -34,8 +38,9 @@ class DepthPlan:
         self.probe = Probe(most=PROBE_EVERY_MAX_BATCH)
         self.depth: int | None = None  # what the members were last told
         self.clean_from = 0.0  # rounds handed out before this moment (perf_counter) mixed other work in
-        self.held = 0  # choices left while a new depth waits for a timing (0: not held)
-        self.members: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()  # -> its depth
+        self.held = 0  # the decider's rounds left while a new depth waits for a timing (0: not held)
+        # member -> (the depth it runs, its rows' most drafts, its rows' tokens per second by depth)
+        self.members: weakref.WeakKeyDictionary[object, tuple[int, int, Rates]] = weakref.WeakKeyDictionary()
 
     # -- what the members report ---------------------------------------------------------------
 
@@ -56,8 +61,10 @@ class DepthPlan:
         self.shapes.add(shape)
         return True
 
-    def clean(self, handed_out: float) -> bool:
-        return handed_out >= self.clean_from
+    def clean(self, handed_out: float, depth: int) -> bool:
+        """Whether a round at `depth` whose drafts went out at `handed_out` ran at the plan's depth, as
+        every member's round beside it did."""
+        return depth == self.depth and handed_out >= self.clean_from
 
     def timed(self, depth: int) -> None:
         """A clean round at `depth` was timed: a depth held for it may change again."""
@@ -78,23 +85,31 @@ class DepthPlan:
             self.costs_by_rows[bucket] = StageCosts(list(stage.prior), acceptance=stage.acceptance)
         return self.costs_by_rows[bucket]
 
-    def next(self, member: object, bucket: int, context: int, kmax: int,
-             rates: Callable[[list[float]], list[float]]) -> int:
-        """The depth of `member`'s next round. While the members have not all taken up the plan's
-        depth, or it waits for a timing, they follow it; else it is chosen: depths never timed first,
-        then the best by `rates` (tokens per second from round seconds per depth), with probes."""
-        if self.depth is not None and self.held:  # (a member whose rows draft less caps it)
+    def next(self, member: object, bucket: int, context: int, kmax: int, rates: Rates,
+             timeable: bool = True) -> int:
+        """The depth of `member`'s next round (its rows cap it at their `kmax`); `rates`: its rows'
+        tokens per second by depth. The oldest member decides: depths never timed first, then the
+        best for every member's rows together, with probes; a new depth is held until a round at it
+        was timed (not at all if `timeable` is False: rows whose rounds are never timed). The other
+        members follow."""
+        ran = self.members.get(member)
+        self.members[member] = (ran[0] if ran else -1, kmax, rates)
+        if self.depth is not None and next(iter(self.members)) is not member:
+            return self._take(member, self.depth)
+        if self.depth is not None and self.held and timeable:
             self.held -= 1
             return self._take(member, self.depth)
+        deepest = max(k for _, k, _ in self.members.values())
         costs = self.costs_by_rows[bucket]
-        depth = self.untimed(costs, kmax)
+        depth = self.untimed(costs, deepest)
         if depth is None:
-            per_depth = rates(self.round_seconds(bucket, context)[: kmax + 1])
+            seconds = self.round_seconds(bucket, context)[: deepest + 1]
+            per_depth = [sum(col) for col in zip(*(r(seconds) for _, _, r in self.members.values()))]
             best = best_of(per_depth)
-            depth = self.probe.next(best, costs, kmax, shortfall(per_depth, best))
+            depth = self.probe.next(best, costs, deepest, shortfall(per_depth, best))
         if depth != self.depth:
             self.depth = depth
-            self.held = HOLD_PER_MEMBER * (len(self.members) + 1)
+            self.held = HOLD_ROUNDS if timeable else 0
             self.clean_from = math.inf  # until every member runs it
         return self._take(member, depth)
 
@@ -123,11 +138,14 @@ class DepthPlan:
         return out
 
     def _take(self, member: object, depth: int) -> int:
-        self.members[member] = depth
+        _, kmax, rates = self.members[member]
+        self.members[member] = (min(depth, kmax), kmax, rates)
         self._settle()
         return depth
 
     def _settle(self) -> None:
-        """Every member runs the plan's depth: rounds handed out from now on are clean."""
-        if not math.isfinite(self.clean_from) and all(d == self.depth for d in self.members.values()):
+        """Every member runs the plan's depth (as far as its rows draft): rounds handed out from now
+        on are clean."""
+        if not math.isfinite(self.clean_from) and all(ran == min(self.depth, kmax)
+                                                     for ran, kmax, _ in self.members.values()):
             self.clean_from = time.perf_counter()

@@ -143,9 +143,9 @@ class BatchHead:
         """Depths for the rows with timed `auto`: one for all of them and for the batches that share the
         plan (batch_depth.py), from round costs measured at this batch size. A round with K drafts costs
         drafting them and everything from handing them out to their verdict (the other stages, the
-        host, the commit, the other batches' rounds); a round is as wide as its deepest row, so it is
-        timed under that. Only a round at the same depth as the one before is timed (a change of depth
-        mixes the two rounds' work: a commit, a round queued ahead), and none the plan calls unclean."""
+        host, the commit, the other batches' rounds). A round is timed only at the plan's depth (a round
+        is as wide as its deepest row), at the same depth as the one before (a change of depth mixes
+        the two rounds' work: a commit, a round queued ahead), and when the plan calls it clean."""
         timed = [d for d in self.states if d.chooser is not None]
         if not timed or self.head.costs is None:
             self.plan.leave(self)
@@ -156,9 +156,10 @@ class BatchHead:
         context = max(positions)
         depth = max(len(r.tokens) - 1 for r in rows)
         steady, self.last_depth = depth == self.last_depth, depth
+        timeable = not any(d.processed for d in self.states)
         if plan.first_shape((len(rows), depth)):
             pass
-        elif steady and plan.clean(self.handed_out) and not any(d.processed for d in self.states):
+        elif steady and timeable and plan.clean(self.handed_out, depth):
             # each round charged its own forward, whichever round it computed in (rows with logits
             # processors are never queued ahead: their rounds are not what plain rounds cost)
             seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
@@ -170,7 +171,7 @@ class BatchHead:
             acceptance = [d.chooser.acceptance.rates(costs.acceptance.extrapolated()[: d.chooser.kmax]) for d in timed]
             return batch_rates(acceptance, kmaxes, seconds)
 
-        depth = plan.next(self, bucket, context, max(kmaxes), rates)
+        depth = plan.next(self, bucket, context, max(kmaxes), rates, timeable)
         for d in timed:
             d.depth = min(depth, d.chooser.kmax)
 

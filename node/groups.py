@@ -62,13 +62,16 @@ class RingGroups:
         self.plans: dict[str, DepthPlan] = {}
 
     def _new_group(self, client_id: str) -> Group:
-        plan = self.plans.setdefault(client_id, DepthPlan()) if self.spec.is_last else None
+        plan = None
+        if self.spec.is_last:
+            plan = self.plans.get(client_id)
+            if plan is None:
+                plan = self.plans[client_id] = DepthPlan()
         return Group(BatchStage(self.worker, plan))
 
-    def prefilled(self, client_id: str) -> None:
-        """A prompt chunk of the client's ran on the last node: its groups' rounds in flight waited for it."""
-        plan = self.plans.get(client_id)
-        if plan is not None:
+    def prefilled(self) -> None:
+        """A prompt chunk ran on the last node: the rounds in flight waited for it."""
+        for plan in self.plans.values():
             plan.interrupt()
 
     # -- every node -------------------------------------------------------------------------

@@ -270,8 +270,8 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
             log.exception("step %d of %s failed", frame.step, frame.seq_id)
             self._fail(frame, "INTERNAL", f"{type(e).__name__}: {e}")
             return
-        if frame.group and self.worker.spec.is_last and not self.worker.overlap:
-            self.ring_groups.prefilled(frame.client_id)
+        if self.worker.spec.is_last and not self.worker.overlap and self._ring_groups is not None:
+            self._ring_groups.prefilled()
         if frame.step == 0 and frame.client_id:
             self._owners[frame.seq_id] = frame.client_id
             self.lease(frame.seq_id)

@@ -6,6 +6,7 @@ out until its verdict, and in between every other group's round runs too.
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -40,22 +41,28 @@ def stage_head() -> SimpleNamespace:
     return SimpleNamespace(model=None, mtp_pre_norm=False, costs=costs)
 
 
-def ring(clock: Clock, heads: list[BatchHead], rounds: int, work: float = 0.8) -> list[list[tuple[float, float, int]]]:
-    """Each group in turn: its round's verdict after its own work on the ring (1 + work x depth), then
-    its next drafts go out. Returns each group's rounds as (drafts out, verdict, depth)."""
-    states = [SimpleNamespace(chooser=DepthChooser(1), depth=0, processed=False) for _ in heads]
+def ring(clock: Clock, heads: list[BatchHead], rounds: int, work: float = 0.8, kmaxes: list[int] | None = None,
+         order: random.Random | None = None, processed: bool = False) -> list[list[tuple[float, float, int]]]:
+    """Verdicts of the groups' rounds in turn (or in a random order, each group one round in flight):
+    a round's verdict comes after its own work on the ring (1 + work x depth) since the verdict
+    before, then its next drafts go out. Returns each group's rounds as (drafts out, verdict, depth)."""
+    kmaxes = kmaxes or [1] * len(heads)
+    states = [SimpleNamespace(chooser=DepthChooser(k), depth=0, processed=processed) for k in kmaxes]
     for head, state in zip(heads, states):
         head.states = [state]
     history: list[list[tuple[float, float, int]]] = [[] for _ in heads]
     sent = [(clock.now, 0) for _ in heads]  # (when, depth) of each group's round on its way
-    for _ in range(rounds):
-        for i, (head, state) in enumerate(zip(heads, states)):
-            out, depth = sent[i]
-            clock.now += 1.0 + work * depth
-            history[i].append((out, clock.now, depth))
-            head._choose([SimpleNamespace(tokens=[0] * (depth + 1))], [100])
-            head.handed_out = clock.now
-            sent[i] = (clock.now, state.depth)
+    for n in range(rounds * len(heads)):
+        i = order.randrange(len(heads)) if order else n % len(heads)
+        head, state = heads[i], states[i]
+        out, depth = sent[i]
+        clock.now += 1.0 + work * depth
+        if not history[i]:
+            head.plan.interrupt()  # the group's rows join at its first round's verdict (BatchHead.join)
+        history[i].append((out, clock.now, depth))
+        head._choose([SimpleNamespace(tokens=[0] * (depth + 1))], [100])
+        head.handed_out = clock.now
+        sent[i] = (clock.now, state.depth)
     return history
 
 
@@ -81,8 +88,13 @@ def test_groups_in_flight_draft_where_it_pays_for_all_of_them(clock: Clock) -> N
     assert drafting(history) > 0.9
 
 
-def test_only_rounds_every_group_ran_at_one_depth_are_timed(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every timing a shared plan takes covers rounds of all groups at the timed depth."""
+@pytest.mark.parametrize("order,kmaxes", [(None, [1, 1, 1]), (7, [1, 1, 1]), (None, [3, 3, 1]), (11, [2, 3, 1])],
+                         ids=["in-turn", "random-order", "shallow-member", "random-mixed"])
+def test_only_rounds_every_group_ran_at_one_depth_are_timed(clock: Clock, monkeypatch: pytest.MonkeyPatch,
+                                                            order: int | None, kmaxes: list[int]) -> None:
+    """Every timing a shared plan takes is of a round at the plan's depth, and every round beside it
+    ran that depth too (as far as its group's rows draft), also when groups come round out of turn
+    or draft less than the others."""
     observed: list[tuple[int, float]] = []
     real = StageCosts.observe
 
@@ -93,15 +105,37 @@ def test_only_rounds_every_group_ran_at_one_depth_are_timed(clock: Clock, monkey
     monkeypatch.setattr(StageCosts, "observe", observe)
     plan = DepthPlan()
     head = stage_head()
-    head.costs.acceptance = Acceptance([1000.0], [900.0])  # drafting pays: depths change, probes go both ways
-    history = ring(clock, [BatchHead(head, plan) for _ in range(3)], 200, work=0.3)
-    rounds = [r for h in history for r in h]
+    head.costs = head.costs.widened([1.0, 1.3, 1.6, 1.9])
+    head.costs.acceptance = Acceptance([1000.0] * 3, [900.0] * 3)  # drafting pays: depths change, probes go both ways
+    history = ring(clock, [BatchHead(head, plan) for _ in kmaxes], 200, work=0.3, kmaxes=kmaxes,
+                   order=random.Random(order) if order is not None else None)
     assert len(observed) > 100
-    assert {d for d, _ in observed} == {0, 1}
+    assert len({d for d, _ in observed}) >= 2
     for depth, at in observed:
         timed = next(r for h in history for r in h if r[1] == at)  # the round whose verdict was timed
-        overlapping = [r for r in rounds if r[0] < timed[1] and r[1] > timed[0]]
-        assert all(d == depth for _, _, d in overlapping), (depth, timed)
+        assert timed[2] == depth
+        for h, kmax in zip(history, kmaxes):
+            assert all(d == min(depth, kmax) for out, end, d in h if out < timed[1] and end > timed[0]), (depth, timed)
+
+
+def test_probes_are_timed_and_come_as_often_whatever_the_groups(clock: Clock) -> None:
+    """A probe's depth gets timed (it is held until it is), and the oldest group alone decides: one
+    group or four, a similar share of the ring's rounds goes to probes."""
+    shares = []
+    for groups in (1, 4):
+        plan, head = DepthPlan(), stage_head()
+        history = ring(clock, [BatchHead(head, plan) for _ in range(groups)], 600)
+        table = plan.costs_by_rows[1]
+        assert table.samples[(table.live and next(iter(table.live))[0], 1)] >= 3  # the probed depth: timed again and again
+        shares.append(drafting(history, skip=100))
+    assert 0 < shares[1] < 2 * shares[0] + 0.02
+
+
+def test_rounds_that_are_never_timed_hold_no_depth(clock: Clock) -> None:
+    """Rows with logits processors are never timed: the plan does not wait for a timing to move on."""
+    plan, head = DepthPlan(), stage_head()
+    ring(clock, [BatchHead(head, plan)], 20, processed=True)
+    assert plan.held == 0 and not plan.costs_by_rows[1].live
 
 
 def test_a_group_that_ends_does_not_hold_the_others(clock: Clock) -> None:
