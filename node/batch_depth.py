@@ -66,10 +66,9 @@ class DepthPlan:
         every member's round beside it did."""
         return depth == self.depth and handed_out >= self.clean_from
 
-    def timed(self, depth: int) -> None:
-        """A clean round at `depth` was timed: a depth held for it may change again."""
-        if depth == self.depth:
-            self.held = 0
+    def timed(self) -> None:
+        """A clean round (so one at the plan's depth) was timed: the depth may change again."""
+        self.held = 0
 
     # -- choosing ------------------------------------------------------------------------------
 

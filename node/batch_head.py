@@ -164,7 +164,7 @@ class BatchHead:
             # processors are never queued ahead: their rounds are not what plain rounds cost)
             seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
             costs.observe(depth, context, seconds)
-            plan.timed(depth)
+            plan.timed()
         kmaxes = [d.chooser.kmax for d in timed]
 
         def rates(seconds: list[float]) -> list[float]:

@@ -69,8 +69,9 @@ class RingGroups:
                 plan = self.plans[client_id] = DepthPlan()
         return Group(BatchStage(self.worker, plan))
 
-    def prefilled(self) -> None:
-        """A prompt chunk ran on the last node: the rounds in flight waited for it."""
+    def interrupt(self) -> None:
+        """Work outside the groups ran on the last node (a prompt chunk, a sequence's own step): the
+        rounds in flight waited for it."""
         for plan in self.plans.values():
             plan.interrupt()
 

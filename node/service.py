@@ -271,7 +271,7 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
             self._fail(frame, "INTERNAL", f"{type(e).__name__}: {e}")
             return
         if self.worker.spec.is_last and not self.worker.overlap and self._ring_groups is not None:
-            self._ring_groups.prefilled()
+            self._ring_groups.interrupt()
         if frame.step == 0 and frame.client_id:
             self._owners[frame.seq_id] = frame.client_id
             self.lease(frame.seq_id)
