@@ -54,12 +54,13 @@ LayerCache = Any  # KVCache for attention layers, ArraysCache(2) for GatedDeltaN
 
 
 def queue_layers() -> bool:
-    """Whether a forward the caller evaluates at once should queue each layer as it is built. On the
-    CPU, MLX computes queued work on the stream's own thread and `async_eval` returns while the last
-    of it runs, so the host builds the next layer while this one finishes, instead of building the
-    whole forward first and then waiting for all of it (queuing and waiting per layer instead is
-    slower than neither). Not for forwards queued ahead of their use: the host has other work to do
-    while those compute. Metal keeps one submission per forward (not measured here)."""
+    """Whether a forward queues each layer as it is built. On the CPU, MLX computes queued work on the
+    stream's own thread and `async_eval` returns only while the last of it runs, so a forward built
+    whole and then queued leaves the CPU idle while the host builds it, and the host idle while it
+    computes; queued layer by layer, the host builds the next layer while this one computes. That
+    holds for a forward queued ahead of its use too: its `async_eval` would wait for most of it
+    anyway. (Waiting for each layer instead is slower than either.) Metal keeps one submission per
+    forward (not measured here)."""
     return mx.default_device() == mx.cpu
 
 
@@ -91,10 +92,10 @@ class Qwen35Shard(nn.Module):
         return [ArraysCache(size=2) if layer.is_linear else KVCache() for layer in self.layers]
 
     def run_layers(
-        self, h: mx.array, cache: list[LayerCache], capture: bool = False, eager: bool = False
+        self, h: mx.array, cache: list[LayerCache], capture: bool = False
     ) -> tuple[mx.array, dict[int, GDNSnapshots]]:
-        """Run this shard's layers. With `capture`, GatedDeltaNet layers keep per-position states;
-        `eager`: the caller evaluates the result at once (see `queue_layers`).
+        """Run this shard's layers, each queued as it is built where that pays (`queue_layers`). With
+        `capture`, GatedDeltaNet layers keep per-position states.
 
         Short inputs (decode, verify) always take the stepped GatedDeltaNet path: it is the same
         arithmetic as mlx-lm's decode, compiled, so decode and verify agree bit for bit.
@@ -102,7 +103,7 @@ class Qwen35Shard(nn.Module):
         attn_cache = next((c for c, l in zip(cache, self.layers) if not l.is_linear), None)
         attn_mask = create_attention_mask(h, attn_cache)
         stepped = capture or h.shape[1] <= STEPPED_MAX_TOKENS
-        queue = eager and queue_layers()
+        queue = queue_layers()
         snapshots: dict[int, GDNSnapshots] = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             if layer.is_linear and stepped:
@@ -113,10 +114,9 @@ class Qwen35Shard(nn.Module):
                 mx.async_eval(h)
         return h, snapshots
 
-    def run_rows(self, h: mx.array, cache: list, real: list[int], eager: bool = False
-                 ) -> tuple[mx.array, dict[int, GDNSnapshots]]:
+    def run_rows(self, h: mx.array, cache: list, real: list[int]) -> tuple[mx.array, dict[int, GDNSnapshots]]:
         """Run this shard's layers over padded rows of a batch (see ragged.py); row i has `real[i]` tokens."""
-        queue = eager and queue_layers()
+        queue = queue_layers()
         snapshots: dict[int, GDNSnapshots] = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h, snaps = ragged_layer(layer, h, c, real, self.compiled)

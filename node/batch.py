@@ -160,7 +160,7 @@ class BatchStage:
                 if hidden is None or hidden.shape[:2] != (len(rows), max(real)):
                     raise StageError("this stage needs the previous stage's hidden states for every row")
                 h = hidden.astype(self.worker.dtype)
-            h, self.snapshots = self.model.run_rows(h, self.cache, real, eager=True)
+            h, self.snapshots = self.model.run_rows(h, self.cache, real)
         self.real = real
         self.stats.steps += 1
         self.stats.tokens_processed += sum(real)

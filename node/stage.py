@@ -194,7 +194,7 @@ class StageWorker:
             prepared = tuple(pick)
         else:
             h = self.model.embed(mx.array([req.tokens])) if self.spec.is_first else hidden.astype(self.dtype)
-            h, snapshots = self.model.run_layers(h, seq.cache, capture=decode and T > 1, eager=True)
+            h, snapshots = self.model.run_layers(h, seq.cache, capture=decode and T > 1)
         seq.next_step = req.step + 1
         seq.decoding = seq.decoding or decode
         seq.position += T

@@ -83,9 +83,9 @@ def test_a_failed_trace_leaves_the_layer_whole(dense_ckpt: Path) -> None:
 
 
 @cpu_only
-def test_eager_forwards_queue_each_layer_and_compute_the_same(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A forward its caller evaluates at once queues each layer as it is built (the host builds the next
-    while this one computes); what it computes, caches included, does not change."""
+def test_forwards_queue_each_layer_and_compute_the_same(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU a forward queues each layer as it is built (the host builds the next while this one
+    computes); what it computes, caches included, is what one submission computes."""
     from mlx.utils import tree_flatten
 
     from mtpipe.models import shard as shard_module
@@ -96,17 +96,19 @@ def test_eager_forwards_queue_each_layer_and_compute_the_same(dense_ckpt: Path, 
     real_async_eval = mx.async_eval
     monkeypatch.setattr(shard_module.mx, "async_eval", lambda *a: (queued.append(1), real_async_eval(*a))[1])
     prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    assert shard_module.queue_layers()  # the CPU default
     results = {}
-    for eager in (False, True):
+    for queue in (False, True):
+        monkeypatch.setattr(shard_module, "queue_layers", lambda queue=queue: queue)
         queued.clear()
         cache = model.make_cache()
-        h, _ = model.run_layers(model.embed(prompt), cache, eager=eager)
-        h1, snaps = model.run_layers(model.embed(mx.array([[5, 3, 5]])), cache, capture=True, eager=eager)
+        h, _ = model.run_layers(model.embed(prompt), cache)
+        h1, snaps = model.run_layers(model.embed(mx.array([[5, 3, 5]])), cache, capture=True)
         rows = rows_cache(cache)
-        h2, _ = model.run_rows(model.embed(mx.array([[8]])), rows, [1], eager=eager)
+        h2, _ = model.run_rows(model.embed(mx.array([[8]])), rows, [1])
         states = [a for _, a in tree_flatten([getattr(c, "state", None) for c in rows]) if isinstance(a, mx.array)]
         assert len(states) >= len(model.layers)
-        results[eager] = [h, h1, h2, *[s for snap in snaps.values() for s in snap.states], *states]
-        mx.eval(results[eager])
-        assert len(queued) == (3 * len(model.layers) if eager else 0)
+        results[queue] = [h, h1, h2, *[s for snap in snaps.values() for s in snap.states], *states]
+        mx.eval(results[queue])
+        assert len(queued) == (3 * len(model.layers) if queue else 0)
     assert all(mx.array_equal(a, b).item() for a, b in zip(results[True], results[False]))
