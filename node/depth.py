@@ -208,6 +208,7 @@ class Probe:
     rounds: int = 0
     last_probe: int = 0
     probed_from: int | None = None  # the choice a probe was made from, until the next choice is known
+    probed_on: StageCosts | None = None  # the cost table it was made on
     held: int | None = None
 
     def next(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0) -> int:
@@ -221,13 +222,16 @@ class Probe:
             depth, self.held = self.held, None
             return depth
         if self.probed_from is not None:  # the probe is in: did it change the choice?
-            confirmed = best == self.probed_from
-            most = int(self.most * min(PROBE_STRETCH, max(1.0, behind / PROBE_SHORTFALL)))
-            costs.probe_gap = min(2 * costs.probe_gap, most) if confirmed else PROBE_EVERY
-            self.probed_from = None
+            # Only a choice from the same table answers that: a batch that changed size since chooses
+            # from another table, where the choice probed from may never have been the best.
+            if costs is self.probed_on:
+                confirmed = best == self.probed_from
+                most = int(self.most * min(PROBE_STRETCH, max(1.0, behind / PROBE_SHORTFALL)))
+                costs.probe_gap = min(2 * costs.probe_gap, most) if confirmed else PROBE_EVERY
+            self.probed_from = self.probed_on = None
         if self.rounds - self.last_probe < costs.probe_gap:
             return best
-        self.probed_from, self.last_probe = best, self.rounds
+        self.probed_from, self.probed_on, self.last_probe = best, costs, self.rounds
         up = self.rounds % 2 == 1 or best == 0
         depth = min(best + 1, kmax) if up else max(best - 1, 0)
         if self.hold:

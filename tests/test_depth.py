@@ -12,7 +12,7 @@ from helpers import PROMPTS
 from mtpipe.coordinator.engine.build import local_engine
 from mtpipe.coordinator.engine.request import AUTO_MAX_DEPTH, GenerationRequest, resolve_depth
 from mtpipe.node import depth as policy
-from mtpipe.node.depth import Acceptance, DepthChooser, StageCosts, best_of, depth_rates, expected_tokens
+from mtpipe.node.depth import Acceptance, DepthChooser, Probe, StageCosts, best_of, depth_rates, expected_tokens
 from mtpipe.node.protocol import SamplingParams
 
 
@@ -101,6 +101,25 @@ def test_a_sequence_at_depth_zero_probes_back() -> None:
     later = DepthChooser(kmax=2)
     first = next(i + 1 for i in range(1000) if later.next_depth(costs, 64))
     assert first == costs.probe_gap == 8 * P > policy.PROBE_EVERY_MAX
+
+
+def test_a_probe_is_judged_only_on_the_table_it_was_made_on() -> None:
+    """A batch that changed size between a probe and its verdict chooses from another cost table,
+    where the choice probed from may never have been the best: that says nothing of the probe."""
+    wide, narrow = StageCosts(prior=[1.0, 2.0]), StageCosts(prior=[1.0, 1.2])
+    wide.probe_gap = narrow.probe_gap = 4 * policy.PROBE_EVERY
+    probe = Probe(most=policy.PROBE_EVERY_MAX_BATCH)
+    probe.rounds = 4 * policy.PROBE_EVERY
+    assert probe.choose(best=0, costs=wide, kmax=1) == 1  # a probe, on the wide table
+    assert probe.choose(best=1, costs=narrow, kmax=1) == 1  # the narrow table's own best, no verdict
+    assert wide.probe_gap == narrow.probe_gap == 4 * policy.PROBE_EVERY
+    assert probe.choose(best=0, costs=wide, kmax=1) == 0  # no verdict pending any more
+    assert wide.probe_gap == 4 * policy.PROBE_EVERY
+    # On the same table, a verdict that changes the choice starts the probes over.
+    probe.rounds += 4 * policy.PROBE_EVERY
+    assert probe.choose(best=0, costs=wide, kmax=1) == 1
+    assert probe.choose(best=1, costs=wide, kmax=1) == 1
+    assert wide.probe_gap == policy.PROBE_EVERY
 
 
 def test_probes_of_a_close_neighbour_back_off_to_the_usual_most() -> None:
