@@ -18,6 +18,7 @@ import numpy as np
 
 from ..models.mtp import entries_only_pays
 from ..models.ragged import RaggedKV, pad_rows
+from ..models.shard import queue_layers
 from .acceptance import accept_greedy, filtered_probs
 from .batch_depth import DepthPlan
 from .depth import batch_rates
@@ -224,6 +225,7 @@ class BatchHead:
         lazy: list[mx.array] = []
         probs: list[list[np.ndarray]] = [[] for _ in range(B)]
         host = any(not d.params.greedy and d.depth for d in self.states)
+        queue = not host and queue_layers()  # each draft step computes while the host builds the next
         tokens = mx.zeros((B,), mx.int32)
         vocab = self.head.vocab
         bias = None  # rows' logit_bias on their drafts too: drafts from the biased distribution are accepted
@@ -248,6 +250,8 @@ class BatchHead:
                         probs[i].append(q)
                 tokens = mx.array(drawn, dtype=mx.int32)
             lazy.append(tokens)
+            if queue:
+                mx.async_eval(tokens)
         drafted = mx.stack(lazy, axis=1).tolist()  # [B, depth]
         for i, d in enumerate(self.states):
             d.drafts = drafted[i][: d.depth]

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..models.draft_vocab import DraftVocab, default_size
 from ..models.mtp import entries_only_pays
+from ..models.shard import queue_layers
 from .acceptance import accept_coupled, accept_greedy, accept_sampled, draw, filtered_probs, gumbel_pick
 from .depth import DepthChooser, StageCosts
 from .processors import History, apply, bias_vector, has_processors, logprobs
@@ -289,6 +290,7 @@ class Head:
             hid, inputs = hid[:, -1:], inputs[:, -1:]
         lazy: list[mx.array] = []
         probs = []
+        queue = queue_layers()  # each draft step computes while the host builds the next
         vocab = self.vocab
         bias = d.bias_row(vocab.vocab)  # drafts drawn from the biased distribution are accepted as often
         bias = vocab.narrow(bias) if bias is not None else None
@@ -300,6 +302,8 @@ class Head:
             if d.params.greedy:
                 tok = vocab.tokens(mx.argmax(logits))
                 lazy.append(tok)
+                if queue:
+                    mx.async_eval(tok)
                 inputs = tok.reshape(1, 1)
             else:
                 q = filtered_probs(vocab.widen(logits), d.params)
