@@ -88,8 +88,11 @@ def test_greedy_identical_whatever_the_depth(engines: tuple[BatchEngine, BatchEn
     plain = one.complete(GenerationRequest(p, max_tokens=24)).tokens
     base = one.complete(GenerationRequest(p, max_tokens=24, params=params))
     assert base.tokens != plain  # the processors change what a greedy decode emits
-    per_sequence = local_engine(dense_ckpt, dtype=mx.float32).complete(GenerationRequest(p, 24, params))
-    assert per_sequence.tokens == base.tokens  # the per-sequence head processes the same way
+    # The per-sequence head processes the same way, its rounds queued ahead of the host or not.
+    per_sequence = local_engine(dense_ckpt, dtype=mx.float32)
+    for depth, auto in DEPTHS:
+        r = per_sequence.complete(GenerationRequest(p, 24, params, mtp_depth=depth, mtp_auto=auto))
+        assert r.tokens == base.tokens, ("per-sequence", depth, auto)
     for engine in (one, two):
         for depth, auto in DEPTHS:
             r = engine.complete(GenerationRequest(p, max_tokens=24, params=params, mtp_depth=depth, mtp_auto=auto))
