@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..models.ragged import RaggedKV, cache_arrays, concat_caches, pad_rows, ragged_attention, take_rows
+from ..models.shard import queue_layers
 from .head import DraftState, Head, new_draft_state
 from .protocol import StageError, StepKind, StepOutput, StepRequest
 from .stage import check_first_step
@@ -106,6 +107,7 @@ class FillGroup:
                 raise StageError("this stage needs the previous stage's hidden states for every prefilling row")
             h = hidden.astype(self.dtype)
         valid = mx.arange(width)[None, :] < mx.array(real)[:, None]
+        queue = queue_layers()  # each layer computes while the host builds the next
         for layer, c in zip(self.model.layers, self.cache):
             x = layer.input_layernorm(h)
             if layer.is_linear:
@@ -116,6 +118,8 @@ class FillGroup:
                 r = ragged_attention(layer.self_attn, x, c, real)
             h = h + r
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if queue:
+                mx.async_eval(h)
         self.positions = [p + n for p, n in zip(self.positions, real)]
         for i, s in enumerate(self.ids):
             if s in by_id:

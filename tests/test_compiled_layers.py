@@ -89,7 +89,9 @@ def test_forwards_queue_each_layer_and_compute_the_same(dense_ckpt: Path, monkey
     from mlx.utils import tree_flatten
 
     from mtpipe.models import shard as shard_module
-    from mtpipe.models.ragged import rows_cache
+    from mtpipe.models.ragged import cache_arrays, rows_cache
+    from mtpipe.node import filling
+    from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest
 
     model = load_shard(dense_ckpt, dtype=mx.float32).model
     queued: list[int] = []
@@ -100,6 +102,7 @@ def test_forwards_queue_each_layer_and_compute_the_same(dense_ckpt: Path, monkey
     results = {}
     for queue in (False, True):
         monkeypatch.setattr(shard_module, "queue_layers", lambda queue=queue: queue)
+        monkeypatch.setattr(filling, "queue_layers", lambda queue=queue: queue)
         queued.clear()
         cache = model.make_cache()
         h, _ = model.run_layers(model.embed(prompt), cache)
@@ -108,7 +111,13 @@ def test_forwards_queue_each_layer_and_compute_the_same(dense_ckpt: Path, monkey
         h2, _ = model.run_rows(model.embed(mx.array([[8]])), rows, [1])
         states = [a for _, a in tree_flatten([getattr(c, "state", None) for c in rows]) if isinstance(a, mx.array)]
         assert len(states) >= len(model.layers)
-        results[queue] = [h, h1, h2, *[s for snap in snaps.values() for s in snap.states], *states]
+        # prompt chunks of rows not yet in a batch, in one forward
+        fill = filling.FillGroup(model, None, first=True, dtype=mx.float32, max_context=64,
+                                 vocab_size=model.config.args.vocab_size, has_mtp=False)
+        h3 = fill.step([StepRequest(s, 0, StepKind.PREFILL, t, params=SamplingParams())
+                        for s, t in (("a", [3, 1, 4, 1, 5]), ("b", [9, 2]))], None)
+        results[queue] = [h, h1, h2, h3, *[s for snap in snaps.values() for s in snap.states], *states,
+                          *cache_arrays(fill.cache)]
         mx.eval(results[queue])
-        assert len(queued) == (3 * len(model.layers) if queue else 0)
+        assert len(queued) == (4 * len(model.layers) if queue else 0)
     assert all(mx.array_equal(a, b).item() for a, b in zip(results[True], results[False]))
