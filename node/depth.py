@@ -208,7 +208,7 @@ class Probe:
     rounds: int = 0
     last_probe: int = 0
     probed_from: int | None = None  # the choice a probe was made from, until the next choice is known
-    probed_on: StageCosts | None = None  # the cost table it was made on
+    probed_on: StageCosts | None = field(default=None, repr=False, compare=False)  # the table it was made on
     held: int | None = None
 
     def next(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0) -> int:

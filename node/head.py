@@ -280,7 +280,8 @@ class Head:
     def _draft(self, d: DraftState, hid: mx.array, toks: list[int]) -> list[int]:
         """K drafts. The first MTP call adds true entries for all (hidden, next token) pairs and its
         last output drafts d1; later drafts chain on the MTP output g (entries trimmed next round).
-        Greedy chains stay lazy and are evaluated once; sampling draws each draft on the host."""
+        A greedy chain is evaluated once at its end (on the CPU each step is queued as it is built);
+        sampling draws each draft on the host."""
         hid, toks = d.pairs_to_draft(hid, toks)
         if hid is None:
             return []

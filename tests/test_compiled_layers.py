@@ -121,3 +121,41 @@ def test_forwards_queue_each_layer_and_compute_the_same(dense_ckpt: Path, monkey
         mx.eval(results[queue])
         assert len(queued) == (4 * len(model.layers) if queue else 0)
     assert all(mx.array_equal(a, b).item() for a, b in zip(results[True], results[False]))
+
+
+@cpu_only
+def test_greedy_draft_steps_are_queued_as_built_and_draft_the_same(dense_ckpt: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU each greedy draft step is queued as it is built, in the per-sequence head and in a
+    batch; sampled drafts are drawn on the host step by step, and nothing more is queued for them."""
+    from mtpipe.coordinator.engine.build import batch_engine, local_engine
+    from mtpipe.coordinator.engine.request import GenerationRequest
+    from mtpipe.node import batch_head, head
+    from mtpipe.node.protocol import SamplingParams
+
+    queued: list[int] = []
+    real_async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(1), real_async_eval(*a))[1])
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    single = local_engine(dense_ckpt, dtype=mx.float32)
+    batch = batch_engine(dense_ckpt, dtype=mx.float32)
+    sampled = SamplingParams(temperature=0.8, seed=7)
+    try:
+        runs = {}
+        for queue in (False, True):
+            monkeypatch.setattr(head, "queue_layers", lambda queue=queue: queue)
+            monkeypatch.setattr(batch_head, "queue_layers", lambda queue=queue: queue)
+            for name, engine, params in (("single", single, SamplingParams()), ("batch", batch, SamplingParams()),
+                                         ("sampled", batch, sampled)):
+                queued.clear()
+                r = engine.complete(GenerationRequest(prompt, max_tokens=24, params=params, mtp_depth=3))
+                runs[(name, queue)] = (r.tokens, len(queued), r.stats.drafted)
+        for name in ("single", "batch", "sampled"):
+            (tokens, plain, drafted), (same, queued_n, _) = runs[(name, False)], runs[(name, True)]
+            assert tokens == same and drafted > 0, name
+            if name == "sampled":
+                assert queued_n == plain
+            else:  # one per draft step: the drafts verified, and at most one round's not verified
+                assert drafted <= queued_n - plain <= drafted + 3, name
+    finally:
+        batch.close()

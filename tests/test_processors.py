@@ -88,7 +88,7 @@ def test_greedy_identical_whatever_the_depth(engines: tuple[BatchEngine, BatchEn
     plain = one.complete(GenerationRequest(p, max_tokens=24)).tokens
     base = one.complete(GenerationRequest(p, max_tokens=24, params=params))
     assert base.tokens != plain  # the processors change what a greedy decode emits
-    # The per-sequence head processes the same way, its rounds queued ahead of the host or not.
+    # The per-sequence head processes the same way, at every depth.
     per_sequence = local_engine(dense_ckpt, dtype=mx.float32)
     for depth, auto in DEPTHS:
         r = per_sequence.complete(GenerationRequest(p, 24, params, mtp_depth=depth, mtp_auto=auto))
