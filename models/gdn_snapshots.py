@@ -53,7 +53,7 @@ class CompiledLayers:
         self._traced: set[tuple] = set()  # (layer, input shapes and dtypes) traced without an error
 
     def applies(self, h: mx.array) -> bool:
-        return h.shape[1] <= COMPILED_MAX_TOKENS and mx.default_device() == mx.cpu
+        return h.shape[1] <= COMPILED_MAX_TOKENS and on_cpu()
 
     def run(self, layer: Any, h: mx.array, conv_state: mx.array, state: mx.array) -> tuple:
         """The compiled layer. While MLX traces a new input shape it swaps the layer's weights for
@@ -136,6 +136,11 @@ def _mixer(
         y, states = _stepped_ops(q, k, v, compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b), state)
     out = gdn.norm(y, z)
     return gdn.out_proj(out.reshape(B, S, -1)), conv_input, states
+
+
+def on_cpu() -> bool:
+    """MLX computes on the CPU here: what the compiled layers and the per-layer queuing are for."""
+    return mx.default_device() == mx.cpu
 
 
 def _on_metal() -> bool:

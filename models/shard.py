@@ -17,7 +17,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .config import ModelConfig
-from .gdn_snapshots import CompiledLayers, GDNSnapshots, gdn_layer
+from .gdn_snapshots import CompiledLayers, GDNSnapshots, gdn_layer, on_cpu
 from .mtp import MTPHead
 from .ragged import ragged_layer
 
@@ -61,7 +61,7 @@ def queue_layers() -> bool:
     holds for a forward queued ahead of its use too: its `async_eval` would wait for most of it
     anyway. (Waiting for each layer instead is slower than either.) Metal keeps one submission per
     forward (not measured here)."""
-    return mx.default_device() == mx.cpu
+    return on_cpu()
 
 
 class Qwen35Shard(nn.Module):

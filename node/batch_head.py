@@ -158,9 +158,8 @@ class BatchHead:
         depth = max(len(r.tokens) - 1 for r in rows)
         steady, self.last_depth = depth == self.last_depth, depth
         timeable = not any(d.processed for d in self.states)
-        if plan.first_shape((len(rows), depth)):
-            pass
-        elif steady and timeable and plan.clean(self.handed_out, depth):
+        # (the first round of a shape builds its kernels: never timed, but noted)
+        if not plan.first_shape((len(rows), depth)) and steady and timeable and plan.clean(self.handed_out, depth):
             # each round charged its own forward, whichever round it computed in (rows with logits
             # processors are never queued ahead: their rounds are not what plain rounds cost)
             seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
