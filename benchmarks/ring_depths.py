@@ -46,7 +46,7 @@ class DepthCounts:
 
     def run(self, engine: Any, prompts: list[list[int]], max_tokens: int, method: str) -> float:
         self.method = method
-        return _run(engine, prompts, max_tokens, method)[0]
+        return _run(engine, prompts, max_tokens, method)[0].tps
 
 
 def main() -> None:

@@ -41,12 +41,12 @@ def main(reps: int, rate: float) -> None:
     ctx = multiprocessing.get_context("spawn")
     try:
         for _ in range(reps):
-            quiet = engine_run(engine, prompts, 128, "no_mtp")[0]
+            quiet = engine_run(engine, prompts, 128, "no_mtp")[0].tps
             stop = ctx.Event()
             waker = ctx.Process(target=wake, args=(rate, stop))
             waker.start()
             time.sleep(0.5)
-            busy = engine_run(engine, prompts, 128, "no_mtp")[0]
+            busy = engine_run(engine, prompts, 128, "no_mtp")[0].tps
             stop.set()
             waker.join()
             print(f"alone {quiet:.0f} tok/s, with {rate:.0f} wake-ups/s elsewhere {busy:.0f} tok/s: {busy / quiet:.3f}")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpipe.coordinator.bench.serve import aggregate_tps, bench_serve, percentile
+from mtpipe.coordinator.bench.serve import Decode, aggregate_tps, bench_serve, decode_window, percentile, waves
 
 pytest.importorskip("httpx")
 
@@ -18,6 +18,17 @@ def test_aggregate_excludes_tokens_before_every_stream_started() -> None:
     b = ([2.0, 3.0, 4.0], [1.0, 2.0, 2.0])
     assert aggregate_tps([a, b]) == pytest.approx((2 + 4) / 2)
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 99) == 2.0
+
+
+def test_levels_decode_the_same_prompts_in_waves() -> None:
+    # Every level covers every prompt, c streams at a time; the last wave wraps around to stay at c.
+    assert waves(4, 1) == [[0], [1], [2], [3]]
+    assert waves(4, 2) == [[0, 1], [2, 3]] and waves(4, 4) == [[0, 1, 2, 3]]
+    assert waves(8, 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 0]]
+    # A level's figure is its waves' tokens over their seconds, not a mean of their rates.
+    total = decode_window([([0.0, 1.0], [1.0, 10.0])]) + decode_window([([0.0, 4.0], [1.0, 10.0])])
+    assert total == Decode(20.0, 5.0) and total.tps == pytest.approx(4.0)
+    assert Decode().tps == 0.0
 
 
 def test_bench_serve_tiny(dense_ckpt: Path) -> None:
@@ -33,4 +44,5 @@ def test_bench_serve_tiny(dense_ckpt: Path) -> None:
         assert ratios[key] > 0, key
     assert ratios["concurrency"] == 2 and "note" in ratios
     assert isinstance(result["identical"], bool) and result["identity"]["concurrency"] == 2
+    assert result["waves"] == {"1": 2, "2": 1}
     assert result["prefill_gap"] is None and "blas" in result

@@ -2,8 +2,10 @@
 against mlx-lm's own batch generation, plus greedy identity across batch sizes and the stall a long
 prompt's prefill puts on running streams.
 
-Levels, at every concurrency c, on the same c prompts (held-out source windows, as `bench engine`
-uses) and the same max tokens, greedy:
+Levels, at every concurrency c, over the same prompts (held-out source windows, as `bench engine`
+uses; as many as the highest concurrency) and the same max tokens, greedy, c streams at a time: the
+prompts go in waves of c, so every level decodes the same text (a lone prompt whose drafts happen
+to be rarely accepted would otherwise stand for all of c=1):
 - engine: c requests opened at once on one in-process BatchEngine, per method (no_mtp: depth 0;
   auto: up to 3 drafts, the depth picked each round);
 - api: the real API app (uvicorn on 127.0.0.1, a free port) over the same engine, c streaming
@@ -15,12 +17,13 @@ uses) and the same max tokens, greedy:
 Decode tok/s excludes prefill by measuring from the moment every stream has produced its first token
 (the engine prefills prompts one after another between decode rounds, so streams start staggered):
 tokens that arrive after that moment, over the time from it to the last token of any stream. At c=1
-this is `bench engine`'s (tokens - 1) / (last - first). Engine chunks carry exact token counts; API
-chunks carry text, so their tokens are the usage's completion tokens shared out by characters.
-mlx-lm's figure is its own `generation_tps`: generated tokens over wall time minus prompt time.
-Each cell is the median of `reps` runs; at each c every method runs back to back (interleaved).
+this is `bench engine`'s (tokens - 1) / (last - first). A level's figure is its waves' tokens over
+their seconds. Engine chunks carry exact token counts; API chunks carry text, so their tokens are the
+usage's completion tokens shared out by characters. mlx-lm's figure is its own: generated tokens over
+wall time minus prompt time. Each cell is the median of `reps` runs; every wave runs every level and
+method back to back (interleaved).
 
-Identity: the engine's greedy outputs per prompt at c=8 (the largest c when 8 is absent), both
+Identity: the engine's greedy outputs of every prompt at c=8 (the largest c when 8 is absent), both
 methods, equal each prompt decoded alone (no_mtp).
 
 Prefill gap: 4 streams (no_mtp) decoding, then a ~4000-token prompt is submitted; the window runs
@@ -35,6 +38,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,16 +87,41 @@ class Recorder:
             raise self.error
 
 
-def aggregate_tps(streams: list[tuple[list[float], list[float]]], full: bool = False) -> float:
+@dataclass(frozen=True)
+class Decode:
+    """Decode tokens and the seconds they took: one window, or several added up."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def __add__(self, other: Decode) -> Decode:
+        return Decode(self.tokens + other.tokens, self.seconds + other.seconds)
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def decode_window(streams: list[tuple[list[float], list[float]]], full: bool = False) -> Decode:
     """Tokens arriving after every stream has its first chunk, over that moment to the last chunk
     (`full`: to the moment the first stream ends, while every stream is running)."""
     live = [(t, n) for t, n in streams if t]
     if not live:
-        return 0.0
+        return Decode()
     start = max(t[0] for t, _ in live)
     end = min(t[-1] for t, _ in live) if full else max(t[-1] for t, _ in live)
-    tokens = sum(c for t, n in live for ti, c in zip(t, n) if start < ti <= end)
-    return tokens / (end - start) if end > start else 0.0
+    if end <= start:
+        return Decode()
+    return Decode(sum(c for t, n in live for ti, c in zip(t, n) if start < ti <= end), end - start)
+
+
+def aggregate_tps(streams: list[tuple[list[float], list[float]]], full: bool = False) -> float:
+    return decode_window(streams, full).tps
+
+
+def waves(n: int, c: int) -> list[list[int]]:
+    """Prompt indices 0..n-1, c streams at a time: every wave holds c, the last one wrapping around."""
+    return [[(w * c + i) % n for i in range(c)] for w in range(-(-n // c))]
 
 
 def _request(engine: BatchEngine, prompt: list[int], max_tokens: int, method: str) -> GenerationRequest:
@@ -101,40 +130,41 @@ def _request(engine: BatchEngine, prompt: list[int], max_tokens: int, method: st
 
 
 def engine_run(engine: BatchEngine, prompts: list[list[int]], max_tokens: int,
-               method: str) -> tuple[float, list[list[int]]]:
-    """All prompts opened at once; aggregate decode tok/s and each prompt's tokens."""
+               method: str) -> tuple[Decode, list[list[int]]]:
+    """All prompts opened at once; their aggregate decode window and each prompt's tokens."""
     recs = [Recorder() for _ in prompts]
     for prompt, rec in zip(prompts, recs):
         engine.open(_request(engine, prompt, max_tokens, method), rec)
     for rec in recs:
         rec.wait()
-    return aggregate_tps([(r.times, r.counts) for r in recs]), [r.tokens for r in recs]
+    return decode_window([(r.times, r.counts) for r in recs]), [r.tokens for r in recs]
 
 
-def single_run(engine: BatchEngine, single: Any, prompt: list[int], max_tokens: int, method: str) -> float:
+def single_run(engine: BatchEngine, single: Any, prompt: list[int], max_tokens: int, method: str) -> Decode:
     """One stream through the per-sequence engine (`local_engine`, as `bench engine` runs it), on the
     batch engine's idle MLX thread: what a lone user got before batching."""
-    def run() -> float:
+    def run() -> Decode:
         rec = Recorder()
         for chunk in single.generate(_request(engine, prompt, max_tokens, method)):
             rec(chunk)
-        return aggregate_tps([(rec.times, rec.counts)])
+        return decode_window([(rec.times, rec.counts)])
 
     return engine.thread.call(run)
 
 
-def api_run(clients: Any, url: str, prompts: list[list[int]], max_tokens: int, method: str) -> float:
+def api_run(clients: Any, url: str, prompts: list[list[int]], max_tokens: int, method: str) -> Decode:
     records = clients.stream(url, prompts, max_tokens, METHODS[method])
-    return aggregate_tps([(r.times, r.token_counts()) for r in records])
+    return decode_window([(r.times, r.token_counts()) for r in records])
 
 
-def mlx_lm_run(engine: BatchEngine, ref: tuple[Any, Any], prompts: list[list[int]], max_tokens: int) -> float:
-    """mlx-lm's batch_generate on the engine's MLX thread (idle between runs): its generation_tps."""
+def mlx_lm_run(engine: BatchEngine, ref: tuple[Any, Any], prompts: list[list[int]], max_tokens: int) -> Decode:
+    """mlx-lm's batch_generate on the engine's MLX thread (idle between runs): its generated tokens
+    over its generation time (its `generation_tps`)."""
     from mlx_lm.generate import batch_generate
 
     model, tokenizer = ref
-    response = engine.thread.call(batch_generate, model, tokenizer, prompts, max_tokens=max_tokens)
-    return response.stats.generation_tps
+    stats = engine.thread.call(batch_generate, model, tokenizer, prompts, max_tokens=max_tokens).stats
+    return Decode(stats.generation_tokens, stats.generation_time)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -265,25 +295,33 @@ def bench_serve(
                 single_run(engine, single, prompts[0], WARM_TOKENS, method)
         runs: dict[str, dict[str, dict[str, list[float]]]] = {"engine": {}, "api": {}, "single_stream": {}}
         mlx_runs: dict[str, list[float]] = {}
-        outputs: dict[str, list[list[int]]] = {}
+        outputs: dict[str, dict[int, list[int]]] = {}
         id_c = RATIO_C if RATIO_C in levels else top
+
         for c in levels:
-            batch = prompts[:c]
             for rep in range(reps):
-                for method in METHODS:
-                    tps, toks = engine_run(engine, batch, max_tokens, method)
-                    runs["engine"].setdefault(method, {}).setdefault(str(c), []).append(tps)
-                    if c == id_c and rep == 0:
-                        outputs[method] = toks
-                    if server:
-                        tps = api_run(clients, server.url, batch, max_tokens, method)
-                        runs["api"].setdefault(method, {}).setdefault(str(c), []).append(tps)
-                    if single and c == 1:
-                        tps = single_run(engine, single, batch[0], max_tokens, method)
-                        runs["single_stream"].setdefault(method, {}).setdefault("1", []).append(tps)
-                if ref:
-                    mlx_runs.setdefault(str(c), []).append(mlx_lm_run(engine, ref, batch, max_tokens))
-        singles = [engine_run(engine, [p], max_tokens, "no_mtp")[1][0] for p in prompts[:id_c]]
+                sums: dict[tuple[str, str], Decode] = {}
+                for wave in waves(top, c):
+                    batch = [prompts[i] for i in wave]
+                    got: list[tuple[str, str, Decode]] = []
+                    for method in METHODS:
+                        decode, toks = engine_run(engine, batch, max_tokens, method)
+                        got.append(("engine", method, decode))
+                        if c == id_c and rep == 0:
+                            outputs.setdefault(method, {}).update(zip(wave, toks))
+                        if server:
+                            got.append(("api", method, api_run(clients, server.url, batch, max_tokens, method)))
+                        if single and c == 1:
+                            got.append(("single_stream", method, single_run(engine, single, batch[0], max_tokens,
+                                                                            method)))
+                    if ref:
+                        got.append(("mlx_lm", "batch", mlx_lm_run(engine, ref, batch, max_tokens)))
+                    for level, method, decode in got:
+                        sums[(level, method)] = sums.get((level, method), Decode()) + decode
+                for (level, method), total in sums.items():
+                    cells = mlx_runs if level == "mlx_lm" else runs[level].setdefault(method, {})
+                    cells.setdefault(str(c), []).append(total.tps)
+        singles = {i: engine_run(engine, [prompts[i]], max_tokens, "no_mtp")[1][0] for i in outputs["no_mtp"]}
         per_method = {m: outputs[m] == singles for m in METHODS}
 
         def med(cells: dict[str, list[float]]) -> dict[str, float]:
@@ -299,8 +337,9 @@ def bench_serve(
             "max_tokens": max_tokens,
             "reps": reps,
             "prompt_tokens": [len(p) for p in prompts],
-            "measure": "decode tok/s: tokens after every stream's first token / (last token - that moment); "
-                       "mlx_lm_batch: its generation_tps",
+            "waves": {str(c): len(waves(top, c)) for c in levels},
+            "measure": "decode tok/s: tokens after every stream's first token / (last token - that moment), "
+                       "over every wave of c streams; mlx_lm_batch: generated tokens / generation time",
             "tok_s": tok_s,
             "mlx_lm_batch": mlx,
             "ratios": ratios(tok_s, mlx, levels),

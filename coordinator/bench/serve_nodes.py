@@ -2,11 +2,13 @@
 
 Node processes are spawned on 127.0.0.1 (each group of n nodes shares this machine's cores, as
 `bench pipeline` spawns them); the single node is the in-process batch engine `bench serve` measures.
-At every concurrency c, the same c prompts and max tokens, greedy, every topology and method runs
-back to back (interleaved, `reps` times, the median reported): no_mtp (depth 0) and auto (up to 3
-drafts). Decode tok/s is `bench serve`'s aggregate: tokens after every stream's first one, over the
-time from that moment to the last token. The peer is mlx-lm's own 2-rank ring pipeline (mlx.launch,
-`bench pipeline`'s run), one stream at a time: its pipeline does not batch.
+At every concurrency c, the same prompts (as many as the highest c) in waves of c streams, as `bench
+serve` runs them, and the same max tokens, greedy; each wave runs every topology and method back to
+back (interleaved, `reps` times, the median reported): no_mtp (depth 0) and auto (up to 3 drafts).
+Decode tok/s is `bench serve`'s aggregate: tokens after every stream's first one, over the time from
+that moment to the last token, summed over the waves. The peer is mlx-lm's own 2-rank ring pipeline
+(mlx.launch, `bench pipeline`'s run), one stream at a time over the same prompts: its pipeline does
+not batch.
 
 Per-hop breakdown (2 nodes, c=1, no MTP, one more stream after the timed runs): each node's compute
 per round, how busy it was and the bytes of a round on each hop (the last node's: its ring hop), from
@@ -28,7 +30,7 @@ from ..engine.ring import RingEngine
 from .engine import bench_prompts
 from .nodes import spawn_nodes
 from .pipeline import run_mlx_ring
-from .serve import METHODS, WARM_TOKENS, Recorder, _request, aggregate_tps, engine_run, prefill_gap
+from .serve import METHODS, WARM_TOKENS, Decode, Recorder, _request, decode_window, engine_run, prefill_gap, waves
 
 RING_RANKS = 2
 
@@ -91,17 +93,22 @@ def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: 
                     engine_run(engine, prompts[:c], WARM_TOKENS, method)
         runs: dict[str, dict[str, dict[str, list[float]]]] = {name: {} for name in engines}
         full_runs: dict[str, dict[str, dict[str, list[float]]]] = {name: {} for name in engines}
-        outputs: dict[str, list[list[int]]] = {}
+        outputs: dict[str, dict[int, list[int]]] = {}
         hops: dict[str, Any] = {}
         for rep in range(reps):
             for c in levels:
-                for method in METHODS:
-                    for name, engine in engines.items():
-                        tps, full, toks = _run(engine, prompts[:c], max_tokens, method)
-                        runs[name].setdefault(method, {}).setdefault(str(c), []).append(tps)
-                        full_runs[name].setdefault(method, {}).setdefault(str(c), []).append(full)
-                        if c == top and rep == 0:
-                            outputs[f"{name}/{method}"] = toks
+                sums: dict[tuple[str, str], tuple[Decode, Decode]] = {}
+                for wave in waves(top, c):
+                    for method in METHODS:
+                        for name, engine in engines.items():
+                            decode, full, toks = _run(engine, [prompts[i] for i in wave], max_tokens, method)
+                            was = sums.get((name, method), (Decode(), Decode()))
+                            sums[(name, method)] = (was[0] + decode, was[1] + full)
+                            if c == top and rep == 0:
+                                outputs.setdefault(f"{name}/{method}", {}).update(zip(wave, toks))
+                for (name, method), (decode, full) in sums.items():
+                    runs[name].setdefault(method, {}).setdefault(str(c), []).append(decode.tps)
+                    full_runs[name].setdefault(method, {}).setdefault(str(c), []).append(full.tps)
         if "pipe2" in engines:
             hops = probe_run(engines["pipe2"], prompts[0], max_tokens, "no_mtp")
         # a long prompt while streams decode, on every topology: how much it holds them up
@@ -119,7 +126,9 @@ def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: 
         "concurrency": levels,
         "max_tokens": max_tokens,
         "reps": reps,
-        "measure": "aggregate decode tok/s (bench serve's: from every stream's first token to the last token); "
+        "waves": {str(c): len(waves(top, c)) for c in levels},
+        "measure": "aggregate decode tok/s (bench serve's: from every stream's first token to the last token, "
+                   "over every wave of c streams); "
                    "full_window: to the first stream's end, while all streams run; mlx_lm_ring: one stream at a "
                    "time, its decode tok/s",
         "tok_s": tok_s,
@@ -135,15 +144,16 @@ def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: 
     }
 
 
-def _run(engine: Any, prompts: list[list[int]], max_tokens: int, method: str) -> tuple[float, float, list[list[int]]]:
-    """All prompts at once: aggregate tok/s to the last token and while all streams run, and the tokens."""
+def _run(engine: Any, prompts: list[list[int]], max_tokens: int, method: str) -> tuple[Decode, Decode, list[list[int]]]:
+    """All prompts at once: the decode window to the last token and the one while all streams run,
+    and the tokens."""
     recs = [Recorder() for _ in prompts]
     for prompt, rec in zip(prompts, recs):
         engine.open(_request(engine, prompt, max_tokens, method), rec)
     for rec in recs:
         rec.wait()
     streams = [(r.times, r.counts) for r in recs]
-    return aggregate_tps(streams), aggregate_tps(streams, full=True), [r.tokens for r in recs]
+    return decode_window(streams), decode_window(streams, full=True), [r.tokens for r in recs]
 
 
 def _medians(runs: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str, Any]:
