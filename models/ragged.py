@@ -171,12 +171,20 @@ def ragged_layer(
 
 
 def restore_rows(snaps: GDNSnapshots, cache: ArraysCache, positions: list[int]) -> None:
-    """Each row's GatedDeltaNet state and conv window after its own position (rows of one forward)."""
-    B = len(positions)
-    at = mx.array(positions, dtype=mx.int32)
-    cache[1] = mx.stack(snaps.states)[at, mx.arange(B, dtype=mx.int32)]
-    window = (at[:, None] + 1 + mx.arange(snaps.kernel - 1, dtype=mx.int32))[:, :, None]
-    cache[0] = mx.take_along_axis(snaps.conv_input, window, axis=1)
+    """Each row's GatedDeltaNet state and conv window after its own position (rows of one forward).
+    Rows next to each other at one position are sliced out of that position's snapshot together:
+    gathering from a stack of every position's states costs several times more on the CPU."""
+    if all(p == positions[0] for p in positions):
+        snaps.restore(cache, positions[0])
+        return
+    runs: list[list[int]] = []  # [position, first row, row past the last]
+    for i, p in enumerate(positions):
+        if runs and runs[-1][0] == p:
+            runs[-1][2] = i + 1
+        else:
+            runs.append([p, i, i + 1])
+    cache[1] = mx.concatenate([snaps.states[p][a:b] for p, a, b in runs])
+    cache[0] = mx.concatenate([snaps.conv_input[a:b, p + 1 : p + snaps.kernel] for p, a, b in runs])
 
 
 def pad_rows(rows: list[list[int]], fill: int = 0) -> mx.array:

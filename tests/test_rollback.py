@@ -102,3 +102,25 @@ def test_queued_rounds_match_rounds_run_on_request(dense_ckpt: Path, which: str)
     for i, snap in r.snapshots.items():
         for a, b in zip(q.lookahead[1][i].states, snap.states):
             assert max_diff(a, b) <= TOL
+
+
+@pytest.mark.parametrize("positions", [[2, 2, 2], [0, 3, 3, 1], [3, 0, 0, 0, 2]])
+def test_batch_rows_take_their_own_positions_states(positions: list[int]) -> None:
+    """A batch's rows each get exactly the state and conv window their own snapshot has at their
+    position, whether rows share positions (sliced together) or not."""
+    from mlx_lm.models.cache import ArraysCache
+
+    from mtpipe.models.gdn_snapshots import GDNSnapshots
+    from mtpipe.models.ragged import restore_rows
+
+    B, T, kernel = len(positions), 4, 4
+    snaps = GDNSnapshots(conv_input=mx.random.normal((B, kernel - 1 + T, 8)),
+                         states=[mx.random.normal((B, 2, 3, 5)) for _ in range(T)], kernel=kernel)
+    batch = ArraysCache(size=2)
+    restore_rows(snaps, batch, positions)
+    for i, p in enumerate(positions):
+        row = GDNSnapshots(snaps.conv_input[i : i + 1], [s[i : i + 1] for s in snaps.states], kernel)
+        alone = ArraysCache(size=2)
+        row.restore(alone, p)
+        assert mx.array_equal(batch[1][i : i + 1], alone[1]) and mx.array_equal(batch[0][i : i + 1], alone[0]), (i, p)
+    assert batch[0].shape == (B, kernel - 1, 8) and batch[1].shape == (B, 2, 3, 5)
