@@ -168,8 +168,10 @@ class BatchHead:
         kmaxes = [d.chooser.kmax for d in timed]
 
         def rates(seconds: list[float]) -> list[float]:
-            acceptance = [d.chooser.acceptance.rates(costs.acceptance.extrapolated()[: d.chooser.kmax]) for d in timed]
-            return batch_rates(acceptance, kmaxes, seconds)
+            stage = costs.acceptance.extrapolated()
+            rows = [(d.chooser.acceptance.rates(stage[: d.chooser.kmax]), d.chooser.acceptance.hopeful(stage[: d.chooser.kmax]))
+                    for d in timed]
+            return batch_rates(rows, kmaxes, seconds)
 
         depth = plan.next(self, bucket, context, max(kmaxes), rates, timeable)
         for d in timed:

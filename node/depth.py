@@ -3,7 +3,8 @@
 A round with K drafts yields 1 + a1 + a1*a2 + ... + a1*...*aK tokens on average, where ai is the
 chance that draft i is accepted once drafts 1..i-1 were, and costs one verify over K+1 tokens plus K
 draft steps. Both sides are measured: acceptance per sequence and per draft position (with the
-stage's running figures as the prior), costs per depth and per context length on this stage (a
+stage's running figures as the prior, and taken at one standard error above the estimate, so a
+sequence finds out what its own drafts are worth), costs per depth and per context length on this stage (a
 calibration at load as the prior, then live timings of whole rounds, so hops and other stages count
 too). Depths whose costs go stale are probed now and then, so a sequence that dropped to 0 drafts
 comes back when drafting pays again; probes that keep confirming the choices come less often, on the
@@ -15,11 +16,14 @@ timed like any other.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 PRIOR_ACCEPTANCE = 0.6  # before anything was measured: a middling draft head
 PRIOR_WEIGHT = 4.0  # pseudo-rounds of the stage-wide acceptance behind each sequence's own counts
+HOPE = 1.0  # standard errors above its estimate a sequence's acceptance is taken at (`Acceptance.hopeful`)
+PRIOR_ROUNDS = 16  # rounds with drafts of each sequence that inform the stage's acceptance (the prior)
 EMA = 0.2  # weight of a new timing
 OUTLIER = 2.0  # a timing counts as at most this many times the estimate it updates
 PROBE_EVERY = 16  # rounds between probes of a neighbouring depth, at first
@@ -48,11 +52,20 @@ def depth_rates(acceptance: list[float], round_seconds: list[float]) -> list[flo
     return [expected_tokens(acceptance, k) / max(s, 1e-9) for k, s in enumerate(round_seconds)]
 
 
-def batch_rates(rates: list[list[float]], kmaxes: list[int], round_seconds: list[float]) -> list[float]:
+def batch_rates(rows: list[tuple[list[float], list[float]]], kmaxes: list[int],
+                round_seconds: list[float]) -> list[float]:
     """The same for rows decoding together: a round lasts as long as its deepest row makes it, so
-    tokens per second summed over the rows (each row capped at its own most drafts)."""
-    return [sum(expected_tokens(r, min(k, m)) for r, m in zip(rates, kmaxes)) / max(s, 1e-9)
-            for k, s in enumerate(round_seconds)]
+    tokens per second summed over the rows (each row capped at its own most drafts). Each row gives
+    its acceptance and its hopeful one (`Acceptance.hopeful`); the rows' errors add in quadrature,
+    so a batch of rows new to drafting hopes for less per row than one row alone (and its drafts
+    cost more to try)."""
+    out = []
+    for k, s in enumerate(round_seconds):
+        mean = [expected_tokens(a, min(k, m)) for (a, _), m in zip(rows, kmaxes)]
+        hope = [expected_tokens(h, min(k, m)) for (_, h), m in zip(rows, kmaxes)]
+        total = sum(mean) + math.sqrt(sum((h - t) ** 2 for t, h in zip(mean, hope)))
+        out.append(total / max(s, 1e-9))
+    return out
 
 
 def best_of(rates: list[float]) -> int:
@@ -97,6 +110,14 @@ class Acceptance:
     def rates(self, prior: list[float] | None = None, weight: float = PRIOR_WEIGHT) -> list[float]:
         prior = prior or [PRIOR_ACCEPTANCE] * len(self.reached)
         return [(a + weight * p) / (r + weight) for a, r, p in zip(self.accepted, self.reached, prior)]
+
+    def hopeful(self, prior: list[float] | None = None, weight: float = PRIOR_WEIGHT) -> list[float]:
+        """The rates one standard error above their estimates: what a depth is chosen on. Sequences
+        accept their drafts at very different rates (the stage's average says little about one),
+        and a sequence that does not draft never learns its own; so drafts are tried while little
+        is known, and a sequence whose drafts keep failing soon stops, as its error shrinks."""
+        return [min(1.0, p + HOPE * math.sqrt(p * (1.0 - p) / (r + weight)))
+                for p, r in zip(self.rates(prior, weight), self.reached)]
 
     def extrapolated(self) -> list[float]:
         """Measured rates, and for positions rarely reached the rate of the position before: a draft
@@ -250,16 +271,12 @@ class DepthChooser:
     def __post_init__(self) -> None:
         self.acceptance = Acceptance.empty(self.kmax)
 
-    def record(self, costs: StageCosts, drafted: int, accepted: int) -> None:
-        self.acceptance.record(drafted, accepted)
-        costs.acceptance.record(drafted, accepted)
-
     def next_depth(self, costs: StageCosts, context: int) -> int:
         self.probe.rounds += 1
         first = costs.unmeasured(context, self.kmax)
         if first is not None:  # measure every depth on this stage and context length first
             return first
-        acceptance = self.acceptance.rates(costs.acceptance.extrapolated()[: self.kmax])
+        acceptance = self.acceptance.hopeful(costs.acceptance.extrapolated()[: self.kmax])
         rates = depth_rates(acceptance, costs.round_seconds(context)[: self.kmax + 1])
         best = best_of(rates)
         return self.probe.choose(best, costs, self.kmax, shortfall(rates, best))

@@ -20,7 +20,7 @@ from ..models.draft_vocab import DraftVocab, default_size
 from ..models.mtp import entries_only_pays
 from ..models.shard import queue_layers
 from .acceptance import accept_coupled, accept_greedy, accept_sampled, draw, filtered_probs, gumbel_pick
-from .depth import DepthChooser, StageCosts
+from .depth import PRIOR_ROUNDS, DepthChooser, StageCosts
 from .processors import History, apply, bias_vector, has_processors, logprobs
 from .protocol import Commit, SamplingParams, StepKind, StepOutput, StepRequest
 
@@ -44,6 +44,7 @@ class DraftState:
     draft_probs: np.ndarray | None = None  # [K, V], sampling only
     handed_out: float = 0.0  # when the last drafts left this stage (perf_counter); 0: after a prefill
     last_drafted: int = -1  # drafts the last round carried
+    prior_rounds: int = 0  # its rounds with drafts counted in the stage's acceptance
     draft_seconds: float = 0.0  # what drafting them cost
     # Single-token rounds queued ahead (on_token): what this round's was computed in during the last
     # round, and what the next round's is computing in during this one.
@@ -224,11 +225,14 @@ class Head:
             self.costs_for(d).observe(drafted, context, seconds)
 
     def record(self, d: DraftState, drafted: int, accepted: int) -> None:
-        """A verdict on drafts: the sequence's own (auto) and the stage's, which every sequence that
-        drafts informs (the prior of sequences that have not drafted yet)."""
+        """A verdict on drafts: the sequence's own (auto) and, from each sequence's first PRIOR_ROUNDS
+        rounds with drafts, the stage's: the prior of sequences that have not drafted yet. Sequences
+        whose drafts pay draft far more often than those whose drafts do not, so counting all their
+        rounds would make every new sequence look like the first kind."""
         if d.chooser is not None:
-            d.chooser.record(self.costs_for(d), drafted, accepted)
-        elif self.costs is not None:
+            d.chooser.acceptance.record(drafted, accepted)
+        if self.costs is not None and d.prior_rounds < PRIOR_ROUNDS:
+            d.prior_rounds += 1
             self.costs_for(d).acceptance.record(drafted, accepted)
 
     def costs_for(self, d: DraftState) -> StageCosts:

@@ -45,8 +45,13 @@ def ring(clock: Clock, heads: list[BatchHead], rounds: int, work: float = 0.8, k
          order: random.Random | None = None, processed: bool = False) -> list[list[tuple[float, float, int]]]:
     """Verdicts of the groups' rounds in turn (or in a random order, each group one round in flight):
     a round's verdict comes after its own work on the ring (1 + work x depth) since the verdict
-    before, then its next drafts go out. Returns each group's rounds as (drafts out, verdict, depth)."""
+    before, then its next drafts go out; each draft is accepted (while those before it were) at the
+    stage's acceptance rate, and the row learns it. Returns each group's rounds as (drafts out,
+    verdict, depth)."""
     kmaxes = kmaxes or [1] * len(heads)
+    stage = heads[0].head.costs.acceptance
+    rate = stage.accepted[0] / stage.reached[0]
+    draws = random.Random(5)
     states = [SimpleNamespace(chooser=DepthChooser(k), depth=0, processed=processed) for k in kmaxes]
     for head, state in zip(heads, states):
         head.states = [state]
@@ -60,6 +65,8 @@ def ring(clock: Clock, heads: list[BatchHead], rounds: int, work: float = 0.8, k
         if not history[i]:
             head.plan.interrupt()  # the group's rows join at its first round's verdict (BatchHead.join)
         history[i].append((out, clock.now, depth))
+        if depth:
+            state.chooser.acceptance.record(depth, next((k for k in range(depth) if draws.random() >= rate), depth))
         head._choose([SimpleNamespace(tokens=[0] * (depth + 1))], [100])
         head.handed_out = clock.now
         sent[i] = (clock.now, state.depth)

@@ -44,6 +44,43 @@ def test_acceptance_counts_only_positions_that_were_reached() -> None:
     assert Acceptance.empty(2).rates([0.7, 0.2]) == [pytest.approx(0.7), pytest.approx(0.2)]  # prior alone
 
 
+def test_a_new_sequence_tries_drafts_the_stage_average_would_not_pay_for() -> None:
+    """A sequence's acceptance is taken a standard error above its estimate: a new one drafts where
+    the stage's average acceptance would not pay, finds out what its own drafts are worth, and keeps
+    drafting only if they pay (with the plain estimate it would never draft, so never find out)."""
+    def stage() -> StageCosts:
+        costs = StageCosts(prior=[1.0, 1.7, 2.2, 2.5])
+        for k in range(4):
+            costs.observe(k, 64, costs.prior[k])
+        costs.acceptance = Acceptance([1000.0] * 3, [500.0] * 3)
+        return costs
+
+    plain = StageCosts(prior=[1.0, 1.7, 2.2, 2.5]).acceptance.rates([0.5] * 3)
+    assert best_of(depth_rates(plain, [1.0, 1.7, 2.2, 2.5])) == 0
+    for accepted, settles in ((0, 0), (3, 3)):
+        costs, chooser = stage(), DepthChooser(kmax=3)
+        first = chooser.next_depth(costs, 64)
+        assert first > 0
+        depth, depths = first, []
+        for _ in range(30):
+            chooser.acceptance.record(depth, min(accepted, depth))
+            depth = chooser.next_depth(costs, 64)
+            depths.append(depth)
+        assert depths[-10:].count(settles) >= 8, (accepted, depths)
+
+
+def test_batch_rows_hope_together_for_less_than_one_row_alone() -> None:
+    fresh = Acceptance.empty(2)
+    row = (fresh.rates([0.5, 0.5]), fresh.hopeful([0.5, 0.5]))
+    seconds = [1.0, 1.6, 2.0]
+    assert policy.batch_rates([row], [2], seconds) == pytest.approx(depth_rates(row[1], seconds))
+    eight = policy.batch_rates([row] * 8, [2] * 8, seconds)
+    assert eight[0] == pytest.approx(8.0)  # no drafts: nothing to hope for
+    for k in (1, 2):
+        mean = 8 * depth_rates(row[0], seconds)[k]
+        assert mean < eight[k] < 8 * depth_rates(row[1], seconds)[k]
+
+
 def test_costs_widen_for_deeper_requests_and_keep_their_timings() -> None:
     costs = StageCosts(prior=[1.0, 2.0])
     costs.observe(1, 64, 3.0)
@@ -127,6 +164,7 @@ def test_probes_of_a_close_neighbour_back_off_to_the_usual_most() -> None:
     for k in range(3):
         costs.observe(k, 64, costs.prior[k])
     chooser = DepthChooser(kmax=2)
+    chooser.acceptance = Acceptance([1e4, 1e4], [6e3, 6e3])  # known well: no hope beyond the estimate
     for _ in range(40 * policy.PROBE_EVERY):
         chooser.next_depth(costs, 64)
     assert costs.probe_gap == policy.PROBE_EVERY_MAX
@@ -249,3 +287,24 @@ def test_batch_cost_tables_follow_a_deeper_stage() -> None:
     table = batch.plan.costs_by_rows[1]
     assert len(table.prior) == 4 and {k for _, k in table.live} >= {2, 3}
     assert table.acceptance is head.costs.acceptance
+
+
+def test_the_stage_prior_hears_from_every_sequence_alike() -> None:
+    """Only a sequence's first rounds with drafts inform the stage's acceptance (the prior of new
+    sequences): one whose drafts pay and that drafts for long must not make every new sequence look
+    like it, while one whose drafts fail stops drafting early."""
+    import numpy as np
+
+    from mtpipe.node.head import DraftState, Head
+
+    head = Head.__new__(Head)
+    head.costs, head.processed_costs = StageCosts(prior=[1.0, 1.5]), None
+    good, poor = (DraftState(SamplingParams(), 1, np.random.default_rng(0), None, chooser=DepthChooser(1))
+                  for _ in range(2))
+    for _ in range(200):
+        head.record(good, 1, 1)
+    for _ in range(5):
+        head.record(poor, 1, 0)
+    assert head.costs.acceptance.reached[0] == policy.PRIOR_ROUNDS + 5
+    assert head.costs.acceptance.accepted[0] == policy.PRIOR_ROUNDS
+    assert good.chooser.acceptance.reached[0] == 200 and poor.chooser.acceptance.accepted[0] == 0
