@@ -20,13 +20,14 @@ import time
 import weakref
 from collections.abc import Callable
 
-from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, best_of, nearest, shortfall
+from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, best_of, hoped, nearest, shortfall
 
 # A new depth is held until a round at it was timed (two rounds of the deciding member, when nothing
 # else runs); rounds that cannot be timed (prompt chunks in between) release it after this many.
 HOLD_ROUNDS = 4
 
-Rates = Callable[[list[float]], list[float]]  # a member's rows: tokens per second by depth, from round seconds
+# a member's rows, from round seconds: per depth, tokens per second and their hope's square (depth.batch_rates)
+Rates = Callable[[list[float]], list[tuple[float, float]]]
 
 
 class DepthPlan:
@@ -75,7 +76,7 @@ class DepthPlan:
     def costs(self, bucket: int, stage: StageCosts) -> StageCosts:
         """Round costs per power-of-two batch size: how much a wider round costs depends on the rows.
         The tables follow the stage's: deeper when a sequence asked for deeper drafts than any before,
-        and reading its acceptance (which every drafting sequence informs)."""
+        and reading its acceptance (which every drafting sequence's first rounds inform)."""
         for b, table in self.costs_by_rows.items():
             if len(table.prior) < len(stage.prior):
                 self.costs_by_rows[b] = table = table.widened(stage.prior)
@@ -87,7 +88,7 @@ class DepthPlan:
     def next(self, member: object, bucket: int, context: int, kmax: int, rates: Rates,
              timeable: bool = True) -> int:
         """The depth of `member`'s next round (its rows cap it at their `kmax`); `rates`: its rows'
-        tokens per second by depth. The oldest member decides: depths never timed first, then the
+        tokens per second by depth (`Rates`). The oldest member decides: depths never timed first, then the
         best for every member's rows together, with probes; a new depth is held until a round at it
         was timed (not at all if `timeable` is False: rows whose rounds are never timed). The other
         members follow."""
@@ -103,7 +104,7 @@ class DepthPlan:
         depth = self.untimed(costs, deepest)
         if depth is None:
             seconds = self.round_seconds(bucket, context)[: deepest + 1]
-            per_depth = [sum(col) for col in zip(*(r(seconds) for _, _, r in self.members.values()))]
+            per_depth = hoped(r(seconds) for _, _, r in self.members.values())
             best = best_of(per_depth)
             depth = self.probe.next(best, costs, deepest, shortfall(per_depth, best))
         if depth != self.depth:

@@ -3,8 +3,8 @@
 A round with K drafts yields 1 + a1 + a1*a2 + ... + a1*...*aK tokens on average, where ai is the
 chance that draft i is accepted once drafts 1..i-1 were, and costs one verify over K+1 tokens plus K
 draft steps. Both sides are measured: acceptance per sequence and per draft position (with the
-stage's running figures as the prior, and taken at one standard error above the estimate, so a
-sequence finds out what its own drafts are worth), costs per depth and per context length on this stage (a
+stage's figures from every sequence's first rounds as the prior, and taken at one standard error
+above the estimate, so a sequence finds out what its own drafts are worth), costs per depth and per context length on this stage (a
 calibration at load as the prior, then live timings of whole rounds, so hops and other stages count
 too). Depths whose costs go stale are probed now and then, so a sequence that dropped to 0 drafts
 comes back when drafting pays again; probes that keep confirming the choices come less often, on the
@@ -53,19 +53,25 @@ def depth_rates(acceptance: list[float], round_seconds: list[float]) -> list[flo
 
 
 def batch_rates(rows: list[tuple[list[float], list[float]]], kmaxes: list[int],
-                round_seconds: list[float]) -> list[float]:
+                round_seconds: list[float]) -> list[tuple[float, float]]:
     """The same for rows decoding together: a round lasts as long as its deepest row makes it, so
     tokens per second summed over the rows (each row capped at its own most drafts). Each row gives
-    its acceptance and its hopeful one (`Acceptance.hopeful`); the rows' errors add in quadrature,
-    so a batch of rows new to drafting hopes for less per row than one row alone (and its drafts
-    cost more to try)."""
+    its acceptance and its hopeful one (`Acceptance.hopeful`). Per depth: the rows' expected tokens
+    per second, and the square of how far their hopes lie above it (`hoped` adds those up)."""
     out = []
     for k, s in enumerate(round_seconds):
+        s = max(s, 1e-9)
         mean = [expected_tokens(a, min(k, m)) for (a, _), m in zip(rows, kmaxes)]
         hope = [expected_tokens(h, min(k, m)) for (_, h), m in zip(rows, kmaxes)]
-        total = sum(mean) + math.sqrt(sum((h - t) ** 2 for t, h in zip(mean, hope)))
-        out.append(total / max(s, 1e-9))
+        out.append((sum(mean) / s, sum((h - t) ** 2 for t, h in zip(mean, hope)) / s**2))
     return out
+
+
+def hoped(parts: Iterable[list[tuple[float, float]]]) -> list[float]:
+    """Tokens per second by depth of rows that share rounds (`batch_rates` of each batch), as hopeful
+    as they are together: their errors add in quadrature, so many rows new to drafting hope for less
+    each than one row alone (and their drafts cost more to try)."""
+    return [sum(m for m, _ in col) + math.sqrt(sum(v for _, v in col)) for col in zip(*parts)]
 
 
 def best_of(rates: list[float]) -> int:

@@ -70,15 +70,22 @@ def test_a_new_sequence_tries_drafts_the_stage_average_would_not_pay_for() -> No
 
 
 def test_batch_rows_hope_together_for_less_than_one_row_alone() -> None:
+    """Rows' hopes add in quadrature, within a batch and across the batches that share rounds (a
+    client's groups around a ring): eight new rows hope for less each than one alone, however they
+    are split into groups."""
     fresh = Acceptance.empty(2)
     row = (fresh.rates([0.5, 0.5]), fresh.hopeful([0.5, 0.5]))
     seconds = [1.0, 1.6, 2.0]
-    assert policy.batch_rates([row], [2], seconds) == pytest.approx(depth_rates(row[1], seconds))
-    eight = policy.batch_rates([row] * 8, [2] * 8, seconds)
+    assert policy.hoped([policy.batch_rates([row], [2], seconds)]) == pytest.approx(depth_rates(row[1], seconds))
+    eight = policy.hoped([policy.batch_rates([row] * 8, [2] * 8, seconds)])
+    groups = policy.hoped([policy.batch_rates([row] * 2, [2] * 2, seconds) for _ in range(4)])
+    assert groups == pytest.approx(eight)
     assert eight[0] == pytest.approx(8.0)  # no drafts: nothing to hope for
     for k in (1, 2):
         mean = 8 * depth_rates(row[0], seconds)[k]
         assert mean < eight[k] < 8 * depth_rates(row[1], seconds)[k]
+    capped = policy.batch_rates([row, row], [2, 0], seconds)  # a row that never drafts hopes for nothing
+    assert capped[2][1] == pytest.approx(policy.batch_rates([row], [2], seconds)[2][1])
 
 
 def test_costs_widen_for_deeper_requests_and_keep_their_timings() -> None:

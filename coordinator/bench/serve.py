@@ -5,7 +5,8 @@ prompt's prefill puts on running streams.
 Levels, at every concurrency c, over the same prompts (held-out source windows, as `bench engine`
 uses; as many as the highest concurrency) and the same max tokens, greedy, c streams at a time: the
 prompts go in waves of c, so every level decodes the same text (a lone prompt whose drafts happen
-to be rarely accepted would otherwise stand for all of c=1):
+to be rarely accepted would otherwise stand for all of c=1; where c does not divide their number,
+the last wave wraps around to the first prompts, which then count twice):
 - engine: c requests opened at once on one in-process BatchEngine, per method (no_mtp: depth 0;
   auto: up to 3 drafts, the depth picked each round);
 - api: the real API app (uvicorn on 127.0.0.1, a free port) over the same engine, c streaming
@@ -295,7 +296,7 @@ def bench_serve(
                 single_run(engine, single, prompts[0], WARM_TOKENS, method)
         runs: dict[str, dict[str, dict[str, list[float]]]] = {"engine": {}, "api": {}, "single_stream": {}}
         mlx_runs: dict[str, list[float]] = {}
-        outputs: dict[str, dict[int, list[int]]] = {}
+        outputs: dict[str, list[tuple[int, list[int]]]] = {}
         id_c = RATIO_C if RATIO_C in levels else top
 
         for c in levels:
@@ -308,7 +309,7 @@ def bench_serve(
                         decode, toks = engine_run(engine, batch, max_tokens, method)
                         got.append(("engine", method, decode))
                         if c == id_c and rep == 0:
-                            outputs.setdefault(method, {}).update(zip(wave, toks))
+                            outputs.setdefault(method, []).extend(zip(wave, toks))
                         if server:
                             got.append(("api", method, api_run(clients, server.url, batch, max_tokens, method)))
                         if single and c == 1:
@@ -321,8 +322,8 @@ def bench_serve(
                 for (level, method), total in sums.items():
                     cells = mlx_runs if level == "mlx_lm" else runs[level].setdefault(method, {})
                     cells.setdefault(str(c), []).append(total.tps)
-        singles = {i: engine_run(engine, [prompts[i]], max_tokens, "no_mtp")[1][0] for i in outputs["no_mtp"]}
-        per_method = {m: outputs[m] == singles for m in METHODS}
+        singles = {i: engine_run(engine, [prompts[i]], max_tokens, "no_mtp")[1][0] for i, _ in outputs["no_mtp"]}
+        per_method = {m: all(toks == singles[i] for i, toks in outputs[m]) for m in METHODS}
 
         def med(cells: dict[str, list[float]]) -> dict[str, float]:
             return {c: round(statistics.median(v), 2) for c, v in cells.items()}
