@@ -167,10 +167,12 @@ class BatchHead:
             plan.timed()
         kmaxes = [d.chooser.kmax for d in timed]
 
-        def rates(seconds: list[float]) -> list[float]:
+        def rates(seconds: list[float]) -> list[tuple[float, float]]:
             stage = costs.acceptance.extrapolated()
-            rows = [(d.chooser.acceptance.rates(stage[: d.chooser.kmax]), d.chooser.acceptance.hopeful(stage[: d.chooser.kmax]))
-                    for d in timed]
+            rows = []
+            for d in timed:
+                prior = stage[: d.chooser.kmax]
+                rows.append((d.chooser.acceptance.rates(prior), d.chooser.acceptance.hopeful(prior)))
             return batch_rates(rows, kmaxes, seconds)
 
         depth = plan.next(self, bucket, context, max(kmaxes), rates, timeable)

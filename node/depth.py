@@ -4,9 +4,9 @@ A round with K drafts yields 1 + a1 + a1*a2 + ... + a1*...*aK tokens on average,
 chance that draft i is accepted once drafts 1..i-1 were, and costs one verify over K+1 tokens plus K
 draft steps. Both sides are measured: acceptance per sequence and per draft position (with the
 stage's figures from every sequence's first rounds as the prior, and taken at one standard error
-above the estimate, so a sequence finds out what its own drafts are worth), costs per depth and per context length on this stage (a
-calibration at load as the prior, then live timings of whole rounds, so hops and other stages count
-too). Depths whose costs go stale are probed now and then, so a sequence that dropped to 0 drafts
+above the estimate, so a sequence finds out what its own drafts are worth), costs per depth and per
+context length on this stage (a calibration at load as the prior, then live timings of whole rounds,
+so hops and other stages count too). Depths whose costs go stale are probed now and then, so a sequence that dropped to 0 drafts
 comes back when drafting pays again; probes that keep confirming the choices come less often, on the
 whole stage, so a model whose drafts never pay stops paying for probes.
 
