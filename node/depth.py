@@ -189,37 +189,41 @@ class StageCosts:
         return [self._estimate(bucket, k) for k in range(len(self.prior))]
 
     def _estimate(self, bucket: int, depth: int) -> float:
-        """Timed here; else timed at the nearest length where rounds without drafts were timed too,
-        scaled as those compare with here; else the prior, scaled. In an optimistic table, while a
+        """Timed here, else measured against what was (`_measured`). In an optimistic table, while a
         depth has few timings on the stage, it costs at most what the calibration says relative to
         rounds without drafts: a depth that looked dear once would otherwise rarely be chosen again,
         so rarely timed again."""
+        seconds = self._measured(bucket, depth)
         plain = self.live.get((bucket, 0))
-        if (bucket, depth) in self.live:
-            seconds = self.live[(bucket, depth)]
-        else:
-            near = [b for b, k in self.live if k == depth and (b, 0) in self.live]
-            if plain is None or not near:
-                return self.prior[depth] * self._scale(bucket)
-            b = nearest(near, bucket)
-            seconds = self.live[(b, depth)] * plain / self.live[(b, 0)]
         if self.optimistic and depth and plain is not None and self.prior[0] > 0 and self._timings(depth) < TRUSTED:
             seconds = min(seconds, self.prior[depth] * plain / self.prior[0])
         return seconds
 
+    def _measured(self, bucket: int, depth: int) -> float:
+        """Timed here; else the nearest depth timed here, scaled as the two compare (`_ratio`); else
+        what the nearest context length with timings says. The calibration's own comparisons (one
+        short sequence) are the last resort: at other batch sizes and context lengths depths compare
+        differently, and a depth whose rival was only calibrated would keep the calibration's odds."""
+        if (bucket, depth) in self.live:
+            return self.live[(bucket, depth)]
+        here = [k for b, k in self.live if b == bucket]
+        if not here:
+            timed = {b for b, _ in self.live}
+            return self._measured(nearest(timed, bucket), depth) if timed else self.prior[depth]
+        ref = min(here, key=lambda k: (abs(k - depth), k))
+        return self.live[(bucket, ref)] * self._ratio(depth, ref, bucket)
+
+    def _ratio(self, depth: int, ref: int, bucket: int) -> float:
+        """How depth's rounds compare with ref's: where both were timed (the nearest such context
+        length), else as calibrated."""
+        both = [b for b, k in self.live if k == depth and (b, ref) in self.live]
+        if both:
+            b = nearest(both, bucket)
+            return self.live[(b, depth)] / self.live[(b, ref)]
+        return self.prior[depth] / max(self.prior[ref], 1e-12)
+
     def _timings(self, depth: int) -> int:
         return sum(n for (_, k), n in self.samples.items() if k == depth)
-
-    def _scale(self, bucket: int) -> float:
-        """How live timings compare with the prior: this bucket's, else the nearest measured one's."""
-        by_bucket: dict[int, list[float]] = {}
-        for (b, k), s in self.live.items():
-            if self.prior[k] > 0:
-                by_bucket.setdefault(b, []).append(s / self.prior[k])
-        if not by_bucket:
-            return 1.0
-        ratios = by_bucket[nearest(by_bucket, bucket)]
-        return sum(ratios) / len(ratios)
 
 
 @dataclass

@@ -234,6 +234,19 @@ def test_a_new_context_length_times_no_drafts_and_scales_the_rest() -> None:
     assert costs.round_seconds(8000)[1] == 9.0
 
 
+def test_depths_compare_as_measured_where_only_one_of_them_was_timed() -> None:
+    """At a context length where a batch kept drafting, rounds without drafts may never have been
+    timed: they compare with the drafting ones as they did where both were, not as the calibration
+    (one short sequence) says, or drafts keep the calibration's odds there."""
+    costs = StageCosts(prior=[1.0, 1.5, 2.0])
+    costs.observe(0, 100, 2.0)
+    costs.observe(1, 100, 4.0)  # twice rounds without drafts here, not 1.5 times
+    costs.observe(1, 300, 6.0)  # the next length: only drafting rounds timed
+    assert costs.round_seconds(300)[:2] == pytest.approx([3.0, 6.0])
+    # never timed anywhere: the calibration's odds against the nearest depth timed there
+    assert costs.round_seconds(300)[2] == pytest.approx(6.0 * 2.0 / 1.5)
+
+
 def test_a_stalled_round_moves_the_estimate_a_bounded_step() -> None:
     costs = StageCosts(prior=[1.0, 1.2])
     costs.observe(0, 100, 2.0)
