@@ -130,14 +130,20 @@ def _request(engine: BatchEngine, prompt: list[int], max_tokens: int, method: st
     return GenerationRequest(prompt, max_tokens=max_tokens, params=SamplingParams(), mtp_depth=depth, mtp_auto=auto)
 
 
-def engine_run(engine: BatchEngine, prompts: list[list[int]], max_tokens: int,
-               method: str) -> tuple[Decode, list[list[int]]]:
-    """All prompts opened at once; their aggregate decode window and each prompt's tokens."""
+def run_streams(engine: Any, prompts: list[list[int]], max_tokens: int, method: str) -> list[Recorder]:
+    """All prompts opened at once on an engine (batch or ring), each recorded until it ends."""
     recs = [Recorder() for _ in prompts]
     for prompt, rec in zip(prompts, recs):
         engine.open(_request(engine, prompt, max_tokens, method), rec)
     for rec in recs:
         rec.wait()
+    return recs
+
+
+def engine_run(engine: BatchEngine, prompts: list[list[int]], max_tokens: int,
+               method: str) -> tuple[Decode, list[list[int]]]:
+    """All prompts opened at once; their aggregate decode window and each prompt's tokens."""
+    recs = run_streams(engine, prompts, max_tokens, method)
     return decode_window([(r.times, r.counts) for r in recs]), [r.tokens for r in recs]
 
 

@@ -30,7 +30,18 @@ from ..engine.ring import RingEngine
 from .engine import bench_prompts
 from .nodes import spawn_nodes
 from .pipeline import run_mlx_ring
-from .serve import METHODS, WARM_TOKENS, Decode, Recorder, _request, decode_window, engine_run, prefill_gap, waves
+from .serve import (
+    METHODS,
+    WARM_TOKENS,
+    Decode,
+    Recorder,
+    _request,
+    decode_window,
+    engine_run,
+    prefill_gap,
+    run_streams,
+    waves,
+)
 
 RING_RANKS = 2
 
@@ -147,11 +158,7 @@ def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: 
 def _run(engine: Any, prompts: list[list[int]], max_tokens: int, method: str) -> tuple[Decode, Decode, list[list[int]]]:
     """All prompts at once: the decode window to the last token and the one while all streams run,
     and the tokens."""
-    recs = [Recorder() for _ in prompts]
-    for prompt, rec in zip(prompts, recs):
-        engine.open(_request(engine, prompt, max_tokens, method), rec)
-    for rec in recs:
-        rec.wait()
+    recs = run_streams(engine, prompts, max_tokens, method)
     streams = [(r.times, r.counts) for r in recs]
     return decode_window(streams), decode_window(streams, full=True), [r.tokens for r in recs]
 
