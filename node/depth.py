@@ -6,9 +6,10 @@ draft steps. Both sides are measured: acceptance per sequence and per draft posi
 stage's figures from every sequence's first rounds as the prior, and taken at one standard error
 above the estimate, so a sequence finds out what its own drafts are worth), costs per depth and per
 context length on this stage (a calibration at load as the prior, then live timings of whole rounds,
-so hops and other stages count too). Depths whose costs go stale are probed now and then, so a sequence that dropped to 0 drafts
-comes back when drafting pays again; probes that keep confirming the choices come less often, on the
-whole stage, so a model whose drafts never pay stops paying for probes.
+so hops and other stages count too). Depths whose costs go stale are probed now and then, so a
+sequence that dropped to 0 drafts comes back when drafting pays again; probes that keep confirming
+the choices come less often, on the whole stage, so a model whose drafts never pay stops paying for
+probes.
 
 A seeded sampled sequence draws the same tokens whatever its depths (acceptance.py), so its depth is
 timed like any other.
