@@ -115,9 +115,9 @@ class Head:
         self.mtp_pre_norm = mtp_pre_norm
         self.layers_total = layers_total or len(model.layers)
         self.costs: StageCosts | None = None  # calibrated on the first sequence with mtp_auto
-        # Sequences with logits processors are measured apart: none of their rounds is queued ahead
-        # and each does more on the host, so no drafts cost them more than plain rounds; and the
-        # processors move the target away from the drafts, so fewer are accepted.
+        # Sequences with logits processors are measured apart: each round does more on the host, and
+        # one without drafts is queued only once its token is known, so they cost more than plain ones;
+        # and the processors move the target away from the drafts, so fewer are accepted.
         self.processed_costs: StageCosts | None = None
         # Drafts score only the most frequent tokens (None: the default share of the vocabulary).
         self.vocab: DraftVocab | None = None
@@ -125,22 +125,26 @@ class Head:
             size = default_size(model.config.args.vocab_size) if draft_vocab is None else draft_vocab
             self.vocab = DraftVocab(model, size)
 
-    def prepare(self, h: mx.array) -> tuple[mx.array, mx.array]:
-        """The normed hidden and the greedy pick at every position of a step, still lazy: queued with
-        the forward that makes `h`, the whole next step computes while the host handles this one."""
+    def prepare(self, h: mx.array, d: DraftState, drafts: list[int]) -> tuple[mx.array, mx.array, mx.array | None]:
+        """The normed hidden, the greedy pick at every position of a step and, where the sequence
+        processes or reports its logits, those logits, all still lazy: queued with the forward that
+        makes `h`, the whole next step computes while the host handles this one. `d.history` must
+        already hold every token before the step's."""
         normed = self.model.final_norm(h)
-        return normed, mx.argmax(self.model.lm_logits(normed), axis=-1).reshape(-1)
+        logits = self._process(d, self.model.lm_logits(normed), drafts)
+        picks = mx.argmax(logits, axis=-1).reshape(-1)
+        return normed, picks, logits if d.processed or d.params.top_logprobs >= 0 else None
 
     def run(self, req: StepRequest, d: DraftState, h: mx.array, caches: list, context: int,
             on_token: Callable[[mx.array], None] | None = None,
             on_drafts: Callable[[StepOutput], None] | None = None,
-            prepared: tuple[mx.array, mx.array] | None = None) -> StepOutput:
+            prepared: tuple[mx.array, mx.array, mx.array | None] | None = None) -> StepOutput:
         """One step's tokens from the last layer's hidden states `h` (`context` positions in the caches).
         Greedy rounds can be queued before the host waits for this one: `on_token` gets the pick while it
         is still lazy when the next round is that token alone, `on_drafts` the output once the next
         round's drafts are known; `prepared` is what `prepare` made of `h` for a round queued so."""
-        if d.processed:  # the next pick depends on this one's outcome: nothing is queued ahead
-            on_token = on_drafts = None
+        # A processed pick depends on the tokens before it: the next round is queued once they are known.
+        queue_token, on_token = (on_token, None) if d.processed else (None, on_token)
         normed = self.model.final_norm(h) if prepared is None else prepared[0]
         mtp_in = h if self.mtp_pre_norm else normed  # which backbone hidden feeds the MTP head
         out = StepOutput(seq_id=req.seq_id, step=req.step)
@@ -149,7 +153,8 @@ class Head:
             fresh = self.calibrate(d.chooser.kmax, h.dtype)
             self.costs = fresh if self.costs is None else self.costs.widened(fresh.prior)
             self.processed_costs = None
-        if req.kind is StepKind.PREFILL:
+        prefill = req.kind is StepKind.PREFILL
+        if prefill:
             self.observe(req.tokens)
             d.history.extend_prompt(req.tokens)
             self._extend_mtp(d, mtp_in, req.tokens)
@@ -157,21 +162,19 @@ class Head:
                 mx.eval(normed, [c.state for c in caches], d.mtp_cache.state if d.mtp_cache else [])
                 return out
             self._choose(d, context)
-            logits = self._process(d, self.model.lm_logits(normed[:, -1:]), [])
+            logits = self._logits(d, normed[:, -1:], [], None)
             out.tokens = [self._pick(d, logits, on_token)]
             hid, toks = d.pending_hidden, out.tokens
             d.pending_hidden = None
         elif len(req.tokens) == 1:
             self._choose(d, context)  # before the pick: with no drafts next, the next forward starts on it
-            logits = self.model.lm_logits(normed[:, -1:]) if prepared is None or report else None
-            logits = self._process(d, logits, [])
+            logits = self._logits(d, normed[:, -1:], [], prepared)
             out.tokens = [self._pick(d, logits, on_token, None if prepared is None else prepared[1])]
             self._observe(d, 0, context)
             out.commit = Commit(step=req.step, accepted=0, trim=0)
             hid, toks = mtp_in, out.tokens
         else:
-            logits = self.model.lm_logits(normed) if prepared is None or report else None
-            logits = self._process(d, logits, req.tokens[1:])
+            logits = self._logits(d, normed, req.tokens[1:], prepared)
             n, out.tokens = self._accept(d, logits, req.tokens[1:], None if prepared is None else prepared[1])
             out.accepted, out.drafted = n, len(req.tokens) - 1
             self._observe(d, out.drafted, context)
@@ -183,6 +186,10 @@ class Head:
         d.last_token = out.tokens[-1]
         d.history.emit(out.tokens)
         self.observe(out.tokens)
+        if queue_token is not None and d.params.greedy and d.depth == 0 and (len(req.tokens) == 1 or prefill):
+            start = time.perf_counter()
+            queue_token(mx.array(out.tokens[-1]))
+            d.ahead_next = time.perf_counter() - start
         if report:
             out.logprobs = logprobs(logits[0, -1:] if len(req.tokens) == 1 else logits[0, : len(out.tokens)],
                                     out.tokens, d.params.top_logprobs)
@@ -196,7 +203,7 @@ class Head:
                 on_drafts(out)
                 d.ahead_next = time.perf_counter() - start
         d.ahead_done, d.ahead_next = d.ahead_next, 0.0
-        d.handed_out = 0.0 if req.kind is StepKind.PREFILL else time.perf_counter()
+        d.handed_out = 0.0 if prefill else time.perf_counter()
         return out
 
     def observe(self, tokens: list[int]) -> None:
@@ -205,10 +212,15 @@ class Head:
             self.vocab.observe(tokens)
 
     @staticmethod
-    def _process(d: DraftState, logits: mx.array | None, drafts: list[int]) -> mx.array | None:
-        if logits is None or not d.processed:
-            return logits
-        return apply(logits, [(0, d.params, d.history, drafts)])
+    def _process(d: DraftState, logits: mx.array, drafts: list[int]) -> mx.array:
+        return apply(logits, [(0, d.params, d.history, drafts)]) if d.processed else logits
+
+    def _logits(self, d: DraftState, normed: mx.array, drafts: list[int],
+                prepared: tuple[mx.array, mx.array, mx.array | None] | None) -> mx.array | None:
+        """A step's processed logits; None when the picks `prepare` queued are all the step needs."""
+        if prepared is not None:
+            return prepared[2]
+        return self._process(d, self.model.lm_logits(normed), drafts)
 
     def _choose(self, d: DraftState, context: int) -> None:
         if d.chooser is not None:

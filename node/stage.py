@@ -190,8 +190,7 @@ class StageWorker:
         prepared = None
         if decode and lookahead is not None:
             # The forward of exactly these tokens was issued last step; its caches are in place.
-            h, snapshots, *pick = lookahead
-            prepared = tuple(pick)
+            h, snapshots, *prepared = lookahead
         else:
             h = self.model.embed(mx.array([req.tokens])) if self.spec.is_first else hidden.astype(self.dtype)
             h, snapshots = self.model.run_layers(h, seq.cache, capture=decode and T > 1)
@@ -229,9 +228,9 @@ class StageWorker:
         backend async_eval returns only when the last few operations are left). The next request must
         feed that token: the decode checks above make sure it does."""
         h, _ = self.model.run_layers(self.model.embed(token.reshape(1, 1)), seq.cache)
-        normed, pick = self.head.prepare(h)
-        seq.lookahead = (h, {}, normed, pick)
-        mx.async_eval(pick)
+        prepared = self.head.prepare(h, seq.draft, [])
+        seq.lookahead = (h, {}, *prepared)
+        mx.async_eval(prepared[1])
 
     def _issue_verify(self, seq: Sequence, out: StepOutput) -> None:
         """Single stage, greedy, drafts for the next round: its verify over [token, drafts] is known, and
@@ -243,6 +242,6 @@ class StageWorker:
             seq.early_commit = out.commit
         tokens = mx.array([[out.tokens[-1], *out.drafts]])
         h, snapshots = self.model.run_layers(self.model.embed(tokens), seq.cache, capture=True)
-        normed, picks = self.head.prepare(h)
-        seq.lookahead = (h, snapshots, normed, picks)
-        mx.async_eval(picks)
+        prepared = self.head.prepare(h, seq.draft, out.drafts)
+        seq.lookahead = (h, snapshots, *prepared)
+        mx.async_eval(prepared[1])

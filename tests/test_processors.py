@@ -157,6 +157,29 @@ def test_per_sequence_engine_checks_logit_bias_ids(dense_ckpt: Path) -> None:
     engine.validate(GenerationRequest(p, max_tokens=4, params=SamplingParams(logit_bias=((3, 1.0),))))
 
 
+@pytest.mark.parametrize("depth", [0, 3])
+def test_processed_rounds_are_queued_ahead_and_match(dense_ckpt: Path, depth: int) -> None:
+    """A single stage queues a processed greedy sequence's next round as soon as the tokens before it
+    are known (its penalties depend on them); round after round its tokens, logprobs and commits equal
+    those of a stage that runs each round when it is asked for."""
+    from mtpipe.models.loading import load_shard
+    from mtpipe.node.protocol import StepKind, StepRequest
+    from mtpipe.node.stage import StageWorker
+
+    shard = load_shard(dense_ckpt, dtype=mx.float32)
+    queued, reference = StageWorker(shard), StageWorker(shard, overlap=False)
+    params = SamplingParams(presence_penalty=0.9, repetition_penalty=1.3, logit_bias=((5, 4.0),), top_logprobs=3)
+    req = StepRequest("s", 0, StepKind.PREFILL, list(range(3, 30)), final=True, params=params, mtp_depth=depth)
+    out = queued.step(req)
+    assert reference.step(req) == out
+    for step in range(1, 12):
+        req = StepRequest("s", step, StepKind.DECODE, out.tokens[-1:] + out.drafts, commit=out.commit)
+        out = queued.step(req)
+        assert reference.step(req) == out and out.logprobs
+        assert queued.sequences["s"].lookahead is not None  # the next round is computing already
+        assert reference.sequences["s"].lookahead is None
+
+
 def test_sampled_joint_distribution_with_penalties_matches_plain_sampling() -> None:
     """Tiny vocabulary, logits fixed per position: the first two tokens of a speculative round with a
     presence and frequency penalty (the second position scored as if the draft were accepted) have the
