@@ -137,6 +137,14 @@ class Acceptance:
 
 
 @dataclass
+class Clock:
+    """Rounds counted between probes: a batch's, or a whole stage's for its sequences."""
+
+    rounds: int = 0
+    last_probe: int = 0
+
+
+@dataclass
 class StageCosts:
     """Seconds per round for each depth on one last stage: a calibrated prior, then live timings per
     context bucket. A round is everything between handing out drafts and knowing the verdict on them
@@ -150,6 +158,7 @@ class StageCosts:
     # Under TRUSTED timings a depth costs at most what the calibration says: for timings that cannot
     # leave out a depth's first rounds on the stage (the batch head leaves out each shape's first).
     optimistic: bool = False
+    clock: Clock = field(default_factory=Clock)  # the rounds of the stage's sequences (`DepthChooser`)
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
@@ -163,7 +172,8 @@ class StageCosts:
         """The same measurements over a longer prior (a sequence asked for deeper drafts than any before)."""
         extra = len(prior) - len(self.prior)
         acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
-        return StageCosts(prior, dict(self.live), dict(self.samples), self.probe_gap, acceptance, self.optimistic)
+        return StageCosts(prior, dict(self.live), dict(self.samples), self.probe_gap, acceptance, self.optimistic,
+                          clock=self.clock)
 
     def observe(self, depth: int, context: int, seconds: float) -> None:
         """A round's timing. One far above the estimate (the machine busy elsewhere a moment) moves
@@ -237,19 +247,20 @@ class Probe:
 
     hold: bool = False
     most: int = PROBE_EVERY_MAX
-    rounds: int = 0
-    last_probe: int = 0
+    clock: Clock = field(default_factory=Clock)  # its own, unless `choose` is given the stage's
     probed_from: int | None = None  # the choice a probe was made from, until the next choice is known
     probed_on: StageCosts | None = field(default=None, repr=False, compare=False)  # the table it was made on
     held: int | None = None
+    probes: int = 0
 
     def next(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0) -> int:
         """A round's depth when `best` is the best known (counts the round); `behind`: its neighbours'
         shortfall (`shortfall`)."""
-        self.rounds += 1
+        self.clock.rounds += 1
         return self.choose(best, costs, kmax, behind)
 
-    def choose(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0) -> int:
+    def choose(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0, clock: Clock | None = None) -> int:
+        clock = clock or self.clock
         if self.held is not None:
             depth, self.held = self.held, None
             return depth
@@ -261,10 +272,11 @@ class Probe:
                 most = int(self.most * min(PROBE_STRETCH, max(1.0, behind / PROBE_SHORTFALL)))
                 costs.probe_gap = min(2 * costs.probe_gap, most) if confirmed else PROBE_EVERY
             self.probed_from = self.probed_on = None
-        if self.rounds - self.last_probe < costs.probe_gap:
+        if clock.rounds - clock.last_probe < costs.probe_gap:
             return best
-        self.probed_from, self.probed_on, self.last_probe = best, costs, self.rounds
-        up = self.rounds % 2 == 1 or best == 0
+        self.probed_from, self.probed_on, clock.last_probe = best, costs, clock.rounds
+        self.probes += 1  # up and down in turn (a probe counted in rounds would keep the parity of the gap)
+        up = best == 0 or (best < kmax and self.probes % 2 == 1)
         depth = min(best + 1, kmax) if up else max(best - 1, 0)
         if self.hold:
             self.held = depth
@@ -283,11 +295,13 @@ class DepthChooser:
         self.acceptance = Acceptance.empty(self.kmax)
 
     def next_depth(self, costs: StageCosts, context: int) -> int:
-        self.probe.rounds += 1
+        """The next round's depth. Probes are spaced in the stage's rounds, whichever sequences run
+        them: a sequence's own would leave sequences shorter than the gap never probing."""
+        costs.clock.rounds += 1
         first = costs.unmeasured(context, self.kmax)
         if first is not None:  # measure every depth on this stage and context length first
             return first
         acceptance = self.acceptance.hopeful(costs.acceptance.extrapolated()[: self.kmax])
         rates = depth_rates(acceptance, costs.round_seconds(context)[: self.kmax + 1])
         best = best_of(rates)
-        return self.probe.choose(best, costs, self.kmax, shortfall(rates, best))
+        return self.probe.choose(best, costs, self.kmax, shortfall(rates, best), costs.clock)

@@ -139,12 +139,22 @@ def test_a_sequence_at_depth_zero_probes_back() -> None:
     # A probe lasts two rounds: the first, a change of depth, is not timed.
     P = policy.PROBE_EVERY
     assert probes == [P, P + 1, 3 * P, 3 * P + 1, 7 * P, 7 * P + 1]
-    # The stage keeps what the probes learned: a new sequence waits as long before its first one. Its
-    # neighbour is estimated far behind (a probe would rarely change the choice): the wait grows past
-    # PROBE_EVERY_MAX.
+    # The stage keeps what the probes learned and counts its rounds, whichever sequence runs them: the
+    # next probe comes a whole gap after the last one, in a new sequence too. Its neighbour is
+    # estimated far behind (a probe would rarely change the choice): the gap grows past PROBE_EVERY_MAX.
     later = DepthChooser(kmax=2)
     first = next(i + 1 for i in range(1000) if later.next_depth(costs, 64))
-    assert first == costs.probe_gap == 8 * P > policy.PROBE_EVERY_MAX
+    assert costs.probe_gap == 8 * P > policy.PROBE_EVERY_MAX
+    assert first == 7 * P + costs.probe_gap - len(depths)  # 8P rounds after the probe at round 7P
+
+
+def test_probes_go_up_and_down_in_turn() -> None:
+    """From a depth between 0 and the most, probes alternate between the depth above and the one below
+    (each held two rounds), whatever the gap between them; from the ends, the only neighbour."""
+    for best, want in [(1, [2, 2, 0, 0, 2, 2, 0, 0]), (0, [1] * 8), (3, [2] * 8)]:
+        costs, probe = StageCosts(prior=[1.0, 1.2, 1.4, 1.6]), Probe(hold=True)
+        probes = [d for d in (probe.next(best, costs, 3) for _ in range(40 * policy.PROBE_EVERY)) if d != best]
+        assert probes[:8] == want
 
 
 def test_a_probe_is_judged_only_on_the_table_it_was_made_on() -> None:
@@ -153,14 +163,14 @@ def test_a_probe_is_judged_only_on_the_table_it_was_made_on() -> None:
     wide, narrow = StageCosts(prior=[1.0, 2.0]), StageCosts(prior=[1.0, 1.2])
     wide.probe_gap = narrow.probe_gap = 4 * policy.PROBE_EVERY
     probe = Probe(most=policy.PROBE_EVERY_MAX_BATCH)
-    probe.rounds = 4 * policy.PROBE_EVERY
+    probe.clock.rounds = 4 * policy.PROBE_EVERY
     assert probe.choose(best=0, costs=wide, kmax=1) == 1  # a probe, on the wide table
     assert probe.choose(best=1, costs=narrow, kmax=1) == 1  # the narrow table's own best, no verdict
     assert wide.probe_gap == narrow.probe_gap == 4 * policy.PROBE_EVERY
     assert probe.choose(best=0, costs=wide, kmax=1) == 0  # no verdict pending any more
     assert wide.probe_gap == 4 * policy.PROBE_EVERY
     # On the same table, a verdict that changes the choice starts the probes over.
-    probe.rounds += 4 * policy.PROBE_EVERY
+    probe.clock.rounds += 4 * policy.PROBE_EVERY
     assert probe.choose(best=0, costs=wide, kmax=1) == 1
     assert probe.choose(best=1, costs=wide, kmax=1) == 1
     assert wide.probe_gap == policy.PROBE_EVERY
