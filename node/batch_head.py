@@ -161,7 +161,8 @@ class BatchHead:
         # (the first round of a shape builds its kernels: never timed, but noted)
         if not plan.first_shape((len(rows), depth)) and steady and timeable and plan.clean(self.handed_out, depth):
             # each round charged its own forward, whichever round it computed in (rows with logits
-            # processors are never queued ahead: their rounds are not what plain rounds cost)
+            # processors do more on the host, and rounds without drafts are not queued ahead for them:
+            # their rounds are not what plain rounds cost)
             seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
             costs.observe(depth, context, seconds)
             plan.timed()

@@ -142,6 +142,7 @@ class Clock:
 
     rounds: int = 0
     last_probe: int = 0
+    probes: int = 0  # probes from between 0 and the most drafts: up and down in turn
 
 
 @dataclass
@@ -153,7 +154,7 @@ class StageCosts:
     prior: list[float]  # round seconds for depth 0..kmax at load (verify + drafts)
     live: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, depth) -> seconds
     samples: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> timings taken
-    probe_gap: int = PROBE_EVERY  # rounds a sequence waits between probes
+    probe_gap: int = PROBE_EVERY  # rounds between probes (of the stage's sequences, or of a batch)
     acceptance: Acceptance | None = None  # every sequence's counts: the prior for new ones
     # Under TRUSTED timings a depth costs at most what the calibration says: for timings that cannot
     # leave out a depth's first rounds on the stage (the batch head leaves out each shape's first).
@@ -251,7 +252,6 @@ class Probe:
     probed_from: int | None = None  # the choice a probe was made from, until the next choice is known
     probed_on: StageCosts | None = field(default=None, repr=False, compare=False)  # the table it was made on
     held: int | None = None
-    probes: int = 0
 
     def next(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0) -> int:
         """A round's depth when `best` is the best known (counts the round); `behind`: its neighbours'
@@ -275,8 +275,9 @@ class Probe:
         if clock.rounds - clock.last_probe < costs.probe_gap:
             return best
         self.probed_from, self.probed_on, clock.last_probe = best, costs, clock.rounds
-        self.probes += 1  # up and down in turn (a probe counted in rounds would keep the parity of the gap)
-        up = best == 0 or (best < kmax and self.probes % 2 == 1)
+        if 0 < best < kmax:  # (a probe counted in rounds would keep the parity of the gap)
+            clock.probes += 1
+        up = best == 0 or (best < kmax and clock.probes % 2 == 1)
         depth = min(best + 1, kmax) if up else max(best - 1, 0)
         if self.hold:
             self.held = depth

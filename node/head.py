@@ -46,8 +46,8 @@ class DraftState:
     last_drafted: int = -1  # drafts the last round carried
     prior_rounds: int = 0  # its rounds with drafts counted in the stage's acceptance
     draft_seconds: float = 0.0  # what drafting them cost
-    # Single-token rounds queued ahead (on_token): what this round's was computed in during the last
-    # round, and what the next round's is computing in during this one.
+    # Rounds queued ahead (on_token, on_drafts, or once a processed round's token is known): what queuing
+    # this round's cost during the last round, and what queuing the next round's costs during this one.
     ahead_done: float = 0.0
     ahead_next: float = 0.0
     history: History = field(default_factory=History)  # for the logits processors, and positions
@@ -128,8 +128,8 @@ class Head:
     def prepare(self, h: mx.array, d: DraftState, drafts: list[int]) -> tuple[mx.array, mx.array, mx.array | None]:
         """The normed hidden, the greedy pick at every position of a step and, where the sequence
         processes or reports its logits, those logits, all still lazy: queued with the forward that
-        makes `h`, the whole next step computes while the host handles this one. `d.history` must
-        already hold every token before the step's."""
+        makes `h`, the whole next step computes while the host handles this one. For a sequence with
+        processors, `d.history` must already hold every token before the step's."""
         normed = self.model.final_norm(h)
         logits = self._process(d, self.model.lm_logits(normed), drafts)
         picks = mx.argmax(logits, axis=-1).reshape(-1)
@@ -142,7 +142,9 @@ class Head:
         """One step's tokens from the last layer's hidden states `h` (`context` positions in the caches).
         Greedy rounds can be queued before the host waits for this one: `on_token` gets the pick while it
         is still lazy when the next round is that token alone, `on_drafts` the output once the next
-        round's drafts are known; `prepared` is what `prepare` made of `h` for a round queued so."""
+        round's drafts are known; `prepared` is what `prepare` made of `h` for a round queued so. A
+        sequence with processors gets its next round without drafts queued once this round's token is
+        known and in its history."""
         # A processed pick depends on the tokens before it: the next round is queued once they are known.
         queue_token, on_token = (on_token, None) if d.processed else (None, on_token)
         normed = self.model.final_norm(h) if prepared is None else prepared[0]
@@ -186,13 +188,13 @@ class Head:
         d.last_token = out.tokens[-1]
         d.history.emit(out.tokens)
         self.observe(out.tokens)
+        if report:  # before a round is queued: waiting on these must not wait on that round too
+            out.logprobs = logprobs(logits[0, -1:] if len(req.tokens) == 1 else logits[0, : len(out.tokens)],
+                                    out.tokens, d.params.top_logprobs)
         if queue_token is not None and d.params.greedy and d.depth == 0 and (len(req.tokens) == 1 or prefill):
             start = time.perf_counter()
             queue_token(mx.array(out.tokens[-1]))
             d.ahead_next = time.perf_counter() - start
-        if report:
-            out.logprobs = logprobs(logits[0, -1:] if len(req.tokens) == 1 else logits[0, : len(out.tokens)],
-                                    out.tokens, d.params.top_logprobs)
         if d.mtp_cache is not None:
             d.mtp_cache.trim(d.mtp_cache.offset - d.mtp_len)  # drop last round's chained entries
             start = time.perf_counter()

@@ -48,7 +48,7 @@ class Sequence:
     pending_k: int | None = None  # drafts in the last decode step, until its commit arrives
     snapshots: dict[int, GDNSnapshots] = field(default_factory=dict)
     draft: DraftState | None = None
-    # (hidden, snapshots, normed, greedy picks) of the next decode step, already queued; the commit it
+    # (hidden, snapshots, normed, greedy picks, logits or None) of the next decode step, already queued; the commit it
     # was queued after (applied already), which that step's request must echo
     lookahead: tuple | None = None
     early_commit: Commit | None = None
@@ -223,7 +223,8 @@ class StageWorker:
 
     def _issue_lookahead(self, seq: Sequence, token: mx.array) -> None:
         """Single stage, greedy, no drafts next round: the next step's input is this step's token, so the
-        whole next step (forward, logits, pick) is queued on the still-lazy token, and its tail computes
+        whole next step (forward, logits, pick) is queued on the still-lazy token (a sequence with
+        processors: on the token once known, as its picks depend on it), and its tail computes
         while the host handles this one (mlx-lm's generate does the same with async_eval; on the CPU
         backend async_eval returns only when the last few operations are left). The next request must
         feed that token: the decode checks above make sure it does."""

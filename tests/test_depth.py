@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -146,6 +147,24 @@ def test_a_sequence_at_depth_zero_probes_back() -> None:
     first = next(i + 1 for i in range(1000) if later.next_depth(costs, 64))
     assert costs.probe_gap == 8 * P > policy.PROBE_EVERY_MAX
     assert first == 7 * P + costs.probe_gap - len(depths)  # 8P rounds after the probe at round 7P
+
+
+def test_short_sequences_of_a_stage_probe_up_and_down_in_turn() -> None:
+    """Sequences shorter than the gap between probes share the stage's count: each probes at most once,
+    and from a middle depth the stage's probes still alternate."""
+    costs = StageCosts(prior=[1.0, 1.2, 1.4, 1.6])
+    for k in range(4):
+        costs.observe(k, 64, costs.prior[k])
+    directions = []
+    for _ in range(40):
+        chooser = DepthChooser(kmax=3)
+        chooser.acceptance = Acceptance([1e4, 1e4, 1e4], [9e3, 2e3, 1e3])  # known well: K=1 is the best
+        for _ in range(policy.PROBE_EVERY):
+            d = chooser.next_depth(costs, 64)
+            if d != 1 and chooser.probe.held is not None:  # a probe's first round
+                directions.append(d)
+    assert len(directions) >= 4 and set(directions[:4]) == {0, 2}
+    assert all(a != b for a, b in itertools.pairwise(directions))
 
 
 def test_probes_go_up_and_down_in_turn() -> None:

@@ -157,7 +157,7 @@ def test_per_sequence_engine_checks_logit_bias_ids(dense_ckpt: Path) -> None:
     engine.validate(GenerationRequest(p, max_tokens=4, params=SamplingParams(logit_bias=((3, 1.0),))))
 
 
-@pytest.mark.parametrize("depth", [0, 3])
+@pytest.mark.parametrize("depth", [0, 3])  # (auto: the two stages would time and choose depths apart)
 def test_processed_rounds_are_queued_ahead_and_match(dense_ckpt: Path, depth: int) -> None:
     """A single stage queues a processed greedy sequence's next round as soon as the tokens before it
     are known (its penalties depend on them); round after round its tokens, logprobs and commits equal
@@ -168,11 +168,12 @@ def test_processed_rounds_are_queued_ahead_and_match(dense_ckpt: Path, depth: in
 
     shard = load_shard(dense_ckpt, dtype=mx.float32)
     queued, reference = StageWorker(shard), StageWorker(shard, overlap=False)
-    params = SamplingParams(presence_penalty=0.9, repetition_penalty=1.3, logit_bias=((5, 4.0),), top_logprobs=3)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=1.3,
+                            logit_bias=((5, 0.5),), top_logprobs=3)
     req = StepRequest("s", 0, StepKind.PREFILL, list(range(3, 30)), final=True, params=params, mtp_depth=depth)
     out = queued.step(req)
     assert reference.step(req) == out
-    for step in range(1, 12):
+    for step in range(1, 16):
         req = StepRequest("s", step, StepKind.DECODE, out.tokens[-1:] + out.drafts, commit=out.commit)
         out = queued.step(req)
         assert reference.step(req) == out and out.logprobs
