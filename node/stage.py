@@ -48,8 +48,8 @@ class Sequence:
     pending_k: int | None = None  # drafts in the last decode step, until its commit arrives
     snapshots: dict[int, GDNSnapshots] = field(default_factory=dict)
     draft: DraftState | None = None
-    # (hidden, snapshots, normed, greedy picks, logits or None) of the next decode step, already queued; the commit it
-    # was queued after (applied already), which that step's request must echo
+    # (hidden, snapshots, normed, greedy picks, logits or None) of the next decode step, already queued;
+    # the commit it was queued after (applied already), which that step's request must echo
     lookahead: tuple | None = None
     early_commit: Commit | None = None
     last_commit: Commit | None = None  # the last stage's own outcome, to check the echo against
@@ -229,9 +229,7 @@ class StageWorker:
         backend async_eval returns only when the last few operations are left). The next request must
         feed that token: the decode checks above make sure it does."""
         h, _ = self.model.run_layers(self.model.embed(token.reshape(1, 1)), seq.cache)
-        prepared = self.head.prepare(h, seq.draft, [])
-        seq.lookahead = (h, {}, *prepared)
-        mx.async_eval(prepared[1])
+        self._queue(seq, h, {}, [])
 
     def _issue_verify(self, seq: Sequence, out: StepOutput) -> None:
         """Single stage, greedy, drafts for the next round: its verify over [token, drafts] is known, and
@@ -243,6 +241,10 @@ class StageWorker:
             seq.early_commit = out.commit
         tokens = mx.array([[out.tokens[-1], *out.drafts]])
         h, snapshots = self.model.run_layers(self.model.embed(tokens), seq.cache, capture=True)
-        prepared = self.head.prepare(h, seq.draft, out.drafts)
+        self._queue(seq, h, snapshots, out.drafts)
+
+    def _queue(self, seq: Sequence, h: mx.array, snapshots: dict, drafts: list[int]) -> None:
+        """The head's part of a step issued ahead, queued behind its forward and kept for that step."""
+        prepared = self.head.prepare(h, seq.draft, drafts)
         seq.lookahead = (h, snapshots, *prepared)
         mx.async_eval(prepared[1])
