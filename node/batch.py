@@ -21,6 +21,7 @@ from ..models.ragged import concat_caches, pad_rows, restore_rows, rows_cache, t
 from .batch_depth import DepthPlan
 from .batch_head import BatchHead, RowOutput
 from .filling import FillGroup
+from .head import Prepared
 from .protocol import Commit, StageError, StepOutput, StepRequest
 from .stage import StageWorker
 
@@ -37,7 +38,7 @@ class Ahead:
     tokens: mx.array | list[list[int]]  # each row's tokens it was fed (the lazy picks until they are known)
     h: mx.array
     snapshots: dict[int, GDNSnapshots]
-    prepared: tuple[mx.array, mx.array, mx.array]  # normed, logits, picks of that round
+    prepared: Prepared  # that round's head part
     saved: list  # per layer: (conv, state) of a GatedDeltaNet layer, the lengths of an attention layer
 
 
@@ -216,7 +217,7 @@ class BatchStage:
             inputs, real = tokens[:, None], [1] * len(self.ids)
         h, snapshots = self.model.run_rows(self.model.embed(inputs), self.cache, real)
         prepared = self.head.prepare(h)
-        mx.async_eval(prepared[2])
+        mx.async_eval(*prepared.arrays())
         self.ahead = Ahead(tokens, h, snapshots, prepared, saved)
 
     def _restore(self, ahead: Ahead) -> None:

@@ -22,8 +22,8 @@ from ..models.shard import queue_layers
 from .acceptance import accept_greedy, filtered_probs
 from .batch_depth import DepthPlan
 from .depth import batch_rates
-from .head import DraftState, Head
-from .processors import apply, logprobs
+from .head import DraftState, Head, Prepared
+from .processors import LogprobTable, apply, logprob_table, read_logprobs
 from .protocol import Commit, StageError, StepOutput
 
 
@@ -77,27 +77,32 @@ class BatchHead:
 
     # -- a round --------------------------------------------------------------------------------
 
-    def prepare(self, h: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Normed hidden, logits and greedy picks at every position of a round, still lazy."""
+    def prepare(self, h: mx.array) -> Prepared:
+        """Normed hidden, logits, greedy picks and log-probabilities at every position of a round, still
+        lazy: queued behind the round's forward, so reading them never waits on a round queued after."""
         normed = self.model.final_norm(h)
         logits = self.model.lm_logits(normed)
-        return normed, logits, mx.argmax(logits, axis=-1)
+        return Prepared(normed, mx.argmax(logits, axis=-1), logits, self._logprobs(logits))
+
+    def _logprobs(self, logits: mx.array) -> LogprobTable | None:
+        top = max((d.params.top_logprobs for d in self.states), default=-1)
+        return logprob_table(logits, top) if top >= 0 else None
 
     def decide(self, rows: list, h: mx.array, positions: list[int],
-               prepared: tuple[mx.array, mx.array, mx.array] | None = None,
+               prepared: Prepared | None = None,
                on_picks: Callable[[mx.array], None] | None = None) -> list[RowOutput]:
         """`rows`: the round's RowSteps (batch.py), `h`: the last layer's hidden states of all rows;
         `prepared`: what `prepare` made
         of `h` when the round was queued ahead. When every row is greedy and carries no drafts this
         round or the next, `on_picks` gets the still-lazy picks, so the next round can be queued on them."""
         self._check(rows)
-        normed, logits, picks = prepared or self.prepare(h)
+        normed, picks, logits, table = prepared or self.prepare(h)
         mtp_in = h if self.head.mtp_pre_norm else normed
         processed = [(i, d.params, d.history, r.tokens[1:]) for i, (r, d) in enumerate(zip(rows, self.states))
                      if d.processed]
         if processed:  # position by position, as if the drafts before were accepted (processors.py)
             logits = apply(logits, processed)
-            picks = mx.argmax(logits, axis=-1)
+            picks, table = mx.argmax(logits, axis=-1), self._logprobs(logits)
         elif on_picks is not None and all(len(r.tokens) == 1 and d.params.greedy and d.depth == 0
                                           for r, d in zip(rows, self.states)):
             if prepared is None:
@@ -106,8 +111,9 @@ class BatchHead:
             on_picks(picks[:, 0])
             self.ahead_next = time.perf_counter() - start
         sampled = [i for i, d in enumerate(self.states) if not d.params.greedy]
-        mx.eval(picks, *([logits] if sampled else []))
+        mx.eval(picks, *([logits] if sampled else []), *(table.arrays() if table is not None else []))
         picks_host = picks.tolist()
+        reports = []
         outs, pairs = [], []
         for i, (row, d) in enumerate(zip(rows, self.states)):
             drafts = row.tokens[1:]
@@ -127,9 +133,12 @@ class BatchHead:
             d.history.emit(tokens)
             self.head.observe(tokens)
             if d.params.top_logprobs >= 0:
-                out.logprobs = logprobs(logits[i, : len(tokens)], tokens, d.params.top_logprobs)
+                reports.append((out, (i, tokens, d.params.top_logprobs)))
             outs.append(RowOutput(row.seq_id, out))
             pairs.append((mtp_in[i : i + 1, : n + 1], tokens))
+        if reports:
+            for (out, _), lps in zip(reports, read_logprobs(table, [r for _, r in reports])):
+                out.logprobs = lps
         self._choose(rows, positions)
         start = time.perf_counter()
         self._draft(pairs)

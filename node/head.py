@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -21,7 +22,7 @@ from ..models.mtp import entries_only_pays
 from ..models.shard import queue_layers
 from .acceptance import accept_coupled, accept_greedy, accept_sampled, draw, filtered_probs, gumbel_pick
 from .depth import PRIOR_ROUNDS, DepthChooser, StageCosts
-from .processors import History, apply, bias_vector, has_processors, logprobs
+from .processors import History, LogprobTable, apply, bias_vector, has_processors, logprob_table, read_logprobs
 from .protocol import Commit, SamplingParams, StepKind, StepOutput, StepRequest
 
 
@@ -104,6 +105,18 @@ def new_draft_state(req: StepRequest) -> DraftState:
     )
 
 
+class Prepared(NamedTuple):
+    """A step's head part, queued behind its forward (`Head.prepare`)."""
+
+    normed: mx.array
+    picks: mx.array  # the greedy pick at every position
+    logits: mx.array | None  # where the sequence processes or reports its logits
+    logprobs: LogprobTable | None  # where it reports them
+
+    def arrays(self) -> list[mx.array]:
+        return [self.picks, *(self.logprobs.arrays() if self.logprobs is not None else [])]
+
+
 class Head:
     """Token selection, acceptance and drafting over a shard that holds the last layer."""
 
@@ -125,20 +138,21 @@ class Head:
             size = default_size(model.config.args.vocab_size) if draft_vocab is None else draft_vocab
             self.vocab = DraftVocab(model, size)
 
-    def prepare(self, h: mx.array, d: DraftState, drafts: list[int]) -> tuple[mx.array, mx.array, mx.array | None]:
-        """The normed hidden, the greedy pick at every position of a step and, where the sequence
-        processes or reports its logits, those logits, all still lazy: queued with the forward that
-        makes `h`, the whole next step computes while the host handles this one. For a sequence with
-        processors, `d.history` must already hold every token before the step's."""
+    def prepare(self, h: mx.array, d: DraftState, drafts: list[int]) -> Prepared:
+        """A step's head part, all still lazy: queued with the forward that makes `h`, the whole next
+        step, log-probabilities included, computes while the host handles this one. For a sequence
+        with processors, `d.history` must already hold every token before the step's."""
         normed = self.model.final_norm(h)
         logits = self._process(d, self.model.lm_logits(normed), drafts)
         picks = mx.argmax(logits, axis=-1).reshape(-1)
-        return normed, picks, logits if d.processed or d.params.top_logprobs >= 0 else None
+        report = d.params.top_logprobs >= 0
+        table = logprob_table(logits, d.params.top_logprobs) if report else None
+        return Prepared(normed, picks, logits if d.processed or report else None, table)
 
     def run(self, req: StepRequest, d: DraftState, h: mx.array, caches: list, context: int,
             on_token: Callable[[mx.array], None] | None = None,
             on_drafts: Callable[[StepOutput], None] | None = None,
-            prepared: tuple[mx.array, mx.array, mx.array | None] | None = None) -> StepOutput:
+            prepared: Prepared | None = None) -> StepOutput:
         """One step's tokens from the last layer's hidden states `h` (`context` positions in the caches).
         Greedy rounds can be queued before the host waits for this one: `on_token` gets the pick while it
         is still lazy when the next round is that token alone, `on_drafts` the output once the next
@@ -147,7 +161,7 @@ class Head:
         known and in its history."""
         # A processed pick depends on the tokens before it: the next round is queued once they are known.
         queue_token, on_token = (on_token, None) if d.processed else (None, on_token)
-        normed = self.model.final_norm(h) if prepared is None else prepared[0]
+        normed = self.model.final_norm(h) if prepared is None else prepared.normed
         mtp_in = h if self.mtp_pre_norm else normed  # which backbone hidden feeds the MTP head
         out = StepOutput(seq_id=req.seq_id, step=req.step)
         report = d.params.top_logprobs >= 0
@@ -171,13 +185,13 @@ class Head:
         elif len(req.tokens) == 1:
             self._choose(d, context)  # before the pick: with no drafts next, the next forward starts on it
             logits = self._logits(d, normed[:, -1:], [], prepared)
-            out.tokens = [self._pick(d, logits, on_token, None if prepared is None else prepared[1])]
+            out.tokens = [self._pick(d, logits, on_token, None if prepared is None else prepared.picks)]
             self._observe(d, 0, context)
             out.commit = Commit(step=req.step, accepted=0, trim=0)
             hid, toks = mtp_in, out.tokens
         else:
             logits = self._logits(d, normed, req.tokens[1:], prepared)
-            n, out.tokens = self._accept(d, logits, req.tokens[1:], None if prepared is None else prepared[1])
+            n, out.tokens = self._accept(d, logits, req.tokens[1:], None if prepared is None else prepared.picks)
             out.accepted, out.drafted = n, len(req.tokens) - 1
             self._observe(d, out.drafted, context)
             self.record(d, out.drafted, n)
@@ -189,8 +203,9 @@ class Head:
         d.history.emit(out.tokens)
         self.observe(out.tokens)
         if report:  # before a round is queued: waiting on these must not wait on that round too
-            out.logprobs = logprobs(logits[0, -1:] if len(req.tokens) == 1 else logits[0, : len(out.tokens)],
-                                    out.tokens, d.params.top_logprobs)
+            top = d.params.top_logprobs
+            table = prepared.logprobs if prepared is not None else logprob_table(logits[:, : len(out.tokens)], top)
+            out.logprobs = read_logprobs(table, [(0, out.tokens, top)])[0]
         if queue_token is not None and d.params.greedy and d.depth == 0 and (len(req.tokens) == 1 or prefill):
             start = time.perf_counter()
             queue_token(mx.array(out.tokens[-1]))
@@ -218,10 +233,10 @@ class Head:
         return apply(logits, [(0, d.params, d.history, drafts)]) if d.processed else logits
 
     def _logits(self, d: DraftState, normed: mx.array, drafts: list[int],
-                prepared: tuple[mx.array, mx.array, mx.array | None] | None) -> mx.array | None:
+                prepared: Prepared | None) -> mx.array | None:
         """A step's processed logits; None when the picks `prepare` queued are all the step needs."""
         if prepared is not None:
-            return prepared[2]
+            return prepared.logits
         return self._process(d, self.model.lm_logits(normed), drafts)
 
     def _choose(self, d: DraftState, context: int) -> None:

@@ -95,21 +95,49 @@ def bias_vector(params: SamplingParams, vocab: int) -> mx.array:
     return row
 
 
-def logprobs(logits: mx.array, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """Per emitted position of one row (`logits` [n, V], `tokens` [n]): the token's log-probability and
-    the `top` most likely tokens with theirs, most likely first."""
+@dataclass
+class LogprobTable:
+    """Log-probabilities of a round's positions, still lazy: built behind the round's logits so they
+    compute with it, and read once the emitted tokens are known, in one wait for every row."""
+
+    lp: mx.array  # [B, T, V], normalized
+    ids: mx.array | None  # [B, T, top]: the most likely tokens (unordered), None when no row asks
+    vals: mx.array | None
+
+    def arrays(self) -> list[mx.array]:
+        return [self.lp] if self.ids is None else [self.lp, self.ids, self.vals]
+
+
+def logprob_table(logits: mx.array, top: int) -> LogprobTable:
+    """The table of `logits` [B, T, V] with the `top` most likely tokens per position (0: none)."""
     lp = logits.astype(mx.float32)
     lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(lp, mx.array(tokens)[:, None], axis=-1)[:, 0]
-    if top > 0:
-        ids = mx.argpartition(-lp, top - 1, axis=-1)[:, :top]
-        vals = mx.take_along_axis(lp, ids, axis=-1)
-        mx.eval(chosen, ids, vals)
-        ids_h, vals_h = ids.tolist(), vals.tolist()
-    else:
-        mx.eval(chosen)
-        ids_h = vals_h = [[] for _ in tokens]
-    out = []
-    for c, i, v in zip(chosen.tolist(), ids_h, vals_h):
-        out.append((c, sorted(zip(i, v), key=lambda p: (-p[1], p[0]))))
+    top = min(top, logits.shape[-1])
+    if top <= 0:
+        return LogprobTable(lp, None, None)
+    ids = mx.argpartition(-lp, top - 1, axis=-1)[..., :top]
+    return LogprobTable(lp, ids, mx.take_along_axis(lp, ids, axis=-1))
+
+
+def read_logprobs(table: LogprobTable, rows: list[tuple[int, list[int], int]]
+                  ) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+    """For each (batch row, tokens emitted at its positions 0.., top): per token, its log-probability
+    and the `top` most likely tokens with theirs, most likely first."""
+    index = [(b, j, t) for b, tokens, _ in rows for j, t in enumerate(tokens)]
+    if not index:
+        return [[] for _ in rows]
+    b, j, t = (mx.array(list(c)) for c in zip(*index))
+    chosen = table.lp[b, j, t]
+    tops = [] if table.ids is None else [table.ids[b, j], table.vals[b, j]]
+    mx.eval(chosen, *tops)
+    chosen_h = chosen.tolist()
+    ids_h, vals_h = (tops[0].tolist(), tops[1].tolist()) if tops else ([], [])
+    out, at = [], 0
+    for _, tokens, top in rows:
+        per_row = []
+        for k in range(at, at + len(tokens)):
+            best = sorted(zip(ids_h[k], vals_h[k]), key=lambda p: (-p[1], p[0]))[:top] if top > 0 else []
+            per_row.append((chosen_h[k], best))
+        out.append(per_row)
+        at += len(tokens)
     return out

@@ -190,7 +190,7 @@ class StageWorker:
         prepared = None
         if decode and lookahead is not None:
             # The forward of exactly these tokens was issued last step; its caches are in place.
-            h, snapshots, *prepared = lookahead
+            h, snapshots, prepared = lookahead
         else:
             h = self.model.embed(mx.array([req.tokens])) if self.spec.is_first else hidden.astype(self.dtype)
             h, snapshots = self.model.run_layers(h, seq.cache, capture=decode and T > 1)
@@ -246,5 +246,5 @@ class StageWorker:
     def _queue(self, seq: Sequence, h: mx.array, snapshots: dict, drafts: list[int]) -> None:
         """The head's part of a step issued ahead, queued behind its forward and kept for that step."""
         prepared = self.head.prepare(h, seq.draft, drafts)
-        seq.lookahead = (h, snapshots, *prepared)
-        mx.async_eval(prepared[1])
+        seq.lookahead = (h, snapshots, prepared)
+        mx.async_eval(*prepared.arrays())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,7 +14,7 @@ import pytest
 from mtpipe.coordinator.engine.batch import END, BatchEngine
 from mtpipe.coordinator.engine.build import batch_engine, local_engine
 from mtpipe.coordinator.engine.request import GenerationRequest, RequestError
-from mtpipe.node.processors import REPETITION_CONTEXT, History, apply, logprobs
+from mtpipe.node.processors import REPETITION_CONTEXT, History, apply, logprob_table, read_logprobs
 from mtpipe.node.protocol import SamplingParams
 
 DEPTHS = [(0, False), (1, False), (2, False), (3, False), (3, True)]
@@ -57,15 +58,20 @@ def test_apply_matches_position_by_position_reference() -> None:
 
 def test_logprobs_are_sorted_and_consistent() -> None:
     rng = np.random.default_rng(1)
-    raw = rng.normal(size=(3, 20)).astype(np.float32)
-    tokens = [int(np.argmax(raw[0])), 4, 7]
-    out = logprobs(mx.array(raw), tokens, 5)
+    raw = rng.normal(size=(2, 3, 20)).astype(np.float32)
+    tokens = [[int(np.argmax(raw[0, 0])), 4, 7], [3]]
+    # rows of one batch read together, each with its own number of top tokens and emitted positions
+    out = read_logprobs(logprob_table(mx.array(raw), 5), [(0, tokens[0], 5), (1, tokens[1], 2)])
     ref = raw - np.log(np.exp(raw).sum(axis=-1, keepdims=True))
-    for (lp, top), row, t in zip(out, ref, tokens):
-        assert abs(lp - row[t]) < 1e-5
-        assert [i for i, _ in top] == list(np.argsort(-row, kind="stable")[:5])
-        assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
-    assert out[0][1][0][0] == tokens[0] and abs(out[0][1][0][1] - out[0][0]) < 1e-6
+    assert [len(o) for o in out] == [3, 1]
+    for b, top in ((0, 5), (1, 2)):
+        for (lp, best), row, t in zip(out[b], ref[b], tokens[b]):
+            assert abs(lp - row[t]) < 1e-5
+            assert [i for i, _ in best] == list(np.argsort(-row, kind="stable")[:top])
+            assert all(x[1] >= y[1] for x, y in pairwise(best))
+    assert out[0][0][1][0][0] == tokens[0][0] and abs(out[0][0][1][0][1] - out[0][0][0]) < 1e-6
+    [[(lp, best)]] = read_logprobs(logprob_table(mx.array(raw), 0), [(1, [2], 0)])  # no top tokens asked
+    assert best == [] and abs(lp - ref[1, 0, 2]) < 1e-5
 
 
 @pytest.fixture(scope="module")
