@@ -5,7 +5,8 @@ were already accepted, which is what decoding one token at a time would have see
 applied per position: `repetition_penalty` (mlx-lm's rule, over the last REPETITION_CONTEXT tokens,
 prompt included) first, then the additive ones: `logit_bias`, and `presence_penalty` /
 `frequency_penalty` over the generated tokens (OpenAI's rule). Only the (row, position, token) triples
-a rule touches are gathered and written back, never a dense [rows, positions, vocab] array. Greedy
+a rule touches are gathered and written back; the additive rules of the tokens already generated
+are one dense row per request, kept on the device and updated with each round's tokens. Greedy
 picks and sampling both read the processed logits, so greedy output equals non-speculative decoding
 with the same settings and sampled output keeps its distribution.
 
@@ -26,6 +27,21 @@ REPETITION_CONTEXT = 20
 
 
 @dataclass
+class PenaltyRow:
+    """A row's additive processors as a dense row over the vocabulary, kept on the device: logit_bias,
+    and the presence and frequency penalties of the generated tokens folded in so far. Each round folds
+    in only its new tokens, so a round's host work does not grow with the generation."""
+
+    row: mx.array  # [V]
+    seen: Counter[int] = field(default_factory=Counter)  # the generated tokens folded in, counted
+    upto: int = 0  # how many of the generated tokens are folded in
+
+    def penalty(self, token: int, also: Counter[int], params: SamplingParams) -> float:
+        """What the penalties take from `token` once it has been generated again, after `also`."""
+        return params.frequency_penalty + (params.presence_penalty if not self.seen[token] + also[token] else 0.0)
+
+
+@dataclass
 class History:
     """What a row's processors need: the tokens it generated, and the last tokens of its context."""
 
@@ -33,6 +49,7 @@ class History:
     recent: list[int] = field(default_factory=list)  # prompt and generated, the last REPETITION_CONTEXT
     length: int = 0  # tokens in the sequence: the position of the next one
     generated_from: int = 0  # a resumed sequence: its prompt's tokens from here on were generated (0: none)
+    additive: PenaltyRow | None = None  # made by the first `apply` that needs it
 
     def extend_prompt(self, tokens: list[int]) -> None:
         if self.generated_from:
@@ -45,44 +62,64 @@ class History:
         self.recent = (self.recent + list(tokens))[-REPETITION_CONTEXT:]
         self.length += len(tokens)
 
+    def additive_row(self, params: SamplingParams, vocab: int) -> PenaltyRow:
+        """The dense additive row, with every generated token folded in."""
+        if self.additive is None:
+            self.additive = PenaltyRow(bias_vector(params, vocab))
+        add = self.additive
+        if add.upto < len(self.generated) and (params.presence_penalty or params.frequency_penalty):
+            delta: Counter[int] = Counter()
+            for t in self.generated[add.upto :]:
+                delta[t] -= add.penalty(t, Counter(), params)
+                add.seen[t] += 1
+            add.row = add.row.at[mx.array(list(delta))].add(mx.array(list(delta.values())))
+        add.upto = len(self.generated)
+        return add
+
 
 def has_processors(params: SamplingParams) -> bool:
     return bool(params.logit_bias) or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 \
         or params.repetition_penalty != 1.0
 
 
+def has_additive(params: SamplingParams) -> bool:
+    return bool(params.logit_bias) or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
 def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, History, list[int]]]) -> mx.array:
     """Processed `logits` [B, T, V] (float32): for each (row index, params, history, drafts),
     position j sees the history followed by drafts[:j]. Rows not listed are left as they are."""
-    bs, js, ts, factors, adds = [], [], [], [], []
-    for b, params, history, drafts in rows:
-        bias = dict(params.logit_bias)
-        for j in range(min(len(drafts), logits.shape[1] - 1) + 1):
-            seen = drafts[:j]
-            touched: dict[int, list[float]] = {}  # token -> [repetition factor, additive]
-            if params.repetition_penalty != 1.0:
-                for t in set((history.recent + seen)[-REPETITION_CONTEXT:]):
-                    touched[t] = [params.repetition_penalty, 0.0]
-            if params.presence_penalty or params.frequency_penalty:
-                for t, n in Counter(history.generated + seen).items():
-                    entry = touched.setdefault(t, [1.0, 0.0])
-                    entry[1] -= params.presence_penalty + params.frequency_penalty * n
-            for t, v in bias.items():
-                touched.setdefault(t, [1.0, 0.0])[1] += v
-            for t, (factor, add) in touched.items():
-                bs.append(b)
-                js.append(j)
-                ts.append(t)
-                factors.append(factor)
-                adds.append(add)
-    if not bs:
-        return logits
-    index = (mx.array(bs), mx.array(js), mx.array(ts))
-    values = logits[index].astype(mx.float32)
-    factor = mx.array(factors)
-    values = mx.where(values > 0, values / factor, values * factor) + mx.array(adds)
     out = logits.astype(mx.float32)
-    out[index] = values
+    vocab = logits.shape[-1]
+    rep: list[tuple[int, int, int, float]] = []  # (row, position, token, factor)
+    adds: list[tuple[int, mx.array]] = []  # (row, dense additive row)
+    extra: list[tuple[int, int, int, float]] = []  # (row, position, token, add): the drafts' own penalties
+    for b, params, history, drafts in rows:
+        positions = min(len(drafts), logits.shape[1] - 1) + 1
+        if params.repetition_penalty != 1.0:
+            for j in range(positions):
+                for t in set((history.recent + drafts[:j])[-REPETITION_CONTEXT:]):
+                    rep.append((b, j, t, params.repetition_penalty))
+        if not has_additive(params):
+            continue
+        add = history.additive_row(params, vocab)
+        adds.append((b, add.row))
+        if params.presence_penalty or params.frequency_penalty:
+            before: Counter[int] = Counter()
+            for i, t in enumerate(drafts[: positions - 1]):  # seen by positions i+1..
+                step = add.penalty(t, before, params)
+                before[t] += 1
+                extra += [(b, j, t, -step) for j in range(i + 1, positions)]
+    if rep:
+        b, j, t, factor = (mx.array(list(c)) for c in zip(*rep))
+        values = out[b, j, t]
+        out[b, j, t] = mx.where(values > 0, values / factor, values * factor)
+    if adds:  # a broadcast add: a scatter of whole rows is far slower on the CPU
+        by_row, none = dict(adds), mx.zeros((vocab,), mx.float32)
+        out = out + mx.stack([by_row.get(b, none) for b in range(out.shape[0])])[:, None, :]
+    if extra:
+        b, j, t, value = (mx.array(list(c)) for c in zip(*extra))
+        out = out.at[b, j, t].add(value)
     return out
 
 

@@ -56,6 +56,26 @@ def test_apply_matches_position_by_position_reference() -> None:
     np.testing.assert_array_equal(got[0], raw[0])  # a row without processors is untouched
 
 
+def test_apply_round_after_round_matches_reference() -> None:
+    """The additive rules are folded into a row kept across rounds: after every round's tokens, each
+    of two rows (one without penalties, one with all of them) still matches the plain reference."""
+    rng = np.random.default_rng(2)
+    V, K = 16, 3
+    rows = [(0, SamplingParams(logit_bias=((3, 2.0),)), History()),
+            (1, SamplingParams(presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.2,
+                               logit_bias=((1, -1.0),)), History())]
+    for _, _, history in rows:
+        history.extend_prompt([1, 2, 2])
+    for _ in range(12):
+        drafts = [[int(t) for t in rng.integers(0, V, size=int(rng.integers(0, K + 1)))] for _ in rows]
+        raw = rng.normal(size=(2, K + 1, V)).astype(np.float32)
+        got = np.array(apply(mx.array(raw), [(b, p, h, d) for (b, p, h), d in zip(rows, drafts)]))
+        for (b, params, history), d in zip(rows, drafts):
+            n = len(d) + 1
+            np.testing.assert_allclose(got[b, :n], reference(raw[b, :n], params, history, d), atol=1e-5)
+            history.emit([int(t) for t in rng.integers(0, 4, size=int(rng.integers(1, K + 2)))])  # repeats
+
+
 def test_logprobs_are_sorted_and_consistent() -> None:
     rng = np.random.default_rng(1)
     raw = rng.normal(size=(2, 3, 20)).astype(np.float32)
