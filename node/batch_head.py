@@ -82,7 +82,8 @@ class BatchHead:
         lazy: queued behind the round's forward, so reading them never waits on a round queued after."""
         normed = self.model.final_norm(h)
         logits = self.model.lm_logits(normed)
-        return Prepared(normed, mx.argmax(logits, axis=-1), logits, self._logprobs(logits))
+        processed = any(d.processed for d in self.states)  # `decide` takes them from the processed logits
+        return Prepared(normed, mx.argmax(logits, axis=-1), logits, None if processed else self._logprobs(logits))
 
     def _logprobs(self, logits: mx.array) -> LogprobTable | None:
         top = max((d.params.top_logprobs for d in self.states), default=-1)
