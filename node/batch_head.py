@@ -86,8 +86,11 @@ class BatchHead:
         return Prepared(normed, mx.argmax(logits, axis=-1), logits, None if processed else self._logprobs(logits))
 
     def _logprobs(self, logits: mx.array) -> LogprobTable | None:
-        top = max((d.params.top_logprobs for d in self.states), default=-1)
-        return logprob_table(logits, top) if top >= 0 else None
+        """The log-probabilities of the rows that report them."""
+        rows = [i for i, d in enumerate(self.states) if d.params.top_logprobs >= 0]
+        if not rows:
+            return None
+        return logprob_table(logits, max(self.states[i].params.top_logprobs for i in rows), rows)
 
     def decide(self, rows: list, h: mx.array, positions: list[int],
                prepared: Prepared | None = None,
@@ -106,8 +109,8 @@ class BatchHead:
             picks, table = mx.argmax(logits, axis=-1), self._logprobs(logits)
         elif on_picks is not None and all(len(r.tokens) == 1 and d.params.greedy and d.depth == 0
                                           for r, d in zip(rows, self.states)):
-            if prepared is None:
-                mx.eval(picks)  # so the time of queuing the next round is that round's alone
+            if prepared is None:  # so the time of queuing the next round is that round's alone, and
+                mx.eval(picks, *(table.arrays() if table is not None else []))  # reading these never waits on it
             start = time.perf_counter()
             on_picks(picks[:, 0])
             self.ahead_next = time.perf_counter() - start

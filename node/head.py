@@ -106,7 +106,7 @@ def new_draft_state(req: StepRequest) -> DraftState:
 
 
 class Prepared(NamedTuple):
-    """A step's head part, queued behind its forward (`Head.prepare`)."""
+    """A step's head part, queued behind its forward (`Head.prepare`, `BatchHead.prepare`)."""
 
     normed: mx.array
     picks: mx.array  # the greedy pick at every position
@@ -164,7 +164,6 @@ class Head:
         normed = self.model.final_norm(h) if prepared is None else prepared.normed
         mtp_in = h if self.mtp_pre_norm else normed  # which backbone hidden feeds the MTP head
         out = StepOutput(seq_id=req.seq_id, step=req.step)
-        report = d.params.top_logprobs >= 0
         if d.chooser is not None and (self.costs is None or d.chooser.kmax > self.costs.kmax):
             fresh = self.calibrate(d.chooser.kmax, h.dtype)
             self.costs = fresh if self.costs is None else self.costs.widened(fresh.prior)
@@ -179,18 +178,21 @@ class Head:
                 return out
             self._choose(d, context)
             logits = self._logits(d, normed[:, -1:], [], None)
+            table = self._table(d, logits, None)
             out.tokens = [self._pick(d, logits, on_token)]
             hid, toks = d.pending_hidden, out.tokens
             d.pending_hidden = None
         elif len(req.tokens) == 1:
             self._choose(d, context)  # before the pick: with no drafts next, the next forward starts on it
             logits = self._logits(d, normed[:, -1:], [], prepared)
+            table = self._table(d, logits, prepared)
             out.tokens = [self._pick(d, logits, on_token, None if prepared is None else prepared.picks)]
             self._observe(d, 0, context)
             out.commit = Commit(step=req.step, accepted=0, trim=0)
             hid, toks = mtp_in, out.tokens
         else:
             logits = self._logits(d, normed, req.tokens[1:], prepared)
+            table = self._table(d, logits, prepared)
             n, out.tokens = self._accept(d, logits, req.tokens[1:], None if prepared is None else prepared.picks)
             out.accepted, out.drafted = n, len(req.tokens) - 1
             self._observe(d, out.drafted, context)
@@ -202,10 +204,8 @@ class Head:
         d.last_token = out.tokens[-1]
         d.history.emit(out.tokens)
         self.observe(out.tokens)
-        if report:  # before a round is queued: waiting on these must not wait on that round too
-            top = d.params.top_logprobs
-            table = prepared.logprobs if prepared is not None else logprob_table(logits[:, : len(out.tokens)], top)
-            out.logprobs = read_logprobs(table, [(0, out.tokens, top)])[0]
+        if table is not None:
+            out.logprobs = read_logprobs(table, [(0, out.tokens, d.params.top_logprobs)])[0]
         if queue_token is not None and d.params.greedy and d.depth == 0 and (len(req.tokens) == 1 or prefill):
             start = time.perf_counter()
             queue_token(mx.array(out.tokens[-1]))
@@ -238,6 +238,18 @@ class Head:
         if prepared is not None:
             return prepared.logits
         return self._process(d, self.model.lm_logits(normed), drafts)
+
+    @staticmethod
+    def _table(d: DraftState, logits: mx.array | None, prepared: Prepared | None) -> LogprobTable | None:
+        """A step's log-probabilities, if the sequence reports them: computed now, before the next round
+        may be queued, so reading them never waits on that round."""
+        if d.params.top_logprobs < 0:
+            return None
+        if prepared is not None:
+            return prepared.logprobs
+        table = logprob_table(logits, d.params.top_logprobs)
+        mx.eval(*table.arrays())
+        return table
 
     def _choose(self, d: DraftState, context: int) -> None:
         if d.chooser is not None:

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from .protocol import SamplingParams
 
@@ -134,47 +135,52 @@ def bias_vector(params: SamplingParams, vocab: int) -> mx.array:
 
 @dataclass
 class LogprobTable:
-    """Log-probabilities of a round's positions, still lazy: built behind the round's logits so they
-    compute with it, and read once the emitted tokens are known, in one wait for every row."""
+    """Log-probabilities of a round's positions, still lazy: built behind the round's logits, before any
+    later round is queued, so they compute with it; read on the host once the emitted tokens are known,
+    in one wait for every row that waits on nothing queued after them."""
 
-    lp: mx.array  # [B, T, V], normalized
-    ids: mx.array | None  # [B, T, top]: the most likely tokens (unordered), None when no row asks
+    lp: mx.array  # [R, T, V], normalized
+    ids: mx.array | None  # [R, T, top]: the most likely tokens (unordered), None when no row asks
     vals: mx.array | None
+    rows: list[int] | None = None  # the batch rows it holds, in order (None: every row)
 
     def arrays(self) -> list[mx.array]:
         return [self.lp] if self.ids is None else [self.lp, self.ids, self.vals]
 
 
-def logprob_table(logits: mx.array, top: int) -> LogprobTable:
-    """The table of `logits` [B, T, V] with the `top` most likely tokens per position (0: none)."""
+def logprob_table(logits: mx.array, top: int, rows: list[int] | None = None) -> LogprobTable:
+    """The table of `logits` [B, T, V] (only `rows` of them, if given) with the `top` most likely
+    tokens per position (0: none)."""
+    if rows is not None and len(rows) < logits.shape[0]:
+        logits = logits[mx.array(rows)]
+    else:
+        rows = None
     lp = logits.astype(mx.float32)
     lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
     top = min(top, logits.shape[-1])
     if top <= 0:
-        return LogprobTable(lp, None, None)
+        return LogprobTable(lp, None, None, rows)
     ids = mx.argpartition(-lp, top - 1, axis=-1)[..., :top]
-    return LogprobTable(lp, ids, mx.take_along_axis(lp, ids, axis=-1))
+    return LogprobTable(lp, ids, mx.take_along_axis(lp, ids, axis=-1), rows)
 
 
 def read_logprobs(table: LogprobTable, rows: list[tuple[int, list[int], int]]
                   ) -> list[list[tuple[float, list[tuple[int, float]]]]]:
     """For each (batch row, tokens emitted at its positions 0.., top): per token, its log-probability
-    and the `top` most likely tokens with theirs, most likely first."""
-    index = [(b, j, t) for b, tokens, _ in rows for j, t in enumerate(tokens)]
-    if not index:
-        return [[] for _ in rows]
-    b, j, t = (mx.array(list(c)) for c in zip(*index))
-    chosen = table.lp[b, j, t]
-    tops = [] if table.ids is None else [table.ids[b, j], table.vals[b, j]]
-    mx.eval(chosen, *tops)
-    chosen_h = chosen.tolist()
-    ids_h, vals_h = (tops[0].tolist(), tops[1].tolist()) if tops else ([], [])
-    out, at = [], 0
-    for _, tokens, top in rows:
+    and the `top` most likely tokens with theirs, most likely first. Indexed on the host: a gather
+    queued now would run after whatever was queued since the table."""
+    mx.eval(*table.arrays())
+    lp = np.asarray(table.lp)
+    ids, vals = (np.asarray(table.ids), np.asarray(table.vals)) if table.ids is not None else (None, None)
+    at = {b: i for i, b in enumerate(table.rows)} if table.rows is not None else None
+    out = []
+    for b, tokens, top in rows:
+        r = at[b] if at is not None else b
         per_row = []
-        for k in range(at, at + len(tokens)):
-            best = sorted(zip(ids_h[k], vals_h[k]), key=lambda p: (-p[1], p[0]))[:top] if top > 0 else []
-            per_row.append((chosen_h[k], best))
+        for j, t in enumerate(tokens):
+            best = []
+            if top > 0 and ids is not None:
+                best = sorted(zip(ids[r, j].tolist(), vals[r, j].tolist()), key=lambda p: (-p[1], p[0]))[:top]
+            per_row.append((float(lp[r, j, t]), best))
         out.append(per_row)
-        at += len(tokens)
     return out

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..models.gdn_snapshots import GDNSnapshots
 from ..models.loading import LoadedShard
-from .head import DraftState, Head, new_draft_state
+from .head import DraftState, Head, Prepared, new_draft_state
 from .protocol import MAX_MTP_DEPTH, Commit, StageError, StepKind, StepOutput, StepRequest
 
 log = logging.getLogger(__name__)
@@ -48,9 +48,9 @@ class Sequence:
     pending_k: int | None = None  # drafts in the last decode step, until its commit arrives
     snapshots: dict[int, GDNSnapshots] = field(default_factory=dict)
     draft: DraftState | None = None
-    # (hidden, snapshots, normed, greedy picks, logits or None) of the next decode step, already queued;
-    # the commit it was queued after (applied already), which that step's request must echo
-    lookahead: tuple | None = None
+    # (hidden, snapshots, the head's part) of the next decode step, already queued; the commit it was
+    # queued after (applied already), which that step's request must echo
+    lookahead: tuple[mx.array, dict, Prepared] | None = None
     early_commit: Commit | None = None
     last_commit: Commit | None = None  # the last stage's own outcome, to check the echo against
 

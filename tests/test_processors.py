@@ -58,17 +58,20 @@ def test_apply_matches_position_by_position_reference() -> None:
 
 def test_apply_round_after_round_matches_reference() -> None:
     """The additive rules are folded into a row kept across rounds: after every round's tokens, each
-    of two rows (one without penalties, one with all of them) still matches the plain reference."""
+    row of a batch (different rules each) still matches the plain reference."""
     rng = np.random.default_rng(2)
     V, K = 16, 3
     rows = [(0, SamplingParams(logit_bias=((3, 2.0),)), History()),
             (1, SamplingParams(presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.2,
-                               logit_bias=((1, -1.0),)), History())]
-    for _, _, history in rows:
+                               logit_bias=((1, -1.0),)), History()),
+            (2, SamplingParams(repetition_penalty=1.4), History()),  # beside the additive rows
+            (3, SamplingParams(frequency_penalty=0.5), History(generated_from=2))]  # resumed: its prompt's
+    for _, _, history in rows:  # tokens from position 2 on were generated, and are penalized
         history.extend_prompt([1, 2, 2])
+    assert rows[3][2].generated == [2]
     for _ in range(12):
         drafts = [[int(t) for t in rng.integers(0, V, size=int(rng.integers(0, K + 1)))] for _ in rows]
-        raw = rng.normal(size=(2, K + 1, V)).astype(np.float32)
+        raw = rng.normal(size=(len(rows), K + 1, V)).astype(np.float32)
         got = np.array(apply(mx.array(raw), [(b, p, h, d) for (b, p, h), d in zip(rows, drafts)]))
         for (b, params, history), d in zip(rows, drafts):
             n = len(d) + 1
@@ -84,6 +87,8 @@ def test_logprobs_are_sorted_and_consistent() -> None:
     out = read_logprobs(logprob_table(mx.array(raw), 5), [(0, tokens[0], 5), (1, tokens[1], 2)])
     ref = raw - np.log(np.exp(raw).sum(axis=-1, keepdims=True))
     assert [len(o) for o in out] == [3, 1]
+    # a table of only the rows that report gives the same, read by batch row
+    assert read_logprobs(logprob_table(mx.array(raw), 2, rows=[1]), [(1, tokens[1], 2)]) == out[1:]
     for b, top in ((0, 5), (1, 2)):
         for (lp, best), row, t in zip(out[b], ref[b], tokens[b]):
             assert abs(lp - row[t]) < 1e-5
