@@ -78,13 +78,12 @@ class History:
         return add
 
 
-def has_processors(params: SamplingParams) -> bool:
-    return bool(params.logit_bias) or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 \
-        or params.repetition_penalty != 1.0
-
-
 def has_additive(params: SamplingParams) -> bool:
     return bool(params.logit_bias) or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def has_processors(params: SamplingParams) -> bool:
+    return has_additive(params) or params.repetition_penalty != 1.0
 
 
 def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, History, list[int]]]) -> mx.array:
