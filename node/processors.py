@@ -37,9 +37,11 @@ class PenaltyRow:
     seen: Counter[int] = field(default_factory=Counter)  # the generated tokens folded in, counted
     upto: int = 0  # how many of the generated tokens are folded in
 
-    def penalty(self, token: int, also: Counter[int], params: SamplingParams) -> float:
-        """What the penalties take from `token` once it has been generated again, after `also`."""
-        return params.frequency_penalty + (params.presence_penalty if not self.seen[token] + also[token] else 0.0)
+    def penalty(self, token: int, params: SamplingParams, also: Counter[int] | None = None) -> float:
+        """What the penalties take from `token` once it has been generated again (after `also`, tokens
+        not folded in yet)."""
+        before = self.seen[token] + (also[token] if also is not None else 0)
+        return params.frequency_penalty + (params.presence_penalty if not before else 0.0)
 
 
 @dataclass
@@ -71,7 +73,7 @@ class History:
         if add.upto < len(self.generated) and (params.presence_penalty or params.frequency_penalty):
             delta: Counter[int] = Counter()
             for t in self.generated[add.upto :]:
-                delta[t] -= add.penalty(t, Counter(), params)
+                delta[t] -= add.penalty(t, params)
                 add.seen[t] += 1
             add.row = add.row.at[mx.array(list(delta))].add(mx.array(list(delta.values())))
         add.upto = len(self.generated)
@@ -107,7 +109,7 @@ def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, History, list[
         if params.presence_penalty or params.frequency_penalty:
             before: Counter[int] = Counter()
             for i, t in enumerate(drafts[: positions - 1]):  # seen by positions i+1..
-                step = add.penalty(t, before, params)
+                step = add.penalty(t, params, before)
                 before[t] += 1
                 extra += [(b, j, t, -step) for j in range(i + 1, positions)]
     if rep:
