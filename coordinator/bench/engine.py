@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +28,68 @@ def bench_prompts(n: int) -> list[str]:
     return heldout_prompts(n)
 
 
-def time_mlx_lm(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    """mlx-lm's stream_generate: its tokens and decode speed, measured the way the engine's is."""
+Chunks = Iterator[tuple[list[int], Any]]  # (tokens, stats or None), one item per round handed back
+
+
+def mlx_lm_chunks(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> Chunks:
+    """mlx-lm's stream_generate, a token at a time, up to its end-of-sequence token."""
     from mlx_lm import stream_generate
 
-    tokens, first, last = [], None, None
     for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
-        now = time.perf_counter()
-        first = first or now
-        last = now
         if r.finish_reason == "stop" and r.token in tokenizer.eos_token_ids:
-            break
-        tokens.append(r.token)
-    return tokens, (len(tokens) - 1) / (last - first) if last and last > first else 0.0
+            return
+        yield [r.token], None
+
+
+def engine_chunks(engine: Engine, prompt: list[int], max_tokens: int, depth: int | str,
+                  params: SamplingParams | None = None) -> Chunks:
+    """A greedy decode of `prompt` at a depth (a number or "auto"), a round at a time."""
+    drafts, auto = resolve_depth(depth, engine.has_mtp)
+    req = GenerationRequest(prompt, max_tokens=max_tokens, params=params or SamplingParams(), mtp_depth=drafts,
+                            mtp_auto=auto)
+    for chunk in engine.generate(req):
+        yield chunk.tokens, chunk.stats
+
+
+def timed(chunks: Chunks) -> tuple[list[int], float, Any]:
+    """Tokens, decode tok/s and the last stats: the tokens after the first chunk that has any, over the
+    time from that chunk to the last (the first carries the first token after the prompt)."""
+    tokens: list[int] = []
+    first, last, start, stats = 0, None, None, None
+    for toks, chunk_stats in chunks:
+        now = time.perf_counter()
+        tokens += toks
+        stats = chunk_stats or stats
+        if toks:
+            if start is None:
+                start, first = now, len(tokens)
+            last = now
+    tps = (len(tokens) - first) / (last - start) if start is not None and last > start else 0.0
+    return tokens, tps, stats
+
+
+class Paused:
+    """A decode whose prompt is in and first token out, waiting its turn: decodes after long prompts are
+    timed back to back, as their prefills take seconds and this kind of machine changes pace over tens
+    of seconds. The first round after the pause, which may have computed during it, is not timed."""
+
+    def __init__(self, chunks: Chunks):
+        self.chunks = chunks
+        self.tokens: list[int] = []
+        for toks, _ in chunks:
+            self.tokens += toks
+            if self.tokens:
+                break
+
+    def finish(self) -> tuple[list[int], float, Any]:
+        tokens, tps, stats = timed(self.chunks)
+        return self.tokens + tokens, tps, stats
+
+
+def time_mlx_lm(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    """mlx-lm's stream_generate: its tokens and decode speed, measured the way the engine's is."""
+    tokens, tps, _ = timed(mlx_lm_chunks(model, tokenizer, prompt, max_tokens))
+    return tokens, tps
 
 
 PROCESSORS = SamplingParams(presence_penalty=0.5, top_logprobs=5)  # what an evaluation harness asks for
@@ -48,19 +98,7 @@ PROCESSORS = SamplingParams(presence_penalty=0.5, top_logprobs=5)  # what an eva
 def _time_engine(engine: Engine, prompt: list[int], max_tokens: int, depth: int | str,
                  params: SamplingParams | None = None) -> tuple[list[int], float, Any]:
     """Greedy decode of `prompt` at a depth (a number or "auto"): tokens, decode tok/s, stats."""
-    tokens, first, last, stats = [], None, None, None
-    drafts, auto = resolve_depth(depth, engine.has_mtp)
-    req = GenerationRequest(prompt, max_tokens=max_tokens, params=params or SamplingParams(), mtp_depth=drafts,
-                            mtp_auto=auto)
-    for chunk in engine.generate(req):
-        now = time.perf_counter()
-        if chunk.tokens:
-            first = first or now
-            last = now
-        tokens += chunk.tokens
-        stats = chunk.stats or stats
-    # The first chunk carries the first token; later chunks carry whole rounds.
-    return tokens, (len(tokens) - 1) / (last - first) if last and last > first else 0.0, stats
+    return timed(engine_chunks(engine, prompt, max_tokens, depth, params))
 
 
 def _cost_terms(engine: Engine, prompt: list[int], depths: list[int], trials: int = 20) -> dict[str, float]:
@@ -236,22 +274,28 @@ def long_prompt(tokenizer: Any, length: int) -> list[int]:
 
 def bench_long_context(engine: Engine, ref_model: Any, ref_tok: Any, lengths: list[int], reps: int = 2,
                        max_tokens: int = LONG_CONTEXT_TOKENS) -> dict[str, Any]:
-    """Decode speed after prompts of each length: mlx-lm, no MTP and auto depth, side by side."""
+    """Decode speed after prompts of each length: mlx-lm, no MTP and auto depth, side by side. Each
+    repetition prefills all three, then times their decodes back to back (`Paused`), the two engine
+    methods in turn forwards and backwards. mlx-lm's is prefilled last and timed first: its generator
+    pauses inside its own stream's context, which must close before the engine computes again."""
+    methods = {"no_mtp": 0, "mtp_auto": AUTO}
     out: dict[str, Any] = {}
     for length in lengths:
         prompt = long_prompt(engine.tokenizer, length)
-        speeds: dict[str, list[float]] = {"mlx_lm": [], "no_mtp": [], "mtp_auto": []}
+        speeds: dict[str, list[float]] = {"mlx_lm": [], **{m: [] for m in methods}}
+        outputs: dict[str, list[int]] = {}
         identical, depths = True, {}
-        for _ in range(reps):
-            reference, tps = time_mlx_lm(ref_model, ref_tok, prompt, max_tokens)
-            speeds["mlx_lm"].append(tps)
-            for name, depth in (("no_mtp", 0), ("mtp_auto", AUTO)):
-                toks, tps, stats = _time_engine(engine, prompt, max_tokens, depth)
+        for rep in range(reps):
+            order = list(methods) if rep % 2 == 0 else list(methods)[::-1]
+            paused = {name: Paused(engine_chunks(engine, prompt, max_tokens, methods[name])) for name in order}
+            paused = {"mlx_lm": Paused(mlx_lm_chunks(ref_model, ref_tok, prompt, max_tokens)), **paused}
+            for name, run in paused.items():
+                outputs[name], tps, stats = run.finish()
                 speeds[name].append(tps)
-                identical = identical and toks == reference
                 if name == "mtp_auto":
                     for d, n in stats.depths.items():
                         depths[d] = depths.get(d, 0) + n
+            identical = identical and outputs["no_mtp"] == outputs["mlx_lm"] == outputs["mtp_auto"]
         tok_s = {m: round(statistics.mean(v), 2) for m, v in speeds.items()}
         out[str(length)] = {
             "tok_s": tok_s,
@@ -259,6 +303,7 @@ def bench_long_context(engine: Engine, ref_model: Any, ref_tok: Any, lengths: li
             "auto_depths": {str(k): v for k, v in sorted(depths.items())},
             "ratios": {"no_mtp_vs_mlx_lm": round(tok_s["no_mtp"] / tok_s["mlx_lm"], 3),
                        "auto_vs_no_mtp": round(tok_s["mtp_auto"] / tok_s["no_mtp"], 3)},
+            "auto_vs_no_mtp_per_rep": [round(a / b, 3) for a, b in zip(speeds["mtp_auto"], speeds["no_mtp"])],
         }
     return out
 
