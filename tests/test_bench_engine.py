@@ -13,11 +13,12 @@ from mtpipe.coordinator.bench import engine as bench
 from mtpipe.coordinator.engine.build import local_engine
 
 
-def clocked(chunks: list[tuple[float, list[int]]], clock: list[float]) -> Iterator[tuple[list[int], None]]:
-    """Chunks handed back at the given times: `clock[0]` is what perf_counter reads meanwhile."""
-    for at, tokens in chunks:
+def clocked(chunks: list[tuple[float, list[int]]], clock: list[float], stats: object = None) -> Iterator[tuple[list[int], object]]:
+    """Chunks handed back at the given times (`clock[0]` is what perf_counter reads meanwhile); the last
+    carries `stats`, as the engine's last chunk does."""
+    for i, (at, tokens) in enumerate(chunks):
         clock[0] = at
-        yield tokens, None
+        yield tokens, stats if i == len(chunks) - 1 else None
 
 
 @pytest.fixture
@@ -33,6 +34,16 @@ def test_timed_counts_the_tokens_after_the_first(clock: list[float]) -> None:
     assert tokens == [5, 6, 7, 8] and tps == pytest.approx(3 / 3.0)
 
 
+def test_timed_without_a_second_chunk_has_no_speed(clock: list[float]) -> None:
+    assert bench.timed(clocked([], clock)) == ([], 0.0, None)
+    assert bench.timed(clocked([(1.0, [5])], clock, stats="s")) == ([5], 0.0, "s")
+
+
+def test_paused_decode_that_ends_at_its_first_token_keeps_its_stats(clock: list[float]) -> None:
+    run = bench.Paused(clocked([(0.5, []), (1.0, [5])], clock, stats="s"))
+    assert run.finish() == ([5], 0.0, "s")
+
+
 def test_paused_decode_is_timed_from_its_first_round_after_the_pause(clock: list[float]) -> None:
     # The first token comes before the pause; the round after it was computed during the pause
     # (handed back at once, t=10): the clock starts there, and the tokens it carried do not count.
@@ -45,6 +56,7 @@ def test_paused_decode_is_timed_from_its_first_round_after_the_pause(clock: list
 def test_long_context_decodes_are_paired_and_identical(dense_ckpt: Path) -> None:
     engine = local_engine(dense_ckpt, dtype=mx.float32)
     model, tok = mlx_load(str(dense_ckpt))
+    stream = mx.default_stream(mx.default_device())
     result = bench.bench_long_context(engine, model, tok, [24, 40], reps=2, max_tokens=12)
     assert set(result) == {"24", "40"}
     for r in result.values():
@@ -52,3 +64,24 @@ def test_long_context_decodes_are_paired_and_identical(dense_ckpt: Path) -> None
         assert all(v > 0 for v in r["tok_s"].values()) and len(r["auto_vs_no_mtp_per_rep"]) == 2
         assert sum(int(n) for n in r["auto_depths"].values()) > 0
     assert not engine.pipeline.stages[-1].sequences  # every paused decode ran to its end and was released
+    assert mx.default_stream(mx.default_device()) == stream  # mlx-lm's paused decode left its stream
+
+
+def test_a_failure_between_paused_decodes_releases_them(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = local_engine(dense_ckpt, dtype=mx.float32)
+    model, tok = mlx_load(str(dense_ckpt))
+    stream = mx.default_stream(mx.default_device())
+
+    def fail(*args: object, **kwargs: object) -> Iterator[tuple[list[int], None]]:
+        raise RuntimeError("mlx-lm failed")
+        yield
+
+    monkeypatch.setattr(bench, "mlx_lm_chunks", fail)  # after both engine decodes were prefilled
+    try:
+        bench.bench_long_context(engine, model, tok, [24], reps=1, max_tokens=12)
+    except RuntimeError as e:  # its traceback keeps the failed call's frames, and what they hold, alive
+        assert str(e) == "mlx-lm failed" and e.__traceback__ is not None
+        assert not engine.pipeline.stages[-1].sequences
+    else:
+        pytest.fail("the failure did not propagate")
+    assert mx.default_stream(mx.default_device()) == stream

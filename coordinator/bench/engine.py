@@ -1,7 +1,9 @@
 """`mtpipe bench engine`: mlx-lm, mtpipe without MTP and with MTP at several depths, side by side.
 
 Every prompt runs every method back to back (interleaved), so machine noise hits all of them alike;
-the report gives ratios. Decode speed is (tokens - 1) / (last token time - first token time).
+the report gives ratios. Decode speed is (tokens - 1) / (last token time - first token time). After
+long prompts, whose prefills take seconds, the methods are prefilled first and their decodes timed
+back to back (`Paused`).
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +31,18 @@ def bench_prompts(n: int) -> list[str]:
     return heldout_prompts(n)
 
 
-Chunks = Iterator[tuple[list[int], Any]]  # (tokens, stats or None), one item per round handed back
+Chunks = Generator[tuple[list[int], Any], None, None]  # (tokens, stats or None), one item per round handed back
 
 
 def mlx_lm_chunks(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> Chunks:
     """mlx-lm's stream_generate, a token at a time, up to its end-of-sequence token."""
     from mlx_lm import stream_generate
 
-    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
-        if r.finish_reason == "stop" and r.token in tokenizer.eos_token_ids:
-            return
-        yield [r.token], None
+    with closing(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)) as responses:
+        for r in responses:
+            if r.finish_reason == "stop" and r.token in tokenizer.eos_token_ids:
+                return
+            yield [r.token], None
 
 
 def engine_chunks(engine: Engine, prompt: list[int], max_tokens: int, depth: int | str,
@@ -47,15 +51,19 @@ def engine_chunks(engine: Engine, prompt: list[int], max_tokens: int, depth: int
     drafts, auto = resolve_depth(depth, engine.has_mtp)
     req = GenerationRequest(prompt, max_tokens=max_tokens, params=params or SamplingParams(), mtp_depth=drafts,
                             mtp_auto=auto)
-    for chunk in engine.generate(req):
-        yield chunk.tokens, chunk.stats
+    with closing(engine.generate(req)) as chunks:  # closed early, the engine releases the sequence
+        for chunk in chunks:
+            yield chunk.tokens, chunk.stats
 
 
 def timed(chunks: Chunks) -> tuple[list[int], float, Any]:
     """Tokens, decode tok/s and the last stats: the tokens after the first chunk that has any, over the
-    time from that chunk to the last (the first carries the first token after the prompt)."""
+    time from that chunk to the last. The first carries the first token after the prompt, whose time
+    is the prefill's; a round handed back may carry several tokens."""
     tokens: list[int] = []
-    first, last, start, stats = 0, None, None, None
+    first, stats = 0, None
+    start: float | None = None
+    last: float | None = None
     for toks, chunk_stats in chunks:
         now = time.perf_counter()
         tokens += toks
@@ -76,14 +84,20 @@ class Paused:
     def __init__(self, chunks: Chunks):
         self.chunks = chunks
         self.tokens: list[int] = []
-        for toks, _ in chunks:
+        self.stats: Any = None  # a decode that ends at its first token hands its stats back with it
+        for toks, stats in chunks:
             self.tokens += toks
+            self.stats = stats or self.stats
             if self.tokens:
                 break
 
     def finish(self) -> tuple[list[int], float, Any]:
         tokens, tps, stats = timed(self.chunks)
-        return self.tokens + tokens, tps, stats
+        return self.tokens + tokens, tps, stats or self.stats
+
+    def close(self) -> None:
+        """Ends the decode where it is (its engine releases the sequence, mlx-lm leaves its stream)."""
+        self.chunks.close()
 
 
 def time_mlx_lm(model: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
@@ -287,14 +301,19 @@ def bench_long_context(engine: Engine, ref_model: Any, ref_tok: Any, lengths: li
         identical, depths = True, {}
         for rep in range(reps):
             order = list(methods) if rep % 2 == 0 else list(methods)[::-1]
-            paused = {name: Paused(engine_chunks(engine, prompt, max_tokens, methods[name])) for name in order}
-            paused = {"mlx_lm": Paused(mlx_lm_chunks(ref_model, ref_tok, prompt, max_tokens)), **paused}
-            for name, run in paused.items():
-                outputs[name], tps, stats = run.finish()
-                speeds[name].append(tps)
-                if name == "mtp_auto":
-                    for d, n in stats.depths.items():
-                        depths[d] = depths.get(d, 0) + n
+            with ExitStack() as running:  # a failure leaves no paused decode holding its caches
+                paused = {}
+                for name in order:
+                    paused[name] = running.enter_context(
+                        closing(Paused(engine_chunks(engine, prompt, max_tokens, methods[name]))))
+                paused = {"mlx_lm": running.enter_context(
+                    closing(Paused(mlx_lm_chunks(ref_model, ref_tok, prompt, max_tokens)))), **paused}
+                for name, run in paused.items():
+                    outputs[name], tps, stats = run.finish()
+                    speeds[name].append(tps)
+                    if name == "mtp_auto" and stats is not None:
+                        for d, n in stats.depths.items():
+                            depths[d] = depths.get(d, 0) + n
             identical = identical and outputs["no_mtp"] == outputs["mlx_lm"] == outputs["mtp_auto"]
         tok_s = {m: round(statistics.mean(v), 2) for m, v in speeds.items()}
         out[str(length)] = {
@@ -303,7 +322,8 @@ def bench_long_context(engine: Engine, ref_model: Any, ref_tok: Any, lengths: li
             "auto_depths": {str(k): v for k, v in sorted(depths.items())},
             "ratios": {"no_mtp_vs_mlx_lm": round(tok_s["no_mtp"] / tok_s["mlx_lm"], 3),
                        "auto_vs_no_mtp": round(tok_s["mtp_auto"] / tok_s["no_mtp"], 3)},
-            "auto_vs_no_mtp_per_rep": [round(a / b, 3) for a, b in zip(speeds["mtp_auto"], speeds["no_mtp"])],
+            "auto_vs_no_mtp_per_rep": [round(a / b, 3) if b else 0.0 for a, b in zip(speeds["mtp_auto"],
+                                                                                         speeds["no_mtp"])],
         }
     return out
 
