@@ -302,16 +302,15 @@ def bench_long_context(engine: Engine, ref_model: Any, ref_tok: Any, lengths: li
         for rep in range(reps):
             order = list(methods) if rep % 2 == 0 else list(methods)[::-1]
             with ExitStack() as running:  # a failure leaves no paused decode holding its caches
-                paused = {}
-                for name in order:
-                    paused[name] = running.enter_context(
-                        closing(Paused(engine_chunks(engine, prompt, max_tokens, methods[name]))))
-                paused = {"mlx_lm": running.enter_context(
-                    closing(Paused(mlx_lm_chunks(ref_model, ref_tok, prompt, max_tokens)))), **paused}
-                for name, run in paused.items():
+                ours = {name: running.enter_context(closing(Paused(engine_chunks(engine, prompt, max_tokens,
+                                                                                 methods[name]))))
+                        for name in order}
+                reference = running.enter_context(closing(Paused(mlx_lm_chunks(ref_model, ref_tok, prompt,
+                                                                               max_tokens))))
+                for name, run in {"mlx_lm": reference, **ours}.items():
                     outputs[name], tps, stats = run.finish()
                     speeds[name].append(tps)
-                    if name == "mtp_auto" and stats is not None:
+                    if name == "mtp_auto":
                         for d, n in stats.depths.items():
                             depths[d] = depths.get(d, 0) + n
             identical = identical and outputs["no_mtp"] == outputs["mlx_lm"] == outputs["mtp_auto"]
