@@ -195,6 +195,11 @@ class StageCosts:
             return first
         return 0 if self.samples.get((context_bucket(context), 0), 0) < WARMUP else None
 
+    def untimed_at(self, context: int) -> frozenset[int]:
+        """Depths not timed at this context length: their costs there are carried over (`_measured`)."""
+        bucket = context_bucket(context)
+        return frozenset(k for k in range(len(self.prior)) if (bucket, k) not in self.samples)
+
     def round_seconds(self, context: int) -> list[float]:
         """Estimated seconds per round for each depth at this context length."""
         bucket = context_bucket(context)
@@ -243,8 +248,11 @@ class Probe:
     """Now and then the neighbouring depth (above, below every other time) instead of the best, so its
     cost and acceptance stay current; less often, on the whole stage, while probes keep confirming the
     choice, down to one every `most` rounds, or fewer while the neighbours are estimated far behind
-    (a probe then rarely changes the choice). With `hold`, a probe lasts two rounds (the first, a
-    change of depth, is not timed)."""
+    (a probe then rarely changes the choice). The depth above, if never timed at the sequence's
+    context length, is probed after `PROBE_EVERY` rounds whatever the gap: its cost there is carried
+    over from other lengths, and one carried over too high would keep drafts out for good (only the
+    depth above: one below that looks too dear is soon taken up as acceptance falls, and checked
+    then). With `hold`, a probe lasts two rounds (the first, a change of depth, is not timed)."""
 
     hold: bool = False
     most: int = PROBE_EVERY_MAX
@@ -259,7 +267,9 @@ class Probe:
         self.clock.rounds += 1
         return self.choose(best, costs, kmax, behind)
 
-    def choose(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0, clock: Clock | None = None) -> int:
+    def choose(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0, clock: Clock | None = None,
+               untimed: frozenset[int] = frozenset()) -> int:
+        """`untimed`: depths not timed at this context length (`StageCosts.untimed_at`)."""
         clock = clock or self.clock
         if self.held is not None:
             depth, self.held = self.held, None
@@ -272,13 +282,17 @@ class Probe:
                 most = int(self.most * min(PROBE_STRETCH, max(1.0, behind / PROBE_SHORTFALL)))
                 costs.probe_gap = min(2 * costs.probe_gap, most) if confirmed else PROBE_EVERY
             self.probed_from = self.probed_on = None
-        if clock.rounds - clock.last_probe < costs.probe_gap:
+        unseen = best < kmax and best + 1 in untimed
+        if clock.rounds - clock.last_probe < (min(costs.probe_gap, PROBE_EVERY) if unseen else costs.probe_gap):
             return best
         self.probed_from, self.probed_on, clock.last_probe = best, costs, clock.rounds
-        if 0 < best < kmax:  # (a probe counted in rounds would keep the parity of the gap)
-            clock.probes += 1
-        up = best == 0 or (best < kmax and clock.probes % 2 == 1)
-        depth = min(best + 1, kmax) if up else max(best - 1, 0)
+        if unseen:
+            depth = best + 1
+        else:
+            if 0 < best < kmax:  # (a probe counted in rounds would keep the parity of the gap)
+                clock.probes += 1
+            up = best == 0 or (best < kmax and clock.probes % 2 == 1)
+            depth = min(best + 1, kmax) if up else max(best - 1, 0)
         if self.hold:
             self.held = depth
         return depth
@@ -305,4 +319,5 @@ class DepthChooser:
         acceptance = self.acceptance.hopeful(costs.acceptance.extrapolated()[: self.kmax])
         rates = depth_rates(acceptance, costs.round_seconds(context)[: self.kmax + 1])
         best = best_of(rates)
-        return self.probe.choose(best, costs, self.kmax, shortfall(rates, best), costs.clock)
+        return self.probe.choose(best, costs, self.kmax, shortfall(rates, best), costs.clock,
+                                 costs.untimed_at(context))

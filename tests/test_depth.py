@@ -207,6 +207,35 @@ def test_probes_of_a_close_neighbour_back_off_to_the_usual_most() -> None:
     assert policy.shortfall(policy.depth_rates([0.6, 0.6], [1.0, 1.62, 9.0]), 0) < policy.PROBE_SHORTFALL
 
 
+def test_a_deeper_depth_carried_over_too_dear_is_probed_soon() -> None:
+    """At a new context length a depth's cost is carried over from where it was timed. Carried over too
+    dear (timed there in a slow moment), it would keep a sequence from drafting deeper for its whole
+    life while the stage's probes have backed off: the depth above the best is probed within
+    PROBE_EVERY rounds wherever it was never timed, and the sequence climbs to the depth that pays."""
+    true = [2.0, 3.0, 3.6, 4.0]
+    costs = StageCosts(prior=list(true))
+    for k, seconds in enumerate([2.0, 3.0, 9.0, 12.0]):  # short contexts: K=2 and K=3 timed in a slow stretch
+        costs.observe(k, 100, seconds)
+    costs.probe_gap = policy.PROBE_EVERY_MAX * policy.PROBE_STRETCH  # earlier probes kept confirming
+    chooser = DepthChooser(kmax=3)
+    chooser.acceptance = Acceptance([1e3] * 3, [1e3] * 3)  # every draft accepted
+    depths: list[int] = []
+    for _ in range(4 * policy.PROBE_EVERY):
+        depth = chooser.next_depth(costs, 2000)
+        if depths and depths[-1] == depth:  # a change of depth is not timed
+            costs.observe(depth, 2000, true[depth])
+        depths.append(depth)
+    P = policy.PROBE_EVERY  # the stage's rounds, counted from 1: a probe comes at round P
+    assert depths[:2] == [0, 0]  # no drafts are timed first at a new length
+    assert depths[2:P - 1] == [1] * (P - 3)  # carried over, K=2 and K=3 look dear: one draft
+    assert depths[P - 1:P + 1] == [2, 2]  # the depth above, never timed here, probed without waiting
+    assert depths[P + 1:2 * P - 1] == [2] * (P - 2)  # it pays
+    assert depths[2 * P - 1:2 * P + 1] == [3, 3]  # and the next one up is probed P rounds later
+    assert depths[-1] == 3 and set(depths[2 * P - 1:]) <= {2, 3}  # K=3 pays most (a probe of K=2 between)
+    # Once timed at this length, the depths above wait for the stage's gap like any neighbour.
+    assert costs.untimed_at(2000) == frozenset()
+
+
 def test_resolve_depth() -> None:
     assert resolve_depth(None, True) == (AUTO_MAX_DEPTH, True)
     assert resolve_depth(None, False) == (0, False)
