@@ -261,11 +261,12 @@ class Probe:
     probed_on: StageCosts | None = field(default=None, repr=False, compare=False)  # the table it was made on
     held: int | None = None
 
-    def next(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0) -> int:
+    def next(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0,
+             untimed: frozenset[int] = frozenset()) -> int:
         """A round's depth when `best` is the best known (counts the round); `behind`: its neighbours'
         shortfall (`shortfall`)."""
         self.clock.rounds += 1
-        return self.choose(best, costs, kmax, behind)
+        return self.choose(best, costs, kmax, behind, untimed=untimed)
 
     def choose(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0, clock: Clock | None = None,
                untimed: frozenset[int] = frozenset()) -> int:

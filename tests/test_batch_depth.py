@@ -14,7 +14,16 @@ import pytest
 from mtpipe.node import batch_depth, batch_head
 from mtpipe.node.batch_depth import DepthPlan
 from mtpipe.node.batch_head import BatchHead
-from mtpipe.node.depth import Acceptance, DepthChooser, StageCosts
+from mtpipe.node.depth import (
+    PROBE_EVERY,
+    PROBE_EVERY_MAX_BATCH,
+    PROBE_STRETCH,
+    Acceptance,
+    DepthChooser,
+    StageCosts,
+    batch_rates,
+    context_bucket,
+)
 
 ACCEPTED = 0.6  # every draft position
 
@@ -156,3 +165,27 @@ def test_a_group_that_ends_does_not_hold_the_others(clock: Clock) -> None:
     ring(clock, [a], 40)
     assert {k for _, k in plan.costs_by_rows[1].live} == {0, 1}
     assert plan.clean_from < clock.now
+
+
+def test_a_plan_probes_the_depth_above_where_it_was_never_timed(clock: Clock) -> None:
+    """As for one sequence (test_depth.py): at a context length where the depth above the best was never
+    timed, its cost is carried over, maybe too dear; it is probed within PROBE_EVERY rounds however
+    far the plan's probes have backed off."""
+    plan = DepthPlan()
+    costs = plan.costs(1, StageCosts([2.0, 3.0, 3.6, 4.0]))
+    for k, seconds in enumerate([2.0, 3.0, 9.0, 12.0]):  # short contexts: K=2 and K=3 timed in a slow stretch
+        costs.observe(k, 100, seconds)
+    for k in (0, 1):
+        costs.observe(k, 2000, costs.live[(context_bucket(100), k)])
+    costs.probe_gap = PROBE_EVERY_MAX_BATCH * PROBE_STRETCH
+    class Member:
+        pass
+
+    member = Member()
+
+    def rates(seconds: list[float]) -> list[tuple[float, float]]:  # one row, every draft accepted
+        return batch_rates([([1.0] * 3, [1.0] * 3)], [3], seconds)
+
+    depths = [plan.next(member, 1, 2000, 3, rates, timeable=False) for _ in range(PROBE_EVERY)]
+    assert depths == [1] * (PROBE_EVERY - 1) + [2]
+    assert [plan.next(member, 1, 100, 3, rates, timeable=False) for _ in range(2 * PROBE_EVERY)] == [1] * (2 * PROBE_EVERY)
