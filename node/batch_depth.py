@@ -106,7 +106,7 @@ class DepthPlan:
             seconds = self.round_seconds(bucket, context)[: deepest + 1]
             per_depth = hoped(r(seconds) for _, _, r in self.members.values())
             best = best_of(per_depth)
-            depth = self.probe.next(best, costs, deepest, shortfall(per_depth, best), costs.untimed_at(context))
+            depth = self.probe.next(best, costs, deepest, shortfall(per_depth, best), context)
         if depth != self.depth:
             self.depth = depth
             self.held = HOLD_ROUNDS if timeable else 0

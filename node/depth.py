@@ -160,6 +160,7 @@ class StageCosts:
     # leave out a depth's first rounds on the stage (the batch head leaves out each shape's first).
     optimistic: bool = False
     clock: Clock = field(default_factory=Clock)  # the rounds of the stage's sequences (`DepthChooser`)
+    tried: set[tuple[int, int]] = field(default_factory=set)  # (bucket, depth) probed early (`Probe`)
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
@@ -174,7 +175,7 @@ class StageCosts:
         extra = len(prior) - len(self.prior)
         acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
         return StageCosts(prior, dict(self.live), dict(self.samples), self.probe_gap, acceptance, self.optimistic,
-                          clock=self.clock)
+                          clock=self.clock, tried=set(self.tried))
 
     def observe(self, depth: int, context: int, seconds: float) -> None:
         """A round's timing. One far above the estimate (the machine busy elsewhere a moment) moves
@@ -195,10 +196,14 @@ class StageCosts:
             return first
         return 0 if self.samples.get((context_bucket(context), 0), 0) < WARMUP else None
 
-    def untimed_at(self, context: int) -> frozenset[int]:
-        """Depths not timed at this context length: their costs there are carried over (`_measured`)."""
-        bucket = context_bucket(context)
-        return frozenset(k for k in range(len(self.prior)) if (bucket, k) not in self.samples)
+    def first_try(self, depth: int, context: int) -> bool:
+        """Whether `depth` was neither timed nor probed early at this context length (its cost there is
+        carried over from other lengths: `_measured`), marking it probed: an early probe is one try."""
+        key = (context_bucket(context), depth)
+        if key in self.samples or key in self.tried:
+            return False
+        self.tried.add(key)
+        return True
 
     def round_seconds(self, context: int) -> list[float]:
         """Estimated seconds per round for each depth at this context length."""
@@ -248,11 +253,12 @@ class Probe:
     """Now and then the neighbouring depth (above, below every other time) instead of the best, so its
     cost and acceptance stay current; less often, on the whole stage, while probes keep confirming the
     choice, down to one every `most` rounds, or fewer while the neighbours are estimated far behind
-    (a probe then rarely changes the choice). The depth above, if never timed at the sequence's
-    context length, is probed after `PROBE_EVERY` rounds whatever the gap: its cost there is carried
-    over from other lengths, and one carried over too high would keep drafts out for good (only the
-    depth above: one below that looks too dear is soon taken up as acceptance falls, and checked
-    then). With `hold`, a probe lasts two rounds (the first, a change of depth, is not timed)."""
+    (a probe then rarely changes the choice). Where the depth above the best was never timed at the
+    context length (given `context`), it is probed once within `PROBE_EVERY` rounds, whatever the gap:
+    its cost there is carried over from other lengths, and one carried over too dear would otherwise
+    keep a sequence from drafting deeper for its whole life. (Not the depth below: drafts accepted
+    less often than hoped bring a sequence down by themselves.) With `hold`, a probe lasts two rounds
+    (the first, a change of depth, is not timed)."""
 
     hold: bool = False
     most: int = PROBE_EVERY_MAX
@@ -261,16 +267,14 @@ class Probe:
     probed_on: StageCosts | None = field(default=None, repr=False, compare=False)  # the table it was made on
     held: int | None = None
 
-    def next(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0,
-             untimed: frozenset[int] = frozenset()) -> int:
+    def next(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0, context: int | None = None) -> int:
         """A round's depth when `best` is the best known (counts the round); `behind`: its neighbours'
-        shortfall (`shortfall`)."""
+        shortfall (`shortfall`); `context`: the round's context length."""
         self.clock.rounds += 1
-        return self.choose(best, costs, kmax, behind, untimed=untimed)
+        return self.choose(best, costs, kmax, behind, context=context)
 
     def choose(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0, clock: Clock | None = None,
-               untimed: frozenset[int] = frozenset()) -> int:
-        """`untimed`: depths not timed at this context length (`StageCosts.untimed_at`)."""
+               context: int | None = None) -> int:
         clock = clock or self.clock
         if self.held is not None:
             depth, self.held = self.held, None
@@ -283,11 +287,13 @@ class Probe:
                 most = int(self.most * min(PROBE_STRETCH, max(1.0, behind / PROBE_SHORTFALL)))
                 costs.probe_gap = min(2 * costs.probe_gap, most) if confirmed else PROBE_EVERY
             self.probed_from = self.probed_on = None
-        unseen = best < kmax and best + 1 in untimed
-        if clock.rounds - clock.last_probe < (min(costs.probe_gap, PROBE_EVERY) if unseen else costs.probe_gap):
+        due = clock.rounds - clock.last_probe >= costs.probe_gap
+        early = (not due and context is not None and best < kmax and clock.rounds - clock.last_probe >= PROBE_EVERY
+                 and costs.first_try(best + 1, context))
+        if not (due or early):
             return best
         self.probed_from, self.probed_on, clock.last_probe = best, costs, clock.rounds
-        if unseen:
+        if early:
             depth = best + 1
         else:
             if 0 < best < kmax:  # (a probe counted in rounds would keep the parity of the gap)
@@ -320,5 +326,4 @@ class DepthChooser:
         acceptance = self.acceptance.hopeful(costs.acceptance.extrapolated()[: self.kmax])
         rates = depth_rates(acceptance, costs.round_seconds(context)[: self.kmax + 1])
         best = best_of(rates)
-        return self.probe.choose(best, costs, self.kmax, shortfall(rates, best), costs.clock,
-                                 costs.untimed_at(context))
+        return self.probe.choose(best, costs, self.kmax, shortfall(rates, best), costs.clock, context)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from mtpipe.node import batch_depth, batch_head
-from mtpipe.node.batch_depth import DepthPlan
+from mtpipe.node.batch_depth import HOLD_ROUNDS, DepthPlan
 from mtpipe.node.batch_head import BatchHead
 from mtpipe.node.depth import (
     PROBE_EVERY,
@@ -178,7 +178,8 @@ def test_a_plan_probes_the_depth_above_where_it_was_never_timed(clock: Clock) ->
     for k in (0, 1):
         costs.observe(k, 2000, costs.live[(context_bucket(100), k)])
     costs.probe_gap = PROBE_EVERY_MAX_BATCH * PROBE_STRETCH
-    class Member:
+
+    class Member:  # (weakly referenced by the plan)
         pass
 
     member = Member()
@@ -186,6 +187,10 @@ def test_a_plan_probes_the_depth_above_where_it_was_never_timed(clock: Clock) ->
     def rates(seconds: list[float]) -> list[tuple[float, float]]:  # one row, every draft accepted
         return batch_rates([([1.0] * 3, [1.0] * 3)], [3], seconds)
 
-    depths = [plan.next(member, 1, 2000, 3, rates, timeable=False) for _ in range(PROBE_EVERY)]
-    assert depths == [1] * (PROBE_EVERY - 1) + [2]
-    assert [plan.next(member, 1, 100, 3, rates, timeable=False) for _ in range(2 * PROBE_EVERY)] == [1] * (2 * PROBE_EVERY)
+    depths = [plan.next(member, 1, 2000, 3, rates) for _ in range(PROBE_EVERY + HOLD_ROUNDS)]
+    # the first choice is held while it waits for a timing (none comes here): the plan's probes count
+    # its own decisions
+    assert depths == [1] * (PROBE_EVERY + HOLD_ROUNDS - 1) + [2]
+    # the probe is held in turn; then, where every depth was timed, the next waits for the plan's gap
+    after = [plan.next(member, 1, 100, 3, rates) for _ in range(2 * PROBE_EVERY)]
+    assert after == [2] * HOLD_ROUNDS + [1] * (2 * PROBE_EVERY - HOLD_ROUNDS)

@@ -230,10 +230,30 @@ def test_a_deeper_depth_carried_over_too_dear_is_probed_soon() -> None:
     assert depths[2:P - 1] == [1] * (P - 3)  # carried over, K=2 and K=3 look dear: one draft
     assert depths[P - 1:P + 1] == [2, 2]  # the depth above, never timed here, probed without waiting
     assert depths[P + 1:2 * P - 1] == [2] * (P - 2)  # it pays
-    assert depths[2 * P - 1:2 * P + 1] == [3, 3]  # and the next one up is probed P rounds later
+    # That probe changed the choice, so the stage's probes come every P rounds again: the next one up
+    assert depths[2 * P - 1:2 * P + 1] == [3, 3]
     assert depths[-1] == 3 and set(depths[2 * P - 1:]) <= {2, 3}  # K=3 pays most (a probe of K=2 between)
-    # Once timed at this length, the depths above wait for the stage's gap like any neighbour.
-    assert costs.untimed_at(2000) == frozenset()
+
+
+def test_an_early_probe_is_one_try_per_context_length() -> None:
+    """Rounds that never get timed (rows with logits processors in a batch, a row that cannot draft as
+    deep) leave the depth above untimed: it is probed early once per context length, then waits for
+    the stage's gap like any neighbour."""
+    costs = StageCosts(prior=[1.0, 1.5])
+    for context in (100, 2000):
+        costs.observe(0, context, 1.0)
+    costs.observe(1, 100, 1.5)
+    costs.probe_gap = policy.PROBE_EVERY_MAX * policy.PROBE_STRETCH
+    probe = Probe()
+    P = policy.PROBE_EVERY
+
+    def depths(context: int, rounds: int) -> list[int]:  # the depth above estimated far behind
+        return [probe.next(0, costs, 1, behind=1.0, context=context) for _ in range(rounds)]
+
+    assert depths(2000, 4 * P) == [0] * (P - 1) + [1] + [0] * (3 * P)  # never timed there: once, not every P rounds
+    assert costs.probe_gap == policy.PROBE_EVERY_MAX * policy.PROBE_STRETCH  # the probe confirmed 0
+    assert depths(100, 4 * P) == [0] * (4 * P)  # timed here: the gap
+    assert depths(9000, 4 * P) == [1] + [0] * (4 * P - 1)  # a new length: one early try
 
 
 def test_resolve_depth() -> None:
