@@ -138,20 +138,31 @@ def bias_vector(params: SamplingParams, vocab: int) -> mx.array:
 class LogprobTable:
     """Log-probabilities of a round's positions, still lazy: built behind the round's logits, before any
     later round is queued, so they compute with it; read on the host once the emitted tokens are known,
-    in one wait for every row that waits on nothing queued after them."""
+    in one wait for every row that waits on nothing queued after them. On a GPU the table is computed
+    on the device; on the CPU backend only the logits are (`on_host`), and the host normalizes the
+    emitted positions alone when it reads them: numpy's `exp` is vectorized where the CPU backend's is
+    not, and a verify's rejected positions need none."""
 
-    lp: mx.array  # [R, T, V], normalized
-    ids: mx.array | None  # [R, T, top]: the most likely tokens (unordered), None when no row asks
+    lp: mx.array  # [R, T, V]: normalized on the device; on the host, the float32 logits
+    ids: mx.array | None  # [R, T, top]: the most likely tokens (unordered), None when no row asks or on the host
     vals: mx.array | None
     rows: list[int] | None = None  # the batch rows it holds, in order (None: every row)
+    on_host: bool = False
 
     def arrays(self) -> list[mx.array]:
         return [self.lp] if self.ids is None else [self.lp, self.ids, self.vals]
 
 
+def on_host() -> bool:
+    """Whether log-probabilities are computed on the host: where MLX computes on the CPU anyway."""
+    return mx.default_device() == mx.cpu
+
+
 def logprob_table(logits: mx.array, top: int, rows: list[int] | None = None) -> LogprobTable:
     """The table of `logits` [B, T, V] (only `rows` of them, if given) with the `top` most likely
     tokens per position (0: none)."""
+    if on_host():  # (every row: the host reads only those asked for)
+        return LogprobTable(logits.astype(mx.float32), None, None, on_host=True)
     if rows is not None and len(rows) < logits.shape[0]:
         logits = logits[mx.array(rows)]
     else:
@@ -165,23 +176,39 @@ def logprob_table(logits: mx.array, top: int, rows: list[int] | None = None) -> 
     return LogprobTable(lp, ids, mx.take_along_axis(lp, ids, axis=-1), rows)
 
 
+def _normalized(logits: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Host side of a table: log-probabilities of some positions' logits [T, V] (float32), and the `top`
+    most likely tokens with theirs (unordered)."""
+    peak = logits.max(axis=-1, keepdims=True)
+    lp = logits - (peak + np.log(np.exp(logits - peak).sum(axis=-1, keepdims=True)))
+    top = min(top, logits.shape[-1])
+    if top <= 0:
+        return lp, None, None
+    ids = np.argpartition(-lp, top - 1, axis=-1)[:, :top]
+    return lp, ids, np.take_along_axis(lp, ids, axis=-1)
+
+
 def read_logprobs(table: LogprobTable, rows: list[tuple[int, list[int], int]]
                   ) -> list[list[tuple[float, list[tuple[int, float]]]]]:
     """For each (batch row, tokens emitted at its positions 0.., top): per token, its log-probability
     and the `top` most likely tokens with theirs, most likely first. Indexed on the host: a gather
     queued now would run after whatever was queued since the table."""
     mx.eval(*table.arrays())
-    lp = np.asarray(table.lp)
-    ids, vals = (np.asarray(table.ids), np.asarray(table.vals)) if table.ids is not None else (None, None)
     at = {b: i for i, b in enumerate(table.rows)} if table.rows is not None else None
+    lp_all = np.asarray(table.lp)
+    ids_all, vals_all = (np.asarray(table.ids), np.asarray(table.vals)) if table.ids is not None else (None, None)
     out = []
     for b, tokens, top in rows:
         r = at[b] if at is not None else b
+        if table.on_host:
+            lp, ids, vals = _normalized(lp_all[r, : len(tokens)], top)
+        else:
+            lp, ids, vals = lp_all[r], ids_all[r] if ids_all is not None else None, vals_all[r] if vals_all is not None else None
         per_row = []
         for j, t in enumerate(tokens):
             best = []
             if top > 0 and ids is not None:
-                best = sorted(zip(ids[r, j].tolist(), vals[r, j].tolist()), key=lambda p: (-p[1], p[0]))[:top]
-            per_row.append((float(lp[r, j, t]), best))
+                best = sorted(zip(ids[j].tolist(), vals[j].tolist()), key=lambda p: (-p[1], p[0]))[:top]
+            per_row.append((float(lp[j, t]), best))
         out.append(per_row)
     return out

@@ -14,6 +14,7 @@ import pytest
 from mtpipe.coordinator.engine.batch import END, BatchEngine
 from mtpipe.coordinator.engine.build import batch_engine, local_engine
 from mtpipe.coordinator.engine.request import GenerationRequest, RequestError
+from mtpipe.node import processors
 from mtpipe.node.processors import REPETITION_CONTEXT, History, apply, logprob_table, read_logprobs
 from mtpipe.node.protocol import SamplingParams
 
@@ -79,7 +80,10 @@ def test_apply_round_after_round_matches_reference() -> None:
             history.emit([int(t) for t in rng.integers(0, 4, size=int(rng.integers(1, K + 2)))])  # repeats
 
 
-def test_logprobs_are_sorted_and_consistent() -> None:
+@pytest.mark.parametrize("host", [True, False], ids=["on-host", "on-device"])
+def test_logprobs_are_sorted_and_consistent(host: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same whether the table is computed on the device (a GPU) or on the host (the CPU backend)."""
+    monkeypatch.setattr(processors, "on_host", lambda: host)
     rng = np.random.default_rng(1)
     raw = rng.normal(size=(2, 3, 20)).astype(np.float32)
     tokens = [[int(np.argmax(raw[0, 0])), 4, 7], [3]]
