@@ -143,7 +143,7 @@ class LogprobTable:
     emitted positions alone when it reads them: numpy's `exp` is vectorized where the CPU backend's is
     not, and a verify's rejected positions need none."""
 
-    lp: mx.array  # [R, T, V]: normalized on the device; on the host, the float32 logits
+    lp: mx.array  # [R, T, V]: normalized on the device; for the host, the logits (float32)
     ids: mx.array | None  # [R, T, top]: the most likely tokens (unordered), None when no row asks or on the host
     vals: mx.array | None
     rows: list[int] | None = None  # the batch rows it holds, in order (None: every row)
@@ -161,13 +161,13 @@ def on_host() -> bool:
 def logprob_table(logits: mx.array, top: int, rows: list[int] | None = None) -> LogprobTable:
     """The table of `logits` [B, T, V] (only `rows` of them, if given) with the `top` most likely
     tokens per position (0: none)."""
-    if on_host():  # (every row: the host reads only those asked for)
-        return LogprobTable(logits.astype(mx.float32), None, None, on_host=True)
     if rows is not None and len(rows) < logits.shape[0]:
         logits = logits[mx.array(rows)]
     else:
         rows = None
     lp = logits.astype(mx.float32)
+    if on_host():
+        return LogprobTable(lp, None, None, rows, on_host=True)
     lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
     top = min(top, logits.shape[-1])
     if top <= 0:
@@ -176,16 +176,18 @@ def logprob_table(logits: mx.array, top: int, rows: list[int] | None = None) -> 
     return LogprobTable(lp, ids, mx.take_along_axis(lp, ids, axis=-1), rows)
 
 
-def _normalized(logits: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """Host side of a table: log-probabilities of some positions' logits [T, V] (float32), and the `top`
-    most likely tokens with theirs (unordered)."""
+def _normalized(logits: np.ndarray, tokens: list[int], top: int
+                ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Host side of a table, for positions' logits [T, V] (float32) and the token emitted at each: the
+    tokens' log-probabilities [T], and the `top` most likely tokens [T, top] (unordered) with theirs."""
     peak = logits.max(axis=-1, keepdims=True)
-    lp = logits - (peak + np.log(np.exp(logits - peak).sum(axis=-1, keepdims=True)))
+    norm = peak + np.log(np.exp(logits - peak).sum(axis=-1, keepdims=True))  # [T, 1]
+    lp = logits[np.arange(len(tokens)), tokens] - norm[:, 0]
     top = min(top, logits.shape[-1])
     if top <= 0:
         return lp, None, None
-    ids = np.argpartition(-lp, top - 1, axis=-1)[:, :top]
-    return lp, ids, np.take_along_axis(lp, ids, axis=-1)
+    ids = np.argpartition(-logits, top - 1, axis=-1)[:, :top]
+    return lp, ids, np.take_along_axis(logits, ids, axis=-1) - norm
 
 
 def read_logprobs(table: LogprobTable, rows: list[tuple[int, list[int], int]]
@@ -201,14 +203,15 @@ def read_logprobs(table: LogprobTable, rows: list[tuple[int, list[int], int]]
     for b, tokens, top in rows:
         r = at[b] if at is not None else b
         if table.on_host:
-            lp, ids, vals = _normalized(lp_all[r, : len(tokens)], top)
+            lp, ids, vals = _normalized(lp_all[r, : len(tokens)], tokens, top)
         else:
-            lp, ids, vals = lp_all[r], ids_all[r] if ids_all is not None else None, vals_all[r] if vals_all is not None else None
+            lp = lp_all[r, np.arange(len(tokens)), tokens]
+            ids, vals = (ids_all[r], vals_all[r]) if ids_all is not None else (None, None)
         per_row = []
-        for j, t in enumerate(tokens):
+        for j in range(len(tokens)):
             best = []
             if top > 0 and ids is not None:
                 best = sorted(zip(ids[j].tolist(), vals[j].tolist()), key=lambda p: (-p[1], p[0]))[:top]
-            per_row.append((float(lp[j, t]), best))
+            per_row.append((float(lp[j]), best))
         out.append(per_row)
     return out

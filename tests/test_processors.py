@@ -192,6 +192,26 @@ def test_per_sequence_engine_checks_logit_bias_ids(dense_ckpt: Path) -> None:
     engine.validate(GenerationRequest(p, max_tokens=4, params=SamplingParams(logit_bias=((3, 1.0),))))
 
 
+def test_logprobs_of_reporting_rows_of_bfloat16_logits_agree_on_host_and_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table holds only the rows that report; the host reads logits of a model's own dtype as float32."""
+    rng = np.random.default_rng(3)
+    raw = np.stack([rng.permutation(50) / 8 for _ in range(12)]).reshape(3, 4, 50)  # distinct, exact in bf16
+    logits = mx.array(raw).astype(mx.bfloat16)
+    asks = [(0, [1, 2], 3), (2, [5, 6, 7, 8], 0)]
+    got = {}
+    for host in (True, False):
+        monkeypatch.setattr(processors, "on_host", lambda host=host: host)
+        table = logprob_table(logits, 3, rows=[0, 2])
+        assert table.on_host == host and table.lp.shape[0] == 2
+        got[host] = read_logprobs(table, asks)
+    ref = raw - np.log(np.exp(raw).sum(axis=-1, keepdims=True))
+    for (b, tokens, top), on_host, on_device in zip(asks, got[True], got[False]):
+        for j, ((lp, best), (lp_d, best_d)) in enumerate(zip(on_host, on_device)):
+            assert lp == pytest.approx(ref[b, j, tokens[j]], abs=1e-5) and lp_d == pytest.approx(lp, abs=1e-5)
+            assert [i for i, _ in best] == [i for i, _ in best_d] == list(np.argsort(-raw[b, j])[:top])
+
+
 @pytest.mark.parametrize("depth", [0, 3])  # (auto: the two stages would time and choose depths apart)
 def test_processed_rounds_are_queued_ahead_and_match(dense_ckpt: Path, depth: int) -> None:
     """A single stage queues a processed greedy sequence's next round as soon as the tokens before it
