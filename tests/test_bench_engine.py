@@ -53,6 +53,12 @@ def test_paused_decode_is_timed_from_its_first_round_after_the_pause(clock: list
     assert tokens == [1, 2, 3, 4, 5, 6] and tps == pytest.approx(3 / 2.0)
 
 
+def test_paired_ratios_are_the_median_of_each_pair() -> None:
+    # One pair timed while the machine ran at twice its pace moves a ratio of means, not the median.
+    assert bench.paired([100.0, 100.0, 200.0, 100.0], [100.0, 98.0, 100.0, 101.0]) == (1.01, [1.0, 1.02, 2.0, 0.99])
+    assert bench.paired([], []) == (0.0, []) and bench.paired([1.0], [0.0]) == (0.0, [0.0])
+
+
 def test_long_context_decodes_are_paired_and_identical(dense_ckpt: Path) -> None:
     engine = local_engine(dense_ckpt, dtype=mx.float32)
     model, tok = mlx_load(str(dense_ckpt))
@@ -61,7 +67,9 @@ def test_long_context_decodes_are_paired_and_identical(dense_ckpt: Path) -> None
     assert set(result) == {"24", "40"}
     for r in result.values():
         assert r["identical"], r  # every method's tokens equal mlx-lm's, after being paused
-        assert all(v > 0 for v in r["tok_s"].values()) and len(r["auto_vs_no_mtp_per_rep"]) == 2
+        assert all(v > 0 for v in r["tok_s"].values())
+        assert len(r["auto_vs_no_mtp_per_rep"]) == len(r["no_mtp_vs_mlx_lm_per_rep"]) == 2
+        assert r["ratios"]["auto_vs_no_mtp"] == pytest.approx(sum(r["auto_vs_no_mtp_per_rep"]) / 2, abs=1e-3)
         assert sum(int(n) for n in r["auto_depths"].values()) > 0
     assert not engine.pipeline.stages[-1].sequences  # every paused decode ran to its end and was released
     assert mx.default_stream(mx.default_device()) == stream  # mlx-lm's paused decode left its stream

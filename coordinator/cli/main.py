@@ -134,7 +134,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.target == "engine":
         result = bench.bench_engine(
             model, max_tokens=args.max_tokens, prompts=args.prompts, depths=args.depths, mtp_pre_norm=args.mtp_pre_norm,
-            contexts=args.context, draft_vocab=args.draft_vocab,
+            contexts=args.context, context_reps=args.context_reps or bench.CONTEXT_REPS, draft_vocab=args.draft_vocab,
         )
         bench.print_engine_report(result, stderr_console())
     elif args.target == "transfer":
@@ -176,6 +176,16 @@ def _lengths(value: str) -> list[int]:
     if not lengths or min(lengths) < 1:
         raise argparse.ArgumentTypeError(f"expected positive token counts, got {value!r}")
     return lengths
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
 
 
 COMPUTES = ("generate", "serve", "launch", "bench")  # commands that run MLX here (node: its servicer says)
@@ -226,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_vocab(p)  # engine bench
     p.add_argument("--context", type=_lengths, default=None, metavar="L1,L2,...",
                    help="engine bench: also decode after prompts of these lengths (e.g. 256,2048,8192)")
+    p.add_argument("--context-reps", type=_positive, default=None, metavar="N",
+                   help="engine bench: repetitions at each --context length, ratios their median (default 4)")
     p.add_argument("--concurrency", default="1,2,4,8,16", metavar="C1,C2,...",
                    help="serve bench: numbers of concurrent streams")
     p.add_argument("--nodes", default=None, metavar="N1,N2,...",
