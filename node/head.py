@@ -151,12 +151,12 @@ class Head:
 
     def run(self, req: StepRequest, d: DraftState, h: mx.array, caches: list, context: int,
             on_token: Callable[[mx.array], None] | None = None,
-            on_drafts: Callable[[StepOutput], None] | None = None,
+            on_drafts: Callable[[StepOutput, mx.array | None], None] | None = None,
             prepared: Prepared | None = None) -> StepOutput:
         """One step's tokens from the last layer's hidden states `h` (`context` positions in the caches).
         Greedy rounds can be queued before the host waits for this one: `on_token` gets the pick while it
-        is still lazy when the next round is that token alone, `on_drafts` the output once the next
-        round's drafts are known; `prepared` is what `prepare` made of `h` for a round queued so. A
+        is still lazy when the next round is that token alone, `on_drafts` the output and the next
+        round's drafts, still lazy (None for a sequence with processors: `out.drafts`); `prepared` is what `prepare` made of `h` for a round queued so. A
         sequence with processors gets its next round without drafts queued once this round's token is
         known and in its history."""
         # A processed pick depends on the tokens before it: the next round is queued once they are known.
@@ -213,11 +213,17 @@ class Head:
         if d.mtp_cache is not None:
             d.mtp_cache.trim(d.mtp_cache.offset - d.mtp_len)  # drop last round's chained entries
             start = time.perf_counter()
-            out.drafts = self._draft(d, hid, toks)
-            d.draft_seconds = time.perf_counter() - start
-            if on_drafts is not None and out.drafts and d.params.greedy:
+            ahead = None
+            if on_drafts is not None and d.params.greedy and not d.processed:
+                def ahead(drafts: mx.array) -> None:  # the next verify, queued on the drafts still computing
+                    queued = time.perf_counter()
+                    on_drafts(out, drafts)
+                    d.ahead_next = time.perf_counter() - queued
+            out.drafts = self._draft(d, hid, toks, ahead)
+            d.draft_seconds = time.perf_counter() - start - d.ahead_next
+            if on_drafts is not None and out.drafts and d.params.greedy and d.processed:
                 start = time.perf_counter()
-                on_drafts(out)
+                on_drafts(out, None)
                 d.ahead_next = time.perf_counter() - start
         d.ahead_done, d.ahead_next = d.ahead_next, 0.0
         d.handed_out = 0.0 if prefill else time.perf_counter()
@@ -322,11 +328,12 @@ class Head:
             self.model.mtp.extend(hid, self.model.embed(mx.array([toks])), d.mtp_cache)
             d.mtp_len += len(toks)
 
-    def _draft(self, d: DraftState, hid: mx.array, toks: list[int]) -> list[int]:
+    def _draft(self, d: DraftState, hid: mx.array, toks: list[int],
+               ahead: Callable[[mx.array], None] | None = None) -> list[int]:
         """K drafts. The first MTP call adds true entries for all (hidden, next token) pairs and its
         last output drafts d1; later drafts chain on the MTP output g (entries trimmed next round).
-        A greedy chain is evaluated once at its end (on the CPU each step is queued as it is built);
-        sampling draws each draft on the host."""
+        A greedy chain is evaluated once at its end (on the CPU each step is queued as it is built),
+        after `ahead` was given the drafts still lazy; sampling draws each draft on the host."""
         hid, toks = d.pairs_to_draft(hid, toks)
         if hid is None:
             return []
@@ -359,7 +366,10 @@ class Head:
                 inputs = mx.array([[drawn]])
             hid = g
         d.mtp_len += len(toks)
-        d.drafts = mx.stack(lazy).tolist()
+        drafts = mx.stack(lazy)
+        if ahead is not None and lazy and not probs:
+            ahead(drafts)
+        d.drafts = drafts.tolist()
         d.draft_probs = np.stack(probs) if probs else None
         return d.drafts
 

@@ -204,7 +204,7 @@ class StageWorker:
             return h
         out = self.head.run(req, seq.draft, h, seq.cache, seq.position,
                             on_token=(lambda tok: self._issue_lookahead(seq, tok)) if self.overlap else None,
-                            on_drafts=(lambda o: self._issue_verify(seq, o)) if self.overlap else None,
+                            on_drafts=(lambda o, drafts: self._issue_verify(seq, o, drafts)) if self.overlap else None,
                             prepared=prepared)
         if out.commit is not None:
             seq.last_commit = out.commit
@@ -231,15 +231,19 @@ class StageWorker:
         h, _ = self.model.run_layers(self.model.embed(token.reshape(1, 1)), seq.cache)
         self._queue(seq, h, {}, [])
 
-    def _issue_verify(self, seq: Sequence, out: StepOutput) -> None:
+    def _issue_verify(self, seq: Sequence, out: StepOutput, drafts: mx.array | None) -> None:
         """Single stage, greedy, drafts for the next round: its verify over [token, drafts] is known, and
         so is the commit of this round, which the next request will echo. Apply that commit now and queue
-        the verify, so it computes while the host handles this round."""
+        the verify, so it computes while the host handles this round. `drafts`: still lazy (the verify
+        queues behind them, before the host waits for them), else `out.drafts`."""
         if out.commit is not None:  # (none after the prompt)
             seq.last_commit = out.commit
             self._apply_commit(seq, out.commit)
             seq.early_commit = out.commit
-        tokens = mx.array([[out.tokens[-1], *out.drafts]])
+        if drafts is None:
+            tokens = mx.array([[out.tokens[-1], *out.drafts]])
+        else:
+            tokens = mx.concatenate([mx.array([out.tokens[-1]], dtype=drafts.dtype), drafts])[None]
         h, snapshots = self.model.run_layers(self.model.embed(tokens), seq.cache, capture=True)
         self._queue(seq, h, snapshots, out.drafts)
 

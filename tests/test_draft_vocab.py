@@ -81,8 +81,8 @@ def _drafts_within(engine, vocab_of) -> None:
     head = vocab_of(engine)
     original = head._draft
 
-    def checked(d, hid, toks):
-        drafts = original(d, hid, toks)
+    def checked(d, hid, toks, ahead=None):
+        drafts = original(d, hid, toks, ahead)
         allowed = set(head.vocab.ids.tolist())
         assert set(drafts) <= allowed, (drafts, head.vocab.size)
         return drafts

@@ -84,6 +84,13 @@ def test_queued_rounds_match_rounds_run_on_request(dense_ckpt: Path, which: str)
 
     shard = load_shard(dense_ckpt if which == "dense" else DEMO_MODEL, dtype=mx.float32)
     queued, reference = StageWorker(shard), StageWorker(shard, overlap=False)
+    issue, lazy = queued._issue_verify, []
+
+    def issued(seq, out, drafts):  # each verify is queued behind its drafts, before the host reads them
+        lazy.append(drafts is not None and out.drafts == [])
+        issue(seq, out, drafts)
+
+    queued._issue_verify = issued
     prompt = list(range(3, 40))
     out = prefill(queued, "s", prompt, K)
     assert prefill(reference, "s", prompt, K) == out
@@ -95,6 +102,7 @@ def test_queued_rounds_match_rounds_run_on_request(dense_ckpt: Path, which: str)
         trims += out.commit.trim > 0
     q, r = queued.sequences["s"], reference.sequences["s"]
     assert q.early_commit == out.commit and q.lookahead is not None and trims > 0
+    assert len(lazy) >= 8 and all(lazy)
     nxt = StepRequest("s", 10, StepKind.DECODE, out.tokens[-1:] + out.drafts, commit=out.commit)
     reference.step(nxt)  # now both hold round 10's verify, its commit not yet applied
     assert q.position + len(nxt.tokens) == r.position
