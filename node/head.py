@@ -212,15 +212,16 @@ class Head:
             d.ahead_next = time.perf_counter() - start
         if d.mtp_cache is not None:
             d.mtp_cache.trim(d.mtp_cache.offset - d.mtp_len)  # drop last round's chained entries
-            start = time.perf_counter()
+            start, queuing = time.perf_counter(), 0.0
             ahead = None
             if on_drafts is not None and d.params.greedy and not d.processed:
                 def ahead(drafts: mx.array) -> None:  # the next verify, queued on the drafts still computing
+                    nonlocal queuing
                     queued = time.perf_counter()
                     on_drafts(out, drafts)
-                    d.ahead_next = time.perf_counter() - queued
+                    d.ahead_next = queuing = time.perf_counter() - queued
             out.drafts = self._draft(d, hid, toks, ahead)
-            d.draft_seconds = time.perf_counter() - start - d.ahead_next
+            d.draft_seconds = time.perf_counter() - start - queuing
             if on_drafts is not None and out.drafts and d.params.greedy and d.processed:
                 start = time.perf_counter()
                 on_drafts(out, None)

@@ -112,6 +112,22 @@ def test_queued_rounds_match_rounds_run_on_request(dense_ckpt: Path, which: str)
             assert max_diff(a, b) <= TOL
 
 
+def test_rounds_without_drafts_keep_their_queuing_time(dense_ckpt: Path) -> None:
+    """A round without drafts of a sequence that may draft (auto at depth 0) queues the next round on its
+    token: that time is charged to the next round, never taken off this round's drafting time."""
+    shard = load_shard(dense_ckpt, dtype=mx.float32)
+    worker = StageWorker(shard)
+    out = prefill(worker, "s", list(range(3, 40)), K)
+    d = worker.sequences["s"].draft
+    d.depth = 0
+    queued = []
+    for step in range(2, 8):
+        out = worker.step(StepRequest("s", step, StepKind.DECODE, out.tokens[-1:] + out.drafts, commit=out.commit))
+        assert d.draft_seconds >= 0 and not out.drafts
+        queued.append(d.ahead_done)
+    assert all(q > 0 for q in queued[1:])  # every round after the one that verified the prompt's drafts
+
+
 @pytest.mark.parametrize("positions", [[2, 2, 2], [0, 3, 3, 1], [3, 0, 0, 0, 2]])
 def test_batch_rows_take_their_own_positions_states(positions: list[int]) -> None:
     """A batch's rows each get exactly the state and conv window their own snapshot has at their
