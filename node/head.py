@@ -156,9 +156,9 @@ class Head:
         """One step's tokens from the last layer's hidden states `h` (`context` positions in the caches).
         Greedy rounds can be queued before the host waits for this one: `on_token` gets the pick while it
         is still lazy when the next round is that token alone, `on_drafts` the output and the next
-        round's drafts, still lazy (None for a sequence with processors: `out.drafts`); `prepared` is what `prepare` made of `h` for a round queued so. A
-        sequence with processors gets its next round without drafts queued once this round's token is
-        known and in its history."""
+        round's drafts, still lazy (None for a sequence with processors: `out.drafts`); `prepared` is
+        what `prepare` made of `h` for a round queued so. A sequence with processors gets its next round
+        without drafts queued once this round's token is known and in its history."""
         # A processed pick depends on the tokens before it: the next round is queued once they are known.
         queue_token, on_token = (on_token, None) if d.processed else (None, on_token)
         normed = self.model.final_norm(h) if prepared is None else prepared.normed
@@ -213,19 +213,19 @@ class Head:
         if d.mtp_cache is not None:
             d.mtp_cache.trim(d.mtp_cache.offset - d.mtp_len)  # drop last round's chained entries
             start, queuing = time.perf_counter(), 0.0
-            ahead = None
-            if on_drafts is not None and d.params.greedy and not d.processed:
-                def ahead(drafts: mx.array) -> None:  # the next verify, queued on the drafts still computing
-                    nonlocal queuing
-                    queued = time.perf_counter()
-                    on_drafts(out, drafts)
-                    d.ahead_next = queuing = time.perf_counter() - queued
-            out.drafts = self._draft(d, hid, toks, ahead)
+
+            def ahead(drafts: mx.array | None) -> None:
+                """The next verify, queued on the drafts still computing (None: on `out.drafts`)."""
+                nonlocal queuing
+                queued = time.perf_counter()
+                on_drafts(out, drafts)
+                d.ahead_next = queuing = time.perf_counter() - queued
+
+            queue = on_drafts is not None and d.params.greedy
+            out.drafts = self._draft(d, hid, toks, ahead if queue and not d.processed else None)
             d.draft_seconds = time.perf_counter() - start - queuing
-            if on_drafts is not None and out.drafts and d.params.greedy and d.processed:
-                start = time.perf_counter()
-                on_drafts(out, None)
-                d.ahead_next = time.perf_counter() - start
+            if queue and d.processed and out.drafts:
+                ahead(None)  # its logits are processed against the drafts, on the host
         d.ahead_done, d.ahead_next = d.ahead_next, 0.0
         d.handed_out = 0.0 if prefill else time.perf_counter()
         return out
