@@ -32,10 +32,10 @@ log = logging.getLogger(__name__)
 class Ahead:
     """The next round's forward, queued before the host hands out this round's tokens (a whole-model
     stage whose rows are all greedy): on this round's still-lazy picks when no row drafts, else on the
-    tokens and drafts just decided, after applying this round's commit. If the next round is not
+    drafts still computing, after applying this round's commit. If the next round is not
     exactly those tokens for the same rows, the caches go back to `saved`."""
 
-    tokens: mx.array | list[list[int]]  # each row's tokens it was fed (the lazy picks until they are known)
+    tokens: mx.array | list[list[int]]  # each row's tokens it was fed (lazy picks or drafts until known)
     h: mx.array
     snapshots: dict[int, GDNSnapshots]
     prepared: Prepared  # that round's head part
@@ -171,10 +171,13 @@ class BatchStage:
             self.stats.step_seconds += time.perf_counter() - start
             return h
         out = self.head.decide(rows, h, self.positions, prepared=prepared,
-                               on_picks=self._issue_ahead if self.lookahead else None)
+                               on_picks=self._issue_ahead if self.lookahead else None,
+                               on_drafts=self._issue_verify if self.lookahead else None)
         if self.ahead is not None and not isinstance(self.ahead.tokens, list):
-            # queued on the lazy picks: note them as the host now knows them (no wait on the queue later)
-            self.ahead.tokens = [[r.output.tokens[-1]] for r in out]
+            # queued on lazy picks ([rows]) or drafts ([rows, depth]): note them as the host now knows
+            # them (no wait on the queue later)
+            drafted = self.ahead.tokens.ndim == 2
+            self.ahead.tokens = [[r.output.tokens[-1], *(r.output.drafts if drafted else [])] for r in out]
         elif self.lookahead and self.ahead is None and self.head.all_greedy():
             commits = [r.output.commit for r in out]
             self._apply(commits)  # decided here: the engine's commit then only confirms it
@@ -209,11 +212,26 @@ class BatchStage:
 
     # -- the round queued ahead -----------------------------------------------------------------
 
-    def _issue_ahead(self, tokens: mx.array | list[list[int]]) -> None:
+    def _issue_verify(self, out: list[RowOutput], drafts: mx.array) -> None:
+        """The next round over each row's [token, drafts], queued on the drafts still computing: this
+        round's commit is known, so it is applied first (the engine's commit then only confirms it).
+        A row's columns past its own depth are padding, never read."""
+        self.drop_ahead()  # queued on the picks alone, before this round chose to draft
+        commits = [r.output.commit for r in out]
+        self._apply(commits)
+        self.early = commits
+        last = mx.array([r.output.tokens[-1] for r in out], dtype=drafts.dtype)[:, None]
+        real = [1 + d.depth for d in self.head.states]
+        self._issue_ahead(drafts, mx.concatenate([last, drafts], axis=1), real)
+
+    def _issue_ahead(self, tokens: mx.array | list[list[int]], inputs: mx.array | None = None,
+                     real: list[int] | None = None) -> None:
+        """The next round queued on `tokens`: host lists, else lazy picks (or lazy drafts, with their
+        `inputs` and `real` lengths)."""
         saved = [(c[0], c[1]) if layer.is_linear else list(c.lengths) for c, layer in zip(self.cache, self.model.layers)]
         if isinstance(tokens, list):
             inputs, real = pad_rows(tokens), [len(t) for t in tokens]
-        else:
+        elif inputs is None:
             inputs, real = tokens[:, None], [1] * len(self.ids)
         h, snapshots = self.model.run_rows(self.model.embed(inputs), self.cache, real)
         prepared = self.head.prepare(h)

@@ -94,11 +94,13 @@ class BatchHead:
 
     def decide(self, rows: list, h: mx.array, positions: list[int],
                prepared: Prepared | None = None,
-               on_picks: Callable[[mx.array], None] | None = None) -> list[RowOutput]:
+               on_picks: Callable[[mx.array], None] | None = None,
+               on_drafts: Callable[[list[RowOutput], mx.array], None] | None = None) -> list[RowOutput]:
         """`rows`: the round's RowSteps (batch.py), `h`: the last layer's hidden states of all rows;
-        `prepared`: what `prepare` made
-        of `h` when the round was queued ahead. When every row is greedy and carries no drafts this
-        round or the next, `on_picks` gets the still-lazy picks, so the next round can be queued on them."""
+        `prepared`: what `prepare` made of `h` when the round was queued ahead. When every row is
+        greedy, the next round can be queued before the host waits for its tokens: `on_picks` gets the
+        still-lazy picks when no row carries drafts this round or the next, `on_drafts` the round's
+        outcome and the next drafts still computing ([rows, deepest], each row's first `depth` real)."""
         self._check(rows)
         normed, picks, logits, table = prepared or self.prepare(h)
         mtp_in = h if self.head.mtp_pre_norm else normed
@@ -144,10 +146,17 @@ class BatchHead:
             for (out, _), lps in zip(reports, read_logprobs(table, [r for _, r in reports])):
                 out.logprobs = lps
         self._choose(rows, positions)
-        start = time.perf_counter()
-        self._draft(pairs)
+        start, queuing = time.perf_counter(), 0.0
+
+        def ahead(drafts: mx.array) -> None:
+            nonlocal queuing
+            queued = time.perf_counter()
+            on_drafts(outs, drafts)
+            self.ahead_next = queuing = time.perf_counter() - queued
+
+        self._draft(pairs, ahead if on_drafts is not None and self.all_greedy() else None)
         self.handed_out = time.perf_counter()
-        self.draft_seconds = self.handed_out - start
+        self.draft_seconds = self.handed_out - start - queuing  # the queued round is charged to itself
         self.ahead_done, self.ahead_next = self.ahead_next, 0.0
         for o, d in zip(outs, self.states):
             o.output.drafts = list(d.drafts)
@@ -198,10 +207,12 @@ class BatchHead:
             if row.tokens[0] != d.last_token or row.tokens[1:] != d.drafts:
                 raise StageError(f"round tokens of {row.seq_id!r} do not match the token and drafts this stage made")
 
-    def _draft(self, pairs: list[tuple[mx.array, list[int]]]) -> None:
+    def _draft(self, pairs: list[tuple[mx.array, list[int]]],
+               ahead: Callable[[mx.array], None] | None = None) -> None:
         """Every row's next drafts. The first MTP call adds each row's true (hidden, next token) pairs
         and drafts d1 from its last one; later steps chain on the MTP output, for the rows that want
-        that many drafts (their chained entries are dropped next round)."""
+        that many drafts (their chained entries are dropped next round). A greedy batch's drafts go
+        to `ahead` still lazy, before the host waits for them."""
         B = len(self.states)
         hids, toks, counts = [], [], []
         for d, drafting, (hid, tok) in zip(self.states, self.drafting, pairs):
@@ -269,7 +280,10 @@ class BatchHead:
             lazy.append(tokens)
             if queue:
                 mx.async_eval(tokens)
-        drafted = mx.stack(lazy, axis=1).tolist()  # [B, depth]
+        drafts = mx.stack(lazy, axis=1)  # [B, depth]
+        if ahead is not None and not host:
+            ahead(drafts)
+        drafted = drafts.tolist()
         for i, d in enumerate(self.states):
             d.drafts = drafted[i][: d.depth]
             d.draft_probs = np.stack(probs[i]) if probs[i] else None

@@ -383,6 +383,54 @@ def test_batch_caches_after_commits_equal_a_fresh_forward(engines: Engines, dens
     print(f"largest cache difference from the unbatched forward: {worst:.3g} (BLAS: {blas.info()})")
 
 
+def test_rounds_queued_on_lazy_drafts_match_rounds_run_on_request(dense_ckpt: Path) -> None:
+    """A whole-model stage queues each next round on the drafts still computing, after applying the
+    round's commit itself; a stage that never queues ahead runs the same rounds on request. Every
+    round's outcome and the caches after them match, and every queued round was the one run next."""
+    shard = load_shard(dense_ckpt, dtype=mx.float32)
+    queued, plain = BatchStage(StageWorker(shard, overlap=False)), BatchStage(StageWorker(shard, overlap=False))
+    plain.lookahead = False
+    lazy, restored = [], []
+    issue, restore = queued._issue_verify, queued._restore
+
+    def spy_issue(out: list, drafts: mx.array) -> None:
+        lazy.append(isinstance(drafts, mx.array) and all(not r.output.drafts for r in out))
+        issue(out, drafts)
+
+    queued._issue_verify = spy_issue  # type: ignore[method-assign]
+    queued._restore = lambda ahead: (restored.append(True), restore(ahead))  # type: ignore[method-assign]
+    nexts: dict[str, list[int]] = {}
+    for seq_id, prompt, depth in [("a", list(range(5, 19)), 2), ("b", list(range(40, 47)), 0),
+                                  ("c", list(range(90, 121)), 3)]:
+        row = Row(seq_id, prompt, depth, [])
+        for stage in (queued, plain):
+            out, _ = prefill(stage.prefill, row)
+            stage.join(seq_id)
+        nexts[seq_id] = [out.tokens[-1], *out.drafts]
+    trims = 0
+    for _ in range(12):
+        rows = [RowStep(s, nexts[s]) for s in queued.ids]
+        outs_q, outs_p = queued.forward(rows), plain.forward(rows)
+        for stage, outs in ((queued, outs_q), (plain, outs_p)):
+            stage.commit([o.output.commit for o in outs])
+        for q, p in zip(outs_q, outs_p):
+            assert (q.output.tokens, q.output.drafts, q.output.commit) == (p.output.tokens, p.output.drafts, p.output.commit)
+            nexts[q.seq_id] = [q.output.tokens[-1], *q.output.drafts]
+            trims += q.output.commit.trim
+    assert len(lazy) == 12 and all(lazy) and not restored  # every round queued on lazy drafts, and used
+    assert trims > 0  # rounds were trimmed, from the commit the stage applied itself
+    queued.drop_ahead()
+    assert queued.positions == plain.positions
+    for layer, a, b in zip(queued.model.layers, queued.cache, plain.cache):
+        if layer.is_linear:
+            assert max(max_diff(a[0], b[0]), max_diff(a[1], b[1])) <= CACHE_TOL
+        else:
+            assert a.lengths == b.lengths
+            for i in range(len(queued.ids)):
+                (ka, va), (kb, vb) = a.row(i), b.row(i)
+                assert max(max_diff(ka, kb), max_diff(va, vb)) <= CACHE_TOL
+
+
 # -- 3. seeded sampling does not depend on the batch ------------------------------------------------
 
 
