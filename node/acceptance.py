@@ -21,6 +21,7 @@ import numpy as np
 from .protocol import SamplingParams
 
 MASK64 = (1 << 64) - 1
+TOP_P_CANDIDATES = 256  # the most likely tokens top_p sorts first
 
 
 def filtered_probs(logits: mx.array, params: SamplingParams) -> np.ndarray:
@@ -34,16 +35,33 @@ def filtered_probs(logits: mx.array, params: SamplingParams) -> np.ndarray:
         kth = np.partition(p, V - params.top_k, axis=-1)[..., V - params.top_k : V - params.top_k + 1]
         p = np.where(p >= kth, p, 0.0)
     if params.top_p < 1.0:
-        order = np.argsort(-p, axis=-1, kind="stable")
-        sorted_p = np.take_along_axis(p, order, axis=-1)
-        before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
-        keep_sorted = before < params.top_p * sorted_p.sum(axis=-1, keepdims=True)
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, axis=-1)
-        p = np.where(keep, p, 0.0)
+        p = np.stack([top_p_row(row, params.top_p) for row in p.reshape(-1, V)]).reshape(p.shape)
     if params.min_p > 0.0:
         p = np.where(p >= params.min_p * p.max(axis=-1, keepdims=True), p, 0.0)
     return p / p.sum(axis=-1, keepdims=True)
+
+
+def top_p_row(p: np.ndarray, top_p: float) -> np.ndarray:
+    """A probability row [V] keeping the most likely tokens, in order (ties by index), while the mass
+    strictly above each is under top_p of the row's. Sorting all V tokens would take longer than a
+    decode step at a real vocabulary: only the m most likely are sorted, m growing until their mass
+    reaches the limit. The tokens past them then have at least that mass above, so none is kept;
+    the ones sorted get the same cumulative sums as in a sort of the whole row."""
+    limit = top_p * p.sum()
+    support = np.flatnonzero(p)  # (tokens filtered out before are 0 and stay 0)
+    n, m = len(support), TOP_P_CANDIDATES
+    while True:
+        candidates = support if m >= n else support[p[support] >= np.partition(p[support], n - m)[n - m]]
+        order = candidates[np.argsort(-p[candidates], kind="stable")]
+        sorted_p = p[order]
+        mass = np.cumsum(sorted_p)
+        if m >= n or mass[-1] >= limit:
+            break
+        m *= 4
+    keep = order[mass - sorted_p < limit]  # the mass strictly above each token
+    out = np.zeros_like(p)
+    out[keep] = p[keep]
+    return out
 
 
 def draw(p: np.ndarray, rng: np.random.Generator) -> int:

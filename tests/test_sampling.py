@@ -10,12 +10,22 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mtpipe.coordinator.engine.build import local_engine
 from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.models.loading import load_shard
-from mtpipe.node.acceptance import accept_coupled, accept_greedy, accept_sampled, draw, filtered_probs, gumbel_pick
+from mtpipe.node.acceptance import (
+    accept_coupled,
+    accept_greedy,
+    accept_sampled,
+    draw,
+    filtered_probs,
+    gumbel_pick,
+    top_p_row,
+)
 from mtpipe.node.protocol import SamplingParams
 
 # Every goodness-of-fit test here rejects at significance ALPHA: the statistic must stay below the
@@ -119,6 +129,34 @@ def test_filters() -> None:
     assert np.allclose(p, [[0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0]])  # 0.1 < 0.25 * 0.5
     cold = filtered_probs(logits, SamplingParams(temperature=0.1))
     assert cold[0, 0] > 0.99
+
+
+def sorted_top_p(p: np.ndarray, top_p: float) -> np.ndarray:
+    """top_p by the definition: sort the whole row (ties by index), keep each token while the mass
+    strictly above it is under top_p of the row's."""
+    order = np.argsort(-p, kind="stable")
+    sorted_p = p[order]
+    keep = np.zeros(len(p), bool)
+    keep[order] = np.cumsum(sorted_p) - sorted_p < top_p * p.sum()
+    return np.where(keep, p, 0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 3000), st.floats(0.01, 0.999), st.integers(0, 64), st.floats(0.1, 8.0), st.integers(0, 2**32 - 1),
+       st.booleans())
+def test_top_p_sorts_only_what_it_may_keep_and_keeps_what_a_whole_sort_keeps(
+        V: int, top_p: float, top_k: int, spread: float, seed: int, ties: bool) -> None:
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=V) * spread
+    if ties:  # many tokens of exactly equal probability, also across the candidates' edge
+        logits = np.round(logits)
+    logits = mx.array(logits[None].astype(np.float32))
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=top_k))[0]
+    assert np.array_equal(top_p_row(p, top_p), sorted_top_p(p, top_p))
+    # Rows of a round are filtered each on its own.
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+    both = filtered_probs(mx.concatenate([logits, logits[:, ::-1]]), params)
+    assert np.array_equal(both, np.concatenate([filtered_probs(logits, params), filtered_probs(logits[:, ::-1], params)]))
 
 
 def test_seeded_sampling_is_reproducible_and_mtp_matches_distribution(dense_ckpt: Path) -> None:
