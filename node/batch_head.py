@@ -22,6 +22,7 @@ from ..models.shard import queue_layers
 from .acceptance import accept_greedy, filtered_probs
 from .batch_depth import DepthPlan
 from .depth import batch_rates
+from .device_sampling import sample, samples_on_device
 from .head import DraftState, Head, Prepared
 from .processors import LogprobTable, apply, logprob_table, read_logprobs
 from .protocol import Commit, StageError, StepOutput
@@ -83,7 +84,14 @@ class BatchHead:
         normed = self.model.final_norm(h)
         logits = self.model.lm_logits(normed)
         processed = any(d.processed for d in self.states)  # `decide` takes them from the processed logits
-        return Prepared(normed, mx.argmax(logits, axis=-1), logits, None if processed else self._logprobs(logits))
+        picks = mx.argmax(logits, axis=-1)
+        sampled = tuple(i for i, d in enumerate(self.states)
+                        if not d.processed and samples_on_device(d.params, bool(d.drafts)))
+        if sampled:  # the round's first token of rows that need no host to draw it
+            first = [sample(logits[i, 0], d.params, d.next_key()) if i in sampled else picks[i, 0]
+                     for i, d in enumerate(self.states)]
+            picks = mx.concatenate([mx.stack(first)[:, None], picks[:, 1:]], axis=1)
+        return Prepared(normed, picks, logits, None if processed else self._logprobs(logits), sampled)
 
     def _logprobs(self, logits: mx.array) -> LogprobTable | None:
         """The log-probabilities of the rows that report them."""
@@ -102,21 +110,25 @@ class BatchHead:
         still-lazy picks when no row carries drafts this round or the next, `on_drafts` the round's
         outcome and the next drafts still computing ([rows, deepest], each row's first `depth` real)."""
         self._check(rows)
-        normed, picks, logits, table = prepared or self.prepare(h)
+        normed, picks, logits, table, on_device = prepared or self.prepare(h)
         mtp_in = h if self.head.mtp_pre_norm else normed
         processed = [(i, d.params, d.history, r.tokens[1:]) for i, (r, d) in enumerate(zip(rows, self.states))
                      if d.processed]
         if processed:  # position by position, as if the drafts before were accepted (processors.py)
             logits = apply(logits, processed)
-            picks, table = mx.argmax(logits, axis=-1), self._logprobs(logits)
-        elif on_picks is not None and all(len(r.tokens) == 1 and d.params.greedy and d.depth == 0
-                                          for r, d in zip(rows, self.states)):
+            greedy = mx.argmax(logits, axis=-1)
+            if on_device:  # (their logits are not processed)
+                drawn = mx.array([i in on_device for i in range(len(rows))])[:, None] & (mx.arange(picks.shape[1]) == 0)
+                greedy = mx.where(drawn, picks, greedy)
+            picks, table = greedy, self._logprobs(logits)
+        elif on_picks is not None and all(len(r.tokens) == 1 and d.depth == 0 and (d.params.greedy or i in on_device)
+                                          for i, (r, d) in enumerate(zip(rows, self.states))):
             if prepared is None:  # so the time of queuing the next round is that round's alone, and
                 mx.eval(picks, *(table.arrays() if table is not None else []))  # reading these never waits on it
             start = time.perf_counter()
             on_picks(picks[:, 0])
             self.ahead_next = time.perf_counter() - start
-        sampled = [i for i, d in enumerate(self.states) if not d.params.greedy]
+        sampled = [i for i, d in enumerate(self.states) if not d.params.greedy and i not in on_device]
         mx.eval(picks, *([logits] if sampled else []), *(table.arrays() if table is not None else []))
         picks_host = picks.tolist()
         reports = []
@@ -126,6 +138,8 @@ class BatchHead:
             K = len(drafts)
             if d.params.greedy:
                 n, tokens = accept_greedy(picks_host[i][: K + 1], drafts)
+            elif i in on_device and K == 0:
+                n, tokens = 0, [picks_host[i][0]]
             elif K == 0:
                 n, tokens = 0, [d.pick(filtered_probs(logits[i, 0], d.params))]
             else:

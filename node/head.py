@@ -53,6 +53,7 @@ class DraftState:
     ahead_next: float = 0.0
     history: History = field(default_factory=History)  # for the logits processors, and positions
     bias: mx.array | None = None  # logit_bias as a dense row, for the drafts (made on first use)
+    key: mx.array | None = None  # for draws on the device (device_sampling.py), seeded from `rng`
 
     @property
     def processed(self) -> bool:
@@ -64,6 +65,14 @@ class DraftState:
         if self.params.seed is not None:
             return gumbel_pick(p, self.params.seed, self.history.length + offset)
         return draw(p, self.rng)
+
+    def next_key(self) -> mx.array:
+        """A fresh key for a draw on the device."""
+        if self.key is None:
+            self.key = mx.random.key(int(self.rng.integers(2**63)))
+        pair = mx.random.split(self.key)
+        self.key = pair[0]
+        return pair[1]
 
     def accept(self, p: np.ndarray, drafts: list[int]) -> tuple[int, list[int]]:
         """Sampled acceptance of this round's drafts against the target rows `p` [K+1, V]."""
@@ -109,9 +118,10 @@ class Prepared(NamedTuple):
     """A step's head part, queued behind its forward (`Head.prepare`, `BatchHead.prepare`)."""
 
     normed: mx.array
-    picks: mx.array  # the greedy pick at every position
+    picks: mx.array  # the greedy pick at every position (a sample drawn on the device at the first, on `sampled` rows)
     logits: mx.array | None  # where the sequence processes or reports its logits
     logprobs: LogprobTable | None  # where it reports them
+    sampled: tuple[int, ...] = ()  # rows whose first pick is a sample (device_sampling.py)
 
     def arrays(self) -> list[mx.array]:
         return [self.picks, *(self.logprobs.arrays() if self.logprobs is not None else [])]

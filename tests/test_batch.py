@@ -31,6 +31,7 @@ from mtpipe.models import blas
 from mtpipe.models.config import load_config
 from mtpipe.models.loading import load_shard
 from mtpipe.models.ragged import RaggedKV
+from mtpipe.node import device_sampling
 from mtpipe.node.batch import BatchStage, RowStep
 from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest
 from mtpipe.node.stage import StageWorker
@@ -429,6 +430,38 @@ def test_rounds_queued_on_lazy_drafts_match_rounds_run_on_request(dense_ckpt: Pa
             for i in range(len(queued.ids)):
                 (ka, va), (kb, vb) = a.row(i), b.row(i)
                 assert max(max_diff(ka, kb), max_diff(va, vb)) <= CACHE_TOL
+
+
+def test_rows_drawn_on_the_device_queue_the_next_round_on_their_draws(engines: Engines,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU an unseeded sampled row's token is drawn on the device, so the next round is queued on
+    it as on a greedy pick (forced here, on the CPU). A filter that leaves one token (top_k=1, a tiny
+    top_p) makes the draw the greedy pick: those rows decode what the prompt decodes alone, greedy,
+    beside greedy rows and a penalized one (whose logits the host processes)."""
+    monkeypatch.setattr(device_sampling, "on_host", lambda: False)
+    engine = engines.batch("dense", 1)
+    stage = engine.stages[0]
+    lazy: list[bool] = []
+    issue = stage._issue_ahead
+
+    def spy(tokens: Any, *args: Any) -> None:
+        lazy.append(not isinstance(tokens, list))
+        issue(tokens, *args)
+
+    monkeypatch.setattr(stage, "_issue_ahead", spy)
+    prompts = [encode(engine, t) for t in PROMPTS[:4]]
+    one = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.8, top_p=1e-6)]
+    penalized = SamplingParams(repetition_penalty=1.3)
+    batches = {"queued ahead": [(prompts[0], one[0]), (prompts[1], one[1]), (prompts[2], SamplingParams())],
+               "a penalized row beside": [(prompts[3], one[0]), (prompts[0], penalized)]}
+    for name, batch in batches.items():
+        lazy.clear()
+        streams = [Stream(engine, request(p, 0, 20, params=params)) for p, params in batch]
+        for s, (p, params) in zip(streams, batch):
+            alone = engines.alone("dense", request(p, 0, 20, params=params if params is penalized else SamplingParams()))
+            assert s.finish() == alone.tokens, name
+        if name == "queued ahead":  # (a penalized row's pick waits for its history: no round goes ahead of it)
+            assert sum(lazy) >= 15, lazy  # rounds queued on the draws still lazy
 
 
 # -- 3. seeded sampling does not depend on the batch ------------------------------------------------

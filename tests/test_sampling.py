@@ -26,6 +26,7 @@ from mtpipe.node.acceptance import (
     gumbel_pick,
     top_p_row,
 )
+from mtpipe.node.device_sampling import filtered_logits, sample
 from mtpipe.node.protocol import SamplingParams
 
 # Every goodness-of-fit test here rejects at significance ALPHA: the statistic must stay below the
@@ -157,6 +158,27 @@ def test_top_p_sorts_only_what_it_may_keep_and_keeps_what_a_whole_sort_keeps(
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
     both = filtered_probs(mx.concatenate([logits, logits[:, ::-1]]), params)
     assert np.array_equal(both, np.concatenate([filtered_probs(logits, params), filtered_probs(logits[:, ::-1], params)]))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=4),
+                                    SamplingParams(temperature=1.0, top_p=0.6), SamplingParams(temperature=0.9, min_p=0.2),
+                                    SamplingParams(temperature=1.0, top_k=6, top_p=0.8, min_p=0.05)])
+def test_draws_on_the_device_follow_the_filtered_distribution(params: SamplingParams) -> None:
+    """What a row drawn on the device (device_sampling.py) keeps is what the host keeps, and its
+    draws follow those probabilities (logits without ties: the device keeps ties at a cut whole)."""
+    logits = mx.array(np.random.default_rng(5).normal(size=10).astype(np.float32) * 1.5)
+    host = filtered_probs(logits[None], params)[0]
+    device = np.array(mx.softmax(filtered_logits(logits, params), precise=True))
+    assert np.array_equal(device > 0, host > 0) and np.allclose(device, host, atol=1e-6)
+    key = mx.random.key(11)
+    draws = []
+    for _ in range(4000):
+        key, sub = mx.random.split(key)
+        draws.append(sample(logits, params, sub))
+    counts = np.bincount(np.array(mx.stack(draws)), minlength=10).astype(float)
+    support = host > 0
+    assert counts[~support].sum() == 0
+    assert chi_square(counts, host) < chi2_critical(ALPHA, int(support.sum()) - 1)
 
 
 def test_seeded_sampling_is_reproducible_and_mtp_matches_distribution(dense_ckpt: Path) -> None:
