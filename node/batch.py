@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Ahead:
     """The next round's forward, queued before the host hands out this round's tokens (a whole-model
-    stage whose rows are all greedy): on this round's still-lazy picks when no row drafts, else on the
-    drafts still computing, after applying this round's commit. If the next round is not
+    stage): on this round's still-lazy picks when no row drafts (rows greedy or drawn on the device),
+    else on the drafts still computing (rows all greedy), after applying this round's commit. If the next round is not
     exactly those tokens for the same rows, the caches go back to `saved`."""
 
     tokens: mx.array | list[list[int]]  # each row's tokens it was fed (lazy picks or drafts until known)
@@ -234,7 +234,7 @@ class BatchStage:
         elif inputs is None:
             inputs, real = tokens[:, None], [1] * len(self.ids)
         h, snapshots = self.model.run_rows(self.model.embed(inputs), self.cache, real)
-        prepared = self.head.prepare(h)
+        prepared = self.head.prepare(h, real)
         mx.async_eval(*prepared.arrays())
         self.ahead = Ahead(tokens, h, snapshots, prepared, saved)
 

@@ -78,15 +78,16 @@ class BatchHead:
 
     # -- a round --------------------------------------------------------------------------------
 
-    def prepare(self, h: mx.array) -> Prepared:
+    def prepare(self, h: mx.array, real: list[int]) -> Prepared:
         """Normed hidden, logits, greedy picks and log-probabilities at every position of a round, still
-        lazy: queued behind the round's forward, so reading them never waits on a round queued after."""
+        lazy: queued behind the round's forward, so reading them never waits on a round queued after.
+        `real`: each row's tokens in the round (a row without drafts may draw on the device)."""
         normed = self.model.final_norm(h)
         logits = self.model.lm_logits(normed)
         processed = any(d.processed for d in self.states)  # `decide` takes them from the processed logits
         picks = mx.argmax(logits, axis=-1)
-        sampled = tuple(i for i, d in enumerate(self.states)
-                        if not d.processed and samples_on_device(d.params, bool(d.drafts)))
+        sampled = tuple(i for i, (d, n) in enumerate(zip(self.states, real))
+                        if not d.processed and samples_on_device(d.params, n > 1))
         if sampled:  # the round's first token of rows that need no host to draw it
             first = [sample(logits[i, 0], d.params, d.next_key()) if i in sampled else picks[i, 0]
                      for i, d in enumerate(self.states)]
@@ -105,12 +106,13 @@ class BatchHead:
                on_picks: Callable[[mx.array], None] | None = None,
                on_drafts: Callable[[list[RowOutput], mx.array], None] | None = None) -> list[RowOutput]:
         """`rows`: the round's RowSteps (batch.py), `h`: the last layer's hidden states of all rows;
-        `prepared`: what `prepare` made of `h` when the round was queued ahead. When every row is
-        greedy, the next round can be queued before the host waits for its tokens: `on_picks` gets the
-        still-lazy picks when no row carries drafts this round or the next, `on_drafts` the round's
-        outcome and the next drafts still computing ([rows, deepest], each row's first `depth` real)."""
+        `prepared`: what `prepare` made of `h` when the round was queued ahead. The next round can be
+        queued before the host waits for its tokens: `on_picks` gets the still-lazy picks when no row
+        carries drafts this round or the next and every row is greedy or draws on the device, and
+        `on_drafts` (every row greedy) the round's outcome and the next drafts still computing ([rows,
+        deepest], each row's first `depth` real)."""
         self._check(rows)
-        normed, picks, logits, table, on_device = prepared or self.prepare(h)
+        normed, picks, logits, table, on_device = prepared or self.prepare(h, [len(r.tokens) for r in rows])
         mtp_in = h if self.head.mtp_pre_norm else normed
         processed = [(i, d.params, d.history, r.tokens[1:]) for i, (r, d) in enumerate(zip(rows, self.states))
                      if d.processed]
@@ -296,6 +298,7 @@ class BatchHead:
                 mx.async_eval(tokens)
         drafts = mx.stack(lazy, axis=1)  # [B, depth]
         if ahead is not None and not host:
+            mx.async_eval(drafts)  # on their own: computed in one go with the next round, reading them would wait for it
             ahead(drafts)
         drafted = drafts.tolist()
         for i, d in enumerate(self.states):

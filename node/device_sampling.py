@@ -3,7 +3,9 @@
 A row without a seed, processors or drafts this round takes a plain sample of its filtered
 distribution. Drawn on a GPU, that sample stays lazy like a greedy pick, so the next round can be
 queued on it before the host reads it. The filters mean what `acceptance.filtered_probs` means
-(temperature, then top_k, top_p and min_p), in float32 and with ties at a cut kept whole. Rows that
+(temperature, then top_k, top_p and min_p), with ties at a cut kept whole, and in float32: top_p's
+running sums then round differently, so over a large flat vocabulary the two may disagree on tokens
+of the far tail (a draw's distribution, not a seed's tokens, is what these rows promise). Rows that
 draft, or carry a seed, still draw on the host: their acceptance and their keyed noise are defined
 there (acceptance.py). On the CPU backend the host draws every row: the device's scalar kernels
 and sort take as long or longer, and queuing ahead overlaps little there.

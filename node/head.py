@@ -379,6 +379,7 @@ class Head:
         d.mtp_len += len(toks)
         drafts = mx.stack(lazy)
         if ahead is not None and lazy and not probs:
+            mx.async_eval(drafts)  # on their own: computed in one go with the next round, reading them would wait for it
             ahead(drafts)
         d.drafts = drafts.tolist()
         d.draft_probs = np.stack(probs) if probs else None

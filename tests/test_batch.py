@@ -395,7 +395,8 @@ def test_rounds_queued_on_lazy_drafts_match_rounds_run_on_request(dense_ckpt: Pa
     issue, restore = queued._issue_verify, queued._restore
 
     def spy_issue(out: list, drafts: mx.array) -> None:
-        lazy.append(isinstance(drafts, mx.array) and all(not r.output.drafts for r in out))
+        # queued before the host read the drafts: the rows get them from their values right after
+        lazy.append(isinstance(drafts, mx.array) and all(not d.drafts for d in queued.head.states))
         issue(out, drafts)
 
     queued._issue_verify = spy_issue  # type: ignore[method-assign]
@@ -435,33 +436,55 @@ def test_rounds_queued_on_lazy_drafts_match_rounds_run_on_request(dense_ckpt: Pa
 def test_rows_drawn_on_the_device_queue_the_next_round_on_their_draws(engines: Engines,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU an unseeded sampled row's token is drawn on the device, so the next round is queued on
-    it as on a greedy pick (forced here, on the CPU). A filter that leaves one token (top_k=1, a tiny
-    top_p) makes the draw the greedy pick: those rows decode what the prompt decodes alone, greedy,
-    beside greedy rows and a penalized one (whose logits the host processes)."""
+    it as on a greedy pick (forced here, on the CPU). Every such row emits its draw. A filter that
+    leaves one token (top_k=1, a tiny top_p) makes the draw the greedy pick: those rows decode what
+    the prompt decodes alone, greedy, beside greedy rows, a row at temperature 1, and a penalized
+    row (whose logits the host processes, and whose rounds nothing is queued ahead of)."""
     monkeypatch.setattr(device_sampling, "on_host", lambda: False)
     engine = engines.batch("dense", 1)
     stage = engine.stages[0]
+    head = stage.head
     lazy: list[bool] = []
-    issue = stage._issue_ahead
+    drawn: list[tuple[int, int]] = []  # (token emitted, the device's draw) of rows drawn on the device
+    issue, prepare, decide = stage._issue_ahead, head.prepare, head.decide
+    made: list = []
 
-    def spy(tokens: Any, *args: Any) -> None:
+    def spy_issue(tokens: Any, *args: Any) -> None:
         lazy.append(not isinstance(tokens, list))
         issue(tokens, *args)
 
-    monkeypatch.setattr(stage, "_issue_ahead", spy)
+    def spy_prepare(h: mx.array, real: list[int]) -> Any:
+        made.append(prepare(h, real))
+        return made[-1]
+
+    def spy_decide(rows: list, h: mx.array, positions: list[int], prepared: Any = None, **kw: Any) -> Any:
+        made.clear()
+        out = decide(rows, h, positions, prepared=prepared, **kw)
+        used = prepared if prepared is not None else made[0]  # (made[1:]: the round queued ahead)
+        picks = used.picks.tolist()
+        drawn.extend((o.output.tokens[0], picks[i][0]) for i, o in enumerate(out) if i in used.sampled)
+        return out
+
+    monkeypatch.setattr(stage, "_issue_ahead", spy_issue)
+    monkeypatch.setattr(head, "prepare", spy_prepare)
+    monkeypatch.setattr(head, "decide", spy_decide)
     prompts = [encode(engine, t) for t in PROMPTS[:4]]
     one = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.8, top_p=1e-6)]
-    penalized = SamplingParams(repetition_penalty=1.3)
-    batches = {"queued ahead": [(prompts[0], one[0]), (prompts[1], one[1]), (prompts[2], SamplingParams())],
-               "a penalized row beside": [(prompts[3], one[0]), (prompts[0], penalized)]}
+    free, penalized = SamplingParams(temperature=1.0), SamplingParams(repetition_penalty=1.3)
+    batches = {"queued ahead": [(prompts[0], one[0]), (prompts[1], one[1]), (prompts[2], SamplingParams()),
+                                (prompts[3], free)],
+               "a penalized row beside": [(prompts[3], one[0]), (prompts[0], penalized), (prompts[1], free)]}
     for name, batch in batches.items():
         lazy.clear()
         streams = [Stream(engine, request(p, 0, 20, params=params)) for p, params in batch]
         for s, (p, params) in zip(streams, batch):
-            alone = engines.alone("dense", request(p, 0, 20, params=params if params is penalized else SamplingParams()))
-            assert s.finish() == alone.tokens, name
-        if name == "queued ahead":  # (a penalized row's pick waits for its history: no round goes ahead of it)
+            got = s.finish()
+            if params is not free:
+                alone = engines.alone("dense", request(p, 0, 20, params=params if params is penalized else SamplingParams()))
+                assert got == alone.tokens, name
+        if name == "queued ahead":
             assert sum(lazy) >= 15, lazy  # rounds queued on the draws still lazy
+    assert len(drawn) >= 80 and all(token == draw for token, draw in drawn)
 
 
 # -- 3. seeded sampling does not depend on the batch ------------------------------------------------
