@@ -45,8 +45,9 @@ def top_p_row(p: np.ndarray, top_p: float) -> np.ndarray:
     """A probability row [V] keeping the most likely tokens, in order (ties by index), while the mass
     strictly above each is under top_p of the row's. Sorting all V tokens would take longer than a
     decode step at a real vocabulary: only the m most likely are sorted, m growing until their mass
-    reaches the limit (or the whole row, for a flat one). The tokens past them then have at least that mass above, so none is kept;
-    the ones sorted get the same cumulative sums as in a sort of the whole row."""
+    reaches the limit (or the whole row, for a flat one). The tokens past them then have at least that
+    mass above, so none is kept; the ones sorted get the same cumulative sums as in a sort of the
+    whole row."""
     limit = top_p * p.sum()
     support = np.flatnonzero(p)  # (tokens filtered out before are 0 and stay 0)
     n, m = len(support), TOP_P_CANDIDATES

@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 class Ahead:
     """The next round's forward, queued before the host hands out this round's tokens (a whole-model
     stage): on this round's still-lazy picks when no row drafts (rows greedy or drawn on the device),
-    else on the drafts still computing (rows all greedy), after applying this round's commit. If the next round is not
-    exactly those tokens for the same rows, the caches go back to `saved`."""
+    else on the drafts still computing (rows all greedy), after applying this round's commit. If the
+    next round is not exactly those tokens for the same rows, the caches go back to `saved`."""
 
     tokens: mx.array | list[list[int]]  # each row's tokens it was fed (lazy picks or drafts until known)
     h: mx.array

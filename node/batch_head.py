@@ -4,7 +4,8 @@ Each row keeps what the single-sequence head keeps (head.py's DraftState: sampli
 depth chooser, pending drafts); only the MTP cache moves into one `RaggedKV` for the batch, so the
 draft steps of all rows run together, each row at its own MTP length and depth. Acceptance is ragged:
 each row accepts its own number of drafts. Greedy rows need one host sync per round; sampled rows
-draw on the host with their own RNG or seed, so a row's tokens do not depend on the rows around it.
+draw with their own RNG or seed, so a row's tokens do not depend on the rows around it (on the host,
+but on a GPU an unseeded row without drafts draws on the device: device_sampling.py).
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ class BatchHead:
             start = time.perf_counter()
             on_picks(picks[:, 0])
             self.ahead_next = time.perf_counter() - start
-        sampled = [i for i, d in enumerate(self.states) if not d.params.greedy and i not in on_device]
-        mx.eval(picks, *([logits] if sampled else []), *(table.arrays() if table is not None else []))
+        host_draws = any(not d.params.greedy and i not in on_device for i, d in enumerate(self.states))
+        mx.eval(picks, *([logits] if host_draws else []), *(table.arrays() if table is not None else []))
         picks_host = picks.tolist()
         reports = []
         outs, pairs = [], []
