@@ -96,6 +96,16 @@ class DraftVocab:
         full[..., self.ids] = logits
         return full
 
+    def widen_probs(self, p: np.ndarray) -> np.ndarray:
+        """Probabilities over the draft tokens [..., size] as rows over the whole vocabulary (0 for
+        tokens outside the subset), in float64, summing to 1."""
+        p = p.astype(np.float64)
+        if not self.whole:
+            full = np.zeros((*p.shape[:-1], self.vocab))
+            full[..., self._ids_host] = p
+            p = full
+        return p / p.sum(axis=-1, keepdims=True)
+
     def observe(self, tokens: list[int]) -> None:
         """Tokens this stage saw (a prompt's, a round's output); the subset is ranked again when due."""
         if self.whole or not tokens:

@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 class Ahead:
     """The next round's forward, queued before the host hands out this round's tokens (a whole-model
     stage): on this round's still-lazy picks when no row drafts (rows greedy or drawn on the device),
-    else on the drafts still computing (rows all greedy), after applying this round's commit. If the
-    next round is not exactly those tokens for the same rows, the caches go back to `saved`."""
+    else on the drafts still computing (rows greedy, or drafting on the device), else on the tokens
+    once the host has them; after applying this round's commit. If the next round is not exactly those
+    tokens for the same rows, the caches go back to `saved`."""
 
     tokens: mx.array | list[list[int]]  # each row's tokens it was fed (lazy picks or drafts until known)
     h: mx.array
@@ -178,7 +179,7 @@ class BatchStage:
             # them (no wait on the queue later)
             drafted = self.ahead.tokens.ndim == 2
             self.ahead.tokens = [[r.output.tokens[-1], *(r.output.drafts if drafted else [])] for r in out]
-        elif self.lookahead and self.ahead is None and self.head.all_greedy():
+        elif self.lookahead and self.ahead is None:
             commits = [r.output.commit for r in out]
             self._apply(commits)  # decided here: the engine's commit then only confirms it
             self.early = commits

@@ -5,7 +5,8 @@ depth chooser, pending drafts); only the MTP cache moves into one `RaggedKV` for
 draft steps of all rows run together, each row at its own MTP length and depth. Acceptance is ragged:
 each row accepts its own number of drafts. Greedy rows need one host sync per round; sampled rows
 draw with their own RNG or seed, so a row's tokens do not depend on the rows around it (on the host,
-but on a GPU an unseeded row without drafts draws on the device: device_sampling.py).
+but drafts without a seed, and on a GPU an unseeded row's token when it has no drafts, are drawn on
+the device: device_sampling.py).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from ..models.shard import queue_layers
 from .acceptance import accept_greedy, filtered_probs
 from .batch_depth import DepthPlan
 from .depth import batch_rates
-from .device_sampling import sample, samples_on_device
+from .device_sampling import drafts_on_device, draw_drafts, sample, samples_on_device
 from .head import DraftState, Head, Prepared
 from .processors import LogprobTable, apply, logprob_table, read_logprobs
-from .protocol import Commit, StageError, StepOutput
+from .protocol import Commit, SamplingParams, StageError, StepOutput
 
 
 @dataclass
@@ -74,9 +75,6 @@ class BatchHead:
         if not rows:
             self.plan.leave(self)
 
-    def all_greedy(self) -> bool:
-        return all(d.params.greedy for d in self.states)
-
     # -- a round --------------------------------------------------------------------------------
 
     def prepare(self, h: mx.array, real: list[int]) -> Prepared:
@@ -110,8 +108,8 @@ class BatchHead:
         `prepared`: what `prepare` made of `h` when the round was queued ahead. The next round can be
         queued before the host waits for its tokens: `on_picks` gets the still-lazy picks when no row
         carries drafts this round or the next and every row is greedy or draws on the device, and
-        `on_drafts` (every row greedy) the round's outcome and the next drafts still computing ([rows,
-        deepest], each row's first `depth` real)."""
+        `on_drafts` the round's outcome and the next drafts still computing ([rows, deepest], each
+        row's first `depth` real) when no row's drafts are drawn on the host."""
         self._check(rows)
         normed, picks, logits, table, on_device = prepared or self.prepare(h, [len(r.tokens) for r in rows])
         mtp_in = h if self.head.mtp_pre_norm else normed
@@ -171,7 +169,7 @@ class BatchHead:
             on_drafts(outs, drafts)
             self.ahead_next = queuing = time.perf_counter() - queued
 
-        self._draft(pairs, ahead if on_drafts is not None and self.all_greedy() else None)
+        self._draft(pairs, ahead if on_drafts is not None else None)
         self.handed_out = time.perf_counter()
         self.draft_seconds = self.handed_out - start - queuing  # the queued round is charged to itself
         self.ahead_done, self.ahead_next = self.ahead_next, 0.0
@@ -200,8 +198,8 @@ class BatchHead:
         # (the first round of a shape builds its kernels: never timed, but noted)
         if not plan.first_shape((len(rows), depth)) and steady and timeable and plan.clean(self.handed_out, depth):
             # each round charged its own forward, whichever round it computed in (rows with logits
-            # processors do more on the host, and rounds without drafts are not queued ahead for them:
-            # their rounds are not what plain rounds cost)
+            # processors do more on the host, and their rounds without drafts are queued only once the
+            # host has their tokens: their rounds are not what plain rounds cost)
             seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
             costs.observe(depth, context, seconds)
             plan.timed()
@@ -228,8 +226,9 @@ class BatchHead:
                ahead: Callable[[mx.array], None] | None = None) -> None:
         """Every row's next drafts. The first MTP call adds each row's true (hidden, next token) pairs
         and drafts d1 from its last one; later steps chain on the MTP output, for the rows that want
-        that many drafts (their chained entries are dropped next round). A greedy batch's drafts go
-        to `ahead` still lazy, before the host waits for them."""
+        that many drafts (their chained entries are dropped next round). Greedy drafts and those drawn
+        on the device go to `ahead` still lazy, before the host waits for them, unless a row's drafts
+        are drawn on the host (a seed's)."""
         B = len(self.states)
         hids, toks, counts = [], [], []
         for d, drafting, (hid, tok) in zip(self.states, self.drafting, pairs):
@@ -268,8 +267,10 @@ class BatchHead:
             d.mtp_len += c
             d.drafts, d.draft_probs = [], None
         lazy: list[mx.array] = []
-        probs: list[list[np.ndarray]] = [[] for _ in range(B)]
-        host = any(not d.params.greedy and d.depth for d in self.states)
+        probs: list[list[np.ndarray]] = [[] for _ in range(B)]  # drawn on the host
+        drawn_from: list[list[mx.array]] = [[] for _ in range(B)]  # drawn on the device
+        on_device = {i for i, d in enumerate(self.states) if d.depth and drafts_on_device(d.params)}
+        host = any(not d.params.greedy and d.depth and i not in on_device for i, d in enumerate(self.states))
         queue = not host and queue_layers()  # each draft step computes while the host builds the next
         tokens = mx.zeros((B,), mx.int32)
         vocab = self.head.vocab
@@ -284,12 +285,22 @@ class BatchHead:
             logits = vocab.logits(g)[:, 0]
             if bias is not None:
                 logits = logits + bias
-            tokens = vocab.tokens(mx.argmax(logits, axis=-1))
+            index = mx.argmax(logits, axis=-1)
+            groups: dict[SamplingParams, list[int]] = {}  # rows drawing on the device, by their filters
+            for i in sorted(on_device):
+                if self.states[i].depth > k:
+                    groups.setdefault(self.states[i].params, []).append(i)
+            for params, rows in groups.items():
+                drawn, q = draw_drafts(logits[mx.array(rows)], params, self.states[rows[0]].next_key())
+                index[mx.array(rows)] = drawn.astype(index.dtype)
+                for j, i in enumerate(rows):
+                    drawn_from[i].append(q[j])
+            tokens = vocab.tokens(index)
             if host:
                 mx.eval(tokens, logits)
                 drawn = tokens.tolist()
                 for i, d in enumerate(self.states):
-                    if d.depth > k and not d.params.greedy:
+                    if d.depth > k and not d.params.greedy and i not in on_device:
                         q = filtered_probs(vocab.widen(logits[i]), d.params)
                         drawn[i] = d.pick(q, k)
                         probs[i].append(q)
@@ -298,10 +309,18 @@ class BatchHead:
             if queue:
                 mx.async_eval(tokens)
         drafts = mx.stack(lazy, axis=1)  # [B, depth]
+        # (stacked before the next round is queued: an array made after it would wait for that round)
+        reported = mx.stack([q for row in drawn_from for q in row]) if on_device else None  # rows in order
         if ahead is not None and not host:
-            mx.async_eval(drafts)  # on their own: computed in one go with the next round, reading them would wait for it
+            # on their own: computed in one go with the next round, reading them would wait for it
+            mx.async_eval(drafts, *([reported] if reported is not None else []))
             ahead(drafts)
         drafted = drafts.tolist()
+        if reported is not None:
+            q_host, at = vocab.widen_probs(np.asarray(reported)), 0
+            for i in sorted(on_device):
+                probs[i] = list(q_host[at : at + len(drawn_from[i])])
+                at += len(drawn_from[i])
         for i, d in enumerate(self.states):
             d.drafts = drafted[i][: d.depth]
             d.draft_probs = np.stack(probs[i]) if probs[i] else None

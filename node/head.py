@@ -22,6 +22,7 @@ from ..models.mtp import entries_only_pays
 from ..models.shard import queue_layers
 from .acceptance import accept_coupled, accept_greedy, accept_sampled, draw, filtered_probs, gumbel_pick
 from .depth import PRIOR_ROUNDS, DepthChooser, StageCosts
+from .device_sampling import drafts_on_device, draw_drafts
 from .processors import History, LogprobTable, apply, bias_vector, has_processors, logprob_table, read_logprobs
 from .protocol import Commit, SamplingParams, StepKind, StepOutput, StepRequest
 
@@ -119,7 +120,7 @@ class Prepared(NamedTuple):
 
     normed: mx.array
     picks: mx.array  # the greedy pick at every position (a sample drawn on the device at the first, on `sampled` rows)
-    logits: mx.array | None  # where the sequence processes or reports its logits
+    logits: mx.array | None  # where the sequence samples, processes or reports its logits
     logprobs: LogprobTable | None  # where it reports them
     sampled: tuple[int, ...] = ()  # rows whose first pick is a sample (device_sampling.py)
 
@@ -140,7 +141,9 @@ class Head:
         self.costs: StageCosts | None = None  # calibrated on the first sequence with mtp_auto
         # Sequences with logits processors are measured apart: each round does more on the host, and
         # one without drafts is queued only once its token is known, so they cost more than plain ones;
-        # and the processors move the target away from the drafts, so fewer are accepted.
+        # and the processors move the target away from the drafts, so fewer are accepted. (A sampled
+        # sequence's round without drafts is also queued once its token is drawn; those share the
+        # plain table, whose rounds with drafts they queue as greedy ones do.)
         self.processed_costs: StageCosts | None = None
         # Drafts score only the most frequent tokens (None: the default share of the vocabulary).
         self.vocab: DraftVocab | None = None
@@ -157,20 +160,22 @@ class Head:
         picks = mx.argmax(logits, axis=-1).reshape(-1)
         report = d.params.top_logprobs >= 0
         table = logprob_table(logits, d.params.top_logprobs) if report else None
-        return Prepared(normed, picks, logits if d.processed or report else None, table)
+        return Prepared(normed, picks, logits if d.processed or report or not d.params.greedy else None, table)
 
     def run(self, req: StepRequest, d: DraftState, h: mx.array, caches: list, context: int,
             on_token: Callable[[mx.array], None] | None = None,
             on_drafts: Callable[[StepOutput, mx.array | None], None] | None = None,
             prepared: Prepared | None = None) -> StepOutput:
         """One step's tokens from the last layer's hidden states `h` (`context` positions in the caches).
-        Greedy rounds can be queued before the host waits for this one: `on_token` gets the pick while it
-        is still lazy when the next round is that token alone, `on_drafts` the output and the next
-        round's drafts, still lazy (None for a sequence with processors: `out.drafts`); `prepared` is
-        what `prepare` made of `h` for a round queued so. A sequence with processors gets its next round
-        without drafts queued once this round's token is known and in its history."""
-        # A processed pick depends on the tokens before it: the next round is queued once they are known.
-        queue_token, on_token = (on_token, None) if d.processed else (None, on_token)
+        The next round can be queued before the host waits for this one: `on_token` gets a greedy pick
+        while it is still lazy when the next round is that token alone, `on_drafts` the output and the
+        next round's drafts, still lazy (None for drafts drawn on the host, a seed's, or a sequence with
+        processors: `out.drafts`, once known); `prepared` is what `prepare` made of `h` for a round
+        queued so. A sampled sequence, or one with processors, gets its next round without drafts
+        queued once this round's token is known and in its history."""
+        # A processed pick depends on the tokens before it, a sample is drawn on the host: the next
+        # round is queued once the token is known.
+        queue_token, on_token = (on_token, None) if d.processed or not d.params.greedy else (None, on_token)
         normed = self.model.final_norm(h) if prepared is None else prepared.normed
         mtp_in = h if self.mtp_pre_norm else normed  # which backbone hidden feeds the MTP head
         out = StepOutput(seq_id=req.seq_id, step=req.step)
@@ -216,26 +221,26 @@ class Head:
         self.observe(out.tokens)
         if table is not None:
             out.logprobs = read_logprobs(table, [(0, out.tokens, d.params.top_logprobs)])[0]
-        if queue_token is not None and d.params.greedy and d.depth == 0 and (len(req.tokens) == 1 or prefill):
+        if queue_token is not None and d.depth == 0 and (len(req.tokens) == 1 or prefill):
             start = time.perf_counter()
             queue_token(mx.array(out.tokens[-1]))
             d.ahead_next = time.perf_counter() - start
         if d.mtp_cache is not None:
             d.mtp_cache.trim(d.mtp_cache.offset - d.mtp_len)  # drop last round's chained entries
-            start, queuing = time.perf_counter(), 0.0
+            start, queuing, queued = time.perf_counter(), 0.0, False
 
             def ahead(drafts: mx.array | None) -> None:
                 """The next verify, queued on the drafts still computing (None: on `out.drafts`)."""
-                nonlocal queuing
-                queued = time.perf_counter()
+                nonlocal queuing, queued
+                began = time.perf_counter()
                 on_drafts(out, drafts)
-                d.ahead_next = queuing = time.perf_counter() - queued
+                d.ahead_next = queuing = time.perf_counter() - began
+                queued = True
 
-            queue = on_drafts is not None and d.params.greedy
-            out.drafts = self._draft(d, hid, toks, ahead if queue and not d.processed else None)
+            out.drafts = self._draft(d, hid, toks, ahead if on_drafts is not None and not d.processed else None)
             d.draft_seconds = time.perf_counter() - start - queuing
-            if queue and d.processed and out.drafts:
-                ahead(None)  # its logits are processed against the drafts, on the host
+            if on_drafts is not None and not queued and out.drafts:
+                ahead(None)  # processed against the drafts, or drafts drawn on the host: once they are known
         d.ahead_done, d.ahead_next = d.ahead_next, 0.0
         d.handed_out = 0.0 if prefill else time.perf_counter()
         return out
@@ -343,8 +348,9 @@ class Head:
                ahead: Callable[[mx.array], None] | None = None) -> list[int]:
         """K drafts. The first MTP call adds true entries for all (hidden, next token) pairs and its
         last output drafts d1; later drafts chain on the MTP output g (entries trimmed next round).
-        A greedy chain is evaluated once at its end (on the CPU each step is queued as it is built),
-        after `ahead` was given the drafts still lazy; sampling draws each draft on the host."""
+        A chain of greedy drafts, or of drafts drawn on the device (sampled, without a seed), is
+        evaluated once at its end (on the CPU each step is queued as it is built), after `ahead` was
+        given the drafts still lazy; with a seed each draft is drawn on the host."""
         hid, toks = d.pairs_to_draft(hid, toks)
         if hid is None:
             return []
@@ -353,7 +359,9 @@ class Head:
             self.model.mtp.extend(hid[:, :-1], self.model.embed(inputs[:, :-1]), d.mtp_cache)
             hid, inputs = hid[:, -1:], inputs[:, -1:]
         lazy: list[mx.array] = []
-        probs = []
+        probs = []  # drawn on the host
+        drawn_from: list[mx.array] = []  # drawn on the device
+        on_device = drafts_on_device(d.params)
         queue = queue_layers()  # each draft step computes while the host builds the next
         vocab = self.vocab
         bias = d.bias_row(vocab.vocab)  # drafts drawn from the biased distribution are accepted as often
@@ -363,8 +371,14 @@ class Head:
             logits = vocab.logits(g).reshape(-1)
             if bias is not None:
                 logits = logits + bias
-            if d.params.greedy:
-                tok = vocab.tokens(mx.argmax(logits))
+            if d.params.greedy or on_device:
+                if on_device:
+                    index, q = draw_drafts(logits[None], d.params, d.next_key())
+                    index = index[0]
+                    drawn_from.append(q[0])
+                else:
+                    index = mx.argmax(logits)
+                tok = vocab.tokens(index)
                 lazy.append(tok)
                 if queue:
                     mx.async_eval(tok)
@@ -378,10 +392,15 @@ class Head:
             hid = g
         d.mtp_len += len(toks)
         drafts = mx.stack(lazy)
+        # (stacked before the next round is queued: an array made after it would wait for that round)
+        reported = mx.stack(drawn_from) if drawn_from else None
         if ahead is not None and lazy and not probs:
-            mx.async_eval(drafts)  # on their own: computed in one go with the next round, reading them would wait for it
+            # on their own: computed in one go with the next round, reading them would wait for it
+            mx.async_eval(drafts, *([reported] if reported is not None else []))
             ahead(drafts)
         d.drafts = drafts.tolist()
+        if reported is not None:
+            probs = list(vocab.widen_probs(np.asarray(reported)))
         d.draft_probs = np.stack(probs) if probs else None
         return d.drafts
 

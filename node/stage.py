@@ -74,7 +74,7 @@ class StageWorker:
         self.model = shard.model
         self.head = (Head(self.model, mtp_pre_norm, shard.spec.num_layers, draft_vocab=draft_vocab)
                      if shard.spec.is_last else None)
-        # A stage that is the whole model queues each greedy round before the host has seen the last one.
+        # A stage that is the whole model queues each round before the host has handled the last one.
         self.overlap = overlap and shard.spec.is_first and shard.spec.is_last
         self.spec = shard.spec
         self.hidden_size = shard.config.args.hidden_size
@@ -222,17 +222,17 @@ class StageWorker:
         seq.snapshots = {}
 
     def _issue_lookahead(self, seq: Sequence, token: mx.array) -> None:
-        """Single stage, greedy, no drafts next round: the next step's input is this step's token, so the
-        whole next step (forward, logits, pick) is queued on the still-lazy token (a sequence with
-        processors: on the token once known, as its picks depend on it), and its tail computes
-        while the host handles this one (mlx-lm's generate does the same with async_eval; on the CPU
-        backend async_eval returns only when the last few operations are left). The next request must
-        feed that token: the decode checks above make sure it does."""
+        """Single stage, no drafts next round: the next step's input is this step's token, so the
+        whole next step (forward, logits, pick) is queued on the still-lazy token (a sampled sequence
+        or one with processors: on the token once known, drawn on the host or depending on it), and
+        its tail computes while the host handles this one (mlx-lm's generate does the same with
+        async_eval; on the CPU backend async_eval returns only when the last few operations are
+        left). The next request must feed that token: the decode checks above make sure it does."""
         h, _ = self.model.run_layers(self.model.embed(token.reshape(1, 1)), seq.cache)
         self._queue(seq, h, {}, [])
 
     def _issue_verify(self, seq: Sequence, out: StepOutput, drafts: mx.array | None) -> None:
-        """Single stage, greedy, drafts for the next round: its verify over [token, drafts] is known, and
+        """Single stage, drafts for the next round: its verify over [token, drafts] is known, and
         so is the commit of this round, which the next request will echo. Apply that commit now and queue
         the verify, so it computes while the host handles this round. `drafts`: still lazy (the verify
         queues behind them, before the host waits for them), else `out.drafts`."""

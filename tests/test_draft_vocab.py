@@ -58,6 +58,10 @@ def test_subset_logits_equal_the_whole_projection(dense_ckpt: Path, tmp_path: Pa
     inside[np.array(vocab.ids)] = True
     assert np.isneginf(np.array(widened)[..., ~inside]).all()
     assert mx.abs(widened[..., vocab.ids] - sub).max().item() == 0
+    probs = np.array(mx.softmax(sub[0, 0], precise=True))  # drafts drawn on the device report these
+    wide = vocab.widen_probs(probs)
+    assert wide.shape == (vocab.vocab,) and wide.dtype == np.float64 and wide[~inside].sum() == 0
+    assert np.allclose(wide[np.array(vocab.ids)], probs, atol=1e-7) and abs(wide.sum() - 1.0) < 1e-12
     assert not vocab.rank()  # the same counts: nothing changes
 
 

@@ -3,9 +3,12 @@ not depend on the drafts; filters behave as documented."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -18,6 +21,7 @@ from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.models.loading import load_shard
 from mtpipe.node.acceptance import (
+    TOP_P_CANDIDATES,
     accept_coupled,
     accept_greedy,
     accept_sampled,
@@ -26,7 +30,7 @@ from mtpipe.node.acceptance import (
     gumbel_pick,
     top_p_row,
 )
-from mtpipe.node.device_sampling import filtered_logits, sample
+from mtpipe.node.device_sampling import draw_drafts, filtered_logits, sample
 from mtpipe.node.protocol import SamplingParams
 
 # Every goodness-of-fit test here rejects at significance ALPHA: the statistic must stay below the
@@ -181,6 +185,54 @@ def test_draws_on_the_device_follow_the_filtered_distribution(params: SamplingPa
     assert chi_square(counts, host) < chi2_critical(ALPHA, int(support.sum()) - 1)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.6),
+                                    SamplingParams(temperature=1.0, top_k=6, top_p=0.8, min_p=0.05)])
+def test_drafts_drawn_on_the_device_follow_the_probabilities_they_report(params: SamplingParams) -> None:
+    """A batch of rows' drafts drawn on the device follow the probabilities handed to their acceptance
+    (which, over few tokens, are the target's filter)."""
+    logits = mx.array(np.random.default_rng(6).normal(size=(2, 10)).astype(np.float32) * 1.5)
+    _, q = draw_drafts(logits, params, mx.random.key(0))
+    q = np.array(q, dtype=np.float64)
+    assert np.allclose(q, filtered_probs(logits, params), atol=1e-6)
+    key, draws = mx.random.key(12), []
+    for _ in range(4000):
+        key, sub = mx.random.split(key)
+        draws.append(draw_drafts(logits, params, sub)[0])
+    drawn = np.array(mx.stack(draws))
+    for row in range(2):
+        counts = np.bincount(drawn[:, row], minlength=10).astype(float)
+        assert chi_square(counts, q[row]) < chi2_critical(ALPHA, int((q[row] > 0).sum()) - 1)
+
+
+def test_top_p_over_candidates_keeps_them_all_when_they_fall_short() -> None:
+    """Drafts filter top_p over their most likely tokens only: the target's set when those reach the
+    mass, else all of them (a narrower distribution is still a distribution to draft from)."""
+    rng = np.random.default_rng(2)
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    peaked = mx.array((rng.normal(size=(1, 1000)) * 4).astype(np.float32))
+    flat = mx.array((rng.normal(size=(1, 1000)) * 0.1).astype(np.float32))
+
+    def kept(x: mx.array, candidates: int) -> np.ndarray:
+        return np.isfinite(np.array(filtered_logits(x, params, candidates)))[0]
+
+    assert kept(peaked, 16).sum() < 16 and np.array_equal(kept(peaked, 16), kept(peaked, 0))
+    assert kept(flat, 0).sum() > 16
+    assert set(np.flatnonzero(kept(flat, 16))) == set(np.argsort(-np.array(flat)[0])[:16])  # the most likely
+    # Rows filter each on its own.
+    both = filtered_logits(mx.concatenate([peaked, flat]), params, 16)
+    assert mx.array_equal(both, mx.concatenate([filtered_logits(peaked, params, 16), filtered_logits(flat, params, 16)]))
+    # Drafts drawn so follow what they report: the TOP_P_CANDIDATES most likely tokens of the flat row.
+    _, q = draw_drafts(flat, params, mx.random.key(0))
+    q = np.array(q, dtype=np.float64)[0]
+    assert set(np.flatnonzero(q)) == set(np.argsort(-np.array(flat)[0])[:TOP_P_CANDIDATES])
+    key, draws = mx.random.key(4), []
+    for _ in range(4000):
+        key, sub = mx.random.split(key)
+        draws.append(draw_drafts(flat, params, sub)[0][0])
+    counts = np.bincount(np.array(mx.stack(draws)), minlength=1000).astype(float)
+    assert chi_square(counts, q) < chi2_critical(ALPHA, TOP_P_CANDIDATES - 1)
+
+
 def test_seeded_sampling_is_reproducible_and_mtp_matches_distribution(dense_ckpt: Path) -> None:
     engine = local_engine(dense_ckpt, dtype=mx.float32)
     prompt = engine.tokenizer.encode("def main():\n")
@@ -192,32 +244,126 @@ def test_seeded_sampling_is_reproducible_and_mtp_matches_distribution(dense_ckpt
     assert engine.complete(GenerationRequest(prompt, max_tokens=24, params=other, mtp_depth=2)).tokens != a.tokens
 
     # The distribution: tokens from speculative decoding (depth 2: accepted drafts and, on a rejection,
-    # draws from the residual) against plain sampling from the model, computed here without the
-    # stage or the acceptance code. Each emitted token's randomized probability integral transform
-    # (PIT) under the plain distribution given the tokens before it is U(0, 1), independently of the
-    # others, exactly when the sampler draws every token from that distribution; a chi-square test
-    # over 10 equal bins checks the PITs' uniformity (2000 tokens, critical value 27.9). Seeded, so
-    # this is the Gumbel-max path (acceptance.py); the unseeded rule is checked above on fixed rows.
-    # No EOS: every request yields all its tokens (stopping at EOS would condition the last ones on
-    # not being EOS).
+    # draws from the residual) against plain sampling from the model. Seeded, so this is the
+    # Gumbel-max path (acceptance.py); the unseeded rule is checked above on fixed rows and below end
+    # to end.
     spec = Engine(engine.pipeline, engine.tokenizer, set(), engine.max_context, has_mtp=True)
-    model = load_shard(dense_ckpt, dtype=mx.float32).model
-    temperature, top_p, tokens, bins = 0.5, 0.95, 100, 10
+    params = [SamplingParams(temperature=0.5, top_p=0.95, seed=seed) for seed in range(20)]
+    assert_plain_sampling(dense_ckpt, prompt, [spec.complete(r) for r in pit_requests(prompt, params)], 0.5, 0.95)
+
+
+PIT_TOKENS, PIT_BINS = 100, 10
+
+
+def pit_requests(prompt: list[int], params: list[SamplingParams]) -> list[GenerationRequest]:
+    """Depth 2, PIT_TOKENS tokens each. For an engine without EOS: every request yields all its tokens
+    (stopping at EOS would condition the last ones on not being EOS)."""
+    return [GenerationRequest(prompt, max_tokens=PIT_TOKENS, params=p, mtp_depth=2) for p in params]
+
+
+def assert_plain_sampling(ckpt: Path, prompt: list[int], results: list, temperature: float, top_p: float) -> None:
+    """The results' tokens are plain samples of the model at `temperature` and `top_p`, computed here
+    without the stage or the acceptance code. Each emitted token's randomized probability integral
+    transform (PIT) under the plain distribution given the tokens before it is U(0, 1), independently
+    of the others, exactly when the sampler draws every token from that distribution; a chi-square
+    test over PIT_BINS equal bins checks the PITs' uniformity (2000 tokens: critical value 27.9)."""
+    model = load_shard(ckpt, dtype=mx.float32).model
     pit_rng = np.random.default_rng(0)
     pits: list[float] = []
     drafted = accepted = 0
-    for seed in range(20):
-        params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
-        r = spec.complete(GenerationRequest(prompt, max_tokens=tokens, params=params, mtp_depth=2))
-        assert len(r.tokens) == tokens
+    for r in results:
+        assert len(r.tokens) == PIT_TOKENS
         drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
         target = plain_sampling_probs(model, prompt + r.tokens[:-1], temperature, top_p)[len(prompt) - 1 :]
         for row, token in zip(target, r.tokens):
             assert row[token] > 0, "a token outside the filtered distribution was emitted"
             pits.append(randomized_pit(row, token, pit_rng.random()))
     assert 0.1 < accepted / drafted < 0.9  # both paths made tokens: accepted drafts and residual draws
-    counts = np.bincount(np.minimum((np.array(pits) * bins).astype(int), bins - 1), minlength=bins)
-    assert chi_square(counts, np.full(bins, 1 / bins)) < chi2_critical(ALPHA, bins - 1)
+    counts = np.bincount(np.minimum((np.array(pits) * PIT_BINS).astype(int), PIT_BINS - 1), minlength=PIT_BINS)
+    assert chi_square(counts, np.full(PIT_BINS, 1 / PIT_BINS)) < chi2_critical(ALPHA, PIT_BINS - 1)
+
+
+@pytest.mark.parametrize("kind", ["single", "batch"])
+def test_unseeded_tokens_are_plain_samples_with_drafts_drawn_on_the_device(
+        dense_ckpt: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unseeded request's drafts are drawn on the device (device_sampling.py: top_p over the most
+    likely tokens only, from a draft vocabulary of DRAFT_VOCAB tokens) and the next verify is queued on
+    them still lazy, then taken; its tokens are still plain samples. Through the per-sequence stage,
+    and as rows of a batch (four at a time) beside rows of other kinds: a seeded one (whose drafts the
+    host draws) and a greedy one, which decode what they decode alone, and unseeded ones with other
+    filters and a logit bias."""
+    from mtpipe.coordinator.engine.build import batch_engine
+    from mtpipe.node import batch_head, head, stage
+    from mtpipe.node.batch import BatchStage
+
+    entropy = itertools.count(1)  # each request's RNG and device keys, reproducibly
+    real_seed_sequence = np.random.SeedSequence
+    monkeypatch.setattr(np.random, "SeedSequence", lambda *a: real_seed_sequence(*a) if a else
+                        SimpleNamespace(entropy=next(entropy)))
+    draws, lazy, rounds, taken = [0], [], [0], [0]
+    for module in (head, batch_head):
+        monkeypatch.setattr(module, "draw_drafts", counted(module.draw_drafts, draws))
+    verify_one, verify_rows = stage.StageWorker._issue_verify, BatchStage._issue_verify
+    run, decide = head.Head.run, batch_head.BatchHead.decide
+
+    def spy_verify_rows(self: BatchStage, out: list, drafts: mx.array) -> None:
+        lazy.append(all(not d.drafts for d in self.head.states))  # the host has not read them yet
+        verify_rows(self, out, drafts)
+
+    def spy_head(fn: Any) -> Any:
+        def wrapper(self: Any, *args: Any, prepared: Any = None, **kwargs: Any) -> Any:
+            rounds[0] += 1
+            taken[0] += prepared is not None
+            return fn(self, *args, prepared=prepared, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(stage.StageWorker, "_issue_verify",
+                        lambda self, seq, out, drafts: (lazy.append(drafts is not None), verify_one(self, seq, out, drafts)))
+    monkeypatch.setattr(BatchStage, "_issue_verify", spy_verify_rows)
+    monkeypatch.setattr(head.Head, "run", spy_head(run))
+    monkeypatch.setattr(batch_head.BatchHead, "decide", spy_head(decide))
+
+    temperature, top_p = 0.5, 0.95
+    params = [SamplingParams(temperature=temperature, top_p=top_p) for _ in range(20)]
+    alone = local_engine(dense_ckpt, dtype=mx.float32, draft_vocab=DRAFT_VOCAB)
+    prompt = alone.tokenizer.encode("def main():\n")
+    alone = Engine(alone.pipeline, alone.tokenizer, set(), alone.max_context, has_mtp=True)
+    if kind == "single":
+        results = [alone.complete(r) for r in pit_requests(prompt, params)]
+    else:
+        others = [GenerationRequest(prompt, max_tokens=40, params=SamplingParams(temperature=0.8, seed=5), mtp_depth=3),
+                  GenerationRequest(prompt, max_tokens=40, mtp_depth=3),
+                  GenerationRequest(prompt, max_tokens=40, params=SamplingParams(temperature=1.0), mtp_depth=1),
+                  GenerationRequest(prompt, max_tokens=40, mtp_depth=2,
+                                    params=SamplingParams(temperature=0.9, top_k=20, logit_bias=((7, 1.5),)))]
+        expected = [alone.complete(r).tokens for r in others[:2]]
+        lazy.clear()
+        draws[0] = rounds[0] = taken[0] = 0  # (counted in the batch only)
+        engine = batch_engine(dense_ckpt, dtype=mx.float32, draft_vocab=DRAFT_VOCAB)
+        engine.eos, engine._stop_tokens = set(), ()  # (see pit_requests)
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                done = list(pool.map(engine.complete, [*others, *pit_requests(prompt, params)]))
+        finally:
+            engine.close()
+        results = done[len(others):]
+        assert [r.tokens for r in done[:2]] == expected
+    assert draws[0] >= rounds[0] // 2  # (a call per draft step, of a row alone or of the rows of a batch)
+    assert len(lazy) >= rounds[0] // 2 and all(lazy)  # next verifies queued on the drafts still lazy
+    assert taken[0] >= rounds[0] // 2  # and taken by the round after
+    assert_plain_sampling(dense_ckpt, prompt, results, temperature, top_p)
+
+
+DRAFT_VOCAB = 256  # of the tiny checkpoints' 512 tokens
+
+
+def counted(fn: Any, calls: list[int]) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def plain_sampling_probs(model, tokens: list[int], temperature: float, top_p: float) -> np.ndarray:
