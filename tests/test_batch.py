@@ -439,7 +439,7 @@ def test_rows_drawn_on_the_device_queue_the_next_round_on_their_draws(engines: E
     it as on a greedy pick (forced here, on the CPU). Every such row emits its draw. A filter that
     leaves one token (top_k=1, a tiny top_p) makes the draw the greedy pick: those rows decode what
     the prompt decodes alone, greedy, beside greedy rows, a row at temperature 1, and a penalized
-    row (whose logits the host processes, and whose rounds nothing is queued ahead of)."""
+    row (whose logits the host processes: rounds are queued only once the host has its tokens)."""
     monkeypatch.setattr(device_sampling, "on_host", lambda: False)
     engine = engines.batch("dense", 1)
     stage = engine.stages[0]
