@@ -317,10 +317,9 @@ class BatchHead:
             ahead(drafts)
         drafted = drafts.tolist()
         if reported is not None:
-            q_host, at = vocab.widen_probs(np.asarray(reported)), 0
+            rows_q = iter(vocab.widen_probs(np.asarray(reported)))
             for i in sorted(on_device):
-                probs[i] = list(q_host[at : at + len(drawn_from[i])])
-                at += len(drawn_from[i])
+                probs[i] = [next(rows_q) for _ in drawn_from[i]]
         for i, d in enumerate(self.states):
             d.drafts = drafted[i][: d.depth]
             d.draft_probs = np.stack(probs[i]) if probs[i] else None
