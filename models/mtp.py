@@ -5,6 +5,11 @@
 
 It shares the backbone's embedding and lm_head (the shard passes them in). H is the backbone
 hidden after the final norm by default; `pre_norm_hidden` feeds the hidden before it instead.
+
+Drafting may read only the layer's most recent cache entries (`window`): the backbone's hidden H[t]
+already carries the whole context, the head's own attention over a long one costs a draft step more
+than the rest of it, and drafts only propose (verification keeps the output exact), so a window can
+only move how many are accepted. The cache keeps every entry, so rollback trims it as before.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 from .ragged import RaggedKV, attention_entries, ragged_layer
 
+# The entries before a call's own that drafting attends to by default (0 or None: all of them).
+DEFAULT_WINDOW = 1024
+
 # Queries x keys past which new cache entries whose outputs nobody reads are better written alone
 # (keys and values only) than run through the layer with the one position whose output drafts.
 ENTRIES_ONLY_WORK = 4096
@@ -27,6 +35,29 @@ def entries_only_pays(positions: int, context: int) -> bool:
     position's output is read, are better split (entries for the rest, the layer for the last):
     the split saves their attention and MLP and costs a few more small ops."""
     return positions > 1 and (positions - 1) * (context + positions) >= ENTRIES_ONLY_WORK
+
+
+def attended(context: int, window: int | None) -> int:
+    """How many earlier entries a call's queries read over a cache of `context` entries."""
+    return min(context, window) if window else context
+
+
+class _Recent:
+    """A single-sequence cache seen through a window: a call writes its entries to the whole cache
+    and its attention reads the `window` entries before them and their own (causally)."""
+
+    def __init__(self, cache: KVCache, window: int):
+        self.cache = cache
+        self.window = window
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        keys_all, values_all = self.cache.update_and_fetch(keys, values)
+        n = self.window + keys.shape[2]
+        return keys_all[..., -n:, :], values_all[..., -n:, :]
 
 
 class MTPHead(nn.Module):
@@ -41,11 +72,14 @@ class MTPHead(nn.Module):
         self.layers = [DecoderLayer(args, layer_idx=args.full_attention_interval - 1)]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
 
-    def __call__(self, hidden: mx.array, token_embeddings: mx.array, cache: KVCache) -> mx.array:
-        """hidden, token_embeddings: [B, T, H] for positions t and tokens x[t+1]. Returns g [B, T, H]."""
+    def __call__(self, hidden: mx.array, token_embeddings: mx.array, cache: KVCache,
+                 window: int | None = None) -> mx.array:
+        """hidden, token_embeddings: [B, T, H] for positions t and tokens x[t+1]. Returns g [B, T, H].
+        With a `window`, the attention reads only that many entries before the call's own."""
         u = self.fuse(hidden, token_embeddings)
-        mask = create_attention_mask(u, cache)
-        u = self.layers[0](u, mask=mask, cache=cache)
+        mask = create_attention_mask(u, cache)  # causal over the keys' last T (MLX aligns it to the end)
+        view = _Recent(cache, window) if window and cache.offset > window else cache
+        u = self.layers[0](u, mask=mask, cache=view)
         return self.norm(u)
 
     def extend(self, hidden: mx.array, token_embeddings: mx.array, cache: KVCache | RaggedKV,
@@ -67,7 +101,8 @@ class MTPHead(nn.Module):
         h = self.pre_fc_norm_hidden(hidden)
         return self.fc(mx.concatenate([e, h], axis=-1))
 
-    def rows(self, hidden: mx.array, token_embeddings: mx.array, cache: RaggedKV, real: list[int]) -> mx.array:
+    def rows(self, hidden: mx.array, token_embeddings: mx.array, cache: RaggedKV, real: list[int],
+             window: int | None = None) -> mx.array:
         """The same over padded rows of a batch, each with its own MTP cache length (ragged.py)."""
-        u, _ = ragged_layer(self.layers[0], self.fuse(hidden, token_embeddings), cache, real)
+        u, _ = ragged_layer(self.layers[0], self.fuse(hidden, token_embeddings), cache, real, window=window)
         return self.norm(u)

@@ -52,24 +52,30 @@ class RaggedKV:
         first = self.lengths[0]
         return first if all(n == first for n in self.lengths) else _index(tuple(self.lengths), 0, 0, _thread())[0]
 
-    def update(self, keys: mx.array, values: mx.array, real: list[int]) -> tuple[mx.array, mx.array, mx.array]:
+    def update(self, keys: mx.array, values: mx.array, real: list[int],
+               window: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """Write new entries [B, T, heads, dim] at each row's length; row i keeps `real[i]` of them.
-        Returns keys and values as [B, heads, L, dim] and the mask [B, 1, T, L] for the queries."""
+        Returns keys and values as [B, heads, L, dim] and the mask [B, 1, T, L] for the queries. With
+        a `window`, each row's queries see only that many of its entries before the new ones."""
         T = keys.shape[1]
         need = max(self.lengths) + T
         if need > self.capacity:
             self._grow(need, keys)
         level = self.offsets()
+        start = max(0, min(self.lengths) - window) if window else 0  # no row reads a key before it
         if isinstance(level, int):  # every row at the same length: a slice, and a causal mask at most
             self.keys[:, :, level:need] = keys.transpose(0, 2, 1, 3)
             self.values[:, :, level:need] = values.transpose(0, 2, 1, 3)
-            mask: mx.array | str | None = "causal" if T > 1 else None
+            mask: mx.array | str | None = "causal" if T > 1 else None  # (aligned to the keys' end)
         else:
-            _, rows, positions, mask = _index(tuple(self.lengths), T, need, _thread())
+            offsets, rows, positions, mask = _index(tuple(self.lengths), T, need, _thread())
             self.keys[rows, :, positions] = keys  # (the indexed view is [B, T, heads, dim])
             self.values[rows, :, positions] = values
+            if window:
+                key_positions = mx.arange(start, need, dtype=mx.int32)[None, None, None, :]
+                mask = mask[..., start:] & (key_positions >= (offsets - window)[:, None, None, None])
         self.lengths = [n + r for n, r in zip(self.lengths, real)]
-        return self.keys[:, :, :need], self.values[:, :, :need], mask
+        return self.keys[:, :, start:need], self.values[:, :, start:need], mask
 
     def _grow(self, need: int, like: mx.array) -> None:
         size = -(-need // CAPACITY_STEP) * CAPACITY_STEP
@@ -144,21 +150,23 @@ def attention_entries(attn: Any, x: mx.array, offset: int | mx.array) -> tuple[m
     return keys, values
 
 
-def ragged_attention(attn: Any, x: mx.array, cache: RaggedKV, real: list[int]) -> mx.array:
-    """Qwen3.5's gated attention (mlx-lm's module and weights) with per-row positions."""
+def ragged_attention(attn: Any, x: mx.array, cache: RaggedKV, real: list[int], window: int | None = None) -> mx.array:
+    """Qwen3.5's gated attention (mlx-lm's module and weights) with per-row positions; with a
+    `window`, over each row's last entries only (RaggedKV.update)."""
     B, T, _ = x.shape
     queries, gate = mx.split(attn.q_proj(x).reshape(B, T, attn.num_attention_heads, -1), 2, axis=-1)
     gate = gate.reshape(B, T, -1)
     offsets = cache.offsets()
     queries = attn.rope(attn.q_norm(queries).transpose(0, 2, 1, 3), offset=offsets)
     keys, values = attention_entries(attn, x, offsets)
-    keys, values, mask = cache.update(keys, values, real)
+    keys, values, mask = cache.update(keys, values, real, window)
     out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1) * mx.sigmoid(gate))
 
 
 def ragged_layer(
-    layer: Any, h: mx.array, cache: Any, real: list[int], compiled: CompiledLayers | None = None
+    layer: Any, h: mx.array, cache: Any, real: list[int], compiled: CompiledLayers | None = None,
+    window: int | None = None,
 ) -> tuple[mx.array, GDNSnapshots | None]:
     """One decoder layer over padded rows; GatedDeltaNet layers end at each row's last real position."""
     if layer.is_linear:
@@ -166,7 +174,7 @@ def ragged_layer(
         if any(t != h.shape[1] for t in real):
             restore_rows(snaps, cache, [t - 1 for t in real])
         return h, snaps
-    h = h + ragged_attention(layer.self_attn, layer.input_layernorm(h), cache, real)
+    h = h + ragged_attention(layer.self_attn, layer.input_layernorm(h), cache, real, window)
     return h + layer.mlp(layer.post_attention_layernorm(h)), None
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..models.mtp import entries_only_pays
+from ..models.mtp import attended, entries_only_pays
 from ..models.ragged import RaggedKV, pad_rows
 from ..models.shard import queue_layers
 from .acceptance import accept_greedy, filtered_probs
@@ -255,13 +255,14 @@ class BatchHead:
         embedded = self.model.embed(pad_rows([t or [0] for t in toks]))
         before_last = [max(c - 1, 0) for c in counts]  # each row's pairs before its last
         last = mx.array(before_last)
-        if entries_only_pays(width, max(self.mtp.lengths)):  # only each row's last pair's output drafts
+        window = self.head.mtp_window  # each row's drafts read its last MTP entries only (models/mtp.py)
+        if entries_only_pays(width, attended(max(self.mtp.lengths), window)):  # only each last pair's output drafts
             self.model.mtp.extend(hidden[:, :-1], embedded[:, :-1], self.mtp, before_last)
             rows = mx.arange(B)
             g = self.model.mtp.rows(hidden[rows, last][:, None], embedded[rows, last][:, None], self.mtp,
-                                    [min(c, 1) for c in counts])
+                                    [min(c, 1) for c in counts], window)
         else:
-            g = self.model.mtp.rows(hidden, embedded, self.mtp, counts)
+            g = self.model.mtp.rows(hidden, embedded, self.mtp, counts, window)
             g = g[mx.arange(B), last][:, None]  # [B, 1, H]
         for d, c in zip(self.states, counts):
             d.mtp_len += c
@@ -281,7 +282,7 @@ class BatchHead:
         for k in range(depth):
             if k:
                 real = [1 if d.depth > k else 0 for d in self.states]
-                g = self.model.mtp.rows(g, self.model.embed(tokens[:, None]), self.mtp, real)
+                g = self.model.mtp.rows(g, self.model.embed(tokens[:, None]), self.mtp, real, window)
             logits = vocab.logits(g)[:, 0]
             if bias is not None:
                 logits = logits + bias

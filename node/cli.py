@@ -7,11 +7,19 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from ..models.mtp import DEFAULT_WINDOW
 from .secrets import add_secret_args, check_exposure, read_secret
 from .server import DEFAULT_PORT, NodeServer
 
 if TYPE_CHECKING:
     from .fetch import Transfer
+
+
+def mtp_window_size(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be 0 (the whole context) or more")
+    return n
 
 
 def draft_vocab_size(value: str) -> int:
@@ -21,10 +29,14 @@ def draft_vocab_size(value: str) -> int:
     return n
 
 
-def add_draft_vocab(p: argparse.ArgumentParser) -> None:
+def add_draft_options(p: argparse.ArgumentParser) -> None:
+    """How the MTP head drafts: options that change which drafts are proposed, never the output."""
     p.add_argument("--draft-vocab", type=draft_vocab_size, default=None, metavar="N",
                    help="drafts score only the N most frequent tokens (0: the whole vocabulary; default: half "
                         "of it, at most 32768)")
+    p.add_argument("--mtp-window", type=mtp_window_size, default=None, metavar="N",
+                   help=f"drafting attends to the MTP head's last N positions only (0: the whole context; "
+                        f"default {DEFAULT_WINDOW})")
 
 
 def add_node_command(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +60,7 @@ def add_node_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--download", action="store_true",
                    help="when no node can send this node its shard, download from the Hugging Face hub only the "
                         "files that hold it (a model the coordinator took from the hub; checked by fingerprint)")
-    add_draft_vocab(p)
+    add_draft_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON line with the address once ready")
     p.set_defaults(func=cmd_node)
 
@@ -64,7 +76,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     check_exposure(args.host, secret, args.insecure)
     server = NodeServer(args.host, args.port, node_id=args.node_id, secret=secret,
                         data_plane=args.data_plane == "tcp", model_dirs=args.model_dir,
-                        shard_cache=args.shard_cache, download=args.download, draft_vocab=args.draft_vocab).start()
+                        shard_cache=args.shard_cache, download=args.download, draft_vocab=args.draft_vocab,
+                        mtp_window=args.mtp_window).start()
 
     def on_term(*_: Any) -> None:
         threading.Thread(target=server.stop, daemon=True).start()

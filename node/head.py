@@ -18,7 +18,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..models.draft_vocab import DraftVocab, default_size
-from ..models.mtp import entries_only_pays
+from ..models.mtp import DEFAULT_WINDOW, attended, entries_only_pays
 from ..models.shard import queue_layers
 from .acceptance import accept_coupled, accept_greedy, accept_sampled, draw, filtered_probs, gumbel_pick
 from .depth import PRIOR_ROUNDS, DepthChooser, StageCosts
@@ -132,7 +132,7 @@ class Head:
     """Token selection, acceptance and drafting over a shard that holds the last layer."""
 
     def __init__(self, model: object, mtp_pre_norm: bool = False, layers_total: int = 0,
-                 draft_vocab: int | None = None):
+                 draft_vocab: int | None = None, mtp_window: int | None = None):
         self.model = model
         # The MTP head reads the backbone hidden after the final norm (vLLM, SGLang, llama.cpp) unless
         # told to read it before (mlx-lm PR #990); post-norm measured better on trained checkpoints.
@@ -150,6 +150,8 @@ class Head:
         if model.has_mtp:
             size = default_size(model.config.args.vocab_size) if draft_vocab is None else draft_vocab
             self.vocab = DraftVocab(model, size)
+        # Drafts attend to the MTP layer's last entries only (models/mtp.py; None: all of them).
+        self.mtp_window = (DEFAULT_WINDOW if mtp_window is None else mtp_window) or None
 
     def prepare(self, h: mx.array, d: DraftState, drafts: list[int]) -> Prepared:
         """A step's head part, all still lazy: queued with the forward that makes `h`, the whole next
@@ -355,7 +357,7 @@ class Head:
         if hid is None:
             return []
         inputs = mx.array([toks])
-        if entries_only_pays(len(toks), d.mtp_cache.offset):  # only the last pair's output drafts
+        if entries_only_pays(len(toks), attended(d.mtp_cache.offset, self.mtp_window)):  # only the last pair's output drafts
             self.model.mtp.extend(hid[:, :-1], self.model.embed(inputs[:, :-1]), d.mtp_cache)
             hid, inputs = hid[:, -1:], inputs[:, -1:]
         lazy: list[mx.array] = []
@@ -367,7 +369,7 @@ class Head:
         bias = d.bias_row(vocab.vocab)  # drafts drawn from the biased distribution are accepted as often
         bias = vocab.narrow(bias) if bias is not None else None
         for k in range(d.depth):
-            g = self.model.mtp(hid, self.model.embed(inputs), d.mtp_cache)[:, -1:]
+            g = self.model.mtp(hid, self.model.embed(inputs), d.mtp_cache, self.mtp_window)[:, -1:]
             logits = vocab.logits(g).reshape(-1)
             if bias is not None:
                 logits = logits + bias

@@ -49,7 +49,8 @@ def pieces(arrays: list[Any], limit: int) -> Iterator[list[Any]]:
         yield group
 
 
-async def load_stage(key: LoadKey, piece_bytes: int = PIECE_BYTES, draft_vocab: int | None = None) -> StageWorker:
+async def load_stage(key: LoadKey, piece_bytes: int = PIECE_BYTES, draft_vocab: int | None = None,
+                     mtp_window: int | None = None) -> StageWorker:
     """Load the shard of `key` on the calling loop's thread, yielding to the loop between pieces.
 
     Raises ValueError (bad spec, dtype or checkpoint), FileNotFoundError or KeyError for a request
@@ -74,4 +75,4 @@ async def load_stage(key: LoadKey, piece_bytes: int = PIECE_BYTES, draft_vocab: 
         n += 1
         await asyncio.sleep(0)
     log.debug("materialized %d arrays in %d pieces", len(arrays), n)
-    return StageWorker(shard, draft_vocab=draft_vocab)
+    return StageWorker(shard, draft_vocab=draft_vocab, mtp_window=mtp_window)

@@ -36,10 +36,12 @@ class NodeServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, node_id: str | None = None,
                  secret: str | None = None, data_plane: bool = True, model_dirs: list[Any] | None = None,
-                 shard_cache: Any = None, download: bool = False, draft_vocab: int | None = None):
+                 shard_cache: Any = None, download: bool = False, draft_vocab: int | None = None,
+                 mtp_window: int | None = None):
         self.host, self.requested_port, self.secret = host, port, secret
         self.service = NodeService(node_id=node_id, secret=secret, model_dirs=model_dirs, shard_cache=shard_cache,
-                                   download=download, draft_vocab=draft_vocab)
+                                   download=download, draft_vocab=draft_vocab,
+                                   mtp_window=mtp_window)
         # Frames from other nodes over plain TCP on a port of its own (any free one), beside gRPC.
         self.listener = FrameListener(self.service.on_frame, secret, MAX_MESSAGE_BYTES,
                                       self.service.weights.serve_bulk) if data_plane else None

@@ -70,7 +70,7 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
 
     def __init__(self, node_id: str | None = None, secret: str | None = None, name: str | None = None,
                  model_dirs: list[Any] | None = None, shard_cache: Any = None, download: bool = False,
-                 draft_vocab: int | None = None):
+                 draft_vocab: int | None = None, mtp_window: int | None = None):
         self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         self.name = name or self.node_id  # how errors name this node; the coordinator sets host:port
         self.secret = secret
@@ -95,6 +95,7 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
         self.blas = blas.warn_if_reference()
         self.weights = WeightStore(model_dirs, shard_cache, secret, download)  # where shards come from (weights.py)
         self.draft_vocab = draft_vocab  # the last stage's draft vocabulary (None: the default size)
+        self.mtp_window = mtp_window  # what its drafts attend to (None: the default window)
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -119,7 +120,8 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
                 try:
                     # On this thread (arrays belong to it), yielding to the loop between pieces.
                     self.worker, self.key = await load_stage(replace(key, model_path=str(found.path)),
-                                                                 draft_vocab=self.draft_vocab), key
+                                                                 draft_vocab=self.draft_vocab,
+                                                                 mtp_window=self.mtp_window), key
                     self.conditions.clear("load")
                 except (ValueError, OSError, KeyError) as e:
                     self.conditions.set("load", f"load failed: {e}")

@@ -69,10 +69,11 @@ class StageStats:
 
 class StageWorker:
     def __init__(self, shard: LoadedShard, max_sequences: int = 64, mtp_pre_norm: bool = False, overlap: bool = True,
-                 draft_vocab: int | None = None):
+                 draft_vocab: int | None = None, mtp_window: int | None = None):
         self.shard = shard
         self.model = shard.model
-        self.head = (Head(self.model, mtp_pre_norm, shard.spec.num_layers, draft_vocab=draft_vocab)
+        self.head = (Head(self.model, mtp_pre_norm, shard.spec.num_layers, draft_vocab=draft_vocab,
+                          mtp_window=mtp_window)
                      if shard.spec.is_last else None)
         # A stage that is the whole model queues each round before the host has handled the last one.
         self.overlap = overlap and shard.spec.is_first and shard.spec.is_last
@@ -121,6 +122,7 @@ class StageWorker:
         }
         if self.head is not None and self.head.vocab is not None:
             out["draft_vocab"] = self.head.vocab.describe()
+            out["mtp_window"] = self.head.mtp_window or 0
         return out
 
     # -- validation (nothing is modified here) ---------------------------------------------

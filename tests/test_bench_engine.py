@@ -60,18 +60,23 @@ def test_paired_ratios_are_the_median_of_each_pair() -> None:
 
 
 def test_long_context_decodes_are_paired_and_identical(dense_ckpt: Path) -> None:
-    engine = local_engine(dense_ckpt, dtype=mx.float32)
+    """Past the window drafting attends to (32 here), auto also runs attending to the whole context."""
+    engine = local_engine(dense_ckpt, dtype=mx.float32, mtp_window=32)
+    whole = local_engine(dense_ckpt, dtype=mx.float32, mtp_window=0)
     model, tok = mlx_load(str(dense_ckpt))
     stream = mx.default_stream(mx.default_device())
-    result = bench.bench_long_context(engine, model, tok, [24, 40], reps=2, max_tokens=12)
+    result = bench.bench_long_context(engine, model, tok, [24, 40], reps=2, max_tokens=12, whole_window=whole)
     assert set(result) == {"24", "40"}
+    assert "mtp_auto_whole_window" not in result["24"]["tok_s"]
+    assert len(result["40"]["auto_vs_whole_window_per_rep"]) == 2 and result["40"]["ratios"]["auto_vs_whole_window"] > 0
     for r in result.values():
         assert r["identical"], r  # every method's tokens equal mlx-lm's, after being paused
         assert all(v > 0 for v in r["tok_s"].values())
         assert len(r["auto_vs_no_mtp_per_rep"]) == len(r["no_mtp_vs_mlx_lm_per_rep"]) == 2
         assert r["ratios"]["auto_vs_no_mtp"] == pytest.approx(sum(r["auto_vs_no_mtp_per_rep"]) / 2, abs=1e-3)
         assert sum(int(n) for n in r["auto_depths"].values()) > 0
-    assert not engine.pipeline.stages[-1].sequences  # every paused decode ran to its end and was released
+    for e in (engine, whole):  # every paused decode ran to its end and was released
+        assert not e.pipeline.stages[-1].sequences
     assert mx.default_stream(mx.default_device()) == stream  # mlx-lm's paused decode left its stream
 
 

@@ -170,18 +170,23 @@ def bench_engine(
     contexts: list[int] | None = None,
     context_reps: int = CONTEXT_REPS,
     draft_vocab: int | None = None,
+    mtp_window: int | None = None,
 ) -> dict[str, Any]:
     """Every method on the same prompts, interleaved; with `contexts`, also decode after long prompts.
     Where drafts score a subset of the vocabulary (models/draft_vocab.py), the deepest fixed depth and
-    auto also run with drafts over the whole vocabulary, on a second engine (`*_whole_vocab`)."""
+    auto also run with drafts over the whole vocabulary, on a second engine (`*_whole_vocab`); where
+    drafting attends to a window shorter than a long prompt (models/mtp.py), auto also runs with it
+    over the whole context (`mtp_auto_whole_window`)."""
     from mlx_lm import load as mlx_load
 
     depths = depths or [1, 2, 3]
-    engine = local_engine(model_path, mtp_pre_norm=mtp_pre_norm, draft_vocab=draft_vocab)
+    engine = local_engine(model_path, mtp_pre_norm=mtp_pre_norm, draft_vocab=draft_vocab, mtp_window=mtp_window)
     if not engine.has_mtp:
         raise ValueError(f"{model_path} has no MTP head to benchmark")
     vocab = engine.pipeline.stages[-1].head.vocab
-    whole = None if vocab.whole else local_engine(model_path, mtp_pre_norm=mtp_pre_norm, draft_vocab=0)
+    window = engine.pipeline.stages[-1].head.mtp_window
+    whole = None if vocab.whole else local_engine(model_path, mtp_pre_norm=mtp_pre_norm, draft_vocab=0,
+                                                  mtp_window=mtp_window)
     ref_model, ref_tok = mlx_load(str(model_path))
     texts = bench_prompts(prompts)
     encoded = [engine.tokenizer.encode(t) for t in texts]
@@ -239,6 +244,7 @@ def bench_engine(
         "identical_per_method": {m: outputs[m] == outputs["mlx_lm"] for m in methods},
         "tok_s": tok_s,
         "draft_vocab": vocab.describe(),
+        "mtp_window": window or 0,
         "acceptance": {str(k): round(accepted[k] / drafted[k], 4) if drafted[k] else 0.0 for k in depths},
         "acceptance_per_position": {
             str(k): [round(a / (drafted[k] / k), 4) if drafted[k] else 0.0 for a in per_position.get(k, [])]
@@ -260,7 +266,12 @@ def bench_engine(
         "cost_terms": {k: round(v, 3) for k, v in _cost_terms(engine, encoded[0], depths).items()},
     }
     if contexts:
-        long = result["long_context"] = bench_long_context(engine, ref_model, ref_tok, contexts, context_reps)
+        unwindowed = (local_engine(model_path, mtp_pre_norm=mtp_pre_norm, draft_vocab=draft_vocab, mtp_window=0)
+                      if window and max(contexts) > window else None)
+        long = result["long_context"] = bench_long_context(engine, ref_model, ref_tok, contexts, context_reps,
+                                                           whole_window=unwindowed)
+        if unwindowed:
+            unwindowed.pipeline.close()
         result["ratios"]["min_auto_vs_no_mtp_long"] = min(r["ratios"]["auto_vs_no_mtp"] for r in long.values())
         result["ratios"]["min_no_mtp_vs_mlx_lm_long"] = min(r["ratios"]["no_mtp_vs_mlx_lm"] for r in long.values())
         result["identical"] = result["identical"] and all(r["identical"] for r in long.values())
@@ -297,15 +308,19 @@ def paired(a: list[float], b: list[float]) -> tuple[float, list[float]]:
 
 
 def bench_long_context(engine: Engine, ref_model: Any, ref_tok: Any, lengths: list[int], reps: int = CONTEXT_REPS,
-                       max_tokens: int = LONG_CONTEXT_TOKENS) -> dict[str, Any]:
+                       max_tokens: int = LONG_CONTEXT_TOKENS, whole_window: Engine | None = None) -> dict[str, Any]:
     """Decode speed after prompts of each length: mlx-lm, no MTP and auto depth, side by side. Each
-    repetition prefills all three, then times their decodes back to back (`Paused`), the two engine
+    repetition prefills them all, then times their decodes back to back (`Paused`), the engine
     methods in turn forwards and backwards. mlx-lm's is prefilled last and timed first: its generator
     pauses inside its own stream's context, which must close before the engine computes again. The
-    ratios are medians over the repetitions (`paired`); `tok_s` are means."""
-    methods = {"no_mtp": 0, "mtp_auto": AUTO}
+    ratios are medians over the repetitions (`paired`); `tok_s` are means. Past the window drafting
+    attends to, `whole_window` (an engine whose drafting attends to the whole context) runs auto too."""
+    window = engine.pipeline.stages[-1].head.mtp_window
     out: dict[str, Any] = {}
     for length in lengths:
+        methods: dict[str, tuple[Engine, int | str]] = {"no_mtp": (engine, 0), "mtp_auto": (engine, AUTO)}
+        if whole_window is not None and window and length > window:
+            methods["mtp_auto_whole_window"] = (whole_window, AUTO)
         prompt = long_prompt(engine.tokenizer, length)
         speeds: dict[str, list[float]] = {"mlx_lm": [], **{m: [] for m in methods}}
         outputs: dict[str, list[int]] = {}
@@ -313,9 +328,11 @@ def bench_long_context(engine: Engine, ref_model: Any, ref_tok: Any, lengths: li
         for rep in range(reps):
             order = list(methods) if rep % 2 == 0 else list(methods)[::-1]
             with ExitStack() as running:  # a failure leaves no paused decode holding its caches
-                ours = {name: running.enter_context(closing(Paused(engine_chunks(engine, prompt, max_tokens,
-                                                                                 methods[name]))))
-                        for name in order}
+                ours = {}
+                for name in order:
+                    runner, depth = methods[name]
+                    ours[name] = running.enter_context(closing(Paused(engine_chunks(runner, prompt, max_tokens,
+                                                                                    depth))))
                 reference = running.enter_context(closing(Paused(mlx_lm_chunks(ref_model, ref_tok, prompt,
                                                                                max_tokens))))
                 for name, run in {"mlx_lm": reference, **ours}.items():
@@ -324,7 +341,7 @@ def bench_long_context(engine: Engine, ref_model: Any, ref_tok: Any, lengths: li
                     if name == "mtp_auto":
                         for d, n in stats.depths.items():
                             depths[d] = depths.get(d, 0) + n
-            identical = identical and outputs["no_mtp"] == outputs["mlx_lm"] == outputs["mtp_auto"]
+            identical = identical and all(outputs[m] == outputs["mlx_lm"] for m in methods)
         no_mtp, no_mtp_per_rep = paired(speeds["no_mtp"], speeds["mlx_lm"])
         auto, auto_per_rep = paired(speeds["mtp_auto"], speeds["no_mtp"])
         out[str(length)] = {
@@ -335,6 +352,10 @@ def bench_long_context(engine: Engine, ref_model: Any, ref_tok: Any, lengths: li
             "no_mtp_vs_mlx_lm_per_rep": no_mtp_per_rep,
             "auto_vs_no_mtp_per_rep": auto_per_rep,
         }
+        if "mtp_auto_whole_window" in methods:
+            windowed, windowed_per_rep = paired(speeds["mtp_auto"], speeds["mtp_auto_whole_window"])
+            out[str(length)]["ratios"]["auto_vs_whole_window"] = windowed
+            out[str(length)]["auto_vs_whole_window_per_rep"] = windowed_per_rep
     return out
 
 
@@ -362,7 +383,8 @@ def print_engine_report(result: dict[str, Any], console: Any) -> None:
     console.print(table)
     if result["cost_terms"]:
         console.print(f"cost terms: {result['cost_terms']}")
-    console.print(f"draft vocabulary: {result['draft_vocab']}")
+    console.print(f"draft vocabulary: {result['draft_vocab']}; drafting attends to the last "
+                  f"{result['mtp_window'] or 'all'} positions")
     for length, r in result.get("long_context", {}).items():
         console.print(f"after {length} prompt tokens: {r['tok_s']} ratios {r['ratios']} auto depths "
                       f"{r['auto_depths']} identical {r['identical']}")

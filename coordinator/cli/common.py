@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from ...node.cli import add_draft_vocab
+from ...node.cli import add_draft_options
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -38,7 +38,7 @@ def add_mtp(p: argparse.ArgumentParser) -> None:
                    help="drafts per round, or 'auto' to pick each round's depth (default: auto if the model has MTP)")
     g.add_argument("--no-mtp", action="store_true", help="decode without speculation (and without loading the MTP head)")
     p.add_argument("--mtp-pre-norm", action="store_true", help="feed the MTP head the hidden before the final norm")
-    add_draft_vocab(p)
+    add_draft_options(p)
 
 
 def stage_options(args: argparse.Namespace, *, remote: bool = False) -> dict[str, Any]:
@@ -47,10 +47,11 @@ def stage_options(args: argparse.Namespace, *, remote: bool = False) -> dict[str
     options: dict[str, Any] = {}
     if getattr(args, "mtp_pre_norm", False):
         options["mtp_pre_norm"] = True
-    if getattr(args, "draft_vocab", None) is not None:
-        options["draft_vocab"] = args.draft_vocab
+    for name in ("draft_vocab", "mtp_window"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
     if remote and options:
-        raise ValueError("--mtp-pre-norm and --draft-vocab apply to local stages; nodes take their own")
+        raise ValueError("--mtp-pre-norm, --draft-vocab and --mtp-window apply to local stages; nodes take their own")
     return options
 
 

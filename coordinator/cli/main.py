@@ -15,7 +15,7 @@ from .common import (
     EXIT_ERROR,
     EXIT_OK,
     EXIT_USAGE,
-    add_draft_vocab,
+    add_draft_options,
     add_mtp,
     add_sampling,
     progress_loader,
@@ -135,6 +135,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench.bench_engine(
             model, max_tokens=args.max_tokens, prompts=args.prompts, depths=args.depths, mtp_pre_norm=args.mtp_pre_norm,
             contexts=args.context, context_reps=args.context_reps or bench.CONTEXT_REPS, draft_vocab=args.draft_vocab,
+            mtp_window=args.mtp_window,
         )
         bench.print_engine_report(result, stderr_console())
     elif args.target == "transfer":
@@ -233,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--mtp-pre-norm", action="store_true", help="engine bench: feed the MTP head the pre-norm hidden")
-    add_draft_vocab(p)  # engine bench
+    add_draft_options(p)  # engine bench
     p.add_argument("--context", type=_lengths, default=None, metavar="L1,L2,...",
                    help="engine bench: also decode after prompts of these lengths (e.g. 256,2048,8192)")
     p.add_argument("--context-reps", type=_positive, default=None, metavar="N",

@@ -46,6 +46,7 @@ def batch_engine(
     progress: Any = None,
     memory_budget: int | None = None,
     draft_vocab: int | None = None,
+    mtp_window: int | None = None,
     **options: Any,
 ) -> BatchEngine:
     """Single-machine engine that batches every active sequence, on one MLX thread that also loads."""
@@ -69,7 +70,8 @@ def batch_engine(
         for spec in even_split(config.num_layers, stages):
             shard = load_shard(model_path, spec, mtp=mtp, dtype=dtype, progress=progress)
             mx.eval(arrays_in(shard.model))
-            out.append(BatchStage(StageWorker(shard, mtp_pre_norm=mtp_pre_norm, overlap=False, draft_vocab=draft_vocab)))
+            out.append(BatchStage(StageWorker(shard, mtp_pre_norm=mtp_pre_norm, overlap=False, draft_vocab=draft_vocab,
+                                              mtp_window=mtp_window)))
         return out
 
     try:

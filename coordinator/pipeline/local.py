@@ -62,6 +62,7 @@ def local_pipeline(
     mtp_pre_norm: bool = False,
     progress: Callable[[int, int], None] | None = None,
     draft_vocab: int | None = None,
+    mtp_window: int | None = None,
 ) -> LocalPipeline:
     from ...models.config import load_config
 
@@ -70,7 +71,7 @@ def local_pipeline(
     return LocalPipeline(
         [
             StageWorker(load_shard(model_path, s, mtp=mtp, dtype=dtype, progress=progress), mtp_pre_norm=mtp_pre_norm,
-                        draft_vocab=draft_vocab)
+                        draft_vocab=draft_vocab, mtp_window=mtp_window)
             for s in specs
         ]
     )
