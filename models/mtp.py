@@ -6,10 +6,11 @@
 It shares the backbone's embedding and lm_head (the shard passes them in). H is the backbone
 hidden after the final norm by default; `pre_norm_hidden` feeds the hidden before it instead.
 
-Drafting may read only the layer's most recent cache entries (`window`): the backbone's hidden H[t]
-already carries the whole context, the head's own attention over a long one costs a draft step more
-than the rest of it, and drafts only propose (verification keeps the output exact), so a window can
-only move how many are accepted. The cache keeps every entry, so rollback trims it as before.
+Drafting may attend to a sliding window (`window`: each position reads itself and that many before
+it): the backbone's hidden H[t] already carries the whole context, the head's own attention over a
+long one is most of a draft step, and drafts only propose (verification keeps the output exact), so
+a window can only move how many are accepted. The cache keeps every entry, so rollback trims it as
+before, and a position reads the same keys however a call's positions are split.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
-from .ragged import RaggedKV, attention_entries, ragged_layer
+from .ragged import RaggedKV, attention_entries, ragged_layer, sliding_mask
 
-# The entries before a call's own that drafting attends to by default (0 or None: all of them).
+# How many positions before its own each drafting position attends to, unless told otherwise.
 DEFAULT_WINDOW = 1024
 
 # Queries x keys past which new cache entries whose outputs nobody reads are better written alone
@@ -43,12 +44,12 @@ def attended(context: int, window: int | None) -> int:
 
 
 class _Recent:
-    """A single-sequence cache seen through a window: a call writes its entries to the whole cache
-    and its attention reads the `window` entries before them and their own (causally)."""
+    """A single-sequence cache seen through a window: a call writes its entries to the whole cache,
+    and its attention is handed the keys from `start` on (the first query's window)."""
 
-    def __init__(self, cache: KVCache, window: int):
+    def __init__(self, cache: KVCache, start: int):
         self.cache = cache
-        self.window = window
+        self.start = start
 
     @property
     def offset(self) -> int:
@@ -56,8 +57,7 @@ class _Recent:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         keys_all, values_all = self.cache.update_and_fetch(keys, values)
-        n = self.window + keys.shape[2]
-        return keys_all[..., -n:, :], values_all[..., -n:, :]
+        return keys_all[..., self.start :, :], values_all[..., self.start :, :]
 
 
 class MTPHead(nn.Module):
@@ -77,8 +77,14 @@ class MTPHead(nn.Module):
         """hidden, token_embeddings: [B, T, H] for positions t and tokens x[t+1]. Returns g [B, T, H].
         With a `window`, the attention reads only that many entries before the call's own."""
         u = self.fuse(hidden, token_embeddings)
+        T, offset = u.shape[1], cache.offset
+        view: KVCache | _Recent = cache
         mask = create_attention_mask(u, cache)  # causal over the keys' last T (MLX aligns it to the end)
-        view = _Recent(cache, window) if window and cache.offset > window else cache
+        if window and offset + T - 1 > window:  # some query's window leaves out the first keys
+            start = max(0, offset - window)
+            view = _Recent(cache, start)
+            if T > 1:
+                mask = sliding_mask(offset + mx.arange(T, dtype=mx.int32), start, offset + T, window)
         u = self.layers[0](u, mask=mask, cache=view)
         return self.norm(u)
 

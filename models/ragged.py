@@ -56,24 +56,30 @@ class RaggedKV:
                window: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """Write new entries [B, T, heads, dim] at each row's length; row i keeps `real[i]` of them.
         Returns keys and values as [B, heads, L, dim] and the mask [B, 1, T, L] for the queries. With
-        a `window`, each row's queries see only that many of its entries before the new ones."""
+        a `window`, each query reads only itself and the `window` entries before it (`sliding_mask`),
+        and keys before every adding row's window are not read at all (rows adding nothing, whose
+        outputs nobody reads, may then see other keys than their own)."""
         T = keys.shape[1]
         need = max(self.lengths) + T
         if need > self.capacity:
             self._grow(need, keys)
         level = self.offsets()
-        start = max(0, min(self.lengths) - window) if window else 0  # no row reads a key before it
+        adding = [n for n, r in zip(self.lengths, real) if r]
+        start = max(0, min(adding) - window) if window and adding else 0
         if isinstance(level, int):  # every row at the same length: a slice, and a causal mask at most
             self.keys[:, :, level:need] = keys.transpose(0, 2, 1, 3)
             self.values[:, :, level:need] = values.transpose(0, 2, 1, 3)
             mask: mx.array | str | None = "causal" if T > 1 else None  # (aligned to the keys' end)
+            if window and T > 1 and level + T - 1 > window:  # some query's window leaves out early keys
+                mask = sliding_mask(level + mx.arange(T, dtype=mx.int32), start, need, window)
         else:
-            offsets, rows, positions, mask = _index(tuple(self.lengths), T, need, _thread())
+            _, rows, positions, mask = _index(tuple(self.lengths), T, need, _thread())
             self.keys[rows, :, positions] = keys  # (the indexed view is [B, T, heads, dim])
             self.values[rows, :, positions] = values
             if window:
-                key_positions = mx.arange(start, need, dtype=mx.int32)[None, None, None, :]
-                mask = mask[..., start:] & (key_positions >= (offsets - window)[:, None, None, None])
+                mask = sliding_mask(positions[:, None], start, need, window)
+                if len(adding) < len(real):  # a row past every window start sees something: no NaN
+                    mask = mask | mx.array([r == 0 for r in real])[:, None, None, None]
         self.lengths = [n + r for n, r in zip(self.lengths, real)]
         return self.keys[:, :, start:need], self.values[:, :, start:need], mask
 
@@ -134,6 +140,14 @@ def _index(lengths: tuple[int, ...], T: int, need: int, thread: int) -> tuple[mx
     rows = mx.broadcast_to(mx.arange(len(lengths), dtype=mx.int32)[:, None], (len(lengths), T))
     mask = mx.arange(need, dtype=mx.int32)[None, None, None, :] <= positions[:, None, :, None]
     return offsets, rows, positions, mask
+
+
+def sliding_mask(positions: mx.array, start: int, end: int, window: int) -> mx.array:
+    """Which keys, at positions start..end-1, queries at `positions` ([..., T]) read: each its own and
+    the `window` before it, wherever a call's queries begin. Shape [..., T, end - start]."""
+    keys = mx.arange(start, end, dtype=mx.int32)
+    queries = positions[..., None]
+    return (keys <= queries) & (keys >= queries - window)
 
 
 def _thread() -> int:

@@ -15,26 +15,20 @@ if TYPE_CHECKING:
     from .fetch import Transfer
 
 
-def mtp_window_size(value: str) -> int:
+def count_or_all(value: str) -> int:
+    """A size where 0 means no limit."""
     n = int(value)
     if n < 0:
-        raise argparse.ArgumentTypeError("must be 0 (the whole context) or more")
-    return n
-
-
-def draft_vocab_size(value: str) -> int:
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError("must be 0 (the whole vocabulary) or more")
+        raise argparse.ArgumentTypeError("must be 0 (no limit) or more")
     return n
 
 
 def add_draft_options(p: argparse.ArgumentParser) -> None:
     """How the MTP head drafts: options that change which drafts are proposed, never the output."""
-    p.add_argument("--draft-vocab", type=draft_vocab_size, default=None, metavar="N",
+    p.add_argument("--draft-vocab", type=count_or_all, default=None, metavar="N",
                    help="drafts score only the N most frequent tokens (0: the whole vocabulary; default: half "
                         "of it, at most 32768)")
-    p.add_argument("--mtp-window", type=mtp_window_size, default=None, metavar="N",
+    p.add_argument("--mtp-window", type=count_or_all, default=None, metavar="N",
                    help=f"drafting attends to the MTP head's last N positions only (0: the whole context; "
                         f"default {DEFAULT_WINDOW})")
 

@@ -150,7 +150,9 @@ class Head:
         if model.has_mtp:
             size = default_size(model.config.args.vocab_size) if draft_vocab is None else draft_vocab
             self.vocab = DraftVocab(model, size)
-        # Drafts attend to the MTP layer's last entries only (models/mtp.py; None: all of them).
+        # Each draft position attends to this many before it only (models/mtp.py; None: all of them).
+        if mtp_window is not None and mtp_window < 0:
+            raise ValueError(f"mtp_window must be 0 (the whole context) or more, got {mtp_window}")
         self.mtp_window = (DEFAULT_WINDOW if mtp_window is None else mtp_window) or None
 
     def prepare(self, h: mx.array, d: DraftState, drafts: list[int]) -> Prepared:
@@ -357,7 +359,8 @@ class Head:
         if hid is None:
             return []
         inputs = mx.array([toks])
-        if entries_only_pays(len(toks), attended(d.mtp_cache.offset, self.mtp_window)):  # only the last pair's output drafts
+        # Only the last pair's output drafts: the others may just write their entries.
+        if entries_only_pays(len(toks), attended(d.mtp_cache.offset, self.mtp_window)):
             self.model.mtp.extend(hid[:, :-1], self.model.embed(inputs[:, :-1]), d.mtp_cache)
             hid, inputs = hid[:, -1:], inputs[:, -1:]
         lazy: list[mx.array] = []

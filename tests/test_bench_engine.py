@@ -77,6 +77,7 @@ def test_long_context_decodes_are_paired_and_identical(dense_ckpt: Path) -> None
         assert sum(int(n) for n in r["auto_depths"].values()) > 0
     for e in (engine, whole):  # every paused decode ran to its end and was released
         assert not e.pipeline.stages[-1].sequences
+        e.pipeline.close()
     assert mx.default_stream(mx.default_device()) == stream  # mlx-lm's paused decode left its stream
 
 

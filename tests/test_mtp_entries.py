@@ -138,6 +138,7 @@ def test_prompt_entries_match_the_layer(ckpt: Path) -> None:
     assert max_diff(d.mtp_cache.values[..., :n, :], reference.values[..., :n, :]) <= TOL
 
 
+@pytest.mark.parametrize("window", [0, 16])
 @pytest.mark.parametrize(("lengths", "depths", "drafting", "counts", "idle"), [
     # a row adding 4 pairs beside rows adding 1 and 2, one that never drafts, one catching up 20 idle pairs
     ([40, 5, 0, 30], [3, 2, 0, 1], [True, True, False, True], [4, 1, 1, 2], [0, 0, 0, 20]),
@@ -147,15 +148,16 @@ def test_prompt_entries_match_the_layer(ckpt: Path) -> None:
 ])
 def test_batch_drafts_with_entries_only_equal_the_layer(monkeypatch: pytest.MonkeyPatch, lengths: list[int],
                                                         depths: list[int], drafting: list[bool], counts: list[int],
-                                                        idle: list[int]) -> None:
+                                                        idle: list[int], window: int) -> None:
     """BatchHead._draft over ragged rows (each with its own cache length, pairs and depth) gives the same
-    drafts, MTP lengths and cache entries whether the pairs before each row's last are written alone."""
+    drafts, MTP lengths and cache entries whether the pairs before each row's last are written alone,
+    drafting over the whole context or over a window shorter than most rows' (models/mtp.py)."""
     model = load_shard(DEMO_MODEL, dtype=mx.float32).model
     hidden_size = model.layers[0].input_layernorm.weight.shape[0]
 
     def run(work: int) -> tuple[list[list[int]], list[int], RaggedKV]:
         monkeypatch.setattr(mtp_module, "ENTRIES_ONLY_WORK", work)
-        batch = BatchHead(Head(model))
+        batch = BatchHead(Head(model, mtp_window=window))
         for i, (n, depth, drafts) in enumerate(zip(lengths, depths, drafting)):
             cache = None
             if drafts:

@@ -268,10 +268,12 @@ def bench_engine(
     if contexts:
         unwindowed = (local_engine(model_path, mtp_pre_norm=mtp_pre_norm, draft_vocab=draft_vocab, mtp_window=0)
                       if window and max(contexts) > window else None)
-        long = result["long_context"] = bench_long_context(engine, ref_model, ref_tok, contexts, context_reps,
-                                                           whole_window=unwindowed)
-        if unwindowed:
-            unwindowed.pipeline.close()
+        try:
+            long = result["long_context"] = bench_long_context(engine, ref_model, ref_tok, contexts, context_reps,
+                                                               whole_window=unwindowed)
+        finally:
+            if unwindowed is not None:
+                unwindowed.pipeline.close()
         result["ratios"]["min_auto_vs_no_mtp_long"] = min(r["ratios"]["auto_vs_no_mtp"] for r in long.values())
         result["ratios"]["min_no_mtp_vs_mlx_lm_long"] = min(r["ratios"]["no_mtp_vs_mlx_lm"] for r in long.values())
         result["identical"] = result["identical"] and all(r["identical"] for r in long.values())
