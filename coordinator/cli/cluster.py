@@ -43,7 +43,7 @@ from ..cluster.formation import (
     single_node_engine,
 )
 from ..cluster.membership import Membership
-from .common import add_mtp, progress_loader, stage_options, stderr_console
+from .common import add_mtp, drafting_options, progress_loader, stage_options, stderr_console
 from .serve import add_serve_command
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     offered = offered_memory(sysinfo.placement_memory(mem.available, mem.gpu_limit), cfg.node.max_memory_gib)
     server = NodeServer(cfg.node.host, cfg.node.port, node_id=me, secret=secret,
                         model_dirs=[*cfg.node.model_dirs, *([model_here] if model_here else [])],
-                        download=cfg.node.download).start()
+                        download=cfg.node.download, **drafting_options(args)).start()
     server.service.coordinating = bool(args.coordinator)
 
     def memory_offered() -> int:
@@ -192,7 +192,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         model_path = model_here or resolve_model(cfg.model)
         server.service.weights.add_model_dir(model_path)  # this node serves the model's tensors to the others
         alone = len(peers) == 1 and not cfg.nodes
-        options = stage_options(args, remote=not alone)
+        # With peers, each machine's node drafts as its own command says (every machine runs the same one).
+        options = stage_options(args) if alone else {}
+        if not alone and args.mtp_pre_norm:
+            raise ValueError("--mtp-pre-norm applies to local stages; nodes take their own")
         if alone:
             log.info("no peers: running the whole model on this machine")
             with progress_loader("loading model")() as progress:

@@ -41,15 +41,17 @@ def add_mtp(p: argparse.ArgumentParser) -> None:
     add_draft_options(p)
 
 
+def drafting_options(args: argparse.Namespace) -> dict[str, Any]:
+    """How the last stage drafts (--draft-vocab, --mtp-window), where given: a node takes them too."""
+    return {name: getattr(args, name) for name in ("draft_vocab", "mtp_window") if getattr(args, name, None) is not None}
+
+
 def stage_options(args: argparse.Namespace, *, remote: bool = False) -> dict[str, Any]:
     """Options of local stages given on the command line; an error when the stages are `remote`
     nodes, which take their own."""
-    options: dict[str, Any] = {}
+    options = drafting_options(args)
     if getattr(args, "mtp_pre_norm", False):
         options["mtp_pre_norm"] = True
-    for name in ("draft_vocab", "mtp_window"):
-        if getattr(args, name, None) is not None:
-            options[name] = getattr(args, name)
     if remote and options:
         raise ValueError("--mtp-pre-norm, --draft-vocab and --mtp-window apply to local stages; nodes take their own")
     return options
