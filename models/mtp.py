@@ -75,7 +75,7 @@ class MTPHead(nn.Module):
     def __call__(self, hidden: mx.array, token_embeddings: mx.array, cache: KVCache,
                  window: int | None = None) -> mx.array:
         """hidden, token_embeddings: [B, T, H] for positions t and tokens x[t+1]. Returns g [B, T, H].
-        With a `window`, the attention reads only that many entries before the call's own."""
+        With a `window`, each position attends to itself and the `window` positions before it."""
         u = self.fuse(hidden, token_embeddings)
         T, offset = u.shape[1], cache.offset
         view: KVCache | _Recent = cache

@@ -166,7 +166,7 @@ def attention_entries(attn: Any, x: mx.array, offset: int | mx.array) -> tuple[m
 
 def ragged_attention(attn: Any, x: mx.array, cache: RaggedKV, real: list[int], window: int | None = None) -> mx.array:
     """Qwen3.5's gated attention (mlx-lm's module and weights) with per-row positions; with a
-    `window`, over each row's last entries only (RaggedKV.update)."""
+    `window`, each query over itself and the `window` positions before it (RaggedKV.update)."""
     B, T, _ = x.shape
     queries, gate = mx.split(attn.q_proj(x).reshape(B, T, attn.num_attention_heads, -1), 2, axis=-1)
     gate = gate.reshape(B, T, -1)

@@ -255,7 +255,7 @@ class BatchHead:
         embedded = self.model.embed(pad_rows([t or [0] for t in toks]))
         before_last = [max(c - 1, 0) for c in counts]  # each row's pairs before its last
         last = mx.array(before_last)
-        window = self.head.mtp_window  # each row's drafts read its last MTP entries only (models/mtp.py)
+        window = self.head.mtp_window  # what each drafting position attends to (models/mtp.py)
         if entries_only_pays(width, attended(max(self.mtp.lengths), window)):  # only each last pair's output drafts
             self.model.mtp.extend(hidden[:, :-1], embedded[:, :-1], self.mtp, before_last)
             rows = mx.arange(B)

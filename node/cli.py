@@ -29,7 +29,7 @@ def add_draft_options(p: argparse.ArgumentParser) -> None:
                    help="drafts score only the N most frequent tokens (0: the whole vocabulary; default: half "
                         "of it, at most 32768)")
     p.add_argument("--mtp-window", type=count_or_all, default=None, metavar="N",
-                   help=f"drafting attends to the MTP head's last N positions only (0: the whole context; "
+                   help=f"each drafting position attends to the N positions before it only (0: the whole context; "
                         f"default {DEFAULT_WINDOW})")
 
 
