@@ -64,8 +64,10 @@ class RaggedKV:
         if need > self.capacity:
             self._grow(need, keys)
         level = self.offsets()
-        adding = [n for n, r in zip(self.lengths, real) if r]
-        start = max(0, min(adding) - window) if window and adding else 0
+        start, adding = 0, []
+        if window:  # (every attention layer of a batch forward comes here: nothing to do without one)
+            adding = [n for n, r in zip(self.lengths, real) if r]
+            start = max(0, min(adding) - window) if adding else 0
         if isinstance(level, int):  # every row at the same length: a slice, and a causal mask at most
             self.keys[:, :, level:need] = keys.transpose(0, 2, 1, 3)
             self.values[:, :, level:need] = values.transpose(0, 2, 1, 3)
