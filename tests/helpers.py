@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from mtpipe.coordinator.engine.batch import END
 from mtpipe.node.server import NodeServer
 
 
@@ -22,6 +24,22 @@ def node_servers(n: int, **kw) -> Iterator[list[NodeServer]]:
     finally:
         for s in started:
             s.stop(0)
+
+
+def batch_chunks(engine: Any, reqs: list[Any], timeout: float) -> list[list[Any]]:
+    """Requests opened in a batch engine all at once, so they decode as rows of one batch: each
+    one's chunks, up to its end (an error fails the test)."""
+    sinks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in reqs]
+    for req, sink in zip(reqs, sinks):
+        engine.open(req, sink.put)
+    out = []
+    for sink in sinks:
+        chunks = []
+        while (item := sink.get(timeout=timeout)) is not END:
+            assert not isinstance(item, BaseException), item
+            chunks.append(item)
+        out.append(chunks)
+    return out
 
 
 class LiveServer:

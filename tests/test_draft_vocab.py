@@ -4,15 +4,13 @@ seeded sampled tokens, as without it, per sequence and batched, while the subset
 
 from __future__ import annotations
 
-import queue
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import PROMPTS
+from helpers import PROMPTS, batch_chunks
 
-from mtpipe.coordinator.engine.batch import END
 from mtpipe.coordinator.engine.build import batch_engine, local_engine
 from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.models import draft_vocab
@@ -133,16 +131,7 @@ def test_batched_rows_unchanged(prompts: list[list[int]], monkeypatch: pytest.Mo
                                                   (3, True, SamplingParams()), (2, False, seeded)])]
         refs = [plain.complete(GenerationRequest(prompt_tokens=r.prompt_tokens, max_tokens=40, params=r.params)).tokens
                 for r in reqs]
-        sinks = [queue.SimpleQueue() for _ in reqs]
-        for r, sink in zip(reqs, sinks):  # all queued at once: they decode as rows of one batch
-            engine.open(r, sink.put)
-        outs = []
-        for sink in sinks:
-            tokens = []
-            while (item := sink.get(timeout=120)) is not END:
-                assert not isinstance(item, BaseException), item
-                tokens += item.tokens
-            outs.append(tokens)
+        outs = [[t for c in chunks for t in c.tokens] for chunks in batch_chunks(engine, reqs, timeout=120)]
         assert outs == refs
     finally:
         engine.close()

@@ -4,14 +4,11 @@ output stays that of decoding without drafts."""
 
 from __future__ import annotations
 
-import queue
-
 import mlx.core as mx
 import pytest
-from helpers import PROMPTS
+from helpers import PROMPTS, batch_chunks
 from mlx_lm.models.cache import KVCache
 
-from mtpipe.coordinator.engine.batch import END
 from mtpipe.coordinator.engine.build import batch_engine, local_engine
 from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.models.loading import load_shard
@@ -129,15 +126,8 @@ def test_the_default_window_and_a_negative_one(model) -> None:
 
 def batch_run(engine, reqs: list[GenerationRequest]) -> list[tuple[list[int], tuple[int, int, int]]]:
     """Requests decoding side by side in a batch engine: each one's tokens and (rounds, drafted, accepted)."""
-    sinks = [queue.SimpleQueue() for _ in reqs]
-    for req, sink in zip(reqs, sinks):
-        engine.open(req, sink.put)
     out = []
-    for sink in sinks:
-        chunks = []
-        while (item := sink.get(timeout=60)) is not END:
-            assert not isinstance(item, BaseException), item
-            chunks.append(item)
+    for chunks in batch_chunks(engine, reqs, timeout=60):
         stats = chunks[-1].stats
         out.append(([t for c in chunks for t in c.tokens], (stats.rounds, stats.drafted, stats.accepted)))
     return out
