@@ -3,7 +3,8 @@
 A verify forward feeds [y, d1..dK] in one pass. To roll back to "after position n" without a second
 forward we need the recurrent state after each position and the conv window ending at each position.
 The projections run batched over all positions (one weight read); only the recurrence is stepped,
-which is what mlx-lm's own decode does one token at a time.
+as mlx-lm's own decode runs it one token at a time (on the CPU in an arrangement that reads the
+state once per position: `_step`).
 
 On the CPU a decode or verify input runs each whole layer compiled: the same arithmetic (bit for
 bit; tests hold it), with its elementwise ops fused and its graph traced once per input shape, so a
@@ -155,11 +156,23 @@ def _stepped_ops(q, k, v, g, beta, state):
         q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
     ys, states = [], []
     for t in range(q.shape[1]):
-        s = slice(t, t + 1)
-        y, state = gated_delta_ops(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], state)
-        ys.append(y)
+        y, state = _step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        ys.append(y[:, None])
         states.append(state)
     return mx.concatenate(ys, axis=1), states
+
+
+def _step(q, k, v, g, beta, state):
+    """One position of mlx-lm's recurrence (S' = g S + delta k^T, delta = beta (v - g S k), y = S' q),
+    reading the state once: both of its reads in one matrix product, y as g S q + delta (k . q), so
+    the state is read once and written once instead of passing over it four times. q, k [B, H, Dk];
+    v [B, H, Dv]; g [B, H] or [B, H, Dk]; beta [B, H]; state [B, H, Dv, Dk]."""
+    decay = g[..., None] if g.ndim == 2 else g  # [B, H, 1] or [B, H, Dk]
+    read = state @ mx.stack([decay * k, decay * q], axis=-1)  # [B, H, Dv, 2]: g S k, g S q
+    delta = (v - read[..., 0]) * beta[..., None]
+    y = read[..., 1] + delta * (k * q).sum(-1, keepdims=True)
+    state = state * decay[..., None, :] + delta[..., None] * k[..., None, :]
+    return y.astype(q.dtype), state
 
 
 def _stepped_kernel(gdn, q, k, v, a, b, state):

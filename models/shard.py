@@ -97,8 +97,8 @@ class Qwen35Shard(nn.Module):
         """Run this shard's layers, each queued as it is built where that pays (`queue_layers`). With
         `capture`, GatedDeltaNet layers keep per-position states.
 
-        Short inputs (decode, verify) always take the stepped GatedDeltaNet path: it is the same
-        arithmetic as mlx-lm's decode, compiled, so decode and verify agree bit for bit.
+        Short inputs (decode, verify) always take the stepped GatedDeltaNet path: one recurrence step
+        per position whatever the input's length, compiled, so decode and verify agree bit for bit.
         """
         attn_cache = next((c for c, l in zip(cache, self.layers) if not l.is_linear), None)
         attn_mask = create_attention_mask(h, attn_cache)
