@@ -154,6 +154,7 @@ class StageCosts:
     prior: list[float]  # round seconds for depth 0..kmax at load (verify + drafts)
     live: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, depth) -> seconds
     samples: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> timings taken
+    timed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> timings before its last
     probe_gap: int = PROBE_EVERY  # rounds between probes (of the stage's sequences, or of a batch)
     acceptance: Acceptance | None = None  # every sequence's counts: the prior for new ones
     # Under TRUSTED timings a depth costs at most what the calibration says: for timings that cannot
@@ -174,8 +175,8 @@ class StageCosts:
         """The same measurements over a longer prior (a sequence asked for deeper drafts than any before)."""
         extra = len(prior) - len(self.prior)
         acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
-        return StageCosts(prior, dict(self.live), dict(self.samples), self.probe_gap, acceptance, self.optimistic,
-                          clock=self.clock, tried=set(self.tried))
+        return StageCosts(prior, dict(self.live), dict(self.samples), dict(self.timed_at), self.probe_gap, acceptance,
+                          self.optimistic, clock=self.clock, tried=set(self.tried))
 
     def observe(self, depth: int, context: int, seconds: float) -> None:
         """A round's timing. One far above the estimate (the machine busy elsewhere a moment) moves
@@ -185,6 +186,15 @@ class StageCosts:
         old = self.live.get(key)
         self.live[key] = seconds if old is None else (1 - EMA) * old + EMA * min(seconds, OUTLIER * old)
         self.samples[key] = self.samples.get(key, 0) + 1
+        self.timed_at[key] = sum(self.samples.values())
+
+    def stalest_below(self, depth: int, context: int | None) -> int:
+        """Of the depths under `depth`, the one timed longest ago at this context length (never: first;
+        ties: the deepest). The machine's pace drifts, so an estimate not renewed since drifts away from
+        the truth: a depth left below the best (no drafts, above all: what auto must never lose to)
+        would otherwise be judged on an old timing for as long as the best stays above it."""
+        bucket = context_bucket(context) if context is not None else None
+        return min(range(depth), key=lambda k: (self.timed_at.get((bucket, k), -1), -k))
 
     def unmeasured(self, context: int, kmax: int) -> int | None:
         """A depth to time before choosing: each depth once on this stage, then no drafts at each new
@@ -250,8 +260,8 @@ class StageCosts:
 
 @dataclass
 class Probe:
-    """Now and then the neighbouring depth (above, below every other time) instead of the best, so its
-    cost and acceptance stay current; less often, on the whole stage, while probes keep confirming the
+    """Now and then another depth instead of the best, so its cost and acceptance stay current: the
+    one above, and every other time one below (the one timed longest ago: `StageCosts.stalest_below`); less often, on the whole stage, while probes keep confirming the
     choice, down to one every `most` rounds, or fewer while the neighbours are estimated far behind
     (a probe then rarely changes the choice). Where the depth above the best was never timed at the
     context length (given `context`), it is probed once within `PROBE_EVERY` rounds, whatever the gap:
@@ -299,7 +309,7 @@ class Probe:
             if 0 < best < kmax:  # (a probe counted in rounds would keep the parity of the gap)
                 clock.probes += 1
             up = best == 0 or (best < kmax and clock.probes % 2 == 1)
-            depth = min(best + 1, kmax) if up else max(best - 1, 0)
+            depth = min(best + 1, kmax) if up else costs.stalest_below(best, context)
         if self.hold:
             self.held = depth
         return depth

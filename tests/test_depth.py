@@ -232,7 +232,9 @@ def test_a_deeper_depth_carried_over_too_dear_is_probed_soon() -> None:
     assert depths[P + 1:2 * P - 1] == [2] * (P - 2)  # it pays
     # That probe changed the choice, so the stage's probes come every P rounds again: the next one up
     assert depths[2 * P - 1:2 * P + 1] == [3, 3]
-    assert depths[-1] == 3 and set(depths[2 * P - 1:]) <= {2, 3}  # K=3 pays most (a probe of K=2 between)
+    # K=3 pays most; the probe between goes below, to the depth timed longest ago at this length (no
+    # drafts, timed first), not to K=2, timed since
+    assert depths[2 * P - 1:] == [3] * P + [0, 0] + [3] * (len(depths) - 3 * P - 1)
 
 
 def test_an_early_probe_is_one_try_per_context_length() -> None:
@@ -406,3 +408,33 @@ def test_the_stage_prior_hears_from_every_sequence_alike() -> None:
     assert head.costs.acceptance.reached[0] == policy.PRIOR_ROUNDS + 5
     assert head.costs.acceptance.accepted[0] == policy.PRIOR_ROUNDS
     assert good.chooser.acceptance.reached[0] == 200 and poor.chooser.acceptance.accepted[0] == 0
+
+
+def test_probes_below_go_to_the_depth_timed_longest_ago() -> None:
+    costs = StageCosts(prior=[1.0, 1.2, 1.4, 1.6])
+    for k in (0, 1, 2, 3, 2):
+        costs.observe(k, 64, costs.prior[k])
+    assert costs.stalest_below(3, 64) == 0
+    costs.observe(0, 64, 1.0)
+    assert costs.stalest_below(3, 64) == 1 and costs.stalest_below(1, 64) == 0
+    assert costs.stalest_below(3, 5000) == 2  # nothing timed at that length: the deepest below
+
+
+def test_no_drafts_timed_dear_once_are_timed_again_from_a_deep_best() -> None:
+    """No drafts timed in a slow stretch make drafting look better than it is. From K=3, probes of the
+    next depth down only (K=2) would never time K=0 again, and the sequence would draft at a loss for
+    its whole life; probes below go to the depth timed longest ago, so K=0 is timed again and chosen."""
+    true = [1.0, 2.0, 3.0, 3.8]  # drafting loses (a wide batch on a CPU)
+    costs = StageCosts(prior=list(true))
+    for k, seconds in enumerate([2.0, 2.0, 3.0, 3.8]):  # K=0 timed once at twice its cost
+        costs.observe(k, 64, seconds)
+    chooser = DepthChooser(kmax=3)
+    chooser.acceptance = Acceptance([1e3] * 3, [8e2] * 3)  # known well: 80% of drafts accepted
+    depths: list[int] = []
+    for _ in range(8 * policy.PROBE_EVERY):
+        depth = chooser.next_depth(costs, 64)
+        if depths and depths[-1] == depth:  # a change of depth is not timed
+            costs.observe(depth, 64, true[depth])
+        depths.append(depth)
+    assert depths[0] == 3  # misled by the slow timing
+    assert set(depths[-2 * policy.PROBE_EVERY:]) == {0}  # K=0 timed again, and kept
