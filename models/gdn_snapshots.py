@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 
 
