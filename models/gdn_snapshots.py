@@ -3,8 +3,8 @@
 A verify forward feeds [y, d1..dK] in one pass. To roll back to "after position n" without a second
 forward we need the recurrent state after each position and the conv window ending at each position.
 The projections run batched over all positions (one weight read); only the recurrence is stepped,
-as mlx-lm's own decode runs it one token at a time (on the CPU in an arrangement that reads the
-state once per position: `_step`).
+as mlx-lm's own decode runs it, one token at a time (on the CPU with the state's reads as matrix
+products: `_step`).
 
 On the CPU a decode or verify input runs each whole layer compiled: the same arithmetic (bit for
 bit; tests hold it), with its elementwise ops fused and its graph traced once per input shape, so a
@@ -164,14 +164,14 @@ def _stepped_ops(q, k, v, g, beta, state):
 
 def _step(q, k, v, g, beta, state):
     """One position of mlx-lm's recurrence (S' = g S + delta k^T, delta = beta (v - g S k), y = S' q),
-    reading the state once: both of its reads in one matrix product, y as g S q + delta (k . q), so
-    the state is read once and written once instead of passing over it four times. q, k [B, H, Dk];
-    v [B, H, Dv]; g [B, H] or [B, H, Dk]; beta [B, H]; state [B, H, Dv, Dk]."""
+    its two reads of the state as matrix-vector products instead of elementwise products summed over
+    the whole state (fewer passes over it), in float32 as the state is. q, k [B, H, Dk]; v [B, H, Dv];
+    g [B, H] or [B, H, Dk]; beta [B, H]; state [B, H, Dv, Dk]."""
     decay = g[..., None] if g.ndim == 2 else g  # [B, H, 1] or [B, H, Dk]
-    read = state @ mx.stack([decay * k, decay * q], axis=-1)  # [B, H, Dv, 2]: g S k, g S q
-    delta = (v - read[..., 0]) * beta[..., None]
-    y = read[..., 1] + delta * (k * q).sum(-1, keepdims=True)
+    kv = (state @ (decay * k)[..., None])[..., 0]
+    delta = (v - kv) * beta[..., None]
     state = state * decay[..., None, :] + delta[..., None] * k[..., None, :]
+    y = (state @ q.astype(mx.float32)[..., None])[..., 0]
     return y.astype(q.dtype), state
 
 

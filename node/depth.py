@@ -154,7 +154,7 @@ class StageCosts:
     prior: list[float]  # round seconds for depth 0..kmax at load (verify + drafts)
     live: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, depth) -> seconds
     samples: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> timings taken
-    timed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> timings before its last
+    timed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> stage's timings at its last
     probe_gap: int = PROBE_EVERY  # rounds between probes (of the stage's sequences, or of a batch)
     acceptance: Acceptance | None = None  # every sequence's counts: the prior for new ones
     # Under TRUSTED timings a depth costs at most what the calibration says: for timings that cannot
@@ -175,8 +175,9 @@ class StageCosts:
         """The same measurements over a longer prior (a sequence asked for deeper drafts than any before)."""
         extra = len(prior) - len(self.prior)
         acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
-        return StageCosts(prior, dict(self.live), dict(self.samples), dict(self.timed_at), self.probe_gap, acceptance,
-                          self.optimistic, clock=self.clock, tried=set(self.tried))
+        return StageCosts(prior, live=dict(self.live), samples=dict(self.samples), timed_at=dict(self.timed_at),
+                          probe_gap=self.probe_gap, acceptance=acceptance, optimistic=self.optimistic,
+                          clock=self.clock, tried=set(self.tried))
 
     def observe(self, depth: int, context: int, seconds: float) -> None:
         """A round's timing. One far above the estimate (the machine busy elsewhere a moment) moves
@@ -261,14 +262,15 @@ class StageCosts:
 @dataclass
 class Probe:
     """Now and then another depth instead of the best, so its cost and acceptance stay current: the
-    one above, and every other time one below (the one timed longest ago: `StageCosts.stalest_below`); less often, on the whole stage, while probes keep confirming the
-    choice, down to one every `most` rounds, or fewer while the neighbours are estimated far behind
-    (a probe then rarely changes the choice). Where the depth above the best was never timed at the
-    context length (given `context`), it is probed once within `PROBE_EVERY` rounds, whatever the gap:
-    its cost there is carried over from other lengths, and one carried over too dear would otherwise
-    keep a sequence from drafting deeper for its whole life. (Not the depth below: drafts accepted
-    less often than hoped bring a sequence down by themselves.) With `hold`, a probe lasts two rounds
-    (the first, a change of depth, is not timed)."""
+    one above, and every other time one below (the one timed longest ago: `StageCosts.stalest_below`;
+    from the most drafts, every probe goes below); less often, on the whole stage, while probes keep
+    confirming the choice, down to one every `most` rounds, or fewer while the neighbours are
+    estimated far behind (a probe then rarely changes the choice). Where the depth above the best was
+    never timed at the context length (given `context`), it is probed once within `PROBE_EVERY`
+    rounds, whatever the gap: its cost there is carried over from other lengths, and one carried over
+    too dear would otherwise keep a sequence from drafting deeper for its whole life. (Not the depth
+    below: drafts accepted less often than hoped bring a sequence down by themselves.) With `hold`, a
+    probe lasts two rounds (the first, a change of depth, is not timed)."""
 
     hold: bool = False
     most: int = PROBE_EVERY_MAX

@@ -168,8 +168,9 @@ def test_short_sequences_of_a_stage_probe_up_and_down_in_turn() -> None:
 
 
 def test_probes_go_up_and_down_in_turn() -> None:
-    """From a depth between 0 and the most, probes alternate between the depth above and the one below
-    (each held two rounds), whatever the gap between them; from the ends, the only neighbour."""
+    """From a depth between 0 and the most, probes alternate between the depth above and one below
+    (each held two rounds), whatever the gap between them; from the ends, only one way. Below, the
+    depth timed longest ago (here none was: the deepest below)."""
     for best, want in [(1, [2, 2, 0, 0, 2, 2, 0, 0]), (0, [1] * 8), (3, [2] * 8)]:
         costs, probe = StageCosts(prior=[1.0, 1.2, 1.4, 1.6]), Probe(hold=True)
         probes = [d for d in (probe.next(best, costs, 3) for _ in range(40 * policy.PROBE_EVERY)) if d != best]
