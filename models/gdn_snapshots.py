@@ -46,29 +46,35 @@ COMPILED_MAX_TOKENS = 8  # decode and verify inputs; a compiled layer is traced 
 
 
 class CompiledLayers:
-    """A shard's GatedDeltaNet layers, each compiled once and kept by the shard that owns them (a
+    """A shard's layers' compiled parts (a GatedDeltaNet layer whole, an attention layer's parts
+    around its cache: attention.py), each compiled once and kept by the shard that owns them (a
     compiled function holds its layer, and reads the layer's weights afresh at every call)."""
 
     def __init__(self) -> None:
-        self._fns: dict[int, Callable] = {}
-        self._traced: set[tuple] = set()  # (layer, input shapes and dtypes) traced without an error
+        self._fns: dict[tuple[int, str], Callable] = {}
+        self._traced: set[tuple] = set()  # (layer, part, input shapes and dtypes) traced without an error
 
     def applies(self, h: mx.array) -> bool:
         return h.shape[1] <= COMPILED_MAX_TOKENS and on_cpu()
 
     def run(self, layer: Any, h: mx.array, conv_state: mx.array, state: mx.array) -> tuple:
-        """The compiled layer. While MLX traces a new input shape it swaps the layer's weights for
-        placeholders and puts them back only if the trace succeeds: a failed trace (bad input) must
-        not leave the layer without its weights."""
-        fn = self._fns.get(id(layer))
-        if fn is None:
-            fn = self._fns[id(layer)] = mx.compile(partial(_layer, layer), inputs=layer.state)
-        key = (id(layer), *((a.shape, a.dtype) for a in (h, conv_state, state)))
+        """The compiled GatedDeltaNet layer."""
+        return self.call(layer, _layer, h, conv_state, state)
+
+    def call(self, layer: Any, fn: Callable, *arrays: mx.array) -> Any:
+        """`fn(layer, *arrays)` compiled. While MLX traces a new input shape it swaps the layer's
+        weights for placeholders and puts them back only if the trace succeeds: a failed trace (bad
+        input) must not leave the layer without its weights."""
+        part = (id(layer), fn.__name__)
+        compiled = self._fns.get(part)
+        if compiled is None:
+            compiled = self._fns[part] = mx.compile(partial(fn, layer), inputs=layer.state)
+        key = (*part, *((a.shape, a.dtype) for a in arrays))
         if key in self._traced:
-            return fn(h, conv_state, state)
+            return compiled(*arrays)
         weights = tree_flatten(layer.parameters())
         try:
-            out = fn(h, conv_state, state)
+            out = compiled(*arrays)
         except BaseException:
             layer.update(tree_unflatten(weights))
             raise

@@ -21,7 +21,9 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
-from .ragged import RaggedKV, attention_entries, ragged_layer, sliding_mask
+from .attention import attention_entries, attention_layer, cache_update
+from .gdn_snapshots import CompiledLayers
+from .ragged import RaggedKV, ragged_layer, sliding_mask
 
 # How many positions before its own each drafting position attends to, unless told otherwise.
 DEFAULT_WINDOW = 1024
@@ -71,6 +73,7 @@ class MTPHead(nn.Module):
         # dense or sparse MoE MLP exactly like the backbone's layers.
         self.layers = [DecoderLayer(args, layer_idx=args.full_attention_interval - 1)]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.compiled = CompiledLayers()  # (a plain object: not one of the module's parameters)
 
     def __call__(self, hidden: mx.array, token_embeddings: mx.array, cache: KVCache,
                  window: int | None = None) -> mx.array:
@@ -85,7 +88,7 @@ class MTPHead(nn.Module):
             view = _Recent(cache, start)
             if T > 1:
                 mask = sliding_mask(offset + mx.arange(T, dtype=mx.int32), start, offset + T, window)
-        u = self.layers[0](u, mask=mask, cache=view)
+        u = attention_layer(self.layers[0], u, view.offset, cache_update(view, mask), self.compiled)
         return self.norm(u)
 
     def extend(self, hidden: mx.array, token_embeddings: mx.array, cache: KVCache | RaggedKV,
@@ -110,5 +113,5 @@ class MTPHead(nn.Module):
     def rows(self, hidden: mx.array, token_embeddings: mx.array, cache: RaggedKV, real: list[int],
              window: int | None = None) -> mx.array:
         """The same over padded rows of a batch, each with its own MTP cache length (ragged.py)."""
-        u, _ = ragged_layer(self.layers[0], self.fuse(hidden, token_embeddings), cache, real, window=window)
+        u, _ = ragged_layer(self.layers[0], self.fuse(hidden, token_embeddings), cache, real, self.compiled, window)
         return self.norm(u)

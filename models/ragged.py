@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import threading
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from .attention import attend, attention_layer, project
 from .gdn_snapshots import CompiledLayers, GDNSnapshots, gdn_layer
 
 CAPACITY_STEP = 256
@@ -156,42 +158,26 @@ def _thread() -> int:
     return threading.get_ident()
 
 
-def attention_entries(attn: Any, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
-    """The keys (normed, rotated) and values [B, T, heads, dim] Qwen3.5's gated attention caches for
-    inputs `x` (after the layer's input norm) starting at position `offset` (per row: an array)."""
-    B, T, _ = x.shape
-    keys = attn.k_norm(attn.k_proj(x).reshape(B, T, attn.num_key_value_heads, -1))
-    values = attn.v_proj(x).reshape(B, T, attn.num_key_value_heads, -1)
-    keys = attn.rope(keys.transpose(0, 2, 1, 3), offset=offset).transpose(0, 2, 1, 3)
-    return keys, values
-
-
 def ragged_attention(attn: Any, x: mx.array, cache: RaggedKV, real: list[int], window: int | None = None) -> mx.array:
     """Qwen3.5's gated attention (mlx-lm's module and weights) with per-row positions; with a
     `window`, each query over itself and the `window` positions before it (RaggedKV.update)."""
-    B, T, _ = x.shape
-    queries, gate = mx.split(attn.q_proj(x).reshape(B, T, attn.num_attention_heads, -1), 2, axis=-1)
-    gate = gate.reshape(B, T, -1)
-    offsets = cache.offsets()
-    queries = attn.rope(attn.q_norm(queries).transpose(0, 2, 1, 3), offset=offsets)
-    keys, values = attention_entries(attn, x, offsets)
+    queries, gate, keys, values = project(attn, x, cache.offsets())
     keys, values, mask = cache.update(keys, values, real, window)
-    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1) * mx.sigmoid(gate))
+    return attend(attn, queries, gate, keys, values, mask)
 
 
 def ragged_layer(
     layer: Any, h: mx.array, cache: Any, real: list[int], compiled: CompiledLayers | None = None,
     window: int | None = None,
 ) -> tuple[mx.array, GDNSnapshots | None]:
-    """One decoder layer over padded rows; GatedDeltaNet layers end at each row's last real position."""
+    """One decoder layer over padded rows; GatedDeltaNet layers end at each row's last real position.
+    With `compiled`, decode and verify inputs run compiled where that applies (on the CPU)."""
     if layer.is_linear:
         h, snaps = gdn_layer(layer, h, cache, compiled)
         if any(t != h.shape[1] for t in real):
             restore_rows(snaps, cache, [t - 1 for t in real])
         return h, snaps
-    h = h + ragged_attention(layer.self_attn, layer.input_layernorm(h), cache, real, window)
-    return h + layer.mlp(layer.post_attention_layernorm(h)), None
+    return attention_layer(layer, h, cache.offsets(), partial(cache.update, real=real, window=window), compiled), None
 
 
 def restore_rows(snaps: GDNSnapshots, cache: ArraysCache, positions: list[int]) -> None:

@@ -16,6 +16,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
+from .attention import attention_layer, cache_update
 from .config import ModelConfig
 from .gdn_snapshots import CompiledLayers, GDNSnapshots, gdn_layer, on_cpu
 from .mtp import MTPHead
@@ -98,7 +99,8 @@ class Qwen35Shard(nn.Module):
         `capture`, GatedDeltaNet layers keep per-position states.
 
         Short inputs (decode, verify) always take the stepped GatedDeltaNet path: one recurrence step
-        per position whatever the input's length, compiled, so decode and verify agree bit for bit.
+        per position whatever the input's length, compiled, so decode and verify agree bit for bit;
+        on the CPU their attention layers run compiled around the cache too (attention.py).
         """
         attn_cache = next((c for c, l in zip(cache, self.layers) if not l.is_linear), None)
         attn_mask = create_attention_mask(h, attn_cache)
@@ -108,6 +110,8 @@ class Qwen35Shard(nn.Module):
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             if layer.is_linear and stepped:
                 h, snapshots[i] = gdn_layer(layer, h, c, self.compiled)
+            elif not layer.is_linear and self.compiled.applies(h):
+                h = attention_layer(layer, h, c.offset, cache_update(c, attn_mask), self.compiled)
             else:
                 h = layer(h, mask=None if layer.is_linear else attn_mask, cache=c)
             if queue:

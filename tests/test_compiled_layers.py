@@ -1,5 +1,5 @@
-"""Compiled GatedDeltaNet layers compute exactly what the uncompiled layers compute, decode and verify
-use them, and a failed trace costs the layer nothing."""
+"""Compiled GatedDeltaNet layers, and attention layers compiled around their caches, compute exactly what
+mlx-lm's layers compute; decode and verify use them, and a failed trace costs the layer nothing."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import ArraysCache, KVCache
 
+from mtpipe.models.attention import attention_layer, cache_update
 from mtpipe.models.gdn_snapshots import COMPILED_MAX_TOKENS, CompiledLayers, gdn_layer
 from mtpipe.models.loading import load_shard
+from mtpipe.models.ragged import RaggedKV, ragged_layer
 
 
 def run(layer, h, conv, state, compiled):
@@ -51,14 +54,65 @@ def test_compiled_layer_is_bit_identical(ckpt: Path, rows: int, tokens: int, dty
     assert len(compiled._fns) == len(layers)
 
 
+def kept(cache: KVCache) -> tuple[mx.array, mx.array]:
+    """A single-sequence cache's keys and values up to its offset."""
+    return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_compiled_attention_layer_is_mlx_lms_layer_bit_for_bit(ckpt: Path, tokens: int, dtype: mx.Dtype) -> None:
+    """One sequence through mlx-lm's cache (after a prompt), and rows at their own lengths through a
+    RaggedKV: compiled around the cache or not, the layer's output and cache are what mlx-lm's layer
+    computes (each row alone, for the ragged rows)."""
+    shard = load_shard(ckpt, dtype=dtype).model
+    if dtype != mx.float32 and shard.config.is_moe:
+        pytest.skip("MLX's gather_mm runs float32 only on the CPU (MoE layers, compiled or not)")
+    layers = [layer for layer in shard.layers if not layer.is_linear] + [shard.mtp.layers[0]]
+    hidden = shard.config.args.hidden_size
+    k1, k2 = mx.random.split(mx.random.key(tokens), 2)
+    prompts = [mx.random.normal((1, n, hidden), key=k).astype(dtype) for n, k in zip((9, 5, 13), mx.random.split(k1, 3))]
+    x = mx.random.normal((3, tokens, hidden), key=k2).astype(dtype)
+    compiled = CompiledLayers()
+    assert compiled.applies(x)
+    for layer in layers:
+        want, caches = [], []
+        for i, prompt in enumerate(prompts):  # mlx-lm's layer, each row alone
+            cache = KVCache()
+            layer(prompt, mask="causal", cache=cache)
+            want.append(layer(x[i : i + 1], mask=create_attention_mask(x[i : i + 1], cache), cache=cache))
+            caches.append(kept(cache))
+        for parts in (None, compiled):
+            for i, prompt in enumerate(prompts):
+                cache = KVCache()
+                layer(prompt, mask="causal", cache=cache)
+                mask = create_attention_mask(x[i : i + 1], cache)
+                got = attention_layer(layer, x[i : i + 1], cache.offset, cache_update(cache, mask), parts)
+                assert mx.array_equal(got, want[i]).item()
+                assert all(mx.array_equal(a, b).item() for a, b in zip(kept(cache), caches[i]))
+            rows: RaggedKV | None = None
+            for i, prompt in enumerate(prompts):  # each row's prompt entries, as mlx-lm cached them
+                cache = KVCache()
+                layer(prompt, mask="causal", cache=cache)
+                part = RaggedKV.from_cache(cache)
+                rows = part if rows is None else RaggedKV.concat([rows, part])
+            got, _ = ragged_layer(layer, x, rows, [tokens] * 3, parts)
+            for i in range(3):
+                assert mx.array_equal(got[i : i + 1], want[i]).item()
+                keys, values = rows.row(i)
+                assert mx.array_equal(keys, caches[i][0]).item() and mx.array_equal(values, caches[i][1]).item()
+    assert len(compiled._fns) == 2 * len(layers)
+
+
 @cpu_only
 def test_decode_and_verify_run_compiled_and_prefill_does_not(dense_engine) -> None:
     shard = dense_engine.pipeline.stages[-1].model
-    linear = sum(layer.is_linear for layer in shard.layers)
+    parts = sum(1 if layer.is_linear else 2 for layer in shard.layers)  # (an attention layer: two parts)
     cache = shard.make_cache()
     try:
-        for tokens, capture, traced in (([1] * (COMPILED_MAX_TOKENS + 2), False, 0), ([11], False, linear),
-                                        ([12, 13, 14], True, linear)):
+        for tokens, capture, traced in (([1] * (COMPILED_MAX_TOKENS + 2), False, 0), ([11], False, parts),
+                                        ([12, 13, 14], True, parts)):
             shard.compiled = CompiledLayers()
             mx.eval(shard.run_layers(shard.embed(mx.array([tokens])), cache, capture=capture)[0])
             assert len(shard.compiled._traced) == traced
