@@ -62,6 +62,7 @@ def test_full_config(tmp_path: Path) -> None:
     path = tmp_path / "cluster.yaml"
     path.write_text(
         "name: lab\nsecret_env: LAB_SECRET\nmodel: /models/qwen\nmtp_depth: 3\ndtype: bfloat16\n"
+        "draft_vocab: 8192\nmtp_window: 0\n"
         "nodes: ['10.0.0.5', '10.0.0.6:6000', {host: 'fe80::1%en2', port: 7000}]\n"
         "node: {port: 6000, max_memory_gib: 48}\n"
         "discovery: {interfaces: [en0, 10.0.0.2], expect: 3, settle: 10}\n"
@@ -74,6 +75,8 @@ def test_full_config(tmp_path: Path) -> None:
     assert [n.address for n in cfg.nodes] == ["10.0.0.5:52700", "10.0.0.6:6000", "[fe80::1%en2]:7000"]
     assert (cfg.discovery.expect, cfg.discovery.settle, cfg.placement.layers) == (3, 10.0, {"a1b2c3": 20, "123456": 4})
     assert (cfg.api.port, cfg.node.max_memory_gib, cfg.mtp_depth, cfg.dtype) == (52415, 48.0, 3, "bfloat16")
+    assert cfg.drafting() == {"draft_vocab": 8192, "mtp_window": 0}  # (0: the whole context)
+    assert ClusterConfig().drafting() == {}  # the node's own defaults
     assert type(cfg.discovery.settle) is float and type(cfg.placement.reserve_gib) is float  # YAML ints, as floats
 
 
@@ -100,7 +103,7 @@ def test_secrets_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_cluster_config({"api": {"api_key": "lit", "api_key_env": "LAB_KEY"}}).resolve_api_key() == "lit"
 
 
-KNOWN_TOP = "name, secret, secret_file, secret_env, model, dtype, mtp_depth, nodes, node, discovery, placement, api"
+KNOWN_TOP = "name, secret, secret_file, secret_env, model, dtype, mtp_depth, draft_vocab, mtp_window, nodes, node, discovery, placement, api"
 
 
 @pytest.mark.parametrize(
@@ -136,6 +139,8 @@ KNOWN_TOP = "name, secret, secret_file, secret_env, model, dtype, mtp_depth, nod
         ({"node": {"max_memory_gib": 0}}, r": node\.max_memory_gib: Input should be greater than 0"),
         ({"mtp_depth": 9}, r": mtp_depth: Input should be less than or equal to 8 \(got 9\)$"),
         ({"mtp_depth": -1}, r": mtp_depth: Input should be greater than or equal to 0 \(got -1\)$"),
+        ({"draft_vocab": -1}, r": draft_vocab: Input should be greater than or equal to 0 \(got -1\)$"),
+        ({"mtp_window": "long"}, r": mtp_window: Input should be a valid integer"),
         ({"discovery": {"expect": 0}}, r": discovery\.expect: Input should be greater than or equal to 1"),
         ({"discovery": {"settle": -0.5}}, r": discovery\.settle: Input should be greater than or equal to 0"),
         ({"placement": {"reserve_gib": -1}}, r": placement\.reserve_gib: Input should be greater than or"),
@@ -222,15 +227,17 @@ def _launch_args(*argv: str) -> argparse.Namespace:
 
 def test_flags_override_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("name: lab\ndiscovery: {expect: 2, interfaces: [en0]}\napi: {port: 9000}\nnode: {port: 6000}\n")
+    path.write_text("name: lab\ndiscovery: {expect: 2, interfaces: [en0]}\napi: {port: 9000}\nnode: {port: 6000}\n"
+                    "draft_vocab: 1000\nmtp_window: 512\n")
     monkeypatch.chdir(tmp_path)  # no ./cluster.yaml here
     monkeypatch.delenv("MTPIPE_CONFIG", raising=False)
     cfg = resolve_config(_launch_args("--config", str(path), "--cluster", "lab2", "--expect", "4", "--interface",
                                       "10.0.0.2", "--api-port", "9100", "--node", "10.0.0.9", "--max-memory", "12",
-                                      "--mtp-depth", "3", "--dtype", "float16", "--settle", "0.5"))
+                                      "--mtp-depth", "3", "--dtype", "float16", "--settle", "0.5", "--mtp-window", "64"))
     assert (cfg.name, cfg.discovery.expect, cfg.discovery.interfaces, cfg.api.port) == ("lab2", 4, ["10.0.0.2"], 9100)
     assert cfg.nodes == [StaticNode(host="10.0.0.9", port=6000)] and cfg.node.max_memory_gib == 12.0
     assert (cfg.mtp_depth, cfg.dtype, cfg.discovery.settle, cfg.node.port) == (3, "float16", 0.5, 6000)
+    assert cfg.drafting() == {"draft_vocab": 1000, "mtp_window": 64}  # the file's, and the flag's over it
     assert resolve_config(_launch_args("--config", str(path))) == load_cluster_config(path)
     assert resolve_config(_launch_args()) == ClusterConfig()
     monkeypatch.setenv("MTPIPE_CONFIG", str(path))

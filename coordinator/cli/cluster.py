@@ -43,7 +43,7 @@ from ..cluster.formation import (
     single_node_engine,
 )
 from ..cluster.membership import Membership
-from .common import add_mtp, drafting_options, progress_loader, stage_options, stderr_console
+from .common import add_mtp, progress_loader, stderr_console
 from .serve import add_serve_command
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
     cfg = load_cluster_config(path) if path else ClusterConfig()
     flags = {  # config key -> argparse dest; a flag not given, or not defined for this subcommand, is None
         "name": "cluster", "model": "model", "dtype": "dtype", "mtp_depth": "mtp_depth", "secret_env": "secret_env",
-        "secret_file": "secret_file",
+        "secret_file": "secret_file", "draft_vocab": "draft_vocab", "mtp_window": "mtp_window",
         "discovery.interfaces": "interface", "discovery.expect": "expect", "discovery.settle": "settle",
         "nodes": "node", "node.host": "host", "node.port": "port", "node.state_dir": "state_dir",
         "node.max_memory_gib": "max_memory", "node.model_dirs": "model_dir", "node.download": "download",
@@ -141,7 +141,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     offered = offered_memory(sysinfo.placement_memory(mem.available, mem.gpu_limit), cfg.node.max_memory_gib)
     server = NodeServer(cfg.node.host, cfg.node.port, node_id=me, secret=secret,
                         model_dirs=[*cfg.node.model_dirs, *([model_here] if model_here else [])],
-                        download=cfg.node.download, **drafting_options(args)).start()
+                        download=cfg.node.download, **cfg.drafting()).start()
     server.service.coordinating = bool(args.coordinator)
 
     def memory_offered() -> int:
@@ -193,7 +193,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         server.service.weights.add_model_dir(model_path)  # this node serves the model's tensors to the others
         alone = len(peers) == 1 and not cfg.nodes
         # With peers, each machine's node drafts as its own command says (every machine runs the same one).
-        options = stage_options(args) if alone else {}
+        options = {**cfg.drafting(), **({"mtp_pre_norm": True} if args.mtp_pre_norm else {})} if alone else {}
         if not alone and args.mtp_pre_norm:
             raise ValueError("--mtp-pre-norm applies to local stages; nodes take their own")
         if alone:

@@ -119,11 +119,18 @@ class ClusterConfig(_Section):
     model: Text | None = None
     dtype: Dtype | None = None  # cast weights on load
     mtp_depth: Annotated[int, Field(ge=0, le=8)] | None = None  # None ("auto"): picked per round with an MTP head
+    # How the last stage drafts (models/draft_vocab.py, models/mtp.py); None: the stage's default, 0: no limit
+    draft_vocab: Annotated[int, Field(ge=0)] | None = None
+    mtp_window: Annotated[int, Field(ge=0)] | None = None
     nodes: list[StaticNode] = Field(default_factory=list)
     node: NodeConfig = Field(default_factory=NodeConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
+
+    def drafting(self) -> dict[str, int]:
+        """The drafting options given (a node's `draft_vocab` and `mtp_window` keywords)."""
+        return {k: v for k, v in (("draft_vocab", self.draft_vocab), ("mtp_window", self.mtp_window)) if v is not None}
 
     @field_validator("name")
     @classmethod
