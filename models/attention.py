@@ -63,8 +63,8 @@ def attention_layer(layer: Any, h: mx.array, offset: int | mx.array, update: Upd
     `compiled` (gdn_snapshots.CompiledLayers) where it applies to `h`, the parts around the update
     and the attention run compiled."""
     if compiled is not None and compiled.applies(h):
-        if isinstance(offset, int):  # (an array: a number would be traced again at every position)
-            offset = mx.array(offset, dtype=mx.int32)
+        if isinstance(offset, int):  # (an array, one per row as for rows at their own positions: a number
+            offset = mx.full((h.shape[0],), offset, dtype=mx.int32)  # would be traced again at every position)
         run = compiled.call
     else:
         run = _call

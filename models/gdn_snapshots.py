@@ -51,7 +51,7 @@ class CompiledLayers:
     compiled function holds its layer, and reads the layer's weights afresh at every call)."""
 
     def __init__(self) -> None:
-        self._fns: dict[tuple[int, str], Callable] = {}
+        self._fns: dict[tuple[int, Callable], Callable] = {}
         self._traced: set[tuple] = set()  # (layer, part, input shapes and dtypes) traced without an error
 
     def applies(self, h: mx.array) -> bool:
@@ -65,7 +65,7 @@ class CompiledLayers:
         """`fn(layer, *arrays)` compiled. While MLX traces a new input shape it swaps the layer's
         weights for placeholders and puts them back only if the trace succeeds: a failed trace (bad
         input) must not leave the layer without its weights."""
-        part = (id(layer), fn.__name__)
+        part = (id(layer), fn)
         compiled = self._fns.get(part)
         if compiled is None:
             compiled = self._fns[part] = mx.compile(partial(fn, layer), inputs=layer.state)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -177,7 +176,7 @@ def ragged_layer(
         if any(t != h.shape[1] for t in real):
             restore_rows(snaps, cache, [t - 1 for t in real])
         return h, snaps
-    return attention_layer(layer, h, cache.offsets(), partial(cache.update, real=real, window=window), compiled), None
+    return attention_layer(layer, h, cache.offsets(), functools.partial(cache.update, real=real, window=window), compiled), None
 
 
 def restore_rows(snaps: GDNSnapshots, cache: ArraysCache, positions: list[int]) -> None:

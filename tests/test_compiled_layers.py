@@ -63,46 +63,83 @@ def kept(cache: KVCache) -> tuple[mx.array, mx.array]:
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("tokens", [1, 2, 4])
 def test_compiled_attention_layer_is_mlx_lms_layer_bit_for_bit(ckpt: Path, tokens: int, dtype: mx.Dtype) -> None:
-    """One sequence through mlx-lm's cache (after a prompt), and rows at their own lengths through a
-    RaggedKV: compiled around the cache or not, the layer's output and cache are what mlx-lm's layer
-    computes (each row alone, for the ragged rows)."""
+    """One sequence through mlx-lm's cache (after a prompt), and rows through a RaggedKV, at their own
+    lengths or level: compiled around the cache or not, the layer's output and cache are what mlx-lm's
+    layer computes (each row alone, for the rows)."""
     shard = load_shard(ckpt, dtype=dtype).model
     if dtype != mx.float32 and shard.config.is_moe:
         pytest.skip("MLX's gather_mm runs float32 only on the CPU (MoE layers, compiled or not)")
     layers = [layer for layer in shard.layers if not layer.is_linear] + [shard.mtp.layers[0]]
     hidden = shard.config.args.hidden_size
     k1, k2 = mx.random.split(mx.random.key(tokens), 2)
-    prompts = [mx.random.normal((1, n, hidden), key=k).astype(dtype) for n, k in zip((9, 5, 13), mx.random.split(k1, 3))]
     x = mx.random.normal((3, tokens, hidden), key=k2).astype(dtype)
     compiled = CompiledLayers()
     assert compiled.applies(x)
-    for layer in layers:
-        want, caches = [], []
-        for i, prompt in enumerate(prompts):  # mlx-lm's layer, each row alone
-            cache = KVCache()
-            layer(prompt, mask="causal", cache=cache)
-            want.append(layer(x[i : i + 1], mask=create_attention_mask(x[i : i + 1], cache), cache=cache))
-            caches.append(kept(cache))
-        for parts in (None, compiled):
-            for i, prompt in enumerate(prompts):
-                cache = KVCache()
-                layer(prompt, mask="causal", cache=cache)
-                mask = create_attention_mask(x[i : i + 1], cache)
-                got = attention_layer(layer, x[i : i + 1], cache.offset, cache_update(cache, mask), parts)
-                assert mx.array_equal(got, want[i]).item()
-                assert all(mx.array_equal(a, b).item() for a, b in zip(kept(cache), caches[i]))
-            rows: RaggedKV | None = None
-            for i, prompt in enumerate(prompts):  # each row's prompt entries, as mlx-lm cached them
-                cache = KVCache()
-                layer(prompt, mask="causal", cache=cache)
-                part = RaggedKV.from_cache(cache)
-                rows = part if rows is None else RaggedKV.concat([rows, part])
-            got, _ = ragged_layer(layer, x, rows, [tokens] * 3, parts)
-            for i in range(3):
-                assert mx.array_equal(got[i : i + 1], want[i]).item()
-                keys, values = rows.row(i)
-                assert mx.array_equal(keys, caches[i][0]).item() and mx.array_equal(values, caches[i][1]).item()
+    for lengths in ((9, 5, 13), (9, 9, 9)):
+        prompts = [mx.random.normal((1, n, hidden), key=k).astype(dtype) for n, k in zip(lengths, mx.random.split(k1, 3))]
+        for layer in layers:
+            want, caches = [], []
+            for i, prompt in enumerate(prompts):  # mlx-lm's layer, each row alone
+                cache = prompted(layer, prompt)
+                want.append(layer(x[i : i + 1], mask=create_attention_mask(x[i : i + 1], cache), cache=cache))
+                caches.append(kept(cache))
+            for parts in (None, compiled):
+                for i, prompt in enumerate(prompts):
+                    cache = prompted(layer, prompt)
+                    mask = create_attention_mask(x[i : i + 1], cache)
+                    got = attention_layer(layer, x[i : i + 1], cache.offset, cache_update(cache, mask), parts)
+                    assert mx.array_equal(got, want[i]).item()
+                    assert all(mx.array_equal(a, b).item() for a, b in zip(kept(cache), caches[i]))
+                rows = ragged_rows(layer, prompts)
+                got, _ = ragged_layer(layer, x, rows, [tokens] * 3, parts)
+                for i in range(3):
+                    assert mx.array_equal(got[i : i + 1], want[i]).item()
+                    keys, values = rows.row(i)
+                    assert mx.array_equal(keys, caches[i][0]).item() and mx.array_equal(values, caches[i][1]).item()
     assert len(compiled._fns) == 2 * len(layers)
+    # one trace per part and input shape, whatever the positions: rows level or not, and one sequence
+    assert len(compiled._traced) == 2 * len(layers) * 2
+
+
+@cpu_only
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_compiled_attention_with_a_window_computes_the_same(dense_ckpt: Path, tokens: int) -> None:
+    """The MTP head drafting over a window (one sequence, and rows, some adding fewer tokens than the
+    widest): compiled around the cache or not, the same outputs and caches."""
+    shard = load_shard(dense_ckpt, dtype=mx.float32).model
+    mtp = shard.mtp
+    hidden = shard.config.args.hidden_size
+    keys = mx.random.split(mx.random.key(7 + tokens), 6)
+    prompts = [mx.random.normal((1, n, hidden), key=k) for n, k in zip((9, 5, 13), keys[:3])]
+    h, e = (mx.random.normal((3, tokens, hidden), key=k) for k in keys[3:5])
+    real = [tokens, 1, tokens]
+    results = []
+    for parts in (None, CompiledLayers()):
+        mtp.compiled = parts  # (None: the uncompiled path)
+        got = []
+        for i, prompt in enumerate(prompts):
+            cache = prompted(mtp.layers[0], prompt)
+            got += [mtp(h[i : i + 1], e[i : i + 1], cache, window=4), *kept(cache)]
+        rows = ragged_rows(mtp.layers[0], prompts)
+        got += [mtp.rows(h, e, rows, real, window=4), rows.keys, rows.values]
+        mx.eval(got)
+        results.append(got)
+    mtp.compiled = CompiledLayers()
+    assert len(results[0]) == len(results[1]) == 12
+    assert all(mx.array_equal(a, b).item() for a, b in zip(*results))
+
+
+def prompted(layer, prompt: mx.array) -> KVCache:
+    """mlx-lm's cache after the layer took `prompt`."""
+    cache = KVCache()
+    layer(prompt, mask="causal", cache=cache)
+    return cache
+
+
+def ragged_rows(layer, prompts: list[mx.array]) -> RaggedKV:
+    """One row per prompt, each with the entries mlx-lm's layer cached for it."""
+    rows = [RaggedKV.from_cache(prompted(layer, p)) for p in prompts]
+    return RaggedKV.concat(rows)
 
 
 @cpu_only
