@@ -106,12 +106,15 @@ class FillGroup:
             if hidden is None or hidden.shape[:2] != (len(self.ids), width):
                 raise StageError("this stage needs the previous stage's hidden states for every prefilling row")
             h = hidden.astype(self.dtype)
-        valid = mx.arange(width)[None, :] < mx.array(real)[:, None]
+        # Rows shorter than the widest mask their padding out of the GatedDeltaNet layers; with every
+        # row full, the layers run unmasked (the same arithmetic, without a mask op per position).
+        ragged = any(n != width for n in real)
+        valid = mx.arange(width)[None, :] < mx.array(real)[:, None] if ragged else None
         queue = queue_layers()  # each layer computes while the host builds the next
         for layer, c in zip(self.model.layers, self.cache):
             x = layer.input_layernorm(h)
             if layer.is_linear:
-                c.lengths = mx.array(real)
+                c.lengths = mx.array(real) if ragged else None
                 r = layer.linear_attn(x, valid, c)
                 c.lengths = None
             else:

@@ -627,3 +627,43 @@ def test_bad_requests_are_refused_and_the_engine_serves_on(engines: Engines) -> 
     assert engine.thread.call(lambda: [s.sequences for s in engine.stages]) == [0]
     req = request(prompt, 2, 16)
     assert Stream(engine, req).finish() == engines.alone("dense", req).tokens
+
+
+def test_prompt_chunks_of_full_rows_run_unmasked_as_a_sequence_alone(dense_ckpt: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt chunks of rows not yet in the batch (filling.py) mask padding out of the GatedDeltaNet
+    layers only where a row is shorter than the widest: a lone chunk runs unmasked, and computes
+    bit for bit what the shard computes for the sequence alone, caches included."""
+    from mlx_lm.models.qwen3_5 import GatedDeltaNet
+
+    from mtpipe.models.shard import STEPPED_MAX_TOKENS
+    from mtpipe.node.filling import FillGroup
+
+    model = load_shard(dense_ckpt, dtype=mx.float32).model
+    masks: list[bool] = []
+    call = GatedDeltaNet.__call__
+    monkeypatch.setattr(GatedDeltaNet, "__call__", lambda self, x, mask=None, cache=None: (
+        masks.append(mask is not None), call(self, x, mask, cache))[1])
+    linear = sum(layer.is_linear for layer in model.layers)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]  # (longer than a stepped input)
+    assert len(prompt) > STEPPED_MAX_TOKENS
+
+    def fill(rows: list[list[int]]) -> tuple[mx.array, list]:
+        group = FillGroup(model, None, first=True, dtype=mx.float32, max_context=64,
+                          vocab_size=model.config.args.vocab_size, has_mtp=False)
+        h = group.step([StepRequest(f"r{i}", 0, StepKind.PREFILL, t, params=SamplingParams())
+                        for i, t in enumerate(rows)], None)
+        return h, group.cache
+
+    h, cache = fill([prompt])
+    assert masks == [False] * linear
+    ref_cache = model.make_cache()
+    ref, _ = model.run_layers(model.embed(mx.array([prompt])), ref_cache)
+    got = [c.row(0) if isinstance(c, RaggedKV) else (c[0], c[1]) for c in cache]  # (attention: the row's entries)
+    want = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) if hasattr(c, "offset") and c.keys is not None
+            else (c[0], c[1]) for c in ref_cache]
+    assert mx.array_equal(h, ref).item() and len(got) == len(want) == len(model.layers)
+    assert all(a.shape == b.shape and mx.array_equal(a, b).item() for x, y in zip(got, want) for a, b in zip(x, y))
+    masks.clear()
+    fill([prompt, prompt[:4]])
+    assert masks == [True] * linear
