@@ -250,7 +250,7 @@ def test_a_row_released_while_it_joins_leaves_cleanly(dense_ckpt: Path) -> None:
     n = load_config(dense_ckpt).num_layers
     worker = StageWorker(load_shard(dense_ckpt, ShardSpec(n // 2, n, n), mtp=False, dtype=mx.float32))
     hidden = worker.hidden_size
-    groups = RingGroups(worker)
+    groups = RingGroups(worker)  # (no stop tokens: the rows' tokens come from random hidden states)
 
     def prefill(seq: str) -> Any:
         return worker.step(StepRequest(seq, 0, StepKind.PREFILL, [5, 6, 7], final=True),
@@ -260,9 +260,9 @@ def test_a_row_released_while_it_joins_leaves_cleanly(dense_ckpt: Path) -> None:
         out = groups.run(rnd, mx.random.normal((len(rnd.rows), max(len(r.tokens) for r in rnd.rows), hidden)))
         return groups.next_round(rnd, out)
 
-    joined, first = groups.joined("c", 1, prefill("a"), 50, (0,))
+    joined, first = groups.joined("c", 1, prefill("a"), 50, ())
     assert joined and first is not None and [r.seq_id for r in first.rows] == ["a"]
-    assert groups.joined("c", 1, prefill("b"), 50, (0,)) == (True, None)  # waits: a round is on its way
+    assert groups.joined("c", 1, prefill("b"), 50, ()) == (True, None)  # waits: a round is on its way
     shown, second = arrive(first)
     assert [o.seq_id for o in shown] == ["a"] and [(r.seq_id, r.join) for r in second.rows] == [("a", False),
                                                                                                   ("b", True)]
