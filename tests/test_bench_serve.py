@@ -46,3 +46,36 @@ def test_bench_serve_tiny(dense_ckpt: Path) -> None:
     assert isinstance(result["identical"], bool) and result["identity"]["concurrency"] == 2
     assert result["waves"] == {"1": 2, "2": 1}
     assert result["prefill_gap"] is None and "blas" in result
+
+
+def test_bench_serve_sampled_tiny(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--temperature`: every level samples, each prompt with its own seed; the seeded tokens are the same
+    in a batch, at every depth, as alone, so identity holds; mlx-lm samples too."""
+    import importlib
+
+    from mtpipe.coordinator.bench import serve
+
+    mlx_generate = importlib.import_module("mlx_lm.generate")  # (the package's `generate` is a function)
+
+    opened: list[tuple[float, int | None]] = []
+    open_request = serve._request
+
+    def spy(engine, prompt, max_tokens, method, params=None):
+        opened.append((params.temperature, params.seed) if params else (0.0, None))
+        return open_request(engine, prompt, max_tokens, method, params)
+
+    samplers: list[object] = []
+    batch_generate = mlx_generate.batch_generate
+    monkeypatch.setattr(serve, "_request", spy)
+    monkeypatch.setattr(mlx_generate, "batch_generate", lambda *a, **k: (samplers.append(k.get("sampler")),
+                                                                          batch_generate(*a, **k))[1])
+    result = bench_serve(dense_ckpt, concurrency=[2], max_tokens=8, gap=False, api=True, temperature=1.0)
+    assert result["temperature"] == 1.0 and result["identical"] is True
+    assert set(result["identity"]["per_method"]) == {"no_mtp", "auto"}
+    for level in ("engine", "api"):
+        for method in ("no_mtp", "auto"):
+            assert result["tok_s"][level][method]["2"] > 0, (level, method)
+    assert opened and all(t == 1.0 and seed in (serve.SEED_BASE, serve.SEED_BASE + 1) for t, seed in opened)
+    assert samplers and all(callable(s) for s in samplers)
+    with pytest.raises(ValueError, match="temperature"):
+        bench_serve(dense_ckpt, concurrency=[1], temperature=3.0)

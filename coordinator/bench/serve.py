@@ -24,8 +24,13 @@ usage's completion tokens shared out by characters. mlx-lm's figure is its own: 
 wall time minus prompt time. Each cell is the median of `reps` runs; every wave runs every level and
 method back to back (interleaved).
 
-Identity: the engine's greedy outputs of every prompt at c=8 (the largest c when 8 is absent), both
-methods, equal each prompt decoded alone (no_mtp).
+Identity: the engine's outputs of every prompt at c=8 (the largest c when 8 is absent), both methods,
+equal each prompt decoded alone (no_mtp).
+
+Sampled (`temperature` > 0, as the API serves requests that do not ask for greedy): every level samples
+at that temperature, each prompt with a seed of its own (`SEED_BASE` + its index) on the engine and the
+API, so its tokens are the same whatever the batch and the depth, and identity holds as for greedy;
+mlx-lm's batch generation samples at the same temperature (its own randomness).
 
 Prefill gap: 4 streams (no_mtp) decoding, then a ~4000-token prompt is submitted; the window runs
 from its submission to its first token. Every gap between consecutive chunks of the 4 streams that
@@ -58,6 +63,7 @@ GAP_TOKENS = 4000
 GAP_STREAMS = 4
 GAP_SETTLE = 16  # chunks each stream emits before the long prompt goes in
 GAP_STREAM_TOKENS = 2048
+SEED_BASE = 1000  # sampled runs: prompt i's seed is SEED_BASE + i
 WAIT_S = 1800.0
 
 
@@ -125,52 +131,67 @@ def waves(n: int, c: int) -> list[list[int]]:
     return [[(w * c + i) % n for i in range(c)] for w in range(-(-n // c))]
 
 
-def _request(engine: BatchEngine, prompt: list[int], max_tokens: int, method: str) -> GenerationRequest:
+def sampling(temperature: float, index: int) -> SamplingParams:
+    """Prompt `index`'s sampling: greedy at temperature 0, else seeded (`SEED_BASE` + index)."""
+    return SamplingParams(temperature=temperature, seed=SEED_BASE + index) if temperature > 0 else SamplingParams()
+
+
+def _request(engine: BatchEngine, prompt: list[int], max_tokens: int, method: str,
+             params: SamplingParams | None = None) -> GenerationRequest:
     depth, auto = resolve_depth(METHODS[method], engine.has_mtp)
-    return GenerationRequest(prompt, max_tokens=max_tokens, params=SamplingParams(), mtp_depth=depth, mtp_auto=auto)
+    return GenerationRequest(prompt, max_tokens=max_tokens, params=params or SamplingParams(), mtp_depth=depth,
+                             mtp_auto=auto)
 
 
-def run_streams(engine: Any, prompts: list[list[int]], max_tokens: int, method: str) -> list[Recorder]:
-    """All prompts opened at once on an engine (batch or ring), each recorded until it ends."""
+def run_streams(engine: Any, prompts: list[list[int]], max_tokens: int, method: str,
+                params: list[SamplingParams] | None = None) -> list[Recorder]:
+    """All prompts opened at once on an engine (batch or ring), each recorded until it ends (greedy
+    unless `params` gives each prompt's sampling)."""
     recs = [Recorder() for _ in prompts]
-    for prompt, rec in zip(prompts, recs):
-        engine.open(_request(engine, prompt, max_tokens, method), rec)
+    for i, (prompt, rec) in enumerate(zip(prompts, recs)):
+        engine.open(_request(engine, prompt, max_tokens, method, params[i] if params else None), rec)
     for rec in recs:
         rec.wait()
     return recs
 
 
-def engine_run(engine: BatchEngine, prompts: list[list[int]], max_tokens: int,
-               method: str) -> tuple[Decode, list[list[int]]]:
+def engine_run(engine: BatchEngine, prompts: list[list[int]], max_tokens: int, method: str,
+               params: list[SamplingParams] | None = None) -> tuple[Decode, list[list[int]]]:
     """All prompts opened at once; their aggregate decode window and each prompt's tokens."""
-    recs = run_streams(engine, prompts, max_tokens, method)
+    recs = run_streams(engine, prompts, max_tokens, method, params)
     return decode_window([(r.times, r.counts) for r in recs]), [r.tokens for r in recs]
 
 
-def single_run(engine: BatchEngine, single: Any, prompt: list[int], max_tokens: int, method: str) -> Decode:
+def single_run(engine: BatchEngine, single: Any, prompt: list[int], max_tokens: int, method: str,
+               params: SamplingParams | None = None) -> Decode:
     """One stream through the per-sequence engine (`local_engine`, as `bench engine` runs it), on the
     batch engine's idle MLX thread: what a lone user got before batching."""
     def run() -> Decode:
         rec = Recorder()
-        for chunk in single.generate(_request(engine, prompt, max_tokens, method)):
+        for chunk in single.generate(_request(engine, prompt, max_tokens, method, params)):
             rec(chunk)
         return decode_window([(rec.times, rec.counts)])
 
     return engine.thread.call(run)
 
 
-def api_run(clients: Any, url: str, prompts: list[list[int]], max_tokens: int, method: str) -> Decode:
-    records = clients.stream(url, prompts, max_tokens, METHODS[method])
+def api_run(clients: Any, url: str, prompts: list[list[int]], max_tokens: int, method: str,
+            params: list[SamplingParams] | None = None) -> Decode:
+    sampled = [(p.temperature, p.seed) for p in params] if params else None
+    records = clients.stream(url, prompts, max_tokens, METHODS[method], sampled)
     return decode_window([(r.times, r.token_counts()) for r in records])
 
 
-def mlx_lm_run(engine: BatchEngine, ref: tuple[Any, Any], prompts: list[list[int]], max_tokens: int) -> Decode:
+def mlx_lm_run(engine: BatchEngine, ref: tuple[Any, Any], prompts: list[list[int]], max_tokens: int,
+               temperature: float = 0.0) -> Decode:
     """mlx-lm's batch_generate on the engine's MLX thread (idle between runs): its generated tokens
-    over its generation time (its `generation_tps`)."""
+    over its generation time (its `generation_tps`); sampled at `temperature` when above 0."""
     from mlx_lm.generate import batch_generate
+    from mlx_lm.sample_utils import make_sampler
 
     model, tokenizer = ref
-    stats = engine.thread.call(batch_generate, model, tokenizer, prompts, max_tokens=max_tokens).stats
+    extra = {"sampler": make_sampler(temp=temperature)} if temperature > 0 else {}
+    stats = engine.thread.call(batch_generate, model, tokenizer, prompts, max_tokens=max_tokens, **extra).stats
     return Decode(stats.generation_tokens, stats.generation_time)
 
 
@@ -270,11 +291,14 @@ def bench_serve(
     gap_tokens: int = GAP_TOKENS,
     reps: int = 1,
     dtype: Any = None,
+    temperature: float = 0.0,
 ) -> dict[str, Any]:
     """Every level at every concurrency (see the module docstring); the result as one dict."""
     levels = sorted(set(concurrency))
     if not levels or levels[0] < 1:
         raise ValueError(f"concurrency levels must be positive, got {concurrency}")
+    if not 0 <= temperature <= 2:  # (the API's range)
+        raise ValueError(f"temperature must be in [0, 2], got {temperature}")
     top = levels[-1]
     engine = batch_engine(model_path, dtype=dtype, max_rows=max(DEFAULT_MAX_ROWS, top))
     server = clients = None
@@ -290,16 +314,17 @@ def bench_serve(
             server = LiveServer(engine)
             server.start()
             clients = Clients()
+        params = [sampling(temperature, i) for i in range(len(prompts))]  # prompt i's, whatever its wave
         for c in levels:  # warm every path up once at every batch size (compilation, allocator)
             for method in METHODS:
-                engine_run(engine, prompts[:c], WARM_TOKENS, method)
+                engine_run(engine, prompts[:c], WARM_TOKENS, method, params[:c])
                 if server:
-                    api_run(clients, server.url, prompts[:c], WARM_TOKENS, method)
+                    api_run(clients, server.url, prompts[:c], WARM_TOKENS, method, params[:c])
             if ref:
-                mlx_lm_run(engine, ref, prompts[:c], WARM_TOKENS)
+                mlx_lm_run(engine, ref, prompts[:c], WARM_TOKENS, temperature)
         if single:
             for method in METHODS:
-                single_run(engine, single, prompts[0], WARM_TOKENS, method)
+                single_run(engine, single, prompts[0], WARM_TOKENS, method, params[0])
         runs: dict[str, dict[str, dict[str, list[float]]]] = {"engine": {}, "api": {}, "single_stream": {}}
         mlx_runs: dict[str, list[float]] = {}
         outputs: dict[str, list[tuple[int, list[int]]]] = {}
@@ -309,26 +334,28 @@ def bench_serve(
             for rep in range(reps):
                 sums: dict[tuple[str, str], Decode] = {}
                 for wave in waves(top, c):
-                    batch = [prompts[i] for i in wave]
+                    batch, sampled = [prompts[i] for i in wave], [params[i] for i in wave]
                     got: list[tuple[str, str, Decode]] = []
                     for method in METHODS:
-                        decode, toks = engine_run(engine, batch, max_tokens, method)
+                        decode, toks = engine_run(engine, batch, max_tokens, method, sampled)
                         got.append(("engine", method, decode))
                         if c == id_c and rep == 0:
                             outputs.setdefault(method, []).extend(zip(wave, toks))
                         if server:
-                            got.append(("api", method, api_run(clients, server.url, batch, max_tokens, method)))
+                            got.append(("api", method, api_run(clients, server.url, batch, max_tokens, method,
+                                                               sampled)))
                         if single and c == 1:
                             got.append(("single_stream", method, single_run(engine, single, batch[0], max_tokens,
-                                                                            method)))
+                                                                            method, sampled[0])))
                     if ref:
-                        got.append(("mlx_lm", "batch", mlx_lm_run(engine, ref, batch, max_tokens)))
+                        got.append(("mlx_lm", "batch", mlx_lm_run(engine, ref, batch, max_tokens, temperature)))
                     for level, method, decode in got:
                         sums[(level, method)] = sums.get((level, method), Decode()) + decode
                 for (level, method), total in sums.items():
                     cells = mlx_runs if level == "mlx_lm" else runs[level].setdefault(method, {})
                     cells.setdefault(str(c), []).append(total.tps)
-        singles = {i: engine_run(engine, [prompts[i]], max_tokens, "no_mtp")[1][0] for i, _ in outputs["no_mtp"]}
+        singles = {i: engine_run(engine, [prompts[i]], max_tokens, "no_mtp", [params[i]])[1][0]
+                   for i, _ in outputs["no_mtp"]}
         per_method = {m: all(toks == singles[i] for i, toks in outputs[m]) for m in METHODS}
 
         def med(cells: dict[str, list[float]]) -> dict[str, float]:
@@ -343,6 +370,8 @@ def bench_serve(
             "concurrency": levels,
             "max_tokens": max_tokens,
             "reps": reps,
+            "temperature": temperature,
+            "seeds": f"{SEED_BASE} + prompt index" if temperature > 0 else None,
             "prompt_tokens": [len(p) for p in prompts],
             "waves": {str(c): len(waves(top, c)) for c in levels},
             "measure": "decode tok/s: tokens after every stream's first token / (last token - that moment), "
@@ -384,7 +413,8 @@ def print_serve_report(result: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     tok, mlx = result["tok_s"], result["mlx_lm_batch"]
-    table = Table(title=f"mtpipe bench serve: aggregate decode tok/s, {result['max_tokens']} tokens per stream")
+    how = f"sampled at temperature {result['temperature']}" if result.get("temperature") else "greedy"
+    table = Table(title=f"mtpipe bench serve: aggregate decode tok/s, {result['max_tokens']} tokens per stream, {how}")
     columns = [("engine", m) for m in tok["engine"]] + [("api", m) for m in tok["api"]]
     table.add_column("streams", justify="right")
     for level, m in columns:
@@ -402,7 +432,7 @@ def print_serve_report(result: dict[str, Any], console: Any) -> None:
         console.print(f"one stream through the per-sequence engine: {tok['single_stream']}")
     console.print(f"ratios: {result['ratios']}")
     ident = result["identity"]
-    console.print(f"greedy outputs at c={ident['concurrency']} equal c=1: {result['identical']} {ident['per_method']}")
+    console.print(f"{how} outputs at c={ident['concurrency']} equal c=1: {result['identical']} {ident['per_method']}")
     if result["prefill_gap"]:
         g = result["prefill_gap"]
         console.print(f"prefill gap: {g['prompt_tokens']}-token prompt in {g['prefill_s']:.2f} s; "

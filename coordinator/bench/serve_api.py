@@ -110,10 +110,17 @@ async def _stream_all(url: str, bodies: list[dict[str, Any]]) -> list[StreamReco
         return list(await asyncio.gather(*(_stream_one(client, url, b) for b in bodies)))
 
 
-def stream_completions(url: str, prompts: list[list[int]], max_tokens: int, mtp_depth: int | str) -> list[StreamRecord]:
-    """One greedy streaming request per prompt, all at once; returns when every stream has ended."""
+Sampled = list[tuple[float, int | None]]  # each prompt's (temperature, seed)
+
+
+def stream_completions(url: str, prompts: list[list[int]], max_tokens: int, mtp_depth: int | str,
+                       sampled: Sampled | None = None) -> list[StreamRecord]:
+    """One streaming request per prompt (greedy unless `sampled` gives each its temperature and
+    seed), all at once; returns when every stream has ended."""
     bodies = [{"model": MODEL_NAME, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                "stream_options": {"include_usage": True}, "mtp_depth": mtp_depth} for p in prompts]
+    for body, (temperature, seed) in zip(bodies, sampled or []):
+        body.update(temperature=temperature, **({"seed": seed} if seed is not None else {}))
     return asyncio.run(_stream_all(url, bodies))
 
 
@@ -128,17 +135,19 @@ class Clients:
 
         self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
 
-    def stream(self, url: str, prompts: list[list[int]], max_tokens: int, mtp_depth: int | str) -> list[StreamRecord]:
-        return self.pool.submit(_stream_in_child, url, prompts, max_tokens, mtp_depth).result()
+    def stream(self, url: str, prompts: list[list[int]], max_tokens: int, mtp_depth: int | str,
+               sampled: Sampled | None = None) -> list[StreamRecord]:
+        return self.pool.submit(_stream_in_child, url, prompts, max_tokens, mtp_depth, sampled).result()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _stream_in_child(url: str, prompts: list[list[int]], max_tokens: int, mtp_depth: int | str) -> list[StreamRecord]:
+def _stream_in_child(url: str, prompts: list[list[int]], max_tokens: int, mtp_depth: int | str,
+                     sampled: Sampled | None = None) -> list[StreamRecord]:
     """stream_completions in the clients' process; its errors come back as plain RuntimeErrors (an
     httpx exception need not survive the trip between processes)."""
     try:
-        return stream_completions(url, prompts, max_tokens, mtp_depth)
+        return stream_completions(url, prompts, max_tokens, mtp_depth, sampled)
     except Exception as e:  # noqa: BLE001 - re-raised as an error the parent can unpickle
         raise RuntimeError(f"{type(e).__name__}: {e}") from None
