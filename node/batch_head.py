@@ -21,7 +21,7 @@ import numpy as np
 from ..models.mtp import attended, entries_only_pays
 from ..models.ragged import RaggedKV, pad_rows
 from ..models.shard import queue_layers
-from .acceptance import accept_greedy, filtered_probs
+from .acceptance import accept_greedy, filtered_probs, gumbel_picks
 from .batch_depth import DepthPlan
 from .depth import batch_rates
 from .device_sampling import drafts_on_device, draw_drafts, sample, samples_on_device
@@ -134,6 +134,7 @@ class BatchHead:
         picks_host = picks.tolist()
         reports = []
         outs, pairs = [], []
+        drawn = self._host_draws(rows, logits, on_device)
         for i, (row, d) in enumerate(zip(rows, self.states)):
             drafts = row.tokens[1:]
             K = len(drafts)
@@ -142,7 +143,7 @@ class BatchHead:
             elif i in on_device and K == 0:
                 n, tokens = 0, [picks_host[i][0]]
             elif K == 0:
-                n, tokens = 0, [d.pick(filtered_probs(logits[i, 0], d.params))]
+                n, tokens = 0, [drawn[i]]
             else:
                 n, tokens = d.accept(filtered_probs(logits[i, : K + 1], d.params), drafts)
             out = StepOutput(seq_id=row.seq_id, step=self.rounds[i], tokens=tokens, accepted=n, drafted=K,
@@ -176,6 +177,26 @@ class BatchHead:
         for o, d in zip(outs, self.states):
             o.output.drafts = list(d.drafts)
         return outs
+
+    def _host_draws(self, rows: list, logits: mx.array, on_device: tuple[int, ...]) -> dict[int, int]:
+        """The tokens of the sampled rows without drafts that draw on the host, as each row's
+        `DraftState.pick` draws them: probabilities in one pass per set of filters, the seeded rows'
+        keyed noise in one pass (a row at a time, this host work held up every round)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (row, d) in enumerate(zip(rows, self.states)):
+            if not d.params.greedy and i not in on_device and len(row.tokens) == 1:
+                q = d.params
+                groups.setdefault((q.temperature, q.top_p, q.top_k, q.min_p), []).append(i)
+        drawn: dict[int, int] = {}
+        for idx in groups.values():
+            p = filtered_probs(logits[mx.array(idx), 0], self.states[idx[0]].params)
+            seeded = [j for j, i in enumerate(idx) if self.states[i].params.seed is not None]
+            if seeded:  # (as DraftState.pick: keyed by the seed and the position after the sequence's end)
+                states = [self.states[idx[j]] for j in seeded]
+                picks = gumbel_picks(p[seeded], [d.params.seed for d in states], [d.history.length for d in states])
+                drawn.update((idx[j], t) for j, t in zip(seeded, picks))
+            drawn.update((i, self.states[i].pick(p[j])) for j, i in enumerate(idx) if i not in drawn)
+        return drawn
 
     def _choose(self, rows: list, positions: list[int]) -> None:
         """Depths for the rows with timed `auto`: one for all of them and for the batches that share the
