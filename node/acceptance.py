@@ -99,16 +99,6 @@ def gumbel_pick(p: np.ndarray, seed: int, position: int) -> int:
     return int(support[np.argmax(np.log(p[support]) + _gumbel(seed, position, support))])
 
 
-def gumbel_picks(p: np.ndarray, seeds: list[int], positions: list[int]) -> list[int]:
-    """`gumbel_pick` of each row of p [n, V], row i at (seeds[i], positions[i]), in one pass over the
-    rows: the same noise per (seed, position, token) and the same argmax (tokens outside a row's
-    support have log p = -inf)."""
-    keys = np.array([[_mix(_mix(s) ^ pos)] for s, pos in zip(seeds, positions)], dtype=np.uint64)
-    noise = _noise(np.arange(p.shape[-1], dtype=np.uint64)[None, :] ^ keys)
-    with np.errstate(divide="ignore"):
-        return [int(t) for t in np.argmax(np.log(p) + noise, axis=-1)]
-
-
 def accept_coupled(p: np.ndarray, drafts: list[int], seed: int, position: int) -> tuple[int, list[int]]:
     """p: [K+1, V] target probs at positions position..position+K; the drafts were picked from their
     own rows with gumbel_pick at the same positions."""
@@ -129,11 +119,7 @@ def _mix(z: int) -> int:
 
 def _gumbel(seed: int, position: int, tokens: np.ndarray) -> np.ndarray:
     """Standard Gumbel noise for `tokens`, the same for the same (seed, position, token) everywhere."""
-    return _noise(tokens.astype(np.uint64) ^ np.uint64(_mix(_mix(seed) ^ position)))
-
-
-def _noise(z: np.ndarray) -> np.ndarray:
-    """Gumbel noise from keyed tokens (uint64): SplitMix64's finalizer, then two logs."""
+    z = tokens.astype(np.uint64) ^ np.uint64(_mix(_mix(seed) ^ position))
     z = z + np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's finalizer, vectorized (uint64 arithmetic wraps)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)

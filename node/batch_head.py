@@ -21,7 +21,7 @@ import numpy as np
 from ..models.mtp import attended, entries_only_pays
 from ..models.ragged import RaggedKV, pad_rows
 from ..models.shard import queue_layers
-from .acceptance import accept_greedy, filtered_probs, gumbel_picks
+from .acceptance import accept_greedy, filtered_probs
 from .batch_depth import DepthPlan
 from .depth import batch_rates
 from .device_sampling import drafts_on_device, draw_drafts, sample, samples_on_device
@@ -179,9 +179,9 @@ class BatchHead:
         return outs
 
     def _host_draws(self, rows: list, logits: mx.array, on_device: tuple[int, ...]) -> dict[int, int]:
-        """The tokens of the sampled rows without drafts that draw on the host, as each row's
-        `DraftState.pick` draws them: probabilities in one pass per set of filters, the seeded rows'
-        keyed noise in one pass (a row at a time, this host work held up every round)."""
+        """The tokens of the sampled rows without drafts that draw on the host, each as its
+        `DraftState.pick` draws it, from probabilities taken in one pass per set of filters (a row at a
+        time, each row's logits went to the host on their own, and that held up every round)."""
         groups: dict[tuple, list[int]] = {}
         for i, (row, d) in enumerate(zip(rows, self.states)):
             if not d.params.greedy and i not in on_device and len(row.tokens) == 1:
@@ -190,12 +190,7 @@ class BatchHead:
         drawn: dict[int, int] = {}
         for idx in groups.values():
             p = filtered_probs(logits[mx.array(idx), 0], self.states[idx[0]].params)
-            seeded = [j for j, i in enumerate(idx) if self.states[i].params.seed is not None]
-            if seeded:  # (as DraftState.pick: keyed by the seed and the position after the sequence's end)
-                states = [self.states[idx[j]] for j in seeded]
-                picks = gumbel_picks(p[seeded], [d.params.seed for d in states], [d.history.length for d in states])
-                drawn.update((idx[j], t) for j, t in zip(seeded, picks))
-            drawn.update((i, self.states[i].pick(p[j])) for j, i in enumerate(idx) if i not in drawn)
+            drawn.update((i, self.states[i].pick(p[j])) for j, i in enumerate(idx))
         return drawn
 
     def _choose(self, rows: list, positions: list[int]) -> None:

@@ -28,7 +28,6 @@ from mtpipe.node.acceptance import (
     draw,
     filtered_probs,
     gumbel_pick,
-    gumbel_picks,
     top_p_row,
 )
 from mtpipe.node.device_sampling import draw_drafts, filtered_logits, sample
@@ -417,22 +416,16 @@ def test_seeded_picks_accept_iff_the_target_picks_the_draft() -> None:
     assert gumbel_pick(np.array([0.0, 1.0, 0.0]), 1, 2) == 1  # never a token outside the support
 
 
-def test_rows_drawn_together_draw_what_each_row_draws_alone() -> None:
-    """A batch's rows without drafts that draw on the host get their probabilities in one pass and the
-    seeded ones their keyed noise in one pass: the same numbers, bit for bit, and the same tokens as
-    row by row, tokens outside a row's support (top_k, min_p) included."""
+def test_rows_filtered_together_get_what_each_row_gets_alone() -> None:
+    """A batch's rows without drafts that draw on the host get their probabilities in one pass: the
+    same numbers, bit for bit, as row by row, tokens outside a row's support (top_k, min_p) included."""
     rng = np.random.default_rng(3)
     for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
                    SamplingParams(temperature=1.2, top_k=5, min_p=0.05)):
         logits = mx.array((4 * rng.standard_normal((6, 2, 300))).astype(np.float32))
         together = filtered_probs(logits[mx.array([0, 2, 3, 5]), 0], params)
         alone = np.stack([filtered_probs(logits[i, 0], params) for i in (0, 2, 3, 5)])
-        assert np.array_equal(together, alone)
-        for _ in range(50):
-            seeds = [int(s) for s in rng.integers(0, 2**63, 4)]
-            positions = [int(n) for n in rng.integers(0, 5000, 4)]
-            assert gumbel_picks(together, seeds, positions) == [
-                gumbel_pick(row, s, n) for row, s, n in zip(alone, seeds, positions)]
+        assert np.array_equal(together, alone) and (params.top_k == 0 or (together == 0).any())
 
 
 def test_seeded_tokens_do_not_depend_on_depth_or_batch(dense_ckpt: Path) -> None:
