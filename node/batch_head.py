@@ -180,8 +180,8 @@ class BatchHead:
 
     def _host_draws(self, rows: list, logits: mx.array, on_device: tuple[int, ...]) -> dict[int, int]:
         """The tokens of the sampled rows without drafts that draw on the host, each as its
-        `DraftState.pick` draws it, from probabilities taken in one pass per set of filters (a row at a
-        time, each row's logits went to the host on their own, and that held up every round)."""
+        `DraftState.pick` draws it, from probabilities taken in one pass per set of filters: one trip
+        to the host for all of them (a sampled round waits for these draws before the next is queued)."""
         groups: dict[tuple, list[int]] = {}
         for i, (row, d) in enumerate(zip(rows, self.states)):
             if not d.params.greedy and i not in on_device and len(row.tokens) == 1:
