@@ -52,11 +52,6 @@ def project(attn: Any, x: mx.array, offset: int | mx.array) -> tuple[mx.array, m
     return queries, gate.reshape(B, T, -1), keys, values
 
 
-def attend(attn: Any, queries: mx.array, gate: mx.array, keys: mx.array, values: mx.array, mask: Any) -> mx.array:
-    """The attention's output [B, T, hidden]: queries over the given keys, gated, projected."""
-    return _gated(attn, _sdpa(attn, queries, keys, values, mask), gate)
-
-
 def attention_layer(layer: Any, h: mx.array, offset: int | mx.array, update: Update, compiled: Any = None) -> mx.array:
     """The whole decoder layer over `h` [B, T, hidden] at position `offset` (per row: an array);
     `update` writes the new keys and values to the cache and returns what to attend to. With
@@ -70,7 +65,8 @@ def attention_layer(layer: Any, h: mx.array, offset: int | mx.array, update: Upd
         run = _call
     queries, gate, keys, values = run(layer, _project_layer, h, offset)
     keys, values, mask = update(keys, values)
-    return run(layer, _finish_layer, h, _sdpa(layer.self_attn, queries, keys, values, mask), gate)
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=layer.self_attn.scale, mask=mask)
+    return run(layer, _finish_layer, h, out, gate)
 
 
 def _project_layer(layer: Any, h: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
@@ -78,19 +74,10 @@ def _project_layer(layer: Any, h: mx.array, offset: mx.array) -> tuple[mx.array,
 
 
 def _finish_layer(layer: Any, h: mx.array, out: mx.array, gate: mx.array) -> mx.array:
-    """The residual past the attention (`out`: its output before the gate) and the MLP."""
-    h = h + _gated(layer.self_attn, out, gate)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-def _sdpa(attn: Any, queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> mx.array:
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
-
-
-def _gated(attn: Any, out: mx.array, gate: mx.array) -> mx.array:
-    """The output projection of the attention's output [B, heads, T, dim] times its gate."""
+    """The residual past the attention (`out`: its output [B, heads, T, dim], before the gate) and the MLP."""
     B, _, T, _ = out.shape
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1) * mx.sigmoid(gate))
+    h = h + layer.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1) * mx.sigmoid(gate))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def _call(layer: Any, fn: Callable[..., Any], *args: Any) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .attention import attend, attention_layer, project
+from .attention import attention_layer
 from .gdn_snapshots import CompiledLayers, GDNSnapshots, gdn_layer
 
 CAPACITY_STEP = 256
@@ -155,14 +155,6 @@ def sliding_mask(positions: mx.array, start: int, end: int, window: int) -> mx.a
 
 def _thread() -> int:
     return threading.get_ident()
-
-
-def ragged_attention(attn: Any, x: mx.array, cache: RaggedKV, real: list[int], window: int | None = None) -> mx.array:
-    """Qwen3.5's gated attention (mlx-lm's module and weights) with per-row positions; with a
-    `window`, each query over itself and the `window` positions before it (RaggedKV.update)."""
-    queries, gate, keys, values = project(attn, x, cache.offsets())
-    keys, values, mask = cache.update(keys, values, real, window)
-    return attend(attn, queries, gate, keys, values, mask)
 
 
 def ragged_layer(

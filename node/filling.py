@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from ..models.ragged import RaggedKV, cache_arrays, concat_caches, pad_rows, ragged_attention, take_rows
+from ..models.ragged import RaggedKV, cache_arrays, concat_caches, pad_rows, ragged_layer, take_rows
 from ..models.shard import queue_layers
 from .head import DraftState, Head, new_draft_state
 from .protocol import StageError, StepKind, StepOutput, StepRequest
@@ -112,15 +112,13 @@ class FillGroup:
         valid = mx.arange(width)[None, :] < mx.array(real)[:, None] if ragged else None
         queue = queue_layers()  # each layer computes while the host builds the next
         for layer, c in zip(self.model.layers, self.cache):
-            x = layer.input_layernorm(h)
             if layer.is_linear:
                 c.lengths = mx.array(real) if ragged else None
-                r = layer.linear_attn(x, valid, c)
+                h = h + layer.linear_attn(layer.input_layernorm(h), valid, c)
                 c.lengths = None
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
             else:
-                r = ragged_attention(layer.self_attn, x, c, real)
-            h = h + r
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h, _ = ragged_layer(layer, h, c, real)
             if queue:
                 mx.async_eval(h)
         self.positions = [p + n for p, n in zip(self.positions, real)]
