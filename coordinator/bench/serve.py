@@ -190,8 +190,12 @@ def mlx_lm_run(engine: BatchEngine, ref: tuple[Any, Any], prompts: list[list[int
     from mlx_lm.sample_utils import make_sampler
 
     model, tokenizer = ref
-    extra = {"sampler": make_sampler(temp=temperature)} if temperature > 0 else {}
-    stats = engine.thread.call(batch_generate, model, tokenizer, prompts, max_tokens=max_tokens, **extra).stats
+
+    def run() -> Any:  # (the sampler is made on the MLX thread too)
+        extra = {"sampler": make_sampler(temp=temperature)} if temperature > 0 else {}
+        return batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, **extra)
+
+    stats = engine.thread.call(run).stats
     return Decode(stats.generation_tokens, stats.generation_time)
 
 
