@@ -11,7 +11,7 @@ _DIE_WITH_PARENT = (
     "import ctypes, runpy, signal, sys\n"
     "if sys.platform.startswith('linux'):\n"
     "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
-    "runpy.run_module('mtpipe.coordinator.cli.main', run_name='__main__')\n"
+    "runpy.run_module('mtpipe', run_name='__main__', alter_sys=True)\n"
 )
 
 

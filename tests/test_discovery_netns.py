@@ -257,7 +257,7 @@ def cluster(topology: Topology, model_path: Path, tmp_path_factory: pytest.TempP
         f"api:\n  host: 127.0.0.1\n  port: {API_PORT}\n"
     )
     procs: dict[int, Proc] = {}
-    cli = [sys.executable, "-m", "mtpipe.coordinator.cli.main", "-v", "launch", "--json", "--config", str(config)]
+    cli = [sys.executable, "-m", "mtpipe", "-v", "launch", "--json", "--config", str(config)]
     try:
         # The other cluster's node first, advertising before the lab forms, so that the coordinator
         # has seen (and ignored) it by the time it places the model.
@@ -291,7 +291,7 @@ def run_in(topology: Topology, host: int, argv: list[str], env: dict[str, str], 
 
 def mtpipe(topology: Topology, host: int, *args: str, secret: str | None = SECRET) -> tuple[int, dict]:
     env = _env(**({"MTPIPE_SECRET": secret} if secret else {}))
-    r = run_in(topology, host, [sys.executable, "-m", "mtpipe.coordinator.cli.main", *args], env)
+    r = run_in(topology, host, [sys.executable, "-m", "mtpipe", *args], env)
     assert r.stdout.startswith("{"), r.stderr
     return r.returncode, json.loads(r.stdout)
 

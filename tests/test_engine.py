@@ -118,7 +118,7 @@ def test_stage_rejects_malformed_requests_without_state_change(dense_ckpt: Path)
 
 
 def test_cli_generate_json(dense_ckpt: Path) -> None:
-    cmd = [sys.executable, "-m", "mtpipe.coordinator.cli.main", "generate", "--model", str(dense_ckpt),
+    cmd = [sys.executable, "-m", "mtpipe", "generate", "--model", str(dense_ckpt),
            "--prompt", PROMPT, "--max-tokens", "12", "--mtp-depth", "2", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -131,8 +131,29 @@ def test_cli_missing_mtp_error(tiny_root: Path) -> None:
     from mtpipe.models.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(layout="no_mtp", root=tiny_root)
-    base = [sys.executable, "-m", "mtpipe.coordinator.cli.main", "generate", "--model", str(path), "--prompt", "x",
+    base = [sys.executable, "-m", "mtpipe", "generate", "--model", str(path), "--prompt", "x",
             "--max-tokens", "3"]
     out = subprocess.run(base, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--no-mtp" in out.stderr and "MTP" in out.stderr
     assert subprocess.run(base + ["--no-mtp"], capture_output=True, text=True, timeout=120).returncode == 0
+
+
+def test_the_command_and_its_node_children_never_load_torch() -> None:
+    """mtpipe computes with MLX only: its processes keep transformers from importing torch (installed
+    with the `train` extra), which would cost every node process seconds and memory for nothing."""
+    from mtpipe.node.spawn import node_command
+
+    probe = ("import runpy, sys\n"
+             "try:\n"
+             "    runpy.run_module('mtpipe', run_name='__main__', alter_sys=True)\n"
+             "except SystemExit:\n"
+             "    pass\n"
+             "import transformers, mlx_lm.models.qwen3_5\n"
+             "print(sys.modules.get('torch'))\n")
+    for argv in (["node", "--help"], ["generate", "--help"]):
+        out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120,
+                             check=False)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().splitlines()[-1] == "None"
+    assert node_command("--port", "1")[-3:] == ["node", "--port", "1"]
+    assert "runpy.run_module('mtpipe'" in node_command()[2]

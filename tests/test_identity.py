@@ -54,13 +54,19 @@ def check_identity_all_depths(ckpt: Path, prompts: list[str]) -> None:
 
 
 def test_greedy_identity_all_depths(dense_ckpt: Path) -> None:
+    """Every other prompt by default (the suite's time budget); all with -m slow."""
+    check_identity_all_depths(dense_ckpt, PROMPTS[::2])
+
+
+@pytest.mark.slow
+def test_greedy_identity_all_depths_every_prompt(dense_ckpt: Path) -> None:
     assert len(PROMPTS) >= 20
     check_identity_all_depths(dense_ckpt, PROMPTS)
 
 
 def test_greedy_identity_all_depths_moe(moe_ckpt: Path) -> None:
-    """Every third prompt by default (the MoE path is the same code past the MLP); all with -m slow."""
-    check_identity_all_depths(moe_ckpt, PROMPTS[::3])
+    """Every fifth prompt by default (the MoE path is the same code past the MLP); all with -m slow."""
+    check_identity_all_depths(moe_ckpt, PROMPTS[::5])
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from mtpipe.coordinator.cli.main import build_parser
 from mtpipe.coordinator.cluster.config import ClusterConfig
 from mtpipe.node.secrets import check_exposure, is_loopback, read_secret
 
-CLI = [sys.executable, "-m", "mtpipe.coordinator.cli.main"]
+CLI = [sys.executable, "-m", "mtpipe"]
 
 
 @pytest.mark.parametrize("argv", [["node"], ["serve", "--nodes", "a:1"], ["generate", "--nodes", "a:1"],

@@ -118,7 +118,7 @@ def launch(topology: Topology, root: Path) -> dict:
     `mtpipe health` of the three nodes, and the API's completions, all taken before the nodes stop."""
     for i in (2, 3):
         topology.hidden[i] = root / "model"
-    cli = [sys.executable, "-m", "mtpipe.coordinator.cli.main", "-v", "launch", "--json",
+    cli = [sys.executable, "-m", "mtpipe", "-v", "launch", "--json",
            "--config", str(root / "cluster.yaml")]
     procs: dict[int, Proc] = {}
     try:
@@ -132,7 +132,7 @@ def launch(topology: Topology, root: Path) -> dict:
         serving = procs[1].event("serving", START_TIMEOUT * 2)
         for i in (2, 3):
             procs[i].event("follower")
-        health = run_in(topology, 1, [sys.executable, "-m", "mtpipe.coordinator.cli.main", "health", "--json",
+        health = run_in(topology, 1, [sys.executable, "-m", "mtpipe", "health", "--json",
                                       *(f"10.78.0.{i}:{PORT}" for i in (1, 2, 3))])
         cases = [(p, d) for p in PROMPTS[:2] for d in (0, 2)]
         completions = run_in(topology, 1, [sys.executable, "-c", CLIENT, json.dumps(cases)])
