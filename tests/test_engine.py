@@ -146,10 +146,10 @@ def test_the_command_and_its_node_children_never_load_torch() -> None:
     probe = ("import runpy, sys\n"
              "try:\n"
              "    runpy.run_module('mtpipe', run_name='__main__', alter_sys=True)\n"
-             "except SystemExit:\n"
-             "    pass\n"
+             "except SystemExit as e:\n"
+             "    assert not e.code, e.code\n"
              "import transformers, mlx_lm.models.qwen3_5\n"
-             "print(sys.modules.get('torch'))\n")
+             "print(sys.modules.get('torch', 'absent'))\n")  # (None: marked absent, installed or not)
     for argv in (["node", "--help"], ["generate", "--help"]):
         out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120,
                              check=False)
