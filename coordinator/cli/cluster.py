@@ -43,7 +43,7 @@ from ..cluster.formation import (
     single_node_engine,
 )
 from ..cluster.membership import Membership
-from .common import add_mtp, progress_loader, stderr_console
+from .common import add_mtp, progress_loader, stage_options, stderr_console
 from .serve import add_serve_command
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         server.service.weights.add_model_dir(model_path)  # this node serves the model's tensors to the others
         alone = len(peers) == 1 and not cfg.nodes
         # With peers, each machine's node drafts as its own command says (every machine runs the same one).
-        options = {**cfg.drafting(), **({"mtp_pre_norm": True} if args.mtp_pre_norm else {})} if alone else {}
+        options = stage_options(args, drafting=cfg.drafting()) if alone else {}
         if not alone and args.mtp_pre_norm:
             raise ValueError("--mtp-pre-norm applies to local stages; nodes take their own")
         if alone:

@@ -46,10 +46,12 @@ def drafting_options(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in ("draft_vocab", "mtp_window") if getattr(args, name, None) is not None}
 
 
-def stage_options(args: argparse.Namespace, *, remote: bool = False) -> dict[str, Any]:
-    """Options of local stages given on the command line; an error when the stages are `remote`
-    nodes, which take their own."""
-    options = drafting_options(args)
+def stage_options(args: argparse.Namespace, *, remote: bool = False,
+                  drafting: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Options of local stages given on the command line (`drafting`: the drafting options, where they
+    come from elsewhere, such as a cluster file under the flags); an error when the stages are
+    `remote` nodes, which take their own."""
+    options = dict(drafting_options(args) if drafting is None else drafting)
     if getattr(args, "mtp_pre_norm", False):
         options["mtp_pre_norm"] = True
     if remote and options:
