@@ -140,7 +140,8 @@ def test_cli_missing_mtp_error(tiny_root: Path) -> None:
 
 def test_the_command_and_its_node_children_never_load_torch() -> None:
     """mtpipe computes with MLX only: its processes keep transformers from importing torch (installed
-    with the `train` extra), which would cost every node process seconds and memory for nothing."""
+    with the `train` extra), which would cost every node process seconds and memory for nothing. A
+    node's own modules do not import transformers at all; mlx-lm's package names still resolve."""
     from mtpipe.node.spawn import node_command
 
     probe = ("import runpy, sys\n"
@@ -148,12 +149,17 @@ def test_the_command_and_its_node_children_never_load_torch() -> None:
              "    runpy.run_module('mtpipe', run_name='__main__', alter_sys=True)\n"
              "except SystemExit as e:\n"
              "    assert not e.code, e.code\n"
+             "import mtpipe.node.server, mtpipe.node.stage, mtpipe.models.loading\n"
+             "print('transformers' in sys.modules)\n"
              "import transformers, mlx_lm.models.qwen3_5\n"
+             "from mlx_lm import load, stream_generate\n"
+             "import mlx_lm\n"
+             "assert callable(load) and callable(stream_generate) and mlx_lm.__version__\n"
              "print(sys.modules.get('torch', 'absent'))\n")  # (None: marked absent, installed or not)
     for argv in (["node", "--help"], ["generate", "--help"]):
         out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120,
                              check=False)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.strip().splitlines()[-1] == "None"
+        assert out.stdout.strip().splitlines()[-2:] == ["False", "None"]
     assert node_command("--port", "1")[-3:] == ["node", "--port", "1"]
     assert "runpy.run_module('mtpipe'" in node_command()[2]
