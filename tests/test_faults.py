@@ -51,7 +51,7 @@ def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victim: int, 
         engine = build(dense_ckpt, nodes.addresses, dtype="float32")
         resumes = build is ring_engine
         try:
-            reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i + 1]), max_tokens=160, mtp_depth=2)
+            reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i + 1]), max_tokens=96, mtp_depth=2)
                     for i in range(4)]
             want = [reference.complete(r).tokens for r in reqs]
             for _ in range(cycles):
