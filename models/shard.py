@@ -18,6 +18,7 @@ from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .attention import attention_layer, cache_update
 from .config import ModelConfig
+from .gdn_chunked import prefill_layer
 from .gdn_snapshots import CompiledLayers, GDNSnapshots, gdn_layer, on_cpu
 from .mtp import MTPHead
 from .ragged import ragged_layer
@@ -50,7 +51,7 @@ class ShardSpec:
         return cls(0, num_layers, num_layers)
 
 
-STEPPED_MAX_TOKENS = 16  # longer inputs (prefill chunks) use mlx-lm's layer as is
+STEPPED_MAX_TOKENS = 16  # longer inputs (prefill chunks): mlx-lm's layer on Metal, the chunked recurrence on the CPU
 LayerCache = Any  # KVCache for attention layers, ArraysCache(2) for GatedDeltaNet layers
 
 
@@ -100,7 +101,8 @@ class Qwen35Shard(nn.Module):
 
         Short inputs (decode, verify) always take the stepped GatedDeltaNet path: one recurrence step
         per position whatever the input's length, compiled, so decode and verify agree bit for bit;
-        on the CPU their attention layers run compiled around the cache too (attention.py).
+        on the CPU their attention layers run compiled around the cache too (attention.py). Longer
+        inputs (prefill) on the CPU run the recurrence a chunk at a time (gdn_chunked.py).
         """
         attn_cache = next((c for c, l in zip(cache, self.layers) if not l.is_linear), None)
         attn_mask = create_attention_mask(h, attn_cache)
@@ -112,6 +114,8 @@ class Qwen35Shard(nn.Module):
                 h, snapshots[i] = gdn_layer(layer, h, c, self.compiled)
             elif not layer.is_linear and self.compiled.applies(h):
                 h = attention_layer(layer, h, c.offset, cache_update(c, attn_mask), self.compiled)
+            elif layer.is_linear and on_cpu():
+                h = prefill_layer(layer, h, c)
             else:
                 h = layer(h, mask=None if layer.is_linear else attn_mask, cache=c)
             if queue:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from ..models.gdn_chunked import prefill_layer
+from ..models.gdn_snapshots import on_cpu
 from ..models.ragged import RaggedKV, cache_arrays, concat_caches, pad_rows, ragged_layer, take_rows
 from ..models.shard import queue_layers
 from .head import DraftState, Head, new_draft_state
@@ -114,9 +116,12 @@ class FillGroup:
         for layer, c in zip(self.model.layers, self.cache):
             if layer.is_linear:
                 c.lengths = mx.array(real) if ragged else None
-                h = h + layer.linear_attn(layer.input_layernorm(h), valid, c)
+                if on_cpu():
+                    h = prefill_layer(layer, h, c, valid)
+                else:
+                    h = h + layer.linear_attn(layer.input_layernorm(h), valid, c)
+                    h = h + layer.mlp(layer.post_attention_layernorm(h))
                 c.lengths = None
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
             else:
                 h, _ = ragged_layer(layer, h, c, real)
             if queue:

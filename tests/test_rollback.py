@@ -18,9 +18,11 @@ K = 3
 TOL = 1e-5
 
 
-def prefill(worker: StageWorker, seq: str, prompt: list[int], depth: int):
-    worker.step(StepRequest(seq, 0, StepKind.PREFILL, prompt[:-1], mtp_depth=depth))
-    return worker.step(StepRequest(seq, 1, StepKind.PREFILL, prompt[-1:], final=True))
+def prefill(worker: StageWorker, seq: str, prompt: list[int], depth: int, split: int | None = None):
+    """Two prefill steps, split before the last token unless told where."""
+    split = len(prompt) - 1 if split is None else split
+    worker.step(StepRequest(seq, 0, StepKind.PREFILL, prompt[:split], mtp_depth=depth))
+    return worker.step(StepRequest(seq, 1, StepKind.PREFILL, prompt[split:], final=True))
 
 
 def max_diff(a: mx.array, b: mx.array) -> float:
@@ -60,8 +62,10 @@ def test_commit_equals_fresh_forward(ckpt: Path, dense_engine, accepted: int) ->
     worker._apply_commit(seq, out.commit)
 
     # Reference: a fresh stage fed prompt + [y, d1..dn], then the correction token sampled the same way.
+    # Its prompt chunk is the one above, so the positions after it run the recurrence stepped as a
+    # verify does (a longer prefill chunk runs it chunked: the same arithmetic in another order).
     fresh = StageWorker(shard, overlap=False)
-    ref_out = prefill(fresh, "r", prompt + greedy[: accepted + 1], K)
+    ref_out = prefill(fresh, "r", prompt + greedy[: accepted + 1], K, split=len(prompt) - 1)
     assert ref_out.tokens == out.tokens[-1:]
     ref = fresh.sequences["r"]
     assert seq.position == ref.position == len(prompt) + accepted + 1
