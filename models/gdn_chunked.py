@@ -12,8 +12,9 @@ starts from S0, with G_t the product of the decays up to t and D_ts = G_t / G_s 
   (I + A) U = b * (V - G * K S0^T), A_ts = b_t D_ts k_t.k_s (s < t)
   Y = G * Q S0^T + ((Q K^T) * D) U
   S_C = G_C S0 + U^T (D_Cs K)
-A is strictly lower triangular, so I + A is inverted exactly (`tri_inv`) once per chunk, from the
-inputs alone. Positions masked out (padding of shorter rows) take b = 0 and g = 1: the state passes
+A is strictly lower triangular, so I + A is inverted (`tri_inv`, a triangular solve) once per chunk,
+from the inputs alone. Each D_ts is the exponential of a sum of the log decays between s and t, never
+a difference of two running sums (which loses the small ones after a large one). Positions masked out (padding of shorter rows) take b = 0 and g = 1: the state passes
 them unchanged, as mlx-lm's masked step leaves it.
 """
 
@@ -36,9 +37,12 @@ def log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
 def chunked_delta_rule(
     q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array, chunk: int = CHUNK
 ) -> tuple[mx.array, mx.array]:
-    """Outputs [B, T, Hv, Dv] and the state after the last position [B, Hv, Dv, Dk]
-    (float32 both, as mlx-lm's stepped ops give them). q, k [B, T, Hk, Dk] normalized; v [B, T, Hv, Dv]; log_g, beta [B, T, Hv]."""
+    """Outputs [B, T, Hv, Dv] in q's dtype and the state after the last position [B, Hv, Dv, Dk] in
+    float32, as mlx-lm's steps give them. q, k [B, T, Hk, Dk] normalized; v [B, T, Hv, Dv]; log_g,
+    beta [B, T, Hv]."""
     B, T, Hk, _ = q.shape
+    assert T > 0, "an empty input has no recurrence to run"
+    dtype = q.dtype
     Hv, Dv = v.shape[-2:]
     if (repeat := Hv // Hk) > 1:
         q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
@@ -57,15 +61,17 @@ def chunked_delta_rule(
     q, k, v, log_g, beta = blocks(q), blocks(k), blocks(v), blocks(log_g), blocks(beta)
     cum = mx.cumsum(log_g, axis=-1)  # [B, H, N, C]: log G_t
     lower = mx.tril(mx.ones((C, C), dtype=mx.bool_))
-    decay = mx.exp(mx.where(lower, cum[..., :, None] - cum[..., None, :], -mx.inf))  # D_ts, 0 above
+    strict = mx.tril(lower, -1)
+    between = mx.cumsum(mx.where(strict, log_g[..., :, None], 0.0), axis=-2)  # [t, s]: log g over s < r <= t
+    decay = mx.exp(mx.where(lower, between, -mx.inf))  # D_ts, 0 above the diagonal
     kk = k @ mx.swapaxes(k, -1, -2)
-    a = mx.where(mx.tril(lower, -1), beta[..., None] * decay * kk, 0.0)
+    a = mx.where(strict, beta[..., None] * decay * kk, 0.0)
     inv = mx.linalg.tri_inv(a + mx.eye(C), upper=False, stream=mx.cpu)
     w = inv @ (beta[..., None] * v)  # U = w - kg S0^T
     kg = inv @ ((beta * mx.exp(cum))[..., None] * k)
     qk = (q @ mx.swapaxes(k, -1, -2)) * decay
     qg = mx.exp(cum)[..., None] * q
-    k_end = mx.exp(cum[..., -1:] - cum)[..., None] * k  # D_Cs k_s
+    k_end = mx.exp(between[..., -1, :])[..., None] * k  # D_Cs k_s
     g_end = mx.exp(cum[..., -1])[..., None, None]  # [B, H, N, 1, 1]
 
     s = state.astype(mx.float32)
@@ -76,7 +82,7 @@ def chunked_delta_rule(
         ys.append(qg[:, :, n] @ s_t + qk[:, :, n] @ u)
         s = g_end[:, :, n] * s + mx.swapaxes(u, -1, -2) @ k_end[:, :, n]
     y = mx.stack(ys, axis=2).reshape(B, Hv, N * C, Dv)[:, :, :T]
-    return mx.moveaxis(y, 1, 2), s
+    return mx.moveaxis(y, 1, 2).astype(dtype), s
 
 
 def prefill_mixer(gdn: Any, x: mx.array, mask: mx.array | None, cache: Any) -> mx.array:

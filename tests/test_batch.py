@@ -634,15 +634,19 @@ def test_prompt_chunks_of_full_rows_run_unmasked_as_a_sequence_alone(dense_ckpt:
     """Prompt chunks of rows not yet in the batch (filling.py) mask padding out of the GatedDeltaNet
     layers only where a row is shorter than the widest: a lone chunk runs unmasked, and computes
     bit for bit what the shard computes for the sequence alone, caches included."""
+    from mlx_lm.models.qwen3_5 import GatedDeltaNet
+
     from mtpipe.models import gdn_chunked
     from mtpipe.models.shard import STEPPED_MAX_TOKENS
     from mtpipe.node.filling import FillGroup
 
     model = load_shard(dense_ckpt, dtype=mx.float32).model
-    masks: list[bool] = []
-    call = gdn_chunked.prefill_mixer
+    masks: list[bool] = []  # (the chunked mixer on the CPU, mlx-lm's layer on Metal)
+    chunked, call = gdn_chunked.prefill_mixer, GatedDeltaNet.__call__
     monkeypatch.setattr(gdn_chunked, "prefill_mixer", lambda gdn, x, mask, cache: (
-        masks.append(mask is not None), call(gdn, x, mask, cache))[1])
+        masks.append(mask is not None), chunked(gdn, x, mask, cache))[1])
+    monkeypatch.setattr(GatedDeltaNet, "__call__", lambda self, x, mask=None, cache=None: (
+        masks.append(mask is not None), call(self, x, mask, cache))[1])
     linear = sum(layer.is_linear for layer in model.layers)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]  # (longer than a stepped input)
     assert len(prompt) > STEPPED_MAX_TOKENS

@@ -156,10 +156,10 @@ def test_the_command_and_its_node_children_never_load_torch() -> None:
              "import mlx_lm\n"
              "assert callable(load) and callable(stream_generate) and mlx_lm.__version__\n"
              "print(sys.modules.get('torch', 'absent'))\n")  # (None: marked absent, installed or not)
-    for argv in (["node", "--help"], ["generate", "--help"]):
+    for argv, transformers in ((["-v", "node", "--help"], "False"), (["generate", "--help"], "True")):
         out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120,
                              check=False)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.strip().splitlines()[-2:] == ["False", "None"]
+        assert out.stdout.strip().splitlines()[-2:] == [transformers, "None"]
     assert node_command("--port", "1")[-3:] == ["node", "--port", "1"]
     assert "runpy.run_module('mtpipe'" in node_command()[2]

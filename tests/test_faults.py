@@ -64,6 +64,7 @@ def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victim: int, 
                 for i, q in enumerate(sinks):
                     got[i] += q.get(timeout=60).tokens
                 nodes.freeze(victim, FREEZE_S)
+                before = sum(map(len, got))
                 for i, q in enumerate(sinks):  # every stream ends: whole when resumed, else with an error
                     while (item := q.get(timeout=60)) is not END and not isinstance(item, BaseException):
                         got[i] += item.tokens
@@ -71,6 +72,7 @@ def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victim: int, 
                         assert item is END and got[i] == want[i]
                     else:
                         assert isinstance(item, BaseException) and nodes.addresses[victim] in str(item)
+                assert not resumes or sum(map(len, got)) > before  # (the freeze came mid-stream)
                 deadline = time.monotonic() + SETTLE_S
                 while any(left := active(engine)) and time.monotonic() < deadline:
                     time.sleep(0.25)

@@ -30,7 +30,7 @@ def mlx_lm_tokens(model, tokenizer, prompt: list[int], eos: set[int]) -> list[in
 def test_backbone_logits_match_mlx_lm(ckpt: Path) -> None:
     """Stepped (as decode and verify run the GatedDeltaNet recurrence: mlx-lm's arithmetic) within
     1e-5; as a prefill runs it on the CPU, chunked (the same sums in another order: gdn_chunked.py),
-    within 1e-4 on these random weights (about 1e-6 of the logits' scale on the demo model)."""
+    within 1e-4 (up to 3e-5 measured on these random weights, of logits up to about 2)."""
     model, tok = mlx_load(str(ckpt))
     ours = load_shard(ckpt).model
     x = mx.array([tok.encode(PROMPTS[2] + PROMPTS[3])])

@@ -1,11 +1,12 @@
-"""The `mtpipe` executable: the command line, in a process that never loads PyTorch and loads
-transformers only when it needs a tokenizer."""
+"""The `mtpipe` executable: the command line, in a process that never loads PyTorch, and node
+processes that never load transformers."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
+import threading
 from typing import Any
 
 
@@ -14,7 +15,8 @@ def defer_package_init(name: str) -> None:
     first attribute asked of the package itself (`from name import x`, `name.x`).
 
     mlx-lm's `__init__` imports its converter and tokenizer utilities, hence transformers: over a
-    second of a node's start, while a node only needs `mlx_lm.models`.
+    second of a node's start, while a node only needs `mlx_lm.models`. If the deferred init fails,
+    the error is raised and the next attribute asked runs it again.
     """
     if name in sys.modules:
         return
@@ -22,32 +24,39 @@ def defer_package_init(name: str) -> None:
     if spec is None or spec.loader is None or spec.submodule_search_locations is None:
         return
     package = importlib.util.module_from_spec(spec)
-    pending = [True]
+    lock = threading.RLock()
 
     def __getattr__(attr: str) -> Any:
-        if not pending:
-            raise AttributeError(f"module {name!r} has no attribute {attr!r}")
-        pending.clear()
-        del package.__dict__["__getattr__"]
-        spec.loader.exec_module(package)  # type: ignore[union-attr]
-        return getattr(package, attr)
+        with lock:  # (a second thread waits for the init the first one runs)
+            if package.__dict__.get("__getattr__") is __getattr__:
+                del package.__dict__["__getattr__"]
+                try:
+                    spec.loader.exec_module(package)  # type: ignore[union-attr]
+                except BaseException:
+                    package.__getattr__ = __getattr__  # type: ignore[method-assign]
+                    raise
+            if attr in package.__dict__:
+                return package.__dict__[attr]
+        raise AttributeError(f"module {name!r} has no attribute {attr!r}")
 
     package.__getattr__ = __getattr__  # type: ignore[method-assign]
     sys.modules[name] = package
 
 
 def main() -> int:
-    """Run the command line, with torch marked absent and mlx-lm's package init deferred first.
+    """Run the command line, with torch marked absent first, and for a node mlx-lm's package init
+    deferred.
 
     mtpipe computes with MLX only, but importing mlx-lm (its tokenizer utilities) makes transformers
     import torch whenever it is installed, as the `train` extra does: about 1.5 s and 180 MB in every
     process for nothing. A `None` entry in `sys.modules` makes transformers find no torch and take its
-    torch-free paths. Deferring mlx-lm's init keeps transformers out of node processes altogether
-    (they need no tokenizer). A library user's process is left alone.
+    torch-free paths. A node needs no tokenizer: deferring mlx-lm's init keeps transformers out of it
+    altogether (other commands load a tokenizer anyway). A library user's process is left alone.
     """
     sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # as mlx-lm's own init sets it
-    defer_package_init("mlx_lm")
+    if next((a for a in sys.argv[1:] if not a.startswith("-")), None) == "node":
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # as mlx-lm's own init sets it
+        defer_package_init("mlx_lm")
     from .main import main as run
 
     return run()
