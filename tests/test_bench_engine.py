@@ -99,3 +99,20 @@ def test_a_failure_between_paused_decodes_releases_them(dense_ckpt: Path, monkey
     else:
         pytest.fail("the failure did not propagate")
     assert mx.default_stream(mx.default_device()) == stream
+
+
+def test_bench_prefill_tiny(dense_ckpt: Path) -> None:
+    """`mtpipe bench prefill`: every length timed against mlx-lm, the same greedy first token."""
+    import json
+
+    from mtpipe.coordinator.bench.prefill import bench_prefill
+
+    result = bench_prefill(dense_ckpt, lengths=[40, 100], reps=1)
+    json.dumps(result)  # the CLI prints it as one JSON line
+    assert set(result["lengths"]) == {"40", "100"} and "blas" in result
+    for r in result["lengths"].values():
+        assert r["mtpipe_tok_s"] > 0 and r["mlx_lm_tok_s"] > 0 and r["mtpipe_vs_mlx_lm"] > 0
+        assert r["first_token_identical"] is True
+    assert set(result["ratios"]) == {"prefill_40_vs_mlx_lm", "prefill_100_vs_mlx_lm"}
+    with pytest.raises(ValueError, match="positive"):
+        bench_prefill(dense_ckpt, lengths=[], reps=1)

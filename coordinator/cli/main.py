@@ -150,6 +150,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return EXIT_ERROR
         result = bench_transfer.bench_transfer(model, repeat=args.repeat)
         bench_transfer.print_report(result, stderr_console())
+    elif args.target == "prefill":
+        from ..bench import prefill as bench_prefill
+
+        result = bench_prefill.bench_prefill(model, lengths=args.context or bench_prefill.DEFAULT_LENGTHS,
+                                             reps=args.context_reps or bench_prefill.REPS)
+        bench_prefill.print_report(result, stderr_console())
     elif args.target == "sampled":
         from ..bench import sampled as bench_sampled
 
@@ -231,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
-    p.add_argument("target", choices=["engine", "pipeline", "serve", "transfer", "faults", "sampled"])
+    p.add_argument("target", choices=["engine", "pipeline", "serve", "transfer", "faults", "sampled", "prefill"])
     p.add_argument("--model", help="model directory (default: the bundled demo model)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
@@ -239,9 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp-pre-norm", action="store_true", help="engine bench: feed the MTP head the pre-norm hidden")
     add_draft_options(p)  # engine bench
     p.add_argument("--context", type=_lengths, default=None, metavar="L1,L2,...",
-                   help="engine bench: also decode after prompts of these lengths (e.g. 256,2048,8192)")
+                   help="engine bench: also decode after prompts of these lengths (e.g. 256,2048,8192); "
+                        "prefill bench: the prompt lengths (default 512,2048)")
     p.add_argument("--context-reps", type=_positive, default=None, metavar="N",
-                   help="engine bench: repetitions at each --context length, ratios their median (default 4)")
+                   help="engine bench: repetitions at each --context length, ratios their median (default 4); "
+                        "prefill bench: alternated pairs at each length (default 5)")
     p.add_argument("--concurrency", default="1,2,4,8,16", metavar="C1,C2,...",
                    help="serve bench: numbers of concurrent streams")
     p.add_argument("--nodes", default=None, metavar="N1,N2,...",
