@@ -85,6 +85,21 @@ def chunked_delta_rule(
     return mx.moveaxis(y, 1, 2).astype(dtype), s
 
 
+def qkv_heads(gdn: Any, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """The conv output [B, S, conv_dim] split into q, k (normalized, q scaled) and v, by heads."""
+    B, S, _ = conv_out.shape
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
+            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
+            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    return q, k, v
+
+
 def prefill_mixer(gdn: Any, x: mx.array, mask: mx.array | None, cache: Any) -> mx.array:
     """mlx-lm's GatedDeltaNet forward over a prefill input `x` [B, S, hidden], its recurrence chunked:
     the same projections, conv window and cache updates (`cache.lengths` ends each row's window)."""
@@ -105,16 +120,7 @@ def prefill_mixer(gdn: Any, x: mx.array, mask: mx.array | None, cache: Any) -> m
         cache[0] = mx.take_along_axis(conv_input, (ends[:, None] + mx.arange(keep))[..., None], axis=1)
     else:
         cache[0] = mx.contiguous(conv_input[:, -keep:, :])
-    conv_out = nn.silu(gdn.conv1d(conv_input))
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
-            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
-            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    q, k, v = qkv_heads(gdn, nn.silu(gdn.conv1d(conv_input)))
     beta = mx.sigmoid(b)
     log_g = log_decay(gdn.A_log, a, gdn.dt_bias)
     if mask is not None:

@@ -22,8 +22,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
+
+from .gdn_chunked import qkv_heads
 
 
 @dataclass
@@ -125,17 +127,7 @@ def _mixer(
     a = gdn.in_proj_a(x)
 
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
-    conv_out = nn.silu(gdn.conv1d(conv_input))
-
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
-            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
-            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    q, k, v = qkv_heads(gdn, nn.silu(gdn.conv1d(conv_input)))
 
     if _on_metal():
         y, states = _stepped_kernel(gdn, q, k, v, a, b, state)
