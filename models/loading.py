@@ -155,9 +155,28 @@ def _missing_mtp_message(path: Path, config: ModelConfig) -> str:
     )
 
 
-def _quantize(model: nn.Module, config: ModelConfig, weights: dict[str, mx.array]) -> None:
-    from mlx_lm.utils import infer_quant_config
+# Modes whose scales are stored as uint8 exponents, each with its one (bits, group size); "affine" keeps
+# its scales in the weights' float dtype, with any bits and group size.
+_EXPONENT_SCALE_MODES = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}
 
+
+def packed_quant_config(path: str, module: nn.Module, weights: dict[str, mx.array]) -> dict:
+    """The group size, bits and mode a stored layer was packed with, read off its packed weight and its
+    scales (for layers the config's quantization map does not name). `module` is still unquantized."""
+    in_dims = module.weight.shape[-1]
+    group_size = in_dims // weights[f"{path}.scales"].shape[-1]
+    bits = weights[f"{path}.weight"].shape[-1] * 32 // in_dims  # uint32 words of packed values
+    if weights[f"{path}.scales"].dtype != mx.uint8:
+        return {"group_size": group_size, "bits": bits, "mode": "affine"}
+    mode = _EXPONENT_SCALE_MODES.get((bits, group_size))
+    if mode is None:
+        raise ValueError(f"{path}: no quantization mode packs {bits} bits in groups of {group_size} with uint8 scales")
+    return {"group_size": group_size, "bits": bits, "mode": mode}
+
+
+def _quantize(model: nn.Module, config: ModelConfig, weights: dict[str, mx.array]) -> None:
+    """(Reading the packing here, not with mlx-lm's utilities: those import its tokenizer code, and so
+    transformers, into every node that loads a quantized model.)"""
     quant = config.quantization or {}
 
     def predicate(path: str, module: nn.Module) -> bool | dict:
@@ -165,7 +184,7 @@ def _quantize(model: nn.Module, config: ModelConfig, weights: dict[str, mx.array
             return quant[path]
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
             return False
-        return infer_quant_config(path, module, weights)
+        return packed_quant_config(path, module, weights)
 
     nn.quantize(
         model,

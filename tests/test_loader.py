@@ -144,3 +144,20 @@ def test_bad_config_errors(tmp_path: Path, dense_ckpt: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
         load_shard(tmp_path)
+
+
+@pytest.mark.parametrize(("bits", "group_size", "mode"), [(4, 64, "affine"), (8, 32, "affine"), (4, 32, "mxfp4"),
+                                                          (8, 32, "mxfp8"), (4, 16, "nvfp4")])
+def test_packing_is_read_off_the_stored_tensors(bits: int, group_size: int, mode: str) -> None:
+    """A layer the config's quantization map does not name: its bits, group size and mode come from its
+    packed weight and scales, without mlx-lm's utilities (which import transformers)."""
+    from mtpipe.models.loading import packed_quant_config
+
+    linear = nn.Linear(128, 64, bias=False)
+    packed = mx.quantize(linear.weight, group_size=group_size, bits=bits, mode=mode)
+    weights = {"w.weight": packed[0], "w.scales": packed[1]}
+    assert packed_quant_config("w", linear, weights) == {"group_size": group_size, "bits": bits, "mode": mode}
+    if mode != "affine":  # uint8 scales allow one (bits, group size) per mode
+        weights["w.scales"] = mx.zeros((64, 128 // 8), dtype=mx.uint8)
+        with pytest.raises(ValueError, match="no quantization mode"):
+            packed_quant_config("w", linear, weights)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import closing
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+import mlx.core as mx
 
 from ...models import blas
 from ..engine.build import local_engine
@@ -29,30 +32,41 @@ def prompt_of(engine: Engine, length: int) -> list[int]:
     """`length` tokens of held-out text (repeated if the held-out prompts are shorter)."""
     text = "\n".join(bench_prompts(64))
     tokens = engine.tokenizer.encode(text)
+    if not tokens:
+        raise RuntimeError("no held-out text to build prompts from")
     while len(tokens) < length:
         tokens = tokens + tokens
     return tokens[:length]
 
 
 def time_mtpipe(engine: Engine, prompt: list[int]) -> tuple[float, int]:
+    """Seconds to the first token, and the token. Work queued past it (a next verify) finishes before
+    this returns, outside the time."""
     drafts, auto = resolve_depth(AUTO, engine.has_mtp)
     start = time.perf_counter()
     result = engine.complete(GenerationRequest(prompt, max_tokens=1, mtp_depth=drafts, mtp_auto=auto))
-    return time.perf_counter() - start, result.tokens[0]
+    seconds = time.perf_counter() - start
+    mx.synchronize()
+    return seconds, result.tokens[0]
 
 
 def time_mlx_lm(model: Any, tokenizer: Any, prompt: list[int]) -> tuple[float, int]:
+    """The same for mlx-lm: its generator is closed and its queued step finished outside the time."""
     from mlx_lm import stream_generate
+    from mlx_lm.generate import generation_stream
 
-    start = time.perf_counter()
-    response = next(iter(stream_generate(model, tokenizer, prompt, max_tokens=1)))
-    return time.perf_counter() - start, response.token
+    with closing(stream_generate(model, tokenizer, prompt, max_tokens=1)) as responses:
+        start = time.perf_counter()
+        response = next(responses)
+        seconds = time.perf_counter() - start
+    mx.synchronize(generation_stream)
+    return seconds, response.token
 
 
 def bench_prefill(model_path: Path | str, *, lengths: list[int] | tuple[int, ...] = DEFAULT_LENGTHS,
                   reps: int = REPS) -> dict[str, Any]:
-    """Each length: `reps` alternated pairs after one warm-up of each; medians and the median of the
-    pairs' ratios."""
+    """Each length: `reps` alternated pairs after one warm-up of each. tok/s from each side's median
+    time; the ratio is the median of the pairs' ratios (what the noise of one moment hits alike)."""
     from mlx_lm import load as mlx_load
 
     if not lengths or min(lengths) < 1 or reps < 1:

@@ -24,17 +24,19 @@ def defer_package_init(name: str) -> None:
     if spec is None or spec.loader is None or spec.submodule_search_locations is None:
         return
     package = importlib.util.module_from_spec(spec)
-    lock = threading.RLock()
+    lock = threading.Lock()
+    state: dict[str, Any] = {"done": False, "running": None}  # running: the thread running the init
 
     def __getattr__(attr: str) -> Any:
-        with lock:  # (a second thread waits for the init the first one runs)
-            if package.__dict__.get("__getattr__") is __getattr__:
-                del package.__dict__["__getattr__"]
-                try:
-                    spec.loader.exec_module(package)  # type: ignore[union-attr]
-                except BaseException:
-                    package.__getattr__ = __getattr__  # type: ignore[method-assign]
-                    raise
+        if state["running"] != threading.get_ident():  # (the init's own lookups must not wait for it)
+            with lock:  # another thread waits for the init this one runs
+                if not state["done"]:
+                    state["running"] = threading.get_ident()
+                    try:
+                        spec.loader.exec_module(package)  # type: ignore[union-attr]
+                        state["done"] = True
+                    finally:
+                        state["running"] = None
             if attr in package.__dict__:
                 return package.__dict__[attr]
         raise AttributeError(f"module {name!r} has no attribute {attr!r}")

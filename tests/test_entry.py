@@ -1,0 +1,61 @@
+"""The executable's deferred package init (coordinator/cli/entry.py), on a package made here."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from mtpipe.coordinator.cli.entry import defer_package_init
+
+INIT = """
+import time
+from pathlib import Path
+flag = Path(__file__).with_name("fail")
+if flag.exists():
+    flag.unlink()
+    raise RuntimeError("init failed once")
+time.sleep(0.3)
+from .sub import value as answer
+"""
+
+
+@pytest.fixture
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "deferpkg"
+    root.mkdir()
+    (root / "__init__.py").write_text(INIT)
+    (root / "sub.py").write_text("value = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield root
+    for name in [n for n in sys.modules if n == "deferpkg" or n.startswith("deferpkg.")]:
+        del sys.modules[name]
+
+
+def test_submodules_import_without_the_init_and_threads_wait_for_it(package: Path) -> None:
+    defer_package_init("deferpkg")
+    import deferpkg.sub
+
+    assert deferpkg.sub.value == 42 and "answer" not in vars(sys.modules["deferpkg"])  # init not run yet
+    got: list[object] = []
+    threads = [threading.Thread(target=lambda: got.append(sys.modules["deferpkg"].answer)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [42] * 4  # every thread waited for the one init, none saw the package half done
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        sys.modules["deferpkg"].missing  # noqa: B018
+    assert not hasattr(sys.modules["deferpkg"], "missing")
+
+
+def test_a_failed_init_raises_and_runs_again(package: Path) -> None:
+    (package / "fail").touch()
+    defer_package_init("deferpkg")
+    with pytest.raises(RuntimeError, match="failed once"):
+        from deferpkg import answer
+    from deferpkg import answer
+
+    assert answer == 42
