@@ -24,7 +24,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.gated_delta import normalize_qk
+
+from .gdn_snapshots import on_cpu, qkv_heads
 
 CHUNK = 64
 
@@ -85,21 +86,6 @@ def chunked_delta_rule(
     return mx.moveaxis(y, 1, 2).astype(dtype), s
 
 
-def qkv_heads(gdn: Any, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """The conv output [B, S, conv_dim] split into q, k (normalized, q scaled) and v, by heads."""
-    B, S, _ = conv_out.shape
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
-            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
-            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
-    return q, k, v
-
-
 def prefill_mixer(gdn: Any, x: mx.array, mask: mx.array | None, cache: Any) -> mx.array:
     """mlx-lm's GatedDeltaNet forward over a prefill input `x` [B, S, hidden], its recurrence chunked:
     the same projections, conv window and cache updates (`cache.lengths` ends each row's window)."""
@@ -134,6 +120,8 @@ def prefill_mixer(gdn: Any, x: mx.array, mask: mx.array | None, cache: Any) -> m
 
 
 def prefill_layer(layer: Any, h: mx.array, cache: Any, mask: mx.array | None = None) -> mx.array:
-    """A GatedDeltaNet decoder layer (input norm, mixer, residual, MLP) over a prefill input."""
-    h = h + prefill_mixer(layer.linear_attn, layer.input_layernorm(h), mask, cache)
+    """A GatedDeltaNet decoder layer (input norm, mixer, residual, MLP) over a prefill input: its
+    recurrence chunked on the CPU, mlx-lm's mixer (its kernel) on Metal."""
+    x = layer.input_layernorm(h)
+    h = h + (prefill_mixer(layer.linear_attn, x, mask, cache) if on_cpu() else layer.linear_attn(x, mask, cache))
     return h + layer.mlp(layer.post_attention_layernorm(h))

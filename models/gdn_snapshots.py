@@ -22,10 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.models.gated_delta import compute_g, gated_delta_update
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
-
-from .gdn_chunked import qkv_heads
 
 
 @dataclass
@@ -135,6 +133,21 @@ def _mixer(
         y, states = _stepped_ops(q, k, v, compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b), state)
     out = gdn.norm(y, z)
     return gdn.out_proj(out.reshape(B, S, -1)), conv_input, states
+
+
+def qkv_heads(gdn: Any, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """The conv output [B, S, conv_dim] split into q, k (normalized, q scaled) and v, by heads."""
+    B, S, _ = conv_out.shape
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
+            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
+            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    return q, k, v
 
 
 def on_cpu() -> bool:

@@ -114,10 +114,10 @@ class Qwen35Shard(nn.Module):
                 h, snapshots[i] = gdn_layer(layer, h, c, self.compiled)
             elif not layer.is_linear and self.compiled.applies(h):
                 h = attention_layer(layer, h, c.offset, cache_update(c, attn_mask), self.compiled)
-            elif layer.is_linear and on_cpu():
+            elif layer.is_linear:
                 h = prefill_layer(layer, h, c)
             else:
-                h = layer(h, mask=None if layer.is_linear else attn_mask, cache=c)
+                h = layer(h, mask=attn_mask, cache=c)
             if queue:
                 mx.async_eval(h)
         return h, snapshots

@@ -14,7 +14,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..models.gdn_chunked import prefill_layer
-from ..models.gdn_snapshots import on_cpu
 from ..models.ragged import RaggedKV, cache_arrays, concat_caches, pad_rows, ragged_layer, take_rows
 from ..models.shard import queue_layers
 from .head import DraftState, Head, new_draft_state
@@ -116,11 +115,7 @@ class FillGroup:
         for layer, c in zip(self.model.layers, self.cache):
             if layer.is_linear:
                 c.lengths = mx.array(real) if ragged else None
-                if on_cpu():
-                    h = prefill_layer(layer, h, c, valid)
-                else:
-                    h = h + layer.linear_attn(layer.input_layernorm(h), valid, c)
-                    h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = prefill_layer(layer, h, c, valid)
                 c.lengths = None
             else:
                 h, _ = ragged_layer(layer, h, c, real)
