@@ -3,8 +3,8 @@ mlx-lm's `stream_generate`, alternated so machine noise hits both alike.
 
 Each figure is prompt tokens over the time from the request to its first token (the prefill and one
 forward more). mtpipe runs the request as a user's default does (auto MTP depth, whose head also
-takes in the prompt); both take the same prompt tokens and both pick the first token greedily, which
-the report compares.
+takes in the prompt); both take the same prompt tokens (held-out library source, as the long-context
+engine bench uses) and both pick the first token greedily, which the report compares.
 """
 
 from __future__ import annotations
@@ -22,21 +22,10 @@ from ...models import blas
 from ..engine.build import local_engine
 from ..engine.engine import Engine
 from ..engine.request import AUTO, GenerationRequest, resolve_depth
-from .engine import bench_prompts
+from .engine import long_prompt
 
 DEFAULT_LENGTHS = (512, 2048)
 REPS = 5
-
-
-def prompt_of(engine: Engine, length: int) -> list[int]:
-    """`length` tokens of held-out text (repeated if the held-out prompts are shorter)."""
-    text = "\n".join(bench_prompts(64))
-    tokens = engine.tokenizer.encode(text)
-    if not tokens:
-        raise RuntimeError("no held-out text to build prompts from")
-    while len(tokens) < length:
-        tokens = tokens + tokens
-    return tokens[:length]
 
 
 def time_mtpipe(engine: Engine, prompt: list[int]) -> tuple[float, int]:
@@ -75,7 +64,7 @@ def bench_prefill(model_path: Path | str, *, lengths: list[int] | tuple[int, ...
     model, tokenizer = mlx_load(str(model_path))
     out: dict[str, Any] = {"model": str(model_path), "blas": blas.info().to_dict(), "reps": reps, "lengths": {}}
     for length in lengths:
-        prompt = prompt_of(engine, length)
+        prompt = long_prompt(engine.tokenizer, length)
         time_mtpipe(engine, prompt)
         time_mlx_lm(model, tokenizer, prompt)
         ours: list[float] = []
