@@ -31,9 +31,10 @@ LAYOUTS = ("hf", "hf_text", "mlx", "separate_mtp", "sharded", "no_mtp")
 
 
 def tiny_text_config(vocab_size: int, eos_token_id: int, *, moe: bool = False, num_layers: int = 8,
-                     hidden_size: int = 64) -> dict[str, Any]:
+                     hidden_size: int = 64, attention_every: int = 4) -> dict[str, Any]:
     """A small config of the real architecture; `hidden_size` (a multiple of 16) scales every width
-    with it (heads stay 4 and 2), for benchmarks where the weights, not the per-op overhead, dominate."""
+    with it (heads stay 4 and 2), for benchmarks where the weights, not the per-op overhead, dominate.
+    Every `attention_every`-th layer is full attention (4 in the real models), the others GatedDeltaNet."""
     head = hidden_size // 4
     config: dict[str, Any] = {
         "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
@@ -51,8 +52,9 @@ def tiny_text_config(vocab_size: int, eos_token_id: int, *, moe: bool = False, n
         "linear_key_head_dim": head,
         "linear_value_head_dim": head,
         "linear_conv_kernel_dim": 4,
-        "full_attention_interval": 4,
-        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)],
+        "full_attention_interval": attention_every,
+        "layer_types": ["full_attention" if (i + 1) % attention_every == 0 else "linear_attention"
+                        for i in range(num_layers)],
         "tie_word_embeddings": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         "mtp_num_hidden_layers": 1,
@@ -168,12 +170,16 @@ def cache_root() -> Path:
 
 def build_tiny_checkpoint(
     *, moe: bool = False, layout: str = "hf", seed: int = 0, num_layers: int = 8, root: Path | None = None,
-    hidden_size: int = 64,
+    hidden_size: int = 64, attention_every: int = 4,
 ) -> Path:
     """Build (or reuse from the cache) a tiny random checkpoint; returns its directory."""
     if hidden_size % 16:
         raise ValueError(f"hidden_size must be a multiple of 16, got {hidden_size}")
+    if attention_every < 1:
+        raise ValueError(f"attention_every must be at least 1, got {attention_every}")
     shape = {"hidden": hidden_size} if hidden_size != 64 else {}  # (the tag of the default stays as it was)
+    if attention_every != 4:
+        shape["attention_every"] = attention_every
     tag = json.dumps({"moe": moe, "layout": layout, "seed": seed, "layers": num_layers, "v": 2, **shape})
     out = (root or cache_root()) / f"{'moe' if moe else 'dense'}-{layout}-{hashlib.sha1(tag.encode()).hexdigest()[:10]}"
     if (out / "config.json").exists():
@@ -183,7 +189,8 @@ def build_tiny_checkpoint(
     vocab = json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"]
     added = {t["content"]: t["id"] for t in json.loads((tmp / "tokenizer.json").read_text())["added_tokens"]}
     vocab_size = max(max(vocab.values()), max(added.values())) + 1
-    text_config = tiny_text_config(vocab_size, added[IM_END], moe=moe, num_layers=num_layers, hidden_size=hidden_size)
+    text_config = tiny_text_config(vocab_size, added[IM_END], moe=moe, num_layers=num_layers, hidden_size=hidden_size,
+                                   attention_every=attention_every)
     write_checkpoint(tmp, text_config, random_raw_weights(text_config, seed), layout)
     tmp.rename(out)
     log.info("built tiny checkpoint %s", out)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers import tiny_checkpoint
 
 from mtpipe.coordinator.engine.build import local_engine
 from mtpipe.coordinator.engine.engine import Engine
-from mtpipe.models.tiny import build_tiny_checkpoint
 from mtpipe.node.model_dirs import MODEL_DIRS_ENV
 
 
@@ -30,12 +30,12 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def dense_ckpt(tiny_root: Path) -> Path:
-    return build_tiny_checkpoint(moe=False, root=tiny_root)
+    return tiny_checkpoint(tiny_root, moe=False)
 
 
 @pytest.fixture(scope="session")
 def moe_ckpt(tiny_root: Path) -> Path:
-    return build_tiny_checkpoint(moe=True, root=tiny_root)
+    return tiny_checkpoint(tiny_root, moe=True)
 
 
 @pytest.fixture(scope="session", params=["dense", "moe"])

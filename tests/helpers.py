@@ -7,9 +7,11 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from mtpipe.coordinator.engine.batch import END
+from mtpipe.models.tiny import build_tiny_checkpoint
 from mtpipe.node.server import NodeServer
 
 
@@ -66,6 +68,21 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
 
+
+# The tests' tiny checkpoints: 4 layers, GatedDeltaNet and attention in turn, so both halves of a 2-stage split
+# hold both kinds (a commit trims attention KV and rolls GatedDeltaNet state back on every node) and the suite's
+# time, which goes with the depth, stays short.
+# Their random weights come from a seed whose greedy runs of every prompt below (dense and MoE) go on for 72
+# tokens or more before an end token, so the tests' generations are not cut short.
+TINY_LAYERS = 4
+TINY_ATTENTION_EVERY = 2
+TINY_SEED = 4
+
+
+def tiny_checkpoint(root: Path, **kw: Any) -> Path:
+    """A tiny checkpoint (built once, then cached under `root`) of the tests' shape."""
+    kw.setdefault("seed", TINY_SEED)
+    return build_tiny_checkpoint(root=root, num_layers=TINY_LAYERS, attention_every=TINY_ATTENTION_EVERY, **kw)
 
 PROMPTS = [
     "def add(a, b):\n",

@@ -179,12 +179,12 @@ def test_health_and_cluster_over_nodes(dense_ckpt: Path) -> None:
                 first, second = info["nodes"]
                 assert info["healthy"] is False and nodes[1].address in info["error"]
                 assert first["healthy"] is True and first["loaded"] is True and first["error"] is None
-                assert first["node_id"] and first["end"] == 4  # the live node's own state, not hidden
+                assert first["node_id"] and first["end"] == 2  # the live node's own state, not hidden
                 assert second["healthy"] is False and second["reachable"] is False
                 assert "does not answer" in second["error"] and second["error_at"]
                 assert info["errors"] == [{"node": nodes[1].address, "error": second["error"],
                                            "at": second["error_at"]}]
-                assert info["placement"][0]["layers"] == [0, 4] and info["placement"][1]["layers"] is None
+                assert info["placement"][0]["layers"] == [0, 2] and info["placement"][1]["layers"] is None
         finally:
             engine.pipeline.close()
 

@@ -536,7 +536,8 @@ def test_admission_waits_for_memory_and_times_out(dense_ckpt: Path, engines: Eng
     finally:
         engine.close()
 
-    long = request(encode(tok, PROMPTS[0]), 0, 2000)
+    never_ends = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(tok.eos)))  # max_tokens ends it
+    long = request(encode(tok, PROMPTS[0]), 0, 2000, params=never_ends)
     engine = batch_engine(dense_ckpt, dtype=mx.float32, queue_timeout=0.2,
                           memory_budget=plan.sequence_cost(dims, len(long.prompt_tokens) + 2000, 0))
     try:

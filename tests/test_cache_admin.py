@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import TINY_LAYERS
 
 from mtpipe.coordinator.cli.main import main
 from mtpipe.models.fingerprint import model_fingerprint, shard_names
@@ -16,12 +17,12 @@ from mtpipe.node import cache_admin, fetch
 from mtpipe.node.server import NodeServer
 from mtpipe.node.shards import ShardCache, ShardKey
 
-SPECS = [(0, 3, False), (3, 6, False), (6, 8, True)]
+SPECS = [(0, 1, False), (1, 3, False), (3, 4, True)]
 
 
 def fetch_into(cache: ShardCache, ckpt: Path, holder: str, spec: tuple[int, int, bool]) -> Path:
-    key = ShardKey(model_fingerprint(ckpt), spec[0], spec[1], 8, spec[2])
-    names = shard_names(ckpt, spec[0], spec[1], 8, spec[2])
+    key = ShardKey(model_fingerprint(ckpt), spec[0], spec[1], TINY_LAYERS, spec[2])
+    names = shard_names(ckpt, spec[0], spec[1], TINY_LAYERS, spec[2])
     asyncio.run(fetch.fetch_shard(cache, key, names, [holder], None, fetch.Transfer()))
     d = cache.lookup(key, names)
     assert d is not None
@@ -36,7 +37,7 @@ def filled(dense_ckpt: Path, tmp_path: Path):
         cache = ShardCache(tmp_path / "cache")
         dirs = [fetch_into(cache, dense_ckpt, holder.address, s) for s in SPECS]
         for age, i in enumerate((1, 0, 2)):  # lookup marks use; set the stamps apart explicitly
-            key = ShardKey(model_fingerprint(dense_ckpt), SPECS[i][0], SPECS[i][1], 8, SPECS[i][2])
+            key = ShardKey(model_fingerprint(dense_ckpt), SPECS[i][0], SPECS[i][1], TINY_LAYERS, SPECS[i][2])
             assert cache.lookup(key) == dirs[i]
             manifest = dirs[i] / "mtpipe-shard.json"
             os.utime(manifest, (1_000_000 + age, 1_000_000 + age))
@@ -75,14 +76,14 @@ def test_a_fetch_short_of_disk_space_removes_the_least_recently_used(filled, den
     listing = cache_admin.entries
     full = sum(e.bytes for e in listing(cache.root))
     monkeypatch.setattr(fetch, "free_bytes", lambda path: full - sum(e.bytes for e in listing(cache.root)))
-    new = (2, 5, False)
+    new = (1, 2, False)
     d = fetch_into(cache, dense_ckpt, holder.address, new)
     assert d.exists() and not dirs[1].exists() and dirs[2].exists()  # the most recently used stays
     # Nothing left to remove and still no room: the fetch says so, before it starts.
     monkeypatch.setattr(cache_admin, "entries", lambda root: [])
-    key = ShardKey(model_fingerprint(dense_ckpt), 0, 8, 8, True)
+    key = ShardKey(model_fingerprint(dense_ckpt), 0, TINY_LAYERS, TINY_LAYERS, True)
     with pytest.raises(fetch.NoDiskSpace, match="not enough disk space"):
-        asyncio.run(fetch.fetch_shard(cache, key, shard_names(dense_ckpt, 0, 8, 8, True), [holder.address], None,
+        asyncio.run(fetch.fetch_shard(cache, key, shard_names(dense_ckpt, 0, TINY_LAYERS, TINY_LAYERS, True), [holder.address], None,
                                       fetch.Transfer()))
 
 

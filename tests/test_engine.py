@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers import TINY_LAYERS
 
 from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.coordinator.engine.request import GenerationRequest
@@ -91,7 +92,7 @@ def snapshot(worker: StageWorker, seq_id: str) -> tuple:
 
 
 def test_stage_rejects_malformed_requests_without_state_change(dense_ckpt: Path) -> None:
-    shard = load_shard(dense_ckpt, ShardSpec(4, 8, 8), dtype=mx.float32)
+    shard = load_shard(dense_ckpt, ShardSpec(2, 4, TINY_LAYERS), dtype=mx.float32)
     worker = StageWorker(shard)
     H = shard.config.args.hidden_size
     ok = mx.zeros((1, 3, H))

@@ -8,6 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from helpers import TINY_LAYERS, tiny_checkpoint
 from mlx.utils import tree_flatten
 
 from mtpipe.models.convert import convert
@@ -29,7 +30,7 @@ def assert_same(a: dict[str, mx.array], b: dict[str, mx.array]) -> None:
 
 @pytest.mark.parametrize("layout", ["hf_text", "separate_mtp", "sharded"])
 def test_layouts_load_identically(tiny_root: Path, dense_ckpt: Path, layout: str) -> None:
-    other = build_tiny_checkpoint(layout=layout, root=tiny_root)
+    other = tiny_checkpoint(tiny_root, layout=layout)
     assert_same(params(dense_ckpt), params(other))
 
 
@@ -103,20 +104,20 @@ def test_moe_expert_forms(tmp_path: Path, moe_ckpt: Path) -> None:
 def test_incomplete_experts_and_missing_tensor_errors(tmp_path: Path, dense_ckpt: Path) -> None:
     cfg = json.loads((dense_ckpt / "config.json").read_text())["text_config"]
     raw = random_raw_weights(cfg, seed=3)
-    raw.pop("model.language_model.layers.5.mlp.down_proj.weight")
+    raw.pop("model.language_model.layers.3.mlp.down_proj.weight")
     out = write_checkpoint(tmp_path / "broken", cfg, raw)
-    with pytest.raises(CheckpointError, match="lacks 1 tensor.*layers.5.mlp.down_proj.weight"):
+    with pytest.raises(CheckpointError, match="lacks 1 tensor.*layers.3.mlp.down_proj.weight"):
         load_shard(out)
-    # A shard that does not own layer 5 loads fine: it never needs that tensor.
-    assert load_shard(out, ShardSpec(0, 4, 8)).model.parameter_bytes() > 0
+    # A shard that does not own layer 3 loads fine: it never needs that tensor.
+    assert load_shard(out, ShardSpec(0, 2, TINY_LAYERS)).model.parameter_bytes() > 0
 
 
 def test_shard_loads_only_its_tensors(dense_ckpt: Path) -> None:
     whole = load_shard(dense_ckpt).model
-    parts = [load_shard(dense_ckpt, s).model for s in (ShardSpec(0, 3, 8), ShardSpec(3, 6, 8), ShardSpec(6, 8, 8))]
+    parts = [load_shard(dense_ckpt, ShardSpec(a, b, TINY_LAYERS)).model for a, b in ((0, 1), (1, 3), (3, 4))]
     names = [set(dict(tree_flatten(p.parameters()))) for p in parts]
     assert not any(n.startswith(("norm.", "mtp.", "lm_head.")) for n in names[0] | names[1])
-    assert {n for n in names[0] if n.startswith("layers.")} == {n for n in dict(tree_flatten(whole.parameters())) if n.startswith(("layers.0.", "layers.1.", "layers.2."))}
+    assert {n for n in names[0] if n.startswith("layers.")} == {n for n in dict(tree_flatten(whole.parameters())) if n.startswith("layers.0.")}
     # Layer bytes add up to the whole model's; only the embedding is held twice (first + last for MTP).
     embed = whole.embed_tokens.weight.nbytes
     assert sum(p.parameter_bytes() for p in parts) == whole.parameter_bytes() + embed

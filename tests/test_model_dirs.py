@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers import TINY_LAYERS
 
 from mtpipe.models.fingerprint import model_fingerprint, shard_names
 from mtpipe.node.model_dirs import MODEL_DIRS_ENV, ModelDirs
@@ -37,9 +38,9 @@ def models(dense_ckpt: Path, tmp_path: Path) -> dict[str, Path]:
             "dotdot": allowed / ".." / "elsewhere"}
 
 
-def load_request(path: Path, fingerprint: str, start: int = 0, end: int = 8) -> pb.LoadRequest:
-    return pb.LoadRequest(model_path=str(path), start=start, end=end, num_layers=8, mtp=True, dtype="float32",
-                          fingerprint=fingerprint, tensors=shard_names(path, start, end, 8, True))
+def load_request(path: Path, fingerprint: str, start: int = 0, end: int = TINY_LAYERS) -> pb.LoadRequest:
+    return pb.LoadRequest(model_path=str(path), start=start, end=end, num_layers=TINY_LAYERS, mtp=True, dtype="float32",
+                          fingerprint=fingerprint, tensors=shard_names(path, start, end, TINY_LAYERS, True))
 
 
 def node(allowed: Path, tmp_path: Path) -> NodeServer:
@@ -72,18 +73,18 @@ def test_load_follows_a_path_only_under_the_model_dirs(models: dict[str, Path], 
                     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                     assert "not under this node's model directories" in e.value.details(), e.value.details()
                     assert server.service.worker is None
-            reply = stub.Load(load_request(models["inside"], fp, 0, 4))
+            reply = stub.Load(load_request(models["inside"], fp, 0, 2))
             assert reply.weights_source == "local" and Path(reply.weights_path) == models["inside"]
             key = server.service.key
             # A refused Load leaves the loaded shard as it was, and it still answers.
             with pytest.raises(grpc.RpcError) as e:
-                stub.Load(load_request(models["outside"], "", 4, 8))
+                stub.Load(load_request(models["outside"], "", 2, 4))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert server.service.key == key and server.service.worker is not None
             # Named by fingerprint, the model is the copy the node now holds, wherever the hint points.
-            reply = stub.Load(load_request(models["outside"], fp, 4, 8))
+            reply = stub.Load(load_request(models["outside"], fp, 2, 4))
             assert reply.weights_source == "local" and Path(reply.weights_path) == models["inside"]
-            assert stub.Load(load_request(models["outside"], fp, 4, 8)).reused
+            assert stub.Load(load_request(models["outside"], fp, 2, 4)).reused
             assert stub.Health(pb.HealthRequest()).fingerprint == fp
     finally:
         server.stop(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import TINY_LAYERS
 
 from mtpipe.coordinator.cluster.placement import (
     GiB,
@@ -100,10 +101,10 @@ def test_tiny_nodes_still_get_a_layer() -> None:
 
 def test_footprint_matches_loaded_shards(dense_ckpt: Path) -> None:
     f = model_footprint(dense_ckpt)
-    for start, end in ((0, 3), (3, 8), (0, 8), (2, 5)):
-        assert f.stage_bytes(start, end) == load_shard(dense_ckpt, ShardSpec(start, end, 8)).model.parameter_bytes()
+    for start, end in ((0, 1), (1, 4), (0, 4), (1, 3)):
+        assert f.stage_bytes(start, end) == load_shard(dense_ckpt, ShardSpec(start, end, TINY_LAYERS)).model.parameter_bytes()
     no_mtp = model_footprint(dense_ckpt, mtp=False)
-    assert no_mtp.stage_bytes(3, 8) == load_shard(dense_ckpt, ShardSpec(3, 8, 8), mtp=False).model.parameter_bytes()
+    assert no_mtp.stage_bytes(1, 4) == load_shard(dense_ckpt, ShardSpec(1, 4, TINY_LAYERS), mtp=False).model.parameter_bytes()
 
 
 def test_footprint_counts_the_draft_vocabulary() -> None:

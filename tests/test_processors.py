@@ -120,17 +120,18 @@ def test_greedy_identical_whatever_the_depth(engines: tuple[BatchEngine, BatchEn
                                              params: SamplingParams) -> None:
     one, two = engines
     p = prompt(one)
-    plain = one.complete(GenerationRequest(p, max_tokens=24)).tokens
-    base = one.complete(GenerationRequest(p, max_tokens=24, params=params))
+    n = 48  # long enough that the greedy decode repeats itself, for the penalties to act on
+    plain = one.complete(GenerationRequest(p, max_tokens=n)).tokens
+    base = one.complete(GenerationRequest(p, max_tokens=n, params=params))
     assert base.tokens != plain  # the processors change what a greedy decode emits
     # The per-sequence head processes the same way, at every depth.
     per_sequence = local_engine(dense_ckpt, dtype=mx.float32)
     for depth, auto in DEPTHS:
-        r = per_sequence.complete(GenerationRequest(p, 24, params, mtp_depth=depth, mtp_auto=auto))
+        r = per_sequence.complete(GenerationRequest(p, n, params, mtp_depth=depth, mtp_auto=auto))
         assert r.tokens == base.tokens, ("per-sequence", depth, auto)
     for engine in (one, two):
         for depth, auto in DEPTHS:
-            r = engine.complete(GenerationRequest(p, max_tokens=24, params=params, mtp_depth=depth, mtp_auto=auto))
+            r = engine.complete(GenerationRequest(p, max_tokens=n, params=params, mtp_depth=depth, mtp_auto=auto))
             assert r.tokens == base.tokens, (depth, auto)
 
 

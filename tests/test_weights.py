@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import mlx.core as mx
 import pytest
-from helpers import PROMPTS
+from helpers import PROMPTS, TINY_LAYERS
 from mlx.utils import tree_flatten
 
 from mtpipe.coordinator.engine.build import local_engine, remote_engine
@@ -34,8 +34,9 @@ from mtpipe.node.wire import make_channel
 from mtpipe.proto import mtpipe_pb2 as pb
 from mtpipe.proto import mtpipe_pb2_grpc as pb_grpc
 
-SPECS = [(0, 3), (3, 4), (4, 8)]  # the middle shard is one full-attention layer: no conv1d tells its layout
-HALVES = [(0, 4), (4, 8)]
+# The last shard is one full-attention layer and the MTP head: no conv1d tells its layout.
+SPECS = [(0, 1), (1, 3), (3, 4)]
+HALVES = [(0, 2), (2, 4)]
 MAX_TOKENS = 16
 
 
@@ -56,7 +57,7 @@ def nodes(root: Path, model_dirs: list[list[Path]], secret: str | None = None) -
 
 @contextmanager
 def engine_over(ckpt: Path, servers: list[NodeServer], specs=SPECS, **kw) -> Iterator[Engine]:
-    specs = [ShardSpec(a, b, 8) for a, b in specs]
+    specs = [ShardSpec(a, b, TINY_LAYERS) for a, b in specs]
     engine = remote_engine(ckpt, [s.address for s in servers], dtype="float32", specs=specs,
                            sources=[servers[0].address], **kw)
     try:
@@ -78,7 +79,7 @@ def reference(dense_ckpt: Path) -> dict[str, list[int]]:
 
 def shard_bytes(ckpt: Path, spec: tuple[int, int], mtp: bool = True) -> int:
     index = checkpoint_index(ckpt)
-    return sum(index[n].size for n in shard_names(ckpt, spec[0], spec[1], 8, mtp))
+    return sum(index[n].size for n in shard_names(ckpt, spec[0], spec[1], TINY_LAYERS, mtp))
 
 
 def same_weights(a: Path, b: Path, spec: ShardSpec, mtp: bool = True) -> bool:
@@ -104,7 +105,7 @@ def test_fingerprint_names_the_content(dense_ckpt: Path, tmp_path: Path, monkeyp
     assert len(fp) == 64 and fp == model_fingerprint(dense_ckpt)
     # Per-tensor hashes (from the one pass over each file) are the hashes of the bytes at each offset.
     index = checkpoint_index(dense_ckpt)
-    names = shard_names(dense_ckpt, 4, 8, 8, True)
+    names = shard_names(dense_ckpt, *HALVES[1], TINY_LAYERS, True)
     for name, digest in fpmod.tensor_hashes(dense_ckpt, names).items():
         loc = index[name]
         assert digest == fpmod.hash_range(loc.file, loc.start, loc.size)
@@ -112,7 +113,7 @@ def test_fingerprint_names_the_content(dense_ckpt: Path, tmp_path: Path, monkeyp
     copy = tmp_path / "copy"
     shutil.copytree(dense_ckpt, copy)
     assert model_fingerprint(copy) == fp
-    other = perturbed_copy(dense_ckpt, tmp_path / "other", "model.language_model.layers.5.mlp.down_proj.weight")
+    other = perturbed_copy(dense_ckpt, tmp_path / "other", "model.language_model.layers.3.mlp.down_proj.weight")
     assert model_fingerprint(other) != fp
     tok = json.loads((copy / "tokenizer.json").read_text())
     tok["added_tokens"][0]["content"] += "x"
@@ -144,15 +145,15 @@ def test_a_shard_cache_directory_loads_as_the_same_shard(moe: bool, dense_ckpt: 
 
     ckpt = moe_ckpt if moe else dense_ckpt
     with nodes(tmp_path, [[ckpt]]) as (holder,):
-        for start, end, mtp in [(0, 3, True), (3, 4, True), (4, 8, True), (6, 8, False)]:
-            key = ShardKey(model_fingerprint(ckpt), start, end, 8, mtp)
+        for start, end, mtp in [(0, 1, True), (1, 3, True), (3, 4, True), (2, 4, False)]:
+            key = ShardKey(model_fingerprint(ckpt), start, end, TINY_LAYERS, mtp)
             cache = ShardCache(tmp_path / "mine")
-            names = shard_names(ckpt, start, end, 8, mtp)
+            names = shard_names(ckpt, start, end, TINY_LAYERS, mtp)
             got, source = asyncio.run(fetch.fetch_shard(cache, key, names, [holder.address], None, fetch.Transfer()))
             assert got == sum(checkpoint_index(ckpt)[n].size for n in names) and source == holder.address
             d = cache.lookup(key, names)
             assert d is not None and sorted(checkpoint_index(d)) == names
-            assert same_weights(d, ckpt, ShardSpec(start, end, 8), mtp), (start, end, mtp)
+            assert same_weights(d, ckpt, ShardSpec(start, end, TINY_LAYERS), mtp), (start, end, mtp)
 
 
 # -- shards reach the nodes -------------------------------------------------------------------------
@@ -177,10 +178,10 @@ def test_shards_reach_nodes_without_the_model(dense_ckpt: Path, tmp_path: Path, 
         for i in (1, 2):
             d = Path(replies[i].weights_path)
             assert d.is_relative_to(tmp_path / f"cache{i}")
-            assert sorted(checkpoint_index(d)) == shard_names(dense_ckpt, *SPECS[i], 8, True)
-        assert same_weights(Path(replies[1].weights_path), dense_ckpt, ShardSpec(3, 4, 8))
+            assert sorted(checkpoint_index(d)) == shard_names(dense_ckpt, *SPECS[i], TINY_LAYERS, True)
+            assert same_weights(d, dense_ckpt, ShardSpec(*SPECS[i], TINY_LAYERS))
         # A node serves what its cache holds too: the bytes of the original's tensors.
-        names = shard_names(dense_ckpt, *SPECS[2], 8, True)
+        names = shard_names(dense_ckpt, *SPECS[2], TINY_LAYERS, True)
         with make_channel(servers[2].address) as channel:
             chunks = list(pb_grpc.NodeStub(channel).FetchTensors(pb.FetchRequest(fingerprint=fp, names=names)))
         index = checkpoint_index(dense_ckpt)
@@ -199,11 +200,11 @@ def test_shards_reach_nodes_without_the_model(dense_ckpt: Path, tmp_path: Path, 
 
 
 def test_a_local_copy_with_other_weights_is_refused(dense_ckpt: Path, tmp_path: Path, reference) -> None:
-    other = perturbed_copy(dense_ckpt, tmp_path / "other", "model.language_model.layers.5.mlp.down_proj.weight")
+    other = perturbed_copy(dense_ckpt, tmp_path / "other", "model.language_model.layers.3.mlp.down_proj.weight")
     with nodes(tmp_path, [[dense_ckpt], [other]]) as servers, engine_over(dense_ckpt, servers, specs=HALVES) as engine:
         last = engine.pipeline.load_replies[1]
         assert last.weights_source == f"peer {servers[0].address}"
-        assert last.fetched_bytes == shard_bytes(dense_ckpt, (4, 8))
+        assert last.fetched_bytes == shard_bytes(dense_ckpt, HALVES[1])
         text = PROMPTS[0]
         assert generate(engine, text) == reference[text]
     # The same copy with the right weights is taken as it is.
@@ -224,7 +225,7 @@ def test_a_corrupted_cache_entry_is_fetched_again(dense_ckpt: Path, tmp_path: Pa
     with nodes(tmp_path, [[dense_ckpt], []]) as servers, engine_over(dense_ckpt, servers, specs=specs) as engine:
         last = engine.pipeline.load_replies[1]
         assert last.weights_source.startswith("peer ")
-        assert last.fetched_bytes == shard_bytes(dense_ckpt, (4, 8))
+        assert last.fetched_bytes == shard_bytes(dense_ckpt, HALVES[1])
         assert servers[1].service.weights.transfer.transport == "tcp"
         text = PROMPTS[1]
         assert generate(engine, text) == reference[text]
@@ -234,14 +235,14 @@ def test_an_interrupted_transfer_resumes(dense_ckpt: Path, tmp_path: Path, monke
                                          reference) -> None:
     monkeypatch.setattr(weights, "CHUNK_BYTES", 64 << 10)
     monkeypatch.setattr(bulk, "RECV_BYTES", 64 << 10)
-    total = shard_bytes(dense_ckpt, (4, 8))
+    total = shard_bytes(dense_ckpt, HALVES[1])
     stop_after = total // 3
     with nodes(tmp_path, [[dense_ckpt], []]) as servers:
         receiver = servers[1].service.weights
         receiver.transfer.interrupt_after = stop_after  # as if the node were killed there
         with pytest.raises(ValueError, match="transfer stopped"), engine_over(dense_ckpt, servers, specs=HALVES):
             pass
-        key = ShardKey(model_fingerprint(dense_ckpt), 4, 8, 8, True)
+        key = ShardKey(model_fingerprint(dense_ckpt), *HALVES[1], TINY_LAYERS, True)
         part = receiver.cache.dir(key) / PART
         _, data_start = fpmod.read_header(part)
         kept = part.stat().st_size - data_start
@@ -262,7 +263,7 @@ def test_an_interrupted_transfer_resumes(dense_ckpt: Path, tmp_path: Path, monke
 
 def test_tensor_bytes_travel_on_the_data_plane(dense_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                reference) -> None:
-    total = shard_bytes(dense_ckpt, (4, 8))
+    total = shard_bytes(dense_ckpt, HALVES[1])
     with nodes(tmp_path, [[dense_ckpt], []]) as servers, engine_over(dense_ckpt, servers, specs=HALVES) as engine:
         assert engine.pipeline.load_replies[1].fetched_bytes == total
         assert servers[1].service.weights.transfer.transport == "tcp"
@@ -317,7 +318,7 @@ def test_no_disk_space_refuses_before_the_transfer(dense_ckpt: Path, tmp_path: P
 
 def test_without_a_source_the_node_says_what_is_missing(dense_ckpt: Path, tmp_path: Path) -> None:
     with nodes(tmp_path, [[dense_ckpt], []]) as servers:
-        specs = [ShardSpec(0, 4, 8), ShardSpec(4, 8, 8)]
+        specs = [ShardSpec(a, b, TINY_LAYERS) for a, b in HALVES]
         with pytest.raises(ValueError, match="no node to fetch it from"):
             remote_engine(dense_ckpt, [s.address for s in servers], dtype="float32", specs=specs)
 
@@ -406,7 +407,7 @@ def test_an_unchanged_cache_entry_is_not_hashed_again(dense_ckpt: Path, tmp_path
     with nodes(tmp_path, [[dense_ckpt], []]) as servers, engine_over(dense_ckpt, servers, specs=HALVES) as engine:
         entry = Path(engine.pipeline.load_replies[1].weights_path)
     cache = ShardCache(entry.parents[1])
-    key = ShardKey(entry.parent.name, 4, 8, 8, True)
+    key = ShardKey(entry.parent.name, *HALVES[1], TINY_LAYERS, True)
     hashed: list[Path] = []
     real = shards.verify_file
     monkeypatch.setattr(shards, "verify_file", lambda f, t: hashed.append(f) or real(f, t))
