@@ -40,7 +40,7 @@ def test_leases_run_out_unless_renewed() -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("build", "victim", "cycles"), [
     (ring_engine, 1, 2),
-    pytest.param(ring_engine, 0, 1, marks=pytest.mark.slow),  # (the suite's time: the last node's case covers the ring)
+    (ring_engine, 0, 1),
     (remote_engine, 1, 1)], ids=["ring-last", "ring-first", "per_sequence-last"])
 def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victim: int, cycles: int) -> None:
     """A node frozen for 4 s: the ring engine's streams pause and go on with the tokens of an
@@ -113,7 +113,7 @@ def test_a_sequence_nobody_renews_is_released(dense_ckpt: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])  # (3: a middle node too; -m slow)
+@pytest.mark.parametrize("n", [2, 3])  # (3: a middle node too)
 def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n: int) -> None:
     """Kill the last node mid-generation and start it again on its address: the engine forms the
     pipeline again by itself (new requests meanwhile get a retry hint, /health is 503 naming the node, then
