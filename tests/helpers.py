@@ -84,6 +84,7 @@ def tiny_checkpoint(root: Path, **kw: Any) -> Path:
     kw.setdefault("seed", TINY_SEED)
     return build_tiny_checkpoint(root=root, num_layers=TINY_LAYERS, attention_every=TINY_ATTENTION_EVERY, **kw)
 
+
 PROMPTS = [
     "def add(a, b):\n",
     "import os\nimport sys\n\n",

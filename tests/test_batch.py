@@ -119,6 +119,11 @@ def request(prompt: list[int], depth: int | str = 0, max_tokens: int = MAX_TOKEN
     return GenerationRequest(prompt, max_tokens=max_tokens, mtp_depth=drafts, mtp_auto=auto, **kw)
 
 
+def never_ends(engine: Any) -> SamplingParams:
+    """Greedy, never an end token: only max_tokens ends such a request."""
+    return SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
+
+
 class Stream:
     """One request in a batch engine: its sink is a SimpleQueue the test thread drains (chunks, then
     an exception or END, as BatchEngine.generate reads them). Items are stamped as the sink gets them."""
@@ -536,8 +541,7 @@ def test_admission_waits_for_memory_and_times_out(dense_ckpt: Path, engines: Eng
     finally:
         engine.close()
 
-    never_ends = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(tok.eos)))  # max_tokens ends it
-    long = request(encode(tok, PROMPTS[0]), 0, 2000, params=never_ends)
+    long = request(encode(tok, PROMPTS[0]), 0, 2000, params=never_ends(tok))
     engine = batch_engine(dense_ckpt, dtype=mx.float32, queue_timeout=0.2,
                           memory_budget=plan.sequence_cost(dims, len(long.prompt_tokens) + 2000, 0))
     try:
@@ -561,7 +565,7 @@ def test_admission_waits_for_memory_and_times_out(dense_ckpt: Path, engines: Eng
 def test_cancel_ends_the_request_and_frees_every_stage(engines: Engines) -> None:
     engine = engines.batch("dense", 3)
     short = [encode(engine, t) for t in PROMPTS]
-    other = Stream(engine, request(short[12], 1, 2000))
+    other = Stream(engine, request(short[12], 1, 2000, params=never_ends(engine)))
     gone = Stream(engine, request(short[13], 2, 2000)).first()
     cancelled_at = time.monotonic()
     gone.handle.cancel()

@@ -72,19 +72,19 @@ def test_a_fetch_short_of_disk_space_removes_the_least_recently_used(filled, den
     cache, dirs, holder = filled
     monkeypatch.setattr(fetch, "DISK_MARGIN", 0)
     # A disk with no room at all: the fetch removes entries, least recently used first, until the new
-    # shard (as large as the first entry removed) fits.
+    # shard (the same layers as the first entry removed, another entry for its MTP flag) fits.
     listing = cache_admin.entries
     full = sum(e.bytes for e in listing(cache.root))
     monkeypatch.setattr(fetch, "free_bytes", lambda path: full - sum(e.bytes for e in listing(cache.root)))
-    new = (1, 2, False)
+    new = (1, 3, True)
     d = fetch_into(cache, dense_ckpt, holder.address, new)
-    assert d.exists() and not dirs[1].exists() and dirs[2].exists()  # the most recently used stays
+    assert d.exists() and not dirs[1].exists() and dirs[0].exists() and dirs[2].exists()  # no more removed
     # Nothing left to remove and still no room: the fetch says so, before it starts.
     monkeypatch.setattr(cache_admin, "entries", lambda root: [])
     key = ShardKey(model_fingerprint(dense_ckpt), 0, TINY_LAYERS, TINY_LAYERS, True)
+    names = shard_names(dense_ckpt, 0, TINY_LAYERS, TINY_LAYERS, True)
     with pytest.raises(fetch.NoDiskSpace, match="not enough disk space"):
-        asyncio.run(fetch.fetch_shard(cache, key, shard_names(dense_ckpt, 0, TINY_LAYERS, TINY_LAYERS, True), [holder.address], None,
-                                      fetch.Transfer()))
+        asyncio.run(fetch.fetch_shard(cache, key, names, [holder.address], None, fetch.Transfer()))
 
 
 def test_a_root_pointed_elsewhere_lists_and_removes_nothing(tmp_path: Path) -> None:

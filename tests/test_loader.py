@@ -117,7 +117,8 @@ def test_shard_loads_only_its_tensors(dense_ckpt: Path) -> None:
     parts = [load_shard(dense_ckpt, ShardSpec(a, b, TINY_LAYERS)).model for a, b in ((0, 1), (1, 3), (3, 4))]
     names = [set(dict(tree_flatten(p.parameters()))) for p in parts]
     assert not any(n.startswith(("norm.", "mtp.", "lm_head.")) for n in names[0] | names[1])
-    assert {n for n in names[0] if n.startswith("layers.")} == {n for n in dict(tree_flatten(whole.parameters())) if n.startswith("layers.0.")}
+    whole_names = dict(tree_flatten(whole.parameters()))
+    assert {n for n in names[0] if n.startswith("layers.")} == {n for n in whole_names if n.startswith("layers.0.")}
     # Layer bytes add up to the whole model's; only the embedding is held twice (first + last for MTP).
     embed = whole.embed_tokens.weight.nbytes
     assert sum(p.parameter_bytes() for p in parts) == whole.parameter_bytes() + embed
