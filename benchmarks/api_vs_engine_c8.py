@@ -16,7 +16,8 @@ import time
 import psutil
 
 from mtpipe.coordinator.bench.engine import bench_prompts
-from mtpipe.coordinator.bench.serve import Recorder, _request, aggregate_tps, api_run
+from mtpipe.coordinator.bench.serve import _request, api_run
+from mtpipe.coordinator.bench.streams import Recorder, aggregate_tps
 from mtpipe.coordinator.bench.serve_api import Clients, LiveServer
 from mtpipe.coordinator.engine.build import batch_engine
 from mtpipe.models.registry import DEMO_MODEL

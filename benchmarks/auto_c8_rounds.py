@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from mtpipe.coordinator.bench.engine import bench_prompts
-from mtpipe.coordinator.bench.serve import Recorder, aggregate_tps
+from mtpipe.coordinator.bench.streams import Recorder, aggregate_tps
 from mtpipe.coordinator.engine.batch import END
 from mtpipe.coordinator.engine.build import batch_engine
 from mtpipe.coordinator.engine.request import GenerationRequest

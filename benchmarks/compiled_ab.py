@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from mtpipe.coordinator.bench.engine import _time_engine, bench_prompts
-from mtpipe.coordinator.bench.serve import Recorder, aggregate_tps
+from mtpipe.coordinator.bench.streams import Recorder, aggregate_tps
 from mtpipe.coordinator.engine.build import batch_engine, local_engine
 from mtpipe.coordinator.engine.request import AUTO, GenerationRequest, resolve_depth
 from mtpipe.models.registry import DEMO_MODEL

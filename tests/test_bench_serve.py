@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mtpipe.coordinator.bench.serve import Decode, aggregate_tps, bench_serve, decode_window, percentile, waves
+from mtpipe.coordinator.bench.serve import bench_serve, percentile, waves
+from mtpipe.coordinator.bench.streams import Decode, aggregate_tps, decode_window
 
 pytest.importorskip("httpx")
 
@@ -43,7 +44,14 @@ def test_bench_serve_tiny(dense_ckpt: Path) -> None:
     for key in ("c8_no_mtp_vs_mlx_lm", "c8_auto_vs_mlx_lm", "c8_vs_c1_no_mtp", "api_vs_engine_c8"):
         assert ratios[key] > 0, key
     assert ratios["concurrency"] == 2 and "note" in ratios
+    loop = result["closed_loop"]  # (serve_steady.py; at c=2, the c8 ratios' level here)
+    assert set(loop["tok_s"]) == {"no_mtp", "auto", "mlx_lm"}
+    assert all(set(cells) == {"1", "2"} and all(v > 0 for v in cells.values()) for cells in loop["tok_s"].values())
+    for key, a, b in (("closed_c8_no_mtp_vs_mlx_lm", "no_mtp", "mlx_lm"), ("closed_c8_auto_vs_mlx_lm", "auto", "mlx_lm"),
+                      ("closed_c8_auto_vs_no_mtp", "auto", "no_mtp")):
+        assert ratios[key] == pytest.approx(loop["tok_s"][a]["2"] / loop["tok_s"][b]["2"], rel=1e-2), key
     assert isinstance(result["identical"], bool) and result["identity"]["concurrency"] == 2
+    assert set(result["identity"]["closed_loop"]) == {"no_mtp", "auto"}
     assert result["waves"] == {"1": 2, "2": 1}
     assert result["prefill_gap"] is None and "blas" in result
 
@@ -71,6 +79,7 @@ def test_bench_serve_sampled_tiny(dense_ckpt: Path, monkeypatch: pytest.MonkeyPa
                                                                           batch_generate(*a, **k))[1])
     result = bench_serve(dense_ckpt, concurrency=[2], max_tokens=8, gap=False, api=True, temperature=1.0)
     assert result["temperature"] == 1.0 and result["identical"] is True
+    assert result["identity"]["closed_loop"] == {"no_mtp": True, "auto": True}  # seeded, in the closed loop too
     assert set(result["identity"]["per_method"]) == {"no_mtp", "auto"}
     for level in ("engine", "api"):
         for method in ("no_mtp", "auto"):

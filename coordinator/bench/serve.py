@@ -24,8 +24,14 @@ usage's completion tokens shared out by characters. mlx-lm's figure is its own: 
 wall time minus prompt time. Each cell is the median of `reps` runs; every wave runs every level and
 method back to back (interleaved).
 
+Closed loop (serve_steady.py; `closed`): at every concurrency c, c clients each send their next
+request as the last one ends, on the engine (both methods) and on mlx-lm's BatchGenerator (a prompt
+inserted as each row ends), after each repetition's waves; tok/s while every slot is taken. A wave ends
+with its slowest stream, and with drafts rows end apart, so its last rounds run with fewer rows; a busy
+server refills them at once.
+
 Identity: the engine's outputs of every prompt at c=8 (the largest c when 8 is absent), both methods,
-equal each prompt decoded alone (no_mtp).
+waves and closed loop, equal each prompt decoded alone (no_mtp).
 
 Sampled (`temperature` > 0, as the API serves requests that do not ask for greedy): every level samples
 at that temperature, each prompt with a seed of its own (`SEED_BASE` + its index) on the engine and the
@@ -42,18 +48,18 @@ median, p99 and max, the ratio p99 / median, and the median gap before the windo
 from __future__ import annotations
 
 import statistics
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ...models import blas
 from ...node.protocol import SamplingParams
-from ..engine.batch import DEFAULT_MAX_ROWS, END, BatchEngine, Handle
+from ..engine.batch import DEFAULT_MAX_ROWS, BatchEngine, Handle
 from ..engine.build import batch_engine, local_engine
 from ..engine.request import AUTO, GenerationRequest, context_room, resolve_depth
 from .engine import bench_prompts, long_prompt
+from .serve_steady import PER_SLOT, engine_closed_loop, mlx_lm_closed_loop, steady_window
+from .streams import WAIT_S, Decode, Recorder, decode_window
 
 METHODS: dict[str, int | str] = {"no_mtp": 0, "auto": AUTO}
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16)
@@ -64,66 +70,6 @@ GAP_STREAMS = 4
 GAP_SETTLE = 16  # chunks each stream emits before the long prompt goes in
 GAP_STREAM_TOKENS = 2048
 SEED_BASE = 1000  # sampled runs: prompt i's seed is SEED_BASE + i
-WAIT_S = 1800.0
-
-
-class Recorder:
-    """A request's sink: when each chunk left the engine (called on the MLX thread), and its tokens."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.counts: list[float] = []
-        self.tokens: list[int] = []
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-    def __call__(self, item: Any) -> None:
-        if item is END:
-            self.done.set()
-        elif isinstance(item, BaseException):
-            self.error = item
-        elif item.tokens:
-            self.times.append(time.perf_counter())
-            self.counts.append(len(item.tokens))
-            self.tokens += item.tokens
-
-    def wait(self) -> None:
-        if not self.done.wait(WAIT_S):
-            raise TimeoutError(f"a bench request did not finish in {WAIT_S:.0f} s")
-        if self.error is not None:
-            raise self.error
-
-
-@dataclass(frozen=True)
-class Decode:
-    """Decode tokens and the seconds they took: one window, or several added up."""
-
-    tokens: float = 0.0
-    seconds: float = 0.0
-
-    def __add__(self, other: Decode) -> Decode:
-        return Decode(self.tokens + other.tokens, self.seconds + other.seconds)
-
-    @property
-    def tps(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def decode_window(streams: list[tuple[list[float], list[float]]], full: bool = False) -> Decode:
-    """Tokens arriving after every stream has its first chunk, over that moment to the last chunk
-    (`full`: to the moment the first stream ends, while every stream is running)."""
-    live = [(t, n) for t, n in streams if t]
-    if not live:
-        return Decode()
-    start = max(t[0] for t, _ in live)
-    end = min(t[-1] for t, _ in live) if full else max(t[-1] for t, _ in live)
-    if end <= start:
-        return Decode()
-    return Decode(sum(c for t, n in live for ti, c in zip(t, n) if start < ti <= end), end - start)
-
-
-def aggregate_tps(streams: list[tuple[list[float], list[float]]], full: bool = False) -> float:
-    return decode_window(streams, full).tps
 
 
 def waves(n: int, c: int) -> list[list[int]]:
@@ -284,6 +230,35 @@ def ratios(tok_s: dict[str, Any], mlx: dict[str, float], levels: list[int]) -> d
     return out
 
 
+def closed_loop(engine: BatchEngine, ref: tuple[Any, Any] | None, prompts: list[list[int]],
+                params: list[SamplingParams], c: int, max_tokens: int,
+                temperature: float) -> tuple[dict[str, float], dict[str, list[tuple[int, list[int]]]]]:
+    """Every method, then mlx-lm (given `ref`), through the closed loop at c clients
+    (serve_steady.py): tok/s by method (mlx-lm's as "mlx_lm"), and each method's outputs by prompt index."""
+    total, n = PER_SLOT * c, len(prompts)
+    tps: dict[str, float] = {}
+    outputs: dict[str, list[tuple[int, list[int]]]] = {}
+    for method in METHODS:
+        def request(i: int, method: str = method) -> GenerationRequest:
+            return _request(engine, prompts[i % n], max_tokens, method, params[i % n])
+
+        recs = engine_closed_loop(engine, request, c, total)
+        tps[method] = steady_window([(r.times, r.counts, r.ended) for r in recs], c).tps
+        outputs[method] = [(i % n, r.tokens) for i, r in enumerate(recs)]
+    if ref:
+        streams = engine.thread.call(mlx_lm_closed_loop, *ref, prompts, c, total, max_tokens, temperature)
+        tps["mlx_lm"] = steady_window(streams, c).tps
+    return tps, outputs
+
+
+def closed_ratios(tok_s: dict[str, dict[str, float]], levels: list[int]) -> dict[str, Any]:
+    """The closed loop's ratios at c=8 (the largest c present when 8 is absent), named c8 either way."""
+    k = str(RATIO_C if RATIO_C in levels else max(levels))
+    no_mtp, auto, mlx = (tok_s.get(m, {}).get(k) for m in ("no_mtp", "auto", "mlx_lm"))
+    return {"closed_c8_no_mtp_vs_mlx_lm": _ratio(no_mtp, mlx), "closed_c8_auto_vs_mlx_lm": _ratio(auto, mlx),
+            "closed_c8_auto_vs_no_mtp": _ratio(auto, no_mtp)}
+
+
 def bench_serve(
     model_path: Path | str,
     *,
@@ -296,8 +271,10 @@ def bench_serve(
     reps: int = 1,
     dtype: Any = None,
     temperature: float = 0.0,
+    closed: bool = True,
 ) -> dict[str, Any]:
-    """Every level at every concurrency (see the module docstring); the result as one dict."""
+    """Every level at every concurrency (see the module docstring); the result as one dict. `closed`:
+    the closed loop too (serve_steady.py), after the waves of each repetition."""
     levels = sorted(set(concurrency))
     if not levels or levels[0] < 1:
         raise ValueError(f"concurrency levels must be positive, got {concurrency}")
@@ -326,12 +303,16 @@ def bench_serve(
                     api_run(clients, server.url, prompts[:c], WARM_TOKENS, method, params[:c])
             if ref:
                 mlx_lm_run(engine, ref, prompts[:c], WARM_TOKENS, temperature)
+            if closed:
+                closed_loop(engine, ref, prompts, params, c, WARM_TOKENS, temperature)
         if single:
             for method in METHODS:
                 single_run(engine, single, prompts[0], WARM_TOKENS, method, params[0])
         runs: dict[str, dict[str, dict[str, list[float]]]] = {"engine": {}, "api": {}, "single_stream": {}}
         mlx_runs: dict[str, list[float]] = {}
         outputs: dict[str, list[tuple[int, list[int]]]] = {}
+        closed_runs: dict[str, dict[str, list[float]]] = {}  # method or "mlx_lm" -> c -> tok/s per rep
+        closed_outputs: dict[str, list[tuple[int, list[int]]]] = {}
         id_c = RATIO_C if RATIO_C in levels else top
 
         for c in levels:
@@ -358,15 +339,23 @@ def bench_serve(
                 for (level, method), total in sums.items():
                     cells = mlx_runs if level == "mlx_lm" else runs[level].setdefault(method, {})
                     cells.setdefault(str(c), []).append(total.tps)
-        singles = {i: engine_run(engine, [prompts[i]], max_tokens, "no_mtp", [params[i]])[1][0]
-                   for i, _ in outputs["no_mtp"]}
+                if closed:
+                    tps, outs = closed_loop(engine, ref, prompts, params, c, max_tokens, temperature)
+                    for name, value in tps.items():
+                        closed_runs.setdefault(name, {}).setdefault(str(c), []).append(value)
+                    if c == id_c and rep == 0:
+                        closed_outputs = outs
+        indices = {i for outs in (outputs, closed_outputs) for pairs in outs.values() for i, _ in pairs}
+        singles = {i: engine_run(engine, [prompts[i]], max_tokens, "no_mtp", [params[i]])[1][0] for i in indices}
         per_method = {m: all(toks == singles[i] for i, toks in outputs[m]) for m in METHODS}
+        per_method_closed = {m: all(toks == singles[i] for i, toks in pairs) for m, pairs in closed_outputs.items()}
 
         def med(cells: dict[str, list[float]]) -> dict[str, float]:
             return {c: round(statistics.median(v), 2) for c, v in cells.items()}
 
         tok_s = {level: {m: med(cells) for m, cells in by.items()} for level, by in runs.items()}
         mlx = med(mlx_runs)
+        closed_tok_s = {name: med(cells) for name, cells in closed_runs.items()}
         result = {
             "model": str(model_path),
             "blas": blas.info().to_dict(),
@@ -382,9 +371,10 @@ def bench_serve(
                        "over every wave of c streams; mlx_lm_batch: generated tokens / generation time",
             "tok_s": tok_s,
             "mlx_lm_batch": mlx,
-            "ratios": ratios(tok_s, mlx, levels),
-            "identical": all(per_method.values()),
-            "identity": {"concurrency": id_c, "per_method": per_method},
+            "ratios": ratios(tok_s, mlx, levels) | (closed_ratios(closed_tok_s, levels) if closed else {}),
+            "closed_loop": {"requests_per_client": PER_SLOT, "tok_s": closed_tok_s} if closed else None,
+            "identical": all(per_method.values()) and all(per_method_closed.values()),
+            "identity": {"concurrency": id_c, "per_method": per_method, "closed_loop": per_method_closed},
             "prefill_gap": prefill_gap(engine, prompts, gap_tokens) if gap else None,
         }
     finally:
@@ -434,6 +424,10 @@ def print_serve_report(result: dict[str, Any], console: Any) -> None:
     console.print(table)
     if tok.get("single_stream"):
         console.print(f"one stream through the per-sequence engine: {tok['single_stream']}")
+    if result.get("closed_loop"):
+        loop = result["closed_loop"]
+        console.print(f"closed loop (c clients, {loop['requests_per_client']} requests each, the next sent as the "
+                      f"last ends), tok/s while every slot is taken: {loop['tok_s']}")
     console.print(f"ratios: {result['ratios']}")
     ident = result["identity"]
     console.print(f"{how} outputs at c={ident['concurrency']} equal c=1: {result['identical']} {ident['per_method']}")

@@ -30,18 +30,8 @@ from ..engine.ring import RingEngine
 from .engine import bench_prompts
 from .nodes import spawn_nodes
 from .pipeline import run_mlx_ring
-from .serve import (
-    METHODS,
-    WARM_TOKENS,
-    Decode,
-    Recorder,
-    _request,
-    decode_window,
-    engine_run,
-    prefill_gap,
-    run_streams,
-    waves,
-)
+from .serve import METHODS, WARM_TOKENS, _request, engine_run, prefill_gap, run_streams, waves
+from .streams import Decode, Recorder, decode_window
 
 RING_RANKS = 2
 

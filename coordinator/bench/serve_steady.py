@@ -1,0 +1,107 @@
+"""Closed loop for `mtpipe bench serve`: c clients, each sending its next request the moment its last one
+ends, which is the load a busy server sees.
+
+A wave (serve.py) starts c streams together and lasts until the slowest one ends. With drafts, rows
+accept at their own rates and end apart, so a wave's last rounds run with fewer rows. A server whose
+clients keep sending fills a freed row at once. Here this engine, and mlx-lm's BatchGenerator with a
+prompt inserted as each row ends, serve `PER_SLOT * c` requests (the bench prompts in turn). The
+figure is output tokens per second while every slot is taken: from the moment each of the first c
+requests has its first token to the moment a request ends with none left to take its place. The
+prefill of requests that come in meanwhile counts, as it does for a server.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..engine.batch import BatchEngine
+from ..engine.request import GenerationRequest
+from .streams import Decode, Recorder
+
+PER_SLOT = 4  # requests per client in a run: the first and last of each are ramp and drain
+
+# a stream as sent: chunk times, tokens per chunk, when it ended
+Stream = tuple[list[float], list[float], float]
+
+
+def steady_window(streams: list[Stream], slots: int) -> Decode:
+    """Tokens while every slot was taken, over that time. `streams` in the order they were sent, the
+    first `slots` at once, then one as each ended: the window opens when each of the first `slots`
+    has its first token and closes when the (len - slots + 1)-th ends (a slot stays empty from then)."""
+    if len(streams) < slots or slots < 1:
+        return Decode()
+    firsts = [t[0] for t, _, _ in streams[:slots] if t]
+    if not firsts:
+        return Decode()
+    start = max(firsts)
+    end = sorted(e for _, _, e in streams)[len(streams) - slots]
+    if end <= start:
+        return Decode()
+    return Decode(sum(c for t, n, _ in streams for ti, c in zip(t, n) if start < ti <= end), end - start)
+
+
+def engine_closed_loop(engine: BatchEngine, request: Callable[[int], GenerationRequest], slots: int,
+                       total: int) -> list[Recorder]:
+    """`total` requests (`request(i)` the i-th sent) through `slots` client threads, each opening its
+    next one when its last one ends; their records in the order sent."""
+    recs = [Recorder() for _ in range(total)]
+    sent = iter(range(total))
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(sent, None)
+            if i is None:
+                return
+            engine.open(request(i), recs[i])
+            recs[i].wait()
+
+    with ThreadPoolExecutor(slots, thread_name_prefix="bench-client") as pool:
+        for f in [pool.submit(client) for _ in range(slots)]:
+            f.result()
+    return recs
+
+
+def mlx_lm_closed_loop(model: Any, tokenizer: Any, prompts: list[list[int]], slots: int, total: int,
+                       max_tokens: int, temperature: float = 0.0) -> list[Stream]:
+    """The same load on mlx-lm's BatchGenerator (at most `slots` rows, a prompt inserted as each row
+    ends; sampled at `temperature` when above 0); each request's stream, in the order sent. Runs on the
+    calling thread, which must own the MLX stream (the engine's MLX thread)."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
+
+    extra = {"sampler": make_sampler(temp=temperature)} if temperature > 0 else {}
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in tokenizer.eos_token_ids], completion_batch_size=slots,
+                         **extra)
+    streams: list[Stream] = []
+    index: dict[int, int] = {}  # uid -> position in `streams`
+
+    def send(n: int) -> None:
+        batch = [prompts[(len(streams) + j) % len(prompts)] for j in range(n)]
+        for uid in gen.insert(batch, [max_tokens] * n):
+            index[uid] = len(streams)
+            streams.append(([], [], 0.0))
+
+    try:
+        send(min(slots, total))
+        while responses := gen.next_generated():
+            now = time.perf_counter()
+            ended = 0
+            for r in responses:
+                times, counts, _ = streams[index[r.uid]]
+                if r.finish_reason != "stop":  # (a stop token is not output)
+                    times.append(now)
+                    counts.append(1.0)
+                if r.finish_reason is not None:
+                    streams[index[r.uid]] = (times, counts, now)
+                    ended += 1
+            if ended and len(streams) < total:
+                send(min(ended, total - len(streams)))
+    finally:
+        gen.close()
+    return streams
