@@ -10,7 +10,7 @@ import pytest
 from mlx_threads import record_mlx_threads
 
 from mtpipe.coordinator.bench.serve import _mlx_load, _request
-from mtpipe.coordinator.bench.serve_steady import engine_closed_loop, mlx_lm_closed_loop, steady_window
+from mtpipe.coordinator.bench.serve_steady import engine_closed_loop, lengths, mlx_lm_closed_loop, steady_window
 from mtpipe.coordinator.bench.streams import Decode
 from mtpipe.coordinator.engine.build import batch_engine
 
@@ -28,6 +28,13 @@ def test_the_window_is_while_every_slot_is_taken() -> None:
     assert steady_window([a, b], 2) == Decode(1.0, 1.0)
     assert steady_window([a], 2) == Decode() and steady_window([], 1) == Decode()
     assert steady_window([([], [], 1.0), ([], [], 2.0)], 2) == Decode()  # no token at all
+
+
+def test_lengths_spread_around_the_asked_length() -> None:
+    sizes = lengths(32, 128)
+    assert min(sizes) >= 64 and max(sizes) < 192 and len(set(sizes)) == 32
+    assert sum(sizes) / 32 == pytest.approx(128, rel=0.05)
+    assert lengths(4, 1) == [1, 1, 1, 1]  # never below one token
 
 
 def test_the_engine_loop_sends_each_request_as_one_ends(dense_ckpt: Path) -> None:
@@ -58,10 +65,11 @@ def test_mlx_lm_loop_keeps_its_slots_full_and_runs_on_the_mlx_thread(dense_ckpt:
         model, tokenizer = engine.thread.call(_mlx_load, str(dense_ckpt))
         prompts = [list(tokenizer.encode(t)) for t in ("def f(x):\n", "import os\n", "class A:\n")]
         with record_mlx_threads() as rec:
-            streams = engine.thread.call(mlx_lm_closed_loop, model, tokenizer, prompts, 2, 5, 6)
+            streams = engine.thread.call(mlx_lm_closed_loop, model, tokenizer, prompts, 2, [6, 3, 6, 2, 4])
         assert rec.threads == {"mlx-engine"}
         assert len(streams) == 5
-        assert all(e > 0 and len(t) == len(n) <= 6 and (not t or t[-1] <= e) for t, n, e in streams)
+        assert all(e > 0 and len(t) == len(n) <= size and (not t or t[-1] <= e)
+                   for (t, n, e), size in zip(streams, [6, 3, 6, 2, 4]))
         ends = sorted(e for _, _, e in streams)
         for i in range(2, 5):
             assert not streams[i][0] or streams[i][0][0] >= ends[i - 2]

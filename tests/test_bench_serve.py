@@ -88,3 +88,10 @@ def test_bench_serve_sampled_tiny(dense_ckpt: Path, monkeypatch: pytest.MonkeyPa
     assert samplers and all(callable(s) for s in samplers)
     with pytest.raises(ValueError, match="temperature"):
         bench_serve(dense_ckpt, concurrency=[1], temperature=3.0)
+
+
+def test_bench_serve_without_the_closed_loop(dense_ckpt: Path) -> None:
+    result = bench_serve(dense_ckpt, concurrency=[1], max_tokens=4, gap=False, api=False, mlx_lm=False, closed=False)
+    assert result["closed_loop"] is None and result["identity"]["closed_loop"] == {}
+    assert not any(k.startswith("closed_") for k in result["ratios"])
+    assert result["tok_s"]["engine"]["no_mtp"]["1"] > 0

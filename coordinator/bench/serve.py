@@ -58,7 +58,7 @@ from ..engine.batch import DEFAULT_MAX_ROWS, BatchEngine, Handle
 from ..engine.build import batch_engine, local_engine
 from ..engine.request import AUTO, GenerationRequest, context_room, resolve_depth
 from .engine import bench_prompts, long_prompt
-from .serve_steady import PER_SLOT, engine_closed_loop, mlx_lm_closed_loop, steady_window
+from .serve_steady import PER_SLOT, engine_closed_loop, lengths, mlx_lm_closed_loop, steady_window
 from .streams import WAIT_S, Decode, Recorder, decode_window
 
 METHODS: dict[str, int | str] = {"no_mtp": 0, "auto": AUTO}
@@ -232,21 +232,22 @@ def ratios(tok_s: dict[str, Any], mlx: dict[str, float], levels: list[int]) -> d
 
 def closed_loop(engine: BatchEngine, ref: tuple[Any, Any] | None, prompts: list[list[int]],
                 params: list[SamplingParams], c: int, max_tokens: int,
-                temperature: float) -> tuple[dict[str, float], dict[str, list[tuple[int, list[int]]]]]:
+                temperature: float) -> tuple[dict[str, float], dict[str, list[tuple[int, int, list[int]]]]]:
     """Every method, then mlx-lm (given `ref`), through the closed loop at c clients
-    (serve_steady.py): tok/s by method (mlx-lm's as "mlx_lm"), and each method's outputs by prompt index."""
-    total, n = PER_SLOT * c, len(prompts)
+    (serve_steady.py): tok/s by method (mlx-lm's as "mlx_lm"), and each method's outputs as (prompt
+    index, max tokens, tokens)."""
+    sizes, n = lengths(PER_SLOT * c, max_tokens), len(prompts)
     tps: dict[str, float] = {}
-    outputs: dict[str, list[tuple[int, list[int]]]] = {}
+    outputs: dict[str, list[tuple[int, int, list[int]]]] = {}
     for method in METHODS:
         def request(i: int, method: str = method) -> GenerationRequest:
-            return _request(engine, prompts[i % n], max_tokens, method, params[i % n])
+            return _request(engine, prompts[i % n], sizes[i], method, params[i % n])
 
-        recs = engine_closed_loop(engine, request, c, total)
+        recs = engine_closed_loop(engine, request, c, len(sizes))
         tps[method] = steady_window([(r.times, r.counts, r.ended) for r in recs], c).tps
-        outputs[method] = [(i % n, r.tokens) for i, r in enumerate(recs)]
+        outputs[method] = [(i % n, sizes[i], r.tokens) for i, r in enumerate(recs)]
     if ref:
-        streams = engine.thread.call(mlx_lm_closed_loop, *ref, prompts, c, total, max_tokens, temperature)
+        streams = engine.thread.call(mlx_lm_closed_loop, *ref, prompts, c, sizes, temperature)
         tps["mlx_lm"] = steady_window(streams, c).tps
     return tps, outputs
 
@@ -312,7 +313,7 @@ def bench_serve(
         mlx_runs: dict[str, list[float]] = {}
         outputs: dict[str, list[tuple[int, list[int]]]] = {}
         closed_runs: dict[str, dict[str, list[float]]] = {}  # method or "mlx_lm" -> c -> tok/s per rep
-        closed_outputs: dict[str, list[tuple[int, list[int]]]] = {}
+        closed_outputs: dict[str, list[tuple[int, int, list[int]]]] = {}
         id_c = RATIO_C if RATIO_C in levels else top
 
         for c in levels:
@@ -345,10 +346,14 @@ def bench_serve(
                         closed_runs.setdefault(name, {}).setdefault(str(c), []).append(value)
                     if c == id_c and rep == 0:
                         closed_outputs = outs
-        indices = {i for outs in (outputs, closed_outputs) for pairs in outs.values() for i, _ in pairs}
-        singles = {i: engine_run(engine, [prompts[i]], max_tokens, "no_mtp", [params[i]])[1][0] for i in indices}
-        per_method = {m: all(toks == singles[i] for i, toks in outputs[m]) for m in METHODS}
-        per_method_closed = {m: all(toks == singles[i] for i, toks in pairs) for m, pairs in closed_outputs.items()}
+        # each prompt alone, as long as its longest request: a shorter request's tokens are its first ones
+        sent = [t for triples in closed_outputs.values() for t in triples]
+        longest = max([max_tokens] + [size for _, size, _ in sent])
+        indices = {i for i, _ in outputs["no_mtp"]} | {i for i, _, _ in sent}
+        singles = {i: engine_run(engine, [prompts[i]], longest, "no_mtp", [params[i]])[1][0] for i in indices}
+        per_method = {m: all(toks == singles[i][:max_tokens] for i, toks in outputs[m]) for m in METHODS}
+        per_method_closed = {m: all(toks == singles[i][:size] for i, size, toks in triples)
+                             for m, triples in closed_outputs.items()}
 
         def med(cells: dict[str, list[float]]) -> dict[str, float]:
             return {c: round(statistics.median(v), 2) for c, v in cells.items()}
@@ -426,8 +431,8 @@ def print_serve_report(result: dict[str, Any], console: Any) -> None:
         console.print(f"one stream through the per-sequence engine: {tok['single_stream']}")
     if result.get("closed_loop"):
         loop = result["closed_loop"]
-        console.print(f"closed loop (c clients, {loop['requests_per_client']} requests each, the next sent as the "
-                      f"last ends), tok/s while every slot is taken: {loop['tok_s']}")
+        console.print(f"closed loop (c clients, {loop['requests_per_client']} requests each of half to 1.5x the max "
+                      f"tokens, the next sent as the last ends), tok/s while every slot is taken: {loop['tok_s']}")
     console.print(f"ratios: {result['ratios']}")
     ident = result["identity"]
     console.print(f"{how} outputs at c={ident['concurrency']} equal c=1: {result['identical']} {ident['per_method']}")

@@ -4,8 +4,9 @@ ends, which is the load a busy server sees.
 A wave (serve.py) starts c streams together and lasts until the slowest one ends. With drafts, rows
 accept at their own rates and end apart, so a wave's last rounds run with fewer rows. A server whose
 clients keep sending fills a freed row at once. Here this engine, and mlx-lm's BatchGenerator with a
-prompt inserted as each row ends, serve `PER_SLOT * c` requests (the bench prompts in turn). The
-figure is output tokens per second while every slot is taken: from the moment each of the first c
+prompt inserted as each row ends, serve `PER_SLOT * c` requests (the bench prompts in turn) of spread
+lengths (`lengths`: as in real traffic, so rows without drafts do not all end, and refill, together).
+The figure is output tokens per second while every slot is taken: from the moment each of the first c
 requests has its first token to the moment a request ends with none left to take its place. The
 prefill of requests that come in meanwhile counts, as it does for a server.
 """
@@ -23,9 +24,16 @@ from ..engine.request import GenerationRequest
 from .streams import Decode, Recorder
 
 PER_SLOT = 4  # requests per client in a run: the first and last of each are ramp and drain
+GOLDEN = 0.6180339887  # spreads lengths evenly whatever their number (`lengths`)
 
 # a stream as sent: chunk times, tokens per chunk, when it ended
 Stream = tuple[list[float], list[float], float]
+
+
+def lengths(total: int, max_tokens: int) -> list[int]:
+    """Each request's max tokens: spread evenly over half to one and a half times `max_tokens` (mean
+    about `max_tokens`), the same for every method and for mlx-lm."""
+    return [max(1, int(max_tokens * (0.5 + (i * GOLDEN) % 1.0))) for i in range(total)]
 
 
 def steady_window(streams: list[Stream], slots: int) -> Decode:
@@ -67,11 +75,12 @@ def engine_closed_loop(engine: BatchEngine, request: Callable[[int], GenerationR
     return recs
 
 
-def mlx_lm_closed_loop(model: Any, tokenizer: Any, prompts: list[list[int]], slots: int, total: int,
-                       max_tokens: int, temperature: float = 0.0) -> list[Stream]:
-    """The same load on mlx-lm's BatchGenerator (at most `slots` rows, a prompt inserted as each row
-    ends; sampled at `temperature` when above 0); each request's stream, in the order sent. Runs on the
-    calling thread, which must own the MLX stream (the engine's MLX thread)."""
+def mlx_lm_closed_loop(model: Any, tokenizer: Any, prompts: list[list[int]], slots: int, max_tokens: list[int],
+                       temperature: float = 0.0) -> list[Stream]:
+    """The same load on mlx-lm's BatchGenerator: one request per entry of `max_tokens` (its length), the
+    prompts in turn, at most `slots` rows, a prompt inserted as each row ends; sampled at `temperature`
+    when above 0. Each request's stream, in the order sent. Runs on the calling thread, which must own
+    the MLX stream (the engine's MLX thread)."""
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_sampler
 
@@ -80,10 +89,11 @@ def mlx_lm_closed_loop(model: Any, tokenizer: Any, prompts: list[list[int]], slo
                          **extra)
     streams: list[Stream] = []
     index: dict[int, int] = {}  # uid -> position in `streams`
+    total = len(max_tokens)
 
     def send(n: int) -> None:
-        batch = [prompts[(len(streams) + j) % len(prompts)] for j in range(n)]
-        for uid in gen.insert(batch, [max_tokens] * n):
+        sent = range(len(streams), len(streams) + n)
+        for uid in gen.insert([prompts[i % len(prompts)] for i in sent], [max_tokens[i] for i in sent]):
             index[uid] = len(streams)
             streams.append(([], [], 0.0))
 
