@@ -33,7 +33,7 @@ def test_levels_decode_the_same_prompts_in_waves() -> None:
 
 
 def test_bench_serve_tiny(dense_ckpt: Path) -> None:
-    result = bench_serve(dense_ckpt, concurrency=[1, 2], max_tokens=8, gap=False)
+    result = bench_serve(dense_ckpt, concurrency=[1, 2], max_tokens=8, gap=False, closed_requests=2)
     json.dumps(result)  # the CLI prints it as one JSON line
     for level in ("engine", "api"):
         for method in ("no_mtp", "auto"):
@@ -45,8 +45,8 @@ def test_bench_serve_tiny(dense_ckpt: Path) -> None:
         assert ratios[key] > 0, key
     assert ratios["concurrency"] == 2 and "note" in ratios
     loop = result["closed_loop"]  # (serve_steady.py; at c=2, the c8 ratios' level here)
-    assert set(loop["tok_s"]) == {"no_mtp", "auto", "mlx_lm"}
-    assert all(set(cells) == {"1", "2"} and all(v > 0 for v in cells.values()) for cells in loop["tok_s"].values())
+    assert set(loop["tok_s"]) == {"no_mtp", "auto", "mlx_lm"} and loop["requests_per_client"] == 2
+    assert all(set(cells) == {"2"} and cells["2"] > 0 for cells in loop["tok_s"].values())  # (c=1 is the waves')
     for key, a, b in (("closed_c8_no_mtp_vs_mlx_lm", "no_mtp", "mlx_lm"), ("closed_c8_auto_vs_mlx_lm", "auto", "mlx_lm"),
                       ("closed_c8_auto_vs_no_mtp", "auto", "no_mtp")):
         assert ratios[key] == pytest.approx(loop["tok_s"][a]["2"] / loop["tok_s"][b]["2"], rel=1e-2), key
@@ -77,7 +77,8 @@ def test_bench_serve_sampled_tiny(dense_ckpt: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(serve, "_request", spy)
     monkeypatch.setattr(mlx_generate, "batch_generate", lambda *a, **k: (samplers.append(k.get("sampler")),
                                                                           batch_generate(*a, **k))[1])
-    result = bench_serve(dense_ckpt, concurrency=[2], max_tokens=8, gap=False, api=True, temperature=1.0)
+    result = bench_serve(dense_ckpt, concurrency=[2], max_tokens=8, gap=False, api=True, temperature=1.0,
+                         closed_requests=2)
     assert result["temperature"] == 1.0 and result["identical"] is True
     assert result["identity"]["closed_loop"] == {"no_mtp": True, "auto": True}  # seeded, in the closed loop too
     assert set(result["identity"]["per_method"]) == {"no_mtp", "auto"}
@@ -88,6 +89,8 @@ def test_bench_serve_sampled_tiny(dense_ckpt: Path, monkeypatch: pytest.MonkeyPa
     assert samplers and all(callable(s) for s in samplers)
     with pytest.raises(ValueError, match="temperature"):
         bench_serve(dense_ckpt, concurrency=[1], temperature=3.0)
+    with pytest.raises(ValueError, match="at least 2 requests per client"):
+        bench_serve(dense_ckpt, concurrency=[2], closed_requests=1)
 
 
 def test_bench_serve_without_the_closed_loop(dense_ckpt: Path) -> None:

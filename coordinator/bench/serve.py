@@ -24,8 +24,8 @@ usage's completion tokens shared out by characters. mlx-lm's figure is its own: 
 wall time minus prompt time. Each cell is the median of `reps` runs; every wave runs every level and
 method back to back (interleaved).
 
-Closed loop (serve_steady.py; `closed`): at every concurrency c, c clients each send their next
-request as the last one ends, on the engine (both methods) and on mlx-lm's BatchGenerator (a prompt
+Closed loop (serve_steady.py; `closed`): at every concurrency c above 1 (one client alone is what the
+c=1 waves measure), c clients each send their next request as the last one ends, on the engine (both methods) and on mlx-lm's BatchGenerator (a prompt
 inserted as each row ends), after each repetition's waves; tok/s while every slot is taken. A wave ends
 with its slowest stream, and with drafts rows end apart, so its last rounds run with fewer rows; a busy
 server refills them at once.
@@ -231,12 +231,12 @@ def ratios(tok_s: dict[str, Any], mlx: dict[str, float], levels: list[int]) -> d
 
 
 def closed_loop(engine: BatchEngine, ref: tuple[Any, Any] | None, prompts: list[list[int]],
-                params: list[SamplingParams], c: int, max_tokens: int,
-                temperature: float) -> tuple[dict[str, float], dict[str, list[tuple[int, int, list[int]]]]]:
-    """Every method, then mlx-lm (given `ref`), through the closed loop at c clients
-    (serve_steady.py): tok/s by method (mlx-lm's as "mlx_lm"), and each method's outputs as (prompt
-    index, max tokens, tokens)."""
-    sizes, n = lengths(PER_SLOT * c, max_tokens), len(prompts)
+                params: list[SamplingParams], c: int, max_tokens: int, temperature: float,
+                per_client: int = PER_SLOT) -> tuple[dict[str, float], dict[str, list[tuple[int, int, list[int]]]]]:
+    """Every method, then mlx-lm (given `ref`), through the closed loop at c clients of `per_client`
+    requests each (serve_steady.py): tok/s by method (mlx-lm's as "mlx_lm"), and each method's outputs
+    as (prompt index, max tokens, tokens)."""
+    sizes, n = lengths(per_client * c, max_tokens), len(prompts)
     tps: dict[str, float] = {}
     outputs: dict[str, list[tuple[int, int, list[int]]]] = {}
     for method in METHODS:
@@ -273,14 +273,18 @@ def bench_serve(
     dtype: Any = None,
     temperature: float = 0.0,
     closed: bool = True,
+    closed_requests: int = PER_SLOT,
 ) -> dict[str, Any]:
     """Every level at every concurrency (see the module docstring); the result as one dict. `closed`:
-    the closed loop too (serve_steady.py), after the waves of each repetition."""
+    the closed loop too (serve_steady.py), after the waves of each repetition, `closed_requests` per
+    client (at least 2: the first of each is the ramp)."""
     levels = sorted(set(concurrency))
     if not levels or levels[0] < 1:
         raise ValueError(f"concurrency levels must be positive, got {concurrency}")
     if not 0 <= temperature <= 2:  # (the API's range)
         raise ValueError(f"temperature must be in [0, 2], got {temperature}")
+    if closed and closed_requests < 2:
+        raise ValueError(f"the closed loop needs at least 2 requests per client, got {closed_requests}")
     top = levels[-1]
     engine = batch_engine(model_path, dtype=dtype, max_rows=max(DEFAULT_MAX_ROWS, top))
     server = clients = None
@@ -304,8 +308,8 @@ def bench_serve(
                     api_run(clients, server.url, prompts[:c], WARM_TOKENS, method, params[:c])
             if ref:
                 mlx_lm_run(engine, ref, prompts[:c], WARM_TOKENS, temperature)
-            if closed:
-                closed_loop(engine, ref, prompts, params, c, WARM_TOKENS, temperature)
+            if closed and c > 1:
+                closed_loop(engine, ref, prompts, params, c, WARM_TOKENS, temperature, closed_requests)
         if single:
             for method in METHODS:
                 single_run(engine, single, prompts[0], WARM_TOKENS, method, params[0])
@@ -340,8 +344,9 @@ def bench_serve(
                 for (level, method), total in sums.items():
                     cells = mlx_runs if level == "mlx_lm" else runs[level].setdefault(method, {})
                     cells.setdefault(str(c), []).append(total.tps)
-                if closed:
-                    tps, outs = closed_loop(engine, ref, prompts, params, c, max_tokens, temperature)
+                if closed and c > 1:
+                    tps, outs = closed_loop(engine, ref, prompts, params, c, max_tokens, temperature,
+                                            closed_requests)
                     for name, value in tps.items():
                         closed_runs.setdefault(name, {}).setdefault(str(c), []).append(value)
                     if c == id_c and rep == 0:
@@ -377,7 +382,7 @@ def bench_serve(
             "tok_s": tok_s,
             "mlx_lm_batch": mlx,
             "ratios": ratios(tok_s, mlx, levels) | (closed_ratios(closed_tok_s, levels) if closed else {}),
-            "closed_loop": {"requests_per_client": PER_SLOT, "tok_s": closed_tok_s} if closed else None,
+            "closed_loop": {"requests_per_client": closed_requests, "tok_s": closed_tok_s} if closed else None,
             "identical": all(per_method.values()) and all(per_method_closed.values()),
             "identity": {"concurrency": id_c, "per_method": per_method, "closed_loop": per_method_closed},
             "prefill_gap": prefill_gap(engine, prompts, gap_tokens) if gap else None,

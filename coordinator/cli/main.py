@@ -132,6 +132,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             model, concurrency=bench_serve.parse_levels(args.concurrency), max_tokens=args.max_tokens,
             api=not args.skip_api, gap=not args.skip_gap, mlx_lm=not args.skip_mlx_lm, reps=args.reps,
             temperature=args.temperature, closed=not args.skip_closed_loop,
+            **({"closed_requests": args.closed_requests} if args.closed_requests is not None else {}),
         )
         bench_serve.print_serve_report(result, stderr_console())
     elif args.target == "engine":
@@ -264,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-mlx-lm", action="store_true", help="serve bench: skip mlx-lm's batch_generate")
     p.add_argument("--skip-closed-loop", action="store_true",
                    help="serve bench: skip the closed loop (c clients each sending again as their request ends)")
+    p.add_argument("--closed-requests", type=int,
+                   help="serve bench: requests per client in the closed loop (default 4; more: a longer steady window)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="serve bench: sample at this temperature, each prompt with a seed of its own (default 0: greedy)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
