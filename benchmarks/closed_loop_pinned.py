@@ -89,12 +89,12 @@ def main(reps: int) -> None:
                 pin["depth"] = depth
                 seen.clear()
                 tps, wall = run()
-                rounds = seen["rounds"]
+                rounds, row_rounds, timed = seen["rounds"], seen["row_rounds"], max(seen["timed"], 1)
                 print(f"depth {depth}: {tps:.0f} tok/s | wall {wall:.2f} s, prompt chunks {seen['fill_s']:.2f} s "
-                      f"({seen['fill_tokens']:.0f} tokens) | {rounds:.0f} rounds, {seen['row_rounds'] / rounds:.2f} rows "
-                      f"and {seen['tokens'] / seen['row_rounds']:.2f} tokens per row-round, "
+                      f"({seen['fill_tokens']:.0f} tokens) | {rounds:.0f} rounds, {row_rounds / rounds:.2f} rows "
+                      f"and {seen['tokens'] / row_rounds:.2f} tokens per row-round, "
                       f"{(wall - seen['fill_s']) * 1000 / rounds:.1f} ms per round outside the chunks | "
-                      f"timed {seen['timed']:.0f} at {seen['timed_s'] * 1000 / max(seen['timed'], 1):.1f} ms", flush=True)
+                      f"timed {seen['timed']:.0f} at {seen['timed_s'] * 1000 / timed:.1f} ms", flush=True)
     finally:
         engine.close()
 

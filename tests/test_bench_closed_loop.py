@@ -76,3 +76,21 @@ def test_mlx_lm_loop_keeps_its_slots_full_and_runs_on_the_mlx_thread(dense_ckpt:
         assert steady_window(streams, 2).tps > 0
     finally:
         engine.close()
+
+
+def test_requests_ask_for_no_more_than_their_prompt_leaves_room_for(dense_ckpt: Path) -> None:
+    """The closed loop asks up to 1.5x max tokens: near the context limit it takes what room is left."""
+    from mtpipe.coordinator.bench.serve import closed_loop
+    from mtpipe.node.protocol import SamplingParams
+
+    engine = batch_engine(dense_ckpt, max_rows=4)
+    try:
+        prompts = [list(engine.tokenizer.encode(t)) for t in ("def f(x):\n", "import os\n")]
+        engine.max_context = max(len(p) for p in prompts) + 3 + 8  # 8 tokens of room after 3 drafts
+        tps, outputs = closed_loop(engine, None, prompts, [SamplingParams()] * 2, 2, 8, 0.0, per_client=2)
+        sizes = [size for _, size, _ in outputs["auto"]]
+        assert max(sizes) <= 8 + max(len(p) for p in prompts) - min(len(p) for p in prompts) and min(sizes) >= 4
+        assert all(len(toks) <= size for triples in outputs.values() for _, size, toks in triples)
+        assert tps["no_mtp"] > 0 and tps["auto"] > 0
+    finally:
+        engine.close()

@@ -47,7 +47,8 @@ def test_bench_serve_tiny(dense_ckpt: Path) -> None:
     loop = result["closed_loop"]  # (serve_steady.py; at c=2, the c8 ratios' level here)
     assert set(loop["tok_s"]) == {"no_mtp", "auto", "mlx_lm"} and loop["requests_per_client"] == 2
     assert all(set(cells) == {"2"} and cells["2"] > 0 for cells in loop["tok_s"].values())  # (c=1 is the waves')
-    for key, a, b in (("closed_c8_no_mtp_vs_mlx_lm", "no_mtp", "mlx_lm"), ("closed_c8_auto_vs_mlx_lm", "auto", "mlx_lm"),
+    for key, a, b in (("closed_c8_no_mtp_vs_mlx_lm", "no_mtp", "mlx_lm"),
+                      ("closed_c8_auto_vs_mlx_lm", "auto", "mlx_lm"),
                       ("closed_c8_auto_vs_no_mtp", "auto", "no_mtp")):
         assert ratios[key] == pytest.approx(loop["tok_s"][a]["2"] / loop["tok_s"][b]["2"], rel=1e-2), key
     assert isinstance(result["identical"], bool) and result["identity"]["concurrency"] == 2

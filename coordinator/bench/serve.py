@@ -25,10 +25,10 @@ wall time minus prompt time. Each cell is the median of `reps` runs; every wave 
 method back to back (interleaved).
 
 Closed loop (serve_steady.py; `closed`): at every concurrency c above 1 (one client alone is what the
-c=1 waves measure), c clients each send their next request as the last one ends, on the engine (both methods) and on mlx-lm's BatchGenerator (a prompt
-inserted as each row ends), after each repetition's waves; tok/s while every slot is taken. A wave ends
-with its slowest stream, and with drafts rows end apart, so its last rounds run with fewer rows; a busy
-server refills them at once.
+c=1 waves measure), c clients each send their next request as the last one ends, on the engine (both
+methods) and on mlx-lm's BatchGenerator (a prompt inserted as each row ends), after each repetition's
+waves; tok/s while every slot is taken. A wave ends with its slowest stream, and with drafts rows end
+apart, so its last rounds run with fewer rows; a busy server refills them at once.
 
 Identity: the engine's outputs of every prompt at c=8 (the largest c when 8 is absent), both methods,
 waves and closed loop, equal each prompt decoded alone (no_mtp).
@@ -206,8 +206,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def ratios(tok_s: dict[str, Any], mlx: dict[str, float], levels: list[int]) -> dict[str, Any]:
-    """Engine-level ratios at c=8 (the largest c present when 8 is absent), named c8 either way."""
+def ratios(tok_s: dict[str, Any], mlx: dict[str, float], levels: list[int],
+           closed: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
+    """Engine-level ratios at c=8 (the largest c present when 8 is absent), named c8 either way; with
+    `closed` (the closed loop's tok/s), its ratios too."""
     hi = RATIO_C if RATIO_C in levels else max(levels)
     lo = 1 if 1 in levels else min(levels)
     eng, api, single = tok_s["engine"], tok_s["api"], tok_s.get("single_stream", {})
@@ -225,6 +227,10 @@ def ratios(tok_s: dict[str, Any], mlx: dict[str, float], levels: list[int]) -> d
         "concurrency": hi,
         "baseline_concurrency": lo,
     }
+    if closed is not None:
+        no_mtp, auto, ref = (closed.get(m, {}).get(k) for m in ("no_mtp", "auto", "mlx_lm"))
+        out.update(closed_c8_no_mtp_vs_mlx_lm=_ratio(no_mtp, ref), closed_c8_auto_vs_mlx_lm=_ratio(auto, ref),
+                   closed_c8_auto_vs_no_mtp=_ratio(auto, no_mtp))
     if hi != RATIO_C or lo != 1:
         out["note"] = f"c8 ratios are taken at c={hi}, c1 at c={lo} (8 or 1 not in the levels run)"
     return out
@@ -235,8 +241,11 @@ def closed_loop(engine: BatchEngine, ref: tuple[Any, Any] | None, prompts: list[
                 per_client: int = PER_SLOT) -> tuple[dict[str, float], dict[str, list[tuple[int, int, list[int]]]]]:
     """Every method, then mlx-lm (given `ref`), through the closed loop at c clients of `per_client`
     requests each (serve_steady.py): tok/s by method (mlx-lm's as "mlx_lm"), and each method's outputs
-    as (prompt index, max tokens, tokens)."""
-    sizes, n = lengths(per_client * c, max_tokens), len(prompts)
+    as (prompt index, max tokens, tokens). A request asks for no more than its prompt leaves room for."""
+    n = len(prompts)
+    deepest = max(resolve_depth(METHODS[m], engine.has_mtp)[0] for m in METHODS)
+    sizes = [min(size, context_room(len(prompts[i % n]), deepest, engine.max_context))
+             for i, size in enumerate(lengths(per_client * c, max_tokens))]
     tps: dict[str, float] = {}
     outputs: dict[str, list[tuple[int, int, list[int]]]] = {}
     for method in METHODS:
@@ -250,14 +259,6 @@ def closed_loop(engine: BatchEngine, ref: tuple[Any, Any] | None, prompts: list[
         streams = engine.thread.call(mlx_lm_closed_loop, *ref, prompts, c, sizes, temperature)
         tps["mlx_lm"] = steady_window(streams, c).tps
     return tps, outputs
-
-
-def closed_ratios(tok_s: dict[str, dict[str, float]], levels: list[int]) -> dict[str, Any]:
-    """The closed loop's ratios at c=8 (the largest c present when 8 is absent), named c8 either way."""
-    k = str(RATIO_C if RATIO_C in levels else max(levels))
-    no_mtp, auto, mlx = (tok_s.get(m, {}).get(k) for m in ("no_mtp", "auto", "mlx_lm"))
-    return {"closed_c8_no_mtp_vs_mlx_lm": _ratio(no_mtp, mlx), "closed_c8_auto_vs_mlx_lm": _ratio(auto, mlx),
-            "closed_c8_auto_vs_no_mtp": _ratio(auto, no_mtp)}
 
 
 def bench_serve(
@@ -352,10 +353,10 @@ def bench_serve(
                     if c == id_c and rep == 0:
                         closed_outputs = outs
         # each prompt alone, as long as its longest request: a shorter request's tokens are its first ones
-        sent = [t for triples in closed_outputs.values() for t in triples]
-        longest = max([max_tokens] + [size for _, size, _ in sent])
-        indices = {i for i, _ in outputs["no_mtp"]} | {i for i, _, _ in sent}
-        singles = {i: engine_run(engine, [prompts[i]], longest, "no_mtp", [params[i]])[1][0] for i in indices}
+        longest = {i: max_tokens for i, _ in outputs["no_mtp"]}
+        for i, size, _ in (t for triples in closed_outputs.values() for t in triples):
+            longest[i] = max(longest.get(i, 0), size)
+        singles = {i: engine_run(engine, [prompts[i]], n, "no_mtp", [params[i]])[1][0] for i, n in longest.items()}
         per_method = {m: all(toks == singles[i][:max_tokens] for i, toks in outputs[m]) for m in METHODS}
         per_method_closed = {m: all(toks == singles[i][:size] for i, size, toks in triples)
                              for m, triples in closed_outputs.items()}
@@ -381,7 +382,7 @@ def bench_serve(
                        "over every wave of c streams; mlx_lm_batch: generated tokens / generation time",
             "tok_s": tok_s,
             "mlx_lm_batch": mlx,
-            "ratios": ratios(tok_s, mlx, levels) | (closed_ratios(closed_tok_s, levels) if closed else {}),
+            "ratios": ratios(tok_s, mlx, levels, closed_tok_s if closed else None),
             "closed_loop": {"requests_per_client": closed_requests, "tok_s": closed_tok_s} if closed else None,
             "identical": all(per_method.values()) and all(per_method_closed.values()),
             "identity": {"concurrency": id_c, "per_method": per_method, "closed_loop": per_method_closed},
