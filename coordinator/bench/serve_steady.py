@@ -4,8 +4,9 @@ ends, which is the load a busy server sees.
 A wave (serve.py) starts c streams together and lasts until the slowest one ends. With drafts, rows
 accept at their own rates and end apart, so a wave's last rounds run with fewer rows. A server whose
 clients keep sending fills a freed row at once. Here this engine, and mlx-lm's BatchGenerator with a
-prompt inserted as each row ends, serve `PER_SLOT * c` requests (by default) (the bench prompts in turn) of spread
-lengths (`lengths`: as in real traffic, so rows without drafts do not all end, and refill, together).
+prompt inserted as each row ends, serve `PER_SLOT` requests per client by default, the bench prompts in
+turn, of spread lengths (`lengths`: as in real traffic, so rows without drafts do not all end, and
+refill, together).
 The figure is output tokens per second while every slot is taken: from the moment each of the first c
 requests has its first token to the moment a request ends with none left to take its place. The
 prefill of requests that come in meanwhile counts, as it does for a server.
