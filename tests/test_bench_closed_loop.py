@@ -94,3 +94,21 @@ def test_requests_ask_for_no_more_than_their_prompt_leaves_room_for(dense_ckpt: 
         assert tps["no_mtp"] > 0 and tps["auto"] > 0
     finally:
         engine.close()
+
+
+def test_a_failed_request_stops_the_loop(dense_ckpt: Path) -> None:
+    """The engine refuses the third request sent: its error comes out, and no client sends another."""
+    engine = batch_engine(dense_ckpt, max_rows=4)
+    try:
+        prompt = list(engine.tokenizer.encode("def f(x):\n"))
+        asked: list[int] = []
+
+        def request(i: int):
+            asked.append(i)
+            return _request(engine, prompt, 10**9 if i == 2 else 4, "no_mtp")  # past any context
+
+        with pytest.raises(ValueError, match="exceeds the context"):
+            engine_closed_loop(engine, request, 2, 8)
+        assert sorted(asked) == [0, 1, 2] or sorted(asked) == [0, 1, 2, 3]  # (the other client's next, at most)
+    finally:
+        engine.close()

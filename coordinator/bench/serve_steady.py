@@ -22,7 +22,7 @@ from typing import Any
 
 from ..engine.batch import BatchEngine
 from ..engine.request import GenerationRequest
-from .streams import Decode, Recorder
+from .streams import Decode, Recorder, window
 
 PER_SLOT = 4  # requests per client in a run, by default: the first and last of each are ramp and drain
 GOLDEN = 0.6180339887  # spreads lengths evenly whatever their number (`lengths`)
@@ -46,29 +46,32 @@ def steady_window(streams: list[Stream], slots: int) -> Decode:
     firsts = [t[0] for t, _, _ in streams[:slots] if t]
     if not firsts:
         return Decode()
-    start = max(firsts)
     end = sorted(e for _, _, e in streams)[len(streams) - slots]
-    if end <= start:
-        return Decode()
-    return Decode(sum(c for t, n, _ in streams for ti, c in zip(t, n) if start < ti <= end), end - start)
+    return window([(t, n) for t, n, _ in streams], max(firsts), end)
 
 
 def engine_closed_loop(engine: BatchEngine, request: Callable[[int], GenerationRequest], slots: int,
                        total: int) -> list[Recorder]:
     """`total` requests (`request(i)` the i-th sent) through `slots` client threads, each opening its
-    next one when its last one ends; their records in the order sent."""
+    next one when its last one ends; their records in the order sent. Once a request fails, no client
+    sends another, and the first failure is raised when the ones under way have ended."""
     recs = [Recorder() for _ in range(total)]
     sent = iter(range(total))
     lock = threading.Lock()
+    failed = threading.Event()
 
     def client() -> None:
-        while True:
+        while not failed.is_set():
             with lock:
                 i = next(sent, None)
             if i is None:
                 return
-            engine.open(request(i), recs[i])
-            recs[i].wait()
+            try:
+                engine.open(request(i), recs[i])
+                recs[i].wait()
+            except BaseException:
+                failed.set()
+                raise
 
     with ThreadPoolExecutor(slots, thread_name_prefix="bench-client") as pool:
         for f in [pool.submit(client) for _ in range(slots)]:

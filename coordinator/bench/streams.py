@@ -65,9 +65,14 @@ def decode_window(streams: list[tuple[list[float], list[float]]], full: bool = F
         return Decode()
     start = max(t[0] for t, _ in live)
     end = min(t[-1] for t, _ in live) if full else max(t[-1] for t, _ in live)
+    return window(live, start, end)
+
+
+def window(streams: list[tuple[list[float], list[float]]], start: float, end: float) -> Decode:
+    """The tokens of chunks stamped after `start` and up to `end`, over end - start."""
     if end <= start:
         return Decode()
-    return Decode(sum(c for t, n in live for ti, c in zip(t, n) if start < ti <= end), end - start)
+    return Decode(sum(c for t, n in streams for ti, c in zip(t, n) if start < ti <= end), end - start)
 
 
 def aggregate_tps(streams: list[tuple[list[float], list[float]]], full: bool = False) -> float:
