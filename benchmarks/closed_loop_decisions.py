@@ -43,11 +43,12 @@ def traced(trace: Trace) -> Any:
             return depth
         trace.by_depth[depth] = trace.by_depth.get(depth, 0) + 1
         if depth != trace.last:
-            seconds = self.round_seconds(bucket, context)[: kmax + 1]
-            per_depth = hoped(r(seconds) for _, _, r in self.members.values())
+            seconds, noise, _ = self.round_seconds(bucket, context)
+            per_depth = hoped(r(seconds[: kmax + 1]) for _, _, r in self.members.values())
             probe = probing is None and self.probe.probed_from is not None
             print(f"round {trace.rounds}: {trace.last} -> {depth} at context {context} (bucket "
-                  f"{context_bucket(context)}): ms {[round(s * 1000, 1) for s in seconds]}, hoped tok/s "
+                  f"{context_bucket(context)}): ms {[round(s * 1000, 1) for s in seconds]} +- "
+                  f"{[round(n * 100, 1) for n in noise]}%, hoped tok/s "
                   f"{[round(p) for p in per_depth]}{' (probe)' if probe else ''}", flush=True)
             trace.last = depth
         trace.rounds += 1

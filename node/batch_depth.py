@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, best_of, hoped, nearest, shortfall
+from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, hoped, nearest, settled, shortfall
 
 # A new depth is held until a round at it was timed (two rounds of the deciding member, when nothing
 # else runs); rounds that cannot be timed (prompt chunks in between) release it after this many.
@@ -103,9 +103,9 @@ class DepthPlan:
         costs = self.costs_by_rows[bucket]
         depth = self.untimed(costs, deepest)
         if depth is None:
-            seconds = self.round_seconds(bucket, context)[: deepest + 1]
-            per_depth = hoped(r(seconds) for _, _, r in self.members.values())
-            best = best_of(per_depth)
+            seconds, noise, when = self.round_seconds(bucket, context)
+            per_depth = hoped(r(seconds[: deepest + 1]) for _, _, r in self.members.values())
+            best = settled(per_depth, noise, when)
             depth = self.probe.next(best, costs, deepest, shortfall(per_depth, best), context)
         if depth != self.depth:
             self.depth = depth
@@ -122,20 +122,23 @@ class DepthPlan:
             return first
         return None if any(k == 0 for _, k in costs.live) else 0
 
-    def round_seconds(self, bucket: int, context: int) -> list[float]:
-        """Round costs at this batch size; a depth not timed at it is its cost at the nearest batch
-        size where it was, scaled as rounds without drafts compare between the two."""
+    def round_seconds(self, bucket: int, context: int) -> tuple[list[float], list[float], list[float | None]]:
+        """Round costs at this batch size, their relative errors and when they were timed (`settled`);
+        a depth not timed at it is its cost at the nearest batch size where it was, scaled as rounds
+        without drafts compare between the two."""
         own = self.costs_by_rows[bucket]
-        out = own.round_seconds(context)
+        out, noise, when = own.round_seconds(context), own.noise(context), own.when()
         for k in range(1, len(out)):
             if any(d == k for _, d in own.live):
                 continue
             near = [b for b, c in self.costs_by_rows.items()
                     if b != bucket and {0, k} <= {d for _, d in c.live} and len(c.prior) == len(own.prior)]
             if near:
-                seconds = self.costs_by_rows[nearest(near, bucket, int.bit_length)].round_seconds(context)
+                other = self.costs_by_rows[nearest(near, bucket, int.bit_length)]
+                seconds = other.round_seconds(context)
                 out[k] = seconds[k] * out[0] / seconds[0]
-        return out
+                noise[k], when[k] = other.noise(context)[k], other.when()[k]
+        return out, noise, when
 
     def _take(self, member: object, depth: int) -> int:
         _, kmax, rates = self.members[member]

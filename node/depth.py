@@ -6,10 +6,11 @@ draft steps. Both sides are measured: acceptance per sequence and per draft posi
 stage's figures from every sequence's first rounds as the prior, and taken at one standard error
 above the estimate, so a sequence finds out what its own drafts are worth), costs per depth and per
 context length on this stage (a calibration at load as the prior, then live timings of whole rounds,
-so hops and other stages count too). Depths whose costs go stale are probed now and then, so a
-sequence that dropped to 0 drafts comes back when drafting pays again; probes that keep confirming
-the choices come less often, on the whole stage, so a model whose drafts never pay stops paying for
-probes.
+so hops and other stages count too). The best of noisy estimates favours whichever dipped, so drafts
+are chosen over none only when their gain exceeds the costs' error (`settled`). Depths whose costs go
+stale are probed now and then, so a sequence that dropped to 0 drafts comes back when drafting pays
+again; probes that keep confirming the choices come less often, on the whole stage, so a model whose
+drafts never pay stops paying for probes.
 
 A seeded sampled sequence draws the same tokens whatever its depths (acceptance.py), so its depth is
 timed like any other.
@@ -18,6 +19,8 @@ timed like any other.
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -37,6 +40,11 @@ PROBE_STRETCH = 4
 WARMUP = 1  # timings of rounds without drafts a stage takes at each context length before choosing
 TRUSTED = 3  # timings of a depth on a stage before they may say it costs more than the calibration
 MIN_REACHED = 4  # drafts at a position before the stage's own rate stands for that position
+LEAD = 1.0  # standard errors by which drafting must beat no drafts to be chosen (`settled`)
+NOISE_TIMINGS = 8  # a cost's latest timings, whose spread says how far its estimate may be off
+# The machine's pace drifts (other work, clocks): two costs timed this many seconds or more apart may
+# be off against each other by DRIFT (relative), however steady each one's own timings.
+DRIFT, DRIFT_SECONDS = 0.1, 2.0
 
 
 def expected_tokens(acceptance: list[float], depth: int) -> float:
@@ -78,6 +86,25 @@ def hoped(parts: Iterable[list[tuple[float, float]]]) -> list[float]:
 def best_of(rates: list[float]) -> int:
     """The depth with the most tokens per second (ties: fewer drafts)."""
     return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+
+def settled(rates: list[float], noise: list[float], when: list[float | None], lead: float | None = None) -> int:
+    """The depth to run: the most tokens per second, less `lead` standard errors of each depth's gain
+    over no drafts. `noise`: each depth's cost's relative error from its own timings; `when`: when it
+    was last timed (seconds; None: never), as costs timed far apart differ by the machine's drift too.
+    Costs are estimates from a few noisy timings, and the best of several noisy estimates is biased
+    towards whichever dipped: where depths nearly tie, that picks drafts which then lose to no drafts,
+    the one depth auto must never lose to. So drafts are chosen only when their gain shows through."""
+    lead = LEAD if lead is None else lead
+
+    def lower(k: int) -> float:
+        if k == 0:
+            return rates[0]
+        t, t0 = when[k], when[0]
+        drift = DRIFT if t is None or t0 is None else DRIFT * min(1.0, abs(t - t0) / DRIFT_SECONDS)
+        return rates[k] - lead * math.sqrt((rates[k] * noise[k]) ** 2 + (rates[0] * noise[0]) ** 2
+                                           + (rates[k] * drift) ** 2)
+    return max(range(len(rates)), key=lambda k: (lower(k), -k))
 
 
 def shortfall(rates: list[float], best: int) -> float:
@@ -155,6 +182,8 @@ class StageCosts:
     live: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, depth) -> seconds
     samples: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> timings taken
     timed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> stage's timings at its last
+    recent: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (bucket, depth) -> latest timings
+    last_timed: dict[int, float] = field(default_factory=dict)  # depth -> when it was last timed (perf_counter)
     probe_gap: int = PROBE_EVERY  # rounds between probes (of the stage's sequences, or of a batch)
     acceptance: Acceptance | None = None  # every sequence's counts: the prior for new ones
     # Under TRUSTED timings a depth costs at most what the calibration says: for timings that cannot
@@ -176,16 +205,21 @@ class StageCosts:
         extra = len(prior) - len(self.prior)
         acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
         return StageCosts(prior, live=dict(self.live), samples=dict(self.samples), timed_at=dict(self.timed_at),
-                          probe_gap=self.probe_gap, acceptance=acceptance, optimistic=self.optimistic,
+                          recent={k: list(v) for k, v in self.recent.items()}, last_timed=dict(self.last_timed),
+                          probe_gap=self.probe_gap,
+                          acceptance=acceptance, optimistic=self.optimistic,
                           clock=self.clock, tried=set(self.tried))
 
-    def observe(self, depth: int, context: int, seconds: float) -> None:
+    def observe(self, depth: int, context: int, seconds: float, now: float | None = None) -> None:
         """A round's timing. One far above the estimate (the machine busy elsewhere a moment) moves
         it by at most OUTLIER times: a depth that then looks dear is rarely chosen, so rarely
         timed again, and an estimate raised by a stall would keep it out for long."""
         key = (context_bucket(context), depth)
         old = self.live.get(key)
-        self.live[key] = seconds if old is None else (1 - EMA) * old + EMA * min(seconds, OUTLIER * old)
+        seconds = seconds if old is None else min(seconds, OUTLIER * old)
+        self.live[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.recent[key] = (self.recent.get(key, []) + [seconds])[-NOISE_TIMINGS:]
+        self.last_timed[depth] = time.perf_counter() if now is None else now
         self.samples[key] = self.samples.get(key, 0) + 1
         self.timed_at[key] = sum(self.samples.values())
 
@@ -220,6 +254,25 @@ class StageCosts:
         """Estimated seconds per round for each depth at this context length."""
         bucket = context_bucket(context)
         return [self._estimate(bucket, k) for k in range(len(self.prior))]
+
+    def noise(self, context: int) -> list[float]:
+        """Each depth's cost's relative standard error at this context length: the spread of its
+        latest timings (where it was timed here, else at the nearest length where it was) over the
+        square root of their number, which is about what the moving average keeps. A cost timed once
+        is taken at its word."""
+        bucket = context_bucket(context)
+        return [self._noise(bucket, k) for k in range(len(self.prior))]
+
+    def when(self) -> list[float | None]:
+        """When each depth was last timed (at any context length)."""
+        return [self.last_timed.get(k) for k in range(len(self.prior))]
+
+    def _noise(self, bucket: int, depth: int) -> float:
+        timed = [b for (b, k), xs in self.recent.items() if k == depth and len(xs) >= 2]
+        if not timed:
+            return 0.0
+        xs = self.recent[(nearest(timed, bucket), depth)]
+        return statistics.stdev(xs) / max(statistics.fmean(xs), 1e-12) / math.sqrt(len(xs))
 
     def _estimate(self, bucket: int, depth: int) -> float:
         """Timed here, else measured against what was (`_measured`). In an optimistic table, while a
@@ -337,5 +390,5 @@ class DepthChooser:
             return first
         acceptance = self.acceptance.hopeful(costs.acceptance.extrapolated()[: self.kmax])
         rates = depth_rates(acceptance, costs.round_seconds(context)[: self.kmax + 1])
-        best = best_of(rates)
+        best = settled(rates, costs.noise(context), costs.when())
         return self.probe.choose(best, costs, self.kmax, shortfall(rates, best), costs.clock, context)
