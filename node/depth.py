@@ -19,7 +19,6 @@ timed like any other.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -191,6 +190,8 @@ class StageCosts:
     optimistic: bool = False
     clock: Clock = field(default_factory=Clock)  # the rounds of the stage's sequences (`DepthChooser`)
     tried: set[tuple[int, int]] = field(default_factory=set)  # (bucket, depth) probed early (`Probe`)
+    # (bucket, depth) -> relative error (`noise`): read every round, changed only by the depth's timings
+    _errors: dict[tuple[int, int], float] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
@@ -221,6 +222,8 @@ class StageCosts:
         self.recent[key] = (self.recent.get(key, []) + [seconds])[-NOISE_TIMINGS:]
         self.last_timed[depth] = time.perf_counter() if now is None else now
         self.samples[key] = self.samples.get(key, 0) + 1
+        for cached in [k for k in self._errors if k[1] == depth]:
+            del self._errors[cached]
         self.timed_at[key] = sum(self.samples.values())
 
     def stalest_below(self, depth: int, context: int | None) -> int:
@@ -268,11 +271,17 @@ class StageCosts:
         return [self.last_timed.get(k) for k in range(len(self.prior))]
 
     def _noise(self, bucket: int, depth: int) -> float:
+        if (bucket, depth) in self._errors:
+            return self._errors[(bucket, depth)]
         timed = [b for (b, k), xs in self.recent.items() if k == depth and len(xs) >= 2]
-        if not timed:
-            return 0.0
-        xs = self.recent[(nearest(timed, bucket), depth)]
-        return statistics.stdev(xs) / max(statistics.fmean(xs), 1e-12) / math.sqrt(len(xs))
+        error = 0.0
+        if timed:
+            xs = self.recent[(nearest(timed, bucket), depth)]
+            n = len(xs)
+            mean = sum(xs) / n  # (plain floats: `statistics` works in fractions, too slow for every round)
+            error = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n) / max(mean, 1e-12)
+        self._errors[(bucket, depth)] = error
+        return error
 
     def _estimate(self, bucket: int, depth: int) -> float:
         """Timed here, else measured against what was (`_measured`). In an optimistic table, while a
