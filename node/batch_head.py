@@ -217,7 +217,7 @@ class BatchHead:
             # processors do more on the host, and their rounds without drafts are queued only once the
             # host has their tokens: their rounds are not what plain rounds cost)
             seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
-            costs.observe(depth, context, seconds, now=time.perf_counter())
+            costs.observe(depth, context, seconds, now=time.perf_counter())  # (this module's clock)
             plan.timed()
         kmaxes = [d.chooser.kmax for d in timed]
 

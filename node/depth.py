@@ -207,8 +207,7 @@ class StageCosts:
         acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
         return StageCosts(prior, live=dict(self.live), samples=dict(self.samples), timed_at=dict(self.timed_at),
                           recent={k: list(v) for k, v in self.recent.items()}, last_timed=dict(self.last_timed),
-                          probe_gap=self.probe_gap,
-                          acceptance=acceptance, optimistic=self.optimistic,
+                          probe_gap=self.probe_gap, acceptance=acceptance, optimistic=self.optimistic,
                           clock=self.clock, tried=set(self.tried))
 
     def observe(self, depth: int, context: int, seconds: float, now: float | None = None) -> None:
