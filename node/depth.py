@@ -106,6 +106,14 @@ def settled(rates: list[float], noise: list[float], when: list[float | None], le
     return max(range(len(rates)), key=lambda k: (lower(k), -k))
 
 
+def spread(xs: list[float]) -> float:
+    """The variance of timings relative to their mean squared, in plain floats (`statistics` works in
+    fractions, too slow for every round)."""
+    n = len(xs)
+    mean = sum(xs) / n
+    return sum((x - mean) ** 2 for x in xs) / (n - 1) / max(mean * mean, 1e-24)
+
+
 def shortfall(rates: list[float], best: int) -> float:
     """How far below the best depth's tokens per second its nearest neighbour is estimated (0..1)."""
     near = [rates[k] for k in (best - 1, best + 1) if 0 <= k < len(rates)]
@@ -190,7 +198,8 @@ class StageCosts:
     optimistic: bool = False
     clock: Clock = field(default_factory=Clock)  # the rounds of the stage's sequences (`DepthChooser`)
     tried: set[tuple[int, int]] = field(default_factory=set)  # (bucket, depth) probed early (`Probe`)
-    # (bucket, depth) -> relative error (`noise`): read every round, changed only by the depth's timings
+    # (bucket, depth) -> relative error (`noise`; nan: timed under twice), (-1, -1) -> `_spread`: read every
+    # round, changed only by timings (of the depth; of any depth)
     _errors: dict[tuple[int, int], float] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -221,7 +230,7 @@ class StageCosts:
         self.recent[key] = (self.recent.get(key, []) + [seconds])[-NOISE_TIMINGS:]
         self.last_timed[depth] = time.perf_counter() if now is None else now
         self.samples[key] = self.samples.get(key, 0) + 1
-        for cached in [k for k in self._errors if k[1] == depth]:
+        for cached in [k for k in self._errors if k[1] in (depth, -1)]:
             del self._errors[cached]
         self.timed_at[key] = sum(self.samples.values())
 
@@ -260,8 +269,8 @@ class StageCosts:
     def noise(self, context: int) -> list[float]:
         """Each depth's cost's relative standard error at this context length: the spread of its
         latest timings (where it was timed here, else at the nearest length where it was) over the
-        square root of their number, which is about what the moving average keeps. A cost timed once
-        is taken at its word."""
+        square root of their number, which is about what the moving average keeps; for a cost timed
+        once or never, one timing's spread on this table (`_spread`)."""
         bucket = context_bucket(context)
         return [self._noise(bucket, k) for k in range(len(self.prior))]
 
@@ -270,17 +279,20 @@ class StageCosts:
         return [self.last_timed.get(k) for k in range(len(self.prior))]
 
     def _noise(self, bucket: int, depth: int) -> float:
-        if (bucket, depth) in self._errors:
-            return self._errors[(bucket, depth)]
-        timed = [b for (b, k), xs in self.recent.items() if k == depth and len(xs) >= 2]
-        error = 0.0
-        if timed:
-            xs = self.recent[(nearest(timed, bucket), depth)]
-            n = len(xs)
-            mean = sum(xs) / n  # (plain floats: `statistics` works in fractions, too slow for every round)
-            error = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n) / max(mean, 1e-12)
-        self._errors[(bucket, depth)] = error
-        return error
+        if (bucket, depth) not in self._errors:
+            timed = [b for (b, k), xs in self.recent.items() if k == depth and len(xs) >= 2]
+            xs = self.recent[(nearest(timed, bucket), depth)] if timed else []
+            self._errors[(bucket, depth)] = math.sqrt(spread(xs) / len(xs)) if xs else math.nan
+        error = self._errors[(bucket, depth)]
+        return self._spread() if math.isnan(error) else error
+
+    def _spread(self) -> float:
+        """The relative error of a cost timed once (or not at all): one timing's spread on this table,
+        pooled over the costs timed at least twice (none yet: taken at its word)."""
+        if (-1, -1) not in self._errors:
+            parts = [spread(xs) for xs in self.recent.values() if len(xs) >= 2]
+            self._errors[(-1, -1)] = math.sqrt(sum(parts) / len(parts)) if parts else 0.0
+        return self._errors[(-1, -1)]
 
     def _estimate(self, bucket: int, depth: int) -> float:
         """Timed here, else measured against what was (`_measured`). In an optimistic table, while a

@@ -62,6 +62,8 @@ def test_drafts_are_chosen_only_when_their_gain_shows_through_the_noise() -> Non
 
 
 def test_a_costs_error_is_the_spread_of_its_latest_timings() -> None:
+    """And a cost timed once or never is as uncertain as one timing on its table: a single slow timing
+    of no drafts against a single fast one of drafts must not settle the choice."""
     costs = StageCosts(prior=[1.0, 2.0])
     costs.observe(0, 64, 1.0, now=5.0)
     assert costs.noise(64) == [0.0, 0.0]  # timed once, or never: taken at its word
@@ -72,6 +74,7 @@ def test_a_costs_error_is_the_spread_of_its_latest_timings() -> None:
     spread = statistics.stdev(xs) / statistics.fmean(xs) / 2
     assert costs.noise(64)[0] == pytest.approx(spread)
     assert costs.noise(8192)[0] == pytest.approx(spread)  # from the nearest context length timed
+    assert costs.noise(64)[1] == pytest.approx(2 * spread)  # never timed: one timing's spread on this table
     assert costs.when() == [6.0, None]
     for _ in range(NOISE_TIMINGS):
         costs.observe(0, 64, 1.0)
