@@ -103,7 +103,7 @@ def settled(rates: list[float], noise: list[float], when: list[float | None], le
         drift = DRIFT if t is None or t0 is None else DRIFT * min(1.0, abs(t - t0) / DRIFT_SECONDS)
         return rates[k] - lead * math.sqrt((rates[k] * noise[k]) ** 2 + (rates[0] * noise[0]) ** 2
                                            + (rates[k] * drift) ** 2)
-    return max(range(len(rates)), key=lambda k: (lower(k), -k))
+    return best_of([lower(k) for k in range(len(rates))])
 
 
 def spread(xs: list[float]) -> float:
