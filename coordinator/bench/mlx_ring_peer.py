@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -50,7 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_lm.utils import sharded_load
 
     group = mx.distributed.init(strict=True)
-    model, tokenizer = sharded_load(str(with_weight_index(Path(args.model))), pipeline_group=group)
+    indexed = with_weight_index(Path(args.model))
+    try:
+        model, tokenizer = sharded_load(str(indexed), pipeline_group=group)
+    finally:  # the weights are loaded (or failed to): the symlinks are not needed any more
+        if indexed != Path(args.model):
+            shutil.rmtree(indexed, ignore_errors=True)
     prompts = json.loads(Path(args.prompts).read_text())
     time_mlx_lm(model, tokenizer, prompts[0], 8)  # warm-up, in lockstep on every rank
     speeds, outputs = [], []
