@@ -5,6 +5,7 @@ Kept free of torch so that benchmarks and tests can draw held-out prompts withou
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -15,16 +16,16 @@ GENERATED_MARKER = "Python Character Mapping Codec"
 
 
 def stdlib_files() -> list[Path]:
-    """All stdlib *.py files outside test dirs and site-packages, sorted by relative path."""
+    """All stdlib *.py files outside test dirs and site-packages, sorted by relative path. (The walk
+    never enters the excluded directories: site-packages alone can hold tens of thousands of files.)"""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if any(part in EXCLUDED_DIRS for part in rel.parts[:-1]):
-            continue
-        if rel.parts[0].startswith("config-") or rel.name.startswith("_sysconfigdata"):
-            continue  # build-machine specific files
-        files.append(rel)
+    for top, dirs, names in os.walk(root):
+        rel_top = Path(top).relative_to(root)
+        dirs[:] = [d for d in dirs if d not in EXCLUDED_DIRS and not (top == str(root) and d.startswith("config-"))]
+        for name in names:
+            if name.endswith(".py") and not name.startswith("_sysconfigdata"):  # (build-machine specific)
+                files.append(rel_top / name)
     return [root / rel for rel in sorted(files, key=lambda p: p.as_posix())]
 
 
