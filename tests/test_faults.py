@@ -38,14 +38,12 @@ def test_leases_run_out_unless_renewed() -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("build", "victim", "cycles"), [
-    (ring_engine, 1, 2),
-    (ring_engine, 0, 1),
-    (remote_engine, 1, 1)], ids=["ring-last", "ring-first", "per_sequence-last"])
-def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victim: int, cycles: int) -> None:
+@pytest.mark.parametrize(("build", "victims"), [(ring_engine, (1, 0)), (remote_engine, (1,))],
+                         ids=["ring-last-then-first", "per_sequence-last"])
+def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victims: tuple[int, ...]) -> None:
     """A node frozen for 4 s: the ring engine's streams pause and go on with the tokens of an
     undisturbed run (the per-sequence engine's fail, naming the node); either way every node holds
-    0 sequences afterwards and new requests succeed, cycle after cycle."""
+    0 sequences afterwards and new requests succeed, cycle after cycle (one node frozen per cycle)."""
     from mtpipe.coordinator.engine.build import local_engine
 
     reference = local_engine(dense_ckpt, dtype=mx.float32)
@@ -56,7 +54,7 @@ def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victim: int, 
             reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i + 1]), max_tokens=96, mtp_depth=2)
                     for i in range(4)]
             want = [reference.complete(r).tokens for r in reqs]
-            for _ in range(cycles):
+            for victim in victims:
                 sinks = []
                 for r in reqs:
                     q: queue.SimpleQueue = queue.SimpleQueue()
