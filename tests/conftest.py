@@ -14,6 +14,19 @@ from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.node.model_dirs import MODEL_DIRS_ENV
 
 
+# The files that take longest, longest first (measured with --junitxml): each xdist worker takes whole
+# files (--dist loadfile) in collection order, and a long file handed out last keeps one worker busy
+# while the other has nothing left.
+LONGEST_FIRST = ("test_discovery_netns.py", "test_faults.py", "test_sampling.py", "test_identity.py",
+                 "test_pipeline_grpc.py", "test_bench_serve.py", "test_draft_vocab.py", "test_batch.py",
+                 "test_weights_netns.py", "test_processors.py", "test_ring.py", "test_demo_model.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: each file keeps its order)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def model_dirs_for_nodes(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Nodes read models only under their model directories (node/model_dirs.py): the tests' nodes,
