@@ -17,7 +17,7 @@ from mtpipe.coordinator.bench.nodes import NodeProcesses
 from mtpipe.coordinator.engine.batch import END, open_stream
 from mtpipe.coordinator.engine.build import remote_engine, ring_engine
 from mtpipe.coordinator.engine.request import GenerationRequest
-from mtpipe.node.leases import LEASE_S, SWEEP_S, Leases
+from mtpipe.node.leases import Leases
 
 FREEZE_S = 4.0
 SETTLE_S = 15.0  # failures noticed (~2.5 s), leases run out (5 s), sweeps (1 s), with room for a slow machine
@@ -82,14 +82,20 @@ def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victims: tupl
             getattr(engine, "close", engine.pipeline.close)()
 
 
-def test_a_sequence_nobody_renews_is_released(dense_ckpt: Path) -> None:
+def test_a_sequence_nobody_renews_is_released(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sequence whose release never arrives (lost with a stream, a crashed client) is gone from every
-    node once its lease runs out; one its client still wants stays however long it idles."""
+    node once its lease runs out; one its client still wants stays however long it idles. (Leases of
+    3 s and sweeps every 0.25 s, for the suite's time: the client still renews every second.)"""
     from helpers import node_servers
 
+    from mtpipe.node import leases
     from mtpipe.node.protocol import StepKind, StepRequest
 
+    lease_s, sweep_s = 3.0, 0.25
+    monkeypatch.setattr(leases, "SWEEP_S", sweep_s)
     with node_servers(2) as servers:
+        for s in servers:
+            s.service._leases = Leases(lease_s=lease_s)
         engine = remote_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
         pipeline = engine.pipeline
         try:
@@ -104,7 +110,7 @@ def test_a_sequence_nobody_renews_is_released(dense_ckpt: Path) -> None:
                 time.sleep(0.25)
             assert active(engine) == [1, 1]
             assert all("kept" in s.service.worker.sequences for s in servers)
-            time.sleep(LEASE_S + 2 * SWEEP_S)  # renewed all along: still there
+            time.sleep(lease_s + 2 * sweep_s)  # renewed all along: still there
             assert all("kept" in s.service.worker.sequences for s in servers)
         finally:
             pipeline.close()
