@@ -13,7 +13,6 @@ from mtpipe.coordinator.engine.build import local_engine
 from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.node.model_dirs import MODEL_DIRS_ENV
 
-
 # The files that take longest, longest first (measured with --junitxml): each xdist worker takes whole
 # files (--dist loadfile) in collection order, and a long file handed out last keeps one worker busy
 # while the other has nothing left.
