@@ -142,7 +142,8 @@ def test_cli_missing_mtp_error(tiny_root: Path) -> None:
 def test_the_command_and_its_node_children_never_load_torch() -> None:
     """mtpipe computes with MLX only: its processes keep transformers from importing torch (installed
     with the `train` extra), which would cost every node process seconds and memory for nothing. A
-    node's own modules do not import transformers at all; mlx-lm's package names still resolve."""
+    node's own modules do not import transformers at all, nor does a launch until it coordinates;
+    mlx-lm's package names still resolve."""
     from mtpipe.node.spawn import node_command
 
     probe = ("import runpy, sys\n"
@@ -157,7 +158,8 @@ def test_the_command_and_its_node_children_never_load_torch() -> None:
              "import mlx_lm\n"
              "assert callable(load) and callable(stream_generate) and mlx_lm.__version__\n"
              "print(sys.modules.get('torch', 'absent'))\n")  # (None: marked absent, installed or not)
-    for argv, transformers in ((["-v", "node", "--help"], "False"), (["generate", "--help"], "True")):
+    for argv, transformers in ((["-v", "node", "--help"], "False"), (["launch", "--help"], "False"),
+                               (["generate", "--help"], "True")):
         out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120,
                              check=False)
         assert out.returncode == 0, out.stderr
