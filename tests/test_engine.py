@@ -142,8 +142,8 @@ def test_cli_missing_mtp_error(tiny_root: Path) -> None:
 def test_the_command_and_its_node_children_never_load_torch() -> None:
     """mtpipe computes with MLX only: its processes keep transformers from importing torch (installed
     with the `train` extra), which would cost every node process seconds and memory for nothing. A
-    node's own modules do not import transformers at all, nor does a launch until it coordinates;
-    mlx-lm's package names still resolve."""
+    node's own modules do not import transformers at all, nor do `health` and `cache`, nor a launch
+    until it coordinates; mlx-lm's package names still resolve."""
     from mtpipe.node.spawn import node_command
 
     command = ("import runpy, sys\n"
@@ -158,9 +158,11 @@ def test_the_command_and_its_node_children_never_load_torch() -> None:
                "import mlx_lm\n"
                "assert callable(load) and callable(stream_generate) and mlx_lm.__version__\n")
     torch = "print(sys.modules.get('torch', 'absent'))\n"  # (None: marked absent, installed or not)
-    # (a launch defers mlx-lm's init as a node does: resolving its names once, for the node, is enough)
+    # (these commands defer mlx-lm's init as a node does: resolving its names once, for the node, is enough)
     for argv, transformers, probe in ((["-v", "node", "--help"], "False", command + resolve + torch),
                                       (["launch", "--help"], "False", command + torch),
+                                      (["health", "--help"], "False", command + torch),
+                                      (["cache", "--help"], "False", command + torch),
                                       (["generate", "--help"], "True", command + resolve + torch)):
         out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120,
                              check=False)

@@ -45,20 +45,20 @@ def defer_package_init(name: str) -> None:
     sys.modules[name] = package
 
 
-DEFERRING = ("node", "launch")  # commands that may never need mlx-lm's tokenizer utilities
+DEFERRING = ("node", "launch", "health", "cache")  # commands that may never need mlx-lm's tokenizer utilities
 
 
 def main() -> int:
-    """Run the command line, with torch marked absent first, and for a node or a launch mlx-lm's
-    package init deferred.
+    """Run the command line, with torch marked absent first, and for the commands that may need no
+    tokenizer (`DEFERRING`) mlx-lm's package init deferred.
 
     mtpipe computes with MLX only, but importing mlx-lm (its tokenizer utilities) makes transformers
     import torch whenever it is installed, as the `train` extra does: about 1.5 s and 180 MB in every
     process for nothing. A `None` entry in `sys.modules` makes transformers find no torch and take its
     torch-free paths. A node needs no tokenizer: deferring mlx-lm's init keeps transformers out of it
     altogether. A launch needs one only where it ends up coordinating, so it loads transformers then,
-    and a launch that ends up a node never does (other commands load a tokenizer at once anyway). A
-    library user's process is left alone.
+    and a launch that ends up a node never does; `health` and `cache` read nodes and files only
+    (other commands load a tokenizer at once anyway). A library user's process is left alone.
     """
     sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
     if next((a for a in sys.argv[1:] if not a.startswith("-")), None) in DEFERRING:
