@@ -509,8 +509,9 @@ def test_serve_command(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
     seen: dict[str, Any] = {}
 
-    def fake_serve(engine: Engine, host: str, port: int, **kwargs: Any) -> None:
+    def fake_serve(engine: Engine, host: str, port: int, **kwargs: Any) -> int:
         seen.update(engine=engine, host=host, port=port, **kwargs)
+        return 0
 
     monkeypatch.setattr(serve, "serve", fake_serve)
     monkeypatch.setenv("MTPIPE_API_KEY", "from-env")
@@ -518,6 +519,9 @@ def test_serve_command(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert seen["host"] == "127.0.0.1" and seen["port"] == 9999 and seen["api_key"] == "from-env"
     assert seen["model_name"] == dense_ckpt.name and seen["default_mtp_depth"] == 1
     assert seen["engine"].has_mtp
+    assert seen["model_path"] == dense_ckpt and seen["api_process"]  # the API in a process of its own
+    assert cli.main(["serve", "--model", str(dense_ckpt), "--api-in-process"]) == 0
+    assert not seen["api_process"]
 
 
 # -- the same over a 2-node gRPC pipeline ------------------------------------------------------------

@@ -64,14 +64,35 @@ def serve(
     default_mtp_depth: Optional[int] = None,
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
     max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES,
-) -> None:
-    """Run the API with uvicorn until interrupted. Logging goes through the root logger."""
+    model_path: Optional[Path] = None,
+    api_process: bool = True,
+) -> int:
+    """Run the API with uvicorn until interrupted; 0, or the API process's exit code. Logging goes
+    through the root logger.
+
+    With `api_process` (and `model_path`, whose tokenizer it loads), an engine that batches is served by
+    an API in a process of its own (front.py); otherwise, and for the per-sequence engine, in this one.
+    """
+    if not api_key and not _is_loopback(host):
+        log.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
+    log.info("serving %s at http://%s:%d/v1", model_name, host, port)
+    if api_process and model_path is not None and hasattr(engine, "open"):
+        from .front import FrontProcess, FrontSpec
+
+        spec = FrontSpec(str(model_path), host=host, port=port, model_name=model_name, api_key=api_key,
+                         default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
+                         max_body_bytes=max_body_bytes, log_level=logging.getLogger().getEffectiveLevel())
+        front = FrontProcess(engine, spec, cluster_info)
+        try:
+            front.start()
+            code = front.wait()
+        finally:
+            front.stop()
+        return code or 0
     import uvicorn
 
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                      max_body_bytes=max_body_bytes)
-    if not api_key and not _is_loopback(host):
-        log.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
-    log.info("serving %s at http://%s:%d/v1", model_name, host, port)
     uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5)
+    return 0

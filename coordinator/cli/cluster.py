@@ -213,9 +213,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         when_listening(cfg.api.host, cfg.api.port, lambda: _emit(
             args, console, "serving", f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at {url} over {stages}",
             api=url, **{k: state[k] for k in ("placement", "links", "ring", "discovered", "left_out", "ignored")}))
-        serve(engine, cfg.api.host, cfg.api.port, api_key=cfg.resolve_api_key(), model_name=name,
-              cluster_info=info, default_mtp_depth=0 if not mtp else cfg.mtp_depth)
-        return 0
+        return serve(engine, cfg.api.host, cfg.api.port, api_key=cfg.resolve_api_key(), model_name=name,
+                     cluster_info=info, default_mtp_depth=0 if not mtp else cfg.mtp_depth, model_path=model_path,
+                     api_process=not args.api_in_process)
     finally:
         if engine is not None:
             engine.pipeline.close()
@@ -293,6 +293,8 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-host", help="API address on the coordinator (default 127.0.0.1)")
     p.add_argument("--api-port", type=int, help="API port on the coordinator (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $MTPIPE_API_KEY)")
+    p.add_argument("--api-in-process", action="store_true",
+                   help="serve HTTP from the coordinator's process (default: an API process of its own)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
     p.add_argument("--json", action="store_true", help="print readiness events as JSON lines on stdout")
     add_mtp(p)

@@ -30,6 +30,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                         f"again, then goes on where it stopped (default {RESUME_WINDOW_S:g} s; 0: fail at once)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"refuse larger request bodies with 413 (default {DEFAULT_MAX_BODY_BYTES}; 0: no limit)")
+    p.add_argument("--api-in-process", action="store_true",
+                   help="serve HTTP from the engine's process (default: an API process of its own, so that parsing "
+                        "and streaming never hold up the engine's rounds)")
     add_mtp(p)
     p.set_defaults(func=cmd_serve)
 
@@ -72,9 +75,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     try:
         cluster_info = nodes_cluster_info(engine, name) if args.nodes else None
-        serve(engine, args.host, args.port, api_key=api_key, model_name=name, cluster_info=cluster_info,
-              default_mtp_depth=depth, max_concurrency=args.max_concurrency,
-              max_body_bytes=args.max_body_bytes or None)
+        return serve(engine, args.host, args.port, api_key=api_key, model_name=name, cluster_info=cluster_info,
+                     default_mtp_depth=depth, max_concurrency=args.max_concurrency,
+                     max_body_bytes=args.max_body_bytes or None, model_path=path,
+                     api_process=not args.api_in_process)
     finally:
         engine.pipeline.close()
-    return 0

@@ -1,0 +1,159 @@
+"""The API in a process of its own, over the engine in this one (link.py says why).
+
+`FrontProcess` spawns the front: it loads the tokenizer (never the weights, and it does no MLX work),
+builds the same app as the in-process API over an `EngineClient`, and serves it with uvicorn. The
+engine's process keeps its MLX thread and an `EngineHost`. Either process going away ends the other's
+part: a front that dies cancels its requests in the engine; an engine that dies fails the front's
+open requests and stops it.
+
+This module imports nothing heavy at its top: the spawned process imports it to unpickle its spec and
+marks torch absent before transformers comes in (as the `mtpipe` command does, coordinator/cli/entry.py).
+(No `from __future__ import annotations` here: the spec crosses to a spawned process by pickling.)
+"""
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
+
+from .defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120.0  # spawning, importing the app and loading the tokenizer
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class FrontSpec:
+    """What the front process serves and how (the API key crosses by pipe, never on a command line)."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port, reported back
+    model_name: str = DEFAULT_MODEL_NAME
+    api_key: str | None = None
+    default_mtp_depth: int | str | None = None
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES
+    access_log: bool = True
+    log_level: int = logging.INFO
+
+
+def front_main(conn: Any, spec: FrontSpec) -> None:
+    """The front process: serve the API over the engine at the other end of `conn` until told to stop."""
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]  # the tokenizer needs no torch
+    import uvicorn
+
+    from ..engine.build import load_tokenizer
+    from .app import create_app
+    from .link import EngineClient
+
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    # uvicorn takes both signals over while it serves, and raises them again once it has shut down:
+    # SIGTERM (how the engine's process stops us) then ends the process cleanly; Ctrl-C reaches both
+    # processes, and the engine's stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    try:
+        (op, info), = conn.recv()
+    except (EOFError, OSError):
+        return
+    assert op == "hello", op
+    client = EngineClient(conn, info, load_tokenizer(spec.model_path, info["eos"]))
+    app = create_app(client, spec.model_name, api_key=spec.api_key,
+                     cluster_info=client.cluster_info if info["cluster"] else None,
+                     default_mtp_depth=spec.default_mtp_depth, max_concurrency=spec.max_concurrency,
+                     max_body_bytes=spec.max_body_bytes)
+    config = uvicorn.Config(app, host=spec.host, port=spec.port, log_config=None, access_log=spec.access_log,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    def stop() -> None:
+        server.should_exit = True
+
+    client.on_lost = stop
+
+    def announce() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.01)
+        if server.started:
+            host, port = server.servers[0].sockets[0].getsockname()[:2]
+            client.announce(host, port)
+
+    threading.Thread(target=announce, name="api-announce", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        client.close()
+
+
+def _exit_cleanly(signum: int, frame: Any) -> None:
+    """SIGTERM outside uvicorn's own handling: nothing of the front's is left to save (a signal may also
+    land while the interpreter exits, where raising would only print a traceback)."""
+    logging.shutdown()
+    os._exit(0)
+
+
+class FrontProcess:
+    """The API front, spawned and linked to `engine`; `start()` returns its base URL once it serves."""
+
+    def __init__(self, engine: Any, spec: FrontSpec, cluster_info: Callable[[], dict] | None = None):
+        from .link import EngineHost
+
+        if not hasattr(engine, "open"):
+            raise ValueError("the API front needs an engine that batches (the local or the ring engine)")
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs MLX
+        self.spec = spec
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=front_main, args=(child, spec), name="mtpipe-api", daemon=True)
+        self._child_conn = child
+        self.host = EngineHost(engine, self._conn, cluster_info=cluster_info)
+        self.url = ""
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> str:
+        self.process.start()
+        self._child_conn.close()
+        self.host.start()
+        try:
+            host, port = self.host.listening.result(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def wait(self) -> int | None:
+        """Until the front exits; its exit code. Ctrl-C reaches it too (a terminal signals both
+        processes); SIGTERM to this process is passed on, so the front shuts down as uvicorn does."""
+        on_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, lambda *_: self.process.terminate()) if on_main else None
+        try:
+            self.process.join()
+        except KeyboardInterrupt:
+            self.process.join(STOP_TIMEOUT_S)
+        finally:
+            if on_main:
+                signal.signal(signal.SIGTERM, previous)
+        return self.process.exitcode
+
+    def stop(self) -> None:
+        """Stop the front (as uvicorn stops on SIGTERM: open streams get their grace), then the link."""
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(STOP_TIMEOUT_S)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(STOP_TIMEOUT_S)
+        self.host.close()

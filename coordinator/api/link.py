@@ -1,0 +1,413 @@
+"""The link between the API's front process and the engine's process (vLLM v1's split).
+
+The front (front.py) parses bodies, tokenizes, streams server-sent events and keeps the HTTP
+connections; the engine's process runs the MLX thread and nothing else in Python but this link, so
+the API's per-chunk work never takes the interpreter lock from the thread that builds the next round.
+
+Over a `multiprocessing` pipe, as pickled tuples:
+- front to engine: ("open", rid, GenerationRequest), ("cancel", rid), ("call", cid, name),
+  ("listening", host, port);
+- engine to front: first [("hello", info)] alone, then lists of ("chunk", rid, GenerationChunk),
+  ("error", rid, WireError), ("end", rid) and ("reply", cid, ok, value).
+
+Each side sends from one thread; the engine's sinks, called on its MLX thread, only append to an
+outbox that a sender thread flushes, so a round's chunks for every row go as one message. A front
+that goes away cancels every request it opened (their caches are freed on every stage); an engine
+that goes away fails every open request with StageUnavailable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ...node.protocol import StageError, StageUnavailable
+from ..engine.batch import END, ServerBusy, Sink, stream
+from ..engine.request import (
+    GenerationRequest,
+    GenerationResult,
+    RequestError,
+    check_request,
+    check_vocabulary,
+    collect,
+)
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class WireError:
+    """An engine's exception as it crosses the link (exceptions with extra fields do not unpickle)."""
+
+    kind: str
+    message: str
+    retry_after: int = 0
+    param: str | None = None
+    code: str | None = None
+
+    @classmethod
+    def of(cls, e: BaseException) -> WireError:
+        if isinstance(e, ServerBusy):
+            return cls("busy", str(e), retry_after=e.retry_after)
+        if isinstance(e, RequestError):
+            return cls("request", str(e), param=e.param, code=e.code)
+        if isinstance(e, StageUnavailable):
+            return cls("unavailable", str(e))
+        if isinstance(e, StageError):
+            return cls("stage", str(e))
+        return cls("other", f"{type(e).__name__}: {e}")
+
+    def exception(self) -> Exception:
+        if self.kind == "busy":
+            return ServerBusy(self.message, self.retry_after)
+        if self.kind == "request":
+            return RequestError(self.message, self.param, self.code)
+        if self.kind == "unavailable":
+            return StageUnavailable(self.message)
+        if self.kind == "stage":
+            return StageError(self.message)
+        return RuntimeError(self.message)
+
+
+def hang_up(conn: Any) -> None:
+    """Close a pipe's end so that both sides see it at once: a reader blocked on it in another thread
+    of this process would keep a plain close() from reaching the other end."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except (OSError, ValueError):  # already closed, or not a socket
+        pass
+    else:
+        with sock:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+    try:
+        conn.close()
+    except OSError:
+        pass
+
+
+def engine_info(engine: Any, *, cluster: bool) -> dict[str, Any]:
+    """What the front needs to know of the engine to validate and answer without asking it."""
+    return {"has_mtp": bool(engine.has_mtp), "max_context": int(engine.max_context),
+            "vocab_size": int(engine.vocab_size), "eos": sorted(engine.eos), "cluster": cluster}
+
+
+class Outbox:
+    """Messages for the other process, sent in batches by a thread of their own."""
+
+    def __init__(self, conn: Any, name: str):
+        self.conn = conn
+        self._items: list[tuple[Any, ...]] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, msg: tuple[Any, ...]) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._items.append(msg)
+            if len(self._items) == 1:
+                self._cond.notify()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then stop."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._items and not self._closed:
+                    self._cond.wait()
+                batch, self._items = self._items, []
+                if not batch:
+                    return
+            try:
+                self.conn.send(batch)
+            except (OSError, ValueError) as e:  # the other side is gone (or the pipe closed)
+                log.debug("the link is closed: %s", e)
+                with self._cond:
+                    self._closed = True
+                    self._items.clear()
+                return
+
+
+class EngineHost:
+    """Serves an engine (one with `open`: the batch or ring engine) to a front process over `conn`.
+
+    `cluster_info` answers the front's GET /v1/cluster over nodes; `listening` gets the front's
+    (host, port) once it serves; `closed` is set when the front is gone.
+    """
+
+    def __init__(self, engine: Any, conn: Any, *, cluster_info: Callable[[], dict] | None = None):
+        self.engine = engine
+        self.conn = conn
+        self.cluster_info = cluster_info
+        self.listening: Future[tuple[str, int]] = Future()
+        self.closed = threading.Event()
+        self._handles: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._outbox: Outbox | None = None
+        self._readiness: Any = None  # one for the link's life: it remembers since when each node is down
+        self._calls = ThreadPoolExecutor(2, thread_name_prefix="engine-link-call")
+        self._reader = threading.Thread(target=self._read, name="engine-link-in", daemon=True)
+
+    def start(self) -> None:
+        self.conn.send([("hello", engine_info(self.engine, cluster=self.cluster_info is not None))])
+        self._outbox = Outbox(self.conn, "engine-link-out")
+        self._reader.start()
+
+    def close(self) -> None:
+        """Cancel what the front left open and stop the link's threads (the engine is the caller's)."""
+        hang_up(self.conn)
+        self._reader.join(5.0)
+        self._cancel_all()
+        if self._outbox is not None:
+            self._outbox.close()
+        self._calls.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def open_requests(self) -> int:
+        with self._lock:
+            return len(self._handles)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.conn.recv()
+                op = msg[0]
+                if op == "open":
+                    self._open(msg[1], msg[2])
+                elif op == "cancel":
+                    with self._lock:
+                        handle = self._handles.get(msg[1])
+                    if handle is not None:
+                        handle.cancel()
+                elif op == "call":
+                    self._calls.submit(self._answer, msg[1], msg[2])
+                elif op == "listening":
+                    if not self.listening.done():
+                        self.listening.set_result((msg[1], msg[2]))
+                else:
+                    log.warning("the API front sent an unknown message %r", op)
+        except (EOFError, OSError):
+            pass  # the front is gone, or close() closed the pipe
+        finally:
+            if not self.listening.done():
+                self.listening.set_exception(RuntimeError("the API process ended before it served "
+                                                          "(its log says why)"))
+            self._cancel_all()
+            self.closed.set()
+
+    def _cancel_all(self) -> None:
+        with self._lock:
+            handles = [h for h in self._handles.values() if h is not None]
+        for handle in handles:
+            handle.cancel()
+        if handles:
+            log.info("the API front is gone: %d request(s) cancelled", len(handles))
+
+    def _open(self, rid: int, req: GenerationRequest) -> None:
+        with self._lock:
+            self._handles[rid] = None  # the request may end before open() returns
+        try:
+            handle = self.engine.open(req, lambda item: self._deliver(rid, item))
+        except Exception as e:  # noqa: BLE001 - refused at once: the front answers it like any failure
+            self._deliver(rid, e)
+            self._deliver(rid, END)
+            return
+        with self._lock:
+            if rid in self._handles:
+                self._handles[rid] = handle
+
+    def _deliver(self, rid: int, item: Any) -> None:
+        """A request's sink (on the engine's thread): queue its item for the front."""
+        assert self._outbox is not None
+        if item is END:
+            with self._lock:
+                self._handles.pop(rid, None)
+            self._outbox.put(("end", rid))
+        elif isinstance(item, BaseException):
+            self._outbox.put(("error", rid, WireError.of(item)))
+        else:
+            self._outbox.put(("chunk", rid, item))
+
+    def _answer(self, cid: int, name: str) -> None:
+        from .readiness import Readiness
+
+        assert self._outbox is not None
+        calls: dict[str, Callable[[], Any]] = {
+            "describe": lambda: self.engine.pipeline.describe(),
+            "ready": lambda: self._ready(Readiness),
+            "cluster": lambda: self.cluster_info() if self.cluster_info else None,
+        }
+        try:
+            self._outbox.put(("reply", cid, True, calls[name]()))
+        except Exception as e:  # noqa: BLE001 - the front raises it where it asked
+            self._outbox.put(("reply", cid, False, f"{type(e).__name__}: {e}"))
+
+    def _ready(self, readiness: Any) -> tuple[bool, dict[str, Any]]:
+        if self._readiness is None:
+            self._readiness = readiness(self.engine)
+        return self._readiness.check()
+
+
+class LinkHandle:
+    def __init__(self, client: EngineClient, rid: int):
+        self._client = client
+        self._rid = rid
+
+    def cancel(self) -> None:
+        """The client is gone: the engine drops the request at its next round."""
+        self._client._send(("cancel", self._rid))
+
+
+class EngineClient:
+    """The engine of another process as the API uses it: requests are validated here, opened and
+    cancelled over the link, and their chunks handed to their sinks on the link's reader thread."""
+
+    def __init__(self, conn: Any, info: dict[str, Any], tokenizer: Any):
+        self.conn = conn
+        self.tokenizer = tokenizer
+        self.has_mtp: bool = info["has_mtp"]
+        self.max_context: int = info["max_context"]
+        self.vocab_size: int = info["vocab_size"]
+        self.eos = set(info["eos"])
+        self.pipeline = self  # describe() and close(), as an engine's pipeline offers them
+        self.on_lost: Callable[[], None] | None = None
+        self.lost: str | None = None
+        self._sinks: dict[int, Sink] = {}
+        self._calls: dict[int, Future] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="api-link-in", daemon=True)
+        self._reader.start()
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+    def validate(self, req: GenerationRequest) -> None:
+        check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
+        check_vocabulary(req, self.vocab_size)
+
+    def open(self, req: GenerationRequest, sink: Sink) -> LinkHandle:
+        """Queue a request in the engine; its chunks, then END or an exception, go to `sink`."""
+        self.validate(req)
+        rid = next(self._ids)
+        with self._lock:
+            if self.lost is not None:
+                raise StageUnavailable(self.lost)
+            self._sinks[rid] = sink
+        self._send(("open", rid, req))
+        return LinkHandle(self, rid)
+
+    def generate(self, req: GenerationRequest) -> Any:
+        return stream(lambda sink: self.open(req, sink))
+
+    def complete(self, req: GenerationRequest) -> GenerationResult:
+        return collect(self.generate(req))
+
+    def call(self, name: str, timeout: float = CALL_TIMEOUT_S) -> Any:
+        """Ask the engine's process (blocking: call off the event loop)."""
+        cid = next(self._ids)
+        future: Future = Future()
+        with self._lock:
+            if self.lost is not None:
+                raise StageUnavailable(self.lost)
+            self._calls[cid] = future
+        self._send(("call", cid, name))
+        try:
+            return future.result(timeout)
+        finally:
+            with self._lock:
+                self._calls.pop(cid, None)
+
+    def describe(self) -> dict[str, Any]:
+        return self.call("describe")
+
+    def check_ready(self, timeout: float) -> tuple[bool, dict[str, Any]]:
+        """GET /health as the engine's process sees it (its MLX thread, or its nodes)."""
+        if self.lost is not None:
+            return False, {"unready": [{"address": "engine", "reason": self.lost, "since": None}]}
+        return tuple(self.call("ready", timeout + CALL_TIMEOUT_S))  # type: ignore[return-value]
+
+    def cluster_info(self) -> dict[str, Any]:
+        return self.call("cluster")
+
+    def announce(self, host: str, port: int) -> None:
+        self._send(("listening", host, port))
+
+    def close(self) -> None:
+        hang_up(self.conn)
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(msg)
+        except (OSError, ValueError) as e:  # the engine is gone: the reader fails what is open
+            log.debug("cannot reach the engine: %s", e)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                for msg in self.conn.recv():
+                    self._dispatch(msg)
+        except (EOFError, OSError):
+            pass
+        except Exception:  # noqa: BLE001 - a message this side cannot read: the link is unusable
+            log.exception("the engine link failed")
+        self._lose("the engine's process is gone")
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        op = msg[0]
+        if op == "reply":
+            with self._lock:
+                future = self._calls.get(msg[1])
+            if future is not None and not future.done():
+                if msg[2]:
+                    future.set_result(msg[3])
+                else:
+                    future.set_exception(RuntimeError(msg[3]))
+            return
+        with self._lock:
+            sink = self._sinks.pop(msg[1], None) if op == "end" else self._sinks.get(msg[1])
+        if sink is None:
+            return
+        if op == "chunk":
+            sink(msg[2])
+        elif op == "error":
+            sink(msg[2].exception())
+        elif op == "end":
+            sink(END)
+
+    def _lose(self, why: str) -> None:
+        with self._lock:
+            self.lost = why
+            sinks, self._sinks = list(self._sinks.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
+        if sinks:
+            log.error("%s: %d request(s) fail", why, len(sinks))
+        for sink in sinks:
+            sink(StageUnavailable(why))
+            sink(END)
+        for future in calls:
+            if not future.done():
+                future.set_exception(StageUnavailable(why))
+        if self.on_lost is not None:
+            self.on_lost()

@@ -1,0 +1,368 @@
+"""The API in a process of its own (coordinator/api/front.py and link.py) over a batch engine in the
+test's process: what it answers equals the engine's own output, bad input never reaches the engine,
+a client or a front that goes away frees its sequences, and the link carries errors as they were.
+The link's two ends are also tested on a pipe in this process, with a scripted other end."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from helpers import PROMPTS  # noqa: E402
+from mlx_threads import record_mlx_threads  # noqa: E402
+
+from mtpipe.coordinator.api.front import FrontProcess, FrontSpec  # noqa: E402
+from mtpipe.coordinator.api.link import EngineClient, EngineHost, WireError  # noqa: E402
+from mtpipe.coordinator.engine.batch import END, BatchEngine, ServerBusy  # noqa: E402
+from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
+from mtpipe.coordinator.engine.request import GenerationChunk, GenerationRequest, RequestError  # noqa: E402
+from mtpipe.node.protocol import SamplingParams, StageError, StageUnavailable  # noqa: E402
+
+MODEL = "tiny-front"
+KEY = "front-key-456"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def engine(dense_ckpt: Path) -> Iterator[BatchEngine]:
+    e = batch_engine(dense_ckpt, stages=2, dtype=mx.float32)
+    yield e
+    e.close()
+
+
+def _front(engine: BatchEngine, ckpt: Path) -> FrontProcess:
+    front = FrontProcess(engine, FrontSpec(str(ckpt), model_name=MODEL, api_key=KEY, access_log=False))
+    front.start()
+    return front
+
+
+@pytest.fixture(scope="module")
+def front(engine: BatchEngine, dense_ckpt: Path) -> Iterator[FrontProcess]:
+    f = _front(engine, dense_ckpt)
+    yield f
+    f.stop()
+
+
+def held(engine: BatchEngine) -> list[int]:
+    return engine.thread.call(lambda: [stage.sequences for stage in engine.stages])
+
+
+def wait_idle(engine: BatchEngine, front: FrontProcess, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(held(engine)) or front.host.open_requests:
+        assert time.monotonic() < deadline, f"still held: {held(engine)}, open {front.host.open_requests}"
+        time.sleep(0.02)
+
+
+def direct(engine: BatchEngine, tokens: list[int], max_tokens: int, depth: int = 2) -> Any:
+    return engine.complete(GenerationRequest(tokens, max_tokens, SamplingParams(temperature=0.0), mtp_depth=depth))
+
+
+def events(r: Any) -> list[dict[str, Any]]:
+    out = []
+    for line in r.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[len("data: "):]))
+    return out
+
+
+# -- the front process ------------------------------------------------------------------------------
+
+
+def test_answers_equal_the_engine_and_only_the_engine_thread_does_mlx(engine: BatchEngine,
+                                                                     front: FrontProcess) -> None:
+    tokens = list(engine.tokenizer.encode(PROMPTS[0]))
+    want = direct(engine, tokens, 24)
+    with record_mlx_threads() as rec, httpx.Client(base_url=front.url, timeout=60, headers=AUTH) as c:
+        body = {"model": MODEL, "prompt": tokens, "max_tokens": 24, "temperature": 0, "mtp_depth": 2, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            got = events(r)
+        whole = c.post("/v1/completions", json={**body, "stream": False}).json()
+        health = c.get("/health")
+        cluster = c.get("/v1/cluster").json()
+    assert "".join(e["choices"][0]["text"] for e in got if e["choices"]) == want.text
+    assert got[-1]["usage"]["completion_tokens"] == len(want.tokens)
+    assert whole["choices"][0]["text"] == want.text and whole["usage"]["mtp"]["depth"] == 2
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert cluster["mode"] == "local" and [p["layers"] for p in cluster["placement"]] == [[0, 2], [2, 4]]
+    # Engine-side, the link's threads hand work over: MLX runs on the engine's thread alone.
+    assert rec.threads == {"mlx-engine"}, {k: v.most_common(5) for k, v in rec.calls_by_thread.items()}
+    wait_idle(engine, front)
+
+
+def test_chat_with_the_key_from_the_pipe_and_refusals_in_the_front(engine: BatchEngine, front: FrontProcess) -> None:
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    want = direct(engine, engine.encode_chat(messages), 16, depth=0)
+    with httpx.Client(base_url=front.url, timeout=60) as c:
+        assert c.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}).status_code == 401
+        ok = c.post("/v1/chat/completions", headers=AUTH, json={"model": MODEL, "messages": messages,
+                                                                "max_tokens": 16, "temperature": 0, "mtp_depth": 0})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["choices"][0]["message"]["content"] == want.text
+        vocab = engine.vocab_size
+        for bad, param in (({"prompt": [1, vocab]}, "prompt"), ({"prompt": [1, 2], "mtp_depth": 9}, "mtp_depth"),
+                           ({"prompt": [1, 2], "max_tokens": engine.max_context}, "max_tokens")):
+            r = c.post("/v1/completions", headers=AUTH, json={"model": MODEL, **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert held(engine) == [0, 0] and front.host.open_requests == 0
+
+
+def test_a_client_that_leaves_frees_its_sequence(engine: BatchEngine, front: FrontProcess) -> None:
+    tokens = list(engine.tokenizer.encode(PROMPTS[2]))
+    body = {"model": MODEL, "prompt": tokens, "max_tokens": 2000, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=front.url, timeout=60, headers=AUTH) as c, \
+            c.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()  # (held: a generator closed by the collector would close the response)
+        assert next(line for line in lines if line.startswith("data: "))
+        assert any(held(engine)) and front.host.open_requests == 1
+    wait_idle(engine, front)
+
+
+def test_a_front_that_dies_leaves_nothing_in_the_engine(engine: BatchEngine, dense_ckpt: Path) -> None:
+    front = _front(engine, dense_ckpt)
+    try:
+        tokens = list(engine.tokenizer.encode(PROMPTS[3]))
+        done = threading.Event()
+
+        def stream() -> None:
+            body = {"model": MODEL, "prompt": tokens, "max_tokens": 2000, "temperature": 0, "stream": True}
+            try:
+                with httpx.stream("POST", front.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+                    for _ in r.iter_lines():
+                        pass
+            except httpx.HTTPError:
+                pass  # the server died under it
+            done.set()
+
+        threading.Thread(target=stream, daemon=True).start()
+        deadline = time.monotonic() + 30
+        while not front.host.open_requests:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(front.process.pid, signal.SIGKILL)
+        assert front.host.closed.wait(10)
+        wait_idle(engine, front)
+        assert done.wait(10)
+    finally:
+        front.stop()
+    assert not front.alive
+
+
+def test_over_ring_nodes_with_their_health(dense_ckpt: Path) -> None:
+    from helpers import node_servers
+
+    from mtpipe.coordinator.api.serve import nodes_cluster_info
+    from mtpipe.coordinator.engine.build import ring_engine
+
+    with node_servers(2) as nodes:
+        engine = ring_engine(dense_ckpt, [n.address for n in nodes], dtype="float32")
+        front = FrontProcess(engine, FrontSpec(str(dense_ckpt), model_name=MODEL, access_log=False),
+                             nodes_cluster_info(engine, MODEL))
+        try:
+            front.start()
+            tokens = list(engine.tokenizer.encode(PROMPTS[5]))
+            want = direct(engine, tokens, 12)
+            with httpx.Client(base_url=front.url, timeout=60) as c:
+                body = {"prompt": tokens, "max_tokens": 12, "temperature": 0, "mtp_depth": 2}
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
+                health = c.get("/health")
+                assert health.status_code == 200 and health.json()["nodes"] == 2
+                nodes[1].stop(0)
+                health = c.get("/health")
+                assert health.status_code == 503  # as the engine's process sees its nodes
+                assert nodes[1].address in [u["address"] for u in health.json()["unready"]]
+                info = c.get("/v1/cluster").json()
+                assert info["mode"] == "nodes" and info["healthy"] is False and nodes[1].address in info["error"]
+        finally:
+            front.stop()
+            engine.pipeline.close()
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_mtpipe_serve_runs_its_api_in_a_child_and_stops_it(dense_ckpt: Path, how: str) -> None:
+    psutil = pytest.importorskip("psutil")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MTPIPE_API_KEY": KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "mtpipe", "serve", "--model", str(dense_ckpt), "--port", str(port),
+                             "--dtype", "float32"], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "mtpipe serve did not come up"
+            time.sleep(0.2)
+        children = psutil.Process(proc.pid).children()
+        # the API's process (the engine is the command's own), and multiprocessing's resource tracker
+        fronts = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        assert len(fronts) == 1, [c.cmdline() for c in children]
+        # The front loads a tokenizer, never torch (installed with the `train` extra); nor does the command.
+        for process in (fronts[0], psutil.Process(proc.pid)):
+            assert not [m.path for m in process.memory_maps() if "libtorch" in m.path]
+        r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=60,
+                       json={"prompt": PROMPTS[4], "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # a terminal signals the whole foreground group
+        else:
+            proc.send_signal(signal.SIGTERM)  # a service manager signals the command
+        assert proc.wait(30) == 0
+        _, alive = psutil.wait_procs(children, timeout=10)  # the tracker ends when it sees its pipe close
+        assert not alive, [c.cmdline() for c in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# -- the link's two ends, on a pipe in this process --------------------------------------------------
+
+
+class ScriptedEngine:
+    """An engine whose requests emit what the test tells them to, recording cancellations."""
+
+    has_mtp, max_context, vocab_size, eos = True, 64, 100, {0}
+
+    def __init__(self) -> None:
+        self.sinks: dict[int, Any] = {}
+        self.cancelled: list[int] = []
+        self.opened = threading.Event()
+
+    def open(self, req: GenerationRequest, sink: Any) -> Any:
+        if req.max_tokens == 13:
+            raise RequestError("thirteen is refused here", "max_tokens", "unlucky")
+        index = len(self.sinks)
+        self.sinks[index] = sink
+        self.opened.set()
+        test = self
+
+        class Handle:
+            def cancel(self) -> None:
+                test.cancelled.append(index)
+
+        return Handle()
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.ended = threading.Event()
+
+    def __call__(self, item: Any) -> None:
+        self.items.append(item)
+        if item is END:
+            self.ended.set()
+
+
+def _linked(engine: Any) -> tuple[EngineHost, EngineClient]:
+    a, b = multiprocessing.Pipe()
+    host = EngineHost(engine, a)
+    host.start()
+    (op, info), = b.recv()
+    assert op == "hello" and info == {"has_mtp": True, "max_context": 64, "vocab_size": 100, "eos": [0],
+                                      "cluster": False}
+    return host, EngineClient(b, info, tokenizer=None)
+
+
+def test_the_link_carries_chunks_errors_and_cancels() -> None:
+    engine = ScriptedEngine()
+    host, client = _linked(engine)
+    try:
+        got = Collect()
+        handle = client.open(GenerationRequest([1, 2, 3], 8), got)
+        assert engine.opened.wait(5)
+        sink = engine.sinks[0]
+        sink(GenerationChunk("a", [5]))
+        sink(GenerationChunk("b", [6], finish_reason="stop"))
+        sink(END)
+        assert got.ended.wait(5)
+        assert [(c.text, c.tokens, c.finish_reason) for c in got.items[:-1]] == [("a", [5], None), ("b", [6], "stop")]
+        refused = Collect()
+        client.open(GenerationRequest([1], 13), refused)
+        assert refused.ended.wait(5)
+        assert isinstance(refused.items[0], RequestError) and refused.items[0].code == "unlucky"
+        with pytest.raises(RequestError):  # validated in the front: the engine never sees it
+            client.open(GenerationRequest([1, 100], 4), Collect())
+        busy = Collect()
+        handle = client.open(GenerationRequest([1], 8), busy)
+        deadline = time.monotonic() + 5
+        while 1 not in engine.sinks:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        handle.cancel()
+        deadline = time.monotonic() + 5
+        while engine.cancelled != [1]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        engine.sinks[1](ServerBusy("full", retry_after=7))
+        engine.sinks[1](END)
+        assert busy.ended.wait(5)
+        assert isinstance(busy.items[0], ServerBusy) and busy.items[0].retry_after == 7
+        assert host.open_requests == 0
+    finally:
+        client.close()
+        host.close()
+
+
+def test_either_end_going_away() -> None:
+    engine = ScriptedEngine()
+    host, client = _linked(engine)
+    got = Collect()
+    client.open(GenerationRequest([1], 8), got)
+    assert engine.opened.wait(5)
+    client.close()  # the front is gone: the engine cancels what it opened
+    assert host.closed.wait(5) and engine.cancelled == [0]
+    host.close()
+
+    a, b = multiprocessing.Pipe()
+    lost = threading.Event()
+    client = EngineClient(b, {"has_mtp": True, "max_context": 64, "vocab_size": 100, "eos": [0]}, tokenizer=None)
+    client.on_lost = lost.set
+    got = Collect()
+    client.open(GenerationRequest([1], 8), got)
+    assert a.recv()[0] == "open"
+    a.close()  # the engine's process is gone: open requests fail, and the front is told to stop
+    assert got.ended.wait(5) and lost.wait(5)
+    assert isinstance(got.items[0], StageUnavailable)
+    with pytest.raises(StageUnavailable):
+        client.open(GenerationRequest([1], 8), Collect())
+
+
+def test_errors_cross_as_they_were() -> None:
+    for error, kind in ((ServerBusy("busy", 3), ServerBusy), (StageUnavailable("gone"), StageUnavailable),
+                        (StageError("refused"), StageError), (RequestError("bad", "stop", "c"), RequestError)):
+        back = WireError.of(error).exception()
+        assert type(back) is kind and str(back) == str(error)
+    assert WireError.of(ServerBusy("x", 9)).exception().retry_after == 9
+    request = WireError.of(RequestError("bad", "stop", "c")).exception()
+    assert isinstance(request, RequestError) and (request.param, request.code) == ("stop", "c")
+    other = WireError.of(KeyError("k")).exception()
+    assert type(other) is RuntimeError and str(other) == "KeyError: 'k'"
