@@ -55,6 +55,7 @@ def test_bench_serve_tiny(dense_ckpt: Path) -> None:
     assert set(result["identity"]["closed_loop"]) == {"no_mtp", "auto"}
     assert result["waves"] == {"1": 2, "2": 1}
     assert result["prefill_gap"] is None and "blas" in result
+    assert result["api"] == "a process of its own"  # as `mtpipe serve` runs it
 
 
 def test_bench_serve_sampled_tiny(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,8 +80,9 @@ def test_bench_serve_sampled_tiny(dense_ckpt: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(mlx_generate, "batch_generate", lambda *a, **k: (samplers.append(k.get("sampler")),
                                                                           batch_generate(*a, **k))[1])
     result = bench_serve(dense_ckpt, concurrency=[2], max_tokens=8, gap=False, api=True, temperature=1.0,
-                         closed_requests=2)
+                         closed_requests=2, api_process=False)
     assert result["temperature"] == 1.0 and result["identical"] is True
+    assert result["api"] == "the engine's process"
     assert result["identity"]["closed_loop"] == {"no_mtp": True, "auto": True}  # seeded, in the closed loop too
     assert set(result["identity"]["per_method"]) == {"no_mtp", "auto"}
     for level in ("engine", "api"):

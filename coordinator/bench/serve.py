@@ -9,7 +9,8 @@ to be rarely accepted would otherwise stand for all of c=1; where c does not div
 the last wave wraps around to the first prompts, which then count twice):
 - engine: c requests opened at once on one in-process BatchEngine, per method (no_mtp: depth 0;
   auto: up to 3 drafts, the depth picked each round);
-- api: the real API app (uvicorn on 127.0.0.1, a free port) over the same engine, c streaming
+- api: the real API app (uvicorn on 127.0.0.1, a free port, in a process of its own as `mtpipe serve`
+  runs it, or in this one with `api_process` off) over the same engine, c streaming
   `POST /v1/completions` at once, timed by the client (in a process of its own);
 - mlx_lm_batch: `mlx_lm.generate.batch_generate` over the same prompts, on the engine's MLX thread;
 - single_stream (c=1 only): the per-sequence engine (`local_engine`, as `bench engine` and a lone user
@@ -275,6 +276,7 @@ def bench_serve(
     temperature: float = 0.0,
     closed: bool = True,
     closed_requests: int = PER_SLOT,
+    api_process: bool = True,
 ) -> dict[str, Any]:
     """Every level at every concurrency (see the module docstring); the result as one dict. `closed`:
     the closed loop too (serve_steady.py), after the waves of each repetition, `closed_requests` per
@@ -298,7 +300,7 @@ def bench_serve(
         if api:
             from .serve_api import Clients, LiveServer
 
-            server = LiveServer(engine)
+            server = LiveServer(engine, model_path if api_process else None)
             server.start()
             clients = Clients()
         params = [sampling(temperature, i) for i in range(len(prompts))]  # prompt i's, whatever its wave
@@ -371,17 +373,15 @@ def bench_serve(
             "model": str(model_path),
             "blas": blas.info().to_dict(),
             "has_mtp": engine.has_mtp,
-            "concurrency": levels,
-            "max_tokens": max_tokens,
-            "reps": reps,
+            "concurrency": levels, "max_tokens": max_tokens, "reps": reps,
+            "api": ("a process of its own" if api_process else "the engine's process") if api else None,
             "temperature": temperature,
             "seeds": f"{SEED_BASE} + prompt index" if temperature > 0 else None,
             "prompt_tokens": [len(p) for p in prompts],
             "waves": {str(c): len(waves(top, c)) for c in levels},
             "measure": "decode tok/s: tokens after every stream's first token / (last token - that moment), "
                        "over every wave of c streams; mlx_lm_batch: generated tokens / generation time",
-            "tok_s": tok_s,
-            "mlx_lm_batch": mlx,
+            "tok_s": tok_s, "mlx_lm_batch": mlx,
             "ratios": ratios(tok_s, mlx, levels, closed_tok_s if closed else None),
             "closed_loop": {"requests_per_client": closed_requests, "tok_s": closed_tok_s} if closed else None,
             "identical": all(per_method.values()) and all(per_method_closed.values()),

@@ -1,7 +1,7 @@
 """The HTTP half of `mtpipe bench serve`: the real API app on 127.0.0.1 and a free port, and concurrent
 streaming clients that time every chunk they receive.
 
-Only the public surface is used: `create_app(engine, name)` and `POST /v1/completions` with
+Only the public surface is used: the app `mtpipe serve` runs and `POST /v1/completions` with
 `stream: true` and `stream_options.include_usage`, so the bench measures whatever the API serves.
 Prompts go as token ids, so the API decodes exactly the prompts the engine level does. The clients
 run in a process of their own, as real clients do: in the server's process, parsing the streams
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,13 +24,21 @@ REQUEST_TIMEOUT_S = 900.0
 
 
 class LiveServer:
-    """uvicorn serving the API app over `engine` on a background thread; port 0 picks a free port."""
+    """The API over `engine` on 127.0.0.1 and a free port, as `mtpipe serve` runs it: in a process of
+    its own (front.py) given the model's path, whose tokenizer it loads; else uvicorn on a background
+    thread of this process (`mtpipe serve --api-in-process`)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, model_path: Any = None):
         import uvicorn
 
         from ..api.app import create_app
+        from ..api.front import FrontProcess, FrontSpec
 
+        self.front = None
+        if model_path is not None:
+            spec = FrontSpec(str(model_path), model_name=MODEL_NAME, access_log=False, log_level=logging.WARNING)
+            self.front = FrontProcess(engine, spec)
+            return
         app = create_app(engine, MODEL_NAME)
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="off")
         self.server = uvicorn.Server(config)
@@ -38,6 +47,9 @@ class LiveServer:
 
     def start(self) -> str:
         """Start serving; the base URL."""
+        if self.front is not None:
+            self.url = self.front.start()
+            return self.url
         self.thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.server.started:
@@ -49,6 +61,9 @@ class LiveServer:
         return self.url
 
     def stop(self) -> None:
+        if self.front is not None:
+            self.front.stop()
+            return
         self.server.should_exit = True
         self.thread.join(timeout=10)
 

@@ -131,7 +131,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench_serve.bench_serve(
             model, concurrency=bench_serve.parse_levels(args.concurrency), max_tokens=args.max_tokens,
             api=not args.skip_api, gap=not args.skip_gap, mlx_lm=not args.skip_mlx_lm, reps=args.reps,
-            temperature=args.temperature, closed=not args.skip_closed_loop,
+            temperature=args.temperature, closed=not args.skip_closed_loop, api_process=not args.api_in_process,
             **({"closed_requests": args.closed_requests} if args.closed_requests is not None else {}),
         )
         bench_serve.print_serve_report(result, stderr_console())
@@ -261,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, help="transfer bench: transfers, each into a fresh cache")
     p.add_argument("--reps", type=int, default=1, help="serve bench: runs per cell (the median is reported)")
     p.add_argument("--skip-api", action="store_true", help="serve bench: skip the HTTP API level")
+    p.add_argument("--api-in-process", action="store_true",
+                   help="serve bench: the API level in the engine's process (default: a process of its own, as served)")
     p.add_argument("--skip-gap", action="store_true", help="serve bench: skip the prefill-gap measurement")
     p.add_argument("--skip-mlx-lm", action="store_true", help="serve bench: skip mlx-lm's batch_generate")
     p.add_argument("--skip-closed-loop", action="store_true",
