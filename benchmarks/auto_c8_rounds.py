@@ -15,9 +15,9 @@ from typing import Any
 
 from mtpipe.coordinator.bench.engine import bench_prompts
 from mtpipe.coordinator.bench.streams import Recorder, aggregate_tps
-from mtpipe.coordinator.engine.batch import END
 from mtpipe.coordinator.engine.build import batch_engine
 from mtpipe.coordinator.engine.request import GenerationRequest
+from mtpipe.coordinator.engine.sinks import END
 from mtpipe.models.registry import DEMO_MODEL
 from mtpipe.node.protocol import SamplingParams
 

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mtpipe.coordinator.engine.batch import END
+from mtpipe.coordinator.engine.sinks import END
 from mtpipe.models.tiny import build_tiny_checkpoint
 from mtpipe.node.server import NodeServer
 

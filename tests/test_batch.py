@@ -23,10 +23,11 @@ from helpers import PROMPTS
 from mlx_threads import record_mlx_threads
 
 from mtpipe.coordinator.engine import scheduler as plan
-from mtpipe.coordinator.engine.batch import END, BatchEngine, ServerBusy
+from mtpipe.coordinator.engine.batch import BatchEngine
 from mtpipe.coordinator.engine.build import batch_engine, local_engine
 from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.coordinator.engine.request import GenerationChunk, GenerationRequest, RequestError, resolve_depth
+from mtpipe.coordinator.engine.sinks import END, ServerBusy
 from mtpipe.models import blas
 from mtpipe.models.config import load_config
 from mtpipe.models.loading import load_shard

@@ -14,9 +14,9 @@ import pytest
 from helpers import PROMPTS
 
 from mtpipe.coordinator.bench.nodes import NodeProcesses
-from mtpipe.coordinator.engine.batch import END, open_stream
 from mtpipe.coordinator.engine.build import remote_engine, ring_engine
 from mtpipe.coordinator.engine.request import GenerationRequest
+from mtpipe.coordinator.engine.sinks import END, open_stream
 from mtpipe.node.leases import Leases
 
 FREEZE_S = 4.0
@@ -124,7 +124,7 @@ def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n:
     200 again), and the greedy requests (one with penalties) and a seeded sampled one that
     were running finish with exactly the tokens of an undisturbed run."""
     from mtpipe.coordinator.api.readiness import Readiness
-    from mtpipe.coordinator.engine.batch import ServerBusy
+    from mtpipe.coordinator.engine.sinks import ServerBusy
     from mtpipe.coordinator.engine.build import local_engine
     from mtpipe.node.protocol import SamplingParams
 

@@ -19,11 +19,11 @@ import mlx.core as mx
 import pytest
 from helpers import PROMPTS, node_servers
 
-from mtpipe.coordinator.engine.batch import END
 from mtpipe.coordinator.engine.build import local_engine, ring_engine
 from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.coordinator.engine.request import GenerationRequest, resolve_depth
 from mtpipe.coordinator.engine.ring import RingEngine
+from mtpipe.coordinator.engine.sinks import END
 from mtpipe.coordinator.pipeline.nodes import NodeFailure
 from mtpipe.models.config import load_config
 from mtpipe.node.groups import RingGroups

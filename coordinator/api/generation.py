@@ -96,7 +96,7 @@ class GenerationThread:
 
     def _on_item(self, item: Any) -> None:
         """A batch engine's callback (on its MLX thread): chunks, maybe an exception, then its END."""
-        from ..engine.batch import END
+        from ..engine.sinks import END
 
         if item is END:
             self.cancelled = not self.finished and self.stopping.is_set()

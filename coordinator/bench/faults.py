@@ -19,9 +19,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..engine.batch import END, open_stream
 from ..engine.build import local_engine, remote_engine, ring_engine
 from ..engine.request import GenerationRequest
+from ..engine.sinks import END, open_stream
 from .engine import bench_prompts
 from .nodes import NodeProcesses
 

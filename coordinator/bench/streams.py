@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.batch import END
+from ..engine.sinks import END
 
 WAIT_S = 1800.0
 

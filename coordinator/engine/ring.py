@@ -23,7 +23,7 @@ from typing import Any
 
 from ...node.protocol import StageUnavailable, StepKind, StepOutput, StepRequest
 from . import scheduler as plan
-from .batch import END, ServerBusy, stream
+from .sinks import END, ServerBusy, stream
 from .detokenizer import TextStream
 from .request import (
     GenerationChunk,

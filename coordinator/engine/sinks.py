@@ -1,0 +1,60 @@
+"""What an engine hands a request's chunks to, and how it says the request ended.
+
+An engine's `open(req, sink)` calls `sink` with GenerationChunks, then an exception or END, from its
+own thread. Kept apart from the engines (no MLX here) so that the API's process of its own imports
+it without loading a model's code.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .request import GenerationChunk, GenerationRequest
+
+Sink = Callable[[Any], None]  # gets GenerationChunks, then an exception or END
+END = object()
+
+
+def stream(open_request: Callable[[Sink], Any]) -> Iterator[GenerationChunk]:
+    """A request an engine feeds to a sink, as an iterator: its chunks, then its exception raised or
+    the end; the request is cancelled (through the handle `open_request` returns) if the caller stops
+    early."""
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    handle = open_request(out.put)
+    try:
+        while (item := out.get()) is not END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        handle.cancel()
+
+
+def open_stream(engine: Any, req: GenerationRequest, sink: Sink) -> None:
+    """Feed `req`'s chunks, then an exception or END, to `sink`: through the engine's own `open` where
+    it has one (batch and ring engines), else from its `generate` on a thread of its own."""
+    if hasattr(engine, "open"):
+        engine.open(req, sink)
+        return
+
+    def run() -> None:
+        try:
+            for chunk in engine.generate(req):
+                sink(chunk)
+        except Exception as e:  # noqa: BLE001 - handed to the sink, as the engines' own `open` does
+            sink(e)
+        sink(END)
+
+    threading.Thread(target=run, name="stream", daemon=True).start()
+
+
+class ServerBusy(RuntimeError):
+    """The engine cannot take a request now (it waited past the queue timeout for room, or the
+    pipeline is being formed again): the client should retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
