@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpipe.coordinator.cli.entry import defer_package_init
+from mtpipe.models.deferred import defer_package_init
 
 INIT = """
 import time
