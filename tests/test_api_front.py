@@ -25,14 +25,16 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
+from front_probe import front_imports  # noqa: E402
 from helpers import PROMPTS  # noqa: E402
 from mlx_threads import record_mlx_threads  # noqa: E402
 
 from mtpipe.coordinator.api.front import FrontProcess, FrontSpec  # noqa: E402
 from mtpipe.coordinator.api.link import EngineClient, EngineHost, WireError  # noqa: E402
-from mtpipe.coordinator.engine.batch import END, BatchEngine, ServerBusy  # noqa: E402
+from mtpipe.coordinator.engine.batch import BatchEngine  # noqa: E402
 from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
 from mtpipe.coordinator.engine.request import GenerationChunk, GenerationRequest, RequestError  # noqa: E402
+from mtpipe.coordinator.engine.sinks import END, ServerBusy  # noqa: E402
 from mtpipe.node.protocol import SamplingParams, StageError, StageUnavailable  # noqa: E402
 
 MODEL = "tiny-front"
@@ -198,7 +200,7 @@ def test_over_ring_nodes_with_their_health(dense_ckpt: Path) -> None:
             engine.pipeline.close()
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "front-killed"])
 def test_mtpipe_serve_runs_its_api_in_a_child_and_stops_it(dense_ckpt: Path, how: str) -> None:
     psutil = pytest.importorskip("psutil")
     with socket.socket() as s:
@@ -232,15 +234,32 @@ def test_mtpipe_serve_runs_its_api_in_a_child_and_stops_it(dense_ckpt: Path, how
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)  # a terminal signals the whole foreground group
-        else:
+        elif how == "sigterm":
             proc.send_signal(signal.SIGTERM)  # a service manager signals the command
-        assert proc.wait(30) == 0
+        else:
+            fronts[0].kill()  # the API's process dies: the command stops, saying so
+        assert proc.wait(30) == (1 if how == "front-killed" else 0)
+        if how == "front-killed":
+            assert "the API process ended by itself (signal 9)" in (proc.stderr.read() if proc.stderr else "")
         _, alive = psutil.wait_procs(children, timeout=10)  # the tracker ends when it sees its pipe close
         assert not alive, [c.cmdline() for c in alive]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_the_front_loads_neither_torch_nor_generation_code(dense_ckpt: Path) -> None:
+    """mlx-lm's package init imports its generation code, which evaluates arrays as it loads: the front,
+    which only tokenizes, skips it (and never touches MLX memory)."""
+    ctx = multiprocessing.get_context("spawn")
+    a, b = ctx.Pipe()
+    child = ctx.Process(target=front_imports, args=(b,))
+    child.start()
+    a.send(str(dense_ckpt))
+    assert a.poll(60)
+    assert a.recv() == ([], 0)
+    child.join(10)
 
 
 # -- the link's two ends, on a pipe in this process --------------------------------------------------
@@ -327,6 +346,16 @@ def test_the_link_carries_chunks_errors_and_cancels() -> None:
         assert busy.ended.wait(5)
         assert isinstance(busy.items[0], ServerBusy) and busy.items[0].retry_after == 7
         assert host.open_requests == 0
+        odd = Collect()
+        client.open(GenerationRequest([1], 8), odd)
+        while 2 not in engine.sinks:
+            time.sleep(0.01)
+        engine.sinks[2](GenerationChunk("x", [5], logprobs=[(0.0, threading.Lock())]))  # does not pickle
+        engine.sinks[2](GenerationChunk("y", [6], finish_reason="stop"))
+        engine.sinks[2](END)
+        assert odd.ended.wait(5)  # the request hears of it, and the link carries on
+        assert isinstance(odd.items[0], RuntimeError) and "could not send" in str(odd.items[0])
+        assert odd.items[1].text == "y"
     finally:
         client.close()
         host.close()
@@ -354,6 +383,27 @@ def test_either_end_going_away() -> None:
     assert isinstance(got.items[0], StageUnavailable)
     with pytest.raises(StageUnavailable):
         client.open(GenerationRequest([1], 8), Collect())
+    ready, details = client.check_ready(1.0)
+    assert not ready and details["unready"][0]["reason"] == "the engine's process is gone"
+
+
+def test_an_api_over_a_lost_engine_answers_503(engine: BatchEngine) -> None:
+    from helpers import LiveServer
+
+    from mtpipe.coordinator.api.app import create_app
+
+    a, b = multiprocessing.Pipe()
+    client = EngineClient(b, {"has_mtp": True, "max_context": engine.max_context, "vocab_size": engine.vocab_size,
+                              "eos": sorted(engine.eos)}, engine.tokenizer)
+    a.close()
+    deadline = time.monotonic() + 5
+    while client.lost is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with LiveServer(create_app(client, MODEL)) as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "node_failure", r.text
+        assert c.get("/health").status_code == 503
 
 
 def test_errors_cross_as_they_were() -> None:

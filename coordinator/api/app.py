@@ -126,8 +126,8 @@ def create_app(
 
     @app.get("/v1/cluster")
     async def cluster() -> JSONResponse:
-        if cluster_info is None:
-            return JSONResponse(service.local_cluster())
+        if cluster_info is None:  # (it asks the engine's thread, or its process: off the event loop)
+            return JSONResponse(await asyncio.to_thread(service.local_cluster))
         try:
             return JSONResponse(await asyncio.to_thread(cluster_info))
         except Exception as e:

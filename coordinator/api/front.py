@@ -6,8 +6,8 @@ engine's process keeps its MLX thread and an `EngineHost`. Either process going 
 part: a front that dies cancels its requests in the engine; an engine that dies fails the front's
 open requests and stops it.
 
-This module imports nothing heavy at its top: the spawned process imports it to unpickle its spec and
-marks torch absent before transformers comes in (as the `mtpipe` command does, coordinator/cli/entry.py).
+This module imports nothing heavy at its top: the spawned process imports it to unpickle its spec, then
+prepares itself (`prepare_process`) before the app and the tokenizer come in.
 (No `from __future__ import annotations` here: the spec crosses to a spawned process by pickling.)
 """
 
@@ -18,10 +18,11 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from ...models.deferred import defer_package_init
 from .defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,26 @@ class FrontSpec:
     log_level: int = logging.INFO
 
 
+def prepare_process() -> None:
+    """The front's process before it imports the app: signals, and a tokenizer without a model's code.
+
+    Until uvicorn serves, Ctrl-C is ignored here: a terminal sends it to both processes, and the
+    engine's stops this one with SIGTERM. While it serves, uvicorn handles both signals (a graceful
+    shutdown) and raises them again once done, and the handlers set here end the process cleanly.
+    Torch is marked absent and mlx-lm's package init deferred, as the `mtpipe` command does
+    (coordinator/cli/entry.py): that init imports the generation code, which evaluates arrays as it
+    loads, and the front only tokenizes.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    defer_package_init("mlx_lm")
+
+
 def front_main(conn: Any, spec: FrontSpec) -> None:
     """The front process: serve the API over the engine at the other end of `conn` until told to stop."""
-    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]  # the tokenizer needs no torch
+    prepare_process()
     import uvicorn
 
     from ..engine.build import load_tokenizer
@@ -57,11 +75,6 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
 
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    # uvicorn takes both signals over while it serves, and raises them again once it has shut down:
-    # SIGTERM (how the engine's process stops us) then ends the process cleanly; Ctrl-C reaches both
-    # processes, and the engine's stops us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         (op, info), = conn.recv()
     except (EOFError, OSError):
@@ -80,6 +93,8 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
         server.should_exit = True
 
     client.on_lost = stop
+    if client.lost is not None:  # the engine's process went away before `on_lost` was set
+        return
 
     def announce() -> None:
         while not server.started and not server.should_exit:
@@ -124,6 +139,9 @@ class FrontProcess:
         self.host.start()
         try:
             host, port = self.host.listening.result(timeout)
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError(f"the API process did not serve within {timeout:.0f} s") from None
         except BaseException:
             self.stop()
             raise
@@ -134,19 +152,39 @@ class FrontProcess:
     def alive(self) -> bool:
         return self.process.is_alive()
 
-    def wait(self) -> int | None:
-        """Until the front exits; its exit code. Ctrl-C reaches it too (a terminal signals both
-        processes); SIGTERM to this process is passed on, so the front shuts down as uvicorn does."""
+    def serve(self) -> int:
+        """Start the front and wait for it to end; the command's exit code. Ctrl-C reaches both
+        processes (a terminal signals the group) and SIGTERM to this one is passed on: either stops the
+        front as uvicorn stops, and ends in 0. A front that ends otherwise is an error."""
+        stopping = threading.Event()
+
+        def on_term(signum: int, frame: Any) -> None:
+            stopping.set()
+            if self.process.pid is not None:
+                self.process.terminate()
+
         on_main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, lambda *_: self.process.terminate()) if on_main else None
+        previous = signal.signal(signal.SIGTERM, on_term) if on_main else None
         try:
+            self.start()
+            log.info("the API serves at %s/v1 from process %d", self.url, self.process.pid)
             self.process.join()
         except KeyboardInterrupt:
+            stopping.set()
             self.process.join(STOP_TIMEOUT_S)
+        except RuntimeError:
+            if not stopping.is_set():  # (else it ended because it was told to)
+                raise
         finally:
             if on_main:
                 signal.signal(signal.SIGTERM, previous)
-        return self.process.exitcode
+            self.stop()
+        code = self.process.exitcode
+        if stopping.is_set() or code == 0:
+            return 0
+        log.error("the API process ended by itself (%s): stopping", f"signal {-code}" if code and code < 0
+                  else f"exit code {code}")
+        return 1
 
     def stop(self) -> None:
         """Stop the front (as uvicorn stops on SIGTERM: open streams get their grace), then the link."""

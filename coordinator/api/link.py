@@ -10,8 +10,8 @@ Over a `multiprocessing` pipe, as pickled tuples:
 - engine to front: first [("hello", info)] alone, then lists of ("chunk", rid, GenerationChunk),
   ("error", rid, WireError), ("end", rid) and ("reply", cid, ok, value).
 
-Each side sends from one thread; the engine's sinks, called on its MLX thread, only append to an
-outbox that a sender thread flushes, so a round's chunks for every row go as one message. A front
+The engine's side sends from one thread: its sinks, called on its MLX thread, only append to an
+outbox that the sender thread flushes, so a round's chunks for every row go as one message. A front
 that goes away cancels every request it opened (their caches are freed on every stage); an engine
 that goes away fails every open request with StageUnavailable.
 """
@@ -23,13 +23,13 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from ...node.protocol import StageError, StageUnavailable
-from ..engine.batch import END, ServerBusy, Sink, stream
 from ..engine.request import (
     GenerationRequest,
     GenerationResult,
@@ -38,6 +38,8 @@ from ..engine.request import (
     check_vocabulary,
     collect,
 )
+from ..engine.sinks import END, ServerBusy, Sink, stream
+from .readiness import Readiness, timestamp
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +140,34 @@ class Outbox:
                 if not batch:
                     return
             try:
-                self.conn.send(batch)
+                self._send(batch)
             except (OSError, ValueError) as e:  # the other side is gone (or the pipe closed)
                 log.debug("the link is closed: %s", e)
                 with self._cond:
                     self._closed = True
                     self._items.clear()
                 return
+
+    def _send(self, batch: list[tuple[Any, ...]]) -> None:
+        """Send a batch; one whose pickling fails goes message by message, each that cannot be sent
+        replaced by the failure it causes (a request's error, a call's refusal), so none hangs."""
+        try:
+            self.conn.send(batch)
+            return
+        except (OSError, ValueError):
+            raise
+        except Exception:  # noqa: BLE001 - pickling: nothing was written yet
+            log.exception("a message to the API front could not be sent")
+        for msg in batch:
+            try:
+                self.conn.send([msg])
+            except (OSError, ValueError):
+                raise
+            except Exception as e:  # noqa: BLE001 - this one does not pickle
+                if msg[0] in ("chunk", "error"):
+                    self.conn.send([("error", msg[1], WireError("other", f"could not send this output: {e}"))])
+                elif msg[0] == "reply":
+                    self.conn.send([("reply", msg[1], False, f"could not send the answer: {e}")])
 
 
 class EngineHost:
@@ -163,8 +186,8 @@ class EngineHost:
         self._handles: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._outbox: Outbox | None = None
-        self._readiness: Any = None  # one for the link's life: it remembers since when each node is down
-        self._calls = ThreadPoolExecutor(2, thread_name_prefix="engine-link-call")
+        self._readiness: Readiness | None = None  # one for the link's life: it remembers since when each node is down
+        self._calls = ThreadPoolExecutor(4, thread_name_prefix="engine-link-call")  # /health beside slow ones
         self._reader = threading.Thread(target=self._read, name="engine-link-in", daemon=True)
 
     def start(self) -> None:
@@ -190,29 +213,38 @@ class EngineHost:
         try:
             while True:
                 msg = self.conn.recv()
-                op = msg[0]
-                if op == "open":
-                    self._open(msg[1], msg[2])
-                elif op == "cancel":
-                    with self._lock:
-                        handle = self._handles.get(msg[1])
-                    if handle is not None:
-                        handle.cancel()
-                elif op == "call":
-                    self._calls.submit(self._answer, msg[1], msg[2])
-                elif op == "listening":
-                    if not self.listening.done():
-                        self.listening.set_result((msg[1], msg[2]))
-                else:
-                    log.warning("the API front sent an unknown message %r", op)
+                try:
+                    self._dispatch(msg)
+                except Exception:  # noqa: BLE001 - one message's failure is not the link's
+                    log.exception("the API front's message %r failed", msg[0])
         except (EOFError, OSError):
             pass  # the front is gone, or close() closed the pipe
+        except Exception:  # noqa: BLE001 - a message this side cannot read: the link is unusable
+            log.exception("the link to the API front failed")
         finally:
+            hang_up(self.conn)  # the front sees the link end, and fails what it has open
             if not self.listening.done():
                 self.listening.set_exception(RuntimeError("the API process ended before it served "
                                                           "(its log says why)"))
             self._cancel_all()
             self.closed.set()
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        op = msg[0]
+        if op == "open":
+            self._open(msg[1], msg[2])
+        elif op == "cancel":
+            with self._lock:
+                handle = self._handles.get(msg[1])
+            if handle is not None:
+                handle.cancel()
+        elif op == "call":
+            self._calls.submit(self._answer, msg[1], msg[2])
+        elif op == "listening":
+            if not self.listening.done():
+                self.listening.set_result((msg[1], msg[2]))
+        else:
+            log.warning("the API front sent an unknown message %r", op)
 
     def _cancel_all(self) -> None:
         with self._lock:
@@ -248,12 +280,11 @@ class EngineHost:
             self._outbox.put(("chunk", rid, item))
 
     def _answer(self, cid: int, name: str) -> None:
-        from .readiness import Readiness
 
         assert self._outbox is not None
         calls: dict[str, Callable[[], Any]] = {
             "describe": lambda: self.engine.pipeline.describe(),
-            "ready": lambda: self._ready(Readiness),
+            "ready": self._ready,
             "cluster": lambda: self.cluster_info() if self.cluster_info else None,
         }
         try:
@@ -261,9 +292,9 @@ class EngineHost:
         except Exception as e:  # noqa: BLE001 - the front raises it where it asked
             self._outbox.put(("reply", cid, False, f"{type(e).__name__}: {e}"))
 
-    def _ready(self, readiness: Any) -> tuple[bool, dict[str, Any]]:
+    def _ready(self) -> tuple[bool, dict[str, Any]]:
         if self._readiness is None:
-            self._readiness = readiness(self.engine)
+            self._readiness = Readiness(self.engine)
         return self._readiness.check()
 
 
@@ -343,9 +374,11 @@ class EngineClient:
 
     def check_ready(self, timeout: float) -> tuple[bool, dict[str, Any]]:
         """GET /health as the engine's process sees it (its MLX thread, or its nodes)."""
-        if self.lost is not None:
-            return False, {"unready": [{"address": "engine", "reason": self.lost, "since": None}]}
-        return tuple(self.call("ready", timeout + CALL_TIMEOUT_S))  # type: ignore[return-value]
+        try:
+            return tuple(self.call("ready", timeout + CALL_TIMEOUT_S))  # type: ignore[return-value]
+        except Exception as e:  # noqa: BLE001 - an engine that does not answer is not ready
+            reason = self.lost or f"the engine's process does not answer: {type(e).__name__}: {e}"
+            return False, {"unready": [{"address": "engine", "reason": reason, "since": timestamp(time.time())}]}
 
     def cluster_info(self) -> dict[str, Any]:
         return self.call("cluster")
@@ -372,6 +405,7 @@ class EngineClient:
             pass
         except Exception:  # noqa: BLE001 - a message this side cannot read: the link is unusable
             log.exception("the engine link failed")
+        hang_up(self.conn)
         self._lose("the engine's process is gone")
 
     def _dispatch(self, msg: tuple[Any, ...]) -> None:

@@ -75,20 +75,14 @@ def serve(
     """
     if not api_key and not _is_loopback(host):
         log.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
-    log.info("serving %s at http://%s:%d/v1", model_name, host, port)
     if api_process and model_path is not None and hasattr(engine, "open"):
         from .front import FrontProcess, FrontSpec
 
         spec = FrontSpec(str(model_path), host=host, port=port, model_name=model_name, api_key=api_key,
                          default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                          max_body_bytes=max_body_bytes, log_level=logging.getLogger().getEffectiveLevel())
-        front = FrontProcess(engine, spec, cluster_info)
-        try:
-            front.start()
-            code = front.wait()
-        finally:
-            front.stop()
-        return code or 0
+        return FrontProcess(engine, spec, cluster_info).serve()
+    log.info("serving %s at http://%s:%d/v1", model_name, host, port)
     import uvicorn
 
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,

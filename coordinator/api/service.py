@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from ...node.protocol import SamplingParams, StageError, StageUnavailable
-from ..engine.batch import ServerBusy
+from ..engine.sinks import ServerBusy
 from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
 from .chat import has_tool_turns, renders_tools, template_input
 from .defaults import DEFAULT_MAX_TOKENS
@@ -256,7 +256,10 @@ class Service:
                        started: float, tools: "ToolSpec | None" = None) -> Any:
         from fastapi.responses import JSONResponse, Response
 
-        run = await self.start(req)
+        try:
+            run = await self.start(req)
+        except Exception as e:  # an engine that refuses at once (its pipeline down, its process gone)
+            raise self.server_error(e) from None
         watcher = asyncio.create_task(self._watch(request, run))
         parts: list[str] = []
         final = None
