@@ -1,7 +1,7 @@
-"""Where the cluster secret comes from: a file (`--secret-file`) or the environment, never argv.
+"""Where secrets come from: a file (`--secret-file`, `--api-key-file`) or the environment, never argv.
 
-A secret on a command line shows in `ps` and in shell history, so `--secret` is refused with the
-alternatives. Every command that talks to nodes reads the secret the same way.
+A secret on a command line shows in `ps` and in shell history, so `--secret` and `--api-key` are
+refused with the alternatives. Every command that talks to nodes reads the secret the same way.
 """
 
 from __future__ import annotations
@@ -17,31 +17,42 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SECRET_ENV = "MTPIPE_SECRET"
-ON_ARGV = ("a secret on the command line shows in `ps` and in shell history: put it in a file "
-           f"(--secret-file PATH) or in ${SECRET_ENV}")
+ON_ARGV = "a secret on the command line shows in `ps` and in shell history: put it in a file"
 
 
-class _RefuseSecretOnArgv(argparse.Action):
+class _RefuseOnArgv(argparse.Action):
+    """An option that would put a secret on the command line: refused, saying where it goes instead."""
+
+    def __init__(self, *args: Any, instead: str, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.instead = instead
+
     def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: str | None = None) -> None:
-        parser.error(f"{option}: {ON_ARGV}")
+        parser.error(f"{option}: {ON_ARGV} {self.instead}")
 
 
 def add_secret_args(p: argparse.ArgumentParser, what: str = "the nodes' shared secret") -> None:
-    p.add_argument("--secret-file", metavar="PATH",
-                   help=f"a file holding {what} (default: ${SECRET_ENV})")
-    p.add_argument("--secret", nargs="?", action=_RefuseSecretOnArgv, help=argparse.SUPPRESS)
+    add_secret_file(p, "--secret", what, SECRET_ENV)
 
 
-def read_secret(path: str | None = None, env: str | None = SECRET_ENV) -> str | None:
-    """The secret in `path` (surrounding whitespace dropped), else in $env; None when neither has one."""
+def add_secret_file(p: argparse.ArgumentParser, option: str, what: str, env: str) -> None:
+    """`OPTION-file PATH` for a secret, and `OPTION` itself refused (the secret would show in `ps`)."""
+    p.add_argument(f"{option}-file", metavar="PATH", help=f"a file holding {what} (default: ${env})")
+    p.add_argument(option, nargs="?", action=_RefuseOnArgv, instead=f"({option}-file PATH) or in ${env}",
+                   help=argparse.SUPPRESS)
+
+
+def read_secret(path: str | None = None, env: str | None = SECRET_ENV, option: str = "--secret-file") -> str | None:
+    """The secret in `path` (surrounding whitespace dropped), else in $env; None when neither has one.
+    `option` names the path in errors."""
     if path:
         file = Path(path).expanduser()
         try:
             text = file.read_text()
         except OSError as e:
-            raise ValueError(f"--secret-file {path}: {e.strerror or e}") from None
+            raise ValueError(f"{option} {path}: {e.strerror or e}") from None
         if not text.strip():
-            raise ValueError(f"--secret-file {path}: the file is empty")
+            raise ValueError(f"{option} {path}: the file is empty")
         if os.name == "posix" and file.stat().st_mode & (stat.S_IRGRP | stat.S_IROTH):
             log.warning("%s can be read by other users (chmod 600 it)", path)
         return text.strip()

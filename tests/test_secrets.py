@@ -26,6 +26,30 @@ def test_a_secret_on_the_command_line_is_refused(argv: list[str], capsys: pytest
     assert "--secret-file" in err and "MTPIPE_SECRET" in err and "ps" in err
 
 
+@pytest.mark.parametrize("argv", [["serve"], ["launch"]])
+def test_an_api_key_on_the_command_line_is_refused(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*argv, "--api-key", "hunter2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--api-key-file" in err and "MTPIPE_API_KEY" in err and "ps" in err
+
+
+def test_an_api_key_from_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mtpipe.coordinator.cli.cluster import resolve_config
+
+    monkeypatch.setenv("MTPIPE_API_KEY", "from-env")
+    monkeypatch.chdir(tmp_path)  # (no ./cluster.yaml)
+    f = tmp_path / "key"
+    f.write_text("from-file\n")
+    f.chmod(0o600)
+    assert resolve_config(build_parser().parse_args(["launch", "--api-key-file", str(f)])).resolve_api_key() == \
+        "from-file"
+    assert resolve_config(build_parser().parse_args(["launch"])).resolve_api_key() == "from-env"
+    with pytest.raises(ValueError, match="--api-key-file .*missing"):
+        resolve_config(build_parser().parse_args(["launch", "--api-key-file", str(tmp_path / "missing")]))
+
+
 def test_secret_from_a_file_else_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MTPIPE_SECRET", "from-env")
     f = tmp_path / "secret"

@@ -27,7 +27,7 @@ from ...node.advertise import NodeAdvert, cluster_hash
 from ...node.cache_cli import add_cache_command
 from ...node.cli import add_node_command
 from ...node.links import format_host_port, local_interfaces, split_host_port
-from ...node.secrets import add_secret_args, check_exposure
+from ...node.secrets import add_secret_args, add_secret_file, check_exposure, read_secret
 from ..cluster.agent import (
     ClusterAgent,
     advertised_interfaces,
@@ -69,9 +69,12 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         "discovery.interfaces": "interface", "discovery.expect": "expect", "discovery.settle": "settle",
         "nodes": "node", "node.host": "host", "node.port": "port", "node.state_dir": "state_dir",
         "node.max_memory_gib": "max_memory", "node.model_dirs": "model_dir", "node.download": "download",
-        "api.host": "api_host", "api.port": "api_port", "api.api_key": "api_key",
+        "api.host": "api_host", "api.port": "api_port",
     }
-    return overlay(cfg, {key: getattr(args, dest, None) for key, dest in flags.items()})
+    values = {key: getattr(args, dest, None) for key, dest in flags.items()}
+    if getattr(args, "api_key_file", None):
+        values["api.api_key"] = read_secret(args.api_key_file, env=None, option="--api-key-file")
+    return overlay(cfg, values)
 
 
 def _emit(args: argparse.Namespace, console: Any, event: str, message: str, **fields: Any) -> None:
@@ -292,7 +295,8 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
                    help="when no node can send this node its shard, download only its files from the hub")
     p.add_argument("--api-host", help="API address on the coordinator (default 127.0.0.1)")
     p.add_argument("--api-port", type=int, help="API port on the coordinator (default 8000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $MTPIPE_API_KEY)")
+    add_secret_file(p, "--api-key", "the key clients must send ('Authorization: Bearer KEY')",
+                    "MTPIPE_API_KEY or cluster.yaml's api.api_key_env")
     p.add_argument("--api-in-process", action="store_true",
                    help="serve HTTP from the coordinator's process (default: an API process of its own)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")

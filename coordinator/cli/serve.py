@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 
-from ...node.secrets import add_secret_args, read_secret
+from ...node.secrets import add_secret_args, add_secret_file, read_secret
 from ..api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_PORT
 from ..engine.ring import RESUME_WINDOW_S
 from .common import add_mtp, progress_loader, stage_options, stderr_console
@@ -17,7 +16,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", help="comma-separated host:port of running nodes, in pipeline order")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    add_secret_file(p, "--api-key", "the key clients must send ('Authorization: Bearer KEY')", API_KEY_ENV)
     p.add_argument("--model-name", help="the model id clients use (default: the --model name)")
     add_secret_args(p, "the nodes' shared secret, with --nodes")
     p.add_argument("--weights-from", help="with --nodes: comma-separated host:port of nodes that hold the model "
@@ -48,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-body-bytes must be 0 (no limit) or more")
     if args.resume_window < 0:
         raise ValueError("--resume-window must be 0 (no resume) or more")
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = read_secret(args.api_key_file, API_KEY_ENV, option="--api-key-file")
     path = resolve_model(args.model)
     options = stage_options(args, remote=bool(args.nodes))
     if args.nodes:
