@@ -14,7 +14,7 @@ def front_imports(conn: Any) -> None:
     prepare_process()
     from mtpipe.coordinator.api.app import create_app  # noqa: F401
     from mtpipe.coordinator.api.link import EngineClient  # noqa: F401
-    from mtpipe.coordinator.engine.build import load_tokenizer
+    from mtpipe.coordinator.engine.tokenizer import load_tokenizer
 
     load_tokenizer(conn.recv(), [])
     import mlx.core as mx

@@ -69,7 +69,7 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
     prepare_process()
     import uvicorn
 
-    from ..engine.build import load_tokenizer
+    from ..engine.tokenizer import load_tokenizer
     from .app import create_app
     from .link import EngineClient
 

@@ -14,14 +14,9 @@ from .engine import DEFAULT_PREFILL_CHUNK, Engine
 from .ring import DEFAULT_MAX_ROWS as RING_MAX_ROWS
 from .ring import RESUME_WINDOW_S, RingEngine
 from .scheduler import ModelDims
+from .tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-def load_tokenizer(model_path: Path | str, eos_token_ids: list[int]) -> Any:
-    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
-
-    return mlx_load_tokenizer(Path(model_path), eos_token_ids=eos_token_ids or None)
 
 
 def local_engine(
