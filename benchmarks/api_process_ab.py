@@ -58,8 +58,9 @@ def main(reps: int, c: int, method: str) -> None:
             for name, run in levels.items():
                 a, b = cpu(me), cpu(kid)
                 d = run(TOKENS)
-                print(f"{name}: {d.tps:.0f} tok/s; CPU per token: this process {1e3 * (cpu(me) - a) / d.tokens:.2f} ms, "
-                      f"front process {1e3 * (cpu(kid) - b) / d.tokens:.2f} ms", flush=True)
+                mine, front_s = 1e3 * (cpu(me) - a) / d.tokens, 1e3 * (cpu(kid) - b) / d.tokens
+                print(f"{name}: {d.tps:.0f} tok/s; CPU per token: this process {mine:.2f} ms, "
+                      f"front process {front_s:.2f} ms", flush=True)
         rows = []
         for r in range(reps):
             order = ("api-thread", "api-process") if r % 2 == 0 else ("api-process", "api-thread")
