@@ -370,6 +370,7 @@ def test_the_link_carries_chunks_errors_and_cancels() -> None:
 
 def test_either_end_going_away() -> None:
     engine = ScriptedEngine()
+    EngineHost(engine, multiprocessing.Pipe()[0]).close()  # a host that never started closes quietly
     host, client = _linked(engine)
     got = Collect()
     client.open(GenerationRequest([1], 8), got)

@@ -1,4 +1,4 @@
-"""The executable's deferred package init (coordinator/cli/entry.py), on a package made here."""
+"""A deferred package init (models/deferred.py, as the executable uses it), on a package made here."""
 
 from __future__ import annotations
 

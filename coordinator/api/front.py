@@ -134,10 +134,10 @@ class FrontProcess:
         self.url = ""
 
     def start(self, timeout: float = START_TIMEOUT_S) -> str:
-        self.process.start()
-        self._child_conn.close()
-        self.host.start()
         try:
+            self.process.start()
+            self._child_conn.close()
+            self.host.start()
             host, port = self.host.listening.result(timeout)
         except TimeoutError:
             self.stop()
@@ -153,9 +153,9 @@ class FrontProcess:
         return self.process.is_alive()
 
     def serve(self) -> int:
-        """Start the front and wait for it to end; the command's exit code. Ctrl-C reaches both
-        processes (a terminal signals the group) and SIGTERM to this one is passed on: either stops the
-        front as uvicorn stops, and ends in 0. A front that ends otherwise is an error."""
+        """Start the front and wait for it to end; the command's exit code. Ctrl-C (a terminal signals
+        both processes) and SIGTERM to this process stop the front as uvicorn stops, and end in 0; a
+        front that ends without being told to is an error, logged, and ends in 1."""
         stopping = threading.Event()
 
         def on_term(signum: int, frame: Any) -> None:
@@ -168,9 +168,12 @@ class FrontProcess:
         try:
             self.start()
             log.info("the API serves at %s/v1 from process %d", self.url, self.process.pid)
-            self.process.join()
-        except KeyboardInterrupt:
+            if not stopping.is_set():  # (a SIGTERM before the front had a pid found nothing to stop)
+                self.process.join()
+        except KeyboardInterrupt:  # SIGINT to this process alone reaches the front this way
             stopping.set()
+            if self.process.pid is not None:
+                self.process.terminate()
             self.process.join(STOP_TIMEOUT_S)
         except RuntimeError:
             if not stopping.is_set():  # (else it ended because it was told to)
@@ -179,9 +182,9 @@ class FrontProcess:
             if on_main:
                 signal.signal(signal.SIGTERM, previous)
             self.stop()
-        code = self.process.exitcode
-        if stopping.is_set() or code == 0:
+        if stopping.is_set():
             return 0
+        code = self.process.exitcode
         log.error("the API process ended by itself (%s): stopping", f"signal {-code}" if code and code < 0
                   else f"exit code {code}")
         return 1

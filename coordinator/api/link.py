@@ -198,7 +198,8 @@ class EngineHost:
     def close(self) -> None:
         """Cancel what the front left open and stop the link's threads (the engine is the caller's)."""
         hang_up(self.conn)
-        self._reader.join(5.0)
+        if self._reader.ident is not None:  # (started)
+            self._reader.join(5.0)
         self._cancel_all()
         if self._outbox is not None:
             self._outbox.close()

@@ -4,6 +4,8 @@ about an engine over running nodes."""
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -67,8 +69,8 @@ def serve(
     model_path: Optional[Path] = None,
     api_process: bool = True,
 ) -> int:
-    """Run the API with uvicorn until interrupted; 0, or the API process's exit code. Logging goes
-    through the root logger.
+    """Run the API with uvicorn until interrupted (Ctrl-C or SIGTERM: 0) or until the API process ends
+    by itself (1, logged). Logging goes through the root logger.
 
     With `api_process` (and `model_path`, whose tokenizer it loads), an engine that batches is served by
     an API in a process of its own (front.py); otherwise, and for the per-sequence engine, in this one.
@@ -88,5 +90,17 @@ def serve(
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                      max_body_bytes=max_body_bytes)
-    uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5)
+    # uvicorn raises SIGTERM again once it has shut down: end through the caller's `finally` (which
+    # releases the engine), not by the signal's default action.
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main else None
+    try:
+        uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5)
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)

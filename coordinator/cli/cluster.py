@@ -296,7 +296,7 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-host", help="API address on the coordinator (default 127.0.0.1)")
     p.add_argument("--api-port", type=int, help="API port on the coordinator (default 8000)")
     add_secret_file(p, "--api-key", "the key clients must send ('Authorization: Bearer KEY')",
-                    "MTPIPE_API_KEY or cluster.yaml's api.api_key_env")
+                    "MTPIPE_API_KEY, or the variable cluster.yaml's api.api_key_env names")
     p.add_argument("--api-in-process", action="store_true",
                    help="serve HTTP from the coordinator's process (default: an API process of its own)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
