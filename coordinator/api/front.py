@@ -145,7 +145,7 @@ class FrontProcess:
         except BaseException:
             self.stop()
             raise
-        self.url = f"http://{host}:{port}"
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         return self.url
 
     @property
