@@ -331,9 +331,6 @@ class EngineClient:
         self._reader = threading.Thread(target=self._read, name="api-link-in", daemon=True)
         self._reader.start()
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-
     def validate(self, req: GenerationRequest) -> None:
         check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
         check_vocabulary(req, self.vocab_size)

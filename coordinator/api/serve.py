@@ -4,8 +4,6 @@ about an engine over running nodes."""
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -90,17 +88,5 @@ def serve(
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                      max_body_bytes=max_body_bytes)
-    # uvicorn raises SIGTERM again once it has shut down: end through the caller's `finally` (which
-    # releases the engine), not by the signal's default action.
-    on_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main else None
-    try:
-        uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5)
-    finally:
-        if on_main:
-            signal.signal(signal.SIGTERM, previous)
+    uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5)
     return 0
-
-
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(0)

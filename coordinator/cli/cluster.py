@@ -43,7 +43,7 @@ from ..cluster.formation import (
     single_node_engine,
 )
 from ..cluster.membership import Membership
-from .common import add_mtp, progress_loader, stage_options, stderr_console
+from .common import add_mtp, exit_on_sigterm, progress_loader, stage_options, stderr_console
 from .serve import add_serve_command
 
 log = logging.getLogger(__name__)
@@ -110,10 +110,6 @@ def when_listening(host: str, port: int, callback: Callable[[], None], timeout: 
     threading.Thread(target=watch, name="api-ready", daemon=True).start()
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(0)  # unwinds through cmd_launch's cleanup: peers see this node leave
-
-
 def cmd_launch(args: argparse.Namespace) -> int:
     from ... import __version__
     from ...models.registry import local_model, resolve_model
@@ -126,7 +122,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from ..api.serve import model_name_for, serve
 
     console = stderr_console()
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # unwinds through the cleanup below: peers see this node leave
     cfg = resolve_config(args)
     secret = cfg.resolve_secret()
     check_exposure(cfg.node.host, secret, args.insecure)

@@ -11,6 +11,12 @@ from ...node.cli import add_draft_options
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 
+def exit_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM ends a serving command through its `finally` (engine, node and peers released), not by the
+    signal's default action; uvicorn raises the signal again once it has shut down."""
+    raise SystemExit(0)
+
+
 def add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import signal
 
 from ...node.secrets import add_secret_args, add_secret_file, read_secret
 from ..api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_PORT
 from ..engine.ring import RESUME_WINDOW_S
-from .common import add_mtp, progress_loader, stage_options, stderr_console
+from .common import add_mtp, exit_on_sigterm, progress_loader, stage_options, stderr_console
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -48,6 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.resume_window < 0:
         raise ValueError("--resume-window must be 0 (no resume) or more")
     api_key = read_secret(args.api_key_file, API_KEY_ENV, option="--api-key-file")
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     path = resolve_model(args.model)
     options = stage_options(args, remote=bool(args.nodes))
     if args.nodes:
