@@ -16,23 +16,20 @@ from mtpipe.node.secrets import check_exposure, is_loopback, read_secret
 CLI = [sys.executable, "-m", "mtpipe"]
 
 
-@pytest.mark.parametrize("argv", [["node"], ["serve", "--nodes", "a:1"], ["generate", "--nodes", "a:1"],
-                                  ["launch"], ["health"]])
-def test_a_secret_on_the_command_line_is_refused(argv: list[str], capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit) as e:
-        build_parser().parse_args([*argv, "--secret", "hunter2"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "--secret-file" in err and "MTPIPE_SECRET" in err and "ps" in err
+SECRET_FLAGS = [(argv, "--secret", "--secret-file", "MTPIPE_SECRET")
+                for argv in (["node"], ["serve", "--nodes", "a:1"], ["generate", "--nodes", "a:1"], ["launch"],
+                             ["health"])]
+API_KEY_FLAGS = [(argv, "--api-key", "--api-key-file", "MTPIPE_API_KEY") for argv in (["serve"], ["launch"])]
 
 
-@pytest.mark.parametrize("argv", [["serve"], ["launch"]])
-def test_an_api_key_on_the_command_line_is_refused(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(("argv", "option", "instead", "env"), SECRET_FLAGS + API_KEY_FLAGS)
+def test_a_secret_on_the_command_line_is_refused(argv: list[str], option: str, instead: str, env: str,
+                                                 capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as e:
-        build_parser().parse_args([*argv, "--api-key", "hunter2"])
+        build_parser().parse_args([*argv, option, "hunter2"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--api-key-file" in err and "MTPIPE_API_KEY" in err and "ps" in err
+    assert instead in err and env in err and "ps" in err
 
 
 def test_an_api_key_from_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

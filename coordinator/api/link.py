@@ -30,15 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...node.protocol import StageError, StageUnavailable
-from ..engine.request import (
-    GenerationRequest,
-    GenerationResult,
-    RequestError,
-    check_request,
-    check_vocabulary,
-    collect,
-)
-from ..engine.sinks import END, ServerBusy, Sink, stream
+from ..engine.request import GenerationRequest, RequestError, check_request, check_vocabulary
+from ..engine.sinks import END, ServerBusy, Sink
 from .readiness import Readiness, timestamp
 
 log = logging.getLogger(__name__)
@@ -281,7 +274,6 @@ class EngineHost:
             self._outbox.put(("chunk", rid, item))
 
     def _answer(self, cid: int, name: str) -> None:
-
         assert self._outbox is not None
         calls: dict[str, Callable[[], Any]] = {
             "describe": lambda: self.engine.pipeline.describe(),
@@ -345,12 +337,6 @@ class EngineClient:
             self._sinks[rid] = sink
         self._send(("open", rid, req))
         return LinkHandle(self, rid)
-
-    def generate(self, req: GenerationRequest) -> Any:
-        return stream(lambda sink: self.open(req, sink))
-
-    def complete(self, req: GenerationRequest) -> GenerationResult:
-        return collect(self.generate(req))
 
     def call(self, name: str, timeout: float = CALL_TIMEOUT_S) -> Any:
         """Ask the engine's process (blocking: call off the event loop)."""
