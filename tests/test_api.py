@@ -8,6 +8,7 @@ the official `openai` client and raw httpx talk to it. Greedy requests are compa
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -515,6 +516,7 @@ def test_serve_command(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(serve, "serve", fake_serve)
     monkeypatch.setenv("MTPIPE_API_KEY", "from-env")
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # (no SIGTERM handler left in pytest)
     assert cli.main(["serve", "--model", str(dense_ckpt), "--port", "9999", "--mtp-depth", "1"]) == 0
     assert seen["host"] == "127.0.0.1" and seen["port"] == 9999 and seen["api_key"] == "from-env"
     assert seen["model_name"] == dense_ckpt.name and seen["default_mtp_depth"] == 1
