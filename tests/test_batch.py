@@ -490,7 +490,9 @@ def test_rows_drawn_on_the_device_queue_the_next_round_on_their_draws(engines: E
                 assert got == alone.tokens, name
         if name == "queued ahead":
             assert sum(lazy) >= 15, lazy  # rounds queued on the draws still lazy
-    assert len(drawn) >= 80 and all(token == draw for token, draw in drawn)
+    # the three rows filtered to one token draw 19 tokens each (the first comes with the prompt); the
+    # rows at temperature 1 add theirs, as many as they draw before an end token
+    assert len(drawn) > 3 * 19 and all(token == draw for token, draw in drawn)
 
 
 # -- 3. seeded sampling does not depend on the batch ------------------------------------------------
