@@ -30,7 +30,8 @@ from helpers import PROMPTS  # noqa: E402
 from mlx_threads import record_mlx_threads  # noqa: E402
 
 from mtpipe.coordinator.api.front import FrontProcess, FrontSpec  # noqa: E402
-from mtpipe.coordinator.api.link import EngineClient, EngineHost, WireError  # noqa: E402
+from mtpipe.coordinator.api.link import EngineClient, EngineHost  # noqa: E402
+from mtpipe.coordinator.api.pipe import Outbox, WireError  # noqa: E402
 from mtpipe.coordinator.engine.batch import BatchEngine  # noqa: E402
 from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
 from mtpipe.coordinator.engine.request import GenerationChunk, GenerationRequest, RequestError  # noqa: E402
@@ -385,7 +386,7 @@ def test_either_end_going_away() -> None:
     client.on_lost = lost.set
     got = Collect()
     client.open(GenerationRequest([1], 8), got)
-    assert a.recv()[0] == "open"
+    assert a.recv()[0][0] == "open"
     a.close()  # the engine's process is gone: open requests fail, and the front is told to stop
     assert got.ended.wait(5) and lost.wait(5)
     assert isinstance(got.items[0], StageUnavailable)
@@ -393,6 +394,46 @@ def test_either_end_going_away() -> None:
         client.open(GenerationRequest([1], 8), Collect())
     ready, details = client.check_ready(1.0)
     assert not ready and details["unready"][0]["reason"] == "the engine's process is gone"
+
+
+class Unpicklable(str):
+    """A stop string that passes validation but does not cross a pipe."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("not this one")
+
+
+def test_the_front_sends_apart_from_its_callers() -> None:
+    """Requests go through the front's sender thread: one that does not pickle fails alone, at once;
+    a request that has ended is not cancelled over the link; the sender failing ends the link."""
+    a, b = multiprocessing.Pipe()
+    client = EngineClient(b, {"has_mtp": True, "max_context": 64, "vocab_size": 100, "eos": [0]}, tokenizer=None)
+    try:
+        odd = Collect()
+        client.open(GenerationRequest([1], 8, stop=[Unpicklable("x")]), odd)
+        assert odd.ended.wait(5) and "could not send this to the engine" in str(odd.items[0])
+        done = Collect()
+        handle = client.open(GenerationRequest([2], 8), done)
+        (op, rid, req), = a.recv()
+        assert op == "open" and req.prompt_tokens == [2]  # the odd one never reached the engine
+        a.send([("end", rid)])
+        assert done.ended.wait(5)
+        handle.cancel()  # ended: nothing to send
+        client.announce("127.0.0.1", 1)
+        assert a.recv() == [("listening", "127.0.0.1", 1)]
+    finally:
+        client.close()
+
+    a, b = multiprocessing.Pipe()
+
+    def refuse(msg: Any, e: Exception) -> list:
+        raise RuntimeError("cannot say")
+
+    outbox = Outbox(b, "test-out", refuse)
+    outbox.put(("chunk", 1, threading.Lock()))
+    assert a.poll(5) and pytest.raises(EOFError, a.recv)  # the other end hears that the link is over
+    outbox.close()
+    b.close()
 
 
 def test_an_api_over_a_lost_engine_answers_503(engine: BatchEngine) -> None:

@@ -4,163 +4,45 @@ The front (front.py) parses bodies, tokenizes, streams server-sent events and ke
 connections; the engine's process runs the MLX thread and nothing else in Python but this link, so
 the API's per-chunk work never takes the interpreter lock from the thread that builds the next round.
 
-Over a `multiprocessing` pipe, as pickled tuples:
+Over a `multiprocessing` pipe, as pickled lists of tuples:
 - front to engine: ("open", rid, GenerationRequest), ("cancel", rid), ("call", cid, name),
   ("listening", host, port);
-- engine to front: first [("hello", info)] alone, then lists of ("chunk", rid, GenerationChunk),
+- engine to front: first [("hello", info)] alone, then ("chunk", rid, GenerationChunk),
   ("error", rid, WireError), ("end", rid) and ("reply", cid, ok, value).
 
-The engine's side sends from one thread: its sinks, called on its MLX thread, only append to an
-outbox that the sender thread flushes, so a round's chunks for every row go as one message. A front
-that goes away cancels every request it opened (their caches are freed on every stage); an engine
-that goes away fails every open request with StageUnavailable.
+Each side sends from a thread of its own (`Outbox`, pipe.py): the engine's sinks, called on its MLX
+thread, and the front's event loop only append to it, so neither ever blocks on the pipe, and a
+round's chunks for every row go as one message. A front that goes away cancels every request it opened
+(their caches are freed on every stage); an engine that goes away fails every open request with
+StageUnavailable.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-from ...node.protocol import StageError, StageUnavailable
-from ..engine.request import GenerationRequest, RequestError, check_request, check_vocabulary
-from ..engine.sinks import END, ServerBusy, Sink
+from ...node.protocol import StageUnavailable
+from ..engine.request import GenerationRequest, check_request, check_vocabulary
+from ..engine.sinks import END, Sink
+from .pipe import Outbox, WireError, hang_up
 from .readiness import Readiness, timestamp
 
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class WireError:
-    """An engine's exception as it crosses the link (exceptions with extra fields do not unpickle)."""
-
-    kind: str
-    message: str
-    retry_after: int = 0
-    param: str | None = None
-    code: str | None = None
-
-    @classmethod
-    def of(cls, e: BaseException) -> WireError:
-        if isinstance(e, ServerBusy):
-            return cls("busy", str(e), retry_after=e.retry_after)
-        if isinstance(e, RequestError):
-            return cls("request", str(e), param=e.param, code=e.code)
-        if isinstance(e, StageUnavailable):
-            return cls("unavailable", str(e))
-        if isinstance(e, StageError):
-            return cls("stage", str(e))
-        return cls("other", f"{type(e).__name__}: {e}")
-
-    def exception(self) -> Exception:
-        if self.kind == "busy":
-            return ServerBusy(self.message, self.retry_after)
-        if self.kind == "request":
-            return RequestError(self.message, self.param, self.code)
-        if self.kind == "unavailable":
-            return StageUnavailable(self.message)
-        if self.kind == "stage":
-            return StageError(self.message)
-        return RuntimeError(self.message)
-
-
-def hang_up(conn: Any) -> None:
-    """Close a pipe's end so that both sides see it at once: a reader blocked on it in another thread
-    of this process would keep a plain close() from reaching the other end."""
-    try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-    except (OSError, ValueError):  # already closed, or not a socket
-        pass
-    else:
-        with sock:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-    try:
-        conn.close()
-    except OSError:
-        pass
+READY_MARGIN_S = 2.0  # GET /health waits this much beyond the engine's own check before it says "not ready"
 
 
 def engine_info(engine: Any, *, cluster: bool) -> dict[str, Any]:
     """What the front needs to know of the engine to validate and answer without asking it."""
     return {"has_mtp": bool(engine.has_mtp), "max_context": int(engine.max_context),
             "vocab_size": int(engine.vocab_size), "eos": sorted(engine.eos), "cluster": cluster}
-
-
-class Outbox:
-    """Messages for the other process, sent in batches by a thread of their own."""
-
-    def __init__(self, conn: Any, name: str):
-        self.conn = conn
-        self._items: list[tuple[Any, ...]] = []
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def put(self, msg: tuple[Any, ...]) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._items.append(msg)
-            if len(self._items) == 1:
-                self._cond.notify()
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued, then stop."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._items and not self._closed:
-                    self._cond.wait()
-                batch, self._items = self._items, []
-                if not batch:
-                    return
-            try:
-                self._send(batch)
-            except (OSError, ValueError) as e:  # the other side is gone (or the pipe closed)
-                log.debug("the link is closed: %s", e)
-                with self._cond:
-                    self._closed = True
-                    self._items.clear()
-                return
-
-    def _send(self, batch: list[tuple[Any, ...]]) -> None:
-        """Send a batch; one whose pickling fails goes message by message, each that cannot be sent
-        replaced by the failure it causes (a request's error, a call's refusal), so none hangs."""
-        try:
-            self.conn.send(batch)
-            return
-        except (OSError, ValueError):
-            raise
-        except Exception:  # noqa: BLE001 - pickling: nothing was written yet
-            log.exception("a message to the API front could not be sent")
-        for msg in batch:
-            try:
-                self.conn.send([msg])
-            except (OSError, ValueError):
-                raise
-            except Exception as e:  # noqa: BLE001 - this one does not pickle
-                if msg[0] in ("chunk", "error"):
-                    self.conn.send([("error", msg[1], WireError("other", f"could not send this output: {e}"))])
-                elif msg[0] == "reply":
-                    self.conn.send([("reply", msg[1], False, f"could not send the answer: {e}")])
 
 
 class EngineHost:
@@ -179,13 +61,14 @@ class EngineHost:
         self._handles: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._outbox: Outbox | None = None
-        self._readiness: Readiness | None = None  # one for the link's life: it remembers since when each node is down
-        self._calls = ThreadPoolExecutor(4, thread_name_prefix="engine-link-call")  # /health beside slow ones
+        self._readiness = Readiness(engine)  # one for the link's life: it remembers since when each node is down
+        self._calls = ThreadPoolExecutor(4, thread_name_prefix="engine-link-call")
+        self._ready_calls = ThreadPoolExecutor(1, thread_name_prefix="engine-link-ready")  # never behind slow calls
         self._reader = threading.Thread(target=self._read, name="engine-link-in", daemon=True)
 
     def start(self) -> None:
         self.conn.send([("hello", engine_info(self.engine, cluster=self.cluster_info is not None))])
-        self._outbox = Outbox(self.conn, "engine-link-out")
+        self._outbox = Outbox(self.conn, "engine-link-out", self._unsendable)
         self._reader.start()
 
     def close(self) -> None:
@@ -196,7 +79,9 @@ class EngineHost:
         self._cancel_all()
         if self._outbox is not None:
             self._outbox.close()
-        self._calls.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._calls, self._ready_calls):
+            pool.shutdown(wait=False, cancel_futures=True)
+        self.conn.close()
 
     @property
     def open_requests(self) -> int:
@@ -206,11 +91,11 @@ class EngineHost:
     def _read(self) -> None:
         try:
             while True:
-                msg = self.conn.recv()
-                try:
-                    self._dispatch(msg)
-                except Exception:  # noqa: BLE001 - one message's failure is not the link's
-                    log.exception("the API front's message %r failed", msg[0])
+                for msg in self.conn.recv():
+                    try:
+                        self._dispatch(msg)
+                    except Exception:  # noqa: BLE001 - one message's failure is not the link's
+                        log.exception("the API front's message %r failed", msg[0])
         except (EOFError, OSError):
             pass  # the front is gone, or close() closed the pipe
         except Exception:  # noqa: BLE001 - a message this side cannot read: the link is unusable
@@ -233,7 +118,7 @@ class EngineHost:
             if handle is not None:
                 handle.cancel()
         elif op == "call":
-            self._calls.submit(self._answer, msg[1], msg[2])
+            (self._ready_calls if msg[2] == "ready" else self._calls).submit(self._answer, msg[1], msg[2])
         elif op == "listening":
             if not self.listening.done():
                 self.listening.set_result((msg[1], msg[2]))
@@ -286,9 +171,17 @@ class EngineHost:
             self._outbox.put(("reply", cid, False, f"{type(e).__name__}: {e}"))
 
     def _ready(self) -> tuple[bool, dict[str, Any]]:
-        if self._readiness is None:
-            self._readiness = Readiness(self.engine)
         return self._readiness.check()
+
+    @staticmethod
+    def _unsendable(msg: tuple[Any, ...], e: Exception) -> list[tuple[Any, ...]]:
+        """What the front gets instead of a message that does not pickle: the request's error, the
+        call's refusal."""
+        if msg[0] in ("chunk", "error"):
+            return [("error", msg[1], WireError("other", f"could not send this output: {e}"))]
+        if msg[0] == "reply":
+            return [("reply", msg[1], False, f"could not send the answer: {e}")]
+        return []
 
 
 class LinkHandle:
@@ -298,7 +191,7 @@ class LinkHandle:
 
     def cancel(self) -> None:
         """The client is gone: the engine drops the request at its next round."""
-        self._client._send(("cancel", self._rid))
+        self._client._cancel(self._rid)
 
 
 class EngineClient:
@@ -319,7 +212,7 @@ class EngineClient:
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
+        self._outbox = Outbox(conn, "api-link-out", self._unsendable)
         self._reader = threading.Thread(target=self._read, name="api-link-in", daemon=True)
         self._reader.start()
 
@@ -335,7 +228,7 @@ class EngineClient:
             if self.lost is not None:
                 raise StageUnavailable(self.lost)
             self._sinks[rid] = sink
-        self._send(("open", rid, req))
+        self._outbox.put(("open", rid, req))
         return LinkHandle(self, rid)
 
     def call(self, name: str, timeout: float = CALL_TIMEOUT_S) -> Any:
@@ -346,7 +239,7 @@ class EngineClient:
             if self.lost is not None:
                 raise StageUnavailable(self.lost)
             self._calls[cid] = future
-        self._send(("call", cid, name))
+        self._outbox.put(("call", cid, name))
         try:
             return future.result(timeout)
         finally:
@@ -359,7 +252,7 @@ class EngineClient:
     def check_ready(self, timeout: float) -> tuple[bool, dict[str, Any]]:
         """GET /health as the engine's process sees it (its MLX thread, or its nodes)."""
         try:
-            return tuple(self.call("ready", timeout + CALL_TIMEOUT_S))  # type: ignore[return-value]
+            return tuple(self.call("ready", timeout + READY_MARGIN_S))  # type: ignore[return-value]
         except Exception as e:  # noqa: BLE001 - an engine that does not answer is not ready
             reason = self.lost or f"the engine's process does not answer: {type(e).__name__}: {e}"
             return False, {"unready": [{"address": "engine", "reason": reason, "since": timestamp(time.time())}]}
@@ -368,23 +261,43 @@ class EngineClient:
         return self.call("cluster")
 
     def announce(self, host: str, port: int) -> None:
-        self._send(("listening", host, port))
+        self._outbox.put(("listening", host, port))
 
     def close(self) -> None:
+        """Send what is queued (a last cancel), then end the link."""
+        self._outbox.close(timeout=2.0)
         hang_up(self.conn)
+        if threading.current_thread() is not self._reader:  # (not from a sink or `on_lost`)
+            self._reader.join(5.0)
+            self.conn.close()
 
-    def _send(self, msg: tuple[Any, ...]) -> None:
-        try:
-            with self._send_lock:
-                self.conn.send(msg)
-        except (OSError, ValueError) as e:  # the engine is gone: the reader fails what is open
-            log.debug("cannot reach the engine: %s", e)
+    def _cancel(self, rid: int) -> None:
+        with self._lock:
+            if rid not in self._sinks:  # ended already: the engine holds nothing of it
+                return
+        self._outbox.put(("cancel", rid))
+
+    def _unsendable(self, msg: tuple[Any, ...], e: Exception) -> list[tuple[Any, ...]]:
+        """A request or call that does not pickle fails here, at once."""
+        error = RuntimeError(f"could not send this to the engine: {type(e).__name__}: {e}")
+        with self._lock:
+            sink = self._sinks.pop(msg[1], None) if msg[0] == "open" else None
+            future = self._calls.get(msg[1]) if msg[0] == "call" else None
+        if sink is not None:
+            sink(error)
+            sink(END)
+        if future is not None and not future.done():
+            future.set_exception(error)
+        return []
 
     def _read(self) -> None:
         try:
             while True:
                 for msg in self.conn.recv():
-                    self._dispatch(msg)
+                    try:
+                        self._dispatch(msg)
+                    except Exception:  # noqa: BLE001 - one message's failure (a sink's) is not the link's
+                        log.exception("the engine's message %r failed", msg[0])
         except (EOFError, OSError):
             pass
         except Exception:  # noqa: BLE001 - a message this side cannot read: the link is unusable
