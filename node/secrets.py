@@ -48,9 +48,11 @@ def read_secret(path: str | None = None, env: str | None = SECRET_ENV, option: s
     if path:
         file = Path(path).expanduser()
         try:
-            text = file.read_text()
+            text = file.read_text(encoding="utf-8")
         except OSError as e:
             raise ValueError(f"{option} {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{option} {path}: not UTF-8 text") from None
         if not text.strip():
             raise ValueError(f"{option} {path}: the file is empty")
         if os.name == "posix" and file.stat().st_mode & (stat.S_IRGRP | stat.S_IROTH):

@@ -61,6 +61,9 @@ def test_secret_from_a_file_else_the_environment(tmp_path: Path, monkeypatch: py
         read_secret(str(f))
     with pytest.raises(ValueError, match="No such file"):
         read_secret(str(tmp_path / "missing"))
+    f.write_bytes(b"\xff\xfe key")
+    with pytest.raises(ValueError, match="secret-file .*: not UTF-8 text"):
+        read_secret(str(f))
     f.write_text("cfg\n")
     assert ClusterConfig(secret_file=str(f)).resolve_secret() == "cfg"
     with pytest.raises(ValueError, match="either secret or secret_file"):

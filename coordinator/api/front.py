@@ -135,13 +135,18 @@ class FrontProcess:
 
     def start(self, timeout: float = START_TIMEOUT_S) -> str:
         try:
-            self.process.start()
-            self._child_conn.close()
+            try:
+                self.process.start()
+            finally:
+                self._child_conn.close()  # the child's end is the child's alone
             self.host.start()
             host, port = self.host.listening.result(timeout)
         except TimeoutError:
             self.stop()
             raise RuntimeError(f"the API process did not serve within {timeout:.0f} s") from None
+        except OSError as e:  # the pipe broke at once: the front died as it started
+            self.stop()
+            raise RuntimeError(f"the API process ended before it served ({e}; its log says why)") from None
         except BaseException:
             self.stop()
             raise

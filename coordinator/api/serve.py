@@ -88,5 +88,8 @@ def serve(
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                      max_body_bytes=max_body_bytes)
-    uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5)
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has stopped
+        pass
     return 0

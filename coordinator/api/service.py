@@ -209,7 +209,11 @@ class Service:
         try:
             run = GenerationThread(self.engine, req, self._on_exit)
             self.metrics.in_flight.inc()
-            run.start()
+            try:
+                run.start()
+            except BaseException:  # refused before it began: `_on_exit` will never run
+                self.metrics.in_flight.dec()
+                raise
         except BaseException:
             self.slots.release()
             raise
