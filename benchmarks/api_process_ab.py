@@ -6,7 +6,8 @@ the bench's client process. REPS times, C streams of 128 tokens at once (METHOD:
 engine level, the two API levels (their order alternating from one repetition to the next), the engine
 level again. Prints each repetition's tok/s, each API level over the mean of the two engine runs around
 it, and the medians. Before that, three rounds of the three levels with the CPU each process used per
-token (this one's holds the engine, and the thread-served API when that runs).
+token (this one's holds the engine, and the thread-served API when that runs; the clients' process
+parses the streams).
 
     python benchmarks/api_process_ab.py REPS [C] [METHOD]
 """
@@ -49,6 +50,8 @@ def main(reps: int, c: int, method: str) -> None:
             for run in levels.values():
                 run(WARM_TOKENS)
         me, kid = psutil.Process(), psutil.Process(front.process.pid)
+        client_pid, = clients.pool._processes  # the clients' one process, started by the warm-up
+        streams = psutil.Process(client_pid)
 
         def cpu(p: psutil.Process) -> float:
             t = p.cpu_times()
@@ -56,11 +59,12 @@ def main(reps: int, c: int, method: str) -> None:
 
         for _ in range(3):
             for name, run in levels.items():
-                a, b = cpu(me), cpu(kid)
+                a, b, k = cpu(me), cpu(kid), cpu(streams)
                 d = run(TOKENS)
                 mine, front_s = 1e3 * (cpu(me) - a) / d.tokens, 1e3 * (cpu(kid) - b) / d.tokens
                 print(f"{name}: {d.tps:.0f} tok/s; CPU per token: this process {mine:.2f} ms, "
-                      f"front process {front_s:.2f} ms", flush=True)
+                      f"front process {front_s:.2f} ms, clients {1e3 * (cpu(streams) - k) / d.tokens:.2f} ms",
+                      flush=True)
         rows = []
         for r in range(reps):
             order = ("api-thread", "api-process") if r % 2 == 0 else ("api-process", "api-thread")

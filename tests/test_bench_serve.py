@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import LiveServer
 
 from mtpipe.coordinator.bench.serve import bench_serve, percentile, waves
+from mtpipe.coordinator.bench.serve_api import stream_completions
 from mtpipe.coordinator.bench.streams import Decode, aggregate_tps, decode_window
-
-pytest.importorskip("httpx")
 
 
 def test_aggregate_excludes_tokens_before_every_stream_started() -> None:
@@ -30,6 +30,39 @@ def test_levels_decode_the_same_prompts_in_waves() -> None:
     total = decode_window([([0.0, 1.0], [1.0, 10.0])]) + decode_window([([0.0, 4.0], [1.0, 10.0])])
     assert total == Decode(20.0, 5.0) and total.tps == pytest.approx(4.0)
     assert Decode().tps == 0.0
+
+
+def test_the_clients_read_events_however_the_chunks_fall() -> None:
+    """The bench's clients read the stream's HTTP chunks and events themselves: an event split over
+    chunks, two events in one chunk, the usage; an error status is an error."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    def event(obj: dict) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    first, second = event({"choices": [{"text": "Hello"}]}), event({"choices": [{"text": " world!"}]})
+    parts = [first[:9], first[9:] + second, event({"choices": [{"text": "", "finish_reason": "length"}]}),
+             event({"choices": [], "usage": {"completion_tokens": 3}}), "data: [DONE]\n\n"]
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict) -> object:
+        if body["prompt"] == [0]:
+            return JSONResponse({"error": {"message": "no"}}, status_code=400)
+
+        async def chunks():  # each yield goes as one HTTP chunk
+            for part in parts:
+                yield part.encode()
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    with LiveServer(app) as s:
+        rec, = stream_completions(s.url, [[1, 2]], 3, 0)
+        assert (rec.text, rec.chars, rec.completion_tokens, rec.finish_reason) == ("Hello world!", [5, 7], 3, "length")
+        assert rec.token_counts() == pytest.approx([3 * 5 / 12, 3 * 7 / 12])
+        with pytest.raises(RuntimeError, match="HTTP 400"):
+            stream_completions(s.url, [[0]], 3, 0)
 
 
 def test_bench_serve_tiny(dense_ckpt: Path) -> None:

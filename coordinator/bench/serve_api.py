@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 MODEL_NAME = "bench"
 START_TIMEOUT_S = 30.0
@@ -87,42 +88,72 @@ class StreamRecord:
         return [self.completion_tokens * c / total for c in self.chars]
 
 
-async def _stream_one(client: Any, url: str, body: dict[str, Any]) -> StreamRecord:
+async def _post_stream(url: str, body: dict[str, Any]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """POST /v1/completions over a connection of its own; returns once a 200 status line and its
+    headers are read (the body follows chunked, as uvicorn streams it)."""
+    parts = urlsplit(url)
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+                 f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+                 .encode() + payload)
+    status = int((await reader.readline()).split()[1])
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if status != 200:
+        text = (await reader.read()).decode(errors="replace")
+        writer.close()
+        raise RuntimeError(f"POST /v1/completions: HTTP {status}: {text[:300]}")
+    if headers.get("transfer-encoding", "").lower() != "chunked":
+        writer.close()
+        raise RuntimeError(f"POST /v1/completions: a stream that is not chunked ({headers})")
+    return reader, writer
+
+
+async def _stream_one(url: str, body: dict[str, Any]) -> StreamRecord:
+    """One stream, read with nothing between the socket and the events but HTTP/1.1's chunked framing
+    and the server-sent events' own: the clients' process shares this machine's cores with the server
+    it measures, so it spends as little of them as it can."""
     rec = StreamRecord()
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"POST /v1/completions: HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                break
+    reader, writer = await asyncio.wait_for(_post_stream(url, body), START_TIMEOUT_S)
+    buffer = b""
+    try:
+        while size := int((await reader.readline()).split(b";")[0], 16):
+            buffer += (await reader.readexactly(size + 2))[:-2]
+            *events, buffer = buffer.split(b"\n\n")
             now = time.perf_counter()
-            obj = json.loads(data)
-            if "error" in obj:
-                raise RuntimeError(f"the API failed a stream: {obj['error'].get('message')}")
-            if obj.get("usage"):
-                rec.completion_tokens = obj["usage"]["completion_tokens"]
-            for choice in obj.get("choices") or []:
-                if choice.get("text"):
-                    rec.times.append(now)
-                    rec.chars.append(len(choice["text"]))
-                    rec.text += choice["text"]
-                rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
+            for event in events:
+                for line in event.split(b"\n"):
+                    if not line.startswith(b"data: "):
+                        continue
+                    data = line[len(b"data: "):]
+                    if data == b"[DONE]":
+                        break
+                    _record(rec, json.loads(data), now)
+    finally:
+        writer.close()
     if not rec.completion_tokens:
         raise RuntimeError("the stream ended without usage (stream_options.include_usage)")
     return rec
 
 
+def _record(rec: StreamRecord, obj: dict[str, Any], now: float) -> None:
+    if "error" in obj:
+        raise RuntimeError(f"the API failed a stream: {obj['error'].get('message')}")
+    if obj.get("usage"):
+        rec.completion_tokens = obj["usage"]["completion_tokens"]
+    for choice in obj.get("choices") or []:
+        if choice.get("text"):
+            rec.times.append(now)
+            rec.chars.append(len(choice["text"]))
+            rec.text += choice["text"]
+        rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
+
+
 async def _stream_all(url: str, bodies: list[dict[str, Any]]) -> list[StreamRecord]:
-    try:
-        import httpx
-    except ImportError:
-        raise RuntimeError("the API bench needs httpx (pip install httpx), or pass --skip-api") from None
-    limits = httpx.Limits(max_connections=len(bodies) + 4, max_keepalive_connections=len(bodies) + 4)
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-        return list(await asyncio.gather(*(_stream_one(client, url, b) for b in bodies)))
+    return list(await asyncio.wait_for(asyncio.gather(*(_stream_one(url, b) for b in bodies)), REQUEST_TIMEOUT_S))
 
 
 Sampled = list[tuple[float, int | None]]  # each prompt's (temperature, seed)
@@ -160,8 +191,8 @@ class Clients:
 
 def _stream_in_child(url: str, prompts: list[list[int]], max_tokens: int, mtp_depth: int | str,
                      sampled: Sampled | None = None) -> list[StreamRecord]:
-    """stream_completions in the clients' process; its errors come back as plain RuntimeErrors (an
-    httpx exception need not survive the trip between processes)."""
+    """stream_completions in the clients' process; its errors come back as plain RuntimeErrors (any
+    exception need not survive the trip between processes)."""
     try:
         return stream_completions(url, prompts, max_tokens, mtp_depth, sampled)
     except Exception as e:  # noqa: BLE001 - re-raised as an error the parent can unpickle
