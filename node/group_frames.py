@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..proto import mtpipe_pb2 as pb
 from .conditions import Conditions
-from .groups import RingGroups
+from .groups import RingGroups, StaleRound
 from .protocol import GroupRound, StageError, StepOutput
 from .wire import frame_to_group, group_result, group_to_frame, output_to_result, tensor_from_pb, tensor_to_pb
 
@@ -60,8 +60,18 @@ class GroupFrames:
         return groups is not None and not groups.spec.is_last and groups.in_group(seq_id)
 
     def end_idle_groups(self, idle_s: float) -> None:
-        if self._ring_groups is not None and (n := self._ring_groups.end_idle(idle_s)):
-            log.info("ended %d group(s) whose rounds stopped coming for %.0f s", n, idle_s)
+        if self._ring_groups is None:
+            return
+        ended = self._ring_groups.end_idle(idle_s)
+        if not ended.groups:
+            return
+        log.info("ended %d group(s) whose rounds stopped coming for %.0f s", ended.groups, idle_s)
+        message = f"its group's rounds stopped coming back for {idle_s:.0f} s (a node or a link was lost)"
+        for client_id, rnd, seq_id in ended.rows:
+            err = pb.Error(code="UNAVAILABLE", message=message, node=self.name, seq_id=seq_id, step=rnd)
+            self._emit(client_id, pb.Event(error=err))
+        for fresh in ended.fresh:
+            self._start_round(group_to_frame(fresh))
 
     def drop_groups(self) -> None:
         """Forget every group (the shard goes): nothing may keep the old shard's arrays alive."""
@@ -98,6 +108,9 @@ class GroupFrames:
         try:
             hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
             out = groups.run(rnd, hidden)
+        except StaleRound as e:  # the group went on without it: its rows were failed then
+            self._fail_rows(frame, "ABORTED", str(e))
+            return
         except StageError as e:
             self._group_failed(groups, rnd, frame, "INVALID_ARGUMENT", str(e))
             return
@@ -109,9 +122,14 @@ class GroupFrames:
             frame.hidden.CopyFrom(tensor_to_pb(out))
             self._forward(frame)
             return
-        if not self._listens(rnd.client_id):  # the client is gone: no more rounds for its rows
-            groups.groups[rnd.key].released.update(r.seq_id for r in rnd.rows)
-        shown, nxt = groups.next_round(rnd, out)
+        try:
+            if not self._listens(rnd.client_id):  # the client is gone: no more rounds for its rows
+                groups.groups[rnd.key].released.update(r.seq_id for r in rnd.rows)
+            shown, nxt = groups.next_round(rnd, out)
+        except Exception as e:  # a bug: fail this group, keep serving the others
+            log.exception("round %d of group %d failed after it ran", rnd.round, rnd.group)
+            self._group_failed(groups, rnd, frame, "INTERNAL", f"{type(e).__name__}: {e}")
+            return
         if nxt is not None:
             self._start_round(group_to_frame(nxt))
         if shown:

@@ -48,6 +48,21 @@ class Group:
     seen: float = field(default_factory=time.monotonic)  # when a round of it was last here
 
 
+class StaleRound(StageError):
+    """A round came back to the last node for a group that is not waiting for it (the group ended, or
+    started anew, meanwhile): it is dropped, and the group this node holds goes on."""
+
+
+@dataclass
+class IdleEnd:
+    """Groups whose rounds stopped coming, ended. On the last node: the rows they held, as (client,
+    round, sequence), whose clients must be told; and the rounds that start their waiting joins anew."""
+
+    groups: int = 0
+    rows: list[tuple[str, int, str]] = field(default_factory=list)
+    fresh: list[GroupRound] = field(default_factory=list)
+
+
 class RingGroups:
     """The groups of every client on this node, and what the last node decides about them."""
 
@@ -81,6 +96,11 @@ class RingGroups:
         """This node's part of a group round (an ending round must not get here)."""
         self._validate(rnd)
         g = self.groups.get(rnd.key)
+        if self.spec.is_last:  # every round the last node gets back is one it started
+            if g is None:
+                raise StageError(f"group {rnd.group} is not held here (it ended)")
+            if not g.in_flight or rnd.round != g.round or {r.seq_id for r in rnd.rows if r.join} != g.joining:
+                raise StaleRound(f"group {rnd.group}: round {rnd.round} is not the one on its way")
         if g is not None and rnd.round == 1 and not self.spec.is_last:
             # a first round of a group this node still holds: the last node started it anew (it
             # restarted, or the old group failed there); the old one is gone
@@ -140,14 +160,24 @@ class RingGroups:
                 return True
         return self.worker.release(seq_id)
 
-    def end_idle(self, idle_s: float) -> int:
+    def end_idle(self, idle_s: float) -> IdleEnd:
         """End the groups no round of which came by for `idle_s`: a live group always has one going
-        around (its rounds were lost with a node or a link). Returns how many."""
+        around (its rounds were lost with a node or a link). The last node gives up the rows they held
+        and starts their waiting joins in a new group, so that no client waits on a lost round."""
         now = time.monotonic()
-        stale = [k for k, g in self.groups.items() if now - g.seen > idle_s]
-        for key in stale:
-            self.end(key)
-        return len(stale)
+        ended = IdleEnd()
+        for key in [k for k, g in self.groups.items() if now - g.seen > idle_s]:
+            g = self.groups[key]
+            ended.groups += 1
+            if not self.spec.is_last:
+                self.end(key)
+                continue
+            lost = [*g.stage.ids, *g.joining]  # (joins that rode the lost round)
+            ended.rows += [(key[0], g.round, s) for s in lost if s not in g.released]
+            fresh = self.failed(key)
+            if fresh is not None:
+                ended.fresh.append(fresh)
+        return ended
 
     def end_all(self) -> None:
         """Every group ends here (a link of the ring broke: their rounds are lost)."""

@@ -74,6 +74,15 @@ class LeaseHolder:
             asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
 
     def _sweep(self) -> None:
+        try:
+            self._release_expired()
+        except Exception:  # noqa: BLE001 - a failed sweep must not be the last one
+            log.exception("the lease sweep failed")
+        self._sweeping = bool(self.leases.expires)
+        if self._sweeping:
+            asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+
+    def _release_expired(self) -> None:
         self.end_idle_groups(self.leases.lease_s)
         leases = self.leases
         gone = [s for s in leases.expired() if s in self._owners and not self.left_to_the_ring(s)]
@@ -85,9 +94,6 @@ class LeaseHolder:
         if gone:
             log.info("released %d sequence(s) whose client stopped renewing them for %.0f s", len(gone),
                      leases.lease_s)
-        self._sweeping = bool(leases.expires)
-        if self._sweeping:
-            asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
 
     async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewReply:
         owned = {s for s, c in self._owners.items() if c == request.client_id}

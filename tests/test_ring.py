@@ -26,7 +26,7 @@ from mtpipe.coordinator.engine.ring import RingEngine
 from mtpipe.coordinator.engine.sinks import END
 from mtpipe.coordinator.pipeline.nodes import NodeFailure
 from mtpipe.models.config import load_config
-from mtpipe.node.groups import RingGroups
+from mtpipe.node.groups import RingGroups, StaleRound
 from mtpipe.node.protocol import Commit, GroupRound, GroupRow, SamplingParams, StageError
 from mtpipe.proto import mtpipe_pb2 as pb
 
@@ -271,6 +271,67 @@ def test_a_row_released_while_it_joins_leaves_cleanly(dense_ckpt: Path) -> None:
     assert [o.seq_id for o in shown] == ["a"] and [r.seq_id for r in third.rows] == ["a"]
     arrive(third)
     assert groups.rows == 1 and "b" not in worker.sequences
+
+
+def test_the_last_node_ends_a_group_whose_round_was_lost(dense_ckpt: Path) -> None:
+    """A round lost with a node or a link never comes back: once the group is idle, the last node gives
+    up its rows (their clients are told) and starts the joins that waited for that round in a new group.
+    The lost round, should it turn up after all, is refused and leaves the new group as it was; a
+    round of a group the last node does not hold is refused."""
+    from mtpipe.models.loading import load_shard
+    from mtpipe.models.shard import ShardSpec
+    from mtpipe.node.protocol import StepKind, StepRequest
+    from mtpipe.node.stage import StageWorker
+
+    n = load_config(dense_ckpt).num_layers
+    worker = StageWorker(load_shard(dense_ckpt, ShardSpec(n // 2, n, n), mtp=False, dtype=mx.float32))
+    hidden = worker.hidden_size
+    groups = RingGroups(worker)
+
+    def prefill(seq: str) -> Any:
+        return worker.step(StepRequest(seq, 0, StepKind.PREFILL, [5, 6, 7], final=True),
+                           mx.random.normal((1, 3, hidden)))
+
+    def arrive(rnd: GroupRound) -> tuple[list, GroupRound | None]:
+        out = groups.run(rnd, mx.random.normal((len(rnd.rows), max(len(r.tokens) for r in rnd.rows), hidden)))
+        return groups.next_round(rnd, out)
+
+    _, first = groups.joined("c", 1, prefill("a"), 50, ())
+    _, lost = arrive(first)  # round 2 carries "a", and never comes back
+    assert groups.joined("c", 1, prefill("b"), 50, ()) == (True, None)  # waits for round 2
+    assert groups.end_idle(60.0).groups == 0
+    ended = groups.end_idle(0.0)
+    assert ended.groups == 1 and ended.rows == [("c", 2, "a")] and "a" not in worker.sequences
+    fresh, = ended.fresh
+    assert fresh.round == 1 and [(r.seq_id, r.join) for r in fresh.rows] == [("b", True)]
+    with pytest.raises(StaleRound):
+        arrive(lost)
+    shown, _ = arrive(fresh)
+    assert [o.seq_id for o in shown] == ["b"] and groups.rows == 1
+    with pytest.raises(StageError, match="not held here"):
+        groups.run(GroupRound("c", 7, 1, [GroupRow("b", [1], join=True)]), mx.random.normal((1, 1, hidden)))
+    assert groups.rows == 1
+
+
+def test_a_row_in_a_group_hears_of_its_errors() -> None:
+    """The result of a prompt's last chunk meant for a group sets up no waiter for a next step (its
+    rounds come as group events), so an error about one of its rounds reaches the row, whatever
+    the round's number."""
+    from mtpipe.coordinator.pipeline.remote import RemotePipeline
+    from mtpipe.node.protocol import StepKind, StepOutput, StepRequest
+    from mtpipe.node.wire import output_to_result
+
+    pipe = RemotePipeline(["127.0.0.1:9"])
+    try:
+        got: list[Any] = []
+        pipe.row_sinks["s"] = got.append
+        waiter = pipe._register(StepRequest("s", 1, StepKind.PREFILL, [1], final=True))
+        pipe._dispatch(pb.Event(result=output_to_result(StepOutput("s", 1, [4], continued=True))))
+        assert waiter.done.is_set() and list(pipe._waiters) == [("s", 1)]
+        pipe._dispatch(pb.Event(error=pb.Error(code="UNAVAILABLE", message="gone", node="n", seq_id="s", step=2)))
+        assert len(got) == 1 and "gone" in str(got[0])
+    finally:
+        pipe.close()
 
 
 def test_prompt_chunks_shrink_to_a_node_round_while_rows_decode() -> None:

@@ -255,8 +255,9 @@ class RemotePipeline:
             key = (out.seq_id, out.step)
             with self._lock:
                 w = self._waiters.get(key)
-                if w is not None and out.continued:
+                if w is not None and out.continued and out.seq_id not in self.row_sinks:
                     # Registered before this result is handed over, so the next one always finds it.
+                    # (A row in a ring group hears of its rounds through its row sink, errors included.)
                     nxt = _Waiter(decode=True, started=([out.tokens[-1], *out.drafts], out))
                     self._waiters.setdefault((out.seq_id, out.step + 1), nxt)
             if w is None:
