@@ -101,11 +101,16 @@ class RaggedKV:
         self.lengths = [n - t for n, t in zip(self.lengths, amounts)]
 
     def take(self, rows: list[int]) -> RaggedKV:
-        """The given rows, in that order."""
-        if self.keys is None:
-            return RaggedKV(None, None, [self.lengths[i] for i in rows])
+        """The given rows, in that order, as long as the longest of them needs (a long row that left
+        takes its share of the memory with it)."""
+        lengths = [self.lengths[i] for i in rows]
+        size = -(-max(lengths, default=0) // CAPACITY_STEP) * CAPACITY_STEP
+        if self.keys is None or size == 0:
+            return RaggedKV(None, None, lengths)
         index = mx.array(rows, dtype=mx.int32)
-        return RaggedKV(self.keys[index], self.values[index], [self.lengths[i] for i in rows])
+        if size < self.capacity:
+            return RaggedKV(self.keys[index, :, :size], self.values[index, :, :size], lengths)
+        return RaggedKV(self.keys[index], self.values[index], lengths)
 
     def row(self, i: int) -> tuple[mx.array, mx.array]:
         """Row i's valid keys and values as [1, heads, length, dim] (what a single-sequence cache holds)."""

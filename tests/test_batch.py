@@ -31,10 +31,10 @@ from mtpipe.coordinator.engine.sinks import END, ServerBusy
 from mtpipe.models import blas
 from mtpipe.models.config import load_config
 from mtpipe.models.loading import load_shard
-from mtpipe.models.ragged import RaggedKV
+from mtpipe.models.ragged import CAPACITY_STEP, RaggedKV
 from mtpipe.node import device_sampling
 from mtpipe.node.batch import BatchStage, RowStep
-from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest
+from mtpipe.node.protocol import SamplingParams, StageUnavailable, StepKind, StepRequest
 from mtpipe.node.stage import StageWorker
 from mtpipe.node.sysinfo import gpu_limit
 
@@ -329,7 +329,7 @@ def test_batch_caches_after_commits_equal_a_fresh_forward(engines: Engines, dens
     twin = StageWorker(shard, overlap=False)
     reference = engines.local("dense")
     vocab = shard.config.args.vocab_size
-    specs = [("a", PROMPTS[0], 2), ("b", LONG_TEXTS[0], 0), ("c", PROMPTS[2], 3), ("d", PROMPTS[5], 1)]
+    specs = [("a", PROMPTS[0], 2), ("b", "".join(LONG_TEXTS), 0), ("c", PROMPTS[2], 3), ("d", PROMPTS[5], 1)]
     rows: dict[str, Row] = {}
     for seq_id, text, depth in specs:
         prompt = encode(reference, text)
@@ -355,7 +355,11 @@ def test_batch_caches_after_commits_equal_a_fresh_forward(engines: Engines, dens
         if rnd == 3:
             start("d")  # joins a batch that has decoded (its caches are longer)
         if rnd == 6:
+            kv = next(c for c in stage.cache if isinstance(c, RaggedKV))
+            before = kv.capacity
             assert stage.release("b") and "b" not in stage  # leaves mid-batch
+            kv = next(c for c in stage.cache if isinstance(c, RaggedKV))  # as long as the rows left need
+            assert kv.capacity == -(-max(kv.lengths) // CAPACITY_STEP) * CAPACITY_STEP < before
         if rnd in (2, 5, 8):
             # The random model's drafts are nearly always rejected: plant drafts from the greedy
             # reference (all but the last right) so rows also accept drafts and trim part of a round.
@@ -523,6 +527,21 @@ def test_seeded_sampled_rows_do_not_depend_on_the_batch(engines: Engines) -> Non
 # -- 4. admission by memory --------------------------------------------------------------------------
 
 
+def test_every_row_pays_for_the_longest_reach() -> None:
+    """A batch's KV is as long as its longest row, so a long request beside short ones costs what
+    all of them at its length cost; the queue stays first in, first out."""
+    dims = plan.ModelDims(kv_bytes_per_token=10, state_bytes=1000)
+    short, long = plan.footprint(dims, 100, 0), plan.footprint(dims, 10_000, 0)
+    assert plan.batch_bytes(dims, [short, short]) == 2 * 10 * 100 + 2 * 2000
+    assert plan.batch_bytes(dims, [long, short]) == 2 * 10 * 10_000 + 2 * 2000
+    queue = [plan.Waiting("long", long, 0.0), plan.Waiting("short", short, 0.0)]
+    budget = plan.batch_bytes(dims, [short] * 4)
+    assert plan.admit(queue, [], dims, budget, max_rows=8) == ["long"]  # alone, whatever it costs
+    assert plan.admit(queue, [short], dims, budget, max_rows=8) == []  # never overtaken
+    assert plan.admit(queue[1:], [short] * 2, dims, budget, max_rows=8) == ["short"]
+    assert plan.admit(queue[1:], [short] * 2, dims, budget, max_rows=2) == []
+
+
 def test_admission_waits_for_memory_and_times_out(dense_ckpt: Path, engines: Engines) -> None:
     config = load_config(dense_ckpt)
     dims = plan.ModelDims.of(config.args, itemsize=4, mtp=True)
@@ -537,7 +556,8 @@ def test_admission_waits_for_memory_and_times_out(dense_ckpt: Path, engines: Eng
         assert second.finish() == engines.alone("dense", b).tokens
         assert second.stamps[0] > first.ended_at  # it started only once the first one was done
         # With room for both, they run together: the second's first token comes before the first ends.
-        engine.thread.call(setattr, engine, "budget", sum(cost))
+        both = [plan.footprint(dims, len(r.prompt_tokens) + r.max_tokens, r.mtp_depth) for r in (a, b)]
+        engine.thread.call(setattr, engine, "budget", plan.batch_bytes(dims, both))
         first, second = Stream(engine, a), Stream(engine, b)
         first.finish(), second.finish()
         assert second.stamps[0] < first.ended_at
@@ -635,6 +655,38 @@ def test_bad_requests_are_refused_and_the_engine_serves_on(engines: Engines) -> 
     assert engine.thread.call(lambda: [s.sequences for s in engine.stages]) == [0]
     req = request(prompt, 2, 16)
     assert Stream(engine, req).finish() == engines.alone("dense", req).tokens
+
+
+def test_a_row_that_fails_fails_alone_and_a_closed_engine_ends_what_it_holds(
+        dense_ckpt: Path, engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose tokens cannot be handed out (its text fails) ends with that error; the rows
+    beside it decode on. Closing the engine ends every request it holds, and refuses new ones."""
+    from mtpipe.coordinator.engine import batch as batch_module
+
+    class Failing(batch_module.TextStream):
+        def release(self, final: bool = False) -> str:
+            raise ValueError("no text for this one")
+
+    made = batch_module.TextStream
+    monkeypatch.setattr(batch_module, "TextStream", lambda tok, stop: (Failing if stop == ["boom"] else made)(tok, stop))
+    engine = batch_engine(dense_ckpt, dtype=mx.float32)
+    try:
+        prompts = [encode(engine, t) for t in PROMPTS[:3]]
+        good = [request(prompts[0], 2, 16), request(prompts[1], 0, 16)]
+        streams = [Stream(engine, good[0]), Stream(engine, request(prompts[2], 1, 16, stop=["boom"])),
+                   Stream(engine, good[1])]
+        with pytest.raises(ValueError, match="no text"):
+            streams[1].finish()
+        assert [streams[0].finish(), streams[2].finish()] == [engines.alone("dense", r).tokens for r in good]
+        held = Stream(engine, request(prompts[0], 0, 2000, params=never_ends(engine))).first()
+        queued = Stream(engine, request(prompts[1], 0, 8))
+    finally:
+        engine.close()
+    for s in (held, queued):
+        with pytest.raises(StageUnavailable):
+            s.finish()
+    with pytest.raises(StageUnavailable):
+        engine.open(request(prompts[0], 0, 8), lambda item: None)
 
 
 def test_prompt_chunks_of_full_rows_run_unmasked_as_a_sequence_alone(dense_ckpt: Path,

@@ -19,7 +19,7 @@ from typing import Any
 
 from ...models.mlx_thread import MLXThread
 from ...node.batch import BatchStage, RowStep
-from ...node.protocol import StepKind, StepOutput, StepRequest
+from ...node.protocol import StageUnavailable, StepKind, StepOutput, StepRequest
 from . import scheduler as plan
 from .detokenizer import TextStream
 from .request import (
@@ -50,7 +50,7 @@ class Live:
     sink: Sink
     text: TextStream
     stats: GenerationStats
-    cost: int
+    need: plan.Footprint
     queued: float
     cancelled: threading.Event = field(default_factory=threading.Event)
     prefilled: int = 0  # prompt tokens fed so far
@@ -88,6 +88,8 @@ class BatchEngine:
         self.prefill_chunk = prefill_chunk
         self.queue_timeout = queue_timeout
         self._inbox: queue.SimpleQueue[Live] = queue.SimpleQueue()
+        self._closed = False
+        self._open_lock = threading.Lock()
         self._waiting: list[Live] = []
         self._prefilling: list[Live] = []
         self._decoding: list[Live] = []  # in batch order
@@ -114,8 +116,11 @@ class BatchEngine:
         positions = len(req.prompt_tokens) + req.max_tokens
         live = Live(uuid.uuid4().hex, req, sink, TextStream(self.tokenizer, req.stop),
                     GenerationStats(prompt_tokens=len(req.prompt_tokens)),
-                    plan.sequence_cost(self.dims, positions, req.mtp_depth), time.monotonic())
-        self._inbox.put(live)
+                    plan.footprint(self.dims, positions, req.mtp_depth), time.monotonic())
+        with self._open_lock:  # (close() ends what is in the inbox once it is closed)
+            if self._closed:
+                raise StageUnavailable("the engine was stopped")
+            self._inbox.put(live)
         self.thread.wake()
         return Handle(live, self.thread.wake)
 
@@ -130,18 +135,28 @@ class BatchEngine:
         return {"kind": "local", "stages": stages, "batch": {"max_rows": self.max_rows, "budget_bytes": self.budget}}
 
     def close(self) -> None:
+        """Stop the engine: every request it still holds ends with an error, and no other is taken."""
+        with self._open_lock:
+            self._closed = True
+        if self.thread.alive:
+            try:
+                self.thread.call(self._end_all)
+            except Exception:  # noqa: BLE001 - closing goes on
+                log.exception("ending the open requests failed")
         self.thread.set_worker(None)
         self.thread.close()
+
+    def _end_all(self) -> None:
+        self.thread.set_worker(None)
+        self._take_inbox()
+        for live in self._waiting + self._prefilling + self._decoding:
+            self._finish(live, StageUnavailable("the engine was stopped"))
 
     # -- the MLX thread ---------------------------------------------------------------------------
 
     def _work(self) -> bool:
         """One unit of work: admissions, one decode round, one prefill chunk. True if more is waiting."""
-        while True:
-            try:
-                self._waiting.append(self._inbox.get_nowait())
-            except queue.Empty:
-                break
+        self._take_inbox()
         self._drop_cancelled()
         self._admit()
         if self._decoding:
@@ -152,6 +167,13 @@ class BatchEngine:
         # unit would otherwise wait for the next open() to wake the thread (nothing running: the next
         # unit admits at least one, so this never spins).
         return bool(self._decoding or self._prefilling or self._waiting)
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                self._waiting.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return
 
     def _guard(self, lives: list[Live], work: Callable[[], None]) -> None:
         try:
@@ -167,20 +189,18 @@ class BatchEngine:
                 self._finish(live, None)
 
     def _admit(self) -> None:
-        now = time.monotonic()
-        waiting = [plan.Waiting(x.seq_id, x.cost, x.queued) for x in self._waiting]
-        for seq_id in plan.expired(waiting, now, self.queue_timeout):
-            live = next(x for x in self._waiting if x.seq_id == seq_id)
-            self._finish(live, ServerBusy(f"no memory for this request after {self.queue_timeout:.0f} s in the queue",
-                                          retry_after=max(1, int(self.queue_timeout // 4))))
-            waiting = [w for w in waiting if w.seq_id != seq_id]
-        running = self._prefilling + self._decoding
-        chosen = plan.admit(waiting, sum(x.cost for x in running), self.budget, len(running), self.max_rows)
-        for seq_id in chosen:
+        waiting = [plan.Waiting(x.seq_id, x.need, x.queued) for x in self._waiting]
+        running = [x.need for x in self._prefilling + self._decoding]
+        for seq_id in plan.admit(waiting, running, self.dims, self.budget, self.max_rows):
             live = next(x for x in self._waiting if x.seq_id == seq_id)
             self._waiting.remove(live)
             live.started = time.perf_counter()
             self._prefilling.append(live)
+        waiting = [plan.Waiting(x.seq_id, x.need, x.queued) for x in self._waiting]
+        for seq_id in plan.expired(waiting, time.monotonic(), self.queue_timeout):
+            live = next(x for x in self._waiting if x.seq_id == seq_id)
+            self._finish(live, ServerBusy(f"no room for this request after {self.queue_timeout:.0f} s in the queue",
+                                          retry_after=max(1, int(self.queue_timeout // 4))))
 
     def _prefill(self) -> None:
         """One prompt chunk for every sequence taking its prompt, in one forward (the prompt's last
@@ -212,9 +232,14 @@ class BatchEngine:
             if not req.final:
                 continue
             live.stats.prefill_seconds = time.perf_counter() - live.started
+            try:
+                for stage in self.stages:
+                    stage.join(live.seq_id)
+            except Exception as e:  # noqa: BLE001 - this row fails (and leaves every stage), not the batch
+                log.exception("sequence %s could not join the batch", live.seq_id)
+                self._finish(live, e)
+                continue
             self._prefilling.remove(live)
-            for stage in self.stages:
-                stage.join(live.seq_id)
             self._decoding.append(live)
             live.started = time.perf_counter()
             self._emit(live, out)
@@ -234,7 +259,15 @@ class BatchEngine:
             self._emit(live, row.output)
 
     def _emit(self, live: Live, out: StepOutput) -> None:
-        """Hand the round's tokens to the request; finish it at EOS, a stop string or max_tokens."""
+        """Hand the round's tokens to the request; finish it at EOS, a stop string or max_tokens. A
+        failure here (detokenizing, the sink) fails this request alone."""
+        try:
+            self._hand_out(live, out)
+        except Exception as e:  # noqa: BLE001
+            log.exception("handing out the tokens of %s failed", live.seq_id)
+            self._finish(live, e)
+
+    def _hand_out(self, live: Live, out: StepOutput) -> None:
         new, finish = take_tokens(out.tokens, self.eos, live.text, live.generated, live.req.max_tokens)
         live.generated += len(new)
         live.stats.generation_tokens = live.generated

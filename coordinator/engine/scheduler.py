@@ -1,8 +1,9 @@
 """What the batch engine does next, as pure functions over plain data (the runner does the work).
 
-Admission is by memory: each sequence costs its attention KV for every position it may reach, its
-GatedDeltaNet states, the per-position states a verify captures for its depth, and its MTP cache;
-sequences wait in FIFO order until their cost fits the budget, and are refused after a queue timeout.
+Admission is by memory: each sequence may reach some number of positions of attention KV, and holds
+its GatedDeltaNet states and the per-position states a verify captures for its depth. A batch's KV is
+one tensor per layer as long as its longest row, so every row pays for the longest reach. Sequences
+wait in FIFO order until the batch with them fits the budget, and are refused after a queue timeout.
 Prompts are prefilled in chunks between decode rounds, sized so a chunk takes about as long as a
 round: running streams keep flowing while a long prompt goes in.
 """
@@ -36,30 +37,51 @@ class ModelDims:
         return cls(kv, (layers - layers // interval) * (conv + recurrent))
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """What a sequence may hold."""
+
+    reach: int  # positions of attention KV: prompt, max tokens and a round's drafts
+    states: int  # bytes: its GatedDeltaNet states, and those a verify over depth+1 tokens captures
+
+
+def footprint(dims: ModelDims, positions: int, depth: int) -> Footprint:
+    return Footprint(positions + depth, dims.state_bytes * (2 + depth))
+
+
+def batch_bytes(dims: ModelDims, rows: list[Footprint]) -> int:
+    """Bytes a batch of these rows may hold: each attention layer's KV is [rows, heads, positions,
+    dim] (models/ragged.py), as long as the longest row."""
+    if not rows:
+        return 0
+    return dims.kv_bytes_per_token * len(rows) * max(r.reach for r in rows) + sum(r.states for r in rows)
+
+
 def sequence_cost(dims: ModelDims, positions: int, depth: int) -> int:
-    """Bytes a sequence may hold: KV for `positions` (prompt + max tokens + drafts), its states, and
-    the states a verify over depth+1 tokens captures."""
-    return dims.kv_bytes_per_token * (positions + depth) + dims.state_bytes * (2 + depth)
+    """Bytes a sequence may hold alone."""
+    return batch_bytes(dims, [footprint(dims, positions, depth)])
 
 
 @dataclass(frozen=True)
 class Waiting:
     seq_id: str
-    cost: int
+    need: Footprint
     since: float  # when it was queued (monotonic seconds)
 
 
-def admit(waiting: list[Waiting], used: int, budget: int, running: int, max_rows: int) -> list[str]:
-    """The head of the FIFO queue that fits: a sequence never overtakes an older one that does not fit
-    yet, and one alone is admitted whatever its cost (it was validated against the context)."""
+def admit(waiting: list[Waiting], running: list[Footprint], dims: ModelDims, budget: int, max_rows: int) -> list[str]:
+    """The head of the FIFO queue that fits beside the running rows: a sequence never overtakes an
+    older one that does not fit yet, and one alone is admitted whatever its cost (it was validated
+    against the context)."""
     out: list[str] = []
+    rows = list(running)
     for w in waiting:
-        if running + len(out) >= max_rows:
+        if len(rows) >= max_rows:
             break
-        if used + w.cost > budget and running + len(out) > 0:
+        if rows and batch_bytes(dims, [*rows, w.need]) > budget:
             break
         out.append(w.seq_id)
-        used += w.cost
+        rows.append(w.need)
     return out
 
 
