@@ -9,7 +9,7 @@ import pytest
 
 from mtpipe.coordinator.engine.build import load_tokenizer
 from mtpipe.coordinator.engine.detokenizer import TextStream
-from mtpipe.coordinator.engine.request import GenerationRequest
+from mtpipe.coordinator.engine.request import GenerationRequest, take_tokens
 from mtpipe.models.config import load_config
 from mtpipe.models.registry import DEMO_MODEL
 
@@ -142,6 +142,10 @@ def test_stop_string_ending_in_a_lone_space_token(tok) -> None:
     assert "".join(chunks) == "print(add(" and text.stopped and n == k + 1
     chunks, text, _ = stream(tok, ids[:k], ["1, "])
     assert "".join(chunks) == "print(add(" and text.stopped
+    # max_tokens ending on that space: the request stopped at the stop string, not at its length
+    text = TextStream(tok, ["1, "])
+    assert take_tokens(ids[:k], set(), text, 0, k) == (ids[:k], "stop")
+    assert text.release(final=True) == "print(add("
 
 
 def test_stop_string_inside_a_multibyte_character_sequence(tok) -> None:

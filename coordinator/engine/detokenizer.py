@@ -30,6 +30,7 @@ class TextStream:
         self.released = 0  # characters handed out
         self.stopped = False
         self._begun = False
+        self._flushed = False
 
     def add(self, token: int) -> None:
         if self.stopped:
@@ -37,11 +38,17 @@ class TextStream:
         self.detokenizer.add_token(token)
         self._extend(self.detokenizer.last_segment)
 
-    def release(self, final: bool) -> str:
-        """The text not handed out yet; `final` flushes everything (but nothing past a stop)."""
-        if final and not self.stopped:
+    def flush(self) -> None:
+        """No token follows: take in what the detokenizer holds back (a stop string may end in it)."""
+        if not self.stopped and not self._flushed:
+            self._flushed = True
             self.detokenizer.finalize()
             self._extend(self.detokenizer.last_segment, final=True)
+
+    def release(self, final: bool) -> str:
+        """The text not handed out yet; `final` flushes everything (but nothing past a stop)."""
+        if final:
+            self.flush()
         hold = 0 if final or self.stopped else self.hold
         end = max(self.released, len(self.text) - hold)
         out = self.text[self.released : end]

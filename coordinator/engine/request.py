@@ -186,5 +186,6 @@ def take_tokens(tokens: list[int], eos: set[int], text: Any, generated: int, max
         if text.stopped:
             return new, "stop"
         if generated + len(new) >= max_tokens:
-            return new, "length"
+            text.flush()  # the last token may complete a stop string the detokenizer still holds
+            return new, "stop" if text.stopped else "length"
     return new, None
