@@ -148,6 +148,11 @@ class RingGroups:
         """The last node's word, or a client gone for good: free the sequence wherever it is here. A
         group waiting for its last round's commit cannot lose a row before it (the commit is per row):
         such a group ends here, and its next round is refused, which ends it everywhere."""
+        for g in self.groups.values():  # (the last node) waiting to join: it never will
+            for r in [r for r in g.joins if r.seq_id == seq_id]:
+                g.joins.remove(r)
+                g.budgets.pop(seq_id, None)
+                g.stops.pop(seq_id, None)
         for key, g in list(self.groups.items()):
             if self.spec.is_last and g.in_flight and (seq_id in g.stage.ids or seq_id in g.joining):
                 g.released.add(seq_id)  # out of the group's next round, and so freed on every node
@@ -286,12 +291,6 @@ class RingGroups:
         """The client let go of a sequence (last node). True: it is out of a group's next round, and
         the group's frames free it everywhere. False: it is in no group; the caller frees it here and
         sends the release around, so the other nodes free it too."""
-        for g in self.groups.values():
-            for r in list(g.joins):
-                if r.seq_id == seq_id:
-                    g.joins.remove(r)
-                    g.budgets.pop(seq_id, None)
-                    g.stops.pop(seq_id, None)
         return self.release(seq_id) and any(seq_id in g.released for g in self.groups.values())
 
     def in_group(self, seq_id: str) -> bool:
