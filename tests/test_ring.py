@@ -338,6 +338,51 @@ def test_a_row_in_a_group_hears_of_its_errors() -> None:
         pipe.close()
 
 
+def test_a_row_lost_while_its_prompt_goes_in_is_freed_once_it_is_through() -> None:
+    """A node lost while a prompt goes in: the sequence is released on the nodes only once no chunk of
+    it is on its way any more (a chunk sent after the release would start it again there), once."""
+    from types import SimpleNamespace
+
+    from mtpipe.node.protocol import StageUnavailable
+
+    class Pipeline:
+        nodes = ("a", "b")
+        reformer = SimpleNamespace(down=None, wait=lambda timeout: False)  # it never comes back
+
+        def __init__(self) -> None:
+            self.row_sinks: dict[str, Any] = {}
+            self.released: list[str] = []
+            self.early: list[str] = []
+            self.through = threading.Event()
+
+        def steps(self, steps: list) -> list:
+            self.row_sinks[steps[0].seq_id](StageUnavailable("node b is gone"))  # heard while chunks go
+            time.sleep(0.2)  # (the request's resume gives up meanwhile)
+            self.early = list(self.released)
+            self.through.set()
+            raise StageUnavailable("node b is gone")
+
+        def release(self, seq_id: str, group: int = 0) -> None:
+            self.released.append(seq_id)
+
+        def close(self) -> None:
+            pass
+
+    pipeline = Pipeline()
+    engine = RingEngine(pipeline, SimpleNamespace(detokenizer=None), [0], 64, False, 100, prefill_chunk=8,
+                        resume_window=5.0)
+    try:
+        with pytest.raises(StageUnavailable, match="node b is gone"):
+            engine.complete(GenerationRequest(list(range(1, 20)), max_tokens=4))
+        assert pipeline.through.wait(5)
+        deadline = time.monotonic() + 5
+        while not pipeline.released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pipeline.early == [] and len(pipeline.released) == 1 and engine._rows == {1: 0}
+    finally:
+        engine.close()
+
+
 def test_prompt_chunks_shrink_to_a_node_round_while_rows_decode() -> None:
     """Each chunk a node takes holds up the groups behind it: while rows decode, a prompt goes in chunks
     of about a node's share of a group round (its trip over the groups), at the prompt speed measured

@@ -65,6 +65,7 @@ class RingLive:
     admitted: bool = False
     prefilling: bool = False  # its prompt is on its way: a release now could overtake it
     resuming: bool = False  # its sequence was lost with a node: waiting for the pipeline to come back
+    lost_prompt: tuple[str, int] | None = None  # (sequence, group) lost while its prompt went in: freed after
     resumes: int = 0
     emitted: list[int] = field(default_factory=list)  # every token handed out (replayed on a resume)
     done: bool = False
@@ -197,7 +198,15 @@ class RingEngine:
         except Exception as e:
             out = e
         with live.lock:
-            live.prefilling = False
+            current = live.seq_id == seq_id  # (else a resume took over: its own prefill may be under way)
+            if current:
+                live.prefilling = False
+            if live.lost_prompt is not None and live.lost_prompt[0] == seq_id:
+                lost, live.lost_prompt = live.lost_prompt, None
+                self._free(*lost)  # lost while it went in, released but for this: freed now
+                return
+            if not current:
+                return
             if live.done:  # cancelled meanwhile: now that the prompt is through, free it everywhere
                 self._release(live)
                 return
@@ -221,7 +230,11 @@ class RingEngine:
                     resume = not live.done and not live.resuming and live.seq_id == seq_id
                     if resume:
                         live.resuming = True
-                        self._release(live, slot=False)  # the lost sequence: freed where it survived
+                        # the lost sequence: freed where it survived, once no chunk of its prompt is
+                        # still on its way (one sent after the release would bring it back)
+                        self._release(live, slot=False, free=not live.prefilling)
+                        if live.prefilling:
+                            live.lost_prompt = (live.seq_id, live.group)
                 if resume:
                     self._pool.submit(self._resume, live, item)
                 return
@@ -306,16 +319,20 @@ class RingEngine:
                 live.sink(error)
             live.sink(END)
 
-    def _release(self, live: RingLive, slot: bool = True) -> None:
+    def _release(self, live: RingLive, slot: bool = True, free: bool = True) -> None:
         self.pipeline.row_sinks.pop(live.seq_id, None)
-        try:
-            self.pipeline.release(live.seq_id, group=live.group)
-        except Exception:
-            log.exception("releasing %s failed", live.seq_id)
+        if free:
+            self._free(live.seq_id, live.group)
         with self._lock:
             self._rows[live.group] -= 1
         if slot:
             self._slots.release()
+
+    def _free(self, seq_id: str, group: int) -> None:
+        try:
+            self.pipeline.release(seq_id, group=group)
+        except Exception:
+            log.exception("releasing %s failed", seq_id)
 
     def _chunk_size(self, tokens: int) -> tuple[int, bool]:
         """A prompt's chunk: about a node's share of a group round while other rows decode (each chunk
