@@ -383,6 +383,46 @@ def test_a_row_lost_while_its_prompt_goes_in_is_freed_once_it_is_through() -> No
         engine.close()
 
 
+def test_a_row_whose_rounds_stop_coming_fails() -> None:
+    """A row whose group's rounds stop coming back (the last node hung: nothing else notices) fails
+    after the engine's stall time, naming that node, as a lost node fails it."""
+    from types import SimpleNamespace
+
+    from mtpipe.node.protocol import StageUnavailable, StepOutput
+
+    class Pipeline:
+        nodes = addresses = ("a:1", "b:2")
+        reformer = SimpleNamespace(down=None)
+
+        def __init__(self) -> None:
+            self.row_sinks: dict[str, Any] = {}
+            self.released: list[str] = []
+
+        def steps(self, steps: list) -> list:  # the prompt goes in; its row joins a group, then nothing
+            return [StepOutput(steps[-1].seq_id, steps[-1].step, [7], continued=True)]
+
+        def release(self, seq_id: str, group: int = 0) -> None:
+            self.released.append(seq_id)
+
+        def close(self) -> None:
+            pass
+
+    detokenizer = SimpleNamespace(add_token=lambda t: None, last_segment="", finalize=lambda: None, tokens=[])
+    pipeline = Pipeline()
+    engine = RingEngine(pipeline, SimpleNamespace(detokenizer=detokenizer), [0], 64, False, 100, prefill_chunk=8,
+                        resume_window=0, row_stall=0.5)
+    try:
+        chunks: queue.SimpleQueue = queue.SimpleQueue()
+        start = time.monotonic()
+        engine.open(GenerationRequest([1, 2, 3], max_tokens=8), chunks.put)
+        assert chunks.get(timeout=5).tokens == [7]
+        error = chunks.get(timeout=5)
+        assert isinstance(error, StageUnavailable) and "b:2" in str(error) and chunks.get(timeout=5) is END
+        assert 0.5 < time.monotonic() - start < 3.0 and len(pipeline.released) == 1
+    finally:
+        engine.close()
+
+
 def test_prompt_chunks_shrink_to_a_node_round_while_rows_decode() -> None:
     """Each chunk a node takes holds up the groups behind it: while rows decode, a prompt goes in chunks
     of about a node's share of a group round (its trip over the groups), at the prompt speed measured

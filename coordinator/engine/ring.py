@@ -46,6 +46,9 @@ RESUME_WINDOW_S = 30.0  # a request whose node is lost waits this long for the p
 RETRY_AFTER_DOWN_S = 5  # the Retry-After of a request refused while the pipeline is down
 MEASURED_PROMPT = 64  # prompts at least this long time the pipeline's seconds per prompt token
 TRIP_OUTLIER = 2.0  # a trip counts as at most this many times the running figure (a stall, a lost node)
+# A row with no round for this long fails as its node lost. The last node itself ends a group whose rounds
+# stop coming back (a node before it lost or hung) after its lease time; this catches the last node hung.
+ROW_STALL_S = 60.0
 
 
 @dataclass
@@ -88,7 +91,7 @@ class RingEngine:
     def __init__(self, pipeline: Any, tokenizer: Any, eos_token_ids: set[int] | list[int], max_context: int,
                  has_mtp: bool, vocab_size: int, *, prefill_chunk: int, max_rows: int = DEFAULT_MAX_ROWS,
                  queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, groups: int | None = None,
-                 resume_window: float = RESUME_WINDOW_S):
+                 resume_window: float = RESUME_WINDOW_S, row_stall: float = ROW_STALL_S):
         self.pipeline = pipeline  # a RemotePipeline whose last node starts rounds itself
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
@@ -111,6 +114,10 @@ class RingEngine:
         # (between two outcomes of a row), and a prompt's seconds per token through the pipeline.
         self._trip_s = 0.0
         self._token_s = 0.0
+        self.row_stall = row_stall
+        self._decoding: dict[int, RingLive] = {}  # id(live) -> rows whose prompt is through (watched)
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, name="ring-watch", daemon=True).start()
 
     # -- any thread -------------------------------------------------------------------------------
 
@@ -147,6 +154,7 @@ class RingEngine:
         return out
 
     def close(self) -> None:
+        self._stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.pipeline.close()
 
@@ -219,6 +227,9 @@ class RingEngine:
             with self._lock:
                 self._token_s = plan.ema(self._token_s, elapsed / len(prompt))
         live.started = time.perf_counter()
+        with self._lock:
+            live.last_at = live.started  # (a row resumed after a long wait is not stalled)
+            self._decoding[id(live)] = live
         self._deliver(live, 0, out)
 
     def _on_row(self, live: RingLive, seq_id: str, item: StepOutput | Exception) -> None:
@@ -327,6 +338,20 @@ class RingEngine:
             self._rows[live.group] -= 1
         if slot:
             self._slots.release()
+
+    def _watch(self) -> None:
+        """Fail the rows whose rounds stopped coming (as lost with a node: they may resume)."""
+        while not self._stop.wait(min(1.0, self.row_stall / 4)):
+            now = time.perf_counter()
+            with self._lock:
+                for key in [k for k, live in self._decoding.items() if live.done]:
+                    del self._decoding[key]
+                stalled = [live for live in self._decoding.values() if not live.resuming and not live.prefilling
+                           and live.last_at and now - live.last_at > self.row_stall]
+            last = (getattr(self.pipeline, "addresses", None) or ["the last node"])[-1]
+            for live in stalled:
+                self._on_row(live, live.seq_id, StageUnavailable(
+                    f"node {last}: no round of group {live.group} came back for {self.row_stall:.0f} s"))
 
     def _free(self, seq_id: str, group: int) -> None:
         try:
