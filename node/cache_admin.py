@@ -81,12 +81,14 @@ def remove(entry: Entry) -> None:
 def make_room(root: Path, need: int, free: int, keep: Path | None = None,
               measure: Callable[[Path], int] = free_bytes) -> int:
     """Remove entries other than `keep`, least recently used first, until `need` bytes fit; returns
-    the free bytes `measure` finds after the last removal."""
-    for e in entries(root):
+    the free bytes `measure` finds after the last removal. When removing them all would not make
+    room, none is removed (peers may still fetch them from here)."""
+    others = [e for e in entries(root) if e.path != keep]
+    if free + sum(e.bytes for e in others) < need:
+        return free
+    for e in others:
         if free >= need:
             break
-        if e.path == keep:
-            continue
         remove(e)
         free = measure(root)
     return free

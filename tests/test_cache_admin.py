@@ -79,6 +79,10 @@ def test_a_fetch_short_of_disk_space_removes_the_least_recently_used(filled, den
     new = (1, 3, True)
     d = fetch_into(cache, dense_ckpt, holder.address, new)
     assert d.exists() and not dirs[1].exists() and dirs[0].exists() and dirs[2].exists()  # no more removed
+    # A shard that would not fit even with every other entry gone: none is removed for it.
+    held = cache_admin.entries(cache.root)
+    assert cache_admin.make_room(cache.root, full + 1, 0, measure=lambda path: 0) == 0
+    assert cache_admin.entries(cache.root) == held
     # Nothing left to remove and still no room: the fetch says so, before it starts.
     monkeypatch.setattr(cache_admin, "entries", lambda root: [])
     key = ShardKey(model_fingerprint(dense_ckpt), 0, TINY_LAYERS, TINY_LAYERS, True)
