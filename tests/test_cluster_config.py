@@ -316,6 +316,8 @@ def test_static_nodes_and_reachability() -> None:
         assert first_reachable([target], "wrong", None, timeout=2.0) is None  # refused: the TLS handshake fails
         row = probe_node(target, "s3")
         assert (row["status"], row["problems"], row["node_id"]) == ("degraded", ["no shard loaded"], "static-1")
+        with pytest.raises(ValueError, match="are the same node .static-1.: list each machine once"):
+            static_resources([StaticNode(host="127.0.0.1", port=server.port)] * 2, "s3", reserve=0)
         with pytest.raises(ConnectionError, match="static node 127.0.0.1"):  # no TLS: never connects
             static_resources([StaticNode(host="127.0.0.1", port=server.port)], None, reserve=0)
     finally:

@@ -56,13 +56,18 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int) 
     from ...proto import mtpipe_pb2 as pb
     from ...proto import mtpipe_pb2_grpc as pb_grpc
 
-    out = []
+    out: list[NodeResources] = []
+    seen: dict[str, str] = {}  # node id -> the address that reached it first
     for n in nodes:
         try:
             with make_channel(n.address, secret) as channel:
                 h = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=10, wait_for_ready=True)
         except grpc.RpcError as e:
             raise ConnectionError(f"static node {n.address}: {describe_rpc_error(e)}") from None
+        if h.node_id in seen:  # two names of one machine would make two stages of one shard
+            raise ValueError(f"static nodes {seen[h.node_id]} and {n.address} are the same node ({h.node_id}): "
+                             "list each machine once")
+        seen[h.node_id] = n.address
         out.append(NodeResources(h.node_id, max(h.memory_available - reserve, 0), (), n.port, (n.host,)))
     return out
 

@@ -73,4 +73,5 @@ class Reformer:
                 log.warning("pipeline formed again after %d attempt(s)", attempt)
                 self.down = None
                 self.reformed.set()
+                self._thread = None  # (a loss from now on starts a new watcher: this one is ending)
             return
