@@ -145,7 +145,10 @@ def download_shard(repo: HubRepo, fingerprint: str, names: list[str]) -> Path:
         path = repo.download(file)
         sha = _downloaded_sha256(snapshot, path)
         if sha != weights[file][0]:
-            path.unlink(missing_ok=True)  # else the hub cache would hand the same bad copy back next time
+            # else the hub cache would hand the same bad copy back next time: the blob, and its link
+            blob = path.resolve()
+            path.unlink(missing_ok=True)
+            blob.unlink(missing_ok=True)
             raise ValueError(f"{file} downloaded with sha256 {sha[:12]}, the repo says {weights[file][0][:12]}")
         small[file] = sha
     _mark(snapshot, fingerprint, holder, small)

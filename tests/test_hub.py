@@ -8,7 +8,6 @@ copying into a snapshot directory laid out like the hub cache's."""
 from __future__ import annotations
 
 import hashlib
-import shutil
 from pathlib import Path
 
 import grpc
@@ -50,14 +49,19 @@ class LocalRepo:
         return out
 
     def download(self, filename: str) -> Path:
+        """As huggingface_hub lays a download out: a blob named by its hash, linked from the snapshot."""
         self.calls += 1
+        blobs = self.snapshot.parent.parent / "blobs"
+        blobs.mkdir(parents=True, exist_ok=True)
         self.snapshot.mkdir(parents=True, exist_ok=True)
-        dst = self.snapshot / filename
-        shutil.copyfile(self.source / filename, dst)
+        data = bytearray((self.source / filename).read_bytes())
+        blob = blobs / hashlib.sha256(data).hexdigest()
         if filename == self.tamper:  # a transfer that went wrong: one byte differs
-            data = bytearray(dst.read_bytes())
             data[-1] ^= 0x01
-            dst.write_bytes(bytes(data))
+        blob.write_bytes(bytes(data))
+        dst = self.snapshot / filename
+        dst.unlink(missing_ok=True)
+        dst.symlink_to(blob)
         self.downloaded.append(filename)
         return dst
 
@@ -116,6 +120,8 @@ def test_another_model_or_a_bad_file_is_refused(sharded: Path, tmp_path: Path) -
         hub.download_shard(repo, model_fingerprint(sharded), names)
     assert not (repo.snapshot / hub.VERIFIED).exists()
     assert not (repo.snapshot / weight_file).exists()  # dropped, not handed back by the cache next time
+    assert not any((repo.snapshot.parent.parent / "blobs").iterdir()) or all(
+        hashlib.sha256(b.read_bytes()).hexdigest() == b.name for b in (repo.snapshot.parent.parent / "blobs").iterdir())
 
 
 def test_repo_names_are_checked_and_read_from_the_cache_layout() -> None:
