@@ -68,7 +68,8 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int) 
             raise ValueError(f"static nodes {seen[h.node_id]} and {n.address} are the same node ({h.node_id}): "
                              "list each machine once")
         seen[h.node_id] = n.address
-        out.append(NodeResources(h.node_id, max(h.memory_available - reserve, 0), (), n.port, (n.host,)))
+        free = h.memory_available + h.parameter_bytes  # the shard it holds counts as free: a new one replaces it
+        out.append(NodeResources(h.node_id, max(free - reserve, 0), (), n.port, (n.host,)))
     return out
 
 
