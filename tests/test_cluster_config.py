@@ -322,3 +322,33 @@ def test_static_nodes_and_reachability() -> None:
             static_resources([StaticNode(host="127.0.0.1", port=server.port)], None, reserve=0)
     finally:
         server.stop()
+
+
+def test_health_with_static_nodes_only_and_when_it_cannot_check(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """With discovery off, `mtpipe health` probes the static nodes and browses nothing; when it cannot
+    check at all it exits 3 (never 1 or 2, which a monitor reads as degraded or unreachable), with a
+    JSON status "error"."""
+    import json
+
+    from mtpipe.coordinator.cli import cluster as cli_cluster
+    from mtpipe.coordinator.cli.main import main
+    from mtpipe.node.server import NodeServer
+
+    def no_browsing(*args: object) -> None:
+        raise AssertionError("zeroconf was started with discovery off")
+
+    monkeypatch.setattr(cli_cluster, "ClusterAgent", no_browsing)
+    monkeypatch.setenv("MTPIPE_SECRET", "s3")
+    server = NodeServer("127.0.0.1", 0, node_id="static-1", secret="s3").start()
+    try:
+        config = tmp_path / "cluster.yaml"
+        config.write_text(yaml.safe_dump({"discovery": {"enabled": False}, "nodes": [f"127.0.0.1:{server.port}"]}))
+        assert main(["health", "--json", "--config", str(config)]) == 1  # degraded: no shard loaded
+        report = json.loads(capsys.readouterr().out)
+        assert report["status"] == "degraded" and [n["node_id"] for n in report["nodes"]] == ["static-1"]
+    finally:
+        server.stop()
+    assert main(["health", "--json", "--secret-file", str(tmp_path / "missing"), "127.0.0.1:1"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert report["status"] == "error" and "missing" in report["error"]

@@ -42,6 +42,7 @@ from ..cluster.formation import (
     form_cluster,
     single_node_engine,
 )
+from ..cluster.health import EXIT_CHECK_FAILED
 from ..cluster.membership import Membership
 from .common import add_mtp, exit_on_sigterm, progress_loader, stage_options, stderr_console
 from .serve import add_serve_command
@@ -224,6 +225,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 / 1 / 2 for a healthy / degraded / unreachable cluster, and EXIT_CHECK_FAILED (with a JSON
+    status "error") when the check itself could not run, so a monitor never reads a failure as degraded."""
+    try:
+        return _health(args)
+    except Exception as e:  # noqa: BLE001 - a bad config, a missing secret file, no interface to browse on
+        why = str(e) if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: {e}"
+        if args.json:
+            print(json.dumps({"status": "error", "error": why}))
+        print(f"mtpipe: error: {why}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+
+
+def _health(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ..cluster.health import EXIT_CODES, overall, probe_nodes, render_table
@@ -255,6 +269,8 @@ def cmd_health(args: argparse.Namespace) -> int:
 def browse_targets(cfg: ClusterConfig, wait: float, timeout: float = 1.0) -> tuple[list[str], dict[str, str]]:
     """The cluster's nodes by zeroconf on the discovery interfaces, each at the address where it proved
     it belongs (membership.py), then the static ones; and the advertised nodes left out, with why."""
+    if not cfg.discovery.enabled:  # static nodes only: nothing to browse
+        return [n.address for n in cfg.nodes], {}
     interfaces = local_interfaces()
     agent = ClusterAgent(discovery_addresses(cfg.discovery.interfaces, interfaces), None, cfg.name).start()
     try:

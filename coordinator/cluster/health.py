@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 HEALTHY, DEGRADED, UNREACHABLE = "healthy", "degraded", "unreachable"
 EXIT_CODES = {HEALTHY: 0, DEGRADED: 1, UNREACHABLE: 2}
+EXIT_CHECK_FAILED = 3  # `mtpipe health` could not check at all (a bad config, a missing secret file)
 
 
 @dataclass(frozen=True)
