@@ -22,6 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -83,6 +84,18 @@ class Transfer:
             self._logged = now
             log.info("shard transfer from %s: %.1f / %.1f MiB (%.0f%%)", self.source, self.done / 2**20,
                      self.total / 2**20, 100.0 * self.done / max(self.total, 1))
+
+
+async def _next_chunk(chunks: Any, call: Any) -> Any:
+    """The stream's next chunk, None at its end; a source that sends nothing for IDLE_TIMEOUT_S has
+    stalled (its connection may still answer keepalives), as on the data plane."""
+    try:
+        return await asyncio.wait_for(chunks.__anext__(), bulk.IDLE_TIMEOUT_S)
+    except StopAsyncIteration:
+        return None
+    except TimeoutError:
+        call.cancel()
+        raise _SourceFailed(f"sent nothing for {bulk.IDLE_TIMEOUT_S:.0f} s") from None
 
 
 def _resume_offset(part: Path) -> int:
@@ -205,7 +218,7 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
                         bulk.close(sock)
             else:
                 progress.transport = "grpc"
-            async for chunk in chunks:
+            while (chunk := await _next_chunk(chunks, call)) is not None:
                 if chunk.offset != offset:
                     call.cancel()
                     raise _SourceFailed(f"sent bytes at {chunk.offset}, expected {offset}")

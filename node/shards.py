@@ -267,6 +267,7 @@ class ShardCache:
         """Move a verified .part into place and write the manifest last (the entry exists from then on)."""
         d = self.dir(key)
         (d / "config.json").write_text(config_json)
+        _sync(d / PART)  # on disk before a manifest vouches for it (a power loss keeps no half file)
         os.replace(d / PART, d / WEIGHTS)
         self._write_manifest(d, manifest)
         return d
@@ -276,8 +277,13 @@ class ShardCache:
         st = (d / WEIGHTS).stat()
         manifest.verified_size, manifest.verified_mtime_ns = st.st_size, st.st_mtime_ns
         tmp = d / (SHARD_MANIFEST + ".tmp")
-        tmp.write_text(manifest.to_json())
-        os.replace(tmp, d / SHARD_MANIFEST)
+        try:
+            tmp.write_text(manifest.to_json())
+            _sync(tmp)
+            os.replace(tmp, d / SHARD_MANIFEST)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _sync(d)  # the renames too
 
     def holding(self, fingerprint: str, names: list[str]) -> tuple[Path, Manifest] | None:
         """A complete entry of this model that holds every one of `names` (to serve them to a peer)."""
@@ -293,3 +299,12 @@ class ShardCache:
             if m.fingerprint == fingerprint and want <= {t.name for t in m.tensors} and (d / WEIGHTS).exists():
                 return d, m
         return None
+
+
+def _sync(path: Path) -> None:
+    """Flush a file's (or a directory's entries') writes to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -101,3 +101,27 @@ def test_a_root_pointed_elsewhere_lists_and_removes_nothing(tmp_path: Path) -> N
     assert cache_admin.entries(tmp_path) == []
     assert cache_admin.prune(tmp_path) == [] and (tmp_path / "photos" / "2026" / "a.jpg").exists()
     assert (fake / "notes.txt").exists()
+
+
+def test_a_source_that_stalls_is_given_up(dense_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source whose stream stops (a hung disk read: its connection still answers) is given up after
+    the idle time, as on the data plane, and the next source is tried."""
+    import time
+
+    from mtpipe.node import bulk, weights
+
+    read = weights._read_stream
+    monkeypatch.setattr(weights, "_read_stream", lambda *a: (time.sleep(2.0), read(*a))[1])
+    monkeypatch.setattr(bulk, "IDLE_TIMEOUT_S", 0.3)
+    holder = NodeServer("127.0.0.1", 0, model_dirs=[dense_ckpt], shard_cache=tmp_path / "holder").start()
+    try:
+        key = ShardKey(model_fingerprint(dense_ckpt), 0, 1, TINY_LAYERS, False)
+        names = shard_names(dense_ckpt, 0, 1, TINY_LAYERS, False)
+        cache = ShardCache(tmp_path / "cache")
+        cache.dir(key).mkdir(parents=True)
+        start = time.monotonic()
+        with pytest.raises(fetch._SourceFailed, match="sent nothing for 0 s"):
+            asyncio.run(fetch._fetch_from(holder.address, cache, key, names, None, fetch.Transfer(), raw=False))
+        assert time.monotonic() - start < 1.9
+    finally:
+        holder.stop(0)
