@@ -81,7 +81,7 @@ def test_full_config(tmp_path: Path) -> None:
 
 
 def test_numbers_meant_as_text_and_bounds_that_are_allowed() -> None:
-    cfg = parse_cluster_config({"name": 42, "secret": 123456, "mtp_depth": 0, "discovery": {"settle": 0},
+    cfg = parse_cluster_config({"name": 42, "secret": "123456", "mtp_depth": 0, "discovery": {"settle": 0},
                                 "placement": {"reserve_gib": 0}, "node": {"port": 1}, "api": {"port": 65535}})
     assert (cfg.name, cfg.secret, cfg.mtp_depth, cfg.discovery.settle) == ("42", "123456", 0, 0.0)
     assert (cfg.placement.reserve_gib, cfg.node.port, cfg.api.port) == (0.0, 1, 65535)
@@ -146,6 +146,9 @@ KNOWN_TOP = "name, secret, secret_file, secret_env, model, dtype, mtp_depth, dra
         ({"placement": {"reserve_gib": -1}}, r": placement\.reserve_gib: Input should be greater than or"),
         ({"placement": {"layers": {"a": 0}}}, r": placement\.layers\.a: Input should be greater than or equal"),
         ({"secret": "x", "secret_env": "OTHER"}, r": give either secret or secret_env, not both$"),
+        ({"secret": 83}, r": secret: YAML reads this secret as the number 83, .*: quote it$"),  # (0123)
+        ({"discovery": {"settle": float("inf")}}, r": discovery\.settle: Input should be a finite number"),
+        ({"node": {"max_memory_gib": float("nan")}}, r": node\.max_memory_gib: Input should be a finite number"),
     ],
 )
 def test_errors_name_the_file_and_key(data: object, message: str) -> None:

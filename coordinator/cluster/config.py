@@ -45,12 +45,20 @@ def _number_to_str(value: Any) -> Any:
     return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
+def _secret_text(value: Any) -> Any:
+    """A secret YAML reads as a number may not be what was written (`0123` is 83): it must be quoted."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        raise ValueError(f"YAML reads this secret as the number {value!r}, maybe not what was written: quote it")
+    return value
+
+
 def _key_to_str(value: Any) -> Any:
     """Mapping keys (node ids) are text even when YAML reads them as numbers."""
     return value if isinstance(value, str) else str(value)
 
 
 Text = Annotated[str, BeforeValidator(_number_to_str)]
+SecretText = Annotated[str, BeforeValidator(_secret_text)]
 Key = Annotated[str, BeforeValidator(_key_to_str)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Dtype = Literal["float32", "float16", "bfloat16"]
@@ -59,7 +67,7 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 class _Section(BaseModel):
     # strict: an int is still accepted for a float (YAML `settle: 10`), but never "10" for an int or
     # 1.0 for an int; validate_assignment: a later `cfg.api.port = 0` is refused too.
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
 
 
 class StaticNode(_Section):
@@ -113,7 +121,7 @@ class NodeConfig(_Section):
 
 class ClusterConfig(_Section):
     name: Text = "default"
-    secret: Text | None = None
+    secret: SecretText | None = None
     secret_file: Text | None = None  # a file holding the secret (kept out of cluster.yaml and argv)
     secret_env: Text | None = DEFAULT_SECRET_ENV
     model: Text | None = None
