@@ -322,7 +322,7 @@ def test_static_nodes_and_reachability() -> None:
         with pytest.raises(ValueError, match="are the same node .static-1.: list each machine once"):
             static_resources([StaticNode(host="127.0.0.1", port=server.port)] * 2, "s3", reserve=0)
         with pytest.raises(ConnectionError, match="static node 127.0.0.1"):  # no TLS: never connects
-            static_resources([StaticNode(host="127.0.0.1", port=server.port)], None, reserve=0)
+            static_resources([StaticNode(host="127.0.0.1", port=server.port)], None, reserve=0, timeout=1.0)
     finally:
         server.stop()
 

@@ -48,7 +48,8 @@ def resources_from_advert(ad: NodeAdvert, reserve: int) -> NodeResources:
     return NodeResources(ad.node_id, max(ad.mem_available - reserve, 0), ad.interfaces, ad.port, ad.addresses)
 
 
-def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int) -> list[NodeResources]:
+def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int,
+                     timeout: float = 10.0) -> list[NodeResources]:
     """Nodes named in cluster.yaml (no multicast): ask each one's Health for its id and memory."""
     import grpc
 
@@ -61,7 +62,7 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int) 
     for n in nodes:
         try:
             with make_channel(n.address, secret) as channel:
-                h = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=10, wait_for_ready=True)
+                h = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=timeout, wait_for_ready=True)
         except grpc.RpcError as e:
             raise ConnectionError(f"static node {n.address}: {describe_rpc_error(e)}") from None
         if h.node_id in seen:  # two names of one machine would make two stages of one shard
