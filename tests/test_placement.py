@@ -79,6 +79,19 @@ def test_rounding_is_repaired_by_moving_a_boundary_layer() -> None:
     assert all(s.bytes <= s.available for s in plan)
 
 
+def test_a_tight_cluster_is_placed_when_any_placement_fits() -> None:
+    """Where rounding and moving boundary layers to neighbours leave a stage over its node's memory, but
+    some contiguous placement fits, that one is taken (the fullest node filled least)."""
+    f = ModelFootprint((10,) * 9, 26, 18, 0, False)
+    nodes = [NodeResources(x, m) for x, m in zip("abcd", (38, 18, 48, 48))]
+    plan = plan_layers(f, nodes)
+    assert [s.layers for s in plan] == [1, 1, 4, 3] and all(s.bytes <= s.available for s in plan)
+    with pytest.raises(PlacementError, match="would hold"):  # one byte less on d: nothing fits
+        plan_layers(f, [*nodes[:3], NodeResources("d", 47)])
+    plan = plan_layers(f, nodes[:2] + [NodeResources("c", 100), NodeResources("d", 48)], {"c": 5})
+    assert [s.layers for s in plan][2] == 5 and all(s.bytes <= s.available for s in plan)
+
+
 def test_overrides() -> None:
     plan = plan_layers(fp(), [node("a", 100), node("b", 50), node("c", 50)], {"b": 10})
     assert [s.layers for s in plan][1] == 10 and sum(s.layers for s in plan) == 64

@@ -314,6 +314,8 @@ def plan_layers(
     counts = _proportional_counts(footprint, nodes, overrides, L - fixed)
     bounds = list(itertools.accumulate([0] + counts))
     _repair(footprint, nodes, bounds, frozen={i for i, n in enumerate(nodes) if n.node_id in overrides})
+    if any(footprint.stage_bytes(a, b) > n.available for n, a, b in zip(nodes, bounds, bounds[1:])):
+        bounds = _fit(footprint, nodes, overrides) or bounds  # (none fits: the error below names a stage)
     plan = [
         StagePlan(n.node_id, a, b, footprint.stage_bytes(a, b), n.available)
         for n, a, b in zip(nodes, bounds, bounds[1:])
@@ -377,6 +379,38 @@ def _repair(footprint: ModelFootprint, nodes: list[NodeResources], bounds: list[
             bounds[:] = old
         if not moved:
             return
+
+
+def _fit(footprint: ModelFootprint, nodes: list[NodeResources], overrides: dict[str, int]) -> list[int] | None:
+    """Bounds under which every stage fits its node, filling the fullest node least (contiguous ranges
+    in node order, at least a layer each, overrides kept), or None when none fit: for a tight cluster
+    where rounding and moves to neighbours leave a stage over."""
+    L, n = footprint.num_layers, len(nodes)
+    prefix = [0, *itertools.accumulate(footprint.layer_bytes)]
+
+    def fill(i: int, a: int, b: int) -> float:
+        used = prefix[b] - prefix[a] + footprint.end_bytes(a == 0, b == L)
+        return used / nodes[i].available if 0 < nodes[i].available and used <= nodes[i].available else math.inf
+
+    best = [[math.inf] * (L + 1) for _ in range(n + 1)]  # best[i][k]: nodes before i hold layers before k
+    back = [[0] * (L + 1) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    for i in range(n):
+        last = L - (n - i - 1)  # the nodes after this one need a layer each
+        for a in range(i, last):
+            if best[i][a] == math.inf:
+                continue
+            fixed = overrides.get(nodes[i].node_id)
+            for b in [a + fixed] if fixed else range(a + 1, last + 1):
+                f = max(best[i][a], fill(i, a, b)) if b <= last else math.inf
+                if f < best[i + 1][b]:
+                    best[i + 1][b], back[i + 1][b] = f, a
+    if best[n][L] == math.inf:
+        return None
+    bounds = [L]
+    for i in range(n, 0, -1):
+        bounds.append(back[i][bounds[-1]])
+    return bounds[::-1]
 
 
 def describe_plan(plan: Sequence[StagePlan]) -> str:
