@@ -191,32 +191,30 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
             if progress.interrupt_after is not None and received >= progress.interrupt_after:
                 raise TransferInterrupted(f"transfer stopped after {received} bytes (test hook)")
 
-        fallback = False
+        fallback, sock = False, None
         f = await loop.run_in_executor(None, open, part, "ab" if offset else "wb")
         try:
-            if offset:  # what the part file holds goes through the hashes first
-                await loop.run_in_executor(None, _feed_part, part, len(header), offset, verifier)
-            if not offset:
-                f.write(header)
-            if first.token and first.data_port:
+            if first.token and first.data_port:  # before a large part file is hashed: the token is short-lived
                 host = split_host_port(source)[0]
                 try:
                     sock = await loop.run_in_executor(None, bulk.connect, host, first.data_port, first.token)
                 except (TimeoutError, OSError) as e:
                     log.warning("no data plane to %s (port %d: %s); fetching over gRPC", source, first.data_port, e)
                     fallback = True
-                else:
-                    progress.transport = "tcp"
-                    try:
-                        offset += await loop.run_in_executor(None, bulk.receive, sock, f, total - offset,
-                                                           verifier.feed, count)
-                    except TransferInterrupted:
-                        raise
-                    except OSError as e:
-                        raise _SourceFailed(f"the data-plane stream broke: {e}") from e
-                    finally:
-                        bulk.close(sock)
-            else:
+            if offset:  # what the part file holds goes through the hashes first
+                await loop.run_in_executor(None, _feed_part, part, len(header), offset, verifier)
+            if not offset:
+                f.write(header)
+            if sock is not None:
+                progress.transport = "tcp"
+                try:
+                    offset += await loop.run_in_executor(None, bulk.receive, sock, f, total - offset,
+                                                       verifier.feed, count)
+                except TransferInterrupted:
+                    raise
+                except OSError as e:
+                    raise _SourceFailed(f"the data-plane stream broke: {e}") from e
+            elif not fallback:
                 progress.transport = "grpc"
             while (chunk := await _next_chunk(chunks, call)) is not None:
                 if chunk.offset != offset:
@@ -231,8 +229,12 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
                     call.cancel()
                     raise TransferInterrupted(f"transfer stopped after {received} bytes (test hook)")
         finally:
-            f.close()
-            problem = await loop.run_in_executor(None, verifier.finish)  # the thread ends either way
+            if sock is not None:
+                bulk.close(sock)
+            try:
+                f.close()  # (a full disk may fail it)
+            finally:
+                problem = await loop.run_in_executor(None, verifier.finish)  # the thread ends either way
     if fallback:
         return await _fetch_from(source, cache, key, names, secret, progress, raw=False)
     if offset != total:
