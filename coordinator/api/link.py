@@ -30,7 +30,7 @@ from typing import Any
 from ...node.protocol import StageUnavailable
 from ..engine.request import GenerationRequest, check_request, check_vocabulary
 from ..engine.sinks import END, Sink
-from .pipe import Outbox, WireError, hang_up
+from .pipe import Outbox, WireError, hang_up, receive
 from .readiness import Readiness, timestamp
 
 log = logging.getLogger(__name__)
@@ -90,16 +90,7 @@ class EngineHost:
 
     def _read(self) -> None:
         try:
-            while True:
-                for msg in self.conn.recv():
-                    try:
-                        self._dispatch(msg)
-                    except Exception:  # noqa: BLE001 - one message's failure is not the link's
-                        log.exception("the API front's message %r failed", msg[0])
-        except (EOFError, OSError):
-            pass  # the front is gone, or close() closed the pipe
-        except Exception:  # noqa: BLE001 - a message this side cannot read: the link is unusable
-            log.exception("the link to the API front failed")
+            receive(self.conn, self._dispatch, "the API front")
         finally:
             hang_up(self.conn)  # the front sees the link end, and fails what it has open
             if not self.listening.done():
@@ -291,17 +282,7 @@ class EngineClient:
         return []
 
     def _read(self) -> None:
-        try:
-            while True:
-                for msg in self.conn.recv():
-                    try:
-                        self._dispatch(msg)
-                    except Exception:  # noqa: BLE001 - one message's failure (a sink's) is not the link's
-                        log.exception("the engine's message %r failed", msg[0])
-        except (EOFError, OSError):
-            pass
-        except Exception:  # noqa: BLE001 - a message this side cannot read: the link is unusable
-            log.exception("the engine link failed")
+        receive(self.conn, self._dispatch, "the engine's process")
         hang_up(self.conn)
         self._lose("the engine's process is gone")
 

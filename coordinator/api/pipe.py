@@ -72,6 +72,22 @@ def hang_up(conn: Any) -> None:
             pass
 
 
+def receive(conn: Any, dispatch: Callable[[tuple[Any, ...]], None], peer: str) -> None:
+    """Hand each message from `peer` to `dispatch` until the link ends: one message's failure is logged
+    and the next one read; a message this side cannot read ends the link."""
+    try:
+        while True:
+            for msg in conn.recv():
+                try:
+                    dispatch(msg)
+                except Exception:  # noqa: BLE001 - one message's failure (a sink's) is not the link's
+                    log.exception("%s's message %r failed", peer, msg[0])
+    except (EOFError, OSError):
+        pass  # the other side is gone, or this one hung up
+    except Exception:  # noqa: BLE001 - a message this side cannot read: the link is unusable
+        log.exception("the link to %s failed", peer)
+
+
 class Outbox:
     """Messages for the other process, sent in batches by a thread of their own. A message that does
     not pickle goes to `unsendable`, which returns what to send in its place, so that none hangs."""
