@@ -357,7 +357,6 @@ def test_a_row_lost_while_its_prompt_goes_in_is_freed_once_it_is_through() -> No
 
         def steps(self, steps: list) -> list:
             self.row_sinks[steps[0].seq_id](StageUnavailable("node b is gone"))  # heard while chunks go
-            time.sleep(0.2)  # (the request's resume gives up meanwhile)
             self.early = list(self.released)
             self.through.set()
             raise StageUnavailable("node b is gone")
