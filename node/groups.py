@@ -127,7 +127,9 @@ class RingGroups:
             commits = [by_id.get(s) or Commit(0, 0, 0) for s in stage.ids]  # leaving rows: any outcome
             stage.commit(commits)
             g.pending = False
-        stage.leave(set(stage.ids) - {r.seq_id for r in kept})
+        left = set(stage.ids) - {r.seq_id for r in kept}
+        stage.leave(left)
+        g.released -= left  # (released while they finished: no outcome of theirs can come any more)
         for r in joins:
             stage.join(r.seq_id)
         g.round = rnd.round

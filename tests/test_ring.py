@@ -269,8 +269,18 @@ def test_a_row_released_while_it_joins_leaves_cleanly(dense_ckpt: Path) -> None:
     assert groups.client_release("b") is True  # in the round on its way: out of the next one
     shown, third = arrive(second)
     assert [o.seq_id for o in shown] == ["a"] and [r.seq_id for r in third.rows] == ["a"]
-    arrive(third)
+    _, fourth = arrive(third)
     assert groups.rows == 1 and "b" not in worker.sequences
+    # A row that ends on its budget, released by its client while the next round is on its way: it
+    # leaves with that round, and nothing of it is kept.
+    assert groups.joined("c", 1, prefill("e"), 2, ()) == (True, None)  # one token left after its first
+    _, fifth = arrive(fourth)
+    assert [(r.seq_id, r.join) for r in fifth.rows] == [("a", False), ("e", True)]
+    _, sixth = arrive(fifth)  # "e" emits its last token: not in the next round
+    assert [r.seq_id for r in sixth.rows] == ["a"]
+    assert groups.client_release("e")
+    arrive(sixth)
+    assert groups.rows == 1 and not groups.groups[("c", 1)].released and "e" not in worker.sequences
 
 
 def test_the_last_node_ends_a_group_whose_round_was_lost(dense_ckpt: Path) -> None:
