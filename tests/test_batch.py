@@ -558,8 +558,8 @@ def test_admission_waits_for_memory_and_times_out(dense_ckpt: Path, engines: Eng
     dims = plan.ModelDims.of(config.args, itemsize=4, mtp=True)
     tok = engines.local("dense")
     a, b = request(encode(tok, PROMPTS[0]), 2, 32), request(encode(tok, PROMPTS[1]), 1, 24)
-    cost = [plan.sequence_cost(dims, len(r.prompt_tokens) + r.max_tokens, r.mtp_depth) for r in (a, b)]
-    budget = max(cost)  # each fits alone, not both together
+    need = [plan.footprint(dims, len(r.prompt_tokens) + r.max_tokens, r.mtp_depth) for r in (a, b)]
+    budget = max(plan.batch_bytes(dims, [n]) for n in need)  # each fits alone, not both together
     engine = batch_engine(dense_ckpt, dtype=mx.float32, memory_budget=budget, queue_timeout=30)
     try:
         first, second = Stream(engine, a), Stream(engine, b)
@@ -567,8 +567,7 @@ def test_admission_waits_for_memory_and_times_out(dense_ckpt: Path, engines: Eng
         assert second.finish() == engines.alone("dense", b).tokens
         assert second.stamps[0] > first.ended_at  # it started only once the first one was done
         # With room for both, they run together: the second's first token comes before the first ends.
-        both = [plan.footprint(dims, len(r.prompt_tokens) + r.max_tokens, r.mtp_depth) for r in (a, b)]
-        engine.thread.call(setattr, engine, "budget", plan.batch_bytes(dims, both))
+        engine.thread.call(setattr, engine, "budget", plan.batch_bytes(dims, need))
         first, second = Stream(engine, a), Stream(engine, b)
         first.finish(), second.finish()
         assert second.stamps[0] < first.ended_at
@@ -576,8 +575,8 @@ def test_admission_waits_for_memory_and_times_out(dense_ckpt: Path, engines: Eng
         engine.close()
 
     long = request(encode(tok, PROMPTS[0]), 0, 2000, params=never_ends(tok))
-    engine = batch_engine(dense_ckpt, dtype=mx.float32, queue_timeout=0.2,
-                          memory_budget=plan.sequence_cost(dims, len(long.prompt_tokens) + 2000, 0))
+    alone = plan.batch_bytes(dims, [plan.footprint(dims, len(long.prompt_tokens) + 2000, 0)])
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, queue_timeout=0.2, memory_budget=alone)
     try:
         running = Stream(engine, long).first()
         start = time.monotonic()

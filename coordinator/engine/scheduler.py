@@ -57,11 +57,6 @@ def batch_bytes(dims: ModelDims, rows: list[Footprint]) -> int:
     return dims.kv_bytes_per_token * len(rows) * max(r.reach for r in rows) + sum(r.states for r in rows)
 
 
-def sequence_cost(dims: ModelDims, positions: int, depth: int) -> int:
-    """Bytes a sequence may hold alone."""
-    return batch_bytes(dims, [footprint(dims, positions, depth)])
-
-
 @dataclass(frozen=True)
 class Waiting:
     seq_id: str
