@@ -146,7 +146,9 @@ async def fetch_shard(cache: ShardCache, key: ShardKey, names: list[str], source
 
 
 async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list[str], secret: str | None,
-                      progress: Transfer, raw: bool = True) -> int:
+                      progress: Transfer, raw: bool = True, reask: bool = True) -> int:
+    """One attempt from one source. `reask`: a data-plane token that aged while room was made is asked for again
+    once, rather than taking the transfer to gRPC."""
     loop = asyncio.get_running_loop()
     part = cache.dir(key) / PART
     offset = _resume_offset(part)
@@ -158,6 +160,7 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
             first = await asyncio.wait_for(chunks.__anext__(), CONNECT_TIMEOUT_S)
         except StopAsyncIteration:
             raise _SourceFailed("sent nothing") from None
+        issued = time.monotonic()
         tensors = [TensorInfo(t.name, t.dtype, tuple(t.shape), t.size, t.sha256) for t in first.tensors]
         if [t.name for t in tensors] != names:
             call.cancel()
@@ -168,7 +171,7 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
             call.cancel()
             log.info("%s holds another transfer; starting over", part)
             part.unlink()
-            return await _fetch_from(source, cache, key, names, secret, progress, raw)
+            return await _fetch_from(source, cache, key, names, secret, progress, raw, reask)
         need = total - offset + (0 if offset else len(header))
         free = await loop.run_in_executor(None, free_bytes, part.parent)
         if free < need + DISK_MARGIN:  # make room: other cached shards, least recently used first
@@ -178,6 +181,10 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
             call.cancel()
             raise NoDiskSpace(f"not enough disk space for the shard: {need / 2**30:.2f} GiB to fetch into "
                               f"{part.parent}, {free / 2**30:.2f} GiB free")
+        if reask and first.token and time.monotonic() - issued > bulk.TOKEN_TTL_S / 2:
+            call.cancel()
+            log.info("the data-plane token from %s aged while room was made; asking again", source)
+            return await _fetch_from(source, cache, key, names, secret, progress, raw, reask=False)
         progress.state, progress.source, progress.total, progress.done = "fetching", source, total, offset
         if offset:
             log.info("resuming the shard transfer from %s at %.1f of %.1f MiB", source, offset / 2**20, total / 2**20)

@@ -285,6 +285,31 @@ def test_tensor_bytes_travel_on_the_data_plane(dense_ckpt: Path, tmp_path: Path,
         assert generate(engine, text) == reference[text]
 
 
+def test_a_token_that_aged_while_room_was_made_is_asked_for_again(dense_ckpt: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making room (pruning other shards) can outlast the data-plane token: the node asks for a fresh one
+    instead of taking the transfer to the slower gRPC path."""
+    import time
+
+    room = {"made": False}
+
+    def free_bytes(path: Path) -> int:
+        return 1 << 40 if room["made"] else 0
+
+    def slow_make_room(*args: object) -> int:
+        time.sleep(0.4)
+        room["made"] = True
+        return 1 << 40
+
+    monkeypatch.setattr(bulk, "TOKEN_TTL_S", 0.3)
+    monkeypatch.setattr(fetch, "free_bytes", free_bytes)
+    monkeypatch.setattr(fetch, "make_room", slow_make_room)
+    total = shard_bytes(dense_ckpt, HALVES[1])
+    with nodes(tmp_path, [[dense_ckpt], []]) as servers, engine_over(dense_ckpt, servers, specs=HALVES) as engine:
+        assert engine.pipeline.load_replies[1].fetched_bytes == total
+        assert servers[1].service.weights.transfer.transport == "tcp"
+
+
 def test_a_bulk_token_is_good_once(dense_ckpt: Path, tmp_path: Path) -> None:
     fp = model_fingerprint(dense_ckpt)
     index = checkpoint_index(dense_ckpt)
