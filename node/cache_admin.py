@@ -3,7 +3,8 @@
 Entries are removed least recently used first: a cache hit touches the entry's manifest (shards.py),
 so its modification time says when the entry was last loaded or completed. A node that lacks disk
 space for a shard it must fetch first removes other entries this way (fetch.py): a peer fetching one
-of them then fails over to its other sources. `mtpipe cache` lists and prunes by hand.
+of them then fails over to its other sources. `mtpipe cache` lists and prunes by hand. Neither removes
+an entry that a node is fetching or loading (cache_lock.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..models.fingerprint import SHARD_MANIFEST
+from .cache_lock import EntryLock, try_exclusive
 from .shards import PART, WEIGHTS, Manifest, free_bytes
 
 log = logging.getLogger(__name__)
@@ -78,25 +80,46 @@ def remove(entry: Entry) -> None:
     log.info("shard cache: removed %s (%.1f MiB)", entry.path, entry.bytes / 2**20)
 
 
+def _lock_all(chosen: list[Entry]) -> tuple[list[tuple[Entry, EntryLock]], list[Entry]]:
+    """The entries that no node is fetching or loading, each locked; and the others (cache_lock.py)."""
+    free, busy = [], []
+    for e in chosen:
+        lock = try_exclusive(e.path)
+        if lock is None:
+            busy.append(e)
+        else:
+            free.append((e, lock))
+    if busy:
+        log.info("shard cache: %d entries in use by a node are kept: %s", len(busy),
+                 ", ".join(str(e.path) for e in busy))
+    return free, busy
+
+
 def make_room(root: Path, need: int, free: int, keep: Path | None = None,
               measure: Callable[[Path], int] = free_bytes) -> int:
     """Remove entries other than `keep`, least recently used first, until `need` bytes fit; returns
     the free bytes `measure` finds after the last removal. When removing them all would not make
-    room, none is removed (peers may still fetch them from here)."""
-    others = [e for e in entries(root) if e.path != keep]
-    if free + sum(e.bytes for e in others) < need:
+    room, none is removed (peers may still fetch them from here); an entry in use is never removed."""
+    others, _ = _lock_all([e for e in entries(root) if e.path != keep])
+    try:
+        if free + sum(e.bytes for e, _ in others) < need:
+            return free
+        for e, _ in others:
+            if free >= need:
+                break
+            remove(e)
+            free = measure(root)
         return free
-    for e in others:
-        if free >= need:
-            break
-        remove(e)
-        free = measure(root)
-    return free
+    finally:
+        for _, lock in others:
+            lock.release()
 
 
-def prune(root: Path, *, max_bytes: int | None = None, fingerprint: str | None = None) -> list[Entry]:
+def prune(root: Path, *, max_bytes: int | None = None,
+          fingerprint: str | None = None) -> tuple[list[Entry], list[Entry]]:
     """Remove every entry of `fingerprint` (or of every model when None) or, with `max_bytes`, the least
-    recently used entries until the cache holds at most that many bytes. Returns what was removed."""
+    recently used entries until the cache holds at most that many bytes. Returns what was removed, and
+    what was chosen but kept because a node is fetching or loading it."""
     if fingerprint is not None and not fingerprint:
         raise ValueError("an empty model fingerprint names every model: use --all for that")
     all_entries = entries(root)
@@ -110,6 +133,11 @@ def prune(root: Path, *, max_bytes: int | None = None, fingerprint: str | None =
                 break
             chosen.append(e)
             total -= e.bytes
-    for e in chosen:
-        remove(e)
-    return chosen
+    removable, busy = _lock_all(chosen)
+    try:
+        for e, _ in removable:
+            remove(e)
+    finally:
+        for _, lock in removable:
+            lock.release()
+    return [e for e, _ in removable], busy

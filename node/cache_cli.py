@@ -33,13 +33,16 @@ def cmd_cache(args: argparse.Namespace) -> int:
             print("mtpipe cache prune: --max-gib must be 0 or more", file=sys.stderr)
             return 2
         max_bytes = int(args.max_gib * 2**30) if args.max_gib is not None else None
-        listed = prune(root, max_bytes=max_bytes, fingerprint=args.model)
+        listed, busy = prune(root, max_bytes=max_bytes, fingerprint=args.model)
         verb = "removed"
     else:
-        listed, verb = entries(root), "holds"
+        (listed, busy), verb = (entries(root), []), "holds"
     total = sum(e.bytes for e in listed)
     if args.json:
-        print(json.dumps({"root": str(root), verb: [e.to_dict() for e in listed], "bytes": total}))
+        out = {"root": str(root), verb: [e.to_dict() for e in listed], "bytes": total}
+        if args.action == "prune":
+            out["in_use"] = [e.to_dict() for e in busy]
+        print(json.dumps(out))
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -52,4 +55,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
                       time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)),
                       "complete" if e.complete else "partial")
     Console().print(table)
+    if busy:
+        Console(stderr=True).print(f"kept {len(busy)} entries a node is fetching or loading: "
+                                   + ", ".join(f"{e.fingerprint[:12]}/{e.layers}" for e in busy))
     return 0

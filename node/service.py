@@ -114,18 +114,20 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
                     found = await self.weights.resolve(request)
                 except (ValueError, OSError, KeyError) as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
-                self.worker, self.key = None, None  # free the old shard before reading the new one
-                self.drop_groups()
-                self._owners.clear()
                 try:
+                    self.worker, self.key = None, None  # free the old shard before reading the new one
+                    self.drop_groups()
+                    self._owners.clear()
                     # On this thread (arrays belong to it), yielding to the loop between pieces.
                     self.worker, self.key = await load_stage(replace(key, model_path=str(found.path)),
-                                                                 draft_vocab=self.draft_vocab,
-                                                                 mtp_window=self.mtp_window), key
+                                                             draft_vocab=self.draft_vocab,
+                                                             mtp_window=self.mtp_window), key
                     self.conditions.clear("load")
                 except (ValueError, OSError, KeyError) as e:
                     self.conditions.set("load", f"load failed: {e}")
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
+                finally:
+                    found.release()  # in memory now: the cache entry may go
             shard = self.worker.shard
             log.info("%s shard [%d, %d) of %s (%s)", "kept" if reused else "loaded", key.start, key.end,
                      self.weights.loaded.path if self.weights.loaded else key.model_path, self._dtype_name())

@@ -228,8 +228,10 @@ class ShardCache:
             raise ValueError(f"invalid model fingerprint {key.fingerprint!r}")
         return self.root / key.fingerprint / key.dirname
 
-    def lookup(self, key: ShardKey, names: list[str] | None = None) -> Path | None:
-        """The verified directory of this shard, or None; a corrupted entry is removed (fetched again)."""
+    def lookup(self, key: ShardKey, names: list[str] | None = None, repair: bool = True) -> Path | None:
+        """The verified directory of this shard, or None; a corrupted entry is removed (fetched again).
+        Without `repair` (under a shared lock, cache_lock.py) an entry that would need hashing or removing
+        is left as it is, and None returned."""
         d = self.dir(key)
         manifest_file = d / SHARD_MANIFEST
         if not manifest_file.exists():
@@ -248,12 +250,16 @@ class ShardCache:
             elif not (d / "config.json").exists():
                 problem = "config.json is missing"
             elif not _unchanged(d / WEIGHTS, m):
+                if not repair:
+                    return None
                 problem = verify_file(d / WEIGHTS, m.tensors)
                 if problem is None:  # intact after all (copied, touched): trusted from now on
                     self._write_manifest(d, m)
         if problem is None:
             os.utime(manifest_file)  # when it was last used: the least recently used go first (cache_admin.py)
             return d
+        if not repair:
+            return None
         log.warning("shard cache %s is invalid (%s): removed, to be fetched again", d, problem)
         self.discard(key)
         return None

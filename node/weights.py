@@ -4,7 +4,8 @@ A Load that names the model's fingerprint is resolved in this order:
   1. a local copy: the request's path (a hint, followed only under the node's model directories,
      model_dirs.py) or one of the node's own model copies (`--model-dir`), used only if its
      fingerprint is the requested one;
-  2. the node's shard cache (shards.py), verified tensor by tensor;
+  2. the node's shard cache (shards.py), verified tensor by tensor, its entry locked against other
+     nodes on this machine from the lookup until the shard is loaded (cache_lock.py);
   3. the shard's tensors fetched from the first of the request's sources that holds them (fetch.py);
   4. with `--download` and a hub repo in the request, the hub files that hold them (hub.py).
 A Load without a fingerprint reads the request's path as it is, if it lies under those directories.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,9 @@ from ..models.fingerprint import (
     tensor_hashes,
 )
 from ..proto import mtpipe_pb2 as pb
+from . import cache_lock
 from .bulk import BulkGrants, serve_bulk
+from .cache_lock import EntryLock
 from .fetch import Transfer, fetch_shard
 from .hub import HubRepo, download_shard, hub_repo
 from .model_dirs import ModelDirs, env_model_dirs
@@ -53,6 +56,13 @@ class Found:
     source: str  # "local", "cache", "peer <host:port>", "path"
     fetched: int = 0
     fingerprint: str = ""
+    lock: EntryLock | None = None  # a shard cache entry's, shared: nobody removes it before it is loaded
+
+    def release(self) -> None:
+        """Once the shard is in memory (or will not be loaded)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 @dataclass
@@ -120,11 +130,37 @@ class WeightStore:
                 log.warning("%s is another model (fingerprint %s, asked for %s): not used", path, got[:12], fp[:12])
         key = ShardKey(fp, request.start, request.end, request.num_layers, request.mtp)
         names = list(request.tensors)
-        loop = asyncio.get_running_loop()
-        cached = await loop.run_in_executor(None, self.cache.lookup, key, names or None)
-        if cached is not None:
-            return self._found(Found(cached, "cache", 0, fp))
         hub = bool(self.download and request.hub_repo and names)
+        loop = asyncio.get_running_loop()
+
+        def complete() -> Awaitable[Path | None]:  # under a shared lock: look, change nothing
+            return loop.run_in_executor(None, self.cache.lookup, key, names or None, False)
+
+        lock, cached = await cache_lock.hold(self.cache.root, key.fingerprint, key.dirname, complete)
+        if cached is not None:
+            return self._found(Found(cached, "cache", 0, fp, lock))
+        try:  # held exclusively
+            found = await self._from_cache(key, names, request, hub, hint, refused)
+        except BaseException:
+            lock.release()
+            raise
+        if found is None:  # to the hub
+            lock.release()
+        else:
+            lock.share()
+            found.lock = lock
+            return self._found(found)
+        repo = self.hub_repo(request.hub_repo, request.hub_revision)
+        path = await loop.run_in_executor(None, download_shard, repo, fp, names)
+        return self._found(Found(path, f"hub {request.hub_repo}@{request.hub_revision[:12]}", 0, fp))
+
+    async def _from_cache(self, key: ShardKey, names: list[str], request: pb.LoadRequest, hub: bool, hint: str,
+                          refused: bool) -> Found | None:
+        """The shard cache's entry, fetched from a peer if need be; None: to be downloaded from the hub."""
+        fp = key.fingerprint
+        cached = await asyncio.get_running_loop().run_in_executor(None, self.cache.lookup, key, names or None)
+        if cached is not None:
+            return Found(cached, "cache", 0, fp)
         if not names or not (request.sources or hub):
             where = self.readable.refusal(hint) if refused else \
                 f"no local copy at {hint or 'any model directory'} with that fingerprint"
@@ -137,14 +173,12 @@ class WeightStore:
             try:
                 received, source = await fetch_shard(self.cache, key, names, list(request.sources), self.secret,
                                                      self.transfer)
-                return self._found(Found(self.cache.dir(key), f"peer {source}", received, fp))
+                return Found(self.cache.dir(key), f"peer {source}", received, fp)
             except FileNotFoundError as e:  # no source could serve it (a full disk or a bad fingerprint is final)
                 if not hub:
                     raise
                 log.warning("%s; downloading the shard's files from the hub instead", e)
-        repo = self.hub_repo(request.hub_repo, request.hub_revision)
-        path = await loop.run_in_executor(None, download_shard, repo, fp, names)
-        return self._found(Found(path, f"hub {request.hub_repo}@{request.hub_revision[:12]}", 0, fp))
+        return None
 
     def _found(self, found: Found) -> Found:
         self.loaded = found

@@ -52,8 +52,8 @@ def test_entries_least_recently_used_first_and_prune(filled, capsys: pytest.Capt
     assert [e.path for e in listed] == [dirs[1], dirs[0], dirs[2]] and all(e.complete for e in listed)
     sizes = {e.path: e.bytes for e in listed}
     # Down to what the two most recently used hold: the least recently used goes.
-    removed = cache_admin.prune(cache.root, max_bytes=sizes[dirs[0]] + sizes[dirs[2]])
-    assert [e.path for e in removed] == [dirs[1]] and not dirs[1].exists() and dirs[0].exists()
+    removed, busy = cache_admin.prune(cache.root, max_bytes=sizes[dirs[0]] + sizes[dirs[2]])
+    assert [e.path for e in removed] == [dirs[1]] and busy == [] and not dirs[1].exists() and dirs[0].exists()
     # The CLI lists what is left, and prunes one model's entries.
     assert main(["cache", "list", "--json", "--shard-cache", str(cache.root)]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -99,7 +99,7 @@ def test_a_root_pointed_elsewhere_lists_and_removes_nothing(tmp_path: Path) -> N
     fake.mkdir(parents=True)  # a cache-shaped directory holding no manifest nor part file
     (fake / "notes.txt").write_text("mine")
     assert cache_admin.entries(tmp_path) == []
-    assert cache_admin.prune(tmp_path) == [] and (tmp_path / "photos" / "2026" / "a.jpg").exists()
+    assert cache_admin.prune(tmp_path) == ([], []) and (tmp_path / "photos" / "2026" / "a.jpg").exists()
     assert (fake / "notes.txt").exists()
 
 
@@ -123,5 +123,59 @@ def test_a_source_that_stalls_is_given_up(dense_ckpt: Path, tmp_path: Path, monk
         with pytest.raises(fetch._SourceFailed, match="sent nothing for 0 s"):
             asyncio.run(fetch._fetch_from(holder.address, cache, key, names, None, fetch.Transfer(), raw=False))
         assert time.monotonic() - start < 1.9
+    finally:
+        holder.stop(0)
+
+
+def test_entries_a_node_is_loading_are_not_removed(filled, capsys: pytest.CaptureFixture) -> None:
+    """Another node on this machine, sharing the cache root, holds an entry's lock from its lookup until
+    the shard is loaded: neither `prune` nor a fetch making room removes that entry."""
+    from mtpipe.node.cache_lock import EntryLock
+
+    cache, dirs, _ = filled
+    loading = EntryLock(cache.root, dirs[1].parent.name, dirs[1].name)
+    assert loading.try_exclusive()
+    loading.share()
+    try:
+        sizes = {e.path: e.bytes for e in cache_admin.entries(cache.root)}
+        # Room for one byte: the oldest entry is in use, so the next one goes.
+        assert cache_admin.make_room(cache.root, 1, 0, measure=lambda path: 1) == 1
+        assert dirs[1].exists() and not dirs[0].exists() and dirs[2].exists()
+        assert main(["cache", "prune", "--all", "--json", "--shard-cache", str(cache.root)]) == 0
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert [e["path"] for e in report["in_use"]] == [str(dirs[1])] and dirs[1].exists()
+        assert [e["path"] for e in report["removed"]] == [str(dirs[2])] and not dirs[2].exists()
+    finally:
+        loading.release()
+    removed, busy = cache_admin.prune(cache.root)
+    assert [e.path for e in removed] == [dirs[1]] and busy == []
+
+
+def test_two_nodes_sharing_a_cache_fetch_a_shard_once(dense_ckpt: Path, tmp_path: Path) -> None:
+    """Two nodes with one cache root asked for the same shard at once: one fetches it, the other waits
+    for its lock and loads what the first completed (never two writers on one part file)."""
+    from mtpipe.node.weights import WeightStore
+    from mtpipe.proto import mtpipe_pb2 as pb
+
+    holder = NodeServer("127.0.0.1", 0, model_dirs=[dense_ckpt], shard_cache=tmp_path / "holder").start()
+    try:
+        spec = (1, 3, False)
+        names = shard_names(dense_ckpt, spec[0], spec[1], TINY_LAYERS, spec[2])
+        request = pb.LoadRequest(fingerprint=model_fingerprint(dense_ckpt), start=spec[0], end=spec[1],
+                                 num_layers=TINY_LAYERS, mtp=spec[2], tensors=names, sources=[holder.address])
+        stores = [WeightStore(shard_cache=tmp_path / "shared") for _ in range(2)]
+
+        async def both() -> list:
+            return list(await asyncio.gather(*(s.resolve(request) for s in stores)))
+
+        found = asyncio.run(both())
+        assert sorted(f.source.split()[0] for f in found) == ["cache", "peer"]
+        assert found[0].path == found[1].path
+        assert sum(s.transfer.fetched_bytes for s in stores) == holder.service.weights.transfer.served_bytes > 0
+        # Both hold the entry shared until their shards are loaded; then it may go.
+        assert cache_admin.prune(tmp_path / "shared")[0] == []
+        for f in found:
+            f.release()
+        assert len(cache_admin.prune(tmp_path / "shared")[0]) == 1
     finally:
         holder.stop(0)

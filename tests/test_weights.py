@@ -197,6 +197,10 @@ def test_shards_reach_nodes_without_the_model(dense_ckpt: Path, tmp_path: Path, 
         assert engine.pipeline.health()[0].served_bytes == 0
         text = PROMPTS[0]
         assert generate(engine, text) == reference[text]
+        # Loaded: the nodes hold their entries' locks no longer (cache_lock.py), so a prune may remove them.
+        from mtpipe.node import cache_admin
+
+        assert [len(cache_admin.prune(tmp_path / f"cache{i}")[0]) for i in (1, 2)] == [1, 1]
 
 
 def test_a_local_copy_with_other_weights_is_refused(dense_ckpt: Path, tmp_path: Path, reference) -> None:
