@@ -148,6 +148,8 @@ class BatchStage:
             raise StageError("every row of a round needs at least one token")
         if any(p + t > self.worker.max_context for p, t in zip(self.positions, real)):
             raise StageError("context overflow in a decode round")
+        if self.head is not None:
+            self.head.check(rows)
         start = time.perf_counter()
         ahead, self.ahead = self.ahead, None
         prepared = None

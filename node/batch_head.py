@@ -110,7 +110,6 @@ class BatchHead:
         carries drafts this round or the next and every row is greedy or draws on the device, and
         `on_drafts` the round's outcome and the next drafts still computing ([rows, deepest], each
         row's first `depth` real) when no row's drafts are drawn on the host."""
-        self._check(rows)
         normed, picks, logits, table, on_device = prepared or self.prepare(h, [len(r.tokens) for r in rows])
         mtp_in = h if self.head.mtp_pre_norm else normed
         processed = [(i, d.params, d.history, r.tokens[1:]) for i, (r, d) in enumerate(zip(rows, self.states))
@@ -233,7 +232,9 @@ class BatchHead:
         for d in timed:
             d.depth = min(depth, d.chooser.kmax)
 
-    def _check(self, rows: list) -> None:
+    def check(self, rows: list) -> None:
+        """Before the round's forward (batch.py): a round whose tokens are not this stage's leaves the
+        caches as they were."""
         for row, d in zip(rows, self.states):
             if row.tokens[0] != d.last_token or row.tokens[1:] != d.drafts:
                 raise StageError(f"round tokens of {row.seq_id!r} do not match the token and drafts this stage made")

@@ -439,6 +439,40 @@ def test_rounds_queued_on_lazy_drafts_match_rounds_run_on_request(dense_ckpt: Pa
                 assert max(max_diff(ka, kb), max_diff(va, vb)) <= CACHE_TOL
 
 
+def test_a_round_with_tokens_not_the_stages_leaves_the_caches_intact(dense_ckpt: Path) -> None:
+    """The last stage refuses a round whose tokens are not the ones it made before it runs it: the
+    rounds after it match a stage that never saw it."""
+    from mtpipe.node.protocol import StageError
+
+    shard = load_shard(dense_ckpt, dtype=mx.float32)
+    tried, plain = BatchStage(StageWorker(shard, overlap=False)), BatchStage(StageWorker(shard, overlap=False))
+    nexts: dict[str, list[int]] = {}
+    for seq_id, prompt, depth in [("a", list(range(5, 19)), 2), ("b", list(range(40, 47)), 1)]:
+        row = Row(seq_id, prompt, depth, [])
+        for stage in (tried, plain):
+            out, _ = prefill(stage.prefill, row)
+            stage.join(seq_id)
+        nexts[seq_id] = [out.tokens[-1], *out.drafts]
+    for rnd in range(4):
+        if rnd == 1:
+            wrong = {**nexts, "b": [nexts["b"][0] + 1, *nexts["b"][1:]]}
+            before = list(tried.positions)
+            with pytest.raises(StageError, match="do not match"):
+                tried.forward([RowStep(s, wrong[s]) for s in tried.ids])
+            assert tried.positions == before
+        rows = [RowStep(s, nexts[s]) for s in tried.ids]
+        outs_t, outs_p = tried.forward(rows), plain.forward(rows)
+        for stage, outs in ((tried, outs_t), (plain, outs_p)):
+            stage.commit([o.output.commit for o in outs])
+        for t, p in zip(outs_t, outs_p):
+            assert (t.output.tokens, t.output.drafts, t.output.commit) == (p.output.tokens, p.output.drafts,
+                                                                          p.output.commit)
+            nexts[t.seq_id] = [t.output.tokens[-1], *t.output.drafts]
+    tried.drop_ahead()
+    plain.drop_ahead()
+    assert tried.positions == plain.positions
+
+
 def test_rows_drawn_on_the_device_queue_the_next_round_on_their_draws(engines: Engines,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU an unseeded sampled row's token is drawn on the device, so the next round is queued on
