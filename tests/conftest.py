@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import mtpipe  # noqa: F401  (first: the tests run on the BLAS users get, loaded before mlx.core; models/blas.py)
+
+# isort: split
 import mlx.core as mx
 import pytest
 from helpers import tiny_checkpoint

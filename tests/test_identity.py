@@ -28,14 +28,16 @@ def mlx_lm_tokens(model, tokenizer, prompt: list[int], eos: set[int]) -> list[in
 
 
 def test_backbone_logits_match_mlx_lm(ckpt: Path) -> None:
-    """Stepped (as decode and verify run the GatedDeltaNet recurrence: mlx-lm's arithmetic) within
-    1e-5; as a prefill runs it on the CPU, chunked (the same sums in another order: gdn_chunked.py),
-    within 1e-4 (up to 3e-5 measured on these random weights, of logits up to about 2)."""
+    """Stepped (as decode and verify run the GatedDeltaNet recurrence) within 2e-5: bit for bit on the
+    reference BLAS, up to 1.2e-5 measured on an optimized one, which sums the recurrence's reads of the
+    state (matrix products here, mlx-lm's sums) in its own order. As a prefill runs it on the CPU,
+    chunked (the same sums in another order: gdn_chunked.py), within 1e-4 (up to 3e-5 measured on these
+    random weights, of logits up to about 2)."""
     model, tok = mlx_load(str(ckpt))
     ours = load_shard(ckpt).model
     x = mx.array([tok.encode(PROMPTS[2] + PROMPTS[3])])
     ref = model(x)
-    for capture, tol in ((True, 1e-5), (False, 1e-4)):
+    for capture, tol in ((True, 2e-5), (False, 1e-4)):
         h, _ = ours.run_layers(ours.embed(x), ours.make_cache(), capture=capture)
         assert mx.abs(ours.lm_logits(ours.final_norm(h)) - ref).max().item() <= tol, capture
 
