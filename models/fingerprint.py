@@ -251,6 +251,11 @@ def shard_names(model_dir: Path | str, start: int, end: int, num_layers: int, mt
     return shard_tensors(checkpoint_index(model_dir), config, start, end, num_layers, mtp)
 
 
+def config_sha256(config_json: str) -> str:
+    """config.json's content as the fingerprint takes it (parsed, canonical), hashed."""
+    return hashlib.sha256(canonical_json(json.loads(config_json))).hexdigest()
+
+
 def canonical_json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 

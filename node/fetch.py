@@ -34,6 +34,7 @@ from .links import split_host_port
 from .shards import (
     DISK_MARGIN,
     PART,
+    Expected,
     Manifest,
     NoDiskSpace,
     ShardCache,
@@ -113,8 +114,9 @@ def _resume_offset(part: Path) -> int:
 
 
 async def fetch_shard(cache: ShardCache, key: ShardKey, names: list[str], sources: list[str], secret: str | None,
-                      progress: Transfer) -> tuple[int, str]:
-    """Fetch `names` of model `key.fingerprint` into the cache entry of `key`; (bytes received, source)."""
+                      progress: Transfer, expected: Expected | None = None) -> tuple[int, str]:
+    """Fetch `names` of model `key.fingerprint` into the cache entry of `key`; (bytes received, source). A
+    source whose tensors or config are not `expected` (the coordinator's) is not taken."""
     d = cache.dir(key)
     d.mkdir(parents=True, exist_ok=True)
     errors: list[str] = []
@@ -124,7 +126,7 @@ async def fetch_shard(cache: ShardCache, key: ShardKey, names: list[str], source
             if source in refused:
                 continue
             try:
-                received = await _fetch_from(source, cache, key, names, secret, progress)
+                received = await _fetch_from(source, cache, key, names, secret, progress, expected=expected)
                 progress.state = "done"
                 return received, source
             except grpc.aio.AioRpcError as e:
@@ -146,9 +148,10 @@ async def fetch_shard(cache: ShardCache, key: ShardKey, names: list[str], source
 
 
 async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list[str], secret: str | None,
-                      progress: Transfer, raw: bool = True, reask: bool = True) -> int:
+                      progress: Transfer, raw: bool = True, reask: bool = True,
+                      expected: Expected | None = None) -> int:
     """One attempt from one source. `reask`: a data-plane token that aged while room was made is asked for again
-    once, rather than taking the transfer to gRPC."""
+    once, rather than taking the transfer to gRPC. `expected`: see fetch_shard."""
     loop = asyncio.get_running_loop()
     part = cache.dir(key) / PART
     offset = _resume_offset(part)
@@ -165,13 +168,16 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
         if [t.name for t in tensors] != names:
             call.cancel()
             raise _SourceFailed("answered with other tensors than asked for")
+        if expected is not None and (bad := expected.mismatch(tensors, first.config_json)):
+            call.cancel()
+            raise _SourceFailed(f"serves another copy of the model: {bad}")
         header = safetensors_header(tensors)
         total = sum(t.size for t in tensors)
         if offset and (await loop.run_in_executor(None, _head, part, len(header))) != header:
             call.cancel()
             log.info("%s holds another transfer; starting over", part)
             part.unlink()
-            return await _fetch_from(source, cache, key, names, secret, progress, raw, reask)
+            return await _fetch_from(source, cache, key, names, secret, progress, raw, reask, expected)
         need = total - offset + (0 if offset else len(header))
         free = await loop.run_in_executor(None, free_bytes, part.parent)
         if free < need + DISK_MARGIN:  # make room: other cached shards, least recently used first
@@ -184,7 +190,7 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
         if reask and first.token and time.monotonic() - issued > bulk.TOKEN_TTL_S / 2:
             call.cancel()
             log.info("the data-plane token from %s aged while room was made; asking again", source)
-            return await _fetch_from(source, cache, key, names, secret, progress, raw, reask=False)
+            return await _fetch_from(source, cache, key, names, secret, progress, raw, False, expected)
         progress.state, progress.source, progress.total, progress.done = "fetching", source, total, offset
         if offset:
             log.info("resuming the shard transfer from %s at %.1f of %.1f MiB", source, offset / 2**20, total / 2**20)
@@ -243,7 +249,7 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
             finally:
                 problem = await loop.run_in_executor(None, verifier.finish)  # the thread ends either way
     if fallback:
-        return await _fetch_from(source, cache, key, names, secret, progress, raw=False)
+        return await _fetch_from(source, cache, key, names, secret, progress, False, reask, expected)
     if offset != total:
         raise _SourceFailed(f"the stream ended at {offset} of {total} bytes")
     if problem is not None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.fingerprint import SHARD_MANIFEST, file_tensors, hash_range
+from ..models.fingerprint import config_sha256 as config_hash
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,30 @@ class TensorInfo:
     shape: tuple[int, ...]
     size: int
     sha256: str
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the coordinator's copy of the model holds (LoadRequest): a shard fetched from a peer or kept in
+    the cache counts only if it matches, not only the hashes its source sent."""
+
+    tensors: dict[str, str]  # name -> sha256
+    config_sha256: str = ""
+
+    def mismatch(self, tensors: list[TensorInfo], config_json: str) -> str | None:
+        """None if the tensors' hashes and the config are the coordinator's; else what differs."""
+        for t in tensors:
+            if t.name in self.tensors and t.sha256 != self.tensors[t.name]:
+                return (f"tensor {t.name} is not the coordinator's (sha256 {t.sha256[:12]}, expected "
+                        f"{self.tensors[t.name][:12]})")
+        if self.config_sha256:
+            try:
+                ok = config_hash(config_json) == self.config_sha256
+            except ValueError:
+                ok = False
+            if not ok:
+                return "config.json is not the coordinator's"
+        return None
 
 
 def safetensors_header(tensors: list[TensorInfo]) -> bytes:
@@ -228,10 +253,11 @@ class ShardCache:
             raise ValueError(f"invalid model fingerprint {key.fingerprint!r}")
         return self.root / key.fingerprint / key.dirname
 
-    def lookup(self, key: ShardKey, names: list[str] | None = None, repair: bool = True) -> Path | None:
-        """The verified directory of this shard, or None; a corrupted entry is removed (fetched again).
-        Without `repair` (under a shared lock, cache_lock.py) an entry that would need hashing or removing
-        is left as it is, and None returned."""
+    def lookup(self, key: ShardKey, names: list[str] | None = None, repair: bool = True,
+               expected: Expected | None = None) -> Path | None:
+        """The verified directory of this shard, or None; a corrupted entry, or one that is not `expected`, is
+        removed (fetched again). Without `repair` (under a shared lock, cache_lock.py) an entry that would
+        need hashing or removing is left as it is, and None returned."""
         d = self.dir(key)
         manifest_file = d / SHARD_MANIFEST
         if not manifest_file.exists():
@@ -249,6 +275,8 @@ class ShardCache:
                 problem = "manifest lists other tensors than the shard needs"
             elif not (d / "config.json").exists():
                 problem = "config.json is missing"
+            elif expected is not None and (bad := expected.mismatch(m.tensors, (d / "config.json").read_text())):
+                problem = bad
             elif not _unchanged(d / WEIGHTS, m):
                 if not repair:
                     return None

@@ -7,6 +7,7 @@ A Load that names the model's fingerprint is resolved in this order:
   2. the node's shard cache (shards.py), verified tensor by tensor, its entry locked against other
      nodes on this machine from the lookup until the shard is loaded (cache_lock.py);
   3. the shard's tensors fetched from the first of the request's sources that holds them (fetch.py);
+  (2 and 3 only where the tensors' hashes and the config are those the request gives: the coordinator's)
   4. with `--download` and a hub repo in the request, the hub files that hold them (hub.py).
 A Load without a fingerprint reads the request's path as it is, if it lies under those directories.
 
@@ -43,7 +44,7 @@ from .cache_lock import EntryLock
 from .fetch import Transfer, fetch_shard
 from .hub import HubRepo, download_shard, hub_repo
 from .model_dirs import ModelDirs, env_model_dirs
-from .shards import WEIGHTS, ShardCache, ShardKey
+from .shards import WEIGHTS, Expected, ShardCache, ShardKey
 
 log = logging.getLogger(__name__)
 
@@ -130,17 +131,21 @@ class WeightStore:
                 log.warning("%s is another model (fingerprint %s, asked for %s): not used", path, got[:12], fp[:12])
         key = ShardKey(fp, request.start, request.end, request.num_layers, request.mtp)
         names = list(request.tensors)
+        if request.tensor_sha256 and len(request.tensor_sha256) != len(names):
+            raise ValueError(f"the Load names {len(names)} tensors and {len(request.tensor_sha256)} hashes")
+        expected = Expected(dict(zip(names, request.tensor_sha256)), request.config_sha256) \
+            if request.tensor_sha256 or request.config_sha256 else None
         hub = bool(self.download and request.hub_repo and names)
         loop = asyncio.get_running_loop()
 
         def complete() -> Awaitable[Path | None]:  # under a shared lock: look, change nothing
-            return loop.run_in_executor(None, self.cache.lookup, key, names or None, False)
+            return loop.run_in_executor(None, self.cache.lookup, key, names or None, False, expected)
 
         lock, cached = await cache_lock.hold(self.cache.root, key.fingerprint, key.dirname, complete)
         if cached is not None:
             return self._found(Found(cached, "cache", 0, fp, lock))
         try:  # held exclusively
-            found = await self._from_cache(key, names, request, hub, hint, refused)
+            found = await self._from_cache(key, names, expected, request, hub, hint, refused)
         except BaseException:
             lock.release()
             raise
@@ -154,11 +159,12 @@ class WeightStore:
         path = await loop.run_in_executor(None, download_shard, repo, fp, names)
         return self._found(Found(path, f"hub {request.hub_repo}@{request.hub_revision[:12]}", 0, fp))
 
-    async def _from_cache(self, key: ShardKey, names: list[str], request: pb.LoadRequest, hub: bool, hint: str,
-                          refused: bool) -> Found | None:
+    async def _from_cache(self, key: ShardKey, names: list[str], expected: Expected | None, request: pb.LoadRequest,
+                          hub: bool, hint: str, refused: bool) -> Found | None:
         """The shard cache's entry, fetched from a peer if need be; None: to be downloaded from the hub."""
         fp = key.fingerprint
-        cached = await asyncio.get_running_loop().run_in_executor(None, self.cache.lookup, key, names or None)
+        cached = await asyncio.get_running_loop().run_in_executor(None, self.cache.lookup, key, names or None, True,
+                                                                  expected)
         if cached is not None:
             return Found(cached, "cache", 0, fp)
         if not names or not (request.sources or hub):
@@ -172,7 +178,7 @@ class WeightStore:
         if request.sources:
             try:
                 received, source = await fetch_shard(self.cache, key, names, list(request.sources), self.secret,
-                                                     self.transfer)
+                                                     self.transfer, expected)
                 return Found(self.cache.dir(key), f"peer {source}", received, fp)
             except FileNotFoundError as e:  # no source could serve it (a full disk or a bad fingerprint is final)
                 if not hub:

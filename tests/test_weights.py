@@ -289,6 +289,48 @@ def test_tensor_bytes_travel_on_the_data_plane(dense_ckpt: Path, tmp_path: Path,
         assert generate(engine, text) == reference[text]
 
 
+def test_a_source_serving_another_copy_is_not_taken(dense_ckpt: Path, tmp_path: Path, reference) -> None:
+    """A source whose cached shard was changed, its manifest's hashes with it (so the bytes match what it
+    says), is refused by the coordinator's hashes: the next source serves. The changed entry is no
+    longer taken from its own cache either."""
+    import dataclasses
+    import hashlib
+
+    from mtpipe.node.shards import Manifest
+
+    with nodes(tmp_path, [[dense_ckpt], []]) as servers, engine_over(dense_ckpt, servers, specs=HALVES) as engine:
+        entry = Path(engine.pipeline.load_replies[1].weights_path)
+    manifest = Manifest.read(entry / fpmod.SHARD_MANIFEST)
+    changed = manifest.tensors[-1]
+    loc = fpmod.file_tensors(entry / WEIGHTS)[changed.name]
+    data = bytearray((entry / WEIGHTS).read_bytes())
+    data[loc.start] ^= 0x01
+    (entry / WEIGHTS).write_bytes(bytes(data))
+    sha = hashlib.sha256(data[loc.start : loc.start + loc.size]).hexdigest()
+    manifest.tensors[-1] = dataclasses.replace(changed, sha256=sha)
+    ShardCache(tmp_path / "cache1")._write_manifest(entry, manifest)  # consistent with the changed bytes
+
+    with nodes(tmp_path, [[dense_ckpt], [], []]) as (holder, changed_source, fetcher):
+        specs = [ShardSpec(a, b, TINY_LAYERS) for a, b in HALVES]
+        engine = remote_engine(dense_ckpt, [holder.address, fetcher.address], dtype="float32", specs=specs,
+                               sources=[changed_source.address, holder.address])
+        try:
+            assert engine.pipeline.load_replies[1].weights_source == f"peer {holder.address}"
+            assert changed_source.service.weights.transfer.served_bytes == 0  # refused before the bytes
+            text = PROMPTS[0]
+            assert generate(engine, text) == reference[text]
+        finally:
+            engine.pipeline.close()
+        # The changed entry itself: dropped when its node is asked for that shard, and fetched again.
+        engine = remote_engine(dense_ckpt, [holder.address, changed_source.address], dtype="float32", specs=specs,
+                               sources=[holder.address])
+        try:
+            assert engine.pipeline.load_replies[1].weights_source == f"peer {holder.address}"
+            assert generate(engine, text) == reference[text]
+        finally:
+            engine.pipeline.close()
+
+
 def test_a_token_that_aged_while_room_was_made_is_asked_for_again(dense_ckpt: Path, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Making room (pruning other shards) can outlast the data-plane token: the node asks for a fresh one
@@ -405,6 +447,20 @@ def test_fetch_tensors_serves_only_tensors_of_a_model_it_holds(dense_ckpt: Path,
             fetch_all(pb.FetchRequest(fingerprint=fp, names=names), secret="wrong")
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # the TLS handshake fails: nothing reaches the node
         assert node.service.weights.transfer.served_bytes == 2 * len(whole) - 1000
+
+
+def test_the_coordinators_hashes_and_config_decide() -> None:
+    from mtpipe.node.shards import Expected, TensorInfo
+
+    config = json.dumps({"model_type": "qwen3_5", "hidden_size": 64})
+    t = TensorInfo("a.weight", "F32", (2,), 8, "11" * 32)
+    want = Expected({"a.weight": "11" * 32}, fpmod.config_sha256(config))
+    reordered = json.dumps({"hidden_size": 64, "model_type": "qwen3_5"}, indent=2)
+    assert want.mismatch([t], reordered) is None  # the content counts, not its layout
+    assert "not the coordinator's" in want.mismatch([t], json.dumps({"model_type": "qwen3_5", "hidden_size": 65}))
+    assert "not the coordinator's" in want.mismatch([t], "{not json")
+    other = TensorInfo("a.weight", "F32", (2,), 8, "22" * 32)
+    assert "a.weight is not the coordinator's" in want.mismatch([other], config)
 
 
 def test_stream_verifier_checks_every_tensor_as_bytes_arrive() -> None:

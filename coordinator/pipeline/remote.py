@@ -138,7 +138,7 @@ class RemotePipeline:
         tensors its shard reads from `sources` (node/weights.py)."""
         if len(specs) != len(self.nodes):
             raise ValueError(f"{len(specs)} shard specs for {len(self.nodes)} nodes")
-        from ...models.fingerprint import model_fingerprint, shard_names
+        from ...models.fingerprint import config_sha256, model_fingerprint, shard_names, tensor_hashes
         from ...models.registry import hub_origin
 
         path = str(Path(model_path).resolve())
@@ -153,12 +153,16 @@ class RemotePipeline:
             raise NodeFailure(first.address, f"cannot reach it ({describe_rpc_error(e)})") from None
         last = len(self.nodes) - 1
 
+        config = config_sha256((Path(path) / "config.json").read_text())
+
         def load_one(i: int) -> tuple[pb.LoadReply, pb.ConnectReply]:
             node, s = self.nodes[i], specs[i]
+            names = shard_names(path, s.start, s.end, s.num_layers, mtp)
+            hashes = tensor_hashes(path, names)  # (kept beside the model since the fingerprint was taken)
             load = pb.LoadRequest(model_path=path, start=s.start, end=s.end, num_layers=s.num_layers, mtp=mtp,
                                   dtype=dtype or "", node_name=node.address, fingerprint=fingerprint,
                                   sources=self.sources[i], hub_repo=hub_repo, hub_revision=hub_revision,
-                                  tensors=shard_names(path, s.start, s.end, s.num_layers, mtp))
+                                  tensors=names, tensor_sha256=[hashes[n] for n in names], config_sha256=config)
             connect = pb.ConnectRequest(next=self.addresses[i + 1] if i < last else "",
                                         ring=self.addresses[0] if i == last else "",
                                         ring_node_id=first_id if i == last else "")
