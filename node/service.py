@@ -90,6 +90,8 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
         self.loop: asyncio.AbstractEventLoop | None = None  # set by NodeServer: the node's MLX thread's loop
         self._load_lock: asyncio.Lock | None = None
         self._subs: dict[str, asyncio.Queue] = {}
+        # The coordinators whose Load this node's shard answers (empty: not known): only their frames run here.
+        self.clients: set[str] = set()
         self._owners: dict[str, str] = {}  # sequence id -> the client that started it
         self.orphan_grace = ORPHAN_GRACE_S
         self.blas = blas.warn_if_reference()
@@ -107,6 +109,16 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
             if request.node_name:
                 self.name = request.node_name
             reused = self.worker is not None and self.key == key
+            # Coordinators may share the shard a node holds; none replaces it under another that is connected.
+            others = [c for c in self._subs if c != request.client_id]
+            if others and not reused and not request.take_over:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"{self.name} serves another coordinator (connected now) with another shard: "
+                                    "stop that one, or take the node over (--take-over)")
+            for client in others if request.take_over else []:  # that coordinator's requests here end now
+                log.warning("%s: taken over from coordinator %s by %s", self.name, client, request.client_id)
+                self._subs.pop(client).put_nowait(None)
+                asyncio.get_running_loop().call_later(self.orphan_grace, self._expire, client)
             if not reused:
                 try:
                     # A local copy, the shard cache or a peer; the old shard serves meanwhile, and
@@ -128,6 +140,12 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
                 finally:
                     found.release()  # in memory now: the cache entry may go
+            if not request.client_id:
+                self.clients = set()
+            elif reused and not request.take_over:
+                self.clients.add(request.client_id)
+            else:
+                self.clients = {request.client_id}
             shard = self.worker.shard
             log.info("%s shard [%d, %d) of %s (%s)", "kept" if reused else "loaded", key.start, key.end,
                      self.weights.loaded.path if self.weights.loaded else key.model_path, self._dtype_name())
@@ -236,6 +254,8 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
         worker = self.worker
         if worker is None:
             raise StageError(f"{self.name} has no shard loaded")
+        if not self.admits(frame.client_id):
+            raise StageError(f"{self.name} holds another coordinator's shard now")
         req = frame_to_request(frame)
         hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
         out = worker.step(req, hidden)
@@ -249,7 +269,14 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
         # freeing arrays is MLX work too: on the loop thread, as always
         return self.ring_groups.release(seq_id) if not worker.overlap else worker.release(seq_id)
 
+    def admits(self, client_id: str) -> bool:
+        """Not a coordinator whose shard another one's Load replaced here."""
+        return not self.clients or not client_id or client_id in self.clients
+
     async def on_frame(self, frame: pb.Frame) -> None:
+        if not self.admits(frame.client_id):
+            log.debug("frame of coordinator %s dropped: it did not load the shard held here", frame.client_id)
+            return
         if frame.kind == pb.RELEASE:
             if self.release_grouped(frame):
                 return
@@ -348,6 +375,9 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
     # -- subscriptions --------------------------------------------------------------------------
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext) -> Any:
+        if not self.admits(request.client_id):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{self.name} holds another coordinator's shard now (it took the node over)")
         q: asyncio.Queue = asyncio.Queue()
         old = self._subs.get(request.client_id)
         self._subs[request.client_id] = q

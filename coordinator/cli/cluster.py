@@ -44,7 +44,7 @@ from ..cluster.formation import (
 )
 from ..cluster.health import EXIT_CHECK_FAILED
 from ..cluster.membership import Membership
-from .common import add_mtp, exit_on_sigterm, progress_loader, stage_options, stderr_console
+from .common import add_mtp, add_take_over, exit_on_sigterm, progress_loader, stage_options, stderr_console
 from .serve import add_serve_command
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             formation = None
             placed.add(me)
         else:
-            engine, formation = form_cluster(cfg, me, my_target, peers, interfaces, model_path, mtp, secret, console)
+            engine, formation = form_cluster(cfg, me, my_target, peers, interfaces, model_path, mtp, secret, console,
+                                             take_over=args.take_over)
             placed.update(s.node_id for s in formation.plan)
         name = model_name_for(cfg.model, model_path)
         info = cluster_info_fn(cfg, me, my_target, engine, name, formation, agent, secret, membership)
@@ -313,6 +314,7 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
                    help="serve HTTP from the coordinator's process (default: an API process of its own)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
     p.add_argument("--json", action="store_true", help="print readiness events as JSON lines on stdout")
+    add_take_over(p)
     add_mtp(p)
     p.set_defaults(func=cmd_launch)
 

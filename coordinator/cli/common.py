@@ -38,6 +38,12 @@ def depth_arg(value: str) -> int | str:
     return depth
 
 
+def add_take_over(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--take-over", action="store_true",
+                   help="load nodes that another coordinator holds, ending its requests there (by default such a "
+                        "node refuses)")
+
+
 def add_mtp(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--mtp-depth", type=depth_arg, default=None,

@@ -18,6 +18,7 @@ from .common import (
     add_draft_options,
     add_mtp,
     add_sampling,
+    add_take_over,
     progress_loader,
     stage_options,
     stderr_console,
@@ -40,7 +41,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
         engine = remote_engine(model, [n.strip() for n in args.nodes.split(",") if n.strip()], mtp=not args.no_mtp,
-                               secret=read_secret(args.secret_file), dtype=args.dtype, sources=sources)
+                               secret=read_secret(args.secret_file), dtype=args.dtype, sources=sources,
+                               take_over=args.take_over)
     else:
         with progress_loader("loading model")() as progress:
             engine = local_engine(
@@ -220,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_secret_args(p, "the nodes' shared secret, with --nodes")
     p.add_argument("--weights-from", help="with --nodes: comma-separated host:port of nodes that hold the model; "
                                           "the others fetch their shards from them")
+    add_take_over(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_mtp(p)

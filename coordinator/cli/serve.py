@@ -8,7 +8,7 @@ import signal
 from ...node.secrets import add_secret_args, add_secret_file, read_secret
 from ..api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_PORT
 from ..engine.ring import RESUME_WINDOW_S
-from .common import add_mtp, exit_on_sigterm, progress_loader, stage_options, stderr_console
+from .common import add_mtp, add_take_over, exit_on_sigterm, progress_loader, stage_options, stderr_console
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +22,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     add_secret_args(p, "the nodes' shared secret, with --nodes")
     p.add_argument("--weights-from", help="with --nodes: comma-separated host:port of nodes that hold the model "
                                           "(`mtpipe node --model-dir`); the others fetch their shards from them")
+    add_take_over(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
                    help="generations at once; more requests wait")
@@ -59,7 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         secret = read_secret(args.secret_file)
         sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
         engine = ring_engine(path, nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype, sources=sources,
-                             max_rows=args.max_concurrency, resume_window=args.resume_window)
+                             max_rows=args.max_concurrency, resume_window=args.resume_window, take_over=args.take_over)
     else:
         import mlx.core as mx
 

@@ -177,6 +177,7 @@ def weight_sources(order: list[NodeResources], holder: str, control: dict[str, s
 def load_with_progress(
     model_path: Path, order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], mtp: bool,
     dtype: str | None, secret: str | None, console: Any, sources: list[list[str]] | None = None,
+    take_over: bool = False,
 ) -> Any:
     """ring_engine over the placed nodes, with a line per node until its shard is loaded (and how
     much of it has arrived, while a node fetches its shard from a peer)."""
@@ -196,7 +197,7 @@ def load_with_progress(
             for s in plan
         }
         future = pool.submit(ring_engine, model_path, addresses, mtp, secret, specs=specs, dtype=dtype,
-                             sources=sources)
+                             sources=sources, take_over=take_over)
         pending = dict(zip([s.node_id for s in plan], zip(plan, addresses)))
         while not wait([future], timeout=0.5).done:
             for node, (s, address) in list(pending.items()):
@@ -215,7 +216,7 @@ def load_with_progress(
 
 def form_cluster(
     cfg: ClusterConfig, me: str, my_target: str, peers: dict[str, NodeAdvert], local: list[Interface],
-    model_path: Path, mtp: bool, secret: str | None, console: Any,
+    model_path: Path, mtp: bool, secret: str | None, console: Any, take_over: bool = False,
 ) -> tuple[Any, Formation]:
     """Place the model over the discovered (and static) nodes and build the engine over them."""
     from .placement import describe_plan, model_footprint, order_nodes, plan_layers
@@ -231,7 +232,8 @@ def form_cluster(
     log.info("placement: %s", describe_plan(plan))
     control = choose_control_addresses(order, me, my_target, local, secret)
     sources = weight_sources(order, me, control)  # nodes without the model fetch their shards from this one
-    engine = load_with_progress(model_path, order, plan, control, mtp, cfg.dtype, secret, console, sources)
+    engine = load_with_progress(model_path, order, plan, control, mtp, cfg.dtype, secret, console, sources,
+                                take_over)
     try:
         hops = confirm_hops(order, control, secret)
         ring = confirm_ring(order, control, secret)

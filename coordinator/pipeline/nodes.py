@@ -28,6 +28,10 @@ class NodeFailure(StageUnavailable):
         self.node = node
 
 
+class NodeInUse(NodeFailure):
+    """The node serves another coordinator, connected to it, with another shard (RemotePipeline's `take_over`)."""
+
+
 class RemoteStageError(StageError):
     """A node refused a step (INVALID_ARGUMENT) or failed it; that node's state is unchanged."""
 

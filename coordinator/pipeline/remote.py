@@ -39,7 +39,7 @@ from ...node.wire import (
     result_to_output,
 )
 from ...proto import mtpipe_pb2 as pb
-from .nodes import FrameStream, NodeFailure, NodeLink, RemoteStageError
+from .nodes import FrameStream, NodeFailure, NodeInUse, NodeLink, RemoteStageError
 from .reform import Reformer
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 # Prompt chunks in flight at once: enough to keep every stage busy, while bounding the hidden states
 # queued on the nodes (a 512-token chunk of a hidden-8192 bfloat16 model is 8 MiB).
 STEPS_IN_FLIGHT = 4
+IN_USE_SETTLE_S = 3.0  # a node another coordinator holds: how long a Load waits for it to let go
 RENEW_S = 1.0  # how often the sequences' leases are renewed on every node (a lease runs for seconds)
 
 
@@ -93,6 +94,7 @@ class RemotePipeline:
         ring: bool = True,
         steps_in_flight: int = STEPS_IN_FLIGHT,
         sources: list[str] | list[list[str]] | None = None,
+        take_over: bool = False,
     ):
         if not nodes:
             raise ValueError("a pipeline needs at least one node")
@@ -107,6 +109,7 @@ class RemotePipeline:
         srcs = list(sources or [])
         self.sources = srcs if srcs and not isinstance(srcs[0], str) else [srcs] * len(nodes)
         self.client_id = uuid.uuid4().hex[:16]  # 64 random bits: unique among a node's clients, short on the wire
+        self.take_over = take_over  # load nodes that another coordinator holds, ending its requests there
         self.nodes = [NodeLink(a, secret) for a in nodes]
         self.stats = WireStats()
         self.load_replies: list[pb.LoadReply] = []
@@ -162,22 +165,30 @@ class RemotePipeline:
             load = pb.LoadRequest(model_path=path, start=s.start, end=s.end, num_layers=s.num_layers, mtp=mtp,
                                   dtype=dtype or "", node_name=node.address, fingerprint=fingerprint,
                                   sources=self.sources[i], hub_repo=hub_repo, hub_revision=hub_revision,
-                                  tensors=names, tensor_sha256=[hashes[n] for n in names], config_sha256=config)
+                                  tensors=names, tensor_sha256=[hashes[n] for n in names], config_sha256=config,
+                                  client_id=self.client_id, take_over=self.take_over)
             connect = pb.ConnectRequest(next=self.addresses[i + 1] if i < last else "",
                                         ring=self.addresses[0] if i == last else "",
                                         ring_node_id=first_id if i == last else "")
-            try:
-                reply = node.stub.Load(load, timeout=timeout)
-                return reply, node.stub.Connect(connect, timeout=timeout)
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise ValueError(f"node {node.address}: {e.details()}") from None
-                raise NodeFailure(node.address, f"load failed: {describe_rpc_error(e)}") from None
+            settle = time.monotonic() + IN_USE_SETTLE_S
+            while True:
+                try:
+                    reply = node.stub.Load(load, timeout=timeout)
+                    return reply, node.stub.Connect(connect, timeout=timeout)
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise ValueError(f"node {node.address}: {e.details()}") from None
+                    if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise NodeFailure(node.address, f"load failed: {describe_rpc_error(e)}") from None
+                    if time.monotonic() > settle:
+                        raise NodeInUse(node.address, e.details().removeprefix(f"{node.address} ")) from None
+                    time.sleep(0.2)  # a coordinator that just closed may still hold it for a moment
 
         with ThreadPoolExecutor(len(self.nodes)) as pool:
             replies = list(pool.map(load_one, range(len(self.nodes))))
         self.load_replies = [r for r, _ in replies]
         self.connect_replies = [c for _, c in replies]
+        self._connect()  # this coordinator holds its nodes from now on (a Load of another is refused)
         return self.load_replies
 
     @property
