@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -33,6 +33,11 @@ class LoadKey:
     mtp: bool
     dtype: str
     fingerprint: str = ""  # the model's identity (models/fingerprint.py); "" = the path's files as they are
+
+
+def same_shard(a: LoadKey, b: LoadKey) -> bool:
+    """The same layers of the same model: a model named by its fingerprint may be at another path."""
+    return a == b or bool(a.fingerprint) and replace(a, model_path="") == replace(b, model_path="")
 
 
 def pieces(arrays: list[Any], limit: int) -> Iterator[list[Any]]:

@@ -33,11 +33,12 @@ from ..models import blas
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .conditions import Conditions
+from .coordinators import Coordinators
 from .dataplane import NextStage
 from .group_frames import GroupFrames
 from .health import health_reply
 from .leases import LeaseHolder
-from .loader import LoadKey, load_stage
+from .loader import LoadKey, load_stage, same_shard
 from .protocol import StageError, StepOutput
 from .weights import WeightStore
 from .wire import describe_rpc_error, frame_to_request, next_round, output_to_result, tensor_from_pb, tensor_to_pb
@@ -90,8 +91,7 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
         self.loop: asyncio.AbstractEventLoop | None = None  # set by NodeServer: the node's MLX thread's loop
         self._load_lock: asyncio.Lock | None = None
         self._subs: dict[str, asyncio.Queue] = {}
-        # The coordinators whose Load this node's shard answers (empty: not known): only their frames run here.
-        self.clients: set[str] = set()
+        self.coordinators = Coordinators()  # whose frames run here (coordinators.py)
         self._owners: dict[str, str] = {}  # sequence id -> the client that started it
         self.orphan_grace = ORPHAN_GRACE_S
         self.blas = blas.warn_if_reference()
@@ -108,14 +108,13 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
         async with self._load_lock:
             if request.node_name:
                 self.name = request.node_name
-            reused = self.worker is not None and self.key == key
-            # Coordinators may share the shard a node holds; none replaces it under another that is connected.
-            others = [c for c in self._subs if c != request.client_id]
-            if others and not reused and not request.take_over:
+            reused = self.worker is not None and self.key is not None and same_shard(self.key, key)
+            ended = self.coordinators.admit_load(request.client_id, list(self._subs), reused, request.take_over)
+            if ended is None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"{self.name} serves another coordinator (connected now) with another shard: "
                                     "stop that one, or take the node over (--take-over)")
-            for client in others if request.take_over else []:  # that coordinator's requests here end now
+            for client in ended:
                 log.warning("%s: taken over from coordinator %s by %s", self.name, client, request.client_id)
                 self._subs.pop(client).put_nowait(None)
                 asyncio.get_running_loop().call_later(self.orphan_grace, self._expire, client)
@@ -140,12 +139,6 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
                 finally:
                     found.release()  # in memory now: the cache entry may go
-            if not request.client_id:
-                self.clients = set()
-            elif reused and not request.take_over:
-                self.clients.add(request.client_id)
-            else:
-                self.clients = {request.client_id}
             shard = self.worker.shard
             log.info("%s shard [%d, %d) of %s (%s)", "kept" if reused else "loaded", key.start, key.end,
                      self.weights.loaded.path if self.weights.loaded else key.model_path, self._dtype_name())
@@ -254,7 +247,7 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
         worker = self.worker
         if worker is None:
             raise StageError(f"{self.name} has no shard loaded")
-        if not self.admits(frame.client_id):
+        if not self.coordinators.admits(frame.client_id):
             raise StageError(f"{self.name} holds another coordinator's shard now")
         req = frame_to_request(frame)
         hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
@@ -269,13 +262,10 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
         # freeing arrays is MLX work too: on the loop thread, as always
         return self.ring_groups.release(seq_id) if not worker.overlap else worker.release(seq_id)
 
-    def admits(self, client_id: str) -> bool:
-        """Not a coordinator whose shard another one's Load replaced here."""
-        return not self.clients or not client_id or client_id in self.clients
-
     async def on_frame(self, frame: pb.Frame) -> None:
-        if not self.admits(frame.client_id):
-            log.debug("frame of coordinator %s dropped: it did not load the shard held here", frame.client_id)
+        if not self.coordinators.admits(frame.client_id):  # its requests fail at once, rather than wait for nothing
+            if frame.kind != pb.RELEASE:
+                self._fail(frame, "FAILED_PRECONDITION", f"{self.name} holds another coordinator's shard now")
             return
         if frame.kind == pb.RELEASE:
             if self.release_grouped(frame):
@@ -375,9 +365,6 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
     # -- subscriptions --------------------------------------------------------------------------
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext) -> Any:
-        if not self.admits(request.client_id):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"{self.name} holds another coordinator's shard now (it took the node over)")
         q: asyncio.Queue = asyncio.Queue()
         old = self._subs.get(request.client_id)
         self._subs[request.client_id] = q

@@ -171,24 +171,29 @@ class RemotePipeline:
                                         ring=self.addresses[0] if i == last else "",
                                         ring_node_id=first_id if i == last else "")
             settle = time.monotonic() + IN_USE_SETTLE_S
-            while True:
-                try:
-                    reply = node.stub.Load(load, timeout=timeout)
-                    return reply, node.stub.Connect(connect, timeout=timeout)
-                except grpc.RpcError as e:
-                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                        raise ValueError(f"node {node.address}: {e.details()}") from None
-                    if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                        raise NodeFailure(node.address, f"load failed: {describe_rpc_error(e)}") from None
-                    if time.monotonic() > settle:
-                        raise NodeInUse(node.address, e.details().removeprefix(f"{node.address} ")) from None
-                    time.sleep(0.2)  # a coordinator that just closed may still hold it for a moment
+            try:
+                while True:
+                    try:
+                        reply = node.stub.Load(load, timeout=timeout)
+                        break
+                    except grpc.RpcError as e:
+                        if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                            raise
+                        if time.monotonic() > settle:
+                            raise NodeInUse(node.address, e.details().removeprefix(f"{node.address} ")) from None
+                        time.sleep(0.2)  # a coordinator that just closed may still hold it for a moment
+                return reply, node.stub.Connect(connect, timeout=timeout)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ValueError(f"node {node.address}: {e.details()}") from None
+                raise NodeFailure(node.address, f"load failed: {describe_rpc_error(e)}") from None
 
+        self._connect()  # subscribed first: a node holds for this coordinator from its Load on (node/service.py)
         with ThreadPoolExecutor(len(self.nodes)) as pool:
             replies = list(pool.map(load_one, range(len(self.nodes))))
+        self.take_over = False  # once: a pipeline formed again never takes its nodes from another
         self.load_replies = [r for r, _ in replies]
         self.connect_replies = [c for _, c in replies]
-        self._connect()  # this coordinator holds its nodes from now on (a Load of another is refused)
         return self.load_replies
 
     @property

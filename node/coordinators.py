@@ -1,0 +1,37 @@
+"""Which coordinators a node serves: plain decisions over client ids (node/service.py acts on them).
+
+Coordinators may share the shard a node holds (each runs its own sequences on it), but none replaces
+it under another that is connected (subscribed), unless it takes the node over: the others'
+subscriptions end then, and with them their requests on this node. `clients` are the coordinators
+whose Load the held shard answers; frames of any other are refused, so a coordinator whose shard was
+replaced fails at once instead of running on layers it did not ask for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class Coordinators:
+    def __init__(self) -> None:
+        self.clients: set[str] = set()  # empty: not known (a coordinator that did not say who it is)
+
+    def admits(self, client_id: str) -> bool:
+        """Not a coordinator whose shard another one's Load replaced here."""
+        return not self.clients or not client_id or client_id in self.clients
+
+    def admit_load(self, me: str, subscribed: Iterable[str], reused: bool, take_over: bool) -> list[str] | None:
+        """None: refused (another connected coordinator holds another shard here). Else the coordinators
+        whose subscriptions end (taken over). `clients` is settled now, before the shard is read, so that
+        none of the others can come back meanwhile."""
+        others = [c for c in subscribed if c != me and self.admits(c)]
+        if others and not reused and not take_over:
+            return None
+        if not me:
+            self.clients = set()
+        elif reused and not take_over:
+            if self.clients:
+                self.clients.add(me)
+        else:
+            self.clients = {me}
+        return others if take_over else []
