@@ -10,18 +10,24 @@ with it.
 - It holds it shared from then until the shard is read into memory (the Load that asked for it).
 - Making room for a fetch and `mtpipe cache prune` remove only the entries they can lock
   exclusively at once: never one that is being fetched or loaded.
+On a network file system (NFS, SMB) Linux emulates flock with per-process locks: there, nodes in one
+process do not exclude each other. A root where no lock file can be made (read-only) is used unlocked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 LOCKS = ".locks"
 POLL_S = 0.1
+_warned: set[Path] = set()
 
 
 class EntryLock:
@@ -31,8 +37,16 @@ class EntryLock:
         if not fingerprint.isalnum():  # a part of a file name, never a path
             raise ValueError(f"invalid model fingerprint {fingerprint!r}")
         path = root / LOCKS / f"{fingerprint}-{dirname}.lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd: int | None = None
+        self.unlocked = False  # a root where no lock file can be made (read-only): entries are used unlocked
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            self.unlocked = True
+            if root not in _warned:
+                _warned.add(root)
+                log.warning("shard cache %s: no lock files (%s); its entries are used without locks", root, e)
 
     def try_exclusive(self) -> bool:
         return self._try(fcntl.LOCK_EX)
@@ -41,6 +55,8 @@ class EntryLock:
         return self._try(fcntl.LOCK_SH)
 
     def _try(self, mode: int) -> bool:
+        if self._fd is None:
+            return self.unlocked
         try:
             fcntl.flock(self._fd, mode | fcntl.LOCK_NB)
             return True
@@ -49,8 +65,10 @@ class EntryLock:
 
     def share(self) -> None:
         """From exclusive to shared: others may load the entry too, nobody may remove it. (flock makes the
-        change in two steps: a prune that lands between them removes the entry, and the load fails.)"""
-        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        change in two steps: a prune that lands between them removes the entry, and the load fails.) It may
+        wait for another node's exclusive lock taken in between: not on an event loop."""
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
 
     def release(self) -> None:
         if self._fd is not None:

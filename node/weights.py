@@ -152,7 +152,7 @@ class WeightStore:
         if found is None:  # to the hub
             lock.release()
         else:
-            lock.share()
+            await loop.run_in_executor(None, lock.share)
             found.lock = lock
             return self._found(found)
         repo = self.hub_repo(request.hub_repo, request.hub_revision)

@@ -179,3 +179,15 @@ def test_two_nodes_sharing_a_cache_fetch_a_shard_once(dense_ckpt: Path, tmp_path
         assert len(cache_admin.prune(tmp_path / "shared")[0]) == 1
     finally:
         holder.stop(0)
+
+
+def test_a_root_without_room_for_lock_files_is_used_unlocked(tmp_path: Path) -> None:
+    """A cache root where no lock file can be made (read-only; here a file stands where the lock directory
+    would be) still serves its entries, unlocked, rather than failing every Load."""
+    from mtpipe.node.cache_lock import LOCKS, EntryLock
+
+    (tmp_path / LOCKS).write_text("not a directory")
+    lock = EntryLock(tmp_path, "ab" * 32, "0-4-1")
+    assert lock.unlocked and lock.try_shared() and lock.try_exclusive()
+    lock.share()
+    lock.release()
