@@ -175,6 +175,10 @@ def test_stop_and_seeded_sampling(engine: Engine, client: Any) -> None:
                                            top_p=0.9, seed=7, extra_body={"top_k": 50, "min_p": 0.01})
             for _ in range(2))
     assert a.choices[0].message.content == b.choices[0].message.content
+    # top_k -1 is "off", as clients written for vLLM send it: the same draws as no top_k at all
+    off, unset = (client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.9,
+                                                 seed=7, extra_body=extra) for extra in ({"top_k": -1}, {}))
+    assert off.choices[0].message.content == unset.choices[0].message.content
 
 
 # -- raw HTTP: the SSE wire format ----------------------------------------------------------------
@@ -279,6 +283,54 @@ def test_non_streaming_disconnect_frees_caches(engine: Engine, server: LiveServe
     assert engine.pipeline.stages[-1].stats.steps == steps
 
 
+def test_a_request_waiting_for_a_slot_leaves_with_its_client_or_gets_a_503(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every generation slot taken, a waiting request whose client leaves never runs, and one that
+    waits past the slot timeout gets a 503 with Retry-After, streamed or not."""
+    from mtpipe.coordinator.api import service
+
+    wait_idle(engine)
+    opened: list[Any] = []
+
+    class Counting:  # the engine, counting the generations the API starts on it
+        def __getattr__(self, name: str) -> Any:
+            return getattr(engine, name)
+
+        def open(self, req: Any, sink: Any) -> Any:
+            opened.append(req)
+            return engine.open(req, sink)
+
+    monkeypatch.setattr(service, "SLOT_TIMEOUT_S", 1.0)
+    never_ends = {str(t): -100 for t in engine.eos}
+    long = {"model": MODEL, "messages": chat("go on"), "max_tokens": 3000, "temperature": 0, "logit_bias": never_ends}
+    short = {"model": MODEL, "messages": chat("hi"), "max_tokens": 2, "temperature": 0}
+    url = "/v1/chat/completions"
+    with LiveServer(create_app(Counting(), MODEL, max_concurrency=1)) as s:
+        holding, done = threading.Event(), threading.Event()
+
+        def hold() -> None:  # streams until the test is done with the slot, then leaves
+            with httpx.stream("POST", s.url + url, json={**long, "stream": True}, timeout=30) as r:
+                lines = r.iter_lines()  # (kept: a dropped iterator closes the response)
+                next(lines)
+                holding.set()
+                done.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert holding.wait(30)
+        with pytest.raises(httpx.ReadTimeout):  # its client leaves while it waits
+            httpx.post(s.url + url, json=short, timeout=httpx.Timeout(30, read=0.4))
+        for stream in (False, True):
+            r = httpx.post(s.url + url, json={**short, "stream": stream}, timeout=30)
+            assert r.status_code == 503 and r.headers["Retry-After"], r.text
+            assert r.json()["error"]["code"] == "server_busy"
+        done.set()
+        holder.join()
+        wait_idle(engine)
+        time.sleep(0.3)
+    assert len(opened) == 1  # only the one that held the slot ever ran
+
+
 # -- bad input: OpenAI error bodies, nothing touched ----------------------------------------------
 
 M = chat("hi")
@@ -314,7 +366,7 @@ BAD = [
     ("top-p-zero", CHAT, {"messages": M, "top_p": 0}, 400, "top_p"),
     ("top-p-above-one", CHAT, {"messages": M, "top_p": 1.5}, 400, "top_p"),
     ("top-p-text", TEXT, {"prompt": "x", "top_p": -1}, 400, "top_p"),
-    ("top-k-negative", CHAT, {"messages": M, "top_k": -1}, 400, "top_k"),
+    ("top-k-negative", CHAT, {"messages": M, "top_k": -2}, 400, "top_k"),
     ("min-p-above-one", CHAT, {"messages": M, "min_p": 2.0}, 400, "min_p"),
     ("seed-negative", CHAT, {"messages": M, "seed": -1}, 400, "seed"),
     ("n-two", CHAT, {"messages": M, "n": 2}, 400, "n"),

@@ -145,7 +145,7 @@ def create_app(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = ResponseFormat(endpoint == "/v1/chat/completions", model_name, include_usage)
         if body.stream:
-            return service.stream(endpoint, req, fmt, started, tools)
+            return await service.stream(endpoint, req, fmt, request, started, tools)
         return await service.complete(endpoint, req, fmt, request, started, tools)
 
     @app.post("/v1/chat/completions")

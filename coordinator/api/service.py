@@ -23,7 +23,7 @@ from ...node.protocol import SamplingParams, StageError, StageUnavailable
 from ..engine.sinks import ServerBusy
 from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
 from .chat import has_tool_turns, renders_tools, template_input
-from .defaults import DEFAULT_MAX_TOKENS
+from .defaults import DEFAULT_MAX_TOKENS, SLOT_TIMEOUT_S
 from .errors import APIError
 from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
 from .metrics import ServerMetrics
@@ -64,7 +64,9 @@ class Service:
         self.default_mtp_depth = default_mtp_depth  # None: auto where the model has an MTP head
         self.cluster_info = cluster_info
         self.metrics = metrics
+        self.max_concurrency = max_concurrency
         self.slots = asyncio.Semaphore(max_concurrency)
+        self.slot_timeout = SLOT_TIMEOUT_S
         self.tokenizer_lock = threading.Lock()  # fast tokenizers may refuse concurrent use
         self.long_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")  # one long prompt at a time
         self._long_tokenizer: Any = None  # the long lane's own copy, made on first use
@@ -88,7 +90,7 @@ class Service:
         params = SamplingParams(
             temperature=temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
+            top_k=0 if body.top_k == -1 else body.top_k or 0,  # -1: off, as vLLM clients send it
             min_p=body.min_p or 0.0,
             seed=body.seed,
             logit_bias=self._logit_bias(body.logit_bias),
@@ -204,8 +206,31 @@ class Service:
 
     # runs ---------------------------------------------------------------------------------
 
-    async def start(self, req: "GenerationRequest") -> GenerationThread:
-        await self.slots.acquire()
+    async def _slot(self, request: Any) -> None:
+        """One of the `max_concurrency` generation slots, waited for only while the client waits too and at
+        most SLOT_TIMEOUT_S (then ServerBusy: 503 with Retry-After)."""
+        acquire = asyncio.ensure_future(self.slots.acquire())
+        deadline = time.monotonic() + self.slot_timeout
+        try:
+            while not acquire.done():
+                await asyncio.wait({acquire}, timeout=DISCONNECT_POLL_S)
+                if acquire.done():
+                    break
+                if request is not None and await request.is_disconnected():
+                    raise APIError(499, "the client went away while its request waited", code="client_gone")
+                if time.monotonic() > deadline:
+                    raise ServerBusy(f"no free generation slot after {self.slot_timeout:.0f} s "
+                                     f"({self.max_concurrency} at once)",
+                                     retry_after=max(1, int(self.slot_timeout // 4)))
+        except BaseException:
+            if acquire.done() and not acquire.cancelled():
+                self.slots.release()  # acquired meanwhile
+            else:
+                acquire.cancel()
+            raise
+
+    async def start(self, req: "GenerationRequest", request: Any = None) -> GenerationThread:
+        await self._slot(request)
         try:
             run = GenerationThread(self.engine, req, self._on_exit)
             self.metrics.in_flight.inc()
@@ -260,10 +285,7 @@ class Service:
                        started: float, tools: "ToolSpec | None" = None) -> Any:
         from fastapi.responses import JSONResponse, Response
 
-        try:
-            run = await self.start(req)
-        except Exception as e:  # an engine that refuses at once (its pipeline down, its process gone)
-            raise self.server_error(e) from None
+        run = await self._begin(req, request)
         watcher = asyncio.create_task(self._watch(request, run))
         parts: list[str] = []
         final = None
@@ -295,33 +317,43 @@ class Service:
         return JSONResponse(fmt.response(text, finish, usage_of(final.stats, req.depth_label),
                                          logprobs=entries if asked else None, tool_calls=calls))
 
+    async def _begin(self, req: "GenerationRequest", request: Any) -> GenerationThread:
+        try:
+            return await self.start(req, request)
+        except APIError:
+            raise
+        except Exception as e:  # an engine that refuses at once (its pipeline down, its process gone)
+            raise self.server_error(e) from None
+
     async def _watch(self, request: Any, run: GenerationThread) -> None:
         while not await request.is_disconnected():
             await asyncio.sleep(DISCONNECT_POLL_S)
         run.cancel()
 
-    def stream(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, started: float,
-               tools: "ToolSpec | None" = None) -> Any:
+    async def stream(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, request: Any,
+                     started: float, tools: "ToolSpec | None" = None) -> Any:
+        """Started before the response, so that a request refused at once (no slot in time, the pipeline
+        down) gets its status (503 with Retry-After), not an error event in a 200 stream."""
         from fastapi.responses import StreamingResponse
 
+        run = await self._begin(req, request)
+        watcher = asyncio.create_task(self._watch(request, run))  # also if the stream is never iterated
         return StreamingResponse(
-            self._events(endpoint, req, fmt, started, tools),
+            self._events(endpoint, req, fmt, run, watcher, started, tools),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _events(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat,
-                      started: float, tools: "ToolSpec | None" = None) -> AsyncIterator[str]:
-        # Started lazily: a response that is never iterated (the client left at once) never runs.
+    async def _events(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, run: GenerationThread,
+                      watcher: "asyncio.Task[None]", started: float,
+                      tools: "ToolSpec | None" = None) -> AsyncIterator[str]:
         # When the client leaves, Starlette cancels this generator and `finally` stops the run.
-        run = None
         first_token = None
         parser = ToolCallParser(tools.tools) if tools is not None and tools.active else None
         calls = 0  # tool calls streamed
         try:
             if fmt.chat:
                 yield sse_event(fmt.chunk(role=True))
-            run = await self.start(req)
             async for chunk in run.chunks():
                 first_token = first_token or time.perf_counter()
                 if parser is not None:
@@ -342,8 +374,8 @@ class Service:
             yield sse_event(self.server_error(e).body())
             yield SSE_DONE
         finally:
-            if run is not None:
-                run.cancel()
+            watcher.cancel()
+            run.cancel()
 
     def _tool_deltas(self, fmt: ResponseFormat, parser: ToolCallParser, tools: "ToolSpec", chunk: "GenerationChunk",
                      calls: int, asked: bool) -> tuple[list[dict[str, Any]], int]:
