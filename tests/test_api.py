@@ -114,7 +114,8 @@ def test_models_and_health(server: LiveServer, client: Any) -> None:
 def test_chat(engine: Engine, client: Any) -> None:
     messages = chat(PROMPTS[0])
     ref = direct(engine, engine.encode_chat(messages), 12)
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                       response_format={"type": "text"})  # (the one format served)
     assert r.object == "chat.completion"
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == ref.text
@@ -381,6 +382,8 @@ BAD = [
     ("two-prompts", TEXT, {"prompt": ["a", "b"]}, 400, "prompt"),
     ("mixed-prompt", TEXT, {"prompt": [1, "a"]}, 422, "prompt"),
     ("echo", TEXT, {"prompt": "x", "echo": True}, 400, "echo"),
+    ("json-mode", CHAT, {"messages": M, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("json-schema-text", TEXT, {"prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format"),
 ]
 
 

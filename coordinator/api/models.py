@@ -103,6 +103,7 @@ class _GenerationBody(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension (mlx-lm's, over the last 20 tokens)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: decoding is not constrained
 
 
 class ChatCompletionRequest(_GenerationBody):

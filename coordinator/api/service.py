@@ -84,6 +84,10 @@ class Service:
         """The body's sampling, processors and logprobs (-1: none asked; else how many alternatives)."""
         if body.n not in (None, 1):
             raise APIError(400, f"n must be 1: this server returns one choice per request (got {body.n})", param="n")
+        kind = (body.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise APIError(400, f"response_format {kind!r} is not supported: this server does not constrain decoding "
+                                "to JSON; ask for JSON in the prompt instead", param="response_format")
         temperature = 1.0 if body.temperature is None else body.temperature
         if 0.0 < temperature < GREEDY_BELOW:
             temperature = 0.0
