@@ -40,6 +40,8 @@ PROMPT = "def add(a, b):\n    return"
 
 
 def test_chat_logprobs_match_the_engine_at_every_depth(client: Any, engine: BatchEngine) -> None:
+    from mtpipe.coordinator.engine.detokenizer import token_bytes
+
     messages = [{"role": "user", "content": PROMPT}]
     tokens = engine.encode_chat(messages)
     ref = engine.complete(GenerationRequest(tokens, 12, SamplingParams(top_logprobs=3)))
@@ -54,7 +56,8 @@ def test_chat_logprobs_match_the_engine_at_every_depth(client: Any, engine: Batc
             assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-6
             assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
                                                                      reverse=True)
-            assert entry.bytes == list(entry.token.encode())
+            assert entry.bytes == list(token_bytes(engine.tokenizer, token))
+        assert bytes(b for e in content for b in e.bytes).decode(errors="replace") == r.choices[0].message.content
         first = content[0].logprob
         assert first == pytest.approx(content[0].top_logprobs[0].logprob)
         if depth == 0:

@@ -197,3 +197,15 @@ def test_engine_text_is_decode_on_the_demo_model() -> None:
         prompt = engine.tokenizer.encode(prompt_text)
         r = engine.complete(GenerationRequest(prompt, max_tokens=64, mtp_depth=2))
         assert r.text == engine.tokenizer.decode(r.tokens)
+
+
+def test_token_bytes_are_the_tokens_own(tok) -> None:
+    """logprobs' `bytes`: each token's own bytes, so that a character split over tokens comes back whole
+    from their concatenation (its parts decoded alone are replacement characters)."""
+    from mtpipe.coordinator.engine.detokenizer import token_bytes
+
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(token_bytes(tok, t) for t in ids).decode("utf-8") == tok.decode(ids)
+    split = [t for t in tok.encode("😀🎉", add_special_tokens=False) if "\ufffd" in tok.decode([t])]
+    assert split and all(token_bytes(tok, t) != "\ufffd".encode() for t in split)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from ...node.protocol import SamplingParams, StageError, StageUnavailable
 from ..engine.sinks import ServerBusy
+from ..engine.detokenizer import token_bytes
 from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
 from .chat import has_tool_turns, renders_tools, template_input
 from .defaults import DEFAULT_MAX_TOKENS, SLOT_TIMEOUT_S
@@ -122,8 +123,8 @@ class Service:
     def token_logprobs(self, tokens: list[int], logprobs: Any) -> list[dict[str, Any]]:
         """Chat-style entries (token text, logprob, bytes, top_logprobs) for emitted tokens."""
         def entry(token: int, value: float) -> dict[str, Any]:
-            text = self.engine.tokenizer.decode([token])
-            return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+            tok = self.engine.tokenizer
+            return {"token": tok.decode([token]), "logprob": value, "bytes": list(token_bytes(tok, token))}
 
         with self.tokenizer_lock:
             return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}

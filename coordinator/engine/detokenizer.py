@@ -8,6 +8,7 @@ gives for all the tokens, replacement characters included.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -78,3 +79,33 @@ class TextStream:
             if self.tokenizer.decode(self.detokenizer.tokens) == " " + piece:
                 return " " + piece
         return piece
+
+
+def _byte_level_map() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet back to bytes: printable bytes stand for themselves, the others
+    for 256 + their rank among them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out = {chr(b): b for b in printable}
+    rest = (b for b in range(256) if b not in out.values())
+    out.update({chr(256 + i): b for i, b in enumerate(rest)})
+    return out
+
+
+_BYTE_LEVEL = _byte_level_map()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer: TokenizerWrapper, token: int) -> bytes:
+    """A token's own bytes, as OpenAI's logprobs report them: part of a UTF-8 character stays that part
+    (its decoded text would be a replacement character). A byte-level BPE piece maps back through its
+    alphabet, a SentencePiece byte piece (<0xAB>) is that byte; other pieces are their text."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str):
+        if (m := _BYTE_TOKEN.fullmatch(piece)) is not None:
+            return bytes([int(m.group(1), 16)])
+        byte_level = isinstance(tokenizer.detokenizer, BPEStreamingDetokenizer)
+        if byte_level and piece and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+    return tokenizer.decode([token]).encode("utf-8")
