@@ -352,7 +352,9 @@ class Service:
     async def _events(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, run: GenerationThread,
                       watcher: "asyncio.Task[None]", started: float,
                       tools: "ToolSpec | None" = None) -> AsyncIterator[str]:
-        # When the client leaves, Starlette cancels this generator and `finally` stops the run.
+        # When the client leaves, Starlette cancels this generator and `finally` stops the run: the
+        # watcher, needed until the stream began, is not.
+        watcher.cancel()
         first_token = None
         parser = ToolCallParser(tools.tools) if tools is not None and tools.active else None
         calls = 0  # tool calls streamed
