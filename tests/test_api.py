@@ -382,6 +382,8 @@ BAD = [
     ("two-prompts", TEXT, {"prompt": ["a", "b"]}, 400, "prompt"),
     ("mixed-prompt", TEXT, {"prompt": [1, "a"]}, 422, "prompt"),
     ("echo", TEXT, {"prompt": "x", "echo": True}, 400, "echo"),
+    ("completion-logprobs-negative", TEXT, {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
+    ("completion-logprobs-21", TEXT, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("json-mode", CHAT, {"messages": M, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("json-schema-text", TEXT, {"prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format"),
 ]

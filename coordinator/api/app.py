@@ -176,6 +176,8 @@ def create_app(
             raise APIError(400, "echo is not supported", param="echo")
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of must be 1", param="best_of")
+        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+            raise APIError(400, f"logprobs must be in [0, 20], got {body.logprobs}", param="logprobs")
         params = service.sampling(body, -1 if body.logprobs is None else body.logprobs)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
