@@ -169,7 +169,9 @@ class FrontProcess:
                 self.process.terminate()
 
         on_main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, on_term) if on_main else None
+        # Ctrl-C too (the front, whose uvicorn handles it, may end first): and a SIGINT this process
+        # inherited as ignored still stops it
+        previous = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGINT)} if on_main else {}
         try:
             self.start()
             log.info("the API serves at %s/v1 from process %d", self.url, self.process.pid)
@@ -184,8 +186,8 @@ class FrontProcess:
             if not stopping.is_set():  # (else it ended because it was told to)
                 raise
         finally:
-            if on_main:
-                signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self.stop()
         if stopping.is_set():
             return 0
