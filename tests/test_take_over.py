@@ -90,9 +90,24 @@ def test_a_taken_over_coordinator_does_not_take_the_nodes_back(dense_ckpt: Path,
         want = generate(local_engine(dense_ckpt, dtype=mx.float32), PROMPTS[0])
         first = remote_engine(dense_ckpt, addresses, dtype="float32", specs=SPECS)
         engines.append(first)
+        tried: list[BaseException | None] = []
+        reform = first.pipeline.reformer._reform
+
+        def counted() -> None:  # the first one's attempts to form its pipeline again
+            try:
+                reform()
+            except BaseException as e:
+                tried.append(e)
+                raise
+            tried.append(None)
+
+        first.pipeline.reformer._reform = counted
         second = remote_engine(dense_ckpt, addresses, dtype="float32", specs=OTHER, take_over=True)
         engines.append(second)
-        time.sleep(4.0)  # the first one's attempts to form its pipeline again, refused
+        deadline = time.monotonic() + 30
+        while len(tried) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(tried) >= 2 and all(isinstance(e, NodeInUse) for e in tried), tried  # each one refused
         assert [(s.service.key.start, s.service.key.end) for s in servers] == [(0, 1), (1, 4)]
         assert generate(second, PROMPTS[0]) == want
         copy = shutil.copytree(dense_ckpt, tmp_path / "copy")

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from ...node.protocol import SamplingParams, StageError, StageUnavailable
-from ..engine.sinks import ServerBusy
 from ..engine.detokenizer import token_bytes
+from ..engine.sinks import ServerBusy
 from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
 from .chat import has_tool_turns, renders_tools, template_input
 from .defaults import DEFAULT_MAX_TOKENS, SLOT_TIMEOUT_S

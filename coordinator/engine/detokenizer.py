@@ -8,6 +8,7 @@ gives for all the tokens, replacement characters included.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import TYPE_CHECKING
 
@@ -95,17 +96,22 @@ _BYTE_LEVEL = _byte_level_map()
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+@functools.lru_cache(maxsize=8)
+def _byte_level(tokenizer: TokenizerWrapper) -> bool:
+    """Whether mlx-lm detokenizes this tokenizer as byte-level BPE (asked once per tokenizer)."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+    return isinstance(tokenizer.detokenizer, BPEStreamingDetokenizer)
+
+
 def token_bytes(tokenizer: TokenizerWrapper, token: int) -> bytes:
     """A token's own bytes, as OpenAI's logprobs report them: part of a UTF-8 character stays that part
     (its decoded text would be a replacement character). A byte-level BPE piece maps back through its
     alphabet, a SentencePiece byte piece (<0xAB>) is that byte; other pieces are their text."""
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
-
     piece = tokenizer.convert_ids_to_tokens(token)
     if isinstance(piece, str):
         if (m := _BYTE_TOKEN.fullmatch(piece)) is not None:
             return bytes([int(m.group(1), 16)])
-        byte_level = isinstance(tokenizer.detokenizer, BPEStreamingDetokenizer)
-        if byte_level and piece and all(c in _BYTE_LEVEL for c in piece):
+        if _byte_level(tokenizer) and piece and all(c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)
     return tokenizer.decode([token]).encode("utf-8")
