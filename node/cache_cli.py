@@ -36,7 +36,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
         listed, busy = prune(root, max_bytes=max_bytes, fingerprint=args.model)
         verb = "removed"
     else:
-        (listed, busy), verb = (entries(root), []), "holds"
+        listed, busy, verb = entries(root), [], "holds"
     total = sum(e.bytes for e in listed)
     if args.json:
         out = {"root": str(root), verb: [e.to_dict() for e in listed], "bytes": total}

@@ -152,7 +152,11 @@ class WeightStore:
         if found is None:  # to the hub
             lock.release()
         else:
-            await loop.run_in_executor(None, lock.share)
+            try:
+                await loop.run_in_executor(None, lock.share)
+            except BaseException:  # (a cancelled Load)
+                lock.release()
+                raise
             found.lock = lock
             return self._found(found)
         repo = self.hub_repo(request.hub_repo, request.hub_revision)

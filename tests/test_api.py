@@ -328,8 +328,9 @@ def test_a_request_waiting_for_a_slot_leaves_with_its_client_or_gets_a_503(
         done.set()
         holder.join()
         wait_idle(engine)
-        time.sleep(0.3)
-    assert len(opened) == 1  # only the one that held the slot ever ran
+    # only the one that held the slot ever ran (the one whose client left had given its place up before
+    # the 503s were answered)
+    assert len(opened) == 1
 
 
 # -- bad input: OpenAI error bodies, nothing touched ----------------------------------------------

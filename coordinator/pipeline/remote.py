@@ -157,11 +157,12 @@ class RemotePipeline:
         last = len(self.nodes) - 1
 
         config = config_sha256((Path(path) / "config.json").read_text())
+        shard_tensors = [shard_names(path, s.start, s.end, s.num_layers, mtp) for s in specs]
+        # (kept beside the model since the fingerprint was taken: its headers are read, not its tensors)
+        hashes = tensor_hashes(path, sorted({n for names in shard_tensors for n in names}))
 
         def load_one(i: int) -> tuple[pb.LoadReply, pb.ConnectReply]:
-            node, s = self.nodes[i], specs[i]
-            names = shard_names(path, s.start, s.end, s.num_layers, mtp)
-            hashes = tensor_hashes(path, names)  # (kept beside the model since the fingerprint was taken)
+            node, s, names = self.nodes[i], specs[i], shard_tensors[i]
             load = pb.LoadRequest(model_path=path, start=s.start, end=s.end, num_layers=s.num_layers, mtp=mtp,
                                   dtype=dtype or "", node_name=node.address, fingerprint=fingerprint,
                                   sources=self.sources[i], hub_repo=hub_repo, hub_revision=hub_revision,
