@@ -4,29 +4,36 @@ Coordinators may share the shard a node holds (each runs its own sequences on it
 it under another that is connected (subscribed), unless it takes the node over: the others'
 subscriptions end then, and with them their requests on this node. `clients` are the coordinators
 whose Load the held shard answers; frames of any other are refused, so a coordinator whose shard was
-replaced fails at once instead of running on layers it did not ask for.
+replaced fails at once instead of running on layers it did not ask for. A coordinator taken over is
+told so, and its Loads stay refused here: it does not take the node back when the other one leaves.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
+
+KEEP_DISPLACED = 64  # coordinators remembered as taken over (each restart of one is a new id)
 
 
 class Coordinators:
     def __init__(self) -> None:
         self.clients: set[str] = set()  # empty: not known (a coordinator that did not say who it is)
+        self.displaced: OrderedDict[str, str] = OrderedDict()  # coordinator taken over -> the one that took it
 
     def admits(self, client_id: str) -> bool:
         """Not a coordinator whose shard another one's Load replaced here."""
         return not self.clients or not client_id or client_id in self.clients
 
     def admit_load(self, me: str, subscribed: Iterable[str], reused: bool, take_over: bool) -> list[str] | None:
-        """None: refused (another connected coordinator holds another shard here). Else the coordinators
-        whose subscriptions end (taken over). `clients` is settled now, before the shard is read, so that
-        none of the others can come back meanwhile."""
+        """None: refused (another connected coordinator holds another shard here, or `me` was taken over
+        here: `displaced` says by whom). Else the coordinators whose subscriptions end (taken over).
+        `clients` is settled now, before the shard is read, so that none of the others can come back
+        meanwhile."""
         others = [c for c in subscribed if c != me and self.admits(c)]
-        if others and not reused and not take_over:
+        if not take_over and (me in self.displaced or (others and not reused)):
             return None
+        self.displaced.pop(me, None)
         if not me:
             self.clients = set()
         elif reused and not take_over:
@@ -34,4 +41,16 @@ class Coordinators:
                 self.clients.add(me)
         else:
             self.clients = {me}
-        return others if take_over else []
+        if not take_over:
+            return []
+        for c in filter(None, others):
+            self.displaced[c] = me
+            while len(self.displaced) > KEEP_DISPLACED:
+                self.displaced.popitem(last=False)
+        return others
+
+
+def taken_over(node: str, by: str) -> str:
+    """What a coordinator taken over hears (its subscription's last event, and its Loads' refusal)."""
+    return (f"{node} was taken over by coordinator {by}: this coordinator no longer serves on it "
+            "(start it again with --take-over to take the node back)")

@@ -33,7 +33,7 @@ from ..models import blas
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .conditions import Conditions
-from .coordinators import Coordinators
+from .coordinators import Coordinators, taken_over
 from .dataplane import NextStage
 from .group_frames import GroupFrames
 from .health import health_reply
@@ -111,12 +111,17 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
             reused = self.worker is not None and self.key is not None and same_shard(self.key, key)
             ended = self.coordinators.admit_load(request.client_id, list(self._subs), reused, request.take_over)
             if ended is None:
+                if (by := self.coordinators.displaced.get(request.client_id)) is not None:
+                    await context.abort(grpc.StatusCode.ABORTED, taken_over(self.name, by))
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"{self.name} serves another coordinator (connected now) with another shard: "
                                     "stop that one, or take the node over (--take-over)")
             for client in ended:
                 log.warning("%s: taken over from coordinator %s by %s", self.name, client, request.client_id)
-                self._subs.pop(client).put_nowait(None)
+                q = self._subs.pop(client)
+                q.put_nowait(pb.Event(error=pb.Error(code="ABORTED", node=self.name,
+                                                     message=taken_over(self.name, request.client_id))))
+                q.put_nowait(None)
                 asyncio.get_running_loop().call_later(self.orphan_grace, self._expire, client)
             if not reused:
                 try:

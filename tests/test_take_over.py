@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
 from helpers import PROMPTS, TINY_LAYERS
 
-from mtpipe.coordinator.engine.build import local_engine, remote_engine
+from mtpipe.coordinator.api.readiness import Readiness
+from mtpipe.coordinator.engine.build import local_engine, remote_engine, ring_engine
 from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.coordinator.pipeline.nodes import NodeInUse
@@ -23,7 +25,7 @@ SPECS = [ShardSpec(0, 2, TINY_LAYERS), ShardSpec(2, 4, TINY_LAYERS)]
 OTHER = [ShardSpec(0, 1, TINY_LAYERS), ShardSpec(1, 4, TINY_LAYERS)]
 
 
-def generate(engine: Engine, text: str) -> list[int]:
+def generate(engine: Any, text: str) -> list[int]:
     return engine.complete(GenerationRequest(engine.tokenizer.encode(text), max_tokens=12, mtp_depth=1)).tokens
 
 
@@ -55,7 +57,6 @@ def test_a_second_coordinator_is_refused_unless_it_takes_the_nodes_over(dense_ck
             generate(first, PROMPTS[0])
         assert time.monotonic() - start < 10
         assert generate(second, PROMPTS[0]) == want
-        first.pipeline.close()  # (else it would form its pipeline again once the nodes are free)
         second.pipeline.close()
         third = engine()  # the nodes are free for other shards once their coordinator has closed
         assert generate(third, PROMPTS[0]) == want
@@ -66,14 +67,17 @@ def test_a_second_coordinator_is_refused_unless_it_takes_the_nodes_over(dense_ck
             s.stop(0)
 
 
-def test_a_taken_over_coordinator_does_not_take_the_nodes_back(dense_ckpt: Path, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Shards that take a while to load (as real ones do): the first coordinator, whose pipeline is down once
-    taken over, keeps trying to form it again meanwhile, and never gets the nodes back while the second is
-    connected. A copy of the model at another path is the same shard: its coordinator shares the nodes."""
+@pytest.mark.parametrize("build", [remote_engine, ring_engine], ids=["steps", "ring"])
+def test_a_taken_over_coordinator_gives_the_nodes_up(dense_ckpt: Path, tmp_path: Path, build: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shards that take a while to load (as real ones do). The first coordinator hears that it was taken
+    over: its pipeline is down for good, without one attempt to form it again, its requests fail at once
+    naming the node, and it does not take the nodes back once the second has gone. A copy of the model at
+    another path is the same shard: its coordinator shares the nodes."""
     import asyncio
     import shutil
 
+    from mtpipe.coordinator.pipeline.nodes import TakenOver
     from mtpipe.node import service
 
     real = service.load_stage
@@ -85,13 +89,14 @@ def test_a_taken_over_coordinator_does_not_take_the_nodes_back(dense_ckpt: Path,
     monkeypatch.setattr(service, "load_stage", slow)
     servers = [NodeServer("127.0.0.1", 0, model_dirs=[dense_ckpt]).start() for _ in range(2)]
     addresses = [s.address for s in servers]
-    engines: list[Engine] = []
+    engines: list[Any] = []
     try:
         want = generate(local_engine(dense_ckpt, dtype=mx.float32), PROMPTS[0])
-        first = remote_engine(dense_ckpt, addresses, dtype="float32", specs=SPECS)
+        first = build(dense_ckpt, addresses, dtype="float32", specs=SPECS)
         engines.append(first)
+        reformer = first.pipeline.reformer
         tried: list[BaseException | None] = []
-        reform = first.pipeline.reformer._reform
+        reform = reformer._reform
 
         def counted() -> None:  # the first one's attempts to form its pipeline again
             try:
@@ -101,13 +106,22 @@ def test_a_taken_over_coordinator_does_not_take_the_nodes_back(dense_ckpt: Path,
                 raise
             tried.append(None)
 
-        first.pipeline.reformer._reform = counted
+        reformer._reform = counted
         second = remote_engine(dense_ckpt, addresses, dtype="float32", specs=OTHER, take_over=True)
         engines.append(second)
-        deadline = time.monotonic() + 30
-        while len(tried) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(tried) >= 2 and all(isinstance(e, NodeInUse) for e in tried), tried  # each one refused
+        deadline = time.monotonic() + 10  # (told as the load began: before the second one's engine is built)
+        while not reformer.given_up and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reformer.given_up and isinstance(reformer.down, TakenOver), reformer.down
+        assert "taken over by coordinator " + second.pipeline.client_id in str(reformer.down)
+        assert tried == [] and not reformer.wait(10.0)
+        ready, details = Readiness(first, timeout=2.0).check()  # what /health says: the node, and why
+        assert not ready and details["unready"][0]["address"] in addresses
+        assert "taken over" in details["unready"][0]["reason"] and "formed again" not in details["unready"][0]["reason"]
+        start = time.monotonic()
+        with pytest.raises((StageError, StageUnavailable), match="another coordinator's shard|taken over"):
+            generate(first, PROMPTS[0])
+        assert time.monotonic() - start < 10
         assert [(s.service.key.start, s.service.key.end) for s in servers] == [(0, 1), (1, 4)]
         assert generate(second, PROMPTS[0]) == want
         copy = shutil.copytree(dense_ckpt, tmp_path / "copy")
@@ -115,6 +129,12 @@ def test_a_taken_over_coordinator_does_not_take_the_nodes_back(dense_ckpt: Path,
         engines.append(sharing)
         assert all(r.reused for r in sharing.pipeline.load_replies)
         assert generate(sharing, PROMPTS[0]) == generate(second, PROMPTS[0]) == want
+        second.pipeline.close()
+        sharing.pipeline.close()
+        with pytest.raises(TakenOver, match="taken over"):  # the nodes are free now, but not for it
+            reform()
+        assert [(s.service.key.start, s.service.key.end) for s in servers] == [(0, 1), (1, 4)]
+        assert tried == []
     finally:
         for e in engines:
             e.pipeline.close()
@@ -131,9 +151,15 @@ def test_which_coordinators_a_node_serves() -> None:
     assert c.admit_load("c", ["a", "b"], reused=False, take_over=False) is None and c.clients == {"a", "b"}
     assert c.admit_load("c", ["a", "b", "c"], reused=False, take_over=True) == ["a", "b"] and c.clients == {"c"}
     assert not c.admits("a") and c.admits("c") and c.admits("")  # (frames without an id: an older coordinator)
-    # The displaced one, subscribed again, does not count as holding the node: only its own Loads are refused.
+    assert c.displaced == {"a": "c", "b": "c"}
+    # The displaced one, subscribed again, does not count as holding the node: only its own Loads are refused,
+    # even once the node is free again, unless it takes the node over.
     assert c.admit_load("a", ["a", "c"], reused=False, take_over=False) is None
     assert c.admit_load("d", ["a"], reused=False, take_over=False) == [] and c.clients == {"d"}
+    assert c.admit_load("a", [], reused=False, take_over=False) is None
+    assert c.admit_load("a", ["d"], reused=False, take_over=True) == ["d"] and c.clients == {"a"}
+    assert c.displaced == {"b": "c", "d": "a"}
+    assert c.admit_load("d", ["a"], reused=True, take_over=True) == ["a"] and c.clients == {"d"}
     # A coordinator that does not say who it is opens the node to all, and sharing keeps it open.
     assert c.admit_load("", ["d"], reused=True, take_over=False) == [] and c.clients == set()
     assert c.admit_load("e", ["d"], reused=True, take_over=False) == [] and c.clients == set() and c.admits("x")

@@ -120,7 +120,8 @@ class Readiness:
             reformer = getattr(self.engine.pipeline, "reformer", None)
             if not down and reformer is not None and (lost := reformer.down) is not None:
                 # every node answers, but the pipeline over them is not formed again yet
-                down = [{"address": getattr(lost, "node", "pipeline"), "reason": f"being formed again after: {lost}",
+                why = str(lost) if reformer.given_up else f"being formed again after: {lost}"
+                down = [{"address": getattr(lost, "node", "pipeline"), "reason": why,
                          "since": timestamp(reformer.down_at)}]
             return not down, {"nodes": len(states), "unready": down}
         thread = getattr(self.engine, "thread", None)  # a BatchEngine runs every stage on one MLX thread

@@ -40,8 +40,8 @@ def depth_arg(value: str) -> int | str:
 
 def add_take_over(p: argparse.ArgumentParser) -> None:
     p.add_argument("--take-over", action="store_true",
-                   help="load nodes that another coordinator holds, ending its requests there (by default such a "
-                        "node refuses)")
+                   help="load nodes that another coordinator holds, ending its requests there for good (by default "
+                        "such a node refuses)")
 
 
 def add_mtp(p: argparse.ArgumentParser) -> None:

@@ -132,6 +132,8 @@ class RingEngine:
         """Queue a request; its chunks, then END or an exception, go to `sink` (from another thread)."""
         self.validate(req)
         down = self.pipeline.reformer.down
+        if down is not None and self.pipeline.reformer.given_up:
+            raise StageUnavailable(str(down))
         if down is not None:
             raise ServerBusy(f"{down}; the pipeline is being formed again", retry_after=RETRY_AFTER_DOWN_S)
         # 64 random bits for an id: every group frame names each of its rows

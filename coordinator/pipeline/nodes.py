@@ -19,6 +19,8 @@ from ...proto import mtpipe_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+IN_USE_SETTLE_S = 3.0  # a node another coordinator holds: how long a Load waits for it to let go
+
 
 class NodeFailure(StageUnavailable):
     """A node died, hung or cannot be reached. The steps in flight are lost."""
@@ -30,6 +32,10 @@ class NodeFailure(StageUnavailable):
 
 class NodeInUse(NodeFailure):
     """The node serves another coordinator, connected to it, with another shard (RemotePipeline's `take_over`)."""
+
+
+class TakenOver(NodeFailure):
+    """Another coordinator took the node over: this one no longer serves on it, and does not try to."""
 
 
 class RemoteStageError(StageError):
@@ -131,3 +137,21 @@ def wait_for_nodes(nodes: list[str], timeout: float = 30.0, secret: str | None =
                 stub.Ping(pb.PingRequest(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True)
             except grpc.RpcError as e:
                 raise NodeFailure(address, f"not ready within {timeout:.0f} s ({describe_rpc_error(e)})") from None
+
+
+def load_node(node: NodeLink, request: pb.LoadRequest, timeout: float | None) -> pb.LoadReply:
+    """The node's Load, waiting a moment for a coordinator that is closing to let it go. NodeInUse if
+    another one holds it still, TakenOver if another took it from this coordinator; other errors raise."""
+    settle = time.monotonic() + IN_USE_SETTLE_S
+    while True:
+        try:
+            return node.stub.Load(request, timeout=timeout)
+        except grpc.RpcError as e:
+            details = e.details().removeprefix(f"{node.address} ")
+            if e.code() == grpc.StatusCode.ABORTED:
+                raise TakenOver(node.address, details) from None
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            if time.monotonic() > settle:
+                raise NodeInUse(node.address, details) from None
+            time.sleep(0.2)

@@ -39,7 +39,7 @@ from ...node.wire import (
     result_to_output,
 )
 from ...proto import mtpipe_pb2 as pb
-from .nodes import FrameStream, NodeFailure, NodeInUse, NodeLink, RemoteStageError
+from .nodes import FrameStream, NodeFailure, NodeLink, RemoteStageError, TakenOver, load_node
 from .reform import Reformer
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 # Prompt chunks in flight at once: enough to keep every stage busy, while bounding the hidden states
 # queued on the nodes (a 512-token chunk of a hidden-8192 bfloat16 model is 8 MiB).
 STEPS_IN_FLIGHT = 4
-IN_USE_SETTLE_S = 3.0  # a node another coordinator holds: how long a Load waits for it to let go
 RENEW_S = 1.0  # how often the sequences' leases are renewed on every node (a lease runs for seconds)
 
 
@@ -127,7 +126,7 @@ class RemotePipeline:
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
         self._load_args: tuple | None = None
-        self.reformer = Reformer(self._reform)  # a lost node: down, then formed again (reform.py)
+        self.reformer = Reformer(self._reform, final=(TakenOver,))  # a lost node: down, then formed again
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -171,19 +170,8 @@ class RemotePipeline:
             connect = pb.ConnectRequest(next=self.addresses[i + 1] if i < last else "",
                                         ring=self.addresses[0] if i == last else "",
                                         ring_node_id=first_id if i == last else "")
-            settle = time.monotonic() + IN_USE_SETTLE_S
             try:
-                while True:
-                    try:
-                        reply = node.stub.Load(load, timeout=timeout)
-                        break
-                    except grpc.RpcError as e:
-                        if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                            raise
-                        if time.monotonic() > settle:
-                            raise NodeInUse(node.address, e.details().removeprefix(f"{node.address} ")) from None
-                        time.sleep(0.2)  # a coordinator that just closed may still hold it for a moment
-                return reply, node.stub.Connect(connect, timeout=timeout)
+                return load_node(node, load, timeout), node.stub.Connect(connect, timeout=timeout)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ValueError(f"node {node.address}: {e.details()}") from None
@@ -262,7 +250,7 @@ class RemotePipeline:
             ready.set()
             return
         node.subscription = None
-        if not self._closed:
+        if not self._closed and not self.reformer.given_up:
             log.warning("lost node %s: %s", node.address, describe_rpc_error(error))
             self._lost(NodeFailure(node.address, f"died or stopped answering ({describe_rpc_error(error)})"))
 
@@ -295,6 +283,11 @@ class RemotePipeline:
                     sink(result_to_output(r))
         elif kind == "error":
             e = event.error
+            if not e.seq_id and e.code == "ABORTED":  # another coordinator took this node over
+                taken = TakenOver(e.node, e.message.removeprefix(f"{e.node} "))
+                self.reformer.give_up(taken)
+                self._fail_all(taken)
+                return
             if not e.seq_id:  # a broken link between nodes: every step in flight is lost
                 self._lost(NodeFailure(e.node, f"died or stopped answering ({e.message})"))
                 return
