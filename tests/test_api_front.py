@@ -207,6 +207,13 @@ def test_over_ring_nodes_with_their_health(dense_ckpt: Path) -> None:
                 assert nodes[1].address in [u["address"] for u in health.json()["unready"]]
                 info = c.get("/v1/cluster").json()
                 assert info["mode"] == "nodes" and info["healthy"] is False and nodes[1].address in info["error"]
+                deadline = time.monotonic() + 10
+                while engine.pipeline.reformer.down is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                # refused at once by the engine's process: the stream gets its status, not an error inside a 200
+                with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    assert r.status_code == 503 and "Retry-After" in r.headers
+                    assert nodes[1].address in r.read().decode()
         finally:
             front.stop()
             engine.pipeline.close()

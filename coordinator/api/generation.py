@@ -89,6 +89,13 @@ class GenerationThread:
         else:
             self.thread.start()
 
+    async def opened(self) -> None:
+        """Once the engine took the request; raises its refusal. An engine in this process refuses in
+        start(); one in another process answers over the link (link.py)."""
+        opened = getattr(self.handle, "opened", None)
+        if opened is not None:
+            await asyncio.wrap_future(opened)
+
     def cancel(self) -> None:
         self.stopping.set()
         if self.handle is not None:

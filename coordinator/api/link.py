@@ -7,8 +7,9 @@ the API's per-chunk work never takes the interpreter lock from the thread that b
 Over a `multiprocessing` pipe, as pickled lists of tuples:
 - front to engine: ("open", rid, GenerationRequest), ("cancel", rid), ("call", cid, name),
   ("listening", host, port);
-- engine to front: first [("hello", info)] alone, then ("chunk", rid, GenerationChunk),
-  ("error", rid, WireError), ("end", rid) and ("reply", cid, ok, value).
+- engine to front: first [("hello", info)] alone, then ("opened", rid) once the engine took a request
+  (a refused one gets its "error" instead, so a stream is refused with its status, not inside a 200),
+  ("chunk", rid, GenerationChunk), ("error", rid, WireError), ("end", rid) and ("reply", cid, ok, value).
 
 Each side sends from a thread of its own (`Outbox`, pipe.py): the engine's sinks, called on its MLX
 thread, and the front's event loop only append to it, so neither ever blocks on the pipe, and a
@@ -133,6 +134,8 @@ class EngineHost:
             self._deliver(rid, e)
             self._deliver(rid, END)
             return
+        assert self._outbox is not None
+        self._outbox.put(("opened", rid))
         with self._lock:
             if rid in self._handles:
                 self._handles[rid] = handle
@@ -179,6 +182,7 @@ class LinkHandle:
     def __init__(self, client: EngineClient, rid: int):
         self._client = client
         self._rid = rid
+        self.opened: Future[None] = Future()  # the engine took the request, or its refusal
 
     def cancel(self) -> None:
         """The client is gone: the engine drops the request at its next round."""
@@ -200,6 +204,7 @@ class EngineClient:
         self.on_lost: Callable[[], None] | None = None
         self.lost: str | None = None
         self._sinks: dict[int, Sink] = {}
+        self._opening: dict[int, LinkHandle] = {}  # not yet taken or refused by the engine
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -215,12 +220,14 @@ class EngineClient:
         """Queue a request in the engine; its chunks, then END or an exception, go to `sink`."""
         self.validate(req)
         rid = next(self._ids)
+        handle = LinkHandle(self, rid)
         with self._lock:
             if self.lost is not None:
                 raise StageUnavailable(self.lost)
             self._sinks[rid] = sink
+            self._opening[rid] = handle
         self._outbox.put(("open", rid, req))
-        return LinkHandle(self, rid)
+        return handle
 
     def call(self, name: str, timeout: float = CALL_TIMEOUT_S) -> Any:
         """Ask the engine's process (blocking: call off the event loop)."""
@@ -299,7 +306,13 @@ class EngineClient:
             return
         with self._lock:
             sink = self._sinks.pop(msg[1], None) if op == "end" else self._sinks.get(msg[1])
-        if sink is None:
+            opening = self._opening.pop(msg[1], None)
+        if opening is not None and not opening.opened.done():
+            if op == "error":
+                opening.opened.set_exception(msg[2].exception())
+            else:
+                opening.opened.set_result(None)
+        if sink is None or op == "opened":
             return
         if op == "chunk":
             sink(msg[2])
@@ -313,6 +326,10 @@ class EngineClient:
             self.lost = why
             sinks, self._sinks = list(self._sinks.values()), {}
             calls, self._calls = list(self._calls.values()), {}
+            opening, self._opening = list(self._opening.values()), {}
+        for handle in opening:
+            if not handle.opened.done():
+                handle.opened.set_exception(StageUnavailable(why))
         if sinks:
             log.error("%s: %d request(s) fail", why, len(sinks))
         for sink in sinks:

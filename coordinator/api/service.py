@@ -342,6 +342,11 @@ class Service:
         from fastapi.responses import StreamingResponse
 
         run = await self._begin(req, request)
+        try:
+            await run.opened()
+        except Exception as e:
+            run.cancel()
+            raise self.server_error(e) from None
         watcher = asyncio.create_task(self._watch(request, run))  # also if the stream is never iterated
         return StreamingResponse(
             self._events(endpoint, req, fmt, run, watcher, started, tools),
