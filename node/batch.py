@@ -22,6 +22,7 @@ from .batch_depth import DepthPlan
 from .batch_head import BatchHead, RowOutput
 from .filling import FillGroup
 from .head import Prepared
+from .prefixes import Prefix, prefix_of
 from .protocol import Commit, StageError, StepOutput, StepRequest
 from .stage import StageWorker
 
@@ -69,9 +70,10 @@ class BatchStage:
         self.lookahead = self.spec.is_first and self.spec.is_last
         self.early: list[Commit] | None = None  # the last round's commit, applied when it was decided
         args = worker.shard.config.args
+        self.prefixes: dict[str, Prefix] = {}  # kept prompt prefixes (prefixes.py), by the engine's keys
         self.filling = FillGroup(self.model, worker.head, first=self.spec.is_first, dtype=worker.dtype,
                                  max_context=worker.max_context, vocab_size=args.vocab_size,
-                                 has_mtp=worker.shard.has_mtp)
+                                 has_mtp=worker.shard.has_mtp, prefixes=self.prefixes)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -97,10 +99,15 @@ class BatchStage:
         self.stats.step_seconds += time.perf_counter() - start
         return out
 
-    def join(self, seq_id: str) -> None:
-        """Move a prefilled sequence into the batch, as its last row."""
+    def join(self, seq_id: str, keep: str = "") -> Prefix | None:
+        """Move a prefilled sequence into the batch, as its last row. With `keep`, what its prompt left
+        here before its last token is kept under that key (when prefixes are marked: `keep_prefixes`)."""
+        kept = None
         if seq_id in self.filling:
+            mark = self.filling.marks.pop(seq_id, None)
             row, position, draft = self.filling.take(seq_id)
+            if keep and mark is not None:
+                kept = self.prefixes[keep] = prefix_of(mark, row, draft)
         else:
             seq = self.worker.sequences.pop(seq_id, None)
             if seq is None:
@@ -112,6 +119,16 @@ class BatchStage:
         self.positions.append(position)
         if self.head is not None:
             self.head.join(seq_id, draft)
+        return kept
+
+    def keep_prefixes(self, on: bool) -> None:
+        """Mark each prompt's state before its last token, so that `join` can keep it."""
+        self.filling.marking = on
+        if not on:
+            self.prefixes.clear()
+
+    def drop_prefix(self, key: str) -> None:
+        self.prefixes.pop(key, None)
 
     def leave(self, seq_ids: set[str]) -> None:
         """Drop rows (finished or abandoned): their caches are freed with them."""
@@ -267,4 +284,6 @@ class BatchStage:
         out = self.worker.describe()
         out["active_sequences"] = self.sequences
         out["batch_rows"] = len(self.ids)
+        out["kept_prefixes"] = len(self.prefixes)
+        out["kept_prefix_bytes"] = sum(p.nbytes for p in self.prefixes.values())
         return out

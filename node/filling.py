@@ -17,13 +17,14 @@ from ..models.gdn_chunked import prefill_layer
 from ..models.ragged import RaggedKV, cache_arrays, concat_caches, pad_rows, ragged_layer, take_rows
 from ..models.shard import queue_layers
 from .head import DraftState, Head, new_draft_state
+from .prefixes import Mark, Prefix, mark_row, resume_draft, row_from
 from .protocol import StageError, StepKind, StepOutput, StepRequest
 from .stage import check_first_step
 
 
 class FillGroup:
     def __init__(self, model: object, head: Head | None, *, first: bool, dtype: mx.Dtype, max_context: int,
-                 vocab_size: int, has_mtp: bool):
+                 vocab_size: int, has_mtp: bool, prefixes: dict[str, Prefix] | None = None):
         self.model = model
         self.head = head
         self.first = first
@@ -36,6 +37,9 @@ class FillGroup:
         self.positions: list[int] = []
         self.steps: list[int] = []  # the next step each row expects
         self.drafts: dict[str, DraftState] = {}
+        self.prefixes = prefixes if prefixes is not None else {}  # the stage's kept prompt prefixes
+        self.marking = False  # copy each row's state as its prompt's last token goes in (`marks`)
+        self.marks: dict[str, Mark] = {}
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self.ids
@@ -46,13 +50,16 @@ class FillGroup:
         if req.step != 0 or req.kind is not StepKind.PREFILL:
             raise StageError(f"unknown sequence {req.seq_id!r}")
         check_first_step(req, drafts_here=self.head is not None, has_mtp=self.has_mtp)
-        row = self._empty_row()
+        prefix = self.prefixes[req.prefix] if req.prefix else None  # (checked to be here: _check)
+        row = self._empty_row() if prefix is None else row_from(prefix, len(self.model.layers))
         self.cache = row if not self.ids else concat_caches([self.cache, row])
         self.ids.append(req.seq_id)
-        self.positions.append(0)
+        self.positions.append(0 if prefix is None else prefix.length)
         self.steps.append(0)
         if self.head is not None:
-            self.drafts[req.seq_id] = new_draft_state(req)
+            self.drafts[req.seq_id] = draft = new_draft_state(req)
+            if prefix is not None:
+                resume_draft(draft, prefix)
 
     def _empty_row(self) -> list:
         row: list = []
@@ -80,6 +87,7 @@ class FillGroup:
             return False
         self._drop(self.ids.index(seq_id))
         self.drafts.pop(seq_id, None)
+        self.marks.pop(seq_id, None)
         return True
 
     def _drop(self, i: int) -> None:
@@ -98,6 +106,10 @@ class FillGroup:
             if req.seq_id not in self.ids:
                 self._add(req)
         by_id = {r.seq_id: r for r in reqs}
+        if self.marking:  # (before the forward: where the prompt's last token is about to go in)
+            for i, s in enumerate(self.ids):
+                if s in by_id and by_id[s].final and self.positions[i]:
+                    self.marks[s] = mark_row(self.cache, i, self.positions[i], self.drafts.get(s))
         tokens = [by_id[s].tokens if s in by_id else [] for s in self.ids]
         real = [len(t) for t in tokens]
         width = max(real)
@@ -156,5 +168,11 @@ class FillGroup:
                     raise StageError(f"context overflow: {self.positions[i] + len(req.tokens)} > {self.max_context}")
             elif req.step != 0:
                 raise StageError(f"unknown sequence {req.seq_id!r}")
+            elif req.prefix:
+                prefix = self.prefixes.get(req.prefix)
+                if prefix is None:
+                    raise StageError(f"no kept prompt prefix {req.prefix!r} on this stage")
+                if prefix.length + len(req.tokens) > self.max_context:
+                    raise StageError(f"context overflow: {prefix.length + len(req.tokens)} > {self.max_context}")
         if self.first and hidden is not None:
             raise StageError("the first stage takes token ids, not hidden states")

@@ -123,6 +123,8 @@ def test_chat(engine: Engine, client: Any) -> None:
     assert r.usage.prompt_tokens == ref.stats.prompt_tokens
     assert r.usage.completion_tokens == ref.stats.generation_tokens
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # all but the prompt's last token came from the prefix the direct run kept (coordinator/engine/batch.py)
+    assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
     mtp = r.usage.model_extra["mtp"]
     # The default depth is auto: the rounds it reports add up, whatever depths it picked.
     assert mtp["depth"] == "auto" and sum(mtp["depths"].values()) == mtp["rounds"]

@@ -239,7 +239,7 @@ def test_greedy_draft_steps_are_queued_as_built_and_draft_the_same(dense_ckpt: P
     monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(1), real_async_eval(*a))[1])
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     single = local_engine(dense_ckpt, dtype=mx.float32)
-    batch = batch_engine(dense_ckpt, dtype=mx.float32)
+    batch = batch_engine(dense_ckpt, dtype=mx.float32, prefix_cache=0)  # (each run prefills its prompt)
     sampled = SamplingParams(temperature=0.8, seed=7)
     try:
         runs = {}

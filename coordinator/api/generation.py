@@ -158,6 +158,7 @@ def usage_of(stats: "GenerationStats", depth: "int | str") -> dict[str, Any]:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generation_tokens,
         "total_tokens": stats.prompt_tokens + stats.generation_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
         "mtp": {
             "depth": depth,
             "drafted": stats.drafted,

@@ -289,7 +289,7 @@ def bench_serve(
     if closed and closed_requests < 2:
         raise ValueError(f"the closed loop needs at least 2 requests per client, got {closed_requests}")
     top = levels[-1]
-    engine = batch_engine(model_path, dtype=dtype, max_rows=max(DEFAULT_MAX_ROWS, top))
+    engine = batch_engine(model_path, dtype=dtype, max_rows=max(DEFAULT_MAX_ROWS, top), prefix_cache=0)  # (as mlx-lm)
     server = clients = None
     try:
         prompts = [list(engine.tokenizer.encode(t)) for t in bench_prompts(top)]

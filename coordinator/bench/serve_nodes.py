@@ -76,7 +76,7 @@ def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: 
     if min(nodes) < 2:
         raise ValueError(f"--nodes: a ring needs 2 nodes or more, got {nodes}")
     top = levels[-1]
-    single = batch_engine(model_path, max_rows=max(DEFAULT_MAX_ROWS, top))
+    single = batch_engine(model_path, max_rows=max(DEFAULT_MAX_ROWS, top), prefix_cache=0)  # (as the ring keeps none)
     engines: dict[str, Any] = {"single": single}
     prompts = [list(single.tokenizer.encode(t)) for t in bench_prompts(top)]
     with ExitStack() as stack:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 
 from ...node.secrets import add_secret_args, add_secret_file, read_secret
@@ -26,6 +27,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
                    help="generations at once; more requests wait")
+    p.add_argument("--prefix-cache", type=float, metavar="GB",
+                   help="on one machine: GB of prompt prefixes kept so that a prompt starting with one (a chat's "
+                        "next turn) prefills only the rest; dropped first when requests need the memory "
+                        "(default: a quarter of the batch's memory budget; 0: off)")
     p.add_argument("--resume-window", type=float, default=RESUME_WINDOW_S,
                    help="with --nodes: how long a request whose node is lost waits for the pipeline to be formed "
                         f"again, then goes on where it stopped (default {RESUME_WINDOW_S:g} s; 0: fail at once)")
@@ -41,6 +46,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ...models.registry import resolve_model
     from ..api.serve import model_name_for, nodes_cluster_info, serve
+    from ..engine.batch import DEFAULT_MAX_ROWS
     from ..engine.build import batch_engine
 
     if args.max_concurrency < 1:
@@ -49,6 +55,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-body-bytes must be 0 (no limit) or more")
     if args.resume_window < 0:
         raise ValueError("--resume-window must be 0 (no resume) or more")
+    if args.prefix_cache is not None and not (args.prefix_cache >= 0 and math.isfinite(args.prefix_cache)):
+        raise ValueError("--prefix-cache must be a number of GB, 0 (off) or more")
+    if args.prefix_cache is not None and args.nodes:
+        raise ValueError("--prefix-cache applies to one machine; nodes keep no prompt prefixes yet")
     api_key = read_secret(args.api_key_file, API_KEY_ENV, option="--api-key-file")
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     path = resolve_model(args.model)
@@ -65,8 +75,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import mlx.core as mx
 
         with progress_loader("loading model")() as progress:
+            if args.prefix_cache is not None:
+                options["prefix_cache"] = int(args.prefix_cache * 2**30)
             engine = batch_engine(path, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None,
-                                  progress=progress, **options)
+                                  progress=progress, max_rows=max(DEFAULT_MAX_ROWS, args.max_concurrency), **options)
     depth = 0 if args.no_mtp else args.mtp_depth
     if isinstance(depth, int) and depth > 0 and not engine.has_mtp:
         raise ValueError("--mtp-depth needs a model with an MTP head")

@@ -4,6 +4,10 @@ Requests arrive from any thread (`open`); the MLX thread runs the loop: refuse w
 admit what fits the memory budget (scheduler.py), run one decode round for all decoding rows, then
 one prefill chunk of the oldest prompt, and hand each request its chunks through its sink. A
 request cancelled by its client (or done) leaves the batch before the next round, on every stage.
+
+Each prompt's state before its last token is kept (node/prefixes.py), within `prefix_cache` bytes,
+least recently used dropped first and all of them before a request waits for memory: a prompt that
+starts with a kept one (the next turn of a chat, the same prompt again) prefills only the rest.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_ROWS = 16
 DEFAULT_QUEUE_TIMEOUT_S = 60.0
 DEFAULT_PREFILL_CHUNK = 512
+PREFIX_CACHE_SHARE = 4  # kept prompt prefixes may take up to 1/4 of the memory budget by default
 
 
 @dataclass
@@ -58,6 +63,7 @@ class Live:
     generated: int = 0
     next_tokens: list[int] = field(default_factory=list)  # the next round's [y, d1..dK]
     started: float = 0.0
+    prefix: str = ""  # the kept prefix its prompt goes on from
 
 
 class Handle:
@@ -75,7 +81,7 @@ class BatchEngine:
     def __init__(self, stages: list[BatchStage], tokenizer: Any, eos_token_ids: set[int] | list[int],
                  max_context: int, has_mtp: bool, thread: MLXThread, *, dims: plan.ModelDims, budget: int,
                  max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S):
+                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, prefix_cache: int | None = None):
         self.stages = stages
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
@@ -87,6 +93,10 @@ class BatchEngine:
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
         self.queue_timeout = queue_timeout
+        self.prefix_cache = budget // PREFIX_CACHE_SHARE if prefix_cache is None else max(0, prefix_cache)
+        self._kept: dict[str, plan.KeptPrefix] = {}
+        if self.prefix_cache:
+            thread.call(lambda: [s.keep_prefixes(True) for s in stages])
         self._inbox: queue.SimpleQueue[Live] = queue.SimpleQueue()
         self._closed = False
         self._open_lock = threading.Lock()
@@ -132,7 +142,8 @@ class BatchEngine:
 
     def describe(self) -> dict[str, Any]:
         stages = self.thread.call(lambda: [dict(index=i, **s.describe()) for i, s in enumerate(self.stages)])
-        return {"kind": "local", "stages": stages, "batch": {"max_rows": self.max_rows, "budget_bytes": self.budget}}
+        return {"kind": "local", "stages": stages, "batch": {"max_rows": self.max_rows, "budget_bytes": self.budget,
+                                                             "prefix_cache_bytes": self.prefix_cache}}
 
     def close(self) -> None:
         """Stop the engine: every request it still holds ends with an error, and no other is taken."""
@@ -191,10 +202,17 @@ class BatchEngine:
     def _admit(self) -> None:
         waiting = [plan.Waiting(x.seq_id, x.need, x.queued) for x in self._waiting]
         running = [x.need for x in self._prefilling + self._decoding]
-        for seq_id in plan.admit(waiting, running, self.dims, self.budget, self.max_rows):
+        if waiting and self._kept:  # kept prefixes make room for the next request before it waits for it
+            kept = list(self._kept.values())
+            room = self.budget - sum(k.nbytes for k in kept)
+            self._drop_kept(plan.least_used(kept, plan.batch_bytes(self.dims, [*running, waiting[0].need]) - room,
+                                            self._pinned()))
+        budget = self.budget - sum(k.nbytes for k in self._kept.values())
+        for seq_id in plan.admit(waiting, running, self.dims, budget, self.max_rows):
             live = next(x for x in self._waiting if x.seq_id == seq_id)
             self._waiting.remove(live)
             live.started = time.perf_counter()
+            self._reuse(live)
             self._prefilling.append(live)
         waiting = [plan.Waiting(x.seq_id, x.need, x.queued) for x in self._waiting]
         for seq_id in plan.expired(waiting, time.monotonic(), self.queue_timeout):
@@ -218,7 +236,8 @@ class BatchEngine:
             first = live.step == 0
             reqs.append(StepRequest(live.seq_id, live.step, StepKind.PREFILL, chunk, final=final,
                                     params=live.req.params if first else None,
-                                    mtp_depth=live.req.mtp_depth if first else 0, mtp_auto=live.req.mtp_auto and first))
+                                    mtp_depth=live.req.mtp_depth if first else 0, mtp_auto=live.req.mtp_auto and first,
+                                    prefix=live.prefix if first else ""))
         start = time.perf_counter()
         x = None
         for stage in self.stages:
@@ -232,17 +251,69 @@ class BatchEngine:
             if not req.final:
                 continue
             live.stats.prefill_seconds = time.perf_counter() - live.started
+            keep = self._keep_as(live)
             try:
-                for stage in self.stages:
-                    stage.join(live.seq_id)
+                kept = [stage.join(live.seq_id, keep) for stage in self.stages]
             except Exception as e:  # noqa: BLE001 - this row fails (and leaves every stage), not the batch
                 log.exception("sequence %s could not join the batch", live.seq_id)
+                self._drop_kept([keep])
                 self._finish(live, e)
                 continue
+            self._kept_now(keep, live.req.prompt_tokens[:-1], kept)
             self._prefilling.remove(live)
             self._decoding.append(live)
             live.started = time.perf_counter()
             self._emit(live, out)
+
+    # -- kept prompt prefixes -----------------------------------------------------------------------
+
+    def _reuse(self, live: Live) -> None:
+        """Start an admitted prompt from the longest kept prefix it begins with."""
+        hit = plan.reusable(list(self._kept.values()), live.req.prompt_tokens, live.req.mtp_depth > 0)
+        if hit is None:
+            return
+        hit.used = time.monotonic()
+        live.prefix, live.prefilled = hit.key, len(hit.tokens)
+        live.stats.cached_tokens = len(hit.tokens)
+
+    def _keep_as(self, live: Live) -> str:
+        """The key its prompt is kept under as it joins ("": not kept, as one with its tokens is, unless
+        that one lacks the MTP head's part and this sequence drafts)."""
+        tokens = tuple(live.req.prompt_tokens[:-1])
+        drafts = live.req.mtp_depth > 0
+        if not self.prefix_cache or not tokens:
+            return ""
+        if any(k.tokens == tokens and (k.drafts or not drafts) for k in self._kept.values()):
+            return ""
+        return live.seq_id
+
+    def _kept_now(self, key: str, tokens: list[int], kept: list[Any]) -> None:
+        if not key:
+            return
+        if any(k is None for k in kept):  # (a stage that marked nothing: none keeps it)
+            self._drop_kept([key])
+            return
+        self._drop_kept([k.key for k in self._kept.values() if k.tokens == tuple(tokens)])  # (without MTP)
+        self._kept[key] = plan.KeptPrefix(key, tuple(tokens), sum(k.nbytes for k in kept), kept[-1].drafts,
+                                          time.monotonic())
+        over = sum(k.nbytes for k in self._kept.values()) - self.prefix_cache
+        if over > 0:
+            self._drop_kept(plan.least_used(list(self._kept.values()), over, self._pinned()))
+
+    def _pinned(self) -> set[str]:
+        """Kept prefixes a prompt is about to start from (its first step not taken yet)."""
+        return {x.prefix for x in self._prefilling if x.prefix and x.step == 0}
+
+    def _drop_kept(self, keys: list[str]) -> None:
+        pinned = self._pinned()
+        for key in keys:
+            if not key or key in pinned:
+                continue
+            self._kept.pop(key, None)
+            for stage in self.stages:
+                stage.drop_prefix(key)
+
+    # -- rounds -------------------------------------------------------------------------------------
 
     def _round(self) -> None:
         rows = [RowStep(x.seq_id, x.next_tokens) for x in self._decoding]

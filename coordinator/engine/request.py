@@ -50,6 +50,7 @@ class GenerationRequest:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, taken from a kept prefix instead of prefilled
     generation_tokens: int = 0
     rounds: int = 0
     drafted: int = 0

@@ -80,6 +80,42 @@ def admit(waiting: list[Waiting], running: list[Footprint], dims: ModelDims, bud
     return out
 
 
+@dataclass
+class KeptPrefix:
+    """A prompt prefix the stages keep (node/prefixes.py): its tokens, what it holds, when last used."""
+
+    key: str
+    tokens: tuple[int, ...]
+    nbytes: int
+    drafts: bool  # it carries the MTP head's part
+    used: float
+
+
+def reusable(kept: list[KeptPrefix], prompt: list[int], drafts: bool) -> KeptPrefix | None:
+    """The longest kept prefix `prompt` starts with, leaving at least its last token to go in (that step
+    yields the first token). A sequence that drafts needs one with the MTP head's part."""
+    best = None
+    for k in kept:
+        n = len(k.tokens)
+        if n >= len(prompt) or (best is not None and n <= len(best.tokens)):
+            continue
+        if (k.drafts or not drafts) and tuple(prompt[:n]) == k.tokens:
+            best = k
+    return best
+
+
+def least_used(kept: list[KeptPrefix], over: int, pinned: set[str] = frozenset()) -> list[str]:
+    """Kept prefixes to drop, least recently used first, until `over` bytes are freed (pinned ones stay)."""
+    out: list[str] = []
+    for k in sorted(kept, key=lambda k: k.used):
+        if over <= 0:
+            break
+        if k.key not in pinned:
+            out.append(k.key)
+            over -= k.nbytes
+    return out
+
+
 def expired(waiting: list[Waiting], now: float, timeout: float) -> list[str]:
     return [w.seq_id for w in waiting if now - w.since > timeout]
 

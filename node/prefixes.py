@@ -1,0 +1,113 @@
+"""Prompt prefixes kept on a stage, so a later prompt that starts with one skips prefilling it.
+
+A GatedDeltaNet state exists only for the position it was taken at, so a prefix is kept at one
+position: where the prompt's last token was about to go in (its own step, see the batch engine). The
+stage copies then what its layers hold at that point: each GatedDeltaNet layer's conv and recurrent
+state, and on the last stage the MTP head's pending hidden and cache length. Attention keys and values
+(and the MTP cache's) are taken once the row joins the batch, cut to that position. Copies, not views:
+nothing written later into a row's caches reaches a kept prefix, and a kept prefix never holds a
+batch's buffers alive. Which prefix a prompt reuses, and which are dropped, the engine decides
+(coordinator/engine/scheduler.py); a stage only keeps and hands out what it is told.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+from ..models.ragged import RaggedKV
+from .head import DraftState
+
+
+@dataclass
+class Mark:
+    """A row's state as its prompt's last token is about to go in (the attention part comes later)."""
+
+    position: int
+    gdn: dict[int, tuple[mx.array, mx.array]]  # layer index -> (conv, state), [1, ...] copies
+    pending: mx.array | None = None  # the MTP head's: hidden of the last position, [1, 1, hidden]
+    mtp_len: int = 0
+    recent: tuple[int, ...] = ()  # the tokens the logits processors look back on
+
+
+@dataclass
+class Prefix:
+    """What one stage keeps of a prompt's first `length` tokens."""
+
+    length: int
+    kv: dict[int, tuple[mx.array, mx.array]]  # attention layer index -> keys, values [1, heads, length, dim]
+    gdn: dict[int, tuple[mx.array, mx.array]]  # GatedDeltaNet layer index -> conv, state
+    mtp: tuple[mx.array, mx.array] | None  # the MTP cache's keys and values, `mtp_len` entries
+    mtp_len: int
+    pending: mx.array | None
+    recent: tuple[int, ...]
+
+    def arrays(self) -> list[mx.array]:
+        out = [a for pair in (*self.kv.values(), *self.gdn.values()) for a in pair] + list(self.mtp or ())
+        return out + ([self.pending] if self.pending is not None else [])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    @property
+    def drafts(self) -> bool:
+        """It carries the MTP head's part: a sequence that drafts can go on from it."""
+        return self.pending is not None
+
+
+def mark_row(cache: list, i: int, position: int, draft: DraftState | None) -> Mark:
+    """Copy row i's GatedDeltaNet states (and its MTP head's pending part) out of a batch's caches."""
+    gdn = {j: (mx.contiguous(c[0][i : i + 1]), mx.contiguous(c[1][i : i + 1]))
+           for j, c in enumerate(cache) if not isinstance(c, RaggedKV)}
+    mark = Mark(position, gdn)
+    if draft is not None:
+        mark.recent = tuple(draft.history.recent)
+        if draft.mtp_cache is not None and draft.pending_hidden is not None:
+            mark.pending, mark.mtp_len = mx.contiguous(draft.pending_hidden), draft.mtp_len
+    mx.eval(list(gdn.values()), mark.pending if mark.pending is not None else [])
+    return mark
+
+
+def prefix_of(mark: Mark, row: list, draft: DraftState | None) -> Prefix:
+    """The prefix at `mark`, its attention entries cut from the row's caches once it joined the batch."""
+    n = mark.position
+    kv = {j: (mx.contiguous(c.keys[:, :, :n]), mx.contiguous(c.values[:, :, :n]))
+          for j, c in enumerate(row) if isinstance(c, RaggedKV)}
+    mtp, pending = None, mark.pending
+    if pending is not None and draft is not None and draft.mtp_cache is not None and mark.mtp_len:
+        k, v = draft.mtp_cache.keys, draft.mtp_cache.values
+        mtp = (mx.contiguous(k[:, :, : mark.mtp_len]), mx.contiguous(v[:, :, : mark.mtp_len]))
+    prefix = Prefix(n, kv, mark.gdn, mtp, mark.mtp_len, pending, mark.recent)
+    mx.eval(prefix.arrays())
+    return prefix
+
+
+def row_from(prefix: Prefix, layers: int) -> list:
+    """One batch row's caches at the prefix's end. Views of the kept arrays: the first write into a
+    row's attention grows it into new arrays (their capacity is exactly the prefix), and GatedDeltaNet
+    states are replaced, never written into, so nothing reaches the kept ones."""
+    n = prefix.length
+    row: list = []
+    for j in range(layers):
+        if j in prefix.kv:
+            keys, values = prefix.kv[j]
+            row.append(RaggedKV(keys[:, :, :n], values[:, :, :n], [n]))
+        else:
+            c = ArraysCache(size=2)
+            c[0], c[1] = prefix.gdn[j]
+            row.append(c)
+    return row
+
+
+def resume_draft(draft: DraftState, prefix: Prefix) -> None:
+    """A new sequence's head state continued from the prefix: its MTP cache, pending hidden, history."""
+    if draft.mtp_cache is not None and prefix.drafts:
+        if prefix.mtp is not None:  # (its first write grows it into new arrays: it is exactly full)
+            cache = draft.mtp_cache
+            cache.keys, cache.values, cache.offset = prefix.mtp[0][:, :, :], prefix.mtp[1][:, :, :], prefix.mtp_len
+        draft.mtp_len, draft.pending_hidden = prefix.mtp_len, prefix.pending
+    history = draft.history
+    history.recent, history.length = list(prefix.recent), prefix.length

@@ -1,0 +1,171 @@
+"""Kept prompt prefixes: a prompt that starts with a kept one prefills only the rest, and its tokens are
+those of the prompt prefilled whole (greedy and seeded, every depth, dense and MoE, 1 and 2 stages);
+kept prefixes stay within their budget, give way to requests that need the memory, and a bad one is
+refused without touching the stage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from helpers import PROMPTS
+
+from mtpipe.coordinator.engine import scheduler as plan
+from mtpipe.coordinator.engine.batch import BatchEngine
+from mtpipe.coordinator.engine.build import batch_engine
+from mtpipe.coordinator.engine.request import GenerationRequest, GenerationResult, resolve_depth
+from mtpipe.node.protocol import SamplingParams, StageError, StepKind, StepRequest
+
+TEXT = "".join(PROMPTS[0:6])
+TOKENS = 24
+
+
+def run(engine: BatchEngine, prompt: list[int], depth: int | str = 0, **kw: Any) -> GenerationResult:
+    d, auto = resolve_depth(depth, engine.has_mtp)
+    return engine.complete(GenerationRequest(prompt, max_tokens=TOKENS, mtp_depth=d, mtp_auto=auto, **kw))
+
+
+def kept(engine: BatchEngine) -> list[plan.KeptPrefix]:
+    return engine.thread.call(lambda: list(engine._kept.values()))
+
+
+@pytest.mark.parametrize(("model", "stages"), [("dense", 1), ("moe", 1), ("dense", 2)])
+def test_a_prompt_going_on_from_a_kept_prefix_gives_the_tokens_of_a_whole_prefill(
+        dense_ckpt: Path, moe_ckpt: Path, model: str, stages: int) -> None:
+    path = dense_ckpt if model == "dense" else moe_ckpt
+    whole = batch_engine(path, stages=stages, dtype=mx.float32, prefix_cache=0)
+    cached = batch_engine(path, stages=stages, dtype=mx.float32)
+    try:
+        prompt = list(cached.tokenizer.encode(TEXT))
+        for i, depth in enumerate((0, 2, "auto")):
+            first = run(cached, prompt, depth)
+            # Kept by the depth-0 run without the MTP head's part, which the others need: they keep their own.
+            assert first.stats.cached_tokens == (len(prompt) - 1 if depth == "auto" else 0)
+            again = run(cached, prompt, depth)  # the same prompt: all but its last token kept
+            assert again.stats.cached_tokens == len(prompt) - 1
+            turn = prompt + first.tokens[:9] + list(cached.tokenizer.encode(PROMPTS[7 + i]))  # the next turn
+            going_on = run(cached, turn, depth)
+            assert going_on.stats.cached_tokens == len(prompt) - 1
+            reference, whole_turn = run(whole, prompt, depth), run(whole, turn, depth)
+            assert first.tokens == again.tokens == reference.tokens, depth
+            assert going_on.tokens == whole_turn.tokens, depth
+            if depth == 2:  # the MTP head went on from the kept prefix too: the same drafts, accepted alike
+                assert (again.stats.drafted, again.stats.accepted) == (first.stats.drafted, first.stats.accepted)
+                assert (going_on.stats.drafted, going_on.stats.accepted) == (whole_turn.stats.drafted,
+                                                                             whole_turn.stats.accepted)
+            assert whole.thread.call(lambda: whole._kept) == {}
+        seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+        turn = prompt + list(cached.tokenizer.encode(PROMPTS[9]))
+        sampled = run(cached, turn, "auto", params=seeded)
+        assert sampled.stats.cached_tokens == len(prompt) - 1
+        assert sampled.tokens == run(whole, turn, "auto", params=seeded).tokens
+    finally:
+        whole.close()
+        cached.close()
+
+
+def test_kept_prefixes_stay_within_their_budget_and_give_way_to_requests(dense_ckpt: Path) -> None:
+    probe = batch_engine(dense_ckpt, dtype=mx.float32)
+    text = list(probe.tokenizer.encode(TEXT))
+    prompts = [text[7 * i : 7 * i + 30] for i in range(4)]  # as long as each other, none the start of another
+    try:
+        run(probe, prompts[0], 2)
+        size = kept(probe)[0].nbytes  # what one of these prompts keeps
+        assert size > 0 and kept(probe)[0].drafts
+    finally:
+        probe.close()
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, prefix_cache=int(2.5 * size))
+    try:
+        for p in prompts[:3]:
+            run(engine, p, 2)
+        assert [k.tokens for k in kept(engine)] == [tuple(p[:-1]) for p in prompts[1:3]]  # the oldest went
+        assert run(engine, prompts[1], 2).stats.cached_tokens == len(prompts[1]) - 1
+        run(engine, prompts[3], 2)  # the least recently used goes: prompt 2's, not prompt 1's just used
+        assert {k.tokens for k in kept(engine)} == {tuple(prompts[1][:-1]), tuple(prompts[3][:-1])}
+        assert sum(s["kept_prefixes"] for s in engine.describe()["stages"]) == 2
+        # A request that needs the memory they hold gets it: they are dropped before it would wait.
+        engine.budget = engine.thread.call(lambda: sum(k.nbytes for k in engine._kept.values())) + 1
+        assert run(engine, prompts[2], 0).stats.cached_tokens == 0
+        assert [k.tokens for k in kept(engine)] == [tuple(prompts[2][:-1])]
+    finally:
+        engine.close()
+
+
+def test_an_unknown_prefix_is_refused_and_the_stage_is_left_as_it_was(dense_ckpt: Path) -> None:
+    engine = batch_engine(dense_ckpt, dtype=mx.float32)
+    try:
+        prompt = list(engine.tokenizer.encode(TEXT))
+        want = run(engine, prompt, 2).tokens
+        stage = engine.stages[0]
+        bad = StepRequest("x", 0, StepKind.PREFILL, prompt[:5], mtp_depth=2, prefix="no-such-prefix")
+        with pytest.raises(StageError, match="no kept prompt prefix"):
+            engine.thread.call(lambda: stage.fill([bad]))
+        assert engine.thread.call(lambda: (stage.filling.ids, stage.sequences)) == ([], 0)
+        assert run(engine, prompt, 2).tokens == want
+    finally:
+        engine.close()
+
+
+def test_which_kept_prefix_a_prompt_reuses() -> None:
+    def k(key: str, tokens: list[int], drafts: bool = True, used: float = 0.0, nbytes: int = 10) -> plan.KeptPrefix:
+        return plan.KeptPrefix(key, tuple(tokens), nbytes, drafts, used)
+
+    kept = [k("a", [1, 2]), k("b", [1, 2, 3, 4]), k("c", [1, 2, 3], drafts=False), k("d", [5, 6])]
+    assert plan.reusable(kept, [1, 2, 3, 4, 9], drafts=True).key == "b"  # the longest
+    assert plan.reusable(kept, [1, 2, 3, 4], drafts=True).key == "a"  # its last token must go in
+    assert plan.reusable(kept, [1, 2, 3, 7], drafts=False).key == "c"
+    assert plan.reusable(kept, [1, 2, 3, 7], drafts=True).key == "a"  # (c lacks the MTP head's part)
+    assert plan.reusable(kept, [2, 1, 2, 3], drafts=False) is None
+    aged = [k("x", [1], used=3.0), k("y", [2], used=1.0), k("z", [3], used=2.0)]
+    assert plan.least_used(aged, 15) == ["y", "z"]
+    assert plan.least_used(aged, 15, pinned={"y"}) == ["z", "x"]
+    assert plan.least_used(aged, 0) == []
+
+
+def test_a_row_from_a_kept_prefix_holds_what_a_whole_prefill_leaves(dense_ckpt: Path) -> None:
+    """Every cache of the stage, the MTP head's included, after a prompt goes on from a kept prefix equals
+    what the same chunks prefilled from the start leave (bit for bit: the same arithmetic)."""
+    from mtpipe.models.ragged import RaggedKV, take_rows
+
+    engine = batch_engine(dense_ckpt, dtype=mx.float32)
+    try:
+        prompt = list(engine.tokenizer.encode(TEXT))
+        run(engine, prompt, 2)
+        (key,) = [k.key for k in kept(engine)]
+        turn = prompt + list(engine.tokenizer.encode(PROMPTS[8]))
+        n = len(prompt) - 1
+        stage = engine.stages[0]
+
+        def fill(seq: str, chunks: list[list[int]], prefix: str = "") -> tuple[list, Any]:
+            for i, chunk in enumerate(chunks):
+                stage.fill([StepRequest(seq, i, StepKind.PREFILL, chunk, final=i == len(chunks) - 1,
+                                        mtp_depth=2 if i == 0 else 0, prefix=prefix if i == 0 else "")])
+            row, draft = take_rows(stage.filling.cache, [stage.filling.ids.index(seq)]), stage.filling.drafts[seq]
+            stage.release(seq)  # (alone in each step, as the kept prefix was made)
+            return row, draft
+
+        def states() -> list[tuple[list, Any]]:
+            return [fill("whole", [turn[:n], turn[n:-1], turn[-1:]]), fill("kept", [turn[n:-1], turn[-1:]], key)]
+
+        def compared() -> tuple[list, list, list[float]]:  # (on the engine's MLX thread, which owns the arrays)
+            (a, da), (b, db) = states()
+            assert da.mtp_len == db.mtp_len == len(turn)  # (with the first token's entry, made to draft)
+            assert (da.history.length, da.history.recent) == (db.history.length, db.history.recent)
+            pairs = [(da.mtp_cache.keys[:, :, : da.mtp_len], db.mtp_cache.keys[:, :, : db.mtp_len]),
+                     (da.mtp_cache.values[:, :, : da.mtp_len], db.mtp_cache.values[:, :, : db.mtp_len])]
+            for ca, cb in zip(a, b):
+                if isinstance(ca, RaggedKV):
+                    assert ca.lengths == cb.lengths == [len(turn)]
+                    pairs += [(ca.keys[:, :, : len(turn)], cb.keys[:, :, : len(turn)]),
+                              (ca.values[:, :, : len(turn)], cb.values[:, :, : len(turn)])]
+                else:
+                    pairs += [(ca[0], cb[0]), (ca[1], cb[1])]
+            return ([x.shape for x, _ in pairs], [y.shape for _, y in pairs],
+                    [mx.abs(x - y).max().item() for x, y in pairs])
+
+        shapes_a, shapes_b, diffs = engine.thread.call(compared)
+        assert shapes_a == shapes_b and diffs == [0.0] * len(diffs), diffs
+    finally:
+        engine.close()
