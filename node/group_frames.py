@@ -177,8 +177,16 @@ class GroupFrames:
             self._start_round(group_to_frame(fresh))
 
     def _fail_rows(self, frame: pb.Frame, code: str, message: str) -> None:
+        """The refusal, to each row the frame names but one that lives elsewhere here: in another group,
+        or prefilled and on its way to join one though the frame does not join it (a frame naming it by
+        mistake must not end it)."""
         log.info("round %d of group %d refused: %s", frame.step, frame.group, message)
         self.conditions.failed(code, message)
+        groups = self._ring_groups if self._ring_worker is self.worker else None
+        elsewhere = groups.held_elsewhere(frame.client_id, frame.group) if groups is not None else set()
+        waiting = self.worker.sequences.keys() if self.worker is not None else set()
         for r in frame.rows:
+            if r.seq_id in elsewhere or (not r.join and r.seq_id in waiting):
+                continue
             err = pb.Error(code=code, message=message, node=self.name, seq_id=r.seq_id, step=frame.step)
             self._emit(frame.client_id, pb.Event(error=err))

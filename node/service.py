@@ -254,6 +254,8 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
             raise StageError(f"{self.name} has no shard loaded")
         if not self.coordinators.admits(frame.client_id):
             raise StageError(f"{self.name} holds another coordinator's shard now")
+        if frame.step == 0 and not worker.overlap and self.ring_groups.holds(frame.seq_id):
+            raise StageError(f"sequence {frame.seq_id!r} is decoding here already")  # (before it is touched)
         req = frame_to_request(frame)
         hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
         out = worker.step(req, hidden)

@@ -190,6 +190,43 @@ def test_cancelled_and_stopped_rows_leave_nothing(ring: Any) -> None:
     assert quiet(servers) == [0] * len(servers)
 
 
+def test_a_prompt_for_a_sequence_decoding_in_a_group_is_refused(ring: Any) -> None:
+    """Bad input: a prompt naming a sequence that decodes in a group is refused before any node takes
+    it, a round of a group that does not exist naming it is refused to no row, and that row and the
+    others go on."""
+    from mtpipe.node.protocol import StepKind, StepRequest
+
+    engine, servers, _ = ring
+    queues: list[queue.SimpleQueue] = []
+    handles = []
+    for i in range(3):
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        handles.append(engine.open(request(engine, i, 2, 400), q.put))
+        queues.append(q)
+    try:
+        for q in queues:
+            assert not isinstance(q.get(timeout=WAIT_S), BaseException)
+        victim = next(x for x in list(engine._decoding.values()) if not x.done and x.sink == queues[0].put)
+        with pytest.raises(StageError, match="decoding here already|out of order"):  # (in a group, or joining)
+            engine.pipeline.steps([StepRequest(victim.seq_id, 0, StepKind.PREFILL, [5, 6, 7], final=True, budget=50,
+                                               group=victim.group)])
+        stray = pb.Frame(client_id=engine.pipeline.client_id, kind=pb.GROUP, group=99, step=5)  # no such group
+        stray.rows.add(seq_id=victim.seq_id, tokens=[1])
+        engine.pipeline._first.send(stray)
+        time.sleep(0.5)  # (its refusal, had it been sent to the row, arrives within this)
+        for q in queues:  # every row still streams
+            for _ in range(3):
+                item = q.get(timeout=WAIT_S)
+                assert not isinstance(item, BaseException) and item is not END
+    finally:
+        for h in handles:
+            h.cancel()
+    for q in queues:
+        while (item := q.get(timeout=WAIT_S)) is not END:
+            assert not isinstance(item, BaseException)
+    assert quiet(servers) == [0] * len(servers)
+
+
 def test_lost_node_fails_every_row(dense_ckpt: Path) -> None:
     """A node that goes away fails every row of every group within seconds, naming it (when its
     requests do not wait for the pipeline to come back: tests/test_faults.py for those)."""
@@ -388,6 +425,63 @@ def test_a_row_lost_while_its_prompt_goes_in_is_freed_once_it_is_through() -> No
         while not pipeline.released and time.monotonic() < deadline:
             time.sleep(0.01)
         assert pipeline.early == [] and len(pipeline.released) == 1 and engine._rows == {1: 0}
+    finally:
+        engine.close()
+
+
+def test_a_request_cancelled_as_it_is_admitted_is_released_once() -> None:
+    """A client that leaves between its admission and its prompt going out: its row and slot are given
+    back once, and nothing of it is sent (the group's count and `max_rows` hold)."""
+    from types import SimpleNamespace
+
+    from mtpipe.node.protocol import StepOutput
+
+    class Pipeline:
+        nodes = ("a", "b")
+        reformer = SimpleNamespace(down=None)
+
+        def __init__(self) -> None:
+            self.row_sinks: dict[str, Any] = {}
+            self.released: list[str] = []
+            self.prefilled: list[str] = []
+
+        def steps(self, steps: list) -> list:  # the prompt goes in; no rounds come, so the row stays
+            self.prefilled.append(steps[0].seq_id)
+            return [StepOutput(steps[-1].seq_id, steps[-1].step, [7], continued=True)]
+
+        def release(self, seq_id: str, group: int = 0) -> None:
+            self.released.append(seq_id)
+
+        def close(self) -> None:
+            pass
+
+    pipeline = Pipeline()
+    engine = RingEngine(pipeline, SimpleNamespace(detokenizer=None), [0], 64, False, 100, prefill_chunk=8,
+                        max_rows=2, groups=2)
+    ended = threading.Event()
+    handle: list[Any] = []
+    real = engine._chunk_size
+
+    def cancelled_now(n: int) -> Any:  # the client leaves at this moment (a window, held open here)
+        while not handle:
+            time.sleep(0.01)
+        handle[0].cancel()
+        return real(n)
+
+    try:
+        engine.open(GenerationRequest([1, 2, 3], max_tokens=8), lambda item: None)  # a row that keeps decoding
+        deadline = time.monotonic() + 5
+        while not pipeline.prefilled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine._chunk_size = cancelled_now
+        handle.append(engine.open(GenerationRequest([4, 5, 6], max_tokens=8),
+                                  lambda item: ended.set() if item is END else None))
+        assert ended.wait(5)
+        deadline = time.monotonic() + 5
+        while engine._slots._value != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(pipeline.prefilled) == 1 and pipeline.released == []  # its prompt never went out
+        assert engine._slots._value == 1 and sorted(engine._rows.values()) == [0, 1]
     finally:
         engine.close()
 

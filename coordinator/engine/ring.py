@@ -175,6 +175,7 @@ class RingEngine:
             live.admitted = True
             live.started = time.perf_counter()
             self._place(live)
+            live.prefilling = True  # (from here a cancel leaves the release to `_prefill`)
         self._prefill(live)
 
     def _place(self, live: RingLive) -> None:
@@ -201,8 +202,11 @@ class RingEngine:
                              resumed_at=len(req.prompt_tokens) if live.emitted and i == 0 else 0)
                  for i, (chunk, final) in enumerate(chunks)]
         seq_id = live.seq_id
-        with live.lock:
-            live.prefilling = True
+        with live.lock:  # (`prefilling` was set where the row was placed)
+            if live.done:  # cancelled before its prompt went out: nothing of it is on the nodes
+                live.prefilling = False
+                self._release(live, free=False)
+                return
         try:
             out = self.pipeline.steps(steps)[-1]
         except Exception as e:
@@ -273,6 +277,7 @@ class RingEngine:
             live.resumes += 1
             live.started = time.perf_counter()
             self._place(live)
+            live.prefilling = True
         self._prefill(live)
 
     def _deliver(self, live: RingLive, order: int, out: StepOutput) -> None:
