@@ -422,6 +422,17 @@ def test_bad_input_through_client(client: Any) -> None:
     assert e.value.code == "context_length_exceeded"
 
 
+def test_auto_depth_drafts_only_where_the_context_leaves_room(engine: BatchEngine, client: Any) -> None:
+    """A request that fits the context without drafts is served under the default depth (auto): its
+    depth shrinks to the room left, instead of the request being refused for drafts it did not ask for."""
+    prompt = [5 + i % 50 for i in range(engine.max_context - 6)]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    assert r.usage.completion_tokens == 5 and max(map(int, r.usage.model_extra["mtp"]["depths"])) <= 1  # (6 - 5)
+    with pytest.raises(openai.BadRequestError) as e:  # a fixed depth still needs its room
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, extra_body={"mtp_depth": 2})
+    assert e.value.code == "context_length_exceeded"
+
+
 def test_unknown_route_and_method(server: LiveServer) -> None:
     r = httpx.get(server.url + "/v2/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

@@ -239,3 +239,39 @@ def test_chunks_for_a_closed_loop_are_dropped() -> None:
     box.put(queue, "late")
     box.put(queue, "later")
     assert box.items == [] and queue.empty()
+
+
+def test_a_stream_refused_while_it_waits_in_the_queue_gets_its_status(dense_ckpt: Path) -> None:
+    """A stream answers 200 only once the engine admitted its request: one that times out in the queue
+    gets the 503 with Retry-After a plain request gets, not an error event inside a 200."""
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, max_rows=1, queue_timeout=1.0)
+    never = {str(t): -100 for t in engine.eos}  # the holding stream never ends by itself
+    long = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 3000, "temperature": 0,
+            "logit_bias": never, "stream": True}
+    short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    try:
+        with LiveServer(create_app(engine, "m")) as s:
+            holding, done = threading.Event(), threading.Event()
+
+            def hold() -> None:
+                with httpx.stream("POST", s.url + "/v1/chat/completions", json=long, timeout=60) as r:
+                    lines = r.iter_lines()
+                    next(lines)
+                    holding.set()
+                    done.wait(60)
+
+            t = threading.Thread(target=hold)
+            t.start()
+            try:
+                assert holding.wait(60)
+                for body in (short, {**short, "stream": True}):
+                    r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=30)
+                    assert r.status_code == 503 and r.headers.get("Retry-After"), (body, r.status_code, r.text[:200])
+                    assert r.json()["error"]["code"] == "server_busy"
+            finally:
+                done.set()
+                t.join()
+            r = httpx.post(s.url + "/v1/chat/completions", json={**short, "stream": True}, timeout=30)
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")  # with room, it streams
+    finally:
+        engine.close()

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _END = object()
+_ADMITTED = object()  # (in the queue: the engine admitted the request)
 
 
 class LoopInbox:
@@ -81,20 +82,30 @@ class GenerationThread:
         self.cancelled = False  # stopped before the last chunk
         self.finished = False
         self.handle: Any = None
+        self.early: list[Any] = []  # what came before the admission it was waiting for
+        self.tells = hasattr(engine, "open")  # (a per-sequence engine runs on a thread of its own: admitted)
         self.thread = threading.Thread(target=self._work, name="mtpipe-generation", daemon=True)
 
     def start(self) -> None:
-        if hasattr(self.engine, "open"):
-            self.handle = self.engine.open(self.req, self._on_item)
+        from ..engine.sinks import open_admitted
+
+        if self.tells:
+            self.handle = open_admitted(self.engine, self.req, self._on_item, lambda: self._put(_ADMITTED))
         else:
             self.thread.start()
 
-    async def opened(self) -> None:
-        """Once the engine took the request; raises its refusal. An engine in this process refuses in
-        start(); one in another process answers over the link (link.py)."""
-        opened = getattr(self.handle, "opened", None)
-        if opened is not None:
-            await asyncio.wrap_future(opened)
+    async def admitted(self) -> None:
+        """Once the engine admitted the request (it left the queue for the batch); raises a refusal that
+        came first (a queue timeout, the pipeline down). At once with an engine that does not say."""
+        while self.tells:
+            item = await self.queue.get()
+            if item is _ADMITTED:
+                return
+            self.early.append(item)
+            if isinstance(item, BaseException):
+                raise item
+            if item is _END or getattr(item, "text", None) is not None:  # (ended, or already streaming)
+                return
 
     def cancel(self) -> None:
         self.stopping.set()
@@ -116,7 +127,9 @@ class GenerationThread:
 
     async def chunks(self) -> AsyncIterator["GenerationChunk"]:
         while True:
-            item = await self.queue.get()
+            item = self.early.pop(0) if self.early else await self.queue.get()
+            if item is _ADMITTED:
+                continue
             if item is _END:
                 return
             if isinstance(item, BaseException):

@@ -7,9 +7,10 @@ the API's per-chunk work never takes the interpreter lock from the thread that b
 Over a `multiprocessing` pipe, as pickled lists of tuples:
 - front to engine: ("open", rid, GenerationRequest), ("cancel", rid), ("call", cid, name),
   ("listening", host, port);
-- engine to front: first [("hello", info)] alone, then ("opened", rid) once the engine took a request
-  (a refused one gets its "error" instead, so a stream is refused with its status, not inside a 200),
-  ("chunk", rid, GenerationChunk), ("error", rid, WireError), ("end", rid) and ("reply", cid, ok, value).
+- engine to front: first [("hello", info)] alone, then ("admitted", rid) once a request left the
+  engine's queue (one refused before gets its "error" instead, so a stream is refused with its status,
+  not inside a 200), ("chunk", rid, GenerationChunk), ("error", rid, WireError), ("end", rid) and
+  ("reply", cid, ok, value).
 
 Each side sends from a thread of its own (`Outbox`, pipe.py): the engine's sinks, called on its MLX
 thread, and the front's event loop only append to it, so neither ever blocks on the pipe, and a
@@ -30,7 +31,7 @@ from typing import Any
 
 from ...node.protocol import StageUnavailable
 from ..engine.request import GenerationRequest, check_request, check_vocabulary
-from ..engine.sinks import END, Sink
+from ..engine.sinks import END, Sink, open_admitted
 from .pipe import Outbox, WireError, hang_up, receive
 from .readiness import Readiness, timestamp
 
@@ -128,14 +129,15 @@ class EngineHost:
     def _open(self, rid: int, req: GenerationRequest) -> None:
         with self._lock:
             self._handles[rid] = None  # the request may end before open() returns
+        outbox = self._outbox
+        assert outbox is not None
         try:
-            handle = self.engine.open(req, lambda item: self._deliver(rid, item))
+            handle = open_admitted(self.engine, req, lambda item: self._deliver(rid, item),
+                                   lambda: outbox.put(("admitted", rid)))
         except Exception as e:  # noqa: BLE001 - refused at once: the front answers it like any failure
             self._deliver(rid, e)
             self._deliver(rid, END)
             return
-        assert self._outbox is not None
-        self._outbox.put(("opened", rid))
         with self._lock:
             if rid in self._handles:
                 self._handles[rid] = handle
@@ -182,7 +184,6 @@ class LinkHandle:
     def __init__(self, client: EngineClient, rid: int):
         self._client = client
         self._rid = rid
-        self.opened: Future[None] = Future()  # the engine took the request, or its refusal
 
     def cancel(self) -> None:
         """The client is gone: the engine drops the request at its next round."""
@@ -204,7 +205,7 @@ class EngineClient:
         self.on_lost: Callable[[], None] | None = None
         self.lost: str | None = None
         self._sinks: dict[int, Sink] = {}
-        self._opening: dict[int, LinkHandle] = {}  # not yet taken or refused by the engine
+        self._admitted: dict[int, Callable[[], None]] = {}  # told when the engine admits the request
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -216,18 +217,19 @@ class EngineClient:
         check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
         check_vocabulary(req, self.vocab_size)
 
-    def open(self, req: GenerationRequest, sink: Sink) -> LinkHandle:
-        """Queue a request in the engine; its chunks, then END or an exception, go to `sink`."""
+    def open(self, req: GenerationRequest, sink: Sink, admitted: Callable[[], None] | None = None) -> LinkHandle:
+        """Queue a request in the engine; its chunks, then END or an exception, go to `sink`, and
+        `admitted()` is called once it leaves the engine's queue."""
         self.validate(req)
         rid = next(self._ids)
-        handle = LinkHandle(self, rid)
         with self._lock:
             if self.lost is not None:
                 raise StageUnavailable(self.lost)
             self._sinks[rid] = sink
-            self._opening[rid] = handle
+            if admitted is not None:
+                self._admitted[rid] = admitted
         self._outbox.put(("open", rid, req))
-        return handle
+        return LinkHandle(self, rid)
 
     def call(self, name: str, timeout: float = CALL_TIMEOUT_S) -> Any:
         """Ask the engine's process (blocking: call off the event loop)."""
@@ -306,13 +308,12 @@ class EngineClient:
             return
         with self._lock:
             sink = self._sinks.pop(msg[1], None) if op == "end" else self._sinks.get(msg[1])
-            opening = self._opening.pop(msg[1], None)
-        if opening is not None and not opening.opened.done():
-            if op == "error":
-                opening.opened.set_exception(msg[2].exception())
-            else:
-                opening.opened.set_result(None)
-        if sink is None or op == "opened":
+            admitted = self._admitted.pop(msg[1], None) if op in ("admitted", "end") else None
+        if op == "admitted":
+            if admitted is not None:
+                admitted()
+            return
+        if sink is None:
             return
         if op == "chunk":
             sink(msg[2])
@@ -326,10 +327,7 @@ class EngineClient:
             self.lost = why
             sinks, self._sinks = list(self._sinks.values()), {}
             calls, self._calls = list(self._calls.values()), {}
-            opening, self._opening = list(self._opening.values()), {}
-        for handle in opening:
-            if not handle.opened.done():
-                handle.opened.set_exception(StageUnavailable(why))
+            self._admitted = {}
         if sinks:
             log.error("%s: %d request(s) fail", why, len(sinks))
         for sink in sinks:

@@ -140,7 +140,11 @@ class Service:
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         if max_tokens is None:
-            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, context_room(len(prompt), depth, self.engine.max_context)))
+            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, context_room(len(prompt), 0 if auto else depth,
+                                                                     self.engine.max_context)))
+        if auto:  # drafts only where the context leaves room for them: `auto` refuses nothing plain decoding serves
+            depth = max(0, min(depth, context_room(len(prompt), 0, self.engine.max_context) - max_tokens))
+            auto = depth > 0
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
@@ -330,6 +334,24 @@ class Service:
         except Exception as e:  # an engine that refuses at once (its pipeline down, its process gone)
             raise self.server_error(e) from None
 
+    async def _admitted(self, run: GenerationThread, request: Any) -> None:
+        """Wait for the engine to admit the run, while its client waits too."""
+        admitted = asyncio.ensure_future(run.admitted())
+        try:
+            while not admitted.done():
+                await asyncio.wait({admitted}, timeout=DISCONNECT_POLL_S)
+                if not admitted.done() and request is not None and await request.is_disconnected():
+                    raise APIError(499, "the client went away while its request waited", code="client_gone")
+            admitted.result()
+        except APIError:
+            run.cancel()
+            raise
+        except Exception as e:  # refused while it waited, or at once
+            run.cancel()
+            raise self.server_error(e) from None
+        finally:
+            admitted.cancel()
+
     async def _watch(self, request: Any, run: GenerationThread) -> None:
         while not await request.is_disconnected():
             await asyncio.sleep(DISCONNECT_POLL_S)
@@ -342,11 +364,7 @@ class Service:
         from fastapi.responses import StreamingResponse
 
         run = await self._begin(req, request)
-        try:
-            await run.opened()
-        except Exception as e:
-            run.cancel()
-            raise self.server_error(e) from None
+        await self._admitted(run, request)
         watcher = asyncio.create_task(self._watch(request, run))  # also if the stream is never iterated
         return StreamingResponse(
             self._events(endpoint, req, fmt, run, watcher, started, tools),

@@ -64,6 +64,7 @@ class Live:
     next_tokens: list[int] = field(default_factory=list)  # the next round's [y, d1..dK]
     started: float = 0.0
     prefix: str = ""  # the kept prefix its prompt goes on from
+    admitted: Callable[[], None] | None = None  # told once it leaves the queue
 
 
 class Handle:
@@ -120,13 +121,14 @@ class BatchEngine:
         # The first stage would refuse it in the middle of the batch's work: refuse it here, from open().
         check_vocabulary(req, self.vocab_size)
 
-    def open(self, req: GenerationRequest, sink: Sink) -> Handle:
-        """Queue a request; its chunks, then END or an exception, go to `sink` (from the MLX thread)."""
+    def open(self, req: GenerationRequest, sink: Sink, admitted: Callable[[], None] | None = None) -> Handle:
+        """Queue a request; its chunks, then END or an exception, go to `sink` (from the MLX thread),
+        and `admitted()` is called once it leaves the queue."""
         self.validate(req)
         positions = len(req.prompt_tokens) + req.max_tokens
         live = Live(uuid.uuid4().hex, req, sink, TextStream(self.tokenizer, req.stop),
                     GenerationStats(prompt_tokens=len(req.prompt_tokens)),
-                    plan.footprint(self.dims, positions, req.mtp_depth), time.monotonic())
+                    plan.footprint(self.dims, positions, req.mtp_depth), time.monotonic(), admitted=admitted)
         with self._open_lock:  # (close() ends what is in the inbox once it is closed)
             if self._closed:
                 raise StageUnavailable("the engine was stopped")
@@ -214,6 +216,8 @@ class BatchEngine:
             live.started = time.perf_counter()
             self._reuse(live)
             self._prefilling.append(live)
+            if live.admitted is not None:
+                live.admitted()
         waiting = [plan.Waiting(x.seq_id, x.need, x.queued) for x in self._waiting]
         for seq_id in plan.expired(waiting, time.monotonic(), self.queue_timeout):
             live = next(x for x in self._waiting if x.seq_id == seq_id)

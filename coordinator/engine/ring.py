@@ -72,6 +72,7 @@ class RingLive:
     resumes: int = 0
     emitted: list[int] = field(default_factory=list)  # every token handed out (replayed on a resume)
     done: bool = False
+    on_admit: Callable[[], None] | None = None  # told once it has a row
     # Held while outcomes are handed out (in order, by one thread at a time) and while it finishes.
     lock: threading.RLock = field(default_factory=threading.RLock)
     expected: int = 0  # the order of the next outcome to hand out (0: the prefill's)
@@ -128,8 +129,9 @@ class RingEngine:
         check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
         check_vocabulary(req, self.vocab_size)
 
-    def open(self, req: GenerationRequest, sink: Sink) -> RingHandle:
-        """Queue a request; its chunks, then END or an exception, go to `sink` (from another thread)."""
+    def open(self, req: GenerationRequest, sink: Sink, admitted: Callable[[], None] | None = None) -> RingHandle:
+        """Queue a request; its chunks, then END or an exception, go to `sink` (from another thread),
+        and `admitted()` is called once it has a row."""
         self.validate(req)
         down = self.pipeline.reformer.down
         if down is not None and self.pipeline.reformer.given_up:
@@ -138,7 +140,7 @@ class RingEngine:
             raise ServerBusy(f"{down}; the pipeline is being formed again", retry_after=RETRY_AFTER_DOWN_S)
         # 64 random bits for an id: every group frame names each of its rows
         live = RingLive(uuid.uuid4().hex[:16], req, sink, TextStream(self.tokenizer, req.stop),
-                        GenerationStats(prompt_tokens=len(req.prompt_tokens)), time.monotonic())
+                        GenerationStats(prompt_tokens=len(req.prompt_tokens)), time.monotonic(), on_admit=admitted)
         self._pool.submit(self._start, live)
         return RingHandle(self, live)
 
@@ -176,6 +178,8 @@ class RingEngine:
             live.started = time.perf_counter()
             self._place(live)
             live.prefilling = True  # (from here a cancel leaves the release to `_prefill`)
+        if live.on_admit is not None:
+            live.on_admit()
         self._prefill(live)
 
     def _place(self, live: RingLive) -> None:

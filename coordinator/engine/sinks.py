@@ -1,12 +1,15 @@
 """What an engine hands a request's chunks to, and how it says the request ended.
 
-An engine's `open(req, sink)` calls `sink` with GenerationChunks, then an exception or END, from its
-own thread. Kept apart from the engines (no MLX here) so that the API's process of its own imports
-it without loading a model's code.
+An engine's `open(req, sink, admitted=None)` calls `sink` with GenerationChunks, then an exception or
+END, from its own thread; `admitted()`, when given, once the request leaves the queue for the batch
+(before that it may still be refused: a stream waits for it before it answers with 200). Kept apart
+from the engines (no MLX here) so that the API's process of its own imports it without loading a
+model's code.
 """
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -31,6 +34,16 @@ def stream(open_request: Callable[[Sink], Any]) -> Iterator[GenerationChunk]:
             yield item
     finally:
         handle.cancel()
+
+
+def open_admitted(engine: Any, req: GenerationRequest, sink: Sink, admitted: Callable[[], None]) -> Any:
+    """`engine.open`, with `admitted()` called when the engine admits the request: at once after `open`
+    for an engine that does not say (it admits what it opens)."""
+    if "admitted" in inspect.signature(engine.open).parameters:
+        return engine.open(req, sink, admitted=admitted)
+    handle = engine.open(req, sink)
+    admitted()
+    return handle
 
 
 def open_stream(engine: Any, req: GenerationRequest, sink: Sink) -> None:
