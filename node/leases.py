@@ -56,7 +56,11 @@ class LeaseHolder:
     _leases: Leases | None = None
     _sweeping: bool = False
 
+    name: str
+    _subs: dict[str, Any]
+
     def _release(self, seq_id: str) -> bool: ...  # NodeService's
+    def _emit(self, client_id: str, event: pb.Event) -> None: ...  # NodeService's
     def left_to_the_ring(self, seq_id: str) -> bool: ...  # GroupFrames'
     def end_idle_groups(self, idle_s: float) -> None: ...  # GroupFrames'
 
@@ -87,7 +91,12 @@ class LeaseHolder:
         leases = self.leases
         gone = [s for s in leases.expired() if s in self._owners and not self.left_to_the_ring(s)]
         for seq_id in gone:
+            client = self._owners[seq_id]
             self._release(seq_id)
+            if client in self._subs:  # its client is still there (its renewals missed this node): say so
+                message = f"{self.name} released it: no lease renewal came for {leases.lease_s:.0f} s"
+                self._emit(client, pb.Event(error=pb.Error(code="ABORTED", message=message, node=self.name,
+                                                           seq_id=seq_id)))
         for seq_id in leases.expired():  # released some other way meanwhile, or just now
             if seq_id not in self._owners:
                 leases.end(seq_id)

@@ -116,6 +116,42 @@ def test_a_sequence_nobody_renews_is_released(dense_ckpt: Path, monkeypatch: pyt
             pipeline.close()
 
 
+def test_a_row_whose_lease_ran_out_fails_at_once(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ring row whose renewals stopped reaching the nodes while its client is still there is released,
+    and its client hears so at once, naming the node (not after the engine's wait for stalled rows)."""
+    import queue
+
+    from helpers import node_servers
+
+    from mtpipe.coordinator.engine.build import ring_engine
+    from mtpipe.coordinator.engine.request import GenerationRequest
+    from mtpipe.node import leases
+    from mtpipe.node.protocol import SamplingParams
+
+    lease_s = 2.0
+    monkeypatch.setattr(leases, "SWEEP_S", 0.25)
+    with node_servers(2) as servers:
+        for s in servers:
+            s.service._leases = Leases(lease_s=lease_s)
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32", resume_window=0)
+        try:
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            never_ends = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
+            engine.open(GenerationRequest(engine.tokenizer.encode(PROMPTS[0]), max_tokens=4000, params=never_ends),
+                        q.put)
+            assert not isinstance(q.get(timeout=60), BaseException)
+            live = next(iter(engine._decoding.values()))
+            with engine.pipeline._lock:  # as if its renewals stopped reaching the nodes
+                engine.pipeline.live.discard(live.seq_id)
+            start = time.monotonic()
+            while not isinstance(item := q.get(timeout=lease_s + 10), BaseException):
+                pass
+            assert "lease" in str(item) and time.monotonic() - start < lease_s + 5
+            assert any(s.address in str(item) for s in servers)
+        finally:
+            engine.close()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", [2, 3])  # (3: a middle node too)
 def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n: int) -> None:
