@@ -159,6 +159,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench_prefill.bench_prefill(model, lengths=args.context or bench_prefill.DEFAULT_LENGTHS,
                                              reps=args.context_reps or bench_prefill.REPS)
         bench_prefill.print_report(result, stderr_console())
+    elif args.target == "chat":
+        from ..bench import chat as bench_chat
+
+        result = bench_chat.bench_chat(model, turns=args.turns, reply_tokens=args.max_tokens,
+                                       mlx_lm=not args.skip_mlx_lm)
+        bench_chat.print_report(result, stderr_console())
     elif args.target == "sampled":
         from ..bench import sampled as bench_sampled
 
@@ -241,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
-    p.add_argument("target", choices=["engine", "pipeline", "serve", "transfer", "faults", "sampled", "prefill"])
+    p.add_argument("target",
+                   choices=["engine", "pipeline", "serve", "transfer", "faults", "sampled", "prefill", "chat"])
     p.add_argument("--model", help="model directory (default: the bundled demo model)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
@@ -262,12 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-seconds", type=float, default=4.0,
                    help="faults bench: how long a node is frozen, or gone before it starts again")
     p.add_argument("--repeat", type=int, default=3, help="transfer bench: transfers, each into a fresh cache")
+    p.add_argument("--turns", type=_positive, default=8, help="chat bench: turns of the conversation")
     p.add_argument("--reps", type=int, default=1, help="serve bench: runs per cell (the median is reported)")
     p.add_argument("--skip-api", action="store_true", help="serve bench: skip the HTTP API level")
     p.add_argument("--api-in-process", action="store_true",
                    help="serve bench: the API level in the engine's process (default: a process of its own, as served)")
     p.add_argument("--skip-gap", action="store_true", help="serve bench: skip the prefill-gap measurement")
-    p.add_argument("--skip-mlx-lm", action="store_true", help="serve bench: skip mlx-lm's batch_generate")
+    p.add_argument("--skip-mlx-lm", action="store_true", help="serve and chat benches: leave mlx-lm out")
     p.add_argument("--skip-closed-loop", action="store_true",
                    help="serve bench: skip the closed loop (c clients each sending again as their request ends)")
     p.add_argument("--closed-requests", type=int,

@@ -1,0 +1,20 @@
+"""`mtpipe bench chat` on a tiny checkpoint: each turn after the first reuses the last prompt, every side
+sees the same conversation, and the report holds what the note quotes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mtpipe.coordinator.bench.chat import bench_chat
+
+
+def test_the_chat_bench_reuses_each_last_prompt(dense_ckpt: Path) -> None:
+    result = bench_chat(dense_ckpt, turns=3, turn_tokens=24, reply_tokens=4)
+    rows = result["rows"]
+    assert [r["turn"] for r in rows] == [1, 2, 3] and result["identical"]
+    assert rows[0]["cached_tokens"] == {"cached": 0, "mlx_lm": 0}
+    for before, r in zip(rows, rows[1:]):  # all of the last prompt but its last token
+        assert r["cached_tokens"]["cached"] == before["prompt_tokens"] - 1
+        assert r["prompt_tokens"] > before["prompt_tokens"] + 24
+    assert all(set(r["ttft_ms"]) == {"whole", "cached", "mlx_lm"} and min(r["ttft_ms"].values()) > 0 for r in rows)
+    assert set(result["ratios"]) == {"cached_vs_whole_ttft", "cached_vs_mlx_lm_ttft", "mlx_lm_vs_whole_ttft"}
