@@ -78,3 +78,29 @@ def test_demo_greedy_mtp_exact_and_accepting() -> None:
             r = engine.complete(GenerationRequest(prompt, max_tokens=48, mtp_depth=depth))
             assert r.tokens == plain
             assert r.stats.accepted > 0
+
+
+def test_drafts_accepted_past_a_requests_end_are_not_counted() -> None:
+    """On the demo model (whose drafts are accepted): a request that ends inside a round reports as
+    accepted only the drafts it handed out, in every engine."""
+    from mtpipe.coordinator.engine.build import batch_engine, local_engine
+    from mtpipe.coordinator.engine.request import GenerationRequest
+
+    from helpers import PROMPTS
+
+    batch, single = batch_engine(DEMO_MODEL, dtype=mx.float32), local_engine(DEMO_MODEL, dtype=mx.float32)
+    try:
+        prompts = [list(batch.tokenizer.encode(t)) for t in PROMPTS[10:19]]
+        seen = 0
+        for engine in (batch, single):
+            for prompt in prompts:
+                for m in (2, 3):
+                    r = engine.complete(GenerationRequest(prompt, max_tokens=m, mtp_depth=3))
+                    s = r.stats
+                    # every round hands out its accepted drafts and one token more, the last maybe fewer
+                    assert s.accepted <= s.generation_tokens - 1, (m, s)
+                    assert sum(s.accepted_per_position) == s.accepted and s.accepted <= s.drafted
+                    seen += s.accepted
+        assert seen > 0  # (drafts were accepted: the check had something to check)
+    finally:
+        batch.close()

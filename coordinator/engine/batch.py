@@ -352,6 +352,7 @@ class BatchEngine:
             live.sink(GenerationChunk(text=live.text.release(final=False), tokens=new, logprobs=logprobs))
             return
         live.stats.decode_seconds = time.perf_counter() - live.started
+        live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
                                   stats=live.stats, logprobs=logprobs))
         self._finish(live, None)

@@ -109,6 +109,7 @@ class Engine:
                 stats.record_round(out)
                 step += 1
             stats.decode_seconds = time.perf_counter() - t0
+            stats.ended_within(out, len(new))
             yield GenerationChunk(text=text.release(final=True), tokens=new, finish_reason=finish, stats=stats,
                                   logprobs=out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None)
         finally:

@@ -87,6 +87,13 @@ class GenerationStats:
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += int(i < out.accepted)
 
+    def ended_within(self, out: StepOutput, emitted: int) -> None:
+        """The request ended inside this (recorded) round after `emitted` of its tokens: drafts accepted
+        past the end (an EOS, a stop, max_tokens) do not count as accepted."""
+        for i in range(emitted, out.accepted):
+            self.accepted -= 1
+            self.accepted_per_position[i] -= 1
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,

@@ -320,6 +320,7 @@ class RingEngine:
             live.sink(GenerationChunk(text=live.text.release(final=False), tokens=new, logprobs=logprobs))
             return False
         live.stats.decode_seconds = time.perf_counter() - live.started
+        live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
                                   stats=live.stats, logprobs=logprobs))
         self._finish(live, None)
