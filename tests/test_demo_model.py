@@ -83,10 +83,9 @@ def test_demo_greedy_mtp_exact_and_accepting() -> None:
 def test_drafts_accepted_past_a_requests_end_are_not_counted() -> None:
     """On the demo model (whose drafts are accepted): a request that ends inside a round reports as
     accepted only the drafts it handed out, in every engine."""
-    from mtpipe.coordinator.engine.build import batch_engine, local_engine
-    from mtpipe.coordinator.engine.request import GenerationRequest
-
     from helpers import PROMPTS
+
+    from mtpipe.coordinator.engine.build import batch_engine
 
     batch, single = batch_engine(DEMO_MODEL, dtype=mx.float32), local_engine(DEMO_MODEL, dtype=mx.float32)
     try:
