@@ -8,6 +8,7 @@ gives for all the tokens, replacement characters included.
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 from typing import TYPE_CHECKING
@@ -39,6 +40,19 @@ class TextStream:
             return
         self.detokenizer.add_token(token)
         self._extend(self.detokenizer.last_segment)
+        if self.stop and not self.stopped and self._begun and self._held_completes_a_stop():
+            self.flush()  # this token ends a stop string in what the detokenizer holds back (a lone space)
+
+    def _held_completes_a_stop(self) -> bool:
+        """Whether what the detokenizer holds back, once taken in, completes a stop string: its text is
+        asked of a copy (finalizing one only reassigns its fields, so the copy leaves this one as it was)."""
+        probe = copy.copy(self.detokenizer)
+        probe.finalize()
+        held = probe.last_segment
+        if not held:
+            return False
+        tail = self.text[max(0, len(self.text) - self.hold) :] + held
+        return any(s in tail for s in self.stop)
 
     def flush(self) -> None:
         """No token follows: take in what the detokenizer holds back (a stop string may end in it)."""
