@@ -479,6 +479,7 @@ def test_metrics(server: LiveServer, client: Any) -> None:
     kinds = {
         "mtpipe_requests": "counter", "mtpipe_generations_cancelled": "counter",
         "mtpipe_generations_failed": "counter", "mtpipe_prompt_tokens": "counter",
+        "mtpipe_prompt_tokens_cached": "counter",
         "mtpipe_completion_tokens": "counter", "mtpipe_mtp_drafted_tokens": "counter",
         "mtpipe_mtp_accepted_tokens": "counter", "mtpipe_generations_in_flight": "gauge",
         "mtpipe_mtp_acceptance_ratio": "gauge", "mtpipe_request_duration_seconds": "histogram",
@@ -540,6 +541,7 @@ def test_metrics_count_each_request(engine: Engine) -> None:
         assert m("mtpipe_time_to_first_token_seconds_count", endpoint=text_endpoint) == 1
 
         assert m("mtpipe_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+        assert m("mtpipe_prompt_tokens_cached_total") == sum(u.prompt_tokens_details.cached_tokens for u in usages) > 0
         assert m("mtpipe_completion_tokens_total") == sum(u.completion_tokens for u in usages)
         mtp = [u.model_extra["mtp"] for u in usages]
         drafted, accepted = sum(x["drafted"] for x in mtp), sum(x["accepted"] for x in mtp)

@@ -267,6 +267,7 @@ class Service:
     def record(self, endpoint: str, stats: "GenerationStats", started: float, first_token: Optional[float]) -> None:
         m = self.metrics
         m.prompt_tokens.inc(stats.prompt_tokens)
+        m.cached_tokens.inc(stats.cached_tokens)
         m.completion_tokens.inc(stats.generation_tokens)
         m.drafted.inc(stats.drafted)
         m.accepted.inc(stats.accepted)
