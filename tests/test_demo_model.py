@@ -89,7 +89,7 @@ def test_drafts_accepted_past_a_requests_end_are_not_counted() -> None:
 
     batch, single = batch_engine(DEMO_MODEL, dtype=mx.float32), local_engine(DEMO_MODEL, dtype=mx.float32)
     try:
-        prompts = [list(batch.tokenizer.encode(t)) for t in PROMPTS[10:19]]
+        prompts = [list(batch.tokenizer.encode(PROMPTS[i])) for i in (11, 13, 15)]  # (rounds past the end there)
         seen = 0
         for engine in (batch, single):
             for prompt in prompts:
