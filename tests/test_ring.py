@@ -385,6 +385,23 @@ def test_a_row_in_a_group_hears_of_its_errors() -> None:
         pipe.close()
 
 
+class FakePipeline:
+    """What the ring engine asks of a pipeline, without nodes: each test says what its steps do."""
+
+    nodes: tuple[str, ...] = ("a", "b")
+    reformer: Any = None
+
+    def __init__(self) -> None:
+        self.row_sinks: dict[str, Any] = {}
+        self.released: list[str] = []
+
+    def release(self, seq_id: str, group: int = 0) -> None:
+        self.released.append(seq_id)
+
+    def close(self) -> None:
+        pass
+
+
 def test_a_row_lost_while_its_prompt_goes_in_is_freed_once_it_is_through() -> None:
     """A node lost while a prompt goes in: the sequence is released on the nodes only once no chunk of
     it is on its way any more (a chunk sent after the release would start it again there), once."""
@@ -392,13 +409,11 @@ def test_a_row_lost_while_its_prompt_goes_in_is_freed_once_it_is_through() -> No
 
     from mtpipe.node.protocol import StageUnavailable
 
-    class Pipeline:
-        nodes = ("a", "b")
+    class Pipeline(FakePipeline):
         reformer = SimpleNamespace(down=None, wait=lambda timeout: False)  # it never comes back
 
         def __init__(self) -> None:
-            self.row_sinks: dict[str, Any] = {}
-            self.released: list[str] = []
+            super().__init__()
             self.early: list[str] = []
             self.through = threading.Event()
 
@@ -407,12 +422,6 @@ def test_a_row_lost_while_its_prompt_goes_in_is_freed_once_it_is_through() -> No
             self.early = list(self.released)
             self.through.set()
             raise StageUnavailable("node b is gone")
-
-        def release(self, seq_id: str, group: int = 0) -> None:
-            self.released.append(seq_id)
-
-        def close(self) -> None:
-            pass
 
     pipeline = Pipeline()
     engine = RingEngine(pipeline, SimpleNamespace(detokenizer=None), [0], 64, False, 100, prefill_chunk=8,
@@ -436,24 +445,16 @@ def test_a_request_cancelled_as_it_is_admitted_is_released_once() -> None:
 
     from mtpipe.node.protocol import StepOutput
 
-    class Pipeline:
-        nodes = ("a", "b")
+    class Pipeline(FakePipeline):
         reformer = SimpleNamespace(down=None)
 
         def __init__(self) -> None:
-            self.row_sinks: dict[str, Any] = {}
-            self.released: list[str] = []
+            super().__init__()
             self.prefilled: list[str] = []
 
         def steps(self, steps: list) -> list:  # the prompt goes in; no rounds come, so the row stays
             self.prefilled.append(steps[0].seq_id)
             return [StepOutput(steps[-1].seq_id, steps[-1].step, [7], continued=True)]
-
-        def release(self, seq_id: str, group: int = 0) -> None:
-            self.released.append(seq_id)
-
-        def close(self) -> None:
-            pass
 
     pipeline = Pipeline()
     engine = RingEngine(pipeline, SimpleNamespace(detokenizer=None), [0], 64, False, 100, prefill_chunk=8,
@@ -493,22 +494,12 @@ def test_a_row_whose_rounds_stop_coming_fails() -> None:
 
     from mtpipe.node.protocol import StageUnavailable, StepOutput
 
-    class Pipeline:
+    class Pipeline(FakePipeline):
         nodes = addresses = ("a:1", "b:2")
         reformer = SimpleNamespace(down=None)
 
-        def __init__(self) -> None:
-            self.row_sinks: dict[str, Any] = {}
-            self.released: list[str] = []
-
         def steps(self, steps: list) -> list:  # the prompt goes in; its row joins a group, then nothing
             return [StepOutput(steps[-1].seq_id, steps[-1].step, [7], continued=True)]
-
-        def release(self, seq_id: str, group: int = 0) -> None:
-            self.released.append(seq_id)
-
-        def close(self) -> None:
-            pass
 
     detokenizer = SimpleNamespace(add_token=lambda t: None, last_segment="", finalize=lambda: None, tokens=[])
     pipeline = Pipeline()
