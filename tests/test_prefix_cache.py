@@ -85,12 +85,21 @@ def test_kept_prefixes_stay_within_their_budget_and_give_way_to_requests(dense_c
         run(engine, prompts[3], 2)  # the least recently used goes: prompt 2's, not prompt 1's just used
         assert {k.tokens for k in kept(engine)} == {tuple(prompts[1][:-1]), tuple(prompts[3][:-1])}
         assert sum(s["kept_prefixes"] for s in engine.describe()["stages"]) == 2
-        # A request that needs the memory they hold gets it: they are dropped before it would wait.
-        engine.budget = engine.thread.call(lambda: sum(k.nbytes for k in engine._kept.values())) + 1
+        longer = (text * 12)[:800]  # one prefix larger than the cache is not kept, and leaves the others
+        run(engine, longer, 2)
+        assert {k.tokens for k in kept(engine)} == {tuple(prompts[1][:-1]), tuple(prompts[3][:-1])}
+        # Memory for a request that goes on from prompt 1's prefix and for one kept prefix: the other goes.
+        need = plan.footprint(engine.dims, len(prompts[1]) + 3 + TOKENS, 2)
+        engine.budget = plan.batch_bytes(engine.dims, [need]) + size
+        assert run(engine, prompts[1] + [5, 6, 7], 2).stats.cached_tokens == len(prompts[1]) - 1
+        # A request that needs the memory they hold gets it; and kept prefixes never take the room of
+        # rows running beside them.
+        engine.budget = plan.batch_bytes(engine.dims, [plan.footprint(engine.dims, len(prompts[2]) + TOKENS, 0)])
         assert run(engine, prompts[2], 0).stats.cached_tokens == 0
-        assert [k.tokens for k in kept(engine)] == [tuple(prompts[2][:-1])]
+        assert kept(engine) == []
     finally:
         engine.close()
+    assert engine.stages[0].prefixes == {}  # (freed on the engine's thread as it closed)
 
 
 def test_an_unknown_prefix_is_refused_and_the_stage_is_left_as_it_was(dense_ckpt: Path) -> None:

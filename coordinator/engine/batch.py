@@ -164,6 +164,9 @@ class BatchEngine:
         self._take_inbox()
         for live in self._waiting + self._prefilling + self._decoding:
             self._finish(live, StageUnavailable("the engine was stopped"))
+        self._kept = {}
+        for stage in self.stages:  # (their arrays go here, on the MLX thread)
+            stage.keep_prefixes(False)
 
     # -- the MLX thread ---------------------------------------------------------------------------
 
@@ -204,11 +207,10 @@ class BatchEngine:
     def _admit(self) -> None:
         waiting = [plan.Waiting(x.seq_id, x.need, x.queued) for x in self._waiting]
         running = [x.need for x in self._prefilling + self._decoding]
-        if waiting and self._kept:  # kept prefixes make room for the next request before it waits for it
-            kept = list(self._kept.values())
-            room = self.budget - sum(k.nbytes for k in kept)
-            self._drop_kept(plan.least_used(kept, plan.batch_bytes(self.dims, [*running, waiting[0].need]) - room,
-                                            self._pinned()))
+        if waiting and self._kept and len(running) < self.max_rows:  # kept prefixes make room for the next
+            head = next(x for x in self._waiting if x.seq_id == waiting[0].seq_id)  # request before it waits
+            wanted = plan.reusable(list(self._kept.values()), head.req.prompt_tokens, head.req.mtp_depth > 0)
+            self._fit([*running, waiting[0].need], keep={wanted.key} if wanted else set())
         budget = self.budget - sum(k.nbytes for k in self._kept.values())
         for seq_id in plan.admit(waiting, running, self.dims, budget, self.max_rows):
             live = next(x for x in self._waiting if x.seq_id == seq_id)
@@ -297,12 +299,22 @@ class BatchEngine:
         if any(k is None for k in kept):  # (a stage that marked nothing: none keeps it)
             self._drop_kept([key])
             return
+        nbytes = sum(k.nbytes for k in kept)
+        if nbytes > self.prefix_cache:  # (it alone would empty the cache, then go too)
+            self._drop_kept([key])
+            return
         self._drop_kept([k.key for k in self._kept.values() if k.tokens == tuple(tokens)])  # (without MTP)
-        self._kept[key] = plan.KeptPrefix(key, tuple(tokens), sum(k.nbytes for k in kept), kept[-1].drafts,
-                                          time.monotonic())
+        self._kept[key] = plan.KeptPrefix(key, tuple(tokens), nbytes, kept[-1].drafts, time.monotonic())
         over = sum(k.nbytes for k in self._kept.values()) - self.prefix_cache
         if over > 0:
             self._drop_kept(plan.least_used(list(self._kept.values()), over, self._pinned()))
+        self._fit([x.need for x in self._prefilling + self._decoding])
+
+    def _fit(self, rows: list[plan.Footprint], keep: set[str] = frozenset()) -> None:
+        """Drop kept prefixes, least recently used first, until they and these rows fit the budget."""
+        kept = list(self._kept.values())
+        over = plan.batch_bytes(self.dims, rows) + sum(k.nbytes for k in kept) - self.budget
+        self._drop_kept(plan.least_used(kept, over, self._pinned() | keep))
 
     def _pinned(self) -> set[str]:
         """Kept prefixes a prompt is about to start from (its first step not taken yet)."""
