@@ -66,7 +66,9 @@ class GroupFrames:
         if not ended.groups:
             return
         log.info("ended %d group(s) whose rounds stopped coming for %.0f s", ended.groups, idle_s)
-        message = f"its group's rounds stopped coming back for {idle_s:.0f} s (a node or a link was lost)"
+        # (this node reports it; the node or link at fault is somewhere around the ring)
+        message = (f"no round of its group came back to this, the last node, for {idle_s:.0f} s: a node or link "
+                   "of the ring was lost or hangs")
         for client_id, rnd, seq_id in ended.rows:
             err = pb.Error(code="UNAVAILABLE", message=message, node=self.name, seq_id=seq_id, step=rnd)
             self._emit(client_id, pb.Event(error=err))
