@@ -208,8 +208,8 @@ class BatchEngine:
         waiting = [plan.Waiting(x.seq_id, x.need, x.queued) for x in self._waiting]
         running = [x.need for x in self._prefilling + self._decoding]
         if waiting and self._kept and len(running) < self.max_rows:  # kept prefixes make room for the next
-            head = next(x for x in self._waiting if x.seq_id == waiting[0].seq_id)  # request before it waits
-            wanted = plan.reusable(list(self._kept.values()), head.req.prompt_tokens, head.req.mtp_depth > 0)
+            head = self._waiting[0].req  # request before it waits for it (sparing the prefix it goes on from)
+            wanted = plan.reusable(list(self._kept.values()), head.prompt_tokens, head.mtp_depth > 0)
             self._fit([*running, waiting[0].need], keep={wanted.key} if wanted else set())
         budget = self.budget - sum(k.nbytes for k in self._kept.values())
         for seq_id in plan.admit(waiting, running, self.dims, budget, self.max_rows):
