@@ -210,10 +210,27 @@ def test_a_prompt_for_a_sequence_decoding_in_a_group_is_refused(ring: Any) -> No
         with pytest.raises(StageError, match="decoding here already|out of order"):  # (in a group, or joining)
             engine.pipeline.steps([StepRequest(victim.seq_id, 0, StepKind.PREFILL, [5, 6, 7], final=True, budget=50,
                                                group=victim.group)])
-        stray = pb.Frame(client_id=engine.pipeline.client_id, kind=pb.GROUP, group=99, step=5)  # no such group
-        stray.rows.add(seq_id=victim.seq_id, tokens=[1])
-        engine.pipeline._first.send(stray)
-        time.sleep(0.5)  # (its refusal, had it been sent to the row, arrives within this)
+        first = servers[0].service  # what the first node refuses of a round of no group, and whom it tells
+        refused, told = threading.Event(), []
+        fail_rows, emit = first._fail_rows, first._emit
+
+        def refusing(frame: pb.Frame, code: str, message: str) -> None:
+            fail_rows(frame, code, message)
+            refused.set()
+
+        def telling(client_id: str, event: pb.Event) -> None:
+            if event.WhichOneof("kind") == "error" and event.error.seq_id == victim.seq_id:
+                told.append(event.error.message)
+            emit(client_id, event)
+
+        first._fail_rows, first._emit = refusing, telling
+        try:
+            stray = pb.Frame(client_id=engine.pipeline.client_id, kind=pb.GROUP, group=99, step=5)
+            stray.rows.add(seq_id=victim.seq_id, tokens=[1])
+            engine.pipeline._first.send(stray)
+            assert refused.wait(WAIT_S) and told == []
+        finally:
+            del first._fail_rows, first._emit
         for q in queues:  # every row still streams
             for _ in range(3):
                 item = q.get(timeout=WAIT_S)
