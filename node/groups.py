@@ -298,12 +298,14 @@ class RingGroups:
     def in_group(self, seq_id: str) -> bool:
         return any(seq_id in g.stage.ids for g in self.groups.values())
 
+    @staticmethod
+    def _held(g: Group) -> set[str]:
+        """A group's sequences: in it, riding a round to join it, or waiting to join it."""
+        return {*g.stage.ids, *g.joining, *(r.seq_id for r in g.joins)}
+
     def held_elsewhere(self, client_id: str, group: int) -> set[str]:
-        """The client's sequences in (or joining) its groups other than `group`."""
-        return {s for (c, n), g in self.groups.items() if c == client_id and n != group
-                for s in (*g.stage.ids, *g.joining, *(r.seq_id for r in g.joins))}
+        """The client's sequences held by its groups other than `group`."""
+        return {s for (c, n), g in self.groups.items() if c == client_id and n != group for s in self._held(g)}
 
     def holds(self, seq_id: str) -> bool:
-        """In a group, riding a round to join one, or waiting to join one."""
-        return any(seq_id in g.stage.ids or seq_id in g.joining or any(r.seq_id == seq_id for r in g.joins)
-                   for g in self.groups.values())
+        return any(seq_id in self._held(g) for g in self.groups.values())
