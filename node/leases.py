@@ -109,14 +109,3 @@ class LeaseHolder:
         self.leases.renew(list(request.seq_ids), owned)
         return pb.RenewReply(lease_s=self.leases.lease_s)
 
-
-def renew_all(stubs: list[Any], client_id: str, seq_ids: list[str], timeout: float) -> None:
-    """One renewal round from a client to every node (blocking; a node that does not answer is skipped:
-    its own failure is reported through the client's streams)."""
-    request = pb.RenewRequest(client_id=client_id, seq_ids=seq_ids)
-    futures = [stub.Renew.future(request, timeout=timeout) for stub in stubs]
-    for f in futures:
-        try:
-            f.result()
-        except grpc.RpcError as e:
-            log.debug("renewal not taken: %s", e)

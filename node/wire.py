@@ -16,7 +16,8 @@ from .tls import TARGET_NAME_OPTION, channel_credentials
 MAX_MESSAGE_BYTES = 64 << 20
 # Liveness is HTTP/2 keepalive, answered by gRPC's core even while a node's loop is busy computing: a
 # peer that dies or stops (SIGSTOP, a kernel hang, a pulled cable) is cut off within ~2.5 s, and every
-# call on that connection fails at once. Application pings could not tell a hang from a long step.
+# call on that connection fails at once. A node whose loop hangs while the core still answers is found by
+# the coordinator's lease renewals, which the loop answers (coordinator/pipeline/renewals.py).
 KEEPALIVE_MS = 1000
 PING_TIMEOUT_MS = 1500
 CHANNEL_OPTIONS = [

@@ -207,3 +207,69 @@ def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n:
             assert left == [0] * n
         finally:
             engine.close()
+
+
+HANG_S = 4.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("build", [ring_engine, remote_engine], ids=["ring", "per_sequence"])
+def test_a_node_whose_loop_hangs_is_named_within_5_s(dense_ckpt: Path, build) -> None:
+    """The middle of 3 nodes hangs: its event loop blocks while its connections stay up (gRPC's core
+    still answers keepalive pings). It stops answering the lease renewals, so within 5 s the pipeline
+    is down naming it (not the last node, which only sees the rounds stop). The ring engine's streams
+    go on once it serves again, with the tokens of an undisturbed run; the per-sequence engine's fail
+    naming it. Either way no node holds a sequence afterwards."""
+    from helpers import node_servers
+
+    from mtpipe.coordinator.engine.build import local_engine
+    from mtpipe.node.protocol import SamplingParams
+
+    reference = local_engine(dense_ckpt, dtype=mx.float32)
+    with node_servers(3) as servers:
+        engine = build(dense_ckpt, [s.address for s in servers], dtype="float32")
+        hung = servers[1].address
+        try:
+            never_ends = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
+            reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=400, mtp_depth=2,
+                                      params=never_ends) for i in range(3)]
+            want = [reference.complete(r).tokens for r in reqs]
+            sinks = []
+            for r in reqs:
+                q: queue.SimpleQueue = queue.SimpleQueue()
+                open_stream(engine, r, q.put)
+                sinks.append(q)
+            got: list[list[int]] = [q.get(timeout=60).tokens for q in sinks]
+            start = time.monotonic()
+            servers[1]._loop.call_soon_threadsafe(time.sleep, HANG_S)
+            reformer = engine.pipeline.reformer
+            while reformer.down is None and time.monotonic() - start < 10:
+                time.sleep(0.02)
+            assert time.monotonic() - start < 5.0 and hung in str(reformer.down), reformer.down
+            for i, q in enumerate(sinks):
+                while (item := q.get(timeout=60)) is not END and not isinstance(item, BaseException):
+                    got[i] += item.tokens
+                if build is ring_engine:
+                    assert item is END and got[i] == want[i]
+                else:
+                    assert isinstance(item, BaseException) and hung in str(item)
+            deadline = time.monotonic() + SETTLE_S
+            while any(left := active(engine)) and time.monotonic() < deadline:
+                time.sleep(0.25)
+            assert left == [0, 0, 0]
+            assert engine.complete(reqs[0]).tokens == want[0]
+        finally:
+            getattr(engine, "close", engine.pipeline.close)()
+
+
+def test_a_node_is_silent_once_nothing_sent_to_it_in_the_limit_was_answered() -> None:
+    from mtpipe.coordinator.pipeline.renewals import Silence
+
+    silence = Silence(2, now=0.0)
+    silence.answer(0, sent=2.0)
+    silence.answer(1, sent=1.0)
+    silence.answer(1, sent=0.5)  # a late answer to an older renewal changes nothing
+    assert silence.silent(now=3.0, limit=2.5) == []
+    assert silence.silent(now=4.0, limit=2.5) == [(1, 3.0)]
+    silence.reset(now=4.0)  # nothing was asked meanwhile (no sequences, the pipeline down)
+    assert silence.silent(now=6.0, limit=2.5) == []

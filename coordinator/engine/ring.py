@@ -46,8 +46,9 @@ RESUME_WINDOW_S = 30.0  # a request whose node is lost waits this long for the p
 RETRY_AFTER_DOWN_S = 5  # the Retry-After of a request refused while the pipeline is down
 MEASURED_PROMPT = 64  # prompts at least this long time the pipeline's seconds per prompt token
 TRIP_OUTLIER = 2.0  # a trip counts as at most this many times the running figure (a stall, a lost node)
-# A row with no round for this long fails as its node lost. The last node itself ends a group whose rounds
-# stop coming back (a node before it lost or hung) after its lease time; this catches the last node hung.
+# A row with no round for this long fails as its node lost. A node lost or hung is found sooner (the
+# pipeline's keepalive and lease renewals, the last node's idle groups); this is the backstop for rounds
+# that stop while every node still answers.
 ROW_STALL_S = 60.0
 
 

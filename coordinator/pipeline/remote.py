@@ -10,9 +10,10 @@ coordinator off the path. A release travels the coordinator's stream behind the 
 a round the last node started meanwhile is dropped by the first node.
 
 Failures: every node also holds a Subscribe stream to this client, so a node that refuses a step
-(INVALID_ARGUMENT) answers at once, a node process that dies breaks its stream at once, and a node
-that stops answering (hung, stopped, unplugged) misses HTTP/2 keepalive pings and has its
-connection cut within ~2.5 s (see node/wire.py). Either way the step fails naming the node.
+(INVALID_ARGUMENT) answers at once, a node process that dies breaks its stream at once, a node
+that stops answering (stopped, unplugged) misses HTTP/2 keepalive pings and has its connection cut
+within ~2.5 s (see node/wire.py), and one whose loop hangs while its connections stay up stops
+answering lease renewals (renewals.py). Either way the step fails naming the node.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from typing import Any
 import grpc
 
 from ...models.shard import ShardSpec
-from ...node.leases import renew_all
 from ...node.protocol import StageError, StepKind, StepOutput, StepRequest
 from ...node.wire import (
     describe_rpc_error,
@@ -41,13 +41,13 @@ from ...node.wire import (
 from ...proto import mtpipe_pb2 as pb
 from .nodes import FrameStream, NodeFailure, NodeLink, RemoteStageError, TakenOver, load_node
 from .reform import Reformer
+from .renewals import Renewer
 
 log = logging.getLogger(__name__)
 
 # Prompt chunks in flight at once: enough to keep every stage busy, while bounding the hidden states
 # queued on the nodes (a 512-token chunk of a hidden-8192 bfloat16 model is 8 MiB).
 STEPS_IN_FLIGHT = 4
-RENEW_S = 1.0  # how often the sequences' leases are renewed on every node (a lease runs for seconds)
 
 
 @dataclass
@@ -123,8 +123,7 @@ class RemotePipeline:
         # Sequences this client still wants: their leases on every node are renewed about once a second
         # (node/leases.py), so a lost release or a crash of this process never pins them there.
         self.live: set[str] = set()
-        self._renewer: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._renewer: Renewer | None = None
         self._load_args: tuple | None = None
         self.reformer = Reformer(self._reform, final=(TakenOver,))  # a lost node: down, then formed again
 
@@ -210,16 +209,17 @@ class RemotePipeline:
                 if node.subscription is None:
                     self._subscribe(node)
             if self._renewer is None:
-                self._renewer = threading.Thread(target=self._renew, name="lease-renewer", daemon=True)
-                self._renewer.start()
+                self._renewer = Renewer([n.stub for n in self.nodes], self.addresses, self.client_id, self._wanted,
+                                        self._silent, paused=lambda: self.reformer.down is not None)
 
-    def _renew(self) -> None:
-        while not self._stop.wait(RENEW_S):
-            with self._lock:
-                live = sorted(self.live)
-            if live:
-                renew_all([n.stub for n in self.nodes], self.client_id, live,
-                          timeout=RENEW_S)
+    def _wanted(self) -> list[str]:
+        with self._lock:
+            return sorted(self.live)
+
+    def _silent(self, address: str, seconds: float) -> None:
+        """A node whose loop answers nothing while its connections stay up (the renewer's report)."""
+        if not self._closed and not self.reformer.given_up:
+            self._lost(NodeFailure(address, f"stopped answering: no reply for {seconds:.1f} s (its process hangs)"))
 
     def _subscribe(self, node: NodeLink) -> None:
         call = node.stub.Subscribe(pb.SubscribeRequest(client_id=self.client_id))
@@ -410,7 +410,8 @@ class RemotePipeline:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.stop()
         self.reformer.stop()
         self._first.close()
         for n in self.nodes:
