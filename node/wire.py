@@ -17,7 +17,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 # Liveness is HTTP/2 keepalive, answered by gRPC's core even while a node's loop is busy computing: a
 # peer that dies or stops (SIGSTOP, a kernel hang, a pulled cable) is cut off within ~2.5 s, and every
 # call on that connection fails at once. A node whose loop hangs while the core still answers is found by
-# the coordinator's lease renewals, which the loop answers (coordinator/pipeline/renewals.py).
+# the coordinator's lease renewals, which its loop answers between steps (coordinator/pipeline/renewals.py).
 KEEPALIVE_MS = 1000
 PING_TIMEOUT_MS = 1500
 CHANNEL_OPTIONS = [

@@ -276,3 +276,31 @@ def test_a_node_is_silent_once_nothing_sent_to_it_in_the_limit_was_answered() ->
     assert silence.silent(now=4.0, limit=2.5) == [(1, 3.0)]
     silence.reset(now=4.0)  # nothing was asked meanwhile (no sequences, the pipeline down)
     assert silence.silent(now=6.0, limit=2.5) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_long_prompt_step_is_not_a_hang(dense_ckpt: Path) -> None:
+    """A node's loop answers nothing while it computes a step. A prompt chunk that takes longer than a
+    hung node is given (a large model on a small machine) is waited for: the pipeline stays up and the
+    request completes."""
+    from helpers import node_servers
+
+    from mtpipe.coordinator.pipeline.renewals import SILENT_S
+    from mtpipe.node.protocol import StepKind
+
+    with node_servers(2) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
+        try:
+            worker = servers[1].service.worker
+            step = worker.step
+
+            def slow(req, hidden=None):
+                if req.kind is StepKind.PREFILL and not req.final:
+                    time.sleep(SILENT_S + 1.5)
+                return step(req, hidden)
+
+            worker.step = slow
+            result = engine.complete(GenerationRequest(engine.tokenizer.encode(PROMPTS[0]), max_tokens=8))
+            assert len(result.tokens) == 8 and engine.pipeline.reformer.down is None
+        finally:
+            engine.close()

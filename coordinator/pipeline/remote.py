@@ -124,6 +124,7 @@ class RemotePipeline:
         # (node/leases.py), so a lost release or a crash of this process never pins them there.
         self.live: set[str] = set()
         self._renewer: Renewer | None = None
+        self._prefilling = 0  # calls of `steps` with prompt chunks in flight
         self._load_args: tuple | None = None
         self.reformer = Reformer(self._reform, final=(TakenOver,))  # a lost node: down, then formed again
 
@@ -210,7 +211,8 @@ class RemotePipeline:
                     self._subscribe(node)
             if self._renewer is None:
                 self._renewer = Renewer([n.stub for n in self.nodes], self.addresses, self.client_id, self._wanted,
-                                        self._silent, paused=lambda: self.reformer.down is not None)
+                                        self._silent, paused=lambda: self.reformer.down is not None,
+                                        prefilling=lambda: self._prefilling > 0)
 
     def _wanted(self) -> list[str]:
         with self._lock:
@@ -326,6 +328,9 @@ class RemotePipeline:
             raise RuntimeError("the pipeline is closed")
         in_flight: deque[tuple[StepRequest, _Waiter]] = deque()
         outs: list[StepOutput] = []
+        prefill = any(r.kind is StepKind.PREFILL for r in reqs)
+        with self._lock:
+            self._prefilling += prefill
         try:
             for req in reqs:
                 waiter = self._register(req)
@@ -338,6 +343,7 @@ class RemotePipeline:
                 outs.append(self._finish(*in_flight.popleft()))
         finally:
             with self._lock:  # after a failure: steps nobody waits for any more
+                self._prefilling -= prefill
                 for req, _ in in_flight:
                     self._waiters.pop((req.seq_id, req.step), None)
         return outs
