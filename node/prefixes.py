@@ -4,7 +4,8 @@ A GatedDeltaNet state exists only for the position it was taken at, so a prefix 
 position: where the prompt's last token was about to go in (its own step, see the batch engine). The
 stage copies then what its layers hold at that point: each GatedDeltaNet layer's conv and recurrent
 state, and on the last stage the MTP head's pending hidden and cache length. Attention keys and values
-(and the MTP cache's) are taken once the row joins the batch, cut to that position. Copies, not views:
+(and the MTP cache's) are taken once the row joins the batch, cut to that position; on a node, whose
+prompts go in one sequence at a time, all of it is taken at once (`prefix_of_sequence`). Copies, not views:
 nothing written later into a row's caches reaches a kept prefix, and a kept prefix never holds a
 batch's buffers alive. Which prefix a prompt reuses, and which are dropped, the engine decides
 (coordinator/engine/scheduler.py); a stage only keeps and hands out what it is told.
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..models.ragged import RaggedKV
 from .head import DraftState
@@ -62,12 +63,17 @@ def mark_row(cache: list, i: int, position: int, draft: DraftState | None) -> Ma
     """Copy row i's GatedDeltaNet states (and its MTP head's pending part) out of a batch's caches."""
     gdn = {j: (mx.contiguous(c[0][i : i + 1]), mx.contiguous(c[1][i : i + 1]))
            for j, c in enumerate(cache) if not isinstance(c, RaggedKV)}
+    mark = _marked(position, gdn, draft)
+    mx.eval(list(gdn.values()), mark.pending if mark.pending is not None else [])
+    return mark
+
+
+def _marked(position: int, gdn: dict[int, tuple[mx.array, mx.array]], draft: DraftState | None) -> Mark:
     mark = Mark(position, gdn)
     if draft is not None:
         mark.recent = tuple(draft.history.recent)
         if draft.mtp_cache is not None and draft.pending_hidden is not None:
             mark.pending, mark.mtp_len = mx.contiguous(draft.pending_hidden), draft.mtp_len
-    mx.eval(list(gdn.values()), mark.pending if mark.pending is not None else [])
     return mark
 
 
@@ -76,6 +82,20 @@ def prefix_of(mark: Mark, row: list, draft: DraftState | None) -> Prefix:
     n = mark.position
     kv = {j: (mx.contiguous(c.keys[:, :, :n]), mx.contiguous(c.values[:, :, :n]))
           for j, c in enumerate(row) if isinstance(c, RaggedKV)}
+    return _with_head(mark, kv, draft)
+
+
+def prefix_of_sequence(cache: list, position: int, draft: DraftState | None) -> Prefix:
+    """What a sequence of the per-sequence path (KVCache / ArraysCache per layer) holds now, copied:
+    the state its first `position` tokens left, as its prompt's last token is about to go in."""
+    kv = {j: (mx.contiguous(c.keys[:, :, :position]), mx.contiguous(c.values[:, :, :position]))
+          for j, c in enumerate(cache) if isinstance(c, KVCache)}
+    gdn = {j: (mx.contiguous(c[0]), mx.contiguous(c[1])) for j, c in enumerate(cache) if not isinstance(c, KVCache)}
+    return _with_head(_marked(position, gdn, draft), kv, draft)
+
+
+def _with_head(mark: Mark, kv: dict[int, tuple[mx.array, mx.array]], draft: DraftState | None) -> Prefix:
+    n = mark.position
     mtp, pending = None, mark.pending
     if pending is not None and draft is not None and draft.mtp_cache is not None and mark.mtp_len:
         k, v = draft.mtp_cache.keys, draft.mtp_cache.values
@@ -100,6 +120,22 @@ def row_from(prefix: Prefix, layers: int) -> list:
             c[0], c[1] = prefix.gdn[j]
             row.append(c)
     return row
+
+
+def sequence_cache(prefix: Prefix, layers: int) -> list:
+    """A per-sequence path's caches at the prefix's end: views of the kept arrays, safe as `row_from`'s
+    are (a KVCache exactly full grows into new arrays at its first write)."""
+    cache: list = []
+    for j in range(layers):
+        if j in prefix.kv:
+            c = KVCache()
+            c.keys, c.values = prefix.kv[j]
+            c.offset = prefix.length
+        else:
+            c = ArraysCache(size=2)
+            c[0], c[1] = prefix.gdn[j]
+        cache.append(c)
+    return cache
 
 
 def resume_draft(draft: DraftState, prefix: Prefix) -> None:

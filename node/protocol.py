@@ -92,6 +92,7 @@ class StepRequest:
     group: int = 0  # remote prefill: once prefilled, the sequence joins this ring group (node/groups.py)
     resumed_at: int = 0  # with step 0: the prompt's tokens from here on were generated before (a resume)
     prefix: str = ""  # with step 0: the sequence goes on from this kept prompt prefix (node/prefixes.py)
+    keep: str = ""  # a prompt's last step through a node: keep the state before it under this key
 
 
 @dataclass

@@ -37,6 +37,7 @@ from .coordinators import Coordinators, taken_over
 from .dataplane import NextStage
 from .group_frames import GroupFrames
 from .health import health_reply
+from .kept import KeptFrames
 from .leases import LeaseHolder
 from .loader import LoadKey, load_stage, same_shard
 from .protocol import StageError, StepOutput
@@ -63,7 +64,7 @@ class LinkStats:
     decode_bytes: int = 0
 
 
-class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
+class NodeService(GroupFrames, LeaseHolder, KeptFrames, pb_grpc.NodeServicer):
     """The servicer, on one asyncio loop. Steps run on the loop itself: a decode step is milliseconds
     and a thread hop would cost more than it saves, and MLX arrays must be evaluated on the thread
     that built them (streams are per thread), so every shard and sequence lives on this one thread.
@@ -123,7 +124,9 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
                                                      message=taken_over(self.name, request.client_id))))
                 q.put_nowait(None)
                 asyncio.get_running_loop().call_later(self.orphan_grace, self._expire, client)
-            if not reused:
+            if reused:
+                self.forget_kept(request.client_id)  # (its engine forgets them as the pipeline forms)
+            else:
                 try:
                     # A local copy, the shard cache or a peer; the old shard serves meanwhile, and
                     # stays if the request is refused.
@@ -256,7 +259,7 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
             raise StageError(f"{self.name} holds another coordinator's shard now")
         if frame.step == 0 and not worker.overlap and self.ring_groups.holds(frame.seq_id):
             raise StageError(f"sequence {frame.seq_id!r} is decoding here already")  # (before it is touched)
-        req = frame_to_request(frame)
+        req = self.scope(frame_to_request(frame), frame.client_id)
         hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
         out = worker.step(req, hidden)
         return out if isinstance(out, StepOutput) else tensor_to_pb(out)
@@ -273,6 +276,9 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
         if not self.coordinators.admits(frame.client_id):  # its requests fail at once, rather than wait for nothing
             if frame.kind != pb.RELEASE:
                 self._fail(frame, "FAILED_PRECONDITION", f"{self.name} holds another coordinator's shard now")
+            return
+        if frame.kind == pb.RELEASE and frame.prefix and not frame.seq_id:
+            self.drop_kept(frame)
             return
         if frame.kind == pb.RELEASE:
             if self.release_grouped(frame):
@@ -391,6 +397,7 @@ class NodeService(GroupFrames, LeaseHolder, pb_grpc.NodeServicer):
         if client_id in self._subs:
             return
         gone = [seq for seq, owner in self._owners.items() if owner == client_id]
+        self.forget_kept(client_id)
         if self.worker is not None and not self.worker.overlap:
             self.ring_groups.drop_client(client_id)
         for seq in gone:

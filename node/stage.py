@@ -17,11 +17,13 @@ import mlx.core as mx
 from ..models.gdn_snapshots import GDNSnapshots
 from ..models.loading import LoadedShard
 from .head import DraftState, Head, Prepared, new_draft_state
+from .prefixes import Prefix, prefix_of_sequence, resume_draft, sequence_cache
 from .protocol import MAX_MTP_DEPTH, Commit, StageError, StepKind, StepOutput, StepRequest
 
 log = logging.getLogger(__name__)
 
 CLEAR_CACHE_EVERY = 256
+MAX_KEPT_PREFIXES = 256  # kept prompt prefixes on a stage, whoever asked (the engine keeps fewer)
 
 
 def check_first_step(req: StepRequest, *, drafts_here: bool, has_mtp: bool) -> None:
@@ -83,6 +85,9 @@ class StageWorker:
         self.max_sequences = max_sequences
         self.max_context = shard.config.args.max_position_embeddings
         self.sequences: dict[str, Sequence] = {}
+        # Kept prompt prefixes of the per-sequence path (prefixes.py), by the keys the node gives them
+        # (the client's key under its client id).
+        self.prefixes: dict[str, Prefix] = {}
         self.stats = StageStats()
         self.lock = threading.Lock()  # one forward at a time through this shard
 
@@ -109,12 +114,19 @@ class StageWorker:
         with self.lock:
             return self.sequences.pop(seq_id, None) is not None
 
+    def drop_prefixes(self, keys: list[str]) -> None:
+        with self.lock:
+            for key in keys:
+                self.prefixes.pop(key, None)
+
     def describe(self) -> dict:
         """Plain data for health and /v1/cluster."""
         out = {
             "layers": [self.spec.start, self.spec.end],
             "num_layers": self.spec.num_layers,
             "active_sequences": len(self.sequences),
+            "kept_prefixes": len(self.prefixes),
+            "kept_prefix_bytes": sum(p.nbytes for p in self.prefixes.values()),
             "steps": self.stats.steps,
             "tokens_processed": self.stats.tokens_processed,
             "mean_step_ms": round(self.stats.mean_step_ms, 3),
@@ -142,6 +154,11 @@ class StageWorker:
                 raise StageError("this stage needs the previous stage's hidden states")
             if tuple(hidden.shape) != (1, T, self.hidden_size):
                 raise StageError(f"hidden states have shape {tuple(hidden.shape)}, expected (1, {T}, {self.hidden_size})")
+        if req.keep:
+            if req.kind is not StepKind.PREFILL or not req.final:
+                raise StageError("only a prompt's last step keeps its prefix")
+            if req.keep in self.prefixes or len(self.prefixes) >= MAX_KEPT_PREFIXES:
+                raise StageError(f"cannot keep prefix {req.keep!r}: kept already, or {len(self.prefixes)} are")
         if seq is None:
             if req.step != 0:
                 raise StageError(f"unknown sequence {req.seq_id!r}")
@@ -150,6 +167,16 @@ class StageWorker:
             if len(self.sequences) >= self.max_sequences:
                 raise StageError(f"too many active sequences ({self.max_sequences})")
             check_first_step(req, drafts_here=self.spec.is_last, has_mtp=self.shard.has_mtp)
+            if req.keep and not req.prefix:
+                raise StageError("a prompt's first step has no prefix before it to keep")
+            if req.prefix:
+                prefix = self.prefixes.get(req.prefix)
+                if prefix is None:
+                    raise StageError(f"no kept prompt prefix {req.prefix!r} here")
+                if prefix.length + T > self.max_context:
+                    raise StageError(f"context overflow: {prefix.length + T} > {self.max_context} positions")
+                if self.spec.is_last and req.mtp_depth and not prefix.drafts:
+                    raise StageError(f"kept prompt prefix {req.prefix!r} has no MTP head part to draft from")
             return None
         if req.step != seq.next_step:
             raise StageError(f"step {req.step} out of order for {req.seq_id!r}: expected {seq.next_step}")
@@ -180,9 +207,9 @@ class StageWorker:
 
     def _run(self, req: StepRequest, seq: Sequence | None, hidden: mx.array | None) -> mx.array | StepOutput:
         if seq is None:
-            seq = self.sequences[req.seq_id] = Sequence(cache=self.model.make_cache())
-            if self.spec.is_last:
-                seq.draft = new_draft_state(req)
+            seq = self.sequences[req.seq_id] = self._new_sequence(req)
+        if req.keep and seq.position:  # (checked: the prompt's last token, about to go in)
+            self.prefixes[req.keep] = prefix_of_sequence(seq.cache, seq.position, seq.draft)
         if seq.pending_k is not None:
             self._apply_commit(seq, req.commit)
         seq.early_commit = None
@@ -211,6 +238,18 @@ class StageWorker:
         if out.commit is not None:
             seq.last_commit = out.commit
         return out
+
+    def _new_sequence(self, req: StepRequest) -> Sequence:
+        prefix = self.prefixes[req.prefix] if req.prefix else None  # (checked to be here)
+        if prefix is None:
+            seq = Sequence(cache=self.model.make_cache())
+        else:
+            seq = Sequence(cache=sequence_cache(prefix, len(self.model.layers)), position=prefix.length)
+        if self.spec.is_last:
+            seq.draft = new_draft_state(req)
+            if prefix is not None:
+                resume_draft(seq.draft, prefix)
+        return seq
 
     def _apply_commit(self, seq: Sequence, commit: Commit) -> None:
         if commit.trim:

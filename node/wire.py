@@ -73,6 +73,8 @@ def request_to_frame(req: StepRequest, client_id: str) -> pb.Frame:
         stop_tokens=req.stop_tokens,
         group=req.group,
         resumed_at=req.resumed_at,
+        prefix=req.prefix,
+        keep=req.keep,
     )
     if req.commit is not None:
         f.commit.CopyFrom(pb.Commit(step=req.commit.step, accepted=req.commit.accepted, trim=req.commit.trim))
@@ -93,7 +95,7 @@ def frame_to_request(f: pb.Frame) -> StepRequest:
     commit = Commit(f.commit.step, f.commit.accepted, f.commit.trim) if f.HasField("commit") else None
     params = params_from_pb(f.params) if f.HasField("params") else None
     return StepRequest(f.seq_id, f.step, _KINDS[f.kind], list(f.tokens), f.final, commit, params, f.mtp_depth,
-                       f.mtp_auto, f.budget, tuple(f.stop_tokens), f.group, f.resumed_at)
+                       f.mtp_auto, f.budget, tuple(f.stop_tokens), f.group, f.resumed_at, f.prefix, f.keep)
 
 
 def params_to_pb(p: SamplingParams) -> pb.Sampling:

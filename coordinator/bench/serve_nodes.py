@@ -76,14 +76,15 @@ def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: 
     if min(nodes) < 2:
         raise ValueError(f"--nodes: a ring needs 2 nodes or more, got {nodes}")
     top = levels[-1]
-    single = batch_engine(model_path, max_rows=max(DEFAULT_MAX_ROWS, top), prefix_cache=0)  # (as the ring keeps none)
+    # No kept prefixes on either side: the reps repeat prompts, and mlx-lm's ring keeps nothing.
+    single = batch_engine(model_path, max_rows=max(DEFAULT_MAX_ROWS, top), prefix_cache=0)
     engines: dict[str, Any] = {"single": single}
     prompts = [list(single.tokenizer.encode(t)) for t in bench_prompts(top)]
     with ExitStack() as stack:
         stack.callback(single.close)
         for n in nodes:
             engine = ring_engine(model_path, stack.enter_context(spawn_nodes(n, model_path)), mtp=True,
-                                 max_rows=max(DEFAULT_MAX_ROWS, top))
+                                 max_rows=max(DEFAULT_MAX_ROWS, top), prefix_cache=0)
             stack.callback(engine.close)
             if not engine.pipeline.rings:
                 raise RuntimeError(f"{n} nodes gave no ring: the last node cannot reach the first (see the log)")

@@ -28,9 +28,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
                    help="generations at once; more requests wait")
     p.add_argument("--prefix-cache", type=float, metavar="GB",
-                   help="on one machine: GB of prompt prefixes kept so that a prompt starting with one (a chat's "
-                        "next turn) prefills only the rest; dropped first when requests need the memory "
-                        "(default: a quarter of the batch's memory budget; 0: off)")
+                   help="GB of prompt prefixes kept so that a prompt starting with one (a chat's next turn) "
+                        "prefills only the rest. One machine: dropped first when requests need the memory (default: "
+                        "a quarter of the batch's memory budget). With --nodes: over all nodes together (default: an "
+                        "eighth of the memory the node with least available has, per node). 0: off")
     p.add_argument("--resume-window", type=float, default=RESUME_WINDOW_S,
                    help="with --nodes: how long a request whose node is lost waits for the pipeline to be formed "
                         f"again, then goes on where it stopped (default {RESUME_WINDOW_S:g} s; 0: fail at once)")
@@ -57,12 +58,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--resume-window must be 0 (no resume) or more")
     if args.prefix_cache is not None and not (args.prefix_cache >= 0 and math.isfinite(args.prefix_cache)):
         raise ValueError("--prefix-cache must be a number of GB, 0 (off) or more")
-    if args.prefix_cache is not None and args.nodes:
-        raise ValueError("--prefix-cache applies to one machine; nodes keep no prompt prefixes yet")
     api_key = read_secret(args.api_key_file, API_KEY_ENV, option="--api-key-file")
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     path = resolve_model(args.model)
     options = stage_options(args, remote=bool(args.nodes))
+    if args.prefix_cache is not None:
+        options["prefix_cache"] = int(args.prefix_cache * 2**30)
     if args.nodes:
         from ..engine.build import ring_engine
 
@@ -70,13 +71,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         secret = read_secret(args.secret_file)
         sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
         engine = ring_engine(path, nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype, sources=sources,
-                             max_rows=args.max_concurrency, resume_window=args.resume_window, take_over=args.take_over)
+                             max_rows=args.max_concurrency, resume_window=args.resume_window, take_over=args.take_over,
+                             **options)
     else:
         import mlx.core as mx
 
         with progress_loader("loading model")() as progress:
-            if args.prefix_cache is not None:
-                options["prefix_cache"] = int(args.prefix_cache * 2**30)
             engine = batch_engine(path, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None,
                                   progress=progress, max_rows=max(DEFAULT_MAX_ROWS, args.max_concurrency), **options)
     depth = 0 if args.no_mtp else args.mtp_depth

@@ -18,6 +18,9 @@ from .tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
+RING_PREFIX_CACHE_SHARE = 8  # a quarter of the half of its memory a node's batch engine would take
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}  # ("": the checkpoint's, bfloat16 for these models)
+
 
 def local_engine(
     model_path: Path | str, *, stages: int = 1, mtp: bool = True, dtype: Any = None, **pipeline_options: Any
@@ -125,10 +128,13 @@ def ring_engine(
     groups: int | None = None,
     max_rows: int = RING_MAX_ROWS,
     resume_window: float = RESUME_WINDOW_S,
+    prefix_cache: int | None = None,
     **pipeline_options: Any,
 ) -> RingEngine | Engine:
     """Many sequences over `nodes`, in groups whose rounds circle the nodes (engine/ring.py). One node,
-    or a last node that cannot reach the first, has no ring: the per-sequence Engine then."""
+    or a last node that cannot reach the first, has no ring: the per-sequence Engine then. Prompt
+    prefixes kept on the nodes take up to `prefix_cache` bytes over all of them (by default an eighth
+    of the memory the node with least available has, times the nodes; 0: none kept)."""
     pipeline, tokenizer, config = _load_remote(model_path, nodes, mtp, secret, specs, dtype, pipeline_options)
     eos, context, has_mtp = set(tokenizer.eos_token_ids), config.args.max_position_embeddings, \
         pipeline.load_replies[-1].has_mtp
@@ -137,8 +143,12 @@ def ring_engine(
         log.warning("no ring groups over %d node(s) (%s): one sequence per round", len(nodes),
                     "one node" if len(nodes) == 1 else "the last node cannot reach the first")
         return Engine(pipeline, tokenizer, eos, context, has_mtp, prefill_chunk=chunk, vocab_size=config.args.vocab_size)
+    if prefix_cache is None:
+        prefix_cache = len(nodes) * min(h.memory_available for h in pipeline.health()) // RING_PREFIX_CACHE_SHARE
+    dims = ModelDims.of(config.args, itemsize=DTYPE_SIZES.get(dtype or "", 2), mtp=has_mtp)
     return RingEngine(pipeline, tokenizer, eos, context, has_mtp, config.args.vocab_size, prefill_chunk=chunk,
-                      groups=groups, max_rows=max_rows, resume_window=resume_window)
+                      groups=groups, max_rows=max_rows, resume_window=resume_window, dims=dims,
+                      prefix_cache=prefix_cache)
 
 
 def _load_remote(model_path: Path | str, nodes: list[str], mtp: bool, secret: str | None,

@@ -23,6 +23,7 @@ from typing import Any
 
 from ...node.protocol import StageUnavailable, StepKind, StepOutput, StepRequest
 from . import scheduler as plan
+from .kept import KeptPrefixes
 from .sinks import END, ServerBusy, stream
 from .detokenizer import TextStream
 from .request import (
@@ -93,8 +94,11 @@ class RingEngine:
     def __init__(self, pipeline: Any, tokenizer: Any, eos_token_ids: set[int] | list[int], max_context: int,
                  has_mtp: bool, vocab_size: int, *, prefill_chunk: int, max_rows: int = DEFAULT_MAX_ROWS,
                  queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, groups: int | None = None,
-                 resume_window: float = RESUME_WINDOW_S, row_stall: float = ROW_STALL_S):
+                 resume_window: float = RESUME_WINDOW_S, row_stall: float = ROW_STALL_S,
+                 dims: plan.ModelDims | None = None, prefix_cache: int = 0):
         self.pipeline = pipeline  # a RemotePipeline whose last node starts rounds itself
+        # Prompt prefixes the nodes keep (kept.py), within `prefix_cache` bytes over all nodes.
+        self.kept = KeptPrefixes(dims, prefix_cache, pipeline.drop_prefix) if dims and prefix_cache > 0 else None
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
         self.max_context = max_context
@@ -156,6 +160,8 @@ class RingEngine:
         with self._lock:
             out["ring"] = {"groups": self.groups, "max_rows": self.max_rows,
                            "rows": {str(g): n for g, n in sorted(self._rows.items()) if n}}
+        if self.kept is not None:
+            out["ring"].update(self.kept.describe())
         return out
 
     def close(self) -> None:
@@ -195,7 +201,13 @@ class RingEngine:
         decodes in its group for the tokens still wanted."""
         req = live.req
         prompt = req.prompt_tokens + live.emitted
-        body = prompt[:-1]
+        drafts, epoch = req.mtp_depth > 0, self.pipeline.reformer.down_at if self.kept else 0.0
+        hit = self.kept.reuse(prompt, drafts, epoch) if self.kept else None
+        start = len(hit.tokens) if hit else 0
+        keep = self.kept.keep_as(live.seq_id, prompt, drafts, start) if self.kept else ""
+        if not live.resumes:
+            live.stats.cached_tokens = start
+        body = prompt[start:-1]
         size, alone = self._chunk_size(len(body))
         chunks = [(body[i : i + size], False) for i in range(0, len(body), size)]
         chunks.append((prompt[-1:], True))
@@ -204,18 +216,27 @@ class RingEngine:
                              params=req.params if i == 0 else None, mtp_depth=req.mtp_depth if i == 0 else 0,
                              mtp_auto=req.mtp_auto and i == 0, budget=left if final else 0,
                              stop_tokens=self._stop_tokens if final else (), group=live.group,
-                             resumed_at=len(req.prompt_tokens) if live.emitted and i == 0 else 0)
+                             resumed_at=len(req.prompt_tokens) if live.emitted and i == 0 else 0,
+                             prefix=hit.key if hit and i == 0 else "", keep=keep if final else "")
                  for i, (chunk, final) in enumerate(chunks)]
         seq_id = live.seq_id
         with live.lock:  # (`prefilling` was set where the row was placed)
             if live.done:  # cancelled before its prompt went out: nothing of it is on the nodes
                 live.prefilling = False
                 self._release(live, free=False)
+                if hit:
+                    self.kept.done(hit.key)
                 return
         try:
             out = self.pipeline.steps(steps)[-1]
         except Exception as e:
             out = e
+        if hit:
+            self.kept.done(hit.key)
+        if keep and isinstance(out, Exception):
+            self.kept.forget(keep)
+        elif keep:
+            self.kept.kept(keep, prompt, drafts, epoch)
         with live.lock:
             current = live.seq_id == seq_id  # (else a resume took over: its own prefill may be under way)
             if current:

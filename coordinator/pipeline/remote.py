@@ -18,9 +18,9 @@ answering lease renewals (renewals.py). Either way the step fails naming the nod
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -412,6 +412,12 @@ class RemotePipeline:
         except RuntimeError:
             pass
 
+    def drop_prefix(self, key: str) -> None:
+        """Drop a kept prompt prefix on every node, behind the steps sent before."""
+        if not self._closed:
+            with contextlib.suppress(RuntimeError):
+                self._first.send(pb.Frame(client_id=self.client_id, kind=pb.RELEASE, prefix=key))
+
     def close(self) -> None:
         if self._closed:
             return
@@ -434,12 +440,3 @@ class RemotePipeline:
     def health(self, probe_next: bool = False, timeout: float = 5.0) -> list[pb.HealthReply]:
         return [n.stub.Health(pb.HealthRequest(probe_next=probe_next), timeout=timeout)
                 for n in self.nodes]
-
-    def ping(self, timeout: float = 2.0) -> list[float]:
-        """Round trip to each node in milliseconds (unary Ping)."""
-        out = []
-        for n in self.nodes:
-            t0 = time.perf_counter()
-            n.stub.Ping(pb.PingRequest(), timeout=timeout)
-            out.append(1000.0 * (time.perf_counter() - t0))
-        return out

@@ -1,0 +1,103 @@
+"""Prompt prefixes kept on a pipeline's nodes for the ring engine: which one a prompt goes on from,
+which prompts are kept, and which go to stay within a budget.
+
+Each node keeps a prompt's state just before its last token (node/prefixes.py, node/kept.py) under
+this engine's key; the choices are scheduler.py's pure functions, as in the batch engine. Bytes are
+reckoned from the model's geometry (scheduler.ModelDims), summed over the nodes: the attention entries
+of every position and one set of GatedDeltaNet states. A prefix a prompt is about to start from is
+pinned until that prompt went in, so no drop overtakes it. A pipeline that was lost may come back
+with nodes that kept nothing: what was kept before a loss is forgotten (the nodes forget it too, as
+they are loaded again).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from . import scheduler as plan
+
+MAX_KEPT = 128  # kept prefixes at once (a node takes at most node/stage.py's MAX_KEPT_PREFIXES)
+
+
+class KeptPrefixes:
+    """Thread-safe: prompts go in on the ring engine's prefill threads."""
+
+    def __init__(self, dims: plan.ModelDims, budget: int, drop: Callable[[str], None], most: int = MAX_KEPT):
+        self.dims = dims
+        self.budget = budget
+        self.most = most
+        self._drop = drop  # tells the nodes (in order behind the steps sent before)
+        self._kept: dict[str, plan.KeptPrefix] = {}
+        self._pins: dict[str, int] = {}
+        self._epoch = 0.0  # when the pipeline was last lost, as the kept prefixes knew it
+        self._lock = threading.Lock()
+
+    def nbytes(self, tokens: int) -> int:
+        return self.dims.kv_bytes_per_token * tokens + self.dims.state_bytes
+
+    def reuse(self, prompt: list[int], drafts: bool, epoch: float) -> plan.KeptPrefix | None:
+        """The longest kept prefix `prompt` starts with, pinned until `done`. `epoch`: when the pipeline
+        was last lost (a change forgets every prefix kept before)."""
+        with self._lock:
+            if epoch != self._epoch:
+                self._kept, self._pins, self._epoch = {}, {}, epoch
+            hit = plan.reusable(list(self._kept.values()), prompt, drafts)
+            if hit is not None:
+                hit.used = time.monotonic()
+                self._pins[hit.key] = self._pins.get(hit.key, 0) + 1
+            return hit
+
+    def done(self, key: str) -> None:
+        with self._lock:
+            if self._pins.get(key, 0) > 1:
+                self._pins[key] -= 1
+            else:
+                self._pins.pop(key, None)
+
+    def keep_as(self, key: str, prompt: list[int], drafts: bool, start: int) -> str:
+        """`key` if `prompt` (its part before the last token) is to be kept as it goes in from `start`,
+        "" if not: nothing new past the prefix it starts from, kept already (with the MTP head's part
+        where it drafts), or larger than the whole budget."""
+        tokens = tuple(prompt[:-1])
+        if not self.budget or len(tokens) <= start or self.nbytes(len(tokens)) > self.budget:
+            return ""
+        with self._lock:
+            if any(k.tokens == tokens and (k.drafts or not drafts) for k in self._kept.values()):
+                return ""
+        return key
+
+    def kept(self, key: str, prompt: list[int], drafts: bool, epoch: float) -> None:
+        """Every node kept `prompt`'s prefix under `key` (its last step went through); others go while
+        the kept ones are over the budget or too many."""
+        tokens = tuple(prompt[:-1])
+        with self._lock:
+            if epoch != self._epoch:  # lost meanwhile: the nodes forgot it as they were loaded again
+                return
+            gone = [k.key for k in self._kept.values() if k.tokens == tokens]  # (one without the MTP part)
+            for k in gone:
+                del self._kept[k]
+            self._kept[key] = plan.KeptPrefix(key, tokens, self.nbytes(len(tokens)), drafts, time.monotonic())
+            kept = list(self._kept.values())
+            over = sum(k.nbytes for k in kept) - self.budget
+            out = plan.least_used(kept, over, set(self._pins))
+            extra = len(kept) - len(out) - self.most
+            if extra > 0:
+                left = sorted((k for k in kept if k.key not in out and k.key not in self._pins), key=lambda k: k.used)
+                out += [k.key for k in left[:extra]]
+            for k in out:
+                del self._kept[k]
+        for k in gone + out:
+            self._drop(k)
+
+    def forget(self, key: str) -> None:
+        """A prompt that was to be kept under `key` failed: whatever node kept it drops it."""
+        with self._lock:
+            self._kept.pop(key, None)
+        self._drop(key)
+
+    def describe(self) -> dict[str, int]:
+        with self._lock:
+            return {"kept_prefixes": len(self._kept), "kept_prefix_bytes": sum(k.nbytes for k in self._kept.values()),
+                    "prefix_cache_bytes": self.budget}
