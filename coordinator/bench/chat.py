@@ -8,12 +8,18 @@ its last token, so a turn prefills the last reply and the new user message; mlx-
 last prompt and its reply (a hybrid model's cache cannot be cut back, so it is reused only when it is
 a prefix of the new prompt, else rebuilt). The three sides take each turn in rotated order, so the
 machine's noise of a moment hits them alike.
+
+With `nodes`, the same over a ring of that many `mtpipe node` processes: the nodes keep the prefixes
+(node/kept.py). Both sides run on one ring engine, the `whole` side with the engine's kept prefixes
+set aside for its turn, so the nodes, processes and links are the same; mlx-lm has no such side.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +36,7 @@ TURN_TOKENS = 384  # tokens of library source per user turn
 REPLY_TOKENS = 32
 
 
-def time_engine(engine: BatchEngine, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int]:
+def time_engine(engine: Any, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int]:
     """Seconds to the first token, the reply's tokens, and how many prompt tokens came from a kept prefix."""
     depth, auto = resolve_depth(AUTO, engine.has_mtp)
     start = time.perf_counter()
@@ -79,57 +85,89 @@ def conversation_texts(tokenizer: Any, turns: int, turn_tokens: int) -> list[str
     return [tokenizer.decode(source[i * turn_tokens : (i + 1) * turn_tokens]) for i in range(turns)]
 
 
+@contextmanager
+def prefixes_aside(engine: Any) -> Iterator[None]:
+    """A ring engine's turn without its kept prefixes (none reused, none kept), then with them again."""
+    kept, engine.kept = engine.kept, None
+    try:
+        yield
+    finally:
+        engine.kept = kept
+
+
 def bench_chat(model_path: Path | str, *, turns: int = DEFAULT_TURNS, turn_tokens: int = TURN_TOKENS,
-               reply_tokens: int = REPLY_TOKENS, mlx_lm: bool = True) -> dict[str, Any]:
+               reply_tokens: int = REPLY_TOKENS, mlx_lm: bool = True, nodes: int = 0) -> dict[str, Any]:
     if turns < 2 or turn_tokens < 1 or reply_tokens < 1:
         raise ValueError("the chat bench needs at least 2 turns and positive token counts")
-    cached = batch_engine(model_path)
-    whole = batch_engine(model_path, prefix_cache=0)
-    try:
-        theirs = None
-        if mlx_lm:
-            from mlx_lm import load as mlx_load
+    if nodes == 1 or nodes < 0:
+        raise ValueError(f"--nodes: a ring needs 2 nodes or more, got {nodes}")
+    with ExitStack() as stack:
+        sides: dict[str, Callable[[list[int]], tuple]]
+        if nodes:
+            from ..engine.build import ring_engine
+            from .nodes import spawn_nodes
 
-            theirs = MlxLmChat(*whole.thread.call(lambda: mlx_load(str(model_path))))  # (on the thread it runs on)
-        users = conversation_texts(cached.tokenizer, turns, turn_tokens)
-        messages: list[dict[str, str]] = []
-        rows: list[dict[str, Any]] = []
-        for i, user in enumerate(users):
-            messages.append({"role": "user", "content": user})
-            prompt = cached.encode_chat(messages)
-            got: dict[str, Any] = {}
-            sides = [("whole", lambda: time_engine(whole, prompt, reply_tokens)),
-                     ("cached", lambda: time_engine(cached, prompt, reply_tokens))]
-            if theirs is not None:
-                sides.append(("mlx_lm", lambda: whole.thread.call(lambda: theirs.turn(prompt, reply_tokens))))
-            for name, fn in sides[i % len(sides):] + sides[: i % len(sides)]:
-                got[name] = fn()
-            reply = got["whole"][1]
-            row = {"turn": i + 1, "prompt_tokens": len(prompt), "ttft_ms": {"whole": 1000 * got["whole"][0],
-                                                                           "cached": 1000 * got["cached"][0]},
-                   "cached_tokens": {"cached": got["cached"][2]}, "same_reply": got["cached"][1] == reply}
-            if theirs is not None:
-                row["ttft_ms"]["mlx_lm"] = 1000 * got["mlx_lm"][0]
-                row["cached_tokens"]["mlx_lm"] = got["mlx_lm"][1]
-            rows.append(row)
-            messages.append({"role": "assistant", "content": cached.tokenizer.decode(reply)})
-    finally:
-        whole.close()
-        cached.close()
+            ring = ring_engine(model_path, stack.enter_context(spawn_nodes(nodes, model_path)), mtp=True)
+            stack.callback(ring.close)
+            if getattr(ring, "kept", None) is None:
+                raise RuntimeError(f"no ring over {nodes} nodes, or it keeps no prefixes")
+
+            def whole_turn(prompt: list[int]) -> tuple:
+                with prefixes_aside(ring):
+                    return time_engine(ring, prompt, reply_tokens)
+
+            sides = {"whole": whole_turn, "cached": lambda prompt: time_engine(ring, prompt, reply_tokens)}
+            tokenizer, encode = ring.tokenizer, ring.encode_chat
+        else:
+            cached = batch_engine(model_path)
+            stack.callback(cached.close)
+            whole = batch_engine(model_path, prefix_cache=0)
+            stack.callback(whole.close)
+            sides = {"whole": lambda prompt: time_engine(whole, prompt, reply_tokens),
+                     "cached": lambda prompt: time_engine(cached, prompt, reply_tokens)}
+            if mlx_lm:
+                from mlx_lm import load as mlx_load
+
+                theirs = MlxLmChat(*whole.thread.call(lambda: mlx_load(str(model_path))))  # (on the thread it runs on)
+                sides["mlx_lm"] = lambda prompt: whole.thread.call(lambda: theirs.turn(prompt, reply_tokens))
+            tokenizer, encode = cached.tokenizer, cached.encode_chat
+        rows = converse(sides, tokenizer, encode, turns, turn_tokens)
     later = rows[1:]  # the first turn has nothing to reuse
 
     def ratio(a: str, b: str) -> float:
         return round(statistics.median(r["ttft_ms"][b] / r["ttft_ms"][a] for r in later), 3)
 
     ratios = {"cached_vs_whole_ttft": ratio("cached", "whole")}
-    if mlx_lm:
+    if "mlx_lm" in rows[0]["ttft_ms"]:
         ratios["cached_vs_mlx_lm_ttft"] = ratio("cached", "mlx_lm")
         ratios["mlx_lm_vs_whole_ttft"] = ratio("mlx_lm", "whole")
     shown = [{**r, "ttft_ms": {k: round(v, 2) for k, v in r["ttft_ms"].items()}} for r in rows]
-    return {"model": str(model_path), "blas": blas.info().to_dict(), "turns": turns, "turn_tokens": turn_tokens,
-            "reply_tokens": reply_tokens, "rows": shown, "ratios": ratios,
+    return {"model": str(model_path), "blas": blas.info().to_dict(), "nodes": nodes, "turns": turns,
+            "turn_tokens": turn_tokens, "reply_tokens": reply_tokens, "rows": shown, "ratios": ratios,
             "measure": "speedups: the median over turns 2.. of the other side's time to the first token over this side's",
             "identical": all(r["same_reply"] for r in rows)}
+
+
+def converse(sides: dict[str, Callable[[list[int]], tuple]], tokenizer: Any, encode: Callable[[list], list[int]],
+             turns: int, turn_tokens: int) -> list[dict[str, Any]]:
+    """One conversation, each turn timed on every side in rotated order; the replies are the `whole` side's."""
+    messages: list[dict[str, str]] = []
+    rows: list[dict[str, Any]] = []
+    names = list(sides)
+    for i, user in enumerate(conversation_texts(tokenizer, turns, turn_tokens)):
+        messages.append({"role": "user", "content": user})
+        prompt = encode(messages)
+        got = {name: sides[name](prompt) for name in names[i % len(names):] + names[: i % len(names)]}
+        reply = got["whole"][1]
+        row = {"turn": i + 1, "prompt_tokens": len(prompt),
+               "ttft_ms": {name: 1000 * got[name][0] for name in names},
+               "cached_tokens": {"whole": got["whole"][2], "cached": got["cached"][2]},
+               "same_reply": got["cached"][1] == reply}
+        if "mlx_lm" in got:
+            row["cached_tokens"]["mlx_lm"] = got["mlx_lm"][1]
+        rows.append(row)
+        messages.append({"role": "assistant", "content": tokenizer.decode(reply)})
+    return rows
 
 
 def print_report(result: dict[str, Any], console: Any) -> None:
@@ -143,7 +181,7 @@ def print_report(result: dict[str, Any], console: Any) -> None:
         table.add_column(name)
     table.add_column("reused (mtpipe / mlx-lm)")
     for r in result["rows"]:
-        reused = " / ".join(str(v) for v in r["cached_tokens"].values())
+        reused = " / ".join(str(v) for k, v in r["cached_tokens"].items() if k != "whole")
         table.add_row(str(r["turn"]), str(r["prompt_tokens"]), *(f"{r['ttft_ms'][n]:.1f}" for n in names), reused)
     console.print(table)
     speedups = " ".join(f"{k} {v}x" for k, v in result["ratios"].items())

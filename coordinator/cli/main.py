@@ -162,8 +162,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.target == "chat":
         from ..bench import chat as bench_chat
 
+        nodes = bench_chat_nodes(args.nodes)
         result = bench_chat.bench_chat(model, turns=args.turns, reply_tokens=args.max_tokens,
-                                       mlx_lm=not args.skip_mlx_lm)
+                                       mlx_lm=not args.skip_mlx_lm and not nodes, nodes=nodes)
         bench_chat.print_report(result, stderr_console())
     elif args.target == "sampled":
         from ..bench import sampled as bench_sampled
@@ -195,6 +196,15 @@ def _lengths(value: str) -> list[int]:
     if not lengths or min(lengths) < 1:
         raise argparse.ArgumentTypeError(f"expected positive token counts, got {value!r}")
     return lengths
+
+
+def bench_chat_nodes(value: str | None) -> int:
+    """The chat bench's one ring size (0: one machine)."""
+    if not value:
+        return 0
+    if not value.strip().isdigit():
+        raise ValueError(f"--nodes: the chat bench takes one number of nodes, got {value!r}")
+    return int(value)
 
 
 def _positive(value: str) -> int:
@@ -265,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve bench: numbers of concurrent streams")
     p.add_argument("--nodes", default=None, metavar="N1,N2,...",
                    help="serve bench: ring batches over this many node processes each (e.g. 2,3), against one node; "
-                        "faults bench: pipelines of these sizes (default 2,3)")
+                        "faults bench: pipelines of these sizes (default 2,3); chat bench: one ring of this many")
     p.add_argument("--fault-seconds", type=float, default=4.0,
                    help="faults bench: how long a node is frozen, or gone before it starts again")
     p.add_argument("--repeat", type=int, default=3, help="transfer bench: transfers, each into a fresh cache")
