@@ -179,7 +179,7 @@ def print_report(result: dict[str, Any], console: Any) -> None:
     table.add_column("prompt tokens")
     for name in names:
         table.add_column(name)
-    table.add_column("reused (mtpipe / mlx-lm)")
+    table.add_column("reused (mtpipe / mlx-lm)" if "mlx_lm" in names else "reused")
     for r in result["rows"]:
         reused = " / ".join(str(v) for k, v in r["cached_tokens"].items() if k != "whole")
         table.add_row(str(r["turn"]), str(r["prompt_tokens"]), *(f"{r['ttft_ms'][n]:.1f}" for n in names), reused)
