@@ -157,8 +157,8 @@ class StageWorker:
         if req.keep:
             if req.kind is not StepKind.PREFILL or not req.final:
                 raise StageError("only a prompt's last step keeps its prefix")
-            if req.keep in self.prefixes or len(self.prefixes) >= MAX_KEPT_PREFIXES:
-                raise StageError(f"cannot keep prefix {req.keep!r}: kept already, or {len(self.prefixes)} are")
+            if req.keep in self.prefixes:
+                raise StageError(f"prefix {req.keep!r} is kept already")
         if seq is None:
             if req.step != 0:
                 raise StageError(f"unknown sequence {req.seq_id!r}")
@@ -208,7 +208,8 @@ class StageWorker:
     def _run(self, req: StepRequest, seq: Sequence | None, hidden: mx.array | None) -> mx.array | StepOutput:
         if seq is None:
             seq = self.sequences[req.seq_id] = self._new_sequence(req)
-        if req.keep and seq.position:  # (checked: the prompt's last token, about to go in)
+        if req.keep and seq.position and len(self.prefixes) < MAX_KEPT_PREFIXES:  # (else not kept: the
+            # client's engine prefills again whole what it asks to start from and is not here)
             self.prefixes[req.keep] = prefix_of_sequence(seq.cache, seq.position, seq.draft)
         if seq.pending_k is not None:
             self._apply_commit(seq, req.commit)

@@ -265,17 +265,20 @@ def test_a_node_whose_loop_hangs_is_named_within_5_s(dense_ckpt: Path, build) ->
             getattr(engine, "close", engine.pipeline.close)()
 
 
-def test_a_node_is_silent_once_nothing_sent_to_it_in_the_limit_was_answered() -> None:
-    from mtpipe.coordinator.pipeline.renewals import Silence
+def test_a_node_is_silent_from_its_oldest_unanswered_renewal() -> None:
+    from mtpipe.coordinator.pipeline.renewals import PREFILL_SILENT_S, SILENT_S, Silence
 
-    silence = Silence(2, now=0.0)
+    silence = Silence(2)
+    for t in (0.0, 1.0, 2.0):
+        silence.sent(t)
     silence.answer(0, sent=2.0)
-    silence.answer(1, sent=1.0)
-    silence.answer(1, sent=0.5)  # a late answer to an older renewal changes nothing
-    assert silence.silent(now=3.0, limit=2.5) == []
-    assert silence.silent(now=4.0, limit=2.5) == [(1, 3.0)]
-    silence.reset(now=4.0)  # nothing was asked meanwhile (no sequences, the pipeline down)
-    assert silence.silent(now=6.0, limit=2.5) == []
+    silence.answer(1, sent=0.0)  # a late answer to an old renewal: the loop served then
+    assert silence.silent(now=1.0 + SILENT_S, busy_until=0.0) == []
+    assert silence.silent(now=4.0, busy_until=0.0) == [(1, 3.0)]
+    assert silence.silent(now=4.0, busy_until=1.5) == []  # it may still compute prompt chunks sent until 1.5
+    assert silence.silent(now=1.5 + PREFILL_SILENT_S, busy_until=1.5) == [(1, PREFILL_SILENT_S + 0.5)]
+    silence.reset()  # nothing asked (no sequences, the pipeline down), or nothing sent (a stall here)
+    assert silence.silent(now=100.0, busy_until=0.0) == []
 
 
 @pytest.mark.timeout(60)

@@ -13,7 +13,9 @@ import pytest
 from helpers import PROMPTS, node_servers
 
 from mtpipe.coordinator.engine.build import ring_engine
+from mtpipe.coordinator.engine.kept import KeptPrefixes
 from mtpipe.coordinator.engine.request import GenerationRequest, GenerationResult
+from mtpipe.coordinator.engine.scheduler import ModelDims
 from mtpipe.coordinator.pipeline.nodes import NodeFailure, RemoteStageError
 from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest
 
@@ -137,3 +139,37 @@ def test_a_client_that_goes_leaves_no_kept_prefix(dense_ckpt: Path) -> None:
         assert held(servers) == [1, 1]
         engine.close()
         assert settled(servers, [0, 0]) == [0, 0]
+
+
+def test_a_node_that_forgot_a_prefix_costs_a_whole_prefill_not_the_request(dense_ckpt: Path) -> None:
+    """A prefix the engine counts on and a node no longer holds (it kept no more, or lost it): the node
+    refuses the step, and the prompt goes in again whole, with the same tokens."""
+    with node_servers(2) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
+        try:
+            prompt = list(engine.tokenizer.encode(PROMPTS[8]))
+            want = run(engine, prompt).tokens
+            servers[1].service.worker.prefixes.clear()  # (behind the engine's back)
+            again = run(engine, prompt)
+            assert again.tokens == want and again.stats.cached_tokens == 0
+            assert run(engine, prompt).stats.cached_tokens == len(prompt) - 1  # kept anew on the way
+        finally:
+            engine.close()
+
+
+def test_a_prefix_a_prompt_is_about_to_start_from_is_never_dropped() -> None:
+    """Pinned from the choice to the prompt's going in: neither the same prompt kept again (with the MTP
+    head's part) nor the count limit drops it; once unpinned, the least recently used goes first."""
+    dropped: list[str] = []
+    kept = KeptPrefixes(ModelDims(kv_bytes_per_token=10, state_bytes=100), budget=10**6, drop=dropped.append, most=2)
+    prompt = [1, 2, 3, 4, 5]
+    kept.kept("a", prompt, drafts=False, epoch=0.0)
+    hit = kept.reuse(prompt + [6], drafts=False, epoch=0.0)
+    assert hit is not None and hit.key == "a"
+    kept.kept("b", prompt, drafts=True, epoch=0.0)
+    kept.kept("c", [7, 8, 9], drafts=True, epoch=0.0)
+    assert "a" not in dropped and dropped == ["b"]  # over the count: the least recently used that is free
+    kept.done("a")
+    kept.kept("d", [9, 9, 9], drafts=True, epoch=0.0)
+    assert dropped == ["b", "a"]
+    assert kept.reuse(prompt + [6], drafts=False, epoch=1.0) is None  # the pipeline was lost: all forgotten

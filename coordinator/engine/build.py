@@ -19,7 +19,7 @@ from .tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 RING_PREFIX_CACHE_SHARE = 8  # a quarter of the half of its memory a node's batch engine would take
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}  # ("": the checkpoint's, bfloat16 for these models)
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}  # the nodes' (HealthReply.dtype)
 
 
 def local_engine(
@@ -143,9 +143,10 @@ def ring_engine(
         log.warning("no ring groups over %d node(s) (%s): one sequence per round", len(nodes),
                     "one node" if len(nodes) == 1 else "the last node cannot reach the first")
         return Engine(pipeline, tokenizer, eos, context, has_mtp, prefill_chunk=chunk, vocab_size=config.args.vocab_size)
+    health = pipeline.health()
     if prefix_cache is None:
-        prefix_cache = len(nodes) * min(h.memory_available for h in pipeline.health()) // RING_PREFIX_CACHE_SHARE
-    dims = ModelDims.of(config.args, itemsize=DTYPE_SIZES.get(dtype or "", 2), mtp=has_mtp)
+        prefix_cache = len(nodes) * min(h.memory_available for h in health) // RING_PREFIX_CACHE_SHARE
+    dims = ModelDims.of(config.args, itemsize=DTYPE_SIZES.get(health[-1].dtype, 2), mtp=has_mtp)
     return RingEngine(pipeline, tokenizer, eos, context, has_mtp, config.args.vocab_size, prefill_chunk=chunk,
                       groups=groups, max_rows=max_rows, resume_window=resume_window, dims=dims,
                       prefix_cache=prefix_cache)

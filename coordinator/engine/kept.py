@@ -7,7 +7,7 @@ reckoned from the model's geometry (scheduler.ModelDims), summed over the nodes:
 of every position and one set of GatedDeltaNet states. A prefix a prompt is about to start from is
 pinned until that prompt went in, so no drop overtakes it. A pipeline that was lost may come back
 with nodes that kept nothing: what was kept before a loss is forgotten (the nodes forget it too, as
-they are loaded again).
+they are loaded again), and nothing is reused or kept while it is down.
 """
 
 from __future__ import annotations
@@ -69,13 +69,14 @@ class KeptPrefixes:
         return key
 
     def kept(self, key: str, prompt: list[int], drafts: bool, epoch: float) -> None:
-        """Every node kept `prompt`'s prefix under `key` (its last step went through); others go while
-        the kept ones are over the budget or too many."""
+        """Every node kept `prompt`'s prefix under `key` (its last step went through while the pipeline
+        served, since the loss at `epoch`); others go while the kept ones are over the budget or too many."""
         tokens = tuple(prompt[:-1])
         with self._lock:
-            if epoch != self._epoch:  # lost meanwhile: the nodes forgot it as they were loaded again
+            if epoch != self._epoch:  # lost and forgotten meanwhile: the nodes forget it as they are loaded again
                 return
-            gone = [k.key for k in self._kept.values() if k.tokens == tokens]  # (one without the MTP part)
+            # (one without the MTP part; a pinned one stays, as a prompt is about to start from it)
+            gone = [k.key for k in self._kept.values() if k.tokens == tokens and k.key not in self._pins]
             for k in gone:
                 del self._kept[k]
             self._kept[key] = plan.KeptPrefix(key, tokens, self.nbytes(len(tokens)), drafts, time.monotonic())

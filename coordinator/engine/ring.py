@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...node.protocol import StageUnavailable, StepKind, StepOutput, StepRequest
+from ...node.protocol import StageError, StageUnavailable, StepKind, StepOutput, StepRequest
 from . import scheduler as plan
 from .kept import KeptPrefixes
 from .sinks import END, ServerBusy, stream
@@ -201,11 +201,13 @@ class RingEngine:
         decodes in its group for the tokens still wanted."""
         req = live.req
         prompt = req.prompt_tokens + live.emitted
-        drafts, epoch = req.mtp_depth > 0, self.pipeline.reformer.down_at if self.kept else 0.0
-        hit = self.kept.reuse(prompt, drafts, epoch) if self.kept else None
+        reformer, drafts = self.pipeline.reformer, req.mtp_depth > 0
+        kept = self.kept if self.kept is not None and reformer.down is None else None  # (none while down)
+        epoch = reformer.down_at if kept else 0.0
+        hit = kept.reuse(prompt, drafts, epoch) if kept else None
         start = len(hit.tokens) if hit else 0
-        keep = self.kept.keep_as(live.seq_id, prompt, drafts, start) if self.kept else ""
-        if not live.resumes:
+        keep = kept.keep_as(live.seq_id, prompt, drafts, start) if kept else ""
+        if not live.emitted:
             live.stats.cached_tokens = start
         body = prompt[start:-1]
         size, alone = self._chunk_size(len(body))
@@ -225,18 +227,21 @@ class RingEngine:
                 live.prefilling = False
                 self._release(live, free=False)
                 if hit:
-                    self.kept.done(hit.key)
+                    kept.done(hit.key)
                 return
         try:
             out = self.pipeline.steps(steps)[-1]
         except Exception as e:
             out = e
         if hit:
-            self.kept.done(hit.key)
-        if keep and isinstance(out, Exception):
-            self.kept.forget(keep)
+            kept.done(hit.key)
+            if isinstance(out, StageError) and "no kept prompt prefix" in str(out):  # (a node forgot it)
+                kept.forget(hit.key)
+                out = StageUnavailable(f"{out}: the prompt goes in again, whole")  # (resumed)
+        if keep and (isinstance(out, Exception) or reformer.down is not None or reformer.down_at != epoch):
+            kept.forget(keep)
         elif keep:
-            self.kept.kept(keep, prompt, drafts, epoch)
+            kept.kept(keep, prompt, drafts, epoch)
         with live.lock:
             current = live.seq_id == seq_id  # (else a resume took over: its own prefill may be under way)
             if current:

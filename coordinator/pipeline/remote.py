@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -125,6 +127,7 @@ class RemotePipeline:
         self.live: set[str] = set()
         self._renewer: Renewer | None = None
         self._prefilling = 0  # calls of `steps` with prompt chunks in flight
+        self._prefill_failed_at = 0.0  # when one last failed (monotonic), its chunks perhaps still computing
         self._load_args: tuple | None = None
         self.reformer = Reformer(self._reform, final=(TakenOver,))  # a lost node: down, then formed again
 
@@ -212,7 +215,7 @@ class RemotePipeline:
             if self._renewer is None:
                 self._renewer = Renewer([n.stub for n in self.nodes], self.addresses, self.client_id, self._wanted,
                                         self._silent, paused=lambda: self.reformer.down is not None,
-                                        prefilling=lambda: self._prefilling > 0)
+                                        busy_until=lambda: math.inf if self._prefilling else self._prefill_failed_at)
 
     def _wanted(self) -> list[str]:
         with self._lock:
@@ -344,6 +347,8 @@ class RemotePipeline:
         finally:
             with self._lock:  # after a failure: steps nobody waits for any more
                 self._prefilling -= prefill
+                if in_flight and prefill:
+                    self._prefill_failed_at = time.monotonic()
                 for req, _ in in_flight:
                     self._waiters.pop((req.seq_id, req.step), None)
         return outs

@@ -32,36 +32,49 @@ _UNANSWERED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, g
 
 
 class Silence:
-    """Per node, the send time of the latest renewal it answered (plain data: times are given)."""
+    """Per node, the send times of the renewals it has not answered yet (plain data: times are given).
+    A silence runs from the oldest of them, so a coordinator that sent nothing for a while (a stall of
+    its own) hears none."""
 
-    def __init__(self, nodes: int, now: float):
-        self.answered = [now] * nodes
+    def __init__(self, nodes: int):
+        self.waiting: list[list[float]] = [[] for _ in range(nodes)]
 
-    def reset(self, now: float) -> None:
-        """Nothing was asked of the nodes until now (no sequences, or the pipeline was being formed)."""
-        self.answered = [now] * len(self.answered)
+    def reset(self) -> None:
+        """Nothing is asked of the nodes (no sequences, or the pipeline is being formed)."""
+        self.waiting = [[] for _ in self.waiting]
+
+    def sent(self, at: float) -> None:
+        for w in self.waiting:
+            w.append(at)
 
     def answer(self, node: int, sent: float) -> None:
-        self.answered[node] = max(self.answered[node], sent)
+        """An answer to the renewal sent at `sent` (the loop served then: older ones count as answered)."""
+        self.waiting[node] = [t for t in self.waiting[node] if t > sent]
 
-    def silent(self, now: float, limit: float) -> list[tuple[int, float]]:
-        """The nodes that answered nothing sent in the last `limit` seconds, with how long they have not."""
-        return [(i, now - t) for i, t in enumerate(self.answered) if now - t > limit]
+    def silent(self, now: float, busy_until: float) -> list[tuple[int, float]]:
+        """The nodes silent for too long, with for how long: `PREFILL_SILENT_S` for a node asked before
+        `busy_until` (it may be computing prompt chunks sent until then), `SILENT_S` for the others."""
+        out = []
+        for i, w in enumerate(self.waiting):
+            if w and now - w[0] > (PREFILL_SILENT_S if w[0] < busy_until else SILENT_S):
+                out.append((i, now - w[0]))
+        return out
 
 
 class Renewer:
     """A thread that renews `wanted()` on every node and reports a node that stops answering.
 
     `paused()` while the pipeline is down: a node lost already is the re-forming's business.
-    `prefilling()` while prompt chunks are in flight."""
+    `busy_until()`: until when nodes may be computing this client's prompt chunks (infinite while a
+    prompt goes in; after one failed, when it did, as chunks sent before may still be computing)."""
 
     def __init__(self, stubs: list[Any], addresses: list[str], client_id: str, wanted: Callable[[], list[str]],
                  on_silent: Callable[[str, float], None], paused: Callable[[], bool],
-                 prefilling: Callable[[], bool], interval: float = RENEW_S):
+                 busy_until: Callable[[], float], interval: float = RENEW_S):
         self.stubs, self.addresses, self.client_id = stubs, addresses, client_id
-        self.wanted, self.on_silent, self.paused, self.prefilling = wanted, on_silent, paused, prefilling
+        self.wanted, self.on_silent, self.paused, self.busy_until = wanted, on_silent, paused, busy_until
         self.interval = interval
-        self.silence = Silence(len(stubs), time.monotonic())
+        self.silence = Silence(len(stubs))
         self._lock = threading.Lock()  # (answers come on gRPC's threads)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-renewer", daemon=True)
@@ -76,11 +89,13 @@ class Renewer:
             live = self.wanted()
             with self._lock:
                 if not live or self.paused():
-                    self.silence.reset(now)
+                    self.silence.reset()
                     continue
-                silent = self.silence.silent(now, PREFILL_SILENT_S if self.prefilling() else SILENT_S)
+                silent = self.silence.silent(now, self.busy_until())
                 if silent:
-                    self.silence.reset(now)  # (one report per silence; the pipeline is down from it on)
+                    self.silence.reset()  # (one report per silence; the pipeline is down from it on)
+                else:
+                    self.silence.sent(now)
             if silent:
                 node, seconds = max(silent, key=lambda s: s[1])
                 log.warning("node %s answered no lease renewal for %.1f s", self.addresses[node], seconds)
