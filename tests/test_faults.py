@@ -38,8 +38,8 @@ def test_leases_run_out_unless_renewed() -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("build", "victims"), [(ring_engine, (1, 0)), (remote_engine, (1,))],
-                         ids=["ring-last-then-first", "per_sequence-last"])
+@pytest.mark.parametrize(("build", "victims"), [(ring_engine, (1,)), (remote_engine, (1,))],
+                         ids=["ring-last", "per_sequence-last"])
 def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victims: tuple[int, ...]) -> None:
     """A node frozen for 4 s: the ring engine's streams pause and go on with the tokens of an
     undisturbed run (the per-sequence engine's fail, naming the node); either way every node holds
@@ -213,28 +213,26 @@ HANG_S = 4.0
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("build", [ring_engine, remote_engine], ids=["ring", "per_sequence"])
-def test_a_node_whose_loop_hangs_is_named_within_5_s(dense_ckpt: Path, build) -> None:
+def test_a_node_whose_loop_hangs_is_named_within_5_s(dense_ckpt: Path) -> None:
     """The middle of 3 nodes hangs: its event loop blocks while its connections stay up (gRPC's core
     still answers keepalive pings). It stops answering the lease renewals, so within 5 s the pipeline
     is down naming it (not the last node, which only sees the rounds stop). The ring engine's streams
-    go on once it serves again, with the tokens of an undisturbed run; the per-sequence engine's fail
-    naming it. Either way no node holds a sequence afterwards."""
+    go on once it serves again, with the tokens of an undisturbed run, and no node holds a sequence
+    afterwards. (The renewals are the pipeline's: the per-sequence engine hears the same.)"""
     from helpers import node_servers
 
     from mtpipe.coordinator.engine.build import local_engine
     from mtpipe.node.protocol import SamplingParams
 
     with node_servers(3) as servers:
-        engine = build(dense_ckpt, [s.address for s in servers], dtype="float32")
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
         hung = servers[1].address
         try:
             never_ends = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
             reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=160, mtp_depth=2,
                                       params=never_ends) for i in range(3)]
-            if build is ring_engine:
-                reference = local_engine(dense_ckpt, dtype=mx.float32)
-                want = [reference.complete(r).tokens for r in reqs]
+            reference = local_engine(dense_ckpt, dtype=mx.float32)
+            want = [reference.complete(r).tokens for r in reqs]
             sinks = []
             for r in reqs:
                 q: queue.SimpleQueue = queue.SimpleQueue()
@@ -251,18 +249,15 @@ def test_a_node_whose_loop_hangs_is_named_within_5_s(dense_ckpt: Path, build) ->
             for i, q in enumerate(sinks):
                 while (item := q.get(timeout=60)) is not END and not isinstance(item, BaseException):
                     got[i] += item.tokens
-                if build is ring_engine:
-                    assert item is END and got[i] == want[i]
-                else:
-                    assert isinstance(item, BaseException) and hung in str(item)
-            assert build is not ring_engine or sum(map(len, got)) > before  # (the hang came mid-stream)
+                assert item is END and got[i] == want[i]
+            assert sum(map(len, got)) > before  # (the hang came mid-stream)
             deadline = time.monotonic() + SETTLE_S
             while any(left := active(engine)) and time.monotonic() < deadline:
                 time.sleep(0.25)
             assert left == [0, 0, 0]
             assert len(engine.complete(reqs[0]).tokens) == reqs[0].max_tokens  # and it serves on
         finally:
-            getattr(engine, "close", engine.pipeline.close)()
+            engine.close()
 
 
 def test_a_node_is_silent_from_its_oldest_unanswered_renewal() -> None:
