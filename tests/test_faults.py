@@ -153,7 +153,7 @@ def test_a_row_whose_lease_ran_out_fails_at_once(dense_ckpt: Path, monkeypatch: 
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("n", [2, 3])  # (3: a middle node too)
+@pytest.mark.parametrize("n", [2])  # (a middle node lost and back: the hung-loop test below)
 def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n: int) -> None:
     """Kill the last node mid-generation and start it again on its address: the engine forms the
     pipeline again by itself (new requests meanwhile get a retry hint, /health is 503 naming the node, then
@@ -277,14 +277,17 @@ def test_a_node_is_silent_from_its_oldest_unanswered_renewal() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_long_prompt_step_is_not_a_hang(dense_ckpt: Path) -> None:
+def test_a_long_prompt_step_is_not_a_hang(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A node's loop answers nothing while it computes a step. A prompt chunk that takes longer than a
     hung node is given (a large model on a small machine) is waited for: the pipeline stays up and the
-    request completes."""
+    request completes. (A hung node is given 1 s here, for the suite's time.)"""
     from helpers import node_servers
 
-    from mtpipe.coordinator.pipeline.renewals import SILENT_S
+    from mtpipe.coordinator.pipeline import renewals
     from mtpipe.node.protocol import StepKind
+
+    monkeypatch.setattr(renewals, "SILENT_S", 1.0)
+    SILENT_S = renewals.SILENT_S
 
     with node_servers(2) as servers:
         engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
