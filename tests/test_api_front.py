@@ -199,6 +199,8 @@ def test_over_ring_nodes_with_their_health(dense_ckpt: Path) -> None:
                 body = {"prompt": tokens, "max_tokens": 12, "temperature": 0, "mtp_depth": 2}
                 r = c.post("/v1/completions", json=body)
                 assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
+                # the nodes kept the prompt's prefix as it went in first: it went in from there
+                assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(tokens) - 1
                 health = c.get("/health")
                 assert health.status_code == 200 and health.json()["nodes"] == 2
                 nodes[1].stop(0)
