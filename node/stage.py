@@ -19,11 +19,13 @@ from ..models.loading import LoadedShard
 from .head import DraftState, Head, Prepared, new_draft_state
 from .prefixes import Prefix, prefix_of_sequence, resume_draft, sequence_cache
 from .protocol import MAX_MTP_DEPTH, Commit, StageError, StepKind, StepOutput, StepRequest
+from .sysinfo import system_memory
 
 log = logging.getLogger(__name__)
 
 CLEAR_CACHE_EVERY = 256
 MAX_KEPT_PREFIXES = 256  # kept prompt prefixes on a stage, whoever asked (the engine keeps fewer)
+PREFIX_MEMORY_SHARE = 4  # and at most this share of the memory free as the stage was built
 
 
 def check_first_step(req: StepRequest, *, drafts_here: bool, has_mtp: bool) -> None:
@@ -88,6 +90,7 @@ class StageWorker:
         # Kept prompt prefixes of the per-sequence path (prefixes.py), by the keys the node gives them
         # (the client's key under its client id).
         self.prefixes: dict[str, Prefix] = {}
+        self.max_prefix_bytes: int | None = system_memory()[1] // PREFIX_MEMORY_SHARE or None  # (None: unknown)
         self.stats = StageStats()
         self.lock = threading.Lock()  # one forward at a time through this shard
 
@@ -208,8 +211,7 @@ class StageWorker:
     def _run(self, req: StepRequest, seq: Sequence | None, hidden: mx.array | None) -> mx.array | StepOutput:
         if seq is None:
             seq = self.sequences[req.seq_id] = self._new_sequence(req)
-        if req.keep and seq.position and len(self.prefixes) < MAX_KEPT_PREFIXES:  # (else not kept: the
-            # client's engine prefills again whole what it asks to start from and is not here)
+        if req.keep and seq.position and self._room_for_prefix():  # (checked: the prompt's last token)
             self.prefixes[req.keep] = prefix_of_sequence(seq.cache, seq.position, seq.draft)
         if seq.pending_k is not None:
             self._apply_commit(seq, req.commit)
@@ -239,6 +241,13 @@ class StageWorker:
         if out.commit is not None:
             seq.last_commit = out.commit
         return out
+
+    def _room_for_prefix(self) -> bool:
+        """A stage keeps what its client's engine asks while it has room, whatever that engine reckons;
+        else nothing (the engine then prefills whole a prompt that counted on it)."""
+        if len(self.prefixes) >= MAX_KEPT_PREFIXES:
+            return False
+        return self.max_prefix_bytes is None or sum(p.nbytes for p in self.prefixes.values()) < self.max_prefix_bytes
 
     def _new_sequence(self, req: StepRequest) -> Sequence:
         prefix = self.prefixes[req.prefix] if req.prefix else None  # (checked to be here)

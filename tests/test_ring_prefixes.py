@@ -157,6 +157,25 @@ def test_a_node_that_forgot_a_prefix_costs_a_whole_prefill_not_the_request(dense
             engine.close()
 
 
+def test_a_full_node_keeps_nothing_more_and_the_prompt_goes_in_whole(dense_ckpt: Path) -> None:
+    """A node keeps prefixes within its own share of memory, whatever the engine reckons: past it, it
+    keeps nothing more, and a prompt that counted on one goes in whole (each time: the others keep it
+    again as it goes in)."""
+    with node_servers(2) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
+        try:
+            servers[1].service.worker.max_prefix_bytes = 0
+            prompt = list(engine.tokenizer.encode(PROMPTS[9]))
+            want = run(engine, prompt).tokens
+            assert held(servers) == [1, 0] and engine.describe()["ring"]["kept_prefixes"] == 1
+            for _ in range(2):
+                again = run(engine, prompt)
+                assert again.tokens == want and again.stats.cached_tokens == 0
+                assert held(servers) == [1, 0]  # (the one it counted on dropped, the new one kept)
+        finally:
+            engine.close()
+
+
 def test_a_prefix_a_prompt_is_about_to_start_from_is_never_dropped() -> None:
     """Pinned from the choice to the prompt's going in: neither the same prompt kept again (with the MTP
     head's part) nor the count limit drops it; once unpinned, the least recently used goes first."""
