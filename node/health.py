@@ -60,6 +60,8 @@ async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
                 mean_step_ms=w.stats.mean_step_ms,
                 dtype=node._dtype_name(),
                 has_mtp=w.shard.has_mtp,
+                kept_prefixes=len(w.prefixes),
+                kept_prefix_bytes=sum(p.nbytes for p in w.prefixes.values()),
             )
         )
     if node.next is not None:

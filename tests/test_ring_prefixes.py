@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from helpers import PROMPTS, node_servers
 
+from mtpipe.coordinator.cluster.health import probe_node
 from mtpipe.coordinator.engine.build import ring_engine
 from mtpipe.coordinator.engine.kept import KeptPrefixes
 from mtpipe.coordinator.engine.request import GenerationRequest, GenerationResult
@@ -79,6 +80,8 @@ def test_nodes_hold_what_the_engine_keeps_within_its_budget(dense_ckpt: Path) ->
             ring = engine.describe()["ring"]
             assert ring["kept_prefixes"] == 2 and ring["kept_prefix_bytes"] <= engine.kept.budget
             assert settled(servers, [2, 2]) == [2, 2]
+            rows = [probe_node(s.address, None) for s in servers]  # (`mtpipe health --json`)
+            assert [r["kept_prefixes"] for r in rows] == [2, 2] and all(r["kept_prefix_bytes"] > 0 for r in rows)
             assert run(engine, prompts[0]).stats.cached_tokens == 0  # the least recently used went
             assert run(engine, prompts[2]).stats.cached_tokens == len(prompts[2]) - 1
         finally:
