@@ -26,7 +26,6 @@ from typing import Any
 import mlx.core as mx
 
 from ...models import blas
-from ..engine.batch import BatchEngine
 from ..engine.build import batch_engine
 from ..engine.request import AUTO, GenerationRequest, resolve_depth
 from .engine import long_prompt
