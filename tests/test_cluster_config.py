@@ -62,7 +62,7 @@ def test_full_config(tmp_path: Path) -> None:
     path = tmp_path / "cluster.yaml"
     path.write_text(
         "name: lab\nsecret_env: LAB_SECRET\nmodel: /models/qwen\nmtp_depth: 3\ndtype: bfloat16\n"
-        "draft_vocab: 8192\nmtp_window: 0\n"
+        "draft_vocab: 8192\nmtp_window: 0\nprefix_cache_gib: 2\n"
         "nodes: ['10.0.0.5', '10.0.0.6:6000', {host: 'fe80::1%en2', port: 7000}]\n"
         "node: {port: 6000, max_memory_gib: 48}\n"
         "discovery: {interfaces: [en0, 10.0.0.2], expect: 3, settle: 10}\n"
@@ -77,6 +77,7 @@ def test_full_config(tmp_path: Path) -> None:
     assert (cfg.api.port, cfg.node.max_memory_gib, cfg.mtp_depth, cfg.dtype) == (52415, 48.0, 3, "bfloat16")
     assert cfg.drafting() == {"draft_vocab": 8192, "mtp_window": 0}  # (0: the whole context)
     assert ClusterConfig().drafting() == {}  # the node's own defaults
+    assert cfg.prefix_cache() == 2 * 2**30 and ClusterConfig().prefix_cache() is None  # (None: the engine's default)
     assert type(cfg.discovery.settle) is float and type(cfg.placement.reserve_gib) is float  # YAML ints, as floats
 
 
@@ -103,7 +104,8 @@ def test_secrets_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_cluster_config({"api": {"api_key": "lit", "api_key_env": "LAB_KEY"}}).resolve_api_key() == "lit"
 
 
-KNOWN_TOP = "name, secret, secret_file, secret_env, model, dtype, mtp_depth, draft_vocab, mtp_window, nodes, node, discovery, placement, api"
+KNOWN_TOP = ("name, secret, secret_file, secret_env, model, dtype, mtp_depth, draft_vocab, mtp_window, "
+             "prefix_cache_gib, nodes, node, discovery, placement, api")
 
 
 @pytest.mark.parametrize(
@@ -236,11 +238,13 @@ def test_flags_override_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv("MTPIPE_CONFIG", raising=False)
     cfg = resolve_config(_launch_args("--config", str(path), "--cluster", "lab2", "--expect", "4", "--interface",
                                       "10.0.0.2", "--api-port", "9100", "--node", "10.0.0.9", "--max-memory", "12",
-                                      "--mtp-depth", "3", "--dtype", "float16", "--settle", "0.5", "--mtp-window", "64"))
+                                      "--mtp-depth", "3", "--dtype", "float16", "--settle", "0.5", "--mtp-window", "64",
+                                      "--prefix-cache", "0"))
     assert (cfg.name, cfg.discovery.expect, cfg.discovery.interfaces, cfg.api.port) == ("lab2", 4, ["10.0.0.2"], 9100)
     assert cfg.nodes == [StaticNode(host="10.0.0.9", port=6000)] and cfg.node.max_memory_gib == 12.0
     assert (cfg.mtp_depth, cfg.dtype, cfg.discovery.settle, cfg.node.port) == (3, "float16", 0.5, 6000)
     assert cfg.drafting() == {"draft_vocab": 1000, "mtp_window": 64}  # the file's, and the flag's over it
+    assert cfg.prefix_cache() == 0  # (0: none kept)
     assert resolve_config(_launch_args("--config", str(path))) == load_cluster_config(path)
     assert resolve_config(_launch_args()) == ClusterConfig()
     monkeypatch.setenv("MTPIPE_CONFIG", str(path))
@@ -259,6 +263,7 @@ def test_flags_override_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         (["--max-memory", "0"], r"node\.max_memory_gib: Input should be greater than 0"),
         (["--node", "h:x"], r"nodes\[0\]: 'h:x': 'x' is not a TCP port$"),
         (["--cluster", ""], r"name: must not be empty$"),
+        (["--prefix-cache", "-1"], r"prefix_cache_gib: Input should be greater than or equal to 0"),
     ],
 )
 def test_a_bad_flag_is_refused_clearly(argv: list[str], message: str, tmp_path: Path,

@@ -67,6 +67,7 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
     flags = {  # config key -> argparse dest; a flag not given, or not defined for this subcommand, is None
         "name": "cluster", "model": "model", "dtype": "dtype", "mtp_depth": "mtp_depth", "secret_env": "secret_env",
         "secret_file": "secret_file", "draft_vocab": "draft_vocab", "mtp_window": "mtp_window",
+        "prefix_cache_gib": "prefix_cache",
         "discovery.interfaces": "interface", "discovery.expect": "expect", "discovery.settle": "settle",
         "nodes": "node", "node.host": "host", "node.port": "port", "node.state_dir": "state_dir",
         "node.max_memory_gib": "max_memory", "node.model_dirs": "model_dir", "node.download": "download",
@@ -194,6 +195,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         alone = len(peers) == 1 and not cfg.nodes
         # With peers, each machine's node drafts as its own command says (every machine runs the same one).
         options = stage_options(args, drafting=cfg.drafting()) if alone else {}
+        if alone and cfg.prefix_cache() is not None:
+            options["prefix_cache"] = cfg.prefix_cache()
         if not alone and args.mtp_pre_norm:
             raise ValueError("--mtp-pre-norm applies to local stages; nodes take their own")
         if alone:
@@ -313,6 +316,9 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-in-process", action="store_true",
                    help="serve HTTP from the coordinator's process (default: an API process of its own)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
+    p.add_argument("--prefix-cache", type=float, metavar="GB",
+                   help="GB of prompt prefixes kept (over all nodes, or on this machine alone), so that a chat's "
+                        "next turn prefills only the rest (default: as `mtpipe serve`; 0: off)")
     p.add_argument("--json", action="store_true", help="print readiness events as JSON lines on stdout")
     add_take_over(p)
     add_mtp(p)

@@ -130,11 +130,17 @@ class ClusterConfig(_Section):
     # How the last stage drafts (models/draft_vocab.py, models/mtp.py); None: the stage's default, 0: no limit
     draft_vocab: Annotated[int, Field(ge=0)] | None = None
     mtp_window: Annotated[int, Field(ge=0)] | None = None
+    # GiB of prompt prefixes kept (engine/kept.py over nodes, engine/batch.py alone); None: the default, 0: none
+    prefix_cache_gib: Annotated[float, Field(ge=0)] | None = None
     nodes: list[StaticNode] = Field(default_factory=list)
     node: NodeConfig = Field(default_factory=NodeConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
+
+    def prefix_cache(self) -> int | None:
+        """Bytes of kept prompt prefixes (None: the engine's default)."""
+        return None if self.prefix_cache_gib is None else int(self.prefix_cache_gib * 2**30)
 
     def drafting(self) -> dict[str, int]:
         """The drafting options given (a node's `draft_vocab` and `mtp_window` keywords)."""

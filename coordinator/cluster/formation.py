@@ -177,7 +177,7 @@ def weight_sources(order: list[NodeResources], holder: str, control: dict[str, s
 def load_with_progress(
     model_path: Path, order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], mtp: bool,
     dtype: str | None, secret: str | None, console: Any, sources: list[list[str]] | None = None,
-    take_over: bool = False,
+    take_over: bool = False, prefix_cache: int | None = None,
 ) -> Any:
     """ring_engine over the placed nodes, with a line per node until its shard is loaded (and how
     much of it has arrived, while a node fetches its shard from a peer)."""
@@ -197,7 +197,7 @@ def load_with_progress(
             for s in plan
         }
         future = pool.submit(ring_engine, model_path, addresses, mtp, secret, specs=specs, dtype=dtype,
-                             sources=sources, take_over=take_over)
+                             sources=sources, take_over=take_over, prefix_cache=prefix_cache)
         pending = dict(zip([s.node_id for s in plan], zip(plan, addresses)))
         while not wait([future], timeout=0.5).done:
             for node, (s, address) in list(pending.items()):
@@ -233,7 +233,7 @@ def form_cluster(
     control = choose_control_addresses(order, me, my_target, local, secret)
     sources = weight_sources(order, me, control)  # nodes without the model fetch their shards from this one
     engine = load_with_progress(model_path, order, plan, control, mtp, cfg.dtype, secret, console, sources,
-                                take_over)
+                                take_over, cfg.prefix_cache())
     try:
         hops = confirm_hops(order, control, secret)
         ring = confirm_ring(order, control, secret)
