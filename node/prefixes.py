@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from ..models.ragged import RaggedKV
+from ..models.ragged import RaggedKV, rows_cache
 from .head import DraftState
 
 
@@ -106,25 +106,14 @@ def _with_head(mark: Mark, kv: dict[int, tuple[mx.array, mx.array]], draft: Draf
 
 
 def row_from(prefix: Prefix, layers: int) -> list:
-    """One batch row's caches at the prefix's end. Views of the kept arrays: the first write into a
-    row's attention grows it into new arrays (their capacity is exactly the prefix), and GatedDeltaNet
-    states are replaced, never written into, so nothing reaches the kept ones."""
-    n = prefix.length
-    row: list = []
-    for j in range(layers):
-        if j in prefix.kv:
-            keys, values = prefix.kv[j]
-            row.append(RaggedKV(keys[:, :, :n], values[:, :, :n], [n]))
-        else:
-            c = ArraysCache(size=2)
-            c[0], c[1] = prefix.gdn[j]
-            row.append(c)
-    return row
+    """One batch row's caches at the prefix's end (`sequence_cache`'s, as a row)."""
+    return rows_cache(sequence_cache(prefix, layers))
 
 
 def sequence_cache(prefix: Prefix, layers: int) -> list:
-    """A per-sequence path's caches at the prefix's end: views of the kept arrays, safe as `row_from`'s
-    are (a KVCache exactly full grows into new arrays at its first write)."""
+    """A per-sequence path's caches at the prefix's end. Views of the kept arrays: the first write into
+    attention grows it into new arrays (a KVCache, or a batch row, exactly full), and GatedDeltaNet
+    states are replaced, never written into, so nothing reaches the kept ones."""
     cache: list = []
     for j in range(layers):
         if j in prefix.kv:
