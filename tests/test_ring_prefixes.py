@@ -5,6 +5,7 @@ touching a node; a client that goes leaves none behind."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,12 @@ def test_a_node_that_forgot_a_prefix_costs_a_whole_prefill_not_the_request(dense
         try:
             prompt = list(engine.tokenizer.encode(PROMPTS[8]))
             want = run(engine, prompt).tokens
-            servers[1].service.worker.prefixes.clear()  # (behind the engine's back)
+            # behind the engine's back, on the node's loop (whose thread owns its arrays, freeing included)
+            worker = servers[1].service.worker
+            done = concurrent.futures.Future()
+            servers[1]._loop.call_soon_threadsafe(lambda: done.set_result(worker.drop_prefixes(list(worker.prefixes))))
+            done.result(timeout=10)
+            assert held(servers) == [1, 0]
             again = run(engine, prompt)
             assert again.tokens == want and again.stats.cached_tokens == 0
             assert run(engine, prompt).stats.cached_tokens == len(prompt) - 1  # kept anew on the way
