@@ -22,7 +22,7 @@ from .batch_depth import DepthPlan
 from .batch_head import BatchHead, RowOutput
 from .filling import FillGroup
 from .head import Prepared
-from .prefixes import Prefix, prefix_of
+from .prefixes import Prefix, prefix_at_end, prefix_of
 from .protocol import Commit, StageError, StepOutput, StepRequest
 from .stage import StageWorker
 
@@ -119,6 +119,21 @@ class BatchStage:
         self.positions.append(position)
         if self.head is not None:
             self.head.join(seq_id, draft)
+        return kept
+
+    def keep_end(self, seq_id: str, key: str, position: int) -> Prefix | None:
+        """Keep what a finished row holds, as the last commit left it, under `key`: a prefix of
+        `position` tokens, its prompt and what it generated but the last token (never fed). None when
+        prefixes are not kept or the row is not at `position` (nothing kept then)."""
+        if not self.filling.marking or seq_id not in self.ids:
+            return None
+        i = self.ids.index(seq_id)
+        if self.positions[i] != position:
+            return None
+        self.drop_ahead()  # (the round queued ahead wrote past the commit)
+        draft = self.head.states[i] if self.head is not None else None
+        mtp = self.head.end_cache(i) if self.head is not None else None
+        kept = self.prefixes[key] = prefix_at_end(self.cache, i, position, draft, mtp, self.model)
         return kept
 
     def keep_prefixes(self, on: bool) -> None:

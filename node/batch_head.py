@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache
 
 from ..models.mtp import attended, entries_only_pays
 from ..models.ragged import RaggedKV, pad_rows
@@ -74,6 +75,18 @@ class BatchHead:
         self.plan.interrupt()
         if not rows:
             self.plan.leave(self)
+
+    def end_cache(self, i: int) -> KVCache | None:
+        """Row i's MTP entries as a per-sequence cache (views that grow into new arrays on a write),
+        for keeping its state at its end (prefixes.py); None for a row that never drafts."""
+        d = self.states[i]
+        if not self.drafting[i]:
+            return None
+        cache = KVCache()
+        if d.mtp_len and self.mtp.keys is not None:
+            cache.keys, cache.values = self.mtp.keys[i : i + 1, :, : d.mtp_len], self.mtp.values[i : i + 1, :, : d.mtp_len]
+            cache.offset = d.mtp_len
+        return cache
 
     # -- a round --------------------------------------------------------------------------------
 

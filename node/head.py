@@ -41,6 +41,7 @@ class DraftState:
     # (hidden, next token) pairs not yet in the MTP cache: kept while rounds carry no drafts
     idle_hidden: list[mx.array] = field(default_factory=list)  # joined once, when drafting resumes
     idle_tokens: list[int] = field(default_factory=list)
+    last_hidden: mx.array | None = None  # hidden of the last position fed, whose pair went in last
     last_token: int | None = None  # the token the next decode step must start with
     drafts: list[int] = field(default_factory=list)
     draft_probs: np.ndarray | None = None  # [K, V], sampling only
@@ -84,6 +85,7 @@ class DraftState:
     def pairs_to_draft(self, hid: mx.array, toks: list[int]) -> tuple[mx.array | None, list[int]]:
         """This round's (hidden, next token) pairs, after those kept from rounds without drafts; at
         depth 0 they are all kept for when drafting pays again, and (None, []) is returned."""
+        self.last_hidden = hid[:, -1:]
         if self.depth == 0:
             self.idle_hidden.append(hid)
             self.idle_tokens += toks

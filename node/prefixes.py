@@ -82,7 +82,7 @@ def prefix_of(mark: Mark, row: list, draft: DraftState | None) -> Prefix:
     n = mark.position
     kv = {j: (mx.contiguous(c.keys[:, :, :n]), mx.contiguous(c.values[:, :, :n]))
           for j, c in enumerate(row) if isinstance(c, RaggedKV)}
-    return _with_head(mark, kv, draft)
+    return _with_head(mark, kv, draft.mtp_cache if draft is not None else None)
 
 
 def prefix_of_sequence(cache: list, position: int, draft: DraftState | None) -> Prefix:
@@ -91,18 +91,43 @@ def prefix_of_sequence(cache: list, position: int, draft: DraftState | None) -> 
     kv = {j: (mx.contiguous(c.keys[:, :, :position]), mx.contiguous(c.values[:, :, :position]))
           for j, c in enumerate(cache) if isinstance(c, KVCache)}
     gdn = {j: (mx.contiguous(c[0]), mx.contiguous(c[1])) for j, c in enumerate(cache) if not isinstance(c, KVCache)}
-    return _with_head(_marked(position, gdn, draft), kv, draft)
+    return _with_head(_marked(position, gdn, draft), kv, draft.mtp_cache if draft is not None else None)
 
 
-def _with_head(mark: Mark, kv: dict[int, tuple[mx.array, mx.array]], draft: DraftState | None) -> Prefix:
+def _with_head(mark: Mark, kv: dict[int, tuple[mx.array, mx.array]], mtp_cache: KVCache | None) -> Prefix:
     n = mark.position
     mtp, pending = None, mark.pending
-    if pending is not None and draft is not None and draft.mtp_cache is not None and mark.mtp_len:
-        k, v = draft.mtp_cache.keys, draft.mtp_cache.values
+    if pending is not None and mtp_cache is not None and mark.mtp_len:
+        k, v = mtp_cache.keys, mtp_cache.values
         mtp = (mx.contiguous(k[:, :, : mark.mtp_len]), mx.contiguous(v[:, :, : mark.mtp_len]))
     prefix = Prefix(n, kv, mark.gdn, mtp, mark.mtp_len, pending, mark.recent)
     mx.eval(prefix.arrays())
     return prefix
+
+
+def prefix_at_end(cache: list, i: int, position: int, draft: DraftState | None, mtp_cache: KVCache | None,
+                  model: object) -> Prefix:
+    """What row i of a batch's caches holds once its last round was committed, copied: the state its
+    first `position` tokens left. The last token it emitted was never fed, so this is a prefix whose
+    next token is still to go in, as at a prompt's end: the MTP head's entries stop one position short
+    and the last position's hidden waits for its next token. Pairs kept from rounds without drafts go
+    into the entries first (on `mtp_cache`, a view of the row's entries that grows into new arrays)."""
+    kv = {j: (mx.contiguous(c.keys[i : i + 1, :, :position]), mx.contiguous(c.values[i : i + 1, :, :position]))
+          for j, c in enumerate(cache) if isinstance(c, RaggedKV)}
+    gdn = {j: (mx.contiguous(c[0][i : i + 1]), mx.contiguous(c[1][i : i + 1]))
+           for j, c in enumerate(cache) if not isinstance(c, RaggedKV)}
+    mark = Mark(position, gdn)
+    if draft is None:
+        return _with_head(mark, kv, None)
+    mark.recent = tuple(draft.history.recent[:-1])
+    whole = draft.mtp_len + len(draft.idle_tokens) == position  # (else no MTP part: it cannot be lined up)
+    if mtp_cache is None or draft.last_hidden is None or not whole or position < 2:
+        return _with_head(mark, kv, None)
+    if len(draft.idle_tokens) > 1:
+        hidden = mx.concatenate(draft.idle_hidden, axis=1)
+        model.mtp.extend(hidden[:, :-1], model.embed(mx.array([draft.idle_tokens[:-1]])), mtp_cache)
+    mark.pending, mark.mtp_len = mx.contiguous(draft.last_hidden), position - 1
+    return _with_head(mark, kv, mtp_cache)
 
 
 def row_from(prefix: Prefix, layers: int) -> list:

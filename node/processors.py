@@ -49,7 +49,9 @@ class History:
     """What a row's processors need: the tokens it generated, and the last tokens of its context."""
 
     generated: list[int] = field(default_factory=list)
-    recent: list[int] = field(default_factory=list)  # prompt and generated, the last REPETITION_CONTEXT
+    # prompt and generated, the last REPETITION_CONTEXT and one more: a sequence's state kept at its end
+    # (prefixes.py) was never fed the last token it emitted, and looks back from the one before
+    recent: list[int] = field(default_factory=list)
     length: int = 0  # tokens in the sequence: the position of the next one
     generated_from: int = 0  # a resumed sequence: its prompt's tokens from here on were generated (0: none)
     additive: PenaltyRow | None = None  # made by the first `apply` that needs it
@@ -57,12 +59,12 @@ class History:
     def extend_prompt(self, tokens: list[int]) -> None:
         if self.generated_from:
             self.generated += list(tokens)[max(0, self.generated_from - self.length) :]
-        self.recent = (self.recent + list(tokens))[-REPETITION_CONTEXT:]
+        self.recent = (self.recent + list(tokens))[-REPETITION_CONTEXT - 1 :]
         self.length += len(tokens)
 
     def emit(self, tokens: list[int]) -> None:
         self.generated += tokens
-        self.recent = (self.recent + list(tokens))[-REPETITION_CONTEXT:]
+        self.recent = (self.recent + list(tokens))[-REPETITION_CONTEXT - 1 :]
         self.length += len(tokens)
 
     def additive_row(self, params: SamplingParams, vocab: int) -> PenaltyRow:

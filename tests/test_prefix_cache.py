@@ -71,24 +71,27 @@ def test_kept_prefixes_stay_within_their_budget_and_give_way_to_requests(dense_c
     text = list(probe.tokenizer.encode(TEXT))
     prompts = [text[7 * i : 7 * i + 30] for i in range(4)]  # as long as each other, none the start of another
     try:
-        run(probe, prompts[0], 2)
-        size = kept(probe)[0].nbytes  # what one of these prompts keeps
-        assert size > 0 and kept(probe)[0].drafts
+        reply = run(probe, prompts[0], 2).tokens
+        sizes = {k.tokens: k.nbytes for k in kept(probe)}  # what one of these requests keeps
+        size, end = sizes[tuple(prompts[0][:-1])], sizes[tuple(prompts[0] + reply[:-1])]  # its prompt, its end
+        assert len(sizes) == 2 and 0 < size < end and all(k.drafts for k in kept(probe))
     finally:
         probe.close()
-    engine = batch_engine(dense_ckpt, dtype=mx.float32, prefix_cache=int(2.5 * size))
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, prefix_cache=2 * (size + end) + size // 2)
     try:
-        for p in prompts[:3]:
-            run(engine, p, 2)
-        assert [k.tokens for k in kept(engine)] == [tuple(p[:-1]) for p in prompts[1:3]]  # the oldest went
+        ends = [tuple(p + run(engine, p, 2).tokens[:-1]) for p in prompts[:3]]
+        mine = [(tuple(p[:-1]), e) for p, e in zip(prompts, ends)]
+        assert {k.tokens for k in kept(engine)} == {*mine[1], *mine[2]}  # the oldest request's went
         assert run(engine, prompts[1], 2).stats.cached_tokens == len(prompts[1]) - 1
-        run(engine, prompts[3], 2)  # the least recently used goes: prompt 2's, not prompt 1's just used
-        assert {k.tokens for k in kept(engine)} == {tuple(prompts[1][:-1]), tuple(prompts[3][:-1])}
-        assert sum(s["kept_prefixes"] for s in engine.describe()["stages"]) == 2
+        run(engine, prompts[3], 2)  # the least recently used go: prompt 2's, not prompt 1's just used
+        tokens = {k.tokens for k in kept(engine)}
+        assert mine[1][0] in tokens and mine[2][0] not in tokens
+        assert sum(k.nbytes for k in kept(engine)) <= engine.prefix_cache
+        assert sum(s["kept_prefixes"] for s in engine.describe()["stages"]) == len(tokens)
         longer = (text * 12)[:800]  # one prefix larger than the cache is not kept, and leaves the others
         run(engine, longer, 2)
-        assert {k.tokens for k in kept(engine)} == {tuple(prompts[1][:-1]), tuple(prompts[3][:-1])}
-        # Memory for a request that goes on from prompt 1's prefix and for one kept prefix: the other goes.
+        assert {k.tokens for k in kept(engine)} == tokens
+        # Memory for a request that goes on from prompt 1's prefix and for one kept prefix: the others go.
         need = plan.footprint(engine.dims, len(prompts[1]) + 3 + TOKENS, 2)
         engine.budget = plan.batch_bytes(engine.dims, [need]) + size
         assert run(engine, prompts[1] + [5, 6, 7], 2).stats.cached_tokens == len(prompts[1]) - 1
@@ -142,7 +145,7 @@ def test_a_row_from_a_kept_prefix_holds_what_a_whole_prefill_leaves(dense_ckpt: 
     try:
         prompt = list(engine.tokenizer.encode(TEXT))
         run(engine, prompt, 2)
-        (key,) = [k.key for k in kept(engine)]
+        (key,) = [k.key for k in kept(engine) if k.tokens == tuple(prompt[:-1])]
         turn = prompt + list(engine.tokenizer.encode(PROMPTS[8]))
         n = len(prompt) - 1
         stage = engine.stages[0]
@@ -178,3 +181,63 @@ def test_a_row_from_a_kept_prefix_holds_what_a_whole_prefill_leaves(dense_ckpt: 
         assert shapes_a == shapes_b and diffs == [0.0] * len(diffs), diffs
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("depth", [2, "auto", 0])
+def test_what_a_request_keeps_at_its_end_is_what_a_prefill_of_its_tokens_leaves(dense_ckpt: Path,
+                                                                                 depth: int | str) -> None:
+    """A request's state kept as it ends (its prompt and reply but the last token, never fed) equals a
+    prompt prefilled whole to the same point: every cache, the MTP head's entries and pending hidden, to
+    1e-5 (decode rounds and a prefill differ in low-order bits). `auto` on this checkpoint drafts at
+    first and then mostly not: the pairs of its rounds without drafts go into the entries as it ends."""
+    import numpy as np
+
+    ended = batch_engine(dense_ckpt, dtype=mx.float32)
+    whole = batch_engine(dense_ckpt, dtype=mx.float32)
+    try:
+        prompt = list(ended.tokenizer.encode(TEXT))
+        reply = run(ended, prompt, depth).tokens
+        tokens = tuple(prompt + reply[:-1])
+        (key,) = [k.key for k in kept(ended) if k.tokens == tokens]
+        run(whole, list(tokens) + [reply[-1]], depth)  # its prompt's state before the last token: `tokens`
+        (other,) = [k.key for k in kept(whole) if k.tokens == tokens]
+
+        def arrays(engine: BatchEngine, key: str) -> tuple[dict[str, Any], list[np.ndarray]]:
+            p = engine.stages[0].prefixes[key]
+            meta = {"length": p.length, "mtp_len": p.mtp_len, "drafts": p.drafts, "recent": p.recent[-20:]}
+            return meta, [np.array(a) for a in p.arrays()]
+
+        (meta_a, a), (meta_b, b) = ended.thread.call(lambda: arrays(ended, key)), whole.thread.call(lambda: arrays(whole, other))
+        assert meta_a == meta_b and meta_a["length"] == len(tokens)
+        assert meta_a["drafts"] == (depth != 0) and (meta_a["mtp_len"] == len(tokens) - 1 or depth == 0)
+        assert [x.shape for x in a] == [y.shape for y in b]
+        assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) <= 1e-5
+    finally:
+        ended.close()
+        whole.close()
+
+
+def test_the_next_turn_goes_on_from_where_the_reply_ended(dense_ckpt: Path, moe_ckpt: Path) -> None:
+    """A chat's next turn (its prompt, the reply, a new message) prefills only the new message, and gives
+    the tokens of a whole prefill: greedy at depths 0-3 and auto, seeded top-p, a repetition penalty."""
+    for path in (dense_ckpt, moe_ckpt):
+        whole = batch_engine(path, dtype=mx.float32, prefix_cache=0)
+        cached = batch_engine(path, dtype=mx.float32)
+        try:
+            prompt = list(cached.tokenizer.encode(TEXT))
+            cases = [(0, {}), (1, {}), (2, {}), (3, {}), ("auto", {}),
+                     ("auto", {"params": SamplingParams(temperature=0.9, top_p=0.95, seed=7)}),
+                     (2, {"params": SamplingParams(repetition_penalty=1.3)})]
+            for i, (depth, kw) in enumerate(cases):
+                asked = prompt + list(cached.tokenizer.encode(PROMPTS[i]))  # none the start of another
+                reply = run(cached, asked, depth, **kw).tokens
+                turn = asked + reply + list(cached.tokenizer.encode(PROMPTS[10]))
+                going_on, reference = run(cached, turn, depth, **kw), run(whole, turn, depth, **kw)
+                assert going_on.stats.cached_tokens == len(asked) + len(reply) - 1, (depth, kw)
+                assert going_on.tokens == reference.tokens, (depth, kw)
+                if depth in (1, 2, 3):  # the MTP head went on from where it ended: the same drafts and verdicts
+                    assert (going_on.stats.drafted, going_on.stats.accepted) == (reference.stats.drafted,
+                                                                                 reference.stats.accepted)
+        finally:
+            whole.close()
+            cached.close()

@@ -5,9 +5,10 @@ admit what fits the memory budget (scheduler.py), run one decode round for all d
 one prefill chunk of the oldest prompt, and hand each request its chunks through its sink. A
 request cancelled by its client (or done) leaves the batch before the next round, on every stage.
 
-Each prompt's state before its last token is kept (node/prefixes.py), within `prefix_cache` bytes,
-least recently used dropped first and all of them before a request waits for memory: a prompt that
-starts with a kept one (the next turn of a chat, the same prompt again) prefills only the rest.
+Each prompt's state before its last token is kept (node/prefixes.py), and each request's as it ends
+(its prompt and reply but the reply's last token, never fed), within `prefix_cache` bytes, least
+recently used dropped first and all of them before a request waits for memory: a prompt that starts
+with a kept one (the next turn of a chat, the same prompt again) prefills only the rest.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Live:
     prefilled: int = 0  # prompt tokens fed so far
     step: int = 0  # prefill steps sent
     generated: int = 0
+    emitted: list[int] = field(default_factory=list)  # every token the stages gave, past a stop included
     next_tokens: list[int] = field(default_factory=list)  # the next round's [y, d1..dK]
     started: float = 0.0
     prefix: str = ""  # the kept prefix its prompt goes on from
@@ -283,15 +285,31 @@ class BatchEngine:
         live.stats.cached_tokens = len(hit.tokens)
 
     def _keep_as(self, live: Live) -> str:
-        """The key its prompt is kept under as it joins ("": not kept, as one with its tokens is, unless
-        that one lacks the MTP head's part and this sequence drafts)."""
-        tokens = tuple(live.req.prompt_tokens[:-1])
-        drafts = live.req.mtp_depth > 0
+        """The key its prompt is kept under as it joins ("": not kept)."""
+        return self._new_key(live.seq_id, tuple(live.req.prompt_tokens[:-1]), live.req.mtp_depth > 0)
+
+    def _new_key(self, key: str, tokens: tuple[int, ...], drafts: bool) -> str:
+        """`key`, or "" when `tokens` are not to be kept: nothing, or kept already (unless that one lacks
+        the MTP head's part and this sequence drafts)."""
         if not self.prefix_cache or not tokens:
             return ""
         if any(k.tokens == tokens and (k.drafts or not drafts) for k in self._kept.values()):
             return ""
-        return live.seq_id
+        return key
+
+    def _keep_end(self, live: Live) -> None:
+        """Keep a finished request's state at its end, its prompt and reply but the reply's last token
+        (never fed): the next turn of a chat starts with them. It never fails the request."""
+        tokens = (*live.req.prompt_tokens, *live.emitted[:-1])
+        key = self._new_key(f"{live.seq_id}/end", tokens, live.req.mtp_depth > 0)
+        if not key:
+            return
+        try:
+            kept = [stage.keep_end(live.seq_id, key, len(tokens)) for stage in self.stages]
+        except Exception:  # noqa: BLE001
+            log.exception("keeping the end of %s failed", live.seq_id)
+            kept = [None]
+        self._kept_now(key, list(tokens), kept)
 
     def _kept_now(self, key: str, tokens: list[int], kept: list[Any]) -> None:
         if not key:
@@ -355,6 +373,7 @@ class BatchEngine:
             self._finish(live, e)
 
     def _hand_out(self, live: Live, out: StepOutput) -> None:
+        live.emitted += out.tokens
         new, finish = take_tokens(out.tokens, self.eos, live.text, live.generated, live.req.max_tokens)
         live.generated += len(new)
         live.stats.generation_tokens = live.generated
@@ -367,6 +386,7 @@ class BatchEngine:
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
                                   stats=live.stats, logprobs=logprobs))
+        self._keep_end(live)
         self._finish(live, None)
 
     def _finish(self, live: Live, error: BaseException | None) -> None:
