@@ -71,6 +71,17 @@ def draw(p: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
 
 
+def kept_of_round(tokens: list[int], left: int | None, stops: frozenset[int]) -> int:
+    """How many of a round's tokens a sequence keeps: through its first stop token, and at most the
+    `left` it may still emit (None: not known). The rest were accepted past its end: cutting them there
+    leaves its state where its output ends (a state kept at a request's end, prefixes.py)."""
+    n = len(tokens) if left is None else max(1, min(len(tokens), left))
+    for j, t in enumerate(tokens[:n]):
+        if t in stops:
+            return j + 1
+    return n
+
+
 def accept_greedy(target_argmax: list[int], drafts: list[int]) -> tuple[int, list[int]]:
     """target_argmax: argmax of p0..pK. Returns (accepted count, emitted tokens)."""
     n = 0

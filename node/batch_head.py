@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache
 from ..models.mtp import attended, entries_only_pays
 from ..models.ragged import RaggedKV, pad_rows
 from ..models.shard import queue_layers
-from .acceptance import accept_greedy, filtered_probs
+from .acceptance import accept_greedy, filtered_probs, kept_of_round
 from .batch_depth import DepthPlan
 from .depth import batch_rates
 from .device_sampling import drafts_on_device, draw_drafts, sample, samples_on_device
@@ -158,11 +158,16 @@ class BatchHead:
                 n, tokens = 0, [drawn[i]]
             else:
                 n, tokens = d.accept(filtered_probs(logits[i, : K + 1], d.params), drafts)
+            if K:
+                self.head.record(d, K, n)
+            kept = kept_of_round(tokens, d.left, d.stops)
+            if kept < len(tokens):  # accepted past its end: the last token kept is emitted, not fed
+                n, tokens = kept - 1, tokens[:kept]
+            if d.left is not None:
+                d.left -= len(tokens)
             out = StepOutput(seq_id=row.seq_id, step=self.rounds[i], tokens=tokens, accepted=n, drafted=K,
                              commit=Commit(step=self.rounds[i], accepted=n, trim=K - n))
             self.rounds[i] += 1
-            if K:
-                self.head.record(d, K, n)
             d.last_token = tokens[-1]
             d.history.emit(tokens)
             self.head.observe(tokens)

@@ -42,6 +42,8 @@ class DraftState:
     idle_hidden: list[mx.array] = field(default_factory=list)  # joined once, when drafting resumes
     idle_tokens: list[int] = field(default_factory=list)
     last_hidden: mx.array | None = None  # hidden of the last position fed, whose pair went in last
+    left: int | None = None  # tokens it may still emit, from its prompt's last step (None: not told)
+    stops: frozenset[int] = frozenset()  # tokens that end it
     last_token: int | None = None  # the token the next decode step must start with
     drafts: list[int] = field(default_factory=list)
     draft_probs: np.ndarray | None = None  # [K, V], sampling only
@@ -201,6 +203,8 @@ class Head:
             logits = self._logits(d, normed[:, -1:], [], None)
             table = self._table(d, logits, None)
             out.tokens = [self._pick(d, logits, on_token)]
+            if req.budget:  # (a batch's rounds end it there: batch_head.py)
+                d.left, d.stops = req.budget - 1, frozenset(req.stop_tokens)
             hid, toks = d.pending_hidden, out.tokens
             d.pending_hidden = None
         elif len(req.tokens) == 1:

@@ -241,3 +241,34 @@ def test_the_next_turn_goes_on_from_where_the_reply_ended(dense_ckpt: Path, moe_
         finally:
             whole.close()
             cached.close()
+
+
+def test_a_round_keeps_no_token_past_the_end_of_its_sequence() -> None:
+    from mtpipe.node.acceptance import kept_of_round
+
+    stops = frozenset({9})
+    assert kept_of_round([1, 2, 3, 4], None, stops) == 4  # no budget told
+    assert kept_of_round([1, 2, 3, 4], 2, stops) == 2
+    assert kept_of_round([1, 9, 3, 4], 5, stops) == 2  # through the stop token
+    assert kept_of_round([1, 2, 3], 0, stops) == 1  # (a round always yields its first token)
+
+
+def test_a_reply_cut_at_max_tokens_is_kept_where_it_was_cut(dense_ckpt: Path) -> None:
+    """Drafts accepted past max_tokens are not fed: the state kept at the request's end is its prompt
+    and the reply it returned, and the next turn goes on from there (seeded sampling accepts often here)."""
+    whole = batch_engine(dense_ckpt, dtype=mx.float32, prefix_cache=0)
+    cached = batch_engine(dense_ckpt, dtype=mx.float32)
+    try:
+        for seed in range(6):
+            params = SamplingParams(temperature=1.0, seed=seed)
+            prompt = list(cached.tokenizer.encode(PROMPTS[seed] + PROMPTS[seed + 1]))
+            reply = cached.complete(GenerationRequest(prompt, max_tokens=6, mtp_depth=3, params=params)).tokens
+            assert len(reply) == 6
+            turn = prompt + reply + list(cached.tokenizer.encode(PROMPTS[12]))
+            req = GenerationRequest(turn, max_tokens=4, mtp_depth=3, params=params)
+            going_on = cached.complete(req)
+            assert going_on.stats.cached_tokens == len(prompt) + len(reply) - 1, seed
+            assert going_on.tokens == whole.complete(req).tokens, seed
+    finally:
+        whole.close()
+        cached.close()

@@ -245,7 +245,8 @@ class BatchEngine:
             reqs.append(StepRequest(live.seq_id, live.step, StepKind.PREFILL, chunk, final=final,
                                     params=live.req.params if first else None,
                                     mtp_depth=live.req.mtp_depth if first else 0, mtp_auto=live.req.mtp_auto and first,
-                                    prefix=live.prefix if first else ""))
+                                    prefix=live.prefix if first else "", budget=live.req.max_tokens if final else 0,
+                                    stop_tokens=self._stop_tokens if final else ()))
         start = time.perf_counter()
         x = None
         for stage in self.stages:
