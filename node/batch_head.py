@@ -160,12 +160,12 @@ class BatchHead:
                 n, tokens = d.accept(filtered_probs(logits[i, : K + 1], d.params), drafts)
             if K:
                 self.head.record(d, K, n)
-            kept = kept_of_round(tokens, d.left, d.stops)
+            kept, accepted = kept_of_round(tokens, d.left, d.stops), n
             if kept < len(tokens):  # accepted past its end: the last token kept is emitted, not fed
-                n, tokens = kept - 1, tokens[:kept]
+                n, tokens, accepted = kept - 1, tokens[:kept], kept
             if d.left is not None:
                 d.left -= len(tokens)
-            out = StepOutput(seq_id=row.seq_id, step=self.rounds[i], tokens=tokens, accepted=n, drafted=K,
+            out = StepOutput(seq_id=row.seq_id, step=self.rounds[i], tokens=tokens, accepted=accepted, drafted=K,
                              commit=Commit(step=self.rounds[i], accepted=n, trim=K - n))
             self.rounds[i] += 1
             d.last_token = tokens[-1]

@@ -14,7 +14,7 @@ from helpers import PROMPTS
 
 from mtpipe.coordinator.engine import scheduler as plan
 from mtpipe.coordinator.engine.batch import BatchEngine
-from mtpipe.coordinator.engine.build import batch_engine
+from mtpipe.coordinator.engine.build import batch_engine, local_engine
 from mtpipe.coordinator.engine.request import GenerationRequest, GenerationResult, resolve_depth
 from mtpipe.node.protocol import SamplingParams, StageError, StepKind, StepRequest
 
@@ -96,10 +96,12 @@ def test_kept_prefixes_stay_within_their_budget_and_give_way_to_requests(dense_c
         engine.budget = plan.batch_bytes(engine.dims, [need]) + size
         assert run(engine, prompts[1] + [5, 6, 7], 2).stats.cached_tokens == len(prompts[1]) - 1
         # A request that needs the memory they hold gets it; and kept prefixes never take the room of
-        # rows running beside them.
+        # rows running beside them: its prompt's is not kept, its end is once its row is gone.
         engine.budget = plan.batch_bytes(engine.dims, [plan.footprint(engine.dims, len(prompts[2]) + TOKENS, 0)])
-        assert run(engine, prompts[2], 0).stats.cached_tokens == 0
-        assert kept(engine) == []
+        last = run(engine, prompts[2], 0)
+        assert last.stats.cached_tokens == 0
+        assert [k.tokens for k in kept(engine)] == [tuple(prompts[2] + last.tokens[:-1])]
+        assert kept(engine)[0].nbytes <= engine.budget
     finally:
         engine.close()
     assert engine.stages[0].prefixes == {}  # (freed on the engine's thread as it closed)
@@ -255,15 +257,21 @@ def test_a_round_keeps_no_token_past_the_end_of_its_sequence() -> None:
 
 def test_a_reply_cut_at_max_tokens_is_kept_where_it_was_cut(dense_ckpt: Path) -> None:
     """Drafts accepted past max_tokens are not fed: the state kept at the request's end is its prompt
-    and the reply it returned, and the next turn goes on from there (seeded sampling accepts often here)."""
+    and the reply it returned, and the next turn goes on from there (seeded sampling accepts often here).
+    The drafts accepted within the reply still count as accepted, as on the per-sequence path, which
+    feeds them all."""
     whole = batch_engine(dense_ckpt, dtype=mx.float32, prefix_cache=0)
     cached = batch_engine(dense_ckpt, dtype=mx.float32)
+    alone = local_engine(dense_ckpt, dtype=mx.float32)
     try:
         for seed in range(6):
             params = SamplingParams(temperature=1.0, seed=seed)
             prompt = list(cached.tokenizer.encode(PROMPTS[seed] + PROMPTS[seed + 1]))
-            reply = cached.complete(GenerationRequest(prompt, max_tokens=6, mtp_depth=3, params=params)).tokens
-            assert len(reply) == 6
+            first = GenerationRequest(prompt, max_tokens=6, mtp_depth=3, params=params)
+            got, reference = cached.complete(first), alone.complete(first)
+            reply = got.tokens
+            assert len(reply) == 6 and reply == reference.tokens
+            assert got.stats.accepted_per_position == reference.stats.accepted_per_position, seed
             turn = prompt + reply + list(cached.tokenizer.encode(PROMPTS[12]))
             req = GenerationRequest(turn, max_tokens=4, mtp_depth=3, params=params)
             going_on = cached.complete(req)
@@ -272,3 +280,19 @@ def test_a_reply_cut_at_max_tokens_is_kept_where_it_was_cut(dense_ckpt: Path) ->
     finally:
         whole.close()
         cached.close()
+
+
+def test_a_request_ending_near_the_budget_keeps_its_end_when_it_fits_once_its_row_is_gone(dense_ckpt: Path) -> None:
+    """The memory budget holds one running row and one kept prompt: as the request ends, its row goes,
+    so its end state fits beside its prompt's, and the next turn goes on from it."""
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, prefix_cache=1 << 30)
+    try:
+        prompt = list(engine.tokenizer.encode(TEXT))
+        engine.budget = plan.batch_bytes(engine.dims, [plan.footprint(engine.dims, len(prompt) + TOKENS, 2)])
+        engine.budget += plan.kept_bytes(engine.dims, len(prompt))
+        reply = run(engine, prompt, 2).tokens
+        assert {k.tokens for k in kept(engine)} == {tuple(prompt[:-1]), tuple(prompt + reply[:-1])}
+        turn = prompt + reply + list(engine.tokenizer.encode(PROMPTS[10]))
+        assert run(engine, turn, 2).stats.cached_tokens == len(prompt) + len(reply) - 1
+    finally:
+        engine.close()

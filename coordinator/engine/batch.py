@@ -303,16 +303,18 @@ class BatchEngine:
         (never fed): the next turn of a chat starts with them. It never fails the request."""
         tokens = (*live.req.prompt_tokens, *live.emitted[:-1])
         key = self._new_key(f"{live.seq_id}/end", tokens, live.req.mtp_depth > 0)
-        if not key:
+        if not key or plan.kept_bytes(self.dims, len(tokens)) > self.prefix_cache:  # (not copied to go at once)
             return
         try:
             kept = [stage.keep_end(live.seq_id, key, len(tokens)) for stage in self.stages]
         except Exception:  # noqa: BLE001
             log.exception("keeping the end of %s failed", live.seq_id)
             kept = [None]
-        self._kept_now(key, list(tokens), kept)
+        self._kept_now(key, list(tokens), kept, ending=live)
 
-    def _kept_now(self, key: str, tokens: list[int], kept: list[Any]) -> None:
+    def _kept_now(self, key: str, tokens: list[int], kept: list[Any], ending: Live | None = None) -> None:
+        """Kept on every stage (`kept`, None where not): note it, and drop what no longer fits beside the
+        running rows (`ending`, about to leave, not among them)."""
         if not key:
             return
         if any(k is None for k in kept):  # (a stage that marked nothing: none keeps it)
@@ -327,7 +329,7 @@ class BatchEngine:
         over = sum(k.nbytes for k in self._kept.values()) - self.prefix_cache
         if over > 0:
             self._drop_kept(plan.least_used(list(self._kept.values()), over, self._pinned()))
-        self._fit([x.need for x in self._prefilling + self._decoding])
+        self._fit([x.need for x in self._prefilling + self._decoding if x is not ending])
 
     def _fit(self, rows: list[plan.Footprint], keep: set[str] = frozenset()) -> None:
         """Drop kept prefixes, least recently used first, until they and these rows fit the budget."""

@@ -35,7 +35,7 @@ class KeptPrefixes:
         self._lock = threading.Lock()
 
     def nbytes(self, tokens: int) -> int:
-        return self.dims.kv_bytes_per_token * tokens + self.dims.state_bytes
+        return plan.kept_bytes(self.dims, tokens)
 
     def reuse(self, prompt: list[int], drafts: bool, epoch: float) -> plan.KeptPrefix | None:
         """The longest kept prefix `prompt` starts with, pinned until `done`. `epoch`: when the pipeline

@@ -91,6 +91,11 @@ class KeptPrefix:
     used: float
 
 
+def kept_bytes(dims: ModelDims, tokens: int) -> int:
+    """What a kept prefix of `tokens` holds: the attention entries of every position, one set of states."""
+    return dims.kv_bytes_per_token * tokens + dims.state_bytes
+
+
 def reusable(kept: list[KeptPrefix], prompt: list[int], drafts: bool) -> KeptPrefix | None:
     """The longest kept prefix `prompt` starts with, leaving at least its last token to go in (that step
     yields the first token). A sequence that drafts needs one with the MTP head's part."""
