@@ -5,7 +5,9 @@ position: where the prompt's last token was about to go in (its own step, see th
 stage copies then what its layers hold at that point: each GatedDeltaNet layer's conv and recurrent
 state, and on the last stage the MTP head's pending hidden and cache length. Attention keys and values
 (and the MTP cache's) are taken once the row joins the batch, cut to that position; on a node, whose
-prompts go in one sequence at a time, all of it is taken at once (`prefix_of_sequence`). Copies, not views:
+prompts go in one sequence at a time, all of it is taken at once (`prefix_of_sequence`). A batch row that
+finished is kept the same way, at the position before the last token it emitted (`prefix_at_end`): a
+chat's next turn starts with its prompt and reply. Copies, not views:
 nothing written later into a row's caches reaches a kept prefix, and a kept prefix never holds a
 batch's buffers alive. Which prefix a prompt reuses, and which are dropped, the engine decides
 (coordinator/engine/scheduler.py); a stage only keeps and hands out what it is told.
