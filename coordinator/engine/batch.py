@@ -294,7 +294,7 @@ class BatchEngine:
         the MTP head's part and this sequence drafts)."""
         if not self.prefix_cache or not tokens:
             return ""
-        if any(k.tokens == tokens and (k.drafts or not drafts) for k in self._kept.values()):
+        if plan.held(list(self._kept.values()), tokens, drafts):
             return ""
         return key
 

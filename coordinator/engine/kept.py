@@ -64,7 +64,7 @@ class KeptPrefixes:
         if not self.budget or len(tokens) <= start or self.nbytes(len(tokens)) > self.budget:
             return ""
         with self._lock:
-            if any(k.tokens == tokens and (k.drafts or not drafts) for k in self._kept.values()):
+            if plan.held(list(self._kept.values()), tokens, drafts):
                 return ""
         return key
 

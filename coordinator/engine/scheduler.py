@@ -96,6 +96,11 @@ def kept_bytes(dims: ModelDims, tokens: int) -> int:
     return dims.kv_bytes_per_token * tokens + dims.state_bytes
 
 
+def held(kept: list[KeptPrefix], tokens: tuple[int, ...], drafts: bool) -> bool:
+    """These tokens are kept already, with the MTP head's part if a sequence that drafts needs it."""
+    return any(k.tokens == tokens and (k.drafts or not drafts) for k in kept)
+
+
 def reusable(kept: list[KeptPrefix], prompt: list[int], drafts: bool) -> KeptPrefix | None:
     """The longest kept prefix `prompt` starts with, leaving at least its last token to go in (that step
     yields the first token). A sequence that drafts needs one with the MTP head's part."""
