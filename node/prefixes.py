@@ -61,10 +61,15 @@ class Prefix:
         return self.pending is not None
 
 
+def row_states(cache: list, i: int) -> dict[int, tuple[mx.array, mx.array]]:
+    """Copies of row i's GatedDeltaNet states (conv, recurrent) out of a batch's caches, by layer."""
+    return {j: (mx.contiguous(c[0][i : i + 1]), mx.contiguous(c[1][i : i + 1]))
+            for j, c in enumerate(cache) if not isinstance(c, RaggedKV)}
+
+
 def mark_row(cache: list, i: int, position: int, draft: DraftState | None) -> Mark:
     """Copy row i's GatedDeltaNet states (and its MTP head's pending part) out of a batch's caches."""
-    gdn = {j: (mx.contiguous(c[0][i : i + 1]), mx.contiguous(c[1][i : i + 1]))
-           for j, c in enumerate(cache) if not isinstance(c, RaggedKV)}
+    gdn = row_states(cache, i)
     mark = _marked(position, gdn, draft)
     mx.eval(list(gdn.values()), mark.pending if mark.pending is not None else [])
     return mark
@@ -116,8 +121,7 @@ def prefix_at_end(cache: list, i: int, position: int, draft: DraftState | None, 
     into the entries first (on `mtp_cache`, a view of the row's entries that grows into new arrays)."""
     kv = {j: (mx.contiguous(c.keys[i : i + 1, :, :position]), mx.contiguous(c.values[i : i + 1, :, :position]))
           for j, c in enumerate(cache) if isinstance(c, RaggedKV)}
-    gdn = {j: (mx.contiguous(c[0][i : i + 1]), mx.contiguous(c[1][i : i + 1]))
-           for j, c in enumerate(cache) if not isinstance(c, RaggedKV)}
+    gdn = row_states(cache, i)
     mark = Mark(position, gdn)
     if draft is None:
         return _with_head(mark, kv, None)
