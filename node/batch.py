@@ -125,16 +125,23 @@ class BatchStage:
         """Keep what a finished row holds, as the last commit left it, under `key`: a prefix of
         `position` tokens, its prompt and what it generated but the last token (never fed). None when
         prefixes are not kept or the row is not at `position` (nothing kept then)."""
-        if not self.filling.marking or seq_id not in self.ids:
+        if not self.filling.marking:
+            return None
+        kept = self.end_prefix(seq_id, position)
+        if kept is not None:
+            self.prefixes[key] = kept
+        return kept
+
+    def end_prefix(self, seq_id: str, position: int) -> Prefix | None:
+        """A copy of what a row holds as the last commit left it, as a prefix of `position` tokens; None
+        when the row is not here at that position."""
+        if seq_id not in self.ids or self.positions[self.ids.index(seq_id)] != position:
             return None
         i = self.ids.index(seq_id)
-        if self.positions[i] != position:
-            return None
         self.drop_ahead()  # (the round queued ahead wrote past the commit)
         draft = self.head.states[i] if self.head is not None else None
         mtp = self.head.end_cache(i) if self.head is not None else None
-        kept = self.prefixes[key] = prefix_at_end(self.cache, i, position, draft, mtp, self.model)
-        return kept
+        return prefix_at_end(self.cache, i, position, draft, mtp, self.model)
 
     def keep_prefixes(self, on: bool) -> None:
         """Mark each prompt's state before its last token, so that `join` can keep it."""

@@ -4,7 +4,9 @@ A mixin of NodeService, on the node's loop thread like the rest of it: a group f
 passed on, or, on the last node, its outcome goes to the client and the group's next round straight
 to the first node. A round that fails on a node fails its rows (an error per row to the client) and
 ends the group on every node: the failing node passes an ending frame on, the last node sends one
-around to the nodes before it.
+around to the nodes before it. Rows that ended with their states kept (`ends`) ride the next frame
+around; once it is back at the last node every node kept them, and the client hears so. If it is
+lost, the last node has them dropped everywhere.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..proto import mtpipe_pb2 as pb
 from .conditions import Conditions
 from .groups import RingGroups, StaleRound
-from .protocol import GroupRound, StageError, StepOutput
+from .protocol import GroupEnd, GroupRound, StageError, StepOutput
 from .wire import frame_to_group, group_result, group_to_frame, output_to_result, tensor_from_pb, tensor_to_pb
 
 if TYPE_CHECKING:
@@ -74,6 +76,8 @@ class GroupFrames:
             self._emit(client_id, pb.Event(error=err))
         for fresh in ended.fresh:
             self._start_round(group_to_frame(fresh))
+        for client_id, end in ended.ends:
+            self._drop_end(client_id, end)
 
     def drop_groups(self) -> None:
         """Forget every group (the shard goes): nothing may keep the old shard's arrays alive."""
@@ -102,11 +106,13 @@ class GroupFrames:
         last = groups.spec.is_last
         if not rnd.rows:  # the group ended
             if not last:
-                groups.end(rnd.key)
+                groups.close(rnd)
                 self._forward(frame)
             elif not rnd.from_last:  # it failed on a node before: end it on the nodes before that one too
                 self._end_around(groups, rnd)
-            return  # (an ending frame the last node sent came back around: a new group may hold the id)
+            elif rnd.ends:  # (an ending frame the last node sent came back around: its ends are kept)
+                self._emit(rnd.client_id, pb.Event(group=group_result(rnd, [], rnd.ends)))
+            return  # (a new group may hold the id by now)
         try:
             hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
             out = groups.run(rnd, hidden)
@@ -134,13 +140,14 @@ class GroupFrames:
             return
         if nxt is not None:
             self._start_round(group_to_frame(nxt))
-        if shown:
-            self._emit(rnd.client_id, pb.Event(group=group_result(rnd, shown)))
+        if shown or rnd.ends:  # (the ends this round carried are kept on every node now)
+            self._emit(rnd.client_id, pb.Event(group=group_result(rnd, shown, rnd.ends)))
 
     def joined(self, frame: pb.Frame, out: StepOutput) -> pb.Event:
         """The last node after a prompt's last chunk meant for a group: the sequence joins it."""
         groups = self.ring_groups
-        out.continued, rnd = groups.joined(frame.client_id, frame.group, out, frame.budget, tuple(frame.stop_tokens))
+        out.continued, rnd = groups.joined(frame.client_id, frame.group, out, frame.budget, tuple(frame.stop_tokens),
+                                           frame.keep_end)
         if rnd is not None:
             self._start_round(group_to_frame(rnd))
         return pb.Event(result=output_to_result(out))
@@ -174,9 +181,15 @@ class GroupFrames:
 
     def _end_around(self, groups: RingGroups, rnd: GroupRound) -> None:
         self._start_round(group_to_frame(GroupRound(rnd.client_id, rnd.group, rnd.round, [], from_last=True)))
+        for end in groups.riding(rnd.key):  # (kept on the nodes the lost round passed)
+            self._drop_end(rnd.client_id, end)
         fresh = groups.failed(rnd.key)  # rows that were waiting to join start the group anew
         if fresh is not None:
             self._start_round(group_to_frame(fresh))
+
+    def _drop_end(self, client_id: str, end: GroupEnd) -> None:
+        """An end kept on some nodes whose round was lost: every node drops it (node/kept.py)."""
+        self._start_round(pb.Frame(client_id=client_id, kind=pb.RELEASE, prefix=end.key))
 
     def _fail_rows(self, frame: pb.Frame, code: str, message: str) -> None:
         """The refusal, to each row the frame names but one that lives elsewhere here: in another group,

@@ -10,8 +10,9 @@ The last node decides everything about membership, so every node sees the same b
 order: it verifies, accepts and drafts per row, drops the rows that are done (budget spent, a stop
 token, released by the client), adds rows whose prompt was just prefilled, and sends the next round
 straight to the first node. Every other node applies what the frame says, in a fixed order: the
-last round's commit for every row it holds, then the rows missing from the frame leave, then the
-`join` rows enter. A frame without rows ends the group everywhere. A sequence meant for a group is
+last round's commit for every row it holds, then the states of the rows that ended are kept (`ends`,
+which carry their commits), then the rows missing from the frame leave, then the `join` rows enter. A
+frame without rows ends the group everywhere. A sequence meant for a group is
 freed on a non-last node only on the last node's word (a frame it is missing from, or a release the
 last node sends around), never on the client's release, which could overtake the frame that joins it.
 """
@@ -27,7 +28,9 @@ import mlx.core as mx
 from .batch import BatchStage, RowStep
 from .batch_depth import DepthPlan
 from .batch_head import RowOutput
-from .protocol import MAX_MTP_DEPTH, Commit, GroupRound, GroupRow, StageError, StepOutput
+from .kept import scoped
+from .prefixes import Prefix
+from .protocol import MAX_MTP_DEPTH, Commit, GroupEnd, GroupRound, GroupRow, StageError, StepOutput
 from .stage import StageWorker
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,8 @@ class Group:
     in_flight: bool = False  # a round of this group is on its way around the nodes
     budgets: dict[str, int] = field(default_factory=dict)  # tokens each row may still emit
     stops: dict[str, frozenset[int]] = field(default_factory=dict)
+    end_keys: dict[str, str] = field(default_factory=dict)  # rows whose state is kept as they end: its key
+    riding: list[GroupEnd] = field(default_factory=list)  # ends kept here, on the round on its way
     joins: list[GroupRow] = field(default_factory=list)  # prefilled, waiting for the next round
     joining: set[str] = field(default_factory=set)  # joins riding the round on its way
     released: set[str] = field(default_factory=set)  # the client let go: out of the next round
@@ -61,6 +66,7 @@ class IdleEnd:
     groups: int = 0
     rows: list[tuple[str, int, str]] = field(default_factory=list)
     fresh: list[GroupRound] = field(default_factory=list)
+    ends: list[tuple[str, GroupEnd]] = field(default_factory=list)  # (client, end) kept on their lost rounds
 
 
 class RingGroups:
@@ -122,11 +128,7 @@ class RingGroups:
             g = self.groups[rnd.key] = self._new_group(rnd.client_id)
         g.seen = time.monotonic()
         stage = g.stage
-        if g.pending:
-            by_id = {r.seq_id: r.commit for r in kept}
-            commits = [by_id.get(s) or Commit(0, 0, 0) for s in stage.ids]  # leaving rows: any outcome
-            stage.commit(commits)
-            g.pending = False
+        self._settle(g, rnd)
         left = set(stage.ids) - {r.seq_id for r in kept}
         stage.leave(left)
         g.released -= left  # (released while they finished: no outcome of theirs can come any more)
@@ -139,6 +141,46 @@ class RingGroups:
         else:
             g.pending = True
         return out
+
+    def _settle(self, g: Group, rnd: GroupRound) -> None:
+        """A node other than the last: its last round's commit for every row (rows that ended carry
+        theirs in `ends`; other leaving rows take any outcome), then the ends' states are kept."""
+        if not g.pending:
+            return
+        by_id = {r.seq_id: r.commit for r in rnd.rows if not r.join}
+        by_id.update((e.seq_id, e.commit) for e in rnd.ends)
+        g.stage.commit([by_id.get(s) or Commit(0, 0, 0) for s in g.stage.ids])
+        g.pending = False
+        for e in rnd.ends:
+            if self._keep(rnd.client_id, g.stage, e) is None:
+                log.warning("the end of %s was not kept here (no room, or not at position %d)", e.seq_id, e.position)
+
+    def _keep(self, client_id: str, stage: BatchStage, end: GroupEnd) -> Prefix | None:
+        """Keep a row's state as it ended, under its client's key, where the node has room."""
+        key = scoped(client_id, end.key)
+        if key in self.worker.prefixes or not self.worker.room_for_prefix():
+            return None
+        prefix = stage.end_prefix(end.seq_id, end.position)
+        if prefix is not None:
+            self.worker.prefixes[key] = prefix
+        return prefix
+
+    def close(self, rnd: GroupRound) -> None:
+        """An ending frame on a node other than the last: rows that ended with it keep their states,
+        then the group ends here."""
+        g = self.groups.get(rnd.key)
+        if g is not None and rnd.ends and rnd.round == g.round + 1:
+            try:
+                self._validate(rnd)
+                self._settle(g, rnd)
+            except StageError as e:  # (the ends are not kept; the coordinator prefills whole then)
+                log.warning("group %d ended without keeping its ends: %s", rnd.group, e)
+        self.end(rnd.key)
+
+    def riding(self, key: tuple[str, int]) -> list[GroupEnd]:
+        """The last node: ends kept here that ride the group's round on its way (if it is lost, they go)."""
+        g = self.groups.get(key)
+        return list(g.riding) if g is not None and g.in_flight else []
 
     def end(self, key: tuple[str, int]) -> None:
         """Drop a group and every row in it."""
@@ -179,8 +221,9 @@ class RingGroups:
             if not self.spec.is_last:
                 self.end(key)
                 continue
-            lost = [*g.stage.ids, *g.joining]  # (joins that rode the lost round)
-            ended.rows += [(key[0], g.round, s) for s in lost if s not in g.released]
+            lost = [*g.stage.ids, *g.joining]  # (joins that rode the lost round; not rows that ended)
+            ended.rows += [(key[0], g.round, s) for s in lost if s not in g.released and s in g.budgets]
+            ended.ends += [(key[0], e) for e in self.riding(key)]
             fresh = self.failed(key)
             if fresh is not None:
                 ended.fresh.append(fresh)
@@ -219,14 +262,21 @@ class RingGroups:
                 raise StageError(f"row {r.seq_id!r} joins and carries a commit")
             if r.commit is not None and not 0 <= r.commit.trim <= MAX_MTP_DEPTH:
                 raise StageError(f"row {r.seq_id!r}: trim {r.commit.trim} out of range")
+        ended = [e.seq_id for e in rnd.ends]
+        if len(set(ended)) != len(ended) or not set(ended).isdisjoint(ids):
+            raise StageError("a group round names each row that ended once, and not among its rows")
+        for e in rnd.ends:
+            if not e.seq_id or not e.key or e.position < 1 or not 0 <= e.commit.trim <= MAX_MTP_DEPTH:
+                raise StageError(f"the end of row {e.seq_id!r} is malformed")
 
     # -- the last node ----------------------------------------------------------------------
 
-    def joined(self, client_id: str, group: int, out: StepOutput, budget: int,
-               stops: tuple[int, ...]) -> tuple[bool, GroupRound | None]:
+    def joined(self, client_id: str, group: int, out: StepOutput, budget: int, stops: tuple[int, ...],
+               keep_end: str = "") -> tuple[bool, GroupRound | None]:
         """A prompt's last chunk gave its first tokens: the sequence joins `group` at the group's next
         round, which starts now if the group has none on its way. Returns whether it joins (not when
-        it is already done) and the round to start."""
+        it is already done) and the round to start. `keep_end`: its state is kept under that key (its
+        client's) once it ends."""
         seq_id = out.seq_id
         left = budget - len(out.tokens)
         if left <= 0 or not set(out.tokens).isdisjoint(stops):
@@ -237,6 +287,8 @@ class RingGroups:
             g = self.groups[(client_id, group)] = self._new_group(client_id)
         g.budgets[seq_id] = left
         g.stops[seq_id] = frozenset(stops)
+        if keep_end:
+            g.end_keys[seq_id] = keep_end
         g.joins.append(GroupRow(seq_id, [out.tokens[-1], *out.drafts], join=True))
         if g.in_flight:
             return True, None
@@ -248,7 +300,7 @@ class RingGroups:
         g = self.groups[rnd.key]
         g.in_flight = False
         g.joining = set()
-        shown, rows = [], []
+        shown, rows, ends = [], [], []
         for o in outs:
             seq_id, out = o.seq_id, o.output
             if seq_id in g.released:
@@ -257,12 +309,18 @@ class RingGroups:
             g.budgets[seq_id] -= len(out.tokens)
             if g.budgets[seq_id] > 0 and g.stops[seq_id].isdisjoint(out.tokens):
                 rows.append(GroupRow(seq_id, [out.tokens[-1], *out.drafts], out.commit))
+            elif seq_id in g.end_keys and out.commit is not None:  # it ended: its state is kept
+                end = GroupEnd(seq_id, out.commit, g.end_keys[seq_id], g.stage.positions[g.stage.ids.index(seq_id)])
+                if (prefix := self._keep(rnd.client_id, g.stage, end)) is not None:
+                    end.drafts = prefix.drafts
+                    ends.append(end)
         done = set(g.stage.ids) - {r.seq_id for r in rows}
         for seq_id in done:
             g.budgets.pop(seq_id, None)
             g.stops.pop(seq_id, None)
+            g.end_keys.pop(seq_id, None)
             g.released.discard(seq_id)
-        return shown, self._launch(rnd.client_id, rnd.group, g, rows)
+        return shown, self._launch(rnd.client_id, rnd.group, g, rows, ends)
 
     def failed(self, key: tuple[str, int]) -> GroupRound | None:
         """A round of the group failed somewhere: the group is gone; its waiting joins start a new one."""
@@ -275,19 +333,24 @@ class RingGroups:
         fresh.joins = joins
         for r in joins:
             fresh.budgets[r.seq_id], fresh.stops[r.seq_id] = g.budgets[r.seq_id], g.stops[r.seq_id]
+            if r.seq_id in g.end_keys:
+                fresh.end_keys[r.seq_id] = g.end_keys[r.seq_id]
         return self._launch(key[0], key[1], fresh, [])
 
-    def _launch(self, client_id: str, group: int, g: Group, rows: list[GroupRow]) -> GroupRound:
+    def _launch(self, client_id: str, group: int, g: Group, rows: list[GroupRow],
+                ends: list[GroupEnd] | None = None) -> GroupRound:
         joins, g.joins = g.joins, []
         rows += joins
         g.round += 1
+        ends = ends or []
         if not rows:
             self.end((client_id, group))
-            return GroupRound(client_id, group, g.round, [], from_last=True)
+            return GroupRound(client_id, group, g.round, [], from_last=True, ends=ends)
         g.in_flight = True
         g.joining = {r.seq_id for r in joins}
+        g.riding = ends
         g.seen = time.monotonic()
-        return GroupRound(client_id, group, g.round, rows, from_last=True)
+        return GroupRound(client_id, group, g.round, rows, from_last=True, ends=ends)
 
     def client_release(self, seq_id: str) -> bool:
         """The client let go of a sequence (last node). True: it is out of a group's next round, and

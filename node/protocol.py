@@ -93,6 +93,7 @@ class StepRequest:
     resumed_at: int = 0  # with step 0: the prompt's tokens from here on were generated before (a resume)
     prefix: str = ""  # with step 0: the sequence goes on from this kept prompt prefix (node/prefixes.py)
     keep: str = ""  # a prompt's last step through a node: keep the state before it under this key
+    keep_end: str = ""  # a prompt's last step meant for a group: keep the sequence's state at its end here
 
 
 @dataclass
@@ -123,12 +124,25 @@ class GroupRow:
 
 
 @dataclass
+class GroupEnd:
+    """A row that left its group as its sequence ended: its last round's outcome, applied before it
+    leaves, and the key its state is then kept under (its client's), `position` tokens long."""
+
+    seq_id: str
+    commit: Commit
+    key: str
+    position: int
+    drafts: bool = False  # the last node kept the MTP head's part too
+
+
+@dataclass
 class GroupRound:
     client_id: str
     group: int
     round: int
     rows: list[GroupRow]
     from_last: bool = False  # sent by the last node (an ending frame that came back around stops there)
+    ends: list[GroupEnd] = field(default_factory=list)  # rows that left as they ended, their states kept
 
     @property
     def key(self) -> tuple[str, int]:

@@ -160,6 +160,8 @@ class StageWorker:
         if req.keep:
             if req.kind is not StepKind.PREFILL or not req.final:
                 raise StageError("only a prompt's last step keeps its prefix")
+        if req.keep_end and (req.kind is not StepKind.PREFILL or not req.final or not req.group):
+            raise StageError("only a prompt's last step meant for a group keeps its end")
             if req.keep in self.prefixes:
                 raise StageError(f"prefix {req.keep!r} is kept already")
         if seq is None:
@@ -211,7 +213,7 @@ class StageWorker:
     def _run(self, req: StepRequest, seq: Sequence | None, hidden: mx.array | None) -> mx.array | StepOutput:
         if seq is None:
             seq = self.sequences[req.seq_id] = self._new_sequence(req)
-        if req.keep and seq.position and self._room_for_prefix():  # (checked: the prompt's last token)
+        if req.keep and seq.position and self.room_for_prefix():  # (checked: the prompt's last token)
             self.prefixes[req.keep] = prefix_of_sequence(seq.cache, seq.position, seq.draft)
         if seq.pending_k is not None:
             self._apply_commit(seq, req.commit)
@@ -242,7 +244,7 @@ class StageWorker:
             seq.last_commit = out.commit
         return out
 
-    def _room_for_prefix(self) -> bool:
+    def room_for_prefix(self) -> bool:
         """A stage keeps what its client's engine asks while it has room, whatever that engine reckons;
         else nothing (the engine then prefills whole a prompt that counted on it)."""
         if len(self.prefixes) >= MAX_KEPT_PREFIXES:

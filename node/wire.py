@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 
 from ..proto import mtpipe_pb2 as pb
-from .protocol import Commit, GroupRound, GroupRow, SamplingParams, StageError, StepKind, StepOutput, StepRequest
+from .protocol import Commit, GroupEnd, GroupRound, GroupRow, SamplingParams, StageError, StepKind, StepOutput, StepRequest
 from .tls import TARGET_NAME_OPTION, channel_credentials
 
 # The largest message is a prefill chunk's hidden states: 512 tokens x hidden x 4 bytes is 16 MiB at
@@ -75,6 +75,7 @@ def request_to_frame(req: StepRequest, client_id: str) -> pb.Frame:
         resumed_at=req.resumed_at,
         prefix=req.prefix,
         keep=req.keep,
+        keep_end=req.keep_end,
     )
     if req.commit is not None:
         f.commit.CopyFrom(pb.Commit(step=req.commit.step, accepted=req.commit.accepted, trim=req.commit.trim))
@@ -95,7 +96,7 @@ def frame_to_request(f: pb.Frame) -> StepRequest:
     commit = Commit(f.commit.step, f.commit.accepted, f.commit.trim) if f.HasField("commit") else None
     params = params_from_pb(f.params) if f.HasField("params") else None
     return StepRequest(f.seq_id, f.step, _KINDS[f.kind], list(f.tokens), f.final, commit, params, f.mtp_depth,
-                       f.mtp_auto, f.budget, tuple(f.stop_tokens), f.group, f.resumed_at, f.prefix, f.keep)
+                       f.mtp_auto, f.budget, tuple(f.stop_tokens), f.group, f.resumed_at, f.prefix, f.keep, f.keep_end)
 
 
 def params_to_pb(p: SamplingParams) -> pb.Sampling:
@@ -156,10 +157,11 @@ def next_round(frame: pb.Frame, out: StepOutput) -> pb.Frame | None:
 def frame_to_group(f: pb.Frame) -> GroupRound:
     rows = [GroupRow(r.seq_id, list(r.tokens), None if r.join else Commit(f.step - 1, r.accepted, r.trim), r.join)
             for r in f.rows]
-    for r in f.rows:
+    for r in [*f.rows, *f.ends]:
         if r.accepted < 0 or r.trim < 0:
             raise StageError(f"row {r.seq_id!r}: negative commit")
-    return GroupRound(f.client_id, f.group, f.step, rows, from_last=f.ring)
+    ends = [end_from_pb(e, f.step - 1) for e in f.ends]
+    return GroupRound(f.client_id, f.group, f.step, rows, from_last=f.ring, ends=ends)
 
 
 def group_to_frame(rnd: GroupRound) -> pb.Frame:
@@ -170,12 +172,23 @@ def group_to_frame(rnd: GroupRound) -> pb.Frame:
         row = f.rows.add(seq_id=r.seq_id, tokens=r.tokens, join=r.join)
         if r.commit is not None:
             row.accepted, row.trim = r.commit.accepted, r.commit.trim
+    f.ends.extend(end_to_pb(e) for e in rnd.ends)
     return f
 
 
-def group_result(rnd: GroupRound, outs: list[Any]) -> pb.GroupResult:
-    """`outs`: the RowOutputs to hand out (batch_head.py)."""
-    return pb.GroupResult(group=rnd.group, round=rnd.round, rows=[output_to_result(o.output) for o in outs])
+def end_to_pb(e: GroupEnd) -> pb.End:
+    return pb.End(seq_id=e.seq_id, accepted=e.commit.accepted, trim=e.commit.trim, key=e.key, position=e.position,
+                  drafts=e.drafts)
+
+
+def end_from_pb(e: pb.End, step: int = 0) -> GroupEnd:
+    return GroupEnd(e.seq_id, Commit(step, e.accepted, e.trim), e.key, e.position, e.drafts)
+
+
+def group_result(rnd: GroupRound, outs: list[Any], kept: list[GroupEnd] = ()) -> pb.GroupResult:
+    """`outs`: the RowOutputs to hand out (batch_head.py); `kept`: ends every node kept."""
+    return pb.GroupResult(group=rnd.group, round=rnd.round, rows=[output_to_result(o.output) for o in outs],
+                          kept=[end_to_pb(e) for e in kept])
 
 
 def tensor_to_pb(a: Any) -> pb.Tensor:

@@ -127,7 +127,8 @@ def test_nodes_see_only_commits(ring: Any) -> None:
     states (none into the first node): no logits, sampling parameters or other state, and at most
     rows x hidden x (K+1) x 4 bytes + 64 bytes per row, plus the frame's own header (client, group,
     round, the tensor's dtype and shape: under 48 bytes), which a group of 2 rows or more fits in
-    those 64 bytes per row."""
+    those 64 bytes per row. Rows that ended with their states kept ride the next frame with their
+    last commit, the key and the length to keep it at: 64 bytes each, too."""
     engine, servers, ckpt = ring
     hidden = load_config(ckpt).args.hidden_size
     seen: list[list[pb.Frame]] = [[] for _ in servers]
@@ -145,15 +146,24 @@ def test_nodes_see_only_commits(ring: Any) -> None:
         svc.on_group = spy
     try:
         run_all(engine, [request(engine, i, d, 16) for i, d in enumerate([0, 2, 3, "auto"])])
+        deadline = time.monotonic() + WAIT_S  # (the frames that carry the last ends to the nodes)
+        while min(len(ends_seen(f)) for f in seen[:-1]) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
     finally:
         for s, inner in zip(servers, originals):
             s.service.on_group = inner
-    allowed = {"client_id", "kind", "group", "step", "ring", "rows", "hidden"}
+    allowed = {"client_id", "kind", "group", "step", "ring", "rows", "hidden", "ends"}
+    assert [len(ends_seen(f)) for f in seen[:-1]] == [4] * (len(servers) - 1)  # every request's end
     for i, frames in enumerate(seen):
         rounds = [f for f in frames if f.rows]
         assert rounds, f"node {i} saw no group round"
-        for f in rounds:
+        for f in frames:
             assert {d.name for d, _ in f.ListFields()} <= allowed
+            for e in f.ends:
+                assert {d.name for d, _ in e.ListFields()} <= {"seq_id", "accepted", "trim", "key", "position",
+                                                               "drafts"}
+                assert e.ByteSize() <= 64
+        for f in rounds:
             for r in f.rows:
                 assert {d.name for d, _ in r.ListFields()} <= {"seq_id", "tokens", "accepted", "trim", "join"}
             width = max(len(r.tokens) for r in f.rows)
@@ -162,7 +172,12 @@ def test_nodes_see_only_commits(ring: Any) -> None:
                 continue
             assert list(f.hidden.shape) == [len(f.rows), width, hidden] and f.hidden.dtype == "float32"
             header = 0 if len(f.rows) > 1 else FRAME_HEADER
-            assert f.ByteSize() <= len(f.rows) * (hidden * width * 4 + 64) + header, f.ByteSize()
+            limit = len(f.rows) * (hidden * width * 4 + 64) + 64 * len(f.ends) + header
+            assert f.ByteSize() <= limit, f.ByteSize()
+
+
+def ends_seen(frames: list[pb.Frame]) -> set[str]:
+    return {e.seq_id for f in frames for e in f.ends}
 
 
 def test_cancelled_and_stopped_rows_leave_nothing(ring: Any) -> None:
@@ -379,6 +394,40 @@ def test_the_last_node_ends_a_group_whose_round_was_lost(dense_ckpt: Path) -> No
     assert groups.release("j") and "j" not in worker.sequences
     shown, nxt = arrive(on_its_way)
     assert [o.seq_id for o in shown] == ["b"] and [r.seq_id for r in nxt.rows] == ["b"]
+
+
+def test_the_last_node_keeps_a_row_as_it_ends_and_gives_it_up_with_a_lost_round(dense_ckpt: Path) -> None:
+    """A row that asked for its end to be kept keeps it on the last node as it ends, at its prompt and
+    every token but the last, and the next round carries it to the other nodes; if that round is lost,
+    the last node names it to be dropped everywhere."""
+    from mtpipe.models.loading import load_shard
+    from mtpipe.models.shard import ShardSpec
+    from mtpipe.node.protocol import StepKind, StepRequest
+    from mtpipe.node.stage import StageWorker
+
+    n = load_config(dense_ckpt).num_layers
+    worker = StageWorker(load_shard(dense_ckpt, ShardSpec(n // 2, n, n), mtp=False, dtype=mx.float32))
+    hidden = worker.hidden_size
+    groups = RingGroups(worker)
+
+    def prefill(seq: str) -> Any:
+        return worker.step(StepRequest(seq, 0, StepKind.PREFILL, [5, 6, 7], final=True),
+                           mx.random.normal((1, 3, hidden)))
+
+    def arrive(rnd: GroupRound) -> tuple[list, GroupRound | None]:
+        out = groups.run(rnd, mx.random.normal((len(rnd.rows), max(len(r.tokens) for r in rnd.rows), hidden)))
+        return groups.next_round(rnd, out)
+
+    _, first = groups.joined("c", 1, prefill("a"), 50, ())
+    assert groups.joined("c", 1, prefill("e"), 2, (), keep_end="e/end") == (True, None)
+    _, second = arrive(first)
+    assert not second.ends and [r.seq_id for r in second.rows] == ["a", "e"]
+    _, third = arrive(second)  # "e" emits its last token: it leaves, its state kept
+    (end,) = third.ends
+    assert (end.seq_id, end.key, end.position, end.drafts) == ("e", "e/end", 3 + 2 - 1, False)
+    assert [r.seq_id for r in third.rows] == ["a"] and worker.prefixes["c/e/end"].length == 4
+    ended = groups.end_idle(0.0)  # the round that carried it was lost
+    assert ended.rows == [("c", 3, "a")] and ended.ends == [("c", end)]
 
 
 def test_a_row_in_a_group_hears_of_its_errors() -> None:

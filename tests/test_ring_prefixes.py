@@ -1,11 +1,13 @@
 """Kept prompt prefixes over nodes (node/kept.py, coordinator/engine/kept.py): a prompt that starts with
 one prefills only the rest, with the tokens (and drafts) of a whole prefill; the nodes hold exactly
 what the engine keeps, within its budget; a lost pipeline forgets them; a bad key is refused without
-touching a node; a client that goes leaves none behind."""
+touching a node; a client that goes leaves none behind. Each request keeps two: its prompt's prefix
+and its state as it ended (its prompt and reply but the reply's last token)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from mtpipe.coordinator.engine.build import ring_engine
 from mtpipe.coordinator.engine.kept import KeptPrefixes
 from mtpipe.coordinator.engine.request import GenerationRequest, GenerationResult
 from mtpipe.coordinator.engine.scheduler import ModelDims
+from mtpipe.coordinator.engine.sinks import END
 from mtpipe.coordinator.pipeline.nodes import NodeFailure, RemoteStageError
 from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest
 
@@ -33,9 +36,18 @@ def held(servers: list[Any]) -> list[int]:
 
 
 def settled(servers: list[Any], want: list[int], timeout: float = 5.0) -> list[int]:
-    """The nodes' kept prefix counts once the drops sent to them arrived (or as they are after `timeout`)."""
+    """The nodes' kept prefix counts once the frames sent to them arrived (or as they are after `timeout`):
+    drops, and the round that carries a request's end to the nodes before the last."""
     deadline = time.monotonic() + timeout
     while (now := held(servers)) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return now
+
+
+def engine_kept(engine: Any, want: int, timeout: float = 5.0) -> int:
+    """The prefixes the engine counts as kept once the last node's word on the ends came (or after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while (now := engine.describe()["ring"]["kept_prefixes"]) != want and time.monotonic() < deadline:
         time.sleep(0.02)
     return now
 
@@ -53,18 +65,21 @@ def test_a_prompt_going_on_from_kept_prefixes_on_nodes_gives_the_tokens_of_a_who
             first = list(tok.encode(PROMPTS[0]))
             reply = run(cached, first)
             assert reply.stats.cached_tokens == 0 and reply.tokens == run(whole, first).tokens
+            assert engine_kept(cached, 2) == 2  # (its end: once the last node said every node kept it)
             turn = first + reply.tokens + list(tok.encode(PROMPTS[1]))  # a chat's next turn
             cases = [(2, False, {}), (0, False, {}), (3, True, {}),
                      (2, False, {"params": SamplingParams(temperature=0.9, top_p=0.95, seed=7)})]
             for i, (depth, auto, kw) in enumerate(cases):
                 got, want = run(cached, turn, depth, auto, **kw), run(whole, turn, depth, auto, **kw)
-                # the first goes on from the first prompt's prefix; the next ones from the turn's own
-                assert got.stats.cached_tokens == (len(first) - 1 if i == 0 else len(turn) - 1)
+                # the first goes on from where the first reply ended; the next ones from the turn's prefix
+                assert got.stats.cached_tokens == (len(first) + len(reply.tokens) - 1 if i == 0 else len(turn) - 1)
                 assert got.tokens == want.tokens, (depth, auto)
                 if depth == 2 and not kw:  # the MTP head went on from the prefix too: the same drafts
                     assert (got.stats.drafted, got.stats.accepted) == (want.stats.drafted, want.stats.accepted)
-            assert cached.describe()["ring"]["kept_prefixes"] == 2
-            assert held(servers) == [2] * n + [0] * n
+            # the first prompt's prefix and end, the turn's prefix, its greedy replies' end (the same
+            # tokens at every depth: one) and its sampled reply's end
+            assert engine_kept(cached, 5) == 5
+            assert settled(servers, [5] * n + [0] * n) == [5] * n + [0] * n
         finally:
             cached.close()
             whole.close()
@@ -75,16 +90,17 @@ def test_nodes_hold_what_the_engine_keeps_within_its_budget(dense_ckpt: Path) ->
         engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
         try:
             prompts = [list(engine.tokenizer.encode(PROMPTS[i])) for i in (2, 3, 4)]
-            engine.kept.budget = int(2.5 * max(engine.kept.nbytes(len(p) - 1) for p in prompts))
+            last = len(prompts[-1])  # room for the last request's prefix and end, no more
+            engine.kept.budget = engine.kept.nbytes(last - 1) + engine.kept.nbytes(last + TOKENS - 1)
             for p in prompts:
-                run(engine, p)
-            ring = engine.describe()["ring"]
-            assert ring["kept_prefixes"] == 2 and ring["kept_prefix_bytes"] <= engine.kept.budget
+                assert len(run(engine, p).tokens) == TOKENS
+            assert engine_kept(engine, 2) == 2
+            assert engine.describe()["ring"]["kept_prefix_bytes"] <= engine.kept.budget
             assert settled(servers, [2, 2]) == [2, 2]
             rows = [probe_node(s.address, None) for s in servers]  # (`mtpipe health --json`)
             assert [r["kept_prefixes"] for r in rows] == [2, 2] and all(r["kept_prefix_bytes"] > 0 for r in rows)
-            assert run(engine, prompts[0]).stats.cached_tokens == 0  # the least recently used went
             assert run(engine, prompts[2]).stats.cached_tokens == len(prompts[2]) - 1
+            assert run(engine, prompts[0]).stats.cached_tokens == 0  # the least recently used went
         finally:
             engine.close()
 
@@ -97,7 +113,7 @@ def test_a_lost_pipeline_forgets_its_kept_prefixes(dense_ckpt: Path) -> None:
         try:
             prompt = list(engine.tokenizer.encode(PROMPTS[5]))
             want = run(engine, prompt).tokens
-            assert held(servers) == [1, 1]
+            assert settled(servers, [2, 2]) == [2, 2]
             reformer = engine.pipeline.reformer
             engine.pipeline._lost(NodeFailure(servers[1].address, "lost for the test"))
             assert reformer.wait(30) and reformer.down is None
@@ -140,7 +156,7 @@ def test_a_client_that_goes_leaves_no_kept_prefix(dense_ckpt: Path) -> None:
             s.service.orphan_grace = 0.2
         engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
         run(engine, list(engine.tokenizer.encode(PROMPTS[7])))
-        assert held(servers) == [1, 1]
+        assert settled(servers, [2, 2]) == [2, 2]
         engine.close()
         assert settled(servers, [0, 0]) == [0, 0]
 
@@ -153,12 +169,13 @@ def test_a_node_that_forgot_a_prefix_costs_a_whole_prefill_not_the_request(dense
         try:
             prompt = list(engine.tokenizer.encode(PROMPTS[8]))
             want = run(engine, prompt).tokens
+            assert settled(servers, [2, 2]) == [2, 2]
             # behind the engine's back, on the node's loop (whose thread owns its arrays, freeing included)
             worker = servers[1].service.worker
             done = concurrent.futures.Future()
             servers[1]._loop.call_soon_threadsafe(lambda: done.set_result(worker.drop_prefixes(list(worker.prefixes))))
             done.result(timeout=10)
-            assert held(servers) == [1, 0]
+            assert held(servers) == [2, 0]
             again = run(engine, prompt)
             assert again.tokens == want and again.stats.cached_tokens == 0
             assert run(engine, prompt).stats.cached_tokens == len(prompt) - 1  # kept anew on the way
@@ -201,3 +218,151 @@ def test_a_prefix_a_prompt_is_about_to_start_from_is_never_dropped() -> None:
     kept.kept("d", [9, 9, 9], drafts=True, epoch=0.0)
     assert dropped == ["b", "a"]
     assert kept.reuse(prompt + [6], drafts=False, epoch=1.0) is None  # the pipeline was lost: all forgotten
+
+
+def wait_for_end(engine: Any, fed: list[int], drafts: bool, timeout: float = 5.0) -> None:
+    """Until the engine counts a request's end (`fed` but the last token) as kept: the last node's word
+    that every node kept it comes a round after the request's last tokens."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        hit = engine.kept.reuse(fed, drafts, engine.pipeline.reformer.down_at)
+        if hit is not None:
+            engine.kept.done(hit.key)
+            if len(hit.tokens) == len(fed) - 1:
+                return
+        time.sleep(0.02)
+
+
+def on_loop(server: Any, fn: Any) -> Any:
+    """`fn()` on a node's loop thread, whose MLX stream holds its arrays."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def call() -> None:
+        try:
+            done.set_result(fn())
+        except Exception as e:  # noqa: BLE001
+            done.set_exception(e)
+
+    server._loop.call_soon_threadsafe(call)
+    return done.result(timeout=30)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("depth", [2, "auto"])
+def test_what_nodes_keep_as_a_request_ends_is_what_a_prefill_of_its_tokens_leaves(dense_ckpt: Path,
+                                                                                   depth: int | str) -> None:
+    """On every node, a request's state kept as it ended (its prompt and reply but the last token)
+    equals a prompt prefilled whole to the same point: attention entries, GatedDeltaNet states, and on
+    the last node the MTP head's entries and pending hidden, to 1e-5."""
+    import numpy as np
+
+    auto = depth == "auto"
+    with node_servers(4) as servers:
+        ended = ring_engine(dense_ckpt, [s.address for s in servers[:2]], dtype="float32")
+        whole = ring_engine(dense_ckpt, [s.address for s in servers[2:]], dtype="float32")
+        try:
+            prompt = list(ended.tokenizer.encode(PROMPTS[10]))
+            reply = run(ended, prompt, 3 if auto else depth, auto).tokens
+            tokens = prompt + reply[:-1]
+            assert engine_kept(ended, 2) == 2 and settled(servers[:2], [2, 2]) == [2, 2]
+            run(whole, tokens + reply[-1:], 3 if auto else depth, auto)  # its prompt's prefix: `tokens`
+
+            def arrays(server: Any, end: bool) -> tuple[dict[str, Any], list[np.ndarray]]:
+                prefixes = server.service.worker.prefixes
+                (p,) = [v for k, v in prefixes.items() if k.endswith("/end") == end and v.length == len(tokens)]
+                meta = {"length": p.length, "mtp_len": p.mtp_len, "drafts": p.drafts, "recent": p.recent[-20:]}
+                return meta, [np.array(a) for a in p.arrays()]
+
+            for i, (a_node, b_node) in enumerate(zip(servers[:2], servers[2:])):
+                (meta_a, a), (meta_b, b) = on_loop(a_node, lambda: arrays(a_node, True)), on_loop(
+                    b_node, lambda: arrays(b_node, False))
+                assert meta_a == meta_b and meta_a["length"] == len(tokens)
+                assert meta_a["drafts"] == (i == 1) and meta_a["mtp_len"] == (len(tokens) - 1 if i == 1 else 0)
+                assert [x.shape for x in a] == [y.shape for y in b]
+                assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) <= 1e-5
+        finally:
+            ended.close()
+            whole.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("model", "n"), [("dense", 2), ("moe", 3)])
+def test_a_next_turn_over_nodes_goes_on_from_where_the_reply_ended(dense_ckpt: Path, moe_ckpt: Path, model: str,
+                                                                   n: int) -> None:
+    """A chat's next turn prefills only its new message, from the state the nodes kept as the reply
+    ended, and gives the tokens of a whole prefill (and, at a fixed depth, its drafts): greedy at depths
+    0-3 and auto, seeded top-p, a repetition penalty."""
+    path = dense_ckpt if model == "dense" else moe_ckpt
+    with node_servers(2 * n) as servers:
+        cached = ring_engine(path, [s.address for s in servers[:n]], dtype="float32")
+        whole = ring_engine(path, [s.address for s in servers[n:]], dtype="float32", prefix_cache=0)
+        try:
+            tok = cached.tokenizer
+            cases = [(0, False, {}), (1, False, {}), (2, False, {}), (3, False, {}), (3, True, {}),
+                     (2, False, {"params": SamplingParams(temperature=0.9, top_p=0.95, seed=3)}),
+                     (2, False, {"params": SamplingParams(repetition_penalty=1.3)})]
+            for i, (depth, auto, kw) in enumerate(cases):
+                first = list(tok.encode(PROMPTS[i]))
+                reply = run(cached, first, depth, auto, **kw)
+                wait_for_end(cached, first + reply.tokens, depth > 0)
+                turn = first + reply.tokens + list(tok.encode(PROMPTS[i + 1]))
+                got, want = run(cached, turn, depth, auto, **kw), run(whole, turn, depth, auto, **kw)
+                assert got.stats.cached_tokens == len(first) + len(reply.tokens) - 1, (depth, auto, kw)
+                assert got.tokens == want.tokens, (depth, auto, kw)
+                if not auto:
+                    assert (got.stats.drafted, got.stats.accepted) == (want.stats.drafted, want.stats.accepted)
+        finally:
+            cached.close()
+            whole.close()
+
+
+def test_a_request_that_does_not_end_keeps_no_end(dense_ckpt: Path) -> None:
+    """A request cancelled while it decodes keeps only its prompt's prefix: no node keeps its end."""
+    with node_servers(2) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
+        try:
+            items: queue.SimpleQueue = queue.SimpleQueue()
+            handle = engine.open(GenerationRequest(list(engine.tokenizer.encode(PROMPTS[11])), max_tokens=400,
+                                                   mtp_depth=2), items.put)
+            assert not isinstance(items.get(timeout=30), BaseException)
+            handle.cancel()
+            while items.get(timeout=30) is not END:
+                pass
+            time.sleep(0.3)  # (what a round on its way might have carried)
+            assert settled(servers, [1, 1]) == [1, 1] and engine_kept(engine, 1) == 1
+            assert not [k for s in servers for k in s.service.worker.prefixes if k.endswith("/end")]
+        finally:
+            engine.close()
+
+
+def test_an_end_and_the_word_that_it_was_kept_are_noted_in_either_order() -> None:
+    """The last node's word that every node kept a request's end, and the request's own end, come on
+    different threads in either order: the second notes it. An end whose request failed, or whose
+    length is not what the request fed, goes from the nodes; so does a word no request ever claims."""
+    from mtpipe.coordinator.engine import kept as kept_module
+    from mtpipe.node.protocol import Commit, GroupEnd
+
+    dropped: list[str] = []
+    kept = KeptPrefixes(ModelDims(kv_bytes_per_token=10, state_bytes=100), budget=10**6, drop=dropped.append)
+    fed = [1, 2, 3, 4, 5]
+
+    def end(key: str, position: int = 4) -> GroupEnd:
+        return GroupEnd("s", Commit(0, 0, 0), key, position, drafts=True)
+
+    kept.ended("a/end", fed, 0.0)
+    kept.heard(end("a/end"))
+    hit = kept.reuse(fed + [9], drafts=True, epoch=0.0)
+    assert hit is not None and hit.key == "a/end" and hit.tokens == tuple(fed[:-1])
+    kept.done(hit.key)
+    kept.heard(end("b/end"))
+    kept.ended("b/end", fed, 0.0)  # the same tokens: b's replaces a's
+    assert dropped == ["a/end"] and kept.reuse(fed, drafts=True, epoch=0.0).key == "b/end"
+    kept.done("b/end")
+    kept.ended("c/end", None, 0.0)  # cancelled: the nodes drop what they kept
+    kept.heard(end("c/end"))
+    kept.heard(end("d/end", position=9))
+    kept.ended("d/end", fed, 0.0)  # the nodes kept another length than the request fed
+    assert dropped == ["a/end", "c/end", "d/end"] and kept.describe()["kept_prefixes"] == 1
+    for i in range(kept_module.MAX_UNMATCHED + 1):  # words nobody claims: the oldest goes from the nodes
+        kept.heard(end(f"x{i}/end"))
+    assert dropped[-1] == "x0/end"

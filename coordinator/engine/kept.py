@@ -8,6 +8,10 @@ of every position and one set of GatedDeltaNet states. A prefix a prompt is abou
 pinned until that prompt went in, so no drop overtakes it. A pipeline that was lost may come back
 with nodes that kept nothing: what was kept before a loss is forgotten (the nodes forget it too, as
 they are loaded again), and nothing is reused or kept while it is down.
+
+A request's state at its end (its prompt and reply but the reply's last token) is kept by the nodes
+as its row leaves its group (node/groups.py); the last node says so once the round that carried it
+came back. That word and the request's end can come in either order: whichever comes second notes it.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from ...node.protocol import GroupEnd
 from . import scheduler as plan
 
 MAX_KEPT = 128  # kept prefixes at once (a node takes at most node/stage.py's MAX_KEPT_PREFIXES)
+MAX_UNMATCHED = 256  # ends heard of before their request ended, or ended before they were heard of
 
 
 class KeptPrefixes:
@@ -31,6 +37,8 @@ class KeptPrefixes:
         self._drop = drop  # tells the nodes (in order behind the steps sent before)
         self._kept: dict[str, plan.KeptPrefix] = {}
         self._pins: dict[str, int] = {}
+        self._ending: dict[str, tuple[list[int] | None, float]] = {}  # key -> (tokens fed, epoch): not heard yet
+        self._heard: dict[str, GroupEnd] = {}  # key -> the last node's word, its request not ended yet
         self._epoch = 0.0  # when the pipeline was last lost, as the kept prefixes knew it
         self._lock = threading.Lock()
 
@@ -92,6 +100,41 @@ class KeptPrefixes:
         for k in gone + out:
             self._drop(k)
 
+    def end_key(self, seq_id: str, prompt: list[int]) -> str:
+        """The key a request's state is kept under as it ends; "" when its prompt alone is over the budget."""
+        return f"{seq_id}/end" if self.budget and self.nbytes(len(prompt)) <= self.budget else ""
+
+    def ended(self, key: str, fed: list[int] | None, epoch: float) -> None:
+        """The request that asked for its end to be kept under `key` ended. `fed`: its prompt and every
+        token it was given (the last never went in); None when it failed or was cancelled (its row
+        then leaves without keeping anything, or what a node kept meanwhile goes)."""
+        with self._lock:
+            end = self._heard.pop(key, None)
+            if end is None:
+                self._ending[key] = (fed, epoch)
+                _bound(self._ending)
+                return
+        self._noted(end, fed, epoch)
+
+    def heard(self, end: GroupEnd) -> None:
+        """The last node's word: every node kept `end` (the pipeline's subscription thread)."""
+        with self._lock:
+            ending = self._ending.pop(end.key, None)
+            if ending is None:
+                self._heard[end.key] = end
+                gone = _bound(self._heard)
+        if ending is not None:
+            self._noted(end, *ending)
+            return
+        for g in gone:  # (their requests never ended here: nothing will note them)
+            self.forget(g.key)
+
+    def _noted(self, end: GroupEnd, fed: list[int] | None, epoch: float) -> None:
+        if fed is None or len(fed) - 1 != end.position or self.nbytes(end.position) > self.budget:
+            self.forget(end.key)
+        else:
+            self.kept(end.key, fed, end.drafts, epoch)
+
     def forget(self, key: str) -> None:
         """A prompt that was to be kept under `key` failed: whatever node kept it drops it."""
         with self._lock:
@@ -102,3 +145,8 @@ class KeptPrefixes:
         with self._lock:
             return {"kept_prefixes": len(self._kept), "kept_prefix_bytes": sum(k.nbytes for k in self._kept.values()),
                     "prefix_cache_bytes": self.budget}
+
+
+def _bound(d: dict) -> list:
+    """Drop the oldest entries past MAX_UNMATCHED; returns them."""
+    return [d.pop(next(iter(d))) for _ in range(len(d) - MAX_UNMATCHED)]

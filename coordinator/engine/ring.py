@@ -73,6 +73,8 @@ class RingLive:
     lost_prompt: tuple[str, int] | None = None  # (sequence, group) lost while its prompt went in: freed after
     resumes: int = 0
     emitted: list[int] = field(default_factory=list)  # every token handed out (replayed on a resume)
+    keep_end: str = ""  # the key its state is kept under as it ends (kept.py), and the epoch it counts in
+    kept_epoch: float = 0.0
     done: bool = False
     on_admit: Callable[[], None] | None = None  # told once it has a row
     # Held while outcomes are handed out (in order, by one thread at a time) and while it finishes.
@@ -99,6 +101,8 @@ class RingEngine:
         self.pipeline = pipeline  # a RemotePipeline whose last node starts rounds itself
         # Prompt prefixes the nodes keep (kept.py), within `prefix_cache` bytes over all nodes.
         self.kept = KeptPrefixes(dims, prefix_cache, pipeline.drop_prefix) if dims and prefix_cache > 0 else None
+        if self.kept is not None:
+            pipeline.on_kept = self.kept.heard
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
         self.max_context = max_context
@@ -207,6 +211,7 @@ class RingEngine:
         hit = kept.reuse(prompt, drafts, epoch) if kept else None
         start = len(hit.tokens) if hit else 0
         keep = kept.keep_as(live.seq_id, prompt, drafts, start) if kept else ""
+        live.keep_end, live.kept_epoch = (kept.end_key(live.seq_id, prompt) if kept else ""), epoch
         if not live.emitted:
             live.stats.cached_tokens = start
         body = prompt[start:-1]
@@ -219,7 +224,8 @@ class RingEngine:
                              mtp_auto=req.mtp_auto and i == 0, budget=left if final else 0,
                              stop_tokens=self._stop_tokens if final else (), group=live.group,
                              resumed_at=len(req.prompt_tokens) if live.emitted and i == 0 else 0,
-                             prefix=hit.key if hit and i == 0 else "", keep=keep if final else "")
+                             prefix=hit.key if hit and i == 0 else "", keep=keep if final else "",
+                             keep_end=live.keep_end if final else "")
                  for i, (chunk, final) in enumerate(chunks)]
         seq_id = live.seq_id
         with live.lock:  # (`prefilling` was set where the row was placed)
@@ -350,8 +356,17 @@ class RingEngine:
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
                                   stats=live.stats, logprobs=logprobs))
+        if first:  # (it never joined a group: nothing is kept)
+            live.keep_end = ""
+        self._end_kept(live, [*req.prompt_tokens, *live.emitted[: len(live.emitted) - len(new)], *out.tokens])
         self._finish(live, None)
         return True
+
+    def _end_kept(self, live: RingLive, fed: list[int] | None) -> None:
+        """Its state at its end is kept, or not (`fed`: None), once the last node says the nodes kept it."""
+        key, live.keep_end = live.keep_end, ""
+        if key and self.kept is not None:
+            self.kept.ended(key, fed, live.kept_epoch)
 
     def _finish(self, live: RingLive, error: BaseException | None, released: bool = False) -> None:
         """Take a request out (once): its row leaves the group and is freed on every node (once its
@@ -361,6 +376,7 @@ class RingEngine:
             if live.done:
                 return
             live.done = True
+            self._end_kept(live, None)  # (ended otherwise: nothing of it is kept)
             if released or live.resuming:
                 self._slots.release()
             elif live.admitted and not live.prefilling:

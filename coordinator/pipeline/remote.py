@@ -34,12 +34,8 @@ from typing import Any
 import grpc
 
 from ...models.shard import ShardSpec
-from ...node.protocol import StageError, StepKind, StepOutput, StepRequest
-from ...node.wire import (
-    describe_rpc_error,
-    request_to_frame,
-    result_to_output,
-)
+from ...node.protocol import GroupEnd, StageError, StepKind, StepOutput, StepRequest
+from ...node.wire import describe_rpc_error, end_from_pb, request_to_frame, result_to_output
 from ...proto import mtpipe_pb2 as pb
 from .nodes import FrameStream, NodeFailure, NodeLink, RemoteStageError, TakenOver, load_node
 from .reform import Reformer
@@ -119,6 +115,7 @@ class RemotePipeline:
         self._waiters: dict[tuple[str, int], _Waiter] = {}
         # Sequences in ring groups (engine/ring.py): each row's results and errors, as they come.
         self.row_sinks: dict[str, Callable[[StepOutput | Exception], None]] = {}
+        self.on_kept: Callable[[GroupEnd], None] = lambda end: None  # a row's state kept on every node as it ended
         self._lock = threading.Lock()
         self._connect_lock = threading.Lock()
         self._closed = False
@@ -286,6 +283,8 @@ class RemotePipeline:
                 sink = self.row_sinks.get(r.seq_id)
                 if sink is not None:
                     sink(result_to_output(r))
+            for end in event.group.kept:
+                self.on_kept(end_from_pb(end))
         elif kind == "error":
             e = event.error
             if not e.seq_id and e.code == "ABORTED":  # another coordinator took this node over
