@@ -18,7 +18,15 @@ from ..proto import mtpipe_pb2 as pb
 from .conditions import Conditions
 from .groups import RingGroups, StaleRound
 from .protocol import GroupEnd, GroupRound, StageError, StepOutput
-from .wire import frame_to_group, group_result, group_to_frame, output_to_result, tensor_from_pb, tensor_to_pb
+from .wire import (
+    end_to_pb,
+    frame_to_group,
+    group_result,
+    group_to_frame,
+    output_to_result,
+    tensor_from_pb,
+    tensor_to_pb,
+)
 
 if TYPE_CHECKING:
     from .stage import StageWorker
@@ -107,12 +115,13 @@ class GroupFrames:
         if not rnd.rows:  # the group ended
             if not last:
                 groups.close(rnd)
+                _pass_ends(frame, rnd)
                 self._forward(frame)
             elif not rnd.from_last:  # it failed on a node before: end it on the nodes before that one too
                 self._end_around(groups, rnd)
-            elif rnd.ends:  # (an ending frame the last node sent came back around: its ends are kept)
-                self._emit(rnd.client_id, pb.Event(group=group_result(rnd, [], rnd.ends)))
-            return  # (a new group may hold the id by now)
+            else:  # an ending frame the last node sent came back around (a new group may hold the id by now)
+                self._round_back(rnd, [])
+            return
         try:
             hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
             out = groups.run(rnd, hidden)
@@ -128,6 +137,7 @@ class GroupFrames:
             return
         if not last:
             frame.hidden.CopyFrom(tensor_to_pb(out))
+            _pass_ends(frame, rnd)
             self._forward(frame)
             return
         try:
@@ -137,11 +147,22 @@ class GroupFrames:
         except Exception as e:  # a bug: fail this group, keep serving the others
             log.exception("round %d of group %d failed after it ran", rnd.round, rnd.group)
             self._group_failed(groups, rnd, frame, "INTERNAL", f"{type(e).__name__}: {e}")
+            for end in rnd.ends:  # (kept on the nodes; the client will never hear of them)
+                self._drop_end(rnd.client_id, end)
             return
         if nxt is not None:
             self._start_round(group_to_frame(nxt))
-        if shown or rnd.ends:  # (the ends this round carried are kept on every node now)
-            self._emit(rnd.client_id, pb.Event(group=group_result(rnd, shown, rnd.ends)))
+        self._round_back(rnd, shown)
+
+    def _round_back(self, rnd: GroupRound, shown: list) -> None:
+        """The last node, a round of a group back: the rows' outcomes, and the ends it carried that every
+        node kept, go to the client; an end a node refused is dropped on the nodes that kept it."""
+        kept = [e for e in rnd.ends if not e.refused]
+        for end in rnd.ends:
+            if end.refused:
+                self._drop_end(rnd.client_id, end)
+        if shown or kept:
+            self._emit(rnd.client_id, pb.Event(group=group_result(rnd, shown, kept)))
 
     def joined(self, frame: pb.Frame, out: StepOutput) -> pb.Event:
         """The last node after a prompt's last chunk meant for a group: the sequence joins it."""
@@ -205,3 +226,10 @@ class GroupFrames:
                 continue
             err = pb.Error(code=code, message=message, node=self.name, seq_id=r.seq_id, step=frame.step)
             self._emit(frame.client_id, pb.Event(error=err))
+
+
+def _pass_ends(frame: pb.Frame, rnd: GroupRound) -> None:
+    """The ends this node refused to keep are marked so in the frame it passes on."""
+    if any(e.refused for e in rnd.ends):
+        del frame.ends[:]
+        frame.ends.extend(end_to_pb(e) for e in rnd.ends)

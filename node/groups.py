@@ -144,7 +144,8 @@ class RingGroups:
 
     def _settle(self, g: Group, rnd: GroupRound) -> None:
         """A node other than the last: its last round's commit for every row (rows that ended carry
-        theirs in `ends`; other leaving rows take any outcome), then the ends' states are kept."""
+        theirs in `ends`; other leaving rows take any outcome), then the ends' states are kept. An end
+        this node cannot keep is marked refused in `rnd`: no node after it keeps it."""
         if not g.pending:
             return
         by_id = {r.seq_id: r.commit for r in rnd.rows if not r.join}
@@ -152,15 +153,20 @@ class RingGroups:
         g.stage.commit([by_id.get(s) or Commit(0, 0, 0) for s in g.stage.ids])
         g.pending = False
         for e in rnd.ends:
-            if self._keep(rnd.client_id, g.stage, e) is None:
-                log.warning("the end of %s was not kept here (no room, or not at position %d)", e.seq_id, e.position)
+            if not e.refused and self._keep(rnd.client_id, g.stage, e) is None:
+                log.info("the end of %s is not kept here (no room, or not at position %d)", e.seq_id, e.position)
+                e.refused = True
 
     def _keep(self, client_id: str, stage: BatchStage, end: GroupEnd) -> Prefix | None:
         """Keep a row's state as it ended, under its client's key, where the node has room."""
         key = scoped(client_id, end.key)
         if key in self.worker.prefixes or not self.worker.room_for_prefix():
             return None
-        prefix = stage.end_prefix(end.seq_id, end.position)
+        try:
+            prefix = stage.end_prefix(end.seq_id, end.position)
+        except Exception:  # (a copy that failed costs the next turn a longer prefill, never the rows)
+            log.exception("keeping the end of %s failed", end.seq_id)
+            return None
         if prefix is not None:
             self.worker.prefixes[key] = prefix
         return prefix
@@ -173,8 +179,10 @@ class RingGroups:
             try:
                 self._validate(rnd)
                 self._settle(g, rnd)
-            except StageError as e:  # (the ends are not kept; the coordinator prefills whole then)
+            except StageError as e:  # (the ends are not kept here, nor after: the last node drops them)
                 log.warning("group %d ended without keeping its ends: %s", rnd.group, e)
+                for end in rnd.ends:
+                    end.refused = True
         self.end(rnd.key)
 
     def riding(self, key: tuple[str, int]) -> list[GroupEnd]:

@@ -133,6 +133,7 @@ class GroupEnd:
     key: str
     position: int
     drafts: bool = False  # the last node kept the MTP head's part too
+    refused: bool = False  # a node could not keep it (no room): it is dropped everywhere
 
 
 @dataclass

@@ -160,10 +160,10 @@ class StageWorker:
         if req.keep:
             if req.kind is not StepKind.PREFILL or not req.final:
                 raise StageError("only a prompt's last step keeps its prefix")
-        if req.keep_end and (req.kind is not StepKind.PREFILL or not req.final or not req.group):
-            raise StageError("only a prompt's last step meant for a group keeps its end")
             if req.keep in self.prefixes:
                 raise StageError(f"prefix {req.keep!r} is kept already")
+        if req.keep_end and (req.kind is not StepKind.PREFILL or not req.final or not req.group):
+            raise StageError("only a prompt's last step meant for a group keeps its end")
         if seq is None:
             if req.step != 0:
                 raise StageError(f"unknown sequence {req.seq_id!r}")

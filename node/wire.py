@@ -178,11 +178,11 @@ def group_to_frame(rnd: GroupRound) -> pb.Frame:
 
 def end_to_pb(e: GroupEnd) -> pb.End:
     return pb.End(seq_id=e.seq_id, accepted=e.commit.accepted, trim=e.commit.trim, key=e.key, position=e.position,
-                  drafts=e.drafts)
+                  drafts=e.drafts, refused=e.refused)
 
 
 def end_from_pb(e: pb.End, step: int = 0) -> GroupEnd:
-    return GroupEnd(e.seq_id, Commit(step, e.accepted, e.trim), e.key, e.position, e.drafts)
+    return GroupEnd(e.seq_id, Commit(step, e.accepted, e.trim), e.key, e.position, e.drafts, e.refused)
 
 
 def group_result(rnd: GroupRound, outs: list[Any], kept: list[GroupEnd] = ()) -> pb.GroupResult:

@@ -131,14 +131,19 @@ def test_a_bad_prefix_is_refused_without_touching_a_node(dense_ckpt: Path) -> No
             tokens = list(engine.tokenizer.encode(PROMPTS[6]))
             bad = [StepRequest("unknown-prefix", 0, StepKind.PREFILL, tokens, final=True, prefix="nope"),
                    StepRequest("keep-at-start", 0, StepKind.PREFILL, tokens, final=True, keep="k"),
-                   StepRequest("keep-midway", 0, StepKind.PREFILL, tokens, keep="k")]
-            for req, says in zip(bad, ("no kept prompt prefix", "no prefix before it", "last step keeps")):
+                   StepRequest("keep-midway", 0, StepKind.PREFILL, tokens, keep="k"),
+                   StepRequest("end-alone", 0, StepKind.PREFILL, tokens, final=True, keep_end="e")]
+            for req, says in zip(bad, ("no kept prompt prefix", "no prefix before it", "last step keeps",
+                                       "meant for a group keeps its end")):
                 with pytest.raises(RemoteStageError, match=says):
                     engine.pipeline.steps([req])
             assert [len(s.service.worker.sequences) for s in servers] == [0, 0] and held(servers) == [0, 0]
             # another client's key is not this one's, whatever it is called
             run(engine, tokens)
             key = next(iter(servers[0].service.worker.prefixes)).split("/", 1)[1]
+            with pytest.raises(RemoteStageError, match="kept already"):  # (it would hold other tokens)
+                engine.pipeline.steps([StepRequest("again", 0, StepKind.PREFILL, tokens[-1:], final=True, prefix=key,
+                                                   keep=key)])
             other = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32", take_over=True)
             try:
                 with pytest.raises(RemoteStageError, match="no kept prompt prefix"):
@@ -354,15 +359,55 @@ def test_an_end_and_the_word_that_it_was_kept_are_noted_in_either_order() -> Non
     hit = kept.reuse(fed + [9], drafts=True, epoch=0.0)
     assert hit is not None and hit.key == "a/end" and hit.tokens == tuple(fed[:-1])
     kept.done(hit.key)
-    kept.heard(end("b/end"))
-    kept.ended("b/end", fed, 0.0)  # the same tokens: b's replaces a's
-    assert dropped == ["a/end"] and kept.reuse(fed, drafts=True, epoch=0.0).key == "b/end"
-    kept.done("b/end")
+    kept.heard(GroupEnd("s", Commit(0, 0, 0), "b/end", 4, drafts=False))
+    kept.ended("b/end", fed, 0.0)  # the same tokens, without the MTP head's part: a's stays
+    assert dropped == ["b/end"] and kept.reuse(fed, drafts=True, epoch=0.0).key == "a/end"
+    kept.done("a/end")
     kept.ended("c/end", None, 0.0)  # cancelled: the nodes drop what they kept
     kept.heard(end("c/end"))
     kept.heard(end("d/end", position=9))
     kept.ended("d/end", fed, 0.0)  # the nodes kept another length than the request fed
-    assert dropped == ["a/end", "c/end", "d/end"] and kept.describe()["kept_prefixes"] == 1
+    assert dropped == ["b/end", "c/end", "d/end"] and kept.describe()["kept_prefixes"] == 1
     for i in range(kept_module.MAX_UNMATCHED + 1):  # words nobody claims: the oldest goes from the nodes
         kept.heard(end(f"x{i}/end"))
     assert dropped[-1] == "x0/end"
+
+
+def ends_held(servers: list[Any]) -> list[str]:
+    return [k for s in servers for k in s.service.worker.prefixes if k.endswith("/end")]
+
+
+def test_an_end_the_engine_does_not_count_is_held_by_no_node(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes hold a request's end only where the engine counts it: not after a stop string ended the
+    request on its first token while its row went on to its budget, not where a node before the last
+    had no room for it (the nodes that kept it drop it), and not where copying it failed (the rows go on)."""
+    from mtpipe.node.batch import BatchStage
+
+    with node_servers(2) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
+        try:
+            prompt = list(engine.tokenizer.encode(PROMPTS[3]))
+            first = engine.tokenizer.decode(run(engine, prompt, 0).tokens[:1])
+            wait_for_end(engine, prompt + [0] * TOKENS, False)
+            assert len(ends_held(servers)) == 2
+            got = engine.complete(GenerationRequest(prompt, max_tokens=2, mtp_depth=0, stop=[first]))
+            assert got.finish_reason == "stop"
+            time.sleep(0.5)  # (the round that would carry its end, and the drop after the last node's word)
+            assert len(ends_held(servers)) == 2 and engine_kept(engine, 2) == 2  # (the first request's)
+
+            servers[0].service.worker.max_prefix_bytes = 0  # the first node: no room for more
+            run(engine, list(engine.tokenizer.encode(PROMPTS[4])))
+            time.sleep(0.5)
+            assert len(ends_held(servers)) == 2 and engine_kept(engine, 3) == 3  # (+ the prompt's, as before)
+            servers[0].service.worker.max_prefix_bytes = None
+
+            def fail(*_: Any) -> None:
+                raise MemoryError("no memory for the copy")
+
+            monkeypatch.setattr(BatchStage, "end_prefix", fail)
+            prompt = list(engine.tokenizer.encode(PROMPTS[5]))
+            assert len(run(engine, prompt).tokens) == TOKENS
+            time.sleep(0.5)
+            assert len(ends_held(servers)) == 2 and engine_kept(engine, 4) == 4
+        finally:
+            engine.close()

@@ -3,14 +3,15 @@ prefixes and without, and against mlx-lm reusing its prompt cache as its server 
 
 Every side sees the same conversation: each user turn is a piece of held-out library source, each
 assistant turn the reply mtpipe gave without kept prefixes (greedy). A turn's prompt is the chat
-template over the whole conversation so far. mtpipe's batch engine keeps each prompt's state before
-its last token, so a turn prefills the last reply and the new user message; mlx-lm's cache holds the
+template over the whole conversation so far. mtpipe keeps each prompt's state before its last token
+and each request's state as it ends, so a turn prefills the new user message (or, where the template
+renders the reply as other tokens than were generated, the last reply too); mlx-lm's cache holds the
 last prompt and its reply (a hybrid model's cache cannot be cut back, so it is reused only when it is
 a prefix of the new prompt, else rebuilt). The three sides take each turn in rotated order, so the
 machine's noise of a moment hits them alike.
 
 With `nodes`, the same over a ring of that many `mtpipe node` processes: the nodes keep the prefixes
-(node/kept.py). Both sides run on one ring engine, the `whole` side with the engine's kept prefixes
+and ends (node/kept.py, node/groups.py). Both sides run on one ring engine, the `whole` side with the engine's kept prefixes
 set aside for its turn, so the nodes, processes and links are the same; mlx-lm has no such side.
 """
 

@@ -130,7 +130,14 @@ class KeptPrefixes:
             self.forget(g.key)
 
     def _noted(self, end: GroupEnd, fed: list[int] | None, epoch: float) -> None:
+        """Kept, unless the request failed, the nodes kept another length than it fed, it is over the
+        budget, or the same tokens are kept already (with the MTP head's part where this has it)."""
         if fed is None or len(fed) - 1 != end.position or self.nbytes(end.position) > self.budget:
+            self.forget(end.key)
+            return
+        with self._lock:
+            redundant = plan.held(list(self._kept.values()), tuple(fed[:-1]), end.drafts)
+        if redundant:
             self.forget(end.key)
         else:
             self.kept(end.key, fed, end.drafts, epoch)

@@ -284,6 +284,7 @@ class RingEngine:
                     resume = not live.done and not live.resuming and live.seq_id == seq_id
                     if resume:
                         live.resuming = True
+                        self._end_kept(live, None)  # (its row's end, kept as it was lost, goes)
                         # the lost sequence: freed where it survived, once no chunk of its prompt is
                         # still on its way (one sent after the release would bring it back)
                         self._release(live, slot=False, free=not live.prefilling)
@@ -356,7 +357,7 @@ class RingEngine:
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
                                   stats=live.stats, logprobs=logprobs))
-        if first:  # (it never joined a group: nothing is kept)
+        if first and not out.continued:  # (it never joined a group: nothing is kept)
             live.keep_end = ""
         self._end_kept(live, [*req.prompt_tokens, *live.emitted[: len(live.emitted) - len(new)], *out.tokens])
         self._finish(live, None)
