@@ -155,14 +155,13 @@ class GroupFrames:
         self._round_back(rnd, shown)
 
     def _round_back(self, rnd: GroupRound, shown: list) -> None:
-        """The last node, a round of a group back: the rows' outcomes, and the ends it carried that every
-        node kept, go to the client; an end a node refused is dropped on the nodes that kept it."""
-        kept = [e for e in rnd.ends if not e.refused]
+        """The last node, a round of a group back: the rows' outcomes, and the ends it carried (kept on
+        every node, or refused by one), go to the client; a refused end is dropped where it was kept."""
         for end in rnd.ends:
             if end.refused:
                 self._drop_end(rnd.client_id, end)
-        if shown or kept:
-            self._emit(rnd.client_id, pb.Event(group=group_result(rnd, shown, kept)))
+        if shown or rnd.ends:
+            self._emit(rnd.client_id, pb.Event(group=group_result(rnd, shown, rnd.ends)))
 
     def joined(self, frame: pb.Frame, out: StepOutput) -> pb.Event:
         """The last node after a prompt's last chunk meant for a group: the sequence joins it."""

@@ -319,9 +319,9 @@ class RingGroups:
                 rows.append(GroupRow(seq_id, [out.tokens[-1], *out.drafts], out.commit))
             elif seq_id in g.end_keys and out.commit is not None:  # it ended: its state is kept
                 end = GroupEnd(seq_id, out.commit, g.end_keys[seq_id], g.stage.positions[g.stage.ids.index(seq_id)])
-                if (prefix := self._keep(rnd.client_id, g.stage, end)) is not None:
-                    end.drafts = prefix.drafts
-                    ends.append(end)
+                prefix = self._keep(rnd.client_id, g.stage, end)
+                end.drafts, end.refused = prefix is not None and prefix.drafts, prefix is None
+                ends.append(end)  # (refused, it rides too: the client hears of it a trip later either way)
         done = set(g.stage.ids) - {r.seq_id for r in rows}
         for seq_id in done:
             g.budgets.pop(seq_id, None)

@@ -186,7 +186,7 @@ def end_from_pb(e: pb.End, step: int = 0) -> GroupEnd:
 
 
 def group_result(rnd: GroupRound, outs: list[Any], kept: list[GroupEnd] = ()) -> pb.GroupResult:
-    """`outs`: the RowOutputs to hand out (batch_head.py); `kept`: ends every node kept."""
+    """`outs`: the RowOutputs to hand out (batch_head.py); `kept`: the ends the round carried."""
     return pb.GroupResult(group=rnd.group, round=rnd.round, rows=[output_to_result(o.output) for o in outs],
                           kept=[end_to_pb(e) for e in kept])
 

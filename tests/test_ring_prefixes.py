@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -225,17 +226,12 @@ def test_a_prefix_a_prompt_is_about_to_start_from_is_never_dropped() -> None:
     assert kept.reuse(prompt + [6], drafts=False, epoch=1.0) is None  # the pipeline was lost: all forgotten
 
 
-def wait_for_end(engine: Any, fed: list[int], drafts: bool, timeout: float = 5.0) -> None:
+def wait_for_end(engine: Any, fed: list[int], drafts: bool) -> None:
     """Until the engine counts a request's end (`fed` but the last token) as kept: the last node's word
-    that every node kept it comes a round after the request's last tokens."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        hit = engine.kept.reuse(fed, drafts, engine.pipeline.reformer.down_at)
-        if hit is not None:
-            engine.kept.done(hit.key)
-            if len(hit.tokens) == len(fed) - 1:
-                return
-        time.sleep(0.02)
+    that every node kept it comes a round after the request's last tokens (a prompt waits for it so)."""
+    hit = engine.kept.reuse(fed, drafts, engine.pipeline.reformer.down_at, wait=5.0)
+    if hit is not None:
+        engine.kept.done(hit.key)
 
 
 def on_loop(server: Any, fn: Any) -> Any:
@@ -308,8 +304,7 @@ def test_a_next_turn_over_nodes_goes_on_from_where_the_reply_ended(dense_ckpt: P
                      (2, False, {"params": SamplingParams(repetition_penalty=1.3)})]
             for i, (depth, auto, kw) in enumerate(cases):
                 first = list(tok.encode(PROMPTS[i]))
-                reply = run(cached, first, depth, auto, **kw)
-                wait_for_end(cached, first + reply.tokens, depth > 0)
+                reply = run(cached, first, depth, auto, **kw)  # (the turn waits for the word on its end)
                 turn = first + reply.tokens + list(tok.encode(PROMPTS[i + 1]))
                 got, want = run(cached, turn, depth, auto, **kw), run(whole, turn, depth, auto, **kw)
                 assert got.stats.cached_tokens == len(first) + len(reply.tokens) - 1, (depth, auto, kw)
@@ -368,6 +363,20 @@ def test_an_end_and_the_word_that_it_was_kept_are_noted_in_either_order() -> Non
     kept.heard(end("d/end", position=9))
     kept.ended("d/end", fed, 0.0)  # the nodes kept another length than the request fed
     assert dropped == ["b/end", "c/end", "d/end"] and kept.describe()["kept_prefixes"] == 1
+    # A prompt that starts with an end still on its way waits for the word on it, for a while
+    longer = fed + [6, 7]
+    kept.ended("w/end", longer, 0.0)
+    threading.Timer(0.1, kept.heard, [end("w/end", position=6)]).start()
+    hit = kept.reuse(longer + [8], drafts=True, epoch=0.0, wait=5.0)
+    assert hit is not None and hit.key == "w/end"
+    kept.done(hit.key)
+    kept.ended("z/end", longer + [8, 9], 0.0)  # no word comes in time: it is given up, and goes once it does
+    start = time.monotonic()
+    assert kept.reuse(longer + [8, 9, 10], drafts=True, epoch=0.0, wait=0.2).key == "w/end"
+    assert 0.2 <= time.monotonic() - start < 2
+    kept.done("w/end")
+    kept.heard(end("z/end", position=8))
+    assert dropped[-1] == "z/end" and kept.describe()["kept_prefixes"] == 2
     for i in range(kept_module.MAX_UNMATCHED + 1):  # words nobody claims: the oldest goes from the nodes
         kept.heard(end(f"x{i}/end"))
     assert dropped[-1] == "x0/end"
@@ -387,8 +396,9 @@ def test_an_end_the_engine_does_not_count_is_held_by_no_node(dense_ckpt: Path, m
         engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
         try:
             prompt = list(engine.tokenizer.encode(PROMPTS[3]))
-            first = engine.tokenizer.decode(run(engine, prompt, 0).tokens[:1])
-            wait_for_end(engine, prompt + [0] * TOKENS, False)
+            reply = run(engine, prompt, 0).tokens
+            first = engine.tokenizer.decode(reply[:1])
+            wait_for_end(engine, prompt + reply, False)
             assert len(ends_held(servers)) == 2
             got = engine.complete(GenerationRequest(prompt, max_tokens=2, mtp_depth=0, stop=[first]))
             assert got.finish_reason == "stop"

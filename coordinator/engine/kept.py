@@ -10,8 +10,10 @@ with nodes that kept nothing: what was kept before a loss is forgotten (the node
 they are loaded again), and nothing is reused or kept while it is down.
 
 A request's state at its end (its prompt and reply but the reply's last token) is kept by the nodes
-as its row leaves its group (node/groups.py); the last node says so once the round that carried it
-came back. That word and the request's end can come in either order: whichever comes second notes it.
+as its row leaves its group (node/groups.py); the last node says so (or that a node refused it) once
+the round that carried it came back. That word and the request's end can come in either order:
+whichever comes second notes it. A prompt that starts with an end still to be heard of (a chat's next
+turn sent at once) waits a moment for that word rather than prefill the reply again.
 """
 
 from __future__ import annotations
@@ -41,21 +43,37 @@ class KeptPrefixes:
         self._heard: dict[str, GroupEnd] = {}  # key -> the last node's word, its request not ended yet
         self._epoch = 0.0  # when the pipeline was last lost, as the kept prefixes knew it
         self._lock = threading.Lock()
+        self._word = threading.Condition(self._lock)  # an end was heard of
 
     def nbytes(self, tokens: int) -> int:
         return plan.kept_bytes(self.dims, tokens)
 
-    def reuse(self, prompt: list[int], drafts: bool, epoch: float) -> plan.KeptPrefix | None:
+    def reuse(self, prompt: list[int], drafts: bool, epoch: float, wait: float = 0.0) -> plan.KeptPrefix | None:
         """The longest kept prefix `prompt` starts with, pinned until `done`. `epoch`: when the pipeline
-        was last lost (a change forgets every prefix kept before)."""
+        was last lost (a change forgets every prefix kept before). Up to `wait` seconds for the word on
+        a longer one the prompt starts with: a request's end on its way around the nodes."""
+        deadline = time.monotonic() + wait
         with self._lock:
             if epoch != self._epoch:
                 self._kept, self._pins, self._epoch = {}, {}, epoch
-            hit = plan.reusable(list(self._kept.values()), prompt, drafts)
+            while True:
+                hit = plan.reusable(list(self._kept.values()), prompt, drafts)
+                coming = self._coming(prompt, len(hit.tokens) if hit else 0, epoch)
+                left = deadline - time.monotonic()
+                if coming and left <= 0 < wait:  # (no word in time: its round was lost, or will be; noted as none)
+                    self._ending.update((k, (None, epoch)) for k in coming)
+                if not coming or left <= 0:
+                    break
+                self._word.wait(left)
             if hit is not None:
                 hit.used = time.monotonic()
                 self._pins[hit.key] = self._pins.get(hit.key, 0) + 1
             return hit
+
+    def _coming(self, prompt: list[int], than: int, epoch: float) -> list[str]:
+        """Ends not heard of yet that `prompt` starts with, longer than `than` tokens (under the lock)."""
+        return [k for k, (fed, e) in self._ending.items() if fed is not None and e == epoch
+                and than < len(fed) - 1 < len(prompt) and prompt[: len(fed) - 1] == fed[:-1]]
 
     def done(self, key: str) -> None:
         with self._lock:
@@ -117,22 +135,27 @@ class KeptPrefixes:
         self._noted(end, fed, epoch)
 
     def heard(self, end: GroupEnd) -> None:
-        """The last node's word: every node kept `end` (the pipeline's subscription thread)."""
+        """The last node's word: every node kept `end`, or one refused it (the pipeline's subscription
+        thread)."""
         with self._lock:
-            ending = self._ending.pop(end.key, None)
+            ending = self._ending.get(end.key)
             if ending is None:
                 self._heard[end.key] = end
                 gone = _bound(self._heard)
-        if ending is not None:
-            self._noted(end, *ending)
+        if ending is None:
+            for g in gone:  # (their requests never ended here: nothing will note them)
+                self.forget(g.key)
             return
-        for g in gone:  # (their requests never ended here: nothing will note them)
-            self.forget(g.key)
+        self._noted(end, *ending)
+        with self._lock:  # (noted first: a prompt waiting for it finds it kept)
+            self._ending.pop(end.key, None)
+            self._word.notify_all()
 
     def _noted(self, end: GroupEnd, fed: list[int] | None, epoch: float) -> None:
-        """Kept, unless the request failed, the nodes kept another length than it fed, it is over the
-        budget, or the same tokens are kept already (with the MTP head's part where this has it)."""
-        if fed is None or len(fed) - 1 != end.position or self.nbytes(end.position) > self.budget:
+        """Kept, unless a node refused it, the request failed, the nodes kept another length than it
+        fed, it is over the budget, or the same tokens are kept already (with the MTP head's part where
+        this has it)."""
+        if end.refused or fed is None or len(fed) - 1 != end.position or self.nbytes(end.position) > self.budget:
             self.forget(end.key)
             return
         with self._lock:

@@ -208,7 +208,7 @@ class RingEngine:
         reformer, drafts = self.pipeline.reformer, req.mtp_depth > 0
         kept = self.kept if self.kept is not None and reformer.down is None else None  # (none while down)
         epoch = reformer.down_at if kept else 0.0
-        hit = kept.reuse(prompt, drafts, epoch) if kept else None
+        hit = kept.reuse(prompt, drafts, epoch, wait=min(1.0, 0.05 + 4 * self._trip_s)) if kept else None
         start = len(hit.tokens) if hit else 0
         keep = kept.keep_as(live.seq_id, prompt, drafts, start) if kept else ""
         live.keep_end, live.kept_epoch = (kept.end_key(live.seq_id, prompt) if kept else ""), epoch
@@ -347,6 +347,10 @@ class RingEngine:
         live.emitted += new
         live.stats.generation_tokens = live.generated
         logprobs = out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None
+        if finish is not None:  # (noted before the client hears of the end: its next turn may come at once)
+            if first and not out.continued:  # (it never joined a group: nothing is kept)
+                live.keep_end = ""
+            self._end_kept(live, [*req.prompt_tokens, *live.emitted[: len(live.emitted) - len(new)], *out.tokens])
         if finish is None and first and not out.continued:
             self._finish(live, RuntimeError(f"the last node did not put sequence {live.seq_id} in a group"))
             return True
@@ -357,9 +361,6 @@ class RingEngine:
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
                                   stats=live.stats, logprobs=logprobs))
-        if first and not out.continued:  # (it never joined a group: nothing is kept)
-            live.keep_end = ""
-        self._end_kept(live, [*req.prompt_tokens, *live.emitted[: len(live.emitted) - len(new)], *out.tokens])
         self._finish(live, None)
         return True
 
