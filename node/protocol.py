@@ -110,6 +110,7 @@ class StepOutput:
     # per emitted token, when asked (params.top_logprobs >= 0): its log-probability and the top others'
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     continued: bool = False  # the last node has already started the next step (remote pipelines)
+    keep_refused: bool = False  # a prompt's last step: a node did not keep its prefix (remote pipelines)
 
 
 @dataclass

@@ -262,7 +262,12 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, pb_grpc.NodeServicer):
         req = self.scope(frame_to_request(frame), frame.client_id)
         hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
         out = worker.step(req, hidden)
-        return out if isinstance(out, StepOutput) else tensor_to_pb(out)
+        if req.keep and req.keep not in worker.prefixes:  # (no room here: none after this keeps it either)
+            frame.keep, frame.keep_refused = "", True
+        if isinstance(out, StepOutput):
+            out.keep_refused = frame.keep_refused
+            return out
+        return tensor_to_pb(out)
 
     def _release(self, seq_id: str) -> bool:
         worker = self.worker

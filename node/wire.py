@@ -125,7 +125,7 @@ def params_from_pb(p: pb.Sampling) -> SamplingParams:
 def output_to_result(out: StepOutput) -> pb.StepResult:
     r = pb.StepResult(
         seq_id=out.seq_id, step=out.step, tokens=out.tokens, accepted=out.accepted, drafted=out.drafted,
-        drafts=out.drafts, continued=out.continued,
+        drafts=out.drafts, continued=out.continued, keep_refused=out.keep_refused,
     )
     if out.commit is not None:
         r.commit.CopyFrom(pb.Commit(step=out.commit.step, accepted=out.commit.accepted, trim=out.commit.trim))
@@ -138,7 +138,7 @@ def result_to_output(r: pb.StepResult) -> StepOutput:
     commit = Commit(r.commit.step, r.commit.accepted, r.commit.trim) if r.HasField("commit") else None
     logprobs = [(e.logprob, list(zip(e.top_ids, e.top_logprobs))) for e in r.logprobs]
     return StepOutput(r.seq_id, r.step, list(r.tokens), r.accepted, r.drafted, list(r.drafts), commit,
-                      logprobs=logprobs, continued=r.continued)
+                      logprobs=logprobs, continued=r.continued, keep_refused=r.keep_refused)
 
 
 def next_round(frame: pb.Frame, out: StepOutput) -> pb.Frame | None:

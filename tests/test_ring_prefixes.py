@@ -189,21 +189,28 @@ def test_a_node_that_forgot_a_prefix_costs_a_whole_prefill_not_the_request(dense
             engine.close()
 
 
-def test_a_full_node_keeps_nothing_more_and_the_prompt_goes_in_whole(dense_ckpt: Path) -> None:
+@pytest.mark.parametrize("full", [0, 1])
+def test_a_full_node_keeps_nothing_more_and_the_engine_counts_on_none_of_it(dense_ckpt: Path, full: int) -> None:
     """A node keeps prefixes within its own share of memory, whatever the engine reckons: past it, it
-    keeps nothing more, and a prompt that counted on one goes in whole (each time: the others keep it
-    again as it goes in)."""
+    keeps nothing more, the nodes after it keep nothing either, and the last node's word makes the
+    engine count on none of it (the nodes before drop theirs). The prompt goes in whole each time,
+    never refused on the way."""
     with node_servers(2) as servers:
         engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
         try:
-            servers[1].service.worker.max_prefix_bytes = 0
+            servers[full].service.worker.max_prefix_bytes = 0
+            refused: list[str] = []
+            for s in servers:
+                inner = s.service._fail
+                s.service._fail = lambda frame, code, message, inner=inner: (refused.append(message),
+                                                                            inner(frame, code, message))
             prompt = list(engine.tokenizer.encode(PROMPTS[9]))
             want = run(engine, prompt).tokens
-            assert held(servers) == [1, 0] and engine.describe()["ring"]["kept_prefixes"] == 1
+            assert settled(servers, [0, 0]) == [0, 0] and engine_kept(engine, 0) == 0
             for _ in range(2):
                 again = run(engine, prompt)
                 assert again.tokens == want and again.stats.cached_tokens == 0
-                assert held(servers) == [1, 0]  # (the one it counted on dropped, the new one kept)
+            assert settled(servers, [0, 0]) == [0, 0] and refused == []
         finally:
             engine.close()
 
@@ -408,7 +415,7 @@ def test_an_end_the_engine_does_not_count_is_held_by_no_node(dense_ckpt: Path, m
             servers[0].service.worker.max_prefix_bytes = 0  # the first node: no room for more
             run(engine, list(engine.tokenizer.encode(PROMPTS[4])))
             time.sleep(0.5)
-            assert len(ends_held(servers)) == 2 and engine_kept(engine, 3) == 3  # (+ the prompt's, as before)
+            assert len(ends_held(servers)) == 2 and engine_kept(engine, 2) == 2  # (nor for its prompt's prefix)
             servers[0].service.worker.max_prefix_bytes = None
 
             def fail(*_: Any) -> None:
@@ -418,6 +425,6 @@ def test_an_end_the_engine_does_not_count_is_held_by_no_node(dense_ckpt: Path, m
             prompt = list(engine.tokenizer.encode(PROMPTS[5]))
             assert len(run(engine, prompt).tokens) == TOKENS
             time.sleep(0.5)
-            assert len(ends_held(servers)) == 2 and engine_kept(engine, 4) == 4
+            assert len(ends_held(servers)) == 2 and engine_kept(engine, 3) == 3  # (+ its prompt's)
         finally:
             engine.close()
