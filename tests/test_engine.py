@@ -143,7 +143,7 @@ def test_the_command_and_its_node_children_never_load_torch() -> None:
     """mtpipe computes with MLX only: its processes keep transformers from importing torch (installed
     with the `train` extra), which would cost every node process seconds and memory for nothing. A
     node's own modules do not import transformers at all, nor do `health` and `cache`, nor a launch
-    until it coordinates; mlx-lm's package names still resolve."""
+    until it coordinates, nor asking for help; mlx-lm's package names still resolve."""
     from mtpipe.node.spawn import node_command
 
     command = ("import runpy, sys\n"
@@ -163,7 +163,7 @@ def test_the_command_and_its_node_children_never_load_torch() -> None:
                                       (["launch", "--help"], "False", command + torch),
                                       (["health", "--help"], "False", command + torch),
                                       (["cache", "--help"], "False", command + torch),
-                                      (["generate", "--help"], "True", command + resolve + torch)):
+                                      (["generate", "--help"], "False", command + resolve + torch)):
         out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120,
                              check=False)
         assert out.returncode == 0, out.stderr

@@ -22,10 +22,13 @@ def main() -> int:
     torch-free paths. A node needs no tokenizer: deferring mlx-lm's init keeps transformers out of it
     altogether. A launch needs one only where it ends up coordinating, so it loads transformers then,
     and a launch that ends up a node never does; `health` and `cache` read nodes and files only
-    (other commands load a tokenizer at once anyway). A library user's process is left alone.
+    (other commands load a tokenizer at once anyway), nor does asking for help. A library user's process
+    is left alone.
     """
     sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
-    if next((a for a in sys.argv[1:] if not a.startswith("-")), None) in DEFERRING:
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    asks_help = command is None or not {"-h", "--help"}.isdisjoint(sys.argv[1:])  # (argparse answers, then exits)
+    if command in DEFERRING or asks_help:
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # as mlx-lm's own init sets it
         defer_package_init("mlx_lm")
     from .main import main as run
