@@ -146,7 +146,8 @@ class RingGroups:
         """A node other than the last: its last round's commit for every row (rows that ended carry
         theirs in `ends`; other leaving rows take any outcome), then the ends' states are kept. An end
         this node cannot keep is marked refused in `rnd`: no node after it keeps it."""
-        if not g.pending:
+        if not g.pending:  # (the last node's commit is applied already; elsewhere none of theirs is here)
+            _refuse(rnd.ends if not self.spec.is_last else [])
             return
         by_id = {r.seq_id: r.commit for r in rnd.rows if not r.join}
         by_id.update((e.seq_id, e.commit) for e in rnd.ends)
@@ -175,14 +176,15 @@ class RingGroups:
         """An ending frame on a node other than the last: rows that ended with it keep their states,
         then the group ends here."""
         g = self.groups.get(rnd.key)
-        if g is not None and rnd.ends and rnd.round == g.round + 1:
+        if g is None or rnd.round != g.round + 1:  # (not the group whose rows ended)
+            _refuse(rnd.ends)
+        elif rnd.ends:
             try:
                 self._validate(rnd)
                 self._settle(g, rnd)
             except StageError as e:  # (the ends are not kept here, nor after: the last node drops them)
                 log.warning("group %d ended without keeping its ends: %s", rnd.group, e)
-                for end in rnd.ends:
-                    end.refused = True
+                _refuse(rnd.ends)
         self.end(rnd.key)
 
     def riding(self, key: tuple[str, int]) -> list[GroupEnd]:
@@ -380,3 +382,9 @@ class RingGroups:
 
     def holds(self, seq_id: str) -> bool:
         return any(seq_id in self._held(g) for g in self.groups.values())
+
+
+def _refuse(ends: list[GroupEnd]) -> None:
+    """Ends this node does not keep: no node after it keeps them, and the last node has them dropped."""
+    for end in ends:
+        end.refused = True

@@ -374,8 +374,9 @@ def test_an_end_and_the_word_that_it_was_kept_are_noted_in_either_order() -> Non
     longer = fed + [6, 7]
     kept.ended("w/end", longer, 0.0)
     threading.Timer(0.1, kept.heard, [end("w/end", position=6)]).start()
+    start = time.monotonic()
     hit = kept.reuse(longer + [8], drafts=True, epoch=0.0, wait=5.0)
-    assert hit is not None and hit.key == "w/end"
+    assert hit is not None and hit.key == "w/end" and time.monotonic() - start < 2.5  # (woken by the word)
     kept.done(hit.key)
     kept.ended("z/end", longer + [8, 9], 0.0)  # no word comes in time: it is given up, and goes once it does
     start = time.monotonic()
@@ -407,10 +408,15 @@ def test_an_end_the_engine_does_not_count_is_held_by_no_node(dense_ckpt: Path, m
             first = engine.tokenizer.decode(reply[:1])
             wait_for_end(engine, prompt + reply, False)
             assert len(ends_held(servers)) == 2
-            got = engine.complete(GenerationRequest(prompt, max_tokens=2, mtp_depth=0, stop=[first]))
-            assert got.finish_reason == "stop"
-            time.sleep(0.5)  # (the round that would carry its end, and the drop after the last node's word)
-            assert len(ends_held(servers)) == 2 and engine_kept(engine, 2) == 2  # (the first request's)
+            for budget in (2, 40):  # its row runs out with the round after, or is released
+                got = engine.complete(GenerationRequest(prompt, max_tokens=budget, mtp_depth=0, stop=[first]))
+                assert got.finish_reason == "stop"
+                start = time.monotonic()  # a prompt that starts with it waits for no word on its end
+                hit = engine.kept.reuse(prompt + reply[:1] + [0], False, engine.pipeline.reformer.down_at, wait=5.0)
+                assert time.monotonic() - start < 2.5 and hit is not None and len(hit.tokens) == len(prompt) - 1
+                engine.kept.done(hit.key)
+                time.sleep(0.5)  # (the round that would carry its end, and the drop after the last node's word)
+                assert len(ends_held(servers)) == 2 and engine_kept(engine, 2) == 2  # (the first request's)
 
             servers[0].service.worker.max_prefix_bytes = 0  # the first node: no room for more
             run(engine, list(engine.tokenizer.encode(PROMPTS[4])))

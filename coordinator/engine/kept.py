@@ -153,13 +153,13 @@ class KeptPrefixes:
 
     def _noted(self, end: GroupEnd, fed: list[int] | None, epoch: float) -> None:
         """Kept, unless a node refused it, the request failed, the nodes kept another length than it
-        fed, it is over the budget, or the same tokens are kept already (with the MTP head's part where
-        this has it)."""
+        fed, it is over the budget, the pipeline was lost since, or the same tokens are kept already
+        (with the MTP head's part where this has it)."""
         if end.refused or fed is None or len(fed) - 1 != end.position or self.nbytes(end.position) > self.budget:
             self.forget(end.key)
             return
-        with self._lock:
-            redundant = plan.held(list(self._kept.values()), tuple(fed[:-1]), end.drafts)
+        with self._lock:  # (a pipeline lost meanwhile: a node loaded again may still have kept it)
+            redundant = epoch != self._epoch or plan.held(list(self._kept.values()), tuple(fed[:-1]), end.drafts)
         if redundant:
             self.forget(end.key)
         else:

@@ -351,7 +351,11 @@ class RingEngine:
         if finish is not None:  # (noted before the client hears of the end: its next turn may come at once)
             if first and not out.continued:  # (it never joined a group: nothing is kept)
                 live.keep_end = ""
-            self._end_kept(live, [*req.prompt_tokens, *live.emitted[: len(live.emitted) - len(new)], *out.tokens])
+            # The last node ends a row (and keeps its end) on a stop token or its budget; one a stop
+            # string ended is released, and nothing of it is kept.
+            by_node = live.generated >= req.max_tokens or not self.eos.isdisjoint(out.tokens)
+            fed = [*req.prompt_tokens, *live.emitted[: len(live.emitted) - len(new)], *out.tokens]
+            self._end_kept(live, fed if by_node else None)
         if finish is None and first and not out.continued:
             self._finish(live, RuntimeError(f"the last node did not put sequence {live.seq_id} in a group"))
             return True
