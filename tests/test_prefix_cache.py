@@ -297,3 +297,19 @@ def test_a_request_ending_near_the_budget_keeps_its_end_when_it_fits_once_its_ro
         assert run(engine, turn, 2).stats.cached_tokens == len(prompt) + len(reply) - 1
     finally:
         engine.close()
+
+
+def test_a_request_a_stop_string_ends_keeps_no_end(dense_ckpt: Path) -> None:
+    """Its state holds the tokens past the stop string, which the reply (and so a next turn) does not
+    have: only its prompt's prefix is kept."""
+    engine = batch_engine(dense_ckpt, dtype=mx.float32)
+    try:
+        prompt = list(engine.tokenizer.encode(PROMPTS[12]))
+        texts = [engine.tokenizer.decode([t]) for t in run(engine, prompt).tokens[2:-2]]
+        stop = next(t for t in texts if t.strip() and "\ufffd" not in t)  # (a whole character or more)
+        engine.thread.call(lambda: [engine._drop_kept([k.key]) for k in list(engine._kept.values())])
+        got = engine.complete(GenerationRequest(prompt, max_tokens=TOKENS, mtp_depth=0, stop=[stop]))
+        assert got.finish_reason == "stop" and len(got.tokens) < TOKENS
+        assert [k.tokens for k in kept(engine)] == [tuple(prompt[:-1])]
+    finally:
+        engine.close()

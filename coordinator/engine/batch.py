@@ -389,7 +389,8 @@ class BatchEngine:
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
                                   stats=live.stats, logprobs=logprobs))
-        self._keep_end(live)
+        if live.generated >= live.req.max_tokens or not self.eos.isdisjoint(out.tokens):
+            self._keep_end(live)  # (ended by a stop string, it holds tokens past it, which no next turn has)
         self._finish(live, None)
 
     def _finish(self, live: Live, error: BaseException | None) -> None:
