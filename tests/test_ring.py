@@ -311,23 +311,7 @@ def test_group_frames_are_checked(dense_ckpt: Path) -> None:
 def test_a_row_released_while_it_joins_leaves_cleanly(dense_ckpt: Path) -> None:
     """The last node: a row released while the round that brings it in is on its way is dropped from
     the next round; the group and the other rows go on."""
-    from mtpipe.models.loading import load_shard
-    from mtpipe.models.shard import ShardSpec
-    from mtpipe.node.protocol import StepKind, StepRequest
-    from mtpipe.node.stage import StageWorker
-
-    n = load_config(dense_ckpt).num_layers
-    worker = StageWorker(load_shard(dense_ckpt, ShardSpec(n // 2, n, n), mtp=False, dtype=mx.float32))
-    hidden = worker.hidden_size
-    groups = RingGroups(worker)  # (no stop tokens: the rows' tokens come from random hidden states)
-
-    def prefill(seq: str) -> Any:
-        return worker.step(StepRequest(seq, 0, StepKind.PREFILL, [5, 6, 7], final=True),
-                           mx.random.normal((1, 3, hidden)))
-
-    def arrive(rnd: GroupRound) -> tuple[list, GroupRound | None]:  # the round comes back around
-        out = groups.run(rnd, mx.random.normal((len(rnd.rows), max(len(r.tokens) for r in rnd.rows), hidden)))
-        return groups.next_round(rnd, out)
+    worker, groups, prefill, arrive = last_node(dense_ckpt)
 
     joined, first = groups.joined("c", 1, prefill("a"), 50, ())
     assert joined and first is not None and [r.seq_id for r in first.rows] == ["a"]
@@ -357,23 +341,7 @@ def test_the_last_node_ends_a_group_whose_round_was_lost(dense_ckpt: Path) -> No
     up its rows (their clients are told) and starts the joins that waited for that round in a new group.
     The lost round, should it turn up after all, is refused and leaves the new group as it was; a
     round of a group the last node does not hold is refused."""
-    from mtpipe.models.loading import load_shard
-    from mtpipe.models.shard import ShardSpec
-    from mtpipe.node.protocol import StepKind, StepRequest
-    from mtpipe.node.stage import StageWorker
-
-    n = load_config(dense_ckpt).num_layers
-    worker = StageWorker(load_shard(dense_ckpt, ShardSpec(n // 2, n, n), mtp=False, dtype=mx.float32))
-    hidden = worker.hidden_size
-    groups = RingGroups(worker)
-
-    def prefill(seq: str) -> Any:
-        return worker.step(StepRequest(seq, 0, StepKind.PREFILL, [5, 6, 7], final=True),
-                           mx.random.normal((1, 3, hidden)))
-
-    def arrive(rnd: GroupRound) -> tuple[list, GroupRound | None]:
-        out = groups.run(rnd, mx.random.normal((len(rnd.rows), max(len(r.tokens) for r in rnd.rows), hidden)))
-        return groups.next_round(rnd, out)
+    worker, groups, prefill, arrive = last_node(dense_ckpt)
 
     _, first = groups.joined("c", 1, prefill("a"), 50, ())
     _, lost = arrive(first)  # round 2 carries "a", and never comes back
@@ -388,7 +356,8 @@ def test_the_last_node_ends_a_group_whose_round_was_lost(dense_ckpt: Path) -> No
     shown, on_its_way = arrive(fresh)
     assert [o.seq_id for o in shown] == ["b"] and groups.rows == 1
     with pytest.raises(StageError, match="not held here"):
-        groups.run(GroupRound("c", 7, 1, [GroupRow("b", [1], join=True)]), mx.random.normal((1, 1, hidden)))
+        groups.run(GroupRound("c", 7, 1, [GroupRow("b", [1], join=True)]),
+                   mx.random.normal((1, 1, worker.hidden_size)))
     # A join released here (its lease ran out) is out of the next round, which goes on without it.
     assert groups.joined("c", 1, prefill("j"), 50, ()) == (True, None)
     assert groups.release("j") and "j" not in worker.sequences
@@ -400,23 +369,7 @@ def test_the_last_node_keeps_a_row_as_it_ends_and_gives_it_up_with_a_lost_round(
     """A row that asked for its end to be kept keeps it on the last node as it ends, at its prompt and
     every token but the last, and the next round carries it to the other nodes; if that round is lost,
     the last node names it to be dropped everywhere."""
-    from mtpipe.models.loading import load_shard
-    from mtpipe.models.shard import ShardSpec
-    from mtpipe.node.protocol import StepKind, StepRequest
-    from mtpipe.node.stage import StageWorker
-
-    n = load_config(dense_ckpt).num_layers
-    worker = StageWorker(load_shard(dense_ckpt, ShardSpec(n // 2, n, n), mtp=False, dtype=mx.float32))
-    hidden = worker.hidden_size
-    groups = RingGroups(worker)
-
-    def prefill(seq: str) -> Any:
-        return worker.step(StepRequest(seq, 0, StepKind.PREFILL, [5, 6, 7], final=True),
-                           mx.random.normal((1, 3, hidden)))
-
-    def arrive(rnd: GroupRound) -> tuple[list, GroupRound | None]:
-        out = groups.run(rnd, mx.random.normal((len(rnd.rows), max(len(r.tokens) for r in rnd.rows), hidden)))
-        return groups.next_round(rnd, out)
+    worker, groups, prefill, arrive = last_node(dense_ckpt)
 
     _, first = groups.joined("c", 1, prefill("a"), 50, ())
     assert groups.joined("c", 1, prefill("e"), 2, (), keep_end="e/end") == (True, None)
@@ -604,3 +557,27 @@ def test_prompt_chunks_shrink_to_a_node_round_while_rows_decode() -> None:
         assert engine._chunk_size(60) == (60, False)
     finally:
         engine.close()
+
+
+def last_node(ckpt: Path) -> tuple[Any, RingGroups, Any, Any]:
+    """The last node's groups over the second half of the layers, driven by hand: `prefill(seq)` a
+    3-token prompt, `arrive(round)` a round back around the ring with random hidden states (so no
+    stop token is ever drawn), giving what the last node hands out and its next round."""
+    from mtpipe.models.loading import load_shard
+    from mtpipe.models.shard import ShardSpec
+    from mtpipe.node.protocol import StepKind, StepRequest
+    from mtpipe.node.stage import StageWorker
+
+    n = load_config(ckpt).num_layers
+    worker = StageWorker(load_shard(ckpt, ShardSpec(n // 2, n, n), mtp=False, dtype=mx.float32))
+    groups = RingGroups(worker)
+
+    def prefill(seq: str) -> Any:
+        return worker.step(StepRequest(seq, 0, StepKind.PREFILL, [5, 6, 7], final=True),
+                           mx.random.normal((1, 3, worker.hidden_size)))
+
+    def arrive(rnd: GroupRound) -> tuple[list, GroupRound | None]:
+        width = max(len(r.tokens) for r in rnd.rows)
+        return groups.next_round(rnd, groups.run(rnd, mx.random.normal((len(rnd.rows), width, worker.hidden_size))))
+
+    return worker, groups, prefill, arrive
