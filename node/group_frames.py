@@ -5,8 +5,9 @@ passed on, or, on the last node, its outcome goes to the client and the group's 
 to the first node. A round that fails on a node fails its rows (an error per row to the client) and
 ends the group on every node: the failing node passes an ending frame on, the last node sends one
 around to the nodes before it. Rows that ended with their states kept (`ends`) ride the next frame
-around; once it is back at the last node every node kept them, and the client hears so. If it is
-lost, the last node has them dropped everywhere.
+around; once it is back at the last node, the client hears of each: kept on every node, or refused
+by one (then dropped where it was kept). If the frame is lost, the last node has them dropped
+everywhere.
 """
 
 from __future__ import annotations

@@ -244,8 +244,8 @@ class RingEngine:
             if isinstance(out, StageError) and "no kept prompt prefix" in str(out):  # (a node forgot it)
                 kept.forget(hit.key)
                 out = StageUnavailable(f"{out}: the prompt goes in again, whole")  # (resumed)
-        refused = isinstance(out, Exception) or out.keep_refused  # (a node had no room for it: the others drop it)
-        if keep and (refused or reformer.down is not None or reformer.down_at != epoch):
+        not_kept = isinstance(out, Exception) or out.keep_refused  # (refused: a node had no room for it)
+        if keep and (not_kept or reformer.down is not None or reformer.down_at != epoch):
             kept.forget(keep)
         elif keep:
             kept.kept(keep, prompt, drafts, epoch)
