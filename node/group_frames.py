@@ -147,9 +147,9 @@ class GroupFrames:
             shown, nxt = groups.next_round(rnd, out)
         except Exception as e:  # a bug: fail this group, keep serving the others
             log.exception("round %d of group %d failed after it ran", rnd.round, rnd.group)
-            self._group_failed(groups, rnd, frame, "INTERNAL", f"{type(e).__name__}: {e}")
             for end in rnd.ends:  # (kept on the nodes; the client will never hear of them)
                 self._drop_end(rnd.client_id, end)
+            self._group_failed(groups, rnd, frame, "INTERNAL", f"{type(e).__name__}: {e}")
             return
         if nxt is not None:
             self._start_round(group_to_frame(nxt))

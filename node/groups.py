@@ -46,7 +46,7 @@ class Group:
     budgets: dict[str, int] = field(default_factory=dict)  # tokens each row may still emit
     stops: dict[str, frozenset[int]] = field(default_factory=dict)
     end_keys: dict[str, str] = field(default_factory=dict)  # rows whose state is kept as they end: its key
-    riding: list[GroupEnd] = field(default_factory=list)  # ends kept here, on the round on its way
+    riding: list[GroupEnd] = field(default_factory=list)  # ends kept here the client has not heard of
     joins: list[GroupRow] = field(default_factory=list)  # prefilled, waiting for the next round
     joining: set[str] = field(default_factory=set)  # joins riding the round on its way
     released: set[str] = field(default_factory=set)  # the client let go: out of the next round
@@ -188,9 +188,10 @@ class RingGroups:
         self.end(rnd.key)
 
     def riding(self, key: tuple[str, int]) -> list[GroupEnd]:
-        """The last node: ends kept here that ride the group's round on its way (if it is lost, they go)."""
+        """The last node: ends kept here that the client has not heard of (those on the round on its
+        way, or kept by a `next_round` that failed): if the group fails, they go."""
         g = self.groups.get(key)
-        return list(g.riding) if g is not None and g.in_flight else []
+        return list(g.riding) if g is not None else []
 
     def end(self, key: tuple[str, int]) -> None:
         """Drop a group and every row in it."""
@@ -310,7 +311,8 @@ class RingGroups:
         g = self.groups[rnd.key]
         g.in_flight = False
         g.joining = set()
-        shown, rows, ends = [], [], []
+        shown, rows = [], []
+        ends = g.riding = []  # (the round's own are heard of now; these, once the next round is back)
         for o in outs:
             seq_id, out = o.seq_id, o.output
             if seq_id in g.released:

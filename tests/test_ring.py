@@ -381,6 +381,17 @@ def test_the_last_node_keeps_a_row_as_it_ends_and_gives_it_up_with_a_lost_round(
     assert [r.seq_id for r in third.rows] == ["a"] and worker.prefixes["c/e/end"].length == 4
     ended = groups.end_idle(0.0)  # the round that carried it was lost
     assert ended.rows == [("c", 3, "a")] and ended.ends == [("c", end)]
+    # A next round that fails after it kept an end (a bug): the group's failure names it too.
+    _, first = groups.joined("c", 2, prefill("f"), 2, (), keep_end="f/end")  # ends with this round
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("a bug")
+
+    groups._launch = broken
+    with pytest.raises(RuntimeError):
+        arrive(first)
+    (end,) = groups.riding(("c", 2))
+    assert end.key == "f/end" and "c/f/end" in worker.prefixes
 
 
 def test_a_row_in_a_group_hears_of_its_errors() -> None:
