@@ -335,9 +335,9 @@ def test_a_request_that_does_not_end_keeps_no_end(dense_ckpt: Path) -> None:
             handle.cancel()
             while items.get(timeout=30) is not END:
                 pass
-            time.sleep(0.3)  # (what a round on its way might have carried)
-            assert settled(servers, [1, 1]) == [1, 1] and engine_kept(engine, 1) == 1
-            assert not [k for s in servers for k in s.service.worker.prefixes if k.endswith("/end")]
+            through_every_node(engine, PROMPTS[12])  # (+ its prompt's prefix and end)
+            assert settled(servers, [3, 3]) == [3, 3] and engine_kept(engine, 3) == 3
+            assert len(ends_held(servers)) == 2  # (the marker's, on each node)
         finally:
             engine.close()
 
@@ -390,6 +390,13 @@ def test_an_end_and_the_word_that_it_was_kept_are_noted_in_either_order() -> Non
     assert dropped[-1] == "x0/end"
 
 
+def through_every_node(engine: Any, text: str) -> None:
+    """A request to its end and the last node's word on it: every frame sent around before it (ends,
+    drops) has been through every node by then, as each link keeps its frames' order."""
+    prompt = list(engine.tokenizer.encode(text))
+    wait_for_end(engine, prompt + run(engine, prompt, 0).tokens, False)
+
+
 def ends_held(servers: list[Any]) -> list[str]:
     return [k for s in servers for k in s.service.worker.prefixes if k.endswith("/end")]
 
@@ -408,20 +415,20 @@ def test_an_end_the_engine_does_not_count_is_held_by_no_node(dense_ckpt: Path, m
             first = engine.tokenizer.decode(reply[:1])
             wait_for_end(engine, prompt + reply, False)
             assert len(ends_held(servers)) == 2
-            for budget in (2, 40):  # its row runs out with the round after, or is released
+            for i, budget in enumerate((2, 40)):  # its row runs out with the round after, or is released
                 got = engine.complete(GenerationRequest(prompt, max_tokens=budget, mtp_depth=0, stop=[first]))
                 assert got.finish_reason == "stop"
                 start = time.monotonic()  # a prompt that starts with it waits for no word on its end
                 hit = engine.kept.reuse(prompt + reply[:1] + [0], False, engine.pipeline.reformer.down_at, wait=5.0)
                 assert time.monotonic() - start < 2.5 and hit is not None and len(hit.tokens) == len(prompt) - 1
                 engine.kept.done(hit.key)
-                time.sleep(0.5)  # (the round that would carry its end, and the drop after the last node's word)
-                assert len(ends_held(servers)) == 2 and engine_kept(engine, 2) == 2  # (the first request's)
+                through_every_node(engine, PROMPTS[13 + i])  # (+ its prompt's prefix and end)
+                assert len(ends_held(servers)) == 4 + 2 * i and engine_kept(engine, 4 + 2 * i) == 4 + 2 * i
 
             servers[0].service.worker.max_prefix_bytes = 0  # the first node: no room for more
-            run(engine, list(engine.tokenizer.encode(PROMPTS[4])))
-            time.sleep(0.5)
-            assert len(ends_held(servers)) == 2 and engine_kept(engine, 2) == 2  # (nor for its prompt's prefix)
+            prompt = list(engine.tokenizer.encode(PROMPTS[4]))
+            wait_for_end(engine, prompt + run(engine, prompt).tokens, True)  # (the word on it: refused)
+            assert settled(servers, [6, 6]) == [6, 6] and engine_kept(engine, 6) == 6  # (nor its prompt's)
             servers[0].service.worker.max_prefix_bytes = None
 
             def fail(*_: Any) -> None:
@@ -429,8 +436,10 @@ def test_an_end_the_engine_does_not_count_is_held_by_no_node(dense_ckpt: Path, m
 
             monkeypatch.setattr(BatchStage, "end_prefix", fail)
             prompt = list(engine.tokenizer.encode(PROMPTS[5]))
-            assert len(run(engine, prompt).tokens) == TOKENS
-            time.sleep(0.5)
-            assert len(ends_held(servers)) == 2 and engine_kept(engine, 3) == 3  # (+ its prompt's)
+            reply = run(engine, prompt).tokens
+            assert len(reply) == TOKENS
+            wait_for_end(engine, prompt + reply, True)  # (the word on it: refused)
+            assert settled(servers, [7, 7]) == [7, 7] and engine_kept(engine, 7) == 7  # (+ its prompt's)
+            assert len(ends_held(servers)) == 6
         finally:
             engine.close()
