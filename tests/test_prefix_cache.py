@@ -313,3 +313,18 @@ def test_a_request_a_stop_string_ends_keeps_no_end(dense_ckpt: Path) -> None:
         assert [k.tokens for k in kept(engine)] == [tuple(prompt[:-1])]
     finally:
         engine.close()
+
+
+def test_a_request_ends_where_its_row_does_only_on_its_budget_or_an_eos() -> None:
+    """Only then does its state end where its reply does (`ended_in_stages`): not where a stop string
+    ended it, even in a round that goes on to an EOS."""
+    from types import SimpleNamespace
+
+    from mtpipe.coordinator.engine.request import ended_in_stages
+
+    going, stopped, eos = SimpleNamespace(stopped=False), SimpleNamespace(stopped=True), {2}
+    assert ended_in_stages([5, 6, 2], [5, 6], eos, going, 10, 20)  # the EOS right after what was handed out
+    assert not ended_in_stages([5, 6, 2], [5], eos, stopped, 9, 20)  # a stop string at 5, the EOS after 6
+    assert not ended_in_stages([5, 2], [5], eos, stopped, 9, 20)  # a stop string at 5, then the EOS
+    assert ended_in_stages([5, 6], [5, 6], eos, stopped, 20, 20)  # its budget (its last token never fed)
+    assert not ended_in_stages([5, 6], [5], eos, stopped, 19, 20)

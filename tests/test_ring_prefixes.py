@@ -390,11 +390,14 @@ def test_an_end_and_the_word_that_it_was_kept_are_noted_in_either_order() -> Non
     assert dropped[-1] == "x0/end"
 
 
-def through_every_node(engine: Any, text: str) -> None:
-    """A request to its end and the last node's word on it: every frame sent around before it (ends,
-    drops) has been through every node by then, as each link keeps its frames' order."""
-    prompt = list(engine.tokenizer.encode(text))
-    wait_for_end(engine, prompt + run(engine, prompt, 0).tokens, False)
+def through_every_node(engine: Any, *texts: str) -> None:
+    """Requests one after another, each to its end and the last node's word on it. Every frame sent
+    around before a request's steps (ends, drops) has been through every node once its word is in, as
+    each link keeps its frames' order; a drop the engine sends on a word heard meanwhile is behind the
+    next request's steps."""
+    for text in texts:
+        prompt = list(engine.tokenizer.encode(text))
+        wait_for_end(engine, prompt + run(engine, prompt, 0).tokens, False)
 
 
 def ends_held(servers: list[Any]) -> list[str]:
@@ -422,13 +425,13 @@ def test_an_end_the_engine_does_not_count_is_held_by_no_node(dense_ckpt: Path, m
                 hit = engine.kept.reuse(prompt + reply[:1] + [0], False, engine.pipeline.reformer.down_at, wait=5.0)
                 assert time.monotonic() - start < 2.5 and hit is not None and len(hit.tokens) == len(prompt) - 1
                 engine.kept.done(hit.key)
-                through_every_node(engine, PROMPTS[13 + i])  # (+ its prompt's prefix and end)
-                assert len(ends_held(servers)) == 4 + 2 * i and engine_kept(engine, 4 + 2 * i) == 4 + 2 * i
+                through_every_node(engine, PROMPTS[13 + 2 * i], PROMPTS[14 + 2 * i])  # (+ their prefixes and ends)
+                assert len(ends_held(servers)) == 6 + 4 * i and engine_kept(engine, 6 + 4 * i) == 6 + 4 * i
 
             servers[0].service.worker.max_prefix_bytes = 0  # the first node: no room for more
             prompt = list(engine.tokenizer.encode(PROMPTS[4]))
             wait_for_end(engine, prompt + run(engine, prompt).tokens, True)  # (the word on it: refused)
-            assert settled(servers, [6, 6]) == [6, 6] and engine_kept(engine, 6) == 6  # (nor its prompt's)
+            assert settled(servers, [10, 10]) == [10, 10] and engine_kept(engine, 10) == 10  # (nor its prompt's)
             servers[0].service.worker.max_prefix_bytes = None
 
             def fail(*_: Any) -> None:
@@ -439,7 +442,7 @@ def test_an_end_the_engine_does_not_count_is_held_by_no_node(dense_ckpt: Path, m
             reply = run(engine, prompt).tokens
             assert len(reply) == TOKENS
             wait_for_end(engine, prompt + reply, True)  # (the word on it: refused)
-            assert settled(servers, [7, 7]) == [7, 7] and engine_kept(engine, 7) == 7  # (+ its prompt's)
-            assert len(ends_held(servers)) == 6
+            assert settled(servers, [11, 11]) == [11, 11] and engine_kept(engine, 11) == 11  # (+ its prompt's)
+            assert len(ends_held(servers)) == 10
         finally:
             engine.close()

@@ -35,6 +35,7 @@ from .request import (
     check_request,
     check_vocabulary,
     collect,
+    ended_in_stages,
     take_tokens,
 )
 from .sinks import END, ServerBusy, Sink, stream
@@ -389,8 +390,8 @@ class BatchEngine:
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
                                   stats=live.stats, logprobs=logprobs))
-        if live.generated >= live.req.max_tokens or not self.eos.isdisjoint(out.tokens):
-            self._keep_end(live)  # (ended by a stop string, it holds tokens past it, which no next turn has)
+        if ended_in_stages(out.tokens, new, self.eos, live.text, live.generated, live.req.max_tokens):
+            self._keep_end(live)
         self._finish(live, None)
 
     def _finish(self, live: Live, error: BaseException | None) -> None:

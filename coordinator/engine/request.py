@@ -182,6 +182,13 @@ def context_room(prompt_tokens: int, mtp_depth: int, max_context: int) -> int:
     return max_context - prompt_tokens - mtp_depth
 
 
+def ended_in_stages(tokens: list[int], new: list[int], eos: set[int], text: Any, generated: int, max_tokens: int) -> bool:
+    """After `take_tokens` ended a request: whether its row ended in the stages too, where its reply
+    does (its budget, or an EOS right after the tokens handed out). Not after a stop string: the state
+    then holds tokens past it, which no next turn has, and the row is released rather than ended."""
+    return generated >= max_tokens or (len(new) < len(tokens) and tokens[len(new)] in eos and not text.stopped)
+
+
 def take_tokens(tokens: list[int], eos: set[int], text: Any, generated: int, max_tokens: int) -> tuple[list[int], str | None]:
     """A round's tokens as the request sees them: up to an EOS token, a stop string (`text`, a
     TextStream, gets each one) or max_tokens; with the finish reason when one of those ended it."""

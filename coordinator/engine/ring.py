@@ -34,6 +34,7 @@ from .request import (
     check_request,
     check_vocabulary,
     collect,
+    ended_in_stages,
     take_tokens,
 )
 
@@ -351,11 +352,9 @@ class RingEngine:
         if finish is not None:  # (noted before the client hears of the end: its next turn may come at once)
             if first and not out.continued:  # (it never joined a group: nothing is kept)
                 live.keep_end = ""
-            # The last node ends a row (and keeps its end) on a stop token or its budget; one a stop
-            # string ended is released, and nothing of it is kept.
-            by_node = live.generated >= req.max_tokens or not self.eos.isdisjoint(out.tokens)
             fed = [*req.prompt_tokens, *live.emitted[: len(live.emitted) - len(new)], *out.tokens]
-            self._end_kept(live, fed if by_node else None)
+            ended = ended_in_stages(out.tokens, new, self.eos, live.text, live.generated, req.max_tokens)
+            self._end_kept(live, fed if ended else None)  # (else what the last node kept, if anything, goes)
         if finish is None and first and not out.continued:
             self._finish(live, RuntimeError(f"the last node did not put sequence {live.seq_id} in a group"))
             return True
