@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
+from collections.abc import Iterator
+from contextlib import contextmanager
 import threading
 import time
 from pathlib import Path
@@ -45,6 +47,19 @@ def settled(servers: list[Any], want: list[int], timeout: float = 5.0) -> list[i
     return now
 
 
+@contextmanager
+def cached_and_whole(path: Path, n: int) -> Iterator[tuple[list[Any], Any, Any]]:
+    """Two rings of `n` nodes: one engine keeping prefixes and ends, one prefilling every prompt whole."""
+    with node_servers(2 * n) as servers:
+        cached = ring_engine(path, [s.address for s in servers[:n]], dtype="float32")
+        whole = ring_engine(path, [s.address for s in servers[n:]], dtype="float32", prefix_cache=0)
+        try:
+            yield servers, cached, whole
+        finally:
+            cached.close()
+            whole.close()
+
+
 def engine_kept(engine: Any, want: int, timeout: float = 5.0) -> int:
     """The prefixes the engine counts as kept once the last node's word on the ends came (or after `timeout`)."""
     deadline = time.monotonic() + timeout
@@ -58,32 +73,26 @@ def engine_kept(engine: Any, want: int, timeout: float = 5.0) -> int:
 def test_a_prompt_going_on_from_kept_prefixes_on_nodes_gives_the_tokens_of_a_whole_prefill(
         dense_ckpt: Path, moe_ckpt: Path, model: str, n: int) -> None:
     path = dense_ckpt if model == "dense" else moe_ckpt
-    with node_servers(2 * n) as servers:
-        cached = ring_engine(path, [s.address for s in servers[:n]], dtype="float32")
-        whole = ring_engine(path, [s.address for s in servers[n:]], dtype="float32", prefix_cache=0)
-        try:
-            tok = cached.tokenizer
-            first = list(tok.encode(PROMPTS[0]))
-            reply = run(cached, first)
-            assert reply.stats.cached_tokens == 0 and reply.tokens == run(whole, first).tokens
-            assert engine_kept(cached, 2) == 2  # (its end: once the last node said every node kept it)
-            turn = first + reply.tokens + list(tok.encode(PROMPTS[1]))  # a chat's next turn
-            cases = [(2, False, {}), (0, False, {}), (3, True, {}),
-                     (2, False, {"params": SamplingParams(temperature=0.9, top_p=0.95, seed=7)})]
-            for i, (depth, auto, kw) in enumerate(cases):
-                got, want = run(cached, turn, depth, auto, **kw), run(whole, turn, depth, auto, **kw)
-                # the first goes on from where the first reply ended; the next ones from the turn's prefix
-                assert got.stats.cached_tokens == (len(first) + len(reply.tokens) - 1 if i == 0 else len(turn) - 1)
-                assert got.tokens == want.tokens, (depth, auto)
-                if depth == 2 and not kw:  # the MTP head went on from the prefix too: the same drafts
-                    assert (got.stats.drafted, got.stats.accepted) == (want.stats.drafted, want.stats.accepted)
-            # the first prompt's prefix and end, the turn's prefix, its greedy replies' end (the same
-            # tokens at every depth: one) and its sampled reply's end
-            assert engine_kept(cached, 5) == 5
-            assert settled(servers, [5] * n + [0] * n) == [5] * n + [0] * n
-        finally:
-            cached.close()
-            whole.close()
+    with cached_and_whole(path, n) as (servers, cached, whole):
+        tok = cached.tokenizer
+        first = list(tok.encode(PROMPTS[0]))
+        reply = run(cached, first)
+        assert reply.stats.cached_tokens == 0 and reply.tokens == run(whole, first).tokens
+        assert engine_kept(cached, 2) == 2  # (its end: once the last node said every node kept it)
+        turn = first + reply.tokens + list(tok.encode(PROMPTS[1]))  # a chat's next turn
+        cases = [(2, False, {}), (0, False, {}), (3, True, {}),
+                 (2, False, {"params": SamplingParams(temperature=0.9, top_p=0.95, seed=7)})]
+        for i, (depth, auto, kw) in enumerate(cases):
+            got, want = run(cached, turn, depth, auto, **kw), run(whole, turn, depth, auto, **kw)
+            # the first goes on from where the first reply ended; the next ones from the turn's prefix
+            assert got.stats.cached_tokens == (len(first) + len(reply.tokens) - 1 if i == 0 else len(turn) - 1)
+            assert got.tokens == want.tokens, (depth, auto)
+            if depth == 2 and not kw:  # the MTP head went on from the prefix too: the same drafts
+                assert (got.stats.drafted, got.stats.accepted) == (want.stats.drafted, want.stats.accepted)
+        # the first prompt's prefix and end, the turn's prefix, its greedy replies' end (the same
+        # tokens at every depth: one) and its sampled reply's end
+        assert engine_kept(cached, 5) == 5
+        assert settled(servers, [5] * n + [0] * n) == [5] * n + [0] * n
 
 
 def test_nodes_hold_what_the_engine_keeps_within_its_budget(dense_ckpt: Path) -> None:
@@ -301,26 +310,20 @@ def test_a_next_turn_over_nodes_goes_on_from_where_the_reply_ended(dense_ckpt: P
     ended, and gives the tokens of a whole prefill (and, at a fixed depth, its drafts): greedy at depths
     0-3 and auto, seeded top-p, a repetition penalty (MoE, the same code past the MLP: some of them)."""
     path = dense_ckpt if model == "dense" else moe_ckpt
-    with node_servers(2 * n) as servers:
-        cached = ring_engine(path, [s.address for s in servers[:n]], dtype="float32")
-        whole = ring_engine(path, [s.address for s in servers[n:]], dtype="float32", prefix_cache=0)
-        try:
-            tok = cached.tokenizer
-            cases = [(0, False, {}), (1, False, {}), (2, False, {}), (3, False, {}), (3, True, {}),
-                     (2, False, {"params": SamplingParams(temperature=0.9, top_p=0.95, seed=3)}),
-                     (2, False, {"params": SamplingParams(repetition_penalty=1.3)})]
-            for i, (depth, auto, kw) in enumerate(cases if model == "dense" else cases[3:6]):
-                first = list(tok.encode(PROMPTS[i]))
-                reply = run(cached, first, depth, auto, **kw)  # (the turn waits for the word on its end)
-                turn = first + reply.tokens + list(tok.encode(PROMPTS[i + 1]))
-                got, want = run(cached, turn, depth, auto, **kw), run(whole, turn, depth, auto, **kw)
-                assert got.stats.cached_tokens == len(first) + len(reply.tokens) - 1, (depth, auto, kw)
-                assert got.tokens == want.tokens, (depth, auto, kw)
-                if not auto:
-                    assert (got.stats.drafted, got.stats.accepted) == (want.stats.drafted, want.stats.accepted)
-        finally:
-            cached.close()
-            whole.close()
+    with cached_and_whole(path, n) as (servers, cached, whole):
+        tok = cached.tokenizer
+        cases = [(0, False, {}), (1, False, {}), (2, False, {}), (3, False, {}), (3, True, {}),
+                 (2, False, {"params": SamplingParams(temperature=0.9, top_p=0.95, seed=3)}),
+                 (2, False, {"params": SamplingParams(repetition_penalty=1.3)})]
+        for i, (depth, auto, kw) in enumerate(cases if model == "dense" else cases[3:6]):
+            first = list(tok.encode(PROMPTS[i]))
+            reply = run(cached, first, depth, auto, **kw)  # (the turn waits for the word on its end)
+            turn = first + reply.tokens + list(tok.encode(PROMPTS[i + 1]))
+            got, want = run(cached, turn, depth, auto, **kw), run(whole, turn, depth, auto, **kw)
+            assert got.stats.cached_tokens == len(first) + len(reply.tokens) - 1, (depth, auto, kw)
+            assert got.tokens == want.tokens, (depth, auto, kw)
+            if not auto:
+                assert (got.stats.drafted, got.stats.accepted) == (want.stats.drafted, want.stats.accepted)
 
 
 def test_a_request_that_does_not_end_keeps_no_end(dense_ckpt: Path) -> None:

@@ -349,12 +349,13 @@ class RingEngine:
         live.emitted += new
         live.stats.generation_tokens = live.generated
         logprobs = out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None
-        if finish is not None:  # (noted before the client hears of the end: its next turn may come at once)
+        if finish is not None and live.keep_end:  # (noted before the client hears: a next turn may come at once)
             if first and not out.continued:  # (it never joined a group: nothing is kept)
                 live.keep_end = ""
-            fed = [*req.prompt_tokens, *live.emitted[: len(live.emitted) - len(new)], *out.tokens]
-            ended = ended_in_stages(out.tokens, new, self.eos, live.text, live.generated, req.max_tokens)
-            self._end_kept(live, fed if ended else None)  # (else what the last node kept, if anything, goes)
+            elif ended_in_stages(out.tokens, new, self.eos, live.text, live.generated, req.max_tokens):
+                self._end_kept(live, [*req.prompt_tokens, *live.emitted[: len(live.emitted) - len(new)], *out.tokens])
+            else:  # (what the last node kept, if anything, goes)
+                self._end_kept(live, None)
         if finish is None and first and not out.continued:
             self._finish(live, RuntimeError(f"the last node did not put sequence {live.seq_id} in a group"))
             return True
