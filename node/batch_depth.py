@@ -40,6 +40,7 @@ class DepthPlan:
         self.depth: int | None = None  # what the members were last told
         self.clean_from = 0.0  # rounds handed out before this moment (perf_counter) mixed other work in
         self.held = 0  # the decider's rounds left while a new depth waits for a timing (0: not held)
+        self.held_at = 0  # the batch size (bucket) the held depth was chosen at
         # member -> (the depth it runs, its rows' most drafts, its rows' tokens per second by depth)
         self.members: weakref.WeakKeyDictionary[object, tuple[int, int, Rates]] = weakref.WeakKeyDictionary()
 
@@ -90,12 +91,16 @@ class DepthPlan:
         """The depth of `member`'s next round (its rows cap it at their `kmax`); `rates`: its rows'
         tokens per second by depth (`Rates`). The oldest member decides: depths never timed first, then the
         best for every member's rows together, with probes; a new depth is held until a round at it
-        was timed (not at all if `timeable` is False: rows whose rounds are never timed). The other
+        was timed (not at all if `timeable` is False: rows whose rounds are never timed), at the batch
+        size it was chosen at: a depth chosen for the last row of a batch would cost a full batch that
+        comes next several rounds at it (drafting pays at one row far more than at eight). The other
         members follow."""
         ran = self.members.get(member)
         self.members[member] = (ran[0] if ran else -1, kmax, rates)
         if self.depth is not None and next(iter(self.members)) is not member:
             return self._take(member, self.depth)
+        if self.held and bucket != self.held_at:
+            self.held = 0
         if self.depth is not None and self.held and timeable:
             self.held -= 1
             return self._take(member, self.depth)
@@ -109,7 +114,7 @@ class DepthPlan:
             depth = self.probe.next(best, costs, deepest, shortfall(per_depth, best), context)
         if depth != self.depth:
             self.depth = depth
-            self.held = HOLD_ROUNDS if timeable else 0
+            self.held, self.held_at = (HOLD_ROUNDS if timeable else 0), bucket
             self.clean_from = math.inf  # until every member runs it
         return self._take(member, depth)
 

@@ -210,3 +210,28 @@ def test_a_plan_probes_the_depth_above_where_it_was_never_timed(clock: Clock) ->
     # the probe is held in turn; then, where every depth was timed, the next waits for the plan's gap
     after = [plan.next(member, 1, 100, 3, rates) for _ in range(2 * PROBE_EVERY)]
     assert after == [2] * HOLD_ROUNDS + [1] * (2 * PROBE_EVERY - HOLD_ROUNDS)
+
+
+def test_a_depth_held_for_one_row_does_not_hold_a_full_batch(clock: Clock) -> None:
+    """A wave's last row drafts (it pays at one row) and the plan holds that depth until it is timed;
+    the next batch of eight, where drafts cost more than they bring, decides afresh at once instead of
+    running the held depth for its first rounds."""
+    plan = DepthPlan()
+    stage = StageCosts([1.0, 1.2])
+    for rows, drafted in ((1, 1.2), (8, 3.0)):  # one row: a draft costs little; eight: it costs dear
+        table = plan.costs(rows, stage)
+        for _ in range(3):
+            table.observe(0, 100, 1.0)
+            table.observe(1, 100, drafted)
+
+    class Member:  # (weakly referenced by the plan)
+        pass
+
+    member = Member()
+
+    def rates(rows: int) -> batch_depth.Rates:
+        return lambda seconds: batch_rates([([0.9], [0.9])] * rows, [1] * rows, seconds)
+
+    assert plan.next(member, 1, 100, 1, rates(1)) == 1  # the last row of a wave drafts: held
+    assert plan.held == HOLD_ROUNDS
+    assert plan.next(member, 8, 100, 1, rates(8)) == 0  # the next wave's eight rows do not
