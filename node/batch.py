@@ -73,7 +73,8 @@ class BatchStage:
         self.prefixes: dict[str, Prefix] = {}  # kept prompt prefixes (prefixes.py), by the engine's keys
         self.filling = FillGroup(self.model, worker.head, first=self.spec.is_first, dtype=worker.dtype,
                                  max_context=worker.max_context, vocab_size=args.vocab_size,
-                                 has_mtp=worker.shard.has_mtp, prefixes=self.prefixes)
+                                 has_mtp=worker.shard.has_mtp, prefixes=self.prefixes,
+                                 plan=self.head.plan if self.head is not None else None)
 
     # -- membership -------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from mlx_lm.models.cache import ArraysCache
 from ..models.gdn_chunked import prefill_layer
 from ..models.ragged import RaggedKV, cache_arrays, concat_caches, pad_rows, ragged_layer, take_rows
 from ..models.shard import queue_layers
+from .batch_depth import DepthPlan
 from .head import DraftState, Head, new_draft_state
 from .prefixes import Mark, Prefix, mark_row, resume_draft, row_from
 from .protocol import StageError, StepKind, StepOutput, StepRequest
@@ -24,9 +25,11 @@ from .stage import check_first_step
 
 class FillGroup:
     def __init__(self, model: object, head: Head | None, *, first: bool, dtype: mx.Dtype, max_context: int,
-                 vocab_size: int, has_mtp: bool, prefixes: dict[str, Prefix] | None = None):
+                 vocab_size: int, has_mtp: bool, prefixes: dict[str, Prefix] | None = None,
+                 plan: DepthPlan | None = None):
         self.model = model
         self.head = head
+        self.plan = plan  # the depth of the batch the rows join: their first round's (head.py: `joins_at`)
         self.first = first
         self.dtype = dtype
         self.max_context = max_context
@@ -145,6 +148,8 @@ class FillGroup:
             req = by_id.get(s)
             if req is None:
                 continue
+            if req.final and self.plan is not None and self.drafts[s].chooser is not None:
+                self.drafts[s].joins_at = self.plan.depth
             outs.append(self.head.run(req, self.drafts[s], h[i : i + 1, : real[i]], [], self.positions[i]))
         mx.eval(cache_arrays(self.cache))
         made = {o.seq_id: o for o in outs}

@@ -36,6 +36,8 @@ class DraftState:
     rng: np.random.Generator  # unseeded sampling
     mtp_cache: KVCache | None
     chooser: DepthChooser | None = None  # mtp_auto: picks `depth` before each round
+    # mtp_auto in a batch whose rows share one depth (batch_depth.py): that depth, for the first round
+    joins_at: int | None = None
     mtp_len: int = 0  # MTP cache entries built from true backbone hiddens (positions 0..mtp_len-1)
     pending_hidden: mx.array | None = None  # hidden of the last position whose next token is unknown
     # (hidden, next token) pairs not yet in the MTP cache: kept while rounds carry no drafts
@@ -284,8 +286,14 @@ class Head:
         return table
 
     def _choose(self, d: DraftState, context: int) -> None:
-        if d.chooser is not None:
-            d.depth = d.chooser.next_depth(self.costs_for(d), context)
+        """The next round's depth: its own chooser's, or for a sequence about to join a batch, the
+        depth the batch's rows run (this stage's own round costs are never timed in a batch)."""
+        if d.chooser is None:
+            return
+        if d.joins_at is not None:
+            d.depth, d.joins_at = min(d.joins_at, d.chooser.kmax), None
+            return
+        d.depth = d.chooser.next_depth(self.costs_for(d), context)
 
     def _observe(self, d: DraftState, drafted: int, context: int) -> None:
         """A whole round, from handing out `drafted` drafts to knowing their verdict, plus drafting them;

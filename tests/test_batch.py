@@ -775,3 +775,22 @@ def test_prompt_chunks_of_full_rows_run_unmasked_as_a_sequence_alone(dense_ckpt:
     masks.clear()
     fill([prompt, prompt[:4]])
     assert masks == [True] * linear
+
+
+def test_an_auto_row_joins_a_batch_at_the_depth_its_rows_run(dense_ckpt: Path) -> None:
+    """A prompt's last chunk drafts for its first round at the depth of the batch it joins (its plan's):
+    the stage's per-sequence round costs are never timed in a batch, so its own chooser would start
+    every request without drafts, to time them."""
+    stage = BatchStage(StageWorker(load_shard(dense_ckpt, dtype=mx.float32), overlap=False))
+    prompt = list(range(3, 40))
+
+    def first_drafts(seq_id: str, depth: int = 3) -> list[int]:
+        req = StepRequest(seq_id, 0, StepKind.PREFILL, prompt, final=True, mtp_depth=depth, mtp_auto=True)
+        return stage.fill([req])[0].drafts
+
+    assert first_drafts("a") == []  # nothing decided yet: no drafts, which the batch's first round times
+    stage.head.plan.depth = 2
+    assert len(first_drafts("b")) == 2
+    assert len(first_drafts("c", depth=1)) == 1  # capped at what the request asked for
+    stage.head.plan.depth = 0
+    assert first_drafts("d") == []
