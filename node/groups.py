@@ -30,7 +30,7 @@ from .batch_depth import DepthPlan
 from .batch_head import RowOutput
 from .kept import scoped
 from .prefixes import Prefix
-from .protocol import MAX_MTP_DEPTH, Commit, GroupEnd, GroupRound, GroupRow, StageError, StepOutput
+from .protocol import MAX_MTP_DEPTH, Commit, GroupEnd, GroupRound, GroupRow, StageError, StepOutput, StepRequest
 from .stage import StageWorker
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,12 @@ class RingGroups:
             if plan is None:
                 plan = self.plans[client_id] = DepthPlan()
         return Group(BatchStage(self.worker, plan))
+
+    def joins_at(self, client_id: str, req: StepRequest) -> int | None:
+        """For a prompt's last chunk meant for a group, the depth the client's groups run (its plan's):
+        its sequence's first round takes it. None before the plan chose one."""
+        plan = self.plans.get(client_id)
+        return plan.depth if plan is not None and req.group and req.final else None
 
     def interrupt(self) -> None:
         """Work outside the groups ran on the last node (a prompt chunk, a sequence's own step): the

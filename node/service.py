@@ -261,7 +261,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, pb_grpc.NodeServicer):
             raise StageError(f"sequence {frame.seq_id!r} is decoding here already")  # (before it is touched)
         req = self.scope(frame_to_request(frame), frame.client_id)
         hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
-        out = worker.step(req, hidden)
+        out = worker.step(req, hidden, None if worker.overlap else self.ring_groups.joins_at(frame.client_id, req))
         if req.keep and req.keep not in worker.prefixes:  # (no room here: none after this keeps it either)
             frame.keep, frame.keep_refused = "", True
         if isinstance(out, StepOutput):

@@ -96,13 +96,15 @@ class StageWorker:
 
     # -- public API ------------------------------------------------------------------------
 
-    def step(self, req: StepRequest, hidden: mx.array | None = None) -> mx.array | StepOutput:
-        """Run one step. Non-last stages return the hidden states for the next stage."""
+    def step(self, req: StepRequest, hidden: mx.array | None = None,
+             joins_at: int | None = None) -> mx.array | StepOutput:
+        """Run one step. Non-last stages return the hidden states for the next stage. `joins_at`: for a
+        prompt's last chunk, the depth of the batch its sequence joins next (head.py: `DraftState`)."""
         with self.lock:
             start = time.perf_counter()
             try:
                 seq = self._check(req, hidden)
-                out = self._run(req, seq, hidden)
+                out = self._run(req, seq, hidden, joins_at)
             except StageError as e:
                 self.stats.last_error = str(e)
                 raise
@@ -210,7 +212,8 @@ class StageWorker:
 
     # -- the forward ------------------------------------------------------------------------
 
-    def _run(self, req: StepRequest, seq: Sequence | None, hidden: mx.array | None) -> mx.array | StepOutput:
+    def _run(self, req: StepRequest, seq: Sequence | None, hidden: mx.array | None,
+             joins_at: int | None = None) -> mx.array | StepOutput:
         if seq is None:
             seq = self.sequences[req.seq_id] = self._new_sequence(req)
         if req.keep and seq.position and self.room_for_prefix():  # (checked: the prompt's last token)
@@ -236,6 +239,8 @@ class StageWorker:
         if not self.spec.is_last:
             mx.eval(h)
             return h
+        if joins_at is not None and req.final and seq.draft.chooser is not None:
+            seq.draft.joins_at = joins_at
         out = self.head.run(req, seq.draft, h, seq.cache, seq.position,
                             on_token=(lambda tok: self._issue_lookahead(seq, tok)) if self.overlap else None,
                             on_drafts=(lambda o, drafts: self._issue_verify(seq, o, drafts)) if self.overlap else None,

@@ -794,3 +794,25 @@ def test_an_auto_row_joins_a_batch_at_the_depth_its_rows_run(dense_ckpt: Path) -
     assert len(first_drafts("c", depth=1)) == 1  # capped at what the request asked for
     stage.head.plan.depth = 0
     assert first_drafts("d") == []
+
+
+def test_a_ring_prompt_joins_its_groups_at_their_depth(dense_ckpt: Path) -> None:
+    """Over nodes the last node prefills a prompt on its own, then the sequence joins its client's
+    groups: its first round drafts at the depth the groups run (their plan's), once they chose one."""
+    from mtpipe.node.batch_depth import DepthPlan
+    from mtpipe.node.groups import RingGroups
+
+    worker = StageWorker(load_shard(dense_ckpt, dtype=mx.float32), overlap=False)
+    groups = RingGroups(worker)
+    prompt = list(range(3, 40))
+
+    def first_drafts(seq_id: str, client: str, group: int = 1) -> list[int]:
+        req = StepRequest(seq_id, 0, StepKind.PREFILL, prompt, final=True, mtp_depth=3, mtp_auto=True, group=group)
+        return worker.step(req, None, groups.joins_at(client, req)).drafts
+
+    groups.plans["client"] = plan = DepthPlan()
+    assert first_drafts("a", "client") == []  # the plan chose nothing yet
+    plan.depth = 2
+    assert len(first_drafts("b", "client")) == 2
+    assert first_drafts("c", "another") == []  # another client's plan: none yet
+    assert first_drafts("d", "client", group=0) == []  # a prompt meant for no group
