@@ -295,10 +295,10 @@ def test_a_long_prompt_step_is_not_a_hang(dense_ckpt: Path, monkeypatch: pytest.
             worker = servers[1].service.worker
             step = worker.step
 
-            def slow(req, hidden=None):
+            def slow(req, hidden=None, joins_at=None):
                 if req.kind is StepKind.PREFILL and not req.final:
                     time.sleep(SILENT_S + 1.5)
-                return step(req, hidden)
+                return step(req, hidden, joins_at)
 
             worker.step = slow
             result = engine.complete(GenerationRequest(engine.tokenizer.encode(PROMPTS[0]), max_tokens=8))
