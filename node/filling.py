@@ -148,8 +148,8 @@ class FillGroup:
             req = by_id.get(s)
             if req is None:
                 continue
-            if req.final and self.plan is not None and self.drafts[s].chooser is not None:
-                self.drafts[s].joins_at = self.plan.depth
+            if req.final and self.plan is not None:
+                self.drafts[s].joins(self.plan.depth)
             outs.append(self.head.run(req, self.drafts[s], h[i : i + 1, : real[i]], [], self.positions[i]))
         mx.eval(cache_arrays(self.cache))
         made = {o.seq_id: o for o in outs}

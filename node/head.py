@@ -36,8 +36,7 @@ class DraftState:
     rng: np.random.Generator  # unseeded sampling
     mtp_cache: KVCache | None
     chooser: DepthChooser | None = None  # mtp_auto: picks `depth` before each round
-    # mtp_auto in a batch whose rows share one depth (batch_depth.py): that depth, for the first round
-    joins_at: int | None = None
+    joins_at: int | None = None  # auto, joining a batch whose rows share one depth: that depth (first round)
     mtp_len: int = 0  # MTP cache entries built from true backbone hiddens (positions 0..mtp_len-1)
     pending_hidden: mx.array | None = None  # hidden of the last position whose next token is unknown
     # (hidden, next token) pairs not yet in the MTP cache: kept while rounds carry no drafts
@@ -85,6 +84,11 @@ class DraftState:
         if self.params.seed is not None:
             return accept_coupled(p, drafts, self.params.seed, self.history.length)
         return accept_sampled(p, self.draft_probs, drafts, self.rng)
+
+    def joins(self, depth: int | None) -> None:
+        """After its prompt's last chunk it joins a batch whose `auto` rows run `depth` (None: not chosen)."""
+        if self.chooser is not None:
+            self.joins_at = depth
 
     def pairs_to_draft(self, hid: mx.array, toks: list[int]) -> tuple[mx.array | None, list[int]]:
         """This round's (hidden, next token) pairs, after those kept from rounds without drafts; at
@@ -288,12 +292,10 @@ class Head:
     def _choose(self, d: DraftState, context: int) -> None:
         """The next round's depth: its own chooser's, or for a sequence about to join a batch, the
         depth the batch's rows run (this stage's own round costs are never timed in a batch)."""
-        if d.chooser is None:
-            return
-        if d.joins_at is not None:
+        if d.chooser is not None and d.joins_at is not None:
             d.depth, d.joins_at = min(d.joins_at, d.chooser.kmax), None
-            return
-        d.depth = d.chooser.next_depth(self.costs_for(d), context)
+        elif d.chooser is not None:
+            d.depth = d.chooser.next_depth(self.costs_for(d), context)
 
     def _observe(self, d: DraftState, drafted: int, context: int) -> None:
         """A whole round, from handing out `drafted` drafts to knowing their verdict, plus drafting them;

@@ -239,8 +239,8 @@ class StageWorker:
         if not self.spec.is_last:
             mx.eval(h)
             return h
-        if joins_at is not None and req.final and seq.draft.chooser is not None:
-            seq.draft.joins_at = joins_at
+        if req.final:
+            seq.draft.joins(joins_at)
         out = self.head.run(req, seq.draft, h, seq.cache, seq.position,
                             on_token=(lambda tok: self._issue_lookahead(seq, tok)) if self.overlap else None,
                             on_drafts=(lambda o, drafts: self._issue_verify(seq, o, drafts)) if self.overlap else None,
