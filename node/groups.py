@@ -91,10 +91,10 @@ class RingGroups:
         return Group(BatchStage(self.worker, plan))
 
     def joins_at(self, client_id: str, req: StepRequest) -> int | None:
-        """For a prompt's last chunk meant for a group, the depth the client's groups run (its plan's):
-        its sequence's first round takes it. None before the plan chose one."""
+        """For a prompt meant for a group, the depth the client's groups run (its plan's): its sequence's
+        first round takes it (the stage reads it at the prompt's last chunk). None before the plan chose one."""
         plan = self.plans.get(client_id)
-        return plan.depth if plan is not None and req.group and req.final else None
+        return plan.depth if plan is not None and req.group else None
 
     def interrupt(self) -> None:
         """Work outside the groups ran on the last node (a prompt chunk, a sequence's own step): the
