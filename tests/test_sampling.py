@@ -246,10 +246,22 @@ def test_seeded_sampling_is_reproducible_and_mtp_matches_distribution(dense_ckpt
     # The distribution: tokens from speculative decoding (depth 2: accepted drafts and, on a rejection,
     # draws from the residual) against plain sampling from the model. Seeded, so this is the
     # Gumbel-max path (acceptance.py); the unseeded rule is checked above on fixed rows and below end
-    # to end.
-    spec = Engine(engine.pipeline, engine.tokenizer, set(), engine.max_context, has_mtp=True)
+    # to end. The requests run as rows of batches, eight at a time; a seeded request's tokens do not
+    # depend on the batch around it, so the per-sequence engine gives the same (checked on two of them
+    # here, and in test_seeded_tokens_do_not_depend_on_depth_or_batch).
+    from mtpipe.coordinator.engine.build import batch_engine
+
     params = [SamplingParams(temperature=0.5, top_p=0.95, seed=seed) for seed in range(20)]
-    assert_plain_sampling(dense_ckpt, prompt, [spec.complete(r) for r in pit_requests(prompt, params)], 0.5, 0.95)
+    batch = batch_engine(dense_ckpt, dtype=mx.float32)
+    batch.eos, batch._stop_tokens = set(), ()  # (see pit_requests)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(batch.complete, pit_requests(prompt, params)))
+    finally:
+        batch.close()
+    spec = Engine(engine.pipeline, engine.tokenizer, set(), engine.max_context, has_mtp=True)
+    assert [spec.complete(r).tokens for r in pit_requests(prompt, params[:2])] == [r.tokens for r in results[:2]]
+    assert_plain_sampling(dense_ckpt, prompt, results, 0.5, 0.95)
 
 
 PIT_TOKENS, PIT_BINS = 64, 10  # (20 requests: 1280 tokens, with the suite's time in mind)
