@@ -27,6 +27,21 @@ def active(engine) -> list[int]:
     return [h.active_sequences for h in engine.pipeline.health(timeout=5.0)]
 
 
+def undisturbed(ckpt: Path, reqs: list[GenerationRequest]) -> list[list[int]]:
+    """The requests' tokens on one machine, as rows of one batch (greedy and seeded rows give what
+    they give alone)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mtpipe.coordinator.engine.build import batch_engine
+
+    engine = batch_engine(ckpt, dtype=mx.float32)
+    try:
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            return [r.tokens for r in pool.map(engine.complete, reqs)]
+    finally:
+        engine.close()
+
+
 def test_leases_run_out_unless_renewed() -> None:
     leases = Leases(lease_s=5.0)
     leases.start("a", now=0.0)
@@ -44,16 +59,13 @@ def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victims: tupl
     """A node frozen for 4 s: the ring engine's streams pause and go on with the tokens of an
     undisturbed run (the per-sequence engine's fail, naming the node); either way every node holds
     0 sequences afterwards and new requests succeed, cycle after cycle (one node frozen per cycle)."""
-    from mtpipe.coordinator.engine.build import local_engine
-
-    reference = local_engine(dense_ckpt, dtype=mx.float32)
     with NodeProcesses(2, model_dirs=[dense_ckpt]) as nodes:
         engine = build(dense_ckpt, nodes.addresses, dtype="float32")
         resumes = build is ring_engine
         try:
             reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i + 1]), max_tokens=96, mtp_depth=2)
                     for i in range(4)]
-            want = [reference.complete(r).tokens for r in reqs]
+            want = undisturbed(dense_ckpt, reqs)
             for victim in victims:
                 sinks = []
                 for r in reqs:
@@ -161,7 +173,6 @@ def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n:
     were running finish with exactly the tokens of an undisturbed run."""
     from mtpipe.coordinator.api.readiness import Readiness
     from mtpipe.coordinator.engine.sinks import ServerBusy
-    from mtpipe.coordinator.engine.build import local_engine
     from mtpipe.node.protocol import SamplingParams
 
     with NodeProcesses(n, model_dirs=[dense_ckpt]) as nodes:
@@ -174,8 +185,7 @@ def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n:
                                         SamplingParams(presence_penalty=1.5, frequency_penalty=0.5)]):
                 reqs.append(GenerationRequest(engine.tokenizer.encode(PROMPTS[3 + i]), max_tokens=96, mtp_depth=2,
                                               params=params))
-            reference = local_engine(dense_ckpt, dtype=mx.float32)
-            want = [reference.complete(r).tokens for r in reqs]
+            want = undisturbed(dense_ckpt, reqs)
             sinks = []
             for r in reqs:
                 q: queue.SimpleQueue = queue.SimpleQueue()
@@ -220,8 +230,6 @@ def test_a_node_whose_loop_hangs_is_named_within_5_s(dense_ckpt: Path) -> None:
     go on once it serves again, with the tokens of an undisturbed run, and no node holds a sequence
     afterwards. (The renewals are the pipeline's: the per-sequence engine hears the same.)"""
     from helpers import node_servers
-
-    from mtpipe.coordinator.engine.build import local_engine
     from mtpipe.node.protocol import SamplingParams
 
     with node_servers(3) as servers:
@@ -231,8 +239,7 @@ def test_a_node_whose_loop_hangs_is_named_within_5_s(dense_ckpt: Path) -> None:
             never_ends = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
             reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=160, mtp_depth=2,
                                       params=never_ends) for i in range(2)]
-            reference = local_engine(dense_ckpt, dtype=mx.float32)
-            want = [reference.complete(r).tokens for r in reqs]
+            want = undisturbed(dense_ckpt, reqs)
             sinks = []
             for r in reqs:
                 q: queue.SimpleQueue = queue.SimpleQueue()
