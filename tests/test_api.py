@@ -164,6 +164,11 @@ def test_completions(engine: Engine, client: Any) -> None:
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+    # OpenAI's other two forms, a list of one prompt: of text, of token ids.
+    for prompt in ([PROMPTS[2]], [tokens]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                                      extra_body={"mtp_depth": 0})
+        assert r.choices[0].text == ref.text and r.usage.prompt_tokens == len(tokens)
 
 
 def test_stop_and_seeded_sampling(engine: Engine, client: Any) -> None:
@@ -379,10 +384,14 @@ BAD = [
     ("mtp-depth-too-deep", CHAT, {"messages": M, "mtp_depth": 99}, 400, "mtp_depth"),
     ("too-many-stops", CHAT, {"messages": M, "stop": [str(i) for i in range(17)]}, 400, "stop"),
     ("top_logprobs without logprobs", CHAT, {"messages": M, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("top_logprobs-negative", CHAT, {"messages": M, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+    ("top_logprobs-21", CHAT, {"messages": M, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("empty-prompt", TEXT, {"prompt": ""}, 400, "prompt"),
     ("empty-token-prompt", TEXT, {"prompt": []}, 400, "prompt"),
     ("token-out-of-vocab", TEXT, {"prompt": [1, 10**6]}, 400, "prompt"),
     ("two-prompts", TEXT, {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("two-token-prompts", TEXT, {"prompt": [[5, 6], [7]]}, 400, "prompt"),
+    ("empty-token-prompt-in-a-list", TEXT, {"prompt": [[]]}, 400, "prompt"),
     ("mixed-prompt", TEXT, {"prompt": [1, "a"]}, 422, "prompt"),
     ("echo", TEXT, {"prompt": "x", "echo": True}, 400, "echo"),
     ("completion-logprobs-negative", TEXT, {"prompt": "x", "logprobs": -1}, 400, "logprobs"),

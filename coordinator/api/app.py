@@ -155,6 +155,8 @@ def create_app(
         service.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
         params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
@@ -180,7 +182,7 @@ def create_app(
             raise APIError(400, f"logprobs must be in [0, 20], got {body.logprobs}", param="logprobs")
         params = service.sampling(body, -1 if body.logprobs is None else body.logprobs)
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a list of prompts
             if len(prompt) != 1:
                 raise APIError(400, f"one prompt per request, got {len(prompt)}", param="prompt")
             prompt = prompt[0]

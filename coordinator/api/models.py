@@ -118,7 +118,7 @@ class ChatCompletionRequest(_GenerationBody):
 
 
 class CompletionRequest(_GenerationBody):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]  # OpenAI's four forms; one prompt per request
     echo: bool | None = None
     logprobs: int | None = None
     best_of: int | None = None
