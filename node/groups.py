@@ -214,6 +214,7 @@ class RingGroups:
                 g.joins.remove(r)
                 g.budgets.pop(seq_id, None)
                 g.stops.pop(seq_id, None)
+                g.end_keys.pop(seq_id, None)
         for key, g in list(self.groups.items()):
             if self.spec.is_last and g.in_flight and (seq_id in g.stage.ids or seq_id in g.joining):
                 g.released.add(seq_id)  # out of the group's next round, and so freed on every node

@@ -336,6 +336,20 @@ def test_a_row_released_while_it_joins_leaves_cleanly(dense_ckpt: Path) -> None:
     assert groups.rows == 1 and not groups.groups[("c", 1)].released and "e" not in worker.sequences
 
 
+def test_a_row_released_before_it_joins_leaves_nothing_in_its_group(dense_ckpt: Path) -> None:
+    """The last node: a row waiting to join (its group's round is on its way) that asked to keep its
+    state as it ends, released then: nothing of it stays with the group, which goes on."""
+    worker, groups, prefill, arrive = last_node(dense_ckpt)
+    joined, first = groups.joined("c", 1, prefill("a"), 50, (), keep_end="a/end")
+    assert joined and first is not None
+    assert groups.joined("c", 1, prefill("b"), 50, (), keep_end="b/end") == (True, None)  # waits
+    assert groups.client_release("b") is False  # in no round yet: freed here, the caller tells the other nodes
+    g = groups.groups[("c", 1)]
+    assert not [r for r in g.joins if r.seq_id == "b"] and all("b" not in m for m in (g.budgets, g.stops, g.end_keys))
+    _, second = arrive(first)
+    assert [r.seq_id for r in second.rows] == ["a"] and "b" not in worker.sequences and list(g.end_keys) == ["a"]
+
+
 def test_the_last_node_ends_a_group_whose_round_was_lost(dense_ckpt: Path) -> None:
     """A round lost with a node or a link never comes back: once the group is idle, the last node gives
     up its rows (their clients are told) and starts the joins that waited for that round in a new group.
