@@ -87,14 +87,16 @@ class DepthPlan:
         return self.costs_by_rows[bucket]
 
     def next(self, member: object, bucket: int, context: int, kmax: int, rates: Rates,
-             timeable: bool = True) -> int:
+             timeable: bool = True, least: int = 0) -> int:
         """The depth of `member`'s next round (its rows cap it at their `kmax`); `rates`: its rows'
         tokens per second by depth (`Rates`). The oldest member decides: depths never timed first, then the
         best for every member's rows together, with probes; a new depth is held until a round at it
         was timed (not at all if `timeable` is False: rows whose rounds are never timed), at the batch
         size it was chosen at: a depth chosen for the last row of a batch would cost a full batch that
-        comes next several rounds at it (drafting pays at one row far more than at eight). The other
-        members follow."""
+        comes next several rounds at it (drafting pays at one row far more than at eight). `least`: the
+        deciding member's rounds are that wide whatever the plan says (rows of a fixed depth), so it
+        chooses among depths from there (a round below it could never be timed). The other members
+        follow."""
         ran = self.members.get(member)
         self.members[member] = (ran[0] if ran else -1, kmax, rates)
         if self.depth is not None and next(iter(self.members)) is not member:
@@ -105,27 +107,28 @@ class DepthPlan:
             self.held -= 1
             return self._take(member, self.depth)
         deepest = max(k for _, k, _ in self.members.values())
+        least = min(least, deepest)
         costs = self.costs_by_rows[bucket]
-        depth = self.untimed(costs, deepest)
+        depth = self.untimed(costs, deepest, least)
         if depth is None:
             seconds, noise, when = self.round_seconds(bucket, context)
             per_depth = hoped(r(seconds[: deepest + 1]) for _, _, r in self.members.values())
             best = settled(per_depth, noise, when)
-            depth = self.probe.next(best, costs, deepest, shortfall(per_depth, best), context)
+            depth = max(least, self.probe.next(best, costs, deepest, shortfall(per_depth, best), context))
         if depth != self.depth:
             self.depth = depth
             self.held, self.held_at = (HOLD_ROUNDS if timeable else 0), bucket
             self.clean_from = math.inf  # until every member runs it
         return self._take(member, depth)
 
-    def untimed(self, costs: StageCosts, kmax: int) -> int | None:
-        """A depth to time before choosing: each depth once (at any batch size), then no drafts at each
-        batch size (never a loss against decoding without MTP)."""
+    def untimed(self, costs: StageCosts, kmax: int, least: int = 0) -> int | None:
+        """A depth to time before choosing: each depth from `least` once (at any batch size), then
+        `least` at each batch size (no drafts: never a loss against decoding without MTP)."""
         anywhere = {k for c in self.costs_by_rows.values() for _, k in c.live}
-        first = next((k for k in range(kmax + 1) if k not in anywhere), None)
+        first = next((k for k in range(least, kmax + 1) if k not in anywhere), None)
         if first is not None:
             return first
-        return None if any(k == 0 for _, k in costs.live) else 0
+        return None if any(k == least for _, k in costs.live) else least
 
     def round_seconds(self, bucket: int, context: int) -> tuple[list[float], list[float], list[float | None]]:
         """Round costs at this batch size, their relative errors and when they were timed (`settled`);

@@ -246,7 +246,9 @@ class BatchHead:
                 rows.append((d.chooser.acceptance.rates(prior), d.chooser.acceptance.hopeful(prior)))
             return batch_rates(rows, kmaxes, seconds)
 
-        depth = plan.next(self, bucket, context, max(kmaxes), rates, timeable)
+        # rows of a fixed depth make every round at least that wide: drafts up to it cost the others little
+        least = max((d.depth for d in self.states if d.chooser is None), default=0)
+        depth = max(least, plan.next(self, bucket, context, max(kmaxes), rates, timeable, least))
         for d in timed:
             d.depth = min(depth, d.chooser.kmax)
 

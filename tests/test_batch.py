@@ -816,3 +816,26 @@ def test_a_ring_prompt_joins_its_groups_at_their_depth(dense_ckpt: Path) -> None
     assert len(first_drafts("b", "client")) == 2
     assert first_drafts("c", "another") == []  # another client's plan: none yet
     assert first_drafts("d", "client", group=0) == []  # a prompt meant for no group
+
+
+def test_auto_rows_beside_a_fixed_depth_row_draft_at_least_as_deep(dense_ckpt: Path) -> None:
+    """A round is as wide as its deepest row: beside a row of fixed depth 2, auto rows draft at least 2
+    (drafts up to there cost the batch little) and the plan times its rounds, instead of asking, round
+    after round, for a depth 0 no round beside that row can run at; each row's tokens are its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = batch_engine(dense_ckpt, dtype=mx.float32)
+    alone = local_engine(dense_ckpt, dtype=mx.float32)
+    try:
+        prompts = [engine.tokenizer.encode(t) for t in PROMPTS[:3]]
+        reqs = [GenerationRequest(prompts[0], max_tokens=72, mtp_depth=2),
+                *(GenerationRequest(p, max_tokens=24, mtp_depth=3, mtp_auto=True) for p in prompts[1:])]
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            got = list(pool.map(engine.complete, reqs))
+        assert [r.tokens for r in got] == [alone.complete(r).tokens for r in reqs]
+        for r in got[1:]:  # (a row's first round drafts at what the plan ran when it joined)
+            assert r.stats.drafted > 0 and sum(n for k, n in r.stats.depths.items() if int(k) >= 2) >= r.stats.rounds - 1
+        plan = engine.stages[-1].head.plan
+        assert engine.thread.call(lambda: any(k >= 2 for _, k in plan.costs_by_rows[4].live))  # (3 rows: bucket 4)
+    finally:
+        engine.close()

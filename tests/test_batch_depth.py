@@ -235,3 +235,25 @@ def test_a_depth_held_for_one_row_does_not_hold_a_full_batch(clock: Clock) -> No
     assert plan.next(member, 1, 100, 1, rates(1)) == 1  # the last row of a wave drafts: held
     assert plan.held == HOLD_ROUNDS
     assert plan.next(member, 8, 100, 1, rates(8)) == 0  # the next wave's eight rows do not
+
+
+def test_rows_of_a_fixed_depth_set_the_least_depth_the_plan_chooses(clock: Clock) -> None:
+    """Beside rows of fixed depth 2 a batch's rounds are at least that wide: the plan times depths from
+    there (a depth below could never be timed) and never chooses below it, even where no drafts would
+    be best."""
+    class Member:  # (weakly referenced by the plan)
+        pass
+
+    def rates(seconds: list[float]) -> list[tuple[float, float]]:
+        return batch_rates([([0.05] * 3, [0.05] * 3)], [3], seconds)  # drafts almost never accepted
+
+    plan, member = DepthPlan(), Member()
+    table = plan.costs(1, StageCosts([1.0, 1.3, 1.6, 1.9]))
+    assert plan.next(member, 1, 100, 3, rates, least=2) == 2  # nothing timed: 2 first, not 0
+    for _ in range(3):
+        for k in range(4):
+            table.observe(k, 100, 1.0 + 0.3 * k)
+    plan.timed()
+    assert plan.next(member, 1, 100, 3, rates, least=2) == 2
+    plan.timed()
+    assert plan.next(member, 1, 100, 3, rates) == 0  # the same plan without such rows: no drafts
