@@ -36,9 +36,9 @@ def traced(trace: Trace) -> Any:
     choose = batch_depth.DepthPlan.next
 
     def next_depth(self: Any, member: object, bucket: int, context: int, kmax: int, rates: Any,
-                   timeable: bool = True) -> int:
+                   least: int = 0) -> int:
         probing = self.probe.probed_from
-        depth = choose(self, member, bucket, context, kmax, rates, timeable)
+        depth = choose(self, member, bucket, context, kmax, rates, least)
         if bucket != ROWS:
             return depth
         trace.by_depth[depth] = trace.by_depth.get(depth, 0) + 1

@@ -43,7 +43,7 @@ def wrap(cls: Any, name: str, after: Any) -> None:
     setattr(cls, name, wrapped)
 
 
-def pinned(self: Any, member: object, bucket: int, context: int, kmax: int, rates: Any, timeable: bool = True) -> int:
+def pinned(self: Any, member: object, bucket: int, context: int, kmax: int, rates: Any, least: int = 0) -> int:
     self.members[member] = (pin["depth"], kmax, rates)
     self.depth, self.held = pin["depth"], 0
     return self._take(member, pin["depth"])

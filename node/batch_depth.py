@@ -11,6 +11,10 @@ such as a prompt chunk), rounds handed out after it are clean. One member, the o
 per its round (so probes come as often in rounds of the ring whatever the number of groups), from
 every member's rows; the others follow. A single batch is the case of one group. Choosing is
 depth.py's: tokens per second by depth from acceptance and round costs, probes.
+
+Batches with rows whose logits are processed on the host (penalties, a logit bias) cost more per
+round, and their rounds without drafts are queued only once the host has their tokens: they follow a
+plan of their own (`rows_of`), timed on their rounds only.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Callable
 from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, hoped, nearest, settled, shortfall
 
 # A new depth is held until a round at it was timed (two rounds of the deciding member, when nothing
-# else runs); rounds that cannot be timed (prompt chunks in between) release it after this many.
+# else runs); rounds that are not timed (prompt chunks in between) release it after this many.
 HOLD_ROUNDS = 4
 
 # a member's rows, from round seconds: per depth, tokens per second and their hope's square (depth.batch_rates)
@@ -43,6 +47,17 @@ class DepthPlan:
         self.held_at = 0  # the batch size (bucket) the held depth was chosen at
         # member -> (the depth it runs, its rows' most drafts, its rows' tokens per second by depth)
         self.members: weakref.WeakKeyDictionary[object, tuple[int, int, Rates]] = weakref.WeakKeyDictionary()
+        self.processed: DepthPlan | None = None  # the plan of members with processed rows (`rows_of`)
+
+    def rows_of(self, member: object, processed: bool) -> DepthPlan:
+        """The plan `member` follows: this one, or with rows whose logits are processed on the host,
+        the plan of such batches (their rounds are not what plain rounds cost). It leaves the other."""
+        if processed and self.processed is None:
+            self.processed = DepthPlan()
+        mine, other = (self.processed, self) if processed else (self, self.processed)
+        if other is not None:
+            other._drop(member)
+        return mine
 
     # -- what the members report ---------------------------------------------------------------
 
@@ -50,9 +65,16 @@ class DepthPlan:
         """Something other than the members' rounds ran: rounds handed out before now are not clean."""
         if math.isfinite(self.clean_from):
             self.clean_from = time.perf_counter()
+        if self.processed is not None:
+            self.processed.interrupt()
 
     def leave(self, member: object) -> None:
         """A member without rows to time (gone, or none of its rows chooses its depth)."""
+        self._drop(member)
+        if self.processed is not None:
+            self.processed._drop(member)
+
+    def _drop(self, member: object) -> None:
         if self.members.pop(member, None) is not None:
             self._settle()
 
@@ -86,13 +108,11 @@ class DepthPlan:
             self.costs_by_rows[bucket] = StageCosts(list(stage.prior), acceptance=stage.acceptance)
         return self.costs_by_rows[bucket]
 
-    def next(self, member: object, bucket: int, context: int, kmax: int, rates: Rates,
-             timeable: bool = True, least: int = 0) -> int:
+    def next(self, member: object, bucket: int, context: int, kmax: int, rates: Rates, least: int = 0) -> int:
         """The depth of `member`'s next round (its rows cap it at their `kmax`); `rates`: its rows'
         tokens per second by depth (`Rates`). The oldest member decides: depths never timed first, then the
         best for every member's rows together, with probes; a new depth is held until a round at it
-        was timed (not at all if `timeable` is False: rows whose rounds are never timed), at the batch
-        size it was chosen at: a depth chosen for the last row of a batch would cost a full batch that
+        was timed, at the batch size it was chosen at: a depth chosen for the last row of a batch would cost a full batch that
         comes next several rounds at it (drafting pays at one row far more than at eight). `least`: the
         deciding member's rounds are that wide whatever the plan says (rows of a fixed depth), so it
         chooses among depths from there (a round below it could never be timed). The other members
@@ -103,7 +123,7 @@ class DepthPlan:
             return self._take(member, self.depth)
         if self.held and bucket != self.held_at:
             self.held = 0
-        if self.depth is not None and self.held and timeable:
+        if self.depth is not None and self.held:
             self.held -= 1
             return self._take(member, self.depth)
         deepest = max(k for _, k, _ in self.members.values())
@@ -117,7 +137,7 @@ class DepthPlan:
             depth = max(least, self.probe.next(best, costs, deepest, shortfall(per_depth, best), context))
         if depth != self.depth:
             self.depth = depth
-            self.held, self.held_at = (HOLD_ROUNDS if timeable else 0), bucket
+            self.held, self.held_at = HOLD_ROUNDS, bucket
             self.clean_from = math.inf  # until every member runs it
         return self._take(member, depth)
 

@@ -216,23 +216,22 @@ class BatchHead:
         drafting them and everything from handing them out to their verdict (the other stages, the
         host, the commit, the other batches' rounds). A round is timed only at the plan's depth (a round
         is as wide as its deepest row), at the same depth as the one before (a change of depth mixes
-        the two rounds' work: a commit, a round queued ahead), and when the plan calls it clean."""
+        the two rounds' work: a commit, a round queued ahead), and when the plan calls it clean. Rows
+        with logits processors do more on the host, and their rounds without drafts are queued only
+        once the host has their tokens: a batch with such rows follows a plan of its own."""
         timed = [d for d in self.states if d.chooser is not None]
         if not timed or self.head.costs is None:
             self.plan.leave(self)
             return
-        plan = self.plan
+        plan = self.plan.rows_of(self, any(d.processed for d in self.states))
         bucket = rows_bucket(len(rows))
         costs = plan.costs(bucket, self.head.costs)
         context = max(positions)
         depth = max(len(r.tokens) - 1 for r in rows)
         steady, self.last_depth = depth == self.last_depth, depth
-        timeable = not any(d.processed for d in self.states)
         # (the first round of a shape builds its kernels: never timed, but noted)
-        if not plan.first_shape((len(rows), depth)) and steady and timeable and plan.clean(self.handed_out, depth):
-            # each round charged its own forward, whichever round it computed in (rows with logits
-            # processors do more on the host, and their rounds without drafts are queued only once the
-            # host has their tokens: their rounds are not what plain rounds cost)
+        if not plan.first_shape((len(rows), depth)) and steady and plan.clean(self.handed_out, depth):
+            # each round charged its own forward, whichever round it computed in
             seconds = time.perf_counter() - self.handed_out + self.draft_seconds + self.ahead_done - self.ahead_next
             costs.observe(depth, context, seconds, now=time.perf_counter())  # (this module's clock)
             plan.timed()
@@ -248,7 +247,7 @@ class BatchHead:
 
         # rows of a fixed depth make every round at least that wide: drafts up to it cost the others little
         least = max((d.depth for d in self.states if d.chooser is None), default=0)
-        depth = max(least, plan.next(self, bucket, context, max(kmaxes), rates, timeable, least))
+        depth = max(least, plan.next(self, bucket, context, max(kmaxes), rates, least))
         for d in timed:
             d.depth = min(depth, d.chooser.kmax)
 

@@ -839,3 +839,29 @@ def test_auto_rows_beside_a_fixed_depth_row_draft_at_least_as_deep(dense_ckpt: P
         assert engine.thread.call(lambda: any(k >= 2 for _, k in plan.costs_by_rows[4].live))  # (3 rows: bucket 4)
     finally:
         engine.close()
+
+
+def test_auto_rows_with_processed_logits_time_their_rounds_and_draft(dense_ckpt: Path) -> None:
+    """Rows with penalties or a logit bias cost more per round than plain rows: batches of them follow
+    a plan of their own, timed on their rounds, instead of never timing one (and so never drafting);
+    each row's tokens are still its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = batch_engine(dense_ckpt, dtype=mx.float32)
+    alone = local_engine(dense_ckpt, dtype=mx.float32)
+    try:
+        params = [SamplingParams(presence_penalty=0.5), SamplingParams(logit_bias=((7, 1.5),))]
+        reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=64, mtp_depth=3, mtp_auto=True,
+                                  params=p) for i, p in enumerate(params)]
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            got = list(pool.map(engine.complete, reqs))
+        assert [r.tokens for r in got] == [alone.complete(r).tokens for r in reqs]
+        assert all(r.stats.drafted > 0 for r in got)
+        plan = engine.stages[-1].head.plan
+
+        def timed(p: Any) -> set[int]:
+            return {k for table in p.costs_by_rows.values() for _, k in table.live}
+
+        assert engine.thread.call(lambda: (timed(plan), timed(plan.processed))) == (set(), {0, 1, 2, 3})
+    finally:
+        engine.close()

@@ -163,11 +163,17 @@ def test_probes_are_timed_and_come_as_often_whatever_the_groups(clock: Clock) ->
     assert 0 < shares[1] < 2 * shares[0] + 0.02
 
 
-def test_rounds_that_are_never_timed_hold_no_depth(clock: Clock) -> None:
-    """Rows with logits processors are never timed: the plan does not wait for a timing to move on."""
+def test_rows_with_processed_logits_are_timed_in_a_plan_of_their_own(clock: Clock) -> None:
+    """Rounds of rows with logits processors cost what plain rounds do not: they are timed in the plan
+    of such batches, which chooses as a plain plan does; the plain plan's tables stay as they were, and
+    a batch that changes kind leaves the plan it followed."""
     plan, head = DepthPlan(), stage_head()
-    ring(clock, [BatchHead(head, plan)], 20, processed=True)
-    assert plan.held == 0 and not plan.costs_by_rows[1].live
+    batch = BatchHead(head, plan)
+    ring(clock, [batch], 40, processed=True)
+    assert plan.processed is not None and {k for _, k in plan.processed.costs_by_rows[1].live} == {0, 1}
+    assert 1 not in plan.costs_by_rows and batch in plan.processed.members and batch not in plan.members
+    ring(clock, [batch], 5)
+    assert batch in plan.members and batch not in plan.processed.members
 
 
 def test_a_group_that_ends_does_not_hold_the_others(clock: Clock) -> None:
