@@ -112,11 +112,11 @@ class DepthPlan:
         """The depth of `member`'s next round (its rows cap it at their `kmax`); `rates`: its rows'
         tokens per second by depth (`Rates`). The oldest member decides: depths never timed first, then the
         best for every member's rows together, with probes; a new depth is held until a round at it
-        was timed, at the batch size it was chosen at: a depth chosen for the last row of a batch would cost a full batch that
-        comes next several rounds at it (drafting pays at one row far more than at eight). `least`: the
-        deciding member's rounds are that wide whatever the plan says (rows of a fixed depth), so it
-        chooses among depths from there (a round below it could never be timed). The other members
-        follow."""
+        was timed, at the batch size it was chosen at: a depth chosen for the last row of a batch would
+        cost a full batch that comes next several rounds at it (drafting pays at one row far more than
+        at eight). `least`: the deciding member's rounds are that wide whatever the plan says (rows of
+        a fixed depth), so it chooses among depths from there (a round below it could never be timed).
+        The other members follow."""
         ran = self.members.get(member)
         self.members[member] = (ran[0] if ran else -1, kmax, rates)
         if self.depth is not None and next(iter(self.members)) is not member:

@@ -222,7 +222,9 @@ def test_what_a_request_keeps_at_its_end_is_what_a_prefill_of_its_tokens_leaves(
 def test_the_next_turn_goes_on_from_where_the_reply_ended(dense_ckpt: Path, moe_ckpt: Path) -> None:
     """A chat's next turn (its prompt, the reply, a new message) prefills only the new message, and gives
     the tokens of a whole prefill: greedy at depths 0-3 and auto, seeded top-p, a repetition penalty
-    (MoE, the same code past the MLP: some of them)."""
+    (MoE, the same code past the MLP: some of them). The chats run at once, as rows of batches."""
+    from concurrent.futures import ThreadPoolExecutor
+
     for path in (dense_ckpt, moe_ckpt):
         whole = batch_engine(path, dtype=mx.float32, prefix_cache=0)
         cached = batch_engine(path, dtype=mx.float32)
@@ -231,12 +233,19 @@ def test_the_next_turn_goes_on_from_where_the_reply_ended(dense_ckpt: Path, moe_
             cases = [(0, {}), (1, {}), (2, {}), (3, {}), ("auto", {}),
                      ("auto", {"params": SamplingParams(temperature=0.9, top_p=0.95, seed=7)}),
                      (2, {"params": SamplingParams(repetition_penalty=1.3)})]
-            for i, (depth, kw) in enumerate(cases if path == dense_ckpt else cases[3:6]):
-                asked = prompt + list(cached.tokenizer.encode(PROMPTS[i]))  # none the start of another
-                reply = run(cached, asked, depth, **kw).tokens
-                turn = asked + reply + list(cached.tokenizer.encode(PROMPTS[10]))
-                going_on, reference = run(cached, turn, depth, **kw), run(whole, turn, depth, **kw)
-                assert going_on.stats.cached_tokens == len(asked) + len(reply) - 1, (depth, kw)
+            cases = cases if path == dense_ckpt else cases[3:6]
+            # (none the start of another)
+            asked = [prompt + list(cached.tokenizer.encode(PROMPTS[i])) for i in range(len(cases))]
+
+            def each(engine: BatchEngine, prompts: list[list[int]]) -> list[GenerationResult]:
+                with ThreadPoolExecutor(len(prompts)) as pool:
+                    return list(pool.map(lambda c: run(engine, c[0], c[1][0], **c[1][1]), zip(prompts, cases)))
+
+            replies = [r.tokens for r in each(cached, asked)]
+            turns = [a + r + list(cached.tokenizer.encode(PROMPTS[10])) for a, r in zip(asked, replies)]
+            for (depth, kw), a, reply, going_on, reference in zip(cases, asked, replies, each(cached, turns),
+                                                                  each(whole, turns)):
+                assert going_on.stats.cached_tokens == len(a) + len(reply) - 1, (depth, kw)
                 assert going_on.tokens == reference.tokens, (depth, kw)
                 if depth in (1, 2, 3):  # the MTP head went on from where it ended: the same drafts and verdicts
                     assert (going_on.stats.drafted, going_on.stats.accepted) == (reference.stats.drafted,
