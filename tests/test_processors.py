@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 from collections import Counter
 from itertools import pairwise
@@ -251,11 +252,15 @@ def test_sampled_joint_distribution_with_penalties_matches_plain_sampling() -> N
     params = SamplingParams(temperature=1.0, presence_penalty=0.8, frequency_penalty=0.4)
     q0 = np.array([0.1, 0.5, 0.2, 0.1, 0.1])
 
-    def target(position: int, generated: list[int], drafts: list[int]) -> np.ndarray:
+    @functools.cache  # (the same few cases over and over: each computed once)
+    def probs(position: int, generated: tuple[int, ...], drafts: tuple[int, ...]) -> np.ndarray:
         history = History()
-        history.emit(generated)
+        history.emit(list(generated))
         logits = mx.array(base[None, position : position + len(drafts) + 1])
-        return filtered_probs(apply(logits, [(0, params, history, drafts)])[0], params)
+        return filtered_probs(apply(logits, [(0, params, history, list(drafts))])[0], params)
+
+    def target(position: int, generated: list[int], drafts: list[int]) -> np.ndarray:
+        return probs(position, tuple(generated), tuple(drafts))
 
     reference = np.zeros((5, 5))
     p0 = target(0, [], [])[0]
