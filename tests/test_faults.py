@@ -11,10 +11,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from helpers import PROMPTS
+from helpers import PROMPTS, batch_chunks
 
 from mtpipe.coordinator.bench.nodes import NodeProcesses
-from mtpipe.coordinator.engine.build import remote_engine, ring_engine
+from mtpipe.coordinator.engine.build import batch_engine, remote_engine, ring_engine
 from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.coordinator.engine.sinks import END, open_stream
 from mtpipe.node.leases import Leases
@@ -30,14 +30,9 @@ def active(engine) -> list[int]:
 def undisturbed(ckpt: Path, reqs: list[GenerationRequest]) -> list[list[int]]:
     """The requests' tokens on one machine, as rows of one batch (greedy and seeded rows give what
     they give alone)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from mtpipe.coordinator.engine.build import batch_engine
-
     engine = batch_engine(ckpt, dtype=mx.float32)
     try:
-        with ThreadPoolExecutor(len(reqs)) as pool:
-            return [r.tokens for r in pool.map(engine.complete, reqs)]
+        return [[t for chunk in chunks for t in chunk.tokens] for chunks in batch_chunks(engine, reqs, timeout=120)]
     finally:
         engine.close()
 
