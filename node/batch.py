@@ -24,7 +24,7 @@ from .filling import FillGroup
 from .head import Prepared
 from .prefixes import Prefix, prefix_at_end, prefix_of
 from .protocol import Commit, StageError, StepOutput, StepRequest
-from .stage import StageWorker
+from .stage import StageWorker, check_hidden
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class BatchStage:
         self.prefixes: dict[str, Prefix] = {}  # kept prompt prefixes (prefixes.py), by the engine's keys
         self.filling = FillGroup(self.model, worker.head, first=self.spec.is_first, dtype=worker.dtype,
                                  max_context=worker.max_context, vocab_size=args.vocab_size,
-                                 has_mtp=worker.shard.has_mtp, prefixes=self.prefixes,
+                                 hidden_size=args.hidden_size, has_mtp=worker.shard.has_mtp, prefixes=self.prefixes,
                                  plan=self.head.plan if self.head is not None else None)
 
     # -- membership -------------------------------------------------------------------------
@@ -201,8 +201,7 @@ class BatchStage:
             if self.spec.is_first:
                 h = self.model.embed(pad_rows([r.tokens for r in rows]))
             else:
-                if hidden is None or hidden.shape[:2] != (len(rows), max(real)):
-                    raise StageError("this stage needs the previous stage's hidden states for every row")
+                check_hidden(hidden, (len(rows), max(real), self.worker.hidden_size))
                 h = hidden.astype(self.worker.dtype)
             h, self.snapshots = self.model.run_rows(h, self.cache, real)
         self.real = real

@@ -20,12 +20,12 @@ from .batch_depth import DepthPlan
 from .head import DraftState, Head, new_draft_state
 from .prefixes import Mark, Prefix, mark_row, resume_draft, row_from
 from .protocol import StageError, StepKind, StepOutput, StepRequest
-from .stage import check_first_step
+from .stage import check_first_step, check_hidden
 
 
 class FillGroup:
     def __init__(self, model: object, head: Head | None, *, first: bool, dtype: mx.Dtype, max_context: int,
-                 vocab_size: int, has_mtp: bool, prefixes: dict[str, Prefix] | None = None,
+                 vocab_size: int, hidden_size: int, has_mtp: bool, prefixes: dict[str, Prefix] | None = None,
                  plan: DepthPlan | None = None):
         self.model = model
         self.head = head
@@ -34,6 +34,7 @@ class FillGroup:
         self.dtype = dtype
         self.max_context = max_context
         self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
         self.has_mtp = has_mtp
         self.ids: list[str] = []
         self.cache: list = []
@@ -50,10 +51,7 @@ class FillGroup:
     # -- rows -----------------------------------------------------------------------------------
 
     def _add(self, req: StepRequest) -> None:
-        if req.step != 0 or req.kind is not StepKind.PREFILL:
-            raise StageError(f"unknown sequence {req.seq_id!r}")
-        check_first_step(req, drafts_here=self.head is not None, has_mtp=self.has_mtp)
-        prefix = self.prefixes[req.prefix] if req.prefix else None  # (checked to be here: _check)
+        prefix = self.prefixes[req.prefix] if req.prefix else None  # (checked: `_check`)
         row = self._empty_row() if prefix is None else row_from(prefix, len(self.model.layers))
         self.cache = row if not self.ids else concat_caches([self.cache, row])
         self.ids.append(req.seq_id)
@@ -119,8 +117,6 @@ class FillGroup:
         if self.first:
             h = self.model.embed(pad_rows([t or [0] for t in tokens]))
         else:
-            if hidden is None or hidden.shape[:2] != (len(self.ids), width):
-                raise StageError("this stage needs the previous stage's hidden states for every prefilling row")
             h = hidden.astype(self.dtype)
         # Rows shorter than the widest mask their padding out of the GatedDeltaNet layers; with every
         # row full, the layers run unmasked (the same arithmetic, without a mask op per position).
@@ -173,11 +169,15 @@ class FillGroup:
                     raise StageError(f"context overflow: {self.positions[i] + len(req.tokens)} > {self.max_context}")
             elif req.step != 0:
                 raise StageError(f"unknown sequence {req.seq_id!r}")
-            elif req.prefix:
-                prefix = self.prefixes.get(req.prefix)
-                if prefix is None:
+            else:
+                check_first_step(req, drafts_here=self.head is not None, has_mtp=self.has_mtp)
+                prefix = self.prefixes.get(req.prefix) if req.prefix else None
+                if req.prefix and prefix is None:
                     raise StageError(f"no kept prompt prefix {req.prefix!r} on this stage")
-                if prefix.length + len(req.tokens) > self.max_context:
-                    raise StageError(f"context overflow: {prefix.length + len(req.tokens)} > {self.max_context}")
+                if (start := prefix.length if prefix else 0) + len(req.tokens) > self.max_context:
+                    raise StageError(f"context overflow: {start + len(req.tokens)} > {self.max_context}")
         if self.first and hidden is not None:
             raise StageError("the first stage takes token ids, not hidden states")
+        if not self.first:  # every row, the new ones too, as wide as the step's longest chunk
+            rows = len(self.ids) + len(seen - set(self.ids))
+            check_hidden(hidden, (rows, max(len(r.tokens) for r in reqs), self.hidden_size))

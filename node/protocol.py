@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -20,6 +21,9 @@ class StageError(Exception):
 
 class StageUnavailable(RuntimeError):
     """A stage cannot be reached, died or stopped answering: the steps in flight are lost."""
+
+
+GREEDY_BELOW = 1e-5  # the least temperature that samples: logits over a tinier one overflow (the API decodes greedily)
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0.0 or GREEDY_BELOW <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number of at least {GREEDY_BELOW:g} "
+                             f"(below, logits over it overflow), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -43,6 +43,14 @@ def check_first_step(req: StepRequest, *, drafts_here: bool, has_mtp: bool) -> N
         raise StageError("this model was loaded without an MTP head; use mtp_depth 0")
 
 
+def check_hidden(hidden: mx.array | None, shape: tuple[int, int, int]) -> None:
+    """The previous stage's hidden states, as many as the step's rows and tokens and as wide as the model."""
+    if hidden is None:
+        raise StageError("this stage needs the previous stage's hidden states")
+    if tuple(hidden.shape) != shape:
+        raise StageError(f"hidden states have shape {tuple(hidden.shape)}, expected {shape}")
+
+
 @dataclass
 class Sequence:
     cache: list
@@ -155,10 +163,7 @@ class StageWorker:
             if hidden is not None:
                 raise StageError("the first stage takes token ids, not hidden states")
         else:
-            if hidden is None:
-                raise StageError("this stage needs the previous stage's hidden states")
-            if tuple(hidden.shape) != (1, T, self.hidden_size):
-                raise StageError(f"hidden states have shape {tuple(hidden.shape)}, expected (1, {T}, {self.hidden_size})")
+            check_hidden(hidden, (1, T, self.hidden_size))
         if req.keep:
             if req.kind is not StepKind.PREFILL or not req.final:
                 raise StageError("only a prompt's last step keeps its prefix")
@@ -176,14 +181,13 @@ class StageWorker:
             check_first_step(req, drafts_here=self.spec.is_last, has_mtp=self.shard.has_mtp)
             if req.keep and not req.prefix:
                 raise StageError("a prompt's first step has no prefix before it to keep")
-            if req.prefix:
-                prefix = self.prefixes.get(req.prefix)
-                if prefix is None:
-                    raise StageError(f"no kept prompt prefix {req.prefix!r} here")
-                if prefix.length + T > self.max_context:
-                    raise StageError(f"context overflow: {prefix.length + T} > {self.max_context} positions")
-                if self.spec.is_last and req.mtp_depth and not prefix.drafts:
-                    raise StageError(f"kept prompt prefix {req.prefix!r} has no MTP head part to draft from")
+            prefix = self.prefixes.get(req.prefix) if req.prefix else None
+            if req.prefix and prefix is None:
+                raise StageError(f"no kept prompt prefix {req.prefix!r} here")
+            if (prefix.length if prefix else 0) + T > self.max_context:
+                raise StageError(f"context overflow: {(prefix.length if prefix else 0) + T} > {self.max_context} positions")
+            if prefix and self.spec.is_last and req.mtp_depth and not prefix.drafts:
+                raise StageError(f"kept prompt prefix {req.prefix!r} has no MTP head part to draft from")
             return None
         if req.step != seq.next_step:
             raise StageError(f"step {req.step} out of order for {req.seq_id!r}: expected {seq.next_step}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import queue
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from mtpipe.models.loading import load_shard
 from mtpipe.models.ragged import CAPACITY_STEP, RaggedKV
 from mtpipe.node import device_sampling
 from mtpipe.node.batch import BatchStage, RowStep
-from mtpipe.node.protocol import SamplingParams, StageUnavailable, StepKind, StepRequest
+from mtpipe.node.protocol import SamplingParams, StageError, StageUnavailable, StepKind, StepRequest
 from mtpipe.node.stage import StageWorker
 from mtpipe.node.sysinfo import gpu_limit
 
@@ -442,8 +442,6 @@ def test_rounds_queued_on_lazy_drafts_match_rounds_run_on_request(dense_ckpt: Pa
 def test_a_round_with_tokens_not_the_stages_leaves_the_caches_intact(dense_ckpt: Path) -> None:
     """The last stage refuses a round whose tokens are not the ones it made before it runs it: the
     rounds after it match a stage that never saw it."""
-    from mtpipe.node.protocol import StageError
-
     shard = load_shard(dense_ckpt, dtype=mx.float32)
     tried, plain = BatchStage(StageWorker(shard, overlap=False)), BatchStage(StageWorker(shard, overlap=False))
     nexts: dict[str, list[int]] = {}
@@ -758,7 +756,8 @@ def test_prompt_chunks_of_full_rows_run_unmasked_as_a_sequence_alone(dense_ckpt:
 
     def fill(rows: list[list[int]]) -> tuple[mx.array, list]:
         group = FillGroup(model, None, first=True, dtype=mx.float32, max_context=64,
-                          vocab_size=model.config.args.vocab_size, has_mtp=False)
+                          vocab_size=model.config.args.vocab_size, hidden_size=model.config.args.hidden_size,
+                          has_mtp=False)
         h = group.step([StepRequest(f"r{i}", 0, StepKind.PREFILL, t, params=SamplingParams())
                         for i, t in enumerate(rows)], None)
         return h, group.cache
@@ -775,6 +774,31 @@ def test_prompt_chunks_of_full_rows_run_unmasked_as_a_sequence_alone(dense_ckpt:
     masks.clear()
     fill([prompt, prompt[:4]])
     assert masks == [True] * linear
+
+
+def test_a_refused_prompt_chunk_adds_no_row(dense_ckpt: Path) -> None:
+    """Every row of a prompt step is checked before any joins: a bad one (its sampling, its length, the
+    hidden states a later stage gets) leaves the rows as they were, none of its good neighbours added."""
+    from mtpipe.node.filling import FillGroup
+
+    model = load_shard(dense_ckpt, dtype=mx.float32).model
+    args = model.config.args
+    good = StepRequest("good", 0, StepKind.PREFILL, [3, 1, 4], params=SamplingParams())
+    bad = [StepRequest("bad", 0, StepKind.PREFILL, [5, 9], params=SamplingParams(temperature=float("nan"))),
+           StepRequest("bad", 0, StepKind.PREFILL, list(range(65)), params=SamplingParams())]  # over max_context
+    for first in (True, False):
+        group = FillGroup(model, None, first=first, dtype=mx.float32, max_context=64, vocab_size=args.vocab_size,
+                          hidden_size=args.hidden_size, has_mtp=False)
+        hidden = None if first else mx.zeros((2, 3, args.hidden_size))
+        for req in bad:
+            with pytest.raises(StageError):
+                group.step([good, req], hidden)
+            assert group.ids == [] and group.cache == []
+        if not first:
+            for shape in ((1, 3, args.hidden_size), (2, 3, args.hidden_size + 1), (2 * 3, args.hidden_size)):
+                with pytest.raises(StageError, match="hidden states have shape"):
+                    group.step([good, replace(good, seq_id="other")], mx.zeros(shape))
+                assert group.ids == []
 
 
 def test_an_auto_row_joins_a_batch_at_the_depth_its_rows_run(dense_ckpt: Path) -> None:

@@ -214,7 +214,8 @@ def test_forwards_queue_each_layer_and_compute_the_same(dense_ckpt: Path, monkey
         assert len(states) >= len(model.layers)
         # prompt chunks of rows not yet in a batch, in one forward
         fill = filling.FillGroup(model, None, first=True, dtype=mx.float32, max_context=64,
-                                 vocab_size=model.config.args.vocab_size, has_mtp=False)
+                                 vocab_size=model.config.args.vocab_size,
+                                 hidden_size=model.config.args.hidden_size, has_mtp=False)
         h3 = fill.step([StepRequest(s, 0, StepKind.PREFILL, t, params=SamplingParams())
                         for s, t in (("a", [3, 1, 4, 1, 5]), ("b", [9, 2]))], None)
         results[queue] = [h, h1, h2, h3, *[s for snap in snaps.values() for s in snap.states], *states,

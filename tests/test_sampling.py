@@ -461,7 +461,9 @@ def test_seeded_tokens_do_not_depend_on_depth_or_batch(dense_ckpt: Path) -> None
         batch.close()
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(min_p=2.0)])
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                 dict(temperature=1e-320), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+                                 dict(min_p=2.0)])
 def test_invalid_sampling_params(bad: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad).validate()

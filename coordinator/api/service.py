@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
-from ...node.protocol import SamplingParams, StageError, StageUnavailable
+from ...node.protocol import GREEDY_BELOW, SamplingParams, StageError, StageUnavailable
 from ..engine.detokenizer import token_bytes
 from ..engine.sinks import ServerBusy
 from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_STOP_STRINGS = 16
-GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (tiny ones overflow the softmax)
 DISCONNECT_POLL_S = 0.1
 LONG_PROMPT_CHARS = 32 * 1024  # longer prompts are tokenized on the long lane
 LONG_TOKEN_IDS = 64 * 1024  # longer token-id prompts are checked on a worker thread
