@@ -195,6 +195,14 @@ def _quantize(model: nn.Module, config: ModelConfig, weights: dict[str, mx.array
     )
 
 
+def shard_config(path: Path | str, spec: ShardSpec | None) -> ModelConfig:
+    """The model's config, which `spec` (if given) must fit: a cheap check before any weight is read."""
+    config = load_config(Path(path))
+    if spec is not None and spec.num_layers != config.num_layers:
+        raise ValueError(f"shard spec is for {spec.num_layers} layers, the model has {config.num_layers}")
+    return config
+
+
 def load_shard(
     path: Path | str,
     spec: ShardSpec | None = None,
@@ -209,10 +217,8 @@ def load_shard(
     `materialize=False` returns the shard still lazy (nothing read from disk yet), for a caller that
     evaluates it in pieces of its own (a node, between serving other calls on its event loop)."""
     path = Path(path)
-    config = load_config(path)
+    config = shard_config(path, spec)
     spec = spec or ShardSpec.whole(config.num_layers)
-    if spec.num_layers != config.num_layers:
-        raise ValueError(f"shard spec is for {spec.num_layers} layers, the model has {config.num_layers}")
     all_weights = read_checkpoint(path)
     has_mtp_weights = any(k.startswith("mtp.") for k in all_weights)
     with_mtp = mtp and config.mtp_layers > 0

@@ -25,14 +25,22 @@ class Coordinators:
         """Not a coordinator whose shard another one's Load replaced here."""
         return not self.clients or not client_id or client_id in self.clients
 
+    def refuses(self, me: str, subscribed: Iterable[str], reused: bool, take_over: bool) -> bool:
+        """Whether `me`'s Load is refused: another connected coordinator holds another shard here, or
+        `me` was taken over here (`displaced` says by whom). Changes nothing: a Load is checked
+        (weights found, layers fit the model) before it is admitted."""
+        return not take_over and (me in self.displaced or (self._others(me, subscribed) and not reused))
+
+    def _others(self, me: str, subscribed: Iterable[str]) -> list[str]:
+        return [c for c in subscribed if c != me and self.admits(c)]
+
     def admit_load(self, me: str, subscribed: Iterable[str], reused: bool, take_over: bool) -> list[str] | None:
-        """None: refused (another connected coordinator holds another shard here, or `me` was taken over
-        here: `displaced` says by whom). Else the coordinators whose subscriptions end (taken over).
+        """None: refused (`refuses`). Else the coordinators whose subscriptions end (taken over).
         `clients` is settled now, before the shard is read, so that none of the others can come back
         meanwhile."""
-        others = [c for c in subscribed if c != me and self.admits(c)]
-        if not take_over and (me in self.displaced or (others and not reused)):
+        if self.refuses(me, subscribed, reused, take_over):
             return None
+        others = self._others(me, subscribed)
         self.displaced.pop(me, None)
         if not me:
             self.clients = set()

@@ -54,24 +54,44 @@ def pieces(arrays: list[Any], limit: int) -> Iterator[list[Any]]:
         yield group
 
 
-async def load_stage(key: LoadKey, piece_bytes: int = PIECE_BYTES, draft_vocab: int | None = None,
-                     mtp_window: int | None = None) -> StageWorker:
-    """Load the shard of `key` on the calling loop's thread, yielding to the loop between pieces.
+@dataclass(frozen=True)
+class ShardLoad:
+    """A Load request checked against the model it names (`check_load`): what `load_stage` reads."""
 
-    Raises ValueError (bad spec, dtype or checkpoint), FileNotFoundError or KeyError for a request
-    the node cannot serve."""
+    model_path: str
+    spec: Any  # models.shard.ShardSpec
+    mtp: bool
+    dtype: Any  # an mx.Dtype, or None: as stored
+
+
+def check_load(key: LoadKey) -> ShardLoad:
+    """Everything about a Load that can be checked without reading weights (dtype, layer range, the
+    model's layer count), so a node refuses a bad one before it drops the shard it serves. Raises
+    ValueError, FileNotFoundError or KeyError."""
     import mlx.core as mx
 
-    from ..models.loading import arrays_in, load_shard
+    from ..models.loading import shard_config
     from ..models.shard import ShardSpec
-    from .stage import StageWorker
 
     if key.dtype and key.dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {key.dtype!r}")
-    dtype = getattr(mx, key.dtype) if key.dtype else None
     spec = ShardSpec(key.start, key.end, key.num_layers)
+    shard_config(key.model_path, spec)
+    return ShardLoad(key.model_path, spec, key.mtp, getattr(mx, key.dtype) if key.dtype else None)
+
+
+async def load_stage(load: ShardLoad, piece_bytes: int = PIECE_BYTES, draft_vocab: int | None = None,
+                     mtp_window: int | None = None) -> StageWorker:
+    """Load a checked shard on the calling loop's thread, yielding to the loop between pieces.
+
+    Raises ValueError (a bad checkpoint), FileNotFoundError or KeyError for one the node cannot serve."""
+    import mlx.core as mx
+
+    from ..models.loading import arrays_in, load_shard
+    from .stage import StageWorker
+
     mx.clear_cache()  # the caller dropped its old shard: give its memory back before reading
-    shard = load_shard(key.model_path, spec, mtp=key.mtp, dtype=dtype, materialize=False)
+    shard = load_shard(load.model_path, load.spec, mtp=load.mtp, dtype=load.dtype, materialize=False)
     # Every array reachable from the model (parameters and private tables), in model order.
     arrays = arrays_in(shard.model)
     n = 0

@@ -20,11 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -33,13 +32,14 @@ from ..models import blas
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .conditions import Conditions
-from .coordinators import Coordinators, taken_over
+from .coordinators import Coordinators
 from .dataplane import NextStage
 from .group_frames import GroupFrames
 from .health import health_reply
 from .kept import KeptFrames
 from .leases import LeaseHolder
-from .loader import LoadKey, load_stage, same_shard
+from .loader import LoadKey
+from .loads import ShardLoads
 from .protocol import StageError, StepOutput
 from .weights import WeightStore
 from .wire import describe_rpc_error, frame_to_request, next_round, output_to_result, tensor_from_pb, tensor_to_pb
@@ -53,7 +53,6 @@ RING_PROBE_S = 2.0  # how long the last node tries to reach the first at load
 # A client (coordinator) whose subscription ended and was not renewed this long is gone: its
 # sequences are released, so a crashed coordinator does not pin caches on the nodes forever.
 ORPHAN_GRACE_S = 30.0
-ADOPT_TIMEOUT_S = 30.0  # a stage handed over from another thread (single-node launch)
 
 
 @dataclass
@@ -64,7 +63,7 @@ class LinkStats:
     decode_bytes: int = 0
 
 
-class NodeService(GroupFrames, LeaseHolder, KeptFrames, pb_grpc.NodeServicer):
+class NodeService(ShardLoads, GroupFrames, LeaseHolder, KeptFrames, pb_grpc.NodeServicer):
     """The servicer, on one asyncio loop. Steps run on the loop itself: a decode step is milliseconds
     and a thread hop would cost more than it saves, and MLX arrays must be evaluated on the thread
     that built them (streams are per thread), so every shard and sequence lives on this one thread.
@@ -100,67 +99,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, pb_grpc.NodeServicer):
         self.draft_vocab = draft_vocab  # the last stage's draft vocabulary (None: the default size)
         self.mtp_window = mtp_window  # what its drafts attend to (None: the default window)
 
-    # -- loading ------------------------------------------------------------------------------
-
-    async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReply:
-        key = LoadKey(request.model_path, request.start, request.end, request.num_layers, request.mtp, request.dtype,
-                      request.fingerprint)
-        self._load_lock = self._load_lock or asyncio.Lock()
-        async with self._load_lock:
-            if request.node_name:
-                self.name = request.node_name
-            reused = self.worker is not None and self.key is not None and same_shard(self.key, key)
-            ended = self.coordinators.admit_load(request.client_id, list(self._subs), reused, request.take_over)
-            if ended is None:
-                if (by := self.coordinators.displaced.get(request.client_id)) is not None:
-                    await context.abort(grpc.StatusCode.ABORTED, taken_over(self.name, by))
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"{self.name} serves another coordinator (connected now) with another shard: "
-                                    "stop that one, or take the node over (--take-over)")
-            for client in ended:
-                log.warning("%s: taken over from coordinator %s by %s", self.name, client, request.client_id)
-                q = self._subs.pop(client)
-                q.put_nowait(pb.Event(error=pb.Error(code="ABORTED", node=self.name,
-                                                     message=taken_over(self.name, request.client_id))))
-                q.put_nowait(None)
-                asyncio.get_running_loop().call_later(self.orphan_grace, self._expire, client)
-            if reused:
-                self.forget_kept(request.client_id)  # (its engine forgets them as the pipeline forms)
-            else:
-                try:
-                    # A local copy, the shard cache or a peer; the old shard serves meanwhile, and
-                    # stays if the request is refused.
-                    found = await self.weights.resolve(request)
-                except (ValueError, OSError, KeyError) as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
-                try:
-                    self.worker, self.key = None, None  # free the old shard before reading the new one
-                    self.drop_groups()
-                    self._owners.clear()
-                    # On this thread (arrays belong to it), yielding to the loop between pieces.
-                    self.worker, self.key = await load_stage(replace(key, model_path=str(found.path)),
-                                                             draft_vocab=self.draft_vocab,
-                                                             mtp_window=self.mtp_window), key
-                    self.conditions.clear("load")
-                except (ValueError, OSError, KeyError) as e:
-                    self.conditions.set("load", f"load failed: {e}")
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
-                finally:
-                    found.release()  # in memory now: the cache entry may go
-            shard = self.worker.shard
-            log.info("%s shard [%d, %d) of %s (%s)", "kept" if reused else "loaded", key.start, key.end,
-                     self.weights.loaded.path if self.weights.loaded else key.model_path, self._dtype_name())
-            return pb.LoadReply(
-                node_id=self.node_id,
-                parameter_bytes=shard.model.parameter_bytes(),
-                has_mtp=shard.has_mtp,
-                hidden_size=shard.config.args.hidden_size,
-                max_context=shard.config.args.max_position_embeddings,
-                reused=reused,
-                weights_source=self.weights.loaded.source if self.weights.loaded else "path",
-                weights_path=str(self.weights.loaded.path) if self.weights.loaded else key.model_path,
-                fetched_bytes=0 if reused else found.fetched,
-            )
+    # -- loading (loads.py) ----------------------------------------------------------------------
 
     async def Connect(self, request: pb.ConnectRequest, context: grpc.aio.ServicerContext) -> pb.ConnectReply:
         self._load_lock = self._load_lock or asyncio.Lock()
@@ -171,33 +110,6 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, pb_grpc.NodeServicer):
             await self._set_ring(request.ring, request.ring_node_id)
             return pb.ConnectReply(ring=self.ring is not None or self.ring_self,
                                    next_transport=self.next.transport if self.next is not None else "")
-
-    def adopt(self, worker: StageWorker, key: LoadKey) -> None:
-        """Serve a stage built in this process (single-node `mtpipe launch`): Health reports it.
-
-        Only Python objects change hands, and on the loop thread, so no call on the loop sees half
-        an adoption. Nothing of MLX is done here: the stage's arrays belong to the thread that built
-        them, which must have materialized them (load_shard evaluates every parameter)."""
-        loop = self.loop
-        if loop is None or not loop.is_running() or _on_loop(loop):
-            self._adopt(worker, key)
-            return
-        done = threading.Event()
-
-        def adopt_on_loop() -> None:
-            try:
-                self._adopt(worker, key)
-            finally:
-                done.set()
-
-        loop.call_soon_threadsafe(adopt_on_loop)
-        if not done.wait(ADOPT_TIMEOUT_S):
-            raise TimeoutError(f"the node loop did not take the stage within {ADOPT_TIMEOUT_S:.0f} s")
-
-    def _adopt(self, worker: StageWorker, key: LoadKey) -> None:
-        self.worker, self.key = worker, key
-        self.drop_groups()
-        self._owners.clear()
 
     async def _set_next(self, target: str) -> None:
         if self.next is not None and self.next.target == target:
@@ -262,6 +174,9 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, pb_grpc.NodeServicer):
         req = self.scope(frame_to_request(frame), frame.client_id)
         hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
         out = worker.step(req, hidden, None if worker.overlap else self.ring_groups.joins_at(frame.client_id, req))
+        if frame.step == 0:  # a sequence starts: only its client may release it, and only while it renews it
+            self._owners[frame.seq_id] = frame.client_id
+            self.lease(frame.seq_id)
         if req.keep and req.keep not in worker.prefixes:  # (no room here: none after this keeps it either)
             frame.keep, frame.keep_refused = "", True
         if isinstance(out, StepOutput):
@@ -286,6 +201,9 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, pb_grpc.NodeServicer):
             self.drop_kept(frame)
             return
         if frame.kind == pb.RELEASE:
+            if not self._owned_by(frame.seq_id, frame.client_id):
+                log.info("%s: a release of %s by a client that did not start it, ignored", self.name, frame.seq_id)
+                return
             if self.release_grouped(frame):
                 return
             self._release(frame.seq_id)
@@ -311,9 +229,6 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, pb_grpc.NodeServicer):
             return
         if self.worker.spec.is_last and not self.worker.overlap and self._ring_groups is not None:
             self._ring_groups.interrupt()
-        if frame.step == 0 and frame.client_id:
-            self._owners[frame.seq_id] = frame.client_id
-            self.lease(frame.seq_id)
         if isinstance(out, StepOutput) and frame.group and frame.final and not self.worker.overlap:
             self._emit(frame.client_id, self.joined(frame, out))
         elif isinstance(out, StepOutput):
@@ -378,7 +293,14 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, pb_grpc.NodeServicer):
         return pb.StepReply(hidden=out)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseReply:
+        if not self._owned_by(request.seq_id, request.client_id):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{self.name}: sequence {request.seq_id!r} belongs to another client")
         return pb.ReleaseReply(released=self._release(request.seq_id))
+
+    def _owned_by(self, seq_id: str, client_id: str) -> bool:
+        """Whether `client_id` may release `seq_id` here (one this node does not hold: nothing to guard)."""
+        return self._owners.get(seq_id, client_id) == client_id
 
     # -- subscriptions --------------------------------------------------------------------------
 
@@ -442,9 +364,3 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, pb_grpc.NodeServicer):
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthReply:
         return await health_reply(self, request.probe_next)
-
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False

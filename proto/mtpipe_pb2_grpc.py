@@ -127,7 +127,7 @@ class NodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Drop one sequence's caches on this node only.
+        """Drop one sequence's caches on this node only (its own client's: PERMISSION_DENIED otherwise).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

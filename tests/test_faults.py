@@ -91,12 +91,15 @@ def test_freeze_cycles_leave_no_sequences(dense_ckpt: Path, build, victims: tupl
 
 def test_a_sequence_nobody_renews_is_released(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sequence whose release never arrives (lost with a stream, a crashed client) is gone from every
-    node once its lease runs out; one its client still wants stays however long it idles. (Leases of
-    3 s and sweeps every 0.25 s, for the suite's time: the client still renews every second.)"""
+    node once its lease runs out; one its client still wants stays however long it idles. So is one
+    started by a client that never named itself, through the Step RPC. (Leases of 3 s and sweeps
+    every 0.25 s, for the suite's time: the client still renews every second.)"""
     from helpers import node_servers
 
     from mtpipe.node import leases
-    from mtpipe.node.protocol import StepKind, StepRequest
+    from mtpipe.node.protocol import SamplingParams, StepKind, StepRequest
+    from mtpipe.node.wire import make_channel, request_to_frame
+    from mtpipe.proto import mtpipe_pb2_grpc as pb_grpc
 
     lease_s, sweep_s = 3.0, 0.25
     monkeypatch.setattr(leases, "SWEEP_S", sweep_s)
@@ -109,7 +112,10 @@ def test_a_sequence_nobody_renews_is_released(dense_ckpt: Path, monkeypatch: pyt
             tokens = engine.tokenizer.encode(PROMPTS[2])
             for seq in ("kept", "lost"):
                 pipeline.steps([StepRequest(seq, 0, StepKind.PREFILL, tokens, final=True)])
-            assert active(engine) == [2, 2]
+            with make_channel(servers[0].address) as ch:
+                frame = request_to_frame(StepRequest("unnamed", 0, StepKind.PREFILL, tokens, params=SamplingParams()), "")
+                pb_grpc.NodeStub(ch).Step(frame, timeout=10)
+            assert active(engine) == [3, 2]
             with pipeline._lock:  # as if its release had been lost: nobody renews it any more
                 pipeline.live.discard("lost")
             deadline = time.monotonic() + SETTLE_S

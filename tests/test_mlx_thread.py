@@ -25,7 +25,7 @@ from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.models.config import load_config
 from mtpipe.models.loading import arrays_in, load_shard
 from mtpipe.models.mlx_thread import MLXThread
-from mtpipe.node.loader import LoadKey, load_stage
+from mtpipe.node.loader import LoadKey, check_load, load_stage
 from mtpipe.node.server import NodeServer
 from mtpipe.node.stage import StageWorker
 from mtpipe.node.sysinfo import gpu_limit
@@ -134,7 +134,7 @@ def test_load_yields_to_the_loop_between_pieces(dense_ckpt: Path) -> None:
                 await asyncio.sleep(0)
 
         ticker = asyncio.get_running_loop().create_task(tick())
-        worker = await load_stage(key, piece_bytes=1)  # one array a piece
+        worker = await load_stage(check_load(key), piece_bytes=1)  # one array a piece
         loading = False
         await ticker
         return worker, ticks

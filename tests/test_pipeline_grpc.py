@@ -440,9 +440,15 @@ def test_bad_frames_rejected_without_state_change(dense_engine: Engine, dense_ck
                 frame(t, good, seq="nope"),  # unknown sequence
                 frame(t, None),  # a middle node needs hidden states
                 frame([10**6, 1, 2], good),  # token outside the vocabulary
+                frame(t, tensor_to_pb(mx.zeros((1, 3, H + 1)))),  # hidden states of another width
+                frame(t, tensor_to_pb(mx.zeros((3, H)))),  # or rank
             ],
             nodes[0]: [frame(t, good), frame(t, None, step=step + 5), frame([-1], None),
-                       pb.Frame(seq_id="seq-a", step=step, kind=pb.DECODE, tokens=t, budget=-1)],
+                       pb.Frame(seq_id="seq-a", step=step, kind=pb.DECODE, tokens=t, budget=-1),
+                       # a new sequence longer than the model's context, or sampling at no usable temperature
+                       pb.Frame(seq_id="new", kind=pb.PREFILL, tokens=[1] * (engine.max_context + 1)),
+                       *(pb.Frame(seq_id="new", kind=pb.PREFILL, tokens=t, params=pb.Sampling(temperature=x, top_p=1))
+                         for x in (float("nan"), float("inf"), 1e-30))],
             nodes[2]: [frame(t, good)],  # drafts this last node never made
         }
         before = [(h.active_sequences, h.tokens_processed, h.steps) for h in engine.pipeline.health()]
@@ -455,6 +461,37 @@ def test_bad_frames_rejected_without_state_change(dense_engine: Engine, dense_ck
         assert err.value.code == "INVALID_ARGUMENT" and nodes[0] in str(err.value)
         assert [(h.active_sequences, h.tokens_processed, h.steps) for h in engine.pipeline.health()] == before
         while len(drv.tokens) < len(expected):  # the sequence goes on as if nothing had happened
+            drv.round()
+        engine.pipeline.release("seq-a")
+    assert drv.tokens[: len(expected)] == expected
+
+
+def test_refused_loads_and_releases_leave_the_shard_and_its_sequences(
+        dense_engine: Engine, dense_ckpt: Path, nodes: list[str]) -> None:
+    """A Load the node refuses (layers that do not fit the model, an unknown dtype), even one that
+    would take the node over, changes nothing: the shard, its sequences and the coordinator it serves
+    stay. Nor may another client release a sequence it did not start."""
+    prompt = dense_engine.tokenizer.encode(PROMPTS[12])
+    expected = generate(dense_engine, PROMPTS[12], 2).tokens
+    with remote(dense_ckpt, nodes[:2]) as engine:
+        drv = Driver(engine.pipeline, "seq-a", prompt, depth=2)
+        drv.round()
+        before = [h.active_sequences for h in engine.pipeline.health()]
+        n = load_config(dense_ckpt).num_layers
+        with make_channel(nodes[0]) as ch:
+            stub = pb_grpc.NodeStub(ch)
+            for bad in (dict(start=3, end=1), dict(dtype="int8"), dict(num_layers=n + 5)):
+                request = pb.LoadRequest(**{**dict(model_path=str(dense_ckpt), start=0, end=n // 2, num_layers=n,
+                                                   mtp=True, dtype="float32", client_id="intruder", take_over=True),
+                                            **bad})
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Load(request, timeout=60)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Release(pb.ReleaseRequest(seq_id="seq-a", client_id="intruder"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "another client" in err.value.details()
+        assert [h.active_sequences for h in engine.pipeline.health()] == before
+        while len(drv.tokens) < len(expected):  # the sequence goes on, its coordinator not taken over
             drv.round()
         engine.pipeline.release("seq-a")
     assert drv.tokens[: len(expected)] == expected

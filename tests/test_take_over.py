@@ -78,15 +78,15 @@ def test_a_taken_over_coordinator_gives_the_nodes_up(dense_ckpt: Path, tmp_path:
     import shutil
 
     from mtpipe.coordinator.pipeline.nodes import TakenOver
-    from mtpipe.node import service
+    from mtpipe.node import loads
 
-    real = service.load_stage
+    real = loads.load_stage
 
     async def slow(*args: object, **kw: object) -> object:
         await asyncio.sleep(1.0)
         return await real(*args, **kw)
 
-    monkeypatch.setattr(service, "load_stage", slow)
+    monkeypatch.setattr(loads, "load_stage", slow)
     servers = [NodeServer("127.0.0.1", 0, model_dirs=[dense_ckpt]).start() for _ in range(2)]
     addresses = [s.address for s in servers]
     engines: list[Any] = []
