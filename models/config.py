@@ -85,4 +85,8 @@ def load_config(model_path: Path) -> ModelConfig:
     path = Path(model_path) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"no config.json in {model_path}")
-    return parse_config(json.loads(path.read_text()))
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return parse_config(data)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -29,8 +30,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
         if len(chosen) != 1:
             print("mtpipe cache prune: give exactly one of --model, --max-gib, --all", file=sys.stderr)
             return 2
-        if args.max_gib is not None and args.max_gib < 0:
-            print("mtpipe cache prune: --max-gib must be 0 or more", file=sys.stderr)
+        if args.max_gib is not None and not 0 <= args.max_gib < math.inf:
+            print("mtpipe cache prune: --max-gib must be a number of GiB, 0 or more", file=sys.stderr)
             return 2
         max_bytes = int(args.max_gib * 2**30) if args.max_gib is not None else None
         listed, busy = prune(root, max_bytes=max_bytes, fingerprint=args.model)

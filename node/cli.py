@@ -23,6 +23,17 @@ def count_or_all(value: str) -> int:
     return n
 
 
+def port_arg(value: str) -> int:
+    """A TCP port to listen on (0: any free one)."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, got {value!r}") from None
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (0-65535), got {port}")
+    return port
+
+
 def add_draft_options(p: argparse.ArgumentParser) -> None:
     """How the MTP head drafts: options that change which drafts are proposed, never the output."""
     p.add_argument("--draft-vocab", type=count_or_all, default=None, metavar="N",
@@ -36,7 +47,7 @@ def add_draft_options(p: argparse.ArgumentParser) -> None:
 def add_node_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("node", help="run a node daemon that serves one shard of a model over gRPC")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (0 = any free port)")
+    p.add_argument("--port", type=port_arg, default=DEFAULT_PORT, help="port to listen on (0 = any free port)")
     p.add_argument("--node-id", help="a name for this node (default: hostname plus a random suffix)")
     add_secret_args(p, "the cluster secret every caller must present")
     p.add_argument("--insecure", action="store_true",

@@ -189,6 +189,12 @@ def test_file_errors(tmp_path: Path) -> None:
     bad.write_text("- a\n")
     with pytest.raises(ClusterConfigError, match=rf"^{where} must be a mapping at the top level"):
         load_cluster_config(bad)
+    bad.write_text("name: a\nnode:\n  host: 127.0.0.1\nnode:\n  port: 6000\n")  # half of node lost, were it let through
+    with pytest.raises(ClusterConfigError, match=rf"^{where}, line 4: 'node' given twice$"):
+        load_cluster_config(bad)
+    bad.write_text("api: {port: 9000, port: 9001}\n")
+    with pytest.raises(ClusterConfigError, match=rf"^{where}, line 1: 'port' given twice$"):
+        load_cluster_config(bad)
     bad.write_text("")
     assert load_cluster_config(bad) == ClusterConfig()
     with pytest.raises(FileNotFoundError):
@@ -259,7 +265,6 @@ def test_flags_override_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         (["--port", "70000"], r"node\.port: Input should be less than or equal to 65535"),
         (["--settle", "-1"], r"discovery\.settle: Input should be greater than or equal to 0"),
         (["--expect", "0"], r"discovery\.expect: Input should be greater than or equal to 1"),
-        (["--mtp-depth", "12"], r"mtp_depth: Input should be less than or equal to 8 \(got 12\)$"),
         (["--max-memory", "0"], r"node\.max_memory_gib: Input should be greater than 0"),
         (["--node", "h:x"], r"nodes\[0\]: 'h:x': 'x' is not a TCP port$"),
         (["--cluster", ""], r"name: must not be empty$"),

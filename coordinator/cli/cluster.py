@@ -19,9 +19,10 @@ import socket
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ...node.advertise import NodeAdvert, cluster_hash
 from ...node.cache_cli import add_cache_command
@@ -44,7 +45,17 @@ from ..cluster.formation import (
 )
 from ..cluster.health import EXIT_CHECK_FAILED
 from ..cluster.membership import Membership
-from .common import add_mtp, add_take_over, exit_on_sigterm, progress_loader, stage_options, stderr_console
+from .common import (
+    add_mtp,
+    add_take_over,
+    check_default_depth,
+    check_port_free,
+    exit_on_sigterm,
+    positive_seconds,
+    progress_loader,
+    stage_options,
+    stderr_console,
+)
 from .serve import add_serve_command
 
 log = logging.getLogger(__name__)
@@ -187,6 +198,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             while True:
                 signal.pause()  # until SIGTERM or Ctrl-C ends the process through the finally below
         log.info("%s coordinates %d node(s)%s", me, len(peers), f" and {len(cfg.nodes)} static" if cfg.nodes else "")
+        check_port_free(cfg.api.host, cfg.api.port, "the API port (api.port, --api-port)")  # before the model loads
         server.service.coordinating = True  # before the advert says so: peers check the advert against it
         if agent is not None:
             agent.set_coordinator()
@@ -209,6 +221,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             engine, formation = form_cluster(cfg, me, my_target, peers, interfaces, model_path, mtp, secret, console,
                                              take_over=args.take_over)
             placed.update(s.node_id for s in formation.plan)
+        check_default_depth(cfg.mtp_depth if mtp else 0, engine.has_mtp, "--mtp-depth (cluster.yaml mtp_depth)")
         name = model_name_for(cfg.model, model_path)
         info = cluster_info_fn(cfg, me, my_target, engine, name, formation, agent, secret, membership)
         state = info()
@@ -329,9 +342,20 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     _add_common(p)
     p.add_argument("nodes", nargs="*", metavar="NODE", help="host[:port] of a node (default: find them by zeroconf)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each node")
-    p.add_argument("--wait", type=float, default=3.0, help="seconds to browse for nodes (without NODE)")
+    p.add_argument("--timeout", type=positive_seconds, default=5.0, help="seconds to wait for each node")
+    p.add_argument("--wait", type=positive_seconds, default=3.0, help="seconds to browse for nodes (without NODE)")
     p.set_defaults(func=cmd_health)
+    p.error = types.MethodType(_health_usage_error, p)  # type: ignore[method-assign]
+
+
+def _health_usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """A mistyped health command is a check that could not run (EXIT_CHECK_FAILED), never a cluster
+    found unreachable (2, argparse's own code for usage errors)."""
+    if "--json" in sys.argv[1:]:
+        print(json.dumps({"status": "error", "error": message}))
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_CHECK_FAILED)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
+import socket
 from collections.abc import Callable
 from typing import Any
 
 from ...node.cli import add_draft_options
+from ...node.links import format_host_port, split_host_port
+from ...node.protocol import MAX_MTP_DEPTH
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -33,9 +37,63 @@ def depth_arg(value: str) -> int | str:
         depth = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of drafts or 'auto', got {value!r}") from None
-    if depth < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {depth}")
+    if not 0 <= depth <= MAX_MTP_DEPTH:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_MTP_DEPTH}] or 'auto', got {depth}")
     return depth
+
+
+def positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def positive_seconds(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not 0 < x < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+    return x
+
+
+def nodes_arg(value: str) -> list[str]:
+    """--nodes: comma-separated host:port of nodes, each once, in pipeline order."""
+    nodes: list[str] = []
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        try:
+            node = format_host_port(*split_host_port(part))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if node in nodes:
+            raise argparse.ArgumentTypeError(f"{part} is listed twice: list each node once")
+        nodes.append(node)
+    if not nodes:
+        raise argparse.ArgumentTypeError(f"expected comma-separated host:port of nodes, got {value!r}")
+    return nodes
+
+
+def check_default_depth(depth: int | str | None, has_mtp: bool, option: str = "--mtp-depth") -> None:
+    """A served default depth the model can run (requests that name none get it)."""
+    if isinstance(depth, int) and depth > 0 and not has_mtp:
+        raise ValueError(f"{option} needs a model with an MTP head")
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """Refuse a port something else listens on (this node's own server too) before serving on it, so
+    that nothing reads the other listener as this server up."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the server binds)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"{what} {format_host_port(host, port)} cannot be used: {e.strerror or e}") from None
 
 
 def add_take_over(p: argparse.ArgumentParser) -> None:

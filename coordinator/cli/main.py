@@ -19,6 +19,10 @@ from .common import (
     add_mtp,
     add_sampling,
     add_take_over,
+    depth_arg,
+    nodes_arg,
+    positive_int,
+    positive_seconds,
     progress_loader,
     stage_options,
     stderr_console,
@@ -33,16 +37,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..engine.build import local_engine
     from ..engine.request import GenerationRequest, resolve_depth
 
+    if args.weights_from and not args.nodes:
+        raise ValueError("--weights-from applies with --nodes")
+    params = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
+    params.validate()  # (before any node is loaded, or taken over)
     model = resolve_model(args.model)
     options = stage_options(args, remote=bool(args.nodes))
     if args.nodes:
         from ...node.secrets import read_secret
         from ..engine.build import remote_engine
 
-        sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
-        engine = remote_engine(model, [n.strip() for n in args.nodes.split(",") if n.strip()], mtp=not args.no_mtp,
-                               secret=read_secret(args.secret_file), dtype=args.dtype, sources=sources,
-                               take_over=args.take_over)
+        engine = remote_engine(model, args.nodes, mtp=not args.no_mtp, secret=read_secret(args.secret_file),
+                               dtype=args.dtype, sources=args.weights_from or [], take_over=args.take_over)
     else:
         with progress_loader("loading model")() as progress:
             engine = local_engine(
@@ -52,22 +58,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 progress=progress,
                 **options,
             )
-    depth, auto = resolve_depth(0 if args.no_mtp else args.mtp_depth, engine.has_mtp)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    tokens = (
-        engine.encode_chat([{"role": "user", "content": prompt}])
-        if args.chat
-        else engine.tokenizer.encode(prompt)
-    )
-    req = GenerationRequest(
-        prompt_tokens=tokens,
-        max_tokens=args.max_tokens,
-        params=SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed),
-        mtp_depth=depth,
-        mtp_auto=auto,
-        stop=args.stop or [],
-    )
     try:
+        depth, auto = resolve_depth(0 if args.no_mtp else args.mtp_depth, engine.has_mtp)
+        prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+        chat = [{"role": "user", "content": prompt}]
+        tokens = engine.encode_chat(chat) if args.chat else engine.tokenizer.encode(prompt)
+        req = GenerationRequest(prompt_tokens=tokens, max_tokens=args.max_tokens, params=params, mtp_depth=depth,
+                                mtp_auto=auto, stop=args.stop or [])
         if args.json:
             result = engine.complete(req)
             print(json.dumps({"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
@@ -207,14 +204,12 @@ def bench_chat_nodes(value: str | None) -> int:
     return int(value)
 
 
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
+def drafts_arg(value: str) -> int:
+    """A fixed depth to bench: 1 to the most drafts a stage takes."""
+    depth = depth_arg(value)
+    if depth == "auto" or depth == 0:
+        raise argparse.ArgumentTypeError(f"expected a number of drafts from 1, got {value!r}")
+    return int(depth)
 
 
 COMPUTES = ("generate", "serve", "launch", "bench")  # commands that run MLX here (node: its servicer says)
@@ -232,12 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model directory or hub repo (default: the bundled demo model)")
     p.add_argument("--prompt", help="prompt text (default: read standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=positive_int, default=256)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--nodes", help="comma-separated host:port of running nodes, in pipeline order")
+    p.add_argument("--nodes", type=nodes_arg, help="comma-separated host:port of running nodes, in pipeline order")
     add_secret_args(p, "the nodes' shared secret, with --nodes")
-    p.add_argument("--weights-from", help="with --nodes: comma-separated host:port of nodes that hold the model; "
-                                          "the others fetch their shards from them")
+    p.add_argument("--weights-from", type=nodes_arg,
+                   help="with --nodes: comma-separated host:port of nodes that hold the model; "
+                        "the others fetch their shards from them")
     add_take_over(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -260,15 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target",
                    choices=["engine", "pipeline", "serve", "transfer", "faults", "sampled", "prefill", "chat"])
     p.add_argument("--model", help="model directory (default: the bundled demo model)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--prompts", type=int, default=8, help="number of prompts")
-    p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--prompts", type=positive_int, default=8, help="number of prompts")
+    p.add_argument("--depths", type=drafts_arg, nargs="+", default=[1, 2, 3])
     p.add_argument("--mtp-pre-norm", action="store_true", help="engine bench: feed the MTP head the pre-norm hidden")
     add_draft_options(p)  # engine bench
     p.add_argument("--context", type=_lengths, default=None, metavar="L1,L2,...",
                    help="engine bench: also decode after prompts of these lengths (e.g. 256,2048,8192); "
                         "prefill bench: the prompt lengths (default 512,2048)")
-    p.add_argument("--context-reps", type=_positive, default=None, metavar="N",
+    p.add_argument("--context-reps", type=positive_int, default=None, metavar="N",
                    help="engine bench: repetitions at each --context length, ratios their median (default 4); "
                         "prefill bench: alternated pairs at each length (default 5)")
     p.add_argument("--concurrency", default="1,2,4,8,16", metavar="C1,C2,...",
@@ -276,11 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", default=None, metavar="N1,N2,...",
                    help="serve bench: ring batches over this many node processes each (e.g. 2,3), against one node; "
                         "faults bench: pipelines of these sizes (default 2,3); chat bench: one ring of this many")
-    p.add_argument("--fault-seconds", type=float, default=4.0,
+    p.add_argument("--fault-seconds", type=positive_seconds, default=4.0,
                    help="faults bench: how long a node is frozen, or gone before it starts again")
-    p.add_argument("--repeat", type=int, default=3, help="transfer bench: transfers, each into a fresh cache")
-    p.add_argument("--turns", type=_positive, default=8, help="chat bench: turns of the conversation")
-    p.add_argument("--reps", type=int, default=1, help="serve bench: runs per cell (the median is reported)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="transfer bench: transfers, each into a fresh cache")
+    p.add_argument("--turns", type=positive_int, default=8, help="chat bench: turns of the conversation")
+    p.add_argument("--reps", type=positive_int, default=1, help="serve bench: runs per cell (the median is reported)")
     p.add_argument("--skip-api", action="store_true", help="serve bench: skip the HTTP API level")
     p.add_argument("--api-in-process", action="store_true",
                    help="serve bench: the API level in the engine's process (default: a process of its own, as served)")
@@ -288,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-mlx-lm", action="store_true", help="serve and chat benches: leave mlx-lm out")
     p.add_argument("--skip-closed-loop", action="store_true",
                    help="serve bench: skip the closed loop (c clients each sending again as their request ends)")
-    p.add_argument("--closed-requests", type=int,
+    p.add_argument("--closed-requests", type=positive_int,
                    help="serve bench: requests per client in the closed loop (default 4; more: a longer steady window)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="serve bench: sample at this temperature, each prompt with a seed of its own (default 0: greedy)")

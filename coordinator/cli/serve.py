@@ -9,20 +9,32 @@ import signal
 from ...node.secrets import add_secret_args, add_secret_file, read_secret
 from ..api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_PORT
 from ..engine.ring import RESUME_WINDOW_S
-from .common import add_mtp, add_take_over, exit_on_sigterm, progress_loader, stage_options, stderr_console
+from ...node.cli import port_arg
+from ...node.links import format_host_port
+from .common import (
+    add_mtp,
+    add_take_over,
+    check_default_depth,
+    exit_on_sigterm,
+    nodes_arg,
+    progress_loader,
+    stage_options,
+    stderr_console,
+)
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API, on this machine or over running nodes")
     p.add_argument("--model", help="model directory or hub repo (default: the bundled demo model)")
-    p.add_argument("--nodes", help="comma-separated host:port of running nodes, in pipeline order")
+    p.add_argument("--nodes", type=nodes_arg, help="comma-separated host:port of running nodes, in pipeline order")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=port_arg, default=DEFAULT_PORT)
     add_secret_file(p, "--api-key", "the key clients must send ('Authorization: Bearer KEY')", API_KEY_ENV)
     p.add_argument("--model-name", help="the model id clients use (default: the --model name)")
     add_secret_args(p, "the nodes' shared secret, with --nodes")
-    p.add_argument("--weights-from", help="with --nodes: comma-separated host:port of nodes that hold the model "
-                                          "(`mtpipe node --model-dir`); the others fetch their shards from them")
+    p.add_argument("--weights-from", type=nodes_arg,
+                   help="with --nodes: comma-separated host:port of nodes that hold the model "
+                        "(`mtpipe node --model-dir`); the others fetch their shards from them")
     add_take_over(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
@@ -50,6 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..engine.batch import DEFAULT_MAX_ROWS
     from ..engine.build import batch_engine
 
+    if args.weights_from and not args.nodes:
+        raise ValueError("--weights-from applies with --nodes")
     if args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
     if args.max_body_bytes < 0:
@@ -67,10 +81,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.nodes:
         from ..engine.build import ring_engine
 
-        nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
         secret = read_secret(args.secret_file)
-        sources = [n.strip() for n in (args.weights_from or "").split(",") if n.strip()]
-        engine = ring_engine(path, nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype, sources=sources,
+        engine = ring_engine(path, args.nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype,
+                             sources=args.weights_from or [],
                              max_rows=args.max_concurrency, resume_window=args.resume_window, take_over=args.take_over,
                              **options)
     else:
@@ -79,15 +92,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with progress_loader("loading model")() as progress:
             engine = batch_engine(path, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None,
                                   progress=progress, max_rows=max(DEFAULT_MAX_ROWS, args.max_concurrency), **options)
-    depth = 0 if args.no_mtp else args.mtp_depth
-    if isinstance(depth, int) and depth > 0 and not engine.has_mtp:
-        raise ValueError("--mtp-depth needs a model with an MTP head")
-    name = args.model_name or model_name_for(args.model, path)
-    stderr_console().print(
-        f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at http://{args.host}:{args.port}/v1"
-        + (" (API key required)" if api_key else "")
-    )
     try:
+        depth = 0 if args.no_mtp else args.mtp_depth
+        check_default_depth(depth, engine.has_mtp)
+        name = args.model_name or model_name_for(args.model, path)
+        stderr_console().print(
+            f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at http://{format_host_port(args.host, args.port)}/v1"
+            + (" (API key required)" if api_key else "")
+        )
         cluster_info = nodes_cluster_info(engine, name) if args.nodes else None
         return serve(engine, args.host, args.port, api_key=api_key, model_name=name, cluster_info=cluster_info,
                      default_mtp_depth=depth, max_concurrency=args.max_concurrency,

@@ -167,7 +167,7 @@ class ClusterConfig(_Section):
         if self.secret:
             return self.secret
         if self.secret_file:
-            return read_secret(self.secret_file, env=None)
+            return read_secret(self.secret_file, env=None, option="cluster.yaml secret_file")
         return os.environ.get(self.secret_env) if self.secret_env else None
 
     def resolve_api_key(self) -> str | None:
@@ -233,10 +233,30 @@ def load_cluster_config(path: Path | str) -> ClusterConfig:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"cluster config {path} not found")
+    class Twice(yaml.MarkedYAMLError):
+        pass
+
+    class Loader(yaml.SafeLoader):
+        """YAML would let a later key replace an earlier one silently (a section given twice, half lost)."""
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise Twice(problem=f"{key!r} given twice", problem_mark=key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=Loader)  # noqa: S506 - a SafeLoader
+    except Twice as e:
+        raise ClusterConfigError(f"{path}, line {e.problem_mark.line + 1}: {e.problem}") from None
+    except yaml.MarkedYAMLError as e:
+        where = f", line {e.problem_mark.line + 1}" if e.problem_mark else ""
+        raise ClusterConfigError(f"{path}{where}: not valid YAML: {e.problem or e.context}") from None
     except yaml.YAMLError as e:
-        raise ClusterConfigError(f"{path}: not valid YAML: {e}") from e
+        raise ClusterConfigError(f"{path}: not valid YAML: {e}") from None
     return _validate(data, str(path))
 
 

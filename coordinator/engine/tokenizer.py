@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import Any
 
 
+# What a Hugging Face tokenizer is read from: without any of these, transformers builds an empty one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
 def load_tokenizer(model_path: Path | str, eos_token_ids: list[int]) -> Any:
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
-    return mlx_load_tokenizer(Path(model_path), eos_token_ids=eos_token_ids or None)
+    path = Path(model_path)
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)})")
+    return mlx_load_tokenizer(path, eos_token_ids=eos_token_ids or None)

@@ -1,0 +1,99 @@
+"""The command line refuses bad input at once, naming the option, before it touches a node; no test here
+loads a model."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtpipe.coordinator.cli.common import check_default_depth, check_port_free
+from mtpipe.coordinator.cli.main import build_parser, main
+from mtpipe.coordinator.engine.tokenizer import load_tokenizer
+from mtpipe.models.config import load_config
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--mtp-depth", "100"], r"--mtp-depth: must be in \[0, 8\] or 'auto', got 100"),
+    (["generate", "--mtp-depth", "-1"], r"--mtp-depth: must be in \[0, 8\]"),
+    (["serve", "--port", "70000"], r"--port: expected a TCP port \(0-65535\), got 70000"),
+    (["node", "--port", "-1"], r"--port: expected a TCP port"),
+    (["generate", "--nodes", "127.0.0.1:99999"], r"--nodes: '127.0.0.1:99999': '99999' is not a TCP port"),
+    (["generate", "--nodes", "10.0.0.1:5,10.0.0.2:5,10.0.0.1:5"], r"--nodes: 10.0.0.1:5 is listed twice"),
+    (["serve", "--nodes", " , "], r"--nodes: expected comma-separated host:port of nodes"),
+    (["serve", "--nodes", "h:1", "--weights-from", "h"], r"--weights-from: 'h' has no port"),
+    (["generate", "--max-tokens", "0"], r"--max-tokens: expected a positive integer"),
+    (["bench", "engine", "--prompts", "0"], r"--prompts: expected a positive integer"),
+    (["bench", "engine", "--max-tokens", "-5"], r"--max-tokens: expected a positive integer"),
+    (["bench", "engine", "--depths", "1", "0"], r"--depths: expected a number of drafts from 1"),
+    (["bench", "serve", "--reps", "0"], r"--reps: expected a positive integer"),
+    (["bench", "faults", "--fault-seconds", "-1"], r"--fault-seconds: expected a positive number of seconds"),
+    (["bench", "faults", "--fault-seconds", "nan"], r"--fault-seconds: expected a positive number of seconds"),
+])
+def test_bad_options_are_usage_errors_naming_the_option(argv: list[str], message: str,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as ended:
+        build_parser().parse_args(argv)
+    assert ended.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("argv", [["--timeout", "abc"], ["--timeout", "-1", "127.0.0.1:1"], ["--wait", "0"],
+                                  ["--timeout", "nan"], ["--secret", "x"]])
+def test_a_mistyped_health_check_could_not_check(argv: list[str], capsys: pytest.CaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit 3 (could not check), never argparse's 2, which `health` means as unreachable; with --json
+    the status "error" on stdout."""
+    monkeypatch.setattr(sys, "argv", ["mtpipe", "health", "--json", *argv])
+    with pytest.raises(SystemExit) as ended:
+        main()
+    assert ended.value.code == 3
+    report = json.loads(capsys.readouterr().out)
+    assert report["status"] == "error" and argv[0] in report["error"]
+
+
+def test_generate_checks_its_request_before_it_loads_any_node(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    """Nodes are loaded (and, with --take-over, taken over) only for a request that can run."""
+    from mtpipe.coordinator.engine import build
+
+    def no_nodes(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a node was loaded for a request refused afterwards")
+
+    monkeypatch.setattr(build, "remote_engine", no_nodes)
+    for argv in (["--temp", "-1"], ["--temp", "nan"], ["--top-p", "0"], ["--weights-from", "127.0.0.1:2"]):
+        nodes = [] if argv[0] == "--weights-from" else ["--nodes", "127.0.0.1:1", "--take-over"]
+        assert main(["generate", "--prompt", "hi", *nodes, *argv]) == 2, argv
+        assert capsys.readouterr().err.startswith("mtpipe: error: ")
+
+
+def test_a_port_in_use_and_a_depth_the_model_cannot_run_are_refused() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"the API port 127.0.0.1:{port} cannot be used"):
+            check_port_free("127.0.0.1", port, "the API port")
+    check_port_free("127.0.0.1", port, "the API port")  # free again
+    with pytest.raises(ValueError, match="mtp_depth needs a model with an MTP head"):
+        check_default_depth(2, False, "mtp_depth")
+    for depth, has_mtp in ((0, False), ("auto", False), (None, False), (3, True)):
+        check_default_depth(depth, has_mtp)
+
+
+def test_a_model_directory_without_a_tokenizer_or_a_readable_config_says_so(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json: not valid JSON"):
+        load_config(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no tokenizer in"):
+        load_tokenizer(tmp_path, [])
+
+
+@pytest.mark.parametrize("size", ["inf", "nan", "-1"])
+def test_cache_prune_refuses_a_size_that_is_not_one(size: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["cache", "prune", "--shard-cache", str(tmp_path), "--max-gib", size]) == 2
+    assert "--max-gib must be a number of GiB" in capsys.readouterr().err
