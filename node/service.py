@@ -63,7 +63,7 @@ class LinkStats:
     decode_bytes: int = 0
 
 
-class NodeService(ShardLoads, GroupFrames, LeaseHolder, KeptFrames, pb_grpc.NodeServicer):
+class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.NodeServicer):
     """The servicer, on one asyncio loop. Steps run on the loop itself: a decode step is milliseconds
     and a thread hop would cost more than it saves, and MLX arrays must be evaluated on the thread
     that built them (streams are per thread), so every shard and sequence lives on this one thread.

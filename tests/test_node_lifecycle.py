@@ -44,3 +44,19 @@ def test_sequences_of_a_vanished_client_are_released(dense_engine, dense_ckpt: P
             assert first["stays"].tokens + out.tokens == expected
         finally:
             stays.pipeline.close()
+
+
+def test_no_method_of_the_node_service_is_a_mixin_stub() -> None:
+    """The servicer's mixins name what the others provide; a stub (`...`) that came first in the MRO
+    would replace the real method with one that does nothing (a shard kept alive after a new Load,
+    prefixes never forgotten), and every call would still succeed."""
+    import inspect
+
+    from mtpipe.node.service import NodeService
+
+    def stub(self: object) -> None: ...
+
+    empty = stub.__code__.co_code
+    stubs = [name for name, fn in inspect.getmembers(NodeService, inspect.isfunction)
+             if fn.__code__.co_code == empty and fn.__qualname__.split(".")[0] != "NodeServicer"]
+    assert stubs == []
