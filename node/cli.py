@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..models.mtp import DEFAULT_WINDOW
@@ -15,23 +16,22 @@ if TYPE_CHECKING:
     from .fetch import Transfer
 
 
-def count_or_all(value: str) -> int:
-    """A size where 0 means no limit."""
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError("must be 0 (no limit) or more")
-    return n
+def number_arg(cast: Callable[[str], Any], what: str, ok: Callable[[Any], bool]) -> Callable[[str], Any]:
+    """An argparse type: the value as `cast` makes it, refused (saying it must be `what`) unless `ok`."""
+    def parse(value: str) -> Any:
+        try:
+            x = cast(value)
+        except ValueError:
+            x = None
+        if x is None or not ok(x):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
+        return x
+
+    return parse
 
 
-def port_arg(value: str) -> int:
-    """A TCP port to listen on (0: any free one)."""
-    try:
-        port = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a TCP port, got {value!r}") from None
-    if not 0 <= port < 65536:
-        raise argparse.ArgumentTypeError(f"expected a TCP port (0-65535), got {port}")
-    return port
+count_or_all = number_arg(int, "0 (no limit) or more", lambda n: n >= 0)  # a size where 0 means no limit
+port_arg = number_arg(int, "a TCP port (0-65535; 0: any free one)", lambda p: 0 <= p < 65536)
 
 
 def add_draft_options(p: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ from mtpipe.models.config import load_config
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--mtp-depth", "100"], r"--mtp-depth: must be in \[0, 8\] or 'auto', got 100"),
     (["generate", "--mtp-depth", "-1"], r"--mtp-depth: must be in \[0, 8\]"),
-    (["serve", "--port", "70000"], r"--port: expected a TCP port \(0-65535\), got 70000"),
+    (["serve", "--port", "70000"], r"--port: expected a TCP port \(0-65535; 0: any free one\), got '70000'"),
     (["node", "--port", "-1"], r"--port: expected a TCP port"),
     (["generate", "--nodes", "127.0.0.1:99999"], r"--nodes: '127.0.0.1:99999': '99999' is not a TCP port"),
     (["generate", "--nodes", "10.0.0.1:5,10.0.0.2:5,10.0.0.1:5"], r"--nodes: 10.0.0.1:5 is listed twice"),

@@ -8,7 +8,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from ...node.cli import add_draft_options
+from ...node.cli import add_draft_options, number_arg
 from ...node.links import format_host_port, split_host_port
 from ...node.protocol import MAX_MTP_DEPTH
 
@@ -42,24 +42,8 @@ def depth_arg(value: str) -> int | str:
     return depth
 
 
-def positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
-
-
-def positive_seconds(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
-    if not 0 < x < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
-    return x
+positive_int = number_arg(int, "a positive integer", lambda n: n >= 1)
+positive_seconds = number_arg(float, "a positive number of seconds", lambda x: 0 < x < math.inf)
 
 
 def nodes_arg(value: str) -> list[str]:
