@@ -50,6 +50,7 @@ class MLXThread:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: Callable[[], bool] | None = None
         self._closed = False
+        self._closing = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         _LIVE.add(self)
@@ -71,10 +72,11 @@ class MLXThread:
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         future: Future[T] = Future()
-        if self._closed:
-            future.set_exception(RuntimeError("the MLX thread is closed"))
-            return future
-        self._tasks.put((future, fn, args, kwargs))
+        with self._closing:  # (queued before the stop, so run, or refused: never left behind it)
+            if self._closed:
+                future.set_exception(RuntimeError("the MLX thread is closed"))
+                return future
+            self._tasks.put((future, fn, args, kwargs))
         return future
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -99,11 +101,12 @@ class MLXThread:
         self.wake()
 
     def close(self, timeout: float | None = 10.0) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._worker = None
-        self._tasks.put(_STOP)
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._worker = None
+            self._tasks.put(_STOP)
         if not self.owns():
             self._thread.join(timeout)
 

@@ -890,3 +890,39 @@ def test_auto_rows_with_processed_logits_time_their_rounds_and_draft(dense_ckpt:
         assert engine.thread.call(lambda: (timed(plan), timed(plan.processed))) == (set(), {0, 1, 2, 3})
     finally:
         engine.close()
+
+
+def test_a_client_callback_that_fails_ends_its_request_alone(dense_ckpt: Path) -> None:
+    """A sink that raises on a chunk or on its end, or an `admitted` that raises, ends that request
+    like a cancel (freed on every stage); the rows beside it give what they give alone, and closing the
+    engine still ends every request."""
+    engine = batch_engine(dense_ckpt, dtype=mx.float32)
+    try:
+        never = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
+        prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:2]]
+        good = GenerationRequest(prompts[0], max_tokens=24, params=never)
+        want = engine.complete(good).tokens
+
+        def gone(*args: Any) -> None:
+            raise RuntimeError("the client is gone")
+
+        def on_chunk(item: Any) -> None:
+            if getattr(item, "tokens", None):
+                gone()
+
+        for bad in (dict(sink=on_chunk), dict(sink=lambda item: gone() if item is END else None),
+                    dict(sink=lambda item: None, admitted=gone)):
+            handle = engine.open(GenerationRequest(prompts[1], max_tokens=8 if "admitted" not in bad else 400,
+                                                   params=never), **bad)
+            assert [t for c in engine.generate(good) for t in c.tokens] == want
+            handle.cancel()
+        assert engine.thread.call(lambda: (engine._waiting, engine._prefilling, engine._decoding,
+                                           [s.ids for s in engine.stages])) == ([], [], [], [[]])
+        running: queue.SimpleQueue = queue.SimpleQueue()
+        engine.open(GenerationRequest(prompts[0], max_tokens=3000, params=never), running.put)
+        running.get(timeout=60)
+        engine.open(GenerationRequest(prompts[1], max_tokens=3000, params=never), gone)
+    finally:
+        engine.close()
+    while (item := running.get(timeout=60)) is not END:  # (a queue.Empty here: a request left hanging)
+        pass

@@ -231,3 +231,37 @@ def test_mlx_thread_close_fails_late_submissions() -> None:
     with pytest.raises(RuntimeError, match="closed"):
         t.call(lambda: 1)
     t.close()  # twice is fine
+
+
+def test_a_task_handed_over_as_the_thread_closes_is_run_or_refused() -> None:
+    """A hand-off that passed the closed check just before close() (a thread switch between the check
+    and queuing, forced here) still gets an answer: its caller never waits forever."""
+    import queue
+    import time
+
+    thread = MLXThread("closing")
+    tasks = thread._tasks
+
+    class Preempted:  # queuing a task pauses, as a thread switch would
+        def __getattr__(self, name: str) -> object:
+            return getattr(tasks, name)
+
+        def put(self, item: object) -> None:
+            if isinstance(item, tuple):
+                time.sleep(0.3)
+            tasks.put(item)
+
+    thread._tasks = Preempted()  # type: ignore[assignment]
+    out: queue.SimpleQueue = queue.SimpleQueue()
+
+    def call() -> None:
+        try:
+            out.put(thread.call(lambda: 42))
+        except RuntimeError as e:
+            out.put(e)
+
+    threading.Thread(target=call, daemon=True).start()
+    time.sleep(0.1)
+    thread.close()
+    answer = out.get(timeout=5)  # (queue.Empty: the caller would wait forever)
+    assert answer == 42 or isinstance(answer, RuntimeError)

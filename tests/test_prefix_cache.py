@@ -337,3 +337,29 @@ def test_a_request_ends_where_its_row_does_only_on_its_budget_or_an_eos() -> Non
     assert not ended_in_stages([5, 2], [5], eos, stopped, 9, 20)  # a stop string at 5, then the EOS
     assert ended_in_stages([5, 6], [5, 6], eos, stopped, 20, 20)  # its budget (its last token never fed)
     assert not ended_in_stages([5, 6], [5], eos, stopped, 19, 20)
+
+
+def test_a_kept_prefix_that_alone_keeps_a_request_out_goes(dense_ckpt: Path) -> None:
+    """The prefix the queue's head would go on from is spared while room is made, unless it is what
+    keeps the head out: then it goes and the prompt is prefilled whole, rather than the request
+    waiting for a running row and being refused (503) although it fits."""
+    probe = batch_engine(dense_ckpt, dtype=mx.float32)
+    tokenizer, dims = probe.tokenizer, probe.dims
+    probe.close()
+    text = list(tokenizer.encode("".join(PROMPTS)))
+    kept, long_row = text[:120], list(tokenizer.encode(PROMPTS[5]))
+    head = kept[:119] + text[200:210]  # goes on from the kept prefix
+    budget = plan.batch_bytes(dims, [plan.footprint(dims, len(long_row) + 3000, 0),
+                                     plan.footprint(dims, len(head) + 4, 0)])  # the two rows, nothing else
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, memory_budget=budget, prefix_cache=budget, queue_timeout=1.0)
+    try:
+        engine.complete(GenerationRequest(kept, max_tokens=1))
+        assert 119 in engine.thread.call(lambda: [len(k.tokens) for k in engine._kept.values()])
+        never = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
+        running = engine.generate(GenerationRequest(long_row, max_tokens=3000, params=never))
+        next(running)
+        result = engine.complete(GenerationRequest(head, max_tokens=4))  # (ServerBusy: refused)
+        assert result.finish_reason == "length" and engine.thread.call(lambda: len(engine._decoding)) == 1
+        running.close()
+    finally:
+        engine.close()

@@ -606,3 +606,39 @@ def last_node(ckpt: Path) -> tuple[Any, RingGroups, Any, Any]:
         return groups.next_round(rnd, groups.run(rnd, mx.random.normal((len(rnd.rows), width, worker.hidden_size))))
 
     return worker, groups, prefill, arrive
+
+
+def test_a_client_callback_that_fails_ends_its_request_alone(ring: Any, references: dict) -> None:
+    """A sink that raises (on the subscription's thread) or an `admitted` that raises (on the pool's)
+    ends that request like a cancel, its row freed; the rows beside it and the requests after it
+    decode as on one node."""
+    engine, servers, ckpt = ring
+
+    def failing(item: Any) -> None:
+        if getattr(item, "tokens", None):
+            raise RuntimeError("the client is gone")
+
+    def admitted() -> None:
+        raise RuntimeError("the client is gone")
+
+    good = request(engine, 1, 2, 24)
+    want = alone(references, ckpt, good)
+    for bad in (dict(sink=failing), dict(sink=lambda item: None, admitted=admitted)):
+        engine.open(request(engine, 0, 2, 200), **bad)
+        assert engine.complete(good).tokens == want
+    assert quiet(servers) == [0] * len(servers)
+
+
+def test_closing_ends_every_request_even_those_waiting_for_a_row(dense_ckpt: Path) -> None:
+    with node_servers(2) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32", max_rows=1)
+        prompt = engine.tokenizer.encode(PROMPTS[0])
+        never = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
+        sinks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(4)]  # (the last: not yet in the pool)
+        for q in sinks:
+            engine.open(GenerationRequest(prompt, max_tokens=3000, params=never), q.put)
+        sinks[0].get(timeout=WAIT_S)  # the first decodes, the others wait for its row
+        engine.close()
+        for q in sinks:
+            while (item := q.get(timeout=WAIT_S)) is not END:  # (a queue.Empty here: a request left hanging)
+                pass

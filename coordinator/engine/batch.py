@@ -38,7 +38,7 @@ from .request import (
     ended_in_stages,
     take_tokens,
 )
-from .sinks import END, ServerBusy, Sink, stream
+from .sinks import END, ServerBusy, Sink, guarded, stream
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +129,12 @@ class BatchEngine:
         and `admitted()` is called once it leaves the queue."""
         self.validate(req)
         positions = len(req.prompt_tokens) + req.max_tokens
-        live = Live(uuid.uuid4().hex, req, sink, TextStream(self.tokenizer, req.stop),
+        seq_id = uuid.uuid4().hex
+        cancelled = threading.Event()  # (a client callback that fails cancels its request: `guarded`)
+        live = Live(seq_id, req, guarded(sink, cancelled.set, seq_id), TextStream(self.tokenizer, req.stop),
                     GenerationStats(prompt_tokens=len(req.prompt_tokens)),
-                    plan.footprint(self.dims, positions, req.mtp_depth), time.monotonic(), admitted=admitted)
+                    plan.footprint(self.dims, positions, req.mtp_depth), time.monotonic(), cancelled=cancelled,
+                    admitted=guarded(admitted, cancelled.set, seq_id) if admitted is not None else None)
         with self._open_lock:  # (close() ends what is in the inbox once it is closed)
             if self._closed:
                 raise StageUnavailable("the engine was stopped")
@@ -213,7 +216,11 @@ class BatchEngine:
         if waiting and self._kept and len(running) < self.max_rows:  # kept prefixes make room for the next
             head = self._waiting[0].req  # request before it waits for it (sparing the prefix it goes on from)
             wanted = plan.reusable(list(self._kept.values()), head.prompt_tokens, head.mtp_depth > 0)
-            self._fit([*running, waiting[0].need], keep={wanted.key} if wanted else set())
+            rows = [*running, waiting[0].need]
+            # (unless that prefix alone would keep it out beside running rows: then its prompt goes in whole)
+            spare = wanted is not None and (not running or
+                                            plan.batch_bytes(self.dims, rows) + wanted.nbytes <= self.budget)
+            self._fit(rows, keep={wanted.key} if spare else set())
         budget = self.budget - sum(k.nbytes for k in self._kept.values())
         for seq_id in plan.admit(waiting, running, self.dims, budget, self.max_rows):
             live = next(x for x in self._waiting if x.seq_id == seq_id)
@@ -287,8 +294,11 @@ class BatchEngine:
         live.stats.cached_tokens = len(hit.tokens)
 
     def _keep_as(self, live: Live) -> str:
-        """The key its prompt is kept under as it joins ("": not kept)."""
-        return self._new_key(live.seq_id, tuple(live.req.prompt_tokens[:-1]), live.req.mtp_depth > 0)
+        """The key its prompt is kept under as it joins ("": not kept, as one larger than the cache)."""
+        tokens = tuple(live.req.prompt_tokens[:-1])
+        if plan.kept_bytes(self.dims, len(tokens)) > self.prefix_cache:  # (not copied to go at once)
+            return ""
+        return self._new_key(live.seq_id, tokens, live.req.mtp_depth > 0)
 
     def _new_key(self, key: str, tokens: tuple[int, ...], drafts: bool) -> str:
         """`key`, or "" when `tokens` are not to be kept: nothing, or kept already (unless that one lacks

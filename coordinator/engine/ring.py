@@ -24,7 +24,7 @@ from typing import Any
 from ...node.protocol import StageError, StageUnavailable, StepKind, StepOutput, StepRequest
 from . import scheduler as plan
 from .kept import KeptPrefixes
-from .sinks import END, ServerBusy, stream
+from .sinks import END, ServerBusy, guarded, stream
 from .detokenizer import TextStream
 from .request import (
     GenerationChunk,
@@ -127,6 +127,7 @@ class RingEngine:
         self._token_s = 0.0
         self.row_stall = row_stall
         self._decoding: dict[int, RingLive] = {}  # id(live) -> rows whose prompt is through (watched)
+        self._queued: dict[int, RingLive] = {}  # id(live) -> opened, admission not started (ended by close())
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="ring-watch", daemon=True).start()
 
@@ -151,6 +152,14 @@ class RingEngine:
         # 64 random bits for an id: every group frame names each of its rows
         live = RingLive(uuid.uuid4().hex[:16], req, sink, TextStream(self.tokenizer, req.stop),
                         GenerationStats(prompt_tokens=len(req.prompt_tokens)), time.monotonic(), on_admit=admitted)
+        # A client callback that fails ends its request, as a cancel does (`guarded`).
+        live.sink = guarded(sink, lambda: self._finish(live, None), live.seq_id)
+        if admitted is not None:
+            live.on_admit = guarded(admitted, lambda: self._finish(live, None), live.seq_id)
+        with self._lock:
+            if self._stop.is_set():
+                raise StageUnavailable("the engine was stopped")
+            self._queued[id(live)] = live
         self._pool.submit(self._start, live)
         return RingHandle(self, live)
 
@@ -170,14 +179,20 @@ class RingEngine:
         return out
 
     def close(self) -> None:
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
+            queued, self._queued = list(self._queued.values()), {}
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for live in queued:  # (those whose admission never starts now: every request ends)
+            self._finish(live, StageUnavailable("the engine was stopped"))
         self.pipeline.close()
 
     # -- a request's life -------------------------------------------------------------------------
 
     def _start(self, live: RingLive) -> None:
         """Admission, then the prompt (a thread of the pool: prefill waits on the nodes)."""
+        with self._lock:
+            self._queued.pop(id(live), None)
         if not self._slots.acquire(timeout=max(0.0, self.queue_timeout - (time.monotonic() - live.queued))):
             self._finish(live, ServerBusy(f"no free row for this request after {self.queue_timeout:.0f} s in the queue",
                                           retry_after=max(1, int(self.queue_timeout // 4))))

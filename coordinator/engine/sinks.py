@@ -10,6 +10,7 @@ model's code.
 from __future__ import annotations
 
 import inspect
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -17,8 +18,29 @@ from typing import Any
 
 from .request import GenerationChunk, GenerationRequest
 
+log = logging.getLogger(__name__)
+
 Sink = Callable[[Any], None]  # gets GenerationChunks, then an exception or END
 END = object()
+
+
+def guarded(callback: Callable[..., None], on_failure: Callable[[], None], name: str) -> Callable[..., None]:
+    """A client's callback (a sink, `admitted`) as an engine calls it: one that raises is logged, gets
+    nothing more, and `on_failure()` ends its request as a cancel would. So a broken client ends its
+    own request, never an engine's thread, its round or another request."""
+    failed = threading.Event()
+
+    def call(*args: Any) -> None:
+        if failed.is_set():
+            return
+        try:
+            callback(*args)
+        except Exception:  # noqa: BLE001 - the client's fault: its request ends
+            failed.set()
+            log.exception("the client callback of request %s failed: the request ends", name)
+            on_failure()
+
+    return call
 
 
 def stream(open_request: Callable[[Sink], Any]) -> Iterator[GenerationChunk]:
