@@ -924,5 +924,5 @@ def test_a_client_callback_that_fails_ends_its_request_alone(dense_ckpt: Path) -
         engine.open(GenerationRequest(prompts[1], max_tokens=3000, params=never), gone)
     finally:
         engine.close()
-    while (item := running.get(timeout=60)) is not END:  # (a queue.Empty here: a request left hanging)
+    while running.get(timeout=60) is not END:  # (a queue.Empty here: a request left hanging)
         pass

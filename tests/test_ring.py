@@ -640,5 +640,5 @@ def test_closing_ends_every_request_even_those_waiting_for_a_row(dense_ckpt: Pat
         sinks[0].get(timeout=WAIT_S)  # the first decodes, the others wait for its row
         engine.close()
         for q in sinks:
-            while (item := q.get(timeout=WAIT_S)) is not END:  # (a queue.Empty here: a request left hanging)
+            while q.get(timeout=WAIT_S) is not END:  # (a queue.Empty here: a request left hanging)
                 pass
