@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 import struct
 import threading
 from collections.abc import Collection, Sequence
@@ -34,6 +35,7 @@ SIDECAR = ".mtpipe-hashes.json"
 SHARD_MANIFEST = "mtpipe-shard.json"  # in a node's shard cache directory (node/shards.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 READ_BYTES = 8 << 20
 MAX_HEADER_BYTES = 100 << 20
 
@@ -83,14 +85,26 @@ def tensor_bytes(dtype: str, shape: Sequence[int]) -> int:
 
 
 def file_tensors(file: Path) -> dict[str, TensorLoc]:
+    """Where each tensor of a safetensors file lies; ValueError for a header that does not say."""
     header, data_start = read_header(file)
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        begin, end = meta["data_offsets"]
-        out[name] = TensorLoc(name, file, data_start + begin, end - begin, meta["dtype"], tuple(meta["shape"]))
+        try:
+            begin, end = (int(x) for x in meta["data_offsets"])
+            dtype, shape = str(meta["dtype"]), tuple(int(n) for n in meta["shape"])
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{file}: the header's entry for {name!r} is malformed") from None
+        if not 0 <= begin <= end or min(shape, default=0) < 0:
+            raise ValueError(f"{file}: the header's entry for {name!r} is malformed")
+        out[name] = TensorLoc(name, file, data_start + begin, end - begin, dtype, shape)
     return out
+
+
+def is_fingerprint(value: str) -> bool:
+    """A model fingerprint as this module writes it (a sha256 in hex): a name, never a path."""
+    return FINGERPRINT.fullmatch(value) is not None
 
 
 def weight_files(model_dir: Path | str) -> list[Path]:

@@ -64,7 +64,11 @@ def read_checkpoint(path: Path) -> dict[str, mx.array]:
         raise FileNotFoundError(f"no .safetensors files in {path}")
     weights: dict[str, mx.array] = {}
     for f in files:
-        for key, value in mx.load(str(f)).items():
+        try:
+            tensors = mx.load(str(f))
+        except RuntimeError as e:  # (MLX's word for a file it cannot read as safetensors)
+            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+        for key, value in tensors.items():
             name = canonical_name(key)
             if name is not None:
                 weights[name] = value

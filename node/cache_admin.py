@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..models.fingerprint import SHARD_MANIFEST
+from ..models.fingerprint import FINGERPRINT, SHARD_MANIFEST
 from .cache_lock import EntryLock, try_exclusive
 from .shards import PART, WEIGHTS, Manifest, free_bytes
 
@@ -41,7 +41,6 @@ def _size(d: Path) -> int:
     return sum(f.stat().st_size for f in d.iterdir() if f.is_file())
 
 
-FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 SHARD_DIR = re.compile(r"\d+-\d+-[01]")
 
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..models.fingerprint import SHARD_MANIFEST, file_tensors, hash_range
+from ..models.fingerprint import SHARD_MANIFEST, file_tensors, hash_range, is_fingerprint
 from ..models.fingerprint import config_sha256 as config_hash
 
 log = logging.getLogger(__name__)
@@ -322,7 +322,7 @@ class ShardCache:
     def holding(self, fingerprint: str, names: list[str]) -> tuple[Path, Manifest] | None:
         """A complete entry of this model that holds every one of `names` (to serve them to a peer)."""
         base = self.root / fingerprint
-        if not fingerprint.isalnum() or not base.is_dir():
+        if not is_fingerprint(fingerprint) or not base.is_dir():
             return None
         want = set(names)
         for d in sorted(base.iterdir()):

@@ -33,6 +33,7 @@ from ..models.fingerprint import (
     TensorLoc,
     checkpoint_index,
     file_tensors,
+    is_fingerprint,
     model_fingerprint,
     raw_hf_layout,
     tensor_hashes,
@@ -223,7 +224,16 @@ class WeightStore:
         names = list(request.names)
         if not names:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{node}: no tensor names asked for")
-        held = await self._held(request.fingerprint, names)
+        if len(set(names)) != len(names):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{node}: a tensor is asked for twice")
+        if not is_fingerprint(request.fingerprint):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{node}: {request.fingerprint[:80]!r} is not a model fingerprint")
+        try:
+            held = await self._held(request.fingerprint, names)
+        except (OSError, ValueError) as e:  # a damaged copy or cache entry: the asker tries another source
+            log.warning("cannot serve model %s: %s", request.fingerprint[:12], e)
+            await context.abort(grpc.StatusCode.DATA_LOSS, f"{node}: its copy of the model is damaged")
         if held is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"{node} holds no model with fingerprint {request.fingerprint[:16]!r}")
@@ -249,7 +259,11 @@ class WeightStore:
             return
         offset = request.offset
         while offset < total:
-            data = await loop.run_in_executor(None, _read_stream, locs, offset, CHUNK_BYTES)
+            try:
+                data = await loop.run_in_executor(None, _read_stream, locs, offset, CHUNK_BYTES)
+            except OSError as e:
+                log.warning("serving model %s failed: %s", request.fingerprint[:12], e)
+                await context.abort(grpc.StatusCode.DATA_LOSS, f"{node}: its copy of the model is damaged")
             yield pb.TensorChunk(offset=offset, data=data)
             offset += len(data)
             self.transfer.served_bytes += len(data)

@@ -431,7 +431,9 @@ def test_fetch_tensors_serves_only_tensors_of_a_model_it_holds(dense_ckpt: Path,
 
         refused = [
             (pb.FetchRequest(fingerprint="0" * 64, names=names), grpc.StatusCode.NOT_FOUND),
-            (pb.FetchRequest(fingerprint="../" + fp, names=names), grpc.StatusCode.NOT_FOUND),
+            (pb.FetchRequest(fingerprint="../" + fp, names=names), grpc.StatusCode.INVALID_ARGUMENT),
+            (pb.FetchRequest(fingerprint="f" * 300, names=names), grpc.StatusCode.INVALID_ARGUMENT),
+            (pb.FetchRequest(fingerprint=fp, names=[names[0]] * 10_000), grpc.StatusCode.INVALID_ARGUMENT),
             (pb.FetchRequest(fingerprint=fp, names=["config.json"]), grpc.StatusCode.NOT_FOUND),
             (pb.FetchRequest(fingerprint=fp, names=["tokenizer.json"]), grpc.StatusCode.NOT_FOUND),
             (pb.FetchRequest(fingerprint=fp, names=["../../../../etc/passwd"]), grpc.StatusCode.NOT_FOUND),
@@ -500,3 +502,27 @@ def test_an_unchanged_cache_entry_is_not_hashed_again(dense_ckpt: Path, tmp_path
     (entry / WEIGHTS).touch()
     assert cache.lookup(key) == entry and hashed == [entry / WEIGHTS]
     assert cache.lookup(key) == entry and len(hashed) == 1  # verified again, trusted again
+
+
+def test_a_damaged_checkpoint_is_a_clear_error(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A truncated weights file, a config that is not an object, a header whose entries are malformed:
+    each a ValueError naming the file (a node answers INVALID_ARGUMENT, or skips that copy), never an
+    error of MLX's or Python's own from deep inside."""
+    import struct
+
+    from mtpipe.models.config import load_config
+    from mtpipe.models.loading import read_checkpoint
+
+    bad = tmp_path / "bad"
+    shutil.copytree(dense_ckpt, bad)
+    weights_file = next(bad.glob("*.safetensors"))
+    weights_file.write_bytes(weights_file.read_bytes()[: weights_file.stat().st_size // 2])
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        read_checkpoint(bad)
+    (bad / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match="config.json: not a JSON object"):
+        load_config(bad)
+    header = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": 5}}).encode()
+    weights_file.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    with pytest.raises(ValueError, match="the header's entry for 'x' is malformed"):
+        fpmod.file_tensors(weights_file)
