@@ -168,7 +168,7 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
         if [t.name for t in tensors] != names:
             call.cancel()
             raise _SourceFailed("answered with other tensors than asked for")
-        if expected is not None and (bad := expected.mismatch(tensors, first.config_json)):
+        if expected is not None and (bad := expected.mismatch(tensors, first.config_json, first.raw_hf)):
             call.cancel()
             raise _SourceFailed(f"serves another copy of the model: {bad}")
         header = safetensors_header(tensors)

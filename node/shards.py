@@ -25,7 +25,7 @@ import shutil
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +91,22 @@ class Expected:
 
     tensors: dict[str, str]  # name -> sha256
     config_sha256: str = ""
+    meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # name -> (dtype, shape)
+    raw_hf: bool | None = None  # how the coordinator's copy stores its tensors (None: not said)
 
-    def mismatch(self, tensors: list[TensorInfo], config_json: str) -> str | None:
-        """None if the tensors' hashes and the config are the coordinator's; else what differs."""
+    def mismatch(self, tensors: list[TensorInfo], config_json: str, raw_hf: bool | None = None) -> str | None:
+        """None if the tensors (hashes, dtypes, shapes), their layout and the config are the coordinator's;
+        else what differs. The same bytes under another dtype or shape, or read as another layout,
+        are other weights."""
         for t in tensors:
             if t.name in self.tensors and t.sha256 != self.tensors[t.name]:
                 return (f"tensor {t.name} is not the coordinator's (sha256 {t.sha256[:12]}, expected "
                         f"{self.tensors[t.name][:12]})")
+            if t.name in self.meta and (t.dtype, tuple(t.shape)) != self.meta[t.name]:
+                return (f"tensor {t.name} is {t.dtype} {list(t.shape)}, the coordinator's "
+                        f"{self.meta[t.name][0]} {list(self.meta[t.name][1])}")
+        if self.raw_hf is not None and raw_hf is not None and raw_hf != self.raw_hf:
+            return "its tensors are laid out as " + ("raw Hugging Face ones" if raw_hf else "converted ones")
         if self.config_sha256:
             try:
                 ok = config_hash(config_json) == self.config_sha256
@@ -275,7 +284,8 @@ class ShardCache:
                 problem = "manifest lists other tensors than the shard needs"
             elif not (d / "config.json").exists():
                 problem = "config.json is missing"
-            elif expected is not None and (bad := expected.mismatch(m.tensors, (d / "config.json").read_text())):
+            elif expected is not None and (bad := expected.mismatch(m.tensors, (d / "config.json").read_text(),
+                                                                     m.raw_hf)):
                 problem = bad
             elif not _unchanged(d / WEIGHTS, m):
                 if not repair:

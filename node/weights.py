@@ -134,8 +134,14 @@ class WeightStore:
         names = list(request.tensors)
         if request.tensor_sha256 and len(request.tensor_sha256) != len(names):
             raise ValueError(f"the Load names {len(names)} tensors and {len(request.tensor_sha256)} hashes")
-        expected = Expected(dict(zip(names, request.tensor_sha256)), request.config_sha256) \
-            if request.tensor_sha256 or request.config_sha256 else None
+        if request.tensor_meta and len(request.tensor_meta) != len(names):
+            raise ValueError(f"the Load names {len(names)} tensors and {len(request.tensor_meta)} dtypes and shapes")
+        if request.layout not in ("", "raw_hf", "mlx"):
+            raise ValueError(f"unknown tensor layout {request.layout!r}")
+        meta = {n: (m.dtype, tuple(m.shape)) for n, m in zip(names, request.tensor_meta)}
+        expected = Expected(dict(zip(names, request.tensor_sha256)), request.config_sha256, meta,
+                            request.layout == "raw_hf" if request.layout else None) \
+            if request.tensor_sha256 or request.config_sha256 or meta else None
         hub = bool(self.download and request.hub_repo and names)
         loop = asyncio.get_running_loop()
 

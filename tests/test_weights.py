@@ -452,6 +452,8 @@ def test_fetch_tensors_serves_only_tensors_of_a_model_it_holds(dense_ckpt: Path,
 
 
 def test_the_coordinators_hashes_and_config_decide() -> None:
+    from dataclasses import replace
+
     from mtpipe.node.shards import Expected, TensorInfo
 
     config = json.dumps({"model_type": "qwen3_5", "hidden_size": 64})
@@ -463,6 +465,12 @@ def test_the_coordinators_hashes_and_config_decide() -> None:
     assert "not the coordinator's" in want.mismatch([t], "{not json")
     other = TensorInfo("a.weight", "F32", (2,), 8, "22" * 32)
     assert "a.weight is not the coordinator's" in want.mismatch([other], config)
+    # The same bytes under another dtype or shape, or read as another layout, are other weights.
+    want = Expected({"a.weight": "11" * 32}, fpmod.config_sha256(config), {"a.weight": ("F32", (2,))}, False)
+    assert want.mismatch([t], config, False) is None and want.mismatch([t], config) is None
+    assert "a.weight is I32 [2], the coordinator's F32 [2]" in want.mismatch([replace(t, dtype="I32")], config)
+    assert "a.weight is F32 [1, 2]" in want.mismatch([replace(t, shape=(1, 2))], config)
+    assert "laid out as raw Hugging Face ones" in want.mismatch([t], config, True)
 
 
 def test_stream_verifier_checks_every_tensor_as_bytes_arrive() -> None:

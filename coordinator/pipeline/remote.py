@@ -140,7 +140,8 @@ class RemotePipeline:
         tensors its shard reads from `sources` (node/weights.py)."""
         if len(specs) != len(self.nodes):
             raise ValueError(f"{len(specs)} shard specs for {len(self.nodes)} nodes")
-        from ...models.fingerprint import config_sha256, model_fingerprint, shard_names, tensor_hashes
+        from ...models.fingerprint import checkpoint_index, config_sha256, model_fingerprint, raw_hf_layout
+        from ...models.fingerprint import shard_names, tensor_hashes
         from ...models.registry import hub_origin
 
         path = str(Path(model_path).resolve())
@@ -158,7 +159,7 @@ class RemotePipeline:
         config = config_sha256((Path(path) / "config.json").read_text())
         shard_tensors = [shard_names(path, s.start, s.end, s.num_layers, mtp) for s in specs]
         # (kept beside the model since the fingerprint was taken: its headers are read, not its tensors)
-        hashes = tensor_hashes(path, sorted({n for names in shard_tensors for n in names}))
+        hashes, index = tensor_hashes(path, sorted({n for ns in shard_tensors for n in ns})), checkpoint_index(path)
 
         def load_one(i: int) -> tuple[pb.LoadReply, pb.ConnectReply]:
             node, s, names = self.nodes[i], specs[i], shard_tensors[i]
@@ -166,6 +167,8 @@ class RemotePipeline:
                                   dtype=dtype or "", node_name=node.address, fingerprint=fingerprint,
                                   sources=self.sources[i], hub_repo=hub_repo, hub_revision=hub_revision,
                                   tensors=names, tensor_sha256=[hashes[n] for n in names], config_sha256=config,
+                                  tensor_meta=[pb.TensorMeta(dtype=index[n].dtype, shape=index[n].shape)
+                                               for n in names], layout="raw_hf" if raw_hf_layout(index) else "mlx",
                                   client_id=self.client_id, take_over=self.take_over)
             connect = pb.ConnectRequest(next=self.addresses[i + 1] if i < last else "",
                                         ring=self.addresses[0] if i == last else "",
