@@ -221,7 +221,7 @@ def test_a_prompt_for_a_sequence_decoding_in_a_group_is_refused(ring: Any) -> No
     try:
         for q in queues:
             assert not isinstance(q.get(timeout=WAIT_S), BaseException)
-        victim = next(x for x in list(engine._decoding.values()) if not x.done and x.sink == queues[0].put)
+        victim = handles[0]._live
         with pytest.raises(StageError, match="decoding here already|out of order"):  # (in a group, or joining)
             engine.pipeline.steps([StepRequest(victim.seq_id, 0, StepKind.PREFILL, [5, 6, 7], final=True, budget=50,
                                                group=victim.group)])

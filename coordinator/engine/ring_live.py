@@ -1,0 +1,52 @@
+"""A request's state in the ring engine (ring.py), and its handle."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...node.protocol import StepOutput
+from .detokenizer import TextStream
+from .request import GenerationRequest, GenerationStats
+from .sinks import Sink
+
+
+@dataclass
+class RingLive:
+    """One request in the ring; its outcomes come from the prefill's thread, then the subscription's."""
+
+    seq_id: str
+    req: GenerationRequest
+    sink: Sink
+    text: TextStream
+    stats: GenerationStats
+    queued: float
+    group: int = 0
+    generated: int = 0
+    started: float = 0.0
+    last_at: float = 0.0  # when its last round's outcome came (perf_counter)
+    admitted: bool = False
+    prefilling: bool = False  # its prompt is on its way: a release now could overtake it
+    resuming: bool = False  # its sequence was lost with a node: waiting for the pipeline to come back
+    lost_prompt: tuple[str, int] | None = None  # (sequence, group) lost while its prompt went in: freed after
+    resumes: int = 0
+    emitted: list[int] = field(default_factory=list)  # every token handed out (replayed on a resume)
+    keep_end: str = ""  # the key its state is kept under as it ends (kept.py), and the epoch it counts in
+    kept_epoch: float = 0.0
+    done: bool = False
+    on_admit: Callable[[], None] | None = None  # told once it has a row
+    # Held while outcomes are handed out (in order, by one thread at a time) and while it finishes.
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    expected: int = 0  # the order of the next outcome to hand out (0: the prefill's)
+    early: dict[int, StepOutput] = field(default_factory=dict)  # outcomes that overtook an earlier one
+
+
+class RingHandle:
+    def __init__(self, engine: Any, live: RingLive):  # (a RingEngine)
+        self._engine, self._live = engine, live
+
+    def cancel(self) -> None:
+        """The client is gone: the sequence leaves its group at the next round, on every node."""
+        self._engine._finish(self._live, None)
