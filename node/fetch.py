@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from ..models.fingerprint import DTYPE_BYTES, tensor_bytes
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from . import bulk
@@ -171,6 +172,10 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
         if expected is not None and (bad := expected.mismatch(tensors, first.config_json, first.raw_hf)):
             call.cancel()
             raise _SourceFailed(f"serves another copy of the model: {bad}")
+        if wrong := next((t for t in tensors if t.dtype not in DTYPE_BYTES or t.size != tensor_bytes(t.dtype, t.shape)
+                          or min(t.shape, default=0) < 0), None):  # (believed, it would make room on the disk)
+            call.cancel()
+            raise _SourceFailed(f"claims {wrong.size} bytes for tensor {wrong.name}, {wrong.dtype} {list(wrong.shape)}")
         header = safetensors_header(tensors)
         total = sum(t.size for t in tensors)
         if offset and (await loop.run_in_executor(None, _head, part, len(header))) != header:

@@ -331,6 +331,45 @@ def test_a_source_serving_another_copy_is_not_taken(dense_ckpt: Path, tmp_path: 
             engine.pipeline.close()
 
 
+@pytest.mark.parametrize("lie", ["dtype", "shape", "layout", "size"])
+def test_a_source_that_misdescribes_its_tensors_is_not_taken(lie: str, dense_ckpt: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch, reference) -> None:
+    """The same bytes under another dtype or shape, read as another layout, or sizes that would make
+    the node clear its disk for them: refused before any byte comes, and the next source serves."""
+    serve = weights.WeightStore.serve
+    liar: list[weights.WeightStore] = []
+
+    async def misdescribing(self: weights.WeightStore, request: pb.FetchRequest, context: object, node: str):
+        first = True
+        async for chunk in serve(self, request, context, node):
+            if first and self is liar[0]:
+                t = chunk.tensors[0]
+                if lie == "dtype":
+                    t.dtype = "I32" if t.dtype != "I32" else "F32"
+                elif lie == "shape":
+                    t.shape[:] = [t.size // 4]
+                elif lie == "layout":
+                    chunk.raw_hf = not chunk.raw_hf
+                else:
+                    t.size += 3 << 20
+                    chunk.total_bytes += 3 << 20
+            first = False
+            yield chunk
+
+    monkeypatch.setattr(weights.WeightStore, "serve", misdescribing)
+    with nodes(tmp_path, [[dense_ckpt], [dense_ckpt], []]) as (lying, holder, fetcher):
+        liar.append(lying.service.weights)
+        specs = [ShardSpec(a, b, TINY_LAYERS) for a, b in HALVES]
+        engine = remote_engine(dense_ckpt, [holder.address, fetcher.address], dtype="float32", specs=specs,
+                               sources=[lying.address, holder.address])
+        try:
+            assert engine.pipeline.load_replies[1].weights_source == f"peer {holder.address}"
+            assert lying.service.weights.transfer.served_bytes == 0  # refused before the bytes
+            assert generate(engine, PROMPTS[0]) == reference[PROMPTS[0]]
+        finally:
+            engine.pipeline.close()
+
+
 def test_a_token_that_aged_while_room_was_made_is_asked_for_again(dense_ckpt: Path, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Making room (pruning other shards) can outlast the data-plane token: the node asks for a fresh one
