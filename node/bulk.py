@@ -135,6 +135,10 @@ class _Piece:
             self._pool.put(self._buf)
 
 
+class WriteFailed(OSError):
+    """Writing what was received failed (a full disk): this node's fault, not the sender's."""
+
+
 def receive(sock: socket.socket, out: BinaryIO, want: int, hash_piece: Callable[[memoryview, Callable[[], None]], None],
             on_bytes: Callable[[int], None]) -> int:
     """Copy up to `want` bytes from `sock` to `out`; the count received. This thread receives into a
@@ -185,6 +189,8 @@ def receive(sock: socket.socket, out: BinaryIO, want: int, hash_piece: Callable[
         writes.put(None)
         writer.join()
     if failed:
+        if isinstance(failed[0], OSError):
+            raise WriteFailed(failed[0].errno, failed[0].strerror or str(failed[0])) from failed[0]
         raise failed[0]
     return got
 

@@ -230,6 +230,8 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
                                                        verifier.feed, count)
                 except TransferInterrupted:
                     raise
+                except bulk.WriteFailed as e:  # (final, as over gRPC: no other source would fit either)
+                    raise OSError(e.errno, f"writing {part}: {e.strerror}") from e
                 except OSError as e:
                     raise _SourceFailed(f"the data-plane stream broke: {e}") from e
             elif not fallback:
@@ -238,7 +240,10 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
                 if chunk.offset != offset:
                     call.cancel()
                     raise _SourceFailed(f"sent bytes at {chunk.offset}, expected {offset}")
-                await loop.run_in_executor(None, f.write, chunk.data)
+                try:
+                    await loop.run_in_executor(None, f.write, chunk.data)
+                except OSError as e:
+                    raise OSError(e.errno, f"writing {part}: {e.strerror or e}") from e
                 verifier.feed(chunk.data)
                 offset += len(chunk.data)
                 received += len(chunk.data)

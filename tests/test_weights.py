@@ -573,3 +573,24 @@ def test_a_damaged_checkpoint_is_a_clear_error(dense_ckpt: Path, tmp_path: Path)
     weights_file.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
     with pytest.raises(ValueError, match="the header's entry for 'x' is malformed"):
         fpmod.file_tensors(weights_file)
+
+
+def test_a_write_that_fails_on_the_data_plane_is_this_nodes_fault() -> None:
+    """A full disk while a shard streams in on the data plane is this node's failure (final, as over
+    gRPC), never taken for a broken stream from the source (which would try every other source)."""
+    import errno
+    import socket
+    import threading
+
+    class FullDisk:
+        def write(self, data: object) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    sender, receiver = socket.socketpair()
+    threading.Thread(target=lambda: (sender.sendall(bytes(1 << 20)), sender.close()), daemon=True).start()
+    try:
+        with pytest.raises(bulk.WriteFailed) as err:
+            bulk.receive(receiver, FullDisk(), 1 << 20, lambda view, done: done(), lambda n: None)
+        assert err.value.errno == errno.ENOSPC
+    finally:
+        receiver.close()
