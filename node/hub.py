@@ -136,7 +136,11 @@ def download_shard(repo: HubRepo, fingerprint: str, names: list[str]) -> Path:
         raise ValueError(f"the repo has no tensor {unknown[0]!r}")
     needed = sorted({holder[n] for n in names})
     log.info("this shard reads %d of the model's %d weight files: %s", len(needed), len(weights), ", ".join(needed))
-    have = {name: h.sha256 for name, h in file_hashes(snapshot).items()} if any(snapshot.glob("*.safetensors")) else {}
+    # Here already (another shard's), as the repo has it; a copy that is not (a bad download before,
+    # its header unreadable perhaps) goes, else the hub cache would hand it back.
+    have = {f: _downloaded_sha256(snapshot, snapshot / f) for f in needed if (snapshot / f).exists()}
+    for file in [f for f, sha in have.items() if sha != weights[f][0]]:
+        _drop(snapshot / file)
     _check_room(snapshot, {f: weights[f][1] for f in needed if have.get(f) != weights[f][0]})
     for file in needed:
         if have.get(file) == weights[file][0]:  # here already (another shard's), as the repo has it
@@ -145,14 +149,18 @@ def download_shard(repo: HubRepo, fingerprint: str, names: list[str]) -> Path:
         path = repo.download(file)
         sha = _downloaded_sha256(snapshot, path)
         if sha != weights[file][0]:
-            # else the hub cache would hand the same bad copy back next time: the blob, and its link
-            blob = path.resolve()
-            path.unlink(missing_ok=True)
-            blob.unlink(missing_ok=True)
+            _drop(path)  # else the hub cache would hand the same bad copy back next time
             raise ValueError(f"{file} downloaded with sha256 {sha[:12]}, the repo says {weights[file][0][:12]}")
         small[file] = sha
     _mark(snapshot, fingerprint, holder, small)
     return snapshot
+
+
+def _drop(path: Path) -> None:
+    """A file of the hub cache's snapshot: its blob, and its link."""
+    blob = path.resolve()
+    path.unlink(missing_ok=True)
+    blob.unlink(missing_ok=True)
 
 
 def _check_room(snapshot: Path, files: dict[str, dict[str, tuple[str, list[int]]]]) -> None:

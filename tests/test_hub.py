@@ -124,6 +124,21 @@ def test_another_model_or_a_bad_file_is_refused(sharded: Path, tmp_path: Path) -
         hashlib.sha256(b.read_bytes()).hexdigest() == b.name for b in (repo.snapshot.parent.parent / "blobs").iterdir())
 
 
+def test_a_file_damaged_in_the_hub_cache_is_downloaded_again(sharded: Path, tmp_path: Path) -> None:
+    """A weight file of the snapshot cut short on disk (its header unreadable) goes and comes again: it
+    never blocks every later download of the shard."""
+    names = shard_names(sharded, 0, 2, 8, False)
+    fp = model_fingerprint(sharded)
+    repo = LocalRepo(sharded, tmp_path)
+    snapshot = hub.download_shard(repo, fp, names)
+    damaged = min(holders(sharded, names))
+    blob = (snapshot / damaged).resolve()
+    blob.write_bytes(blob.read_bytes()[:4])
+    assert hub.download_shard(repo, fp, names) == snapshot and repo.downloaded[-1] == damaged
+    index, original = checkpoint_index(snapshot), checkpoint_index(sharded)
+    assert all(index[n].size == original[n].size for n in names)
+
+
 def test_repo_names_are_checked_and_read_from_the_cache_layout() -> None:
     for repo, revision in [("../etc", REVISION), ("a/b/../../c", REVISION), ("org/name", "main"),
                            ("org/name", "../" + REVISION[3:])]:
