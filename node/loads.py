@@ -59,8 +59,7 @@ class ShardLoads:
         self._load_lock = self._load_lock or asyncio.Lock()
         async with self._load_lock:
             reused = self.worker is not None and self.key is not None and same_shard(self.key, key)
-            admission = (request.client_id, list(self._subs), reused, request.take_over)
-            if self.coordinators.refuses(*admission):
+            if self.coordinators.refuses(request.client_id, list(self._subs), reused, request.take_over):
                 await self._refuse(request.client_id, context)
             found = None
             if not reused:
@@ -73,7 +72,8 @@ class ShardLoads:
                     if found is not None:
                         found.release()
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
-            ended = self.coordinators.admit_load(*admission)  # (the subscriptions may have changed meanwhile)
+            # (asked again: the subscriptions may have changed while the weights were found)
+            ended = self.coordinators.admit_load(request.client_id, list(self._subs), reused, request.take_over)
             if ended is None:
                 if found is not None:
                     found.release()
