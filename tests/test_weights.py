@@ -289,6 +289,21 @@ def test_tensor_bytes_travel_on_the_data_plane(dense_ckpt: Path, tmp_path: Path,
         assert generate(engine, text) == reference[text]
 
 
+def the_next_source_serves(ckpt: Path, holder: NodeServer, fetcher: NodeServer, refused: NodeServer,
+                           reference: dict[str, list[int]]) -> None:
+    """`fetcher`'s half of the model, with `refused` asked first and `holder` next: `refused` sends no
+    byte of it, and the pipeline decodes as one node does."""
+    specs = [ShardSpec(a, b, TINY_LAYERS) for a, b in HALVES]
+    engine = remote_engine(ckpt, [holder.address, fetcher.address], dtype="float32", specs=specs,
+                           sources=[refused.address, holder.address])
+    try:
+        assert engine.pipeline.load_replies[1].weights_source == f"peer {holder.address}"
+        assert refused.service.weights.transfer.served_bytes == 0  # refused before the bytes
+        assert generate(engine, PROMPTS[0]) == reference[PROMPTS[0]]
+    finally:
+        engine.pipeline.close()
+
+
 def test_a_source_serving_another_copy_is_not_taken(dense_ckpt: Path, tmp_path: Path, reference) -> None:
     """A source whose cached shard was changed, its manifest's hashes with it (so the bytes match what it
     says), is refused by the coordinator's hashes: the next source serves. The changed entry is no
@@ -312,21 +327,13 @@ def test_a_source_serving_another_copy_is_not_taken(dense_ckpt: Path, tmp_path: 
 
     with nodes(tmp_path, [[dense_ckpt], [], []]) as (holder, changed_source, fetcher):
         specs = [ShardSpec(a, b, TINY_LAYERS) for a, b in HALVES]
-        engine = remote_engine(dense_ckpt, [holder.address, fetcher.address], dtype="float32", specs=specs,
-                               sources=[changed_source.address, holder.address])
-        try:
-            assert engine.pipeline.load_replies[1].weights_source == f"peer {holder.address}"
-            assert changed_source.service.weights.transfer.served_bytes == 0  # refused before the bytes
-            text = PROMPTS[0]
-            assert generate(engine, text) == reference[text]
-        finally:
-            engine.pipeline.close()
+        the_next_source_serves(dense_ckpt, holder, fetcher, changed_source, reference)
         # The changed entry itself: dropped when its node is asked for that shard, and fetched again.
         engine = remote_engine(dense_ckpt, [holder.address, changed_source.address], dtype="float32", specs=specs,
                                sources=[holder.address])
         try:
             assert engine.pipeline.load_replies[1].weights_source == f"peer {holder.address}"
-            assert generate(engine, text) == reference[text]
+            assert generate(engine, PROMPTS[0]) == reference[PROMPTS[0]]
         finally:
             engine.pipeline.close()
 
@@ -357,15 +364,7 @@ def test_a_source_that_misdescribes_its_tensors_is_not_taken(lie: str, dense_ckp
     monkeypatch.setattr(weights.WeightStore, "serve", misdescribing)
     with nodes(tmp_path, [[dense_ckpt], [dense_ckpt], []]) as (lying, holder, fetcher):
         liar.append(lying.service.weights)
-        specs = [ShardSpec(a, b, TINY_LAYERS) for a, b in HALVES]
-        engine = remote_engine(dense_ckpt, [holder.address, fetcher.address], dtype="float32", specs=specs,
-                               sources=[lying.address, holder.address])
-        try:
-            assert engine.pipeline.load_replies[1].weights_source == f"peer {holder.address}"
-            assert lying.service.weights.transfer.served_bytes == 0  # refused before the bytes
-            assert generate(engine, PROMPTS[0]) == reference[PROMPTS[0]]
-        finally:
-            engine.pipeline.close()
+        the_next_source_serves(dense_ckpt, holder, fetcher, lying, reference)
 
 
 def test_a_token_that_aged_while_room_was_made_is_asked_for_again(dense_ckpt: Path, tmp_path: Path,
