@@ -184,8 +184,8 @@ class StageWorker:
             prefix = self.prefixes.get(req.prefix) if req.prefix else None
             if req.prefix and prefix is None:
                 raise StageError(f"no kept prompt prefix {req.prefix!r} here")
-            if (prefix.length if prefix else 0) + T > self.max_context:
-                raise StageError(f"context overflow: {(prefix.length if prefix else 0) + T} > {self.max_context} positions")
+            if (start := prefix.length if prefix else 0) + T > self.max_context:
+                raise StageError(f"context overflow: {start + T} > {self.max_context} positions")
             if prefix and self.spec.is_last and req.mtp_depth and not prefix.drafts:
                 raise StageError(f"kept prompt prefix {req.prefix!r} has no MTP head part to draft from")
             return None
