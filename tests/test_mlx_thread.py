@@ -242,13 +242,16 @@ def test_a_task_handed_over_as_the_thread_closes_is_run_or_refused() -> None:
     thread = MLXThread("closing")
     tasks = thread._tasks
 
+    queuing = threading.Event()
+
     class Preempted:  # queuing a task pauses, as a thread switch would
         def __getattr__(self, name: str) -> object:
             return getattr(tasks, name)
 
         def put(self, item: object) -> None:
             if isinstance(item, tuple):
-                time.sleep(0.3)
+                queuing.set()
+                time.sleep(0.3)  # (the close below runs meanwhile, or waits for the hand-off)
             tasks.put(item)
 
     thread._tasks = Preempted()  # type: ignore[assignment]
@@ -261,7 +264,7 @@ def test_a_task_handed_over_as_the_thread_closes_is_run_or_refused() -> None:
             out.put(e)
 
     threading.Thread(target=call, daemon=True).start()
-    time.sleep(0.1)
+    assert queuing.wait(5)  # past the closed check
     thread.close()
     answer = out.get(timeout=5)  # (queue.Empty: the caller would wait forever)
     assert answer == 42 or isinstance(answer, RuntimeError)
