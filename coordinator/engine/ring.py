@@ -113,16 +113,16 @@ class RingEngine:
         # 64 random bits for an id: every group frame names each of its rows
         live = RingLive(uuid.uuid4().hex[:16], req, sink, TextStream(self.tokenizer, req.stop),
                         GenerationStats(prompt_tokens=len(req.prompt_tokens)), time.monotonic(), on_admit=admitted)
-        # A client callback that fails ends its request, as a cancel does (`guarded`).
-        live.sink = guarded(sink, lambda: self._finish(live, None), live.seq_id)
+        handle = RingHandle(self, live)
+        live.sink = guarded(sink, handle.cancel, live.seq_id)  # (a client callback that fails cancels)
         if admitted is not None:
-            live.on_admit = guarded(admitted, lambda: self._finish(live, None), live.seq_id)
+            live.on_admit = guarded(admitted, handle.cancel, live.seq_id)
         with self._lock:
             if self._stop.is_set():
                 raise StageUnavailable("the engine was stopped")
             self._queued[id(live)] = live
         self._pool.submit(self._start, live)
-        return RingHandle(self, live)
+        return handle
 
     def generate(self, req: GenerationRequest) -> Iterator[GenerationChunk]:
         return stream(lambda sink: self.open(req, sink))
