@@ -318,6 +318,8 @@ def test_election_placement_and_links(cluster: dict, topology: Topology, model_p
     # 127.0.0.1 address of node-a (that is node-c itself over there) but a's address on the bridge.
     ring = serving["ring"]
     assert (ring["source"], ring["target"], ring["address"]) == ("node-c", "node-a", f"10.77.0.1:{PORT}")
+    # And the engine was built on that link: its sequences go round in ring groups (rows of batches).
+    assert serving["batching"] == "ring", cluster["procs"][1].log()
 
 
 CLIENT = """

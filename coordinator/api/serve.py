@@ -32,7 +32,7 @@ def nodes_cluster_info(engine: "Engine", model_name: str, timeout: float = 2.0) 
                  for s in states if s.reply and s.reply.next]
         errors = [{"node": n["address"], "error": n["error"], "at": n["error_at"]} for n in nodes if n["error"]]
         out: dict[str, Any] = {"mode": "nodes", "model": model_name, "mtp": engine.has_mtp,
-                               "max_context": engine.max_context, "healthy": not errors,
+                               "batching": engine.batching, "max_context": engine.max_context, "healthy": not errors,
                                "checked_at": timestamp(min(s.checked_at for s in states)),
                                "placement": placement, "links": links, "nodes": nodes, "errors": errors}
         if errors:

@@ -229,7 +229,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         stages = ", ".join(f"{p['node']} layers {p['layers'][0]}-{p['layers'][1] - 1}" for p in state["placement"])
         when_listening(cfg.api.host, cfg.api.port, lambda: _emit(
             args, console, "serving", f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at {url} over {stages}",
-            api=url, **{k: state[k] for k in ("placement", "links", "ring", "discovered", "left_out", "ignored")}))
+            api=url, **{k: state[k] for k in ("placement", "links", "ring", "batching", "discovered", "left_out",
+                                                "ignored")}))
         return serve(engine, cfg.api.host, cfg.api.port, api_key=cfg.resolve_api_key(), model_name=name,
                      cluster_info=info, default_mtp_depth=0 if not mtp else cfg.mtp_depth, model_path=model_path,
                      api_process=not args.api_in_process)

@@ -1,8 +1,9 @@
 """Forming a cluster on the coordinator: from the discovered nodes to a loaded pipeline.
 
 Place the model over the nodes (placement.py), choose how the coordinator reaches each one, have
-them load their shards in parallel, then confirm each hop's address with a round trip measured by
-the sending node, and the last node's ring link back to the first. Also what GET /v1/cluster says.
+them load their shards in parallel (the last node linking back to the first at the best address
+where the first node itself answers), then confirm each hop's address with a round trip measured by
+the sending node. Also what GET /v1/cluster says.
 """
 
 from __future__ import annotations
@@ -138,26 +139,23 @@ def confirm_hops(order: list[NodeResources], control: dict[str, str], secret: st
     return hops
 
 
-def confirm_ring(order: list[NodeResources], control: dict[str, str], secret: str | None) -> Hop | None:
-    """The last node's link back to the first: the best candidate address at which the first node
-    itself answers from there (the coordinator's own address of it may mean another host there)."""
-    from ...node.wire import make_channel
-    from ...proto import mtpipe_pb2 as pb
-    from ...proto import mtpipe_pb2_grpc as pb_grpc
+def ring_candidates(order: list[NodeResources], control: dict[str, str]) -> list[HopCandidate]:
+    """Addresses the last node may reach the first at, best first (the pipeline tries them in turn: the
+    coordinator's own address of the first node may mean another host from there)."""
+    return link_candidates(order[-1], order[0], control) if len(order) > 1 else []
 
+
+def ring_hop(order: list[NodeResources], candidates: list[HopCandidate], pipeline: Any) -> Hop | None:
+    """The last node's link back to the first, as the loaded pipeline connected it."""
     if len(order) < 2:
         return None
-    first, last = order[0], order[-1]
-    candidates = link_candidates(last, first, control)
-    with make_channel(control[last.node_id], secret) as channel:
-        stub = pb_grpc.NodeStub(channel)
-        for cand in candidates:
-            req = pb.ConnectRequest(ring=cand.target, ring_node_id=first.node_id)
-            if stub.Connect(req, timeout=30).ring:
-                return Hop(last.node_id, first.node_id, cand.target, cand.link.value if cand.link else None, None)
-    log.warning("node %s reaches %s at none of %s: the coordinator will start every decode round",
-                last.node_id, first.node_id, ", ".join(c.target for c in candidates))
-    return None
+    if not pipeline.rings:
+        log.warning("node %s reaches %s at none of %s: the coordinator will start every decode round",
+                    order[-1].node_id, order[0].node_id, ", ".join(c.target for c in candidates))
+        return None
+    target = pipeline.ring_targets[0]
+    link = next((c.link for c in candidates if c.target == target), None)
+    return Hop(order[-1].node_id, order[0].node_id, target, link.value if link else None, None)
 
 
 def weight_sources(order: list[NodeResources], holder: str, control: dict[str, str]) -> list[list[str]]:
@@ -177,7 +175,7 @@ def weight_sources(order: list[NodeResources], holder: str, control: dict[str, s
 def load_with_progress(
     model_path: Path, order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], mtp: bool,
     dtype: str | None, secret: str | None, console: Any, sources: list[list[str]] | None = None,
-    take_over: bool = False, prefix_cache: int | None = None,
+    take_over: bool = False, prefix_cache: int | None = None, ring_targets: list[str] | None = None,
 ) -> Any:
     """ring_engine over the placed nodes, with a line per node until its shard is loaded (and how
     much of it has arrived, while a node fetches its shard from a peer)."""
@@ -197,7 +195,8 @@ def load_with_progress(
             for s in plan
         }
         future = pool.submit(ring_engine, model_path, addresses, mtp, secret, specs=specs, dtype=dtype,
-                             sources=sources, take_over=take_over, prefix_cache=prefix_cache)
+                             sources=sources, take_over=take_over, prefix_cache=prefix_cache,
+                             ring_targets=ring_targets)
         pending = dict(zip([s.node_id for s in plan], zip(plan, addresses)))
         while not wait([future], timeout=0.5).done:
             for node, (s, address) in list(pending.items()):
@@ -232,15 +231,16 @@ def form_cluster(
     log.info("placement: %s", describe_plan(plan))
     control = choose_control_addresses(order, me, my_target, local, secret)
     sources = weight_sources(order, me, control)  # nodes without the model fetch their shards from this one
+    ring = ring_candidates(order, control)
     engine = load_with_progress(model_path, order, plan, control, mtp, cfg.dtype, secret, console, sources,
-                                take_over, cfg.prefix_cache())
+                                take_over, cfg.prefix_cache(), [c.target for c in ring])
     try:
         hops = confirm_hops(order, control, secret)
-        ring = confirm_ring(order, control, secret)
+        engine.pipeline.keep_next_targets([h.address for h in hops])
     except BaseException:
         engine.pipeline.close()
         raise
-    return engine, Formation(plan, control, hops, ring)
+    return engine, Formation(plan, control, hops, ring_hop(order, ring, engine.pipeline))
 
 
 def single_node_engine(server: Any, model_path: Path, mtp: bool, dtype: str | None, options: dict[str, Any],
@@ -286,6 +286,7 @@ def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, mo
             "coordinator": me,
             "model": model_name,
             "mtp": engine.has_mtp,
+            "batching": engine.batching,
             "max_context": engine.max_context,
             "placement": plan,
             "links": hops,

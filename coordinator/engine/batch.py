@@ -82,6 +82,8 @@ class Handle:
 
 
 class BatchEngine:
+    batching = "batch"  # the active sequences as rows of one batch per round
+
     def __init__(self, stages: list[BatchStage], tokenizer: Any, eos_token_ids: set[int] | list[int],
                  max_context: int, has_mtp: bool, thread: MLXThread, *, dims: plan.ModelDims, budget: int,
                  max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,

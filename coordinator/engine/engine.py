@@ -36,6 +36,8 @@ DEFAULT_PREFILL_CHUNK = 512
 
 
 class Engine:
+    batching = "none"  # one sequence per round (GET /v1/cluster says so)
+
     def __init__(
         self,
         pipeline: Pipeline,

@@ -55,6 +55,8 @@ ROW_STALL_S = 60.0
 
 
 class RingEngine:
+    batching = "ring"  # groups of rows whose rounds circle the nodes
+
     def __init__(self, pipeline: Any, tokenizer: Any, eos_token_ids: set[int] | list[int], max_context: int,
                  has_mtp: bool, vocab_size: int, *, prefill_chunk: int, max_rows: int = DEFAULT_MAX_ROWS,
                  queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, groups: int | None = None,

@@ -8,7 +8,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -16,6 +17,9 @@ from ...node.protocol import StageError, StageUnavailable
 from ...node.wire import describe_rpc_error, make_channel
 from ...proto import mtpipe_pb2 as pb
 from ...proto import mtpipe_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from ...models.shard import ShardSpec
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +141,31 @@ def wait_for_nodes(nodes: list[str], timeout: float = 30.0, secret: str | None =
                 stub.Ping(pb.PingRequest(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True)
             except grpc.RpcError as e:
                 raise NodeFailure(address, f"not ready within {timeout:.0f} s ({describe_rpc_error(e)})") from None
+
+
+def load_requests(model_path: Path | str, specs: list[ShardSpec], mtp: bool, dtype: str | None,
+                  addresses: list[str], sources: list[list[str]], client_id: str, take_over: bool) -> list[pb.LoadRequest]:
+    """Each node's Load: the model by identity (its fingerprint; each node checks its own copy against it,
+    or fetches its shard's tensors from `sources`, by name, hash, dtype and shape); the path is a hint."""
+    from ...models.fingerprint import checkpoint_index, config_sha256, model_fingerprint, raw_hf_layout
+    from ...models.fingerprint import shard_names, tensor_hashes
+    from ...models.registry import hub_origin
+
+    path = str(Path(model_path).resolve())
+    fingerprint = model_fingerprint(path)
+    hub_repo, hub_revision = hub_origin(model_path) or ("", "")  # nodes with --download may use it
+    config = config_sha256((Path(path) / "config.json").read_text())
+    shard_tensors = [shard_names(path, s.start, s.end, s.num_layers, mtp) for s in specs]
+    # (kept beside the model since the fingerprint was taken: its headers are read, not its tensors)
+    hashes, index = tensor_hashes(path, sorted({n for ns in shard_tensors for n in ns})), checkpoint_index(path)
+    layout = "raw_hf" if raw_hf_layout(index) else "mlx"
+    return [pb.LoadRequest(model_path=path, start=s.start, end=s.end, num_layers=s.num_layers, mtp=mtp,
+                           dtype=dtype or "", node_name=address, fingerprint=fingerprint, sources=srcs,
+                           hub_repo=hub_repo, hub_revision=hub_revision, tensors=names,
+                           tensor_sha256=[hashes[n] for n in names], config_sha256=config,
+                           tensor_meta=[pb.TensorMeta(dtype=index[n].dtype, shape=index[n].shape) for n in names],
+                           layout=layout, client_id=client_id, take_over=take_over)
+            for s, address, srcs, names in zip(specs, addresses, sources, shard_tensors)]
 
 
 def load_node(node: NodeLink, request: pb.LoadRequest, timeout: float | None) -> pb.LoadReply:

@@ -37,7 +37,7 @@ from ...models.shard import ShardSpec
 from ...node.protocol import GroupEnd, StageError, StepKind, StepOutput, StepRequest
 from ...node.wire import describe_rpc_error, end_from_pb, request_to_frame, result_to_output
 from ...proto import mtpipe_pb2 as pb
-from .nodes import FrameStream, NodeFailure, NodeLink, RemoteStageError, TakenOver, load_node
+from .nodes import FrameStream, NodeFailure, NodeLink, RemoteStageError, TakenOver, load_node, load_requests
 from .reform import Reformer
 from .renewals import Renewer
 
@@ -92,10 +92,16 @@ class RemotePipeline:
         steps_in_flight: int = STEPS_IN_FLIGHT,
         sources: list[str] | list[list[str]] | None = None,
         take_over: bool = False,
+        ring_targets: list[str] | None = None,
     ):
         if not nodes:
             raise ValueError("a pipeline needs at least one node")
         self.addresses = list(nodes)
+        # Where node i sends its hidden states: at first the address this side reaches node i+1 at.
+        self.next_targets = [*self.addresses[1:], ""]
+        # Where the last node may reach the first, best first: this side's address of it may mean another
+        # host from there (127.0.0.1, a subnet the last node is not on).
+        self.ring_targets = list(dict.fromkeys([*(ring_targets or []), self.addresses[0]]))
         self.secret = secret
         self.step_timeout = step_timeout
         self.connect_timeout = connect_timeout
@@ -134,47 +140,27 @@ class RemotePipeline:
         self, model_path: Path | str, specs: list[ShardSpec], *, mtp: bool = True, dtype: str | None = None,
         timeout: float | None = None,
     ) -> list[pb.LoadReply]:
-        """Ask every node, in parallel, to load its shard, then tell node i where node i+1 is and the
-        last node where the first is. The model is named by its fingerprint (this side's copy, hashed
-        once and then kept beside it); the path is a hint. A node without the model fetches the
-        tensors its shard reads from `sources` (node/weights.py)."""
+        """Ask every node, in parallel, to load its shard (nodes.load_requests), then tell node i where
+        node i+1 is and the last node where the first is."""
         if len(specs) != len(self.nodes):
             raise ValueError(f"{len(specs)} shard specs for {len(self.nodes)} nodes")
-        from ...models.fingerprint import checkpoint_index, config_sha256, model_fingerprint, raw_hf_layout
-        from ...models.fingerprint import shard_names, tensor_hashes
-        from ...models.registry import hub_origin
-
-        path = str(Path(model_path).resolve())
         self._load_args = (model_path, specs, mtp, dtype)
-        # The model by identity: each node checks its own copy against it, or fetches its shard's tensors.
-        fingerprint = model_fingerprint(path)
-        hub_repo, hub_revision = hub_origin(model_path) or ("", "")  # nodes with --download may use it
         first = self.nodes[0]
         try:  # the last node checks that its ring reaches this very node
             first_id = first.stub.Ping(pb.PingRequest(), timeout=self.connect_timeout).node_id
         except grpc.RpcError as e:
             raise NodeFailure(first.address, f"cannot reach it ({describe_rpc_error(e)})") from None
         last = len(self.nodes) - 1
-
-        config = config_sha256((Path(path) / "config.json").read_text())
-        shard_tensors = [shard_names(path, s.start, s.end, s.num_layers, mtp) for s in specs]
-        # (kept beside the model since the fingerprint was taken: its headers are read, not its tensors)
-        hashes, index = tensor_hashes(path, sorted({n for ns in shard_tensors for n in ns})), checkpoint_index(path)
+        requests = load_requests(model_path, specs, mtp, dtype, self.addresses, self.sources, self.client_id,
+                                 self.take_over)
 
         def load_one(i: int) -> tuple[pb.LoadReply, pb.ConnectReply]:
-            node, s, names = self.nodes[i], specs[i], shard_tensors[i]
-            load = pb.LoadRequest(model_path=path, start=s.start, end=s.end, num_layers=s.num_layers, mtp=mtp,
-                                  dtype=dtype or "", node_name=node.address, fingerprint=fingerprint,
-                                  sources=self.sources[i], hub_repo=hub_repo, hub_revision=hub_revision,
-                                  tensors=names, tensor_sha256=[hashes[n] for n in names], config_sha256=config,
-                                  tensor_meta=[pb.TensorMeta(dtype=index[n].dtype, shape=index[n].shape)
-                                               for n in names], layout="raw_hf" if raw_hf_layout(index) else "mlx",
-                                  client_id=self.client_id, take_over=self.take_over)
-            connect = pb.ConnectRequest(next=self.addresses[i + 1] if i < last else "",
-                                        ring=self.addresses[0] if i == last else "",
-                                        ring_node_id=first_id if i == last else "")
+            node = self.nodes[i]
             try:
-                return load_node(node, load, timeout), node.stub.Connect(connect, timeout=timeout)
+                reply = load_node(node, requests[i], timeout)
+                if i < last:
+                    return reply, node.stub.Connect(pb.ConnectRequest(next=self.next_targets[i]), timeout=timeout)
+                return reply, self._connect_ring(node, first_id, timeout)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ValueError(f"node {node.address}: {e.details()}") from None
@@ -187,6 +173,22 @@ class RemotePipeline:
         self.load_replies = [r for r, _ in replies]
         self.connect_replies = [c for _, c in replies]
         return self.load_replies
+
+    def _connect_ring(self, last: NodeLink, first_id: str, timeout: float | None) -> pb.ConnectReply:
+        """Tell the last node where the first is: the first of `ring_targets` where the first node itself
+        answers from there (kept first, for the pipeline formed again)."""
+        for target in self.ring_targets:
+            reply = last.stub.Connect(pb.ConnectRequest(ring=target, ring_node_id=first_id), timeout=timeout)
+            if reply.ring:
+                self.ring_targets = [target, *(t for t in self.ring_targets if t != target)]
+                break
+        return reply
+
+    def keep_next_targets(self, targets: list[str]) -> None:
+        """How each node reaches the next, as confirmed after the load: the pipeline formed again uses them."""
+        if len(targets) != len(self.nodes) - 1:
+            raise ValueError(f"{len(targets)} next-stage addresses for {len(self.nodes)} nodes")
+        self.next_targets = [*targets, ""]
 
     @property
     def rings(self) -> bool:
@@ -438,8 +440,6 @@ class RemotePipeline:
                 n.subscription.cancel()
             n.channel.close()
         self._fail_all(RuntimeError("the pipeline was closed"))
-
-    # -- inspection -----------------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "remote", "stages": [{"index": i, "address": a} for i, a in enumerate(self.addresses)]}
