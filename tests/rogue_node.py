@@ -19,11 +19,8 @@ import json
 import socket
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-from mtpipe import __version__
-from mtpipe.node.advertise import Advertiser, NodeAdvert, cluster_hash, open_zeroconf
-from mtpipe.node.server import NodeServer
 
 RECORDER_PORT = 52700
 WRONG_SECRET_PORT = 52701
@@ -50,6 +47,9 @@ def recorder(address: str, out: Path) -> None:
 
 
 async def advertise(address: str, cluster: str) -> None:
+    from mtpipe import __version__
+    from mtpipe.node.advertise import Advertiser, NodeAdvert, cluster_hash, open_zeroconf
+
     azc = open_zeroconf([address])
     for node_id, port in (("node-0", RECORDER_PORT), ("node-1", WRONG_SECRET_PORT)):
         ad = NodeAdvert(node_id, cluster_hash(cluster), port, MEMORY, MEMORY, "rogue", __version__, coordinator=True)
@@ -72,11 +72,19 @@ def replay(host: str, port: int, blob: bytes, timeout: float = 2.0) -> bytes:
     return reply
 
 
+def replay_all(replays: list[tuple[str, int, bytes]]) -> list[bytes]:
+    """`replay` of each (host, port, blob), all at once (each waits out its timeout), in order."""
+    with ThreadPoolExecutor(max(len(replays), 1)) as pool:
+        return list(pool.map(lambda r: replay(*r), replays))
+
+
 def main() -> None:
-    if sys.argv[1] == "replay":
+    if sys.argv[1] == "replay":  # (the standard library only: no mtpipe import to wait for)
         host, port = sys.argv[2], int(sys.argv[3])
-        print(json.dumps([replay(host, port, Path(f).read_bytes()).hex() for f in sys.argv[4:]]))
+        print(json.dumps([r.hex() for r in replay_all([(host, port, Path(f).read_bytes()) for f in sys.argv[4:]])]))
         return
+    from mtpipe.node.server import NodeServer
+
     address, cluster, out = sys.argv[2], sys.argv[3], Path(sys.argv[4])
     out.mkdir(parents=True, exist_ok=True)
     threading.Thread(target=recorder, args=(address, out), daemon=True).start()

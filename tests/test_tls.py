@@ -12,9 +12,10 @@ import socket
 import ssl
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from rogue_node import replay
+from rogue_node import replay_all
 
 from mtpipe.coordinator.cluster.health import first_reachable, probe_node
 from mtpipe.node.bulk import close
@@ -76,14 +77,16 @@ def test_a_rogue_listener_records_nothing_that_authenticates(node: NodeServer) -
     rogue = Recorder()
     try:
         target = f"127.0.0.1:{rogue.port}"
-        assert first_reachable([target], SECRET, timeout=1.5) is None
-        assert probe_node(target, SECRET, timeout=1.5)["reachable"] is False
 
         async def data_plane() -> None:
             with pytest.raises((OSError, asyncio.TimeoutError, ConnectionError)):
                 await TcpFrameLink.connect("127.0.0.1", rogue.port, SECRET, timeout=1.5)
 
-        asyncio.run(data_plane())
+        with ThreadPoolExecutor(3) as pool:  # (each waits out its timeout: all at once)
+            found = pool.submit(first_reachable, [target], SECRET, timeout=1.5)
+            probed = pool.submit(probe_node, target, SECRET, timeout=1.5)
+            pool.submit(asyncio.run, data_plane()).result()
+            assert found.result() is None and probed.result()["reachable"] is False
         assert _wait(rogue.settled)
         recorded = b"".join(rogue.received)
         assert recorded  # it did receive connections
@@ -91,10 +94,9 @@ def test_a_rogue_listener_records_nothing_that_authenticates(node: NodeServer) -
         for secret_thing in (SECRET.encode(), key, cert, key.split(b"\n")[1], cert.split(b"\n")[1]):
             assert secret_thing not in recorded
         # Replayed to a real node, the recorded bytes authenticate nothing: no reply is application data.
-        for blob in rogue.received:
-            for port in (node.port, node.service.data_port):
-                reply = replay("127.0.0.1", port, blob)
-                assert b"node_id" not in reply and b"real" not in reply
+        ports = (node.port, node.service.data_port)
+        for reply in replay_all([("127.0.0.1", port, blob) for blob in rogue.received for port in ports]):
+            assert b"node_id" not in reply and b"real" not in reply
         assert not node.service._subs and not node.service._owners  # no client got through
     finally:
         rogue.close()
