@@ -118,27 +118,49 @@ def _exit_cleanly(signum: int, frame: Any) -> None:
 
 
 class FrontProcess:
-    """The API front, spawned and linked to `engine`; `start()` returns its base URL once it serves."""
+    """The API front, spawned and linked to an engine; `start()` returns its base URL once it serves.
 
-    def __init__(self, engine: Any, spec: FrontSpec, cluster_info: Callable[[], dict] | None = None):
-        from .link import EngineHost
+    Spawned before there is an engine (`spawn`, then `attach` once it is loaded), it imports the app
+    while the engine loads: it waits for the engine's hello before it loads the tokenizer and serves.
+    """
 
-        if not hasattr(engine, "open"):
-            raise ValueError("the API front needs an engine that batches (the local or the ring engine)")
+    def __init__(self, engine: Any | None, spec: FrontSpec, cluster_info: Callable[[], dict] | None = None):
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs MLX
         self.spec = spec
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=front_main, args=(child, spec), name="mtpipe-api", daemon=True)
         self._child_conn = child
-        self.host = EngineHost(engine, self._conn, cluster_info=cluster_info)
+        self.host: Any = None  # the EngineHost, once attached
         self.url = ""
+        if engine is not None:
+            self.attach(engine, cluster_info)
 
-    def start(self, timeout: float = START_TIMEOUT_S) -> str:
-        try:
+    @staticmethod
+    def serves(engine: Any) -> bool:
+        """Whether a front can serve `engine`: one that batches (the local or the ring engine)."""
+        return hasattr(engine, "open")
+
+    def spawn(self) -> "FrontProcess":
+        if self.process.pid is None:
             try:
                 self.process.start()
             finally:
                 self._child_conn.close()  # the child's end is the child's alone
+        return self
+
+    def attach(self, engine: Any, cluster_info: Callable[[], dict] | None = None) -> "FrontProcess":
+        from .link import EngineHost
+
+        if not self.serves(engine):
+            raise ValueError("the API front needs an engine that batches (the local or the ring engine)")
+        self.host = EngineHost(engine, self._conn, cluster_info=cluster_info)
+        return self
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> str:
+        if self.host is None:
+            raise RuntimeError("the API front has no engine to serve (attach one)")
+        try:
+            self.spawn()
             self.host.start()
             host, port = self.host.listening.result(timeout)
         except TimeoutError:
@@ -204,4 +226,7 @@ class FrontProcess:
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join(STOP_TIMEOUT_S)
-        self.host.close()
+        if self.host is not None:
+            self.host.close()
+        else:
+            self._conn.close()

@@ -14,6 +14,7 @@ from .readiness import NodeWatch, timestamp
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
+    from .front import FrontProcess, FrontSpec
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,16 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def front_spec(model_path: Path, host: str, port: int, api_key: Optional[str], model_name: str, *,
+               default_mtp_depth: Optional[int], max_concurrency: int, max_body_bytes: Optional[int]) -> "FrontSpec":
+    """What `serve` runs an API process with: `mtpipe serve` spawns one with it before the model loads."""
+    from .front import FrontSpec
+
+    return FrontSpec(str(model_path), host=host, port=port, model_name=model_name, api_key=api_key,
+                     default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
+                     max_body_bytes=max_body_bytes, log_level=logging.getLogger().getEffectiveLevel())
+
+
 def serve(
     engine: "Engine",
     host: str = DEFAULT_HOST,
@@ -66,22 +77,30 @@ def serve(
     max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES,
     model_path: Optional[Path] = None,
     api_process: bool = True,
+    front: Optional["FrontProcess"] = None,
 ) -> int:
     """Run the API with uvicorn until interrupted (Ctrl-C or SIGTERM: 0) or until the API process ends
     by itself (1, logged). Logging goes through the root logger.
 
     With `api_process` (and `model_path`, whose tokenizer it loads), an engine that batches is served by
     an API in a process of its own (front.py); otherwise, and for the per-sequence engine, in this one.
+    `front`: that process, spawned early with these settings (`front_spec`); stopped if not used.
     """
     if not api_key and not _is_loopback(host):
         log.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
     if api_process and model_path is not None and hasattr(engine, "open"):
-        from .front import FrontProcess, FrontSpec
+        from .front import FrontProcess
 
-        spec = FrontSpec(str(model_path), host=host, port=port, model_name=model_name, api_key=api_key,
-                         default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
-                         max_body_bytes=max_body_bytes, log_level=logging.getLogger().getEffectiveLevel())
-        return FrontProcess(engine, spec, cluster_info).serve()
+        spec = front_spec(model_path, host, port, api_key, model_name, default_mtp_depth=default_mtp_depth,
+                          max_concurrency=max_concurrency, max_body_bytes=max_body_bytes)
+        if front is not None and front.spec != spec:
+            log.warning("the API process spawned early has other settings: starting another")
+            front.stop()
+            front = None
+        front = front or FrontProcess(None, spec)
+        return front.attach(engine, cluster_info).serve()
+    if front is not None:
+        front.stop()
     log.info("serving %s at http://%s:%d/v1", model_name, host, port)
     import uvicorn
 

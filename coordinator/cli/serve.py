@@ -58,7 +58,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ...models.registry import resolve_model
-    from ..api.serve import model_name_for, nodes_cluster_info, serve
+    from ..api.front import FrontProcess
+    from ..api.serve import front_spec, model_name_for, nodes_cluster_info, serve
     from ..engine.batch import DEFAULT_MAX_ROWS
     from ..engine.build import batch_engine
 
@@ -78,32 +79,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = stage_options(args, remote=bool(args.nodes))
     if args.prefix_cache is not None:
         options["prefix_cache"] = int(args.prefix_cache * 2**30)
-    if args.nodes:
-        from ..engine.build import ring_engine
-
-        secret = read_secret(args.secret_file)
-        engine = ring_engine(path, args.nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype,
-                             sources=args.weights_from or [],
-                             max_rows=args.max_concurrency, resume_window=args.resume_window, take_over=args.take_over,
-                             **options)
-    else:
-        import mlx.core as mx
-
-        with progress_loader("loading model")() as progress:
-            engine = batch_engine(path, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None,
-                                  progress=progress, max_rows=max(DEFAULT_MAX_ROWS, args.max_concurrency), **options)
+    depth = 0 if args.no_mtp else args.mtp_depth
+    name = args.model_name or model_name_for(args.model, path)
+    settings = dict(default_mtp_depth=depth, max_concurrency=args.max_concurrency,
+                    max_body_bytes=args.max_body_bytes or None)
+    front = None
+    if not args.api_in_process:  # its process imports the app while the model loads
+        front = FrontProcess(None, front_spec(path, args.host, args.port, api_key, name, **settings)).spawn()
+    engine = None
     try:
-        depth = 0 if args.no_mtp else args.mtp_depth
+        if args.nodes:
+            from ..engine.build import ring_engine
+
+            secret = read_secret(args.secret_file)
+            engine = ring_engine(path, args.nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype,
+                                 sources=args.weights_from or [], max_rows=args.max_concurrency,
+                                 resume_window=args.resume_window, take_over=args.take_over, **options)
+        else:
+            import mlx.core as mx
+
+            with progress_loader("loading model")() as progress:
+                engine = batch_engine(path, mtp=not args.no_mtp, dtype=getattr(mx, args.dtype) if args.dtype else None,
+                                      progress=progress, max_rows=max(DEFAULT_MAX_ROWS, args.max_concurrency),
+                                      **options)
         check_default_depth(depth, engine.has_mtp)
-        name = args.model_name or model_name_for(args.model, path)
         stderr_console().print(
             f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at http://{format_host_port(args.host, args.port)}/v1"
             + (" (API key required)" if api_key else "")
         )
         cluster_info = nodes_cluster_info(engine, name) if args.nodes else None
         return serve(engine, args.host, args.port, api_key=api_key, model_name=name, cluster_info=cluster_info,
-                     default_mtp_depth=depth, max_concurrency=args.max_concurrency,
-                     max_body_bytes=args.max_body_bytes or None, model_path=path,
-                     api_process=not args.api_in_process)
+                     model_path=path, api_process=not args.api_in_process, front=front, **settings)
     finally:
-        engine.pipeline.close()
+        if front is not None:
+            front.stop()
+        if engine is not None:
+            engine.pipeline.close()
