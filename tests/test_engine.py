@@ -159,14 +159,16 @@ def test_the_command_and_its_node_children_never_load_torch() -> None:
                "assert callable(load) and callable(stream_generate) and mlx_lm.__version__\n")
     torch = "print(sys.modules.get('torch', 'absent'))\n"  # (None: marked absent, installed or not)
     # (these commands defer mlx-lm's init as a node does: resolving its names once, for the node, is enough)
-    for argv, transformers, probe in ((["-v", "node", "--help"], "False", command + resolve + torch),
-                                      (["launch", "--help"], "False", command + torch),
-                                      (["health", "--help"], "False", command + torch),
-                                      (["cache", "--help"], "False", command + torch),
-                                      (["generate", "--help"], "False", command + resolve + torch)):
-        out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120,
-                             check=False)
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.strip().splitlines()[-2:] == [transformers, "None"]
+    cases = ((["-v", "node", "--help"], "False", command + resolve + torch),
+             (["launch", "--help"], "False", command + torch),
+             (["health", "--help"], "False", command + torch),
+             (["cache", "--help"], "False", command + torch),
+             (["generate", "--help"], "False", command + resolve + torch))
+    procs = [subprocess.Popen([sys.executable, "-c", probe, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for argv, _, probe in cases]  # (all at once)
+    for proc, (argv, transformers, _) in zip(procs, cases):
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, (argv, stderr)
+        assert stdout.strip().splitlines()[-2:] == [transformers, "None"], argv
     assert node_command("--port", "1")[-3:] == ["node", "--port", "1"]
     assert "runpy.run_module('mtpipe'" in node_command()[2]
