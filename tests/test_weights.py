@@ -591,3 +591,21 @@ def test_a_write_that_fails_on_the_data_plane_is_this_nodes_fault() -> None:
         assert err.value.errno == errno.ENOSPC
     finally:
         receiver.close()
+
+
+def test_a_cache_entry_damaged_since_it_was_written_is_served_as_data_loss(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A shard cache entry whose weights file went bad on disk (its manifest still names it): FetchTensors
+    answers DATA_LOSS, which tells the asker to try another source, and the node serves on."""
+    with nodes(tmp_path, [[dense_ckpt], []]) as servers, engine_over(dense_ckpt, servers, specs=HALVES) as engine:
+        cached = Path(engine.pipeline.load_replies[1].weights_path) / WEIGHTS
+    data = bytearray(cached.read_bytes())
+    data[8] = ord("]")  # the header's JSON no longer parses
+    cached.write_bytes(bytes(data))
+    fp = model_fingerprint(dense_ckpt)
+    names = shard_names(str(dense_ckpt), *HALVES[1], TINY_LAYERS, True)[:3]
+    with nodes(tmp_path, [[], []]) as (_, holder), make_channel(holder.address, None) as channel:
+        stub = pb_grpc.NodeStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.FetchTensors(pb.FetchRequest(fingerprint=fp, names=names), timeout=10))
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS and "damaged" in err.value.details()
+        assert stub.Ping(pb.PingRequest(), timeout=10).node_id
