@@ -23,6 +23,8 @@ import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from ..models.fingerprint import is_fingerprint
+
 log = logging.getLogger(__name__)
 
 LOCKS = ".locks"
@@ -34,7 +36,7 @@ class EntryLock:
     """An open lock file of one entry; closing it releases whatever it holds."""
 
     def __init__(self, root: Path, fingerprint: str, dirname: str):
-        if not fingerprint.isalnum():  # a part of a file name, never a path
+        if not is_fingerprint(fingerprint):  # a part of a file name, never a path
             raise ValueError(f"invalid model fingerprint {fingerprint!r}")
         path = root / LOCKS / f"{fingerprint}-{dirname}.lock"
         self._fd: int | None = None

@@ -258,7 +258,7 @@ class ShardCache:
         self.root = cache_root(root)
 
     def dir(self, key: ShardKey) -> Path:
-        if not key.fingerprint.isalnum():  # a path component, never a path
+        if not is_fingerprint(key.fingerprint):  # a path component, never a path
             raise ValueError(f"invalid model fingerprint {key.fingerprint!r}")
         return self.root / key.fingerprint / key.dirname
 

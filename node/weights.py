@@ -114,6 +114,8 @@ class WeightStore:
     async def resolve(self, request: pb.LoadRequest) -> Found:
         """The directory to load `request`'s shard from (see the module docstring)."""
         fp = request.fingerprint
+        if fp and not is_fingerprint(fp):
+            raise ValueError(f"{fp[:80]!r} is not a model fingerprint")
         hint = request.model_path if request.model_path and self.path_hint else ""
         refused = bool(hint) and not self.readable.allows(hint)
         if refused:

@@ -81,6 +81,12 @@ def test_load_follows_a_path_only_under_the_model_dirs(models: dict[str, Path], 
                 stub.Load(load_request(models["outside"], "", 2, 4))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert server.service.key == key and server.service.worker is not None
+            for junk in ("x" * 64, "../" + fp, fp.upper() + "0"):  # a fingerprint names a cache directory: refused
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.Load(load_request(models["outside"], junk, 2, 4))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a model fingerprint" in e.value.details()
+                assert server.service.key == key
+            assert not [p for p in (tmp_path / "cache").glob("*") if p.name != ".locks"]
             # Named by fingerprint, the model is the copy the node now holds, wherever the hint points.
             reply = stub.Load(load_request(models["outside"], fp, 2, 4))
             assert reply.weights_source == "local" and Path(reply.weights_path) == models["inside"]
