@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 from helpers import TINY_LAYERS
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mtpipe.coordinator.cluster.placement import (
     GiB,
@@ -103,6 +105,35 @@ def test_overrides() -> None:
         plan_layers(fp(), [node("a", 100), node("b", 100)], {"a": 60, "b": 3})
     with pytest.raises(PlacementError, match="leaving 0 for 1 other node"):
         plan_layers(fp(), [node("a", 100), node("b", 100), node("c", 100)], {"a": 60, "b": 4})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_any_cluster_is_placed_or_refused_with_a_placement_error(data: st.DataObject) -> None:
+    """Whatever the layers, memory and overrides: a plan of contiguous ranges covering every layer, each
+    stage within its node's memory and of its fixed size, or a PlacementError (never another error)."""
+    layers = data.draw(st.lists(st.integers(5, 20), min_size=1, max_size=7))
+    footprint = ModelFootprint(tuple(layers), *data.draw(st.tuples(st.integers(0, 30), st.integers(0, 10),
+                                                                   st.integers(0, 10), st.booleans(),
+                                                                   st.integers(0, 5))))
+    nodes = [NodeResources(f"n{i}", data.draw(st.integers(0, 120)))
+             for i in range(data.draw(st.integers(1, min(len(layers), 4))))]
+    overrides = data.draw(st.dictionaries(st.sampled_from([n.node_id for n in nodes]), st.integers(1, len(layers)),
+                                          max_size=2))
+    try:
+        plan = plan_layers(footprint, nodes, overrides)
+    except PlacementError:
+        return
+    assert [s.start for s in plan] == [0, *(s.end for s in plan[:-1])] and plan[-1].end == len(layers)
+    for s, n in zip(plan, nodes):
+        assert s.node_id == n.node_id and s.start < s.end and s.bytes <= n.available
+        assert s.end - s.start == overrides.get(n.node_id, s.end - s.start)
+
+
+def test_an_override_the_last_node_cannot_hold_is_a_placement_error() -> None:
+    footprint = ModelFootprint((9, 10, 19, 9, 9), 5, 1, 9, True, 2)
+    with pytest.raises(PlacementError):
+        plan_layers(footprint, [NodeResources("n0", 82), NodeResources("n1", 40)], {"n1": 3})
 
 
 def test_tiny_nodes_still_get_a_layer() -> None:

@@ -402,7 +402,9 @@ def _fit(footprint: ModelFootprint, nodes: list[NodeResources], overrides: dict[
                 continue
             fixed = overrides.get(nodes[i].node_id)
             for b in [a + fixed] if fixed else range(a + 1, last + 1):
-                f = max(best[i][a], fill(i, a, b)) if b <= last else math.inf
+                if b > last:  # (an override that leaves the nodes after it no layer)
+                    continue
+                f = max(best[i][a], fill(i, a, b))
                 if f < best[i + 1][b]:
                     best[i + 1][b], back[i + 1][b] = f, a
     if best[n][L] == math.inf:
