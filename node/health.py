@@ -16,13 +16,16 @@ if TYPE_CHECKING:
 
 async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
     gpu_limit()  # asks MLX once, cached: here on the node's MLX thread, not on the executor's
-    used, available = await asyncio.get_running_loop().run_in_executor(None, system_memory)
+    loop = asyncio.get_running_loop()
+    used, available = await loop.run_in_executor(None, system_memory)
+    offered = await loop.run_in_executor(None, node.memory_offered) if node.memory_offered is not None else 0
     condition = node.conditions.current()
     reply = pb.HealthReply(
         node_id=node.node_id,
         version=__version__,
         memory_used=used,
         memory_available=available,
+        memory_offered=offered,
         mlx_active_memory=mlx_active_memory(),
         uptime_s=time.monotonic() - node.started,
         last_error=condition[0] if condition else "",

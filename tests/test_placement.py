@@ -239,3 +239,19 @@ def test_hop_fallbacks() -> None:
     local = NodeResources("b", 1, (lo,), port=7)
     assert [(h.target, h.link) for h in hop_candidates([lo], local)] == [("127.0.0.1:7", LinkType.LOOPBACK)]
     assert hop_candidates(a.interfaces, local) == []  # another machine's loopback is never shared
+
+
+def test_static_nodes_are_reached_where_they_are_listed() -> None:
+    """Static nodes (cluster.yaml `nodes:`) come with no interfaces, and this node's own advert with no
+    address: the last node's ring back to the coordinator, and the weights it fetches from it, go to the
+    host the coordinator is listed under, then to the coordinator's own address of it (a well-formed one)."""
+    from mtpipe.coordinator.cluster.formation import link_candidates, weight_sources, with_static_host
+
+    me = with_static_host(NodeResources("a", GiB, port=52700), NodeResources("a", GiB, port=52700,
+                                                                                 addresses=("10.88.0.1",)))
+    other = NodeResources("b", GiB, port=52700, addresses=("10.88.0.2",))
+    assert with_static_host(other, None) is other
+    control = {"a": "127.0.0.1:52700", "b": "10.88.0.2:52700"}
+    assert [c.target for c in link_candidates(other, me, control)] == ["10.88.0.1:52700", "127.0.0.1:52700"]
+    assert [c.target for c in link_candidates(me, other, control)] == ["10.88.0.2:52700"]
+    assert weight_sources([me, other], "a", control)[1] == ["10.88.0.1:52700", "127.0.0.1:52700"]

@@ -113,13 +113,14 @@ def single_node(root: Path):
     return local_engine(root / "model", dtype=mx.float32)
 
 
-def launch(topology: Topology, root: Path) -> dict:
+def launch(topology: Topology, root: Path, config: str = "cluster.yaml") -> dict:
     """`mtpipe launch` on the three hosts (b and c without the model); the coordinator's serving event,
-    `mtpipe health` of the three nodes, and the API's completions, all taken before the nodes stop."""
+    `mtpipe health` of the three nodes, and the API's completions, all taken before the nodes stop.
+    With discovery disabled in `config`, host 1's node is started with --coordinator."""
     for i in (2, 3):
         topology.hidden[i] = root / "model"
-    cli = [sys.executable, "-m", "mtpipe", "-v", "launch", "--json",
-           "--config", str(root / "cluster.yaml")]
+    cli = [sys.executable, "-m", "mtpipe", "-v", "launch", "--json", "--config", str(root / config)]
+    static = "enabled: false" in (root / config).read_text()
     procs: dict[int, Proc] = {}
     try:
         for i, node in ((1, "node-a"), (2, "node-b"), (3, "node-c")):
@@ -127,7 +128,7 @@ def launch(topology: Topology, root: Path) -> dict:
             state.mkdir(exist_ok=True)
             (state / "node_id").write_text(node + "\n")
             argv = topology.argv(i, *cli, "--interface", f"10.78.0.{i}", "--state-dir", str(state),
-                                 "--max-memory", str(MEMORY_GIB))
+                                 "--max-memory", str(MEMORY_GIB), *(["--coordinator"] if static and i == 1 else []))
             procs[i] = Proc(argv, _env(MTPIPE_SECRET=SECRET, MTPIPE_SHARD_CACHE=str(root / f"cache{i}")))
         serving = procs[1].event("serving", START_TIMEOUT * 2)
         for i in (2, 3):
@@ -173,6 +174,7 @@ def check_generation(result: dict, single_node) -> None:
 def test_shards_reach_nodes_without_the_model(first: dict, root: Path, single_node) -> None:
     model = root / "model"
     placement = first["serving"]["placement"]
+    assert first["serving"]["batching"] == "ring"
     assert [p["node"] for p in placement] == ["node-a", "node-b", "node-c"]
     num_layers = placement[-1]["layers"][1]
     expected = [shard_bytes(model, p["layers"], num_layers) for p in placement]
@@ -195,8 +197,20 @@ def test_shards_reach_nodes_without_the_model(first: dict, root: Path, single_no
 
 
 def test_a_second_launch_transfers_nothing(first: dict, topology: Topology, root: Path, single_node) -> None:
-    again = launch(topology, root)
+    """Launched again, now with the nodes listed in cluster.yaml and discovery off (static nodes: no
+    interfaces known, the coordinator's own host only as listed, each node's memory as its Health offers
+    it, a layer count fixed by host): the same placement, the ring back to the coordinator's listed host,
+    and every shard from each node's cache."""
+    c_layers = first["serving"]["placement"][2]["layers"]
+    config = (root / "cluster.yaml").read_text()
+    for was, now in (("discovery:\n  expect: 3\n", "discovery:\n  enabled: false\n"),
+                     ("placement:\n", f"placement:\n  layers: {{10.78.0.3: {c_layers[1] - c_layers[0]}}}\n")):
+        assert was in config
+        config = config.replace(was, now)
+    (root / "static.yaml").write_text(config + f"nodes: [10.78.0.1, 10.78.0.2, '10.78.0.3:{PORT}']\n")
+    again = launch(topology, root, "static.yaml")
     assert again["serving"]["placement"] == first["serving"]["placement"]
+    assert again["serving"]["batching"] == "ring" and again["serving"]["ring"]["address"] == f"10.78.0.1:{PORT}"
     weights = [r["weights"] for r in again["health"]["nodes"]]
     assert [w["source"] for w in weights] == ["local", "cache", "cache"]
     assert [w["fetched_bytes"] for w in weights] == [0, 0, 0]

@@ -163,6 +163,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         now = sysinfo.memory()
         return offered_memory(sysinfo.placement_memory(now.available + held, now.gpu_limit), cfg.node.max_memory_gib)
 
+    server.service.memory_offered = memory_offered
     my_target = _self_target(cfg.node.host, server.port)
     advert = NodeAdvert(me, cluster_hash(cfg.name), server.port, mem.total, offered, sysinfo.chip(), __version__,
                         advertised_interfaces(interfaces, bind), coordinator=args.coordinator)

@@ -12,12 +12,12 @@ import itertools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...node.advertise import NodeAdvert
-from ...node.links import Interface, format_host_port
+from ...node.links import Interface, format_host_port, split_host_port
 from .config import ClusterConfig, StaticNode
 from .placement import GiB, HopCandidate, NodeResources, StagePlan, hop_candidates
 
@@ -70,9 +70,19 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int,
             raise ValueError(f"static nodes {seen[h.node_id]} and {n.address} are the same node ({h.node_id}): "
                              "list each machine once")
         seen[h.node_id] = n.address
-        free = h.memory_available + h.parameter_bytes  # the shard it holds counts as free: a new one replaces it
+        # What it offers as a launched node (its cap included), else all it has but its own shard's share
+        # (a new shard replaces it).
+        free = h.memory_offered or h.memory_available + h.parameter_bytes
         out.append(NodeResources(h.node_id, max(free - reserve, 0), (), n.port, (n.host,)))
     return out
+
+
+def with_static_host(node: NodeResources, listed: NodeResources | None) -> NodeResources:
+    """A discovered node (or this one) that cluster.yaml lists too: the host it is listed under is one
+    more address the others may reach it at (this node's own advert has none)."""
+    if listed is None:
+        return node
+    return replace(node, addresses=tuple(dict.fromkeys([*node.addresses, *listed.addresses])))
 
 
 def choose_control_addresses(
@@ -95,10 +105,11 @@ def choose_control_addresses(
 
 
 def link_candidates(src: NodeResources, dst: NodeResources, control: dict[str, str]) -> list[HopCandidate]:
-    """Addresses `src` may reach `dst` at, best first, ending with the coordinator's own address of `dst`."""
-    candidates = hop_candidates(src.interfaces, dst) if src.interfaces else []
+    """Addresses `src` may reach `dst` at, best first (on a subnet they share, then where `dst` was seen
+    or listed), ending with the coordinator's own address of `dst`."""
+    candidates = hop_candidates(src.interfaces or None, dst)
     if control[dst.node_id] not in [c.target for c in candidates]:
-        candidates.append(HopCandidate(control[dst.node_id], dst.port, None))
+        candidates.append(HopCandidate(*split_host_port(control[dst.node_id], dst.port), None))
     return candidates
 
 
@@ -221,11 +232,12 @@ def form_cluster(
     from .placement import describe_plan, model_footprint, order_nodes, plan_layers
 
     reserve = int(cfg.placement.reserve_gib * GiB)
-    nodes = [resources_from_advert(ad, reserve) for ad in peers.values()]
-    nodes += [n for n in static_resources(cfg.nodes, secret, reserve) if n.node_id not in peers]
+    static = {n.node_id: n for n in static_resources(cfg.nodes, secret, reserve)}
+    nodes = [with_static_host(resources_from_advert(ad, reserve), static.get(ad.node_id)) for ad in peers.values()]
+    nodes += [n for n in static.values() if n.node_id not in peers]
     footprint = model_footprint(model_path, mtp=mtp)
     order = order_nodes(nodes, first=me)
-    hosts = {n.addresses[0]: n.node_id for n in nodes if n.addresses and not n.interfaces}  # static: by host too
+    hosts = {n.addresses[0]: n.node_id for n in static.values()}  # static nodes: by host too
     overrides = {hosts.get(k, k): v for k, v in cfg.placement.layers.items()}
     plan = plan_layers(footprint, order, overrides)
     log.info("placement: %s", describe_plan(plan))
