@@ -79,17 +79,38 @@ def format_host_port(host: str, port: int, scope: str | None = None) -> str:
     return f"[{ip}%{scope}]:{port}" if scope else f"[{ip}]:{port}"
 
 
+_HOST_NAME = re.compile(r"(?=.{1,253}\.?$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+def is_host(host: str) -> bool:
+    """An IP address (IPv6 scoped or not) or a host name."""
+    try:
+        ipaddress.ip_address(strip_scope(host)[0])
+    except ValueError:
+        return _HOST_NAME.fullmatch(host) is not None
+    return True
+
+
 def split_host_port(target: str, default_port: int | None = None) -> tuple[str, int]:
-    """'h:p', '[v6%scope]:p', 'v6', 'h' -> (host, port); the port defaults to `default_port`."""
+    """'h:p', '[v6%scope]:p', 'v6', 'h' -> (host, port); the port defaults to `default_port`. The host is
+    an IP address (IPv6 scoped or not) or a host name; anything else is a ValueError."""
     target = target.strip()
     if target.startswith("["):
-        host, _, rest = target[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
+        host, closed, rest = target[1:].partition("]")
+        if not closed or rest and not rest.startswith(":"):
+            raise ValueError(f"{target!r} is not [address]:port")
+        port, has_port = rest[1:], bool(rest)
+        if ":" not in host:
+            raise ValueError(f"{target!r}: only an IPv6 address goes in brackets")
     elif target.count(":") == 1:
         host, _, port = target.partition(":")
+        has_port = True
     else:
-        host, port = target, ""  # a host name, IPv4, or bare IPv6
-    if not port:
+        host, port, has_port = target, "", False  # a host name, IPv4, or bare IPv6
+    if not is_host(host):
+        raise ValueError(f"{target!r}: {host!r} is neither an IP address nor a host name")
+    if not has_port:
         if default_port is None:
             raise ValueError(f"{target!r} has no port")
         return host, default_port

@@ -104,6 +104,16 @@ def test_secrets_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_cluster_config({"api": {"api_key": "lit", "api_key_env": "LAB_KEY"}}).resolve_api_key() == "lit"
 
 
+def test_a_secret_flag_replaces_the_files_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "secret").write_text("from-file\n")
+    monkeypatch.setenv("LAB_SECRET", "from-env")
+    from_file = parse_cluster_config({"secret_file": str(tmp_path / "secret")})
+    assert overlay(from_file, {"secret_env": "LAB_SECRET"}).resolve_secret() == "from-env"
+    literal = parse_cluster_config({"secret": "literal"})
+    assert overlay(literal, {"secret_file": str(tmp_path / "secret")}).resolve_secret() == "from-file"
+    assert overlay(literal, {"secret_env": "LAB_SECRET"}).resolve_secret() == "from-env"
+
+
 KNOWN_TOP = ("name, secret, secret_file, secret_env, model, dtype, mtp_depth, draft_vocab, mtp_window, "
              "prefix_cache_gib, nodes, node, discovery, placement, api")
 
@@ -136,7 +146,10 @@ KNOWN_TOP = ("name, secret, secret_file, secret_env, model, dtype, mtp_depth, dr
         ({"api": {"port": 70000}}, r": api\.port: Input should be less than or equal to 65535 \(got 70000\)"),
         ({"nodes": [{"host": "h", "port": 65536}]}, r": nodes\[0\]\.port: Input should be less than or"),
         ({"nodes": ["h:port"]}, r": nodes\[0\]: 'h:port': 'port' is not a TCP port$"),
-        ({"nodes": [""]}, r": nodes\[0\]\.host: String should have at least 1 character"),
+        ({"nodes": [""]}, r": nodes\[0\]: '': '' is neither an IP address nor a host name"),
+        ({"nodes": ["10.0.0.2:52700:1"]}, r": nodes\[0\]: .* is neither an IP address nor a host name"),
+        ({"nodes": ["[::1]junk"]}, r": nodes\[0\]: '\[::1\]junk' is not \[address\]:port"),
+        ({"nodes": [{"host": "http://mac"}]}, r": nodes\[0\]\.host: 'http://mac' is neither an IP address nor"),
         ({"dtype": "int8"}, r": dtype: Input should be 'float32', 'float16' or 'bfloat16' \(got 'int8'\)$"),
         ({"node": {"max_memory_gib": 0}}, r": node\.max_memory_gib: Input should be greater than 0"),
         ({"mtp_depth": 9}, r": mtp_depth: Input should be less than or equal to 8 \(got 9\)$"),

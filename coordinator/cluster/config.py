@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from ...node.links import format_host_port, split_host_port
+from ...node.links import format_host_port, is_host, split_host_port
 from ...node.secrets import read_secret
 from ...node.server import DEFAULT_PORT as DEFAULT_GRPC_PORT
 from ..api.defaults import API_KEY_ENV
@@ -84,6 +84,13 @@ class StaticNode(_Section):
         # In the file a bare host means the default node port; on the command line, node.port.
         host, port = split_host_port(data, (info.context or {}).get("node_port", DEFAULT_GRPC_PORT))
         return {"host": host, "port": port}
+
+    @field_validator("host")
+    @classmethod
+    def _a_host(cls, host: str) -> str:
+        if host and not is_host(host):
+            raise ValueError(f"{host!r} is neither an IP address nor a host name")
+        return host
 
     @property
     def address(self) -> str:
@@ -263,7 +270,7 @@ def load_cluster_config(path: Path | str) -> ClusterConfig:
 def overlay(cfg: ClusterConfig, flags: Mapping[str, Any], source: str = "command line") -> ClusterConfig:
     """`cfg` with `flags` on top, validated like the file: keys are dotted paths ("api.port"), None
     means "not given". Static nodes given as "host[:port]" default to the resulting node.port, and a
-    `secret_env` given here replaces a literal `secret` from the file."""
+    `secret_env` or `secret_file` given here replaces the file's other sources of the secret."""
     data = cfg.model_dump()
     for path, value in flags.items():
         if value is None:
@@ -274,6 +281,8 @@ def overlay(cfg: ClusterConfig, flags: Mapping[str, Any], source: str = "command
             target = target.setdefault(section, {})
         target[key] = value
     if flags.get("secret_env") is not None:
+        data["secret"] = data["secret_file"] = None
+    if flags.get("secret_file") is not None:
         data["secret"] = None
     port = data.get("node", {}).get("port")
     return _validate(data, source, port if type(port) is int else DEFAULT_GRPC_PORT)
