@@ -21,6 +21,7 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from .identity import is_node_id
 from .links import Interface, LinkType
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ def _text(value: bytes | str | None) -> str:
 def decode_txt(properties: dict[bytes | str, bytes | str | None], addresses: tuple[str, ...] = ()) -> NodeAdvert:
     """The inverse of encode_txt; raises ValueError on a malformed or foreign record."""
     p = {_text(k): _text(v) for k, v in properties.items()}
+    if not is_node_id(p.get("id", "")):
+        raise ValueError(f"not a node id: {p.get('id', '')[:70]!r}")
     try:
         interfaces = []
         for i in range(64):

@@ -19,6 +19,11 @@ NODE_ID_FILE = "node_id"
 _VALID_ID = re.compile(r"^[0-9a-z][0-9a-z-]{3,62}$")
 
 
+def is_node_id(value: str) -> bool:
+    """A node id as `persistent_id` keeps them: a DNS label (adverts carry it in a service name)."""
+    return _VALID_ID.match(value) is not None
+
+
 def state_dir(path: Path | str | None = None) -> Path:
     """The state directory: `path`, else $MTPIPE_STATE_DIR, else ~/.mtpipe."""
     if path is not None:
@@ -33,7 +38,7 @@ def node_id(path: Path | str | None = None) -> str:
     file = directory / NODE_ID_FILE
     if file.exists():
         value = file.read_text().strip()
-        if not _VALID_ID.match(value):
+        if not is_node_id(value):
             raise ValueError(f"{file} holds {value!r}, not a node id; delete the file to make a new one")
         return value
     directory.mkdir(parents=True, exist_ok=True)

@@ -156,7 +156,10 @@ def test_txt_round_trip_and_limits() -> None:
     assert (back.node_id, back.mem_available, back.coordinator, back.addresses) == (ad.node_id, ad.mem_available, True, ("10.0.0.1",))
     assert cluster_hash("lab") != cluster_hash("lab2") and len(cluster_hash("lab")) == 16
     with pytest.raises(ValueError, match="malformed"):
-        decode_txt({b"id": b"x"})
+        decode_txt({b"id": b"node-x"})
+    for bad in ("", "x", "Node-A", "../a", "a" * 64, "node a"):  # not a node id: never a member, never "me"
+        with pytest.raises(ValueError, match="not a node id"):
+            decode_txt({k.encode(): v.encode() for k, v in {**txt, "id": bad}.items()})
 
 
 class _RecordingZeroconf:
