@@ -379,3 +379,12 @@ def test_health_with_static_nodes_only_and_when_it_cannot_check(tmp_path: Path, 
     assert main(["health", "--json", "--secret-file", str(tmp_path / "missing"), "127.0.0.1:1"]) == 3
     report = json.loads(capsys.readouterr().out)
     assert report["status"] == "error" and "missing" in report["error"]
+
+
+def test_health_shows_a_node_found_twice_once() -> None:
+    from mtpipe.coordinator.cluster.health import distinct_nodes
+
+    rows = [{"address": "10.0.0.1:1", "node_id": "node-a"}, {"address": "10.0.0.2:1", "node_id": "node-b"},
+            {"address": "mac-b.local:1", "node_id": "node-b"}, {"address": "10.0.0.9:1", "node_id": None},
+            {"address": "10.0.0.8:1", "node_id": None}]  # (unreachable: no id to tell them apart by)
+    assert [r["address"] for r in distinct_nodes(rows)] == ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.9:1", "10.0.0.8:1"]

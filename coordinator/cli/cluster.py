@@ -259,15 +259,18 @@ def cmd_health(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..cluster.health import EXIT_CODES, overall, probe_nodes, render_table
+    from ..cluster.health import EXIT_CODES, distinct_nodes, overall, probe_nodes, render_table
 
     cfg = resolve_config(args)
     secret = cfg.resolve_secret()
     targets = [format_host_port(*split_host_port(n, cfg.node.port)) for n in args.nodes]
     left_out: dict[str, str] = {}
-    if not targets:
+    browsed = not targets
+    if browsed:
         targets, left_out = browse_targets(cfg, args.wait, args.timeout)
     rows = probe_nodes(targets, secret, timeout=args.timeout)
+    if browsed:  # (a node listed twice on the command line is shown twice, as asked)
+        rows = distinct_nodes(rows)
     status = overall(rows)
     if left_out and status == "healthy":  # something advertises the cluster and did not prove it belongs
         status = "degraded"

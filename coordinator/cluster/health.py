@@ -142,6 +142,19 @@ def probe_nodes(targets: Sequence[str], secret: str | None, timeout: float = 3.0
         return list(pool.map(lambda t: probe_node(t, secret, timeout), targets))
 
 
+def distinct_nodes(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per node: a node found twice (discovered, and listed in cluster.yaml) keeps its first."""
+    seen: set[str] = set()
+    out = []
+    for r in rows:
+        node_id = r.get("node_id")
+        if node_id and node_id in seen:
+            continue
+        seen.add(node_id or "")
+        out.append(r)
+    return out
+
+
 def overall(rows: Sequence[dict[str, Any]]) -> str:
     if not rows or any(r["status"] == UNREACHABLE for r in rows):
         return UNREACHABLE
