@@ -170,8 +170,14 @@ class Advertiser:
         )
 
     async def start(self) -> None:
+        from zeroconf import NonUniqueNameException
+
         self.info = self._service_info()
-        await self.azc.async_register_service(self.info)
+        try:
+            await self.azc.async_register_service(self.info)
+        except NonUniqueNameException:
+            raise ValueError(f"another node on this network advertises the id {self.advert.node_id!r}: each needs "
+                             "its own (a copied state directory? delete its node_id file for a new id)") from None
         log.info("advertising %s on %s port %d", self.advert.service_name, ", ".join(self.addresses), self.advert.port)
 
     async def update(self, **changes) -> None:

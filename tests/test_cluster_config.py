@@ -325,8 +325,9 @@ def test_election() -> None:
     assert [elect_coordinator(me, peers) for me in ("a1", "b2")] == ["c3", "c3"]
 
 
-def test_static_nodes_and_reachability() -> None:
+def test_static_nodes_and_reachability(monkeypatch: pytest.MonkeyPatch) -> None:
     """Static nodes are asked for their id and memory; a hop address must answer as the right node."""
+    from mtpipe.coordinator.cluster import formation
     from mtpipe.coordinator.cluster.formation import static_resources
     from mtpipe.coordinator.cluster.health import first_reachable, probe_node
     from mtpipe.node.server import NodeServer
@@ -347,6 +348,12 @@ def test_static_nodes_and_reachability() -> None:
             static_resources([StaticNode(host="127.0.0.1", port=server.port)] * 2, "s3", reserve=0)
         with pytest.raises(ConnectionError, match="static node 127.0.0.1"):  # no TLS: never connects
             static_resources([StaticNode(host="127.0.0.1", port=server.port)], None, reserve=0, timeout=1.0)
+        # Listed, and answering with this node's id: this machine (here), else a clone of its state directory.
+        cfg = parse_cluster_config({"nodes": [f"127.0.0.1:{server.port}"], "secret": "s3"})
+        assert list(formation.static_nodes(cfg, "s3", "static-1", [])) == ["static-1"]
+        monkeypatch.setattr(formation, "is_this_machine", lambda host, local: False)
+        with pytest.raises(ValueError, match="answers with this node's id 'static-1': two machines share an id"):
+            formation.static_nodes(cfg, "s3", "static-1", [])
     finally:
         server.stop()
 
@@ -379,6 +386,15 @@ def test_health_with_static_nodes_only_and_when_it_cannot_check(tmp_path: Path, 
     assert main(["health", "--json", "--secret-file", str(tmp_path / "missing"), "127.0.0.1:1"]) == 3
     report = json.loads(capsys.readouterr().out)
     assert report["status"] == "error" and "missing" in report["error"]
+
+
+def test_this_machine_by_address_or_name() -> None:
+    from mtpipe.coordinator.cluster.formation import is_this_machine
+
+    eth = Interface("en0", LinkType.ETHERNET, ("192.168.1.20/24",))
+    assert is_this_machine("127.0.0.1", []) and is_this_machine("localhost", []) and is_this_machine("::1", [])
+    assert is_this_machine("192.168.1.20", [eth]) and not is_this_machine("192.168.1.21", [eth])
+    assert not is_this_machine("no-such-host.invalid", [eth])
 
 
 def test_health_shows_a_node_found_twice_once() -> None:

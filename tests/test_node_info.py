@@ -196,3 +196,15 @@ def test_memory_offered_is_republished_when_it_moves() -> None:
     assert [decode_txt(p).mem_available for p in azc.published] == [5 * GiB]
     assert advertiser.advert.mem_available == 5 * GiB
 
+
+
+def test_an_id_another_node_advertises_is_a_clear_error() -> None:
+    from zeroconf import NonUniqueNameException
+
+    class Taken(_RecordingZeroconf):
+        async def async_register_service(self, info) -> None:
+            raise NonUniqueNameException
+
+    ad = NodeAdvert("node-a", cluster_hash("lab"), 52700, 2**34, 2**33, "Apple M2 Max", "0.1.0")
+    with pytest.raises(ValueError, match="another node on this network advertises the id 'node-a'.*node_id file"):
+        asyncio.run(Advertiser(Taken(), ad, ["127.0.0.1"]).start())

@@ -42,6 +42,7 @@ from ..cluster.formation import (
     cluster_info_fn,
     form_cluster,
     single_node_engine,
+    static_nodes,
 )
 from ..cluster.health import EXIT_CHECK_FAILED
 from ..cluster.membership import Membership
@@ -205,7 +206,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             agent.set_coordinator()
         model_path = model_here or resolve_model(cfg.model)
         server.service.weights.add_model_dir(model_path)  # this node serves the model's tensors to the others
-        alone = len(peers) == 1 and not cfg.nodes
+        static = static_nodes(cfg, secret, me, interfaces)
+        alone = set(peers) | set(static) <= {me}  # (cluster.yaml may list this machine alone)
         # With peers, each machine's node drafts as its own command says (every machine runs the same one).
         options = stage_options(args, drafting=cfg.drafting()) if alone else {}
         if alone and cfg.prefix_cache() is not None:
@@ -219,8 +221,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             formation = None
             placed.add(me)
         else:
-            engine, formation = form_cluster(cfg, me, my_target, peers, interfaces, model_path, mtp, secret, console,
-                                             take_over=args.take_over)
+            engine, formation = form_cluster(cfg, me, my_target, peers, static, interfaces, model_path, mtp, secret,
+                                             console, take_over=args.take_over)
             placed.update(s.node_id for s in formation.plan)
         check_default_depth(cfg.mtp_depth if mtp else 0, engine.has_mtp, "--mtp-depth (cluster.yaml mtp_depth)")
         name = model_name_for(cfg.model, model_path)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...node.advertise import NodeAdvert
-from ...node.links import Interface, format_host_port, split_host_port
+from ...node.links import Interface, format_host_port, split_host_port, strip_scope
 from .config import ClusterConfig, StaticNode
 from .placement import GiB, HopCandidate, NodeResources, StagePlan, hop_candidates
 
@@ -75,6 +75,30 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int,
         free = h.memory_offered or h.memory_available + h.parameter_bytes
         out.append(NodeResources(h.node_id, max(free - reserve, 0), (), n.port, (n.host,)))
     return out
+
+
+def static_nodes(cfg: ClusterConfig, secret: str | None, me: str, local: list[Interface]) -> dict[str, NodeResources]:
+    """cluster.yaml's nodes by id. One that answers with this node's id must be this machine: another is
+    a clone of its state directory, which would make two stages of one id."""
+    out = {n.node_id: n for n in static_resources(cfg.nodes, secret, int(cfg.placement.reserve_gib * GiB))}
+    if me in out and not is_this_machine(out[me].addresses[0], local):
+        raise ValueError(f"static node {format_host_port(out[me].addresses[0], out[me].port)} answers with this "
+                         f"node's id {me!r}: two machines share an id (a copied state directory? delete the "
+                         "node_id file of one)")
+    return out
+
+
+def is_this_machine(host: str, local: list[Interface]) -> bool:
+    """`host` (an address or a name) is one of this machine's addresses."""
+    import ipaddress
+    import socket
+
+    mine = {str(n.ip) for i in local for n in i.networks()}
+    try:
+        found = {strip_scope(a[4][0])[0] for a in socket.getaddrinfo(strip_scope(host)[0], None)}
+    except OSError:
+        return False
+    return any(a in mine or ipaddress.ip_address(a).is_loopback for a in found)
 
 
 def with_static_host(node: NodeResources, listed: NodeResources | None) -> NodeResources:
@@ -225,14 +249,13 @@ def load_with_progress(
 
 
 def form_cluster(
-    cfg: ClusterConfig, me: str, my_target: str, peers: dict[str, NodeAdvert], local: list[Interface],
-    model_path: Path, mtp: bool, secret: str | None, console: Any, take_over: bool = False,
+    cfg: ClusterConfig, me: str, my_target: str, peers: dict[str, NodeAdvert], static: dict[str, NodeResources],
+    local: list[Interface], model_path: Path, mtp: bool, secret: str | None, console: Any, take_over: bool = False,
 ) -> tuple[Any, Formation]:
-    """Place the model over the discovered (and static) nodes and build the engine over them."""
+    """Place the model over the discovered and static nodes (`static_nodes`) and build the engine over them."""
     from .placement import describe_plan, model_footprint, order_nodes, plan_layers
 
     reserve = int(cfg.placement.reserve_gib * GiB)
-    static = {n.node_id: n for n in static_resources(cfg.nodes, secret, reserve)}
     nodes = [with_static_host(resources_from_advert(ad, reserve), static.get(ad.node_id)) for ad in peers.values()]
     nodes += [n for n in static.values() if n.node_id not in peers]
     footprint = model_footprint(model_path, mtp=mtp)
