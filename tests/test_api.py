@@ -183,6 +183,11 @@ def test_stop_and_seeded_sampling(engine: Engine, client: Any) -> None:
                                            top_p=0.9, seed=7, extra_body={"top_k": 50, "min_p": 0.01})
             for _ in range(2))
     assert a.choices[0].message.content == b.choices[0].message.content
+    # Any int64 seed, -1 included (some clients send it), reproduces; null flags are false (OpenAI's schema).
+    negative = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.9,
+                                               seed=-1, extra_body={"stream": None, "stream_options": None})
+                for _ in range(2)]
+    assert negative[0].choices[0].message.content == negative[1].choices[0].message.content
     # top_k -1 is "off", as clients written for vLLM send it: the same draws as no top_k at all
     off, unset = (client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.9,
                                                  seed=7, extra_body=extra) for extra in ({"top_k": -1}, {}))
@@ -190,6 +195,15 @@ def test_stop_and_seeded_sampling(engine: Engine, client: Any) -> None:
 
 
 # -- raw HTTP: the SSE wire format ----------------------------------------------------------------
+
+
+def test_null_flags_are_false(server: LiveServer) -> None:
+    body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 2, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": None}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and '"usage"' not in r.read().decode()
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": None})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion"
 
 
 def test_sse_wire_format(server: LiveServer) -> None:
@@ -377,7 +391,8 @@ BAD = [
     ("top-p-text", TEXT, {"prompt": "x", "top_p": -1}, 400, "top_p"),
     ("top-k-negative", CHAT, {"messages": M, "top_k": -2}, 400, "top_k"),
     ("min-p-above-one", CHAT, {"messages": M, "min_p": 2.0}, 400, "min_p"),
-    ("seed-negative", CHAT, {"messages": M, "seed": -1}, 400, "seed"),
+    ("seed-beyond-int64", CHAT, {"messages": M, "seed": 2**63}, 400, "seed"),
+    ("seed-below-int64", CHAT, {"messages": M, "seed": -(2**63) - 1}, 400, "seed"),
     ("n-two", CHAT, {"messages": M, "n": 2}, 400, "n"),
     ("n-two-text", TEXT, {"prompt": "x", "n": 3}, 400, "n"),
     ("mtp-depth-negative", CHAT, {"messages": M, "mtp_depth": -1}, 400, "mtp_depth"),

@@ -7,9 +7,12 @@ engine's message. Unknown fields are ignored, as OpenAI clients send many we hav
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+# A flag that may come as null (OpenAI's schema allows it): false.
+Flag = Annotated[bool, BeforeValidator(lambda value: False if value is None else value)]
 
 
 class _Body(BaseModel):
@@ -83,7 +86,7 @@ class NamedToolChoice(_Body):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: Flag = False
 
 
 class _GenerationBody(_Body):
@@ -95,7 +98,7 @@ class _GenerationBody(_Body):
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
     n: int | None = None
     mtp_depth: int | Literal["auto"] | None = None  # extension: drafts per round (0 = none); "auto" picks per round
