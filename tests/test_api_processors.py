@@ -70,7 +70,11 @@ def test_streamed_completion_logprobs(client: Any) -> None:
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2)
     lp = whole.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == whole.usage.completion_tokens
-    assert "".join(lp.tokens) == whole.choices[0].text
+    def raw(token: str) -> bytes:  # (a token with no text of its own is named by its bytes: "bytes:\\xNN")
+        return bytes(int(h, 16) for h in token[6:].split("\\x")[1:]) if token.startswith("bytes:") else token.encode()
+
+    assert b"".join(map(raw, lp.tokens)).decode(errors="replace") == whole.choices[0].text
+    assert all(o <= len(whole.choices[0].text) for o in lp.text_offset)
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     streamed = []
     for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2,
@@ -78,6 +82,25 @@ def test_streamed_completion_logprobs(client: Any) -> None:
         if chunk.choices and chunk.choices[0].logprobs:
             streamed += chunk.choices[0].logprobs.token_logprobs
     assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+def test_completion_logprobs_of_tokens_that_split_a_character() -> None:
+    """Byte tokens of one character (a byte-level BPE's): each starts where its character does, never past
+    the text, and is named by its bytes (OpenAI's "bytes:\\xNN"), so alternatives keep distinct names."""
+    from mtpipe.coordinator.api.generation import ResponseFormat
+
+    def entry(raw: bytes, logprob: float, top: list | None = None) -> dict:
+        return {"token": raw.decode(errors="replace"), "bytes": list(raw), "logprob": logprob,
+                "top_logprobs": top if top is not None else []}
+
+    fmt = ResponseFormat(chat=False, model=MODEL)
+    first = fmt.logprobs([entry(b"\xc3", -0.1, [entry(b"\xc3", -0.1), entry(b"\xc4", -2.0)]), entry(b"\xa9", -0.2)])
+    later = fmt.logprobs([entry(b" a", -0.3), entry("ü".encode(), -0.4)])  # (the next chunk of a stream)
+    text = "é aü"
+    assert first["tokens"] == ["bytes:\\xc3", "bytes:\\xa9"] and later["tokens"] == [" a", "ü"]
+    assert first["text_offset"] + later["text_offset"] == [0, 0, 1, 3]
+    assert all(o < len(text) for o in first["text_offset"] + later["text_offset"])
+    assert first["top_logprobs"][0] == {"bytes:\\xc3": -0.1, "bytes:\\xc4": -2.0}
 
 
 def test_penalties_and_bias_change_the_output_identically_at_every_depth(client: Any, engine: BatchEngine) -> None:

@@ -1,6 +1,7 @@
 """One generation on a thread of its own, and the OpenAI response and chunk objects it becomes."""
 
 import asyncio
+import codecs
 import json
 import logging
 import threading
@@ -183,6 +184,17 @@ def usage_of(stats: "GenerationStats", depth: "int | str") -> dict[str, Any]:
     }
 
 
+def token_name(entry: dict[str, Any]) -> str:
+    """A token as completions' logprobs name it: its text, or for bytes that are part of a character
+    (no text of their own) "bytes:\\xNN..." as OpenAI writes them, so that no two tokens share a name."""
+    raw = bytes(entry["bytes"])
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return entry["token"]
+
+
 class ResponseFormat:
     """OpenAI's response and chunk objects for chat (`chat.completion`) or text (`text_completion`)."""
 
@@ -193,6 +205,7 @@ class ResponseFormat:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.text_offset = 0  # completions' logprobs: where the next token starts in the text
+        self._text_chars = codecs.getincrementaldecoder("utf-8")(errors="replace")  # (a character may span tokens)
 
     def _object(self, object: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
@@ -208,11 +221,11 @@ class ResponseFormat:
         if self.chat:
             return {"content": entries}
         offsets = []
-        for e in entries:
+        for e in entries:  # where each token's bytes begin in the text, in characters
             offsets.append(self.text_offset)
-            self.text_offset += len(e["token"])
-        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            self.text_offset += len(self._text_chars.decode(bytes(e["bytes"])))
+        return {"tokens": [token_name(e) for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{token_name(t): t["logprob"] for t in e["top_logprobs"]} for e in entries],
                 "text_offset": offsets}
 
     def response(self, text: str, finish: str, usage: dict[str, Any],
