@@ -323,6 +323,11 @@ def test_election() -> None:
     assert elect_coordinator("b2", peers, forced=True) == "b2"
     peers["c3"] = _ad("c3", coordinator=True)  # started with --coordinator, or already serving
     assert [elect_coordinator(me, peers) for me in ("a1", "b2")] == ["c3", "c3"]
+    # Static nodes vote by their Ping: each machine alone on its multicast still agrees with the others.
+    alone = {"b2": _ad("b2")}
+    assert elect_coordinator("b2", alone, listed={"a1": False, "b2": False}) == "a1"
+    assert elect_coordinator("a1", {"a1": _ad("a1")}, listed={"a1": False, "b2": False}) == "a1"
+    assert elect_coordinator("a1", {"a1": _ad("a1")}, listed={"b2": True}) == "b2"
 
 
 def test_static_nodes_and_reachability(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -334,6 +339,10 @@ def test_static_nodes_and_reachability(monkeypatch: pytest.MonkeyPatch) -> None:
 
     server = NodeServer("127.0.0.1", 0, node_id="static-1", secret="s3").start()
     try:
+        listed = [StaticNode(host="127.0.0.1", port=1), StaticNode(host="127.0.0.1", port=server.port)]
+        assert formation.static_flags(listed, "s3", wait=0.2) == {"static-1": False}  # (port 1: nobody, left out)
+        server.service.coordinating = True
+        assert formation.static_flags(listed[1:], "s3", wait=0.0) == {"static-1": True}
         (res,) = static_resources([StaticNode(host="127.0.0.1", port=server.port)], "s3", reserve=2**20)
         assert (res.node_id, res.port, res.addresses, res.interfaces) == ("static-1", server.port, ("127.0.0.1",), ())
         assert res.available > 0

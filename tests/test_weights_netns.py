@@ -116,11 +116,10 @@ def single_node(root: Path):
 def launch(topology: Topology, root: Path, config: str = "cluster.yaml") -> dict:
     """`mtpipe launch` on the three hosts (b and c without the model); the coordinator's serving event,
     `mtpipe health` of the three nodes, and the API's completions, all taken before the nodes stop.
-    With discovery disabled in `config`, host 1's node is started with --coordinator."""
+    With discovery disabled in `config`, the nodes it lists elect their coordinator by asking each other."""
     for i in (2, 3):
         topology.hidden[i] = root / "model"
     cli = [sys.executable, "-m", "mtpipe", "-v", "launch", "--json", "--config", str(root / config)]
-    static = "enabled: false" in (root / config).read_text()
     procs: dict[int, Proc] = {}
     try:
         for i, node in ((1, "node-a"), (2, "node-b"), (3, "node-c")):
@@ -128,7 +127,7 @@ def launch(topology: Topology, root: Path, config: str = "cluster.yaml") -> dict
             state.mkdir(exist_ok=True)
             (state / "node_id").write_text(node + "\n")
             argv = topology.argv(i, *cli, "--interface", f"10.78.0.{i}", "--state-dir", str(state),
-                                 "--max-memory", str(MEMORY_GIB), *(["--coordinator"] if static and i == 1 else []))
+                                 "--max-memory", str(MEMORY_GIB))
             procs[i] = Proc(argv, _env(MTPIPE_SECRET=SECRET, MTPIPE_SHARD_CACHE=str(root / f"cache{i}")))
         serving = procs[1].event("serving", START_TIMEOUT * 2)
         for i in (2, 3):
@@ -197,10 +196,10 @@ def test_shards_reach_nodes_without_the_model(first: dict, root: Path, single_no
 
 
 def test_a_second_launch_transfers_nothing(first: dict, topology: Topology, root: Path, single_node) -> None:
-    """Launched again, now with the nodes listed in cluster.yaml and discovery off (static nodes: no
-    interfaces known, the coordinator's own host only as listed, each node's memory as its Health offers
-    it, a layer count fixed by host): the same placement, the ring back to the coordinator's listed host,
-    and every shard from each node's cache."""
+    """Launched again, now with the nodes listed in cluster.yaml and discovery off (static nodes: elected
+    by asking each other, no interfaces known, the coordinator's own host only as listed, each node's
+    memory as its Health offers it, a layer count fixed by host): the same placement, the ring back to
+    the coordinator's listed host, and every shard from each node's cache."""
     c_layers = first["serving"]["placement"][2]["layers"]
     config = (root / "cluster.yaml").read_text()
     for was, now in (("discovery:\n  expect: 3\n", "discovery:\n  enabled: false\n"),

@@ -42,6 +42,7 @@ from ..cluster.formation import (
     cluster_info_fn,
     form_cluster,
     single_node_engine,
+    static_flags,
     static_nodes,
 )
 from ..cluster.health import EXIT_CHECK_FAILED
@@ -187,13 +188,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         _emit(args, console, "node", f"[bold]mtpipe[/bold] node {me} on port {server.port}, cluster "
               f"[cyan]{cfg.name}[/cyan], discovery on {', '.join(bind) or 'nothing (static nodes only)'}",
               node_id=me, port=server.port, pid=os.getpid())
-        if agent is not None:
-            peers = wait_for_peers(agent, me, cfg, args.coordinator, membership.members)
-            peers[me] = advert  # its own, not an advert claiming its id
-            coordinator = elect_coordinator(me, peers, forced=args.coordinator)
-        else:  # static nodes only: the node started with --coordinator drives the others
-            peers = {me: advert}
-            coordinator = me if args.coordinator or not cfg.nodes else "the node started with --coordinator"
+        peers = wait_for_peers(agent, me, cfg, args.coordinator, membership.members) if agent is not None else {}
+        peers[me] = advert  # its own, not an advert claiming its id
+        # Static nodes vote too (by their Ping): without multicast between the machines, each would
+        # otherwise see itself alone and coordinate.
+        listed = static_flags(cfg.nodes, secret, cfg.discovery.settle) if cfg.nodes else {}
+        coordinator = elect_coordinator(me, peers, forced=args.coordinator, listed=listed)
         if coordinator != me:
             _emit(args, console, "follower", f"node {me}: {coordinator} coordinates; serving shards until stopped",
                   node_id=me, coordinator=coordinator)

@@ -136,10 +136,13 @@ class Discovery:
                     pass
 
 
-def elect_coordinator(me: str, peers: dict[str, NodeAdvert], forced: bool = False) -> str:
+def elect_coordinator(me: str, peers: dict[str, NodeAdvert], forced: bool = False,
+                      listed: dict[str, bool] | None = None) -> str:
     """The coordinator: this node if started with --coordinator; else a node that says it coordinates
-    (the lowest such id); else the lowest node id. Every node that sees the same peers agrees."""
+    (the lowest such id); else the lowest node id. Every node that sees the same peers agrees. `listed`:
+    cluster.yaml's nodes that answered, by id, each with whether it says it coordinates."""
     if forced:
         return me
-    flagged = sorted(ad.node_id for ad in peers.values() if ad.coordinator and ad.node_id != me)
-    return flagged[0] if flagged else min([me, *peers])
+    flags = {ad.node_id: ad.coordinator for ad in peers.values()} | (listed or {})
+    flagged = sorted(node_id for node_id, flag in flags.items() if flag and node_id != me)
+    return flagged[0] if flagged else min([me, *flags])

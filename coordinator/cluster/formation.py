@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
@@ -75,6 +76,32 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int,
         free = h.memory_offered or h.memory_available + h.parameter_bytes
         out.append(NodeResources(h.node_id, max(free - reserve, 0), (), n.port, (n.host,)))
     return out
+
+
+def static_flags(nodes: list[StaticNode], secret: str | None, wait: float) -> dict[str, bool]:
+    """cluster.yaml's nodes that answer within `wait` seconds (asked again until then), by id, each with
+    whether it says it coordinates: what they count for in the election (their Ping, over the cluster's TLS)."""
+    import grpc
+
+    from ...node.wire import make_channel
+    from ...proto import mtpipe_pb2 as pb
+    from ...proto import mtpipe_pb2_grpc as pb_grpc
+
+    deadline = time.monotonic() + wait
+    out: dict[str, bool] = {}
+    left = list(nodes)
+    while True:
+        for n in list(left):
+            try:
+                with make_channel(n.address, secret) as channel:
+                    reply = pb_grpc.NodeStub(channel).Ping(pb.PingRequest(), timeout=2.0)
+            except grpc.RpcError:
+                continue
+            out[reply.node_id] = reply.coordinator
+            left.remove(n)
+        if not left or time.monotonic() >= deadline:
+            return out
+        time.sleep(0.5)
 
 
 def static_nodes(cfg: ClusterConfig, secret: str | None, me: str, local: list[Interface]) -> dict[str, NodeResources]:
