@@ -97,3 +97,10 @@ def test_a_model_directory_without_a_tokenizer_or_a_readable_config_says_so(tmp_
 def test_cache_prune_refuses_a_size_that_is_not_one(size: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["cache", "prune", "--shard-cache", str(tmp_path), "--max-gib", size]) == 2
     assert "--max-gib must be a number of GiB" in capsys.readouterr().err
+
+
+def test_a_launch_that_fails_says_so_in_its_events(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    missing = tmp_path / "no-secret"
+    assert main(["launch", "--json", "--secret-file", str(missing)]) != 0
+    (event,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert event["event"] == "error" and str(missing) in event["error"]

@@ -126,6 +126,18 @@ def when_listening(host: str, port: int, callback: Callable[[], None], timeout: 
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    """With --json, a launch that fails says so on stdout too (an "error" event), for whoever waits for
+    its events; the error itself is reported as every command's is."""
+    try:
+        return _launch(args)
+    except Exception as e:
+        if args.json:
+            why = str(e) if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: {e}"
+            print(json.dumps({"event": "error", "error": why}), flush=True)
+        raise
+
+
+def _launch(args: argparse.Namespace) -> int:
     from ... import __version__
     from ...models.registry import local_model, resolve_model
     from ...node import (
