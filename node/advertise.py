@@ -14,12 +14,14 @@ what is free now, not by what was free when the node started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import ipaddress
 import logging
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .identity import is_node_id
 from .links import Interface, LinkType
@@ -156,6 +158,7 @@ class Advertiser:
         self.advert = advert
         self.addresses = [str(ipaddress.ip_address(a)) for a in addresses]
         self.info = None
+        self._announcing: Any = None  # zeroconf's task sending the last (re)announcements
 
     def _service_info(self):
         from zeroconf.asyncio import AsyncServiceInfo
@@ -173,8 +176,8 @@ class Advertiser:
         from zeroconf import NonUniqueNameException
 
         self.info = self._service_info()
-        try:
-            await self.azc.async_register_service(self.info)
+        try:  # (the announcements go out meanwhile: `stop` waits for them, or ends them)
+            self._announcing = await self.azc.async_register_service(self.info)
         except NonUniqueNameException:
             raise ValueError(f"another node on this network advertises the id {self.advert.node_id!r}: each needs "
                              "its own (a copied state directory? delete its node_id file for a new id)") from None
@@ -183,7 +186,7 @@ class Advertiser:
     async def update(self, **changes) -> None:
         self.advert = replace(self.advert, **changes)
         self.info = self._service_info()
-        await self.azc.async_update_service(self.info)
+        self._announcing = await self.azc.async_update_service(self.info)
 
     async def keep_memory_current(self, offered: Callable[[], int], interval: float = MEMORY_REFRESH_S) -> None:
         """Every `interval`, republish `mem_available` if what `offered()` says has moved (until cancelled)."""
@@ -202,6 +205,10 @@ class Advertiser:
 
     async def stop(self) -> None:
         """Unregister, waiting until the goodbye is sent so peers see this node leave at once."""
+        if self._announcing is not None and not self._announcing.done():
+            self._announcing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._announcing
         if self.info is not None:
             await (await self.azc.async_unregister_service(self.info))
             self.info = None
