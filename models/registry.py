@@ -30,7 +30,7 @@ def local_model(model: str | Path | None) -> Path | None:
         return DEMO_MODEL if (DEMO_MODEL / "config.json").exists() else None
     path = Path(model).expanduser()
     if path.exists():
-        return path
+        return path if (path / "config.json").is_file() else None  # (an empty mount point holds no model)
     if "/" in str(model) and not str(model).startswith((".", "/")):
         try:
             from huggingface_hub import snapshot_download

@@ -57,6 +57,7 @@ class NodeAdvert:
     version: str
     interfaces: tuple[Interface, ...] = ()
     coordinator: bool = False
+    has_model: bool = True  # the model is on this machine: it can coordinate without fetching it first
     # Filled in by discovery from the A/AAAA records: where the advertisement came from.
     addresses: tuple[str, ...] = field(default=(), compare=False)
 
@@ -87,6 +88,7 @@ def encode_txt(ad: NodeAdvert) -> dict[str, str]:
         "v": ad.version,
         "port": str(ad.port),
         "co": "1" if ad.coordinator else "0",
+        "mo": "1" if ad.has_model else "0",
     }
     n = 0
     for iface in ad.interfaces:
@@ -130,6 +132,7 @@ def decode_txt(properties: dict[bytes | str, bytes | str | None], addresses: tup
             version=p.get("v", ""),
             interfaces=tuple(interfaces),
             coordinator=p.get("co") == "1",
+            has_model=p.get("mo", "1") == "1",
             addresses=addresses,
         )
     except (KeyError, ValueError) as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pydantic
@@ -328,6 +329,11 @@ def test_election() -> None:
     assert elect_coordinator("b2", alone, listed={"a1": False, "b2": False}) == "a1"
     assert elect_coordinator("a1", {"a1": _ad("a1")}, listed={"a1": False, "b2": False}) == "a1"
     assert elect_coordinator("a1", {"a1": _ad("a1")}, listed={"b2": True}) == "b2"
+    # The model on some machines only: one of them coordinates (and serves the others their shards).
+    without = {"a1": replace(_ad("a1"), has_model=False), "b2": _ad("b2"), "c3": _ad("c3")}
+    assert [elect_coordinator(me, without) for me in without] == ["b2"] * 3
+    nobody = {n: replace(ad, has_model=False) for n, ad in without.items()}  # (each fetches it from the hub)
+    assert [elect_coordinator(me, nobody) for me in nobody] == ["a1"] * 3
 
 
 def test_static_nodes_and_reachability(monkeypatch: pytest.MonkeyPatch) -> None:

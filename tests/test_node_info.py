@@ -6,6 +6,7 @@ import asyncio
 import multiprocessing
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -155,6 +156,7 @@ def test_txt_round_trip_and_limits() -> None:
     assert 3 <= len(back.interfaces[1].addresses) < len(many)
     assert (back.node_id, back.mem_available, back.coordinator, back.addresses) == (ad.node_id, ad.mem_available, True, ("10.0.0.1",))
     assert cluster_hash("lab") != cluster_hash("lab2") and len(cluster_hash("lab")) == 16
+    assert back.has_model and not decode_txt(encode_txt(replace(ad, has_model=False))).has_model
     with pytest.raises(ValueError, match="malformed"):
         decode_txt({b"id": b"node-x"})
     for bad in ("", "x", "Node-A", "../a", "a" * 64, "node a"):  # not a node id: never a member, never "me"

@@ -180,7 +180,8 @@ def _launch(args: argparse.Namespace) -> int:
     server.service.memory_offered = memory_offered
     my_target = _self_target(cfg.node.host, server.port)
     advert = NodeAdvert(me, cluster_hash(cfg.name), server.port, mem.total, offered, sysinfo.chip(), __version__,
-                        advertised_interfaces(interfaces, bind), coordinator=args.coordinator)
+                        advertised_interfaces(interfaces, bind), coordinator=args.coordinator,
+                        has_model=model_here is not None)
     placed: set[str] = set()
 
     def on_change(kind: str, ad: NodeAdvert) -> None:

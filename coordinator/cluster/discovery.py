@@ -139,10 +139,15 @@ class Discovery:
 def elect_coordinator(me: str, peers: dict[str, NodeAdvert], forced: bool = False,
                       listed: dict[str, bool] | None = None) -> str:
     """The coordinator: this node if started with --coordinator; else a node that says it coordinates
-    (the lowest such id); else the lowest node id. Every node that sees the same peers agrees. `listed`:
-    cluster.yaml's nodes that answered, by id, each with whether it says it coordinates."""
+    (the lowest such id); else the lowest id of a node that has the model (it serves the others their
+    shards), else the lowest id. Every node that sees the same peers agrees. `listed`: cluster.yaml's
+    nodes that answered, by id, each with whether it says it coordinates."""
     if forced:
         return me
     flags = {ad.node_id: ad.coordinator for ad in peers.values()} | (listed or {})
     flagged = sorted(node_id for node_id, flag in flags.items() if flag and node_id != me)
-    return flagged[0] if flagged else min([me, *flags])
+    if flagged:
+        return flagged[0]
+    ids = {me, *flags}
+    with_model = [node_id for node_id in ids if node_id not in peers or peers[node_id].has_model]
+    return min(with_model or ids)
