@@ -161,6 +161,18 @@ def test_membership_tries_a_failed_proof_again_later() -> None:
         assert members.members({"late": ad}) == {"late": ad} and probes == []
         new = NodeAdvert("new", "h", port + 1, 1, 1, "cpu", "v", addresses=("127.0.0.1",))
         assert members.report({"late": ad, "new": new}) == (["late"], {"new": "not checked"})
+        # GET /v1/cluster asks a node that joined since to prove it belongs before it reports on it.
+        from types import SimpleNamespace
+
+        from mtpipe.coordinator.cluster.config import parse_cluster_config
+        from mtpipe.coordinator.cluster.formation import cluster_info_fn
+
+        engine = SimpleNamespace(has_mtp=True, batching="batch", max_context=8,
+                                 pipeline=SimpleNamespace(describe=lambda: {"stages": [{"layers": [0, 4]}]}))
+        agent = SimpleNamespace(peers=lambda: {"late": ad, "new": new}, discovery=SimpleNamespace(ignored=set()))
+        info = cluster_info_fn(parse_cluster_config({}), "me", f"127.0.0.1:{port}", engine, "m", None, agent, "s3",
+                               members)()
+        assert (info["discovered"], info["left_out"]) == (["late"], {"new": "did not prove it belongs"})
     finally:
         logging.getLogger(mod.__name__).removeHandler(handler)
         if server is not None:

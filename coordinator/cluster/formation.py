@@ -341,6 +341,8 @@ def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, mo
 
     def info() -> dict:
         peers = agent.peers() if agent else {}
+        if membership:
+            membership.members(peers)  # (a node that joined since: asked to prove it belongs, once)
         discovered, left_out = membership.report(peers) if membership else (sorted(peers), {})
         return {
             "mode": "cluster" if formation else "local",
