@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mlx_lm.models.qwen3_5 import TextModelArgs
+if TYPE_CHECKING:  # (imported when a config is parsed: reading the end tokens needs no model code)
+    from mlx_lm.models.qwen3_5 import TextModelArgs
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
 
@@ -63,11 +64,11 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         raise ValueError(
             f"unsupported model_type {model_type!r}; mtpipe serves {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    from mlx_lm.models.qwen3_5 import TextModelArgs
+
     text = _text_config(raw)
     text.setdefault("model_type", model_type)
     args = TextModelArgs.from_dict(text)
-    eos = raw.get("eos_token_id", text.get("eos_token_id"))
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     quant = raw.get("quantization") or raw.get("quantization_config")
     if quant is not None and "bits" not in quant:
         raise ValueError("only mlx quantization (a 'quantization' entry with bits and group_size) is supported")
@@ -77,8 +78,14 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         args=args,
         mtp_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
         quantization=quant,
-        eos_token_ids=eos_ids,
+        eos_token_ids=eos_token_ids(raw),
     )
+
+
+def eos_token_ids(raw: dict[str, Any]) -> list[int]:
+    """The end tokens a config names (at its top, else in its text config)."""
+    eos = raw.get("eos_token_id", (raw.get("text_config") or {}).get("eos_token_id"))
+    return [eos] if isinstance(eos, int) else list(eos or [])
 
 
 def load_config(model_path: Path) -> ModelConfig:

@@ -71,3 +71,10 @@ def hub_origin(path: Path | str) -> tuple[str, str] | None:
         return None
     owner, name = folder.removeprefix("models--").split("--", 1)
     return f"{owner}/{name}", parts[-1]
+
+
+def model_name_for(model: str | None, path: Path) -> str:
+    """What clients call the model: a hub id as given, else the directory name."""
+    if model and not Path(model).expanduser().exists():
+        return model
+    return path.name

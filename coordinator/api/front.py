@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ...models.deferred import defer_package_init
@@ -45,6 +46,14 @@ class FrontSpec:
     max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES
     access_log: bool = True
     log_level: int = logging.INFO
+
+
+def front_spec(model_path: Path, host: str, port: int, api_key: str | None, model_name: str, *,
+               default_mtp_depth: int | None, max_concurrency: int, max_body_bytes: int | None) -> FrontSpec:
+    """What `serve` runs an API process with: `mtpipe serve` spawns one with it before the model loads."""
+    return FrontSpec(str(model_path), host=host, port=port, model_name=model_name, api_key=api_key,
+                     default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
+                     max_body_bytes=max_body_bytes, log_level=logging.getLogger().getEffectiveLevel())
 
 
 def prepare_process() -> None:
@@ -75,12 +84,15 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
 
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    tokenizer = _early_tokenizer(spec.model_path)  # (while the engine loads)
     try:
         (op, info), = conn.recv()
     except (EOFError, OSError):
         return
     assert op == "hello", op
-    client = EngineClient(conn, info, load_tokenizer(spec.model_path, info["eos"]))
+    if tokenizer is None or set(tokenizer.eos_token_ids) != set(info["eos"]):  # the engine's word decides
+        tokenizer = load_tokenizer(spec.model_path, info["eos"])
+    client = EngineClient(conn, info, tokenizer)
     app = create_app(client, spec.model_name, api_key=spec.api_key,
                      cluster_info=client.cluster_info if info["cluster"] else None,
                      default_mtp_depth=spec.default_mtp_depth, max_concurrency=spec.max_concurrency,
@@ -108,6 +120,21 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
         server.run()
     finally:
         client.close()
+
+
+def _early_tokenizer(model_path: str) -> Any:
+    """The tokenizer with the end tokens its config names, as the engine loads it; None if that fails
+    (then it is loaded once the engine says hello, and fails there if it must)."""
+    import json
+
+    from ...models.config import eos_token_ids
+    from ..engine.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(model_path, eos_token_ids(json.loads((Path(model_path) / "config.json").read_text())))
+    except Exception as e:  # noqa: BLE001 - any failure here is met again, and reported, after the hello
+        log.debug("tokenizer not loaded ahead of the engine: %s", e)
+        return None
 
 
 def _exit_cleanly(signum: int, frame: Any) -> None:

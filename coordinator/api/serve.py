@@ -14,7 +14,7 @@ from .readiness import NodeWatch, timestamp
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
-    from .front import FrontProcess, FrontSpec
+    from .front import FrontProcess
 
 log = logging.getLogger(__name__)
 
@@ -43,25 +43,8 @@ def nodes_cluster_info(engine: "Engine", model_name: str, timeout: float = 2.0) 
     return info
 
 
-def model_name_for(model: Optional[str], path: Path) -> str:
-    """What clients call the model: a hub id as given, else the directory name."""
-    if model and not Path(model).expanduser().exists():
-        return model
-    return path.name
-
-
 def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def front_spec(model_path: Path, host: str, port: int, api_key: Optional[str], model_name: str, *,
-               default_mtp_depth: Optional[int], max_concurrency: int, max_body_bytes: Optional[int]) -> "FrontSpec":
-    """What `serve` runs an API process with: `mtpipe serve` spawns one with it before the model loads."""
-    from .front import FrontSpec
-
-    return FrontSpec(str(model_path), host=host, port=port, model_name=model_name, api_key=api_key,
-                     default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
-                     max_body_bytes=max_body_bytes, log_level=logging.getLogger().getEffectiveLevel())
 
 
 def serve(
@@ -89,7 +72,7 @@ def serve(
     if not api_key and not _is_loopback(host):
         log.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
     if api_process and model_path is not None and hasattr(engine, "open"):
-        from .front import FrontProcess
+        from .front import FrontProcess, front_spec
 
         spec = front_spec(model_path, host, port, api_key, model_name, default_mtp_depth=default_mtp_depth,
                           max_concurrency=max_concurrency, max_body_bytes=max_body_bytes)

@@ -139,14 +139,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from ... import __version__
-    from ...models.registry import local_model, resolve_model
+    from ...models.registry import local_model, model_name_for, resolve_model
     from ...node import (
         stage,  # noqa: F401  (MLX and mlx-lm now, not on the first shard load)
         sysinfo,
     )
     from ...node.identity import node_id as persistent_id
     from ...node.server import NodeServer
-    from ..api.serve import model_name_for, serve
+    from ..api.serve import serve
 
     console = stderr_console()
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # unwinds through the cleanup below: peers see this node leave

@@ -57,11 +57,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ...models.registry import resolve_model
-    from ..api.front import FrontProcess
-    from ..api.serve import front_spec, model_name_for, nodes_cluster_info, serve
-    from ..engine.batch import DEFAULT_MAX_ROWS
-    from ..engine.build import batch_engine
+    from ...models.registry import model_name_for, resolve_model
+    from ..api.front import FrontProcess, front_spec  # (light: the rest comes in once the front is spawned)
 
     if args.weights_from and not args.nodes:
         raise ValueError("--weights-from applies with --nodes")
@@ -88,6 +85,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         front = FrontProcess(None, front_spec(path, args.host, args.port, api_key, name, **settings)).spawn()
     engine = None
     try:
+        from ..api.serve import nodes_cluster_info, serve
+        from ..engine.batch import DEFAULT_MAX_ROWS
+        from ..engine.build import batch_engine
+
         if args.nodes:
             from ..engine.build import ring_engine
 
