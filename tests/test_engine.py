@@ -118,25 +118,29 @@ def test_stage_rejects_malformed_requests_without_state_change(dense_ckpt: Path)
     worker.step(StepRequest("a", 2, StepKind.DECODE, out.tokens[-1:] + out.drafts, commit=out.commit), ok)
 
 
-def test_cli_generate_json(dense_ckpt: Path) -> None:
-    cmd = [sys.executable, "-m", "mtpipe", "generate", "--model", str(dense_ckpt),
-           "--prompt", PROMPT, "--max-tokens", "12", "--mtp-depth", "2", "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+def test_cli_generate_json(dense_ckpt: Path, capsys: pytest.CaptureFixture) -> None:
+    """(In this process: the command as a process is run by the tests of `serve`, `launch` and the one below.)"""
+    from mtpipe.coordinator.cli.main import main
+
+    code = main(["generate", "--model", str(dense_ckpt), "--prompt", PROMPT, "--max-tokens", "12", "--mtp-depth", "2",
+                 "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    result = json.loads(out.out.strip().splitlines()[-1])
     assert len(result["tokens"]) == 12 and result["finish_reason"] == "length" and result["mtp_depth"] == 2
     assert result["stats"]["drafted"] == 2 * result["stats"]["rounds"]
 
 
-def test_cli_missing_mtp_error(tiny_root: Path) -> None:
+def test_cli_missing_mtp_error(tiny_root: Path, capsys: pytest.CaptureFixture) -> None:
+    from mtpipe.coordinator.cli.main import main
     from mtpipe.models.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(layout="no_mtp", root=tiny_root)
-    base = [sys.executable, "-m", "mtpipe", "generate", "--model", str(path), "--prompt", "x",
-            "--max-tokens", "3"]
-    out = subprocess.run(base, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "--no-mtp" in out.stderr and "MTP" in out.stderr
-    assert subprocess.run(base + ["--no-mtp"], capture_output=True, text=True, timeout=120).returncode == 0
+    base = ["generate", "--model", str(path), "--prompt", "x", "--max-tokens", "3"]
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "--no-mtp" in err and "MTP" in err
+    assert main(base + ["--no-mtp"]) == 0
 
 
 def test_the_command_and_its_node_children_never_load_torch() -> None:
