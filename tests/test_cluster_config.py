@@ -363,6 +363,9 @@ def test_static_nodes_and_reachability(monkeypatch: pytest.MonkeyPatch) -> None:
             static_resources([StaticNode(host="127.0.0.1", port=server.port)] * 2, "s3", reserve=0)
         with pytest.raises(ConnectionError, match="static node 127.0.0.1"):  # no TLS: never connects
             static_resources([StaticNode(host="127.0.0.1", port=server.port)], None, reserve=0, timeout=1.0)
+        # A launch goes on without a listed node that does not answer (as without one it did not discover).
+        both = parse_cluster_config({"nodes": ["127.0.0.1:1", f"127.0.0.1:{server.port}"], "secret": "s3"})
+        assert list(formation.static_nodes(both, "s3", "static-1", [], timeout=1.0)) == ["static-1"]
         # Listed, and answering with this node's id: this machine (here), else a clone of its state directory.
         cfg = parse_cluster_config({"nodes": [f"127.0.0.1:{server.port}"], "secret": "s3"})
         assert list(formation.static_nodes(cfg, "s3", "static-1", [])) == ["static-1"]

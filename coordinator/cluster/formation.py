@@ -51,8 +51,10 @@ def resources_from_advert(ad: NodeAdvert, reserve: int) -> NodeResources:
 
 
 def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int,
-                     timeout: float = 10.0) -> list[NodeResources]:
-    """Nodes named in cluster.yaml (no multicast): ask each one's Health for its id and memory."""
+                     timeout: float = 10.0, skip_unreachable: bool = False) -> list[NodeResources]:
+    """Nodes named in cluster.yaml (no multicast): ask each one's Health for its id and memory. One that
+    does not answer is an error, or with `skip_unreachable` left out (as discovery goes on without a
+    node it did not see)."""
     import grpc
 
     from ...node.wire import describe_rpc_error, make_channel
@@ -66,7 +68,10 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int,
             with make_channel(n.address, secret) as channel:
                 h = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=timeout, wait_for_ready=True)
         except grpc.RpcError as e:
-            raise ConnectionError(f"static node {n.address}: {describe_rpc_error(e)}") from None
+            if not skip_unreachable:
+                raise ConnectionError(f"static node {n.address}: {describe_rpc_error(e)}") from None
+            log.warning("static node %s does not answer (%s): going on without it", n.address, describe_rpc_error(e))
+            continue
         if h.node_id in seen:  # two names of one machine would make two stages of one shard
             raise ValueError(f"static nodes {seen[h.node_id]} and {n.address} are the same node ({h.node_id}): "
                              "list each machine once")
@@ -104,10 +109,12 @@ def static_flags(nodes: list[StaticNode], secret: str | None, wait: float) -> di
         time.sleep(0.5)
 
 
-def static_nodes(cfg: ClusterConfig, secret: str | None, me: str, local: list[Interface]) -> dict[str, NodeResources]:
-    """cluster.yaml's nodes by id. One that answers with this node's id must be this machine: another is
-    a clone of its state directory, which would make two stages of one id."""
-    out = {n.node_id: n for n in static_resources(cfg.nodes, secret, int(cfg.placement.reserve_gib * GiB))}
+def static_nodes(cfg: ClusterConfig, secret: str | None, me: str, local: list[Interface],
+                 timeout: float = 10.0) -> dict[str, NodeResources]:
+    """cluster.yaml's nodes that answer, by id. One that answers with this node's id must be this machine:
+    another is a clone of its state directory, which would make two stages of one id."""
+    reserve = int(cfg.placement.reserve_gib * GiB)
+    out = {n.node_id: n for n in static_resources(cfg.nodes, secret, reserve, timeout, skip_unreachable=True)}
     if me in out and not is_this_machine(out[me].addresses[0], local):
         raise ValueError(f"static node {format_host_port(out[me].addresses[0], out[me].port)} answers with this "
                          f"node's id {me!r}: two machines share an id (a copied state directory? delete the "
