@@ -122,6 +122,8 @@ class FrameListener:
                 return
             if hello != HELLO:
                 raise DataPlaneError("not a data-plane hello")
+            if self.ssl is not None:
+                hold_plaintext(reader, writer)
             writer.write(b"OK")
             await writer.drain()
             if self.ssl is not None:  # the peer sends nothing more until it has read OK
@@ -143,6 +145,15 @@ class FrameListener:
             writer.close()
             if task is not None:
                 self._tasks.discard(task)
+
+
+def hold_plaintext(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Before TLS starts on a stream: read nothing more until it has, and refuse bytes that came after the
+    hello. The stream's reader keeps what it holds across start_tls, so plaintext someone on the path
+    appended would be read as if it had come through TLS."""
+    writer.transport.pause_reading()  # (start_tls resumes reading, into TLS)
+    if getattr(reader, "_buffer", b""):  # (asyncio's own buffer: no public way to ask what it holds)
+        raise DataPlaneError("bytes after the hello, before TLS")
 
 
 class TcpFrameLink:
@@ -168,6 +179,11 @@ class TcpFrameLink:
             writer.close()
             raise DataPlaneError(f"{host}:{port} is not an mtpipe data plane")
         if secret:
+            try:
+                hold_plaintext(reader, writer)
+            except DataPlaneError:
+                writer.close()
+                raise
             await writer.start_tls(ssl_context(secret, server=False), server_hostname=NAME,
                                    ssl_handshake_timeout=timeout)
         return cls(reader, writer)

@@ -210,3 +210,55 @@ def _wait(cond, timeout: float = 5.0) -> bool:
             return True
         threading.Event().wait(0.02)
     return cond()
+
+
+def test_plaintext_slipped_in_before_tls_is_refused_on_both_sides() -> None:
+    """Someone on the path without the secret appends a plaintext frame to a node's hello (or bytes to
+    the listener's OK): the stream is refused before TLS, and nothing it carried reaches the node."""
+    from mtpipe.node.dataplane import DataPlaneError, _encode
+
+    async def run() -> list[str]:
+        got: list[str] = []
+
+        async def on_frame(frame: pb.Frame) -> None:
+            got.append(frame.seq_id)
+
+        listener = FrameListener(on_frame, SECRET, 64 << 20)
+        port = await listener.start("127.0.0.1")
+        injected = _encode(pb.Frame(client_id="rogue", seq_id="injected", step=1))
+
+        async def relay(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                w.close()
+
+        async def on_path(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+            sr, sw = await asyncio.open_connection("127.0.0.1", port)
+            sw.write(await cr.readexactly(len(HELLO)) + injected)
+            await asyncio.gather(relay(cr, sw), relay(sr, cw))
+
+        async def answers_ok_and_more(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await r.readexactly(len(HELLO))
+            w.write(b"OK" + injected)
+            await w.drain()
+            await asyncio.sleep(1)
+            w.close()
+
+        for fake in (on_path, answers_ok_and_more):
+            server = await asyncio.start_server(fake, "127.0.0.1", 0)
+            with pytest.raises(DataPlaneError):
+                await TcpFrameLink.connect("127.0.0.1", server.sockets[0].getsockname()[1], SECRET, timeout=3)
+            server.close()
+        link = await TcpFrameLink.connect("127.0.0.1", port, SECRET)  # (the listener serves on)
+        await link.write(pb.Frame(client_id="node-a", seq_id="real", step=1))
+        await asyncio.sleep(0.3)
+        await link.close()
+        await listener.close()
+        return got
+
+    assert asyncio.run(run()) == ["real"]
