@@ -3,8 +3,8 @@
 An advert is public: anyone on the LAN can send one with the cluster's hash, any node id, a huge
 memory offer and the coordinator flag. A discovered node counts (waiting for peers, the election,
 the placement) only after it answered, under the id it advertises, a Ping over a link that, with a
-secret, is mutual TLS keyed by it; its coordinator flag is the one that Ping reports, not the
-advert's. Adverts are probed in parallel as they arrive; a proof is kept for as long as the advert
+secret, is mutual TLS keyed by it; its coordinator flag and the memory it offers are the ones that
+Ping reports, not the advert's. Adverts are probed in parallel as they arrive; a proof is kept for as long as the advert
 stays the same, a failure is logged once and tried again a little later (a node may advertise a
 moment before it answers).
 """
@@ -45,6 +45,7 @@ class Membership:
         self.me, self.local, self.secret = me, local, secret
         self.timeout, self.retry_s, self.clock = timeout, retry_s, clock
         self._proven: dict[Key, Reached] = {}  # -> how it answered
+        self._offered: dict[Key, int] = {}  # -> the memory it offers, as its Health says
         self._failed: dict[Key, float] = {}  # -> when it last failed
 
     def _key(self, ad: NodeAdvert) -> Key:
@@ -56,8 +57,23 @@ class Membership:
         return key not in self._proven and (failed is None or now - failed >= self.retry_s)
 
     def _prove(self, key: Key) -> Reached | None:
+        import grpc
+
+        from ...node.wire import make_channel
+        from ...proto import mtpipe_pb2 as pb
+        from ...proto import mtpipe_pb2_grpc as pb_grpc
+
         node_id, targets, _ = key
-        return first_reachable(list(targets), self.secret, node_id, timeout=self.timeout)
+        reached = first_reachable(list(targets), self.secret, node_id, timeout=self.timeout)
+        if reached is not None:
+            try:
+                with make_channel(reached.target, self.secret) as channel:
+                    health = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=self.timeout)
+            except grpc.RpcError:
+                return None  # (answered a Ping, then not: tried again later)
+            # (as a launched node offers it, else all it has but its own shard: a new one replaces it)
+            self._offered[key] = health.memory_offered or health.memory_available + health.parameter_bytes
+        return reached
 
     def address(self, ad: NodeAdvert) -> str | None:
         """Where a proven node answered (None if it has not proved it belongs)."""
@@ -82,8 +98,13 @@ class Membership:
                                 "left out", node_id, ", ".join(peers[node_id].addresses) or "?",
                                 ", ".join(key[1]) or "no address")
                 self._failed[key] = self.clock()
-        return {node_id: ad if node_id == self.me else replace(ad, coordinator=self._proven[keys[node_id]].coordinator)
+        return {node_id: ad if node_id == self.me else self._as_proven(ad, keys[node_id])
                 for node_id, ad in peers.items() if node_id == self.me or keys[node_id] in self._proven}
+
+    def _as_proven(self, ad: NodeAdvert, key: Key) -> NodeAdvert:
+        """The advert with what the node said over the authenticated link: its coordinator flag, and the
+        memory it offers (a forged copy of its advert may claim any)."""
+        return replace(ad, coordinator=self._proven[key].coordinator, mem_available=self._offered[key])
 
     def report(self, peers: dict[str, NodeAdvert]) -> tuple[list[str], dict[str, str]]:
         """Without probing: the ids of the peers that proved they belong, and why each other is left out."""
