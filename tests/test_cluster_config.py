@@ -162,7 +162,7 @@ KNOWN_TOP = ("name, secret, secret_file, secret_env, model, dtype, mtp_depth, dr
         ({"placement": {"reserve_gib": -1}}, r": placement\.reserve_gib: Input should be greater than or"),
         ({"placement": {"layers": {"a": 0}}}, r": placement\.layers\.a: Input should be greater than or equal"),
         ({"secret": "x", "secret_env": "OTHER"}, r": give either secret or secret_env, not both$"),
-        ({"secret": 83}, r": secret: YAML reads this secret as the number 83, .*: quote it$"),  # (0123)
+        ({"secret": 83}, r": secret: YAML reads this secret as a number, .*: quote it$"),  # (0123; never echoed)
         ({"discovery": {"settle": float("inf")}}, r": discovery\.settle: Input should be a finite number"),
         ({"node": {"max_memory_gib": float("nan")}}, r": node\.max_memory_gib: Input should be a finite number"),
     ],
@@ -422,3 +422,17 @@ def test_health_shows_a_node_found_twice_once() -> None:
             {"address": "mac-b.local:1", "node_id": "node-b"}, {"address": "10.0.0.9:1", "node_id": None},
             {"address": "10.0.0.8:1", "node_id": None}]  # (unreachable: no id to tell them apart by)
     assert [r["address"] for r in distinct_nodes(rows)] == ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.9:1", "10.0.0.8:1"]
+
+
+def test_a_config_holding_a_secret_that_others_can_read_is_warned_of(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "cluster.yaml"
+    for text, warned in (("secret: 's3cret-value'\n", True), ("api: {api_key: 'k3y-value'}\n", True),
+                         ("secret_env: LAB_SECRET\n", False)):
+        path.write_text(text)
+        for mode, readable in ((0o644, True), (0o600, False)):
+            path.chmod(mode)
+            caplog.clear()
+            load_cluster_config(path)
+            assert ("can be read by other users" in caplog.text) == (warned and readable), (text, mode)
+            assert "s3cret-value" not in caplog.text and "k3y-value" not in caplog.text

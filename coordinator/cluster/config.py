@@ -8,7 +8,9 @@ file through `overlay`, which validates the result the same way.
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +34,8 @@ from ..api.defaults import API_KEY_ENV
 from ..api.defaults import DEFAULT_HOST as DEFAULT_API_HOST
 from ..api.defaults import DEFAULT_PORT as DEFAULT_API_PORT
 
+log = logging.getLogger(__name__)
+
 DEFAULT_SECRET_ENV = "MTPIPE_SECRET"
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -48,7 +52,7 @@ def _number_to_str(value: Any) -> Any:
 def _secret_text(value: Any) -> Any:
     """A secret YAML reads as a number may not be what was written (`0123` is 83): it must be quoted."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        raise ValueError(f"YAML reads this secret as the number {value!r}, maybe not what was written: quote it")
+        raise ValueError("YAML reads this secret as a number, maybe not what was written: quote it")
     return value
 
 
@@ -264,7 +268,10 @@ def load_cluster_config(path: Path | str) -> ClusterConfig:
         raise ClusterConfigError(f"{path}{where}: not valid YAML: {e.problem or e.context}") from None
     except yaml.YAMLError as e:
         raise ClusterConfigError(f"{path}: not valid YAML: {e}") from None
-    return _validate(data, str(path))
+    cfg = _validate(data, str(path))
+    if (cfg.secret or cfg.api.api_key) and os.name == "posix" and path.stat().st_mode & (stat.S_IRGRP | stat.S_IROTH):
+        log.warning("%s holds a secret and can be read by other users (chmod 600 it)", path)
+    return cfg
 
 
 def overlay(cfg: ClusterConfig, flags: Mapping[str, Any], source: str = "command line") -> ClusterConfig:
