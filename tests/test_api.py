@@ -202,7 +202,8 @@ def test_null_flags_are_false(server: LiveServer) -> None:
             "stream_options": {"include_usage": None}}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and '"usage"' not in r.read().decode()
-    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": None})
+    r = httpx.post(server.url + "/v1/completions",
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": None})
     assert r.status_code == 200 and r.json()["object"] == "text_completion"
 
 

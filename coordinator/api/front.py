@@ -148,7 +148,7 @@ class FrontProcess:
     """The API front, spawned and linked to an engine; `start()` returns its base URL once it serves.
 
     Spawned before there is an engine (`spawn`, then `attach` once it is loaded), it imports the app
-    while the engine loads: it waits for the engine's hello before it loads the tokenizer and serves.
+    and loads the tokenizer while the engine loads, and serves once the engine says hello.
     """
 
     def __init__(self, engine: Any | None, spec: FrontSpec, cluster_info: Callable[[], dict] | None = None):

@@ -3,10 +3,10 @@
 An advert is public: anyone on the LAN can send one with the cluster's hash, any node id, a huge
 memory offer and the coordinator flag. A discovered node counts (waiting for peers, the election,
 the placement) only after it answered, under the id it advertises, a Ping over a link that, with a
-secret, is mutual TLS keyed by it; its coordinator flag and the memory it offers are the ones that
-Ping reports, not the advert's. Adverts are probed in parallel as they arrive; a proof is kept for as long as the advert
-stays the same, a failure is logged once and tried again a little later (a node may advertise a
-moment before it answers).
+secret, is mutual TLS keyed by it; its coordinator flag is the one that Ping reports and the memory
+it offers the one its Health reports over that link, not the advert's. Adverts are probed in
+parallel as they arrive; a proof is kept for as long as the advert stays the same, a failure is
+logged once and tried again a little later (a node may advertise a moment before it answers).
 """
 
 from __future__ import annotations

@@ -143,8 +143,8 @@ def wait_for_nodes(nodes: list[str], timeout: float = 30.0, secret: str | None =
                 raise NodeFailure(address, f"not ready within {timeout:.0f} s ({describe_rpc_error(e)})") from None
 
 
-def load_requests(model_path: Path | str, specs: list[ShardSpec], mtp: bool, dtype: str | None,
-                  addresses: list[str], sources: list[list[str]], client_id: str, take_over: bool) -> list[pb.LoadRequest]:
+def load_requests(model_path: Path | str, specs: list[ShardSpec], mtp: bool, dtype: str | None, addresses: list[str],
+                  sources: list[list[str]], client_id: str, take_over: bool) -> list[pb.LoadRequest]:
     """Each node's Load: the model by identity (its fingerprint; each node checks its own copy against it,
     or fetches its shard's tensors from `sources`, by name, hash, dtype and shape); the path is a hint."""
     from ...models.fingerprint import checkpoint_index, config_sha256, model_fingerprint, raw_hf_layout
