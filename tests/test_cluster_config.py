@@ -436,3 +436,37 @@ def test_a_config_holding_a_secret_that_others_can_read_is_warned_of(tmp_path: P
             load_cluster_config(path)
             assert ("can be read by other users" in caplog.text) == (warned and readable), (text, mode)
             assert "s3cret-value" not in caplog.text and "k3y-value" not in caplog.text
+
+
+def test_expected_nodes_count_the_listed_ones_that_answer() -> None:
+    """Without multicast between the machines, discovery sees this node alone: cluster.yaml's nodes that
+    answer count toward `expect`, so the launch does not wait out `settle` for them."""
+    import asyncio
+    import time
+
+    from mtpipe.coordinator.cluster.agent import wait_for_peers
+
+    class Agent:  # discovery that sees nothing but this node
+        def __init__(self) -> None:
+            self.discovery = self
+            self.waits = 0
+
+        def peers(self) -> dict[str, NodeAdvert]:
+            return {"a1": _ad("a1")}
+
+        def wait_for(self, changed, timeout: float):
+            self.waits += 1
+            return asyncio.sleep(min(timeout, 0.01))
+
+        def run(self, coro):
+            return asyncio.run(coro)
+
+    cfg = parse_cluster_config({"discovery": {"expect": 2, "settle": 30}})
+    agent = Agent()
+    start = time.monotonic()
+    assert list(wait_for_peers(agent, "a1", cfg, False, lambda peers: peers, lambda: {"b2"})) == ["a1"]
+    assert time.monotonic() - start < 5 and agent.waits == 0
+    answered: set[str] = set()
+    agent.wait_for = lambda changed, timeout: (answered.add("b2"), asyncio.sleep(0.01))[1]  # (answers later)
+    assert list(wait_for_peers(agent, "a1", cfg, False, lambda peers: peers, lambda: answered)) == ["a1"]
+    assert time.monotonic() - start < 5

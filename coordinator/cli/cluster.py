@@ -201,7 +201,14 @@ def _launch(args: argparse.Namespace) -> int:
         _emit(args, console, "node", f"[bold]mtpipe[/bold] node {me} on port {server.port}, cluster "
               f"[cyan]{cfg.name}[/cyan], discovery on {', '.join(bind) or 'nothing (static nodes only)'}",
               node_id=me, port=server.port, pid=os.getpid())
-        peers = wait_for_peers(agent, me, cfg, args.coordinator, membership.members) if agent is not None else {}
+        answered: set[str] = set()  # cluster.yaml's nodes that answered: `expect` counts them too
+
+        def listed() -> set[str]:
+            if len(answered) < len(cfg.nodes):
+                answered.update(static_flags(cfg.nodes, secret, 0.0))
+            return answered
+
+        peers = wait_for_peers(agent, me, cfg, args.coordinator, membership.members, listed) if agent else {}
         peers[me] = advert  # its own, not an advert claiming its id
         # Static nodes vote too (by their Ping): without multicast between the machines, each would
         # otherwise see itself alone and coordinate.

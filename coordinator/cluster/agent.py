@@ -135,30 +135,33 @@ def offered_memory(available: int, max_memory_gib: float | None) -> int:
 
 
 def wait_for_peers(agent: ClusterAgent, me: str, cfg: ClusterConfig, forced: bool,
-                   members: Callable[[dict[str, NodeAdvert]], dict[str, NodeAdvert]]) -> dict[str, NodeAdvert]:
+                   members: Callable[[dict[str, NodeAdvert]], dict[str, NodeAdvert]],
+                   listed: Callable[[], set[str]] = set) -> dict[str, NodeAdvert]:
     """The nodes that proved they belong (`members`, membership.py), this one included. With `expect`:
     wait for that many (or, unless coordinating, for a coordinator among them), at most `settle`
-    seconds. Without: wait until nothing joined or left for `settle` seconds. Adverts alone count
-    for nothing, so a rogue one can neither end the wait early nor win the election."""
+    seconds; cluster.yaml's nodes that answer (`listed`: their ids) count too. Without: wait until
+    nothing joined or left for `settle` seconds. Adverts alone count for nothing, so a rogue one can
+    neither end the wait early nor win the election."""
     expect, settle = cfg.discovery.expect, cfg.discovery.settle
     d = agent.discovery
     if expect is None:
         agent.run(d.settle(settle, settle * 6))
         return members(agent.peers())
 
-    def enough(peers: dict[str, NodeAdvert]) -> bool:
-        return len(peers) >= expect or (not forced and any(a.coordinator and a.node_id != me for a in peers.values()))
+    def enough(peers: dict[str, NodeAdvert], found: int) -> bool:
+        return found >= expect or (not forced and any(a.coordinator and a.node_id != me for a in peers.values()))
 
     deadline = time.monotonic() + settle
     while True:
         peers = agent.peers()
         proven = members(peers)
+        found = len(set(proven) | listed() | {me})
         remaining = deadline - time.monotonic()
-        if enough(proven) or remaining <= 0:
+        if enough(proven, found) or remaining <= 0:
             break
         seen = len(peers)
         # Until the adverts change, or a little while: a proof that failed is tried again.
         agent.run(d.wait_for(lambda peers, seen=seen: len(peers) != seen, min(remaining, PROOF_POLL_S)))
-    if len(proven) < expect:
-        log.warning("found %d of %d expected node(s) after %.0f s; going on with them", len(proven), expect, settle)
+    if found < expect:
+        log.warning("found %d of %d expected node(s) after %.0f s; going on with them", found, expect, settle)
     return proven
