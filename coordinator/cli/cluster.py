@@ -203,17 +203,18 @@ def _launch(args: argparse.Namespace) -> int:
               node_id=me, port=server.port, pid=os.getpid())
         answered: set[str] = set()  # cluster.yaml's nodes that answered: `expect` counts them too
 
-        def listed() -> set[str]:
+        def answering() -> set[str]:
             if len(answered) < len(cfg.nodes):
                 answered.update(static_flags(cfg.nodes, secret, 0.0))
             return answered
 
-        peers = wait_for_peers(agent, me, cfg, args.coordinator, membership.members, listed) if agent else {}
+        peers = wait_for_peers(agent, me, cfg, args.coordinator, membership.members, answering) \
+            if agent is not None else {}
         peers[me] = advert  # its own, not an advert claiming its id
         # Static nodes vote too (by their Ping): without multicast between the machines, each would
         # otherwise see itself alone and coordinate.
-        listed = static_flags(cfg.nodes, secret, cfg.discovery.settle) if cfg.nodes else {}
-        coordinator = elect_coordinator(me, peers, forced=args.coordinator, listed=listed)
+        votes = static_flags(cfg.nodes, secret, cfg.discovery.settle) if cfg.nodes else {}
+        coordinator = elect_coordinator(me, peers, forced=args.coordinator, listed=votes)
         if coordinator != me:
             _emit(args, console, "follower", f"node {me}: {coordinator} coordinates; serving shards until stopped",
                   node_id=me, coordinator=coordinator)
