@@ -30,3 +30,23 @@ def test_the_chat_bench_over_nodes_reuses_each_last_prompt_there(dense_ckpt: Pat
     for before, r in zip(rows, rows[1:]):
         assert r["cached_tokens"] == {"whole": 0, "cached": before["prompt_tokens"] - 1}
     assert set(result["ratios"]) == {"cached_vs_whole_ttft"}
+
+
+def test_mlx_lms_side_goes_on_from_exactly_what_its_cache_holds(dense_ckpt: Path) -> None:
+    """mlx-lm feeds each token as it hands it out: the next turn goes on from all of them, and its
+    reply is the reply of a fresh cache over the whole prompt."""
+    from mlx_lm import load
+
+    from mtpipe.coordinator.bench.chat import MlxLmChat
+
+    model, tokenizer = load(str(dense_ckpt))
+    chat = MlxLmChat(model, tokenizer)
+    first = tokenizer.encode("def fibonacci(n):")
+    chat.turn(first, 6)
+    assert {c.offset for c in chat.cache if hasattr(c, "offset")} == {len(chat.held)}
+    assert chat.held[: len(first)] == first and len(chat.held) > len(first)
+    following = chat.held + tokenizer.encode(" and then")
+    _, reused = chat.turn(following, 6)
+    fresh = MlxLmChat(model, tokenizer)
+    fresh.turn(following, 6)
+    assert reused == len(following) - len(tokenizer.encode(" and then")) and chat.held == fresh.held

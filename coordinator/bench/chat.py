@@ -76,7 +76,15 @@ class MlxLmChat:
             first = first or time.perf_counter() - start
             generated.append(response.token)
         mx.synchronize()
-        self.held = prompt + generated[:-1]  # (the last token was made, not fed)
+        # What its cache holds: mlx-lm feeds each token as it hands it out (the last one too), and maybe
+        # an end token it did not hand out; a cache that holds tokens not known here is not reused.
+        offsets = {c.offset for c in self.cache if hasattr(c, "offset")}
+        fed = prompt + generated
+        held = offsets.pop() if len(offsets) == 1 else -1
+        if held in (len(fed), len(fed) - 1):
+            self.held = fed[:held]
+        else:
+            self.cache, self.held = None, []
         return first or 0.0, reused
 
 

@@ -131,8 +131,8 @@ def api_run(clients: Any, url: str, prompts: list[list[int]], max_tokens: int, m
 
 def mlx_lm_run(engine: BatchEngine, ref: tuple[Any, Any], prompts: list[list[int]], max_tokens: int,
                temperature: float = 0.0) -> Decode:
-    """mlx-lm's batch_generate on the engine's MLX thread (idle between runs): its generated tokens
-    over its generation time (its `generation_tps`); sampled at `temperature` when above 0."""
+    """mlx-lm's batch_generate on the engine's MLX thread (idle between runs), sampled at `temperature`
+    when above 0: the tokens it returns (its `generation_tokens` counts end tokens too) over its time."""
     from mlx_lm.generate import batch_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -140,10 +140,10 @@ def mlx_lm_run(engine: BatchEngine, ref: tuple[Any, Any], prompts: list[list[int
 
     def run() -> Any:  # (the sampler is made on the MLX thread too)
         extra = {"sampler": make_sampler(temp=temperature)} if temperature > 0 else {}
-        return batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, **extra)
+        return batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True, **extra)
 
-    stats = engine.thread.call(run).stats
-    return Decode(stats.generation_tokens, stats.generation_time)
+    out = engine.thread.call(run)
+    return Decode(sum(len(t) for t in out.token_ids), out.stats.generation_time)
 
 
 def percentile(values: list[float], q: float) -> float:
