@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import statistics
 import subprocess
@@ -108,7 +109,8 @@ def run_mlx_ring(model_path: Path, prompts: list[list[int]], max_tokens: int, ra
                "--model", str(model_path), "--prompts", str(prompts_file), "--max-tokens", str(max_tokens)]
         log.info("running %s", " ".join(cmd))
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RING_TIMEOUT_S)
+            env = {**os.environ, blas.ENV_WORKERS: str(ranks)}  # (its ranks share the cores, as the nodes do)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RING_TIMEOUT_S, env=env)
         except subprocess.TimeoutExpired:
             return {"error": f"mlx.launch did not finish within {RING_TIMEOUT_S} s"}
     for line in proc.stdout.splitlines():
@@ -169,14 +171,16 @@ def bench_pipeline(
     drafted = {m: 0 for m in methods}
     accepted = {m: 0 for m in methods}
     wire: dict[str, dict[str, Any] | None] = {m: None for m in methods if not m.startswith("single")}
-    with spawn_nodes(5, model_path) as addresses, spawn_nodes(2, model_path, data_plane="grpc") as grpc_addresses:
+    # (each topology its own group of processes: a node's BLAS threads are the cores over its group's size)
+    with spawn_nodes(2, model_path) as pair, spawn_nodes(3, model_path) as triple, \
+            spawn_nodes(2, model_path, data_plane="grpc") as grpc_addresses:
         engines: dict[str, Engine] = {"single": single}
         try:
-            engines["pipe2"] = remote_engine(model_path, addresses[:2], mtp=True)
-            engines["pipe3"] = remote_engine(model_path, addresses[2:], mtp=True)
-            engines[COORDINATOR_ROUNDS] = remote_engine(model_path, addresses[:2], mtp=True, ring=False)
+            engines["pipe2"] = remote_engine(model_path, pair, mtp=True)
+            engines["pipe3"] = remote_engine(model_path, triple, mtp=True)
+            engines[COORDINATOR_ROUNDS] = remote_engine(model_path, pair, mtp=True, ring=False)
             engines[GRPC_HOPS] = remote_engine(model_path, grpc_addresses, mtp=True)
-            engines[PREFILL_ONE_CHUNK] = remote_engine(model_path, addresses[:2], mtp=True, steps_in_flight=1)
+            engines[PREFILL_ONE_CHUNK] = remote_engine(model_path, pair, mtp=True, steps_in_flight=1)
             for topology, k in runs:  # warm up every path once
                 _time_engine(engines[topology], encoded[0], 8, k)
             for prompt in encoded:
