@@ -219,9 +219,12 @@ def test_plaintext_slipped_in_before_tls_is_refused_on_both_sides() -> None:
 
     async def run() -> list[str]:
         got: list[str] = []
+        real = asyncio.Event()
 
         async def on_frame(frame: pb.Frame) -> None:
             got.append(frame.seq_id)
+            if frame.seq_id == "real":
+                real.set()
 
         listener = FrameListener(on_frame, SECRET, 64 << 20)
         port = await listener.start("127.0.0.1")
@@ -256,7 +259,7 @@ def test_plaintext_slipped_in_before_tls_is_refused_on_both_sides() -> None:
             server.close()
         link = await TcpFrameLink.connect("127.0.0.1", port, SECRET)  # (the listener serves on)
         await link.write(pb.Frame(client_id="node-a", seq_id="real", step=1))
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(real.wait(), 10)
         await link.close()
         await listener.close()
         return got
