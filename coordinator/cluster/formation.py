@@ -88,9 +88,7 @@ def static_flags(nodes: list[StaticNode], secret: str | None, wait: float) -> di
     whether it says it coordinates: what they count for in the election (their Ping, over the cluster's TLS)."""
     import grpc
 
-    from ...node.wire import make_channel
-    from ...proto import mtpipe_pb2 as pb
-    from ...proto import mtpipe_pb2_grpc as pb_grpc
+    from .health import ping
 
     deadline = time.monotonic() + wait
     out: dict[str, bool] = {}
@@ -98,11 +96,10 @@ def static_flags(nodes: list[StaticNode], secret: str | None, wait: float) -> di
     while True:
         for n in list(left):
             try:
-                with make_channel(n.address, secret) as channel:
-                    reply = pb_grpc.NodeStub(channel).Ping(pb.PingRequest(), timeout=2.0)
+                reached = ping(n.address, secret, timeout=2.0)
             except grpc.RpcError:
                 continue
-            out[reply.node_id] = reply.coordinator
+            out[reached.node_id] = reached.coordinator
             left.remove(n)
         if not left or time.monotonic() >= deadline:
             return out
