@@ -16,6 +16,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -51,6 +52,7 @@ class MLXThread:
         self._worker: Callable[[], bool] | None = None
         self._closed = False
         self._closing = threading.Lock()
+        self._unit_since: float | None = None  # when the unit of work now running began
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         _LIVE.add(self)
@@ -70,6 +72,12 @@ class MLXThread:
         """Whether the thread still runs (GET /health: a dead MLX thread serves nothing)."""
         return self._thread.is_alive() and not self._closed
 
+    def busy_for(self) -> float:
+        """How long the unit of work now running has run, 0 when idle: a stuck round shows here while
+        the thread itself still looks alive."""
+        since = self._unit_since
+        return 0.0 if since is None else time.monotonic() - since
+
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         future: Future[T] = Future()
         with self._closing:  # (queued before the stop, so run, or refused: never left behind it)
@@ -79,11 +87,12 @@ class MLXThread:
             self._tasks.put((future, fn, args, kwargs))
         return future
 
-    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run `fn` on the MLX thread and wait for its result (directly when already on it)."""
+    def call(self, fn: Callable[..., T], *args: Any, timeout: float | None = None, **kwargs: Any) -> T:
+        """Run `fn` on the MLX thread and wait for its result (directly when already on it); TimeoutError
+        after `timeout` seconds, if given (`fn` may still run later)."""
         if self.owns():
             return fn(*args, **kwargs)
-        return self.submit(fn, *args, **kwargs).result()
+        return self.submit(fn, *args, **kwargs).result(timeout)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`call` for an event loop: the loop keeps serving while the MLX thread works."""
@@ -124,17 +133,21 @@ class MLXThread:
                 if item is _STOP:
                     break
                 if item is not None:
+                    self._unit_since = time.monotonic()
                     self._execute(*item)
+                    self._unit_since = None
                     continue  # hand-offs first, then the next unit of background work
                 worker = self._worker
                 if worker is None:
                     busy = False
                     continue
+                self._unit_since = time.monotonic()
                 try:
                     busy = worker()
                 except Exception:  # the worker reports its own failures to its requests
                     log.exception("the MLX thread's worker failed")
                     busy = False
+                self._unit_since = None
         while not self._tasks.empty():  # late hand-offs fail rather than hang
             item = self._tasks.get()
             if item not in (None, _STOP):

@@ -621,8 +621,9 @@ def test_serve_command(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert seen["model_name"] == dense_ckpt.name and seen["default_mtp_depth"] == 1
     assert seen["engine"].has_mtp
     assert seen["model_path"] == dense_ckpt and seen["api_process"]  # the API in a process of its own
-    assert cli.main(["serve", "--model", str(dense_ckpt), "--api-in-process"]) == 0
-    assert not seen["api_process"]
+    assert seen["stall_timeout"] == 120.0
+    assert cli.main(["serve", "--model", str(dense_ckpt), "--api-in-process", "--stall-timeout", "0"]) == 0
+    assert not seen["api_process"] and seen["stall_timeout"] is None
 
 
 # -- the same over a 2-node gRPC pipeline ------------------------------------------------------------

@@ -181,6 +181,40 @@ def test_a_front_that_dies_leaves_nothing_in_the_engine(engine: BatchEngine, den
     assert not front.alive
 
 
+def test_a_stuck_engine_fails_its_requests_and_stops_the_front(engine: BatchEngine, dense_ckpt: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """The engine's MLX thread held in one unit of work past the stall timeout: the open stream ends
+    with an error saying so, the front stops, and `serve()` ends in 1; once the thread is free again,
+    the engine holds nothing of the request."""
+    spec = FrontSpec(str(dense_ckpt), model_name=MODEL, api_key=KEY, access_log=False, stall_timeout=1.0)
+    front = FrontProcess(engine, spec)
+    code: list[int] = []
+    server = threading.Thread(target=lambda: code.append(front.serve()), daemon=True)
+    server.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not front.url:
+            assert time.monotonic() < deadline and server.is_alive()
+            time.sleep(0.05)
+        body = {"model": MODEL, "prompt": list(engine.tokenizer.encode(PROMPTS[3])), "max_tokens": 2000,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", front.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            stuck = engine.thread.submit(time.sleep, 3.0)  # a round that does not end
+            rest = [line for line in lines if line.startswith("data: ")]
+        errors = [json.loads(line[6:])["error"] for line in rest if '"error"' in line]
+        assert errors and "the engine is stuck" in errors[0]["message"], rest[-3:]
+        assert not stuck.done()  # the stream ended while the thread was still held
+        server.join(15)
+        assert code == [1] and "the API process ended by itself (exit code 1)" in caplog.text
+        stuck.result(10)
+        wait_idle(engine, front)
+    finally:
+        front.stop()
+    assert not front.alive
+
+
 def test_over_ring_nodes_with_their_health(dense_ckpt: Path) -> None:
     from helpers import node_servers
 
@@ -407,6 +441,55 @@ def test_either_end_going_away() -> None:
         client.open(GenerationRequest([1], 8), Collect())
     ready, details = client.check_ready(1.0)
     assert not ready and details["unready"][0]["reason"] == "the engine's process is gone"
+
+
+class Stuck:
+    """An MLX thread that reports being in one unit of work for as long as the test says."""
+
+    def __init__(self) -> None:
+        self.busy = 0.0
+
+    def busy_for(self) -> float:
+        return self.busy
+
+
+def test_a_stuck_engine_is_given_up_on() -> None:
+    """`EngineClient.watch`: open requests fail, naming why, and the front is told to stop, once the
+    engine's MLX thread has been in one round for the stall timeout, or its process has not answered."""
+    engine = ScriptedEngine()
+    engine.thread = Stuck()  # type: ignore[attr-defined]
+    host, client = _linked(engine)
+    lost = threading.Event()
+    client.on_lost = lost.set
+    try:
+        got = Collect()
+        client.open(GenerationRequest([1], 8), got)
+        client.watch(0.4)
+        assert engine.opened.wait(5) and not lost.wait(1.0)  # a thread between rounds is not stuck
+        engine.thread.busy = 0.3  # type: ignore[attr-defined]
+        assert not lost.wait(0.5)  # nor one in a round shorter than the timeout
+        engine.thread.busy = 5.0  # type: ignore[attr-defined]
+        assert got.ended.wait(5) and lost.is_set()
+        assert isinstance(got.items[0], StageUnavailable)
+        assert "its MLX thread has been in one round for 5 s" in str(got.items[0])
+    finally:
+        client.close()
+        host.close()
+    assert host.closed.wait(5) and set(engine.cancelled) == {0}  # and the engine cancels what it opened
+
+    a, b = multiprocessing.Pipe()  # an engine's process that never answers
+    client = EngineClient(b, {"has_mtp": True, "max_context": 64, "vocab_size": 100, "eos": [0]}, tokenizer=None)
+    lost.clear()
+    client.on_lost = lost.set
+    try:
+        got = Collect()
+        client.open(GenerationRequest([1], 8), got)
+        client.watch(0.4)
+        assert got.ended.wait(5) and lost.is_set()
+        assert "its process has not answered for" in str(got.items[0])
+    finally:
+        client.close()
+        a.close()
 
 
 class Unpicklable(str):

@@ -24,6 +24,7 @@ from mtpipe.models.config import load_config
     (["node", "--port", "-1"], r"--port: expected a TCP port"),
     (["generate", "--nodes", "127.0.0.1:99999"], r"--nodes: '127.0.0.1:99999': '99999' is not a TCP port"),
     (["generate", "--nodes", "10.0.0.1:5,10.0.0.2:5,10.0.0.1:5"], r"--nodes: 10.0.0.1:5 is listed twice"),
+    (["serve", "--stall-timeout", "-1"], r"--stall-timeout: expected a number of seconds \(0: never\), got '-1'"),
     (["serve", "--nodes", " , "], r"--nodes: expected comma-separated host:port of nodes"),
     (["serve", "--nodes", "h:1", "--weights-from", "h"], r"--weights-from: 'h' has no port"),
     (["generate", "--max-tokens", "0"], r"--max-tokens: expected a positive integer"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -195,6 +196,29 @@ def test_mlx_thread_exceptions_propagate(mlx_thread: MLXThread) -> None:
     with pytest.raises(KeyError):
         asyncio.run(mlx_thread.run(fail))
     assert mlx_thread.call(lambda: 1) == 1  # the thread survives its callers' failures
+
+
+def test_mlx_thread_says_how_long_its_unit_of_work_has_run(mlx_thread: MLXThread) -> None:
+    """`busy_for`, what the API's stall watch reads: 0 between units, growing inside one, for hand-offs and
+    for the worker's rounds; and a call that would wait on a stuck thread gives up after its timeout."""
+    assert mlx_thread.busy_for() == 0.0
+    release = threading.Event()
+    held = mlx_thread.submit(release.wait, 10)
+    with pytest.raises(TimeoutError):
+        mlx_thread.call(lambda: 1, timeout=0.3)
+    assert mlx_thread.busy_for() >= 0.3
+    release.set()
+    assert held.result(10) and mlx_thread.call(lambda: 1) == 1
+    assert mlx_thread.busy_for() < 0.1  # (the unit that answered may not have closed yet)
+    rounds = threading.Event()
+    mlx_thread.set_worker(lambda: rounds.wait(10) and False)  # one round, held until the test lets it end
+    deadline = time.monotonic() + 5
+    while mlx_thread.busy_for() < 0.2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    rounds.set()
+    mlx_thread.set_worker(None)
+    assert mlx_thread.call(lambda: 1) == 1 and mlx_thread.busy_for() < 0.1
 
 
 def test_mlx_thread_does_the_mlx_work(mlx_thread: MLXThread) -> None:

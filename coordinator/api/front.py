@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ...models.deferred import defer_package_init
-from .defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
+from .defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME, STALL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +46,17 @@ class FrontSpec:
     max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES
     access_log: bool = True
     log_level: int = logging.INFO
+    stall_timeout: float | None = STALL_TIMEOUT_S  # an engine stuck this long fails its requests (None: never)
 
 
 def front_spec(model_path: Path, host: str, port: int, api_key: str | None, model_name: str, *,
-               default_mtp_depth: int | None, max_concurrency: int, max_body_bytes: int | None) -> FrontSpec:
+               default_mtp_depth: int | None, max_concurrency: int, max_body_bytes: int | None,
+               stall_timeout: float | None = STALL_TIMEOUT_S) -> FrontSpec:
     """What `serve` runs an API process with: `mtpipe serve` spawns one with it before the model loads."""
     return FrontSpec(str(model_path), host=host, port=port, model_name=model_name, api_key=api_key,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
-                     max_body_bytes=max_body_bytes, log_level=logging.getLogger().getEffectiveLevel())
+                     max_body_bytes=max_body_bytes, log_level=logging.getLogger().getEffectiveLevel(),
+                     stall_timeout=stall_timeout)
 
 
 def prepare_process() -> None:
@@ -107,6 +110,8 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
     client.on_lost = stop
     if client.lost is not None:  # the engine's process went away before `on_lost` was set
         return
+    if spec.stall_timeout:
+        client.watch(spec.stall_timeout)
 
     def announce() -> None:
         while not server.started and not server.should_exit:
@@ -120,6 +125,9 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
         server.run()
     finally:
         client.close()
+    if client.lost is not None:
+        log.error("the API stops: %s", client.lost)
+        sys.exit(1)
 
 
 def _early_tokenizer(model_path: str) -> Any:

@@ -16,7 +16,10 @@ Each side sends from a thread of its own (`Outbox`, pipe.py): the engine's sinks
 thread, and the front's event loop only append to it, so neither ever blocks on the pipe, and a
 round's chunks for every row go as one message. A front that goes away cancels every request it opened
 (their caches are freed on every stage); an engine that goes away fails every open request with
-StageUnavailable.
+StageUnavailable. So does an engine that is stuck (`EngineClient.watch`): one whose MLX thread has
+been in one round, or whose process has not answered, for the stall timeout. The front then stops,
+and `mtpipe serve` exits 1 for its supervisor to start it again, as vLLM's server does when its engine
+core is dead.
 """
 
 from __future__ import annotations
@@ -110,6 +113,9 @@ class EngineHost:
                 handle = self._handles.get(msg[1])
             if handle is not None:
                 handle.cancel()
+        elif op == "call" and msg[2] == "progress":  # (answered here: never behind a slow call)
+            assert self._outbox is not None
+            self._outbox.put(("reply", msg[1], True, self._busy_for()))
         elif op == "call":
             (self._ready_calls if msg[2] == "ready" else self._calls).submit(self._answer, msg[1], msg[2])
         elif op == "listening":
@@ -169,6 +175,12 @@ class EngineHost:
     def _ready(self) -> tuple[bool, dict[str, Any]]:
         return self._readiness.check()
 
+    def _busy_for(self) -> float:
+        """How long the engine's MLX thread has been in its current unit of work (0 for an engine
+        without one: the ring engine watches its nodes' rounds itself)."""
+        thread = getattr(self.engine, "thread", None)
+        return float(thread.busy_for()) if thread is not None else 0.0
+
     @staticmethod
     def _unsendable(msg: tuple[Any, ...], e: Exception) -> list[tuple[Any, ...]]:
         """What the front gets instead of a message that does not pickle: the request's error, the
@@ -209,6 +221,7 @@ class EngineClient:
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._closing = threading.Event()
         self._outbox = Outbox(conn, "api-link-out", self._unsendable)
         self._reader = threading.Thread(target=self._read, name="api-link-in", daemon=True)
         self._reader.start()
@@ -260,11 +273,32 @@ class EngineClient:
     def cluster_info(self) -> dict[str, Any]:
         return self.call("cluster")
 
+    def watch(self, stall_after: float) -> None:
+        """Fail every open request and stop (as if the engine's process were gone) once the engine has
+        been stuck for `stall_after` seconds: its MLX thread in one round, or its process silent."""
+        threading.Thread(target=self._watch, args=(stall_after,), name="api-link-watch", daemon=True).start()
+
+    def _watch(self, stall_after: float) -> None:
+        period = min(5.0, max(stall_after / 4, 0.05))
+        answered = time.monotonic()
+        while not self._closing.wait(period) and self.lost is None:
+            try:
+                busy = float(self.call("progress", period))
+                answered = time.monotonic()
+            except Exception:  # noqa: BLE001 - no answer in time: counted below
+                busy = 0.0
+            silent = time.monotonic() - answered
+            if busy > stall_after:
+                self._lose(f"the engine is stuck: its MLX thread has been in one round for {busy:.0f} s")
+            elif silent > stall_after:
+                self._lose(f"the engine is stuck: its process has not answered for {silent:.0f} s")
+
     def announce(self, host: str, port: int) -> None:
         self._outbox.put(("listening", host, port))
 
     def close(self) -> None:
         """Send what is queued (a last cancel), then end the link."""
+        self._closing.set()
         self._outbox.close(timeout=2.0)
         hang_up(self.conn)
         if threading.current_thread() is not self._reader:  # (not from a sink or `on_lost`)
@@ -324,6 +358,8 @@ class EngineClient:
 
     def _lose(self, why: str) -> None:
         with self._lock:
+            if self.lost is not None:  # (the watch and the reader may both find it)
+                return
             self.lost = why
             sinks, self._sinks = list(self._sinks.values()), {}
             calls, self._calls = list(self._calls.values()), {}

@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from .app import create_app
-from .defaults import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME, DEFAULT_PORT
+from .defaults import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_MODEL_NAME,
+    DEFAULT_PORT,
+    STALL_TIMEOUT_S,
+)
 from .readiness import NodeWatch, timestamp
 
 if TYPE_CHECKING:
@@ -61,6 +68,7 @@ def serve(
     model_path: Optional[Path] = None,
     api_process: bool = True,
     front: Optional["FrontProcess"] = None,
+    stall_timeout: Optional[float] = STALL_TIMEOUT_S,
 ) -> int:
     """Run the API with uvicorn until interrupted (Ctrl-C or SIGTERM: 0) or until the API process ends
     by itself (1, logged). Logging goes through the root logger.
@@ -68,6 +76,8 @@ def serve(
     With `api_process` (and `model_path`, whose tokenizer it loads), an engine that batches is served by
     an API in a process of its own (front.py); otherwise, and for the per-sequence engine, in this one.
     `front`: that process, spawned early with these settings (`front_spec`); stopped if not used.
+    `stall_timeout`: that process fails every open request and stops once the engine has been stuck this
+    long (link.py); None: never.
     """
     if not api_key and not _is_loopback(host):
         log.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
@@ -75,7 +85,7 @@ def serve(
         from .front import FrontProcess, front_spec
 
         spec = front_spec(model_path, host, port, api_key, model_name, default_mtp_depth=default_mtp_depth,
-                          max_concurrency=max_concurrency, max_body_bytes=max_body_bytes)
+                          max_concurrency=max_concurrency, max_body_bytes=max_body_bytes, stall_timeout=stall_timeout)
         if front is not None and front.spec != spec:
             log.warning("the API process spawned early has other settings: starting another")
             front.stop()

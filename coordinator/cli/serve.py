@@ -7,9 +7,16 @@ import math
 import signal
 
 from ...node.secrets import add_secret_args, add_secret_file, read_secret
-from ..api.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_PORT
+from ..api.defaults import (
+    API_KEY_ENV,
+    DEFAULT_HOST,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_PORT,
+    STALL_TIMEOUT_S,
+)
 from ..engine.ring import RESUME_WINDOW_S
-from ...node.cli import port_arg
+from ...node.cli import number_arg, port_arg
 from ...node.links import format_host_port
 from .common import (
     add_mtp,
@@ -21,6 +28,9 @@ from .common import (
     stage_options,
     stderr_console,
 )
+
+
+seconds_or_never = number_arg(float, "a number of seconds (0: never)", lambda s: s >= 0 and math.isfinite(s))
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +59,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                         f"again, then goes on where it stopped (default {RESUME_WINDOW_S:g} s; 0: fail at once)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"refuse larger request bodies with 413 (default {DEFAULT_MAX_BODY_BYTES}; 0: no limit)")
+    p.add_argument("--stall-timeout", type=seconds_or_never, default=STALL_TIMEOUT_S, metavar="S",
+                   help="once the engine has been stuck this long (one round, or its process silent), every open "
+                        f"request fails with 503 and the command exits 1, for a supervisor to restart it (default "
+                        f"{STALL_TIMEOUT_S:g} s; 0: never; not with --api-in-process)")
     p.add_argument("--api-in-process", action="store_true",
                    help="serve HTTP from the engine's process (default: an API process of its own, so that parsing "
                         "and streaming never hold up the engine's rounds)")
@@ -79,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     depth = 0 if args.no_mtp else args.mtp_depth
     name = args.model_name or model_name_for(args.model, path)
     settings = dict(default_mtp_depth=depth, max_concurrency=args.max_concurrency,
-                    max_body_bytes=args.max_body_bytes or None)
+                    max_body_bytes=args.max_body_bytes or None, stall_timeout=args.stall_timeout or None)
     front = None
     if not args.api_in_process:  # its process imports the app while the model loads
         front = FrontProcess(None, front_spec(path, args.host, args.port, api_key, name, **settings)).spawn()

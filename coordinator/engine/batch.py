@@ -46,6 +46,7 @@ DEFAULT_MAX_ROWS = 16
 DEFAULT_QUEUE_TIMEOUT_S = 60.0
 DEFAULT_PREFILL_CHUNK = 512
 PREFIX_CACHE_SHARE = 4  # kept prompt prefixes may take up to 1/4 of the memory budget by default
+END_TIMEOUT_S = 30.0  # close(): how long the MLX thread may take to end what it holds (longer: it is stuck)
 
 
 @dataclass
@@ -161,7 +162,9 @@ class BatchEngine:
             self._closed = True
         if self.thread.alive:
             try:
-                self.thread.call(self._end_all)
+                self.thread.call(self._end_all, timeout=END_TIMEOUT_S)
+            except TimeoutError:  # a stuck round: what it holds ends with the process
+                log.error("the MLX thread did not end its requests within %.0f s: it is stuck", END_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - closing goes on
                 log.exception("ending the open requests failed")
         self.thread.set_worker(None)
