@@ -208,14 +208,17 @@ def bench_engine(
         _time_engine(whole, encoded[0], 8, depth)
     _time_engine(engine, encoded[0], 8, AUTO, PROCESSORS)
     speeds["mtp_auto_processors"] = []
-    for prompt in encoded:
-        toks, tps = time_mlx_lm(ref_model, ref_tok, prompt, max_tokens)
-        outputs["mlx_lm"].append(toks)
-        speeds["mlx_lm"].append(tps)
-        for name, k in runs.items():
+    def cell(name: str, prompt: list[int]) -> None:
+        if name == "mlx_lm":
+            toks, tps = time_mlx_lm(ref_model, ref_tok, prompt, max_tokens)
+        elif name == "mtp_auto_processors":  # penalties and logprobs change the output (not compared)
+            speeds[name].append(_time_engine(engine, prompt, max_tokens, AUTO, PROCESSORS)[1])
+            return
+        elif name in whole_runs:
+            toks, tps, _ = _time_engine(whole, prompt, max_tokens, whole_runs[name])
+        else:
+            k = runs[name]
             toks, tps, stats = _time_engine(engine, prompt, max_tokens, k)
-            outputs[name].append(toks)
-            speeds[name].append(tps)
             if name == "mtp_auto":
                 for d, n in stats.depths.items():
                     auto_depths[d] = auto_depths.get(d, 0) + n
@@ -225,12 +228,15 @@ def bench_engine(
                 pos = per_position.setdefault(k, [0.0] * k)
                 for i, a in enumerate(stats.accepted_per_position):
                     pos[i] += a
-        for name, k in whole_runs.items():
-            toks, tps, _ = _time_engine(whole, prompt, max_tokens, k)
-            outputs[name].append(toks)
-            speeds[name].append(tps)
-        # Penalties and logprobs change the output (not compared) but must not cost speculation much.
-        speeds["mtp_auto_processors"].append(_time_engine(engine, prompt, max_tokens, AUTO, PROCESSORS)[1])
+        outputs[name].append(toks)
+        speeds[name].append(tps)
+
+    # Each prompt times every method once, in an order rotated by one per prompt, so that no method
+    # always runs first (or right after another) while the machine drifts.
+    cells = [*methods, "mtp_auto_processors"]
+    for i, prompt in enumerate(encoded):
+        for name in cells[i % len(cells):] + cells[:i % len(cells)]:
+            cell(name, prompt)
     tok_s = {m: round(statistics.mean(v), 2) for m, v in speeds.items()}
     best = max(depths, key=lambda k: tok_s[f"mtp_k{k}"])
     identical = all(outputs[m] == outputs["mlx_lm"] for m in methods)
