@@ -41,7 +41,7 @@ BULK_HELLO = b"mtpipe-tensors1\n"  # a shard-tensor stream (bulk.py), authorized
 assert len(BULK_HELLO) == len(HELLO)
 LENGTH = struct.Struct("<I")
 HANDSHAKE_TIMEOUT_S = 5.0
-CONNECT_TIMEOUT_S = 5.0  # opening a link to the next stage
+CONNECT_TIMEOUT_S = 30.0  # opening a link to the next stage: one in a long step answers only after it
 
 
 class DataPlaneError(ConnectionError):
@@ -172,7 +172,10 @@ class TcpFrameLink:
         writer.write(HELLO)
         try:
             answer = await asyncio.wait_for(reader.readexactly(2), timeout)
-        except (TimeoutError, asyncio.IncompleteReadError):
+        except TimeoutError:
+            writer.close()
+            raise TimeoutError(f"{host}:{port} did not answer the data plane's hello within {timeout:.0f} s") from None
+        except asyncio.IncompleteReadError:
             writer.close()
             raise DataPlaneError(f"{host}:{port} is not an mtpipe data plane") from None
         if answer != b"OK":
@@ -271,7 +274,7 @@ class NextStage:
         if reply.data_port:
             host, _ = split_host_port(self.target)
             try:
-                return await TcpFrameLink.connect(host, reply.data_port, self.secret)
+                return await TcpFrameLink.connect(host, reply.data_port, self.secret, CONNECT_TIMEOUT_S)
             except DataPlaneError:
                 raise  # its data port is something else
             except (TimeoutError, OSError) as e:  # a firewall, say: gRPC still gets through

@@ -88,6 +88,11 @@ class GroupFrames:
         for client_id, end in ended.ends:
             self._drop_end(client_id, end)
 
+    def pause_groups(self, seconds: float) -> None:
+        """The loop was held for `seconds` (a step): no round could come by meanwhile."""
+        if self._ring_groups is not None:
+            self._ring_groups.pause(seconds)
+
     def drop_groups(self) -> None:
         """Forget every group (the shard goes): nothing may keep the old shard's arrays alive."""
         self._ring_groups = self._ring_worker = None

@@ -35,6 +35,11 @@ from .stage import StageWorker
 
 log = logging.getLogger(__name__)
 
+# A node other than the last forgets a group no round of which came by for this long. It never
+# judges a group lost (the last node does, at its lease): a long step on a node before it holds
+# the group's round up, and the last node's judgement would be spoiled by forgetting it here.
+FORGET_IDLE_S = 60.0
+
 
 @dataclass
 class Group:
@@ -233,6 +238,8 @@ class RingGroups:
         and starts their waiting joins in a new group, so that no client waits on a lost round."""
         now = time.monotonic()
         ended = IdleEnd()
+        if not self.spec.is_last:  # only the last node judges a group lost: here it is forgotten, later
+            idle_s = max(idle_s, FORGET_IDLE_S)
         for key in [k for k, g in self.groups.items() if now - g.seen > idle_s]:
             g = self.groups[key]
             ended.groups += 1
@@ -246,6 +253,11 @@ class RingGroups:
             if fresh is not None:
                 ended.fresh.append(fresh)
         return ended
+
+    def pause(self, seconds: float) -> None:
+        """Every group's idle clock stands still for `seconds` (this node's loop was held)."""
+        for g in self.groups.values():
+            g.seen += seconds
 
     def end_all(self) -> None:
         """Every group ends here (a link of the ring broke: their rounds are lost)."""

@@ -5,6 +5,10 @@ A client (coordinator) renews every sequence it still wants, on every node, abou
 have released it: a release lost with a broken stream, a client that crashed or hung, a node that
 was frozen longer than the lease. So a stage never fills up with the dead. A lease starts with the
 sequence's first frame, so a sequence whose first renewal is still on its way keeps its place.
+
+A lease runs while the node's loop could have heard renewals: a step holds the loop (a long prompt
+chunk may take longer than a lease), and the renewals sent meanwhile wait behind it, so the time a
+sweep comes late is added to every lease, and to the groups' idle clocks, before it looks.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ log = logging.getLogger(__name__)
 
 LEASE_S = 5.0
 SWEEP_S = 1.0
+LATE_S = 0.25  # a sweep later than this held the loop up (a step): the leases stood still meanwhile
 
 
 class Leases:
@@ -41,6 +46,11 @@ class Leases:
             if seq_id in owned and seq_id in self.expires:
                 self.expires[seq_id] = until
 
+    def pause(self, seconds: float) -> None:
+        """Every lease runs `seconds` longer: the loop that would have heard their renewals was held."""
+        for seq_id in self.expires:
+            self.expires[seq_id] += seconds
+
     def expired(self, now: float | None = None) -> list[str]:
         now = now if now is not None else time.monotonic()
         return [s for s, t in self.expires.items() if t < now]
@@ -55,6 +65,7 @@ class LeaseHolder:
     _owners: dict[str, str]
     _leases: Leases | None = None
     _sweeping: bool = False
+    _sweep_due: float = 0.0
 
     name: str
     _subs: dict[str, Any]
@@ -63,6 +74,7 @@ class LeaseHolder:
     def _emit(self, client_id: str, event: pb.Event) -> None: ...  # NodeService's
     def left_to_the_ring(self, seq_id: str) -> bool: ...  # GroupFrames'
     def end_idle_groups(self, idle_s: float) -> None: ...  # GroupFrames'
+    def pause_groups(self, seconds: float) -> None: ...  # GroupFrames'
 
     @property
     def leases(self) -> Leases:
@@ -75,16 +87,24 @@ class LeaseHolder:
         self.leases.start(seq_id)
         if not self._sweeping:
             self._sweeping = True
-            asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+            self._next_sweep()
+
+    def _next_sweep(self) -> None:
+        self._sweep_due = time.monotonic() + SWEEP_S
+        asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
 
     def _sweep(self) -> None:
+        late = time.monotonic() - self._sweep_due
+        if late > LATE_S:  # the loop was held (a step): no renewal could be heard meanwhile
+            self.leases.pause(late)
+            self.pause_groups(late)
         try:
             self._release_expired()
         except Exception:  # noqa: BLE001 - a failed sweep must not be the last one
             log.exception("the lease sweep failed")
         self._sweeping = bool(self.leases.expires)
         if self._sweeping:
-            asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+            self._next_sweep()
 
     def _release_expired(self) -> None:
         self.end_idle_groups(self.leases.lease_s)

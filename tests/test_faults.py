@@ -47,6 +47,81 @@ def test_leases_run_out_unless_renewed() -> None:
     assert "c" not in leases.expires
 
 
+def test_a_lease_stands_still_while_the_nodes_loop_is_held() -> None:
+    """A step holds the node's loop (a long prompt chunk): renewals sent meanwhile wait behind it. The
+    sweep that comes late adds the time it was held to every lease and to the groups' idle clocks, so
+    a sequence its client renews all along is not released for the renewals the loop could not hear."""
+    import asyncio
+
+    from mtpipe.node.leases import LATE_S, SWEEP_S, LeaseHolder
+
+    class Node(LeaseHolder):
+        name = "n"
+        _subs: dict = {}
+
+        def __init__(self) -> None:
+            self._owners = {"s": "client"}
+            self.released: list[str] = []
+            self.paused: list[float] = []
+
+        def _release(self, seq_id: str) -> bool:
+            self.released.append(seq_id)
+            return bool(self._owners.pop(seq_id, None))
+
+        def _emit(self, client_id: str, event) -> None:
+            pass
+
+        def left_to_the_ring(self, seq_id: str) -> bool:
+            return False
+
+        def end_idle_groups(self, idle_s: float) -> None:
+            pass
+
+        def pause_groups(self, seconds: float) -> None:
+            self.paused.append(seconds)
+
+    async def held(for_s: float) -> Node:
+        node = Node()
+        node.lease("s")
+        node._sweep_due -= for_s  # as if a step had held the loop since the lease began, `for_s` seconds
+        node.leases.expires["s"] -= for_s
+        node._sweep()
+        return node
+
+    node = asyncio.run(held(6.0))
+    assert node.released == [] and node.paused == [pytest.approx(6.0 - SWEEP_S, abs=0.2)]  # (it was due 1 s in)
+    node = asyncio.run(held(LATE_S / 2))  # a sweep on time: nothing moves
+    assert node.released == [] and node.paused == []
+    leases = Leases(lease_s=5.0)
+    leases.start("a", now=0.0)
+    leases.pause(6.0)
+    assert leases.expired(now=7.0) == [] and leases.expired(now=11.5) == ["a"]
+
+
+def test_a_sequence_a_node_ended_itself_may_resume_and_a_hop_that_does_not_carry_is_named() -> None:
+    """A node's error about one sequence it ended on its own account (its group's rounds stopped coming,
+    its lease ran out) is a loss the request resumes from, not a refused step; and a pipeline formed
+    again over a hop that does not carry is not formed (it would lose its first round there again)."""
+    from types import SimpleNamespace
+
+    from mtpipe.coordinator.pipeline.nodes import NodeFailure, RemoteStageError, RowLost, check_hops, step_error
+    from mtpipe.node.protocol import StageUnavailable
+    from mtpipe.proto import mtpipe_pb2 as pb
+
+    for code in ("UNAVAILABLE", "ABORTED"):
+        e = step_error("n:1", code, "no round of its group came back")
+        assert isinstance(e, RowLost) and isinstance(e, StageUnavailable) and "n:1" in str(e)
+    assert type(step_error("n:1", "INVALID_ARGUMENT", "bad")) is RemoteStageError
+
+    def node(address: str, next: str, rtt: float) -> SimpleNamespace:
+        return SimpleNamespace(address=address, stub=SimpleNamespace(
+            Health=lambda req, timeout: pb.HealthReply(next=next, next_rtt_ms=rtt if req.probe_next else 0.0)))
+
+    check_hops([node("a:1", "b:1", 0.4), node("b:1", "c:1", 0.3), node("c:1", "", 0.0)])
+    with pytest.raises(NodeFailure, match=r"node c:1: not reached from node b:1"):
+        check_hops([node("a:1", "b:1", 0.4), node("b:1", "c:1", -1.0), node("c:1", "", 0.0)])
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("build", "victims"), [(ring_engine, (1,)), (remote_engine, (1,))],
                          ids=["ring-last", "per_sequence-last"])

@@ -52,6 +52,7 @@ TRIP_OUTLIER = 2.0  # a trip counts as at most this many times the running figur
 # pipeline's keepalive and lease renewals, the last node's idle groups); this is the backstop for rounds
 # that stop while every node still answers.
 ROW_STALL_S = 60.0
+MAX_RESUMES = 3  # a request lost more often than this fails: a fault that comes back at once is not going away
 
 
 class RingEngine:
@@ -187,7 +188,10 @@ class RingEngine:
         reformer, drafts = self.pipeline.reformer, req.mtp_depth > 0
         kept = self.kept if self.kept is not None and reformer.down is None else None  # (none while down)
         epoch = reformer.down_at if kept else 0.0
-        hit = kept.reuse(prompt, drafts, epoch, wait=min(1.0, 0.05 + 4 * self._trip_s)) if kept else None
+        # A resumed request goes on from a kept prefix within its prompt only: a node rebuilds what its
+        # penalties count from the tokens it is sent, and a prefix's own tokens are not among them.
+        within = req.prompt_tokens if live.emitted else prompt
+        hit = kept.reuse(within, drafts, epoch, wait=min(1.0, 0.05 + 4 * self._trip_s)) if kept else None
         start = len(hit.tokens) if hit else 0
         keep = kept.keep_as(live.seq_id, prompt, drafts, start) if kept else ""
         live.keep_end, live.kept_epoch = (kept.end_key(live.seq_id, prompt) if kept else ""), epoch
@@ -259,7 +263,12 @@ class RingEngine:
         """A group round's outcome for this row, or an error about it (the subscription's thread).
         A lost node does not end the request while the pipeline may come back: it resumes."""
         if isinstance(item, Exception):
-            if isinstance(item, StageUnavailable) and self.resume_window > 0:
+            if isinstance(item, StageUnavailable) and self.resume_window > 0 and live.resumes >= MAX_RESUMES:
+                if live.seq_id != seq_id:  # (an earlier sequence's)
+                    return
+                # the same fault again and again: it is not going away
+                item = StageUnavailable(f"{item} (lost {live.resumes + 1} times: the request ends)")
+            elif isinstance(item, StageUnavailable) and self.resume_window > 0:
                 with live.lock:
                     resume = not live.done and not live.resuming and live.seq_id == seq_id
                     if resume:

@@ -8,12 +8,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ...node.protocol import StageError, StageUnavailable
+from ...node.protocol import StageError, StageUnavailable, StepOutput
 from ...node.wire import describe_rpc_error, make_channel
 from ...proto import mtpipe_pb2 as pb
 from ...proto import mtpipe_pb2_grpc as pb_grpc
@@ -49,6 +51,68 @@ class RemoteStageError(StageError):
         super().__init__(f"node {node}: {code}: {message}")
         self.node = node
         self.code = code
+
+
+class RowLost(NodeFailure):
+    """A node ended a sequence on its own account (its group's rounds stopped coming there, or its
+    lease ran out there): the sequence is gone, the nodes are not, so its request may go on anew."""
+
+    def __init__(self, node: str, code: str, message: str):
+        super().__init__(node, f"{code}: {message}")
+        self.code = code
+
+
+def step_error(node: str, code: str, message: str) -> RowLost | RemoteStageError:
+    """A node's error about one sequence: UNAVAILABLE or ABORTED if the node ended it on its own
+    account (its group's rounds stopped coming there, its lease ran out there), else a refused step."""
+    if code in ("UNAVAILABLE", "ABORTED"):
+        return RowLost(node, code, message)
+    return RemoteStageError(node, code, message)
+
+
+def check_hops(nodes: list[NodeLink], timeout: float = 2.0) -> None:
+    """Each node but the last reaches the next (its Health, probing the hop). A pipeline formed again
+    over a hop that does not carry would lose its first round there, and again at every re-forming."""
+    def probe(i: int) -> None:
+        reply = nodes[i].stub.Health(pb.HealthRequest(probe_next=True), timeout=3 * timeout)
+        if reply.next and reply.next_rtt_ms < 0:
+            raise NodeFailure(nodes[i + 1].address, f"not reached from node {nodes[i].address} ({reply.next})")
+
+    if len(nodes) > 1:
+        with ThreadPoolExecutor(len(nodes) - 1) as pool:
+            list(pool.map(probe, range(len(nodes) - 1)))
+
+
+@dataclass
+class StepWaiter:
+    """One step the engine waits for: its output or error, set once."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    decode: bool = False
+    output: StepOutput | None = None
+    error: Exception | None = None
+    # A step the last node started itself: the tokens and commit it sent, until the engine asks for it.
+    started: tuple[list[int], StepOutput] | None = None
+    claimed: bool = False
+
+    def set(self, output: StepOutput | None = None, error: Exception | None = None) -> None:
+        if not self.done.is_set():
+            self.output, self.error = output, error
+            self.done.set()
+
+
+@dataclass
+class WireStats:
+    """What crossed the coordinator's own links (serialized protobuf bytes)."""
+
+    frames_sent: int = 0
+    bytes_sent: int = 0
+    events_received: int = 0
+    bytes_received: int = 0
+    decode_rounds: int = 0
+    decode_frames_sent: int = 0  # decode rounds this side started (the rest the last node started)
+    decode_bytes_sent: int = 0
+    decode_bytes_received: int = 0
 
 
 class FrameStream:

@@ -27,7 +27,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,18 @@ from ...models.shard import ShardSpec
 from ...node.protocol import GroupEnd, StageError, StepKind, StepOutput, StepRequest
 from ...node.wire import describe_rpc_error, end_from_pb, request_to_frame, result_to_output
 from ...proto import mtpipe_pb2 as pb
-from .nodes import FrameStream, NodeFailure, NodeLink, RemoteStageError, TakenOver, load_node, load_requests
+from .nodes import (
+    FrameStream,
+    NodeFailure,
+    NodeLink,
+    StepWaiter,
+    TakenOver,
+    WireStats,
+    check_hops,
+    load_node,
+    load_requests,
+    step_error,
+)
 from .reform import Reformer
 from .renewals import Renewer
 
@@ -46,36 +56,6 @@ log = logging.getLogger(__name__)
 # Prompt chunks in flight at once: enough to keep every stage busy, while bounding the hidden states
 # queued on the nodes (a 512-token chunk of a hidden-8192 bfloat16 model is 8 MiB).
 STEPS_IN_FLIGHT = 4
-
-
-@dataclass
-class _Waiter:
-    done: threading.Event = field(default_factory=threading.Event)
-    decode: bool = False
-    output: StepOutput | None = None
-    error: Exception | None = None
-    # A step the last node started itself: the tokens and commit it sent, until the engine asks for it.
-    started: tuple[list[int], StepOutput] | None = None
-    claimed: bool = False
-
-    def set(self, output: StepOutput | None = None, error: Exception | None = None) -> None:
-        if not self.done.is_set():
-            self.output, self.error = output, error
-            self.done.set()
-
-
-@dataclass
-class WireStats:
-    """What crossed the coordinator's own links (serialized protobuf bytes)."""
-
-    frames_sent: int = 0
-    bytes_sent: int = 0
-    events_received: int = 0
-    bytes_received: int = 0
-    decode_rounds: int = 0
-    decode_frames_sent: int = 0  # decode rounds this side started (the rest the last node started)
-    decode_bytes_sent: int = 0
-    decode_bytes_received: int = 0
 
 
 class RemotePipeline:
@@ -118,7 +98,7 @@ class RemotePipeline:
         self.load_replies: list[pb.LoadReply] = []
         self.connect_replies: list[pb.ConnectReply] = []
         self._first = FrameStream(nodes[0], secret, self._stream_failed)
-        self._waiters: dict[tuple[str, int], _Waiter] = {}
+        self._waiters: dict[tuple[str, int], StepWaiter] = {}
         # Sequences in ring groups (engine/ring.py): each row's results and errors, as they come.
         self.row_sinks: dict[str, Callable[[StepOutput | Exception], None]] = {}
         self.on_kept: Callable[[GroupEnd], None] = lambda end: None  # a row's state kept on every node as it ended
@@ -204,6 +184,7 @@ class RemotePipeline:
             n.stub.Ping(pb.PingRequest(), timeout=2.0)
         model_path, specs, mtp, dtype = self._load_args
         self.load(model_path, specs, mtp=mtp, dtype=dtype)
+        check_hops(self.nodes)
         self._connect()
 
     def _connect(self) -> None:
@@ -274,7 +255,7 @@ class RemotePipeline:
                 if w is not None and out.continued and out.seq_id not in self.row_sinks:
                     # Registered before this result is handed over, so the next one always finds it.
                     # (A row in a ring group hears of its rounds through its row sink, errors included.)
-                    nxt = _Waiter(decode=True, started=([out.tokens[-1], *out.drafts], out))
+                    nxt = StepWaiter(decode=True, started=([out.tokens[-1], *out.drafts], out))
                     self._waiters.setdefault((out.seq_id, out.step + 1), nxt)
             if w is None:
                 log.debug("late result for %s step %d dropped", *key)
@@ -302,10 +283,11 @@ class RemotePipeline:
                 return
             with self._lock:
                 w = self._waiters.get((e.seq_id, e.step))
+            error = step_error(e.node, e.code, e.message)
             if w is not None:
-                w.set(error=RemoteStageError(e.node, e.code, e.message))
+                w.set(error=error)
             elif (sink := self.row_sinks.get(e.seq_id)) is not None:
-                sink(RemoteStageError(e.node, e.code, e.message))
+                sink(error)
 
     def _stream_failed(self, target: str, error: Exception) -> None:
         if not self._closed:
@@ -333,7 +315,7 @@ class RemotePipeline:
         first node computes chunk i+1 while the next ones work on chunk i."""
         if self._closed:
             raise RuntimeError("the pipeline is closed")
-        in_flight: deque[tuple[StepRequest, _Waiter]] = deque()
+        in_flight: deque[tuple[StepRequest, StepWaiter]] = deque()
         outs: list[StepOutput] = []
         prefill = any(r.kind is StepKind.PREFILL for r in reqs)
         with self._lock:
@@ -357,14 +339,14 @@ class RemotePipeline:
                     self._waiters.pop((req.seq_id, req.step), None)
         return outs
 
-    def _register(self, req: StepRequest) -> _Waiter:
+    def _register(self, req: StepRequest) -> StepWaiter:
         """The waiter for this step's result: a new one, or the one of a round the last node started."""
         key = (req.seq_id, req.step)
         with self._lock:
             self.live.add(req.seq_id)
             waiter = self._waiters.get(key)
             if waiter is None:
-                waiter = self._waiters[key] = _Waiter(decode=req.kind is StepKind.DECODE)
+                waiter = self._waiters[key] = StepWaiter(decode=req.kind is StepKind.DECODE)
                 return waiter
             if waiter.started is None or waiter.claimed:
                 raise StageError(f"step {req.step} of {req.seq_id!r} is already in flight")
@@ -391,14 +373,14 @@ class RemotePipeline:
             self.stats.decode_bytes_sent += size
         self._first.send(frame)
 
-    def _finish(self, req: StepRequest, waiter: _Waiter) -> StepOutput:
+    def _finish(self, req: StepRequest, waiter: StepWaiter) -> StepOutput:
         try:
             return self._wait(waiter, req)
         finally:
             with self._lock:
                 self._waiters.pop((req.seq_id, req.step), None)
 
-    def _wait(self, waiter: _Waiter, req: StepRequest) -> StepOutput:
+    def _wait(self, waiter: StepWaiter, req: StepRequest) -> StepOutput:
         # Dead and silent nodes end the wait through their Subscribe streams; the timeout is a backstop
         # for a node that keeps its connection alive but never answers.
         if not waiter.done.wait(self.step_timeout):
