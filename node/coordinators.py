@@ -25,20 +25,24 @@ class Coordinators:
         """Not a coordinator whose shard another one's Load replaced here."""
         return not self.clients or not client_id or client_id in self.clients
 
-    def refuses(self, me: str, subscribed: Iterable[str], reused: bool, take_over: bool) -> bool:
+    def refuses(self, me: str, subscribed: Iterable[str], reused: bool, take_over: bool, loaded: bool = True) -> bool:
         """Whether `me`'s Load is refused: another connected coordinator holds another shard here, or
-        `me` was taken over here (`displaced` says by whom). Changes nothing: a Load is checked
-        (weights found, layers fit the model) before it is admitted."""
-        return not take_over and (me in self.displaced or (self._others(me, subscribed) and not reused))
+        `me` was taken over here (`displaced` says by whom). A node that holds no shard (`loaded`
+        false: new, or started again) holds none of anyone's: coordinators subscribed to it all wait
+        for their Loads, and the first one's shard is what the others then share or are refused.
+        Changes nothing: a Load is checked (weights found, layers fit the model) before it is admitted."""
+        holders = self._others(me, subscribed) if loaded else []
+        return not take_over and (me in self.displaced or (bool(holders) and not reused))
 
     def _others(self, me: str, subscribed: Iterable[str]) -> list[str]:
         return [c for c in subscribed if c != me and self.admits(c)]
 
-    def admit_load(self, me: str, subscribed: Iterable[str], reused: bool, take_over: bool) -> list[str] | None:
+    def admit_load(self, me: str, subscribed: Iterable[str], reused: bool, take_over: bool,
+                   loaded: bool = True) -> list[str] | None:
         """None: refused (`refuses`). Else the coordinators whose subscriptions end (taken over).
         `clients` is settled now, before the shard is read, so that none of the others can come back
         meanwhile."""
-        if self.refuses(me, subscribed, reused, take_over):
+        if self.refuses(me, subscribed, reused, take_over, loaded):
             return None
         others = self._others(me, subscribed)
         self.displaced.pop(me, None)

@@ -59,7 +59,8 @@ class ShardLoads:
         self._load_lock = self._load_lock or asyncio.Lock()
         async with self._load_lock:
             reused = self.worker is not None and self.key is not None and same_shard(self.key, key)
-            if self.coordinators.refuses(request.client_id, list(self._subs), reused, request.take_over):
+            loaded = self.worker is not None
+            if self.coordinators.refuses(request.client_id, list(self._subs), reused, request.take_over, loaded):
                 await self._refuse(request.client_id, context)
             found = None
             if not reused:
@@ -73,7 +74,8 @@ class ShardLoads:
                         found.release()
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
             # (asked again: the subscriptions may have changed while the weights were found)
-            ended = self.coordinators.admit_load(request.client_id, list(self._subs), reused, request.take_over)
+            ended = self.coordinators.admit_load(request.client_id, list(self._subs), reused, request.take_over,
+                                                 loaded)
             if ended is None:
                 if found is not None:
                     found.release()

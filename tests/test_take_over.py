@@ -163,3 +163,19 @@ def test_which_coordinators_a_node_serves() -> None:
     # A coordinator that does not say who it is opens the node to all, and sharing keeps it open.
     assert c.admit_load("", ["d"], reused=True, take_over=False) == [] and c.clients == set()
     assert c.admit_load("e", ["d"], reused=True, take_over=False) == [] and c.clients == set() and c.admits("x")
+
+
+def test_a_node_without_a_shard_refuses_no_one() -> None:
+    """Coordinators subscribe before they load: on a node that holds no shard (new, or started again),
+    the others subscribed hold nothing of it, so none is refused; the first shard loaded is what the
+    others then share or are refused."""
+    from mtpipe.node.coordinators import Coordinators
+
+    c = Coordinators()
+    assert c.admit_load("a", ["a", "b"], reused=False, take_over=False, loaded=False) == [] and c.clients == {"a"}
+    assert c.admit_load("b", ["a", "b"], reused=True, take_over=False) == [] and c.clients == {"a", "b"}
+    assert c.refuses("x", ["a", "b", "x"], reused=False, take_over=False)  # another shard, while theirs is held
+    c = Coordinators()
+    c.displaced["z"] = "a"
+    assert c.refuses("z", [], reused=False, take_over=False, loaded=False)  # taken over stays taken over
+
