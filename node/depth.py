@@ -222,7 +222,10 @@ class StageCosts:
     def observe(self, depth: int, context: int, seconds: float, now: float | None = None) -> None:
         """A round's timing. One far above the estimate (the machine busy elsewhere a moment) moves
         it by at most OUTLIER times: a depth that then looks dear is rarely chosen, so rarely
-        timed again, and an estimate raised by a stall would keep it out for long."""
+        timed again, and an estimate raised by a stall would keep it out for long. A round deeper
+        than the table (a sequence of a fixed depth past every chooser's) informs no choice: left out."""
+        if depth >= len(self.prior):
+            return
         key = (context_bucket(context), depth)
         old = self.live.get(key)
         seconds = seconds if old is None else min(seconds, OUTLIER * old)

@@ -81,6 +81,18 @@ def test_a_costs_error_is_the_spread_of_its_latest_timings() -> None:
     assert costs.noise(64)[0] == 0.0  # only the latest timings count
 
 
+def test_a_round_deeper_than_the_table_informs_no_choice() -> None:
+    """A sequence of a fixed depth past every chooser's (mtp_depth 5 beside auto's 0-3) is timed on the
+    same stage: its rounds are left out of the table, which an auto request then reads without
+    reaching past its end."""
+    costs = StageCosts(prior=[1.0, 1.5, 2.0, 2.5])
+    costs.observe(5, 4096, 9.0)
+    assert costs.live == {}
+    costs.observe(0, 64, 1.0)
+    costs.observe(2, 64, 2.2)
+    assert len(costs.round_seconds(4096)) == 4 and len(costs.round_seconds(64)) == 4
+
+
 def test_acceptance_counts_only_positions_that_were_reached() -> None:
     a = Acceptance.empty(3)
     a.record(drafted=3, accepted=1)  # d1 accepted, d2 rejected, d3 never judged
