@@ -17,7 +17,7 @@ import mlx.core as mx
 from ..models.gdn_snapshots import GDNSnapshots
 from ..models.loading import LoadedShard
 from .head import DraftState, Head, Prepared, new_draft_state
-from .prefixes import Prefix, prefix_of_sequence, resume_draft, sequence_cache
+from .prefixes import Prefix, check_resumed, prefix_of_sequence, resume_draft, sequence_cache
 from .protocol import MAX_MTP_DEPTH, Commit, StageError, StepKind, StepOutput, StepRequest
 from .sysinfo import system_memory
 
@@ -57,6 +57,7 @@ class Sequence:
     next_step: int = 0
     position: int = 0  # tokens committed into this stage's caches
     decoding: bool = False
+    prompt_done: bool = False  # its final prefill step went through: no prompt chunk may follow
     pending_k: int | None = None  # drafts in the last decode step, until its commit arrives
     snapshots: dict[int, GDNSnapshots] = field(default_factory=dict)
     draft: DraftState | None = None
@@ -184,6 +185,7 @@ class StageWorker:
             prefix = self.prefixes.get(req.prefix) if req.prefix else None
             if req.prefix and prefix is None:
                 raise StageError(f"no kept prompt prefix {req.prefix!r} here")
+            check_resumed(prefix, req.resumed_at)
             if (start := prefix.length if prefix else 0) + T > self.max_context:
                 raise StageError(f"context overflow: {start + T} > {self.max_context} positions")
             if prefix and self.spec.is_last and req.mtp_depth and not prefix.drafts:
@@ -191,8 +193,8 @@ class StageWorker:
             return None
         if req.step != seq.next_step:
             raise StageError(f"step {req.step} out of order for {req.seq_id!r}: expected {seq.next_step}")
-        if req.kind is StepKind.PREFILL and seq.decoding:
-            raise StageError("prefill after decoding started")
+        if req.kind is StepKind.PREFILL and (seq.decoding or seq.prompt_done):
+            raise StageError("prefill after the prompt's final step")
         if seq.position + T > self.max_context:
             raise StageError(f"context overflow: {seq.position + T} > {self.max_context} positions")
         if seq.early_commit is not None:
@@ -237,6 +239,7 @@ class StageWorker:
             h, snapshots = self.model.run_layers(h, seq.cache, capture=decode and T > 1)
         seq.next_step = req.step + 1
         seq.decoding = seq.decoding or decode
+        seq.prompt_done = seq.prompt_done or req.final
         seq.position += T
         seq.pending_k = T - 1 if decode else None
         seq.snapshots = snapshots

@@ -41,6 +41,29 @@ def assert_caches_equal(got, ref) -> None:
             assert max_diff(c[1], r[1]) <= TOL, f"layer {i} recurrent state"
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_prompt_chunk_after_the_final_one_is_refused_and_changes_nothing(dense_ckpt: Path, dense_engine,
+                                                                           overlap: bool) -> None:
+    """A PREFILL after the prompt's final step (before any decode) is refused, and the sequence goes on
+    as if it had never come: its first decode gives what an untouched one gives."""
+    from mtpipe.node.protocol import StageError
+
+    shard = load_shard(dense_ckpt, dtype=mx.float32)
+    prompt = dense_engine.tokenizer.encode("def parse(line):\n    return line.split(")
+    outs = []
+    for poke in (False, True):
+        worker = StageWorker(shard, overlap=overlap)
+        first = prefill(worker, "s", prompt, 2)
+        seq = worker.sequences["s"]
+        before = (seq.position, seq.next_step, seq.lookahead, [getattr(c, "offset", None) for c in seq.cache])
+        if poke:
+            with pytest.raises(StageError, match="after the prompt's final step"):
+                worker.step(StepRequest("s", 2, StepKind.PREFILL, [5, 6]))
+        assert (seq.position, seq.next_step, seq.lookahead, [getattr(c, "offset", None) for c in seq.cache]) == before
+        outs.append(worker.step(StepRequest("s", 2, StepKind.DECODE, first.tokens + first.drafts)).tokens)
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.parametrize("accepted", list(range(K + 1)))
 def test_commit_equals_fresh_forward(ckpt: Path, dense_engine, accepted: int) -> None:
     shard = load_shard(ckpt, dtype=mx.float32)
