@@ -18,7 +18,7 @@ from ..models.ragged import RaggedKV, cache_arrays, concat_caches, pad_rows, rag
 from ..models.shard import queue_layers
 from .batch_depth import DepthPlan
 from .head import DraftState, Head, new_draft_state
-from .prefixes import Mark, Prefix, mark_row, resume_draft, row_from
+from .prefixes import Mark, Prefix, check_resumed, mark_row, resume_draft, row_from
 from .protocol import StageError, StepKind, StepOutput, StepRequest
 from .stage import check_first_step, check_hidden
 
@@ -174,6 +174,7 @@ class FillGroup:
                 prefix = self.prefixes.get(req.prefix) if req.prefix else None
                 if req.prefix and prefix is None:
                     raise StageError(f"no kept prompt prefix {req.prefix!r} on this stage")
+                check_resumed(prefix, req.resumed_at)
                 if (start := prefix.length if prefix else 0) + len(req.tokens) > self.max_context:
                     raise StageError(f"context overflow: {start + len(req.tokens)} > {self.max_context}")
         if self.first and hidden is not None:

@@ -22,6 +22,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..models.ragged import RaggedKV, rows_cache
 from .head import DraftState
+from .protocol import StageError
 
 
 @dataclass
@@ -156,6 +157,15 @@ def sequence_cache(prefix: Prefix, layers: int) -> list:
             c[0], c[1] = prefix.gdn[j]
         cache.append(c)
     return cache
+
+
+def check_resumed(prefix: Prefix | None, resumed_at: int) -> None:
+    """A resumed sequence (its prompt's tokens from `resumed_at` on were generated) goes on from a prefix
+    within its prompt only: its penalties count the generated tokens it is sent, and the prefix's own
+    tokens are not kept."""
+    if prefix is not None and resumed_at and prefix.length > resumed_at:
+        raise StageError(f"a resumed sequence goes on from a kept prefix within its prompt only "
+                         f"(the prefix has {prefix.length} tokens, the prompt {resumed_at})")
 
 
 def resume_draft(draft: DraftState, prefix: Prefix) -> None:

@@ -128,6 +128,33 @@ def test_an_unknown_prefix_is_refused_and_the_stage_is_left_as_it_was(dense_ckpt
         engine.close()
 
 
+def test_a_resumed_sequence_goes_on_from_a_prefix_within_its_prompt_only(dense_ckpt: Path) -> None:
+    """A resumed sequence's penalties count its generated tokens from those it is sent; a kept prefix
+    past its prompt would hide some of them. Refused on both paths (per sequence, batch rows), and
+    the stages are left as they were; a prefix within the prompt is taken."""
+    from mtpipe.models.loading import load_shard
+    from mtpipe.node.stage import StageWorker
+
+    worker = StageWorker(load_shard(dense_ckpt, dtype=mx.float32), overlap=False)
+    prompt = list(range(3, 19))
+    worker.step(StepRequest("a", 0, StepKind.PREFILL, prompt[:-1], mtp_depth=1))
+    worker.step(StepRequest("a", 1, StepKind.PREFILL, prompt[-1:], final=True, keep="k"))
+    worker.release("a")
+    length = worker.prefixes["k"].length
+    resumed = dict(prefix="k", params=SamplingParams(presence_penalty=1.0), mtp_depth=1)
+    with pytest.raises(StageError, match="within its prompt only"):
+        worker.step(StepRequest("b", 0, StepKind.PREFILL, prompt[length:] + [7], resumed_at=length - 2, **resumed))
+    assert "b" not in worker.sequences
+    worker.step(StepRequest("c", 0, StepKind.PREFILL, prompt[length:] + [7], resumed_at=length, final=True,
+                            **resumed))
+    worker.release("c")
+    stage = BatchStage(worker)
+    stage.prefixes["k"] = worker.prefixes["k"]  # (a batch stage keeps its own)
+    with pytest.raises(StageError, match="within its prompt only"):
+        stage.fill([StepRequest("d", 0, StepKind.PREFILL, [7], resumed_at=length - 1, **resumed)])
+    assert (stage.filling.ids, stage.sequences) == ([], 0)
+
+
 def test_which_kept_prefix_a_prompt_reuses() -> None:
     def k(key: str, tokens: list[int], drafts: bool = True, used: float = 0.0, nbytes: int = 10) -> plan.KeptPrefix:
         return plan.KeptPrefix(key, tuple(tokens), nbytes, drafts, used)
