@@ -179,3 +179,37 @@ def test_a_node_without_a_shard_refuses_no_one() -> None:
     c.displaced["z"] = "a"
     assert c.refuses("z", [], reused=False, take_over=False, loaded=False)  # taken over stays taken over
 
+
+STOPPED_CLIENT = """
+import os, signal, sys
+from mtpipe.node.wire import make_channel
+from mtpipe.proto import mtpipe_pb2 as pb, mtpipe_pb2_grpc as pb_grpc
+stream = pb_grpc.NodeStub(make_channel(sys.argv[1])).Subscribe(pb.SubscribeRequest(client_id="asleep"))
+next(stream)
+print("subscribed", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_coordinator_that_stops_leaves_the_node() -> None:
+    """A coordinator stopped whole (a laptop asleep) answers no HTTP/2 ping: the node cuts it off, and
+    its subscription ends, within seconds, rather than hold the node (its shard) for ever."""
+    import subprocess
+    import sys
+
+    server = NodeServer("127.0.0.1", 0).start()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", STOPPED_CLIENT, server.address], stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "subscribed"
+            deadline = time.monotonic() + 10
+            while "asleep" in server.service._subs:
+                assert time.monotonic() < deadline, "the stopped coordinator still holds its subscription"
+                time.sleep(0.05)
+        finally:
+            proc.kill()
+            proc.wait()
+    finally:
+        server.stop(0)
+
