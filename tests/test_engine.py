@@ -176,3 +176,27 @@ def test_the_command_and_its_node_children_never_load_torch() -> None:
         assert stdout.strip().splitlines()[-2:] == [transformers, "None"], argv
     assert node_command("--port", "1")[-3:] == ["node", "--port", "1"]
     assert "runpy.run_module('mtpipe'" in node_command()[2]
+
+
+def test_a_prompt_outside_the_vocabulary_is_refused_before_any_stage(dense_engine: Engine) -> None:
+    """As the batch engines do: a RequestError naming the prompt, not a stage's error mid-prefill."""
+    import threading
+
+    from mtpipe.coordinator.engine.request import RequestError
+    from mtpipe.coordinator.engine.sinks import END, open_stream
+
+    with pytest.raises(RequestError) as refused:
+        dense_engine.complete(GenerationRequest([1, dense_engine.vocab_size], 4))
+    assert refused.value.param == "prompt"
+    assert dense_engine.pipeline.stages[0].sequences == {}
+    # A stream whose consumer fails on its first chunk still hears the end.
+    ended = threading.Event()
+
+    def failing(item: object) -> None:
+        if item is END:
+            ended.set()
+            return
+        raise RuntimeError("the consumer is gone")
+
+    open_stream(dense_engine, GenerationRequest([1, 2, 3], 4), failing)
+    assert ended.wait(30)

@@ -210,6 +210,7 @@ def test_refused_chunk_among_chunks_in_flight(dense_ckpt: Path, nodes: list[str]
     # node's reason, the chunks behind it change nothing, and the pipeline serves on.
     with remote(dense_ckpt, nodes[:2]) as engine:
         engine.prefill_chunk = 8
+        engine.vocab_size = None  # (the engine would refuse it first: the node's refusal is what is tested)
         prompt = engine.tokenizer.encode("".join(PROMPTS[:4]))[:40]
         prompt[20] = load_config(dense_ckpt).args.vocab_size + 5  # the third chunk
         with pytest.raises(RemoteStageError) as err:

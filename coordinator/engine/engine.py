@@ -26,6 +26,7 @@ from .request import (
     GenerationStats,
     RequestError,
     check_request,
+    check_vocabulary,
     collect,
     take_tokens,
 )
@@ -65,10 +66,8 @@ class Engine:
         """Refuse a request this engine cannot serve (RequestError), before any stage is touched."""
         check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
         p = req.params
-        bad = next((t for t, _ in p.logit_bias if self.vocab_size and not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary [0, {self.vocab_size})",
-                               "logit_bias")
+        if self.vocab_size:  # (prompt ids too: the first stage would refuse them only once a step is sent)
+            check_vocabulary(req, self.vocab_size)
         if not self.processors and (has_processors(p) or p.top_logprobs >= 0):
             raise RequestError("this pipeline does not carry logit_bias, penalties or logprobs",
                                "logit_bias" if p.logit_bias else "logprobs" if p.top_logprobs >= 0 else "penalty")

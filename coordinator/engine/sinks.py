@@ -80,8 +80,12 @@ def open_stream(engine: Any, req: GenerationRequest, sink: Sink) -> None:
             for chunk in engine.generate(req):
                 sink(chunk)
         except Exception as e:  # noqa: BLE001 - handed to the sink, as the engines' own `open` does
-            sink(e)
-        sink(END)
+            try:
+                sink(e)
+            except Exception:  # noqa: BLE001 - the sink itself failed (on a chunk, and on this)
+                log.debug("a stream's sink failed", exc_info=True)
+        finally:
+            sink(END)  # (even after a sink that raised: whoever waits on it hears the end)
 
     threading.Thread(target=run, name="stream", daemon=True).start()
 
