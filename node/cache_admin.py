@@ -123,16 +123,18 @@ def prune(root: Path, *, max_bytes: int | None = None,
         raise ValueError("an empty model fingerprint names every model: use --all for that")
     all_entries = entries(root)
     if max_bytes is None:
-        chosen = [e for e in all_entries if fingerprint is None or e.fingerprint.startswith(fingerprint)]
-    else:
+        removable, busy = _lock_all([e for e in all_entries
+                                     if fingerprint is None or e.fingerprint.startswith(fingerprint)])
+    else:  # least recently used first, counting only what could be locked: a busy one frees nothing
         total = sum(e.bytes for e in all_entries)
-        chosen = []
+        removable, busy = [], []
         for e in all_entries:
             if total <= max_bytes:
                 break
-            chosen.append(e)
-            total -= e.bytes
-    removable, busy = _lock_all(chosen)
+            locked, held = _lock_all([e])
+            removable += locked
+            busy += held
+            total -= e.bytes if locked else 0
     try:
         for e, _ in removable:
             remove(e)

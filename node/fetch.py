@@ -200,7 +200,6 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
         if offset:
             log.info("resuming the shard transfer from %s at %.1f of %.1f MiB", source, offset / 2**20, total / 2**20)
         received = 0
-        verifier = StreamVerifier(tensors)
 
         def count(n: int) -> None:  # in the receiving thread on the data plane
             nonlocal received
@@ -211,6 +210,7 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
 
         fallback, sock = False, None
         f = await loop.run_in_executor(None, open, part, "ab" if offset else "wb")
+        verifier = StreamVerifier(tensors)  # (its thread, once the part file is open: `finish` ends it)
         try:
             if first.token and first.data_port:  # before a large part file is hashed: the token is short-lived
                 host = split_host_port(source)[0]

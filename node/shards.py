@@ -16,6 +16,7 @@ verified: a later load trusts an unchanged file and hashes it again only when ei
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -180,6 +181,11 @@ class Manifest:
         return cls(**data)
 
 
+def _stray_weights(d: Path) -> list[str]:
+    """Weights files in an entry other than the shard's own."""
+    return sorted(f.name for f in d.glob("*.safetensors") if f.name != WEIGHTS)
+
+
 def _unchanged(file: Path, m: Manifest) -> bool:
     try:
         st = file.stat()
@@ -284,6 +290,8 @@ class ShardCache:
                 problem = "manifest lists other tensors than the shard needs"
             elif not (d / "config.json").exists():
                 problem = "config.json is missing"
+            elif stray := _stray_weights(d):  # a loader reads every .safetensors of a directory
+                problem = f"holds weights that are not the shard's: {', '.join(stray)}"
             elif expected is not None and (bad := expected.mismatch(m.tensors, (d / "config.json").read_text(),
                                                                      m.raw_hf)):
                 problem = bad
@@ -292,9 +300,15 @@ class ShardCache:
                     return None
                 problem = verify_file(d / WEIGHTS, m.tensors)
                 if problem is None:  # intact after all (copied, touched): trusted from now on
-                    self._write_manifest(d, m)
+                    try:
+                        self._write_manifest(d, m)
+                    except OSError as e:  # (read-only: verified again next time)
+                        log.debug("could not note %s as verified: %s", d, e)
         if problem is None:
-            os.utime(manifest_file)  # when it was last used: the least recently used go first (cache_admin.py)
+            try:
+                os.utime(manifest_file)  # when it was last used: the least recently used go first (cache_admin.py)
+            except OSError as e:  # (a read-only cache is used as it is)
+                log.debug("could not stamp %s as used: %s", manifest_file, e)
             return d
         if not repair:
             return None
@@ -304,7 +318,7 @@ class ShardCache:
 
     def discard(self, key: ShardKey) -> None:
         d = self.dir(key)
-        for name in (SHARD_MANIFEST, WEIGHTS, "config.json"):
+        for name in (SHARD_MANIFEST, WEIGHTS, "config.json", *_stray_weights(d)):
             (d / name).unlink(missing_ok=True)
 
     def complete(self, key: ShardKey, manifest: Manifest, config_json: str) -> Path:
@@ -313,7 +327,12 @@ class ShardCache:
         (d / "config.json").write_text(config_json)
         _sync(d / PART)  # on disk before a manifest vouches for it (a power loss keeps no half file)
         os.replace(d / PART, d / WEIGHTS)
-        self._write_manifest(d, manifest)
+        try:
+            self._write_manifest(d, manifest)
+        except OSError:  # (a full disk): a part again, which the next fetch resumes at its end
+            with contextlib.suppress(OSError):
+                os.replace(d / WEIGHTS, d / PART)
+            raise
         return d
 
     def _write_manifest(self, d: Path, manifest: Manifest) -> None:
@@ -330,18 +349,24 @@ class ShardCache:
         _sync(d)  # the renames too
 
     def holding(self, fingerprint: str, names: list[str]) -> tuple[Path, Manifest] | None:
-        """A complete entry of this model that holds every one of `names` (to serve them to a peer)."""
+        """A complete entry of this model that holds every one of `names` (to serve them to a peer);
+        ValueError if only entries changed on disk since they were verified hold them."""
         base = self.root / fingerprint
         if not is_fingerprint(fingerprint) or not base.is_dir():
             return None
         want = set(names)
+        changed = None
         for d in sorted(base.iterdir()):
             try:
                 m = Manifest.read(d / SHARD_MANIFEST)
             except (OSError, ValueError, KeyError, TypeError):
                 continue
             if m.fingerprint == fingerprint and want <= {t.name for t in m.tensors} and (d / WEIGHTS).exists():
-                return d, m
+                if _unchanged(d / WEIGHTS, m):
+                    return d, m
+                changed = d  # (not served: its next lookup verifies it again)
+        if changed is not None:
+            raise ValueError(f"cache entry {changed} changed since it was verified")
         return None
 
 

@@ -191,3 +191,62 @@ def test_a_root_without_room_for_lock_files_is_used_unlocked(tmp_path: Path) -> 
     assert lock.unlocked and lock.try_shared() and lock.try_exclusive()
     lock.share()
     lock.release()
+
+
+def test_prune_to_a_size_counts_only_what_it_could_remove(filled) -> None:
+    """The least recently used entry is in use: it frees nothing, so the next ones go until the cache
+    holds what was asked."""
+    from mtpipe.node.cache_lock import EntryLock
+
+    cache, dirs, _ = filled
+    loading = EntryLock(cache.root, dirs[1].parent.name, dirs[1].name)
+    assert loading.try_exclusive()
+    loading.share()
+    try:
+        sizes = {e.path: e.bytes for e in cache_admin.entries(cache.root)}
+        assert sizes[dirs[1]] >= sizes[dirs[0]]  # (so that counting the busy one as freed would stop at it)
+        removed, busy = cache_admin.prune(cache.root, max_bytes=sum(sizes.values()) - sizes[dirs[0]])
+        assert [e.path for e in busy] == [dirs[1]]
+        assert [e.path for e in removed] == [dirs[0]] and dirs[1].exists() and dirs[2].exists()
+    finally:
+        loading.release()
+
+
+def test_what_an_entry_holds_beside_its_weights_and_how_it_is_written(filled, dense_ckpt: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loader reads every .safetensors of a directory: an entry holding another one is not used (it is
+    fetched again). A read-only cache is used as it is. An entry whose weights changed since they were
+    verified is not served to peers. A manifest that cannot be written leaves a part file (the next
+    fetch resumes it), never weights no manifest vouches for."""
+    import errno
+
+    from mtpipe.node.shards import PART, SHARD_MANIFEST, WEIGHTS
+
+    cache, dirs, holder = filled
+    fp = model_fingerprint(dense_ckpt)
+    keys = [ShardKey(fp, s[0], s[1], TINY_LAYERS, s[2]) for s in SPECS]
+    (dirs[0] / "zz-extra.safetensors").write_bytes(b"")
+    assert cache.lookup(keys[0]) is None and not (dirs[0] / "zz-extra.safetensors").exists()
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "utime", read_only)
+        assert cache.lookup(keys[1]) == dirs[1]
+
+    names = shard_names(dense_ckpt, SPECS[2][0], SPECS[2][1], TINY_LAYERS, SPECS[2][2])
+    assert cache.holding(fp, names)[0] == dirs[2]
+    os.utime(dirs[2] / WEIGHTS, (1, 1))  # (touched, copied, or changed: verified again before any use)
+    with pytest.raises(ValueError, match="changed since it was verified"):  # (DATA_LOSS to the asker)
+        cache.holding(fp, names)
+
+    cache.discard(keys[2])
+
+    def disk_full(d: Path, manifest: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cache, "_write_manifest", disk_full)
+    with pytest.raises(OSError):
+        fetch_into(cache, dense_ckpt, holder.address, SPECS[2])
+    assert (dirs[2] / PART).exists() and not (dirs[2] / WEIGHTS).exists() and not (dirs[2] / SHARD_MANIFEST).exists()

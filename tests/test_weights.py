@@ -430,6 +430,17 @@ def test_without_a_source_the_node_says_what_is_missing(dense_ckpt: Path, tmp_pa
             remote_engine(dense_ckpt, [s.address for s in servers], dtype="float32", specs=specs)
 
 
+def test_a_load_of_layers_the_model_does_not_have_is_refused_before_any_fetch(tmp_path: Path) -> None:
+    import asyncio
+
+    store = weights.WeightStore([], shard_cache=tmp_path / "cache")
+    for start, end in ((-2, 4), (3, 3), (0, TINY_LAYERS + 1)):
+        request = pb.LoadRequest(fingerprint="ab" * 32, start=start, end=end, num_layers=TINY_LAYERS, mtp=True)
+        with pytest.raises(ValueError, match="not a shard of a model"):
+            asyncio.run(store.resolve(request))
+    assert not any((tmp_path / "cache").rglob("*"))
+
+
 # -- serving tensors --------------------------------------------------------------------------------
 
 
