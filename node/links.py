@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -64,6 +65,19 @@ def strip_scope(address: str) -> tuple[str, str | None]:
     """'fe80::1%en0' -> ('fe80::1', 'en0')."""
     addr, _, scope = address.partition("%")
     return addr, scope or None
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why this machine cannot listen on host:port (in use, not one of its addresses, no such name), or
+    None: asked of the OS before a server that would only say that it failed."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the servers bind)
+        try:
+            sock.bind((strip_scope(host)[0] if family == socket.AF_INET6 else host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 def format_host_port(host: str, port: int, scope: str | None = None) -> str:

@@ -19,6 +19,7 @@ import grpc
 from ..models.mlx_thread import end_thread_streams
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .dataplane import FrameListener
+from .links import bind_problem, format_host_port
 from .service import NodeService
 from .tls import server_credentials
 from .wire import MAX_MESSAGE_BYTES, SERVER_OPTIONS
@@ -61,6 +62,8 @@ class NodeServer:
         return f"{_bracket(self.host)}:{self.port}"
 
     async def _start(self) -> None:
+        if (why := bind_problem(self.host, self.requested_port)) is not None:  # (before gRPC logs its own words)
+            raise OSError(f"cannot listen on {format_host_port(self.host, self.requested_port)}: {why}")
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_NodeServicer_to_server(self.service, self._server)
         bind = f"{_bracket(self.host)}:{self.requested_port}"
@@ -70,7 +73,9 @@ class NodeServer:
         except RuntimeError:
             self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {self.host}:{self.requested_port} (address in use?)")
+            await self._server.stop(None)  # (a server left running aborts the process as it exits)
+            why = bind_problem(self.host, self.requested_port) or "refused"
+            raise OSError(f"cannot listen on {format_host_port(self.host, self.requested_port)}: {why}")
         self.service.name = f"{self.host}:{self.port}"
         self.service.loop = asyncio.get_running_loop()
         if self.listener is not None:
@@ -100,7 +105,12 @@ class NodeServer:
 
         self._thread = threading.Thread(target=run, name="node-loop", daemon=True)
         self._thread.start()
-        started.result()
+        try:
+            started.result()
+        except BaseException:
+            self._thread.join()  # (its loop and gRPC's threads end before the caller goes on, or exits)
+            self._loop.close()
+            raise
         log.info("node %s listening on %s", self.service.node_id, self.address)
         return self
 

@@ -60,3 +60,21 @@ def test_no_method_of_the_node_service_is_a_mixin_stub() -> None:
     stubs = [name for name, fn in inspect.getmembers(NodeService, inspect.isfunction)
              if fn.__code__.co_code == empty and fn.__qualname__.split(".")[0] != "NodeServicer"]
     assert stubs == []
+
+
+def test_a_node_that_cannot_listen_says_why_and_exits_cleanly() -> None:
+    """A port in use, or an address this machine does not have: one line naming the cause, exit 1 (not
+    gRPC's abort as the interpreter tore its threads down)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for host, why in (("127.0.0.1", "Address already in use"), ("10.255.255.1", "Cannot assign requested address")):
+            r = subprocess.run([sys.executable, "-m", "mtpipe", "node", "--host", host, "--port", str(port),
+                                "--insecure"], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 1 and f"cannot listen on {host}:{port}: {why}" in r.stderr, r.stderr
+            assert "Traceback" not in r.stderr and "add_port" not in r.stderr

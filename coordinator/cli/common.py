@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import socket
 from collections.abc import Callable
 from typing import Any
 
 from ...node.cli import add_draft_options, number_arg
-from ...node.links import format_host_port, split_host_port
+from ...node.links import bind_problem, format_host_port, split_host_port
 from ...node.protocol import MAX_MTP_DEPTH
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_SIGPIPE = 141  # what a shell reports for a filter its reader left (128 + SIGPIPE)
 
 
 def exit_on_sigterm(signum: int, frame: Any) -> None:
@@ -71,13 +71,8 @@ def check_default_depth(depth: int | str | None, has_mtp: bool, option: str = "-
 def check_port_free(host: str, port: int, what: str) -> None:
     """Refuse a port something else listens on (this node's own server too) before serving on it, so
     that nothing reads the other listener as this server up."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the server binds)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            raise ValueError(f"{what} {format_host_port(host, port)} cannot be used: {e.strerror or e}") from None
+    if (problem := bind_problem(host, port)) is not None:
+        raise ValueError(f"{what} {format_host_port(host, port)} cannot be used: {problem}")
 
 
 def add_take_over(p: argparse.ArgumentParser) -> None:
