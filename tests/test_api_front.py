@@ -140,19 +140,27 @@ def test_a_client_that_leaves_frees_its_sequence(engine: BatchEngine, front: Fro
     wait_idle(engine, front)
 
 
+def serving(front: FrontProcess) -> tuple[list[int], threading.Thread]:
+    """`front.serve()` (what `mtpipe serve` runs) on a thread, once the front serves; its exit code goes
+    into the list when it returns."""
+    code: list[int] = []
+    server = threading.Thread(target=lambda: code.append(front.serve()), daemon=True)
+    server.start()
+    deadline = time.monotonic() + 60
+    while not front.url:
+        assert time.monotonic() < deadline and server.is_alive()
+        time.sleep(0.05)
+    return code, server
+
+
 def test_a_front_that_dies_leaves_nothing_in_the_engine(engine: BatchEngine, dense_ckpt: Path,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     """The front killed mid-stream: the engine frees the sequence, and `serve()` (what `mtpipe serve`
     returns) ends in 1, saying why."""
     front = FrontProcess(engine, FrontSpec(str(dense_ckpt), model_name=MODEL, api_key=KEY, access_log=False))
-    code: list[int] = []
-    server = threading.Thread(target=lambda: code.append(front.serve()), daemon=True)
-    server.start()
     try:
+        code, server = serving(front)
         deadline = time.monotonic() + 60
-        while not front.url:
-            assert time.monotonic() < deadline and server.is_alive()
-            time.sleep(0.05)
         tokens = list(engine.tokenizer.encode(PROMPTS[3]))
         done = threading.Event()
 
@@ -188,14 +196,8 @@ def test_a_stuck_engine_fails_its_requests_and_stops_the_front(engine: BatchEngi
     the engine holds nothing of the request."""
     spec = FrontSpec(str(dense_ckpt), model_name=MODEL, api_key=KEY, access_log=False, stall_timeout=1.0)
     front = FrontProcess(engine, spec)
-    code: list[int] = []
-    server = threading.Thread(target=lambda: code.append(front.serve()), daemon=True)
-    server.start()
     try:
-        deadline = time.monotonic() + 60
-        while not front.url:
-            assert time.monotonic() < deadline and server.is_alive()
-            time.sleep(0.05)
+        code, server = serving(front)
         body = {"model": MODEL, "prompt": list(engine.tokenizer.encode(PROMPTS[3])), "max_tokens": 2000,
                 "temperature": 0, "stream": True}
         with httpx.stream("POST", front.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
@@ -296,6 +298,7 @@ def test_mtpipe_serve_runs_its_api_in_a_child_and_stops_it(dense_ckpt: Path, how
         else:
             proc.send_signal(signal.SIGTERM)  # a service manager signals the command
         assert proc.wait(30) == 0, proc.stderr.read() if proc.stderr else ""
+        assert proc.stderr is not None and f"at {url}/v1" in proc.stderr.read()  # the URL it listens at, once it does
         _, alive = psutil.wait_procs(children, timeout=10)  # the tracker ends when it sees its pipe close
         assert not alive, [c.cmdline() for c in alive]
     finally:

@@ -25,6 +25,7 @@ from mtpipe.models.config import load_config
     (["generate", "--nodes", "127.0.0.1:99999"], r"--nodes: '127.0.0.1:99999': '99999' is not a TCP port"),
     (["generate", "--nodes", "10.0.0.1:5,10.0.0.2:5,10.0.0.1:5"], r"--nodes: 10.0.0.1:5 is listed twice"),
     (["serve", "--stall-timeout", "-1"], r"--stall-timeout: expected a number of seconds \(0: never\), got '-1'"),
+    (["serve", "--resume-window", "nan"], r"--resume-window: expected a number of seconds"),
     (["serve", "--nodes", " , "], r"--nodes: expected comma-separated host:port of nodes"),
     (["serve", "--nodes", "h:1", "--weights-from", "h"], r"--weights-from: 'h' has no port"),
     (["generate", "--max-tokens", "0"], r"--max-tokens: expected a positive integer"),
@@ -105,3 +106,23 @@ def test_a_launch_that_fails_says_so_in_its_events(tmp_path: Path, capsys: pytes
     assert main(["launch", "--json", "--secret-file", str(missing)]) != 0
     (event,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert event["event"] == "error" and str(missing) in event["error"]
+
+
+def test_serve_refuses_a_port_it_cannot_listen_on_before_loading(capsys: pytest.CaptureFixture) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", "/nonexistent/model", "--port", str(port)]) == 2
+    assert f"--host/--port 127.0.0.1:{port} cannot be used: Address already in use" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", "/nonexistent/model", "--prompt", ""], "the prompt is empty"),
+    (["bench", "faults", "--nodes", "x"], "--nodes: expected comma-separated counts"),
+])
+def test_bad_input_found_before_any_model_is_read(argv: list[str], message: str,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+

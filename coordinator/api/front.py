@@ -70,6 +70,7 @@ def prepare_process() -> None:
     loads, and the front only tokenizes.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (blocked from the spawn: `FrontProcess.spawn`)
     signal.signal(signal.SIGTERM, _exit_cleanly)
     sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -177,9 +178,13 @@ class FrontProcess:
 
     def spawn(self) -> "FrontProcess":
         if self.process.pid is None:
+            # The child starts with Ctrl-C blocked: a terminal's SIGINT to the whole group while its
+            # interpreter starts would kill it there ("Fatal Python error"), before it can ignore it.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 self.process.start()
             finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 self._child_conn.close()  # the child's end is the child's alone
         return self
 
@@ -214,10 +219,11 @@ class FrontProcess:
     def alive(self) -> bool:
         return self.process.is_alive()
 
-    def serve(self) -> int:
+    def serve(self, announce: Callable[[str], None] | None = None) -> int:
         """Start the front and wait for it to end; the command's exit code. Ctrl-C (a terminal signals
         both processes) and SIGTERM to this process stop the front as uvicorn stops, and end in 0; a
-        front that ends without being told to is an error, logged, and ends in 1."""
+        front that ends without being told to is an error, logged, and ends in 1. `announce(url)` once
+        it serves."""
         stopping = threading.Event()
 
         def on_term(signum: int, frame: Any) -> None:
@@ -232,6 +238,8 @@ class FrontProcess:
         try:
             self.start()
             log.info("the API serves at %s/v1 from process %d", self.url, self.process.pid)
+            if announce is not None:
+                announce(self.url)
             if not stopping.is_set():  # (a SIGTERM before the front had a pid found nothing to stop)
                 self.process.join()
         except KeyboardInterrupt:  # SIGINT to this process alone reaches the front this way

@@ -4,6 +4,8 @@ about an engine over running nodes."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -69,6 +71,7 @@ def serve(
     api_process: bool = True,
     front: Optional["FrontProcess"] = None,
     stall_timeout: Optional[float] = STALL_TIMEOUT_S,
+    announce: Optional[Callable[[str], None]] = None,
 ) -> int:
     """Run the API with uvicorn until interrupted (Ctrl-C or SIGTERM: 0) or until the API process ends
     by itself (1, logged). Logging goes through the root logger.
@@ -77,7 +80,7 @@ def serve(
     an API in a process of its own (front.py); otherwise, and for the per-sequence engine, in this one.
     `front`: that process, spawned early with these settings (`front_spec`); stopped if not used.
     `stall_timeout`: that process fails every open request and stops once the engine has been stuck this
-    long (link.py); None: never.
+    long (link.py); None: never. `announce(url)` once the API listens (the port bound, if 0 was asked).
     """
     if not api_key and not _is_loopback(host):
         log.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
@@ -91,7 +94,7 @@ def serve(
             front.stop()
             front = None
         front = front or FrontProcess(None, spec)
-        return front.attach(engine, cluster_info).serve()
+        return front.attach(engine, cluster_info).serve(announce)
     if front is not None:
         front.stop()
     log.info("serving %s at http://%s:%d/v1", model_name, host, port)
@@ -100,8 +103,20 @@ def serve(
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                      max_body_bytes=max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5))
+    if announce is not None:
+        threading.Thread(target=_announce_when_started, args=(server, announce), name="api-announce",
+                         daemon=True).start()
     try:
-        uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5)
+        server.run()
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has stopped
         pass
     return 0
+
+
+def _announce_when_started(server: Any, announce: Callable[[str], None]) -> None:
+    while not server.started and not server.should_exit:
+        time.sleep(0.02)
+    if server.started:
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        announce(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")

@@ -17,11 +17,11 @@ from ..api.defaults import (
 )
 from ..engine.ring import RESUME_WINDOW_S
 from ...node.cli import number_arg, port_arg
-from ...node.links import format_host_port
 from .common import (
     add_mtp,
     add_take_over,
     check_default_depth,
+    check_port_free,
     exit_on_sigterm,
     nodes_arg,
     progress_loader,
@@ -54,7 +54,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                         "prefills only the rest. One machine: dropped first when requests need the memory (default: "
                         "a quarter of the batch's memory budget). With --nodes: over all nodes together (default: an "
                         "eighth of the memory the node with least available has, per node). 0: off")
-    p.add_argument("--resume-window", type=float, default=RESUME_WINDOW_S,
+    p.add_argument("--resume-window", type=seconds_or_never, default=RESUME_WINDOW_S,
                    help="with --nodes: how long a request whose node is lost waits for the pipeline to be formed "
                         f"again, then goes on where it stopped (default {RESUME_WINDOW_S:g} s; 0: fail at once)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -80,10 +80,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-concurrency must be at least 1")
     if args.max_body_bytes < 0:
         raise ValueError("--max-body-bytes must be 0 (no limit) or more")
-    if args.resume_window < 0:
-        raise ValueError("--resume-window must be 0 (no resume) or more")
     if args.prefix_cache is not None and not (args.prefix_cache >= 0 and math.isfinite(args.prefix_cache)):
         raise ValueError("--prefix-cache must be a number of GB, 0 (off) or more")
+    check_port_free(args.host, args.port, "--host/--port")  # (before the model loads, which may take minutes)
     api_key = read_secret(args.api_key_file, API_KEY_ENV, option="--api-key-file")
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     path = resolve_model(args.model)
@@ -118,13 +117,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                       progress=progress, max_rows=max(DEFAULT_MAX_ROWS, args.max_concurrency),
                                       **options)
         check_default_depth(depth, engine.has_mtp)
-        stderr_console().print(
-            f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at http://{format_host_port(args.host, args.port)}/v1"
-            + (" (API key required)" if api_key else "")
-        )
+
+        def announce(url: str) -> None:
+            stderr_console().print(f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at {url}/v1"
+                                   + (" (API key required)" if api_key else ""))
+
         cluster_info = nodes_cluster_info(engine, name) if args.nodes else None
         return serve(engine, args.host, args.port, api_key=api_key, model_name=name, cluster_info=cluster_info,
-                     model_path=path, api_process=not args.api_in_process, front=front, **settings)
+                     model_path=path, api_process=not args.api_in_process, front=front, announce=announce,
+                     **settings)
     finally:
         if front is not None:
             front.stop()
