@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -14,6 +15,8 @@ from .server import DEFAULT_PORT, NodeServer
 
 if TYPE_CHECKING:
     from .fetch import Transfer
+
+log = logging.getLogger(__name__)
 
 
 def number_arg(cast: Callable[[str], Any], what: str, ok: Callable[[Any], bool]) -> Callable[[str], Any]:
@@ -79,6 +82,9 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     secret = read_secret(args.secret_file)
     check_exposure(args.host, secret, args.insecure)
+    for d in args.model_dir:  # (a typo would silently turn every Load of that model into a fetch)
+        if not os.path.isdir(os.path.expanduser(d)):
+            log.warning("--model-dir %s is not a directory: no model is read from it", d)
     server = NodeServer(args.host, args.port, node_id=args.node_id, secret=secret,
                         data_plane=args.data_plane == "tcp", model_dirs=args.model_dir,
                         shard_cache=args.shard_cache, download=args.download, draft_vocab=args.draft_vocab,

@@ -200,3 +200,16 @@ def test_a_prompt_outside_the_vocabulary_is_refused_before_any_stage(dense_engin
 
     open_stream(dense_engine, GenerationRequest([1, 2, 3], 4), failing)
     assert ended.wait(30)
+
+
+def test_generate_into_a_pipe_its_reader_closes_ends_quietly(dense_ckpt: Path) -> None:
+    """`mtpipe generate ... | head -c 1`: no error line, no traceback; the exit a shell gives a filter
+    whose reader left (141)."""
+    proc = subprocess.Popen([sys.executable, "-m", "mtpipe", "-v", "generate", "--model", str(dense_ckpt),
+                             "--prompt", "x", "--max-tokens", "400", "--no-mtp"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.read(1)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141 and "Error" not in err and "Traceback" not in err, err
+

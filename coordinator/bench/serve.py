@@ -403,14 +403,14 @@ def _mlx_load(path: str) -> tuple[Any, Any]:
     return load(path)
 
 
-def parse_levels(value: str) -> list[int]:
-    """--concurrency: comma-separated positive numbers of concurrent streams."""
+def parse_levels(value: str, option: str = "--concurrency") -> list[int]:
+    """--concurrency, --nodes: comma-separated positive counts."""
     try:
         levels = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"--concurrency: expected comma-separated counts, got {value!r}") from None
+        raise ValueError(f"{option}: expected comma-separated counts, got {value!r}") from None
     if not levels or min(levels) < 1:
-        raise ValueError(f"--concurrency: expected positive counts, got {value!r}")
+        raise ValueError(f"{option}: expected positive counts, got {value!r}")
     return levels
 
 

@@ -31,9 +31,12 @@ def main() -> int:
     if command in DEFERRING or asks_help:
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # as mlx-lm's own init sets it
         defer_package_init("mlx_lm")
-    from .main import main as run
+    try:
+        from .main import main as run  # (Ctrl-C while the imports run ends as quietly as later)
 
-    return run()
+        return run()
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

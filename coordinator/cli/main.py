@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from ...node.secrets import add_secret_args
 from .common import (
     EXIT_ERROR,
     EXIT_OK,
+    EXIT_SIGPIPE,
     EXIT_USAGE,
     add_draft_options,
     add_mtp,
@@ -41,6 +43,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--weights-from applies with --nodes")
     params = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
     params.validate()  # (before any node is loaded, or taken over)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt and not args.chat:  # (a chat template makes tokens of an empty message)
+        raise ValueError("the prompt is empty")
     model = resolve_model(args.model)
     options = stage_options(args, remote=bool(args.nodes))
     if args.nodes:
@@ -60,7 +65,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
     try:
         depth, auto = resolve_depth(0 if args.no_mtp else args.mtp_depth, engine.has_mtp)
-        prompt = args.prompt if args.prompt is not None else sys.stdin.read()
         chat = [{"role": "user", "content": prompt}]
         tokens = engine.encode_chat(chat) if args.chat else engine.tokenizer.encode(prompt)
         req = GenerationRequest(prompt_tokens=tokens, max_tokens=args.max_tokens, params=params, mtp_depth=depth,
@@ -120,8 +124,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..bench import serve_nodes
 
         result = serve_nodes.bench_serve_nodes(
-            model, nodes=bench_serve.parse_levels(args.nodes), concurrency=bench_serve.parse_levels(args.concurrency),
-            max_tokens=args.max_tokens, reps=args.reps, mlx_ring=not args.skip_mlx_lm, gap=not args.skip_gap,
+            model, nodes=bench_serve.parse_levels(args.nodes, "--nodes"),
+            concurrency=bench_serve.parse_levels(args.concurrency), max_tokens=args.max_tokens, reps=args.reps,
+            mlx_ring=not args.skip_mlx_lm, gap=not args.skip_gap,
         )
         serve_nodes.print_nodes_report(result, stderr_console())
     elif args.target == "serve":
@@ -172,8 +177,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..bench import faults as bench_faults
         from ..bench.serve import parse_levels
 
-        result = bench_faults.bench_faults(model, nodes=parse_levels(args.nodes or "2,3"), max_tokens=args.max_tokens,
-                                           fault_s=args.fault_seconds)
+        result = bench_faults.bench_faults(model, nodes=parse_levels(args.nodes or "2,3", "--nodes"),
+                                           max_tokens=args.max_tokens, fault_s=args.fault_seconds)
         bench_faults.print_report(result, stderr_console())
     else:
         from ..bench import pipeline as bench_pipeline
@@ -308,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader of our output went away (`| head`): stop quietly, as a filter does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush cannot fail again)
+        return EXIT_SIGPIPE
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"mtpipe: error: {e}", file=sys.stderr)
         return EXIT_USAGE

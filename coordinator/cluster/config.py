@@ -178,7 +178,7 @@ class ClusterConfig(_Section):
         if self.secret:
             return self.secret
         if self.secret_file:
-            return read_secret(self.secret_file, env=None, option="cluster.yaml secret_file")
+            return read_secret(self.secret_file, env=None, option="--secret-file (cluster.yaml secret_file)")
         return os.environ.get(self.secret_env) if self.secret_env else None
 
     def resolve_api_key(self) -> str | None:
