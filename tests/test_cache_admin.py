@@ -127,17 +127,22 @@ def test_a_source_that_stalls_is_given_up(dense_ckpt: Path, tmp_path: Path, monk
         holder.stop(0)
 
 
+def loaded_by_another_node(cache: ShardCache, entry: Path):
+    """The lock another node on this machine holds on an entry from its lookup until its shard is loaded."""
+    from mtpipe.node.cache_lock import EntryLock
+
+    lock = EntryLock(cache.root, entry.parent.name, entry.name)
+    assert lock.try_exclusive()
+    lock.share()
+    return lock
+
+
 def test_entries_a_node_is_loading_are_not_removed(filled, capsys: pytest.CaptureFixture) -> None:
     """Another node on this machine, sharing the cache root, holds an entry's lock from its lookup until
     the shard is loaded: neither `prune` nor a fetch making room removes that entry."""
-    from mtpipe.node.cache_lock import EntryLock
-
     cache, dirs, _ = filled
-    loading = EntryLock(cache.root, dirs[1].parent.name, dirs[1].name)
-    assert loading.try_exclusive()
-    loading.share()
+    loading = loaded_by_another_node(cache, dirs[1])
     try:
-        sizes = {e.path: e.bytes for e in cache_admin.entries(cache.root)}
         # Room for one byte: the oldest entry is in use, so the next one goes.
         assert cache_admin.make_room(cache.root, 1, 0, measure=lambda path: 1) == 1
         assert dirs[1].exists() and not dirs[0].exists() and dirs[2].exists()
@@ -196,12 +201,8 @@ def test_a_root_without_room_for_lock_files_is_used_unlocked(tmp_path: Path) -> 
 def test_prune_to_a_size_counts_only_what_it_could_remove(filled) -> None:
     """The least recently used entry is in use: it frees nothing, so the next ones go until the cache
     holds what was asked."""
-    from mtpipe.node.cache_lock import EntryLock
-
     cache, dirs, _ = filled
-    loading = EntryLock(cache.root, dirs[1].parent.name, dirs[1].name)
-    assert loading.try_exclusive()
-    loading.share()
+    loading = loaded_by_another_node(cache, dirs[1])
     try:
         sizes = {e.path: e.bytes for e in cache_admin.entries(cache.root)}
         assert sizes[dirs[1]] >= sizes[dirs[0]]  # (so that counting the busy one as freed would stop at it)
