@@ -206,7 +206,7 @@ def test_mlx_thread_says_how_long_its_unit_of_work_has_run(mlx_thread: MLXThread
     held = mlx_thread.submit(release.wait, 10)
     with pytest.raises(TimeoutError):
         mlx_thread.call(lambda: 1, timeout=0.3)
-    assert mlx_thread.busy_for() >= 0.3
+    assert mlx_thread.busy_for() >= 0.25  # (the held unit began just after the call's wait did)
     release.set()
     assert held.result(10) and mlx_thread.call(lambda: 1) == 1
     assert mlx_thread.busy_for() < 0.1  # (the unit that answered may not have closed yet)
