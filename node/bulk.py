@@ -31,7 +31,8 @@ TOKEN_BYTES = 32
 TOKEN_TTL_S = 30.0
 RECV_BYTES = 4 << 20
 BUFFERS = 4  # receive buffers in turn: one filling while the others are written and hashed
-IDLE_TIMEOUT_S = 30.0  # a stalled holder
+IDLE_TIMEOUT_S = 30.0  # a stalled holder, or fetcher
+SEND_PIECE = 32 << 20  # a holder sends a range in pieces of this many bytes, each within IDLE_TIMEOUT_S
 
 
 class BulkRefused(ConnectionError):
@@ -92,10 +93,17 @@ async def serve_bulk(grants: BulkGrants, reader: asyncio.StreamReader, writer: a
     loop = asyncio.get_running_loop()
     for file, start, count in _ranges(grant.locs, grant.offset):
         with await loop.run_in_executor(None, open, file, "rb") as f:
-            sent = await loop.sendfile(writer.transport, f, start, count)
-        on_sent(sent)
-        if sent != count:
-            raise OSError(f"{file}: truncated at byte {start + sent}")
+            # In pieces, each given IDLE_TIMEOUT_S: a fetcher that stopped taking bytes (stopped, cut
+            # off: its kernel still answers) must not hold this coroutine and the file for ever.
+            for at in range(start, start + count, SEND_PIECE):
+                n = min(SEND_PIECE, start + count - at)
+                try:
+                    sent = await asyncio.wait_for(loop.sendfile(writer.transport, f, at, n), IDLE_TIMEOUT_S)
+                except TimeoutError:
+                    raise TimeoutError(f"the fetcher took less than {n >> 20} MiB in {IDLE_TIMEOUT_S:.0f} s") from None
+                on_sent(sent)
+                if sent != n:
+                    raise OSError(f"{file}: truncated at byte {at + sent}")
     await writer.drain()
 
 

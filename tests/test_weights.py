@@ -411,6 +411,48 @@ def test_a_bulk_token_is_good_once(dense_ckpt: Path, tmp_path: Path) -> None:
             bulk.connect("127.0.0.1", chunks[0].data_port, chunks[0].token)
 
 
+def test_a_fetcher_that_stops_taking_bytes_is_let_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetcher stopped (or cut off) whose kernel still answers: the holder's send gives up once a
+    piece has not gone out within the idle timeout, and its stream and file are closed."""
+    import asyncio
+    import socket
+    import time
+
+    monkeypatch.setattr(bulk, "IDLE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(bulk, "SEND_PIECE", 8 << 20)
+    big = tmp_path / "big.bin"
+    size = 64 << 20  # far more than the loopback's socket buffers hold
+    with open(big, "wb") as f:
+        f.truncate(size)
+    grants = bulk.BulkGrants()
+    token = grants.issue([fpmod.TensorLoc("t", big, 0, size, "uint8", (size,))], 0)
+    outcome: list[BaseException | None] = []
+
+    async def scenario() -> float:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await bulk.serve_bulk(grants, reader, writer, lambda n: None)
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - what the test looks at
+                outcome.append(e)
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(token)
+        start = time.monotonic()
+        while not outcome and time.monotonic() - start < 20:
+            await asyncio.sleep(0.05)  # the client reads nothing after connecting
+        client.close()
+        server.close()
+        return time.monotonic() - start
+
+    took = asyncio.run(scenario())
+    assert outcome and isinstance(outcome[0], TimeoutError) and took < 10, (outcome, took)
+
+
 def test_no_disk_space_refuses_before_the_transfer(dense_ckpt: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fetch, "free_bytes", lambda path: 10 << 20)
