@@ -25,6 +25,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from .shards import cache_root
 
     root = cache_root(args.shard_cache)
+    if not root.is_dir():  # (a typo in --shard-cache would otherwise read as an empty cache)
+        print(f"mtpipe cache: note: {root} does not exist{' (or is not a directory)' if root.exists() else ''}: "
+              "no node has cached a shard there", file=sys.stderr)
     if args.action == "prune":
         chosen = [x for x in (args.model, args.max_gib, args.all or None) if x is not None]
         if len(chosen) != 1:

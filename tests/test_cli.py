@@ -126,3 +126,11 @@ def test_bad_input_found_before_any_model_is_read(argv: list[str], message: str,
     assert main(argv) == 2
     assert message in capsys.readouterr().err
 
+
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    from mtpipe import __version__
+
+    with pytest.raises(SystemExit) as ended:
+        build_parser().parse_args(["--version"])
+    assert ended.value.code == 0 and capsys.readouterr().out.strip() == f"mtpipe {__version__}"
+

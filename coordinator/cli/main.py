@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ... import __version__
 from ...models import blas
 from ...node.secrets import add_secret_args
 from .common import (
@@ -226,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve Qwen3.5/3.6 across a pipeline of machines with native MTP speculative decoding.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("--version", action="version", version=f"mtpipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate text from a prompt")
