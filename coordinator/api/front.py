@@ -114,14 +114,7 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
     if spec.stall_timeout:
         client.watch(spec.stall_timeout)
 
-    def announce() -> None:
-        while not server.started and not server.should_exit:
-            time.sleep(0.01)
-        if server.started:
-            host, port = server.servers[0].sockets[0].getsockname()[:2]
-            client.announce(host, port)
-
-    threading.Thread(target=announce, name="api-announce", daemon=True).start()
+    threading.Thread(target=when_serving, args=(server, client.announce), name="api-announce", daemon=True).start()
     try:
         server.run()
     finally:
@@ -129,6 +122,20 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
     if client.lost is not None:
         log.error("the API stops: %s", client.lost)
         sys.exit(1)
+
+
+def when_serving(server: Any, tell: Callable[[str, int], None]) -> None:
+    """`tell(host, port)` once a uvicorn server listens (the port it bound, if 0 was asked); nothing if
+    it stops first. Blocks: run it on a thread of its own."""
+    while not server.started and not server.should_exit:
+        time.sleep(0.01)
+    if server.started:
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        tell(host, port)
+
+
+def base_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _early_tokenizer(model_path: str) -> Any:
@@ -212,7 +219,7 @@ class FrontProcess:
         except BaseException:
             self.stop()
             raise
-        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        self.url = base_url(host, port)
         return self.url
 
     @property

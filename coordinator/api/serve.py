@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -105,18 +104,13 @@ def serve(
                      max_body_bytes=max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5))
     if announce is not None:
-        threading.Thread(target=_announce_when_started, args=(server, announce), name="api-announce",
-                         daemon=True).start()
+        from .front import base_url, when_serving
+
+        threading.Thread(target=when_serving, args=(server, lambda host, port: announce(base_url(host, port))),
+                         name="api-announce", daemon=True).start()
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has stopped
         pass
     return 0
 
-
-def _announce_when_started(server: Any, announce: Callable[[str], None]) -> None:
-    while not server.started and not server.should_exit:
-        time.sleep(0.02)
-    if server.started:
-        host, port = server.servers[0].sockets[0].getsockname()[:2]
-        announce(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
