@@ -79,15 +79,19 @@ def remove(entry: Entry) -> None:
     log.info("shard cache: removed %s (%.1f MiB)", entry.path, entry.bytes / 2**20)
 
 
-def _lock_all(chosen: list[Entry]) -> tuple[list[tuple[Entry, EntryLock]], list[Entry]]:
-    """The entries that no node is fetching or loading, each locked; and the others (cache_lock.py)."""
-    free, busy = [], []
+def _lock_all(chosen: list[Entry], need: int | None = None) -> tuple[list[tuple[Entry, EntryLock]], list[Entry]]:
+    """The entries that no node is fetching or loading, each locked; and the others (cache_lock.py).
+    With `need`: in order, until the locked ones hold that many bytes (a busy one frees nothing)."""
+    free, busy, held = [], [], 0
     for e in chosen:
+        if need is not None and held >= need:
+            break
         lock = try_exclusive(e.path)
         if lock is None:
             busy.append(e)
         else:
             free.append((e, lock))
+            held += e.bytes
     if busy:
         log.info("shard cache: %d entries in use by a node are kept: %s", len(busy),
                  ", ".join(str(e.path) for e in busy))
@@ -125,16 +129,8 @@ def prune(root: Path, *, max_bytes: int | None = None,
     if max_bytes is None:
         removable, busy = _lock_all([e for e in all_entries
                                      if fingerprint is None or e.fingerprint.startswith(fingerprint)])
-    else:  # least recently used first, counting only what could be locked: a busy one frees nothing
-        total = sum(e.bytes for e in all_entries)
-        removable, busy = [], []
-        for e in all_entries:
-            if total <= max_bytes:
-                break
-            locked, held = _lock_all([e])
-            removable += locked
-            busy += held
-            total -= e.bytes if locked else 0
+    else:  # least recently used first
+        removable, busy = _lock_all(all_entries, need=sum(e.bytes for e in all_entries) - max_bytes)
     try:
         for e, _ in removable:
             remove(e)

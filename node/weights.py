@@ -116,9 +116,9 @@ class WeightStore:
         fp = request.fingerprint
         if fp and not is_fingerprint(fp):
             raise ValueError(f"{fp[:80]!r} is not a model fingerprint")
-        if not 0 <= request.start < request.end <= request.num_layers:  # (before anything is fetched for it)
-            raise ValueError(f"layers [{request.start}, {request.end}) are not a shard of a model of "
-                             f"{request.num_layers} layers")
+        from ..models.shard import ShardSpec
+
+        ShardSpec(request.start, request.end, request.num_layers)  # a layer range it has (before any fetch)
         hint = request.model_path if request.model_path and self.path_hint else ""
         refused = bool(hint) and not self.readable.allows(hint)
         if refused:
