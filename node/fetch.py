@@ -62,6 +62,10 @@ class _SourceFailed(Exception):
     pass
 
 
+class _BadBytes(Exception):
+    """A tensor failed its hash: the rest of the transfer from this source is not waited for."""
+
+
 @dataclass
 class Transfer:
     """Progress of this node's shard transfers (HealthReply), and counters since the node started."""
@@ -205,10 +209,12 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
             nonlocal received
             received += n
             progress.advance(n)
+            if verifier.problem is not None:
+                raise _BadBytes
             if progress.interrupt_after is not None and received >= progress.interrupt_after:
                 raise TransferInterrupted(f"transfer stopped after {received} bytes (test hook)")
 
-        fallback, sock = False, None
+        fallback, bad_part, sock = False, False, None
         f = await loop.run_in_executor(None, open, part, "ab" if offset else "wb")
         verifier = StreamVerifier(tensors)  # (its thread, once the part file is open: `finish` ends it)
         try:
@@ -220,7 +226,9 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
                     log.warning("no data plane to %s (port %d: %s); fetching over gRPC", source, first.data_port, e)
                     fallback = True
             if offset:  # what the part file holds goes through the hashes first
-                await loop.run_in_executor(None, _feed_part, part, len(header), offset, verifier)
+                if await loop.run_in_executor(None, _feed_part, part, len(header), offset, verifier):
+                    bad_part = True
+                    raise _BadBytes
             if not offset:
                 f.write(header)
             if sock is not None:
@@ -245,12 +253,16 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
                 except OSError as e:
                     raise OSError(e.errno, f"writing {part}: {e.strerror or e}") from e
                 verifier.feed(chunk.data)
+                if verifier.problem is not None:
+                    raise _BadBytes
                 offset += len(chunk.data)
                 received += len(chunk.data)
                 progress.advance(len(chunk.data))
                 if progress.interrupt_after is not None and received >= progress.interrupt_after:
                     call.cancel()
                     raise TransferInterrupted(f"transfer stopped after {received} bytes (test hook)")
+        except _BadBytes:
+            call.cancel()
         finally:
             if sock is not None:
                 bulk.close(sock)
@@ -258,6 +270,12 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
                 f.close()  # (a full disk may fail it)
             finally:
                 problem = await loop.run_in_executor(None, verifier.finish)  # the thread ends either way
+    if verifier.problem is not None:  # no byte of this part is kept
+        part.unlink(missing_ok=True)
+        if bad_part:  # what an earlier transfer left, not this source's bytes
+            log.info("%s failed its hashes (%s); starting over", part, verifier.problem)
+            return await _fetch_from(source, cache, key, names, secret, progress, raw, reask, expected)
+        raise _SourceFailed(f"verification failed ({verifier.problem}); the part file is dropped")
     if fallback:
         return await _fetch_from(source, cache, key, names, secret, progress, False, reask, expected)
     if offset != total:
@@ -272,7 +290,8 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
     return received
 
 
-def _feed_part(part: Path, data_start: int, size: int, verifier: StreamVerifier) -> None:
+def _feed_part(part: Path, data_start: int, size: int, verifier: StreamVerifier) -> str | None:
+    """What a part file holds, through the hashes; what is wrong with it."""
     with open(part, "rb") as f:
         f.seek(data_start)
         while size > 0:
@@ -280,7 +299,10 @@ def _feed_part(part: Path, data_start: int, size: int, verifier: StreamVerifier)
             if not block:
                 raise OSError(f"{part}: shorter than its resume offset")
             verifier.feed(block)
+            if verifier.problem is not None:
+                break
             size -= len(block)
+    return verifier.settle()
 
 
 def _head(path: Path, n: int) -> bytes:

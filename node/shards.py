@@ -212,12 +212,24 @@ class StreamVerifier:
         `done` is called (the caller keeps the buffer untouched until then)."""
         self._queue.put((data, done) if done is not None else (bytes(data), None))
 
+    @property
+    def problem(self) -> str | None:
+        """A tensor that failed its hash so far (set by the hashing thread): the transfer can stop there."""
+        return self._problem
+
+    def settle(self) -> str | None:
+        """Wait until every byte fed so far is hashed; the problem so far."""
+        hashed = threading.Event()
+        self._queue.put((b"", hashed.set))
+        hashed.wait()
+        return self._problem
+
     def finish(self) -> str | None:
         """None if every tensor arrived whole with its hash; else what is wrong."""
         self._queue.put(None)
         self._thread.join()
         if self._problem is None and self._index < len(self.tensors):
-            self._problem = f"{self.tensors[self._index].name}: truncated"
+            return f"{self.tensors[self._index].name}: truncated"
         return self._problem
 
     def _run(self) -> None:

@@ -27,7 +27,7 @@ from mtpipe.models import fingerprint as fpmod
 from mtpipe.models.fingerprint import checkpoint_index, model_fingerprint, shard_names
 from mtpipe.models.loading import load_shard
 from mtpipe.models.shard import ShardSpec
-from mtpipe.node import bulk, fetch, weights
+from mtpipe.node import bulk, fetch, shards, weights
 from mtpipe.node.server import NodeServer
 from mtpipe.node.shards import PART, WEIGHTS, ShardCache, ShardKey
 from mtpipe.node.wire import make_channel
@@ -263,6 +263,95 @@ def test_an_interrupted_transfer_resumes(dense_ckpt: Path, tmp_path: Path, monke
             assert not part.exists()
             text = PROMPTS[0]
             assert generate(engine, text) == reference[text]
+
+
+class CountingVerifier(shards.StreamVerifier):
+    """The verifier, counting what each transfer fed it."""
+
+    made: list["CountingVerifier"] = []
+
+    def __init__(self, tensors: list) -> None:
+        super().__init__(tensors)
+        self.fed = 0
+        CountingVerifier.made.append(self)
+
+    def feed(self, data, done=None) -> None:
+        self.fed += len(data)
+        super().feed(data, done)
+
+
+def flip_a_byte_in_place(ckpt: Path, name: str) -> None:
+    """One byte of tensor `name` changed, the file's size and time kept (its stored hashes still believed)."""
+    import os
+
+    loc = checkpoint_index(ckpt)[name]
+    st = loc.file.stat()
+    with open(loc.file, "r+b") as f:
+        f.seek(loc.start)
+        byte = f.read(1)
+        f.seek(loc.start)
+        f.write(bytes([byte[0] ^ 0x01]))
+    os.utime(loc.file, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_a_source_whose_bytes_fail_their_hash_is_left_at_that_tensor(transport: str, dense_ckpt: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch, reference) -> None:
+    """A source that believes its changed file (same size and time): the transfer from it stops at the
+    first tensor that fails its hash, not after the whole shard, and the next source serves."""
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(bulk, "RECV_BYTES", 16 << 10)
+    monkeypatch.setattr(CountingVerifier, "made", [])
+    monkeypatch.setattr(fetch, "StreamVerifier", CountingVerifier)
+    if transport == "grpc":
+        monkeypatch.setattr(bulk, "connect", lambda *a: (_ for _ in ()).throw(ConnectionRefusedError("test")))
+    model_fingerprint(dense_ckpt)  # (its stored hashes, copied along)
+    changed = tmp_path / "changed"
+    shutil.copytree(dense_ckpt, changed)
+    first = shard_names(dense_ckpt, *HALVES[1], TINY_LAYERS, True)[0]
+    flip_a_byte_in_place(changed, first)
+    total = shard_bytes(dense_ckpt, HALVES[1])
+    with nodes(tmp_path, [[dense_ckpt], [changed], []]) as (holder, bad, fetcher):
+        specs = [ShardSpec(a, b, TINY_LAYERS) for a, b in HALVES]
+        engine = remote_engine(dense_ckpt, [holder.address, fetcher.address], dtype="float32", specs=specs,
+                               sources=[bad.address, holder.address])
+        try:
+            assert engine.pipeline.load_replies[1].weights_source == f"peer {holder.address}"
+            assert fetcher.service.weights.transfer.transport == transport
+            from_bad, from_holder = [v for v in CountingVerifier.made if v.fed]  # (not those of the tries over TCP)
+            assert from_bad.problem == f"{first}: content hash differs"
+            assert from_bad.fed < total / 2, (from_bad.fed, total)  # (8 pieces of 16 KiB at most past it)
+            assert from_holder.fed == total and from_holder.problem is None
+            assert generate(engine, PROMPTS[0]) == reference[PROMPTS[0]]
+        finally:
+            engine.pipeline.close()
+
+
+def test_a_part_file_that_fails_its_hashes_is_fetched_again_from_its_start(
+        dense_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        reference) -> None:
+    """A part file changed on the disk is not resumed, nor its source blamed: the same source sends it whole."""
+    monkeypatch.setattr(bulk, "RECV_BYTES", 64 << 10)
+    total = shard_bytes(dense_ckpt, HALVES[1])
+    with nodes(tmp_path, [[dense_ckpt], []]) as servers:
+        receiver = servers[1].service.weights
+        receiver.transfer.interrupt_after = total // 2
+        with pytest.raises(ValueError, match="transfer stopped"), engine_over(dense_ckpt, servers, specs=HALVES):
+            pass
+        receiver.transfer.interrupt_after = None
+        key = ShardKey(model_fingerprint(dense_ckpt), *HALVES[1], TINY_LAYERS, True)
+        part = receiver.cache.dir(key) / PART
+        _, data_start = fpmod.read_header(part)
+        data = bytearray(part.read_bytes())
+        data[data_start + 10] ^= 0x01  # the first tensor's
+        part.write_bytes(bytes(data))
+        caplog.clear()
+        with engine_over(dense_ckpt, servers, specs=HALVES) as engine:
+            last = engine.pipeline.load_replies[1]
+            assert last.weights_source == f"peer {servers[0].address}"
+            assert last.fetched_bytes == total
+            assert not [r for r in caplog.records if r.name == fetch.__name__ and r.levelname == "WARNING"]
+            assert generate(engine, PROMPTS[0]) == reference[PROMPTS[0]]
 
 
 def test_tensor_bytes_travel_on_the_data_plane(dense_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
