@@ -240,6 +240,48 @@ def test_a_row_whose_lease_ran_out_fails_at_once(dense_ckpt: Path, monkeypatch: 
             engine.close()
 
 
+def test_a_request_lost_again_and_again_ends(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row lost with its node resumes, but a loss that keeps coming back is not going away: the
+    request lost more than MAX_RESUMES times ends with the error that names the node, and leaves
+    nothing on the nodes. (Here its renewals stop reaching the nodes each time it has resumed.)"""
+    from helpers import node_servers
+
+    from mtpipe.coordinator.engine.ring import MAX_RESUMES
+    from mtpipe.node import leases
+    from mtpipe.node.protocol import SamplingParams
+
+    lease_s = 1.0
+    monkeypatch.setattr(leases, "SWEEP_S", 0.25)
+    with node_servers(2) as servers:
+        for s in servers:
+            s.service._leases = Leases(lease_s=lease_s)
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32", resume_window=10.0)
+        try:
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            never_ends = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
+            engine.open(GenerationRequest(engine.tokenizer.encode(PROMPTS[0]), max_tokens=4000, params=never_ends),
+                        q.put)
+            lost: list[str] = []
+            deadline = time.monotonic() + 60
+            while not isinstance(item := q.get(timeout=30), BaseException) and time.monotonic() < deadline:
+                live = next(iter(engine._decoding.values()), None)
+                if live is not None and live.seq_id not in lost and live.seq_id in engine.pipeline.live:
+                    lost.append(live.seq_id)
+                    with engine.pipeline._lock:  # as if its renewals stopped reaching the nodes
+                        engine.pipeline.live.discard(live.seq_id)
+            assert isinstance(item, BaseException), "the request never ended"
+            assert f"lost {MAX_RESUMES + 1} times: the request ends" in str(item) and "lease" in str(item)
+            assert any(s.address in str(item) for s in servers)
+            assert len(lost) == MAX_RESUMES + 1 and live.resumes == MAX_RESUMES
+            assert q.get(timeout=5) is END
+            deadline = time.monotonic() + SETTLE_S
+            while any(left := active(engine)) and time.monotonic() < deadline:
+                time.sleep(0.25)
+            assert left == [0, 0]
+        finally:
+            engine.close()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", [2])  # (a middle node lost and back: the hung-loop test below)
 def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n: int) -> None:
