@@ -204,3 +204,23 @@ def test_the_coordinator_flag_is_the_one_the_node_reports() -> None:
         assert Membership("node-c", [], "s3", timeout=2.0).members({"node-b": claims})["node-b"].coordinator
     finally:
         node.stop(0)
+
+
+def test_a_peer_with_another_secret_gets_mtpipes_error_not_grpcs_log_lines(tmp_path: Path) -> None:
+    """`mtpipe health` with the wrong secret: the node is reported unreachable, and gRPC's core does not
+    add its own "Handshake failed" lines to stderr."""
+    import json
+
+    from mtpipe.node.server import NodeServer
+
+    node = NodeServer("127.0.0.1", 0, secret="right").start()
+    try:
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MTPIPE_SECRET": "wrong"}
+        r = subprocess.run([*CLI, "health", "--json", "--timeout", "3", node.address], capture_output=True,
+                           text=True, env=env, timeout=120, check=False, cwd=tmp_path)
+    finally:
+        node.stop(0)
+    assert r.returncode == 2, r.stderr  # unreachable
+    reported = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "Handshake failed" not in r.stderr and "ssl_transport_security" not in r.stderr, r.stderr
+    assert node.address in json.dumps(reported) and "handshake" in json.dumps(reported).lower()

@@ -26,6 +26,9 @@ def main() -> int:
     is left alone.
     """
     sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+    # gRPC's core prints its own lines to stderr (a peer without the cluster secret: "Handshake failed");
+    # what fails reaches the user through mtpipe's errors and logs, so only the core's errors show.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     asks_help = command is None or not {"-h", "--help"}.isdisjoint(sys.argv[1:])  # (argparse answers, then exits)
     if command in DEFERRING or asks_help:
