@@ -27,6 +27,7 @@ from .shard import Qwen35Shard, ShardSpec
 
 log = logging.getLogger(__name__)
 
+CONVERTED_MTP_PREFIX = "language_model.mtp."  # how mlx conversions that keep the MTP head name it
 # RMSNorms stored as w in HF (computed as 1 + w); mlx's RMSNorm computes w. Not linear_attn.norm.
 _SHIFTED_SUFFIXES = (
     ".input_layernorm.weight",
@@ -57,8 +58,9 @@ class LoadedShard:
         return self.model.has_mtp
 
 
-def read_checkpoint(path: Path) -> dict[str, mx.array]:
-    """All tensors of a checkpoint directory, lazily, under canonical names."""
+def read_checkpoint(path: Path, originals: dict[str, str] | None = None) -> dict[str, mx.array]:
+    """All tensors of a checkpoint directory, lazily, under canonical names (`originals`, if given,
+    gets each one's name in the checkpoint)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {path}")
@@ -72,6 +74,8 @@ def read_checkpoint(path: Path) -> dict[str, mx.array]:
             name = canonical_name(key)
             if name is not None:
                 weights[name] = value
+                if originals is not None:
+                    originals[name] = key
     return weights
 
 
@@ -84,6 +88,18 @@ def is_raw_hf(weights: dict[str, mx.array]) -> bool:
         if k.endswith("conv1d.weight"):
             return v.shape[-1] != 1
     return False
+
+
+def is_raw_mtp(originals: dict[str, str], raw_hf: bool) -> bool:
+    """The MTP head's own layout, from its names in the checkpoint: the mlx conversions that keep it
+    (mtpipe's `convert`, mlx-lm forks) write `language_model.mtp.*`, shifted; Hugging Face writes
+    `mtp.*`, raw. Decided apart from the backbone, which has the conv1d to tell: a converted backbone
+    beside the MTP tensors of the original checkpoint (an `mtp.safetensors` taken from it) is the usual
+    way to add MTP to a converted model. No MTP tensors: the backbone's layout."""
+    keys = [key for name, key in originals.items() if name.startswith("mtp.")]
+    if not keys:
+        return raw_hf
+    return not keys[0].startswith(CONVERTED_MTP_PREFIX)
 
 
 def stored_raw_hf(path: Path) -> bool | None:
@@ -135,7 +151,11 @@ def _stack_experts(weights: dict[str, mx.array], mlp_prefix: str, num_experts: i
         weights[f"{mlp_prefix}.switch_mlp.{proj}.weight"] = mx.stack([weights.pop(k) for k in keys])
 
 
-def sanitize(weights: dict[str, mx.array], config: ModelConfig, raw_hf: bool) -> dict[str, mx.array]:
+def sanitize(weights: dict[str, mx.array], config: ModelConfig, raw_hf: bool,
+             raw_mtp: bool | None = None) -> dict[str, mx.array]:
+    """mlx's layout: experts stacked, conv1d [C, K, 1], norms w where raw HF stores w - 1 (the backbone's
+    when `raw_hf`, the MTP head's when `raw_mtp`, by default the same)."""
+    raw_mtp = raw_hf if raw_mtp is None else raw_mtp
     weights = dict(weights)
     if config.is_moe:
         prefixes = {n.rsplit(".mlp.", 1)[0] + ".mlp" for n in weights if ".mlp.experts" in n}
@@ -146,7 +166,8 @@ def sanitize(weights: dict[str, mx.array], config: ModelConfig, raw_hf: bool) ->
     for k, v in list(weights.items()):
         if k.endswith("conv1d.weight") and v.shape[-1] != 1:
             weights[k] = v.moveaxis(2, 1)
-        elif raw_hf and v.ndim == 1 and (k.endswith(_SHIFTED_SUFFIXES) or k in _SHIFTED_EXACT):
+        elif (raw_mtp if k.startswith("mtp.") else raw_hf) and v.ndim == 1 and (
+                k.endswith(_SHIFTED_SUFFIXES) or k in _SHIFTED_EXACT):
             weights[k] = v + 1.0
     return weights
 
@@ -199,6 +220,12 @@ def _quantize(model: nn.Module, config: ModelConfig, weights: dict[str, mx.array
     )
 
 
+def _cast(name: str, value: mx.array) -> bool:
+    """Whether a tensor takes the asked dtype: floats do, but for A_log, which stays as stored (as
+    mlx-lm keeps it): exp(A_log) is every GatedDeltaNet decay rate, and bfloat16 moves them by ~1%."""
+    return mx.issubdtype(value.dtype, mx.floating) and not name.endswith("A_log")
+
+
 def shard_config(path: Path | str, spec: ShardSpec | None) -> ModelConfig:
     """The model's config, which `spec` (if given) must fit: a cheap check before any weight is read."""
     config = load_config(Path(path))
@@ -223,7 +250,8 @@ def load_shard(
     path = Path(path)
     config = shard_config(path, spec)
     spec = spec or ShardSpec.whole(config.num_layers)
-    all_weights = read_checkpoint(path)
+    originals: dict[str, str] = {}
+    all_weights = read_checkpoint(path, originals)
     has_mtp_weights = any(k.startswith("mtp.") for k in all_weights)
     with_mtp = mtp and config.mtp_layers > 0
     if with_mtp and spec.is_last and not has_mtp_weights:
@@ -234,12 +262,13 @@ def load_shard(
     model = Qwen35Shard(config, spec, with_mtp=with_mtp)
     raw_hf = stored_raw_hf(path)  # a shard cache holds a few layers: the whole model's answer is kept there
     raw_hf = is_raw_hf(all_weights) if raw_hf is None else raw_hf
-    weights = sanitize(select_shard(all_weights, spec, model), config, raw_hf)
+    weights = select_shard(all_weights, spec, model)
     del all_weights
+    if dtype is not None:  # (before the norms' shift: 1 + w in float32 when asked for float32)
+        weights = {k: v.astype(dtype) if _cast(k, v) else v for k, v in weights.items()}
+    weights = sanitize(weights, config, raw_hf, is_raw_mtp(originals, raw_hf))
     if config.quantization:
         _quantize(model, config, weights)
-    if dtype is not None:
-        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
 
     expected = {n for n, _ in tree_flatten(model.parameters())}
     missing = sorted(expected - weights.keys())

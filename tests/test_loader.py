@@ -49,6 +49,48 @@ def test_norm_shift_applied_once_to_raw_only(dense_ckpt: Path, tmp_path: Path) -
     assert_same(loaded, params(out))
 
 
+def test_a_converted_backbone_beside_the_original_mtp_head_shifts_the_head_only(dense_ckpt: Path,
+                                                                                 tmp_path: Path) -> None:
+    """MTP added to a converted model: its backbone converted (shifted, conv1d transposed, no MTP) and
+    the original checkpoint's `mtp.*` tensors in an `mtp.safetensors` beside it. The head's norms are
+    raw and take their +1 (the conv1d says only that the backbone is converted)."""
+    out = convert(dense_ckpt, tmp_path / "mixed", dtype="float32", mtp=False)
+    original = mx.load(str(dense_ckpt / "model.safetensors"))
+    mx.save_safetensors(str(out / "mtp.safetensors"), {k: v for k, v in original.items() if k.startswith("mtp.")},
+                        metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config))
+    mixed, whole = params(out), params(dense_ckpt)
+    assert mx.allclose(mixed["mtp.norm.weight"], original["mtp.norm.weight"] + 1.0).item()
+    assert_same(whole, mixed)
+    # A shard of it (the last, with the head) loads the same from a directory of its tensors only.
+    spec = ShardSpec(2, TINY_LAYERS, TINY_LAYERS)
+    assert_same(params(dense_ckpt, spec=spec), params(out, spec=spec))
+
+
+def test_a_log_keeps_its_stored_dtype_and_norms_shift_in_the_asked_one(dense_ckpt: Path, tmp_path: Path) -> None:
+    """`--dtype bfloat16` (and `convert`'s default) leaves A_log as stored, as mlx-lm does: exp(A_log) is
+    every GatedDeltaNet decay rate. A bfloat16 checkpoint loaded as float32 takes 1 + w in float32."""
+    loaded = params(dense_ckpt, dtype=mx.bfloat16)
+    assert loaded["layers.0.linear_attn.A_log"].dtype == mx.float32
+    assert loaded["layers.0.linear_attn.dt_bias"].dtype == mx.bfloat16
+    out = convert(dense_ckpt, tmp_path / "bf16", dtype="bfloat16")
+    converted = mx.load(str(out / "model.safetensors"))
+    assert converted["language_model.model.layers.0.linear_attn.A_log"].dtype == mx.float32
+    assert converted["language_model.model.layers.0.input_layernorm.weight"].dtype == mx.bfloat16
+
+    half = tmp_path / "raw_bf16"
+    half.mkdir()
+    original = mx.load(str(dense_ckpt / "model.safetensors"))
+    mx.save_safetensors(str(half / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in original.items()},
+                        metadata={"format": "pt"})
+    (half / "config.json").write_text((dense_ckpt / "config.json").read_text())
+    norm = params(half, dtype=mx.float32)["norm.weight"]
+    want = original["model.language_model.norm.weight"].astype(mx.bfloat16).astype(mx.float32) + 1.0
+    assert mx.array_equal(norm, want).item()
+
+
 def test_mlx_lm_loads_converted_backbone(dense_ckpt: Path, tmp_path: Path) -> None:
     from mlx_lm import load
 
