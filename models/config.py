@@ -55,6 +55,10 @@ def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
                 )
     if "tie_word_embeddings" not in text and "tie_word_embeddings" in raw:
         text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    if not text.get("rope_parameters") and ("rope_theta" in text or "partial_rotary_factor" in text):
+        # the older form, flat: mlx-lm's args read rope_parameters only (their default would win)
+        text["rope_parameters"] = {"type": "default", "rope_theta": text.get("rope_theta", 100000.0),
+                                   "partial_rotary_factor": text.get("partial_rotary_factor", 0.25)}
     return text
 
 

@@ -27,7 +27,7 @@ from .shard import Qwen35Shard, ShardSpec
 log = logging.getLogger(__name__)
 
 TOKENIZER_SOURCES = ("textwrap.py", "json/encoder.py", "json/decoder.py", "string.py", "heapq.py", "bisect.py")
-LAYOUTS = ("hf", "hf_text", "mlx", "separate_mtp", "sharded", "no_mtp")
+LAYOUTS = ("hf", "hf_text", "separate_mtp", "sharded", "no_mtp")
 
 
 def tiny_text_config(vocab_size: int, eos_token_id: int, *, moe: bool = False, num_layers: int = 8,

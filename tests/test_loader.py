@@ -205,3 +205,19 @@ def test_packing_is_read_off_the_stored_tensors(bits: int, group_size: int, mode
         weights["w.scales"] = mx.zeros((64, 128 // 8), dtype=mx.uint8)
         with pytest.raises(ValueError, match="no quantization mode"):
             packed_quant_config("w", linear, weights)
+
+
+def test_rope_settings_are_read_in_either_form() -> None:
+    """`rope_parameters` (Qwen3.5's form) or the flat `rope_theta` / `partial_rotary_factor`: either is
+    what the model runs with, not mlx-lm's defaults."""
+    from mtpipe.models.config import parse_config
+
+    def args(**text):
+        return parse_config({"model_type": "qwen3_5", "text_config": {"hidden_size": 64, **text}}).args
+
+    flat = args(rope_theta=1e6, partial_rotary_factor=0.5)
+    assert (flat.rope_theta, flat.partial_rotary_factor) == (1e6, 0.5)
+    nested = args(rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.25},
+                  rope_theta=1.0)
+    assert (nested.rope_theta, nested.partial_rotary_factor) == (5e6, 0.25)
+    assert args().rope_theta == 100000.0
