@@ -205,10 +205,13 @@ class RingGroups:
         return list(g.riding) if g is not None else []
 
     def end(self, key: tuple[str, int]) -> None:
-        """Drop a group and every row in it."""
+        """Drop a group and every row in it, and the joins riding its round that the client let go
+        (no one else frees those: they are in no group, and the client's release was taken as done)."""
         g = self.groups.pop(key, None)
         if g is not None:
             g.stage.leave(set(g.stage.ids))
+            for seq_id in g.joining & g.released:
+                self.worker.release(seq_id)
 
     def release(self, seq_id: str) -> bool:
         """The last node's word, or a client gone for good: free the sequence wherever it is here. A

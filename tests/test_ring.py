@@ -608,6 +608,27 @@ def last_node(ckpt: Path) -> tuple[Any, RingGroups, Any, Any]:
     return worker, groups, prefill, arrive
 
 
+@pytest.mark.parametrize("how", ["lost", "failed", "link"])
+def test_a_join_let_go_on_its_way_is_freed_when_its_round_is_lost(dense_ckpt: Path, how: str) -> None:
+    """The client lets a row go while the round that joins it is on its way (no release goes around:
+    the round would take it out); that round is then lost (idle), fails, or the ring's link breaks.
+    The last node frees the row with the group: it is in no group and no one else would."""
+    worker, groups, prefill, arrive = last_node(dense_ckpt)
+    _, first = groups.joined("c", 1, prefill("a"), 50, ())
+    assert groups.joined("c", 1, prefill("x"), 50, ()) == (True, None)  # waits for the next round
+    _, second = arrive(first)
+    assert {r.seq_id for r in second.rows if r.join} == {"x"}
+    assert groups.client_release("x") is True
+    if how == "lost":
+        ended = groups.end_idle(0.0)
+        assert "x" not in [row[2] for row in ended.rows]  # (not reported lost: its client is gone)
+    elif how == "failed":
+        groups.failed(("c", 1))
+    else:
+        groups.end_all()
+    assert "x" not in worker.sequences and not groups.holds("x")
+
+
 def test_a_client_callback_that_fails_ends_its_request_alone(ring: Any, references: dict) -> None:
     """A sink that raises (on the subscription's thread) or an `admitted` that raises (on the pool's)
     ends that request like a cancel, its row freed; the rows beside it and the requests after it
