@@ -608,6 +608,70 @@ def last_node(ckpt: Path) -> tuple[Any, RingGroups, Any, Any]:
     return worker, groups, prefill, arrive
 
 
+def test_asking_the_nodes_for_their_step_times_holds_up_no_row_and_no_admission() -> None:
+    """How many groups to keep in flight comes from the nodes' Health, which a node busy in a step
+    answers late: neither the rows' outcomes nor an admission wait for it (here Health takes 2 s)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from mtpipe.coordinator.engine.request import GenerationRequest
+    from mtpipe.coordinator.engine.ring import RingEngine
+    from mtpipe.node.protocol import StepOutput
+
+    asked = threading.Event()
+
+    class Pipeline:
+        nodes = addresses = ("a:1", "b:2")
+        reformer = SimpleNamespace(down=None, down_at=0.0)
+
+        def __init__(self) -> None:
+            self.row_sinks: dict = {}
+
+        def steps(self, steps):
+            return [StepOutput(steps[-1].seq_id, steps[-1].step, [7], continued=True)]
+
+        def release(self, seq_id, group=0):
+            pass
+
+        def health(self, probe_next=False, timeout=5.0):
+            asked.set()
+            time.sleep(2.0)
+            raise TimeoutError("DEADLINE_EXCEEDED")
+
+        def close(self):
+            pass
+
+    detok = SimpleNamespace(add_token=lambda t: None, last_segment="", finalize=lambda: None, tokens=[])
+    pipeline = Pipeline()
+    engine = RingEngine(pipeline, SimpleNamespace(detokenizer=detok), [0], 100000, False, 100, prefill_chunk=8)
+    try:
+        got: list[float] = []
+        t0 = time.monotonic()
+        engine.open(GenerationRequest([1, 2, 3], max_tokens=90000), lambda item: got.append(time.monotonic()))
+        while not pipeline.row_sinks and time.monotonic() - t0 < 5.0:
+            time.sleep(0.01)
+        assert time.monotonic() - t0 < 0.5  # placed in a group without asking the nodes
+        seq = next(iter(pipeline.row_sinks))
+        assert asked.wait(5.0)
+        handed: list[float] = []
+        for step in range(50):  # one round's outcome every 20 ms while the nodes are asked
+            t0 = time.monotonic()
+            pipeline.row_sinks[seq](StepOutput(seq, step, [7]))
+            handed.append(time.monotonic() - t0)
+            time.sleep(0.02)
+        assert max(handed) < 0.5
+        admitted = threading.Event()
+        asked.clear()
+        threading.Thread(target=engine._refresh_groups, daemon=True).start()
+        assert asked.wait(5.0)
+        t0 = time.monotonic()
+        engine.open(GenerationRequest([4, 5, 6], max_tokens=10), lambda item: None, admitted=admitted.set)
+        assert admitted.wait(5.0) and time.monotonic() - t0 < 0.5
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("how", ["lost", "failed", "link"])
 def test_a_join_let_go_on_its_way_is_freed_when_its_round_is_lost(dense_ckpt: Path, how: str) -> None:
     """The client lets a row go while the round that joins it is on its way (no release goes around:

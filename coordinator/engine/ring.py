@@ -79,7 +79,6 @@ class RingEngine:
         self.resume_window = resume_window
         self.fixed_groups = groups
         self.groups = groups or len(pipeline.nodes)
-        self._groups_at = 0.0
         self._stop_tokens = tuple(sorted(self.eos))
         self._slots = threading.BoundedSemaphore(max_rows)
         self._pool = ThreadPoolExecutor(max_rows + 1, thread_name_prefix="ring-prefill")
@@ -176,7 +175,7 @@ class RingEngine:
     def _place(self, live: RingLive) -> None:
         """Into the group with the fewest rows; its outcomes come to this request (under live.lock)."""
         with self._lock:
-            live.group = plan.pick_group(self._rows, self._groups_now())
+            live.group = plan.pick_group(self._rows, self.groups)
             self._rows[live.group] = self._rows.get(live.group, 0) + 1
         self.pipeline.row_sinks[live.seq_id] = lambda item, seq=live.seq_id: self._on_row(live, seq, item)
 
@@ -389,8 +388,13 @@ class RingEngine:
             self._slots.release()
 
     def _watch(self) -> None:
-        """Fail the rows whose rounds stopped coming (as lost with a node: they may resume)."""
+        """Fail the rows whose rounds stopped coming (as lost with a node: they may resume); and now
+        and then, the number of groups in flight."""
+        refresh_at = 0.0
         while not self._stop.wait(min(1.0, self.row_stall / 4)):
+            if not self.fixed_groups and time.monotonic() >= refresh_at:
+                self._refresh_groups()
+                refresh_at = time.monotonic() + GROUPS_REFRESH_S
             now = time.perf_counter()
             with self._lock:
                 for key in [k for k, live in self._decoding.items() if live.done]:
@@ -418,18 +422,16 @@ class RingEngine:
             size = plan.prefill_chunk(max(tokens, 1), self.prefill_chunk, decoding, node_round, self._token_s)
             return size, not decoding
 
-    def _groups_now(self) -> int:
-        """Groups in flight: fixed, or from the nodes' measured step times now and then."""
-        if self.fixed_groups:
-            return self.fixed_groups
-        now = time.monotonic()
-        if now - self._groups_at > GROUPS_REFRESH_S:
-            self._groups_at = now
-            try:
-                health = self.pipeline.health(probe_next=True, timeout=1.0)
-                hops = [h.next_rtt_ms / 2000.0 for h in health if h.next_rtt_ms > 0]
-                self.groups = plan.ring_groups(len(health), [h.mean_step_ms / 1000.0 for h in health],
-                                               sum(hops) / len(hops) if hops else 0.0)
-            except Exception as e:  # keep the last choice; the nodes' own errors reach the requests
-                log.debug("no step times from the nodes: %s", e)
-        return self.groups
+    def _refresh_groups(self) -> None:
+        """Groups in flight, from the nodes' measured step times (on the watch's thread: a node busy in
+        a step answers late, and neither an admission nor a row's outcome waits for it)."""
+        try:
+            health = self.pipeline.health(probe_next=True, timeout=1.0)
+        except Exception as e:  # keep the last choice; the nodes' own errors reach the requests
+            log.debug("no step times from the nodes: %s", e)
+            return
+        hops = [h.next_rtt_ms / 2000.0 for h in health if h.next_rtt_ms > 0]
+        groups = plan.ring_groups(len(health), [h.mean_step_ms / 1000.0 for h in health],
+                                  sum(hops) / len(hops) if hops else 0.0)
+        with self._lock:
+            self.groups = groups
