@@ -291,9 +291,7 @@ class RingEngine:
         tokens already handed out are prefilled, and decoding continues where it stopped."""
         log.info("request %s waits for the pipeline (%s)", live.seq_id, error)
         if not self.pipeline.reformer.wait(self.resume_window):
-            with live.lock:
-                live.resuming = False
-            self._finish(live, error, released=True)
+            self._finish(live, error, released=True)  # (still resuming until then: a cancel meanwhile frees nothing twice)
             return
         with live.lock:
             if live.done:  # cancelled while it waited (its slot went back then)
