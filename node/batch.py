@@ -162,6 +162,7 @@ class BatchStage:
         if len(keep) == len(self.ids):
             return
         self.drop_ahead()
+        self.early = None  # (a round that failed after deciding: its commit is no one's to confirm now)
         self.cache = take_rows(self.cache, keep) if keep else []
         self.real = [self.real[i] for i in keep] if len(self.real) == len(self.ids) else []
         self.ids = [self.ids[i] for i in keep]
@@ -191,6 +192,7 @@ class BatchStage:
         if self.head is not None:
             self.head.check(rows)
         start = time.perf_counter()
+        self.early = None  # (a commit the engine never confirmed: this round is decided afresh)
         ahead, self.ahead = self.ahead, None
         prepared = None
         if ahead is not None and [r.tokens for r in rows] == ahead.tokens:

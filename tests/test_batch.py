@@ -439,6 +439,35 @@ def test_rounds_queued_on_lazy_drafts_match_rounds_run_on_request(dense_ckpt: Pa
                 assert max(max_diff(ka, kb), max_diff(va, vb)) <= CACHE_TOL
 
 
+def test_a_round_that_fails_after_its_commit_was_applied_leaves_no_commit_for_the_next(
+        engines: Engines, dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round can fail after the stage applied its commit ahead of the engine's word (the next round
+    queued): its rows fail, and the next requests, whose first rounds confirm no such commit, decode
+    as alone (they failed on "commits differ" with the stale one)."""
+    from mtpipe.node import batch_head
+
+    decide, calls = batch_head.BatchHead.decide, []
+
+    def failing(self, *args, **kwargs):
+        out = decide(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected: the round fails after it was decided")
+        return out
+
+    monkeypatch.setattr(batch_head.BatchHead, "decide", failing)
+    engine = batch_engine(dense_ckpt, dtype=mx.float32)
+    try:
+        victim = Stream(engine, request(encode(engine, PROMPTS[0]), 2, 20))
+        with pytest.raises(RuntimeError, match="injected"):
+            victim.finish()
+        for i in range(1, 4):
+            req = request(encode(engine, PROMPTS[i]), 0, 12)
+            assert Stream(engine, req).finish() == engines.alone("dense", req).tokens
+    finally:
+        engine.close()
+
+
 def test_a_round_with_tokens_not_the_stages_leaves_the_caches_intact(dense_ckpt: Path) -> None:
     """The last stage refuses a round whose tokens are not the ones it made before it runs it: the
     rounds after it match a stage that never saw it."""
