@@ -591,6 +591,12 @@ def test_every_row_pays_for_the_longest_reach() -> None:
     short, long = plan.footprint(dims, 100, 0), plan.footprint(dims, 10_000, 0)
     assert plan.batch_bytes(dims, [short, short]) == 2 * 10 * 100 + 2 * 2000
     assert plan.batch_bytes(dims, [long, short]) == 2 * 10 * 10_000 + 2 * 2000
+    # A round is as wide as its deepest row: every row's states are captured at that many positions.
+    deep = plan.footprint(dims, 100, 8)
+    assert plan.batch_bytes(dims, [deep] + [short] * 7) == 8 * 10 * 108 + 8 * 1000 * (2 + 8)
+    # KV grows in steps: a batch holds the longest row's reach rounded up to one.
+    stepped = plan.ModelDims(kv_bytes_per_token=10, state_bytes=1000, kv_step=256)
+    assert plan.batch_bytes(stepped, [short, short]) == 2 * 10 * 256 + 2 * 2000
     queue = [plan.Waiting("long", long, 0.0), plan.Waiting("short", short, 0.0)]
     budget = plan.batch_bytes(dims, [short] * 4)
     assert plan.admit(queue, [], dims, budget, max_rows=8) == ["long"]  # alone, whatever it costs
@@ -616,7 +622,7 @@ def test_rows_taken_keep_only_the_kv_they_need() -> None:
 
 def test_admission_waits_for_memory_and_times_out(dense_ckpt: Path, engines: Engines) -> None:
     config = load_config(dense_ckpt)
-    dims = plan.ModelDims.of(config.args, itemsize=4, mtp=True)
+    dims = plan.ModelDims.of(config.args, itemsize=4, mtp=True, kv_step=CAPACITY_STEP)
     tok = engines.local("dense")
     a, b = request(encode(tok, PROMPTS[0]), 2, 32), request(encode(tok, PROMPTS[1]), 1, 24)
     need = [plan.footprint(dims, len(r.prompt_tokens) + r.max_tokens, r.mtp_depth) for r in (a, b)]

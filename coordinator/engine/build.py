@@ -50,6 +50,7 @@ def batch_engine(
     """Single-machine engine that batches every active sequence, on one MLX thread that also loads."""
     from ...models.loading import load_shard
     from ...models.mlx_thread import MLXThread
+    from ...models.ragged import CAPACITY_STEP
     from ...node.batch import BatchStage
     from ...node.stage import StageWorker
     from ...node.sysinfo import system_memory
@@ -79,7 +80,7 @@ def batch_engine(
         raise
     last = built[-1].worker
     has_mtp = last.shard.has_mtp
-    dims = ModelDims.of(config.args, itemsize=last.dtype.size, mtp=has_mtp)
+    dims = ModelDims.of(config.args, itemsize=last.dtype.size, mtp=has_mtp, kv_step=CAPACITY_STEP)
     if memory_budget is None:
         memory_budget = max(system_memory()[1] // 2, 256 * 2**20)
     return BatchEngine(built, tokenizer, set(tokenizer.eos_token_ids), config.args.max_position_embeddings, has_mtp,

@@ -1,8 +1,9 @@
 """What the batch engine does next, as pure functions over plain data (the runner does the work).
 
 Admission is by memory: each sequence may reach some number of positions of attention KV, and holds
-its GatedDeltaNet states and the per-position states a verify captures for its depth. A batch's KV is
-one tensor per layer as long as its longest row, so every row pays for the longest reach. Sequences
+its GatedDeltaNet states and the per-position states a verify captures. A batch's KV is one tensor
+per layer as long as its longest row, and a round as wide as its deepest row, so every row pays for the
+longest reach and the most drafts. Sequences
 wait in FIFO order until the batch with them fits the budget, and are refused after a queue timeout.
 Prompts are prefilled in chunks between decode rounds, sized so a chunk takes about as long as a
 round: running streams keep flowing while a long prompt goes in.
@@ -23,9 +24,10 @@ class ModelDims:
 
     kv_bytes_per_token: int  # attention keys and values of every attention layer (+ the MTP layer)
     state_bytes: int  # GatedDeltaNet recurrent and conv states of every linear layer
+    kv_step: int = 1  # a batch's KV grows by this many positions at a time (models/ragged.py)
 
     @classmethod
-    def of(cls, args: object, itemsize: int, mtp: bool) -> ModelDims:
+    def of(cls, args: object, itemsize: int, mtp: bool, kv_step: int = 1) -> ModelDims:
         layers = args.num_hidden_layers
         interval = args.full_attention_interval
         attention = layers // interval + (1 if mtp else 0)
@@ -34,7 +36,7 @@ class ModelDims:
         value_dim = args.linear_num_value_heads * args.linear_value_head_dim
         conv = (args.linear_conv_kernel_dim - 1) * (2 * key_dim + value_dim) * itemsize
         recurrent = args.linear_num_value_heads * args.linear_value_head_dim * args.linear_key_head_dim * 4
-        return cls(kv, (layers - layers // interval) * (conv + recurrent))
+        return cls(kv, (layers - layers // interval) * (conv + recurrent), kv_step)
 
 
 @dataclass(frozen=True)
@@ -42,19 +44,22 @@ class Footprint:
     """What a sequence may hold."""
 
     reach: int  # positions of attention KV: prompt, max tokens and a round's drafts
-    states: int  # bytes: its GatedDeltaNet states, and those a verify over depth+1 tokens captures
+    depth: int  # drafts per round at most: a verify captures GatedDeltaNet states at depth + 1 positions
 
 
 def footprint(dims: ModelDims, positions: int, depth: int) -> Footprint:
-    return Footprint(positions + depth, dims.state_bytes * (2 + depth))
+    return Footprint(positions + depth, depth)
 
 
 def batch_bytes(dims: ModelDims, rows: list[Footprint]) -> int:
-    """Bytes a batch of these rows may hold: each attention layer's KV is [rows, heads, positions,
-    dim] (models/ragged.py), as long as the longest row."""
+    """Bytes a batch of these rows may hold. Each attention layer's KV is [rows, heads, positions,
+    dim] (models/ragged.py), as long as the longest row, grown in steps; a round is as wide as its
+    deepest row, so every row's GatedDeltaNet states are captured at that many positions (and held,
+    beside its own, until the commit)."""
     if not rows:
         return 0
-    return dims.kv_bytes_per_token * len(rows) * max(r.reach for r in rows) + sum(r.states for r in rows)
+    positions = -(-max(r.reach for r in rows) // dims.kv_step) * dims.kv_step
+    return len(rows) * (dims.kv_bytes_per_token * positions + dims.state_bytes * (2 + max(r.depth for r in rows)))
 
 
 @dataclass(frozen=True)
