@@ -242,6 +242,23 @@ def test_a_prefix_a_prompt_is_about_to_start_from_is_never_dropped() -> None:
     assert kept.reuse(prompt + [6], drafts=False, epoch=1.0) is None  # the pipeline was lost: all forgotten
 
 
+def test_a_prefix_kept_without_the_mtp_part_never_replaces_one_with_it() -> None:
+    """Two prefills of one prompt at once, one drafting and one not, both asked to keep it: whichever
+    finishes second, the kept prefix is the one with the MTP head's part (a drafting prompt reuses it),
+    and the other is dropped on the nodes."""
+    for order in (("A", "B"), ("B", "A")):
+        dropped: list[str] = []
+        kept = KeptPrefixes(ModelDims(kv_bytes_per_token=10, state_bytes=100), budget=10**6, drop=dropped.append)
+        prompt = list(range(50))
+        drafts = {"A": True, "B": False}
+        assert [kept.keep_as(k, prompt, drafts[k], 0) for k in "AB"] == ["A", "B"]  # (neither kept yet)
+        for key in order:
+            kept.kept(key, prompt, drafts[key], 0.0)
+        assert dropped == ["B"]
+        hit = kept.reuse(prompt + [99], drafts=True, epoch=0.0)
+        assert hit is not None and hit.key == "A"
+
+
 def wait_for_end(engine: Any, fed: list[int], drafts: bool) -> None:
     """Until the engine counts a request's end (`fed` but the last token) as kept: the last node's word
     that every node kept it comes a round after the request's last tokens (a prompt waits for it so)."""

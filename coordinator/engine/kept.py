@@ -101,22 +101,30 @@ class KeptPrefixes:
         with self._lock:
             if epoch != self._epoch:  # lost and forgotten meanwhile: the nodes forget it as they are loaded again
                 return
-            # (one without the MTP part; a pinned one stays, as a prompt is about to start from it)
-            gone = [k.key for k in self._kept.values() if k.tokens == tokens and k.key not in self._pins]
-            for k in gone:
-                del self._kept[k]
-            self._kept[key] = plan.KeptPrefix(key, tokens, self.nbytes(len(tokens)), drafts, time.monotonic())
-            kept = list(self._kept.values())
-            over = sum(k.nbytes for k in kept) - self.budget
-            out = plan.least_used(kept, over, set(self._pins))
-            extra = len(kept) - len(out) - self.most
-            if extra > 0:
-                left = sorted((k for k in kept if k.key not in out and k.key not in self._pins), key=lambda k: k.used)
-                out += [k.key for k in left[:extra]]
-            for k in out:
-                del self._kept[k]
-        for k in gone + out:
+            if plan.held(list(self._kept.values()), tokens, drafts):  # another prefill of it came first
+                out = [key]
+            else:
+                out = self._keep(key, tokens, drafts)
+        for k in out:
             self._drop(k)
+
+    def _keep(self, key: str, tokens: tuple[int, ...], drafts: bool) -> list[str]:
+        """Keep `tokens` under `key` (under the lock); the keys that go for it."""
+        # (one without the MTP part; a pinned one stays, as a prompt is about to start from it)
+        gone = [k.key for k in self._kept.values() if k.tokens == tokens and k.key not in self._pins]
+        for k in gone:
+            del self._kept[k]
+        self._kept[key] = plan.KeptPrefix(key, tokens, self.nbytes(len(tokens)), drafts, time.monotonic())
+        kept = list(self._kept.values())
+        over = sum(k.nbytes for k in kept) - self.budget
+        out = plan.least_used(kept, over, set(self._pins))
+        extra = len(kept) - len(out) - self.most
+        if extra > 0:
+            left = sorted((k for k in kept if k.key not in out and k.key not in self._pins), key=lambda k: k.used)
+            out += [k.key for k in left[:extra]]
+        for k in out:
+            del self._kept[k]
+        return gone + out
 
     def end_key(self, seq_id: str, prompt: list[int]) -> str:
         """The key a request's state is kept under as it ends; "" when its prompt alone is over the budget."""
