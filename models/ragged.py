@@ -11,6 +11,7 @@ position, and later at its own accepted position.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from typing import Any
 
@@ -158,8 +159,16 @@ def sliding_mask(positions: mx.array, start: int, end: int, window: int) -> mx.a
     return (keys <= queries) & (keys >= queries - window)
 
 
+_serials = itertools.count()
+_local = threading.local()
+
+
 def _thread() -> int:
-    return threading.get_ident()
+    """This thread's own number, never another's (the ids of threads that ended are given out again)."""
+    serial = getattr(_local, "serial", None)
+    if serial is None:
+        serial = _local.serial = next(_serials)
+    return serial
 
 
 def ragged_layer(

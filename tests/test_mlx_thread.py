@@ -292,3 +292,17 @@ def test_a_task_handed_over_as_the_thread_closes_is_run_or_refused() -> None:
     thread.close()
     answer = out.get(timeout=5)  # (queue.Empty: the caller would wait forever)
     assert answer == 42 or isinstance(answer, RuntimeError)
+
+
+def test_arrays_kept_per_thread_are_never_another_threads() -> None:
+    """The ragged caches' index arrays are kept per thread (an array belongs to the thread that made it
+    until evaluated); a thread that ends hands its id on to the next, never its arrays."""
+    from mtpipe.models import ragged
+
+    seen: list[tuple[int, int]] = []
+    for _ in range(3):
+        t = threading.Thread(target=lambda: seen.append((threading.get_ident(), ragged._thread())))
+        t.start()
+        t.join()
+    assert len({serial for _, serial in seen}) == 3
+    assert ragged._thread() == ragged._thread() not in {serial for _, serial in seen}
