@@ -95,9 +95,11 @@ class BatchStage:
             self.head.plan.interrupt()  # the next round's timing would include this step
         start = time.perf_counter()
         out = self.filling.step(reqs, hidden)
+        tokens, elapsed = sum(len(r.tokens) for r in reqs), time.perf_counter() - start
         self.stats.steps += 1
-        self.stats.tokens_processed += sum(len(r.tokens) for r in reqs)
-        self.stats.step_seconds += time.perf_counter() - start
+        self.stats.tokens_processed += tokens
+        self.stats.step_seconds += elapsed
+        self.stats.prefilled(tokens, elapsed)
         return out
 
     def join(self, seq_id: str, keep: str = "") -> Prefix | None:

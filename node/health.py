@@ -61,6 +61,8 @@ async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
                 tokens_processed=w.stats.tokens_processed,
                 steps=w.stats.steps,
                 mean_step_ms=w.stats.mean_step_ms,
+                prefill_tokens=w.stats.prefill_tokens,
+                prefill_seconds=w.stats.prefill_seconds,
                 dtype=node._dtype_name(),
                 has_mtp=w.shard.has_mtp,
                 kept_prefixes=len(w.prefixes),

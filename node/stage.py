@@ -73,7 +73,13 @@ class StageStats:
     tokens_processed: int = 0
     steps: int = 0
     step_seconds: float = 0.0
+    prefill_tokens: int = 0  # prompt chunks' part of the above: what a prompt costs a stage per token
+    prefill_seconds: float = 0.0
     last_error: str | None = None
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        self.prefill_tokens += tokens
+        self.prefill_seconds += seconds
 
     @property
     def mean_step_ms(self) -> float:
@@ -121,7 +127,10 @@ class StageWorker:
             if self.stats.steps % CLEAR_CACHE_EVERY == 0:
                 mx.clear_cache()  # long generations otherwise grow the allocator cache (as mlx-lm does)
             self.stats.tokens_processed += len(req.tokens)
-            self.stats.step_seconds += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.stats.step_seconds += elapsed
+            if req.kind == StepKind.PREFILL:
+                self.stats.prefilled(len(req.tokens), elapsed)
             return out
 
     def release(self, seq_id: str) -> bool:

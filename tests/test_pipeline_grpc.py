@@ -375,6 +375,8 @@ def test_health_reports_the_node(dense_ckpt: Path, nodes: list[str]) -> None:
     assert first.is_first and not first.is_last and last.is_last and not last.is_first
     assert first.next == nodes[1] and 0 < first.next_rtt_ms < 1000 and last.next == ""
     assert first.tokens_processed > 0 and first.steps > 0 and first.mean_step_ms > 0
+    prompt = len(engine.tokenizer.encode(PROMPTS[0]))
+    assert first.prefill_tokens == last.prefill_tokens == prompt and first.prefill_seconds > 0
     assert first.forwarded_decode_frames > 0 and first.forwarded_decode_bytes > 0
     assert first.uptime_s > 0 and first.node_id and first.node_id != last.node_id
     if sys.platform.startswith("linux") or sys.platform == "darwin":

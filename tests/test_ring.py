@@ -672,6 +672,35 @@ def test_asking_the_nodes_for_their_step_times_holds_up_no_row_and_no_admission(
         engine.close()
 
 
+def test_prompt_chunks_are_sized_under_steady_load_from_the_nodes_own_prefill_times() -> None:
+    """While rows decode a prompt goes in chunks of about a node's share of a group round. Under steady
+    load no prompt is ever alone to be timed: the nodes' own seconds per prompt token size the chunks
+    (before, a whole `prefill_chunk` went in at once, holding every group behind it)."""
+    from types import SimpleNamespace
+
+    from mtpipe.coordinator.engine.ring import RingEngine
+
+    def node(prefill_tokens: int, prefill_seconds: float) -> SimpleNamespace:
+        return SimpleNamespace(next_rtt_ms=0.2, mean_step_ms=5.0, steps=100, tokens_processed=900,
+                               prefill_tokens=prefill_tokens, prefill_seconds=prefill_seconds)
+
+    nodes = [node(1000, 0.5), node(1000, 1.0)]  # 0.5 and 1 ms per prompt token
+    pipeline = SimpleNamespace(nodes=("a:1", "b:2"), addresses=("a:1", "b:2"), row_sinks={},
+                               reformer=SimpleNamespace(down=None), close=lambda: None,
+                               health=lambda probe_next=False, timeout=5.0: nodes)
+    engine = RingEngine(pipeline, SimpleNamespace(), [0], 100000, False, 100, prefill_chunk=512, groups=2)
+    try:
+        engine._rows = {0: 3, 1: 3}  # rows decode in both groups
+        engine._trip_s = 0.2  # a group's trip: 0.1 s of it a node's share
+        assert engine._chunk_size(4000) == (512, False)  # nothing measured yet: whole chunks
+        engine._refresh_groups()
+        size, alone = engine._chunk_size(4000)
+        assert not alone and size == int(0.1 / 0.0015)  # 1.5 ms per prompt token over both nodes
+        assert engine.groups == 2  # (fixed: not the nodes' choice)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("how", ["lost", "failed", "link"])
 def test_a_join_let_go_on_its_way_is_freed_when_its_round_is_lost(dense_ckpt: Path, how: str) -> None:
     """The client lets a row go while the round that joins it is on its way (no release goes around:

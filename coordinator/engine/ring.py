@@ -88,6 +88,9 @@ class RingEngine:
         # (between two outcomes of a row), and a prompt's seconds per token through the pipeline.
         self._trip_s = 0.0
         self._token_s = 0.0
+        # Until a prompt alone has been timed (under steady load, never): the nodes' own seconds per
+        # prompt token, added up (a prompt alone takes them all, and the hops besides).
+        self._node_token_s = 0.0
         self.row_stall = row_stall
         self._decoding: dict[int, RingLive] = {}  # id(live) -> rows whose prompt is through (watched)
         self._queued: dict[int, RingLive] = {}  # id(live) -> opened, admission not started (ended by close())
@@ -390,7 +393,7 @@ class RingEngine:
         and then, the number of groups in flight."""
         refresh_at = 0.0
         while not self._stop.wait(min(1.0, self.row_stall / 4)):
-            if not self.fixed_groups and time.monotonic() >= refresh_at:
+            if time.monotonic() >= refresh_at:
                 self._refresh_groups()
                 refresh_at = time.monotonic() + GROUPS_REFRESH_S
             now = time.perf_counter()
@@ -417,7 +420,8 @@ class RingEngine:
         with self._lock:
             decoding = sum(self._rows.values()) > 1  # (this request is placed already)
             node_round = self._trip_s / max(self.groups, 1)
-            size = plan.prefill_chunk(max(tokens, 1), self.prefill_chunk, decoding, node_round, self._token_s)
+            size = plan.prefill_chunk(max(tokens, 1), self.prefill_chunk, decoding, node_round,
+                                      self._token_s or self._node_token_s)
             return size, not decoding
 
     def _refresh_groups(self) -> None:
@@ -431,5 +435,8 @@ class RingEngine:
         hops = [h.next_rtt_ms / 2000.0 for h in health if h.next_rtt_ms > 0]
         groups = plan.ring_groups(len(health), [h.mean_step_ms / 1000.0 for h in health],
                                   sum(hops) / len(hops) if hops else 0.0)
+        token_s = sum(h.prefill_seconds / h.prefill_tokens for h in health if h.prefill_tokens)
         with self._lock:
-            self.groups = groups
+            if not self.fixed_groups:
+                self.groups = groups
+            self._node_token_s = token_s
