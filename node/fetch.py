@@ -214,7 +214,7 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
             if progress.interrupt_after is not None and received >= progress.interrupt_after:
                 raise TransferInterrupted(f"transfer stopped after {received} bytes (test hook)")
 
-        fallback, bad_part, sock = False, False, None
+        fallback, sock, resumed_at = False, None, offset
         f = await loop.run_in_executor(None, open, part, "ab" if offset else "wb")
         verifier = StreamVerifier(tensors)  # (its thread, once the part file is open: `finish` ends it)
         try:
@@ -227,7 +227,6 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
                     fallback = True
             if offset:  # what the part file holds goes through the hashes first
                 if await loop.run_in_executor(None, _feed_part, part, len(header), offset, verifier):
-                    bad_part = True
                     raise _BadBytes
             if not offset:
                 f.write(header)
@@ -272,7 +271,7 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
                 problem = await loop.run_in_executor(None, verifier.finish)  # the thread ends either way
     if verifier.problem is not None:  # no byte of this part is kept
         part.unlink(missing_ok=True)
-        if bad_part:  # what an earlier transfer left, not this source's bytes
+        if verifier.problem_at < resumed_at:  # in what an earlier transfer left: not this source's bytes
             log.info("%s failed its hashes (%s); starting over", part, verifier.problem)
             return await _fetch_from(source, cache, key, names, secret, progress, raw, reask, expected)
         raise _SourceFailed(f"verification failed ({verifier.problem}); the part file is dropped")

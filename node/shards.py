@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -201,6 +202,8 @@ class StreamVerifier:
     def __init__(self, tensors: list[TensorInfo]):
         self.tensors = tensors
         self._problem: str | None = None
+        self._starts = list(itertools.accumulate((t.size for t in tensors), initial=0))
+        self.problem_at = 0  # where the tensor that failed its hash begins, in the tensors' bytes
         self._index = -1
         self._next()
         self._queue: queue.SimpleQueue[tuple[Any, Callable[[], None] | None] | None] = queue.SimpleQueue()
@@ -266,6 +269,7 @@ class StreamVerifier:
     def _check(self) -> None:
         t = self.tensors[self._index]
         if self._problem is None and self._hash.hexdigest() != t.sha256:
+            self.problem_at = self._starts[self._index]
             self._problem = f"{t.name}: content hash differs"
 
 

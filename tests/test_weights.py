@@ -327,9 +327,10 @@ def test_a_source_whose_bytes_fail_their_hash_is_left_at_that_tensor(transport: 
             engine.pipeline.close()
 
 
+@pytest.mark.parametrize("where", ["first tensor", "last byte"])  # (the last: of a tensor the source completes)
 def test_a_part_file_that_fails_its_hashes_is_fetched_again_from_its_start(
-        dense_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        reference) -> None:
+        where: str, dense_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, reference) -> None:
     """A part file changed on the disk is not resumed, nor its source blamed: the same source sends it whole."""
     monkeypatch.setattr(bulk, "RECV_BYTES", 64 << 10)
     total = shard_bytes(dense_ckpt, HALVES[1])
@@ -343,7 +344,7 @@ def test_a_part_file_that_fails_its_hashes_is_fetched_again_from_its_start(
         part = receiver.cache.dir(key) / PART
         _, data_start = fpmod.read_header(part)
         data = bytearray(part.read_bytes())
-        data[data_start + 10] ^= 0x01  # the first tensor's
+        data[data_start + 10 if where == "first tensor" else -1] ^= 0x01
         part.write_bytes(bytes(data))
         caplog.clear()
         with engine_over(dense_ckpt, servers, specs=HALVES) as engine:
