@@ -152,9 +152,10 @@ def _stack_experts(weights: dict[str, mx.array], mlp_prefix: str, num_experts: i
 
 
 def sanitize(weights: dict[str, mx.array], config: ModelConfig, raw_hf: bool,
-             raw_mtp: bool | None = None) -> dict[str, mx.array]:
+             raw_mtp: bool | None = None, dtype: mx.Dtype | None = None) -> dict[str, mx.array]:
     """mlx's layout: experts stacked, conv1d [C, K, 1], norms w where raw HF stores w - 1 (the backbone's
-    when `raw_hf`, the MTP head's when `raw_mtp`, by default the same)."""
+    when `raw_hf`, the MTP head's when `raw_mtp`, by default the same), 1 + w taken in float32 and
+    rounded once, to `dtype` (by default the stored one)."""
     raw_mtp = raw_hf if raw_mtp is None else raw_mtp
     weights = dict(weights)
     if config.is_moe:
@@ -168,7 +169,7 @@ def sanitize(weights: dict[str, mx.array], config: ModelConfig, raw_hf: bool,
             weights[k] = v.moveaxis(2, 1)
         elif (raw_mtp if k.startswith("mtp.") else raw_hf) and v.ndim == 1 and (
                 k.endswith(_SHIFTED_SUFFIXES) or k in _SHIFTED_EXACT):
-            weights[k] = v + 1.0
+            weights[k] = (v.astype(mx.float32) + 1.0).astype(dtype or v.dtype)
     return weights
 
 
@@ -262,13 +263,12 @@ def load_shard(
     model = Qwen35Shard(config, spec, with_mtp=with_mtp)
     raw_hf = stored_raw_hf(path)  # a shard cache holds a few layers: the whole model's answer is kept there
     raw_hf = is_raw_hf(all_weights) if raw_hf is None else raw_hf
-    weights = select_shard(all_weights, spec, model)
+    weights = sanitize(select_shard(all_weights, spec, model), config, raw_hf, is_raw_mtp(originals, raw_hf), dtype)
     del all_weights
-    if dtype is not None:  # (before the norms' shift: 1 + w in float32 when asked for float32)
-        weights = {k: v.astype(dtype) if _cast(k, v) else v for k, v in weights.items()}
-    weights = sanitize(weights, config, raw_hf, is_raw_mtp(originals, raw_hf))
     if config.quantization:
         _quantize(model, config, weights)
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if _cast(k, v) else v for k, v in weights.items()}
 
     expected = {n for n, _ in tree_flatten(model.parameters())}
     missing = sorted(expected - weights.keys())

@@ -99,7 +99,8 @@ class BatchStage:
         self.stats.steps += 1
         self.stats.tokens_processed += tokens
         self.stats.step_seconds += elapsed
-        self.stats.prefilled(tokens, elapsed)
+        if not any(r.final for r in reqs):  # (a final chunk samples too, and drafts)
+            self.stats.prefilled(tokens, elapsed)
         return out
 
     def join(self, seq_id: str, keep: str = "") -> Prefix | None:

@@ -73,7 +73,7 @@ class StageStats:
     tokens_processed: int = 0
     steps: int = 0
     step_seconds: float = 0.0
-    prefill_tokens: int = 0  # prompt chunks' part of the above: what a prompt costs a stage per token
+    prefill_tokens: int = 0  # prompt chunks' part of the above but the last: what a prompt token costs here
     prefill_seconds: float = 0.0
     last_error: str | None = None
 
@@ -129,7 +129,7 @@ class StageWorker:
             self.stats.tokens_processed += len(req.tokens)
             elapsed = time.perf_counter() - start
             self.stats.step_seconds += elapsed
-            if req.kind == StepKind.PREFILL:
+            if req.kind == StepKind.PREFILL and not req.final:  # (a final one samples too, and drafts)
                 self.stats.prefilled(len(req.tokens), elapsed)
             return out
 

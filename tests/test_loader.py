@@ -71,10 +71,13 @@ def test_a_converted_backbone_beside_the_original_mtp_head_shifts_the_head_only(
 
 def test_a_log_keeps_its_stored_dtype_and_norms_shift_in_the_asked_one(dense_ckpt: Path, tmp_path: Path) -> None:
     """`--dtype bfloat16` (and `convert`'s default) leaves A_log as stored, as mlx-lm does: exp(A_log) is
-    every GatedDeltaNet decay rate. A bfloat16 checkpoint loaded as float32 takes 1 + w in float32."""
+    every GatedDeltaNet decay rate. The norms' 1 + w is taken in float32 and rounded once, to the dtype
+    asked for: a float32 checkpoint loaded as bfloat16, a bfloat16 one loaded as float32."""
     loaded = params(dense_ckpt, dtype=mx.bfloat16)
     assert loaded["layers.0.linear_attn.A_log"].dtype == mx.float32
     assert loaded["layers.0.linear_attn.dt_bias"].dtype == mx.bfloat16
+    stored = mx.load(str(dense_ckpt / "model.safetensors"))["model.language_model.norm.weight"]
+    assert mx.array_equal(loaded["norm.weight"], (stored + 1.0).astype(mx.bfloat16)).item()
     out = convert(dense_ckpt, tmp_path / "bf16", dtype="bfloat16")
     converted = mx.load(str(out / "model.safetensors"))
     assert converted["language_model.model.layers.0.linear_attn.A_log"].dtype == mx.float32

@@ -689,6 +689,7 @@ def test_prompt_chunks_are_sized_under_steady_load_from_the_nodes_own_prefill_ti
                                reformer=SimpleNamespace(down=None), close=lambda: None,
                                health=lambda probe_next=False, timeout=5.0: nodes)
     engine = RingEngine(pipeline, SimpleNamespace(), [0], 100000, False, 100, prefill_chunk=512, groups=2)
+    engine._stop.set()  # (its watch asks the nodes by itself a second in: here the test asks)
     try:
         engine._rows = {0: 3, 1: 3}  # rows decode in both groups
         engine._trip_s = 0.2  # a group's trip: 0.1 s of it a node's share

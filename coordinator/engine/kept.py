@@ -101,7 +101,7 @@ class KeptPrefixes:
         with self._lock:
             if epoch != self._epoch:  # lost and forgotten meanwhile: the nodes forget it as they are loaded again
                 return
-            if plan.held(list(self._kept.values()), tokens, drafts):  # another prefill of it came first
+            if key not in self._kept and plan.held(list(self._kept.values()), tokens, drafts):  # another came first
                 out = [key]
             else:
                 out = self._keep(key, tokens, drafts)
