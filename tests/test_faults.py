@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -204,82 +207,74 @@ def test_a_sequence_nobody_renews_is_released(dense_ckpt: Path, monkeypatch: pyt
             pipeline.close()
 
 
-def test_a_row_whose_lease_ran_out_fails_at_once(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ring row whose renewals stopped reaching the nodes while its client is still there is released,
-    and its client hears so at once, naming the node (not after the engine's wait for stalled rows)."""
-    import queue
-
+@contextmanager
+def one_request_on_short_leases(ckpt: Path, monkeypatch: pytest.MonkeyPatch, lease_s: float,
+                                resume_window: float) -> Iterator[tuple[Any, list, queue.SimpleQueue]]:
+    """Two in-process nodes whose leases last `lease_s` (swept every 0.25 s), a ring engine over them
+    and one request that only max_tokens would end: (engine, nodes, the request's items)."""
     from helpers import node_servers
 
-    from mtpipe.coordinator.engine.build import ring_engine
-    from mtpipe.coordinator.engine.request import GenerationRequest
     from mtpipe.node import leases
     from mtpipe.node.protocol import SamplingParams
 
-    lease_s = 2.0
     monkeypatch.setattr(leases, "SWEEP_S", 0.25)
     with node_servers(2) as servers:
         for s in servers:
             s.service._leases = Leases(lease_s=lease_s)
-        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32", resume_window=0)
+        engine = ring_engine(ckpt, [s.address for s in servers], dtype="float32", resume_window=resume_window)
         try:
             q: queue.SimpleQueue = queue.SimpleQueue()
             never_ends = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
             engine.open(GenerationRequest(engine.tokenizer.encode(PROMPTS[0]), max_tokens=4000, params=never_ends),
                         q.put)
-            assert not isinstance(q.get(timeout=60), BaseException)
-            live = next(iter(engine._decoding.values()))
-            with engine.pipeline._lock:  # as if its renewals stopped reaching the nodes
-                engine.pipeline.live.discard(live.seq_id)
-            start = time.monotonic()
-            while not isinstance(item := q.get(timeout=lease_s + 10), BaseException):
-                pass
-            assert "lease" in str(item) and time.monotonic() - start < lease_s + 5
-            assert any(s.address in str(item) for s in servers)
+            yield engine, servers, q
         finally:
             engine.close()
+
+
+def stop_renewing(engine: Any, seq_id: str) -> None:
+    """As if a sequence's renewals stopped reaching the nodes."""
+    with engine.pipeline._lock:
+        engine.pipeline.live.discard(seq_id)
+
+
+def test_a_row_whose_lease_ran_out_fails_at_once(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ring row whose renewals stopped reaching the nodes while its client is still there is released,
+    and its client hears so at once, naming the node (not after the engine's wait for stalled rows)."""
+    lease_s = 2.0
+    with one_request_on_short_leases(dense_ckpt, monkeypatch, lease_s, resume_window=0) as (engine, servers, q):
+        assert not isinstance(q.get(timeout=60), BaseException)
+        stop_renewing(engine, next(iter(engine._decoding.values())).seq_id)
+        start = time.monotonic()
+        while not isinstance(item := q.get(timeout=lease_s + 10), BaseException):
+            pass
+        assert "lease" in str(item) and time.monotonic() - start < lease_s + 5
+        assert any(s.address in str(item) for s in servers)
 
 
 def test_a_request_lost_again_and_again_ends(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A row lost with its node resumes, but a loss that keeps coming back is not going away: the
     request lost more than MAX_RESUMES times ends with the error that names the node, and leaves
     nothing on the nodes. (Here its renewals stop reaching the nodes each time it has resumed.)"""
-    from helpers import node_servers
-
     from mtpipe.coordinator.engine.ring import MAX_RESUMES
-    from mtpipe.node import leases
-    from mtpipe.node.protocol import SamplingParams
 
-    lease_s = 1.0
-    monkeypatch.setattr(leases, "SWEEP_S", 0.25)
-    with node_servers(2) as servers:
-        for s in servers:
-            s.service._leases = Leases(lease_s=lease_s)
-        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32", resume_window=10.0)
-        try:
-            q: queue.SimpleQueue = queue.SimpleQueue()
-            never_ends = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
-            engine.open(GenerationRequest(engine.tokenizer.encode(PROMPTS[0]), max_tokens=4000, params=never_ends),
-                        q.put)
-            lost: list[str] = []
-            deadline = time.monotonic() + 60
-            while not isinstance(item := q.get(timeout=30), BaseException) and time.monotonic() < deadline:
-                live = next(iter(engine._decoding.values()), None)
-                if live is not None and live.seq_id not in lost and live.seq_id in engine.pipeline.live:
-                    lost.append(live.seq_id)
-                    with engine.pipeline._lock:  # as if its renewals stopped reaching the nodes
-                        engine.pipeline.live.discard(live.seq_id)
-            assert isinstance(item, BaseException), "the request never ended"
-            assert f"lost {MAX_RESUMES + 1} times: the request ends" in str(item) and "lease" in str(item)
-            assert any(s.address in str(item) for s in servers)
-            assert len(lost) == MAX_RESUMES + 1 and live.resumes == MAX_RESUMES
-            assert q.get(timeout=5) is END
-            deadline = time.monotonic() + SETTLE_S
-            while any(left := active(engine)) and time.monotonic() < deadline:
-                time.sleep(0.25)
-            assert left == [0, 0]
-        finally:
-            engine.close()
+    with one_request_on_short_leases(dense_ckpt, monkeypatch, 1.0, resume_window=10.0) as (engine, servers, q):
+        lost: list[str] = []
+        deadline = time.monotonic() + 60
+        while not isinstance(item := q.get(timeout=30), BaseException) and time.monotonic() < deadline:
+            live = next(iter(engine._decoding.values()), None)
+            if live is not None and live.seq_id not in lost and live.seq_id in engine.pipeline.live:
+                lost.append(live.seq_id)
+                stop_renewing(engine, live.seq_id)
+        assert isinstance(item, BaseException), "the request never ended"
+        assert f"lost {MAX_RESUMES + 1} times: the request ends" in str(item) and "lease" in str(item)
+        assert any(s.address in str(item) for s in servers)
+        assert len(lost) == MAX_RESUMES + 1 and live.resumes == MAX_RESUMES
+        assert q.get(timeout=5) is END
+        deadline = time.monotonic() + SETTLE_S
+        while any(left := active(engine)) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert left == [0, 0]
 
 
 @pytest.mark.timeout(240)
