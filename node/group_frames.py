@@ -45,6 +45,7 @@ class GroupFrames:
     _ring_worker: StageWorker | None = None
 
     # what NodeService provides
+    def _owned_by(self, seq_id: str, client_id: str) -> bool: ...
     def _emit(self, client_id: str, event: pb.Event) -> None: ...
     def _forward(self, frame: pb.Frame) -> None: ...
     def _start_round(self, frame: pb.Frame) -> None: ...
@@ -129,6 +130,8 @@ class GroupFrames:
                 self._round_back(rnd, [])
             return
         try:
+            if foreign := [r.seq_id for r in rnd.rows if r.join and not self._owned_by(r.seq_id, rnd.client_id)]:
+                raise StageError(f"group {rnd.group}: sequence {foreign[0]!r} belongs to another client")
             hidden = tensor_from_pb(frame.hidden) if frame.HasField("hidden") else None
             out = groups.run(rnd, hidden)
         except StaleRound as e:  # the group went on without it: its rows were failed then

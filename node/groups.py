@@ -135,6 +135,11 @@ class RingGroups:
         missing = [r.seq_id for r in joins if r.seq_id not in self.worker.sequences]
         if missing:
             raise StageError(f"group {rnd.group}: sequence {missing[0]!r} joins but was not prefilled here")
+        unready = [r.seq_id for r in joins if not self.worker.sequences[r.seq_id].prompt_done
+                   or self.worker.sequences[r.seq_id].decoding]
+        if unready:  # (before anything here changes)
+            raise StageError(f"group {rnd.group}: sequence {unready[0]!r} joins before its prompt is through "
+                             "or while it decodes on its own")
         if g is None:
             g = self.groups[rnd.key] = self._new_group(rnd.client_id)
         g.seen = time.monotonic()

@@ -170,6 +170,8 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
             raise StageError(f"{self.name} has no shard loaded")
         if not self.coordinators.admits(frame.client_id):
             raise StageError(f"{self.name} holds another coordinator's shard now")
+        if not self._owned_by(frame.seq_id, frame.client_id):  # (before it is touched, or its step told)
+            raise StageError(f"{self.name}: sequence {frame.seq_id!r} belongs to another client")
         if frame.step == 0 and not worker.overlap and self.ring_groups.holds(frame.seq_id):
             raise StageError(f"sequence {frame.seq_id!r} is decoding here already")  # (before it is touched)
         req = self.scope(frame_to_request(frame), frame.client_id)
@@ -300,7 +302,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         return pb.ReleaseReply(released=self._release(request.seq_id))
 
     def _owned_by(self, seq_id: str, client_id: str) -> bool:
-        """Whether `client_id` may release `seq_id` here (one this node does not hold: nothing to guard)."""
+        """Whether `client_id` may step or release `seq_id` here (one this node does not hold: nothing to guard)."""
         return self._owners.get(seq_id, client_id) == client_id
 
     # -- subscriptions --------------------------------------------------------------------------

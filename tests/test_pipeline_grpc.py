@@ -414,6 +414,33 @@ class Driver:
         self.tokens += self.out.tokens
 
 
+@pytest.mark.parametrize("whose", ["another client's", "its own, decoding on its own path"])
+def test_a_group_round_cannot_take_a_sequence_it_may_not(whose: str, dense_engine: Engine, dense_ckpt: Path) -> None:
+    """A group round whose join row names a sequence of another client, or one that decodes on its
+    own path, is refused before anything changes (it moved the sequence into the round's group, whose
+    failure then freed it): the sequence goes on as if nothing had happened."""
+    from helpers import node_servers
+
+    prompt = dense_engine.tokenizer.encode(PROMPTS[12])
+    expected = generate(dense_engine, PROMPTS[12], 2).tokens
+    with node_servers(2) as servers, remote(dense_ckpt, [s.address for s in servers]) as engine:
+        drv = Driver(engine.pipeline, "seq-a", prompt, depth=2)
+        drv.round()
+        before = [h.active_sequences for h in engine.pipeline.health()]
+        rnd = pb.Frame(client_id="" if whose.startswith("another") else engine.pipeline.client_id, kind=pb.GROUP,
+                       group=7, step=1)
+        rnd.rows.add(seq_id="seq-a", tokens=[1], join=True)
+        with make_channel(servers[0].address) as ch:
+            for _ in pb_grpc.NodeStub(ch).Forward(iter([rnd]), timeout=5):
+                pass
+        time.sleep(0.5)  # (the refusal goes around the ring)
+        assert [h.active_sequences for h in engine.pipeline.health()] == before
+        while len(drv.tokens) < len(expected):
+            drv.round()
+        engine.pipeline.release("seq-a")
+    assert drv.tokens[: len(expected)] == expected
+
+
 def test_bad_frames_rejected_without_state_change(dense_engine: Engine, dense_ckpt: Path, nodes: list[str]) -> None:
     prompt = dense_engine.tokenizer.encode(PROMPTS[12])
     expected = generate(dense_engine, PROMPTS[12], 2).tokens
@@ -424,41 +451,50 @@ def test_bad_frames_rejected_without_state_change(dense_engine: Engine, dense_ck
         step, c = drv.step_no, drv.out.commit
         good = tensor_to_pb(mx.zeros((1, 3, H)))
 
-        def frame(tokens: list[int], hidden: pb.Tensor | None, step: int = step, seq: str = "seq-a") -> pb.Frame:
+        me = engine.pipeline.client_id
+
+        def frame(tokens: list[int], hidden: pb.Tensor | None, step: int = step, seq: str = "seq-a",
+                  client: str = me) -> pb.Frame:
             # Everything else right (the pending commit included), so only the named fault is refused.
-            f = pb.Frame(seq_id=seq, step=step, kind=pb.DECODE, tokens=tokens,
+            f = pb.Frame(client_id=client, seq_id=seq, step=step, kind=pb.DECODE, tokens=tokens,
                          commit=pb.Commit(step=c.step, accepted=c.accepted, trim=c.trim))
             if hidden is not None:
                 f.hidden.CopyFrom(hidden)
             return f
 
         t = [1, 2, 3]
+        bad_on_middle = [
+            frame(t, tensor_to_pb(mx.zeros((1, 2, H)))),  # wrong shape
+            frame(t, pb.Tensor(dtype="int8", shape=[1, 3, H], data=bytes(3 * H))),  # unknown dtype
+            frame(t, pb.Tensor(dtype="float32", shape=[1, 3, H], data=bytes(7))),  # byte count
+            frame(t, pb.Tensor(dtype="float32", shape=[1, 3, -H], data=b"")),  # impossible shape
+            frame(t, good, step=step + 5),  # step out of order
+            frame(t, good, step=step - 1),  # a step already done
+            frame(t, good, seq="nope"),  # unknown sequence
+            frame(t, None),  # a middle node needs hidden states
+            frame([10**6, 1, 2], good),  # token outside the vocabulary
+            frame(t, tensor_to_pb(mx.zeros((1, 3, H + 1)))),  # hidden states of another width
+            frame(t, tensor_to_pb(mx.zeros((3, H)))),  # or rank
+        ]
         bad = {
-            nodes[1]: [
-                frame(t, tensor_to_pb(mx.zeros((1, 2, H)))),  # wrong shape
-                frame(t, pb.Tensor(dtype="int8", shape=[1, 3, H], data=bytes(3 * H))),  # unknown dtype
-                frame(t, pb.Tensor(dtype="float32", shape=[1, 3, H], data=bytes(7))),  # byte count
-                frame(t, pb.Tensor(dtype="float32", shape=[1, 3, -H], data=b"")),  # impossible shape
-                frame(t, good, step=step + 5),  # step out of order
-                frame(t, good, step=step - 1),  # a step already done
-                frame(t, good, seq="nope"),  # unknown sequence
-                frame(t, None),  # a middle node needs hidden states
-                frame([10**6, 1, 2], good),  # token outside the vocabulary
-                frame(t, tensor_to_pb(mx.zeros((1, 3, H + 1)))),  # hidden states of another width
-                frame(t, tensor_to_pb(mx.zeros((3, H)))),  # or rank
-            ],
             nodes[0]: [frame(t, good), frame(t, None, step=step + 5), frame([-1], None),
-                       pb.Frame(seq_id="seq-a", step=step, kind=pb.DECODE, tokens=t, budget=-1),
+                       pb.Frame(client_id=me, seq_id="seq-a", step=step, kind=pb.DECODE, tokens=t, budget=-1),
                        # a new sequence longer than the model's context, or sampling at no usable temperature
-                       pb.Frame(seq_id="new", kind=pb.PREFILL, tokens=[1] * (engine.max_context + 1)),
-                       *(pb.Frame(seq_id="new", kind=pb.PREFILL, tokens=t, params=pb.Sampling(temperature=x, top_p=1))
-                         for x in (float("nan"), float("inf"), 1e-30))],
+                       pb.Frame(client_id=me, seq_id="new", kind=pb.PREFILL, tokens=[1] * (engine.max_context + 1)),
+                       *(pb.Frame(client_id=me, seq_id="new", kind=pb.PREFILL, tokens=t,
+                                  params=pb.Sampling(temperature=x, top_p=1))
+                         for x in (float("nan"), float("inf"), 1e-30)),
+                       frame(t, None, client="")],  # right in every way but whose sequence it is
+            nodes[1]: [*bad_on_middle, frame(t, good, client="")],
             nodes[2]: [frame(t, good)],  # drafts this last node never made
         }
         before = [(h.active_sequences, h.tokens_processed, h.steps) for h in engine.pipeline.health()]
         for address, frames in bad.items():
             for f in frames:
                 assert _call_step(address, f) == grpc.StatusCode.INVALID_ARGUMENT, (address, f)
+        with make_channel(nodes[0]) as ch, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.NodeStub(ch).Step(frame(t, None, client=""), timeout=10)
+        assert "belongs to another client" in refused.value.details() and "expected" not in refused.value.details()
         # Through the streams: a refused step comes back as INVALID_ARGUMENT naming the node.
         with pytest.raises(RemoteStageError) as err:
             engine.pipeline.step(StepRequest("seq-a", step + 5, StepKind.DECODE, [1]))
