@@ -99,7 +99,7 @@ def test_answers_equal_the_engine_and_only_the_engine_thread_does_mlx(engine: Ba
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             got = events(r)
-        whole = c.post("/v1/completions", json={**body, "stream": False}).json()
+        whole = c.post("/v1/completions", json={**body, "stream": False, "stream_options": None}).json()
         health = c.get("/health")
         cluster = c.get("/v1/cluster").json()
     assert "".join(e["choices"][0]["text"] for e in got if e["choices"]) == want.text

@@ -142,6 +142,8 @@ def create_app(
     async def respond(endpoint: str, body: Any, req: "GenerationRequest", request: Request, started: float,
                       tools: "ToolSpec | None" = None) -> Any:
         """A streamed (SSE) or whole response in the endpoint's object shape; `tools`: parse the output for calls."""
+        if body.stream_options is not None and not body.stream:  # (as OpenAI's and vLLM's servers answer)
+            raise APIError(400, "stream_options can only be given with stream: true", param="stream_options")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = ResponseFormat(endpoint == "/v1/chat/completions", model_name, include_usage)
         if body.stream:
@@ -176,6 +178,8 @@ def create_app(
         service.check_model(body.model)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of must be 1", param="best_of")
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:

@@ -123,5 +123,6 @@ class ChatCompletionRequest(_GenerationBody):
 class CompletionRequest(_GenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]  # OpenAI's four forms; one prompt per request
     echo: bool | None = None
+    suffix: str | None = None  # (fill-in-the-middle: refused, not ignored)
     logprobs: int | None = None
     best_of: int | None = None
