@@ -412,6 +412,7 @@ BAD = [
     ("mixed-prompt", TEXT, {"prompt": [1, "a"]}, 422, "prompt"),
     ("echo", TEXT, {"prompt": "x", "echo": True}, 400, "echo"),
     ("suffix", TEXT, {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("logit-bias-id-twice", CHAT, {"messages": M, "logit_bias": {"10": 5, "010": -5}}, 400, "logit_bias"),
     ("stream-options-without-stream", CHAT,
      {"messages": M, "stream": False, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("completion-logprobs-negative", TEXT, {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
