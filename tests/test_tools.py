@@ -47,6 +47,10 @@ RECORDED: dict[str, tuple[str, str, list[tuple[str, dict[str, Any]]]]] = {
     "qwen3_text_after": (
         '<tool_call>\n{"name": "search", "arguments": {"query": "mlx"}}\n</tool_call>\n\nWaiting for results.',
         "Waiting for results.", [("search", {"query": "mlx"})]),
+    "qwen3_text_on_both_sides": (
+        ('Let me check. <tool_call>\n{"name": "search", "arguments": {"query": "mlx"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "search", "arguments": {"query": "mtp"}}\n</tool_call> Then I will answer.'),
+        "Let me check. Then I will answer.", [("search", {"query": "mlx"}), ("search", {"query": "mtp"})]),
     "qwen3_nested_and_tags_in_strings": (
         ('Writing it.\n<tool_call>\n{"name": "write_file", "arguments": {"path": "a.py", '
          '"content": "s = \\"</tool_call>\\"\\nt = \'<tool_call>\'\\n", '
@@ -150,7 +154,7 @@ def test_stream_releases_text_early() -> None:
     assert parser.feed(" <tool_call>\n{\"name\": \"search\", \"arguments\": {}}") == []
     events = parser.feed("\n</tool_call>\n")
     assert [k for k, _ in events] == ["call"] and events[0][1].name == "search"
-    assert parser.feed("after") == [("text", "after")] and parser.finish() == []
+    assert parser.feed("after") == [("text", " after")] and parser.finish() == []  # (not "Hello thereafter")
 
 
 # -- the prompt ----------------------------------------------------------------------------------

@@ -119,6 +119,8 @@ class ToolCallParser:
         self._scanned = 0  # in an open block: where the next `</tool_call>` may start
         self._pending_ws = ""  # trailing whitespace of the text: released if text follows, dropped if a call does
         self._after_call = False  # whitespace right after a call is dropped
+        self._texted = False  # text came before: text after a call is kept apart from it
+        self._gap = ""  # the whitespace around the calls since the last text (one run of it separates)
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
@@ -161,6 +163,8 @@ class ToolCallParser:
             if calls is None:
                 self._text(block, out)
             else:
+                if not self._after_call:
+                    self._gap = self._pending_ws
                 self._pending_ws = ""
                 self._after_call = True
                 out.extend(("call", c) for c in calls)
@@ -178,13 +182,17 @@ class ToolCallParser:
 
     def _text(self, s: str, out: list[Event]) -> None:
         if self._after_call:
-            s = s.lstrip()
-            if not s:
+            body = s.lstrip()
+            self._gap = self._gap or s[: len(s) - len(body)]
+            if not body:
                 return
-            self._after_call = False
+            s, self._after_call = body, False
+            if self._texted:  # ("a <call> b" reads "a b", not "ab")
+                self._pending_ws = self._gap
         body = s.rstrip()
         if body:
             out.append(("text", self._pending_ws + body))
+            self._texted = True
             self._pending_ws = s[len(body):]
         else:
             self._pending_ws += s
