@@ -41,6 +41,9 @@ BULK_HELLO = b"mtpipe-tensors1\n"  # a shard-tensor stream (bulk.py), authorized
 assert len(BULK_HELLO) == len(HELLO)
 LENGTH = struct.Struct("<I")
 HANDSHAKE_TIMEOUT_S = 5.0
+# A frame's bytes once its length came (the largest a slow link carries in time): a sender that stops
+# halfway holds its buffer no longer.
+FRAME_BODY_TIMEOUT_S = 60.0
 CONNECT_TIMEOUT_S = 30.0  # opening a link to the next stage: one in a long step answers only after it
 
 
@@ -135,7 +138,9 @@ class FrameListener:
                     return  # the sender closed the stream
                 if size > self.max_bytes:
                     raise DataPlaneError(f"a frame of {size} bytes exceeds the limit of {self.max_bytes}")
-                frame = pb.Frame.FromString(await reader.readexactly(size))
+                async with asyncio.timeout(FRAME_BODY_TIMEOUT_S):
+                    body = await reader.readexactly(size)
+                frame = pb.Frame.FromString(body)
                 await self.on_frame(frame)
         except (TimeoutError, DataPlaneError, DecodeError, asyncio.IncompleteReadError) as e:
             log.warning("data plane: closed the stream from %s: %s", peer, e or type(e).__name__)

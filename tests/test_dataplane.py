@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from helpers import PROMPTS, node_servers
 from mtpipe.coordinator.engine.build import remote_engine
 from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.coordinator.engine.request import GenerationRequest
+from mtpipe.node import dataplane
 from mtpipe.node.dataplane import HELLO, LENGTH
 from mtpipe.node.tls import NAME, ssl_context
 
@@ -63,7 +65,9 @@ def _tls(port: int, secret: str) -> ssl.SSLSocket:
     return ssl_context(secret, server=False).wrap_socket(s, server_hostname=NAME)
 
 
-def test_data_port_checks_the_secret_and_survives_garbage(dense_engine: Engine, dense_ckpt: Path) -> None:
+def test_data_port_checks_the_secret_and_survives_garbage(dense_engine: Engine, dense_ckpt: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dataplane, "FRAME_BODY_TIMEOUT_S", 1.0)
     with node_servers(2, secret="s3cret") as nodes:
         port = nodes[1].service.data_port
         with pytest.raises(ssl.SSLError):  # TLS keyed by another secret: no handshake
@@ -82,6 +86,10 @@ def test_data_port_checks_the_secret_and_survives_garbage(dense_engine: Engine, 
         with _tls(port, "s3cret") as s:  # bytes that do not decode as a Frame
             s.sendall(LENGTH.pack(4) + b"\xff\xff\xff\xff")
             assert _closed(s)
+        with _tls(port, "s3cret") as s:  # a frame that stops halfway: its buffer is let go, not held
+            s.sendall(LENGTH.pack(1 << 20) + bytes(1000))
+            start = time.monotonic()
+            assert _closed(s) and time.monotonic() - start < 10
         engine = remote_engine(dense_ckpt, [s.address for s in nodes], secret="s3cret", dtype="float32")
         try:
             assert generate(engine, PROMPTS[2], 2) == generate(dense_engine, PROMPTS[2], 2)
