@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -23,21 +25,47 @@ def default_model_path() -> Path:
     return DEMO_MODEL
 
 
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"]  # what a model needs of its repo
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_repo_id(model: str | Path) -> str | None:
+    """`model` as a hub repo id (owner/name), or None when it cannot be one (`~/x`, `./x`, `a/b/c`, `x/`)."""
+    text = str(model)
+    return text if _REPO_ID.fullmatch(text) and not text.endswith((".", "-")) else None
+
+
+def complete(path: Path) -> bool:
+    """A model directory with its config and every weight file its index names (a download that
+    stopped halfway leaves a snapshot without some)."""
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        return False
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return True
+    try:
+        files = set(json.loads(index.read_text()).get("weight_map", {}).values())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return all((path / f).is_file() for f in files)
+
+
 def local_model(model: str | Path | None) -> Path | None:
     """The model's directory on this machine, if it has one, without downloading anything: a local
-    path, the bundled demo model, or a hub repo id already in this machine's hub cache."""
+    path, the bundled demo model, or a hub repo id whole in this machine's hub cache."""
     if model is None:
         return DEMO_MODEL if (DEMO_MODEL / "config.json").exists() else None
     path = Path(model).expanduser()
     if path.exists():
         return path if (path / "config.json").is_file() else None  # (an empty mount point holds no model)
-    if "/" in str(model) and not str(model).startswith((".", "/")):
+    if repo := hub_repo_id(model):
         try:
             from huggingface_hub import snapshot_download
 
-            return Path(snapshot_download(str(model), local_files_only=True))
+            snapshot = Path(snapshot_download(repo, local_files_only=True, allow_patterns=HUB_FILES))
         except (ImportError, OSError, ValueError):  # not in the cache: the node fetches its shard from a peer
             return None
+        return snapshot if complete(snapshot) else None
     return None
 
 
@@ -48,21 +76,23 @@ def resolve_model(model: str | Path | None) -> Path:
     path = Path(model).expanduser()
     if path.exists():
         return path
-    if "/" in str(model) and not str(model).startswith((".", "/")):
-        from huggingface_hub import snapshot_download
+    repo = hub_repo_id(model)
+    if repo is None:
+        raise FileNotFoundError(f"model {model}: no directory {path.absolute()}, and not a Hugging Face repo id "
+                                "(owner/name)")
+    from huggingface_hub import snapshot_download
 
-        log.info("downloading %s from the Hugging Face hub", model)
-        return Path(
-            snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"])
-        )
-    raise FileNotFoundError(f"model {model} not found")
+    log.info("downloading %s from the Hugging Face hub", repo)
+    try:
+        return Path(snapshot_download(repo, allow_patterns=HUB_FILES))
+    except Exception as e:  # noqa: BLE001 - the hub's many kinds (not found, gated, offline): one message for all
+        raise FileNotFoundError(f"model {model}: no directory {path.absolute()}, and the Hugging Face hub did not "
+                                f"give it ({type(e).__name__}: {e})") from e
 
 
 def hub_origin(path: Path | str) -> tuple[str, str] | None:
     """The hub repo id and commit a model directory is a snapshot of, from the hub cache's layout
     (`.../models--owner--name/snapshots/<commit>`), or None for any other directory."""
-    import re
-
     parts = Path(path).resolve().parts
     if len(parts) < 3 or parts[-2] != "snapshots" or not re.fullmatch(r"[0-9a-f]{40}", parts[-1]):
         return None

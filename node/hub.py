@@ -58,7 +58,13 @@ class HfHubRepo:
     def safetensors(self) -> dict[str, tuple[str, dict[str, tuple[str, list[int]]]]]:
         from huggingface_hub import HfApi, get_safetensors_metadata
 
-        meta = get_safetensors_metadata(self.repo, revision=self.revision)
+        try:
+            meta = get_safetensors_metadata(self.repo, revision=self.revision)
+        except (OSError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 - huggingface_hub's parsing errors: a refused Load, not UNKNOWN
+            raise ValueError(f"{self.repo}@{self.revision}: the hub's safetensors headers could not be read "
+                             f"({type(e).__name__}: {e})") from e
         names = sorted(meta.files_metadata)
         infos = HfApi().get_paths_info(self.repo, names, revision=self.revision, expand=True)
         sha = {i.path: i.lfs.sha256 for i in infos if getattr(i, "lfs", None) is not None}

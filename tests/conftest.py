@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import mtpipe  # noqa: F401  (first: the tests run on the BLAS users get, loaded before mlx.core; models/blas.py)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test reaches the Hugging Face hub, by mistake or otherwise
+
+import mtpipe  # noqa: F401,E402  (first: the tests run on the BLAS users get, loaded before mlx.core; models/blas.py)
 
 # isort: split
 import mlx.core as mx

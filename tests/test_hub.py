@@ -216,3 +216,20 @@ def test_no_room_for_the_files_is_refused_before_downloading(sharded: Path, tmp_
         hub.download_shard(repo, model_fingerprint(sharded), names)
     assert not [f for f in repo.downloaded if f.endswith(".safetensors")]
     assert not (repo.snapshot / hub.VERIFIED).exists()
+
+
+def test_the_hubs_own_errors_about_a_repo_refuse_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub's errors about a repo's safetensors (not OSError or ValueError) reach the Load as a
+    refusal naming the repo, not as gRPC UNKNOWN."""
+    import huggingface_hub
+    from huggingface_hub.errors import NotASafetensorsRepoError
+
+    from mtpipe.node.hub import HfHubRepo
+
+    def not_safetensors(repo: str, **kw: object) -> None:
+        raise NotASafetensorsRepoError(f"{repo} has no index and no model.safetensors (test)")
+
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", not_safetensors)
+    with pytest.raises(ValueError, match=r"org/model@abc: the hub's safetensors headers could not be read "
+                                         r"\(NotASafetensorsRepoError"):
+        HfHubRepo("org/model", "abc").safetensors()

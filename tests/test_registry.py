@@ -27,6 +27,54 @@ def test_local_directory_is_taken_as_is(tmp_path: Path) -> None:
     assert registry.resolve_model(str(tmp_path)) == tmp_path
 
 
-def test_unknown_local_path_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="not found"):
-        registry.resolve_model(str(tmp_path / "nope"))
+def test_unknown_local_path_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A path that is not there: refused naming it, and sent to the hub only if it could be a repo id
+    (where the hub's answer is named beside the missing directory)."""
+    import huggingface_hub
+
+    asked: list[str] = []
+
+    def no_such_repo(repo: str, **kw: object) -> str:
+        asked.append(repo)
+        raise huggingface_hub.errors.LocalEntryNotFoundError("not in the cache, and offline (test)")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_such_repo)
+    for model in (str(tmp_path / "nope"), "~/no-such-models/x", "./models/x", "a/b/c", "Qwen/Qwen3.5-27B/"):
+        with pytest.raises(FileNotFoundError, match="not a Hugging Face repo id") as e:
+            registry.resolve_model(model)
+        assert str(Path(model).expanduser().absolute()) in str(e.value)
+    assert asked == []
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as e:  # a relative directory mistyped looks like owner/name
+        registry.resolve_model("models/Qwen3.5-27b")
+    assert asked == ["models/Qwen3.5-27b"]
+    assert str(tmp_path / "models" / "Qwen3.5-27b") in str(e.value) and "LocalEntryNotFoundError" in str(e.value)
+    assert [registry.hub_repo_id(m) for m in ("Qwen/Qwen3.5-27B", "mlx-community/Qwen3.5-0.8B-4bit")] == [
+        "Qwen/Qwen3.5-27B", "mlx-community/Qwen3.5-0.8B-4bit"]
+
+
+def test_a_hub_snapshot_counts_as_here_only_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A download that stopped halfway leaves a snapshot without some weight files: not the model here
+    (the machine would advertise it, and serve another fingerprint). Asked with the files a model needs
+    only, as `resolve_model` downloads them."""
+    import json
+
+    import huggingface_hub
+
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "config.json").write_text("{}")
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": files[0], "b": files[1]}}))
+    (snapshot / files[0]).write_bytes(b"x")
+    asked: list[dict] = []
+
+    def cached(repo: str, **kw: object) -> str:
+        asked.append(kw)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", cached)
+    assert registry.local_model("org/model") is None
+    (snapshot / files[1]).write_bytes(b"x")
+    assert registry.local_model("org/model") == snapshot
+    assert asked[-1] == {"local_files_only": True, "allow_patterns": registry.HUB_FILES}
