@@ -35,7 +35,8 @@ class HubRepo(Protocol):
         """Every file name in the repo."""
 
     def safetensors(self) -> dict[str, tuple[str, dict[str, tuple[str, list[int]]]]]:
-        """Each safetensors file -> (its sha256, {tensor: (dtype, shape)}), without the tensor bytes."""
+        """Each safetensors file at the repo's top (all of them, as a model directory's fingerprint takes
+        them) -> (its sha256, {tensor: (dtype, shape)}), without the tensor bytes."""
 
     def download(self, filename: str) -> Path:
         """The file in the local snapshot directory, downloaded if it is not there yet."""
@@ -56,22 +57,28 @@ class HfHubRepo:
         return HfApi().list_repo_files(self.repo, revision=self.revision)
 
     def safetensors(self) -> dict[str, tuple[str, dict[str, tuple[str, list[int]]]]]:
-        from huggingface_hub import HfApi, get_safetensors_metadata
+        """Each file's header read on its own: huggingface_hub's `get_safetensors_metadata` reads only
+        model.safetensors, or the files the index names, and misses an mtp.safetensors beside them."""
+        from huggingface_hub import HfApi
 
+        api = HfApi()
         try:
-            meta = get_safetensors_metadata(self.repo, revision=self.revision)
+            names = sorted(f for f in api.list_repo_files(self.repo, revision=self.revision)
+                           if "/" not in f and f.endswith(".safetensors"))
+            headers = {n: api.parse_safetensors_file_metadata(self.repo, n, revision=self.revision) for n in names}
+            infos = api.get_paths_info(self.repo, names, revision=self.revision, expand=True) if names else []
         except (OSError, ValueError):
             raise
         except Exception as e:  # noqa: BLE001 - huggingface_hub's parsing errors: a refused Load, not UNKNOWN
             raise ValueError(f"{self.repo}@{self.revision}: the hub's safetensors headers could not be read "
                              f"({type(e).__name__}: {e})") from e
-        names = sorted(meta.files_metadata)
-        infos = HfApi().get_paths_info(self.repo, names, revision=self.revision, expand=True)
+        if not names:
+            raise ValueError(f"{self.repo}@{self.revision}: no safetensors files at the top of the repo")
         sha = {i.path: i.lfs.sha256 for i in infos if getattr(i, "lfs", None) is not None}
         missing = [n for n in names if n not in sha]
         if missing:
             raise ValueError(f"{self.repo}: no content hash on the hub for {missing[0]} (not stored in LFS)")
-        return {n: (sha[n], {t: (info.dtype, list(info.shape)) for t, info in meta.files_metadata[n].tensors.items()})
+        return {n: (sha[n], {t: (info.dtype, list(info.shape)) for t, info in headers[n].tensors.items()})
                 for n in names}
 
     def download(self, filename: str) -> Path:

@@ -221,15 +221,55 @@ def test_no_room_for_the_files_is_refused_before_downloading(sharded: Path, tmp_
 def test_the_hubs_own_errors_about_a_repo_refuse_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """huggingface_hub's errors about a repo's safetensors (not OSError or ValueError) reach the Load as a
     refusal naming the repo, not as gRPC UNKNOWN."""
-    import huggingface_hub
-    from huggingface_hub.errors import NotASafetensorsRepoError
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import SafetensorsParsingError
 
     from mtpipe.node.hub import HfHubRepo
 
-    def not_safetensors(repo: str, **kw: object) -> None:
-        raise NotASafetensorsRepoError(f"{repo} has no index and no model.safetensors (test)")
+    def unparsable(self, repo_id: str, filename: str, **kw: object) -> None:
+        raise SafetensorsParsingError(f"{filename}: the header is not JSON (test)")
 
-    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", not_safetensors)
+    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id, **kw: ["config.json", "model.safetensors"])
+    monkeypatch.setattr(HfApi, "parse_safetensors_file_metadata", unparsable)
     with pytest.raises(ValueError, match=r"org/model@abc: the hub's safetensors headers could not be read "
-                                         r"\(NotASafetensorsRepoError"):
+                                         r"\(SafetensorsParsingError"):
         HfHubRepo("org/model", "abc").safetensors()
+    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id, **kw: ["config.json"])
+    with pytest.raises(ValueError, match="no safetensors files"):
+        HfHubRepo("org/model", "abc").safetensors()
+
+
+def test_the_hubs_headers_cover_every_safetensors_file_of_the_repo(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repo with an `mtp.safetensors` beside `model.safetensors` (the README's way to keep the MTP head):
+    the node reads the headers of both, as the coordinator's fingerprint takes both (huggingface_hub's
+    own metadata reads model.safetensors alone, and the node refused the repo as another model).
+    huggingface_hub's requests are answered from a local directory here."""
+    from types import SimpleNamespace
+
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils._safetensors import SafetensorsFileMetadata, TensorInfo
+
+    from mtpipe.node.hub import HfHubRepo
+
+    source = build_tiny_checkpoint(layout="separate_mtp", num_layers=4, root=tmp_path / "src")
+    (source / "sub").mkdir()
+    (source / "sub" / "other.safetensors").write_bytes((source / "mtp.safetensors").read_bytes())  # (not the model's)
+
+    def parse(self, repo_id: str, filename: str, revision: str | None = None, **kw: object):
+        header, _ = read_header(source / filename)
+        return SafetensorsFileMetadata(metadata=header.get("__metadata__", {}), tensors={
+            n: TensorInfo(dtype=m["dtype"], shape=m["shape"], data_offsets=tuple(m["data_offsets"]))
+            for n, m in header.items() if n != "__metadata__"})
+
+    def paths_info(self, repo_id: str, paths: list[str], revision: str | None = None, **kw: object):
+        return [SimpleNamespace(path=p, lfs=SimpleNamespace(sha256=hashlib.sha256((source / p).read_bytes())
+                                                            .hexdigest())) for p in paths]
+
+    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id, revision=None, **kw: sorted(
+        str(p.relative_to(source)) for p in source.rglob("*") if p.is_file()))
+    monkeypatch.setattr(HfApi, "parse_safetensors_file_metadata", parse)
+    monkeypatch.setattr(HfApi, "get_paths_info", paths_info)
+    got = HfHubRepo(REPO, REVISION).safetensors()
+    assert sorted(got) == ["model.safetensors", "mtp.safetensors"]
+    assert got == LocalRepo(source, tmp_path / "cache").safetensors()
