@@ -13,10 +13,12 @@ and peers fetching tensors from this node read instead of the file.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -196,12 +198,24 @@ def _downloaded_sha256(snapshot: Path, path: Path) -> str:
 
 
 def _mark(snapshot: Path, fingerprint: str, holder: dict[str, str], checked: dict[str, str]) -> None:
+    """Note files as checked. Nodes that share a hub cache and load other shards of one model note
+    theirs at once: each reads, adds and writes under a lock, so none drops another's."""
     try:
-        marker: dict[str, Any] = json.loads((snapshot / VERIFIED).read_text())
-    except (OSError, ValueError):
-        marker = {}
-    entry = marker.setdefault(fingerprint, {"tensors": holder, "files": {}})
-    entry["files"].update(checked)
-    tmp = snapshot / f"{VERIFIED}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(marker))
-    os.replace(tmp, snapshot / VERIFIED)  # whole or not at all, for nodes that share a hub cache
+        lock: int | None = os.open(snapshot / f"{VERIFIED}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # (a cache it cannot write: the marker cannot be written either)
+        lock = None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            marker: dict[str, Any] = json.loads((snapshot / VERIFIED).read_text())
+        except (OSError, ValueError):
+            marker = {}
+        entry = marker.setdefault(fingerprint, {"tensors": holder, "files": {}})
+        entry["files"].update(checked)
+        tmp = snapshot / f"{VERIFIED}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.write_text(json.dumps(marker))
+        os.replace(tmp, snapshot / VERIFIED)  # whole or not at all, for a node that reads it meanwhile
+    finally:
+        if lock is not None:
+            os.close(lock)

@@ -273,3 +273,30 @@ def test_the_hubs_headers_cover_every_safetensors_file_of_the_repo(tmp_path: Pat
     got = HfHubRepo(REPO, REVISION).safetensors()
     assert sorted(got) == ["model.safetensors", "mtp.safetensors"]
     assert got == LocalRepo(source, tmp_path / "cache").safetensors()
+
+
+def test_nodes_noting_their_checked_files_at_once_keep_each_others(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two nodes sharing a hub cache, loading other shards of one model, note their checked files at
+    the same moment: the marker keeps both (the last writer dropped the other's files, whose next Load
+    went back to the network, and offline failed)."""
+    import json
+    import os
+    import threading
+    import time
+
+    real_replace = os.replace
+
+    def slow_replace(a: object, b: object) -> None:  # the window between reading the marker and writing it
+        time.sleep(0.3)
+        real_replace(a, b)
+
+    monkeypatch.setattr(hub.os, "replace", slow_replace)
+    marks = [threading.Thread(target=hub._mark, args=(tmp_path, "fp", {"t": "f"}, {name: "sha"}))
+             for name in ("model-00001.safetensors", "model-00002.safetensors")]
+    for t in marks:
+        t.start()
+    for t in marks:
+        t.join()
+    marker = json.loads((tmp_path / hub.VERIFIED).read_text())
+    assert sorted(marker["fp"]["files"]) == ["model-00001.safetensors", "model-00002.safetensors"]
