@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="side-by-side benchmarks")
     p.add_argument("target",
                    choices=["engine", "pipeline", "serve", "transfer", "faults", "sampled", "prefill", "chat"])
-    p.add_argument("--model", help="model directory (default: the bundled demo model)")
+    p.add_argument("--model", help="model directory or hub repo (default: the bundled demo model)")
     p.add_argument("--max-tokens", type=positive_int, default=128)
     p.add_argument("--prompts", type=positive_int, default=8, help="number of prompts")
     p.add_argument("--depths", type=drafts_arg, nargs="+", default=[1, 2, 3])
