@@ -118,9 +118,11 @@ class Service:
                 out.append((int(key), float(value)))
             except ValueError:
                 raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias") from None
-        if len({t for t, _ in out}) < len(out):  # ("10" and "010": which one was meant?)
-            twice = next(t for t, _ in out if sum(1 for u, _ in out if u == t) > 1)
-            raise APIError(400, f"logit_bias names token id {twice} twice", param="logit_bias")
+        seen: set[int] = set()
+        for token, _ in out:  # ("10" and "010": which one was meant?)
+            if token in seen:
+                raise APIError(400, f"logit_bias names token id {token} twice", param="logit_bias")
+            seen.add(token)
         return tuple(sorted(out))
 
     def token_logprobs(self, tokens: list[int], logprobs: Any) -> list[dict[str, Any]]:
