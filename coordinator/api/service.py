@@ -118,11 +118,9 @@ class Service:
                 out.append((int(key), float(value)))
             except ValueError:
                 raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias") from None
-        seen: set[int] = set()
-        for token, _ in out:  # ("10" and "010": which one was meant?)
-            if token in seen:
-                raise APIError(400, f"logit_bias names token id {token} twice", param="logit_bias")
-            seen.add(token)
+        ids = [t for t, _ in out]
+        if twice := sorted({t for t in ids if ids.count(t) > 1}):  # ("10" and "010": which one was meant?)
+            raise APIError(400, f"logit_bias names token id {twice[0]} twice", param="logit_bias")
         return tuple(sorted(out))
 
     def token_logprobs(self, tokens: list[int], logprobs: Any) -> list[dict[str, Any]]:
