@@ -118,10 +118,10 @@ class Service:
                 out.append((int(key), float(value)))
             except ValueError:
                 raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias") from None
-        ids = [t for t, _ in out]
-        if twice := sorted({t for t in ids if ids.count(t) > 1}):  # ("10" and "010": which one was meant?)
+        out.sort()
+        if twice := [a for (a, _), (b, _) in zip(out, out[1:]) if a == b]:  # ("10" and "010": which was meant?)
             raise APIError(400, f"logit_bias names token id {twice[0]} twice", param="logit_bias")
-        return tuple(sorted(out))
+        return tuple(out)
 
     def token_logprobs(self, tokens: list[int], logprobs: Any) -> list[dict[str, Any]]:
         """Chat-style entries (token text, logprob, bytes, top_logprobs) for emitted tokens."""
