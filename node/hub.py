@@ -52,11 +52,15 @@ class HfHubRepo:
 
     def __init__(self, repo: str, revision: str):
         self.repo, self.revision = repo, revision
+        self._files: list[str] | None = None
 
     def files(self) -> list[str]:
+        """(Asked of the hub once: `safetensors` reads the same listing.)"""
         from huggingface_hub import HfApi
 
-        return HfApi().list_repo_files(self.repo, revision=self.revision)
+        if self._files is None:
+            self._files = HfApi().list_repo_files(self.repo, revision=self.revision)
+        return self._files
 
     def safetensors(self) -> dict[str, tuple[str, dict[str, tuple[str, list[int]]]]]:
         """Each file's header read on its own: huggingface_hub's `get_safetensors_metadata` reads only
@@ -65,8 +69,7 @@ class HfHubRepo:
 
         api = HfApi()
         try:
-            names = sorted(f for f in api.list_repo_files(self.repo, revision=self.revision)
-                           if "/" not in f and f.endswith(".safetensors"))
+            names = sorted(f for f in self.files() if "/" not in f and f.endswith(".safetensors"))
             headers = {n: api.parse_safetensors_file_metadata(self.repo, n, revision=self.revision) for n in names}
             infos = api.get_paths_info(self.repo, names, revision=self.revision, expand=True) if names else []
         except (OSError, ValueError):
