@@ -165,7 +165,6 @@ class BatchStage:
         if len(keep) == len(self.ids):
             return
         self.drop_ahead()
-        self.early = None  # (a round that failed after deciding: its commit is no one's to confirm now)
         self.cache = take_rows(self.cache, keep) if keep else []
         self.real = [self.real[i] for i in keep] if len(self.real) == len(self.ids) else []
         self.ids = [self.ids[i] for i in keep]
