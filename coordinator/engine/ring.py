@@ -294,7 +294,8 @@ class RingEngine:
         tokens already handed out are prefilled, and decoding continues where it stopped."""
         log.info("request %s waits for the pipeline (%s)", live.seq_id, error)
         if not self.pipeline.reformer.wait(self.resume_window):
-            self._finish(live, error, released=True)  # (still resuming until then: a cancel meanwhile frees nothing twice)
+            # (resuming until it has finished: a cancel meanwhile frees nothing twice)
+            self._finish(live, error, released=True)
             return
         with live.lock:
             if live.done:  # cancelled while it waited (its slot went back then)
@@ -428,7 +429,7 @@ class RingEngine:
         """Groups in flight, from the nodes' measured step times (on the watch's thread: a node busy in
         a step answers late, and neither an admission nor a row's outcome waits for it)."""
         try:
-            health = self.pipeline.health(probe_next=True, timeout=1.0)
+            health = self.pipeline.health(probe_next=not self.fixed_groups, timeout=1.0)  # (hops: for groups)
         except Exception as e:  # keep the last choice; the nodes' own errors reach the requests
             log.debug("no step times from the nodes: %s", e)
             return
