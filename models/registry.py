@@ -50,9 +50,23 @@ def complete(path: Path) -> bool:
     return all((path / f).is_file() for f in files)
 
 
-def local_model(model: str | Path | None) -> Path | None:
+def check_revision(model: str | Path | None, revision: str | None) -> None:
+    """A revision (branch, tag or commit) names a version of a hub repo: with anything else it would
+    be ignored, so it is refused."""
+    if revision is None:
+        return
+    if not revision.strip():
+        raise ValueError("the revision is empty")
+    if model is None or Path(model).expanduser().exists() or hub_repo_id(model) is None:
+        raise ValueError(f"a revision ({revision}) applies only to a Hugging Face repo id, not to "
+                         f"{'the bundled demo model' if model is None else model}")
+
+
+def local_model(model: str | Path | None, revision: str | None = None) -> Path | None:
     """The model's directory on this machine, if it has one, without downloading anything: a local
-    path, the bundled demo model, or a hub repo id whole in this machine's hub cache."""
+    path, the bundled demo model, or a hub repo id (at `revision`, else its main branch) whole in this
+    machine's hub cache."""
+    check_revision(model, revision)
     if model is None:
         return DEMO_MODEL if (DEMO_MODEL / "config.json").exists() else None
     path = Path(model).expanduser()
@@ -62,15 +76,17 @@ def local_model(model: str | Path | None) -> Path | None:
         try:
             from huggingface_hub import snapshot_download
 
-            snapshot = Path(snapshot_download(repo, local_files_only=True, allow_patterns=HUB_FILES))
+            snapshot = Path(snapshot_download(repo, revision=revision, local_files_only=True, allow_patterns=HUB_FILES))
         except (ImportError, OSError, ValueError):  # not in the cache: the node fetches its shard from a peer
             return None
         return snapshot if complete(snapshot) else None
     return None
 
 
-def resolve_model(model: str | Path | None) -> Path:
-    """A local path as is; otherwise a hub repo id, downloaded (for real users; tests never do)."""
+def resolve_model(model: str | Path | None, revision: str | None = None) -> Path:
+    """A local path as is; otherwise a hub repo id at `revision` (else its main branch), downloaded
+    (for real users; tests never do)."""
+    check_revision(model, revision)
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
@@ -82,12 +98,12 @@ def resolve_model(model: str | Path | None) -> Path:
                                 "(owner/name)")
     from huggingface_hub import snapshot_download
 
-    log.info("downloading %s from the Hugging Face hub", repo)
+    log.info("downloading %s%s from the Hugging Face hub", repo, f" at {revision}" if revision else "")
     try:
-        return Path(snapshot_download(repo, allow_patterns=HUB_FILES))
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=HUB_FILES))
     except Exception as e:  # noqa: BLE001 - the hub's many kinds (not found, gated, offline): one message for all
         raise FileNotFoundError(f"model {model}: no directory {path.absolute()}, and the Hugging Face hub did not "
-                                f"give it ({type(e).__name__}: {e})") from e
+                                f"give it{f' at {revision}' if revision else ''} ({type(e).__name__}: {e})") from e
 
 
 def hub_origin(path: Path | str) -> tuple[str, str] | None:

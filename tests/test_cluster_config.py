@@ -115,7 +115,7 @@ def test_a_secret_flag_replaces_the_files_secret(tmp_path: Path, monkeypatch: py
     assert overlay(literal, {"secret_env": "LAB_SECRET"}).resolve_secret() == "from-env"
 
 
-KNOWN_TOP = ("name, secret, secret_file, secret_env, model, dtype, mtp_depth, draft_vocab, mtp_window, "
+KNOWN_TOP = ("name, secret, secret_file, secret_env, model, revision, dtype, mtp_depth, draft_vocab, mtp_window, "
              "prefix_cache_gib, nodes, node, discovery, placement, api")
 
 

@@ -77,4 +77,53 @@ def test_a_hub_snapshot_counts_as_here_only_whole(tmp_path: Path, monkeypatch: p
     assert registry.local_model("org/model") is None
     (snapshot / files[1]).write_bytes(b"x")
     assert registry.local_model("org/model") == snapshot
-    assert asked[-1] == {"local_files_only": True, "allow_patterns": registry.HUB_FILES}
+    assert asked[-1] == {"revision": None, "local_files_only": True, "allow_patterns": registry.HUB_FILES}
+
+
+def test_a_revision_reaches_the_hub_and_nothing_else_takes_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--revision` picks a hub repo's branch, tag or commit, for the download and for the copy looked up
+    in the cache; with a local directory or the demo model it would mean nothing, so it is refused."""
+    import huggingface_hub
+
+    asked: list[tuple[str, dict]] = []
+
+    def snapshot(repo: str, **kw: object) -> str:
+        asked.append((repo, kw))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)
+    assert registry.resolve_model("org/model", "v1.0") == tmp_path
+    assert asked[-1] == ("org/model", {"revision": "v1.0", "allow_patterns": registry.HUB_FILES})
+    assert registry.local_model("org/model", "abc123") == tmp_path
+    assert asked[-1][1]["revision"] == "abc123" and asked[-1][1]["local_files_only"] is True
+    asked.clear()
+    for model in (None, str(tmp_path), "a/b/c"):
+        for find in (registry.resolve_model, registry.local_model):
+            with pytest.raises(ValueError, match="applies only to a Hugging Face repo id"):
+                find(model, "main")
+    with pytest.raises(ValueError, match="empty"):
+        registry.resolve_model("org/model", " ")
+    assert asked == []
+
+
+def test_the_cli_and_cluster_yaml_take_a_revision(tmp_path: Path) -> None:
+    import argparse
+
+    from mtpipe.coordinator.cli.cluster import resolve_config
+    from mtpipe.coordinator.cli.main import build_parser
+    from mtpipe.coordinator.cluster.config import load_cluster_config
+
+    parser = build_parser()
+    for command in (["generate"], ["serve"], ["bench", "engine"], ["launch"]):
+        args = parser.parse_args([*command, "--model", "org/model", "--revision", "v2"])
+        assert (args.model, args.revision) == ("org/model", "v2")
+    config = tmp_path / "cluster.yaml"
+    config.write_text("model: org/model\nrevision: v1\n")
+    assert load_cluster_config(config).revision == "v1"
+    args = parser.parse_args(["launch", "--config", str(config)])
+    assert isinstance(args, argparse.Namespace) and resolve_config(args).revision == "v1"
+    args = parser.parse_args(["launch", "--config", str(config), "--revision", "v3"])
+    assert resolve_config(args).revision == "v3"

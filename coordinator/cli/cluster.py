@@ -48,6 +48,7 @@ from ..cluster.formation import (
 from ..cluster.health import EXIT_CHECK_FAILED
 from ..cluster.membership import Membership
 from .common import (
+    add_model,
     add_mtp,
     add_take_over,
     check_default_depth,
@@ -78,7 +79,7 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
     path = args.config or os.environ.get(CONFIG_ENV) or ("cluster.yaml" if Path("cluster.yaml").exists() else None)
     cfg = load_cluster_config(path) if path else ClusterConfig()
     flags = {  # config key -> argparse dest; a flag not given, or not defined for this subcommand, is None
-        "name": "cluster", "model": "model", "dtype": "dtype", "mtp_depth": "mtp_depth", "secret_env": "secret_env",
+        "name": "cluster", "model": "model", "revision": "revision", "dtype": "dtype", "mtp_depth": "mtp_depth", "secret_env": "secret_env",
         "secret_file": "secret_file", "draft_vocab": "draft_vocab", "mtp_window": "mtp_window",
         "prefix_cache_gib": "prefix_cache",
         "discovery.interfaces": "interface", "discovery.expect": "expect", "discovery.settle": "settle",
@@ -160,7 +161,7 @@ def _launch(args: argparse.Namespace) -> int:
     mtp = not args.no_mtp
     # Only the coordinator needs the model: another node loads its own copy when it has one (checked by
     # fingerprint), else its shard cache, else fetches its shard from the coordinator's node server.
-    model_here = local_model(cfg.model)
+    model_here = local_model(cfg.model, cfg.revision)
     interfaces = local_interfaces()
     bind = discovery_addresses(cfg.discovery.interfaces, interfaces) if cfg.discovery.enabled else []
     mem = sysinfo.memory()
@@ -225,7 +226,7 @@ def _launch(args: argparse.Namespace) -> int:
         server.service.coordinating = True  # before the advert says so: peers check the advert against it
         if agent is not None:
             agent.set_coordinator()
-        model_path = model_here or resolve_model(cfg.model)
+        model_path = model_here or resolve_model(cfg.model, cfg.revision)
         server.service.weights.add_model_dir(model_path)  # this node serves the model's tensors to the others
         static = static_nodes(cfg, secret, me, interfaces)
         alone = set(peers) | set(static) <= {me}  # (cluster.yaml may list this machine alone)
@@ -334,7 +335,7 @@ def browse_targets(cfg: ClusterConfig, wait: float, timeout: float = 1.0) -> tup
 def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("launch", help="run this machine as a node of a cluster (the same command on every machine)")
     _add_common(p)
-    p.add_argument("--model", help="model directory or hub repo (default: cluster.yaml's, else the demo model)")
+    add_model(p, "cluster.yaml's, else the demo model")
     p.add_argument("--coordinator", action="store_true", help="coordinate: place the model and serve the API")
     p.add_argument("--insecure", action="store_true",
                    help="without a secret, let the node server listen on a non-loopback address (a trusted network)")

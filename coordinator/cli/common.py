@@ -75,6 +75,11 @@ def check_port_free(host: str, port: int, what: str) -> None:
         raise ValueError(f"{what} {format_host_port(host, port)} cannot be used: {problem}")
 
 
+def add_model(p: argparse.ArgumentParser, default: str = "the bundled demo model") -> None:
+    p.add_argument("--model", help=f"model directory or Hugging Face repo id (default: {default})")
+    p.add_argument("--revision", help="with a hub repo id: the branch, tag or commit to use (default: main)")
+
+
 def add_take_over(p: argparse.ArgumentParser) -> None:
     p.add_argument("--take-over", action="store_true",
                    help="load nodes that another coordinator holds, ending its requests there for good (by default "

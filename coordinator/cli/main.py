@@ -19,6 +19,7 @@ from .common import (
     EXIT_SIGPIPE,
     EXIT_USAGE,
     add_draft_options,
+    add_model,
     add_mtp,
     add_sampling,
     add_take_over,
@@ -47,7 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt and not args.chat:  # (a chat template makes tokens of an empty message)
         raise ValueError("the prompt is empty")
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, args.revision)
     options = stage_options(args, remote=bool(args.nodes))
     if args.nodes:
         from ...node.secrets import read_secret
@@ -117,7 +118,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ...models.registry import resolve_model
     from ..bench import engine as bench
 
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, args.revision)
     if args.temperature and (args.target != "serve" or args.nodes):
         raise ValueError("--temperature applies to the single-node serve bench (bench serve without --nodes)")
     if args.target == "serve" and args.nodes:
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate text from a prompt")
-    p.add_argument("--model", help="model directory or hub repo (default: the bundled demo model)")
+    add_model(p)
     p.add_argument("--prompt", help="prompt text (default: read standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-tokens", type=positive_int, default=256)
@@ -262,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="side-by-side benchmarks")
     p.add_argument("target",
                    choices=["engine", "pipeline", "serve", "transfer", "faults", "sampled", "prefill", "chat"])
-    p.add_argument("--model", help="model directory or hub repo (default: the bundled demo model)")
+    add_model(p)
     p.add_argument("--max-tokens", type=positive_int, default=128)
     p.add_argument("--prompts", type=positive_int, default=8, help="number of prompts")
     p.add_argument("--depths", type=drafts_arg, nargs="+", default=[1, 2, 3])

@@ -18,6 +18,7 @@ from ..api.defaults import (
 from ..engine.ring import RESUME_WINDOW_S
 from ...node.cli import number_arg, port_arg
 from .common import (
+    add_model,
     add_mtp,
     add_take_over,
     check_default_depth,
@@ -35,7 +36,7 @@ seconds_or_never = number_arg(float, "a number of seconds (0: never)", lambda s:
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API, on this machine or over running nodes")
-    p.add_argument("--model", help="model directory or hub repo (default: the bundled demo model)")
+    add_model(p)
     p.add_argument("--nodes", type=nodes_arg, help="comma-separated host:port of running nodes, in pipeline order")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
     p.add_argument("--port", type=port_arg, default=DEFAULT_PORT)
@@ -85,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_port_free(args.host, args.port, "--host/--port")  # (before the model loads, which may take minutes)
     api_key = read_secret(args.api_key_file, API_KEY_ENV, option="--api-key-file")
     signal.signal(signal.SIGTERM, exit_on_sigterm)
-    path = resolve_model(args.model)
+    path = resolve_model(args.model, args.revision)
     options = stage_options(args, remote=bool(args.nodes))
     if args.prefix_cache is not None:
         options["prefix_cache"] = int(args.prefix_cache * 2**30)

@@ -136,6 +136,7 @@ class ClusterConfig(_Section):
     secret_file: Text | None = None  # a file holding the secret (kept out of cluster.yaml and argv)
     secret_env: Text | None = DEFAULT_SECRET_ENV
     model: Text | None = None
+    revision: Text | None = None  # a hub repo id's branch, tag or commit (None: main)
     dtype: Dtype | None = None  # cast weights on load
     mtp_depth: Annotated[int, Field(ge=0, le=8)] | None = None  # None ("auto"): picked per round with an MTP head
     # How the last stage drafts (models/draft_vocab.py, models/mtp.py); None: the stage's default, 0: no limit
