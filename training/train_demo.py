@@ -17,8 +17,10 @@ from __future__ import annotations
 import os
 
 # The machine is shared: with OpenMP's default spin-waiting, two torch threads that get descheduled
-# stall each other (measured 22-54 s/step against 11 s/step passive under load). Must precede torch.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# stall each other (measured 22-54 s/step against 11 s/step passive under load). Must precede torch;
+# only when run as the training command (importing `load_demo` leaves the environment alone).
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import copy
@@ -45,7 +47,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5TextRotaryEmbedding,
 )
 
-from .corpus import EXCLUDED_DIRS, HELD_OUT_EVERY, read_text, split_files, stdlib_files
+from .corpus import EXCLUDED_DIRS, HELD_OUT_EVERY, MANIFEST, read_text, split_files, stdlib_files
 
 logger = logging.getLogger("train_demo")
 
@@ -103,7 +105,8 @@ def train_split_files() -> tuple[list[Path], list[Path]]:
     """The corpus split of training/corpus.py, minus the charmap codec tables on the training side.
 
     The held-out side is exactly corpus.py's (benchmarks draw prompts from it). The codec tables
-    (encodings/cp1252.py etc.) are generated data, not code, so they are not worth training on.
+    (encodings/cp1252.py etc.) are generated data, not code, so they are not worth training on, nor
+    measured on (`eval_files`).
     """
     train, held = split_files(stdlib_files())
     return [f for f in train if CODEC_TABLE_MARKER not in f.read_bytes()], held
@@ -123,6 +126,12 @@ def encode_files(tokenizer_dir: Path, files: list[Path]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int32)
 
 
+def eval_files(held: list[Path]) -> list[Path]:
+    """The held-out files the held-out losses are measured on: without the codec tables, whose
+    predictable runs would flatter the MTP head (corpus.py leaves them out of prompts too)."""
+    return [f for f in held if CODEC_TABLE_MARKER not in f.read_bytes()]
+
+
 def prepare_data(work_dir: Path, vocab_size: int) -> dict:
     """Train the tokenizer and tokenize both splits once; cached in work_dir for --resume."""
     try:
@@ -131,24 +140,29 @@ def prepare_data(work_dir: Path, vocab_size: int) -> dict:
         from mtpipe.models.bpe import train_tokenizer
 
     cache = work_dir / "data.pt"
+    root = Path(sysconfig.get_paths()["stdlib"])
     if cache.exists():
         data = torch.load(cache)
         if data["vocab_size"] != vocab_size:
             raise SystemExit(f"{cache} was built with vocab {data['vocab_size']}: use a fresh --work-dir")
+        if data["stdlib_root"] != str(root) or data.get("python", platform.python_version()) != \
+                platform.python_version():
+            raise SystemExit(f"{cache} was built from {data['stdlib_root']} (Python {data.get('python', '?')}), "
+                             f"not this Python's {root}: use a fresh --work-dir")
         return data
-    root = Path(sysconfig.get_paths()["stdlib"])
     train_files, held_files = train_split_files()
     tok_dir = work_dir / "tokenizer"
     train_tokenizer((read_text(f) for f in train_files), tok_dir, vocab_size=vocab_size)
     data = {
         "vocab_size": vocab_size,
+        "python": platform.python_version(),
         "stdlib_root": str(root),
         "train_files": [f.relative_to(root).as_posix() for f in train_files],
         "held_files": [f.relative_to(root).as_posix() for f in held_files],
         "train_bytes": sum(f.stat().st_size for f in train_files),
         "held_bytes": sum(f.stat().st_size for f in held_files),
         "train_ids": encode_files(tok_dir, train_files),
-        "held_ids": encode_files(tok_dir, held_files),
+        "held_ids": encode_files(tok_dir, eval_files(held_files)),
     }
     torch.save(data, cache)
     logger.info(
@@ -332,6 +346,7 @@ def make_optimizer(params: list[tuple[str, nn.Parameter]], cfg: TrainConfig) -> 
 def sample_batch(ids: torch.Tensor, step: int, cfg: TrainConfig) -> torch.Tensor:
     """Random windows of seq_len + 1 tokens; the RNG depends only on (seed, step) so resume is exact."""
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    # (the last start is never drawn: kept, so that the committed demo's command reproduces it)
     starts = torch.randint(0, len(ids) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
     return torch.stack([ids[s : s + cfg.seq_len + 1] for s in starts.tolist()]).long()
 
@@ -359,23 +374,25 @@ def forward_losses(backbone: Qwen3_5ForCausalLM, mtp: MTPHead, rows: torch.Tenso
 
 @torch.no_grad()
 def evaluate(backbone: Qwen3_5ForCausalLM, mtp: MTPHead, rows: torch.Tensor) -> dict[str, float]:
-    """Held-out losses and teacher-forced depth-1 MTP agreement with the backbone's greedy token."""
+    """Held-out losses and teacher-forced depth-1 MTP agreement with the backbone's greedy token,
+    averaged over rows (a last, shorter chunk weighs what its rows do). The models' modes are kept."""
+    modes = backbone.training, mtp.training
     backbone.eval()
     mtp.eval()
     totals = {"main": 0.0, "mtp": 0.0, "main_acc": 0.0, "mtp_acc": 0.0, "agree": 0.0}
-    chunks = rows.split(8)
-    for chunk in chunks:
+    for chunk in rows.split(8):
         out = forward_losses(backbone, mtp, chunk)
         greedy = out["logits"].argmax(-1)  # greedy[t] is the backbone's pick for x[t+1]
         draft = out["mtp_logits"].argmax(-1)  # draft[t] is the MTP pick for x[t+2]
-        totals["main"] += out["main"].item()
-        totals["mtp"] += out["mtp"].item()
-        totals["main_acc"] += (greedy[:, :-1] == chunk[:, 1:]).float().mean().item()
-        totals["mtp_acc"] += (draft == chunk[:, 2:]).float().mean().item()
-        totals["agree"] += (draft == greedy[:, 1:-1]).float().mean().item()
-    backbone.train()
-    mtp.train()
-    return {k: v / len(chunks) for k, v in totals.items()}
+        n = chunk.shape[0]
+        totals["main"] += out["main"].item() * n
+        totals["mtp"] += out["mtp"].item() * n
+        totals["main_acc"] += (greedy[:, :-1] == chunk[:, 1:]).float().mean().item() * n
+        totals["mtp_acc"] += (draft == chunk[:, 2:]).float().mean().item() * n
+        totals["agree"] += (draft == greedy[:, 1:-1]).float().mean().item() * n
+    backbone.train(modes[0])
+    mtp.train(modes[1])
+    return {k: v / rows.shape[0] for k, v in totals.items()}
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
@@ -463,6 +480,8 @@ def write_output(
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(work_dir / "tokenizer" / name, out_dir / name)
+    held = {"python": data.get("python", platform.python_version()), "held": data["held_files"]}
+    (out_dir / MANIFEST).write_text(json.dumps(held, indent=1) + "\n")
     (out_dir / "README.md").write_text(model_card(cfg, data, summary, weights))
     logger.info("wrote %s (%d tensors)", out_dir, len(weights))
 
@@ -517,12 +536,14 @@ directories named {", ".join(sorted(EXCLUDED_DIRS))}, the `config-*` directory a
 (`training/corpus.py`). Files are sorted by relative POSIX path; file `i` is held out iff
 `i % {HELD_OUT_EVERY} == {HELD_OUT_EVERY - 1}`. The charmap codec tables (files containing
 "Python Character Mapping Codec", all under `encodings/`: generated data, not code) are left out of the
-training side only; the held-out side is exactly `training.corpus.split_files`.
+training side, and out of the held-out losses below; the held-out side is exactly
+`training.corpus.split_files`, and `{MANIFEST}` names its files (prompts said to be held out are drawn
+from them, under any Python).
 Each file is tokenized and followed by `<|endoftext|>`; training windows are sampled at random offsets
 of the concatenated train stream.
 
 - Train: {len(data["train_files"])} files, {data["train_bytes"]:,} bytes, {len(data["train_ids"]):,} tokens.
-- Held out: {len(data["held_files"])} files, {data["held_bytes"]:,} bytes, {len(data["held_ids"]):,} tokens.
+- Held out: {len(data["held_files"])} files, {data["held_bytes"]:,} bytes, {len(data["held_ids"]):,} tokens measured (the codec tables left out).
 
 The tokenizer (byte-level BPE, Qwen2 pre-tokenizer regex, vocab {s.vocab_size}, specials
 `<|endoftext|>`=0, `<|im_start|>`=1, `<|im_end|>`=2, ChatML chat template) was trained on the train split only.
@@ -578,7 +599,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output model directory (e.g. models/demo)")
     p.add_argument("--work-dir", type=Path, required=True, help="checkpoints, tokenized corpus, tokenizer")
-    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--steps", type=_positive, default=defaults.steps)
     p.add_argument(
         "--max-minutes",
         type=float,
@@ -588,14 +609,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--resume", action="store_true", help="continue from work-dir/checkpoint.pt")
     p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    p.add_argument("--batch-size", type=_positive, default=defaults.batch_size)
+    p.add_argument("--seq-len", type=_positive, default=defaults.seq_len, help="tokens per window (2 or more)")
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--mtp-weight", type=float, default=defaults.mtp_weight)
-    p.add_argument("--eval-every", type=int, default=defaults.eval_every)
+    p.add_argument("--eval-every", type=_positive, default=defaults.eval_every)
     p.add_argument("--checkpoint-minutes", type=float, default=defaults.checkpoint_minutes)
-    p.add_argument("--vocab-size", type=int, default=ModelShape.vocab_size)
-    return p.parse_args(argv)
+    p.add_argument("--vocab-size", type=_positive, default=ModelShape.vocab_size)
+    args = p.parse_args(argv)
+    if args.seq_len < 2:
+        p.error("--seq-len must be 2 or more (the MTP head predicts two tokens ahead)")
+    if not (args.max_minutes >= 0 and args.checkpoint_minutes >= 0):
+        p.error("--max-minutes (0: no budget) and --checkpoint-minutes must be 0 or more")
+    return args
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -621,6 +654,10 @@ def main(argv: list[str] | None = None) -> None:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     data = prepare_data(args.work_dir, cfg.shape.vocab_size)
+    for split in ("train_ids", "held_ids"):
+        if len(data[split]) < cfg.seq_len + 2:
+            raise SystemExit(f"--seq-len {cfg.seq_len}: the {split.split('_')[0]} stream has only "
+                             f"{len(data[split])} tokens")
 
     from tokenizers import Tokenizer
 
@@ -653,6 +690,8 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("resumed at step %d (%.1f min trained)", step, elapsed / 60)
     elif ckpt_path.exists():
         raise SystemExit(f"{ckpt_path} exists: pass --resume or use a fresh --work-dir")
+    elif args.resume:
+        logger.warning("--resume: no %s yet, training from the start", ckpt_path)
 
     n_params = sum(p.numel() for _, p in params)
     logger.info("params: %d (mtp %d); config %s", n_params, sum(p.numel() for p in mtp.parameters()), asdict(cfg))

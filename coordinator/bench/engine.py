@@ -294,11 +294,10 @@ LONG_CONTEXT_TOKENS = 96
 
 def long_prompt(tokenizer: Any, length: int) -> list[int]:
     """`length` tokens of held-out standard-library source, files one after another."""
-    from ...training.corpus import GENERATED_MARKER, read_text, split_files, stdlib_files
+    from ...training.corpus import GENERATED_MARKER, held_out_files, read_text
 
-    _, held = split_files(stdlib_files())
     tokens: list[int] = []
-    for path in held:
+    for path in held_out_files():
         text = read_text(path)
         if GENERATED_MARKER not in text:
             tokens += tokenizer.encode(text)
