@@ -117,7 +117,7 @@ def test_api_bodies_get_an_answer_never_a_crash(api: tuple[Any, str], path: str,
         body["max_tokens"] = 3  # valid bodies generate a few tokens, not thousands
     body.pop("stream", None)
     r = httpx.post(url + path, json=body, timeout=60)
-    assert r.status_code in (200, 400, 404, 413, 422), (r.status_code, r.text[:300])
+    assert r.status_code in (200, 400, 404, 413), (r.status_code, r.text[:300])
     if r.status_code != 200:
         assert r.json()["error"]["message"]
     held = engine.thread.call(lambda: [stage.sequences for stage in engine.stages])  # nothing left behind

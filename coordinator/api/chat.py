@@ -81,7 +81,7 @@ def tool_spec(body: ChatCompletionRequest) -> ToolSpec | None:
         try:
             parsed = ToolsBody.model_validate({"tools": body.tools}).tools
         except ValidationError as e:
-            raise validation_error(e.errors(include_url=False), status=400) from None
+            raise validation_error(e.errors(include_url=False)) from None
         seen: set[str] = set()
         for i, tool in enumerate(parsed):
             if tool.function.name in seen:

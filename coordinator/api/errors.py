@@ -44,7 +44,7 @@ def field_path(loc: tuple) -> str:
     return out
 
 
-def validation_error(errors: list[dict[str, Any]], status: int = 422) -> APIError:
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """The first three problems, as `messages[0].role: Input should be ...; ...`."""
     parts = []
     for err in errors[:3]:
@@ -53,11 +53,11 @@ def validation_error(errors: list[dict[str, Any]], status: int = 422) -> APIErro
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
     first = errors[0]
     param = next((p for p in first.get("loc", ()) if isinstance(p, str) and p != "body"), None)
-    return APIError(status, "; ".join(parts) + more, param=param, code=first.get("type"))
+    return APIError(400, "; ".join(parts) + more, param=param, code=first.get("type"))
 
 
 async def parse_body(request: Any, cls: type) -> Any:
-    """The request's JSON body as `cls`: 400 for invalid JSON, 422 for a body of the wrong shape."""
+    """The request's JSON body as `cls`: 400 for invalid JSON and for a body of the wrong shape."""
     from pydantic import ValidationError
 
     raw = await request.body()
@@ -71,5 +71,5 @@ async def parse_body(request: Any, cls: type) -> Any:
             message = f"the request body is not valid JSON: {errors[0]['msg']}"
             raise APIError(400, message, code="invalid_json") from None
         if errors[0]["type"] == "model_type" and not errors[0].get("loc"):
-            raise APIError(422, "the request body must be a JSON object", code="invalid_type") from None
+            raise APIError(400, "the request body must be a JSON object", code="invalid_type") from None
         raise validation_error(errors) from None

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API.
 
-Types are strict (no "5" for 5, no 1 for true, no NaN): a body of the wrong shape is a 422. Ranges
-are not checked here but by the engine's own validation, so a bad value is a 400 with the
-engine's message. Unknown fields are ignored, as OpenAI clients send many we have no use for.
+Types are strict (no "5" for 5, no 1 for true, no NaN): a body of the wrong shape is a 400 naming
+the field, as OpenAI and vLLM answer (not FastAPI's 422). Ranges are not checked here but by the
+engine's own validation, so a bad value is a 400 with the engine's message. Unknown fields are
+ignored, as OpenAI clients send many we have no use for.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class ChatCompletionRequest(_GenerationBody):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    # Checked in chat.py: a bad tool or tool_choice is a 400 naming it, not a 422 for the body's shape.
+    # Checked in chat.py: a bad tool or tool_choice is a 400 naming it, not one for the body's shape.
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
