@@ -15,8 +15,10 @@ GET /health answers 200 only when every stage is ready, else 503 naming each nod
 (readiness.py).
 
 Extensions: the `mtp_depth` request field, and `usage.mtp` = {depth, drafted, accepted,
-acceptance, rounds}. Defaults: temperature 1.0 and top_p 1.0 as in OpenAI's API, max_tokens
-256 (or what is left of the context), mtp_depth 2 when the model has an MTP head.
+acceptance, rounds}. Defaults: the sampling and max_new_tokens of the model's
+generation_config.json (as vLLM takes them), else temperature 1.0 and top_p 1.0 as in OpenAI's API
+and max_tokens 256; max_tokens never past what is left of the context; mtp_depth the server's
+(auto when the model has an MTP head).
 
 fastapi and uvicorn are imported when an app is built, not when the CLI registers `serve`.
 (No `from __future__ import annotations` here: FastAPI reads the route annotations at run time.)
@@ -26,7 +28,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .chat import chat_messages, tool_spec
 from .defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
@@ -35,6 +38,7 @@ from .gate import Gate
 from .generation import ResponseFormat
 from .limits import BodyLimit
 from .metrics import ServerMetrics
+from .model_defaults import model_defaults
 from .readiness import Readiness
 from .service import Service
 
@@ -60,9 +64,11 @@ def create_app(
     default_mtp_depth: Optional[int] = None,
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
     max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES,
+    model_path: Optional[Union[Path, str]] = None,
 ) -> "FastAPI":
     """The API over `engine`. `cluster_info` answers GET /v1/cluster (default: the local stages);
-    bodies over `max_body_bytes` are refused with 413 (None: no cap)."""
+    bodies over `max_body_bytes` are refused with 413 (None: no cap). A request that leaves out its
+    sampling gets what the model directory at `model_path` recommends (model_defaults.py)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
@@ -73,7 +79,7 @@ def create_app(
 
     metrics = ServerMetrics()
     service = Service(engine, model_name, default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
-                       cluster_info=cluster_info, metrics=metrics)
+                       cluster_info=cluster_info, metrics=metrics, defaults=model_defaults(model_path))
     app = FastAPI(title="mtpipe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.state.metrics = metrics

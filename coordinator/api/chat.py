@@ -241,3 +241,14 @@ def _written_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m["content"] = f"{m['content']}\n{blocks}" if m["content"] else blocks
         out.append(m)
     return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
+
+
+def text_size(messages: list[dict[str, Any]]) -> int:
+    """About how many characters the messages hold (content, tool calls): what tokenizing costs."""
+    size = 0
+    for m in messages:
+        for key in ("content", "tool_calls", "reasoning_content"):
+            value = m.get(key)
+            if value:
+                size += len(value) if isinstance(value, str) else len(str(value))
+    return size

@@ -100,7 +100,7 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
     app = create_app(client, spec.model_name, api_key=spec.api_key,
                      cluster_info=client.cluster_info if info["cluster"] else None,
                      default_mtp_depth=spec.default_mtp_depth, max_concurrency=spec.max_concurrency,
-                     max_body_bytes=spec.max_body_bytes)
+                     max_body_bytes=spec.max_body_bytes, model_path=spec.model_path)
     config = uvicorn.Config(app, host=spec.host, port=spec.port, log_config=None, access_log=spec.access_log,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

@@ -101,7 +101,7 @@ def serve(
 
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
-                     max_body_bytes=max_body_bytes)
+                     max_body_bytes=max_body_bytes, model_path=model_path)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5))
     if announce is not None:
         from .front import base_url, when_serving

@@ -23,11 +23,12 @@ from ...node.protocol import GREEDY_BELOW, SamplingParams, StageError, StageUnav
 from ..engine.detokenizer import token_bytes
 from ..engine.sinks import ServerBusy
 from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
-from .chat import has_tool_turns, renders_tools, template_input
+from .chat import has_tool_turns, renders_tools, template_input, text_size
 from .defaults import DEFAULT_MAX_TOKENS, SLOT_TIMEOUT_S
 from .errors import APIError
 from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
 from .metrics import ServerMetrics
+from .model_defaults import with_defaults
 from .tools import ToolCallParser, parse_tool_calls
 
 if TYPE_CHECKING:
@@ -45,21 +46,11 @@ LONG_PROMPT_CHARS = 32 * 1024  # longer prompts are tokenized on the long lane
 LONG_TOKEN_IDS = 64 * 1024  # longer token-id prompts are checked on a worker thread
 
 
-def _text_size(messages: list[dict[str, Any]]) -> int:
-    """About how many characters the messages hold (content, tool calls): what tokenizing costs."""
-    size = 0
-    for m in messages:
-        for key in ("content", "tool_calls", "reasoning_content"):
-            value = m.get(key)
-            if value:
-                size += len(value) if isinstance(value, str) else len(str(value))
-    return size
-
-
 class Service:
     def __init__(self, engine: "Engine", model_name: str, *, default_mtp_depth: "int | str | None",
-                 max_concurrency: int, cluster_info: Optional[Callable[[], dict]], metrics: ServerMetrics):
-        self.engine = engine
+                 max_concurrency: int, cluster_info: Optional[Callable[[], dict]], metrics: ServerMetrics,
+                 defaults: Optional[dict[str, Any]] = None):
+        self.engine, self.defaults = engine, defaults or {}  # (the model's request defaults: model_defaults.py)
         self.model_name = model_name
         self.default_mtp_depth = default_mtp_depth  # None: auto where the model has an MTP head
         self.cluster_info = cluster_info
@@ -88,6 +79,7 @@ class Service:
         if kind != "text":
             raise APIError(400, f"response_format {kind!r} is not supported: this server does not constrain decoding "
                                 "to JSON; ask for JSON in the prompt instead", param="response_format")
+        body = with_defaults(body, self.defaults)
         temperature = 1.0 if body.temperature is None else body.temperature
         if 0.0 < temperature < GREEDY_BELOW:
             temperature = 0.0
@@ -143,7 +135,7 @@ class Service:
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         if max_tokens is None:
-            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, context_room(len(prompt), 0 if auto else depth,
+            max_tokens = max(1, min(self.defaults.get("max_tokens", DEFAULT_MAX_TOKENS), context_room(len(prompt), 0 if auto else depth,
                                                                      self.engine.max_context)))
         if auto:  # drafts only where the context leaves room for them: `auto` refuses nothing plain decoding serves
             depth = max(0, min(depth, context_room(len(prompt), 0, self.engine.max_context) - max_tokens))
@@ -195,7 +187,7 @@ class Service:
             return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, **kwargs))
 
         try:
-            return await self.tokenize(_text_size(messages), encode)
+            return await self.tokenize(text_size(messages), encode)
         except Exception as e:  # a template that refuses these messages
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 

@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(p)
     p.add_argument("--prompt", help="prompt text (default: read standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=positive_int, default=256)
+    p.add_argument("--max-tokens", type=positive_int, default=256, help="tokens to generate at most (default 256)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--nodes", type=nodes_arg, help="comma-separated host:port of running nodes, in pipeline order")
     add_secret_args(p, "the nodes' shared secret, with --nodes")

@@ -1,0 +1,61 @@
+"""The sampling a model's makers recommend, from its `generation_config.json`, as vLLM takes it: a
+request that leaves out temperature, top_p, top_k, min_p or repetition_penalty gets the model's value
+(else OpenAI's default), and one without max_tokens gets its max_new_tokens (else ours)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ...node.protocol import SamplingParams
+
+log = logging.getLogger(__name__)
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_INTEGERS = ("top_k", "max_tokens")
+
+Body = TypeVar("Body")
+
+
+def model_defaults(model_path: Path | str | None) -> dict[str, float | int]:
+    """The request defaults in the model directory's generation config ({} without one). Values that
+    would make every request that leaves them out a 400 are dropped, with a warning, at start."""
+    path = Path(model_path) / "generation_config.json" if model_path is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        log.warning("%s unreadable (%s): the API's own sampling defaults apply", path, e)
+        return {}
+    out: dict[str, float | int] = {}
+    for key in (*SAMPLING_KEYS, "max_new_tokens"):
+        value = config.get(key) if isinstance(config, dict) else None
+        name = "max_tokens" if key == "max_new_tokens" else key
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                name in _INTEGERS and value != int(value)):
+            log.warning("%s: %s=%r is not a number the API takes; left out", path, key, value)
+            continue
+        out[name] = int(value) if name in _INTEGERS else float(value)
+    sampling = {k: v for k, v in out.items() if k in SAMPLING_KEYS}
+    try:
+        SamplingParams(**{"temperature": 1.0, **sampling}).validate()  # type: ignore[arg-type]
+    except ValueError as e:
+        log.warning("%s: %s; the API's own sampling defaults apply", path, e)
+        out = {k: v for k, v in out.items() if k not in SAMPLING_KEYS}
+    if out.get("max_tokens", 1) < 1:
+        log.warning("%s: max_new_tokens=%s is not a default the API takes; left out", path, out.pop("max_tokens"))
+    if out:
+        log.info("request defaults from %s: %s", path, ", ".join(f"{k}={v}" for k, v in sorted(out.items())))
+    return out
+
+
+def with_defaults(body: Body, defaults: dict[str, Any]) -> Body:
+    """`body` with the model's sampling defaults where it gave none."""
+    missing = {k: v for k, v in defaults.items() if k in SAMPLING_KEYS and getattr(body, k, None) is None}
+    return body.model_copy(update=missing) if missing else body  # type: ignore[attr-defined]

@@ -1,0 +1,81 @@
+"""The API's request defaults from the model's generation_config.json, as vLLM takes them: a request
+that leaves its sampling or max_tokens out gets the model's; one that gives them keeps its own."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from helpers import LiveServer  # noqa: E402
+
+from mtpipe.coordinator.api.app import create_app  # noqa: E402
+from mtpipe.coordinator.api.model_defaults import model_defaults  # noqa: E402
+from mtpipe.coordinator.engine.batch import BatchEngine  # noqa: E402
+from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
+from mtpipe.models.registry import DEMO_MODEL  # noqa: E402
+
+RECOMMENDED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "max_new_tokens": 7, "do_sample": True}
+
+
+def model_with(tmp_path: Path, config: object) -> Path:
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_the_recommended_sampling_is_read_and_bad_values_left_out(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    assert model_defaults(model_with(tmp_path, RECOMMENDED)) == {
+        "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "max_tokens": 7}
+    assert model_defaults(DEMO_MODEL) == {}  # (do_sample alone: vLLM reads no default from it either)
+    assert model_defaults(None) == {} and model_defaults(tmp_path / "nowhere") == {}
+    with caplog.at_level(logging.WARNING):
+        # A top_p of 0 would make every request that leaves top_p out a 400: no sampling default is taken.
+        assert model_defaults(model_with(tmp_path, {"top_p": 0, "temperature": 0.7, "max_new_tokens": 9})) == {
+            "max_tokens": 9}
+        assert model_defaults(model_with(tmp_path, {"temperature": "hot", "top_k": 2.5, "max_new_tokens": 0})) == {}
+        assert model_defaults(model_with(tmp_path, [1, 2])) == {}
+        (tmp_path / "generation_config.json").write_text("{not json")
+        assert model_defaults(tmp_path) == {}
+    assert "top_p" in caplog.text and "hot" in caplog.text and "max_new_tokens" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def engine(dense_ckpt: Path) -> BatchEngine:
+    return batch_engine(dense_ckpt, dtype=mx.float32)
+
+
+@pytest.fixture
+def server(engine: BatchEngine, dense_ckpt: Path, tmp_path: Path) -> Iterator[LiveServer]:
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in dense_ckpt.iterdir():
+        (model / f.name).symlink_to(f)
+    model_with(model, RECOMMENDED)
+    with LiveServer(create_app(engine, "m", model_path=model)) as s:
+        yield s
+
+
+def completion(server: LiveServer, **fields: object) -> dict:
+    body = {"prompt": "def fibonacci(n):", "seed": 7, **fields}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_request_without_sampling_gets_the_models(server: LiveServer) -> None:
+    implicit = completion(server, max_tokens=24)
+    explicit = completion(server, max_tokens=24, temperature=0.6, top_p=0.95, top_k=20)
+    openai_default = completion(server, max_tokens=24, temperature=1.0, top_p=1.0, top_k=0)
+    assert implicit["choices"][0]["text"] == explicit["choices"][0]["text"]
+    assert implicit["choices"][0]["text"] != openai_default["choices"][0]["text"]
+    short = completion(server, temperature=0)  # max_tokens left out: the model's max_new_tokens
+    assert short["usage"]["completion_tokens"] == 7 and short["choices"][0]["finish_reason"] == "length"
+    assert completion(server, temperature=0, max_tokens=12)["usage"]["completion_tokens"] == 12
