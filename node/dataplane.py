@@ -97,6 +97,7 @@ class FrameListener:
         self.port = 0
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._closing = False
 
     async def start(self, host: str, port: int = 0) -> int:
         if host in ("", "0.0.0.0", "::"):
@@ -107,6 +108,7 @@ class FrameListener:
         return self.port
 
     async def close(self) -> None:
+        self._closing = True
         if self._server is not None:
             self._server.close()
         for task in list(self._tasks):
@@ -146,6 +148,10 @@ class FrameListener:
             log.warning("data plane: closed the stream from %s: %s", peer, e or type(e).__name__)
         except (ConnectionError, OSError) as e:
             log.info("data plane: stream from %s ended: %s", peer, e)
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+            # (closed by `close`: an ending, not an error for asyncio to log with a traceback)
         finally:
             writer.close()
             if task is not None:

@@ -96,3 +96,25 @@ def test_data_port_checks_the_secret_and_survives_garbage(dense_engine: Engine, 
             assert [h.next_transport for h in engine.pipeline.health()] == ["tcp", ""]
         finally:
             engine.pipeline.close()
+
+
+def test_closing_the_listener_ends_open_streams_without_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    """A node stopping (Ctrl-C) closes the streams peers hold open: an ending, not a traceback."""
+    import asyncio
+    import logging
+
+    async def run() -> None:
+        async def on_frame(frame: object) -> None:
+            pass
+
+        listener = dataplane.FrameListener(on_frame, None, max_bytes=1 << 20)
+        port = await listener.start("127.0.0.1")
+        link = await dataplane.TcpFrameLink.connect("127.0.0.1", port, None)
+        await asyncio.sleep(0.1)  # (the listener's side of the stream waits for a frame)
+        await listener.close()
+        await asyncio.sleep(0.1)
+        link.writer.close()
+
+    with caplog.at_level(logging.DEBUG, logger="asyncio"):
+        asyncio.run(run())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -277,7 +277,7 @@ class Service:
             log.warning("a stage refused a generation: %s", e)
             return APIError(503, f"a pipeline stage refused the request: {e}", type="server_error", code="stage_error")
         if isinstance(e, ServerBusy):
-            log.warning("a request waited too long for memory: %s", e)
+            log.warning("a request was turned away (503, to retry): %s", e)
             return APIError(503, f"the server is busy: {e}", type="server_error", code="server_busy",
                             headers={"Retry-After": str(e.retry_after)})
         if isinstance(e, StageUnavailable):
