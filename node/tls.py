@@ -16,6 +16,7 @@ import datetime
 import functools
 import hashlib
 import os
+import socket
 import ssl
 import tempfile
 
@@ -75,3 +76,20 @@ def ssl_context(secret: str, server: bool) -> ssl.SSLContext:
             f.write(key + cert)
         ctx.load_cert_chain(path)
     return ctx
+
+
+def speaks_tls(target: str, timeout: float = 2.0) -> bool:
+    """Whether the node at `target` answers a TLS hello: a node started with a cluster secret does,
+    and a channel without one then fails as a closed socket, which reads like a network fault."""
+    from .links import split_host_port
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        host, port = split_host_port(target)
+        with socket.create_connection((host, port), timeout) as sock, context.wrap_socket(sock):
+            return True
+    except ssl.SSLError as e:  # an alert comes from a TLS server only; plaintext gRPC just closes
+        return "ALERT" in (e.reason or "")
+    except (OSError, ValueError):
+        return False

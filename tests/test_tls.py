@@ -265,3 +265,25 @@ def test_plaintext_slipped_in_before_tls_is_refused_on_both_sides() -> None:
         return got
 
     assert asyncio.run(run()) == ["real"]
+
+
+def test_a_client_without_the_secret_is_told_the_node_asks_for_one() -> None:
+    """A channel without TLS to a node with a secret fails as a closed socket, which reads like a network
+    fault: the error says the node asks for the secret. A node without one is not said to."""
+    from mtpipe.coordinator.pipeline.nodes import NodeFailure, wait_for_nodes
+    from mtpipe.node.tls import speaks_tls
+
+    secured = NodeServer("127.0.0.1", 0, node_id="secured", secret=SECRET).start()
+    plain = NodeServer("127.0.0.1", 0, node_id="plain").start()
+    try:
+        target, open_target = f"127.0.0.1:{secured.port}", f"127.0.0.1:{plain.port}"
+        assert speaks_tls(target) and not speaks_tls(open_target)
+        row = probe_node(target, None, timeout=3.0)
+        assert row["status"] == "unreachable" and "asks for the cluster secret" in row["problems"][0], row
+        with pytest.raises(NodeFailure, match="asks for the cluster secret"):
+            wait_for_nodes([target], timeout=2.0)
+        assert probe_node(open_target, None, timeout=3.0)["reachable"]
+    finally:
+        secured.stop(0)
+        plain.stop(0)
+    assert not speaks_tls(target)  # (nothing listens there now)

@@ -79,7 +79,7 @@ def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next
     """Health of one node as a plain dict (see `mtpipe health --json`); probe_next measures its next hop."""
     import grpc
 
-    from ...node.wire import describe_rpc_error, make_channel
+    from ...node.wire import describe_unreached, make_channel
     from ...proto import mtpipe_pb2 as pb
     from ...proto import mtpipe_pb2_grpc as pb_grpc
 
@@ -91,7 +91,7 @@ def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next
             h = stub.Health(pb.HealthRequest(probe_next=probe_next), timeout=timeout)
             row["rtt_ms"] = round(1000.0 * (time.perf_counter() - t0), 3)
     except grpc.RpcError as e:
-        row.update(status=UNREACHABLE, reachable=False, problems=[describe_rpc_error(e)])
+        row.update(status=UNREACHABLE, reachable=False, problems=[describe_unreached(target, secret, e)])
         return row
     problems = _problems(h, probe_next)
     row.update(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ...node.protocol import StageError, StageUnavailable, StepOutput
-from ...node.wire import describe_rpc_error, make_channel
+from ...node.wire import describe_rpc_error, describe_unreached, make_channel
 from ...proto import mtpipe_pb2 as pb
 from ...proto import mtpipe_pb2_grpc as pb_grpc
 
@@ -204,7 +204,8 @@ def wait_for_nodes(nodes: list[str], timeout: float = 30.0, secret: str | None =
             try:
                 stub.Ping(pb.PingRequest(), timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True)
             except grpc.RpcError as e:
-                raise NodeFailure(address, f"not ready within {timeout:.0f} s ({describe_rpc_error(e)})") from None
+                why = describe_unreached(address, secret, e)
+                raise NodeFailure(address, f"not ready within {timeout:.0f} s ({why})") from None
 
 
 def load_requests(model_path: Path | str, specs: list[ShardSpec], mtp: bool, dtype: str | None, addresses: list[str],

@@ -34,7 +34,7 @@ import grpc
 
 from ...models.shard import ShardSpec
 from ...node.protocol import GroupEnd, StageError, StepKind, StepOutput, StepRequest
-from ...node.wire import describe_rpc_error, end_from_pb, request_to_frame, result_to_output
+from ...node.wire import describe_rpc_error, describe_unreached, end_from_pb, request_to_frame, result_to_output
 from ...proto import mtpipe_pb2 as pb
 from .nodes import (
     FrameStream,
@@ -129,7 +129,8 @@ class RemotePipeline:
         try:  # the last node checks that its ring reaches this very node
             first_id = first.stub.Ping(pb.PingRequest(), timeout=self.connect_timeout).node_id
         except grpc.RpcError as e:
-            raise NodeFailure(first.address, f"cannot reach it ({describe_rpc_error(e)})") from None
+            why = describe_unreached(first.address, self.secret, e)
+            raise NodeFailure(first.address, f"cannot reach it ({why})") from None
         last = len(self.nodes) - 1
         requests = load_requests(model_path, specs, mtp, dtype, self.addresses, self.sources, self.client_id,
                                  self.take_over)
