@@ -40,6 +40,17 @@ def end_thread_streams() -> None:
         log.debug("mx.clear_streams failed", exc_info=True)
 
 
+def wire_working_set() -> None:
+    """On Metal, let MLX keep up to the recommended working set wired, as mlx-lm's server does: weights
+    not wired may be compressed or paged out by macOS between requests. Nothing elsewhere (no such size)."""
+    try:
+        from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+        maybe_set_recommended_wired_limit()
+    except Exception:  # an MLX or mlx-lm without it: the system's default
+        log.debug("the wired limit was not set", exc_info=True)
+
+
 @atexit.register
 def _close_all() -> None:
     for thread in list(_LIVE):
@@ -122,6 +133,7 @@ class MLXThread:
     # -- the thread -----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        wire_working_set()
         stream = mx.new_thread_local_stream(mx.default_device())
         with mx.stream(stream):
             busy = False

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from ..models.mlx_thread import end_thread_streams
+from ..models.mlx_thread import end_thread_streams, wire_working_set
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .dataplane import FrameListener
 from .links import bind_problem, format_host_port
@@ -90,6 +90,7 @@ class NodeServer:
             try:
                 import mlx.core as mx
 
+                wire_working_set()
                 with mx.stream(mx.new_thread_local_stream(mx.default_device())):
                     self._loop.run_until_complete(self._start())
                     started.set_result(None)

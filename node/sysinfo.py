@@ -96,14 +96,16 @@ def chip() -> str:
 
 
 def system_memory() -> tuple[int, int]:
-    """(used, available) bytes for the whole machine, available capped by the GPU working-set limit;
-    (0, 0) when it cannot be read."""
+    """(used, available) bytes for the whole machine; with Metal, available is also capped by what the
+    GPU working-set limit leaves: it bounds everything resident on the GPU, the weights loaded included,
+    which RAM's own figure has already paid for. (0, 0) when it cannot be read."""
     try:
         info = memory()
     except (OSError, ValueError, IndexError, KeyError, subprocess.SubprocessError):
         log.debug("cannot read system memory", exc_info=True)
         return 0, 0
-    return info.total - info.available, placement_memory(info.available, info.gpu_limit)
+    gpu_room = None if info.gpu_limit is None else max(0, info.gpu_limit - mlx_active_memory())
+    return info.total - info.available, placement_memory(info.available, gpu_room)
 
 
 def mlx_active_memory() -> int:

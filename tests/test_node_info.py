@@ -86,6 +86,42 @@ def test_placement_memory_is_capped_by_the_gpu_limit() -> None:
     assert working_set_limit({WORKING_SET_KEY: 0}) is None
 
 
+def test_room_left_with_metal_counts_the_weights_against_the_gpu_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Mac with a 96 GiB working-set limit and 94 GiB of weights loaded: RAM still shows 16 GiB free,
+    but the GPU keeps only 2 GiB more resident within its limit, so that is the room for KV and prefixes."""
+    from mtpipe.node import sysinfo
+
+    gib = 2**30
+    monkeypatch.setattr(sysinfo, "memory", lambda: sysinfo.MemoryInfo(128 * gib, 16 * gib, gpu_limit=96 * gib))
+    monkeypatch.setattr(sysinfo, "mlx_active_memory", lambda: 94 * gib)
+    assert sysinfo.system_memory() == (112 * gib, 2 * gib)
+    monkeypatch.setattr(sysinfo, "mlx_active_memory", lambda: 100 * gib)  # (past the limit: no room, not less)
+    assert sysinfo.system_memory()[1] == 0
+    monkeypatch.setattr(sysinfo, "memory", lambda: sysinfo.MemoryInfo(128 * gib, 16 * gib))
+    assert sysinfo.system_memory() == (112 * gib, 16 * gib)  # without Metal: RAM alone
+
+
+def test_a_mlx_thread_wires_the_working_set_as_mlx_lm_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Metal, weights not wired may be paged out between requests: each process's MLX thread asks
+    for the recommended wired limit (mlx-lm's helper; a no-op without Metal)."""
+    import threading
+
+    import mlx_lm.utils
+
+    from mtpipe.models.mlx_thread import MLXThread
+    from mtpipe.node.server import NodeServer
+
+    called: list[str] = []
+    monkeypatch.setattr(mlx_lm.utils, "maybe_set_recommended_wired_limit",
+                        lambda: called.append(threading.current_thread().name))
+    thread = MLXThread(name="wired-test")
+    thread.call(lambda: None)
+    thread.close()
+    server = NodeServer("127.0.0.1", 0).start()
+    server.stop(0)
+    assert called[0] == "wired-test" and len(called) == 2
+
+
 def test_memory_on_this_machine() -> None:
     mem = memory()
     if sys.platform == "darwin" and mx.metal.is_available():
@@ -116,6 +152,7 @@ def test_gpu_limit_read_from_mlx(fresh_gpu_limit: None, monkeypatch: pytest.Monk
     monkeypatch.setattr(mx, "device_info", device_info)
     mem = memory()
     assert mem.gpu_limit == 1 * GiB and asked == [mx.gpu]
+    monkeypatch.setattr("mtpipe.node.sysinfo.mlx_active_memory", lambda: 0)  # (nothing on the GPU yet)
     used, available = system_memory()
     assert available == min(psutil.virtual_memory().available, 1 * GiB) and used > 0
     memory()
