@@ -137,11 +137,12 @@ def split_host_port(target: str, default_port: int | None = None) -> tuple[str, 
 
 
 def classify_port(port: str) -> LinkType:
-    """A `networksetup` hardware port name -> link type."""
+    """A `networksetup` hardware port name -> link type. macOS names some ports in the system's language
+    (Wi-Fi is "WLAN" on a German Mac)."""
     p = port.strip().lower()
     if p == "thunderbolt bridge" or re.fullmatch(r"thunderbolt \d+", p):
         return LinkType.THUNDERBOLT
-    if "wi-fi" in p or "airport" in p or "wireless" in p:
+    if any(name in p for name in ("wi-fi", "wifi", "wlan", "airport", "wireless")):
         return LinkType.WIFI
     if "ethernet" in p or re.search(r"\blan\b", p):
         return LinkType.ETHERNET
@@ -176,7 +177,8 @@ def parse_ifconfig(text: str) -> dict[str, dict]:
         head = re.match(r"^([\w.\-]+): flags=\w+<([^>]*)>", line)
         if head:
             flags = head.group(2).split(",")
-            current = {"addresses": [], "loopback": "LOOPBACK" in flags, "up": "UP" in flags, "active": True}
+            current = {"addresses": [], "loopback": "LOOPBACK" in flags, "up": "UP" in flags, "active": True,
+                       "members": []}
             out[head.group(1)] = current
             continue
         if current is None or not line[:1].isspace():
@@ -189,7 +191,16 @@ def parse_ifconfig(text: str) -> dict[str, dict]:
             current["addresses"].append(f"{addr}/{fields[fields.index('prefixlen') + 1]}")
         elif fields[0] == "status:":
             current["active"] = fields[1] == "active"
+        elif fields[0] == "member:" and len(fields) > 1:  # a bridge's
+            current["members"].append(fields[1])
     return out
+
+
+def _bridge_link(members: list[str], ports: dict[str, LinkType]) -> LinkType:
+    """A bridge `networksetup` does not list: a Thunderbolt link if every member is a Thunderbolt port."""
+    if members and all(ports.get(m) is LinkType.THUNDERBOLT for m in members):
+        return LinkType.THUNDERBOLT
+    return LinkType.OTHER
 
 
 def macos_interfaces(networksetup: str, ifconfig: str) -> list[Interface]:
@@ -198,7 +209,7 @@ def macos_interfaces(networksetup: str, ifconfig: str) -> list[Interface]:
     for name, info in parse_ifconfig(ifconfig).items():
         if not info["up"] or not info["active"] or not info["addresses"]:
             continue
-        link = LinkType.LOOPBACK if info["loopback"] else ports.get(name, LinkType.OTHER)
+        link = LinkType.LOOPBACK if info["loopback"] else ports.get(name, _bridge_link(info["members"], ports))
         result.append(Interface(name, link, tuple(info["addresses"])))
     return result
 

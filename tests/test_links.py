@@ -43,7 +43,8 @@ def test_networksetup_ports() -> None:
 @pytest.mark.parametrize(
     "port, link",
     [("Thunderbolt Bridge", "thunderbolt"), ("Thunderbolt 12", "thunderbolt"), ("Wi-Fi", "wifi"),
-     ("AirPort", "wifi"), ("Ethernet Adapter (en5)", "ethernet"), ("Bluetooth PAN", "other")],
+     ("AirPort", "wifi"), ("WLAN", "wifi"), ("WiFi", "wifi"), ("Ethernet Adapter (en5)", "ethernet"),
+     ("Bluetooth PAN", "other")],
 )
 def test_classify_port(port: str, link: str) -> None:
     assert classify_port(port) is LinkType(link)
@@ -56,6 +57,7 @@ def test_ifconfig_addresses() -> None:
     assert parsed["lo0"]["loopback"] and parsed["lo0"]["addresses"][0] == "127.0.0.1/8"
     assert not parsed["en7"]["up"] and not parsed["anpi0"]["active"]
     assert "member:" not in json.dumps(parsed)  # bridge member lines are not addresses
+    assert parsed["bridge0"]["members"] == ["en2", "en3"]
 
 
 def test_macos_interfaces() -> None:
@@ -67,6 +69,12 @@ def test_macos_interfaces() -> None:
     assert by_name["en1"].link is LinkType.WIFI
     assert by_name["lo0"].link is LinkType.LOOPBACK
     assert by_name["utun0"].link is LinkType.OTHER
+    # Some Macs leave the bridge out of the hardware ports: its Thunderbolt members tell what it is.
+    listed = (DATA / "macos_networksetup.txt").read_text().replace("Hardware Port: Thunderbolt Bridge\nDevice: bridge0",
+                                                                  "")
+    assert "bridge0" not in listed
+    by_name = {i.name: i for i in macos_interfaces(listed, (DATA / "macos_ifconfig.txt").read_text())}
+    assert by_name["bridge0"].link is LinkType.THUNDERBOLT
 
 
 def _fake_sysfs(root: Path) -> None:
