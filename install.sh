@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # Install mtpipe from this checkout. On Linux, first an optimized BLAS from the distribution (MLX's
 # CPU wheel otherwise runs every matmul on the reference BLAS it bundles; see models/blas.py).
-# Usage: ./install.sh [EXTRAS], e.g. ./install.sh test,train
+# Usage: ./install.sh [EXTRAS], e.g. ./install.sh test,train  (PYTHON=python3.12 ./install.sh: another Python)
 set -euo pipefail
 cd "$(dirname "$0")"
 extras="${1:-}"
+python="${PYTHON:-python3}"
+
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "install.sh: mtpipe needs Python 3.11 or newer; $python is $("$python" --version 2>/dev/null || echo "not there")." >&2
+    echo "  Use a newer one, e.g. in a virtualenv: python3.12 -m venv .venv && . .venv/bin/activate && ./install.sh" >&2
+    echo "  (or PYTHON=python3.12 ./install.sh)" >&2
+    exit 1
+fi
 
 have_blas() {
-    python3 - <<'PY'
+    "$python" - <<'PY'
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("blas", "models/blas.py")
 blas = sys.modules["blas"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(blas)
@@ -28,4 +36,4 @@ if [ "$(uname -s)" = Linux ] && ! have_blas; then
         echo "install.sh: no apt-get, dnf or pacman: install OpenBLAS yourself; MLX stays on its slow reference BLAS" >&2
     fi
 fi
-python3 -m pip install -q -e ".${extras:+[$extras]}"
+"$python" -m pip install -q -e ".${extras:+[$extras]}"
