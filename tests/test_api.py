@@ -732,3 +732,43 @@ def test_stage_failure_is_a_503(engine: Engine) -> None:
         assert json.loads(events[-2])["error"]["code"] == "stage_error"
         assert Scrape(s.url)("mtpipe_generations_failed_total") == 2
     assert len(pipeline.released) == 2  # the engine's finally ran for both
+
+
+def test_a_server_that_stops_ends_open_streams_with_an_error(engine: Engine) -> None:
+    """Ctrl-C or SIGTERM: an open stream ends at once with a 503 error event and [DONE] (a stream that
+    merely stopped would read as a finished one), and the engine lets the generation go."""
+    import asyncio
+
+    from mtpipe.coordinator.api.front import api_server
+
+    wait_idle(engine)
+    never_ends = {str(t): -100 for t in engine.eos}
+    body = {"model": MODEL, "messages": chat("go on"), "max_tokens": 3000, "temperature": 0, "logit_bias": never_ends,
+            "stream": True}
+    server = api_server(uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=0, log_config=None,
+                                       lifespan="off", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        events = []
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+            if len(events) == 3:  # streaming: now stop the server
+                stopped_at = time.monotonic()
+                server.handle_exit(signal.SIGTERM, None)
+                break
+        events += sse_events(lines)
+    assert time.monotonic() - stopped_at < 3.0
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "server_busy" and "shutting down" in error["message"], error
+    thread.join(10)
+    assert not thread.is_alive()
+    wait_idle(engine)

@@ -358,7 +358,7 @@ def test_static_nodes_and_reachability(monkeypatch: pytest.MonkeyPatch) -> None:
         assert first_reachable([target], "s3", "another-node", timeout=2.0) is None  # answers, but as someone else
         assert first_reachable([target], "wrong", None, timeout=2.0) is None  # refused: the TLS handshake fails
         row = probe_node(target, "s3")
-        assert (row["status"], row["problems"], row["node_id"]) == ("degraded", ["no shard loaded"], "static-1")
+        assert (row["status"], row["problems"], row["node_id"]) == ("idle", [], "static-1")  # waits for a placement
         with pytest.raises(ValueError, match="are the same node .static-1.: list each machine once"):
             static_resources([StaticNode(host="127.0.0.1", port=server.port)] * 2, "s3", reserve=0)
         with pytest.raises(ConnectionError, match="static node 127.0.0.1"):  # no TLS: never connects
@@ -396,9 +396,9 @@ def test_health_with_static_nodes_only_and_when_it_cannot_check(tmp_path: Path, 
     try:
         config = tmp_path / "cluster.yaml"
         config.write_text(yaml.safe_dump({"discovery": {"enabled": False}, "nodes": [f"127.0.0.1:{server.port}"]}))
-        assert main(["health", "--json", "--config", str(config)]) == 1  # degraded: no shard loaded
+        assert main(["health", "--json", "--config", str(config)]) == 0  # idle: up, and no shard placed yet
         report = json.loads(capsys.readouterr().out)
-        assert report["status"] == "degraded" and [n["node_id"] for n in report["nodes"]] == ["static-1"]
+        assert report["status"] == "idle" and [n["node_id"] for n in report["nodes"]] == ["static-1"]
     finally:
         server.stop()
     assert main(["health", "--json", "--secret-file", str(tmp_path / "missing"), "127.0.0.1:1"]) == 3
@@ -470,3 +470,17 @@ def test_expected_nodes_count_the_listed_ones_that_answer() -> None:
     agent.wait_for = lambda changed, timeout: (answered.add("b2"), asyncio.sleep(0.01))[1]  # (answers later)
     assert list(wait_for_peers(agent, "a1", cfg, False, lambda peers: peers, lambda: answered)) == ["a1"]
     assert time.monotonic() - start < 5
+
+
+def test_the_cluster_is_idle_only_when_every_node_is() -> None:
+    """Nodes up with no shard placed yet wait for a coordinator (exit 0); a node without one beside
+    nodes that serve is a gap in the pipeline (degraded)."""
+    from mtpipe.coordinator.cluster.health import EXIT_CODES, overall
+
+    def rows(*statuses: str) -> list[dict]:
+        return [{"status": s} for s in statuses]
+
+    assert overall(rows("idle", "idle")) == "idle" and EXIT_CODES["idle"] == 0
+    assert overall(rows("healthy", "idle")) == "degraded"
+    assert overall(rows("healthy", "healthy")) == "healthy"
+    assert overall(rows("idle", "unreachable")) == overall([]) == "unreachable"

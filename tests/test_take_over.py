@@ -118,6 +118,8 @@ def test_a_taken_over_coordinator_gives_the_nodes_up(dense_ckpt: Path, tmp_path:
         ready, details = Readiness(first, timeout=2.0).check()  # what /health says: the node, and why
         assert not ready and details["unready"][0]["address"] in addresses
         assert "taken over" in details["unready"][0]["reason"] and "formed again" not in details["unready"][0]["reason"]
+        reason = details["unready"][0]["reason"]
+        assert reason.count(details["unready"][0]["address"]) == 1, reason  # the node named once
         start = time.monotonic()
         with pytest.raises((StageError, StageUnavailable), match="another coordinator's shard|taken over"):
             generate(first, PROMPTS[0])

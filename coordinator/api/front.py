@@ -11,6 +11,7 @@ prepares itself (`prepare_process`) before the app and the tokenizer come in.
 (No `from __future__ import annotations` here: the spec crosses to a spawned process by pickling.)
 """
 
+import asyncio
 import logging
 import multiprocessing
 import os
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # spawning, importing the app and loading the tokenizer
 STOP_TIMEOUT_S = 10.0
+SHUTDOWN_RETRY_AFTER_S = 10  # what a generation a stop ended tells its client (503 Retry-After)
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
                      max_body_bytes=spec.max_body_bytes, model_path=spec.model_path)
     config = uvicorn.Config(app, host=spec.host, port=spec.port, log_config=None, access_log=spec.access_log,
                             timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = api_server(config)
 
     def stop() -> None:
         server.should_exit = True
@@ -122,6 +124,34 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
     if client.lost is not None:
         log.error("the API stops: %s", client.lost)
         sys.exit(1)
+
+
+def api_server(config: Any) -> Any:
+    """A uvicorn server whose stop (Ctrl-C, SIGTERM) first ends every open generation with a 503 error
+    (an event, in a stream): uvicorn would cut streams after its grace period without a word."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+
+        async def startup(self, sockets: Any = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:  # (a signal handler: hands the work to the loop)
+            if not self.should_exit and self.loop is not None:
+                self.loop.call_soon_threadsafe(_abort_all)
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
+def _abort_all() -> None:
+    from ..engine.sinks import ServerBusy
+    from .generation import abort_all
+
+    if n := abort_all(ServerBusy("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S)):
+        log.info("the server stops: %d open generation(s) ended with an error", n)
 
 
 def when_serving(server: Any, tell: Callable[[str, int], None]) -> None:

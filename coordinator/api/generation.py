@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 _END = object()
 _ADMITTED = object()  # (in the queue: the engine admitted the request)
+_LIVE: "weakref.WeakSet[GenerationThread]" = weakref.WeakSet()  # every generation not yet let go of
 
 
 class LoopInbox:
@@ -63,6 +64,15 @@ def inbox(loop: asyncio.AbstractEventLoop) -> LoopInbox:
     return box
 
 
+def abort_all(error: BaseException) -> int:
+    """End every generation not finished with `error` (on the event loop): the server stops, and a stream
+    that merely stopped would read as one that finished. How many there were."""
+    runs = [run for run in list(_LIVE) if run.loop is asyncio.get_running_loop() and not run.finished]
+    for run in runs:
+        run.abort(error)
+    return len(runs)
+
+
 class GenerationThread:
     """One generation, its chunks handed to the event loop.
 
@@ -86,6 +96,7 @@ class GenerationThread:
         self.early: list[Any] = []  # what came before the admission it was waiting for
         self.tells = hasattr(engine, "open")  # (a per-sequence engine runs on a thread of its own: admitted)
         self.thread = threading.Thread(target=self._work, name="mtpipe-generation", daemon=True)
+        _LIVE.add(self)
 
     def start(self) -> None:
         from ..engine.sinks import open_admitted
@@ -112,6 +123,11 @@ class GenerationThread:
         self.stopping.set()
         if self.handle is not None:
             self.handle.cancel()
+
+    def abort(self, error: BaseException) -> None:
+        """Stop, and end its chunks with `error` (on the event loop): its client hears why it ends."""
+        self.cancel()
+        self.queue.put_nowait(error)
 
     def _on_item(self, item: Any) -> None:
         """A batch engine's callback (on its MLX thread): chunks, maybe an exception, then its END."""

@@ -99,13 +99,13 @@ def serve(
     log.info("serving %s at http://%s:%d/v1", model_name, host, port)
     import uvicorn
 
+    from .front import api_server, base_url, when_serving
+
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                      max_body_bytes=max_body_bytes, model_path=model_path)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5))
+    server = api_server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5))
     if announce is not None:
-        from .front import base_url, when_serving
-
         threading.Thread(target=when_serving, args=(server, lambda host, port: announce(base_url(host, port))),
                          name="api-announce", daemon=True).start()
     try:

@@ -268,7 +268,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    """Exit 0 / 1 / 2 for a healthy / degraded / unreachable cluster, and EXIT_CHECK_FAILED (with a JSON
+    """Exit 0 / 1 / 2 for a healthy or idle / degraded / unreachable cluster, and EXIT_CHECK_FAILED (with a JSON
     status "error") when the check itself could not run, so a monitor never reads a failure as degraded."""
     try:
         return _health(args)
@@ -296,7 +296,7 @@ def _health(args: argparse.Namespace) -> int:
     if browsed:  # (a node listed twice on the command line is shown twice, as asked)
         rows = distinct_nodes(rows)
     status = overall(rows)
-    if left_out and status == "healthy":  # something advertises the cluster and did not prove it belongs
+    if left_out and status in ("healthy", "idle"):  # something advertises the cluster and did not prove it belongs
         status = "degraded"
     if args.json:
         print(json.dumps({"status": status, "nodes": rows, "left_out": left_out}))
@@ -366,8 +366,8 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     add_mtp(p)
     p.set_defaults(func=cmd_launch)
 
-    p = sub.add_parser("health", help="health of each node: a table, or --json; exit 0 healthy, 1 degraded, "
-                                      "2 unreachable")
+    p = sub.add_parser("health", help="health of each node: a table, or --json; exit 0 healthy or idle (no shard "
+                                      "placed yet), 1 degraded, 2 unreachable, 3 could not check")
     _add_common(p)
     p.add_argument("nodes", nargs="*", metavar="NODE", help="host[:port] of a node (default: find them by zeroconf)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -2,8 +2,11 @@
 classifying what came back, and the `mtpipe health` table.
 
 A node is healthy when it answers, holds a shard, reports no error and reaches its next stage;
-degraded when it answers but one of those fails; unreachable when it does not answer (or refuses
-the cluster secret). Exit codes follow: 0 healthy, 1 degraded, 2 unreachable.
+idle when it answers with no error and holds no shard (it waits for a coordinator to place one);
+degraded when it answers but something else fails; unreachable when it does not answer (or refuses
+the cluster secret). The cluster is idle when every node is: a node without a shard beside nodes
+that hold one makes it degraded. Exit codes follow: 0 healthy or idle, 1 degraded, 2 unreachable.
+Whether a model is served is the API's GET /health.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-HEALTHY, DEGRADED, UNREACHABLE = "healthy", "degraded", "unreachable"
-EXIT_CODES = {HEALTHY: 0, DEGRADED: 1, UNREACHABLE: 2}
+HEALTHY, IDLE, DEGRADED, UNREACHABLE = "healthy", "idle", "degraded", "unreachable"
+EXIT_CODES = {HEALTHY: 0, IDLE: 0, DEGRADED: 1, UNREACHABLE: 2}
 EXIT_CHECK_FAILED = 3  # `mtpipe health` could not check at all (a bad config, a missing secret file)
 
 
@@ -64,8 +67,6 @@ def first_reachable(
 
 def _problems(h: Any, probe_next: bool) -> list[str]:
     problems = []
-    if not h.loaded:
-        problems.append("no shard loaded")
     if h.last_error:
         problems.append(f"error: {h.last_error}")
     if h.loaded and not h.is_last and not h.next:
@@ -95,7 +96,7 @@ def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next
         return row
     problems = _problems(h, probe_next)
     row.update(
-        status=DEGRADED if problems else HEALTHY,
+        status=DEGRADED if problems else HEALTHY if h.loaded else IDLE,
         reachable=True,
         problems=problems,
         node_id=h.node_id,
@@ -156,9 +157,12 @@ def distinct_nodes(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def overall(rows: Sequence[dict[str, Any]]) -> str:
-    if not rows or any(r["status"] == UNREACHABLE for r in rows):
+    statuses = {r["status"] for r in rows}
+    if not rows or UNREACHABLE in statuses:
         return UNREACHABLE
-    return DEGRADED if any(r["status"] == DEGRADED for r in rows) else HEALTHY
+    if statuses == {IDLE}:
+        return IDLE
+    return DEGRADED if statuses & {DEGRADED, IDLE} else HEALTHY  # (an idle node where others serve: a gap)
 
 
 def _gib(n: int | None) -> str:
@@ -190,7 +194,7 @@ def _blas(b: dict[str, Any] | None) -> str:
 def render_table(rows: Sequence[dict[str, Any]], console: Any) -> None:
     from rich.table import Table
 
-    colours = {HEALTHY: "green", DEGRADED: "yellow", UNREACHABLE: "red"}
+    colours = {HEALTHY: "green", IDLE: "cyan", DEGRADED: "yellow", UNREACHABLE: "red"}
     table = Table(title=f"mtpipe cluster: {overall(rows)}", title_justify="left")
     for col in ("node", "status", "version", "model", "layers", "mem GiB used/avail", "seqs", "tokens", "step ms",
                 "blas", "next", "uptime", "problems"):
