@@ -51,15 +51,28 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"shard cache {root}: {verb} {len(listed)} entries, {total / 2**30:.2f} GiB")
+    table = Table(title=f"shard cache {root}: {verb} {_entries(len(listed))}, {total / 2**30:.2f} GiB")
     for col in ("model", "layers", "GiB", "last used", "state"):
         table.add_column(col)
     for e in listed:
-        table.add_row(e.fingerprint[:12], e.layers, f"{e.bytes / 2**30:.2f}",
+        table.add_row(e.fingerprint[:12], _layers(e.layers), f"{e.bytes / 2**30:.2f}",
                       time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)),
                       "complete" if e.complete else "partial")
     Console().print(table)
     if busy:
-        Console(stderr=True).print(f"kept {len(busy)} entries a node is fetching or loading: "
+        Console(stderr=True).print(f"kept {_entries(len(busy))} a node is fetching or loading: "
                                    + ", ".join(f"{e.fingerprint[:12]}/{e.layers}" for e in busy))
     return 0
+
+
+def _entries(n: int) -> str:
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
+def _layers(name: str) -> str:
+    """An entry's directory name (<start>-<end>-<mtp 0|1>, end exclusive) as the layers it holds."""
+    try:
+        start, end, mtp = (int(p) for p in name.split("-"))
+    except ValueError:
+        return name
+    return (f"{start}" if end == start + 1 else f"{start}-{end - 1}") + (" + MTP" if mtp else "")

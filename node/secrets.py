@@ -42,6 +42,9 @@ def add_secret_file(p: argparse.ArgumentParser, option: str, what: str, env: str
                    help=argparse.SUPPRESS)
 
 
+SHORT_SECRET_CHARS = 16  # shorter secrets are warned about (`openssl rand -hex 32` gives 64)
+
+
 def read_secret(path: str | None = None, env: str | None = SECRET_ENV, option: str = "--secret-file") -> str | None:
     """The secret in `path` (surrounding whitespace dropped), else in $env; None when neither has one.
     `option` names the path in errors."""
@@ -72,7 +75,11 @@ def is_loopback(host: str) -> bool:
 
 
 def check_exposure(host: str, secret: str | None, insecure: bool) -> None:
-    """A node without a secret listens on loopback only, unless told `--insecure`."""
+    """A node without a secret listens on loopback only, unless told `--insecure`; a short secret on a
+    network gets a warning (anyone who reaches the node can try guesses offline)."""
+    if secret and len(secret) < SHORT_SECRET_CHARS and not is_loopback(host):
+        log.warning("the cluster secret is %d characters: anyone who reaches this node can fetch its certificate and "
+                    "guess a short secret offline; use a long random one (openssl rand -hex 32)", len(secret))
     if secret or insecure or is_loopback(host):
         return
     raise ValueError(f"refusing to listen on {host} without a cluster secret: anyone who reaches it could load "

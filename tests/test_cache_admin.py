@@ -58,6 +58,12 @@ def test_entries_least_recently_used_first_and_prune(filled, capsys: pytest.Capt
     assert main(["cache", "list", "--json", "--shard-cache", str(cache.root)]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [e["path"] for e in report["holds"]] == [str(dirs[0]), str(dirs[2])]
+    assert main(["cache", "list", "--shard-cache", str(cache.root)]) == 0  # the table: layers as they are held
+    table = capsys.readouterr().out
+    assert "holds 2 entries" in table, table
+    from mtpipe.node.cache_cli import _entries, _layers
+
+    assert (_layers("3-4-1"), _layers("0-2-0"), _layers("odd"), _entries(1)) == ("3 + MTP", "0-1", "odd", "1 entry")
     assert main(["cache", "prune", "--shard-cache", str(cache.root)]) == 2  # which entries: not said
     assert main(["cache", "prune", "--model", "", "--shard-cache", str(cache.root)]) == 2  # "" is not a model
     fp = listed[0].fingerprint

@@ -80,6 +80,19 @@ def test_no_secret_means_loopback_only() -> None:
         check_exposure("0.0.0.0", None, insecure=False)
 
 
+def test_a_short_secret_on_a_network_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        check_exposure("0.0.0.0", "short", insecure=False)
+    assert "5 characters" in caplog.text and "openssl rand" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        check_exposure("127.0.0.1", "short", insecure=False)  # (reachable from this machine only)
+        check_exposure("0.0.0.0", "a" * 32, insecure=False)
+    assert caplog.text == ""
+
+
 def test_node_without_a_secret_will_not_listen_on_all_interfaces(tmp_path: Path) -> None:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     r = subprocess.run([*CLI, "node", "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True,
