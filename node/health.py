@@ -43,6 +43,7 @@ async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
         blas=node.blas.name,
         blas_optimized=node.blas.optimized,
         blas_threads=node.blas.threads or 0,
+        placed=node.placed,
     )
     reply.MergeFrom(node.weights.health())
     w, key = node.worker, node.key

@@ -424,6 +424,11 @@ def test_a_node_that_stops_is_seen_leaving(cluster: dict, topology: Topology) ->
     rc, report = mtpipe(topology, 1, "health", "--json", f"10.77.0.1:{PORT}", f"10.77.0.2:{PORT}", f"10.77.0.3:{PORT}")
     assert rc == 2 and [n["status"] for n in report["nodes"]] == ["healthy", "degraded", "unreachable"], report
     assert f"next stage {cluster['serving']['links'][1]['address']} unreachable" in report["nodes"][1]["problems"]
+    # Found by zeroconf, node-c's advert is gone with it: the coordinator's Health names it as placed.
+    rc, report = mtpipe(topology, 1, "health", "--json", "--config", str(cluster["config"]), "--interface", "10.77.0.1")
+    by_id = {n["node_id"]: n for n in report["nodes"]}
+    assert rc == 2 and by_id["node-c"]["status"] == "unreachable", report
+    assert by_id["node-a"]["placed"] == ["node-a", "node-b", "node-c"]
 
 
 def test_a_rogue_wins_nothing(cluster: dict, rogue: dict, topology: Topology) -> None:

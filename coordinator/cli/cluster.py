@@ -79,8 +79,8 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
     path = args.config or os.environ.get(CONFIG_ENV) or ("cluster.yaml" if Path("cluster.yaml").exists() else None)
     cfg = load_cluster_config(path) if path else ClusterConfig()
     flags = {  # config key -> argparse dest; a flag not given, or not defined for this subcommand, is None
-        "name": "cluster", "model": "model", "revision": "revision", "dtype": "dtype", "mtp_depth": "mtp_depth", "secret_env": "secret_env",
-        "secret_file": "secret_file", "draft_vocab": "draft_vocab", "mtp_window": "mtp_window",
+        "name": "cluster", "model": "model", "revision": "revision", "dtype": "dtype", "mtp_depth": "mtp_depth",
+        "secret_env": "secret_env", "secret_file": "secret_file", "draft_vocab": "draft_vocab", "mtp_window": "mtp_window",
         "prefix_cache_gib": "prefix_cache",
         "discovery.interfaces": "interface", "discovery.expect": "expect", "discovery.settle": "settle",
         "nodes": "node", "node.host": "host", "node.port": "port", "node.state_dir": "state_dir",
@@ -246,6 +246,7 @@ def _launch(args: argparse.Namespace) -> int:
             engine, formation = form_cluster(cfg, me, my_target, peers, static, interfaces, model_path, mtp, secret,
                                              console, take_over=args.take_over)
             placed.update(s.node_id for s in formation.plan)
+        server.service.placed = sorted(placed)  # (`mtpipe health` lists a member that is gone)
         check_default_depth(cfg.mtp_depth if mtp else 0, engine.has_mtp, "--mtp-depth (cluster.yaml mtp_depth)")
         name = model_name_for(cfg.model, model_path)
         info = cluster_info_fn(cfg, me, my_target, engine, name, formation, agent, secret, membership)
@@ -283,7 +284,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..cluster.health import EXIT_CODES, distinct_nodes, overall, probe_nodes, render_table
+    from ..cluster.health import EXIT_CODES, distinct_nodes, missing_members, overall, probe_nodes, render_table
 
     cfg = resolve_config(args)
     secret = cfg.resolve_secret()
@@ -293,8 +294,9 @@ def _health(args: argparse.Namespace) -> int:
     if browsed:
         targets, left_out = browse_targets(cfg, args.wait, args.timeout)
     rows = probe_nodes(targets, secret, timeout=args.timeout)
-    if browsed:  # (a node listed twice on the command line is shown twice, as asked)
+    if browsed:  # (a node listed twice on the command line is shown twice, as asked; only those)
         rows = distinct_nodes(rows)
+        rows += missing_members(rows)
     status = overall(rows)
     if left_out and status in ("healthy", "idle"):  # something advertises the cluster and did not prove it belongs
         status = "degraded"

@@ -114,6 +114,7 @@ def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next
         next=h.next or None,
         next_rtt_ms=round(h.next_rtt_ms, 3) if h.next_rtt_ms >= 0 else None,
         next_transport=h.next_transport or None,  # "tcp" (data plane) or "grpc", once a frame went
+        placed=list(h.placed) or None,  # a coordinating node: the members of its pipeline
         data_port=h.data_port or None,
         ring=h.ring or None,  # last node: where it starts decode rounds
         last_error=h.last_error or None,
@@ -154,6 +155,15 @@ def distinct_nodes(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         seen.add(node_id or "")
         out.append(r)
     return out
+
+
+def missing_members(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A row for each node a coordinator among `rows` placed the model on that is not among them: gone
+    (its advert went with it), so unreachable."""
+    found = {r.get("node_id") for r in rows}
+    gone = sorted({n for r in rows for n in r.get("placed") or [] if n not in found})
+    return [{"address": "-", "node_id": n, "status": UNREACHABLE, "reachable": False,
+             "problems": ["in the pipeline its coordinator placed, and not found"]} for n in gone]
 
 
 def overall(rows: Sequence[dict[str, Any]]) -> str:
