@@ -61,7 +61,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     Console().print(table)
     if busy:
         Console(stderr=True).print(f"kept {_entries(len(busy))} a node is fetching or loading: "
-                                   + ", ".join(f"{e.fingerprint[:12]}/{e.layers}" for e in busy))
+                                   + ", ".join(f"{e.fingerprint[:12]} ({_layers(e.layers)})" for e in busy))
     return 0
 
 

@@ -212,6 +212,7 @@ def tensor_from_pb(t: pb.Tensor) -> Any:
     except TensorError as e:
         raise StageError(str(e)) from None
 
+
 def describe_unreached(target: str, secret: str | None, e: Exception) -> str:
     """`describe_rpc_error`, and when the node was called without a secret and asks for one, that."""
     text = describe_rpc_error(e)

@@ -734,19 +734,20 @@ def test_stage_failure_is_a_503(engine: Engine) -> None:
     assert len(pipeline.released) == 2  # the engine's finally ran for both
 
 
-def test_a_server_that_stops_ends_open_streams_with_an_error(engine: Engine) -> None:
-    """Ctrl-C or SIGTERM: an open stream ends at once with a 503 error event and [DONE] (a stream that
-    merely stopped would read as a finished one), and the engine lets the generation go."""
+def test_a_server_that_stops_drains_then_ends_open_streams_with_an_error(engine: Engine) -> None:
+    """Ctrl-C or SIGTERM: a generation that would start from then on is refused (503), an open stream goes
+    on for most of the grace period and then ends with a 503 error event and [DONE] (a stream that merely
+    stopped would read as a finished one), and the engine lets the generation go."""
     import asyncio
 
-    from mtpipe.coordinator.api.front import api_server
+    from mtpipe.coordinator.api.front import ABORT_BEFORE_GRACE_END_S, api_server
 
     wait_idle(engine)
     never_ends = {str(t): -100 for t in engine.eos}
-    body = {"model": MODEL, "messages": chat("go on"), "max_tokens": 3000, "temperature": 0, "logit_bias": never_ends,
-            "stream": True}
-    server = api_server(uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=0, log_config=None,
-                                       lifespan="off", timeout_graceful_shutdown=5))
+    long = {"model": MODEL, "messages": chat("go on"), "max_tokens": 3000, "temperature": 0, "logit_bias": never_ends}
+    grace = 2.0
+    server = api_server(uvicorn.Config(create_app(engine, MODEL, max_concurrency=1), host="127.0.0.1", port=0,
+                                       log_config=None, lifespan="off", timeout_graceful_shutdown=grace))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -754,21 +755,57 @@ def test_a_server_that_stops_ends_open_streams_with_an_error(engine: Engine) -> 
         assert time.monotonic() < deadline and thread.is_alive()
         time.sleep(0.02)
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/chat/completions"
-    with httpx.stream("POST", url, json=body, timeout=30) as r:
+    waiting: list[httpx.Response] = []
+    with httpx.stream("POST", url, json={**long, "stream": True}, timeout=30) as r:
         lines = r.iter_lines()
         events = []
         for line in lines:
             if line.startswith("data: "):
                 events.append(line[len("data: "):])
-            if len(events) == 3:  # streaming: now stop the server
+            if len(events) == 3:  # streaming; another request waits for the one slot: now stop the server
+                waiter = threading.Thread(target=lambda: waiting.append(httpx.post(url, json=long, timeout=30)))
+                waiter.start()
+                time.sleep(0.3)
                 stopped_at = time.monotonic()
                 server.handle_exit(signal.SIGTERM, None)
                 break
         events += sse_events(lines)
-    assert time.monotonic() - stopped_at < 3.0
+    ended_after = time.monotonic() - stopped_at
+    assert grace - ABORT_BEFORE_GRACE_END_S - 0.3 < ended_after < grace + 0.5, ended_after
     assert events[-1] == "[DONE]", events[-3:]
     error = json.loads(events[-2])["error"]
     assert error["code"] == "server_busy" and "shutting down" in error["message"], error
+    assert len(events) > 10  # (it streamed on while the server drained)
+    waiter.join(10)
+    assert waiting[0].status_code == 503 and "shutting down" in waiting[0].text, waiting[0].text
     thread.join(10)
     assert not thread.is_alive()
     wait_idle(engine)
+
+
+def test_a_stop_leaves_a_finished_generation_alone_while_its_sequence_is_released() -> None:
+    """A per-sequence engine is iterated on a thread, which releases the sequence on every node after the
+    last chunk: a stop meanwhile must not turn the finished generation into an error."""
+    import asyncio
+
+    from mtpipe.coordinator.api.generation import GenerationThread, abort_all
+    from mtpipe.coordinator.engine.request import GenerationChunk
+
+    class Releasing:  # the last chunk, then a slow release
+        def generate(self, req: GenerationRequest) -> Iterator[GenerationChunk]:
+            try:
+                yield GenerationChunk("done", [1], finish_reason="stop")
+            finally:
+                time.sleep(0.5)
+
+    async def run() -> tuple[int, list[GenerationChunk]]:
+        gen = GenerationThread(Releasing(), GenerationRequest([1, 2], max_tokens=4), on_exit=lambda run: None)
+        gen.start()
+        got = []
+        async for chunk in gen.chunks():
+            got.append(chunk)
+            aborted = abort_all()  # (during the release)
+        return aborted, got
+
+    aborted, got = asyncio.run(run())
+    assert aborted == 0 and [c.finish_reason for c in got] == ["stop"]

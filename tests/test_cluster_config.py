@@ -484,3 +484,15 @@ def test_the_cluster_is_idle_only_when_every_node_is() -> None:
     assert overall(rows("healthy", "idle")) == "degraded"
     assert overall(rows("healthy", "healthy")) == "healthy"
     assert overall(rows("idle", "unreachable")) == overall([]) == "unreachable"
+
+
+def test_a_placed_node_is_listed_missing_once() -> None:
+    """A coordinator's placed members not among the rows are listed (unreachable), but not a member
+    already there (by id, an unreachable one included) nor one left out (listed apart)."""
+    from mtpipe.coordinator.cluster.health import missing_members
+
+    rows = [{"node_id": "a", "status": "healthy", "placed": ["a", "b", "c", "d"]},
+            {"node_id": "b", "address": "10.0.0.2:52700", "status": "unreachable"}]
+    missing = missing_members(rows, {"d"})
+    assert [(m["node_id"], m["status"]) for m in missing] == [("c", "unreachable")]
+    assert missing_members([{"node_id": "a", "status": "healthy", "placed": None}]) == []

@@ -37,14 +37,17 @@ def test_the_recommended_sampling_is_read_and_bad_values_left_out(tmp_path: Path
     assert model_defaults(DEMO_MODEL) == {}  # (do_sample alone: vLLM reads no default from it either)
     assert model_defaults(None) == {} and model_defaults(tmp_path / "nowhere") == {}
     with caplog.at_level(logging.WARNING):
-        # A top_p of 0 would make every request that leaves top_p out a 400: no sampling default is taken.
+        # A top_p of 0 would make every request that leaves top_p out a 400: that one is left out.
         assert model_defaults(model_with(tmp_path, {"top_p": 0, "temperature": 0.7, "max_new_tokens": 9})) == {
-            "max_tokens": 9}
+            "temperature": 0.7, "max_tokens": 9}
         assert model_defaults(model_with(tmp_path, {"temperature": "hot", "top_k": 2.5, "max_new_tokens": 0})) == {}
         assert model_defaults(model_with(tmp_path, [1, 2])) == {}
         (tmp_path / "generation_config.json").write_text("{not json")
         assert model_defaults(tmp_path) == {}
     assert "top_p" in caplog.text and "hot" in caplog.text and "max_new_tokens" in caplog.text
+    # Read as a request's: top_k -1 is off, a temperature too small to sample at is greedy.
+    assert model_defaults(model_with(tmp_path, {"top_k": -1, "temperature": 1e-6, "top_p": 0.9})) == {
+        "top_k": 0, "temperature": 0.0, "top_p": 0.9}
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +82,20 @@ def test_a_request_without_sampling_gets_the_models(server: LiveServer) -> None:
     short = completion(server, temperature=0)  # max_tokens left out: the model's max_new_tokens
     assert short["usage"]["completion_tokens"] == 7 and short["choices"][0]["finish_reason"] == "length"
     assert completion(server, temperature=0, max_tokens=12)["usage"]["completion_tokens"] == 12
+
+
+def test_a_models_long_default_leaves_room_for_drafts(engine: BatchEngine, dense_ckpt: Path, tmp_path: Path) -> None:
+    """A model's max_new_tokens as long as the context would leave `auto` no room to draft; as a
+    default (the client asked for no length) it leaves drafts their room instead."""
+    from mtpipe.coordinator.api.models import CompletionRequest
+    from mtpipe.node.protocol import SamplingParams
+
+    model_with(tmp_path, {"max_new_tokens": 10**6})
+    service = create_app(engine, "m", model_path=tmp_path).state.service
+    prompt = [5] * 20
+    req = service.generation_request(CompletionRequest(prompt="x"), SamplingParams(), prompt, None, "prompt")
+    assert req.mtp_auto and req.mtp_depth > 0
+    assert req.max_tokens + req.mtp_depth + len(prompt) <= engine.max_context
+    asked = service.generation_request(CompletionRequest(prompt="x"), SamplingParams(), prompt,
+                                       engine.max_context - len(prompt), "prompt")
+    assert asked.mtp_depth == 0 and not asked.mtp_auto  # (the client's length wins: no room is left to draft)

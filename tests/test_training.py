@@ -13,7 +13,11 @@ import pytest
 from mtpipe.models.registry import DEMO_MODEL
 from mtpipe.training import corpus
 
-torch = pytest.importorskip("torch", reason="the training script needs the [train] extra (torch==2.13.0)")
+try:
+    import torch
+except ImportError:  # (the corpus is torch-free: its tests run without the [train] extra)
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="the training script needs the [train] extra (torch==2.13.0)")
 
 
 def test_held_out_files_are_the_ones_the_demo_names_not_this_pythons_split(tmp_path: Path) -> None:
@@ -40,6 +44,7 @@ def test_asking_for_more_held_out_prompts_than_there_are_is_an_error() -> None:
         corpus.heldout_prompts(1000)
 
 
+@needs_torch
 @pytest.mark.parametrize("option", [["--steps", "0"], ["--steps", "-3"], ["--eval-every", "0"], ["--seq-len", "1"],
                                     ["--batch-size", "0"], ["--vocab-size", "0"], ["--max-minutes", "-1"]])
 def test_bad_options_are_refused_before_any_work(option: list[str], tmp_path: Path,
@@ -52,6 +57,7 @@ def test_bad_options_are_refused_before_any_work(option: list[str], tmp_path: Pa
     assert not (tmp_path / "w").exists()
 
 
+@needs_torch
 def test_a_corpus_cache_from_another_python_is_refused(tmp_path: Path) -> None:
     from mtpipe.training import train_demo
 
@@ -61,6 +67,7 @@ def test_a_corpus_cache_from_another_python_is_refused(tmp_path: Path) -> None:
         train_demo.prepare_data(tmp_path, 512)
 
 
+@needs_torch
 def test_importing_the_script_leaves_the_environment_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     from mtpipe.training import train_demo
 
@@ -71,6 +78,7 @@ def test_importing_the_script_leaves_the_environment_alone(monkeypatch: pytest.M
     assert "OMP_WAIT_POLICY" not in os.environ
 
 
+@needs_torch
 def test_evaluation_weighs_every_row_alike_and_keeps_the_models_modes() -> None:
     """Nine rows are a chunk of 8 and one of 1: the mean is over rows, not over chunks."""
     from mtpipe.training import train_demo

@@ -145,10 +145,10 @@ def prepare_data(work_dir: Path, vocab_size: int) -> dict:
         data = torch.load(cache)
         if data["vocab_size"] != vocab_size:
             raise SystemExit(f"{cache} was built with vocab {data['vocab_size']}: use a fresh --work-dir")
-        if data["stdlib_root"] != str(root) or data.get("python", platform.python_version()) != \
-                platform.python_version():
+        if data["stdlib_root"] != str(root) or data.get("python") != platform.python_version():
+            # (no "python": built before the held-out losses left the codec tables out)
             raise SystemExit(f"{cache} was built from {data['stdlib_root']} (Python {data.get('python', '?')}), "
-                             f"not this Python's {root}: use a fresh --work-dir")
+                             f"not from this Python's {root}, or by an older train_demo: use a fresh --work-dir")
         return data
     train_files, held_files = train_split_files()
     tok_dir = work_dir / "tokenizer"
@@ -543,7 +543,8 @@ Each file is tokenized and followed by `<|endoftext|>`; training windows are sam
 of the concatenated train stream.
 
 - Train: {len(data["train_files"])} files, {data["train_bytes"]:,} bytes, {len(data["train_ids"]):,} tokens.
-- Held out: {len(data["held_files"])} files, {data["held_bytes"]:,} bytes, {len(data["held_ids"]):,} tokens measured (the codec tables left out).
+- Held out: {len(data["held_files"])} files, {data["held_bytes"]:,} bytes; {len(data["held_ids"]):,} tokens
+  measured (the codec tables left out).
 
 The tokenizer (byte-level BPE, Qwen2 pre-tokenizer regex, vocab {s.vocab_size}, specials
 `<|endoftext|>`=0, `<|im_start|>`=1, `<|im_end|>`=2, ChatML chat template) was trained on the train split only.

@@ -8,8 +8,9 @@ Routes only: what a body means is decided in service.py, auth and request metric
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 400 for a bad value, invalid JSON or a body of the wrong shape (a wrong type, a missing field: as
 OpenAI and vLLM, not FastAPI's 422), 404 for an unknown model, 401 for a missing or wrong API key,
-503 when a stage refuses work, 500 for a bug, 413 for a body over `max_body_bytes`. A request is validated completely before
-any node is touched; parsing large bodies and tokenizing run off the event loop (service.py).
+503 when a stage refuses work, 500 for a bug, 413 for a body over `max_body_bytes`. A request is
+validated completely before any node is touched; parsing large bodies and tokenizing run off the
+event loop (service.py).
 
 GET /health answers 200 only when every stage is ready, else 503 naming each node that is not and why
 (readiness.py).

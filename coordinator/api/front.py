@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # spawning, importing the app and loading the tokenizer
 STOP_TIMEOUT_S = 10.0
-SHUTDOWN_RETRY_AFTER_S = 10  # what a generation a stop ended tells its client (503 Retry-After)
+ABORT_BEFORE_GRACE_END_S = 1.0  # on a stop, generations still open this long before uvicorn cuts them end
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,9 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
 
 
 def api_server(config: Any) -> Any:
-    """A uvicorn server whose stop (Ctrl-C, SIGTERM) first ends every open generation with a 503 error
-    (an event, in a stream): uvicorn would cut streams after its grace period without a word."""
+    """A uvicorn server that drains on a stop (Ctrl-C, SIGTERM): new generations are refused (503) at
+    once, open ones may finish during most of the grace period, and those still open a second before
+    its end end with a 503 error (an event, in a stream), where uvicorn would cut them without a word."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -140,17 +141,24 @@ def api_server(config: Any) -> Any:
 
         def handle_exit(self, sig: int, frame: Any) -> None:  # (a signal handler: hands the work to the loop)
             if not self.should_exit and self.loop is not None:
-                self.loop.call_soon_threadsafe(_abort_all)
+                self.loop.call_soon_threadsafe(_drain, self.loop, self.config.timeout_graceful_shutdown)
             super().handle_exit(sig, frame)
 
     return Server(config)
 
 
+def _drain(loop: asyncio.AbstractEventLoop, grace: float | None) -> None:
+    from .generation import stop_admitting
+
+    stop_admitting()
+    if grace is not None:  # (None: uvicorn waits for them as long as they take)
+        loop.call_later(max(0.0, grace - ABORT_BEFORE_GRACE_END_S), _abort_all)
+
+
 def _abort_all() -> None:
-    from ..engine.sinks import ServerBusy
     from .generation import abort_all
 
-    if n := abort_all(ServerBusy("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S)):
+    if n := abort_all():
         log.info("the server stops: %d open generation(s) ended with an error", n)
 
 

@@ -19,7 +19,10 @@ log = logging.getLogger(__name__)
 
 _END = object()
 _ADMITTED = object()  # (in the queue: the engine admitted the request)
-_LIVE: "weakref.WeakSet[GenerationThread]" = weakref.WeakSet()  # every generation not yet let go of
+_LIVE: "weakref.WeakSet[GenerationThread]" = weakref.WeakSet()  # every generation not yet ended
+_live_lock = threading.Lock()  # (runs end on engine threads)
+_closing: "weakref.WeakSet[asyncio.AbstractEventLoop]" = weakref.WeakSet()  # loops whose server stops
+SHUTDOWN_RETRY_AFTER_S = 10  # what a generation refused or ended by a stop tells its client (503 Retry-After)
 
 
 class LoopInbox:
@@ -64,12 +67,23 @@ def inbox(loop: asyncio.AbstractEventLoop) -> LoopInbox:
     return box
 
 
-def abort_all(error: BaseException) -> int:
-    """End every generation not finished with `error` (on the event loop): the server stops, and a stream
-    that merely stopped would read as one that finished. How many there were."""
-    runs = [run for run in list(_LIVE) if run.loop is asyncio.get_running_loop() and not run.finished]
+def stop_admitting() -> None:
+    """The server on this loop stops: generations that would start from now on are refused (503)."""
+    _closing.add(asyncio.get_running_loop())
+
+
+def abort_all() -> int:
+    """End every generation of this loop's server that has not finished with a 503 error (on the event
+    loop): the server stops, and a stream that merely stopped would read as one that finished. How
+    many there were."""
+    from ..engine.sinks import ServerBusy
+
+    loop = asyncio.get_running_loop()
+    stop_admitting()
+    with _live_lock:
+        runs = [run for run in _LIVE if run.loop is loop and not run.finished]
     for run in runs:
-        run.abort(error)
+        run.abort(ServerBusy("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S))
     return len(runs)
 
 
@@ -96,11 +110,14 @@ class GenerationThread:
         self.early: list[Any] = []  # what came before the admission it was waiting for
         self.tells = hasattr(engine, "open")  # (a per-sequence engine runs on a thread of its own: admitted)
         self.thread = threading.Thread(target=self._work, name="mtpipe-generation", daemon=True)
-        _LIVE.add(self)
 
     def start(self) -> None:
-        from ..engine.sinks import open_admitted
+        from ..engine.sinks import ServerBusy, open_admitted
 
+        if self.loop in _closing:
+            raise ServerBusy("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S)
+        with _live_lock:
+            _LIVE.add(self)
         if self.tells:
             self.handle = open_admitted(self.engine, self.req, self._on_item, lambda: self._put(_ADMITTED))
         else:
@@ -136,7 +153,7 @@ class GenerationThread:
         if item is END:
             self.cancelled = not self.finished and self.stopping.is_set()
             self.on_exit(self)
-            self._put(_END)
+            self._ended()
             return
         if getattr(item, "finish_reason", None):
             self.finished = True
@@ -156,6 +173,11 @@ class GenerationThread:
     def _put(self, item: Any) -> None:
         self.inbox.put(self.queue, item)
 
+    def _ended(self) -> None:
+        with _live_lock:
+            _LIVE.discard(self)
+        self._put(_END)
+
     def _work(self) -> None:
         gen = self.engine.generate(self.req)
         finished = False
@@ -164,9 +186,10 @@ class GenerationThread:
                 chunk = next(gen, None)
                 if chunk is None:
                     break
-                self._put(chunk)
                 if chunk.finish_reason:
-                    finished = True
+                    finished = self.finished = True  # (before its client can read it: a stop lets it be)
+                self._put(chunk)
+                if finished:
                     break
         except Exception as e:  # handed to the request, which answers it
             self._put(e)
@@ -177,7 +200,7 @@ class GenerationThread:
                 log.exception("releasing a sequence failed")
             self.cancelled = not finished and self.stopping.is_set()
             self.on_exit(self)
-            self._put(_END)
+            self._ended()
 
 
 # -- response shapes --------------------------------------------------------------------------

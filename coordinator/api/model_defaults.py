@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ...node.protocol import SamplingParams
+from ...node.protocol import GREEDY_BELOW, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +21,9 @@ Body = TypeVar("Body")
 
 
 def model_defaults(model_path: Path | str | None) -> dict[str, float | int]:
-    """The request defaults in the model directory's generation config ({} without one). Values that
-    would make every request that leaves them out a 400 are dropped, with a warning, at start."""
+    """The request defaults in the model directory's generation config ({} without one), read as a
+    request's are (top_k -1: off; a temperature too small to sample at: greedy). A value that would make
+    every request that leaves it out a 400 is dropped, with a warning, at start; the others stay."""
     path = Path(model_path) / "generation_config.json" if model_path is not None else None
     if path is None or not path.is_file():
         return {}
@@ -42,12 +43,16 @@ def model_defaults(model_path: Path | str | None) -> dict[str, float | int]:
             log.warning("%s: %s=%r is not a number the API takes; left out", path, key, value)
             continue
         out[name] = int(value) if name in _INTEGERS else float(value)
-    sampling = {k: v for k, v in out.items() if k in SAMPLING_KEYS}
-    try:
-        SamplingParams(**{"temperature": 1.0, **sampling}).validate()  # type: ignore[arg-type]
-    except ValueError as e:
-        log.warning("%s: %s; the API's own sampling defaults apply", path, e)
-        out = {k: v for k, v in out.items() if k not in SAMPLING_KEYS}
+    if out.get("top_k") == -1:
+        out["top_k"] = 0
+    if 0.0 < out.get("temperature", 0.0) < GREEDY_BELOW:
+        out["temperature"] = 0.0
+    for key in [k for k in out if k in SAMPLING_KEYS]:
+        try:
+            SamplingParams(**{"temperature": 1.0, key: out[key]}).validate()  # type: ignore[arg-type]
+        except ValueError as e:
+            log.warning("%s: %s; the API's own default applies", path, e)
+            del out[key]
     if out.get("max_tokens", 1) < 1:
         log.warning("%s: max_new_tokens=%s is not a default the API takes; left out", path, out.pop("max_tokens"))
     if out:

@@ -44,10 +44,16 @@ class NodeState:
 
     def as_dict(self) -> dict[str, Any]:
         """The node as /v1/cluster reports it: the reply's fields, healthy, and the error with its time."""
-        fields = {f.name: getattr(self.reply, f.name) for f in self.reply.DESCRIPTOR.fields} if self.reply else {}
+        reply = self.reply
+        fields = {f.name: _plain(getattr(reply, f.name)) for f in reply.DESCRIPTOR.fields} if reply else {}
         return {"address": self.address, "healthy": self.ready, "reachable": self.reply is not None, **fields,
                 "error": self.error, "error_at": timestamp(self.error_at) if self.error_at else None,
                 "checked_at": timestamp(self.checked_at)}
+
+
+def _plain(value: Any) -> Any:
+    """A reply field as JSON takes it (a repeated field is a list)."""
+    return value if isinstance(value, (str, bytes, int, float, bool)) else list(value)
 
 
 def _problem(reply: Any) -> str | None:

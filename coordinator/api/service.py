@@ -134,9 +134,9 @@ class Service:
                                         self.engine.has_mtp)
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from None
-        if max_tokens is None:
-            max_tokens = max(1, min(self.defaults.get("max_tokens", DEFAULT_MAX_TOKENS), context_room(len(prompt), 0 if auto else depth,
-                                                                     self.engine.max_context)))
+        if max_tokens is None:  # (leaving drafts their room: a default, the model's too, never turns `auto` off)
+            room = context_room(len(prompt), depth, self.engine.max_context)
+            max_tokens = max(1, min(self.defaults.get("max_tokens", DEFAULT_MAX_TOKENS), room))
         if auto:  # drafts only where the context leaves room for them: `auto` refuses nothing plain decoding serves
             depth = max(0, min(depth, context_room(len(prompt), 0, self.engine.max_context) - max_tokens))
             auto = depth > 0

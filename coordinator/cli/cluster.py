@@ -80,8 +80,8 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
     cfg = load_cluster_config(path) if path else ClusterConfig()
     flags = {  # config key -> argparse dest; a flag not given, or not defined for this subcommand, is None
         "name": "cluster", "model": "model", "revision": "revision", "dtype": "dtype", "mtp_depth": "mtp_depth",
-        "secret_env": "secret_env", "secret_file": "secret_file", "draft_vocab": "draft_vocab", "mtp_window": "mtp_window",
-        "prefix_cache_gib": "prefix_cache",
+        "secret_env": "secret_env", "secret_file": "secret_file", "draft_vocab": "draft_vocab",
+        "mtp_window": "mtp_window", "prefix_cache_gib": "prefix_cache",
         "discovery.interfaces": "interface", "discovery.expect": "expect", "discovery.settle": "settle",
         "nodes": "node", "node.host": "host", "node.port": "port", "node.state_dir": "state_dir",
         "node.max_memory_gib": "max_memory", "node.model_dirs": "model_dir", "node.download": "download",
@@ -291,12 +291,16 @@ def _health(args: argparse.Namespace) -> int:
     targets = [format_host_port(*split_host_port(n, cfg.node.port)) for n in args.nodes]
     left_out: dict[str, str] = {}
     browsed = not targets
+    ids: dict[str, str] = {}
     if browsed:
-        targets, left_out = browse_targets(cfg, args.wait, args.timeout)
+        targets, left_out, ids = browse_targets(cfg, args.wait, args.timeout)
     rows = probe_nodes(targets, secret, timeout=args.timeout)
+    for row in rows:  # (a member that stopped answering since it proved itself: named all the same)
+        if "node_id" not in row and row["address"] in ids:
+            row["node_id"] = ids[row["address"]]
     if browsed:  # (a node listed twice on the command line is shown twice, as asked; only those)
         rows = distinct_nodes(rows)
-        rows += missing_members(rows)
+        rows += missing_members(rows, set(left_out))
     status = overall(rows)
     if left_out and status in ("healthy", "idle"):  # something advertises the cluster and did not prove it belongs
         status = "degraded"
@@ -305,7 +309,7 @@ def _health(args: argparse.Namespace) -> int:
     else:
         if rows:
             console = Console()
-            render_table(rows, console if console.is_terminal else Console(width=200))
+            render_table(rows, console if console.is_terminal else Console(width=200), status)
         for node_id, why in sorted(left_out.items()):
             print(f"mtpipe: node {node_id} advertises this cluster but {why}: left out", file=sys.stderr)
         if not rows:
@@ -314,11 +318,13 @@ def _health(args: argparse.Namespace) -> int:
     return EXIT_CODES[status]
 
 
-def browse_targets(cfg: ClusterConfig, wait: float, timeout: float = 1.0) -> tuple[list[str], dict[str, str]]:
+def browse_targets(cfg: ClusterConfig, wait: float,
+                   timeout: float = 1.0) -> tuple[list[str], dict[str, str], dict[str, str]]:
     """The cluster's nodes by zeroconf on the discovery interfaces, each at the address where it proved
-    it belongs (membership.py), then the static ones; and the advertised nodes left out, with why."""
+    it belongs (membership.py), then the static ones; the advertised nodes left out, with why; and the
+    discovered members' ids by address."""
     if not cfg.discovery.enabled:  # static nodes only: nothing to browse
-        return [n.address for n in cfg.nodes], {}
+        return [n.address for n in cfg.nodes], {}, {}
     interfaces = local_interfaces()
     agent = ClusterAgent(discovery_addresses(cfg.discovery.interfaces, interfaces), None, cfg.name).start()
     try:
@@ -329,9 +335,10 @@ def browse_targets(cfg: ClusterConfig, wait: float, timeout: float = 1.0) -> tup
     membership = Membership("", interfaces, cfg.resolve_secret(), timeout=timeout)
     members = membership.members(peers)
     targets = [membership.address(ad) or "" for _, ad in sorted(members.items())]
+    ids = {target: node_id for target, node_id in zip(targets, sorted(members)) if target}
     left_out = {node_id: f"{reason} ({', '.join(peers[node_id].addresses) or '?'})"
                 for node_id, reason in membership.report(peers)[1].items()}
-    return targets + [n.address for n in cfg.nodes], left_out
+    return targets + [n.address for n in cfg.nodes], left_out, ids
 
 
 def add_launch_commands(sub: argparse._SubParsersAction) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -157,10 +157,10 @@ def distinct_nodes(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def missing_members(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A row for each node a coordinator among `rows` placed the model on that is not among them: gone
-    (its advert went with it), so unreachable."""
-    found = {r.get("node_id") for r in rows}
+def missing_members(rows: Sequence[dict[str, Any]], left_out: Collection[str] = ()) -> list[dict[str, Any]]:
+    """A row for each node a coordinator among `rows` placed the model on that is not among them (nor
+    left out, listed apart): gone (its advert went with it), so unreachable."""
+    found = {r.get("node_id") for r in rows} | set(left_out)
     gone = sorted({n for r in rows for n in r.get("placed") or [] if n not in found})
     return [{"address": "-", "node_id": n, "status": UNREACHABLE, "reachable": False,
              "problems": ["in the pipeline its coordinator placed, and not found"]} for n in gone]
@@ -201,11 +201,12 @@ def _blas(b: dict[str, Any] | None) -> str:
     return text if b["optimized"] else f"[yellow]{text} (slow)[/]"
 
 
-def render_table(rows: Sequence[dict[str, Any]], console: Any) -> None:
+def render_table(rows: Sequence[dict[str, Any]], console: Any, status: str | None = None) -> None:
+    """The rows as a table, titled with the cluster's `status` (default: `overall(rows)`)."""
     from rich.table import Table
 
     colours = {HEALTHY: "green", IDLE: "cyan", DEGRADED: "yellow", UNREACHABLE: "red"}
-    table = Table(title=f"mtpipe cluster: {overall(rows)}", title_justify="left")
+    table = Table(title=f"mtpipe cluster: {status or overall(rows)}", title_justify="left")
     for col in ("node", "status", "version", "model", "layers", "mem GiB used/avail", "seqs", "tokens", "step ms",
                 "blas", "next", "uptime", "problems"):
         table.add_column(col, overflow="fold")
