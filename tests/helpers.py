@@ -45,12 +45,13 @@ def batch_chunks(engine: Any, reqs: list[Any], timeout: float) -> list[list[Any]
 
 
 class LiveServer:
-    """uvicorn on 127.0.0.1 and a free port, on a background thread."""
+    """uvicorn on 127.0.0.1 and a free port, on a background thread (or `server`, made by the caller)."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: Any = None, server: Any = None):
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="off"))
+        self.server = server or uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None,
+                                                              lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "LiveServer":

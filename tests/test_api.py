@@ -738,23 +738,16 @@ def test_a_server_that_stops_drains_then_ends_open_streams_with_an_error(engine:
     """Ctrl-C or SIGTERM: a generation that would start from then on is refused (503), an open stream goes
     on for most of the grace period and then ends with a 503 error event and [DONE] (a stream that merely
     stopped would read as a finished one), and the engine lets the generation go."""
-    import asyncio
-
     from mtpipe.coordinator.api.front import ABORT_BEFORE_GRACE_END_S, api_server
 
     wait_idle(engine)
     never_ends = {str(t): -100 for t in engine.eos}
     long = {"model": MODEL, "messages": chat("go on"), "max_tokens": 3000, "temperature": 0, "logit_bias": never_ends}
     grace = 2.0
-    server = api_server(uvicorn.Config(create_app(engine, MODEL, max_concurrency=1), host="127.0.0.1", port=0,
-                                       log_config=None, lifespan="off", timeout_graceful_shutdown=grace))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/chat/completions"
+    live = LiveServer(server=api_server(uvicorn.Config(create_app(engine, MODEL, max_concurrency=1), host="127.0.0.1",
+                                                       port=0, log_config=None, lifespan="off",
+                                                       timeout_graceful_shutdown=grace))).__enter__()
+    server, thread, url = live.server, live.thread, live.url + "/v1/chat/completions"
     waiting: list[httpx.Response] = []
     with httpx.stream("POST", url, json={**long, "stream": True}, timeout=30) as r:
         lines = r.iter_lines()
