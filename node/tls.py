@@ -78,18 +78,24 @@ def ssl_context(secret: str, server: bool) -> ssl.SSLContext:
     return ctx
 
 
-def speaks_tls(target: str, timeout: float = 2.0) -> bool:
-    """Whether the node at `target` answers a TLS hello: a node started with a cluster secret does,
-    and a channel without one then fails as a closed socket, which reads like a network fault."""
+def is_secured_node(target: str, timeout: float = 2.0) -> bool:
+    """Whether `target` answers a TLS hello with a cluster certificate: a node started with a cluster
+    secret does, and a channel without one then fails as a closed socket, which reads like a network
+    fault. (Any other TLS server, an HTTPS service on the port, is not one.)"""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
     from .links import split_host_port
 
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     try:
         host, port = split_host_port(target)
-        with socket.create_connection((host, port), timeout) as sock, context.wrap_socket(sock):
-            return True
-    except ssl.SSLError as e:  # an alert comes from a TLS server only; plaintext gRPC just closes
-        return "ALERT" in (e.reason or "")
-    except (OSError, ValueError):
+        with socket.create_connection((host, port), timeout) as sock, context.wrap_socket(sock) as tls:
+            der = tls.getpeercert(binary_form=True)
+    except (OSError, ValueError):  # (ssl.SSLError is an OSError: plaintext, or a refusal)
         return False
+    if not der:
+        return False
+    names = x509.load_der_x509_certificate(der).subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return [n.value for n in names] == [NAME]

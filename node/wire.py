@@ -9,7 +9,7 @@ import grpc
 
 from ..proto import mtpipe_pb2 as pb
 from .protocol import Commit, GroupEnd, GroupRound, GroupRow, SamplingParams, StageError, StepKind, StepOutput, StepRequest
-from .tls import TARGET_NAME_OPTION, channel_credentials, speaks_tls
+from .tls import TARGET_NAME_OPTION, channel_credentials, is_secured_node
 
 # The largest message is a prefill chunk's hidden states: 512 tokens x hidden x 4 bytes is 16 MiB at
 # hidden 8192. Both ends allow 64 MiB; the coordinator shrinks its prefill chunk if a model needs more.
@@ -216,7 +216,7 @@ def tensor_from_pb(t: pb.Tensor) -> Any:
 def describe_unreached(target: str, secret: str | None, e: Exception) -> str:
     """`describe_rpc_error`, and when the node was called without a secret and asks for one, that."""
     text = describe_rpc_error(e)
-    if not secret and isinstance(e, grpc.RpcError) and speaks_tls(target):  # (no channel without TLS could work)
+    if not secret and isinstance(e, grpc.RpcError) and is_secured_node(target):  # (no channel without TLS could work)
         text += ("; the node asks for the cluster secret and none was given ($MTPIPE_SECRET, --secret-file, "
                  "cluster.yaml)")
     return text

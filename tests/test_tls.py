@@ -13,6 +13,7 @@ import ssl
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from rogue_node import replay_all
@@ -271,13 +272,13 @@ def test_a_client_without_the_secret_is_told_the_node_asks_for_one() -> None:
     """A channel without TLS to a node with a secret fails as a closed socket, which reads like a network
     fault: the error says the node asks for the secret. A node without one is not said to."""
     from mtpipe.coordinator.pipeline.nodes import NodeFailure, wait_for_nodes
-    from mtpipe.node.tls import speaks_tls
+    from mtpipe.node.tls import is_secured_node
 
     secured = NodeServer("127.0.0.1", 0, node_id="secured", secret=SECRET).start()
     plain = NodeServer("127.0.0.1", 0, node_id="plain").start()
     try:
         target, open_target = f"127.0.0.1:{secured.port}", f"127.0.0.1:{plain.port}"
-        assert speaks_tls(target) and not speaks_tls(open_target)
+        assert is_secured_node(target) and not is_secured_node(open_target)
         row = probe_node(target, None, timeout=3.0)
         assert row["status"] == "unreachable" and "asks for the cluster secret" in row["problems"][0], row
         with pytest.raises(NodeFailure, match="asks for the cluster secret"):
@@ -286,4 +287,44 @@ def test_a_client_without_the_secret_is_told_the_node_asks_for_one() -> None:
     finally:
         secured.stop(0)
         plain.stop(0)
-    assert not speaks_tls(target)  # (nothing listens there now)
+    assert not is_secured_node(target)  # (nothing listens there now)
+
+
+def test_another_tls_server_is_not_taken_for_a_node_asking_for_the_secret(tmp_path: Path) -> None:
+    """An HTTPS service on the port (another certificate's name) is not a node that asks for the secret."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from mtpipe.node.tls import is_secured_node
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "example.org")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(datetime.datetime(2020, 1, 1))
+            .not_valid_after(datetime.datetime(2120, 1, 1)).sign(key, hashes.SHA256()))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve_one() -> None:
+        conn, _ = listener.accept()
+        try:
+            with context.wrap_socket(conn, server_side=True):
+                pass
+        except (ssl.SSLError, OSError):
+            pass
+
+    server = threading.Thread(target=serve_one, daemon=True)
+    server.start()
+    try:
+        assert not is_secured_node(f"127.0.0.1:{listener.getsockname()[1]}")
+    finally:
+        server.join(5)
+        listener.close()
