@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import logging
 import queue
 import threading
@@ -40,9 +41,11 @@ def end_thread_streams() -> None:
         log.debug("mx.clear_streams failed", exc_info=True)
 
 
+@functools.cache
 def wire_working_set() -> None:
     """On Metal, let MLX keep up to the recommended working set wired, as mlx-lm's server does: weights
-    not wired may be compressed or paged out by macOS between requests. Nothing elsewhere (no such size)."""
+    not wired may be compressed or paged out by macOS between requests. Nothing elsewhere (no such size).
+    Once per process, before its MLX work (MLX asks that the limit not change under an evaluation)."""
     try:
         from mlx_lm.utils import maybe_set_recommended_wired_limit
 
