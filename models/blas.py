@@ -33,7 +33,7 @@ FIX = ("install an optimized BLAS: `sudo apt-get install libopenblas0-pthread` (
        "`sudo dnf install openblas-threads` (Fedora), or run ./install.sh in mtpipe's checkout")
 # sonames of optimized BLAS libraries with the CBLAS interface, best first
 _NAMES = ("libopenblas.so.0", "libopenblasp.so.0", "libopenblas64_.so.0", "libblis.so.4", "libmkl_rt.so.2")
-_THREAD_SETTERS = ("openblas_set_num_threads", "bli_thread_set_num_threads", "MKL_Set_Num_Threads")
+_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "BLIS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class BlasInfo:
 
 _loaded: tuple[str, ctypes.CDLL] | None = None
 _warned = False
+_SET_HERE: set[str] = set()  # the thread variables `preload` set (not the user's)
 
 
 def _search_dirs() -> list[Path]:
@@ -96,23 +97,23 @@ def preload() -> None:
     if not path:
         return
     threads = str(int(os.environ.get(ENV_THREADS) or default_threads()))
-    for var in ("OPENBLAS_NUM_THREADS", "BLIS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(var, threads)  # read once, when the library initializes
+    for var in _THREAD_VARS:
+        if var not in os.environ:  # (read once, when the library initializes)
+            os.environ[var] = threads
+            _SET_HERE.add(var)
     try:
         _loaded = (path, ctypes.CDLL(path, mode=os.RTLD_GLOBAL))
     except OSError as e:
         log.warning("cannot load the BLAS %s: %s; MLX keeps its bundled reference BLAS", path, e)
 
 
-def set_threads(n: int) -> None:
-    """Change the optimized BLAS's thread count at run time (a node that learns its neighbours)."""
-    if _loaded is None:
-        return
-    for name in _THREAD_SETTERS:
-        fn = getattr(_loaded[1], name, None)
-        if fn is not None:
-            fn(ctypes.c_int(max(1, n)))
-            return
+def child_env(workers: int) -> dict[str, str]:
+    """The environment for a process that runs MLX beside `workers - 1` others on this machine: its
+    BLAS threads are its share of the cores, not the thread count this process set for itself (a
+    count the user set is kept)."""
+    env = {k: v for k, v in os.environ.items() if k not in _SET_HERE}
+    env[ENV_WORKERS] = str(workers)
+    return env
 
 
 def _threads() -> int | None:

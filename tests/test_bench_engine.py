@@ -116,3 +116,14 @@ def test_bench_prefill_tiny(dense_ckpt: Path) -> None:
     assert set(result["ratios"]) == {"prefill_40_vs_mlx_lm", "prefill_100_vs_mlx_lm"}
     with pytest.raises(ValueError, match="positive"):
         bench_prefill(dense_ckpt, lengths=[], reps=1)
+
+
+def test_the_ring_bench_compares_c8_also_with_the_single_nodes_faster_method() -> None:
+    """Auto against auto flatters the ring where the single node runs faster without drafts at c8."""
+    from mtpipe.coordinator.bench.serve_nodes import ratios
+
+    tok_s = {"single": {"auto": {"1": 100.0, "8": 400.0}, "no_mtp": {"1": 90.0, "8": 500.0}},
+             "pipe2": {"auto": {"1": 110.0, "8": 300.0}, "no_mtp": {"1": 60.0, "8": 200.0}}}
+    r = ratios(tok_s, ring=25.0, nodes=[2], top=8)
+    assert r["pipe2_c8_vs_single_c8"] == 0.75 and r["pipe2_c8_vs_single_c8_best"] == 0.6
+    assert r["pipe2_c8_no_mtp_vs_single_c8_no_mtp"] == 0.4 and r["pipe2_auto_vs_mlx_lm_ring"] == 4.4

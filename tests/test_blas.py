@@ -73,6 +73,16 @@ def test_local_workers_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     assert blas.default_threads() == 8
 
 
+def test_a_child_gets_its_share_of_the_cores_not_this_process_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes and ring ranks a bench starts beside each other: the thread count this process set for
+    itself would override theirs (a count the user set is theirs too)."""
+    monkeypatch.setattr(blas, "_SET_HERE", {"OPENBLAS_NUM_THREADS"})
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "8")  # (as preload set it here)
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")  # (the user's)
+    env = blas.child_env(4)
+    assert "OPENBLAS_NUM_THREADS" not in env and env["MKL_NUM_THREADS"] == "3" and env[blas.ENV_WORKERS] == "4"
+
+
 def test_reference_blas_warns_once_with_the_fix(tmp_path: Path) -> None:
     code = ("import logging, mtpipe, mlx.core as mx; logging.basicConfig(level=logging.INFO); "
             "from mtpipe.models import blas; blas.warn_if_reference(); blas.warn_if_reference()")

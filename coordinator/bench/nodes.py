@@ -36,7 +36,7 @@ class NodeProcesses:
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)]
         self.data_plane = data_plane
         self.model_dirs = [str(d) for d in model_dirs]
-        self.env = {**os.environ, blas.ENV_WORKERS: str(n)}  # the nodes share this machine's cores
+        self.env = blas.child_env(n)  # the nodes share this machine's cores
         self.env.pop("MTPIPE_SECRET", None)
         if secret:
             self.env["MTPIPE_SECRET"] = secret

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import statistics
 import subprocess
@@ -109,7 +108,7 @@ def run_mlx_ring(model_path: Path, prompts: list[list[int]], max_tokens: int, ra
                "--model", str(model_path), "--prompts", str(prompts_file), "--max-tokens", str(max_tokens)]
         log.info("running %s", " ".join(cmd))
         try:
-            env = {**os.environ, blas.ENV_WORKERS: str(ranks)}  # (its ranks share the cores, as the nodes do)
+            env = blas.child_env(ranks)  # (its ranks share the cores, as the nodes do)
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RING_TIMEOUT_S, env=env)
         except subprocess.TimeoutExpired:
             return {"error": f"mlx.launch did not finish within {RING_TIMEOUT_S} s"}
@@ -205,8 +204,8 @@ def bench_pipeline(
     ring_result = run_mlx_ring(model_path, encoded, max_tokens) if ring else {"error": "skipped"}
 
     tok_s: dict[str, float | None] = {m: round(statistics.mean(v), 2) for m, v in speeds.items()}
-    best = {t: max(depths, key=lambda k: tok_s[_method(t, k)]) for t in topologies}
-    for t in topologies:  # beside the auto depth, each topology's best fixed depth
+    best = {t: max([0, *depths], key=lambda k: tok_s[_method(t, k)]) for t in topologies}
+    for t in topologies:  # beside the auto depth, each topology's best fixed depth (0, no drafts, included)
         tok_s[f"{t}_mtp_best"] = tok_s[_method(t, best[t])]
     ring_ok = "tok_s" in ring_result
     tok_s["mlx_lm_ring2"] = round(statistics.mean(ring_result["tok_s"]), 2) if ring_ok else None
