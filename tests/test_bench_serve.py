@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from helpers import LiveServer
 
-from mtpipe.coordinator.bench.serve import bench_serve, percentile, waves
+from mtpipe.coordinator.bench.serve import bench_serve, waves
+from mtpipe.coordinator.bench.streams import percentile
 from mtpipe.coordinator.bench.serve_api import stream_completions
 from mtpipe.coordinator.bench.streams import Decode, aggregate_tps, decode_window
 
@@ -86,6 +87,8 @@ def test_bench_serve_tiny(dense_ckpt: Path) -> None:
         assert ratios[key] == pytest.approx(loop["tok_s"][a]["2"] / loop["tok_s"][b]["2"], rel=1e-2), key
     assert isinstance(result["identical"], bool) and result["identity"]["concurrency"] == 2
     assert set(result["identity"]["closed_loop"]) == {"no_mtp", "auto"}
+    assert set(result["identity"]["per_method"]) == {"no_mtp", "auto"}
+    assert isinstance(result["identity"]["mlx_lm_batch"], bool)  # mlx-lm's batch tokens against each alone
     assert result["waves"] == {"1": 2, "2": 1}
     assert result["prefill_gap"] is None and "blas" in result
     assert result["api"] == "a process of its own"  # as `mtpipe serve` runs it

@@ -32,7 +32,8 @@ waves; tok/s while every slot is taken. A wave ends with its slowest stream, and
 apart, so its last rounds run with fewer rows; a busy server refills them at once.
 
 Identity: the engine's outputs of every prompt at c=8 (the largest c when 8 is absent), both methods,
-waves and closed loop, equal each prompt decoded alone (no_mtp).
+waves and closed loop, equal each prompt decoded alone (no_mtp). mlx-lm's batch tokens (greedy) are
+checked against the same (`identity.mlx_lm_batch`: its own kernels, so not part of `identical`).
 
 Sampled (`temperature` > 0, as the API serves requests that do not ask for greedy): every level samples
 at that temperature, each prompt with a seed of its own (`SEED_BASE` + its index) on the engine and the
@@ -60,7 +61,7 @@ from ..engine.build import batch_engine, local_engine
 from ..engine.request import AUTO, GenerationRequest, context_room, resolve_depth
 from .engine import bench_prompts, long_prompt
 from .serve_steady import PER_SLOT, engine_closed_loop, lengths, mlx_lm_closed_loop, steady_window
-from .streams import WAIT_S, Decode, Recorder, decode_window
+from .streams import WAIT_S, Decode, Recorder, decode_window, percentile
 
 METHODS: dict[str, int | str] = {"no_mtp": 0, "auto": AUTO}
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16)
@@ -130,9 +131,10 @@ def api_run(clients: Any, url: str, prompts: list[list[int]], max_tokens: int, m
 
 
 def mlx_lm_run(engine: BatchEngine, ref: tuple[Any, Any], prompts: list[list[int]], max_tokens: int,
-               temperature: float = 0.0) -> Decode:
+               temperature: float = 0.0) -> tuple[Decode, list[list[int]]]:
     """mlx-lm's batch_generate on the engine's MLX thread (idle between runs), sampled at `temperature`
-    when above 0: the tokens it returns (its `generation_tokens` counts end tokens too) over its time."""
+    when above 0: the tokens it returns (its `generation_tokens` counts end tokens too) over its time,
+    and each prompt's tokens."""
     from mlx_lm.generate import batch_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -143,14 +145,7 @@ def mlx_lm_run(engine: BatchEngine, ref: tuple[Any, Any], prompts: list[list[int
         return batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True, **extra)
 
     out = engine.thread.call(run)
-    return Decode(sum(len(t) for t in out.token_ids), out.stats.generation_time)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100])."""
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))
-    return ordered[int(rank) - 1]
+    return Decode(sum(len(t) for t in out.token_ids), out.stats.generation_time), [list(t) for t in out.token_ids]
 
 
 def prefill_gap(engine: BatchEngine, prompts: list[list[int]], long_tokens: int = GAP_TOKENS,
@@ -339,7 +334,10 @@ def bench_serve(
                             got.append(("single_stream", method, single_run(engine, single, batch[0], max_tokens,
                                                                             method, sampled[0])))
                     if ref:
-                        got.append(("mlx_lm", "batch", mlx_lm_run(engine, ref, batch, max_tokens, temperature)))
+                        decode, toks = mlx_lm_run(engine, ref, batch, max_tokens, temperature)
+                        got.append(("mlx_lm", "batch", decode))
+                        if c == id_c and rep == 0 and temperature == 0:  # (sampled, its randomness is its own)
+                            outputs.setdefault("mlx_lm", []).extend(zip(wave, toks))
                     for level, method, decode in got:
                         sums[(level, method)] = sums.get((level, method), Decode()) + decode
                 for (level, method), total in sums.items():
@@ -357,7 +355,8 @@ def bench_serve(
         for i, size, _ in (t for triples in closed_outputs.values() for t in triples):
             longest[i] = max(longest.get(i, 0), size)
         singles = {i: engine_run(engine, [prompts[i]], n, "no_mtp", [params[i]])[1][0] for i, n in longest.items()}
-        per_method = {m: all(toks == singles[i][:max_tokens] for i, toks in outputs[m]) for m in METHODS}
+        per_method = {m: all(toks == singles[i][:max_tokens] for i, toks in outputs[m]) for m in outputs}
+        peer = per_method.pop("mlx_lm", None)  # (its own kernels: reported, not part of `identical`)
         per_method_closed = {m: all(toks == singles[i][:size] for i, size, toks in triples)
                              for m, triples in closed_outputs.items()}
 
@@ -383,7 +382,8 @@ def bench_serve(
             "ratios": ratios(tok_s, mlx, levels, closed_tok_s if closed else None),
             "closed_loop": {"requests_per_client": closed_requests, "tok_s": closed_tok_s} if closed else None,
             "identical": all(per_method.values()) and all(per_method_closed.values()),
-            "identity": {"concurrency": id_c, "per_method": per_method, "closed_loop": per_method_closed},
+            "identity": {"concurrency": id_c, "per_method": per_method, "closed_loop": per_method_closed,
+                         "mlx_lm_batch": peer},
             "prefill_gap": prefill_gap(engine, prompts, gap_tokens) if gap else None,
         }
     finally:

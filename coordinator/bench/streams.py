@@ -77,3 +77,10 @@ def window(streams: list[tuple[list[float], list[float]]], start: float, end: fl
 
 def aggregate_tps(streams: list[tuple[list[float], list[float]]], full: bool = False) -> float:
     return decode_window(streams, full).tps
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
