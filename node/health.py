@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 
 async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
     gpu_limit()  # asks MLX once, cached: here on the node's MLX thread, not on the executor's
+    active = mlx_active_memory()  # (likewise)
     loop = asyncio.get_running_loop()
-    used, available = await loop.run_in_executor(None, system_memory)
+    used, available = await loop.run_in_executor(None, system_memory, active)
     offered = await loop.run_in_executor(None, node.memory_offered) if node.memory_offered is not None else 0
     condition = node.conditions.current()
     reply = pb.HealthReply(
@@ -26,7 +27,7 @@ async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
         memory_used=used,
         memory_available=available,
         memory_offered=offered,
-        mlx_active_memory=mlx_active_memory(),
+        mlx_active_memory=active,
         uptime_s=time.monotonic() - node.started,
         last_error=condition[0] if condition else "",
         last_error_at=condition[1] if condition else 0.0,

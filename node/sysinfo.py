@@ -95,16 +95,18 @@ def chip() -> str:
     return name or platform.machine()
 
 
-def system_memory() -> tuple[int, int]:
+def system_memory(active: int | None = None) -> tuple[int, int]:
     """(used, available) bytes for the whole machine; with Metal, available is also capped by what the
-    GPU working-set limit leaves: it bounds everything resident on the GPU, the weights loaded included,
-    which RAM's own figure has already paid for. (0, 0) when it cannot be read."""
+    GPU working-set limit leaves: it bounds everything resident on the GPU (`active`, MLX's active
+    memory, asked here when not given: a caller off the MLX thread asks it there), the weights loaded
+    included, which RAM's own figure has already paid for. (0, 0) when it cannot be read."""
     try:
         info = memory()
     except (OSError, ValueError, IndexError, KeyError, subprocess.SubprocessError):
         log.debug("cannot read system memory", exc_info=True)
         return 0, 0
-    gpu_room = None if info.gpu_limit is None else max(0, info.gpu_limit - mlx_active_memory())
+    resident = mlx_active_memory() if active is None else active
+    gpu_room = None if info.gpu_limit is None else max(0, info.gpu_limit - resident)
     return info.total - info.available, placement_memory(info.available, gpu_room)
 
 

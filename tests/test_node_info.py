@@ -95,6 +95,7 @@ def test_room_left_with_metal_counts_the_weights_against_the_gpu_limit(monkeypat
     monkeypatch.setattr(sysinfo, "memory", lambda: sysinfo.MemoryInfo(128 * gib, 16 * gib, gpu_limit=96 * gib))
     monkeypatch.setattr(sysinfo, "mlx_active_memory", lambda: 94 * gib)
     assert sysinfo.system_memory() == (112 * gib, 2 * gib)
+    assert sysinfo.system_memory(active=90 * gib) == (112 * gib, 6 * gib)  # (asked on the MLX thread, given)
     monkeypatch.setattr(sysinfo, "mlx_active_memory", lambda: 100 * gib)  # (past the limit: no room, not less)
     assert sysinfo.system_memory()[1] == 0
     monkeypatch.setattr(sysinfo, "memory", lambda: sysinfo.MemoryInfo(128 * gib, 16 * gib))
