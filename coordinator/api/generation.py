@@ -67,6 +67,12 @@ def inbox(loop: asyncio.AbstractEventLoop) -> LoopInbox:
     return box
 
 
+def _shutting_down() -> Exception:
+    from ..engine.sinks import ServerBusy
+
+    return ServerBusy("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S)
+
+
 def stop_admitting() -> None:
     """The server on this loop stops: generations that would start from now on are refused (503)."""
     _closing.add(asyncio.get_running_loop())
@@ -76,14 +82,12 @@ def abort_all() -> int:
     """End every generation of this loop's server that has not finished with a 503 error (on the event
     loop): the server stops, and a stream that merely stopped would read as one that finished. How
     many there were."""
-    from ..engine.sinks import ServerBusy
-
     loop = asyncio.get_running_loop()
     stop_admitting()
     with _live_lock:
         runs = [run for run in _LIVE if run.loop is loop and not run.finished]
     for run in runs:
-        run.abort(ServerBusy("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S))
+        run.abort(_shutting_down())
     return len(runs)
 
 
@@ -112,10 +116,10 @@ class GenerationThread:
         self.thread = threading.Thread(target=self._work, name="mtpipe-generation", daemon=True)
 
     def start(self) -> None:
-        from ..engine.sinks import ServerBusy, open_admitted
+        from ..engine.sinks import open_admitted
 
         if self.loop in _closing:
-            raise ServerBusy("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S)
+            raise _shutting_down()
         with _live_lock:
             _LIVE.add(self)
         if self.tells:

@@ -32,9 +32,12 @@ def model_defaults(model_path: Path | str | None) -> dict[str, float | int]:
     except (OSError, ValueError) as e:
         log.warning("%s unreadable (%s): the API's own sampling defaults apply", path, e)
         return {}
+    if not isinstance(config, dict):
+        log.warning("%s holds no JSON object: the API's own sampling defaults apply", path)
+        return {}
     out: dict[str, float | int] = {}
     for key in (*SAMPLING_KEYS, "max_new_tokens"):
-        value = config.get(key) if isinstance(config, dict) else None
+        value = config.get(key)
         name = "max_tokens" if key == "max_new_tokens" else key
         if value is None:
             continue
