@@ -744,9 +744,10 @@ def test_a_server_that_stops_drains_then_ends_open_streams_with_an_error(engine:
     never_ends = {str(t): -100 for t in engine.eos}
     long = {"model": MODEL, "messages": chat("go on"), "max_tokens": 3000, "temperature": 0, "logit_bias": never_ends}
     grace = 2.0
-    live = LiveServer(server=api_server(uvicorn.Config(create_app(engine, MODEL, max_concurrency=1), host="127.0.0.1",
-                                                       port=0, log_config=None, lifespan="off",
-                                                       timeout_graceful_shutdown=grace))).__enter__()
+    app = create_app(engine, MODEL, max_concurrency=1)
+    slots = app.state.service.slots  # (the one generation slot)
+    live = LiveServer(server=api_server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None,
+                                                       lifespan="off", timeout_graceful_shutdown=grace))).__enter__()
     server, thread, url = live.server, live.thread, live.url + "/v1/chat/completions"
     waiting: list[httpx.Response] = []
     with httpx.stream("POST", url, json={**long, "stream": True}, timeout=30) as r:
@@ -758,7 +759,10 @@ def test_a_server_that_stops_drains_then_ends_open_streams_with_an_error(engine:
             if len(events) == 3:  # streaming; another request waits for the one slot: now stop the server
                 waiter = threading.Thread(target=lambda: waiting.append(httpx.post(url, json=long, timeout=30)))
                 waiter.start()
-                time.sleep(0.3)
+                deadline = time.monotonic() + 10
+                while not getattr(slots, "_waiters", None):  # (asyncio's queue of a semaphore's waiters)
+                    assert time.monotonic() < deadline, "the second request never waited for the slot"
+                    time.sleep(0.01)
                 stopped_at = time.monotonic()
                 server.handle_exit(signal.SIGTERM, None)
                 break

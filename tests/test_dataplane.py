@@ -109,10 +109,11 @@ def test_closing_the_listener_ends_open_streams_without_an_error(caplog: pytest.
 
         listener = dataplane.FrameListener(on_frame, None, max_bytes=1 << 20)
         port = await listener.start("127.0.0.1")
-        link = await dataplane.TcpFrameLink.connect("127.0.0.1", port, None)
-        await asyncio.sleep(0.1)  # (the listener's side of the stream waits for a frame)
+        link = await dataplane.TcpFrameLink.connect("127.0.0.1", port, None)  # (answered: its stream is served)
+        streams = list(listener._tasks)
+        assert streams
         await listener.close()
-        await asyncio.sleep(0.1)
+        await asyncio.wait(streams)  # (each stream's task ends, cancelled)
         link.writer.close()
 
     with caplog.at_level(logging.DEBUG, logger="asyncio"):
