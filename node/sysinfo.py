@@ -105,8 +105,10 @@ def system_memory(active: int | None = None) -> tuple[int, int]:
     except (OSError, ValueError, IndexError, KeyError, subprocess.SubprocessError):
         log.debug("cannot read system memory", exc_info=True)
         return 0, 0
+    if info.gpu_limit is None:
+        return info.total - info.available, info.available
     resident = mlx_active_memory() if active is None else active
-    gpu_room = None if info.gpu_limit is None else max(0, info.gpu_limit - resident)
+    gpu_room = max(0, info.gpu_limit - resident)
     return info.total - info.available, placement_memory(info.available, gpu_room)
 
 

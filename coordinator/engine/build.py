@@ -82,7 +82,7 @@ def batch_engine(
     has_mtp = last.shard.has_mtp
     dims = ModelDims.of(config.args, itemsize=last.dtype.size, mtp=has_mtp, kv_step=CAPACITY_STEP)
     if memory_budget is None:
-        memory_budget = max(system_memory()[1] // 2, 256 * 2**20)
+        memory_budget = max(thread.call(system_memory)[1] // 2, 256 * 2**20)  # (MLX's memory, asked on its thread)
     return BatchEngine(built, tokenizer, set(tokenizer.eos_token_ids), config.args.max_position_embeddings, has_mtp,
                        thread, dims=dims, budget=memory_budget, **options)
 
