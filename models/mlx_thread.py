@@ -45,12 +45,15 @@ def end_thread_streams() -> None:
 def wire_working_set() -> None:
     """On Metal, let MLX keep up to the recommended working set wired, as mlx-lm's server does: weights
     not wired may be compressed or paged out by macOS between requests. Nothing elsewhere (no such size).
-    Once per process, before its MLX work (MLX asks that the limit not change under an evaluation)."""
+    Once per process, before its MLX work (MLX asks that the limit not change under an evaluation).
+    Done here rather than through mlx-lm's helper, whose module imports transformers: seconds in every
+    node process, which needs no tokenizer."""
     try:
-        from mlx_lm.utils import maybe_set_recommended_wired_limit
-
-        maybe_set_recommended_wired_limit()
-    except Exception:  # an MLX or mlx-lm without it: the system's default
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        size = info.get("max_recommended_working_set_size")
+        if size:
+            mx.set_wired_limit(int(size))
+    except Exception:  # an MLX without these: the system's default
         log.debug("the wired limit was not set", exc_info=True)
 
 

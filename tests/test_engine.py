@@ -156,6 +156,8 @@ def test_the_command_and_its_node_children_never_load_torch() -> None:
                "except SystemExit as e:\n"
                "    assert not e.code, e.code\n"
                "import mtpipe.node.server, mtpipe.node.stage, mtpipe.models.loading\n"
+               "from mtpipe.models.mlx_thread import wire_working_set\n"
+               "wire_working_set()\n"  # (what each MLX thread does first)
                "print('transformers' in sys.modules)\n")
     resolve = ("import transformers, mlx_lm.models.qwen3_5\n"
                "from mlx_lm import load, stream_generate\n"

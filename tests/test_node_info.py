@@ -103,26 +103,26 @@ def test_room_left_with_metal_counts_the_weights_against_the_gpu_limit(monkeypat
 
 
 def test_a_mlx_thread_wires_the_working_set_as_mlx_lm_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On Metal, weights not wired may be paged out between requests: each process's MLX thread asks
-    for the recommended wired limit (mlx-lm's helper; a no-op without Metal)."""
+    """On Metal, weights not wired may be paged out between requests: each process's MLX thread sets
+    the wired limit to the recommended working set, as mlx-lm's server does (a no-op without such a
+    size, as on this machine)."""
     import threading
 
-    import mlx_lm.utils
-
-    from mtpipe.models.mlx_thread import MLXThread
+    from mtpipe.models.mlx_thread import MLXThread, wire_working_set
     from mtpipe.node.server import NodeServer
 
-    from mtpipe.models.mlx_thread import wire_working_set
-
-    called: list[str] = []
-    monkeypatch.setattr(mlx_lm.utils, "maybe_set_recommended_wired_limit",
-                        lambda: called.append(threading.current_thread().name))
+    called: list[tuple[str, int]] = []
+    wire_working_set.cache_clear()
+    MLXThread(name="cpu").close()
+    assert called == []  # (the CPU reports no recommended size)
+    monkeypatch.setattr(mx, "device_info", lambda: {"max_recommended_working_set_size": 3 << 30})
+    monkeypatch.setattr(mx, "set_wired_limit", lambda size: called.append((threading.current_thread().name, size)))
     wire_working_set.cache_clear()
     thread = MLXThread(name="wired-test")
     thread.call(lambda: None)
     thread.close()
     MLXThread(name="another").close()  # (once per process)
-    assert called == ["wired-test"]
+    assert called == [("wired-test", 3 << 30)]
     wire_working_set.cache_clear()
     server = NodeServer("127.0.0.1", 0).start()
     server.stop(0)
