@@ -50,15 +50,21 @@ def engine(dense_ckpt: Path) -> Iterator[BatchEngine]:
     e.close()
 
 
-def _front(engine: BatchEngine, ckpt: Path) -> FrontProcess:
-    front = FrontProcess(engine, FrontSpec(str(ckpt), model_name=MODEL, api_key=KEY, access_log=False))
+def _front(engine: BatchEngine, ckpt: Path, generation_config: Path | None = None) -> FrontProcess:
+    front = FrontProcess(engine, FrontSpec(str(ckpt), model_name=MODEL, api_key=KEY, access_log=False,
+                                           generation_config=generation_config and str(generation_config)))
     front.start()
     return front
 
 
+DEFAULT_LENGTH = 3  # the max_new_tokens of the front's generation config (`mtpipe serve --generation-config`)
+
+
 @pytest.fixture(scope="module")
-def front(engine: BatchEngine, dense_ckpt: Path) -> Iterator[FrontProcess]:
-    f = _front(engine, dense_ckpt)
+def front(engine: BatchEngine, dense_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FrontProcess]:
+    defaults = tmp_path_factory.mktemp("generation_config")
+    (defaults / "generation_config.json").write_text(json.dumps({"max_new_tokens": DEFAULT_LENGTH}))
+    f = _front(engine, dense_ckpt, defaults)
     yield f
     f.stop()
 
@@ -121,6 +127,8 @@ def test_chat_with_the_key_from_the_pipe_and_refusals_in_the_front(engine: Batch
                                                                 "max_tokens": 16, "temperature": 0, "mtp_depth": 0})
         assert ok.status_code == 200, ok.text
         assert ok.json()["choices"][0]["message"]["content"] == want.text
+        short = c.post("/v1/completions", headers=AUTH, json={"prompt": [1, 2], "temperature": 0, "mtp_depth": 0})
+        assert short.json()["usage"]["completion_tokens"] == DEFAULT_LENGTH, short.text  # (the front's defaults)
         vocab = engine.vocab_size
         for bad, param in (({"prompt": [1, vocab]}, "prompt"), ({"prompt": [1, 2], "mtp_depth": 9}, "mtp_depth"),
                            ({"prompt": [1, 2], "max_tokens": engine.max_context}, "max_tokens")):

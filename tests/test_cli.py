@@ -33,6 +33,8 @@ from mtpipe.models.config import load_config
     (["bench", "engine", "--max-tokens", "-5"], r"--max-tokens: expected a positive integer"),
     (["bench", "engine", "--depths", "1", "0"], r"--depths: expected a number of drafts from 1"),
     (["bench", "serve", "--reps", "0"], r"--reps: expected a positive integer"),
+    (["serve", "--generation-config", "/nowhere"], r"--generation-config: '/nowhere' is neither auto, none"),
+    (["launch", "--generation-config", "vllm"], r"--generation-config: 'vllm' is neither auto, none"),
     (["bench", "faults", "--fault-seconds", "-1"], r"--fault-seconds: expected a positive number of seconds"),
     (["bench", "faults", "--fault-seconds", "nan"], r"--fault-seconds: expected a positive number of seconds"),
 ])

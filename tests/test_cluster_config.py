@@ -124,7 +124,7 @@ KNOWN_TOP = ("name, secret, secret_file, secret_env, model, revision, dtype, mtp
     [
         # unknown keys, at the top level and in sections, named with their path and the known ones
         ({"nmae": "x"}, rf": nmae: unknown key \(known: {KNOWN_TOP}\)$"),
-        ({"api": {"prot": 1}}, r": api\.prot: unknown key \(known: host, port, api_key, api_key_env\)$"),
+        ({"api": {"prot": 1}}, r": api\.prot: unknown key \(known: host, port, api_key, api_key_env, generation_config\)$"),
         ({"discovery": {"setle": 1}}, r": discovery\.setle: unknown key \(known: enabled, interfaces,"),
         ({"nodes": ["h", {"host": "h", "prt": 1}]}, r": nodes\[1\]\.prt: unknown key \(known: host, port\)$"),
         # wrong types: nothing is coerced silently
@@ -237,7 +237,7 @@ def test_overlay_puts_flags_over_the_file() -> None:
         ({"mtp_depth": 9}, r"mtp_depth: Input should be less than or equal to 8 \(got 9\)$"),
         ({"discovery.settle": "soon"}, r"discovery\.settle: Input should be a valid number"),
         ({"nodes": ["h:99999"]}, r"nodes\[0\]: 'h:99999': '99999' is not a TCP port$"),
-        ({"api.prot": 1}, r"api\.prot: unknown key \(known: host, port, api_key, api_key_env\)$"),
+        ({"api.prot": 1}, r"api\.prot: unknown key \(known: host, port, api_key, api_key_env, generation_config\)$"),
         ({"dtype": "fp8"}, r"dtype: Input should be 'float32', 'float16' or 'bfloat16'"),
     ],
 )

@@ -17,7 +17,11 @@ pytest.importorskip("fastapi")
 from helpers import LiveServer  # noqa: E402
 
 from mtpipe.coordinator.api.app import create_app  # noqa: E402
-from mtpipe.coordinator.api.model_defaults import model_defaults  # noqa: E402
+from mtpipe.coordinator.api.model_defaults import (  # noqa: E402
+    generation_config_dir,
+    generation_config_source,
+    model_defaults,
+)
 from mtpipe.coordinator.engine.batch import BatchEngine  # noqa: E402
 from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
 from mtpipe.models.registry import DEMO_MODEL  # noqa: E402
@@ -62,7 +66,7 @@ def server(engine: BatchEngine, dense_ckpt: Path, tmp_path: Path) -> Iterator[Li
     for f in dense_ckpt.iterdir():
         (model / f.name).symlink_to(f)
     model_with(model, RECOMMENDED)
-    with LiveServer(create_app(engine, "m", model_path=model)) as s:
+    with LiveServer(create_app(engine, "m", generation_config=model)) as s:
         yield s
 
 
@@ -91,7 +95,7 @@ def test_a_models_long_default_leaves_room_for_drafts(engine: BatchEngine, dense
     from mtpipe.node.protocol import SamplingParams
 
     model_with(tmp_path, {"max_new_tokens": 10**6})
-    service = create_app(engine, "m", model_path=tmp_path).state.service
+    service = create_app(engine, "m", generation_config=tmp_path).state.service
     prompt = [5] * 20
     req = service.generation_request(CompletionRequest(prompt="x"), SamplingParams(), prompt, None, "prompt")
     assert req.mtp_auto and req.mtp_depth > 0
@@ -99,3 +103,37 @@ def test_a_models_long_default_leaves_room_for_drafts(engine: BatchEngine, dense
     asked = service.generation_request(CompletionRequest(prompt="x"), SamplingParams(), prompt,
                                        engine.max_context - len(prompt), "prompt")
     assert asked.mtp_depth == 0 and not asked.mtp_auto  # (the client's length wins: no room is left to draft)
+
+
+def test_where_the_defaults_come_from_is_chosen_as_with_vllm(tmp_path: Path, dense_ckpt: Path) -> None:
+    """--generation-config (api.generation_config): auto, the model's; none, OpenAI's; or a directory of
+    one's own, which must hold a generation_config.json (checked before any model loads)."""
+    from pydantic import ValidationError
+
+    from mtpipe.coordinator.cluster.config import ClusterConfig
+
+    own = model_with(tmp_path, {"temperature": 0.3})
+    assert generation_config_dir(generation_config_source("auto"), dense_ckpt) == dense_ckpt
+    assert generation_config_dir(None, dense_ckpt) == dense_ckpt
+    assert generation_config_dir(generation_config_source("none"), dense_ckpt) is None
+    assert generation_config_dir(generation_config_source(str(own)), dense_ckpt) == own
+    assert model_defaults(generation_config_dir("none", own)) == {}
+    for bad in ("vllm", str(tmp_path / "nowhere"), str(own / "generation_config.json")):
+        with pytest.raises(ValueError, match="neither auto, none, nor a directory"):
+            generation_config_source(bad)
+    assert ClusterConfig.model_validate({"api": {"generation_config": "none"}}).api.generation_config == "none"
+    assert ClusterConfig().api.generation_config == "auto"
+    with pytest.raises(ValidationError, match="generation_config"):
+        ClusterConfig.model_validate({"api": {"generation_config": "vllm"}})
+
+
+def test_a_front_process_takes_its_defaults_from_where_it_is_told(dense_ckpt: Path, tmp_path: Path) -> None:
+    """`mtpipe serve` hands the chosen directory to its API process; without one, OpenAI's defaults."""
+    from mtpipe.coordinator.api.front import front_spec
+
+    own = model_with(tmp_path, RECOMMENDED)
+    spec = front_spec(dense_ckpt, "127.0.0.1", 0, None, "m", default_mtp_depth=None, max_concurrency=2,
+                      max_body_bytes=None, generation_config=own)
+    assert spec.model_path == str(dense_ckpt) and spec.generation_config == str(own)
+    assert front_spec(dense_ckpt, "127.0.0.1", 0, None, "m", default_mtp_depth=None, max_concurrency=2,
+                      max_body_bytes=None).generation_config is None

@@ -65,11 +65,12 @@ def create_app(
     default_mtp_depth: Optional[int] = None,
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
     max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES,
-    model_path: Optional[Union[Path, str]] = None,
+    generation_config: Optional[Union[Path, str]] = None,
 ) -> "FastAPI":
     """The API over `engine`. `cluster_info` answers GET /v1/cluster (default: the local stages);
     bodies over `max_body_bytes` are refused with 413 (None: no cap). A request that leaves out its
-    sampling gets what the model directory at `model_path` recommends (model_defaults.py)."""
+    sampling gets what the generation config in the directory `generation_config` recommends (the
+    model's, usually: model_defaults.py); None: OpenAI's defaults."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
@@ -80,7 +81,7 @@ def create_app(
 
     metrics = ServerMetrics()
     service = Service(engine, model_name, default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
-                       cluster_info=cluster_info, metrics=metrics, defaults=model_defaults(model_path))
+                       cluster_info=cluster_info, metrics=metrics, defaults=model_defaults(generation_config))
     app = FastAPI(title="mtpipe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.state.metrics = metrics

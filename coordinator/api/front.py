@@ -49,16 +49,18 @@ class FrontSpec:
     access_log: bool = True
     log_level: int = logging.INFO
     stall_timeout: float | None = STALL_TIMEOUT_S  # an engine stuck this long fails its requests (None: never)
+    generation_config: str | None = None  # the directory of the request defaults (model_defaults.py); None: OpenAI's
 
 
 def front_spec(model_path: Path, host: str, port: int, api_key: str | None, model_name: str, *,
                default_mtp_depth: int | None, max_concurrency: int, max_body_bytes: int | None,
-               stall_timeout: float | None = STALL_TIMEOUT_S) -> FrontSpec:
+               stall_timeout: float | None = STALL_TIMEOUT_S, generation_config: Path | None = None) -> FrontSpec:
     """What `serve` runs an API process with: `mtpipe serve` spawns one with it before the model loads."""
     return FrontSpec(str(model_path), host=host, port=port, model_name=model_name, api_key=api_key,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                      max_body_bytes=max_body_bytes, log_level=logging.getLogger().getEffectiveLevel(),
-                     stall_timeout=stall_timeout)
+                     stall_timeout=stall_timeout,
+                     generation_config=None if generation_config is None else str(generation_config))
 
 
 def prepare_process() -> None:
@@ -102,7 +104,7 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
     app = create_app(client, spec.model_name, api_key=spec.api_key,
                      cluster_info=client.cluster_info if info["cluster"] else None,
                      default_mtp_depth=spec.default_mtp_depth, max_concurrency=spec.max_concurrency,
-                     max_body_bytes=spec.max_body_bytes, model_path=spec.model_path)
+                     max_body_bytes=spec.max_body_bytes, generation_config=spec.generation_config)
     config = uvicorn.Config(app, host=spec.host, port=spec.port, log_config=None, access_log=spec.access_log,
                             timeout_graceful_shutdown=5)
     server = api_server(config)

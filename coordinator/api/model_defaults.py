@@ -20,9 +20,27 @@ _INTEGERS = ("top_k", "max_tokens")
 Body = TypeVar("Body")
 
 
+def generation_config_source(value: str) -> str:
+    """Where the API's request defaults come from, as vLLM's --generation-config says it: "auto" the
+    model's directory, "none" nowhere (OpenAI's defaults), else a directory that holds a
+    generation_config.json (checked here, before any model loads)."""
+    if value in ("auto", "none"):
+        return value
+    if not (Path(value).expanduser() / "generation_config.json").is_file():
+        raise ValueError(f"{value!r} is neither auto, none, nor a directory holding a generation_config.json")
+    return value
+
+
+def generation_config_dir(source: str | None, model_path: Path | str) -> Path | None:
+    """The directory `source` (`generation_config_source`; None: auto) names for the model at `model_path`."""
+    if source is None or source == "auto":
+        return Path(model_path)
+    return None if source == "none" else Path(source).expanduser()
+
+
 def model_defaults(model_path: Path | str | None) -> dict[str, float | int]:
-    """The request defaults in the model directory's generation config ({} without one), read as a
-    request's are (top_k -1: off; a temperature too small to sample at: greedy). A value that would make
+    """The request defaults in the model directory's generation config ({} without one, or with no
+    directory), read as a request's are (top_k -1: off; a temperature too small to sample at: greedy). A value that would make
     every request that leaves it out a 400 is dropped, with a warning, at start; the others stay."""
     path = Path(model_path) / "generation_config.json" if model_path is not None else None
     if path is None or not path.is_file():

@@ -70,6 +70,7 @@ def serve(
     api_process: bool = True,
     front: Optional["FrontProcess"] = None,
     stall_timeout: Optional[float] = STALL_TIMEOUT_S,
+    generation_config: Optional[Path] = None,
     announce: Optional[Callable[[str], None]] = None,
 ) -> int:
     """Run the API with uvicorn until interrupted (Ctrl-C or SIGTERM: 0) or until the API process ends
@@ -79,7 +80,9 @@ def serve(
     an API in a process of its own (front.py); otherwise, and for the per-sequence engine, in this one.
     `front`: that process, spawned early with these settings (`front_spec`); stopped if not used.
     `stall_timeout`: that process fails every open request and stops once the engine has been stuck this
-    long (link.py); None: never. `announce(url)` once the API listens (the port bound, if 0 was asked).
+    long (link.py); None: never. `generation_config`: the directory whose generation_config.json gives
+    requests their defaults (None: OpenAI's). `announce(url)` once the API listens (the port bound, if
+    0 was asked).
     """
     if not api_key and not _is_loopback(host):
         log.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
@@ -87,7 +90,8 @@ def serve(
         from .front import FrontProcess, front_spec
 
         spec = front_spec(model_path, host, port, api_key, model_name, default_mtp_depth=default_mtp_depth,
-                          max_concurrency=max_concurrency, max_body_bytes=max_body_bytes, stall_timeout=stall_timeout)
+                          max_concurrency=max_concurrency, max_body_bytes=max_body_bytes, stall_timeout=stall_timeout,
+                          generation_config=generation_config)
         if front is not None and front.spec != spec:
             log.warning("the API process spawned early has other settings: starting another")
             front.stop()
@@ -103,7 +107,7 @@ def serve(
 
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
-                     max_body_bytes=max_body_bytes, model_path=model_path)
+                     max_body_bytes=max_body_bytes, generation_config=generation_config)
     server = api_server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5))
     if announce is not None:
         threading.Thread(target=when_serving, args=(server, lambda host, port: announce(base_url(host, port))),

@@ -48,6 +48,7 @@ from ..cluster.formation import (
 from ..cluster.health import EXIT_CHECK_FAILED
 from ..cluster.membership import Membership
 from .common import (
+    add_generation_config,
     add_model,
     add_mtp,
     add_take_over,
@@ -85,7 +86,7 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         "discovery.interfaces": "interface", "discovery.expect": "expect", "discovery.settle": "settle",
         "nodes": "node", "node.host": "host", "node.port": "port", "node.state_dir": "state_dir",
         "node.max_memory_gib": "max_memory", "node.model_dirs": "model_dir", "node.download": "download",
-        "api.host": "api_host", "api.port": "api_port",
+        "api.host": "api_host", "api.port": "api_port", "api.generation_config": "generation_config",
     }
     values = {key: getattr(args, dest, None) for key, dest in flags.items()}
     if getattr(args, "api_key_file", None):
@@ -147,6 +148,7 @@ def _launch(args: argparse.Namespace) -> int:
     )
     from ...node.identity import node_id as persistent_id
     from ...node.server import NodeServer
+    from ..api.model_defaults import generation_config_dir
     from ..api.serve import serve
 
     console = stderr_console()
@@ -259,6 +261,7 @@ def _launch(args: argparse.Namespace) -> int:
                                                 "ignored")}))
         return serve(engine, cfg.api.host, cfg.api.port, api_key=cfg.resolve_api_key(), model_name=name,
                      cluster_info=info, default_mtp_depth=0 if not mtp else cfg.mtp_depth, model_path=model_path,
+                     generation_config=generation_config_dir(cfg.api.generation_config, model_path),
                      api_process=not args.api_in_process)
     finally:
         if engine is not None:
@@ -371,6 +374,7 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
                    help="GB of prompt prefixes kept (over all nodes, or on this machine alone), so that a chat's "
                         "next turn prefills only the rest (default: as `mtpipe serve`; 0: off)")
     p.add_argument("--json", action="store_true", help="print readiness events as JSON lines on stdout")
+    add_generation_config(p)
     add_take_over(p)
     add_mtp(p)
     p.set_defaults(func=cmd_launch)

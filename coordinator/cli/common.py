@@ -80,6 +80,22 @@ def add_model(p: argparse.ArgumentParser, default: str = "the bundled demo model
     p.add_argument("--revision", help="with a hub repo id: the branch, tag or commit to use (default: main)")
 
 
+def generation_config_arg(value: str) -> str:
+    from ..api.model_defaults import generation_config_source
+
+    try:
+        return generation_config_source(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_generation_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--generation-config", metavar="auto|none|DIR", type=generation_config_arg,
+                   help="where a request that leaves out its sampling or max_tokens gets them: auto, the model's "
+                        "generation_config.json (default, as vLLM); none, OpenAI's defaults; or a directory "
+                        "holding a generation_config.json")
+
+
 def add_take_over(p: argparse.ArgumentParser) -> None:
     p.add_argument("--take-over", action="store_true",
                    help="load nodes that another coordinator holds, ending its requests there for good (by default "

@@ -18,6 +18,7 @@ from ..api.defaults import (
 from ..engine.ring import RESUME_WINDOW_S
 from ...node.cli import number_arg, port_arg
 from .common import (
+    add_generation_config,
     add_model,
     add_mtp,
     add_take_over,
@@ -67,6 +68,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-in-process", action="store_true",
                    help="serve HTTP from the engine's process (default: an API process of its own, so that parsing "
                         "and streaming never hold up the engine's rounds)")
+    add_generation_config(p)
     add_mtp(p)
     p.set_defaults(func=cmd_serve)
 
@@ -74,6 +76,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ...models.registry import model_name_for, resolve_model
     from ..api.front import FrontProcess, front_spec  # (light: the rest comes in once the front is spawned)
+    from ..api.model_defaults import generation_config_dir
 
     if args.weights_from and not args.nodes:
         raise ValueError("--weights-from applies with --nodes")
@@ -93,7 +96,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     depth = 0 if args.no_mtp else args.mtp_depth
     name = args.model_name or model_name_for(args.model, path)
     settings = dict(default_mtp_depth=depth, max_concurrency=args.max_concurrency,
-                    max_body_bytes=args.max_body_bytes or None, stall_timeout=args.stall_timeout or None)
+                    max_body_bytes=args.max_body_bytes or None, stall_timeout=args.stall_timeout or None,
+                    generation_config=generation_config_dir(args.generation_config, path))
     front = None
     if not args.api_in_process:  # its process imports the app while the model loads
         front = FrontProcess(None, front_spec(path, args.host, args.port, api_key, name, **settings)).spawn()

@@ -31,6 +31,7 @@ from ...node.links import format_host_port, is_host, split_host_port
 from ...node.secrets import read_secret
 from ...node.server import DEFAULT_PORT as DEFAULT_GRPC_PORT
 from ..api.defaults import API_KEY_ENV
+from ..api.model_defaults import generation_config_source
 from ..api.defaults import DEFAULT_HOST as DEFAULT_API_HOST
 from ..api.defaults import DEFAULT_PORT as DEFAULT_API_PORT
 
@@ -119,6 +120,12 @@ class ApiConfig(_Section):
     port: Port = DEFAULT_API_PORT
     api_key: Text | None = None
     api_key_env: Text | None = API_KEY_ENV
+    generation_config: Text = "auto"  # the request defaults: the model's, none (OpenAI's), or a directory's
+
+    @field_validator("generation_config")
+    @classmethod
+    def _a_source(cls, value: str) -> str:
+        return generation_config_source(value)
 
 
 class NodeConfig(_Section):
