@@ -44,7 +44,8 @@ async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
         blas=node.blas.name,
         blas_optimized=node.blas.optimized,
         blas_threads=node.blas.threads or 0,
-        placed=node.placed,
+        placed=list(node.placed),
+        placed_at=list(node.placed.values()),
     )
     reply.MergeFrom(node.weights.health())
     w, key = node.worker, node.key

@@ -77,7 +77,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         self.secret = secret
         self.started = time.monotonic()
         self.coordinating = False  # it drives the cluster (set by `mtpipe launch`): Ping says so
-        self.placed: list[str] = []  # coordinating: the ids of the nodes it placed the model on (Health says so)
+        self.placed: dict[str, str] = {}  # coordinating: the nodes it placed the model on, id -> address (Health)
         self.memory_offered: Callable[[], int] | None = None  # what `mtpipe launch` offers: Health says so
         self.worker: StageWorker | None = None
         self.key: LoadKey | None = None

@@ -496,3 +496,17 @@ def test_a_placed_node_is_listed_missing_once() -> None:
     missing = missing_members(rows, {"d"})
     assert [(m["node_id"], m["status"]) for m in missing] == [("c", "unreachable")]
     assert missing_members([{"node_id": "a", "status": "healthy", "placed": None}]) == []
+
+
+def test_a_static_node_that_is_down_is_named_and_listed_once() -> None:
+    """A cluster.yaml node that does not answer has no id of its own; the coordinator placed the model
+    on it at that address, so the row takes that id and no second row says it is missing."""
+    from mtpipe.coordinator.cluster.health import distinct_nodes, missing_members, name_placed
+
+    coordinator = {"node_id": "a", "address": "10.0.0.1:52700", "status": "degraded", "placed": ["a", "b", "c"],
+                   "placed_at": {"a": "10.0.0.1:52700", "b": "10.0.0.2:52700", "c": "10.0.0.3:52700"}}
+    down = {"address": "10.0.0.2:52700", "status": "unreachable", "reachable": False}
+    elsewhere = {"address": "10.0.0.9:52700", "status": "unreachable", "reachable": False}
+    rows = distinct_nodes(name_placed([coordinator, down, elsewhere]))
+    assert [r.get("node_id") for r in rows] == ["a", "b", None] and "node_id" not in down
+    assert [m["node_id"] for m in missing_members(rows)] == ["c"]

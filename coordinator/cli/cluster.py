@@ -185,7 +185,7 @@ def _launch(args: argparse.Namespace) -> int:
     advert = NodeAdvert(me, cluster_hash(cfg.name), server.port, mem.total, offered, sysinfo.chip(), __version__,
                         advertised_interfaces(interfaces, bind), coordinator=args.coordinator,
                         has_model=model_here is not None)
-    placed: set[str] = set()
+    placed: dict[str, str] = {}  # id -> the address this coordinator reaches it at
 
     def on_change(kind: str, ad: NodeAdvert) -> None:
         if ad.node_id == me:
@@ -243,12 +243,12 @@ def _launch(args: argparse.Namespace) -> int:
             with progress_loader("loading model")() as progress:
                 engine = single_node_engine(server, model_path, mtp, cfg.dtype, options, progress)
             formation = None
-            placed.add(me)
+            placed[me] = my_target
         else:
             engine, formation = form_cluster(cfg, me, my_target, peers, static, interfaces, model_path, mtp, secret,
                                              console, take_over=args.take_over)
-            placed.update(s.node_id for s in formation.plan)
-        server.service.placed = sorted(placed)  # (`mtpipe health` lists a member that is gone)
+            placed.update((s.node_id, formation.control[s.node_id]) for s in formation.plan)
+        server.service.placed = dict(sorted(placed.items()))  # (`mtpipe health` lists a member that is gone)
         check_default_depth(cfg.mtp_depth if mtp else 0, engine.has_mtp, "--mtp-depth (cluster.yaml mtp_depth)")
         name = model_name_for(cfg.model, model_path)
         info = cluster_info_fn(cfg, me, my_target, engine, name, formation, agent, secret, membership)
@@ -287,7 +287,15 @@ def cmd_health(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..cluster.health import EXIT_CODES, distinct_nodes, missing_members, overall, probe_nodes, render_table
+    from ..cluster.health import (
+        EXIT_CODES,
+        distinct_nodes,
+        missing_members,
+        name_placed,
+        overall,
+        probe_nodes,
+        render_table,
+    )
 
     cfg = resolve_config(args)
     secret = cfg.resolve_secret()
@@ -302,7 +310,7 @@ def _health(args: argparse.Namespace) -> int:
         if "node_id" not in row and row["address"] in ids:
             row["node_id"] = ids[row["address"]]
     if browsed:  # (a node listed twice on the command line is shown twice, as asked; only those)
-        rows = distinct_nodes(rows)
+        rows = distinct_nodes(name_placed(rows))
         rows += missing_members(rows, set(left_out))
     status = overall(rows)
     if left_out and status in ("healthy", "idle"):  # something advertises the cluster and did not prove it belongs

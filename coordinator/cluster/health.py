@@ -115,6 +115,7 @@ def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next
         next_rtt_ms=round(h.next_rtt_ms, 3) if h.next_rtt_ms >= 0 else None,
         next_transport=h.next_transport or None,  # "tcp" (data plane) or "grpc", once a frame went
         placed=list(h.placed) or None,  # a coordinating node: the members of its pipeline
+        placed_at=dict(zip(h.placed, h.placed_at)) or None,  # and where it reaches them
         data_port=h.data_port or None,
         ring=h.ring or None,  # last node: where it starts decode rounds
         last_error=h.last_error or None,
@@ -155,6 +156,14 @@ def distinct_nodes(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         seen.add(node_id or "")
         out.append(r)
     return out
+
+
+def name_placed(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows`, each unreachable one without an id (a cluster.yaml node that is down) named by the id a
+    coordinator among them placed at its address: the node it is, listed once."""
+    placed = {address: node_id for r in rows for node_id, address in (r.get("placed_at") or {}).items()}
+    return [{**r, "node_id": placed[r["address"]]} if "node_id" not in r and r.get("address") in placed else r
+            for r in rows]
 
 
 def missing_members(rows: Sequence[dict[str, Any]], left_out: Collection[str] = ()) -> list[dict[str, Any]]:
