@@ -66,8 +66,21 @@ def test_the_clients_read_events_however_the_chunks_fall() -> None:
             stream_completions(s.url, [[0]], 3, 0)
 
 
-def test_bench_serve_tiny(dense_ckpt: Path) -> None:
+def test_bench_serve_tiny(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mtpipe.coordinator.bench import serve
+
+    ran: list[str] = []
+    for name in ("engine_run", "api_run", "mlx_lm_run"):
+        def spy(*args, fn=getattr(serve, name), name=name, **kwargs):
+            method = next((a for a in args if a in ("no_mtp", "auto")), "batch")
+            ran.append(f"{name} {method}")
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(serve, name, spy)
     result = bench_serve(dense_ckpt, concurrency=[1, 2], max_tokens=8, gap=False, closed_requests=2)
+    # The 2 waves at c=1: every level and method back to back, the second wave the other way round.
+    order = ["engine_run no_mtp", "api_run no_mtp", "engine_run auto", "api_run auto", "mlx_lm_run batch"]
+    assert any(ran[i:i + 10] == order + order[::-1] for i in range(len(ran))), ran
     json.dumps(result)  # the CLI prints it as one JSON line
     for level in ("engine", "api"):
         for method in ("no_mtp", "auto"):

@@ -23,7 +23,7 @@ this is `bench engine`'s (tokens - 1) / (last - first). A level's figure is its 
 their seconds. Engine chunks carry exact token counts; API chunks carry text, so their tokens are the
 usage's completion tokens shared out by characters. mlx-lm's figure is its own: generated tokens over
 wall time minus prompt time. Each cell is the median of `reps` runs; every wave runs every level and
-method back to back (interleaved).
+method back to back (interleaved), every other wave in the reverse order.
 
 Closed loop (serve_steady.py; `closed`): at every concurrency c above 1 (one client alone is what the
 c=1 waves measure), c clients each send their next request as the last one ends, on the engine (both
@@ -52,6 +52,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from ...models import blas
@@ -89,6 +90,15 @@ def _request(engine: BatchEngine, prompt: list[int], max_tokens: int, method: st
     depth, auto = resolve_depth(METHODS[method], engine.has_mtp)
     return GenerationRequest(prompt, max_tokens=max_tokens, params=params or SamplingParams(), mtp_depth=depth,
                              mtp_auto=auto)
+
+
+def _kept(result: tuple[Decode, list[list[int]]], outputs: dict[str, list[tuple[int, list[int]]]], name: str,
+          wave: list[int], keep: bool) -> Decode:
+    """A run's decode figures; its tokens kept under `name` by prompt index when `keep`."""
+    decode, toks = result
+    if keep:
+        outputs.setdefault(name, []).extend(zip(wave, toks))
+    return decode
 
 
 def run_streams(engine: Any, prompts: list[list[int]], max_tokens: int, method: str,
@@ -319,27 +329,26 @@ def bench_serve(
         for c in levels:
             for rep in range(reps):
                 sums: dict[tuple[str, str], Decode] = {}
-                for wave in waves(top, c):
+                for w, wave in enumerate(waves(top, c)):
                     batch, sampled = [prompts[i] for i in wave], [params[i] for i in wave]
-                    got: list[tuple[str, str, Decode]] = []
+                    keep = c == id_c and rep == 0  # (the identity check's outputs)
+                    runs_here: list[tuple[str, str, Callable[[], Decode]]] = []
                     for method in METHODS:
-                        decode, toks = engine_run(engine, batch, max_tokens, method, sampled)
-                        got.append(("engine", method, decode))
-                        if c == id_c and rep == 0:
-                            outputs.setdefault(method, []).extend(zip(wave, toks))
+                        runs_here.append(("engine", method, lambda m=method: _kept(
+                            engine_run(engine, batch, max_tokens, m, sampled), outputs, m, wave, keep)))
                         if server:
-                            got.append(("api", method, api_run(clients, server.url, batch, max_tokens, method,
-                                                               sampled)))
+                            runs_here.append(("api", method, lambda m=method: api_run(
+                                clients, server.url, batch, max_tokens, m, sampled)))
                         if single and c == 1:
-                            got.append(("single_stream", method, single_run(engine, single, batch[0], max_tokens,
-                                                                            method, sampled[0])))
-                    if ref:
-                        decode, toks = mlx_lm_run(engine, ref, batch, max_tokens, temperature)
-                        got.append(("mlx_lm", "batch", decode))
-                        if c == id_c and rep == 0 and temperature == 0:  # (sampled, its randomness is its own)
-                            outputs.setdefault("mlx_lm", []).extend(zip(wave, toks))
-                    for level, method, decode in got:
-                        sums[(level, method)] = sums.get((level, method), Decode()) + decode
+                            runs_here.append(("single_stream", method, lambda m=method: single_run(
+                                engine, single, batch[0], max_tokens, m, sampled[0])))
+                    if ref:  # (sampled, mlx-lm's randomness is its own: its tokens are not compared)
+                        runs_here.append(("mlx_lm", "batch", lambda: _kept(mlx_lm_run(
+                            engine, ref, batch, max_tokens, temperature), outputs, "mlx_lm", wave,
+                            keep and temperature == 0)))
+                    # Every other wave the other way round: no peer always runs first, or last, on a noisy machine.
+                    for level, method, run in runs_here[::-1] if (w + rep) % 2 else runs_here:
+                        sums[(level, method)] = sums.get((level, method), Decode()) + run()
                 for (level, method), total in sums.items():
                     cells = mlx_runs if level == "mlx_lm" else runs[level].setdefault(method, {})
                     cells.setdefault(str(c), []).append(total.tps)
@@ -410,39 +419,3 @@ def parse_levels(value: str, option: str = "--concurrency") -> list[int]:
     if not levels or min(levels) < 1:
         raise ValueError(f"{option}: expected positive counts, got {value!r}")
     return levels
-
-
-def print_serve_report(result: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
-
-    tok, mlx = result["tok_s"], result["mlx_lm_batch"]
-    how = f"sampled at temperature {result['temperature']}" if result.get("temperature") else "greedy"
-    table = Table(title=f"mtpipe bench serve: aggregate decode tok/s, {result['max_tokens']} tokens per stream, {how}")
-    columns = [("engine", m) for m in tok["engine"]] + [("api", m) for m in tok["api"]]
-    table.add_column("streams", justify="right")
-    for level, m in columns:
-        table.add_column(f"{level} {m}", justify="right")
-    table.add_column("mlx-lm batch", justify="right")
-    table.add_column("no_mtp / mlx-lm", justify="right")
-    table.add_column("auto / mlx-lm", justify="right")
-    for c in map(str, result["concurrency"]):
-        ref = mlx.get(c)
-        cells = [f"{tok[level][m][c]:.1f}" for level, m in columns]
-        rel = [f"{tok['engine'][m][c] / ref:.2f}x" if ref else "-" for m in ("no_mtp", "auto")]
-        table.add_row(c, *cells, f"{ref:.1f}" if ref else "-", *rel)
-    console.print(table)
-    if tok.get("single_stream"):
-        console.print(f"one stream through the per-sequence engine: {tok['single_stream']}")
-    if result.get("closed_loop"):
-        loop = result["closed_loop"]
-        console.print(f"closed loop (c clients, {loop['requests_per_client']} requests each of half to 1.5x the max "
-                      f"tokens, the next sent as the last ends), tok/s while every slot is taken: {loop['tok_s']}")
-    console.print(f"ratios: {result['ratios']}")
-    ident = result["identity"]
-    console.print(f"{how} outputs at c={ident['concurrency']} equal c=1: {result['identical']} {ident['per_method']}")
-    if result["prefill_gap"]:
-        g = result["prefill_gap"]
-        console.print(f"prefill gap: {g['prompt_tokens']}-token prompt in {g['prefill_s']:.2f} s; "
-                      f"{g['gaps']} gaps of {g['streams_through_window']}/{g['streams']} streams: median "
-                      f"{g['median_ms']} ms, p99 {g['p99_ms']} ms, max {g['max_ms']} ms "
-                      f"(p99/median {g['gap_p99_over_median']}; before: median {g['baseline_median_ms']} ms)")

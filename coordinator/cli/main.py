@@ -133,6 +133,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         serve_nodes.print_nodes_report(result, stderr_console())
     elif args.target == "serve":
         from ..bench import serve as bench_serve
+        from ..bench.serve_report import print_serve_report
 
         result = bench_serve.bench_serve(
             model, concurrency=bench_serve.parse_levels(args.concurrency), max_tokens=args.max_tokens,
@@ -140,7 +141,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             temperature=args.temperature, closed=not args.skip_closed_loop, api_process=not args.api_in_process,
             **({"closed_requests": args.closed_requests} if args.closed_requests is not None else {}),
         )
-        bench_serve.print_serve_report(result, stderr_console())
+        print_serve_report(result, stderr_console())
     elif args.target == "engine":
         result = bench.bench_engine(
             model, max_tokens=args.max_tokens, prompts=args.prompts, depths=args.depths, mtp_pre_norm=args.mtp_pre_norm,
