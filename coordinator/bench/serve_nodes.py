@@ -4,7 +4,8 @@ Node processes are spawned on 127.0.0.1 (each group of n nodes shares this machi
 `bench pipeline` spawns them); the single node is the in-process batch engine `bench serve` measures.
 At every concurrency c, the same prompts (as many as the highest c) in waves of c streams, as `bench
 serve` runs them, and the same max tokens, greedy; each wave runs every topology and method back to
-back (interleaved, `reps` times, the median reported): no_mtp (depth 0) and auto (up to 3 drafts).
+back (interleaved, every other wave in reverse; `reps` times, the median reported): no_mtp (depth 0)
+and auto (up to 3 drafts).
 Decode tok/s is `bench serve`'s aggregate: tokens after every stream's first one, over the time from
 that moment to the last token, summed over the waves. The peer is mlx-lm's own 2-rank ring pipeline
 (mlx.launch, `bench pipeline`'s run), one stream at a time over the same prompts: its pipeline does
@@ -100,14 +101,14 @@ def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: 
         for rep in range(reps):
             for c in levels:
                 sums: dict[tuple[str, str], tuple[Decode, Decode]] = {}
-                for wave in waves(top, c):
-                    for method in METHODS:
-                        for name, engine in engines.items():
-                            decode, full, toks = _run(engine, [prompts[i] for i in wave], max_tokens, method)
-                            was = sums.get((name, method), (Decode(), Decode()))
-                            sums[(name, method)] = (was[0] + decode, was[1] + full)
-                            if c == top and rep == 0:
-                                outputs.setdefault(f"{name}/{method}", {}).update(zip(wave, toks))
+                for w, wave in enumerate(waves(top, c)):
+                    order = [(method, name, engine) for method in METHODS for name, engine in engines.items()]
+                    for method, name, engine in order[::-1] if (w + rep) % 2 else order:  # (as bench serve's)
+                        decode, full, toks = _run(engine, [prompts[i] for i in wave], max_tokens, method)
+                        was = sums.get((name, method), (Decode(), Decode()))
+                        sums[(name, method)] = (was[0] + decode, was[1] + full)
+                        if c == top and rep == 0:
+                            outputs.setdefault(f"{name}/{method}", {}).update(zip(wave, toks))
                 for (name, method), (decode, full) in sums.items():
                     runs[name].setdefault(method, {}).setdefault(str(c), []).append(decode.tps)
                     full_runs[name].setdefault(method, {}).setdefault(str(c), []).append(full.tps)
