@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..models.mtp import DEFAULT_WINDOW
+from .links import warn_bridge_loops
 from .secrets import add_secret_args, check_exposure, read_secret
 from .server import DEFAULT_PORT, NodeServer
 
@@ -82,6 +83,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     secret = read_secret(args.secret_file)
     check_exposure(args.host, secret, args.insecure)
+    warn_bridge_loops()
     for d in args.model_dir:  # (a typo would silently turn every Load of that model into a fetch)
         if not os.path.isdir(os.path.expanduser(d)):
             log.warning("--model-dir %s is not a directory: no model is read from it", d)

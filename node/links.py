@@ -214,6 +214,41 @@ def macos_interfaces(networksetup: str, ifconfig: str) -> list[Interface]:
     return result
 
 
+BRIDGE_OFF = 'sudo networksetup -setnetworkserviceenabled "Thunderbolt Bridge" off'
+
+
+def bridge_loops(networksetup: str, ifconfig: str) -> list[str]:
+    """A warning for each bridge that joins two or more connected Thunderbolt ports. macOS bridges its
+    Thunderbolt ports by default; where the cables form a loop (three or more Macs in a ring, or two
+    joined by two cables) the bridges pass each other's broadcasts round it without end and the links
+    flood, as exo warns. A Mac in the middle of a chain bridges two ports without a loop, so this is a
+    warning, not a refusal."""
+    ports = parse_networksetup(networksetup)
+    parsed = parse_ifconfig(ifconfig)
+    out = []
+    for name, info in parsed.items():
+        connected = [m for m in info["members"] if ports.get(m) is LinkType.THUNDERBOLT
+                     and parsed.get(m, {}).get("up") and parsed[m]["active"]]
+        if info["up"] and len(connected) >= 2:
+            out.append(f"{name} bridges {len(connected)} connected Thunderbolt ports ({', '.join(connected)}): if "
+                       "the Macs' Thunderbolt cables form a loop (three or more in a ring, or two joined twice), the "
+                       f"bridges flood it. Turn the bridge off ({BRIDGE_OFF}); each port then links on its own")
+    return out
+
+
+def warn_bridge_loops() -> None:
+    """Log `bridge_loops` on this machine (a Mac; nothing elsewhere, or when the commands fail)."""
+    if sys.platform != "darwin":
+        return
+    try:
+        warnings = bridge_loops(_run("networksetup", "-listallhardwareports"), _run("ifconfig"))
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        log.debug("could not check the Thunderbolt bridge: %s", e)
+        return
+    for warning in warnings:
+        log.warning("%s", warning)
+
+
 # -- Linux ------------------------------------------------------------------------------------
 
 ARPHRD_ETHER, ARPHRD_LOOPBACK = 1, 772

@@ -131,3 +131,34 @@ def test_addresses_for_grpc() -> None:
         split_host_port("10.0.0.2")
     with pytest.raises(ValueError, match="not a TCP port"):
         split_host_port("h:99999")
+
+
+def test_a_bridge_of_two_connected_thunderbolt_ports_is_warned_about(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """macOS bridges its Thunderbolt ports: two connected ones (a ring of three Macs, or two cables)
+    may close a loop that floods the links, as exo warns; the warning names the command that turns the
+    bridge off. One connected port (the recording: en3 has no cable) is no loop."""
+    import logging
+    import re
+
+    from mtpipe.node import links
+
+    networksetup = (DATA / "macos_networksetup.txt").read_text()
+    ifconfig = (DATA / "macos_ifconfig.txt").read_text()
+    assert links.bridge_loops(networksetup, ifconfig) == []
+    # en3 cabled too: its status block says active
+    both = re.sub(r"(en3: flags[^\n]*\n(?:\t[^\n]*\n)*?\tstatus: )inactive", r"\1active", ifconfig)
+    assert both != ifconfig
+    warnings = links.bridge_loops(networksetup, both)
+    assert len(warnings) == 1 and warnings[0].startswith("bridge0 bridges 2 connected Thunderbolt ports (en2, en3)")
+    assert links.BRIDGE_OFF in warnings[0]
+    down = both.replace("bridge0: flags=8863<UP,", "bridge0: flags=8862<")
+    assert links.bridge_loops(networksetup, down) == []  # (a bridge that is down forwards nothing)
+    # Only a Mac asks: elsewhere neither command runs.
+    monkeypatch.setattr(links, "_run", lambda *cmd: networksetup if cmd[0] == "networksetup" else both)
+    with caplog.at_level(logging.WARNING, logger="mtpipe.node.links"):
+        links.warn_bridge_loops()
+        assert caplog.records == []
+        monkeypatch.setattr(links.sys, "platform", "darwin")
+        links.warn_bridge_loops()
+    assert [r.getMessage() for r in caplog.records] == warnings

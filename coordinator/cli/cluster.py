@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 from ...node.advertise import NodeAdvert, cluster_hash
 from ...node.cache_cli import add_cache_command
 from ...node.cli import add_node_command
-from ...node.links import format_host_port, local_interfaces, split_host_port
+from ...node.links import format_host_port, local_interfaces, split_host_port, warn_bridge_loops
 from ...node.secrets import add_secret_args, add_secret_file, check_exposure, read_secret
 from ..cluster.agent import (
     ClusterAgent,
@@ -165,6 +165,7 @@ def _launch(args: argparse.Namespace) -> int:
     # fingerprint), else its shard cache, else fetches its shard from the coordinator's node server.
     model_here = local_model(cfg.model, cfg.revision)
     interfaces = local_interfaces()
+    warn_bridge_loops()
     bind = discovery_addresses(cfg.discovery.interfaces, interfaces) if cfg.discovery.enabled else []
     mem = sysinfo.memory()
     offered = offered_memory(sysinfo.placement_memory(mem.available, mem.gpu_limit), cfg.node.max_memory_gib)
