@@ -432,7 +432,8 @@ def test_a_node_that_stops_is_seen_leaving(cluster: dict, topology: Topology) ->
     # Listed in cluster.yaml as well, node-c is that address's row, named by the coordinator, once.
     static = cluster["config"].with_name("static.yaml")
     static.write_text(cluster["config"].read_text() + f"nodes: ['10.77.0.3:{PORT}']\n")
-    rc, report = mtpipe(topology, 1, "health", "--json", "--config", str(static), "--interface", "10.77.0.1")
+    rc, report = mtpipe(topology, 1, "health", "--json", "--config", str(static), "--interface", "10.77.0.1",
+                        "--timeout", "2")
     rows = [n for n in report["nodes"] if n.get("node_id") == "node-c"]
     assert rc == 2 and [n["address"] for n in rows] == [f"10.77.0.3:{PORT}"], report
 
