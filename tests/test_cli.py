@@ -34,7 +34,6 @@ from mtpipe.models.config import load_config
     (["bench", "engine", "--depths", "1", "0"], r"--depths: expected a number of drafts from 1"),
     (["bench", "serve", "--reps", "0"], r"--reps: expected a positive integer"),
     (["serve", "--generation-config", "/nowhere"], r"--generation-config: '/nowhere' is neither auto, none"),
-    (["launch", "--generation-config", "vllm"], r"--generation-config: 'vllm' is neither auto, none"),
     (["bench", "faults", "--fault-seconds", "-1"], r"--fault-seconds: expected a positive number of seconds"),
     (["bench", "faults", "--fault-seconds", "nan"], r"--fault-seconds: expected a positive number of seconds"),
 ])
@@ -101,6 +100,36 @@ def test_a_model_directory_without_a_tokenizer_or_a_readable_config_says_so(tmp_
 def test_cache_prune_refuses_a_size_that_is_not_one(size: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["cache", "prune", "--shard-cache", str(tmp_path), "--max-gib", size]) == 2
     assert "--max-gib must be a number of GiB" in capsys.readouterr().err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_launch_checks_where_request_defaults_come_from_once_it_coordinates(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """api.generation_config names a directory on the coordinator: machines that only run nodes, and
+    `mtpipe health`, read the same cluster.yaml without it; the coordinator refuses a bad one before it
+    loads the model."""
+    from mtpipe.coordinator.cli.cluster import resolve_config
+    from mtpipe.models import registry
+
+    monkeypatch.setenv("MTPIPE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(registry, "resolve_model", lambda *a: pytest.fail("the model was looked up"))
+    config = tmp_path / "cluster.yaml"
+    ports = [free_port(), free_port()]
+    config.write_text(f"discovery: {{enabled: false}}\nnode: {{host: 127.0.0.1, port: {ports[0]}}}\n"
+                      f"api: {{host: 127.0.0.1, port: {ports[1]}, generation_config: /only-on-another-machine}}\n")
+    assert resolve_config(build_parser().parse_args(["health", "--config", str(config)])).api.generation_config == (
+        "/only-on-another-machine")
+    assert main(["launch", "--json", "--config", str(config)]) == 2
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert events[-1]["event"] == "error" and events[-1]["error"].startswith(
+        "api.generation_config (--generation-config): '/only-on-another-machine' is neither auto, none")
+    args = build_parser().parse_args(["launch", "--generation-config", "vllm"])
+    assert resolve_config(args).api.generation_config == "vllm"
 
 
 def test_a_launch_that_fails_says_so_in_its_events(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -106,25 +106,19 @@ def test_a_models_long_default_leaves_room_for_drafts(engine: BatchEngine, dense
 
 
 def test_where_the_defaults_come_from_is_chosen_as_with_vllm(tmp_path: Path, dense_ckpt: Path) -> None:
-    """--generation-config (api.generation_config): auto, the model's; none, OpenAI's; or a directory of
-    one's own, which must hold a generation_config.json (checked before any model loads)."""
-    from pydantic import ValidationError
-
-    from mtpipe.coordinator.cluster.config import ClusterConfig
-
+    """--generation-config (api.generation_config): auto, the model's; none (vLLM's vllm), OpenAI's; or a
+    directory of one's own, which must hold a generation_config.json (checked where the API runs,
+    before any model loads: tests/test_cli.py)."""
     own = model_with(tmp_path, {"temperature": 0.3})
     assert generation_config_dir(generation_config_source("auto"), dense_ckpt) == dense_ckpt
     assert generation_config_dir(None, dense_ckpt) == dense_ckpt
-    assert generation_config_dir(generation_config_source("none"), dense_ckpt) is None
+    for none in ("none", "vllm"):
+        assert generation_config_dir(generation_config_source(none), dense_ckpt) is None
     assert generation_config_dir(generation_config_source(str(own)), dense_ckpt) == own
     assert model_defaults(generation_config_dir("none", own)) == {}
-    for bad in ("vllm", str(tmp_path / "nowhere"), str(own / "generation_config.json")):
-        with pytest.raises(ValueError, match="neither auto, none, nor a directory"):
+    for bad in ("openai", str(tmp_path / "nowhere"), str(own / "generation_config.json")):
+        with pytest.raises(ValueError, match="neither auto, none"):
             generation_config_source(bad)
-    assert ClusterConfig.model_validate({"api": {"generation_config": "none"}}).api.generation_config == "none"
-    assert ClusterConfig().api.generation_config == "auto"
-    with pytest.raises(ValidationError, match="generation_config"):
-        ClusterConfig.model_validate({"api": {"generation_config": "vllm"}})
 
 
 def test_a_front_process_takes_its_defaults_from_where_it_is_told(dense_ckpt: Path, tmp_path: Path) -> None:

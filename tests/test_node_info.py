@@ -112,11 +112,13 @@ def test_a_mlx_thread_wires_the_working_set_as_mlx_lm_does(monkeypatch: pytest.M
     from mtpipe.node.server import NodeServer
 
     called: list[tuple[str, int]] = []
-    wire_working_set.cache_clear()
-    MLXThread(name="cpu").close()
-    assert called == []  # (the CPU reports no recommended size)
-    monkeypatch.setattr(mx, "device_info", lambda: {"max_recommended_working_set_size": 3 << 30})
     monkeypatch.setattr(mx, "set_wired_limit", lambda size: called.append((threading.current_thread().name, size)))
+    wire_working_set.cache_clear()
+    thread = MLXThread(name="cpu")
+    thread.call(lambda: None)
+    thread.close()
+    assert called == []  # (this machine's CPU reports no recommended size)
+    monkeypatch.setattr(mx, "device_info", lambda: {"max_recommended_working_set_size": 3 << 30})
     wire_working_set.cache_clear()
     thread = MLXThread(name="wired-test")
     thread.call(lambda: None)

@@ -20,14 +20,17 @@ _INTEGERS = ("top_k", "max_tokens")
 Body = TypeVar("Body")
 
 
+NO_GENERATION_CONFIG = ("none", "vllm")  # ("vllm": vLLM's name for its own defaults, OpenAI's here)
+
+
 def generation_config_source(value: str) -> str:
     """Where the API's request defaults come from, as vLLM's --generation-config says it: "auto" the
-    model's directory, "none" nowhere (OpenAI's defaults), else a directory that holds a
-    generation_config.json (checked here, before any model loads)."""
-    if value in ("auto", "none"):
+    model's directory, "none" (or vLLM's "vllm") nowhere, OpenAI's defaults, else a directory that
+    holds a generation_config.json (checked here: call it where the API runs, before any model loads)."""
+    if value == "auto" or value in NO_GENERATION_CONFIG:
         return value
     if not (Path(value).expanduser() / "generation_config.json").is_file():
-        raise ValueError(f"{value!r} is neither auto, none, nor a directory holding a generation_config.json")
+        raise ValueError(f"{value!r} is neither auto, none (vllm), nor a directory holding a generation_config.json")
     return value
 
 
@@ -35,13 +38,14 @@ def generation_config_dir(source: str | None, model_path: Path | str) -> Path | 
     """The directory `source` (`generation_config_source`; None: auto) names for the model at `model_path`."""
     if source is None or source == "auto":
         return Path(model_path)
-    return None if source == "none" else Path(source).expanduser()
+    return None if source in NO_GENERATION_CONFIG else Path(source).expanduser()
 
 
 def model_defaults(model_path: Path | str | None) -> dict[str, float | int]:
     """The request defaults in the model directory's generation config ({} without one, or with no
-    directory), read as a request's are (top_k -1: off; a temperature too small to sample at: greedy). A value that would make
-    every request that leaves it out a 400 is dropped, with a warning, at start; the others stay."""
+    directory), read as a request's are (top_k -1: off; a temperature too small to sample at: greedy).
+    A value that would make every request that leaves it out a 400 is dropped, with a warning, at
+    start; the others stay."""
     path = Path(model_path) / "generation_config.json" if model_path is not None else None
     if path is None or not path.is_file():
         return {}

@@ -47,6 +47,7 @@ from ..cluster.formation import (
 )
 from ..cluster.health import EXIT_CHECK_FAILED
 from ..cluster.membership import Membership
+from ..cluster.placement import NodeResources
 from .common import (
     add_generation_config,
     add_model,
@@ -148,7 +149,7 @@ def _launch(args: argparse.Namespace) -> int:
     )
     from ...node.identity import node_id as persistent_id
     from ...node.server import NodeServer
-    from ..api.model_defaults import generation_config_dir
+    from ..api.model_defaults import generation_config_dir, generation_config_source
     from ..api.serve import serve
 
     console = stderr_console()
@@ -226,6 +227,10 @@ def _launch(args: argparse.Namespace) -> int:
                 signal.pause()  # until SIGTERM or Ctrl-C ends the process through the finally below
         log.info("%s coordinates %d node(s)%s", me, len(peers), f" and {len(cfg.nodes)} static" if cfg.nodes else "")
         check_port_free(cfg.api.host, cfg.api.port, "the API port (api.port, --api-port)")  # before the model loads
+        try:
+            defaults_from = generation_config_source(cfg.api.generation_config)
+        except ValueError as e:
+            raise ValueError(f"api.generation_config (--generation-config): {e}") from None
         server.service.coordinating = True  # before the advert says so: peers check the advert against it
         if agent is not None:
             agent.set_coordinator()
@@ -248,7 +253,9 @@ def _launch(args: argparse.Namespace) -> int:
         else:
             engine, formation = form_cluster(cfg, me, my_target, peers, static, interfaces, model_path, mtp, secret,
                                              console, take_over=args.take_over)
-            placed.update((s.node_id, formation.control[s.node_id]) for s in formation.plan)
+            # (a cluster.yaml node at its address there: where `mtpipe health` looks for it)
+            placed.update((s.node_id, _listed(static[s.node_id]) if s.node_id in static
+                           else formation.control[s.node_id]) for s in formation.plan)
         server.service.placed = dict(sorted(placed.items()))  # (`mtpipe health` lists a member that is gone)
         check_default_depth(cfg.mtp_depth if mtp else 0, engine.has_mtp, "--mtp-depth (cluster.yaml mtp_depth)")
         name = model_name_for(cfg.model, model_path)
@@ -262,7 +269,7 @@ def _launch(args: argparse.Namespace) -> int:
                                                 "ignored")}))
         return serve(engine, cfg.api.host, cfg.api.port, api_key=cfg.resolve_api_key(), model_name=name,
                      cluster_info=info, default_mtp_depth=0 if not mtp else cfg.mtp_depth, model_path=model_path,
-                     generation_config=generation_config_dir(cfg.api.generation_config, model_path),
+                     generation_config=generation_config_dir(defaults_from, model_path),
                      api_process=not args.api_in_process)
     finally:
         if engine is not None:
@@ -330,6 +337,11 @@ def _health(args: argparse.Namespace) -> int:
     return EXIT_CODES[status]
 
 
+def _listed(node: NodeResources) -> str:
+    """A cluster.yaml node's address as listed there (`static_resources`)."""
+    return format_host_port(node.addresses[0], node.port)
+
+
 def browse_targets(cfg: ClusterConfig, wait: float,
                    timeout: float = 1.0) -> tuple[list[str], dict[str, str], dict[str, str]]:
     """The cluster's nodes by zeroconf on the discovery interfaces, each at the address where it proved
@@ -383,7 +395,7 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
                    help="GB of prompt prefixes kept (over all nodes, or on this machine alone), so that a chat's "
                         "next turn prefills only the rest (default: as `mtpipe serve`; 0: off)")
     p.add_argument("--json", action="store_true", help="print readiness events as JSON lines on stdout")
-    add_generation_config(p)
+    add_generation_config(p, checked=False)  # (checked on the coordinator alone)
     add_take_over(p)
     add_mtp(p)
     p.set_defaults(func=cmd_launch)

@@ -89,11 +89,12 @@ def generation_config_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_generation_config(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--generation-config", metavar="auto|none|DIR", type=generation_config_arg,
+def add_generation_config(p: argparse.ArgumentParser, checked: bool = True) -> None:
+    """`checked`: the value is checked as the options are read (where the API surely runs here)."""
+    p.add_argument("--generation-config", metavar="auto|none|DIR", type=generation_config_arg if checked else str,
                    help="where a request that leaves out its sampling or max_tokens gets them: auto, the model's "
-                        "generation_config.json (default, as vLLM); none, OpenAI's defaults; or a directory "
-                        "holding a generation_config.json")
+                        "generation_config.json (default, as vLLM); none (or vllm), OpenAI's defaults; or a "
+                        "directory holding a generation_config.json")
 
 
 def add_take_over(p: argparse.ArgumentParser) -> None:

@@ -31,7 +31,6 @@ from ...node.links import format_host_port, is_host, split_host_port
 from ...node.secrets import read_secret
 from ...node.server import DEFAULT_PORT as DEFAULT_GRPC_PORT
 from ..api.defaults import API_KEY_ENV
-from ..api.model_defaults import generation_config_source
 from ..api.defaults import DEFAULT_HOST as DEFAULT_API_HOST
 from ..api.defaults import DEFAULT_PORT as DEFAULT_API_PORT
 
@@ -120,12 +119,9 @@ class ApiConfig(_Section):
     port: Port = DEFAULT_API_PORT
     api_key: Text | None = None
     api_key_env: Text | None = API_KEY_ENV
-    generation_config: Text = "auto"  # the request defaults: the model's, none (OpenAI's), or a directory's
-
-    @field_validator("generation_config")
-    @classmethod
-    def _a_source(cls, value: str) -> str:
-        return generation_config_source(value)
+    # The request defaults: the model's, none (OpenAI's), or a directory's, checked on the coordinator
+    # alone (`mtpipe launch`): the others never serve the API, and may not have that directory.
+    generation_config: Text = "auto"
 
 
 class NodeConfig(_Section):
