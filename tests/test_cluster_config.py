@@ -510,3 +510,17 @@ def test_a_static_node_that_is_down_is_named_and_listed_once() -> None:
     rows = distinct_nodes(name_placed([coordinator, down, elsewhere]))
     assert [r.get("node_id") for r in rows] == ["a", "b", None] and "node_id" not in down
     assert [m["node_id"] for m in missing_members(rows)] == ["c"]
+
+
+def test_the_coordinator_names_a_cluster_yaml_node_at_its_listed_address() -> None:
+    """What the coordinator's Health says it placed where (`placed_at`): a node of cluster.yaml at the
+    address listed there, even when discovery found it on a better link (the coordinator reaches it
+    there), so that `mtpipe health` names that node's row when it is down; another where it is reached."""
+    from mtpipe.coordinator.cluster.formation import Formation, placed_addresses
+    from mtpipe.coordinator.cluster.placement import NodeResources, StagePlan
+
+    plan = [StagePlan("a", 0, 4, 1, 1), StagePlan("b", 4, 8, 1, 1), StagePlan("c", 8, 12, 1, 1)]
+    control = {"a": "127.0.0.1:52700", "b": "[fe80::2%bridge0]:52700", "c": "169.254.3.3:52701"}
+    static = {"b": NodeResources("b", 1, (), 52700, ("mac-b.local",))}
+    assert placed_addresses(Formation(plan, control, []), static) == {
+        "a": "127.0.0.1:52700", "b": "mac-b.local:52700", "c": "169.254.3.3:52701"}

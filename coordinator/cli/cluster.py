@@ -41,13 +41,13 @@ from ..cluster.discovery import elect_coordinator
 from ..cluster.formation import (
     cluster_info_fn,
     form_cluster,
+    placed_addresses,
     single_node_engine,
     static_flags,
     static_nodes,
 )
 from ..cluster.health import EXIT_CHECK_FAILED
 from ..cluster.membership import Membership
-from ..cluster.placement import NodeResources
 from .common import (
     add_generation_config,
     add_model,
@@ -253,9 +253,7 @@ def _launch(args: argparse.Namespace) -> int:
         else:
             engine, formation = form_cluster(cfg, me, my_target, peers, static, interfaces, model_path, mtp, secret,
                                              console, take_over=args.take_over)
-            # (a cluster.yaml node at its address there: where `mtpipe health` looks for it)
-            placed.update((s.node_id, _listed(static[s.node_id]) if s.node_id in static
-                           else formation.control[s.node_id]) for s in formation.plan)
+            placed.update(placed_addresses(formation, static))
         server.service.placed = dict(sorted(placed.items()))  # (`mtpipe health` lists a member that is gone)
         check_default_depth(cfg.mtp_depth if mtp else 0, engine.has_mtp, "--mtp-depth (cluster.yaml mtp_depth)")
         name = model_name_for(cfg.model, model_path)
@@ -335,11 +333,6 @@ def _health(args: argparse.Namespace) -> int:
             print("mtpipe: no nodes found" + (" that prove they belong (is the secret right?)" if left_out else ""),
                   file=sys.stderr)
     return EXIT_CODES[status]
-
-
-def _listed(node: NodeResources) -> str:
-    """A cluster.yaml node's address as listed there (`static_resources`)."""
-    return format_host_port(node.addresses[0], node.port)
 
 
 def browse_targets(cfg: ClusterConfig, wait: float,

@@ -46,6 +46,14 @@ class Formation:
     ring: Hop | None = None  # last node -> first node, for the decode rounds the last node starts
 
 
+def placed_addresses(formation: Formation, static: dict[str, NodeResources]) -> dict[str, str]:
+    """Each placed node's id -> the address `mtpipe health` finds it at: a cluster.yaml node's as listed
+    there (`static_resources`: a down one is a row at that address, with no id of its own), another's
+    where the coordinator reaches it."""
+    return {s.node_id: format_host_port(static[s.node_id].addresses[0], static[s.node_id].port)
+            if s.node_id in static else formation.control[s.node_id] for s in formation.plan}
+
+
 def resources_from_advert(ad: NodeAdvert, reserve: int) -> NodeResources:
     return NodeResources(ad.node_id, max(ad.mem_available - reserve, 0), ad.interfaces, ad.port, ad.addresses)
 
