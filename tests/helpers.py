@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -65,7 +66,17 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{port}"
         return self
 
+    @functools.cached_property
+    def client(self) -> Any:
+        """An httpx client for many requests: `httpx.post` and the like make a client, and with it a TLS
+        context, on every call."""
+        import httpx
+
+        return httpx.Client(base_url=self.url, timeout=60)
+
     def __exit__(self, *exc: object) -> None:
+        if "client" in self.__dict__:
+            self.client.close()
         self.server.should_exit = True
         self.thread.join(timeout=30)
 

@@ -432,7 +432,7 @@ def test_bad_input(
     for stream in (False, True):
         if stream and isinstance(body, dict) and "stream" not in body:
             content = json.dumps({**body, "stream": True}).encode()
-        r = httpx.post(server.url + endpoint, content=content, headers={"Content-Type": "application/json"}, timeout=30)
+        r = server.client.post(endpoint, content=content, headers={"Content-Type": "application/json"}, timeout=30)
         assert r.status_code == status, r.text
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["message"]

@@ -284,15 +284,16 @@ def test_mtpipe_serve_runs_its_api_in_a_child_and_stops_it(dense_ckpt: Path, how
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "mtpipe serve did not come up"
-            time.sleep(0.2)
+        with httpx.Client(timeout=2) as poll:  # (one client: each of httpx.get's makes a TLS context)
+            while True:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                try:
+                    if poll.get(url + "/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "mtpipe serve did not come up"
+                time.sleep(0.2)
         children = psutil.Process(proc.pid).children()
         # the API's process (the engine is the command's own), and multiprocessing's resource tracker
         fronts = [c for c in children if "spawn_main" in " ".join(c.cmdline())]

@@ -72,7 +72,7 @@ def server(engine: BatchEngine, dense_ckpt: Path, tmp_path: Path) -> Iterator[Li
 
 def completion(server: LiveServer, **fields: object) -> dict:
     body = {"prompt": "def fibonacci(n):", "seed": 7, **fields}
-    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    r = server.client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -393,8 +393,7 @@ def test_tools_rendered(live: Live) -> None:
 
 
 def _post(live: Live, **body: Any) -> Any:
-    return httpx.post(live.server.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, **body},
-                      timeout=60)
+    return live.server.client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, **body})
 
 
 @pytest.mark.parametrize(("tools", "where"), [
