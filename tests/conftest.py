@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test reaches the Hugging Face hub, by mistake or otherwise
+# Bytecode is cached (beside the sources, in __pycache__, as Python does by default) even where the
+# environment says not to (PYTHONDONTWRITEBYTECODE): each xdist worker rewrites the asserts of every
+# test module, and each node process the tests spawn compiles mtpipe, from source every time otherwise.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 import mtpipe  # noqa: F401,E402  (first: the tests run on the BLAS users get, loaded before mlx.core; models/blas.py)
 
