@@ -219,10 +219,10 @@ BRIDGE_OFF = 'sudo networksetup -setnetworkserviceenabled "Thunderbolt Bridge" o
 
 def bridge_loops(networksetup: str, ifconfig: str) -> list[str]:
     """A warning for each bridge that joins two or more connected Thunderbolt ports. macOS bridges its
-    Thunderbolt ports by default; where the cables form a ring of three or more Macs, the bridges pass
-    each other's broadcasts round it without end and the links flood, as exo warns. A Mac in the middle
-    of a chain bridges two ports without a loop, and one Mac sees only its own ports: a warning, not a
-    refusal."""
+    Thunderbolt ports by default, without spanning tree; where the cables form a loop (a ring of three
+    or more Macs, as exo warns, or two joined by two cables) the bridges pass each other's broadcasts
+    round it without end and the links flood. A Mac in the middle of a chain bridges two ports without
+    a loop, and one Mac sees only its own ports: a warning, not a refusal."""
     ports = parse_networksetup(networksetup)
     parsed = parse_ifconfig(ifconfig)
     out = []
@@ -231,8 +231,9 @@ def bridge_loops(networksetup: str, ifconfig: str) -> list[str]:
                      and parsed.get(m, {}).get("up") and parsed[m]["active"]]
         if info["up"] and len(connected) >= 2:
             out.append(f"{name} bridges {len(connected)} connected Thunderbolt ports ({', '.join(connected)}): if "
-                       "the Macs' Thunderbolt cables form a ring of three or more, bridges on it flood it (a chain is "
-                       "fine). Turn the Thunderbolt Bridge off on each Mac of the ring: System Settings > Network, "
+                       "the Macs' Thunderbolt cables form a loop (a ring of three or more, or two Macs joined twice), "
+                       "bridges on it flood it (a chain is fine). Turn the Thunderbolt Bridge off on each Mac of the "
+                       "loop: System Settings > Network, "
                        f"or {BRIDGE_OFF} (the service may have another name in the system's language)")
     return out
 

@@ -95,7 +95,7 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "
 
 
 @pytest.fixture(scope="module")
-def api(dense_ckpt: Path) -> Iterator[tuple[Any, str]]:
+def api(dense_ckpt: Path) -> Iterator[tuple[Any, Any]]:
     from mtpipe.coordinator.api.app import create_app
     from mtpipe.coordinator.engine.build import batch_engine
 
@@ -110,7 +110,7 @@ def api(dense_ckpt: Path) -> Iterator[tuple[Any, str]]:
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
        st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6), st.integers(1, 3))
-def test_api_bodies_get_an_answer_never_a_crash(api: tuple[Any, str], path: str, body: dict, max_tokens: int) -> None:
+def test_api_bodies_get_an_answer_never_a_crash(api: tuple[Any, Any], path: str, body: dict, max_tokens: int) -> None:
     engine, client = api
     body = {**body, "max_tokens": body.get("max_tokens", max_tokens)}
     if isinstance(body["max_tokens"], int) and body["max_tokens"] > 3:
