@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ...models import blas

@@ -187,7 +187,7 @@ def _launch(args: argparse.Namespace) -> int:
     advert = NodeAdvert(me, cluster_hash(cfg.name), server.port, mem.total, offered, sysinfo.chip(), __version__,
                         advertised_interfaces(interfaces, bind), coordinator=args.coordinator,
                         has_model=model_here is not None)
-    placed: dict[str, str] = {}  # id -> the address this coordinator reaches it at
+    placed: dict[str, str] = {}  # id -> where `mtpipe health` finds it (formation.placed_addresses)
 
     def on_change(kind: str, ad: NodeAdvert) -> None:
         if ad.node_id == me:
