@@ -9,7 +9,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from mlx_threads import record_mlx_threads  # noqa: E402
 from mtpipe.coordinator.api.front import FrontProcess, FrontSpec  # noqa: E402
 from mtpipe.coordinator.api.link import EngineClient, EngineHost  # noqa: E402
 from mtpipe.coordinator.api.pipe import Outbox, WireError  # noqa: E402
+from mtpipe.coordinator.bench.nodes import free_port  # noqa: E402
 from mtpipe.coordinator.engine.batch import BatchEngine  # noqa: E402
 from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
 from mtpipe.coordinator.engine.request import GenerationChunk, GenerationRequest, RequestError  # noqa: E402
@@ -272,9 +272,7 @@ def test_mtpipe_serve_runs_its_api_in_a_child_and_stops_it(dense_ckpt: Path, how
     """Ctrl-C and SIGTERM stop both processes and end in 0, also where the command started with SIGINT
     ignored (as a parent's ignored signals are inherited): the front's uvicorn handles it, and may end first."""
     psutil = pytest.importorskip("psutil")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "MTPIPE_API_KEY": KEY}
     proc = subprocess.Popen([sys.executable, "-m", "mtpipe", "serve", "--model", str(dense_ckpt), "--port", str(port),
                              "--dtype", "float32"], env=env, start_new_session=True,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mtpipe.coordinator.bench.nodes import free_port
 from mtpipe.coordinator.cli.common import check_default_depth, check_port_free
 from mtpipe.coordinator.cli.main import build_parser, main
 from mtpipe.coordinator.engine.tokenizer import load_tokenizer
@@ -100,12 +101,6 @@ def test_a_model_directory_without_a_tokenizer_or_a_readable_config_says_so(tmp_
 def test_cache_prune_refuses_a_size_that_is_not_one(size: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["cache", "prune", "--shard-cache", str(tmp_path), "--max-gib", size]) == 2
     assert "--max-gib must be a number of GiB" in capsys.readouterr().err
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_launch_checks_where_request_defaults_come_from_once_it_coordinates(

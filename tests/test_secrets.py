@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mtpipe.coordinator.bench.nodes import free_port
 from mtpipe.coordinator.cli.main import build_parser
 from mtpipe.coordinator.cluster.config import ClusterConfig
 from mtpipe.node.secrets import check_exposure, is_loopback, read_secret
@@ -142,15 +143,11 @@ def test_only_nodes_that_prove_membership_count() -> None:
 def test_membership_tries_a_failed_proof_again_later() -> None:
     """A node that advertises a moment before it answers is proven once it does (not before the retry
     time has passed), and its failure is logged once; a proof is kept, not probed again."""
-    import socket
-
     from mtpipe.coordinator.cluster import membership as mod
     from mtpipe.node.advertise import NodeAdvert
     from mtpipe.node.server import NodeServer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ad = NodeAdvert("late", "h", port, 1, 1, "cpu", "v", addresses=("127.0.0.1",))
     now = [0.0]
     members = mod.Membership("me", [], "s3", timeout=1.0, retry_s=5.0, clock=lambda: now[0])
