@@ -19,6 +19,7 @@ import os
 import socket
 import ssl
 import tempfile
+import threading
 
 import grpc
 
@@ -26,11 +27,19 @@ NAME = "mtpipe-cluster"  # the certificate's name: what every client checks, wha
 TARGET_NAME_OPTION = ("grpc.ssl_target_name_override", NAME)
 _P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 _SALT = b"mtpipe cluster key v1"
+_DERIVING = threading.Lock()
 
 
-@functools.lru_cache(maxsize=4)
 def identity(secret: str) -> tuple[bytes, bytes]:
-    """(private key PEM, certificate PEM), the same in every process that knows `secret`."""
+    """(private key PEM, certificate PEM), the same in every process that knows `secret`. Derived once
+    per process: the probes of a launch or of `mtpipe health` ask for it from many threads at once, and
+    each would otherwise pay the scrypt (a cache alone lets every thread that misses at once derive it)."""
+    with _DERIVING:
+        return _derive(secret)
+
+
+@functools.lru_cache(maxsize=16)
+def _derive(secret: str) -> tuple[bytes, bytes]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec

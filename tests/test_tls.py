@@ -328,3 +328,30 @@ def test_another_tls_server_is_not_taken_for_a_node_asking_for_the_secret(tmp_pa
     finally:
         server.join(5)
         listener.close()
+
+
+def test_the_identity_is_derived_once_however_many_threads_ask_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probing many nodes at once (a launch proving members, `mtpipe health`) asks for the identity from
+    many threads before any has it: one scrypt, not one per thread."""
+    import hashlib
+
+    from mtpipe.node import tls
+
+    calls = []
+    real = hashlib.scrypt
+
+    def counted(*args, **kwargs):
+        calls.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tls.hashlib, "scrypt", counted)
+    secret = f"asked for at once {id(calls)}"  # (not in the cache yet)
+    start = threading.Barrier(8)
+
+    def ask(_: int) -> tuple[bytes, bytes]:
+        start.wait()
+        return identity(secret)
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    assert len(calls) == 1 and len(set(got)) == 1 and got[0][1].startswith(b"-----BEGIN CERTIFICATE-----")
