@@ -16,13 +16,16 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 import mtpipe  # noqa: F401,E402  (first: the tests run on the BLAS users get, loaded before mlx.core; models/blas.py)
 
 # isort: split
-import mlx.core as mx
-import pytest
-from helpers import tiny_checkpoint
+from typing import TYPE_CHECKING
 
-from mtpipe.coordinator.engine.build import local_engine
-from mtpipe.coordinator.engine.engine import Engine
-from mtpipe.node.model_dirs import MODEL_DIRS_ENV
+import pytest
+
+if TYPE_CHECKING:
+    from mtpipe.coordinator.engine.engine import Engine
+
+# MLX, mlx-lm and transformers (with torch, which the `train` extra installs) are imported by the fixtures
+# that use them, not here: xdist's controller process loads this file too, before it starts the workers,
+# and runs no test.
 
 # The files that take longest, longest first (measured with --junitxml and a start/end timeline per
 # worker): each xdist worker takes whole files (--dist loadfile) in this order (--no-loadscope-reorder:
@@ -44,6 +47,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def model_dirs_for_nodes(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Nodes read models only under their model directories (node/model_dirs.py): the tests' nodes,
     in this process or spawned, may read what the tests build in their temporary directories."""
+    from mtpipe.node.model_dirs import MODEL_DIRS_ENV
+
     dirs = [str(tmp_path_factory.getbasetemp()), os.environ.get("MTPIPE_TEST_CACHE", "")]
     os.environ[MODEL_DIRS_ENV] = os.pathsep.join(d for d in dirs if d)
 
@@ -56,11 +61,15 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def dense_ckpt(tiny_root: Path) -> Path:
+    from helpers import tiny_checkpoint
+
     return tiny_checkpoint(tiny_root, moe=False)
 
 
 @pytest.fixture(scope="session")
 def moe_ckpt(tiny_root: Path) -> Path:
+    from helpers import tiny_checkpoint
+
     return tiny_checkpoint(tiny_root, moe=True)
 
 
@@ -71,4 +80,18 @@ def ckpt(request: pytest.FixtureRequest, dense_ckpt: Path, moe_ckpt: Path) -> Pa
 
 @pytest.fixture(scope="session")
 def dense_engine(dense_ckpt: Path) -> Engine:
+    import mlx.core as mx
+
+    from mtpipe.coordinator.engine.build import local_engine
+
     return local_engine(dense_ckpt, dtype=mx.float32)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What exists once the tests are collected (modules, mlx-lm, transformers and torch, the items) lives
+    until the end: moved out of the collector's sight, so that neither its full collections during the
+    run nor pytest's at the end walk it again."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -296,6 +296,13 @@ def mtpipe(topology: Topology, host: int, *args: str, secret: str | None = SECRE
     return r.returncode, json.loads(r.stdout)
 
 
+def browse_health(topology: Topology, config: Path, secret: str = SECRET) -> tuple[int, dict]:
+    """`mtpipe health` on host 1, finding the nodes by zeroconf. The rogue takes the connections that
+    proving membership makes and never answers: each proof there waits out --timeout (3 s, not 5)."""
+    return mtpipe(topology, 1, "health", "--json", "--config", str(config), "--interface", "10.77.0.1",
+                  "--timeout", "3", secret=secret)
+
+
 def test_election_placement_and_links(cluster: dict, topology: Topology, model_path: Path) -> None:
     serving = cluster["serving"]
     assert [f["coordinator"] for f in cluster["followers"]] == ["node-a", "node-a"]  # lowest id, no --coordinator
@@ -369,8 +376,7 @@ def test_single_node_fallback(cluster: dict, topology: Topology, single_node) ->
 
 
 def test_health_with_a_wrong_secret_finds_no_member(cluster: dict, topology: Topology) -> None:
-    rc, report = mtpipe(topology, 1, "health", "--json", "--config", str(cluster["config"]), "--interface",
-                        "10.77.0.1", secret="wrong")
+    rc, report = browse_health(topology, cluster["config"], secret="wrong")
     assert rc == 2 and report["status"] == "unreachable" and report["nodes"] == []
     assert {"node-a", "node-b", "node-c"} <= set(report["left_out"])
 
@@ -388,7 +394,7 @@ def test_rpcs_without_the_secret_are_refused(cluster: dict, topology: Topology) 
 def test_health_by_zeroconf(cluster: dict, topology: Topology) -> None:
     r = run_in(topology, 1, [sys.executable, "-c", CLIENT, json.dumps([[PROMPTS[0], 2]])], _env())
     assert r.returncode == 0, r.stderr
-    rc, report = mtpipe(topology, 1, "health", "--json", "--config", str(cluster["config"]), "--interface", "10.77.0.1")
+    rc, report = browse_health(topology, cluster["config"])
     # Every member is healthy; the rogue's adverts (tests/rogue_node.py) are left out and make the
     # cluster "degraded": something advertises it that did not prove it belongs.
     assert rc == 1 and report["status"] == "degraded", report
@@ -425,7 +431,7 @@ def test_a_node_that_stops_is_seen_leaving(cluster: dict, topology: Topology) ->
     assert rc == 2 and [n["status"] for n in report["nodes"]] == ["healthy", "degraded", "unreachable"], report
     assert f"next stage {cluster['serving']['links'][1]['address']} unreachable" in report["nodes"][1]["problems"]
     # Found by zeroconf, node-c's advert is gone with it: the coordinator's Health names it as placed.
-    rc, report = mtpipe(topology, 1, "health", "--json", "--config", str(cluster["config"]), "--interface", "10.77.0.1")
+    rc, report = browse_health(topology, cluster["config"])
     by_id = {n["node_id"]: n for n in report["nodes"]}
     assert rc == 2 and by_id["node-c"]["status"] == "unreachable", report
     assert by_id["node-a"]["placed"] == ["node-a", "node-b", "node-c"]
