@@ -327,6 +327,11 @@ def test_election_placement_and_links(cluster: dict, topology: Topology, model_p
     assert (ring["source"], ring["target"], ring["address"]) == ("node-c", "node-a", f"10.77.0.1:{PORT}")
     # And the engine was built on that link: its sequences go round in ring groups (rows of batches).
     assert serving["batching"] == "ring", cluster["procs"][1].log()
+    # The API's process was started as the coordinator placed the model, and is the one that serves.
+    lines = cluster["procs"][1].stderr
+    started = next(i for i, ln in enumerate(lines) if "API process" in ln and "started" in ln)
+    assert started < next(i for i, ln in enumerate(lines) if "placement:" in ln), "".join(lines)
+    assert not any("spawned early has other settings" in ln for ln in lines), "".join(lines)
 
 
 CLIENT = """

@@ -233,6 +233,7 @@ class FrontProcess:
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 self._child_conn.close()  # the child's end is the child's alone
+            log.info("API process %d started", self.process.pid)
         return self
 
     def attach(self, engine: Any, cluster_info: Callable[[], dict] | None = None) -> "FrontProcess":

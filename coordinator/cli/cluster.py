@@ -149,6 +149,8 @@ def _launch(args: argparse.Namespace) -> int:
     )
     from ...node.identity import node_id as persistent_id
     from ...node.server import NodeServer
+    from ..api.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY
+    from ..api.front import FrontProcess, front_spec
     from ..api.model_defaults import generation_config_dir, generation_config_source
     from ..api.serve import serve
 
@@ -199,7 +201,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     agent = ClusterAgent(bind, advert, cfg.name, on_change=on_change, memory_offered=memory_offered) if bind else None
     membership = Membership(me, interfaces, secret)  # which discovered nodes count (membership.py)
-    engine = None
+    engine = front = None
     try:
         if agent is not None:
             agent.start()
@@ -236,6 +238,13 @@ def _launch(args: argparse.Namespace) -> int:
             agent.set_coordinator()
         model_path = model_here or resolve_model(cfg.model, cfg.revision)
         server.service.weights.add_model_dir(model_path)  # this node serves the model's tensors to the others
+        name, api_key = model_name_for(cfg.model, model_path), cfg.resolve_api_key()
+        settings = dict(default_mtp_depth=cfg.mtp_depth if mtp else 0, max_concurrency=DEFAULT_MAX_CONCURRENCY,
+                        max_body_bytes=DEFAULT_MAX_BODY_BYTES,
+                        generation_config=generation_config_dir(defaults_from, model_path))
+        if not args.api_in_process:  # its process imports the app while the model loads and the cluster forms
+            front = FrontProcess(None, front_spec(model_path, cfg.api.host, cfg.api.port, api_key, name,
+                                                  **settings)).spawn()
         static = static_nodes(cfg, secret, me, interfaces)
         alone = set(peers) | set(static) <= {me}  # (cluster.yaml may list this machine alone)
         # With peers, each machine's node drafts as its own command says (every machine runs the same one).
@@ -256,7 +265,6 @@ def _launch(args: argparse.Namespace) -> int:
             placed.update(placed_addresses(formation, static))
         server.service.placed = dict(sorted(placed.items()))  # (`mtpipe health` lists a member that is gone)
         check_default_depth(cfg.mtp_depth if mtp else 0, engine.has_mtp, "--mtp-depth (cluster.yaml mtp_depth)")
-        name = model_name_for(cfg.model, model_path)
         info = cluster_info_fn(cfg, me, my_target, engine, name, formation, agent, secret, membership)
         state = info()
         url = f"http://{format_host_port(cfg.api.host, cfg.api.port)}/v1"
@@ -265,11 +273,11 @@ def _launch(args: argparse.Namespace) -> int:
             args, console, "serving", f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at {url} over {stages}",
             api=url, **{k: state[k] for k in ("placement", "links", "ring", "batching", "discovered", "left_out",
                                                 "ignored")}))
-        return serve(engine, cfg.api.host, cfg.api.port, api_key=cfg.resolve_api_key(), model_name=name,
-                     cluster_info=info, default_mtp_depth=0 if not mtp else cfg.mtp_depth, model_path=model_path,
-                     generation_config=generation_config_dir(defaults_from, model_path),
-                     api_process=not args.api_in_process)
+        return serve(engine, cfg.api.host, cfg.api.port, api_key=api_key, model_name=name, cluster_info=info,
+                     model_path=model_path, api_process=not args.api_in_process, front=front, **settings)
     finally:
+        if front is not None:
+            front.stop()
         if engine is not None:
             engine.pipeline.close()
         if agent is not None:
