@@ -10,9 +10,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..models.mtp import DEFAULT_WINDOW
-from .links import warn_bridge_loops
+from .links import DEFAULT_PORT, warn_bridge_loops
 from .secrets import add_secret_args, check_exposure, read_secret
-from .server import DEFAULT_PORT, NodeServer
 
 if TYPE_CHECKING:
     from .fetch import Transfer
@@ -87,6 +86,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     for d in args.model_dir:  # (a typo would silently turn every Load of that model into a fetch)
         if not os.path.isdir(os.path.expanduser(d)):
             log.warning("--model-dir %s is not a directory: no model is read from it", d)
+    from .server import NodeServer  # (not for other commands, nor for `mtpipe node --help`)
+
     server = NodeServer(args.host, args.port, node_id=args.node_id, secret=secret,
                         data_plane=args.data_plane == "tcp", model_dirs=args.model_dir,
                         shard_cache=args.shard_cache, download=args.download, draft_vocab=args.draft_vocab,

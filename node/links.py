@@ -26,6 +26,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+DEFAULT_PORT = 52700  # a node's gRPC port, where an address names none
+
 
 class LinkType(str, Enum):
     THUNDERBOLT = "thunderbolt"

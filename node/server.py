@@ -19,14 +19,14 @@ import grpc
 from ..models.mlx_thread import end_thread_streams, wire_working_set
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .dataplane import FrameListener
-from .links import bind_problem, format_host_port
+from .links import DEFAULT_PORT, bind_problem, format_host_port
 from .service import NodeService
 from .tls import server_credentials
 from .wire import MAX_MESSAGE_BYTES, SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 52700
+__all__ = ["DEFAULT_PORT", "NodeServer"]
 
 
 class NodeServer:

@@ -160,3 +160,20 @@ def test_version(capsys: pytest.CaptureFixture) -> None:
         build_parser().parse_args(["--version"])
     assert ended.value.code == 0 and capsys.readouterr().out.strip() == f"mtpipe {__version__}"
 
+
+
+def test_health_and_cache_load_no_node_server() -> None:
+    """`mtpipe health` (run by monitors, often) and `mtpipe cache` read nodes and files: they start
+    without the node's server, its batching and numpy."""
+    import subprocess
+
+    probe = ("import runpy, sys\n"
+             "try:\n"
+             "    runpy.run_module('mtpipe', run_name='__main__', alter_sys=True)\n"
+             "except SystemExit:\n"
+             "    pass\n"
+             "print([m for m in ('mtpipe.node.server', 'mtpipe.node.service', 'numpy') if m in sys.modules])\n")
+    port = free_port()
+    for argv in (["health", "--json", "--timeout", "1", f"127.0.0.1:{port}"], ["cache", "--help"]):
+        r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)
+        assert r.stdout.strip().splitlines()[-1] == "[]", (argv, r.stdout, r.stderr)

@@ -29,7 +29,7 @@ from pydantic import (
 
 from ...node.links import format_host_port, is_host, split_host_port
 from ...node.secrets import read_secret
-from ...node.server import DEFAULT_PORT as DEFAULT_GRPC_PORT
+from ...node.links import DEFAULT_PORT as DEFAULT_GRPC_PORT
 from ..api.defaults import API_KEY_ENV
 from ..api.defaults import DEFAULT_HOST as DEFAULT_API_HOST
 from ..api.defaults import DEFAULT_PORT as DEFAULT_API_PORT
