@@ -161,7 +161,6 @@ def test_version(capsys: pytest.CaptureFixture) -> None:
     assert ended.value.code == 0 and capsys.readouterr().out.strip() == f"mtpipe {__version__}"
 
 
-
 def test_health_and_cache_load_no_node_server() -> None:
     """`mtpipe health` (run by monitors, often) and `mtpipe cache` read nodes and files: they start
     without the node's server, its batching and numpy."""
@@ -176,4 +175,4 @@ def test_health_and_cache_load_no_node_server() -> None:
     port = free_port()
     for argv in (["health", "--json", "--timeout", "1", f"127.0.0.1:{port}"], ["cache", "--help"]):
         r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)
-        assert r.stdout.strip().splitlines()[-1] == "[]", (argv, r.stdout, r.stderr)
+        assert r.stdout.strip() and r.stdout.strip().splitlines()[-1] == "[]", (argv, r.stdout, r.stderr)

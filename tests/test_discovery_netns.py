@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import ssl
@@ -329,9 +330,11 @@ def test_election_placement_and_links(cluster: dict, topology: Topology, model_p
     assert serving["batching"] == "ring", cluster["procs"][1].log()
     # The API's process was started as the coordinator placed the model, and is the one that serves.
     lines = cluster["procs"][1].stderr
-    started = next(i for i, ln in enumerate(lines) if "API process" in ln and "started" in ln)
-    assert started < next(i for i, ln in enumerate(lines) if "placement:" in ln), "".join(lines)
-    assert not any("spawned early has other settings" in ln for ln in lines), "".join(lines)
+    started = [(i, m.group(1)) for i, ln in enumerate(lines) if (m := re.search(r"API process (\d+) started", ln))]
+    serves = [m.group(1) for ln in lines if (m := re.search(r"the API serves at \S+ from process (\d+)", ln))]
+    placed = [i for i, ln in enumerate(lines) if "placement:" in ln]
+    assert len(started) == 1 and placed and started[0][0] < placed[0], "".join(lines)
+    assert serves == [started[0][1]], "".join(lines)
 
 
 CLIENT = """

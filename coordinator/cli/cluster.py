@@ -242,9 +242,6 @@ def _launch(args: argparse.Namespace) -> int:
         settings = dict(default_mtp_depth=cfg.mtp_depth if mtp else 0, max_concurrency=DEFAULT_MAX_CONCURRENCY,
                         max_body_bytes=DEFAULT_MAX_BODY_BYTES,
                         generation_config=generation_config_dir(defaults_from, model_path))
-        if not args.api_in_process:  # its process imports the app while the model loads and the cluster forms
-            front = FrontProcess(None, front_spec(model_path, cfg.api.host, cfg.api.port, api_key, name,
-                                                  **settings)).spawn()
         static = static_nodes(cfg, secret, me, interfaces)
         alone = set(peers) | set(static) <= {me}  # (cluster.yaml may list this machine alone)
         # With peers, each machine's node drafts as its own command says (every machine runs the same one).
@@ -253,6 +250,9 @@ def _launch(args: argparse.Namespace) -> int:
             options["prefix_cache"] = cfg.prefix_cache()
         if not alone and args.mtp_pre_norm:
             raise ValueError("--mtp-pre-norm applies to local stages; nodes take their own")
+        if not args.api_in_process:  # its process imports the app while the model loads and the cluster forms
+            front = FrontProcess(None, front_spec(model_path, cfg.api.host, cfg.api.port, api_key, name, **settings))
+            front.spawn()  # (assigned first: `finally` stops it whatever interrupts the spawn)
         if alone:
             log.info("no peers: running the whole model on this machine")
             with progress_loader("loading model")() as progress:

@@ -98,11 +98,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = dict(default_mtp_depth=depth, max_concurrency=args.max_concurrency,
                     max_body_bytes=args.max_body_bytes or None, stall_timeout=args.stall_timeout or None,
                     generation_config=generation_config_dir(args.generation_config, path))
-    front = None
-    if not args.api_in_process:  # its process imports the app while the model loads
-        front = FrontProcess(None, front_spec(path, args.host, args.port, api_key, name, **settings)).spawn()
-    engine = None
+    front = engine = None
     try:
+        if not args.api_in_process:  # its process imports the app while the model loads
+            front = FrontProcess(None, front_spec(path, args.host, args.port, api_key, name, **settings))
+            front.spawn()  # (assigned first: `finally` stops it whatever interrupts the spawn)
         from ..api.serve import nodes_cluster_info, serve
         from ..engine.batch import DEFAULT_MAX_ROWS
         from ..engine.build import batch_engine

@@ -27,9 +27,9 @@ from pydantic import (
     model_validator,
 )
 
+from ...node.links import DEFAULT_PORT as DEFAULT_GRPC_PORT
 from ...node.links import format_host_port, is_host, split_host_port
 from ...node.secrets import read_secret
-from ...node.links import DEFAULT_PORT as DEFAULT_GRPC_PORT
 from ..api.defaults import API_KEY_ENV
 from ..api.defaults import DEFAULT_HOST as DEFAULT_API_HOST
 from ..api.defaults import DEFAULT_PORT as DEFAULT_API_PORT
