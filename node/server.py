@@ -26,8 +26,6 @@ from .wire import MAX_MESSAGE_BYTES, SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_PORT", "NodeServer"]
-
 
 class NodeServer:
     """A NodeService on a grpc.aio server, on its own event-loop thread ("node-loop", the node's MLX
