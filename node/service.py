@@ -118,6 +118,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
             return
         if self.next is not None:
             await self.next.close()
+        self.conditions.clear("link:next stage")  # (what broke was the link it replaces)
         self.next = NextStage(target, self.secret, *self._link_watch("next stage")) if target else None
 
     @property
@@ -133,6 +134,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         if self.ring is not None:
             await self.ring.close()
             self.ring = None
+        self.conditions.clear("link:first stage")
         if not want:
             return
         link = NextStage(want, self.secret, *self._link_watch("first stage"))
