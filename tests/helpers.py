@@ -45,6 +45,20 @@ def batch_chunks(engine: Any, reqs: list[Any], timeout: float) -> list[list[Any]
     return out
 
 
+def undisturbed(ckpt: Path, reqs: list[Any]) -> list[list[int]]:
+    """The requests' tokens on one machine, as rows of one batch (greedy and seeded rows give what
+    they give alone)."""
+    import mlx.core as mx
+
+    from mtpipe.coordinator.engine.build import batch_engine
+
+    engine = batch_engine(ckpt, dtype=mx.float32)
+    try:
+        return [[t for chunk in chunks for t in chunk.tokens] for chunks in batch_chunks(engine, reqs, timeout=120)]
+    finally:
+        engine.close()
+
+
 class LiveServer:
     """uvicorn on 127.0.0.1 and a free port, on a background thread (or `server`, made by the caller)."""
 

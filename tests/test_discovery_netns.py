@@ -15,7 +15,7 @@ greedy generation through the namespaces is token-identical to single-node; the 
 the whole model locally; RPCs without the secret cannot connect (mutual TLS); the rogue's adverts
 (lower ids, the coordinator flag, the most memory) take neither the election nor a place, and what it
 recorded of the nodes' connections neither holds the secret nor gets anywhere replayed; `mtpipe health`
-finds the nodes by zeroconf and reports them; a node that stops is seen to leave.
+finds the nodes by zeroconf and reports them; a node that stops is seen to leave, and the other two take its layers.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ API_PORT = 8123
 MEMORY_GIB = {1: 2.5, 2: 8.5, 3: 2.5}  # what each node offers; placement must follow it
 RESERVE_GIB = 0.5
 START_TIMEOUT = 90.0
+HEAL_AFTER_S = 20.0  # long enough for the checks of a node that left to see the pipeline it left
 MAX_TOKENS = 24
 
 
@@ -253,7 +254,7 @@ def cluster(topology: Topology, model_path: Path, tmp_path_factory: pytest.TempP
     config = root / "cluster.yaml"
     config.write_text(
         f"name: lab\nmodel: {model_path}\ndtype: float32\nmtp_depth: 2\nnode:\n  host: '::'\n"
-        f"placement:\n  reserve_gib: {RESERVE_GIB}\n"
+        f"placement:\n  reserve_gib: {RESERVE_GIB}\n  heal_after_s: {HEAL_AFTER_S}\n"
         f"discovery:\n  expect: 3\n  settle: {START_TIMEOUT}\n"
         f"api:\n  host: 127.0.0.1\n  port: {API_PORT}\n"
     )
@@ -372,17 +373,6 @@ def test_generation_matches_single_node(cluster: dict, topology: Topology, singl
     check_generation(topology, 1, single_node, cluster["procs"][1])
 
 
-def test_single_node_fallback(cluster: dict, topology: Topology, single_node) -> None:
-    solo = cluster["procs"][5]
-    serving = solo.event("serving")
-    assert [p["layers"] for p in serving["placement"]] == [[0, single_node.pipeline.stages[0].spec.end]]
-    assert serving["links"] == [] and serving["discovered"] == [serving["placement"][0]["node"]]
-    check_generation(topology, 5, single_node, solo)
-    rc, report = mtpipe(topology, 5, "health", "--json", "--config", str(cluster["config"]), "--interface", "127.0.0.1")
-    assert rc == 0 and [n["address"] for n in report["nodes"]] == [f"127.0.0.1:{PORT}"]
-    assert report["nodes"][0]["tokens_processed"] > 0  # the local engine's stage, reported by the node server
-
-
 def test_health_with_a_wrong_secret_finds_no_member(cluster: dict, topology: Topology) -> None:
     rc, report = browse_health(topology, cluster["config"], secret="wrong")
     assert rc == 2 and report["status"] == "unreachable" and report["nodes"] == []
@@ -431,7 +421,10 @@ def test_health_by_zeroconf(cluster: dict, topology: Topology) -> None:
 
 
 def test_a_node_that_stops_is_seen_leaving(cluster: dict, topology: Topology) -> None:
+    """(Before the tests that need no node-c: the others take its layers meanwhile, and the last test
+    checks that they did.)"""
     node_c = cluster["procs"][3]
+    cluster["stopped"] = time.monotonic()
     rc = node_c.stop()
     assert rc == 0, f"node-c exited with {rc}:\n{node_c.log()}"
     cluster["procs"][1].wait_stderr("node node-c of the pipeline left", timeout=30)
@@ -450,6 +443,18 @@ def test_a_node_that_stops_is_seen_leaving(cluster: dict, topology: Topology) ->
                         "--timeout", "2")
     rows = [n for n in report["nodes"] if n.get("node_id") == "node-c"]
     assert rc == 2 and [n["address"] for n in rows] == [f"10.77.0.3:{PORT}"], report
+    assert time.monotonic() - cluster["stopped"] < HEAL_AFTER_S, "the checks took longer than the heal delay"
+
+
+def test_single_node_fallback(cluster: dict, topology: Topology, single_node) -> None:
+    solo = cluster["procs"][5]
+    serving = solo.event("serving")
+    assert [p["layers"] for p in serving["placement"]] == [[0, single_node.pipeline.stages[0].spec.end]]
+    assert serving["links"] == [] and serving["discovered"] == [serving["placement"][0]["node"]]
+    check_generation(topology, 5, single_node, solo)
+    rc, report = mtpipe(topology, 5, "health", "--json", "--config", str(cluster["config"]), "--interface", "127.0.0.1")
+    assert rc == 0 and [n["address"] for n in report["nodes"]] == [f"127.0.0.1:{PORT}"]
+    assert report["nodes"][0]["tokens_processed"] > 0  # the local engine's stage, reported by the node server
 
 
 def test_a_rogue_wins_nothing(cluster: dict, rogue: dict, topology: Topology) -> None:
@@ -478,3 +483,16 @@ def test_a_rogue_wins_nothing(cluster: dict, rogue: dict, topology: Topology) ->
     assert r.returncode == 0, r.stderr
     for reply in map(bytes.fromhex, json.loads(r.stdout)):
         assert b"node-b" not in reply and b"node_id" not in reply
+
+
+def test_the_others_take_the_layers_of_the_node_that_left(cluster: dict, topology: Topology, single_node) -> None:
+    """node-a and node-b take node-c's layers between them, and serve as before."""
+    assert "stopped" in cluster, "test_a_node_that_stops_is_seen_leaving runs first"
+    cluster["procs"][1].wait_stderr("the pipeline now runs over", timeout=HEAL_AFTER_S + 60)
+    rc, report = mtpipe(topology, 1, "health", "--json", f"10.77.0.1:{PORT}", f"10.77.0.2:{PORT}")
+    a, b = report["nodes"]
+    assert rc == 0 and [a["status"], b["status"]] == ["healthy", "healthy"], [(a["status"], a["problems"]),
+                                                                             (b["status"], b["problems"])]
+    assert a["placed"] == ["node-a", "node-b"] and a["layers"][0] == 0 and a["layers"][1] == b["layers"][0]
+    assert b["layers"][1] == single_node.pipeline.stages[0].spec.end, report
+    check_generation(topology, 1, single_node, cluster["procs"][1])

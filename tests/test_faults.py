@@ -12,12 +12,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import pytest
-from helpers import PROMPTS, batch_chunks
+from helpers import PROMPTS, undisturbed
 
 from mtpipe.coordinator.bench.nodes import NodeProcesses
-from mtpipe.coordinator.engine.build import batch_engine, remote_engine, ring_engine
+from mtpipe.coordinator.engine.build import remote_engine, ring_engine
 from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.coordinator.engine.sinks import END, open_stream
 from mtpipe.node.leases import Leases
@@ -28,16 +27,6 @@ SETTLE_S = 15.0  # failures noticed (~2.5 s), leases run out (5 s), sweeps (1 s)
 
 def active(engine) -> list[int]:
     return [h.active_sequences for h in engine.pipeline.health(timeout=5.0)]
-
-
-def undisturbed(ckpt: Path, reqs: list[GenerationRequest]) -> list[list[int]]:
-    """The requests' tokens on one machine, as rows of one batch (greedy and seeded rows give what
-    they give alone)."""
-    engine = batch_engine(ckpt, dtype=mx.float32)
-    try:
-        return [[t for chunk in chunks for t in chunk.tokens] for chunks in batch_chunks(engine, reqs, timeout=120)]
-    finally:
-        engine.close()
 
 
 def test_leases_run_out_unless_renewed() -> None:

@@ -39,6 +39,7 @@ from ..cluster.agent import (
 from ..cluster.config import ClusterConfig, load_cluster_config, overlay
 from ..cluster.discovery import elect_coordinator
 from ..cluster.formation import (
+    Formation,
     cluster_info_fn,
     form_cluster,
     placed_addresses,
@@ -153,6 +154,8 @@ def _launch(args: argparse.Namespace) -> int:
     from ..api.front import FrontProcess, front_spec
     from ..api.model_defaults import generation_config_dir, generation_config_source
     from ..api.serve import serve
+    from ..cluster.heal import Healer
+    from ..cluster.placement import GiB, model_footprint
 
     console = stderr_console()
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # unwinds through the cleanup below: peers see this node leave
@@ -197,7 +200,9 @@ def _launch(args: argparse.Namespace) -> int:
         if placed and kind == "join" and ad.node_id not in placed:
             log.warning("node %s joined after placement; restart the coordinator to use it", ad.node_id)
         elif placed and kind == "leave" and ad.node_id in placed:
-            log.warning("node %s of the pipeline left; requests will fail until it is back", ad.node_id)
+            heal = cfg.placement.heal_after_s
+            log.warning("node %s of the pipeline left; requests wait for it%s", ad.node_id,
+                        "" if heal is None else f", or for the others to take its layers after {heal:g} s")
 
     agent = ClusterAgent(bind, advert, cfg.name, on_change=on_change, memory_offered=memory_offered) if bind else None
     membership = Membership(me, interfaces, secret)  # which discovered nodes count (membership.py)
@@ -263,6 +268,14 @@ def _launch(args: argparse.Namespace) -> int:
             engine, formation = form_cluster(cfg, me, my_target, peers, static, interfaces, model_path, mtp, secret,
                                              console, take_over=args.take_over)
             placed.update(placed_addresses(formation, static))
+
+            def replaced(f: Formation) -> None:  # the others took a lost node's layers (heal.py)
+                placed.clear()
+                placed.update(placed_addresses(f, static))
+                server.service.placed = dict(sorted(placed.items()))
+
+            Healer(formation, model_footprint(model_path, mtp=mtp), me, secret, int(cfg.placement.reserve_gib * GiB),
+                   on_placed=replaced).attach(engine.pipeline, cfg.placement.heal_after_s)
         server.service.placed = dict(sorted(placed.items()))  # (`mtpipe health` lists a member that is gone)
         check_default_depth(cfg.mtp_depth if mtp else 0, engine.has_mtp, "--mtp-depth (cluster.yaml mtp_depth)")
         info = cluster_info_fn(cfg, me, my_target, engine, name, formation, agent, secret, membership)

@@ -112,6 +112,8 @@ class DiscoveryConfig(_Section):
 class PlacementConfig(_Section):
     layers: dict[Key, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)  # node id or static host -> layers
     reserve_gib: float = Field(2.0, ge=0)  # memory kept free on every node for caches and the OS
+    # seconds a node of the pipeline may stay lost before the others take its layers (null: never)
+    heal_after_s: float | None = Field(10.0, ge=0)
 
 
 class ApiConfig(_Section):

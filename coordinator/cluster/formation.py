@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,8 @@ class Formation:
     control: dict[str, str]  # node id -> address the coordinator uses
     hops: list[Hop]
     ring: Hop | None = None  # last node -> first node, for the decode rounds the last node starts
+    order: list[NodeResources] = field(default_factory=list)  # the placed nodes, in pipeline order
+    overrides: dict[str, int] = field(default_factory=dict)  # cluster.yaml's layer counts, by node id
 
 
 def placed_addresses(formation: Formation, static: dict[str, NodeResources]) -> dict[str, str]:
@@ -84,11 +86,14 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int,
             raise ValueError(f"static nodes {seen[h.node_id]} and {n.address} are the same node ({h.node_id}): "
                              "list each machine once")
         seen[h.node_id] = n.address
-        # What it offers as a launched node (its cap included), else all it has but its own shard's share
-        # (a new shard replaces it).
-        free = h.memory_offered or h.memory_available + h.parameter_bytes
-        out.append(NodeResources(h.node_id, max(free - reserve, 0), (), n.port, (n.host,)))
+        out.append(NodeResources(h.node_id, offered_bytes(h, reserve), (), n.port, (n.host,)))
     return out
+
+
+def offered_bytes(h: Any, reserve: int) -> int:
+    """What a node's Health says it offers for weights: as a launched node reckons it (its cap included),
+    else all it has but its own shard's share (a new shard replaces it); less `reserve`."""
+    return max((h.memory_offered or h.memory_available + h.parameter_bytes) - reserve, 0)
 
 
 def static_flags(nodes: list[StaticNode], secret: str | None, wait: float) -> dict[str, bool]:
@@ -314,7 +319,7 @@ def form_cluster(
     except BaseException:
         engine.pipeline.close()
         raise
-    return engine, Formation(plan, control, hops, ring_hop(order, ring, engine.pipeline))
+    return engine, Formation(plan, control, hops, ring_hop(order, ring, engine.pipeline), order, overrides)
 
 
 def single_node_engine(server: Any, model_path: Path, mtp: bool, dtype: str | None, options: dict[str, Any],
@@ -341,17 +346,17 @@ def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, mo
     nodes that proved membership count as discovered; the others are left out, with why)."""
     from .health import probe_nodes
 
-    if formation is None:
-        plan = [{"node": me, "address": my_target, "layers": engine.pipeline.describe()["stages"][0]["layers"]}]
-        hops: list[dict] = []
-        ring = None
-    else:
+    def placement() -> tuple[list[dict], list[dict], dict | None]:
+        """(read at each call: a healed pipeline changes the formation, heal.py)"""
+        if formation is None:
+            return [{"node": me, "address": my_target,
+                     "layers": engine.pipeline.describe()["stages"][0]["layers"]}], [], None
         plan = [{"node": s.node_id, "address": formation.control[s.node_id], "layers": [s.start, s.end],
                  "bytes": s.bytes} for s in formation.plan]
-        hops = [asdict(h) for h in formation.hops]
-        ring = asdict(formation.ring) if formation.ring else None
+        return plan, [asdict(h) for h in formation.hops], asdict(formation.ring) if formation.ring else None
 
     def info() -> dict:
+        plan, hops, ring = placement()
         peers = agent.peers() if agent else {}
         if membership:
             membership.members(peers)  # (a node that joined since: asked to prove it belongs, once)

@@ -7,6 +7,12 @@ kept theirs say so at once; a restarted node loads it, or fetches it from a peer
 connected again and the subscriptions renewed. From then on the pipeline serves, and requests that
 wait for it (engine/ring.py resumes them) go on. An error of the kinds in `final` (another coordinator
 took the nodes over) ends the attempts: the pipeline stays down, and whoever waits hears so at once.
+
+A node that stays lost may have its layers taken by the others (`heal`, set by whoever placed the
+model, as `mtpipe launch` does): after `heal_after` seconds down, the attempts ask it where the
+shards go now, and form the pipeline over the nodes it names instead (each loads its new shard,
+fetching what it lacks). An attempt that fails there puts the old nodes back, so the lost node may
+still come back and be taken as before.
 """
 
 from __future__ import annotations
@@ -15,10 +21,38 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from ...models.shard import ShardSpec
+from ...proto import mtpipe_pb2 as pb
+from .nodes import FrameStream, NodeFailure, NodeLink, check_hops
+
+if TYPE_CHECKING:
+    from .renewals import Renewer
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0
+HEAL_AFTER_S = 10.0  # a node lost this long has its layers taken by the others, where `heal` says they can
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a pipeline's shards are: its nodes in order, each one's layers, the nodes each may fetch
+    tensors it lacks from, and the addresses the last node may reach the first at."""
+
+    addresses: list[str]
+    specs: list[ShardSpec]
+    sources: list[list[str]]
+    ring_targets: list[str]
+
+
+# (the pipeline's nodes, those that do not answer) -> where the shards go now; None: wait for them
+Heal = Callable[[list[str], list[str]], "Layout | None"]
 
 
 class Reformer:
@@ -95,3 +129,97 @@ class Reformer:
                 self.reformed.set()
                 self._thread = None  # (a loss from now on starts a new watcher: this one is ending)
             return
+
+
+class Reforming:
+    """RemotePipeline's re-forming (a mixin): the same nodes again, or others where `heal` says so."""
+
+    addresses: list[str]
+    nodes: list[NodeLink]
+    next_targets: list[str]
+    ring_targets: list[str]
+    sources: list[list[str]]
+    secret: str | None
+    reformer: Reformer
+    heal: Heal | None
+    heal_after: float
+    on_healed: Callable[[Layout], None]
+    _first: FrameStream
+    _renewer: Renewer | None
+    _connect_lock: threading.Lock
+    _load_args: tuple[Path | str, list[ShardSpec], bool, str | None] | None
+
+    if TYPE_CHECKING:  # RemotePipeline's
+        def load(self, model_path: Path | str, specs: list[ShardSpec], *, mtp: bool = True,
+                 dtype: str | None = None, timeout: float | None = None) -> Any: ...
+        def _connect(self) -> None: ...
+        def _stream_failed(self, target: str, error: Exception) -> None: ...
+
+    def _reform(self) -> None:
+        """One of Reformer's attempts: every node answers and holds its shard (healed: the nodes `heal`
+        names, with their new shards), the ring and the subscriptions are back."""
+        if self._load_args is None:
+            raise RuntimeError("the pipeline was never loaded")
+        missing = []
+        for n in self.nodes:
+            try:
+                n.stub.Ping(pb.PingRequest(), timeout=2.0)
+            except grpc.RpcError:
+                missing.append(n.address)
+        healed = self._healed(missing) if missing else None
+        if missing and healed is None:
+            raise NodeFailure(missing[0], "does not answer")
+        before = self._relayout(healed) if healed is not None else None
+        try:
+            model_path, specs, mtp, dtype = self._load_args
+            self.load(model_path, specs, mtp=mtp, dtype=dtype)
+            check_hops(self.nodes)
+            self._connect()
+        except BaseException:
+            if before is not None:
+                self._relayout(before)
+            raise
+        if healed is not None:
+            self.on_healed(healed)
+            log.warning("the pipeline now runs over %s: %s", ", ".join(healed.addresses),
+                        ", ".join(f"layers {s.start}-{s.end - 1}" for s in healed.specs))
+
+    def _healed(self, missing: list[str]) -> Layout | None:
+        """Where the shards go without the nodes in `missing`, once they have been lost long enough."""
+        if self.heal is None or time.time() - self.reformer.down_at < self.heal_after:
+            return None
+        layout = self.heal(list(self.addresses), missing)
+        if layout is not None and (len(layout.specs) != len(layout.addresses) or not layout.addresses
+                                   or set(layout.addresses) & set(missing)):
+            raise ValueError(f"a healed layout of {len(layout.specs)} shard(s) over {layout.addresses}")
+        return layout
+
+    def _relayout(self, layout: Layout) -> Layout:
+        """Serve over the nodes of `layout`, its shards not loaded yet; the layout before, to go back to.
+        Links to the nodes kept stay as they are; the others' close quietly (`retired`)."""
+        assert self._load_args is not None
+        model_path, specs, mtp, dtype = self._load_args
+        before = Layout(list(self.addresses), list(specs), list(self.sources), list(self.ring_targets))
+        with self._connect_lock:
+            links = {n.address: n for n in self.nodes}
+            self.nodes = [links.pop(a, None) or NodeLink(a, self.secret) for a in layout.addresses]
+            self.addresses = list(layout.addresses)
+            for n in links.values():
+                if n.subscription is not None:
+                    n.subscription.cancel()
+                n.channel.close()
+            self.next_targets = [*self.addresses[1:], ""]
+            self.ring_targets = list(dict.fromkeys([*layout.ring_targets, self.addresses[0]]))
+            self.sources = list(layout.sources)
+            self._load_args = (model_path, list(layout.specs), mtp, dtype)
+            if self._renewer is not None:  # (one over the new nodes as the subscriptions come back)
+                self._renewer.stop()
+                self._renewer = None
+            if self._first.target != self.addresses[0]:
+                self._first.close()
+                self._first = FrameStream(self.addresses[0], self.secret, self._stream_failed)
+        return before
+
+    def retired(self, node: NodeLink) -> bool:
+        """A node's link no longer part of the pipeline (healed without it): its stream ends unreported."""
+        return all(n is not node for n in self.nodes)

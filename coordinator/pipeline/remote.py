@@ -43,12 +43,11 @@ from .nodes import (
     StepWaiter,
     TakenOver,
     WireStats,
-    check_hops,
     load_node,
     load_requests,
     step_error,
 )
-from .reform import Reformer
+from .reform import HEAL_AFTER_S, Heal, Layout, Reformer, Reforming
 from .renewals import Renewer
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ log = logging.getLogger(__name__)
 STEPS_IN_FLIGHT = 4
 
 
-class RemotePipeline:
+class RemotePipeline(Reforming):
     """The Pipeline protocol over a chain of nodes, in order. Thread-safe for concurrent sequences."""
 
     def __init__(
@@ -73,6 +72,8 @@ class RemotePipeline:
         sources: list[str] | list[list[str]] | None = None,
         take_over: bool = False,
         ring_targets: list[str] | None = None,
+        heal: Heal | None = None,
+        heal_after: float = HEAL_AFTER_S,
     ):
         if not nodes:
             raise ValueError("a pipeline needs at least one node")
@@ -113,6 +114,8 @@ class RemotePipeline:
         self._prefill_failed_at = 0.0  # when one last failed (monotonic), its chunks perhaps still computing
         self._load_args: tuple | None = None
         self.reformer = Reformer(self._reform, final=(TakenOver,))  # a lost node: down, then formed again
+        self.heal, self.heal_after = heal, heal_after  # where a node lost that long has its layers go (reform.py)
+        self.on_healed: Callable[[Layout], None] = lambda layout: None
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -176,21 +179,9 @@ class RemotePipeline:
         """The last node starts rounds itself (it reached the first node): ring groups can run."""
         return len(self.nodes) > 1 and bool(self.connect_replies) and self.connect_replies[-1].ring
 
-    def _reform(self) -> None:
-        """The same pipeline again (Reformer's attempts): every node answers and holds its shard, the
-        ring and the subscriptions are back."""
-        if self._load_args is None:
-            raise RuntimeError("the pipeline was never loaded")
-        for n in self.nodes:
-            n.stub.Ping(pb.PingRequest(), timeout=2.0)
-        model_path, specs, mtp, dtype = self._load_args
-        self.load(model_path, specs, mtp=mtp, dtype=dtype)
-        check_hops(self.nodes)
-        self._connect()
-
     def _connect(self) -> None:
         """Make sure every node holds a live subscription for this client (results and errors)."""
-        if all(n.subscription is not None for n in self.nodes):
+        if self._renewer is not None and all(n.subscription is not None for n in self.nodes):
             return
         with self._connect_lock:
             for node in self.nodes:
@@ -239,7 +230,7 @@ class RemotePipeline:
             ready.set()
             return
         node.subscription = None
-        if not self._closed and not self.reformer.given_up:
+        if not self._closed and not self.reformer.given_up and not self.retired(node):
             log.warning("lost node %s: %s", node.address, describe_rpc_error(error))
             self._lost(NodeFailure(node.address, f"died or stopped answering ({describe_rpc_error(error)})"))
 

@@ -1,0 +1,116 @@
+"""Where a lost node's layers go: the nodes left take them, when their memory holds the model.
+
+`mtpipe launch` places the model once, over the nodes it found (formation.py). When one of them
+stays lost (`placement.heal_after_s`), the pipeline's re-forming (pipeline/reform.py) asks the
+`Healer` where the shards go now: over the placed nodes that still answer, placed again as at launch
+(the memory each offers now, in the order their links favour, the coordinator first, cluster.yaml's
+layer counts kept for them). A ring needs two nodes, so a pipeline of two that loses one waits for
+it to come back, as does one whose other nodes cannot hold the model. Once the pipeline serves over
+the new shards, the hops between new neighbours are measured as at launch, and the formation (what
+GET /v1/cluster and `mtpipe health` report) says where everything is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from ...models.shard import ShardSpec
+from ..pipeline.reform import Layout
+from .formation import Formation, Hop, confirm_hops, offered_bytes, ring_candidates, ring_hop, weight_sources
+from .placement import ModelFootprint, NodeResources, PlacementError, StagePlan, order_nodes, plan_layers
+
+log = logging.getLogger(__name__)
+
+
+def heal_plan(footprint: ModelFootprint, survivors: list[NodeResources], first: str,
+              overrides: dict[str, int]) -> tuple[list[NodeResources], list[StagePlan]]:
+    """The nodes left in pipeline order and their layers (PlacementError when they cannot take them)."""
+    if len(survivors) < 2:
+        raise PlacementError(f"{len(survivors)} node(s) left, and a ring needs two")
+    order = order_nodes(survivors, first=first)
+    ids = {n.node_id for n in order}
+    return order, plan_layers(footprint, order, {k: v for k, v in overrides.items() if k in ids})
+
+
+class Healer:
+    """The `heal` of a launched pipeline (pipeline/reform.py's `Heal`), and what it does once healed."""
+
+    def __init__(self, formation: Formation, footprint: ModelFootprint, me: str, secret: str | None,
+                 reserve: int, on_placed: Callable[[Formation], None] = lambda f: None):
+        self.formation = formation
+        self.footprint = footprint
+        self.me = me
+        self.secret = secret
+        self.reserve = reserve
+        self.on_placed = on_placed  # the formation changed (`mtpipe health`'s placed addresses)
+        self.pipeline: Any = None
+        self._pending: dict[tuple[str, ...], tuple[list[NodeResources], list[StagePlan]]] = {}
+        self._lock = threading.Lock()
+        self._said = ""  # what the last attempt found (said once, not every second)
+
+    def attach(self, pipeline: Any, heal_after: float | None) -> None:
+        """Heal `pipeline` (a RemotePipeline) after `heal_after` seconds of a node lost (None: never)."""
+        self.pipeline = pipeline
+        if heal_after is not None:
+            pipeline.heal, pipeline.heal_after, pipeline.on_healed = self, heal_after, self.healed
+
+    def __call__(self, addresses: list[str], missing: list[str]) -> Layout | None:
+        control = self.formation.control
+        placed = {control[n.node_id]: n for n in self.formation.order}
+        survivors = [placed[a] for a in addresses if a not in missing and a in placed]
+        try:
+            order, plan = heal_plan(self.footprint, [replace(n, available=self._offered(n)) for n in survivors],
+                                    self.me, self.formation.overrides)
+        except (PlacementError, ConnectionError) as e:
+            self._say(f"the nodes left cannot take the layers of {', '.join(missing)} ({e}): waiting for it")
+            return None
+        layout = Layout([control[n.node_id] for n in order], [ShardSpec(s.start, s.end, plan[-1].end) for s in plan],
+                        weight_sources(order, self.me, control), [c.target for c in ring_candidates(order, control)])
+        with self._lock:
+            self._pending = {tuple(layout.addresses): (order, plan)}
+        self._say(f"giving the layers of {', '.join(missing)} to "
+                  + ", ".join(f"{s.node_id} ({s.start}-{s.end - 1})" for s in plan))
+        return layout
+
+    def healed(self, layout: Layout) -> None:
+        """The pipeline serves over `layout`: measure the new hops and say where everything is."""
+        with self._lock:
+            order, plan = self._pending.pop(tuple(layout.addresses))
+        control = self.formation.control
+        try:
+            hops = confirm_hops(order, control, self.secret)
+            self.pipeline.keep_next_targets([h.address for h in hops])
+        except Exception as e:  # noqa: BLE001 - the hops carry (the pipeline checked): only unmeasured
+            log.warning("the new hops could not be measured (%s): kept as loaded", e)
+            hops = [Hop(a.node_id, b.node_id, control[b.node_id], None, None) for a, b in itertools.pairwise(order)]
+        f = self.formation
+        f.order, f.plan, f.hops = order, plan, hops
+        f.ring = ring_hop(order, ring_candidates(order, control), self.pipeline)
+        self.on_placed(f)
+
+    def _offered(self, node: NodeResources) -> int:
+        """What the node offers for weights now (its Health): its own shard counts as free."""
+        import grpc
+
+        from ...node.wire import describe_rpc_error, make_channel
+        from ...proto import mtpipe_pb2 as pb
+        from ...proto import mtpipe_pb2_grpc as pb_grpc
+
+        address = self.formation.control[node.node_id]
+        try:
+            with make_channel(address, self.secret) as channel:
+                h = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=5.0)
+        except grpc.RpcError as e:
+            raise ConnectionError(f"node {node.node_id} at {address}: {describe_rpc_error(e)}") from None
+        return offered_bytes(h, self.reserve)
+
+    def _say(self, what: str) -> None:
+        """Logged once while the attempts, a second apart, keep finding the same."""
+        if what != self._said:
+            log.warning("%s", what)
+        self._said = what
