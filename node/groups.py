@@ -277,10 +277,12 @@ class RingGroups:
         return sum(len(g.stage.ids) for g in self.groups.values())
 
     def drop_client(self, client_id: str) -> list[str]:
-        """Every group of a client that is gone: their rows are freed."""
+        """Every group of a client that is gone (or whose pipeline is formed again): their rows, and the
+        rows joining them (on their way, or waiting), for the caller to free."""
         gone = []
         for key in [k for k in self.groups if k[0] == client_id]:
-            gone += self.groups[key].stage.ids
+            g = self.groups[key]
+            gone += dict.fromkeys([*g.stage.ids, *g.joining, *(r.seq_id for r in g.joins)])
             self.end(key)
         self.plans.pop(client_id, None)
         return gone

@@ -49,7 +49,7 @@ class ShardLoads:
 
     if TYPE_CHECKING:  # what NodeService and its other mixins provide (never defined here: a stub would win the MRO)
         def _expire(self, client_id: str) -> None: ...
-        def forget_kept(self, client_id: str) -> None: ...
+        def forget_client(self, client_id: str, alone: bool = True) -> int: ...
         def drop_groups(self) -> None: ...
         def _dtype_name(self) -> str: ...
 
@@ -84,7 +84,12 @@ class ShardLoads:
                 self.name = request.node_name
             self._end_taken_over(ended, request.client_id)
             if found is None:
-                self.forget_kept(request.client_id)  # (its engine forgets them as the pipeline forms)
+                # The pipeline is formed again: its groups' rounds were lost with it, and its engine starts
+                # their rows afresh (as it forgets the kept prefixes). A sequence alone may be a request
+                # that started meanwhile: it stays (its lease frees one nobody wants any more).
+                if gone := self.forget_client(request.client_id, alone=False):
+                    log.info("released %d grouped sequence(s) of client %s: its pipeline is formed again", gone,
+                             request.client_id)
             else:
                 try:
                     self.worker, self.key = None, None  # free the old shard before reading the new one

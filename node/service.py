@@ -329,14 +329,19 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         """Release the sequences of a client that has not subscribed again since it went away."""
         if client_id in self._subs:
             return
-        gone = [seq for seq, owner in self._owners.items() if owner == client_id]
+        if gone := self.forget_client(client_id):
+            log.info("released %d sequence(s) of client %s: gone for %.0f s", gone, client_id, self.orphan_grace)
+
+    def forget_client(self, client_id: str, alone: bool = True) -> int:
+        """What a client has here goes: its kept prefixes, its groups with their rows and the rows waiting
+        to join them, and with `alone` its other sequences too; how many sequences went."""
+        gone = [seq for seq, owner in self._owners.items() if owner == client_id] if alone else []
         self.forget_kept(client_id)
         if self.worker is not None and not self.worker.overlap:
-            self.ring_groups.drop_client(client_id)
+            gone += [seq for seq in self.ring_groups.drop_client(client_id) if seq not in gone]
         for seq in gone:
             self._release(seq)
-        if gone:
-            log.info("released %d sequence(s) of client %s: gone for %.0f s", len(gone), client_id, self.orphan_grace)
+        return len(gone)
 
     def _emit(self, client_id: str, event: pb.Event) -> None:
         q = self._subs.get(client_id)

@@ -7,13 +7,14 @@ from __future__ import annotations
 import queue
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import PROMPTS, undisturbed
 
 from mtpipe.coordinator.cluster.formation import Formation
-from mtpipe.coordinator.cluster.heal import Healer, heal_plan
-from mtpipe.coordinator.cluster.placement import GiB, ModelFootprint, NodeResources, PlacementError, StagePlan
+from mtpipe.coordinator.cluster.heal import Healer, formation_of, heal_plan
+from mtpipe.coordinator.cluster.placement import GiB, ModelFootprint, NodeResources, PlacementError
 from mtpipe.coordinator.pipeline.reform import Layout
 from mtpipe.models.shard import ShardSpec
 
@@ -36,6 +37,34 @@ def test_the_nodes_left_share_the_layers_the_coordinator_first() -> None:
 def test_a_lost_nodes_layer_count_goes_with_it_and_the_others_keep_theirs() -> None:
     _, plan = heal_plan(footprint(), [node("me", 30), node("b", 30), node("c", 30)], "me", {"gone": 6, "b": 2})
     assert {s.node_id: s.layers for s in plan}["b"] == 2 and sum(s.layers for s in plan) == 12
+
+
+def test_layer_counts_that_leave_the_nodes_left_no_room_give_way_to_memory() -> None:
+    _, plan = heal_plan(footprint(), [node("me", 30), node("b", 30)], "me", {"me": 4, "b": 4, "gone": 4})
+    assert sum(s.layers for s in plan) == 12 and all(s.layers > 4 for s in plan)  # (by memory, not as pinned)
+
+
+def test_a_failed_heal_puts_back_the_nodes_and_hops_it_had_and_a_closed_pipeline_opens_nothing() -> None:
+    """(No node needed: channels connect on first use.)"""
+    from mtpipe.coordinator.pipeline.remote import RemotePipeline
+
+    a, b, c = "10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000"
+    pipeline = RemotePipeline([a, b, c], ring_targets=["169.254.0.1:7000"])
+    try:
+        pipeline._load_args = ("/m", [ShardSpec(0, 4, 12), ShardSpec(4, 8, 12), ShardSpec(8, 12, 12)], True, None)
+        pipeline.keep_next_targets(["169.254.0.2:7000", "169.254.0.3:7000"])  # (hops confirmed at launch)
+        kept, lost = pipeline.nodes[:2], pipeline.nodes[2]
+        before = pipeline._relayout(Layout([a, b], [ShardSpec(0, 6, 12), ShardSpec(6, 12, 12)], [[a], [a]], [a]))
+        assert pipeline.addresses == [a, b] and pipeline.nodes == kept and pipeline.retired(lost)
+        assert pipeline.next_targets == [b, ""] and pipeline._load_args[1][1] == ShardSpec(6, 12, 12)
+        pipeline._relayout(before)
+        assert pipeline.addresses == [a, b, c] and pipeline.nodes[:2] == kept
+        assert pipeline.next_targets == ["169.254.0.2:7000", "169.254.0.3:7000", ""]
+        assert pipeline.ring_targets[0] == "169.254.0.1:7000" and pipeline._load_args[1] == before.specs
+    finally:
+        pipeline.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pipeline._relayout(before)
 
 
 @pytest.mark.parametrize(("survivors", "why"), [
@@ -65,20 +94,20 @@ def test_the_nodes_left_take_a_lost_nodes_layers_and_requests_resume(dense_ckpt:
             health = pipeline.health()
             ids = [h.node_id for h in health]
             layers = health[-1].num_layers
-            formation = Formation(
-                [StagePlan(h.node_id, h.start, h.end, 0, 0) for h in health], dict(zip(ids, nodes.addresses)), [],
-                order=[NodeResources(i, 0, (), int(a.rsplit(":", 1)[1]), ("127.0.0.1",))
-                       for i, a in zip(ids, nodes.addresses)])
+            formation = formation_of(nodes.addresses, health)
             placed: list[Formation] = []
             healer = Healer(formation, model_footprint(dense_ckpt), ids[0], None, 0, on_placed=placed.append)
             healer.attach(pipeline, 1.0)
-            asked: list[list[str]] = []
+            asked: list[list[str]] = []  # the pipeline's nodes at each heal that had a layout
 
             def heal(addresses: list[str], missing: list[str]) -> Layout | None:
-                asked.append(addresses)
                 layout = healer(addresses, missing)
-                if layout is not None and len(asked) == 1:  # shards of a model of another depth: refused
-                    return Layout(layout.addresses, [ShardSpec(s.start, s.end, layers + 1) for s in layout.specs],
+                if layout is None:
+                    return None
+                asked.append(addresses)
+                if len(asked) == 1:  # the first node takes its new shard; the last refuses one of another model
+                    last = layout.specs[-1]
+                    return Layout(layout.addresses, [*layout.specs[:-1], ShardSpec(last.start, last.end, layers + 1)],
                                   layout.sources, layout.ring_targets)
                 return layout
 
@@ -115,3 +144,34 @@ def test_the_nodes_left_take_a_lost_nodes_layers_and_requests_resume(dense_ckpt:
             assert engine.complete(reqs[1]).tokens == want[1]  # and it serves new requests
         finally:
             engine.close()
+
+
+def test_nodes_that_keep_their_shards_as_the_pipeline_forms_again_drop_what_its_client_had(dense_ckpt: Path) -> None:
+    """The re-forming's Load of a shard a node keeps: the client's groups went with the rounds that
+    were lost (its engine starts their rows again), so they go, with the rows waiting to join them. A
+    last node that kept a group would otherwise start rounds with rows the nodes that took a new shard
+    no longer hold. A sequence alone stays: a request may have started while the pipeline formed."""
+    from helpers import node_servers
+
+    from mtpipe.coordinator.engine.build import ring_engine
+    from mtpipe.node.protocol import StepKind, StepRequest
+
+    with node_servers(2) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
+        try:
+            pipeline, prompt = engine.pipeline, engine.tokenizer.encode(PROMPTS[0])
+            pipeline.steps([StepRequest("alone", 0, StepKind.PREFILL, prompt, final=True)])
+            pipeline.steps([StepRequest("grouped", 0, StepKind.PREFILL, prompt, final=True, group=1, budget=10**6)])
+            assert all({"alone", "grouped"} <= held(s) for s in servers)
+            model_path, specs, mtp, dtype = pipeline._load_args
+            pipeline.load(model_path, specs, mtp=mtp, dtype=dtype)
+            assert [r.reused for r in pipeline.load_replies] == [True, True]
+            assert [held(s) for s in servers] == [{"alone"}, {"alone"}]  # (perhaps a request started meanwhile)
+        finally:
+            engine.close()
+
+
+def held(server: Any) -> set[str]:
+    """A node's sequences, alone and in groups."""
+    groups = server.service.ring_groups.groups.values()
+    return set(server.service.worker.sequences) | {i for g in groups for i in g.stage.ids}

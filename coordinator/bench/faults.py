@@ -1,11 +1,14 @@
 """`mtpipe bench faults`: faults injected into node processes on 127.0.0.1 while requests stream.
 
 Each scenario starts its own nodes, opens greedy streams (MTP on), waits until every stream has
-tokens, then freezes a node (SIGSTOP, then SIGCONT) or kills one and starts it again on its address.
-It reports what the clients saw (a pause, or errors), the longest pause in a stream, the time from
-the end of the fault to the first token after it, whether each finished stream holds exactly the
-tokens of an undisturbed run (single node, same requests), and the sequences still held by the nodes
-once the cluster is quiet (and how long that took). The ring engine resumes its requests; the
+tokens, then freezes a node (SIGSTOP, then SIGCONT), kills one and starts it again on its address, or
+(over three nodes or more) kills the middle one for good, the others taking its layers once it has
+been lost for the fault's seconds (cluster/heal.py, as `mtpipe launch` does after
+`placement.heal_after_s`). It reports what the clients saw (a pause, or errors), the longest pause in
+a stream, the time from the end of the fault (for a heal: the heal delay) to the first token after
+it, whether each finished stream holds exactly the tokens of an undisturbed run (single node, same
+requests), and the sequences still held by the nodes once the cluster is quiet (and how long that
+took). The ring engine resumes its requests; the
 per-sequence engine (`generate --nodes`, or a pipeline without a ring) fails them, naming the node.
 """
 
@@ -19,6 +22,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..cluster.heal import Healer, formation_of
+from ..cluster.placement import model_footprint
 from ..engine.build import local_engine, remote_engine, ring_engine
 from ..engine.request import GenerationRequest
 from ..engine.sinks import END, open_stream
@@ -32,6 +37,7 @@ SCENARIOS = (  # (name, engine, what happens, node index: -1 the last)
     ("freeze-first", "ring", "freeze", 0),
     ("kill-restart-last", "ring", "restart", -1),
     ("freeze-last", "per_sequence", "freeze", -1),
+    ("kill-middle-heal", "ring", "heal", 1),  # (three nodes or more)
 )
 SETTLE_S = 30.0
 STREAM_TIMEOUT_S = 180.0
@@ -78,6 +84,10 @@ def _active(engine: Any) -> list[int]:
         return [-1]
 
 
+def _quiet(held: list[int]) -> bool:
+    return bool(held) and all(n == 0 for n in held)
+
+
 def run_scenario(model: str, n: int, scenario: tuple[str, str, str, int], reqs: list[GenerationRequest],
                  want: list[list[int]], fault_s: float) -> Outcome:
     name, kind, fault, victim = scenario
@@ -85,6 +95,10 @@ def run_scenario(model: str, n: int, scenario: tuple[str, str, str, int], reqs: 
     build = ring_engine if kind == "ring" else remote_engine
     engine = build(model, nodes.addresses, dtype="float32")
     try:
+        if fault == "heal":
+            healer = Healer(formation_of(nodes.addresses, engine.pipeline.health()), model_footprint(model),
+                            engine.pipeline.health()[0].node_id, None, 0)
+            healer.attach(engine.pipeline, fault_s)
         streams = [Stream() for _ in reqs]
         ends = [threading.Event() for _ in reqs]
         for r, s, e in zip(reqs, streams, ends):
@@ -94,6 +108,9 @@ def run_scenario(model: str, n: int, scenario: tuple[str, str, str, int], reqs: 
             time.sleep(0.01)
         if fault == "freeze":
             nodes.freeze(victim, fault_s)
+        elif fault == "heal":  # (the heal delay runs from when the pipeline knew, at once for a killed node)
+            nodes.kill(victim)
+            time.sleep(fault_s)
         else:
             nodes.kill(victim)
             time.sleep(fault_s)
@@ -102,11 +119,11 @@ def run_scenario(model: str, n: int, scenario: tuple[str, str, str, int], reqs: 
         for e in ends:
             e.wait(max(0.0, deadline - time.monotonic()))
         ended = time.monotonic()
-        held = left = _active(engine)
-        quiet_at = ended if left == [0] * n else None
+        held = left = _active(engine)  # (per node of the pipeline: after a heal, fewer than n)
+        quiet_at = ended if _quiet(left) else None
         while quiet_at is None and time.monotonic() < ended + SETTLE_S:
             time.sleep(0.25)
-            if (left := _active(engine)) == [0] * n:
+            if _quiet(left := _active(engine)):
                 quiet_at = time.monotonic()
         after = [t for s in streams for t, _ in s.chunks if t > end]
         pauses = [b[0] - a[0] for s in streams for a, b in zip(s.chunks, s.chunks[1:])]
@@ -131,6 +148,8 @@ def bench_faults(model: str, nodes: list[int], streams: int = 4, max_tokens: int
     outcomes = []
     for n in nodes:
         for scenario in SCENARIOS:
+            if scenario[2] == "heal" and n < 3:  # (one node left: no ring to form)
+                continue
             log.info("fault scenario %s (%s engine) over %d nodes", scenario[0], scenario[1], n)
             outcomes.append(run_scenario(model, n, scenario, reqs, want, fault_s))
     return {"streams": streams, "max_tokens": max_tokens, "fault_s": fault_s,

@@ -270,9 +270,11 @@ def _launch(args: argparse.Namespace) -> int:
             placed.update(placed_addresses(formation, static))
 
             def replaced(f: Formation) -> None:  # the others took a lost node's layers (heal.py)
-                placed.clear()
-                placed.update(placed_addresses(f, static))
-                server.service.placed = dict(sorted(placed.items()))
+                now = placed_addresses(f, static)
+                placed.update(now)
+                for gone in set(placed) - set(now):
+                    placed.pop(gone, None)
+                server.service.placed = dict(sorted(now.items()))
 
             Healer(formation, model_footprint(model_path, mtp=mtp), me, secret, int(cfg.placement.reserve_gib * GiB),
                    on_placed=replaced).attach(engine.pipeline, cfg.placement.heal_after_s)

@@ -255,6 +255,7 @@ def load_with_progress(
     model_path: Path, order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], mtp: bool,
     dtype: str | None, secret: str | None, console: Any, sources: list[list[str]] | None = None,
     take_over: bool = False, prefix_cache: int | None = None, ring_targets: list[str] | None = None,
+    resume_window: float | None = None,
 ) -> Any:
     """ring_engine over the placed nodes, with a line per node until its shard is loaded (and how
     much of it has arrived, while a node fetches its shard from a peer)."""
@@ -275,7 +276,8 @@ def load_with_progress(
         }
         future = pool.submit(ring_engine, model_path, addresses, mtp, secret, specs=specs, dtype=dtype,
                              sources=sources, take_over=take_over, prefix_cache=prefix_cache,
-                             ring_targets=ring_targets)
+                             ring_targets=ring_targets, **({} if resume_window is None else
+                                                           {"resume_window": resume_window}))
         pending = dict(zip([s.node_id for s in plan], zip(plan, addresses)))
         while not wait([future], timeout=0.5).done:
             for node, (s, address) in list(pending.items()):
@@ -297,6 +299,7 @@ def form_cluster(
     local: list[Interface], model_path: Path, mtp: bool, secret: str | None, console: Any, take_over: bool = False,
 ) -> tuple[Any, Formation]:
     """Place the model over the discovered and static nodes (`static_nodes`) and build the engine over them."""
+    from ..engine.ring import RESUME_WINDOW_S
     from .placement import describe_plan, model_footprint, order_nodes, plan_layers
 
     reserve = int(cfg.placement.reserve_gib * GiB)
@@ -311,8 +314,10 @@ def form_cluster(
     control = choose_control_addresses(order, me, my_target, local, secret)
     sources = weight_sources(order, me, control)  # nodes without the model fetch their shards from this one
     ring = ring_candidates(order, control)
+    # Requests wait for a lost node, or for the others to take its layers (heal.py) and load them.
+    resume = RESUME_WINDOW_S + (cfg.placement.heal_after_s or 0.0)
     engine = load_with_progress(model_path, order, plan, control, mtp, cfg.dtype, secret, console, sources,
-                                take_over, cfg.prefix_cache(), [c.target for c in ring])
+                                take_over, cfg.prefix_cache(), [c.target for c in ring], resume)
     try:
         hops = confirm_hops(order, control, secret)
         engine.pipeline.keep_next_targets([h.address for h in hops])

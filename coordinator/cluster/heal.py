@@ -29,12 +29,29 @@ log = logging.getLogger(__name__)
 
 def heal_plan(footprint: ModelFootprint, survivors: list[NodeResources], first: str,
               overrides: dict[str, int]) -> tuple[list[NodeResources], list[StagePlan]]:
-    """The nodes left in pipeline order and their layers (PlacementError when they cannot take them)."""
+    """The nodes left in pipeline order and their layers (PlacementError when they cannot take them).
+    Their layer counts in cluster.yaml stand where the others can take the rest; where they cannot
+    (every node left has one), layers follow memory."""
     if len(survivors) < 2:
         raise PlacementError(f"{len(survivors)} node(s) left, and a ring needs two")
     order = order_nodes(survivors, first=first)
     ids = {n.node_id for n in order}
-    return order, plan_layers(footprint, order, {k: v for k, v in overrides.items() if k in ids})
+    kept = {k: v for k, v in overrides.items() if k in ids}
+    try:
+        return order, plan_layers(footprint, order, kept)
+    except PlacementError:
+        if not kept:
+            raise
+        return order, plan_layers(footprint, order)
+
+
+def formation_of(addresses: list[str], health: list[Any]) -> Formation:
+    """The formation of a pipeline formed over nodes named by address (benches, tests): their Health
+    replies in pipeline order say who holds what."""
+    order = [NodeResources(h.node_id, 0, (), int(a.rsplit(":", 1)[1]), (a.rsplit(":", 1)[0].strip("[]"),))
+             for a, h in zip(addresses, health)]
+    plan = [StagePlan(h.node_id, h.start, h.end, h.parameter_bytes, 0) for h in health]
+    return Formation(plan, {h.node_id: a for a, h in zip(addresses, health)}, [], order=order)
 
 
 class Healer:

@@ -49,6 +49,7 @@ class Layout:
     specs: list[ShardSpec]
     sources: list[list[str]]
     ring_targets: list[str]
+    next_targets: list[str] | None = None  # where each node reaches the next (None: where this side does)
 
 
 # (the pipeline's nodes, those that do not answer) -> where the shards go now; None: wait for them
@@ -122,6 +123,8 @@ class Reformer:
                 log.debug("re-forming the pipeline (attempt %d): %s", attempt, e)
                 continue
             with self._lock:
+                if self._stop.is_set():  # (closed meanwhile: nothing serves)
+                    return
                 if losses != self._losses:
                     continue
                 log.warning("pipeline formed again after %d attempt(s)", attempt)
@@ -148,6 +151,9 @@ class Reforming:
     _renewer: Renewer | None
     _connect_lock: threading.Lock
     _load_args: tuple[Path | str, list[ShardSpec], bool, str | None] | None
+    _closed: bool
+    _missing_since: dict[str, float]  # address -> when the attempts first found it not answering (monotonic)
+    _heal_failed = ""  # the last reason a healed layout did not load (logged once)
 
     if TYPE_CHECKING:  # RemotePipeline's
         def load(self, model_path: Path | str, specs: list[ShardSpec], *, mtp: bool = True,
@@ -166,7 +172,9 @@ class Reforming:
                 n.stub.Ping(pb.PingRequest(), timeout=2.0)
             except grpc.RpcError:
                 missing.append(n.address)
-        healed = self._healed(missing) if missing else None
+        now = time.monotonic()
+        self._missing_since = {a: self._missing_since.get(a, now) for a in missing}
+        healed = self._healed(missing, now) if missing else None
         if missing and healed is None:
             raise NodeFailure(missing[0], "does not answer")
         before = self._relayout(healed) if healed is not None else None
@@ -175,18 +183,23 @@ class Reforming:
             self.load(model_path, specs, mtp=mtp, dtype=dtype)
             check_hops(self.nodes)
             self._connect()
-        except BaseException:
+            if healed is not None:
+                self.on_healed(healed)
+        except BaseException as e:
             if before is not None:
                 self._relayout(before)
+                if str(e) != self._heal_failed:
+                    log.warning("the nodes left did not take the layers (%s): trying again", e)
+                self._heal_failed = str(e)
             raise
         if healed is not None:
-            self.on_healed(healed)
+            self._missing_since, self._heal_failed = {}, ""
             log.warning("the pipeline now runs over %s: %s", ", ".join(healed.addresses),
                         ", ".join(f"layers {s.start}-{s.end - 1}" for s in healed.specs))
 
-    def _healed(self, missing: list[str]) -> Layout | None:
-        """Where the shards go without the nodes in `missing`, once they have been lost long enough."""
-        if self.heal is None or time.time() - self.reformer.down_at < self.heal_after:
+    def _healed(self, missing: list[str], now: float) -> Layout | None:
+        """Where the shards go without the nodes in `missing`, once each has been missing long enough."""
+        if self.heal is None or any(now - self._missing_since[a] < self.heal_after for a in missing):
             return None
         layout = self.heal(list(self.addresses), missing)
         if layout is not None and (len(layout.specs) != len(layout.addresses) or not layout.addresses
@@ -199,8 +212,11 @@ class Reforming:
         Links to the nodes kept stay as they are; the others' close quietly (`retired`)."""
         assert self._load_args is not None
         model_path, specs, mtp, dtype = self._load_args
-        before = Layout(list(self.addresses), list(specs), list(self.sources), list(self.ring_targets))
+        before = Layout(list(self.addresses), list(specs), list(self.sources), list(self.ring_targets),
+                        list(self.next_targets))
         with self._connect_lock:
+            if self._closed:  # (closed while an attempt ran: it opens nothing more)
+                raise RuntimeError("the pipeline was closed")
             links = {n.address: n for n in self.nodes}
             self.nodes = [links.pop(a, None) or NodeLink(a, self.secret) for a in layout.addresses]
             self.addresses = list(layout.addresses)
@@ -208,7 +224,7 @@ class Reforming:
                 if n.subscription is not None:
                     n.subscription.cancel()
                 n.channel.close()
-            self.next_targets = [*self.addresses[1:], ""]
+            self.next_targets = list(layout.next_targets or [*self.addresses[1:], ""])
             self.ring_targets = list(dict.fromkeys([*layout.ring_targets, self.addresses[0]]))
             self.sources = list(layout.sources)
             self._load_args = (model_path, list(layout.specs), mtp, dtype)

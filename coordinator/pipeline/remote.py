@@ -116,6 +116,7 @@ class RemotePipeline(Reforming):
         self.reformer = Reformer(self._reform, final=(TakenOver,))  # a lost node: down, then formed again
         self.heal, self.heal_after = heal, heal_after  # where a node lost that long has its layers go (reform.py)
         self.on_healed: Callable[[Layout], None] = lambda layout: None
+        self._missing_since: dict[str, float] = {}
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -184,6 +185,8 @@ class RemotePipeline(Reforming):
         if self._renewer is not None and all(n.subscription is not None for n in self.nodes):
             return
         with self._connect_lock:
+            if self._closed:  # (a re-forming attempt that ran on as it closed subscribes nothing)
+                raise RuntimeError("the pipeline is closed")
             for node in self.nodes:
                 if node.subscription is None:
                     self._subscribe(node)
