@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..proto import mtpipe_pb2 as pb
 from .conditions import Conditions
-from .groups import RingGroups, StaleRound
+from .groups import GroupGone, RingGroups, StaleRound
 from .protocol import GroupEnd, GroupRound, StageError, StepOutput
 from .wire import (
     end_to_pb,
@@ -136,6 +136,9 @@ class GroupFrames:
             out = groups.run(rnd, hidden)
         except StaleRound as e:  # the group went on without it: its rows were failed then
             self._fail_rows(frame, "ABORTED", str(e))
+            return
+        except GroupGone as e:  # (its rows resume)
+            self._group_failed(groups, rnd, frame, "ABORTED", str(e))
             return
         except StageError as e:
             self._group_failed(groups, rnd, frame, "INVALID_ARGUMENT", str(e))

@@ -63,6 +63,11 @@ class StaleRound(StageError):
     started anew, meanwhile): it is dropped, and the group this node holds goes on."""
 
 
+class GroupGone(StageError):
+    """A round of a group this node no longer holds (it restarted, or its client's pipeline was formed
+    again): the round is lost, not malformed, and its rows may go on anew."""
+
+
 @dataclass
 class IdleEnd:
     """Groups whose rounds stopped coming, ended. On the last node: the rows they held, as (client,
@@ -126,7 +131,7 @@ class RingGroups:
         kept = [r for r in rnd.rows if not r.join]
         joins = [r for r in rnd.rows if r.join]
         if g is None and kept:
-            raise StageError(f"group {rnd.group} is unknown here, yet its round carries rows that do not join")
+            raise GroupGone(f"group {rnd.group} is unknown here, yet its round carries rows that do not join")
         if g is not None and not self.spec.is_last and rnd.round != g.round + 1:
             raise StageError(f"group {rnd.group}: round {rnd.round} after round {g.round}")
         ids = g.stage.ids if g is not None else []

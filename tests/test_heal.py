@@ -154,12 +154,14 @@ def test_nodes_that_keep_their_shards_as_the_pipeline_forms_again_drop_what_its_
     from helpers import node_servers
 
     from mtpipe.coordinator.engine.build import ring_engine
-    from mtpipe.node.protocol import StepKind, StepRequest
+    from mtpipe.node.protocol import StageUnavailable, StepKind, StepRequest
 
     with node_servers(2) as servers:
         engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
         try:
             pipeline, prompt = engine.pipeline, engine.tokenizer.encode(PROMPTS[0])
+            heard: queue.SimpleQueue = queue.SimpleQueue()
+            pipeline.row_sinks["grouped"] = heard.put  # (its rounds circle the nodes on their own)
             pipeline.steps([StepRequest("alone", 0, StepKind.PREFILL, prompt, final=True)])
             pipeline.steps([StepRequest("grouped", 0, StepKind.PREFILL, prompt, final=True, group=1, budget=10**6)])
             assert all({"alone", "grouped"} <= held(s) for s in servers)
@@ -167,6 +169,10 @@ def test_nodes_that_keep_their_shards_as_the_pipeline_forms_again_drop_what_its_
             pipeline.load(model_path, specs, mtp=mtp, dtype=dtype)
             assert [r.reused for r in pipeline.load_replies] == [True, True]
             assert [held(s) for s in servers] == [{"alone"}, {"alone"}]  # (perhaps a request started meanwhile)
+            # The round that was on its way is lost, not refused: its row may go on anew.
+            while not isinstance(item := heard.get(timeout=10), BaseException):
+                pass
+            assert isinstance(item, StageUnavailable) and "unknown here" in str(item), item
         finally:
             engine.close()
 
@@ -175,3 +181,38 @@ def held(server: Any) -> set[str]:
     """A node's sequences, alone and in groups."""
     groups = server.service.ring_groups.groups.values()
     return set(server.service.worker.sequences) | {i for g in groups for i in g.stage.ids}
+
+
+@pytest.mark.timeout(120)
+def test_a_request_admitted_while_the_pipeline_is_down_waits_for_it(dense_ckpt: Path) -> None:
+    """One row: the second request waits for it. The pipeline is lost, the first request is cancelled,
+    and the second takes its row while the pipeline is still down: its prompt waits until the pipeline
+    is formed again (a prompt sent meanwhile would join a group that the forming drops), then it
+    gives the tokens it gives alone."""
+    from helpers import node_servers
+
+    from mtpipe.coordinator.engine.build import ring_engine
+    from mtpipe.coordinator.engine.request import GenerationRequest
+    from mtpipe.coordinator.engine.sinks import END
+    from mtpipe.coordinator.pipeline.nodes import NodeFailure
+
+    with node_servers(2) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32", max_rows=1)
+        try:
+            first, second = (GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=32) for i in (0, 1))
+            want = undisturbed(dense_ckpt, [second])[0]
+            started: queue.SimpleQueue = queue.SimpleQueue()
+            handle = engine.open(first, started.put)
+            started.get(timeout=60)
+            seen: list[bool] = []  # whether the pipeline served as the second request got its row
+            second_out: queue.SimpleQueue = queue.SimpleQueue()
+            engine.open(second, second_out.put, admitted=lambda: seen.append(engine.pipeline.reformer.down is None))
+            engine.pipeline._lost(NodeFailure(servers[-1].address, "lost for the test"))
+            handle.cancel()
+            tokens = []
+            while (item := second_out.get(timeout=60)) is not END:
+                assert not isinstance(item, BaseException), item
+                tokens += item.tokens
+            assert seen == [True] and tokens == want
+        finally:
+            engine.close()

@@ -167,7 +167,14 @@ class RingEngine:
             if live.done:  # cancelled while it waited
                 self._slots.release()
                 return
-            live.admitted = True
+            live.resuming = True  # (a slot and nothing on the nodes: a cancel from here gives the slot back)
+        down = self.pipeline.reformer.down  # its prompt waits for the pipeline, as a lost row's does
+        if down is not None and not self.pipeline.reformer.wait(self.resume_window):
+            return self._finish(live, StageUnavailable(str(down)), released=True)
+        with live.lock:
+            if live.done:  # (cancelled meanwhile: its slot went back then)
+                return
+            live.resuming, live.admitted = False, True
             live.started = time.perf_counter()
             self._place(live)
             live.prefilling = True  # (from here a cancel leaves the release to `_prefill`)
