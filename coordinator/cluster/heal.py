@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 def heal_plan(footprint: ModelFootprint, survivors: list[NodeResources], first: str,
               overrides: dict[str, int]) -> tuple[list[NodeResources], list[StagePlan]]:
     """The nodes left in pipeline order and their layers (PlacementError when they cannot take them).
-    Their layer counts in cluster.yaml stand where the others can take the rest; where they cannot
-    (every node left has one), layers follow memory."""
+    Their layer counts in cluster.yaml stand where a placement with them fits; where none does (they
+    leave no room for the layers of the node lost, say), layers follow memory."""
     if len(survivors) < 2:
         raise PlacementError(f"{len(survivors)} node(s) left, and a ring needs two")
     order = order_nodes(survivors, first=first)
