@@ -495,4 +495,12 @@ def test_the_others_take_the_layers_of_the_node_that_left(cluster: dict, topolog
                                                                              (b["status"], b["problems"])]
     assert a["placed"] == ["node-a", "node-b"] and a["layers"][0] == 0 and a["layers"][1] == b["layers"][0]
     assert b["layers"][1] == single_node.pipeline.stages[0].spec.end, report
+    # GET /v1/cluster says the same.
+    url = f"http://127.0.0.1:{API_PORT}/v1/cluster"
+    get = f"import urllib.request; print(urllib.request.urlopen({url!r}).read().decode())"
+    r = run_in(topology, 1, [sys.executable, "-c", get], _env())
+    info = json.loads(r.stdout)
+    assert [(p["node"], p["layers"]) for p in info["placement"]] == [("node-a", a["layers"]), ("node-b", b["layers"])]
+    assert [(h["source"], h["target"]) for h in info["links"]] == [("node-a", "node-b")], info["links"]
+    assert (info["ring"]["source"], info["ring"]["target"]) == ("node-b", "node-a"), info["ring"]
     check_generation(topology, 1, single_node, cluster["procs"][1], prompts=1)
