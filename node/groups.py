@@ -120,7 +120,7 @@ class RingGroups:
         g = self.groups.get(rnd.key)
         if self.spec.is_last:  # every round the last node gets back is one it started
             if g is None:
-                raise StageError(f"group {rnd.group} is not held here (it ended)")
+                raise GroupGone(f"group {rnd.group} is not held here (it ended)")
             if not g.in_flight or rnd.round != g.round or {r.seq_id for r in rnd.rows if r.join} != g.joining:
                 raise StaleRound(f"group {rnd.group}: round {rnd.round} is not the one on its way")
         if g is not None and rnd.round == 1 and not self.spec.is_last:
