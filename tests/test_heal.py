@@ -67,6 +67,22 @@ def test_a_failed_heal_puts_back_the_nodes_and_hops_it_had_and_a_closed_pipeline
         pipeline._relayout(before)
 
 
+def test_heal_after_null_in_cluster_yaml_never_heals() -> None:
+    from mtpipe.coordinator.cluster.config import parse_cluster_config
+    from mtpipe.coordinator.pipeline.remote import RemotePipeline
+
+    assert parse_cluster_config({}).placement.heal_after_s == 10.0
+    never = parse_cluster_config({"placement": {"heal_after_s": None}}).placement.heal_after_s
+    formation = Formation([], {}, [])
+    for heal_after, heals in ((never, False), (2.5, True)):
+        pipeline = RemotePipeline(["10.0.0.1:7000", "10.0.0.2:7000"])
+        try:
+            Healer(formation, footprint(), "me", None, 0).attach(pipeline, heal_after)
+            assert (pipeline.heal is not None) == heals and pipeline.heal_after == (heal_after or 10.0)
+        finally:
+            pipeline.close()
+
+
 @pytest.mark.parametrize(("survivors", "why"), [
     ([node("me", 100)], "a ring needs two"),
     ([node("me", 4), node("b", 4)], "short"),
