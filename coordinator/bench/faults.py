@@ -96,8 +96,8 @@ def run_scenario(model: str, n: int, scenario: tuple[str, str, str, int], reqs: 
     engine = build(model, nodes.addresses, dtype="float32")
     try:
         if fault == "heal":
-            healer = Healer(formation_of(nodes.addresses, engine.pipeline.health()), model_footprint(model),
-                            engine.pipeline.health()[0].node_id, None, 0)
+            health = engine.pipeline.health()
+            healer = Healer(formation_of(nodes.addresses, health), model_footprint(model), health[0].node_id, None, 0)
             healer.attach(engine.pipeline, fault_s)
         streams = [Stream() for _ in reqs]
         ends = [threading.Event() for _ in reqs]

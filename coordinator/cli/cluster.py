@@ -155,7 +155,7 @@ def _launch(args: argparse.Namespace) -> int:
     from ..api.model_defaults import generation_config_dir, generation_config_source
     from ..api.serve import serve
     from ..cluster.heal import Healer
-    from ..cluster.placement import GiB, model_footprint
+    from ..cluster.placement import GiB
 
     console = stderr_console()
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # unwinds through the cleanup below: peers see this node leave
@@ -276,7 +276,7 @@ def _launch(args: argparse.Namespace) -> int:
                     placed.pop(gone, None)
                 server.service.placed = dict(sorted(now.items()))
 
-            Healer(formation, model_footprint(model_path, mtp=mtp), me, secret, int(cfg.placement.reserve_gib * GiB),
+            Healer(formation, formation.footprint, me, secret, int(cfg.placement.reserve_gib * GiB),
                    on_placed=replaced).attach(engine.pipeline, cfg.placement.heal_after_s)
         server.service.placed = dict(sorted(placed.items()))  # (`mtpipe health` lists a member that is gone)
         check_default_depth(cfg.mtp_depth if mtp else 0, engine.has_mtp, "--mtp-depth (cluster.yaml mtp_depth)")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ...node.advertise import NodeAdvert
 from ...node.links import Interface, format_host_port, split_host_port, strip_scope
 from .config import ClusterConfig, StaticNode
-from .placement import GiB, HopCandidate, NodeResources, StagePlan, hop_candidates
+from .placement import GiB, HopCandidate, ModelFootprint, NodeResources, StagePlan, hop_candidates
 
 if TYPE_CHECKING:
     from .agent import ClusterAgent
@@ -46,6 +46,7 @@ class Formation:
     ring: Hop | None = None  # last node -> first node, for the decode rounds the last node starts
     order: list[NodeResources] = field(default_factory=list)  # the placed nodes, in pipeline order
     overrides: dict[str, int] = field(default_factory=dict)  # cluster.yaml's layer counts, by node id
+    footprint: ModelFootprint | None = None  # what the model was placed as (read from its headers)
 
 
 def placed_addresses(formation: Formation, static: dict[str, NodeResources]) -> dict[str, str]:
@@ -324,7 +325,8 @@ def form_cluster(
     except BaseException:
         engine.pipeline.close()
         raise
-    return engine, Formation(plan, control, hops, ring_hop(order, ring, engine.pipeline), order, overrides)
+    return engine, Formation(plan, control, hops, ring_hop(order, ring, engine.pipeline), order, overrides,
+                             footprint)
 
 
 def single_node_engine(server: Any, model_path: Path, mtp: bool, dtype: str | None, options: dict[str, Any],
