@@ -49,7 +49,7 @@ def bench_auth(model_path: Path, prompts: list[list[int]], max_tokens: int, reps
                     trial += 1
         finally:
             for engine in engines.values():
-                engine.pipeline.close()
+                engine.close()
 
     def median_ratio(x: list[float], y: list[float]) -> float:
         return round(statistics.median(u / v for u, v in zip(x, y)), 3)

@@ -279,13 +279,13 @@ def bench_engine(
                                                                whole_window=unwindowed)
         finally:
             if unwindowed is not None:
-                unwindowed.pipeline.close()
+                unwindowed.close()
         result["ratios"]["min_auto_vs_no_mtp_long"] = min(r["ratios"]["auto_vs_no_mtp"] for r in long.values())
         result["ratios"]["min_no_mtp_vs_mlx_lm_long"] = min(r["ratios"]["no_mtp_vs_mlx_lm"] for r in long.values())
         result["identical"] = result["identical"] and all(r["identical"] for r in long.values())
-    engine.pipeline.close()
+    engine.close()
     if whole:
-        whole.pipeline.close()
+        whole.close()
     return result
 
 

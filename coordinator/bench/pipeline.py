@@ -198,8 +198,8 @@ def bench_pipeline(
         finally:
             for name, engine in engines.items():
                 if name != "single":
-                    engine.pipeline.close()
-    single.pipeline.close()
+                    engine.close()
+    single.close()
     auth = bench_auth(model_path, encoded, max_tokens, reps=auth_reps)
     ring_result = run_mlx_ring(model_path, encoded, max_tokens) if ring else {"error": "skipped"}
 

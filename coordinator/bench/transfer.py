@@ -192,7 +192,7 @@ def _load(model: Path, address: str, source: str, secret: str) -> dict[str, Any]
         engine.complete(GenerationRequest(engine.tokenizer.encode(PROMPT), max_tokens=1))
         ttft_s = time.perf_counter() - t0
     finally:
-        engine.pipeline.close()
+        engine.close()
     return {"load_s": load_s, "ttft_s": ttft_s, "fetched_bytes": reply.fetched_bytes, "source": reply.weights_source}
 
 

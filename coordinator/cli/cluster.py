@@ -294,7 +294,7 @@ def _launch(args: argparse.Namespace) -> int:
         if front is not None:
             front.stop()
         if engine is not None:
-            engine.pipeline.close()
+            engine.close()
         if agent is not None:
             agent.stop()
         server.stop()

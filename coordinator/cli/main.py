@@ -84,7 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
             _print_stats(stats.to_dict(), req.depth_label)
     finally:
-        engine.pipeline.close()
+        engine.close()
     return EXIT_OK
 
 

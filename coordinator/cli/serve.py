@@ -135,4 +135,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if front is not None:
             front.stop()
         if engine is not None:
-            engine.pipeline.close()
+            engine.close()

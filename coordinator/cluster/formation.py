@@ -323,7 +323,7 @@ def form_cluster(
         hops = confirm_hops(order, control, secret)
         engine.pipeline.keep_next_targets([h.address for h in hops])
     except BaseException:
-        engine.pipeline.close()
+        engine.close()
         raise
     return engine, Formation(plan, control, hops, ring_hop(order, ring, engine.pipeline), order, overrides,
                              footprint)

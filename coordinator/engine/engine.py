@@ -59,6 +59,10 @@ class Engine:
         self.vocab_size = vocab_size  # what the model embeds: logit_bias ids are checked against it
         self.processors = processors  # False: the pipeline cannot carry logits processors and logprobs
 
+    def close(self) -> None:
+        """Stop the engine: its pipeline lets go of its stages (the batch and ring engines also end their threads)."""
+        self.pipeline.close()
+
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
 
