@@ -306,7 +306,15 @@ def test_mtpipe_serve_runs_its_api_in_a_child_and_stops_it(dense_ckpt: Path, how
             os.killpg(proc.pid, signal.SIGINT)  # a terminal signals the whole foreground group
         else:
             proc.send_signal(signal.SIGTERM)  # a service manager signals the command
-        assert proc.wait(30) == 0, proc.stderr.read() if proc.stderr else ""
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:  # where it hangs: the command dumps every thread's stack on SIGUSR1
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"mtpipe serve did not end within 30 s of {how}:\n{proc.stderr.read()[-20000:]}")
+        assert code == 0, proc.stderr.read() if proc.stderr else ""
         assert proc.stderr is not None and f"at {url}/v1" in proc.stderr.read()  # the URL it listens at, once it does
         _, alive = psutil.wait_procs(children, timeout=10)  # the tracker ends when it sees its pipe close
         assert not alive, [c.cmdline() for c in alive]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -59,3 +61,25 @@ def test_a_failed_init_raises_and_runs_again(package: Path) -> None:
     from deferpkg import answer
 
     assert answer == 42
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 here")
+def test_the_command_prints_its_threads_stacks_on_sigusr1_and_goes_on() -> None:
+    """What a hung `mtpipe` process is doing, without a debugger: every thread's stack on stderr."""
+    from mtpipe.node.spawn import node_command
+
+    proc = subprocess.Popen(node_command("--host", "127.0.0.1", "--port", "0"), stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        while "listening on" not in (line := proc.stderr.readline()):
+            assert line, "the node ended before it listened"
+        proc.send_signal(signal.SIGUSR1)
+        dumped = []
+        while "asyncio" not in "".join(dumped):  # (the stack of the node's event loop)
+            line = proc.stderr.readline()
+            assert line, "".join(dumped)
+            dumped.append(line)
+        assert "most recent call first" in "".join(dumped) and proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
