@@ -27,6 +27,7 @@ from mtpipe.models.config import load_config
     (["generate", "--nodes", "10.0.0.1:5,10.0.0.2:5,10.0.0.1:5"], r"--nodes: 10.0.0.1:5 is listed twice"),
     (["serve", "--stall-timeout", "-1"], r"--stall-timeout: expected a number of seconds \(0: never\), got '-1'"),
     (["serve", "--resume-window", "nan"], r"--resume-window: expected a number of seconds"),
+    (["serve", "--nodes", "h:1", "--heal-after", "-1"], r"--heal-after: expected a number of seconds"),
     (["serve", "--nodes", " , "], r"--nodes: expected comma-separated host:port of nodes"),
     (["serve", "--nodes", "h:1", "--weights-from", "h"], r"--weights-from: 'h' has no port"),
     (["generate", "--max-tokens", "0"], r"--max-tokens: expected a positive integer"),
@@ -73,6 +74,12 @@ def test_generate_checks_its_request_before_it_loads_any_node(monkeypatch: pytes
         nodes = [] if argv[0] == "--weights-from" else ["--nodes", "127.0.0.1:1", "--take-over"]
         assert main(["generate", "--prompt", "hi", *nodes, *argv]) == 2, argv
         assert capsys.readouterr().err.startswith("mtpipe: error: ")
+
+
+@pytest.mark.parametrize("option", [["--heal-after", "5"], ["--resume-window", "5"], ["--weights-from", "h:1"]])
+def test_options_of_serve_over_nodes_are_refused_without_nodes(option: list[str], capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", "--model", "/nowhere", "--port", "0", *option]) == 2
+    assert f"{option[0]} applies with --nodes" in capsys.readouterr().err
 
 
 def test_a_port_in_use_and_a_depth_the_model_cannot_run_are_refused() -> None:

@@ -13,7 +13,7 @@ import pytest
 from helpers import PROMPTS, undisturbed
 
 from mtpipe.coordinator.cluster.formation import Formation
-from mtpipe.coordinator.cluster.heal import Healer, formation_of, heal_plan
+from mtpipe.coordinator.cluster.heal import Healer, heal_plan
 from mtpipe.coordinator.cluster.placement import GiB, ModelFootprint, NodeResources, PlacementError
 from mtpipe.coordinator.pipeline.reform import Layout
 from mtpipe.models.shard import ShardSpec
@@ -98,7 +98,6 @@ def test_the_nodes_left_take_a_lost_nodes_layers_and_requests_resume(dense_ckpt:
     delay the first and last take its layers (a first attempt whose shards the nodes refuse puts
     the old pipeline back), and the greedy requests under way finish with an undisturbed run's tokens."""
     from mtpipe.coordinator.bench.nodes import NodeProcesses
-    from mtpipe.coordinator.cluster.placement import model_footprint
     from mtpipe.coordinator.engine.build import ring_engine
     from mtpipe.coordinator.engine.request import GenerationRequest
     from mtpipe.coordinator.engine.sinks import END
@@ -110,9 +109,9 @@ def test_the_nodes_left_take_a_lost_nodes_layers_and_requests_resume(dense_ckpt:
             health = pipeline.health()
             ids = [h.node_id for h in health]
             layers = health[-1].num_layers
-            formation = formation_of(nodes.addresses, health)
             placed: list[Formation] = []
-            healer = Healer(formation, model_footprint(dense_ckpt), ids[0], None, 0, on_placed=placed.append)
+            healer = Healer.over_nodes(dense_ckpt, pipeline)  # (as `serve --nodes --heal-after` makes it)
+            healer.on_placed = placed.append
             healer.attach(pipeline, 1.0)
             asked: list[list[str]] = []  # the pipeline's nodes at each heal that had a layout
 
@@ -155,7 +154,8 @@ def test_the_nodes_left_take_a_lost_nodes_layers_and_requests_resume(dense_ckpt:
             assert [h.node_id for h in now] == [ids[0], ids[2]]
             assert now[0].start == 0 and now[0].end == now[1].start and now[1].end == layers
             assert [h.last_error for h in now] == ["", ""]  # (the first node's link to the lost one is gone)
-            assert placed and [s.node_id for s in formation.plan] == [ids[0], ids[2]]
+            formation = healer.formation
+            assert placed == [formation] and [s.node_id for s in formation.plan] == [ids[0], ids[2]]
             assert [(h.source, h.target) for h in formation.hops] == [(ids[0], ids[2])] and formation.hops[0].rtt_ms
             assert engine.complete(reqs[1]).tokens == want[1]  # and it serves new requests
         finally:

@@ -22,8 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..cluster.heal import Healer, formation_of
-from ..cluster.placement import model_footprint
+from ..cluster.heal import Healer
 from ..engine.build import local_engine, remote_engine, ring_engine
 from ..engine.request import GenerationRequest
 from ..engine.sinks import END, open_stream
@@ -96,9 +95,7 @@ def run_scenario(model: str, n: int, scenario: tuple[str, str, str, int], reqs: 
     engine = build(model, nodes.addresses, dtype="float32")
     try:
         if fault == "heal":
-            health = engine.pipeline.health()
-            healer = Healer(formation_of(nodes.addresses, health), model_footprint(model), health[0].node_id, None, 0)
-            healer.attach(engine.pipeline, fault_s)
+            Healer.over_nodes(model, engine.pipeline).attach(engine.pipeline, fault_s)
         streams = [Stream() for _ in reqs]
         ends = [threading.Event() for _ in reqs]
         for r, s, e in zip(reqs, streams, ends):

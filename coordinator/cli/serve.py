@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import signal
 
@@ -32,6 +33,8 @@ from .common import (
 )
 
 
+log = logging.getLogger(__name__)
+
 seconds_or_never = number_arg(float, "a number of seconds (0: never)", lambda s: s >= 0 and math.isfinite(s))
 
 
@@ -56,9 +59,14 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                         "prefills only the rest. One machine: dropped first when requests need the memory (default: "
                         "a quarter of the batch's memory budget). With --nodes: over all nodes together (default: an "
                         "eighth of the memory the node with least available has, per node). 0: off")
-    p.add_argument("--resume-window", type=seconds_or_never, default=RESUME_WINDOW_S,
+    p.add_argument("--resume-window", type=seconds_or_never,
                    help="with --nodes: how long a request whose node is lost waits for the pipeline to be formed "
-                        f"again, then goes on where it stopped (default {RESUME_WINDOW_S:g} s; 0: fail at once)")
+                        f"again, then goes on where it stopped (default {RESUME_WINDOW_S:g} s, plus --heal-after; "
+                        "0: fail at once)")
+    p.add_argument("--heal-after", type=seconds_or_never, metavar="S",
+                   help="with --nodes: once a node has been lost this long, the nodes left take its layers (in the "
+                        "order given, when at least two are left and their memory holds the model; each loads from its "
+                        "model directories or --weights-from); default: wait for the node to come back")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"refuse larger request bodies with 413 (default {DEFAULT_MAX_BODY_BYTES}; 0: no limit)")
     p.add_argument("--stall-timeout", type=seconds_or_never, default=STALL_TIMEOUT_S, metavar="S",
@@ -78,8 +86,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..api.front import FrontProcess, front_spec  # (light: the rest comes in once the front is spawned)
     from ..api.model_defaults import generation_config_dir
 
-    if args.weights_from and not args.nodes:
-        raise ValueError("--weights-from applies with --nodes")
+    for option, value in (("--weights-from", args.weights_from), ("--heal-after", args.heal_after),
+                          ("--resume-window", args.resume_window)):
+        if value is not None and not args.nodes:
+            raise ValueError(f"{option} applies with --nodes")
+    heal_after = args.heal_after or None
+    resume_window = RESUME_WINDOW_S + (heal_after or 0.0) if args.resume_window is None else args.resume_window
+    if heal_after and resume_window and resume_window < heal_after:
+        log.warning("--resume-window %g s is shorter than --heal-after %g s: requests under way when a node is lost "
+                    "fail before the others take its layers", resume_window, heal_after)
     if args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
     if args.max_body_bytes < 0:
@@ -113,7 +128,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             secret = read_secret(args.secret_file)
             engine = ring_engine(path, args.nodes, mtp=not args.no_mtp, secret=secret, dtype=args.dtype,
                                  sources=args.weights_from or [], max_rows=args.max_concurrency,
-                                 resume_window=args.resume_window, take_over=args.take_over, **options)
+                                 resume_window=resume_window, take_over=args.take_over, **options)
+            if heal_after:
+                from ..cluster.config import PlacementConfig
+                from ..cluster.heal import Healer
+                from ..cluster.placement import GiB
+
+                reserve = int(PlacementConfig().reserve_gib * GiB)  # (kept free on each node, as launch keeps it)
+                Healer.over_nodes(path, engine.pipeline, secret, args.weights_from or [], reserve).attach(
+                    engine.pipeline, heal_after)
         else:
             import mlx.core as mx
 

@@ -7,7 +7,8 @@ stays lost (`placement.heal_after_s`), the pipeline's re-forming (pipeline/refor
 layer counts kept for them). A ring needs two nodes, so a pipeline of two that loses one waits for
 it to come back, as does one whose other nodes cannot hold the model. Once the pipeline serves over
 the new shards, the hops between new neighbours are measured as at launch, and the formation (what
-GET /v1/cluster and `mtpipe health` report) says where everything is.
+GET /v1/cluster and `mtpipe health` report) says where everything is. `serve --nodes --heal-after`
+heals the same way over the nodes it was given, in their order (`Healer.over_nodes`).
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ log = logging.getLogger(__name__)
 
 
 def heal_plan(footprint: ModelFootprint, survivors: list[NodeResources], first: str,
-              overrides: dict[str, int]) -> tuple[list[NodeResources], list[StagePlan]]:
+              overrides: dict[str, int], keep_order: bool = False) -> tuple[list[NodeResources], list[StagePlan]]:
     """The nodes left in pipeline order and their layers (PlacementError when they cannot take them).
     Their layer counts in cluster.yaml stand where a placement with them fits; where none does (they
-    leave no room for the layers of the node lost, say), layers follow memory."""
+    leave no room for the layers of the node lost, say), layers follow memory. `keep_order`: the nodes
+    stay in the order given (one a user chose, `serve --nodes`), else ordered as at launch."""
     if len(survivors) < 2:
         raise PlacementError(f"{len(survivors)} node(s) left, and a ring needs two")
-    order = order_nodes(survivors, first=first)
+    order = list(survivors) if keep_order else order_nodes(survivors, first=first)
     ids = {n.node_id for n in order}
     kept = {k: v for k, v in overrides.items() if k in ids}
     try:
@@ -55,20 +57,38 @@ def formation_of(addresses: list[str], health: list[Any]) -> Formation:
 
 
 class Healer:
-    """The `heal` of a launched pipeline (pipeline/reform.py's `Heal`), and what it does once healed."""
+    """The `heal` of a launched pipeline (pipeline/reform.py's `Heal`), and what it does once healed.
+
+    `me`: the node that coordinates, first in the ring, whose node server holds the model for the
+    others to fetch. `sources`: instead, the addresses every node fetches what it lacks from (`serve
+    --nodes --weights-from`: none, each loads from its model directories), its order kept.
+    """
 
     def __init__(self, formation: Formation, footprint: ModelFootprint, me: str, secret: str | None,
-                 reserve: int, on_placed: Callable[[Formation], None] = lambda f: None):
+                 reserve: int, on_placed: Callable[[Formation], None] = lambda f: None,
+                 sources: list[str] | None = None):
         self.formation = formation
         self.footprint = footprint
         self.me = me
         self.secret = secret
         self.reserve = reserve
         self.on_placed = on_placed  # the formation changed (`mtpipe health`'s placed addresses)
+        self.sources = sources
         self.pipeline: Any = None
         self._pending: dict[tuple[str, ...], tuple[list[NodeResources], list[StagePlan]]] = {}
         self._lock = threading.Lock()
         self._said = ""  # what the last attempt found (said once, not every second)
+
+    @classmethod
+    def over_nodes(cls, model_path: Any, pipeline: Any, secret: str | None = None, sources: list[str] | None = None,
+                   reserve: int = 0) -> Healer:
+        """For a pipeline formed over nodes named by address (`serve --nodes`, benches, tests): who
+        holds what, from their Health; the nodes left keep the order given."""
+        from .placement import model_footprint
+
+        formation = formation_of(pipeline.addresses, pipeline.health())
+        return cls(formation, model_footprint(model_path), formation.order[0].node_id, secret, reserve,
+                   sources=list(sources or []))
 
     def attach(self, pipeline: Any, heal_after: float | None) -> None:
         """Heal `pipeline` (a RemotePipeline) after `heal_after` seconds of a node lost (None: never)."""
@@ -82,12 +102,14 @@ class Healer:
         survivors = [placed[a] for a in addresses if a not in missing and a in placed]
         try:
             order, plan = heal_plan(self.footprint, [replace(n, available=self._offered(n)) for n in survivors],
-                                    self.me, self.formation.overrides)
+                                    self.me, self.formation.overrides, keep_order=self.sources is not None)
         except (PlacementError, ConnectionError) as e:
             self._say(f"the nodes left cannot take the layers of {', '.join(missing)} ({e}): waiting for it")
             return None
+        sources = (weight_sources(order, self.me, control) if self.sources is None
+                   else [[a for a in self.sources if a != control[n.node_id]] for n in order])
         layout = Layout([control[n.node_id] for n in order], [ShardSpec(s.start, s.end, plan[-1].end) for s in plan],
-                        weight_sources(order, self.me, control), [c.target for c in ring_candidates(order, control)])
+                        sources, [c.target for c in ring_candidates(order, control)])
         with self._lock:
             self._pending = {tuple(layout.addresses): (order, plan)}
         self._say(f"giving the layers of {', '.join(missing)} to "
