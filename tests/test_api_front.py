@@ -5,6 +5,7 @@ The link's two ends are also tested on a pipe in this process, with a scripted o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -311,7 +312,8 @@ def test_mtpipe_serve_runs_its_api_in_a_child_and_stops_it(dense_ckpt: Path, how
         except subprocess.TimeoutExpired:  # where it hangs: the command dumps every thread's stack on SIGUSR1
             proc.send_signal(signal.SIGUSR1)
             time.sleep(2)
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             pytest.fail(f"mtpipe serve did not end within 30 s of {how}:\n{proc.stderr.read()[-20000:]}")
         assert code == 0, proc.stderr.read() if proc.stderr else ""

@@ -92,6 +92,15 @@ def test_nodes_that_cannot_take_the_layers_wait(survivors: list[NodeResources], 
         heal_plan(footprint(), survivors, "me", {})
 
 
+def test_nodes_named_by_address_without_an_id_each_cannot_heal(dense_ckpt: Path) -> None:
+    from types import SimpleNamespace
+
+    health = [SimpleNamespace(node_id="same", start=a, end=b, parameter_bytes=1) for a, b in ((0, 2), (2, 4))]
+    pipeline = SimpleNamespace(addresses=["127.0.0.1:1", "127.0.0.1:2"], health=lambda: health)
+    with pytest.raises(ValueError, match="--node-id"):
+        Healer.over_nodes(dense_ckpt, pipeline)
+
+
 @pytest.mark.timeout(240)
 def test_the_nodes_left_take_a_lost_nodes_layers_and_requests_resume(dense_ckpt: Path) -> None:
     """Three nodes; the middle one is killed mid-generation and never comes back. After the heal

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ...models.deferred import defer_package_init
+from ..stacks import dump_stacks_on_sigusr1
 from .defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME, STALL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ def prepare_process() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (blocked from the spawn: `FrontProcess.spawn`)
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    dump_stacks_on_sigusr1()
     sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     defer_package_init("mlx_lm")

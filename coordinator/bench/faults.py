@@ -132,7 +132,7 @@ def run_scenario(model: str, n: int, scenario: tuple[str, str, str, int], reqs: 
                        min(after) - end if after else None, f"{same}/{len(reqs)}", held, left,
                        quiet_at - ended if quiet_at is not None else None)
     finally:
-        getattr(engine, "close", engine.pipeline.close)()
+        engine.close()
         nodes.close()
 
 

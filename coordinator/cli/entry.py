@@ -3,12 +3,11 @@ processes that never load transformers."""
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import signal
 import sys
 
 from ...models.deferred import defer_package_init
+from ..stacks import dump_stacks_on_sigusr1
 
 
 DEFERRING = ("node", "launch", "health", "cache")  # commands that may never need mlx-lm's tokenizer utilities
@@ -28,8 +27,7 @@ def main() -> int:
     is left alone.
     """
     sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: every thread's stack to stderr, for a process that hangs
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    dump_stacks_on_sigusr1()
     # gRPC's core prints its own lines to stderr (a peer without the cluster secret: "Handshake failed");
     # what fails reaches the user through mtpipe's errors and logs, so only the core's errors show.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

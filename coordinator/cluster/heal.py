@@ -86,7 +86,12 @@ class Healer:
         holds what, from their Health; the nodes left keep the order given."""
         from .placement import model_footprint
 
-        formation = formation_of(pipeline.addresses, pipeline.health())
+        health = pipeline.health()
+        ids = [h.node_id for h in health]
+        if len(set(ids)) < len(ids):
+            raise ValueError(f"the nodes do not have an id each ({', '.join(ids)}): give each its own --node-id "
+                             "for the others to take its layers")
+        formation = formation_of(pipeline.addresses, health)
         return cls(formation, model_footprint(model_path), formation.order[0].node_id, secret, reserve,
                    sources=list(sources or []))
 
