@@ -30,12 +30,13 @@ if TYPE_CHECKING:
 # The files that take longest, longest first (measured with --junitxml and a start/end timeline per
 # worker): each xdist worker takes whole files (--dist loadfile) in this order (--no-loadscope-reorder:
 # else xdist orders files by their number of tests), and a long file handed out last keeps one worker
-# busy while the other has nothing left.
-LONGEST_FIRST = ("test_discovery_netns.py", "test_faults.py", "test_pipeline_grpc.py", "test_batch.py", "test_ring.py",
-                 "test_api_front.py", "test_sampling.py", "test_prefix_cache.py", "test_identity.py",
-                 "test_ring_prefixes.py", "test_weights_netns.py", "test_api.py", "test_bench_serve.py",
-                 "test_weights.py", "test_draft_vocab.py", "test_take_over.py", "test_engine.py", "test_processors.py",
-                 "test_api_faults.py", "test_mtp_entries.py", "test_tls.py", "test_depth.py", "test_demo_model.py")
+# busy while the others have nothing left.
+LONGEST_FIRST = ("test_discovery_netns.py", "test_faults.py", "test_pipeline_grpc.py", "test_api_front.py", "test_ring.py",
+                 "test_sampling.py", "test_batch.py", "test_weights_netns.py", "test_ring_prefixes.py",
+                 "test_prefix_cache.py", "test_identity.py", "test_bench_serve.py", "test_processors.py", "test_api.py",
+                 "test_weights.py", "test_draft_vocab.py", "test_take_over.py", "test_engine.py", "test_demo_model.py",
+                 "test_heal.py", "test_api_faults.py", "test_tls.py", "test_mtp_entries.py", "test_depth.py",
+                 "test_mtp_window.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
