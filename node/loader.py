@@ -33,6 +33,7 @@ class LoadKey:
     mtp: bool
     dtype: str
     fingerprint: str = ""  # the model's identity (models/fingerprint.py); "" = the path's files as they are
+    ring_groups: bool = False  # the whole model run as ring groups, not a sequence at a time (LoadRequest)
 
 
 def same_shard(a: LoadKey, b: LoadKey) -> bool:
@@ -62,6 +63,7 @@ class ShardLoad:
     spec: Any  # models.shard.ShardSpec
     mtp: bool
     dtype: Any  # an mx.Dtype, or None: as stored
+    overlap: bool = True  # the whole model: a sequence at a time, its verifies queued behind its drafts
 
 
 def check_load(key: LoadKey) -> ShardLoad:
@@ -77,7 +79,8 @@ def check_load(key: LoadKey) -> ShardLoad:
         raise ValueError(f"unsupported dtype {key.dtype!r}")
     spec = ShardSpec(key.start, key.end, key.num_layers)
     shard_config(key.model_path, spec)
-    return ShardLoad(key.model_path, spec, key.mtp, getattr(mx, key.dtype) if key.dtype else None)
+    return ShardLoad(key.model_path, spec, key.mtp, getattr(mx, key.dtype) if key.dtype else None,
+                     overlap=not key.ring_groups)
 
 
 async def load_stage(load: ShardLoad, piece_bytes: int = PIECE_BYTES, draft_vocab: int | None = None,
@@ -100,4 +103,4 @@ async def load_stage(load: ShardLoad, piece_bytes: int = PIECE_BYTES, draft_voca
         n += 1
         await asyncio.sleep(0)
     log.debug("materialized %d arrays in %d pieces", len(arrays), n)
-    return StageWorker(shard, draft_vocab=draft_vocab, mtp_window=mtp_window)
+    return StageWorker(shard, draft_vocab=draft_vocab, mtp_window=mtp_window, overlap=load.overlap)

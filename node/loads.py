@@ -55,7 +55,7 @@ class ShardLoads:
 
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReply:
         key = LoadKey(request.model_path, request.start, request.end, request.num_layers, request.mtp, request.dtype,
-                      request.fingerprint)
+                      request.fingerprint, request.ring_groups)
         self._load_lock = self._load_lock or asyncio.Lock()
         async with self._load_lock:
             reused = self.worker is not None and self.key is not None and same_shard(self.key, key)

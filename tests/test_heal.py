@@ -84,7 +84,8 @@ def test_heal_after_null_in_cluster_yaml_never_heals() -> None:
 
 
 @pytest.mark.parametrize(("survivors", "why"), [
-    ([node("me", 100)], "a ring needs two"),
+    ([], "no node is left"),
+    ([node("me", 4)], "short"),
     ([node("me", 4), node("b", 4)], "short"),
 ])
 def test_nodes_that_cannot_take_the_layers_wait(survivors: list[NodeResources], why: str) -> None:
@@ -99,6 +100,58 @@ def test_nodes_named_by_address_without_an_id_each_cannot_heal(dense_ckpt: Path)
     pipeline = SimpleNamespace(addresses=["127.0.0.1:1", "127.0.0.1:2"], health=lambda: health)
     with pytest.raises(ValueError, match="--node-id"):
         Healer.over_nodes(dense_ckpt, pipeline)
+
+
+def test_one_node_left_takes_every_layer() -> None:
+    order, plan = heal_plan(footprint(), [node("b", 100)], "me", {"b": 2})
+    assert [n.node_id for n in order] == ["b"] and [(s.start, s.end) for s in plan] == [(0, 12)]
+
+
+@pytest.mark.timeout(120)
+def test_the_node_left_of_two_runs_the_ring_by_itself(dense_ckpt: Path) -> None:
+    """Two nodes; the last stops mid-generation. The first takes the whole model and runs the ring
+    engine's groups by itself (a node holding the whole model otherwise runs a sequence at a time):
+    the requests under way finish with an undisturbed run's tokens, and new ones are served."""
+    from helpers import node_servers
+
+    from mtpipe.coordinator.engine.build import ring_engine
+    from mtpipe.coordinator.engine.request import GenerationRequest
+    from mtpipe.coordinator.engine.ring import RingEngine
+    from mtpipe.coordinator.engine.sinks import END
+
+    with node_servers(2) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
+        assert isinstance(engine, RingEngine)
+        try:
+            pipeline = engine.pipeline
+            Healer.over_nodes(dense_ckpt, pipeline).attach(pipeline, 0.5)
+            reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=32, mtp_depth=d)
+                    for i, d in enumerate([0, 2, "auto"])]
+            reqs[2] = GenerationRequest(reqs[2].prompt_tokens, max_tokens=32, mtp_depth=3, mtp_auto=True)
+            want = undisturbed(dense_ckpt, reqs)
+            sinks: list[queue.SimpleQueue] = []
+            for r in reqs:
+                sinks.append(q := queue.SimpleQueue())
+                engine.open(r, q.put)
+            got: list[list[int]] = [[] for _ in reqs]
+            for i, q in enumerate(sinks):
+                while len(got[i]) < 4:
+                    got[i] += q.get(timeout=60).tokens
+            servers[1].stop(0)
+            for i, q in enumerate(sinks):
+                while (item := q.get(timeout=60)) is not END:
+                    assert not isinstance(item, BaseException), item
+                    got[i] += item.tokens
+            assert got == want
+            assert pipeline.addresses == [servers[0].address] and pipeline.rings
+            [h] = pipeline.health()
+            assert (h.start, h.end) == (0, h.num_layers) and h.is_first and h.is_last
+            service = servers[0].service
+            assert not service.worker.overlap and service.ring_self  # (its rounds start in-process)
+            assert engine.complete(reqs[1]).tokens == want[1]
+            assert service.ring_groups.rows == 0 and not service.worker.sequences
+        finally:
+            engine.close()
 
 
 @pytest.mark.timeout(240)

@@ -2,8 +2,8 @@
 
 Each scenario starts its own nodes, opens greedy streams (MTP on), waits until every stream has
 tokens, then freezes a node (SIGSTOP, then SIGCONT), kills one and starts it again on its address, or
-(over three nodes or more) kills the middle one for good, the others taking its layers once it has
-been lost for the fault's seconds (cluster/heal.py, as `mtpipe launch` does after
+kills one for good (the middle of three or more, the last of two), the others (or the one left) taking
+its layers once it has been lost for the fault's seconds (cluster/heal.py, as `mtpipe launch` does after
 `placement.heal_after_s`). It reports what the clients saw (a pause, or errors), the longest pause in
 a stream, the time from the end of the fault (for a heal: the heal delay) to the first token after
 it, whether each finished stream holds exactly the tokens of an undisturbed run (single node, same
@@ -37,6 +37,7 @@ SCENARIOS = (  # (name, engine, what happens, node index: -1 the last)
     ("kill-restart-last", "ring", "restart", -1),
     ("freeze-last", "per_sequence", "freeze", -1),
     ("kill-middle-heal", "ring", "heal", 1),  # (three nodes or more)
+    ("kill-last-heal", "ring", "heal", -1),  # (two nodes: the first is left to run the ring by itself)
 )
 SETTLE_S = 30.0
 STREAM_TIMEOUT_S = 180.0
@@ -145,7 +146,7 @@ def bench_faults(model: str, nodes: list[int], streams: int = 4, max_tokens: int
     outcomes = []
     for n in nodes:
         for scenario in SCENARIOS:
-            if scenario[2] == "heal" and n < 3:  # (one node left: no ring to form)
+            if scenario[0] == "kill-middle-heal" and n < 3 or scenario[0] == "kill-last-heal" and n != 2:
                 continue
             log.info("fault scenario %s (%s engine) over %d nodes", scenario[0], scenario[1], n)
             outcomes.append(run_scenario(model, n, scenario, reqs, want, fault_s))

@@ -65,7 +65,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                         "0: fail at once)")
     p.add_argument("--heal-after", type=seconds_or_never, metavar="S",
                    help="with --nodes: once a node has been lost this long, the nodes left take its layers (in the "
-                        "order given, when at least two are left and their memory holds the model; each loads from its "
+                        "order given, when their memory holds the model (one node left runs it by itself); each loads from its "
                         "model directories or --weights-from); default: wait for the node to come back")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"refuse larger request bodies with 413 (default {DEFAULT_MAX_BODY_BYTES}; 0: no limit)")

@@ -4,8 +4,9 @@
 stays lost (`placement.heal_after_s`), the pipeline's re-forming (pipeline/reform.py) asks the
 `Healer` where the shards go now: over the placed nodes that still answer, placed again as at launch
 (the memory each offers now, in the order their links favour, the coordinator first, cluster.yaml's
-layer counts kept for them). A ring needs two nodes, so a pipeline of two that loses one waits for
-it to come back, as does one whose other nodes cannot hold the model. Once the pipeline serves over
+layer counts kept for them). One node left that holds the whole model runs the ring's groups by
+itself (its rounds start in-process); nodes left that cannot hold the model wait for the lost one to
+come back. Once the pipeline serves over
 the new shards, the hops between new neighbours are measured as at launch, and the formation (what
 GET /v1/cluster and `mtpipe health` report) says where everything is. `serve --nodes --heal-after`
 heals the same way over the nodes it was given, in their order (`Healer.over_nodes`).
@@ -34,8 +35,8 @@ def heal_plan(footprint: ModelFootprint, survivors: list[NodeResources], first: 
     Their layer counts in cluster.yaml stand where a placement with them fits; where none does (they
     leave no room for the layers of the node lost, say), layers follow memory. `keep_order`: the nodes
     stay in the order given (one a user chose, `serve --nodes`), else ordered as at launch."""
-    if len(survivors) < 2:
-        raise PlacementError(f"{len(survivors)} node(s) left, and a ring needs two")
+    if not survivors:
+        raise PlacementError("no node is left")
     order = list(survivors) if keep_order else order_nodes(survivors, first=first)
     ids = {n.node_id for n in order}
     kept = {k: v for k, v in overrides.items() if k in ids}

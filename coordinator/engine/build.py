@@ -136,6 +136,8 @@ def ring_engine(
     or a last node that cannot reach the first, has no ring: the per-sequence Engine then. Prompt
     prefixes kept on the nodes take up to `prefix_cache` bytes over all of them (by default an eighth
     of the memory the node with least available has, times the nodes; 0: none kept)."""
+    # (a pipeline of several nodes that loses all but one to a heal runs its groups on that one)
+    pipeline_options.setdefault("ring_groups", len(nodes) > 1)
     pipeline, tokenizer, config = _load_remote(model_path, nodes, mtp, secret, specs, dtype, pipeline_options)
     eos, context, has_mtp = set(tokenizer.eos_token_ids), config.args.max_position_embeddings, \
         pipeline.load_replies[-1].has_mtp

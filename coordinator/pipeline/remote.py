@@ -74,6 +74,7 @@ class RemotePipeline(Reforming):
         ring_targets: list[str] | None = None,
         heal: Heal | None = None,
         heal_after: float = HEAL_AFTER_S,
+        ring_groups: bool = False,
     ):
         if not nodes:
             raise ValueError("a pipeline needs at least one node")
@@ -94,6 +95,8 @@ class RemotePipeline(Reforming):
         self.sources = srcs if srcs and not isinstance(srcs[0], str) else [srcs] * len(nodes)
         self.client_id = uuid.uuid4().hex[:16]  # 64 random bits: unique among a node's clients, short on the wire
         self.take_over = take_over  # load nodes that another coordinator holds, ending its requests there
+        # A ring engine's: one node (two of which one was lost, after a heal) runs ring groups too.
+        self.ring_groups = ring_groups
         self.nodes = [NodeLink(a, secret) for a in nodes]
         self.stats = WireStats()
         self.load_replies: list[pb.LoadReply] = []
@@ -138,6 +141,8 @@ class RemotePipeline(Reforming):
         last = len(self.nodes) - 1
         requests = load_requests(model_path, specs, mtp, dtype, self.addresses, self.sources, self.client_id,
                                  self.take_over)
+        if self.ring_groups and len(requests) == 1:
+            requests[0].ring_groups = True
 
         def load_one(i: int) -> tuple[pb.LoadReply, pb.ConnectReply]:
             node = self.nodes[i]
@@ -178,7 +183,8 @@ class RemotePipeline(Reforming):
     @property
     def rings(self) -> bool:
         """The last node starts rounds itself (it reached the first node): ring groups can run."""
-        return len(self.nodes) > 1 and bool(self.connect_replies) and self.connect_replies[-1].ring
+        return ((len(self.nodes) > 1 or self.ring_groups) and bool(self.connect_replies)
+                and self.connect_replies[-1].ring)
 
     def _connect(self) -> None:
         """Make sure every node holds a live subscription for this client (results and errors)."""
