@@ -102,6 +102,30 @@ def test_nodes_named_by_address_without_an_id_each_cannot_heal(dense_ckpt: Path)
         Healer.over_nodes(dense_ckpt, pipeline)
 
 
+def streams_under_way(engine: Any, reqs: list[Any], tokens: int) -> tuple[list[queue.SimpleQueue], list[list[int]]]:
+    """The requests opened, each with at least `tokens` tokens streamed: their sinks and tokens so far."""
+    sinks: list[queue.SimpleQueue] = []
+    for r in reqs:
+        sinks.append(q := queue.SimpleQueue())
+        engine.open(r, q.put)
+    got: list[list[int]] = [[] for _ in reqs]
+    for i, q in enumerate(sinks):
+        while len(got[i]) < tokens:
+            got[i] += q.get(timeout=60).tokens
+    return sinks, got
+
+
+def streams_ended(sinks: list[queue.SimpleQueue], got: list[list[int]], timeout: float) -> list[list[int]]:
+    """Each stream's tokens once it ended, none with an error."""
+    from mtpipe.coordinator.engine.sinks import END
+
+    for i, q in enumerate(sinks):
+        while (item := q.get(timeout=timeout)) is not END:
+            assert not isinstance(item, BaseException), item
+            got[i] += item.tokens
+    return got
+
+
 def test_one_node_left_takes_every_layer() -> None:
     order, plan = heal_plan(footprint(), [node("b", 100)], "me", {"b": 2})
     assert [n.node_id for n in order] == ["b"] and [(s.start, s.end) for s in plan] == [(0, 12)]
@@ -117,7 +141,6 @@ def test_the_node_left_of_two_runs_the_ring_by_itself(dense_ckpt: Path) -> None:
     from mtpipe.coordinator.engine.build import ring_engine
     from mtpipe.coordinator.engine.request import GenerationRequest
     from mtpipe.coordinator.engine.ring import RingEngine
-    from mtpipe.coordinator.engine.sinks import END
 
     with node_servers(2) as servers:
         engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
@@ -125,24 +148,12 @@ def test_the_node_left_of_two_runs_the_ring_by_itself(dense_ckpt: Path) -> None:
         try:
             pipeline = engine.pipeline
             Healer.over_nodes(dense_ckpt, pipeline).attach(pipeline, 0.5)
-            reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=32, mtp_depth=d)
-                    for i, d in enumerate([0, 2, "auto"])]
-            reqs[2] = GenerationRequest(reqs[2].prompt_tokens, max_tokens=32, mtp_depth=3, mtp_auto=True)
+            reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=32, mtp_depth=d, mtp_auto=auto)
+                    for i, (d, auto) in enumerate([(0, False), (2, False), (3, True)])]
             want = undisturbed(dense_ckpt, reqs)
-            sinks: list[queue.SimpleQueue] = []
-            for r in reqs:
-                sinks.append(q := queue.SimpleQueue())
-                engine.open(r, q.put)
-            got: list[list[int]] = [[] for _ in reqs]
-            for i, q in enumerate(sinks):
-                while len(got[i]) < 4:
-                    got[i] += q.get(timeout=60).tokens
+            sinks, got = streams_under_way(engine, reqs, 4)
             servers[1].stop(0)
-            for i, q in enumerate(sinks):
-                while (item := q.get(timeout=60)) is not END:
-                    assert not isinstance(item, BaseException), item
-                    got[i] += item.tokens
-            assert got == want
+            assert streams_ended(sinks, got, 60) == want
             assert pipeline.addresses == [servers[0].address] and pipeline.rings
             [h] = pipeline.health()
             assert (h.start, h.end) == (0, h.num_layers) and h.is_first and h.is_last
@@ -162,7 +173,6 @@ def test_the_nodes_left_take_a_lost_nodes_layers_and_requests_resume(dense_ckpt:
     from mtpipe.coordinator.bench.nodes import NodeProcesses
     from mtpipe.coordinator.engine.build import ring_engine
     from mtpipe.coordinator.engine.request import GenerationRequest
-    from mtpipe.coordinator.engine.sinks import END
 
     with NodeProcesses(3, model_dirs=[dense_ckpt]) as nodes:
         engine = ring_engine(dense_ckpt, nodes.addresses, dtype="float32")
@@ -192,21 +202,10 @@ def test_the_nodes_left_take_a_lost_nodes_layers_and_requests_resume(dense_ckpt:
             reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[i]), max_tokens=40, mtp_depth=d)
                     for i, d in enumerate([0, 2])]
             want = undisturbed(dense_ckpt, reqs)
-            sinks: list[queue.SimpleQueue] = []
-            for r in reqs:
-                sinks.append(q := queue.SimpleQueue())
-                engine.open(r, q.put)
-            got: list[list[int]] = [[] for _ in reqs]
-            for i, q in enumerate(sinks):
-                while len(got[i]) < 8:
-                    got[i] += q.get(timeout=60).tokens
+            sinks, got = streams_under_way(engine, reqs, 8)
             lost_at = time.monotonic()
             nodes.kill(1)
-            for i, q in enumerate(sinks):
-                while (item := q.get(timeout=90)) is not END:
-                    assert not isinstance(item, BaseException), item
-                    got[i] += item.tokens
-            assert got == want
+            assert streams_ended(sinks, got, 90) == want
             assert time.monotonic() - lost_at >= 1.0  # (not before the heal delay)
             assert len(asked) >= 2 and asked[1] == nodes.addresses  # the refused layout was undone
             survivors = [nodes.addresses[0], nodes.addresses[2]]
