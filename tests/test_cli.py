@@ -77,7 +77,8 @@ def test_generate_checks_its_request_before_it_loads_any_node(monkeypatch: pytes
 
 
 @pytest.mark.parametrize("option", [["--heal-after", "5"], ["--resume-window", "5"], ["--weights-from", "h:1"]])
-def test_options_of_serve_over_nodes_are_refused_without_nodes(option: list[str], capsys: pytest.CaptureFixture) -> None:
+def test_options_of_serve_over_nodes_are_refused_without_nodes(option: list[str],
+                                                                capsys: pytest.CaptureFixture) -> None:
     assert main(["serve", "--model", "/nowhere", "--port", "0", *option]) == 2
     assert f"{option[0]} applies with --nodes" in capsys.readouterr().err
 

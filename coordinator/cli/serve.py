@@ -64,9 +64,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                         f"again, then goes on where it stopped (default {RESUME_WINDOW_S:g} s, plus --heal-after; "
                         "0: fail at once)")
     p.add_argument("--heal-after", type=seconds_or_never, metavar="S",
-                   help="with --nodes: once a node has been lost this long, the nodes left take its layers (in the "
-                        "order given, when their memory holds the model (one node left runs it by itself); each loads from its "
-                        "model directories or --weights-from); default: wait for the node to come back")
+                   help="with --nodes: once a node has been lost this long, the nodes left take its layers, in the "
+                        "order given, when their memory holds the model (one node left runs it all); each loads from "
+                        "its model directories or --weights-from. Default: wait for the node to come back")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"refuse larger request bodies with 413 (default {DEFAULT_MAX_BODY_BYTES}; 0: no limit)")
     p.add_argument("--stall-timeout", type=seconds_or_never, default=STALL_TIMEOUT_S, metavar="S",

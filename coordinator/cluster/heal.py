@@ -6,9 +6,9 @@ stays lost (`placement.heal_after_s`), the pipeline's re-forming (pipeline/refor
 (the memory each offers now, in the order their links favour, the coordinator first, cluster.yaml's
 layer counts kept for them). One node left that holds the whole model runs the ring's groups by
 itself (its rounds start in-process); nodes left that cannot hold the model wait for the lost one to
-come back. Once the pipeline serves over
-the new shards, the hops between new neighbours are measured as at launch, and the formation (what
-GET /v1/cluster and `mtpipe health` report) says where everything is. `serve --nodes --heal-after`
+come back. Once the pipeline serves over the new shards, the hops between new neighbours are measured
+as at launch, and the formation (what GET /v1/cluster and `mtpipe health` report) says where
+everything is. `serve --nodes --heal-after`
 heals the same way over the nodes it was given, in their order (`Healer.over_nodes`).
 """
 
