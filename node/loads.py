@@ -117,6 +117,7 @@ class ShardLoads:
                 weights_source=self.weights.loaded.source if self.weights.loaded else "path",
                 weights_path=str(self.weights.loaded.path) if self.weights.loaded else key.model_path,
                 fetched_bytes=found.fetched if found is not None else 0,
+                ring_groups=not self.worker.overlap,
             )
 
     async def _refuse(self, client_id: str, context: grpc.aio.ServicerContext) -> None:

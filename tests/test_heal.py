@@ -155,6 +155,7 @@ def test_the_node_left_of_two_runs_the_ring_by_itself(dense_ckpt: Path) -> None:
             servers[1].stop(0)
             assert streams_ended(sinks, got, 60) == want
             assert pipeline.addresses == [servers[0].address] and pipeline.rings
+            assert pipeline.load_replies[-1].ring_groups  # (the node said it runs groups on the whole model)
             [h] = pipeline.health()
             assert (h.start, h.end) == (0, h.num_layers) and h.is_first and h.is_last
             service = servers[0].service

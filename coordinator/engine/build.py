@@ -145,6 +145,7 @@ def ring_engine(
     if not pipeline.rings:
         log.warning("no ring groups over %d node(s) (%s): one sequence per round", len(nodes),
                     "one node" if len(nodes) == 1 else "the last node cannot reach the first")
+        pipeline.ring_groups = False  # (one node left after a heal runs a sequence at a time, as it does best)
         return Engine(pipeline, tokenizer, eos, context, has_mtp, prefill_chunk=chunk, vocab_size=config.args.vocab_size)
     health = pipeline.health()
     if prefix_cache is None:

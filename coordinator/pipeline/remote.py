@@ -183,8 +183,9 @@ class RemotePipeline(Reforming):
     @property
     def rings(self) -> bool:
         """The last node starts rounds itself (it reached the first node): ring groups can run."""
-        return ((len(self.nodes) > 1 or self.ring_groups) and bool(self.connect_replies)
-                and self.connect_replies[-1].ring)
+        # (one node: only if it said it runs groups on the whole model, as a node that knows the ask does)
+        alone = self.ring_groups and bool(self.load_replies) and self.load_replies[-1].ring_groups
+        return (len(self.nodes) > 1 or alone) and bool(self.connect_replies) and self.connect_replies[-1].ring
 
     def _connect(self) -> None:
         """Make sure every node holds a live subscription for this client (results and errors)."""
