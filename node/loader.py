@@ -63,7 +63,7 @@ class ShardLoad:
     spec: Any  # models.shard.ShardSpec
     mtp: bool
     dtype: Any  # an mx.Dtype, or None: as stored
-    overlap: bool = True  # the whole model: a sequence at a time, its verifies queued behind its drafts
+    ring_groups: bool = False  # as LoadKey's
 
 
 def check_load(key: LoadKey) -> ShardLoad:
@@ -80,7 +80,7 @@ def check_load(key: LoadKey) -> ShardLoad:
     spec = ShardSpec(key.start, key.end, key.num_layers)
     shard_config(key.model_path, spec)
     return ShardLoad(key.model_path, spec, key.mtp, getattr(mx, key.dtype) if key.dtype else None,
-                     overlap=not key.ring_groups)
+                     ring_groups=key.ring_groups)
 
 
 async def load_stage(load: ShardLoad, piece_bytes: int = PIECE_BYTES, draft_vocab: int | None = None,
@@ -103,4 +103,5 @@ async def load_stage(load: ShardLoad, piece_bytes: int = PIECE_BYTES, draft_voca
         n += 1
         await asyncio.sleep(0)
     log.debug("materialized %d arrays in %d pieces", len(arrays), n)
-    return StageWorker(shard, draft_vocab=draft_vocab, mtp_window=mtp_window, overlap=load.overlap)
+    # (a whole model otherwise runs a sequence at a time, its verifies queued behind its drafts)
+    return StageWorker(shard, draft_vocab=draft_vocab, mtp_window=mtp_window, overlap=not load.ring_groups)
