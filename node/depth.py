@@ -4,13 +4,15 @@ A round with K drafts yields 1 + a1 + a1*a2 + ... + a1*...*aK tokens on average,
 chance that draft i is accepted once drafts 1..i-1 were, and costs one verify over K+1 tokens plus K
 draft steps. Both sides are measured: acceptance per sequence and per draft position (with the
 stage's figures from every sequence's first rounds as the prior, and taken at one standard error
-above the estimate, so a sequence finds out what its own drafts are worth), costs per depth and per
-context length on this stage (a calibration at load as the prior, then live timings of whole rounds,
-so hops and other stages count too). The best of noisy estimates favours whichever dipped, so drafts
-are chosen over none only when their gain exceeds the costs' error (`settled`). Depths whose costs go
-stale are probed now and then, so a sequence that dropped to 0 drafts comes back when drafting pays
-again; probes that keep confirming the choices come less often, on the whole stage, so a model whose
-drafts never pay stops paying for probes.
+above the estimate, so a sequence finds out what its own drafts are worth; a sequence's own counts
+fade, as its text and its drafts' odds change), costs per depth and per context length on this stage
+(a calibration at load as the prior, then live timings of whole rounds, so hops and other stages
+count too; a drafting depth as it compared with rounds without drafts timed beside it, as the
+machine's pace drifts). The best of noisy estimates favours whichever dipped, so drafts are chosen
+over none only when their gain exceeds the costs' error (`settled`). Depths whose costs go stale are
+probed now and then, so a sequence that dropped to 0 drafts comes back when drafting pays again;
+probes that keep confirming the choices come less often, on the whole stage, so a model whose drafts
+never pay stops paying for probes.
 
 A seeded sampled sequence draws the same tokens whatever its depths (acceptance.py), so its depth is
 timed like any other.
@@ -23,9 +25,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-PRIOR_ACCEPTANCE = 0.6  # before anything was measured: a middling draft head
-PRIOR_WEIGHT = 4.0  # pseudo-rounds of the stage-wide acceptance behind each sequence's own counts
-HOPE = 1.0  # standard errors above its estimate a sequence's acceptance is taken at (`Acceptance.hopeful`)
+from .depth_acceptance import MEMORY, Acceptance
+
 PRIOR_ROUNDS = 16  # rounds with drafts of each sequence that inform the stage's acceptance (the prior)
 EMA = 0.2  # weight of a new timing
 OUTLIER = 2.0  # a timing counts as at most this many times the estimate it updates
@@ -38,7 +39,6 @@ PROBE_SHORTFALL = 0.1
 PROBE_STRETCH = 4
 WARMUP = 1  # timings of rounds without drafts a stage takes at each context length before choosing
 TRUSTED = 3  # timings of a depth on a stage before they may say it costs more than the calibration
-MIN_REACHED = 4  # drafts at a position before the stage's own rate stands for that position
 LEAD = 1.0  # standard errors by which drafting must beat no drafts to be chosen (`settled`)
 NOISE_TIMINGS = 8  # a cost's latest timings, whose spread says how far its estimate may be off
 # The machine's pace drifts (other work, clocks): two costs timed this many seconds or more apart may
@@ -133,44 +133,6 @@ def context_bucket(context: int) -> int:
 
 
 @dataclass
-class Acceptance:
-    """Conditional acceptance per draft position: drafts that reached position i, and those accepted."""
-
-    reached: list[float]
-    accepted: list[float]
-
-    @classmethod
-    def empty(cls, depth: int) -> Acceptance:
-        return cls([0.0] * depth, [0.0] * depth)
-
-    def record(self, drafted: int, accepted: int) -> None:
-        for i in range(min(drafted, accepted + 1, len(self.reached))):  # position i was reached
-            self.reached[i] += 1
-            self.accepted[i] += i < accepted
-
-    def rates(self, prior: list[float] | None = None, weight: float = PRIOR_WEIGHT) -> list[float]:
-        prior = prior or [PRIOR_ACCEPTANCE] * len(self.reached)
-        return [(a + weight * p) / (r + weight) for a, r, p in zip(self.accepted, self.reached, prior)]
-
-    def hopeful(self, prior: list[float] | None = None, weight: float = PRIOR_WEIGHT) -> list[float]:
-        """The rates one standard error above their estimates: what a depth is chosen on. Sequences
-        accept their drafts at very different rates (the stage's average says little about one),
-        and a sequence that does not draft never learns its own; so drafts are tried while little
-        is known, and a sequence whose drafts keep failing soon stops, as its error shrinks."""
-        return [min(1.0, p + HOPE * math.sqrt(p * (1.0 - p) / (r + weight)))
-                for p, r in zip(self.rates(prior, weight), self.reached)]
-
-    def extrapolated(self) -> list[float]:
-        """Measured rates, and for positions rarely reached the rate of the position before: a draft
-        head's conditional acceptance changes slowly with depth, and a guess that kept deep positions
-        at a flat prior would never let a sequence try them."""
-        out: list[float] = []
-        for a, r in zip(self.accepted, self.reached):
-            out.append(a / r if r >= MIN_REACHED else (out[-1] if out else PRIOR_ACCEPTANCE))
-        return out
-
-
-@dataclass
 class Clock:
     """Rounds counted between probes: a batch's, or a whole stage's for its sequences."""
 
@@ -187,6 +149,9 @@ class StageCosts:
 
     prior: list[float]  # round seconds for depth 0..kmax at load (verify + drafts)
     live: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, depth) -> seconds
+    # (bucket, depth > 0) -> its rounds' seconds over those of rounds without drafts, from timings side by side (`_pair`)
+    paired: dict[tuple[int, int], float] = field(default_factory=dict)
+    latest: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # bucket -> (depth, seconds, when)
     samples: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> timings taken
     timed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> stage's timings at its last
     recent: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (bucket, depth) -> latest timings
@@ -214,7 +179,8 @@ class StageCosts:
         """The same measurements over a longer prior (a sequence asked for deeper drafts than any before)."""
         extra = len(prior) - len(self.prior)
         acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
-        return StageCosts(prior, live=dict(self.live), samples=dict(self.samples), timed_at=dict(self.timed_at),
+        return StageCosts(prior, live=dict(self.live), paired=dict(self.paired), latest=dict(self.latest),
+                          samples=dict(self.samples), timed_at=dict(self.timed_at),
                           recent={k: list(v) for k, v in self.recent.items()}, last_timed=dict(self.last_timed),
                           probe_gap=self.probe_gap, acceptance=acceptance, optimistic=self.optimistic,
                           clock=self.clock, tried=set(self.tried))
@@ -230,12 +196,30 @@ class StageCosts:
         old = self.live.get(key)
         seconds = seconds if old is None else min(seconds, OUTLIER * old)
         self.live[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        now = time.perf_counter() if now is None else now
+        self._pair(key[0], depth, seconds, now)
         self.recent[key] = (self.recent.get(key, []) + [seconds])[-NOISE_TIMINGS:]
-        self.last_timed[depth] = time.perf_counter() if now is None else now
+        self.last_timed[depth] = now
         self.samples[key] = self.samples.get(key, 0) + 1
         for cached in [k for k in self._errors if k[1] in (depth, -1)]:
             del self._errors[cached]
         self.timed_at[key] = sum(self.samples.values())
+
+    def _pair(self, bucket: int, depth: int, seconds: float, now: float) -> None:
+        """Two depths compared on timings side by side: the machine's pace drifts, within tens of rounds,
+        and a depth timed in a quiet moment would look cheap against rounds without drafts timed in a
+        busy one (and the other way round), however many timings each estimate averages. So where the timing just before this one at this context length was of another
+        depth, and not long before, the two are a sample of how the deeper compares with rounds without
+        drafts (through the shallower's own comparison where that one drafts too)."""
+        before, self.latest[bucket] = self.latest.get(bucket), (depth, seconds, now)
+        if before is None or before[0] == depth or now - before[2] > DRIFT_SECONDS:
+            return
+        (lo, lo_s), (hi, hi_s) = sorted([before[:2], (depth, seconds)])
+        base = 1.0 if lo == 0 else self.paired.get((bucket, lo))
+        if base is None:
+            return
+        ratio, old = base * hi_s / lo_s, self.paired.get((bucket, hi))
+        self.paired[(bucket, hi)] = ratio if old is None else (1 - EMA) * old + EMA * ratio
 
     def stalest_below(self, depth: int, context: int | None) -> int:
         """Of the depths under `depth`, the one timed longest ago at this context length (never: first;
@@ -309,10 +293,13 @@ class StageCosts:
         return seconds
 
     def _measured(self, bucket: int, depth: int) -> float:
-        """Timed here; else the nearest depth timed here, scaled as the two compare (`_ratio`); else
-        what the nearest context length with timings says. The calibration's own comparisons (one
-        short sequence) are the last resort: at other batch sizes and context lengths depths compare
+        """Timed here (a drafting depth as it compared with rounds without drafts timed beside it:
+        `_pair`); else the nearest depth timed here, scaled as the two compare (`_ratio`); else what
+        the nearest context length with timings says. The calibration's own comparisons (one short
+        sequence) are the last resort: at other batch sizes and context lengths depths compare
         differently, and a depth whose rival was only calibrated would keep the calibration's odds."""
+        if depth and (bucket, depth) in self.paired and (bucket, 0) in self.live:
+            return self.live[(bucket, 0)] * self.paired[(bucket, depth)]
         if (bucket, depth) in self.live:
             return self.live[(bucket, depth)]
         here = [k for b, k in self.live if b == bucket]
@@ -320,11 +307,26 @@ class StageCosts:
             timed = {b for b, _ in self.live}
             return self._measured(nearest(timed, bucket), depth) if timed else self.prior[depth]
         ref = min(here, key=lambda k: (abs(k - depth), k))
-        return self.live[(bucket, ref)] * self._ratio(depth, ref, bucket)
+        return self._measured(bucket, ref) * self._ratio(depth, ref, bucket)
+
+    def _relative(self, bucket: int, depth: int) -> float | None:
+        """depth's rounds over rounds without drafts at this context length, where known."""
+        if (bucket, 0) not in self.live:
+            return None
+        if depth == 0:
+            return 1.0
+        if (bucket, depth) in self.paired:
+            return self.paired[(bucket, depth)]
+        return self.live[(bucket, depth)] / self.live[(bucket, 0)] if (bucket, depth) in self.live else None
 
     def _ratio(self, depth: int, ref: int, bucket: int) -> float:
-        """How depth's rounds compare with ref's: where both were timed (the nearest such context
-        length), else as calibrated."""
+        """How depth's rounds compare with ref's: where both compare with rounds without drafts (the
+        nearest such context length), else where both were timed, else as calibrated."""
+        known = [b for b in {b for b, _ in self.live}
+                 if self._relative(b, depth) is not None and self._relative(b, ref) is not None]
+        if known:
+            b = nearest(known, bucket)
+            return self._relative(b, depth) / self._relative(b, ref)
         both = [b for b, k in self.live if k == depth and (b, ref) in self.live]
         if both:
             b = nearest(both, bucket)
@@ -402,7 +404,7 @@ class DepthChooser:
     probe: Probe = field(default_factory=lambda: Probe(hold=True))  # a probe's first round is not timed
 
     def __post_init__(self) -> None:
-        self.acceptance = Acceptance.empty(self.kmax)
+        self.acceptance = Acceptance.empty(self.kmax, MEMORY)
 
     def next_depth(self, costs: StageCosts, context: int) -> int:
         """The next round's depth. Probes are spaced in the stage's rounds, whichever sequences run

@@ -26,6 +26,7 @@ from mtpipe.node.depth import (
     expected_tokens,
     settled,
 )
+from mtpipe.node.depth_acceptance import MEMORY, PRIOR_ACCEPTANCE
 from mtpipe.node.protocol import SamplingParams
 
 
@@ -182,7 +183,7 @@ def test_every_depth_is_timed_before_the_timings_are_trusted() -> None:
 def test_unreached_positions_take_the_rate_before_them() -> None:
     a = Acceptance([10, 2, 0], [8, 1, 0])
     assert a.extrapolated() == [0.8, 0.8, 0.8]
-    assert Acceptance.empty(2).extrapolated() == [policy.PRIOR_ACCEPTANCE] * 2
+    assert Acceptance.empty(2).extrapolated() == [PRIOR_ACCEPTANCE] * 2
 
 
 def test_a_sequence_at_depth_zero_probes_back() -> None:
@@ -466,7 +467,8 @@ def test_the_stage_prior_hears_from_every_sequence_alike() -> None:
         head.record(poor, 1, 0)
     assert head.costs.acceptance.reached[0] == policy.PRIOR_ROUNDS + 5
     assert head.costs.acceptance.accepted[0] == policy.PRIOR_ROUNDS
-    assert good.chooser.acceptance.reached[0] == 200 and poor.chooser.acceptance.accepted[0] == 0
+    faded = (1 - MEMORY**200) / (1 - MEMORY)  # a sequence's own counts fade (the stage's do not)
+    assert good.chooser.acceptance.reached[0] == pytest.approx(faded) and poor.chooser.acceptance.accepted[0] == 0
 
 
 def test_probes_below_go_to_the_depth_timed_longest_ago() -> None:
@@ -499,3 +501,50 @@ def test_depths_below_a_deep_best_are_timed_again() -> None:
     first_below = next(d for d in depths if d < 3)
     assert first_below == 0  # the probe below renews the depth timed longest ago, not K=2
     assert depths[-200:].count(0) > 190  # no drafts, with probes now and then
+
+
+def test_drafting_rounds_compare_with_rounds_without_drafts_timed_beside_them() -> None:
+    """The machine's pace drifts: a depth timed in a quiet moment must not look cheap against rounds
+    without drafts timed in a busy one. Its cost is how it compared with the rounds timed beside it."""
+    costs = StageCosts(prior=[1.0, 1.2, 1.4])
+    costs.observe(0, 100, 1.0, now=0.0)
+    costs.observe(1, 100, 2.0, now=0.1)  # a probe, beside rounds without drafts: twice as dear
+    costs.observe(0, 100, 1.0, now=0.2)
+    for i in range(30):  # then the machine slows by half, while the batch decodes without drafts
+        costs.observe(0, 100, 1.5, now=10.0 + i)
+    seconds = costs.round_seconds(100)
+    assert seconds[0] == pytest.approx(1.5, rel=0.01)
+    assert seconds[1] / seconds[0] == pytest.approx(2.0)  # not the quiet moment's 2.0 against a busy 1.5
+    # A deeper probe beside the first compares through it; timings far apart say nothing of each other.
+    costs.observe(1, 100, 3.0, now=50.0)
+    costs.observe(2, 100, 4.5, now=50.1)
+    costs.observe(0, 100, 1.5, now=50.2 + DRIFT_SECONDS)
+    assert costs.paired[(7, 2)] == pytest.approx(costs.paired[(7, 1)] * 1.5)
+    assert costs.round_seconds(100)[2] / costs.round_seconds(100)[0] == pytest.approx(costs.paired[(7, 2)])
+
+
+def test_drafting_rounds_compared_at_one_context_length_carry_over_to_another() -> None:
+    costs = StageCosts(prior=[1.0, 1.5, 2.0])
+    costs.observe(0, 100, 1.0, now=0.0)
+    costs.observe(1, 100, 2.5, now=0.1)
+    costs.observe(1, 100, 1.0, now=5.0)  # timed alone, in a quiet moment: no comparison
+    costs.observe(0, 300, 4.0, now=9.0)  # the next length: rounds without drafts only
+    assert costs.round_seconds(300)[1] == pytest.approx(4.0 * 2.5)
+
+
+def test_a_sequence_hopes_again_for_positions_it_stopped_drafting_at() -> None:
+    """A sequence's counts fade, so a position judged on a few bad early rounds, never reached again
+    once the sequence drafted less deep, grows uncertain and is tried again; with counts that never
+    fade it would stay judged on those rounds for the sequence's whole life."""
+    fading, lasting = Acceptance.empty(2, MEMORY), Acceptance.empty(2)
+    for a in (fading, lasting):
+        for _ in range(10):
+            a.record(drafted=2, accepted=1)  # the first draft accepted, the second never
+    low = fading.hopeful([0.7, 0.7])[1]
+    assert low < 0.5
+    for a in (fading, lasting):
+        for _ in range(60):
+            a.record(drafted=1, accepted=1)  # drafting one: the second position never reached
+    assert lasting.hopeful([0.7, 0.7])[1] < 0.5
+    assert fading.hopeful([0.7, 0.7])[1] > 0.75  # back near the prior, with its uncertainty
+    assert fading.rates([0.7, 0.7])[0] > 0.9  # what it keeps drafting at stays known
