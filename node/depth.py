@@ -152,6 +152,7 @@ class StageCosts:
     # (bucket, depth > 0) -> its rounds' seconds over those of rounds without drafts, from timings side by side (`_pair`)
     paired: dict[tuple[int, int], float] = field(default_factory=dict)
     latest: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # bucket -> (depth, seconds, when)
+    lately: dict[int, list[int]] = field(default_factory=dict)  # bucket -> depths of its latest timings
     samples: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> timings taken
     timed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> stage's timings at its last
     recent: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (bucket, depth) -> latest timings
@@ -180,6 +181,7 @@ class StageCosts:
         extra = len(prior) - len(self.prior)
         acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
         return StageCosts(prior, live=dict(self.live), paired=dict(self.paired), latest=dict(self.latest),
+                          lately={b: list(ds) for b, ds in self.lately.items()},
                           samples=dict(self.samples), timed_at=dict(self.timed_at),
                           recent={k: list(v) for k, v in self.recent.items()}, last_timed=dict(self.last_timed),
                           probe_gap=self.probe_gap, acceptance=acceptance, optimistic=self.optimistic,
@@ -212,6 +214,7 @@ class StageCosts:
         depth, and not long before, the two are a sample of how the deeper compares with rounds without
         drafts (through the shallower's own comparison where that one drafts too)."""
         before, self.latest[bucket] = self.latest.get(bucket), (depth, seconds, now)
+        self.lately[bucket] = (self.lately.get(bucket, []) + [depth])[-NOISE_TIMINGS:]
         if before is None or before[0] == depth or now - before[2] > DRIFT_SECONDS:
             return
         (lo, lo_s), (hi, hi_s) = sorted([before[:2], (depth, seconds)])
@@ -293,13 +296,17 @@ class StageCosts:
         return seconds
 
     def _measured(self, bucket: int, depth: int) -> float:
-        """Timed here (a drafting depth as it compared with rounds without drafts timed beside it:
-        `_pair`); else the nearest depth timed here, scaled as the two compare (`_ratio`); else what
-        the nearest context length with timings says. The calibration's own comparisons (one short
-        sequence) are the last resort: at other batch sizes and context lengths depths compare
-        differently, and a depth whose rival was only calibrated would keep the calibration's odds."""
-        if depth and (bucket, depth) in self.paired and (bucket, 0) in self.live:
-            return self.live[(bucket, 0)] * self.paired[(bucket, depth)]
+        """Timed here (as it compared, side by side, with the depth most rounds here run lately, whose
+        estimate is current: `_pace`, `_pair`); else the nearest depth timed here, scaled as the two compare
+        (`_ratio`); else what the nearest context length with timings says. The calibration's own
+        comparisons (one short sequence) are the last resort: at other batch sizes and context lengths
+        depths compare differently, and a depth whose rival was only calibrated would keep the calibration's
+        odds."""
+        pace = self._pace(bucket)
+        if pace is not None and pace != depth:
+            theirs, ours = self._relative(bucket, pace), self._relative(bucket, depth)
+            if theirs is not None and ours is not None:
+                return self.live[(bucket, pace)] * ours / theirs
         if (bucket, depth) in self.live:
             return self.live[(bucket, depth)]
         here = [k for b, k in self.live if b == bucket]
@@ -308,6 +315,14 @@ class StageCosts:
             return self._measured(nearest(timed, bucket), depth) if timed else self.prior[depth]
         ref = min(here, key=lambda k: (abs(k - depth), k))
         return self._measured(bucket, ref) * self._ratio(depth, ref, bucket)
+
+    def _pace(self, bucket: int) -> int | None:
+        """The depth most of the latest timings at this context length were of: its estimate is
+        current, and the others compare with it as they did side by side (`_pair`)."""
+        depths = self.lately.get(bucket)
+        if not depths:
+            return None
+        return max(reversed(depths), key=depths.count)
 
     def _relative(self, bucket: int, depth: int) -> float | None:
         """depth's rounds over rounds without drafts at this context length, where known."""

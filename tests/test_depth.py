@@ -523,6 +523,20 @@ def test_drafting_rounds_compare_with_rounds_without_drafts_timed_beside_them() 
     assert costs.round_seconds(100)[2] / costs.round_seconds(100)[0] == pytest.approx(costs.paired[(7, 2)])
 
 
+def test_the_depth_run_lately_sets_the_pace_and_the_others_follow_it() -> None:
+    """While a sequence drafts for long, rounds without drafts are not timed: their estimate follows the
+    drafting rounds' own, as the two compared side by side, rather than stay as it was."""
+    costs = StageCosts(prior=[1.0, 1.2])
+    costs.observe(0, 100, 1.0, now=0.0)
+    costs.observe(1, 100, 2.0, now=0.1)
+    costs.observe(0, 100, 1.0, now=0.2)
+    for i in range(30):  # the machine slows by half while only drafting rounds are timed
+        costs.observe(1, 100, 3.0, now=5.0 + i)
+    seconds = costs.round_seconds(100)
+    assert seconds[1] == pytest.approx(3.0, rel=0.01)
+    assert seconds[0] == pytest.approx(1.5, rel=0.01)
+
+
 def test_drafting_rounds_compared_at_one_context_length_carry_over_to_another() -> None:
     costs = StageCosts(prior=[1.0, 1.5, 2.0])
     costs.observe(0, 100, 1.0, now=0.0)
