@@ -29,6 +29,7 @@ from .depth_acceptance import MEMORY, Acceptance
 
 PRIOR_ROUNDS = 16  # rounds with drafts of each sequence that inform the stage's acceptance (the prior)
 EMA = 0.2  # weight of a new timing
+PAIRS_KEPT = (2 - EMA) / EMA  # about how many samples a moving average of weight EMA keeps
 OUTLIER = 2.0  # a timing counts as at most this many times the estimate it updates
 PROBE_EVERY = 16  # rounds between probes of a neighbouring depth, at first
 PROBE_EVERY_MAX = 64  # probes that keep confirming the choice back off up to this
@@ -151,6 +152,7 @@ class StageCosts:
     live: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, depth) -> seconds
     # (bucket, depth > 0) -> its rounds' seconds over those of rounds without drafts, from timings side by side (`_pair`)
     paired: dict[tuple[int, int], float] = field(default_factory=dict)
+    pairs: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth > 0) -> side-by-side samples
     latest: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # bucket -> (depth, seconds, when)
     lately: dict[int, list[int]] = field(default_factory=dict)  # bucket -> depths of its latest timings
     samples: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> timings taken
@@ -180,7 +182,7 @@ class StageCosts:
         """The same measurements over a longer prior (a sequence asked for deeper drafts than any before)."""
         extra = len(prior) - len(self.prior)
         acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
-        return StageCosts(prior, live=dict(self.live), paired=dict(self.paired), latest=dict(self.latest),
+        return StageCosts(prior, live=dict(self.live), paired=dict(self.paired), pairs=dict(self.pairs), latest=dict(self.latest),
                           lately={b: list(ds) for b, ds in self.lately.items()},
                           samples=dict(self.samples), timed_at=dict(self.timed_at),
                           recent={k: list(v) for k, v in self.recent.items()}, last_timed=dict(self.last_timed),
@@ -223,6 +225,7 @@ class StageCosts:
             return
         ratio, old = base * hi_s / lo_s, self.paired.get((bucket, hi))
         self.paired[(bucket, hi)] = ratio if old is None else (1 - EMA) * old + EMA * ratio
+        self.pairs[(bucket, hi)] = self.pairs.get((bucket, hi), 0) + 1
 
     def stalest_below(self, depth: int, context: int | None) -> int:
         """Of the depths under `depth`, the one timed longest ago at this context length (never: first;
@@ -260,7 +263,8 @@ class StageCosts:
         """Each depth's cost's relative standard error at this context length: the spread of its
         latest timings (where it was timed here, else at the nearest length where it was) over the
         square root of their number, which is about what the moving average keeps; for a cost timed
-        once or never, one timing's spread on this table (`_spread`)."""
+        once or never, one timing's spread on this table (`_spread`); for a cost compared side by side
+        with rounds without drafts (`_pair`), at least what its few comparisons leave open."""
         bucket = context_bucket(context)
         return [self._noise(bucket, k) for k in range(len(self.prior))]
 
@@ -274,7 +278,10 @@ class StageCosts:
             xs = self.recent[(nearest(timed, bucket), depth)] if timed else []
             self._errors[(bucket, depth)] = math.sqrt(spread(xs) / len(xs)) if xs else math.nan
         error = self._errors[(bucket, depth)]
-        return self._spread() if math.isnan(error) else error
+        error = self._spread() if math.isnan(error) else error
+        if depth and (bucket, depth) in self.pairs:  # compared side by side: two timings' errors, as often as kept
+            error = max(error, self._spread() * math.sqrt(2.0 / min(self.pairs[(bucket, depth)], PAIRS_KEPT)))
+        return error
 
     def _spread(self) -> float:
         """The relative error of a cost timed once (or not at all): one timing's spread on this table,

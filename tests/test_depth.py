@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import time
 from pathlib import Path
@@ -535,6 +536,21 @@ def test_the_depth_run_lately_sets_the_pace_and_the_others_follow_it() -> None:
     seconds = costs.round_seconds(100)
     assert seconds[1] == pytest.approx(3.0, rel=0.01)
     assert seconds[0] == pytest.approx(1.5, rel=0.01)
+
+
+def test_a_depth_compared_side_by_side_a_few_times_is_uncertain() -> None:
+    """One comparison is two timings' worth of noise: a depth compared once must not beat rounds
+    without drafts on it (`settled` weighs this error)."""
+    costs = StageCosts(prior=[1.0, 1.2])
+    for i in range(8):
+        costs.observe(0, 100, 1.0 + 0.2 * (i % 2), now=float(i) * 10)
+    one = costs._spread()
+    assert one > 0
+    costs.observe(1, 100, 2.0, now=70.1)
+    assert costs.noise(100)[1] == pytest.approx(one * math.sqrt(2.0))
+    for i in range(40):
+        costs.observe(0 if i % 2 else 1, 100, 2.0 - (i % 2), now=100.0 + i)
+    assert costs.noise(100)[1] < one * math.sqrt(2.0) / 2
 
 
 def test_drafting_rounds_compared_at_one_context_length_carry_over_to_another() -> None:
