@@ -41,7 +41,8 @@ def traced() -> None:
         LOG.append(("costs", time.perf_counter(), bucket, context, [round(x * 1000, 1) for x in out[0]]))
         return out
 
-    def plan_settled(rates: list[float], noise: list[float], when: list[float | None], lead: float | None = None) -> int:
+    def plan_settled(rates: list[float], noise: list[float], when: list[float | None],
+                     lead: float | None = None) -> int:
         depth = settled(rates, noise, when, lead)
         if depth > 0:
             now = time.perf_counter()

@@ -150,7 +150,7 @@ class StageCosts:
 
     prior: list[float]  # round seconds for depth 0..kmax at load (verify + drafts)
     live: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, depth) -> seconds
-    # (bucket, depth > 0) -> its rounds' seconds over those of rounds without drafts, from timings side by side (`_pair`)
+    # (bucket, depth > 0) -> its rounds' seconds over those of rounds without drafts, from timings side by side
     paired: dict[tuple[int, int], float] = field(default_factory=dict)
     pairs: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth > 0) -> side-by-side samples
     latest: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # bucket -> (depth, seconds, when)
@@ -182,8 +182,8 @@ class StageCosts:
         """The same measurements over a longer prior (a sequence asked for deeper drafts than any before)."""
         extra = len(prior) - len(self.prior)
         acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
-        return StageCosts(prior, live=dict(self.live), paired=dict(self.paired), pairs=dict(self.pairs), latest=dict(self.latest),
-                          lately={b: list(ds) for b, ds in self.lately.items()},
+        return StageCosts(prior, live=dict(self.live), paired=dict(self.paired), pairs=dict(self.pairs),
+                          latest=dict(self.latest), lately={b: list(ds) for b, ds in self.lately.items()},
                           samples=dict(self.samples), timed_at=dict(self.timed_at),
                           recent={k: list(v) for k, v in self.recent.items()}, last_timed=dict(self.last_timed),
                           probe_gap=self.probe_gap, acceptance=acceptance, optimistic=self.optimistic,
@@ -210,11 +210,12 @@ class StageCosts:
         self.timed_at[key] = sum(self.samples.values())
 
     def _pair(self, bucket: int, depth: int, seconds: float, now: float) -> None:
-        """Two depths compared on timings side by side: the machine's pace drifts, within tens of rounds,
-        and a depth timed in a quiet moment would look cheap against rounds without drafts timed in a
-        busy one (and the other way round), however many timings each estimate averages. So where the timing just before this one at this context length was of another
-        depth, and not long before, the two are a sample of how the deeper compares with rounds without
-        drafts (through the shallower's own comparison where that one drafts too)."""
+        """Two depths compared on timings side by side: the machine's pace drifts, within tens of
+        rounds, and a depth timed in a quiet moment would look cheap against rounds without drafts timed
+        in a busy one (and the other way round), however many timings each estimate averages. So where
+        the timing just before this one at this context length was of another depth, and not long
+        before, the two are a sample of how the deeper compares with rounds without drafts (through the
+        shallower's own comparison where that one drafts too)."""
         before, self.latest[bucket] = self.latest.get(bucket), (depth, seconds, now)
         self.lately[bucket] = (self.lately.get(bucket, []) + [depth])[-NOISE_TIMINGS:]
         if before is None or before[0] == depth or now - before[2] > DRIFT_SECONDS:
@@ -304,11 +305,11 @@ class StageCosts:
 
     def _measured(self, bucket: int, depth: int) -> float:
         """Timed here (as it compared, side by side, with the depth most rounds here run lately, whose
-        estimate is current: `_pace`, `_pair`); else the nearest depth timed here, scaled as the two compare
-        (`_ratio`); else what the nearest context length with timings says. The calibration's own
-        comparisons (one short sequence) are the last resort: at other batch sizes and context lengths
-        depths compare differently, and a depth whose rival was only calibrated would keep the calibration's
-        odds."""
+        estimate is current: `_pace`, `_pair`); else the nearest depth timed here, scaled as the two
+        compare (`_ratio`); else what the nearest context length with timings says. The calibration's
+        own comparisons (one short sequence) are the last resort: at other batch sizes and context
+        lengths depths compare differently, and a depth whose rival was only calibrated would keep the
+        calibration's odds."""
         pace = self._pace(bucket)
         if pace is not None and pace != depth:
             theirs, ours = self._relative(bucket, pace), self._relative(bucket, depth)
