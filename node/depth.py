@@ -4,15 +4,15 @@ A round with K drafts yields 1 + a1 + a1*a2 + ... + a1*...*aK tokens on average,
 chance that draft i is accepted once drafts 1..i-1 were, and costs one verify over K+1 tokens plus K
 draft steps. Both sides are measured: acceptance per sequence and per draft position (with the
 stage's figures from every sequence's first rounds as the prior, and taken at one standard error
-above the estimate, so a sequence finds out what its own drafts are worth; a sequence's own counts
-fade, as its text and its drafts' odds change), costs per depth and per context length on this stage
-(a calibration at load as the prior, then live timings of whole rounds, so hops and other stages
-count too; a drafting depth as it compared with rounds without drafts timed beside it, as the
-machine's pace drifts). The best of noisy estimates favours whichever dipped, so drafts are chosen
-over none only when their gain exceeds the costs' error (`settled`). Depths whose costs go stale are
-probed now and then, so a sequence that dropped to 0 drafts comes back when drafting pays again;
-probes that keep confirming the choices come less often, on the whole stage, so a model whose drafts
-never pay stops paying for probes.
+above the estimate, so a sequence finds out what its own drafts are worth; a sequence's counts at
+positions it no longer drafts at fade, so it tries them again), costs per depth and per context
+length on this stage (a calibration at load as the prior, then live timings of whole rounds, so hops
+and other stages count too; a drafting depth as it compared with rounds without drafts timed beside
+it, as the machine's pace drifts). The best of noisy estimates favours whichever dipped, so drafts
+are chosen over none only when their gain exceeds the costs' error (`settled`). Depths whose costs
+go stale are probed now and then, so a sequence that dropped to 0 drafts comes back when drafting
+pays again; probes that keep confirming the choices come less often, on the whole stage, so a model
+whose drafts never pay stops paying for probes.
 
 A seeded sampled sequence draws the same tokens whatever its depths (acceptance.py), so its depth is
 timed like any other.
@@ -198,7 +198,7 @@ class StageCosts:
             return
         key = (context_bucket(context), depth)
         old = self.live.get(key)
-        seconds = seconds if old is None else min(seconds, OUTLIER * old)
+        seconds = max(seconds, 1e-9) if old is None else min(max(seconds, 1e-9), OUTLIER * old)
         self.live[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
         now = time.perf_counter() if now is None else now
         self._pair(key[0], depth, seconds, now)
@@ -298,7 +298,7 @@ class StageCosts:
         rounds without drafts: a depth that looked dear once would otherwise rarely be chosen again,
         so rarely timed again."""
         seconds = self._measured(bucket, depth)
-        plain = self.live.get((bucket, 0))
+        plain = self._measured(bucket, 0) if (bucket, 0) in self.live else None
         if self.optimistic and depth and plain is not None and self.prior[0] > 0 and self._timings(depth) < TRUSTED:
             seconds = min(seconds, self.prior[depth] * plain / self.prior[0])
         return seconds

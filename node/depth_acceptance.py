@@ -10,9 +10,9 @@ PRIOR_ACCEPTANCE = 0.6  # before anything was measured: a middling draft head
 PRIOR_WEIGHT = 4.0  # pseudo-rounds of the stage-wide acceptance behind each sequence's own counts
 HOPE = 1.0  # standard errors above its estimate a sequence's acceptance is taken at (`Acceptance.hopeful`)
 MIN_REACHED = 4  # drafts at a position before the stage's own rate stands for that position
-# A sequence's own counts fade by this much a round: its text changes and so do its drafts' odds, and
-# a position it stopped drafting at must not stay judged on a few early rounds (it grows uncertain, so
-# hoped for again: `Acceptance.hopeful`).
+# A sequence's counts at positions it no longer drafts at fade by this much a round: such a position,
+# judged on a few early rounds, must not stay judged so for the sequence's whole life (it grows
+# uncertain, so hoped for again: `Acceptance.hopeful`). Positions it drafts at keep every count.
 MEMORY = 0.95
 
 
@@ -22,7 +22,7 @@ class Acceptance:
 
     reached: list[float]
     accepted: list[float]
-    memory: float = 1.0  # each count's weight after a round (`MEMORY`; 1: every round counts alike)
+    memory: float = 1.0  # the weight a count at a position not drafted keeps each round (`MEMORY`; 1: all)
 
     @classmethod
     def empty(cls, depth: int, memory: float = 1.0) -> Acceptance:
@@ -30,8 +30,8 @@ class Acceptance:
 
     def record(self, drafted: int, accepted: int) -> None:
         if self.memory < 1.0:
-            self.reached = [r * self.memory for r in self.reached]
-            self.accepted = [a * self.memory for a in self.accepted]
+            self.reached = [r if i < drafted else r * self.memory for i, r in enumerate(self.reached)]
+            self.accepted = [a if i < drafted else a * self.memory for i, a in enumerate(self.accepted)]
         for i in range(min(drafted, accepted + 1, len(self.reached))):  # position i was reached
             self.reached[i] += 1
             self.accepted[i] += i < accepted

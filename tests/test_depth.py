@@ -468,8 +468,7 @@ def test_the_stage_prior_hears_from_every_sequence_alike() -> None:
         head.record(poor, 1, 0)
     assert head.costs.acceptance.reached[0] == policy.PRIOR_ROUNDS + 5
     assert head.costs.acceptance.accepted[0] == policy.PRIOR_ROUNDS
-    faded = (1 - MEMORY**200) / (1 - MEMORY)  # a sequence's own counts fade (the stage's do not)
-    assert good.chooser.acceptance.reached[0] == pytest.approx(faded) and poor.chooser.acceptance.accepted[0] == 0
+    assert good.chooser.acceptance.reached[0] == 200 and poor.chooser.acceptance.accepted[0] == 0
 
 
 def test_probes_below_go_to_the_depth_timed_longest_ago() -> None:
@@ -563,9 +562,10 @@ def test_drafting_rounds_compared_at_one_context_length_carry_over_to_another() 
 
 
 def test_a_sequence_hopes_again_for_positions_it_stopped_drafting_at() -> None:
-    """A sequence's counts fade, so a position judged on a few bad early rounds, never reached again
-    once the sequence drafted less deep, grows uncertain and is tried again; with counts that never
-    fade it would stay judged on those rounds for the sequence's whole life."""
+    """A sequence's counts at positions it no longer drafts at fade, so a position judged on a few bad
+    early rounds grows uncertain once the sequence drafts less deep, and is tried again; with counts
+    that never fade it would stay judged on those rounds for the sequence's whole life. Positions it
+    drafts at keep every count, so their error shrinks."""
     fading, lasting = Acceptance.empty(2, MEMORY), Acceptance.empty(2)
     for a in (fading, lasting):
         for _ in range(10):
@@ -577,4 +577,23 @@ def test_a_sequence_hopes_again_for_positions_it_stopped_drafting_at() -> None:
             a.record(drafted=1, accepted=1)  # drafting one: the second position never reached
     assert lasting.hopeful([0.7, 0.7])[1] < 0.5
     assert fading.hopeful([0.7, 0.7])[1] > 0.75  # back near the prior, with its uncertainty
-    assert fading.rates([0.7, 0.7])[0] > 0.9  # what it keeps drafting at stays known
+    assert fading.reached[0] == lasting.reached[0] == 70  # what it keeps drafting at stays known
+
+
+def test_the_calibration_cap_follows_the_pace_of_rounds_without_drafts() -> None:
+    """A depth timed a few times costs at most the calibration's odds against rounds without drafts as
+    they cost now, not as they were last timed."""
+    costs = StageCosts([1.0, 1.2, 1.4], optimistic=True)
+    for depth, seconds, now in ((0, 1.0, 0.0), (1, 1.3, 0.1), (2, 1.5, 0.2), (1, 1.3, 0.3), (0, 1.0, 0.4)):
+        costs.observe(depth, 100, seconds, now=now)
+    for i in range(30):  # the machine slows by half while depth 1 runs
+        costs.observe(1, 100, 2.6, now=5.0 + i)
+    seconds = costs.round_seconds(100)
+    assert seconds[0] == pytest.approx(2.0, rel=0.01) and seconds[2] > seconds[0]
+
+
+def test_a_round_timed_at_zero_seconds_is_kept_finite() -> None:
+    costs = StageCosts([1.0, 1.2])
+    costs.observe(0, 100, 0.0, now=0.0)
+    costs.observe(1, 100, 1.0, now=0.1)
+    assert all(math.isfinite(s) and s > 0 for s in costs.round_seconds(100))
