@@ -153,8 +153,8 @@ class StageCosts:
     # (bucket, depth > 0) -> its rounds' seconds over those of rounds without drafts, from timings side by side
     paired: dict[tuple[int, int], float] = field(default_factory=dict)
     pairs: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth > 0) -> side-by-side samples
-    latest: dict[int, tuple[int, float, float]] = field(default_factory=dict)  # bucket -> (depth, seconds, when)
-    lately: dict[int, list[int]] = field(default_factory=dict)  # bucket -> depths of its latest timings
+    # bucket -> its latest timings, as (depth, seconds, when), up to NOISE_TIMINGS of them
+    lately: dict[int, list[tuple[int, float, float]]] = field(default_factory=dict)
     samples: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> timings taken
     timed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, depth) -> stage's timings at its last
     recent: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (bucket, depth) -> latest timings
@@ -183,7 +183,7 @@ class StageCosts:
         extra = len(prior) - len(self.prior)
         acceptance = Acceptance(self.acceptance.reached + [0.0] * extra, self.acceptance.accepted + [0.0] * extra)
         return StageCosts(prior, live=dict(self.live), paired=dict(self.paired), pairs=dict(self.pairs),
-                          latest=dict(self.latest), lately={b: list(ds) for b, ds in self.lately.items()},
+                          lately={b: list(xs) for b, xs in self.lately.items()},
                           samples=dict(self.samples), timed_at=dict(self.timed_at),
                           recent={k: list(v) for k, v in self.recent.items()}, last_timed=dict(self.last_timed),
                           probe_gap=self.probe_gap, acceptance=acceptance, optimistic=self.optimistic,
@@ -216,8 +216,9 @@ class StageCosts:
         the timing just before this one at this context length was of another depth, and not long
         before, the two are a sample of how the deeper compares with rounds without drafts (through the
         shallower's own comparison where that one drafts too)."""
-        before, self.latest[bucket] = self.latest.get(bucket), (depth, seconds, now)
-        self.lately[bucket] = (self.lately.get(bucket, []) + [depth])[-NOISE_TIMINGS:]
+        history = self.lately.get(bucket, [])
+        before = history[-1] if history else None
+        self.lately[bucket] = (history + [(depth, seconds, now)])[-NOISE_TIMINGS:]
         if before is None or before[0] == depth or now - before[2] > DRIFT_SECONDS:
             return
         (lo, lo_s), (hi, hi_s) = sorted([before[:2], (depth, seconds)])
@@ -327,7 +328,7 @@ class StageCosts:
     def _pace(self, bucket: int) -> int | None:
         """The depth most of the latest timings at this context length were of: its estimate is
         current, and the others compare with it as they did side by side (`_pair`)."""
-        depths = self.lately.get(bucket)
+        depths = [d for d, _, _ in self.lately.get(bucket, [])]
         if not depths:
             return None
         return max(reversed(depths), key=depths.count)
