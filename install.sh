@@ -14,26 +14,45 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
     exit 1
 fi
 
+# 0: the preferred BLAS (BLIS) is there; 1: another optimized one is; 2: none is
 have_blas() {
     "$python" - <<'PY'
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("blas", "models/blas.py")
 blas = sys.modules["blas"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(blas)
-sys.exit(0 if blas.find_optimized() else 1)
+found = blas.find_optimized()
+sys.exit(0 if blas.is_preferred(found) else 1 if found else 2)
 PY
 }
 
-if [ "$(uname -s)" = Linux ] && ! have_blas; then
+# BLIS, else OpenBLAS, from the distribution
+install_blas() {
+    if command -v apt-get >/dev/null; then
+        $sudo apt-get update -qq
+        $sudo apt-get install -y -qq libblis4-pthread >/dev/null || $sudo apt-get install -y -qq libopenblas0-pthread >/dev/null
+    elif command -v dnf >/dev/null; then
+        $sudo dnf install -y -q blis-threads || $sudo dnf install -y -q openblas-threads
+    elif command -v pacman >/dev/null; then
+        $sudo pacman -S --noconfirm --needed blis || $sudo pacman -S --noconfirm --needed openblas
+    else
+        echo "install.sh: no apt-get, dnf or pacman: install BLIS or OpenBLAS yourself" >&2
+        return 1
+    fi
+}
+
+if [ "$(uname -s)" = Linux ]; then
+    status=0; have_blas || status=$?
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    if command -v apt-get >/dev/null; then
-        $sudo apt-get update -qq && $sudo apt-get install -y -qq libopenblas0-pthread >/dev/null
-    elif command -v dnf >/dev/null; then
-        $sudo dnf install -y -q openblas-threads
-    elif command -v pacman >/dev/null; then
-        $sudo pacman -S --noconfirm --needed openblas
-    else
-        echo "install.sh: no apt-get, dnf or pacman: install OpenBLAS yourself; MLX stays on its slow reference BLAS" >&2
+    if [ "$status" -eq 2 ]; then
+        install_blas || echo "install.sh: MLX stays on its slow reference BLAS" >&2
+    elif [ "$status" -eq 1 ]; then  # (OpenBLAS works; BLIS decodes faster. Never a password prompt for it.)
+        if [ -z "$sudo" ] || sudo -n true 2>/dev/null; then
+            [ -z "$sudo" ] || sudo="sudo -n"
+            install_blas || true
+        else
+            echo "install.sh: BLIS decodes faster than the OpenBLAS found here: sudo apt-get install libblis4-pthread" >&2
+        fi
     fi
 fi
 "$python" -m pip install -q -e ".${extras:+[$extras]}"

@@ -6,6 +6,11 @@ row: a verify over K+1 tokens then costs K+1 decode steps, and a batch of rows g
 scope, so an optimized BLAS loaded there (RTLD_GLOBAL) before `mlx.core` is imported takes its place.
 `mtpipe` does that on import. macOS is left alone: MLX uses Accelerate there.
 
+BLIS comes first where both are installed. A decode step multiplies a few rows by each weight matrix,
+and OpenBLAS (as distributions ship it) packs the whole weight matrix into a buffer on every call, which
+for one row costs several times the product itself; BLIS multiplies small products without packing.
+OpenBLAS is the fallback: still far ahead of the reference BLAS for verifies and batches.
+
 `MTPIPE_BLAS` names a library to load instead, or `reference` to keep the bundled one.
 `MTPIPE_BLAS_THREADS` sets the BLAS threads. By default each of the `MTPIPE_LOCAL_WORKERS` processes
 computing on the machine gets half its share of the cores: MLX runs its CPU work on a stream thread of
@@ -29,10 +34,11 @@ log = logging.getLogger(__name__)
 ENV_LIBRARY = "MTPIPE_BLAS"
 ENV_THREADS = "MTPIPE_BLAS_THREADS"
 ENV_WORKERS = "MTPIPE_LOCAL_WORKERS"
-FIX = ("install an optimized BLAS: `sudo apt-get install libopenblas0-pthread` (Debian, Ubuntu), "
-       "`sudo dnf install openblas-threads` (Fedora), or run ./install.sh in mtpipe's checkout")
-# sonames of optimized BLAS libraries with the CBLAS interface, best first
-_NAMES = ("libopenblas.so.0", "libopenblasp.so.0", "libopenblas64_.so.0", "libblis.so.4", "libmkl_rt.so.2")
+FIX = ("install an optimized BLAS: `sudo apt-get install libblis4-pthread` (Debian, Ubuntu), "
+       "`sudo dnf install blis-threads` (Fedora), or run ./install.sh in mtpipe's checkout")
+# sonames of optimized BLAS libraries with the CBLAS interface, best first (BLIS: pthreads, serial, OpenMP)
+_NAMES = ("libblisp.so.4", "libblis.so.4", "libbliso.so.4", "libopenblas.so.0", "libopenblasp.so.0",
+          "libopenblas64_.so.0", "libmkl_rt.so.2")
 _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "BLIS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
@@ -61,8 +67,8 @@ _SET_HERE: set[str] = set()  # the thread variables `preload` set (not the user'
 
 def _search_dirs() -> list[Path]:
     arch = sysconfig.get_config_var("MULTIARCH") or ""
-    dirs = [Path("/usr/lib") / arch / "openblas-pthread", Path("/usr/lib") / arch, Path("/usr/lib64"),
-            Path("/usr/lib"), Path("/usr/local/lib")]
+    variants = [Path("/usr/lib") / arch / v for v in ("blis-pthread", "blis-openmp", "openblas-pthread")]
+    dirs = [*variants, Path("/usr/lib") / arch, Path("/usr/lib64"), Path("/usr/lib"), Path("/usr/local/lib")]
     return [d for d in dirs if d.is_dir()]
 
 
@@ -72,8 +78,12 @@ def find_optimized() -> str | None:
         for d in _search_dirs():
             if (d / name).exists():
                 return str((d / name).resolve())
-    found = ctypes.util.find_library("openblas")
-    return found
+    return ctypes.util.find_library("blis") or ctypes.util.find_library("openblas")
+
+
+def is_preferred(path: str | None) -> bool:
+    """Whether `path` is the BLAS mtpipe prefers (`install.sh` installs it when another one is found)."""
+    return path is not None and "blis" in Path(path).name
 
 
 def default_threads() -> int:
@@ -119,8 +129,12 @@ def child_env(workers: int) -> dict[str, str]:
 def _threads() -> int | None:
     if _loaded is None:
         return None
-    fn = getattr(_loaded[1], "openblas_get_num_threads", None)
-    return int(fn()) if fn is not None else None
+    for getter in ("openblas_get_num_threads", "bli_thread_get_num_threads"):
+        fn = getattr(_loaded[1], getter, None)
+        if fn is not None:
+            n = int(fn())
+            return n if n > 0 else None  # (BLIS: -1 when its default, one thread, holds)
+    return None
 
 
 def _library_of(symbol: str) -> str | None:

@@ -89,4 +89,4 @@ def test_reference_blas_warns_once_with_the_fix(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MTPIPE_BLAS": "reference"},
                        capture_output=True, text=True, timeout=120, check=True)
     warnings = [line for line in r.stderr.splitlines() if "reference BLAS" in line]
-    assert len(warnings) == 1 and "apt-get install libopenblas0-pthread" in warnings[0]
+    assert len(warnings) == 1 and "apt-get install libblis4-pthread" in warnings[0]
