@@ -63,6 +63,23 @@ def test_thread_count_comes_from_the_environment(tmp_path: Path) -> None:
     assert json.loads(out)["threads"] == 1
 
 
+def test_blis_is_preferred_to_openblas_and_its_pthreads_build_to_the_others(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenBLAS packs the whole weight matrix on every product, which at a decode step's few rows
+    costs several times the product: BLIS first wherever both are installed."""
+    pthread, generic = tmp_path / "blis-pthread", tmp_path / "lib"
+    for d in (pthread, generic):
+        d.mkdir()
+    for f in (generic / "libopenblas.so.0", generic / "libbliso.so.4"):
+        f.touch()
+    monkeypatch.setattr(blas, "_search_dirs", lambda: [pthread, generic])
+    assert blas.find_optimized() == str(generic / "libbliso.so.4")
+    (pthread / "libblis.so.4").touch()
+    found = blas.find_optimized()
+    assert found == str(pthread / "libblis.so.4") and blas.is_preferred(found)
+    assert not blas.is_preferred(str(generic / "libopenblas.so.0")) and not blas.is_preferred(None)
+
+
 def test_local_workers_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setenv(blas.ENV_WORKERS, "2")
