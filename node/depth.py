@@ -346,11 +346,10 @@ class StageCosts:
     def _ratio(self, depth: int, ref: int, bucket: int) -> float:
         """How depth's rounds compare with ref's: where both compare with rounds without drafts (the
         nearest such context length), else where both were timed, else as calibrated."""
-        known = [b for b in {b for b, _ in self.live}
-                 if self._relative(b, depth) is not None and self._relative(b, ref) is not None]
+        relative = {b: (self._relative(b, depth), self._relative(b, ref)) for b in {b for b, _ in self.live}}
+        known = {b: ours / theirs for b, (ours, theirs) in relative.items() if ours is not None and theirs is not None}
         if known:
-            b = nearest(known, bucket)
-            return self._relative(b, depth) / self._relative(b, ref)
+            return known[nearest(known, bucket)]
         both = [b for b, k in self.live if k == depth and (b, ref) in self.live]
         if both:
             b = nearest(both, bucket)
