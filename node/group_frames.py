@@ -13,6 +13,7 @@ everywhere.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from ..proto import mtpipe_pb2 as pb
@@ -104,6 +105,7 @@ class GroupFrames:
             self._ring_groups.end_all()
 
     def on_group(self, frame: pb.Frame) -> None:
+        start = time.perf_counter()
         try:
             groups = self.ring_groups
         except StageError as e:
@@ -151,6 +153,7 @@ class GroupFrames:
             frame.hidden.CopyFrom(tensor_to_pb(out))
             _pass_ends(frame, rnd)
             self._forward(frame)
+            self._timed(len(rnd.rows), start)
             return
         try:
             if not self._listens(rnd.client_id):  # the client is gone: no more rounds for its rows
@@ -165,6 +168,12 @@ class GroupFrames:
         if nxt is not None:
             self._start_round(group_to_frame(nxt))
         self._round_back(rnd, shown)
+        self._timed(len(rnd.rows), start)
+
+    def _timed(self, rows: int, start: float) -> None:
+        """A round's whole time here, the frame's handling besides the step: what it keeps this node from
+        other groups' rounds (the fit the number of groups in flight is chosen from)."""
+        self.worker.stats.rounds.add(rows, time.perf_counter() - start)
 
     def _round_back(self, rnd: GroupRound, shown: list) -> None:
         """The last node, a round of a group back: the rows' outcomes, and the ends it carried (kept on

@@ -50,6 +50,7 @@ async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
     reply.MergeFrom(node.weights.health())
     w, key = node.worker, node.key
     if w is not None and key is not None:
+        fixed, per_row = w.stats.rounds.line()
         reply.MergeFrom(
             pb.HealthReply(
                 loaded=True,
@@ -64,6 +65,8 @@ async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
                 tokens_processed=w.stats.tokens_processed,
                 steps=w.stats.steps,
                 mean_step_ms=w.stats.mean_step_ms,
+                round_fixed_ms=1000.0 * fixed,
+                round_row_ms=1000.0 * per_row,
                 prefill_tokens=w.stats.prefill_tokens,
                 prefill_seconds=w.stats.prefill_seconds,
                 dtype=node._dtype_name(),

@@ -68,6 +68,36 @@ class Sequence:
     last_commit: Commit | None = None  # the last stage's own outcome, to check the echo against
 
 
+ROUND_FIT_WEIGHT = 0.05  # a round's weight in its row count's running mean: the fit follows the node's pace
+
+
+@dataclass
+class RoundFit:
+    """A decode round's seconds here against its rows, as fixed + per_row x rows: a least-squares line
+    through a running mean per row count. Rounds of a few rows cost little less than rounds of many where
+    dispatch dominates: a ring splitting its rows into more groups pays the fixed part again per group."""
+
+    means: dict[int, float] = field(default_factory=dict)  # rows -> running mean of a round's seconds
+
+    def add(self, rows: int, seconds: float) -> None:
+        old = self.means.get(rows)
+        self.means[rows] = seconds if old is None else old + ROUND_FIT_WEIGHT * (seconds - old)
+
+    def line(self) -> tuple[float, float]:
+        """(fixed, per row) seconds; (0, 0) before any round. Until rounds of two row counts came, all
+        fixed: the cautious reading (it never argues for more groups)."""
+        if not self.means:
+            return 0.0, 0.0
+        xs, ys = list(self.means), list(self.means.values())
+        x, y = sum(xs) / len(xs), sum(ys) / len(ys)
+        spread = sum((r - x) ** 2 for r in xs)
+        slope = max(0.0, sum((r - x) * (t - y) for r, t in zip(xs, ys)) / spread) if spread else 0.0
+        fixed = y - slope * x
+        if fixed < 0:  # (a line through the origin, then)
+            return 0.0, y / x
+        return fixed, slope
+
+
 @dataclass
 class StageStats:
     tokens_processed: int = 0
@@ -76,6 +106,7 @@ class StageStats:
     prefill_tokens: int = 0  # prompt chunks' part of the above but the last: what a prompt token costs here
     prefill_seconds: float = 0.0
     last_error: str | None = None
+    rounds: RoundFit = field(default_factory=RoundFit)  # batched decode rounds only
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         self.prefill_tokens += tokens

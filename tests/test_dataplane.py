@@ -36,12 +36,14 @@ def test_both_transports_give_single_node_output(dense_engine: Engine, dense_ckp
         try:
             for depth in (0, 2):
                 assert generate(engine, PROMPTS[1], depth) == generate(dense_engine, PROMPTS[1], depth)
-            health = engine.pipeline.health()
+            health = engine.pipeline.health(probe_next=True)
         finally:
             engine.pipeline.close()
     transport = "tcp" if data_plane else "grpc"
     # Node to node on the chosen transport; the last node starts rounds on its ring link.
     assert [h.next_transport for h in health] == [transport, transport, ""]
+    # each link's round trip: over the data plane a TCP handshake the kernels answer, not a busy loop
+    assert all(0 < h.next_rtt_ms < 1000 for h in health[:2]) and health[-1].next_rtt_ms < 0
     assert all((h.data_port > 0) == data_plane for h in health)
     assert health[-1].ring == nodes[0].address and health[-1].ring_frames > 0
 
@@ -96,6 +98,32 @@ def test_data_port_checks_the_secret_and_survives_garbage(dense_engine: Engine, 
             assert [h.next_transport for h in engine.pipeline.health()] == ["tcp", ""]
         finally:
             engine.pipeline.close()
+
+
+def test_a_link_probe_that_connects_and_leaves_is_not_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    """A node times its link by a TCP handshake with the next node's data port and leaves at once: the
+    listener takes that quietly (a connection that sends a wrong hello is still refused loudly)."""
+    import asyncio
+    import logging
+
+    async def run() -> None:
+        listener = dataplane.FrameListener(lambda frame: asyncio.sleep(0), None, 1 << 20)
+        port = await listener.start("127.0.0.1")
+        try:
+            rtt = await asyncio.to_thread(dataplane._handshake_ms, ("127.0.0.1", port), 5.0)
+            assert 0 < rtt < 1000
+            await asyncio.sleep(0.1)
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\n")
+            writer.close()
+            await asyncio.sleep(0.2)
+            assert any("closed the stream" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+        finally:
+            await listener.close()
+
+    with caplog.at_level(logging.DEBUG, logger="mtpipe.node.dataplane"):
+        asyncio.run(run())
 
 
 def test_closing_the_listener_ends_open_streams_without_an_error(caplog: pytest.LogCaptureFixture) -> None:

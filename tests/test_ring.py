@@ -107,6 +107,8 @@ def test_greedy_rows_match_one_node(ring: Any, references: dict) -> None:
     # the rounds went around: the last node started them, several groups were used
     last = servers[-1].service
     assert last.ring_stats.frames > len(reqs)
+    # every node timed its rounds, which the number of groups in flight is chosen from
+    assert all(h.round_fixed_ms > 0 or h.round_row_ms > 0 for h in engine.pipeline.health())
 
 
 def test_seeded_rows_reproduce(ring: Any) -> None:
@@ -682,7 +684,8 @@ def test_prompt_chunks_are_sized_under_steady_load_from_the_nodes_own_prefill_ti
 
     def node(prefill_tokens: int, prefill_seconds: float) -> SimpleNamespace:
         return SimpleNamespace(next_rtt_ms=0.2, mean_step_ms=5.0, steps=100, tokens_processed=900,
-                               prefill_tokens=prefill_tokens, prefill_seconds=prefill_seconds)
+                               prefill_tokens=prefill_tokens, prefill_seconds=prefill_seconds,
+                               round_fixed_ms=3.0, round_row_ms=0.3)
 
     nodes = [node(1000, 0.5), node(1000, 1.0)]  # 0.5 and 1 ms per prompt token
     pipeline = SimpleNamespace(nodes=("a:1", "b:2"), addresses=("a:1", "b:2"), row_sinks={},
@@ -698,6 +701,91 @@ def test_prompt_chunks_are_sized_under_steady_load_from_the_nodes_own_prefill_ti
         size, alone = engine._chunk_size(4000)
         assert not alone and size == int(0.1 / 0.0015)  # 1.5 ms per prompt token over both nodes
         assert engine.groups == 2  # (fixed: not the nodes' choice)
+    finally:
+        engine.close()
+
+
+def test_a_round_fit_reads_a_rounds_fixed_part_and_its_cost_per_row() -> None:
+    """A node fits its decode rounds' seconds against their rows: with rounds of several row counts it
+    finds both parts, with one row count only it reads the whole as fixed, and older rounds fade."""
+    from mtpipe.node.stage import RoundFit
+
+    fit = RoundFit()
+    assert fit.line() == (0.0, 0.0)
+    for i in range(200):
+        rows = 1 + i % 8
+        fit.add(rows, 0.002 + 0.0005 * rows)
+    fixed, per_row = fit.line()
+    assert fixed == pytest.approx(0.002, rel=1e-6) and per_row == pytest.approx(0.0005, rel=1e-6)
+    steady = RoundFit()
+    for _ in range(50):
+        steady.add(4, 0.004)
+    assert steady.line() == (pytest.approx(0.004), 0.0)
+    for i in range(800):  # the rounds got dearer: the fit follows them, the old ones faded
+        rows = 1 + i % 8
+        fit.add(rows, 0.004 + 0.001 * rows)
+    fixed, per_row = fit.line()
+    assert fixed == pytest.approx(0.004, rel=0.02) and per_row == pytest.approx(0.001, rel=0.02)
+
+
+def test_groups_in_flight_weigh_the_hops_against_a_rounds_fixed_part() -> None:
+    """One group per node when nothing is measured, or when a round's cost hardly depends on its rows
+    and the hops are short (each more group would pay the fixed part again on every node); more groups
+    when hops are long against the rounds; never more than twice the nodes."""
+    from mtpipe.coordinator.engine import scheduler as plan
+
+    dispatch = [plan.StageRound(0.003, 0.0002), plan.StageRound(0.0033, 0.00025)]
+    assert plan.ring_groups([plan.StageRound(0.0, 0.0)] * 2, 8, [0.0003]) == 2  # unmeasured
+    assert plan.ring_groups(dispatch[:1], 8) == 1
+    assert plan.ring_groups(dispatch, 8, [0.0003, 0.0003]) == 2
+    # a busy node answering a probe late used to read as a 10 ms hop, and the ring ran 4 groups of 2
+    # rows (about 0.6 of the rate of 2 groups on the demo model); the quickest probe is the hop
+    hops = plan.quickest_hops({}, [0.6, 0.6])
+    hops = plan.quickest_hops(hops, [21.0, -1.0])
+    assert hops == {0: pytest.approx(0.0003), 1: pytest.approx(0.0003)}
+    assert plan.ring_groups(dispatch, 8, list(hops.values())) == 2
+    # rows that cost most of a round, long hops: more groups keep the nodes busy meanwhile
+    heavy = [plan.StageRound(0.0005, 0.002)] * 2
+    assert plan.ring_groups(heavy, 16, [0.01, 0.01]) == 4
+    assert plan.ring_groups(heavy, 16, [0.01, 0.01], most=3) == 3
+    # rows cost nearly all, hops short: a group per node suffices, and one row is one group whatever
+    assert plan.ring_groups(heavy, 16, [0.0001, 0.0001]) == 2
+    assert plan.ring_groups(heavy, 1, [0.01, 0.01]) == 2
+    cycle = plan.ring_cycle
+    assert cycle(2, 8, dispatch, [0.0003, 0.0003]) < min(cycle(g, 8, dispatch, [0.0003, 0.0003]) for g in (1, 3, 4))
+
+
+def test_the_nodes_round_times_and_their_quickest_hops_choose_the_groups() -> None:
+    """The engine asks the nodes now and then: with rows decoding since its last look it chooses the
+    groups from the nodes' fitted rounds and the quickest probe of each hop; with none it keeps its choice."""
+    from types import SimpleNamespace
+
+    from mtpipe.coordinator.engine.ring import RingEngine
+
+    probes = [0.6, 0.6]
+    nodes = [SimpleNamespace(next_rtt_ms=0.0, round_fixed_ms=0.5, round_row_ms=2.0, prefill_tokens=0,
+                             prefill_seconds=0.0) for _ in range(2)]
+
+    def health(probe_next: bool = False, timeout: float = 5.0) -> list:
+        for n, rtt in zip(nodes, probes):
+            n.next_rtt_ms = rtt if probe_next else -1.0
+        return nodes
+
+    pipeline = SimpleNamespace(nodes=("a:1", "b:2"), addresses=("a:1", "b:2"), row_sinks={},
+                               reformer=SimpleNamespace(down=None), close=lambda: None, health=health)
+    engine = RingEngine(pipeline, SimpleNamespace(), [0], 100000, False, 100, prefill_chunk=512)
+    engine._stop.set()
+    try:
+        engine._refresh_groups()
+        assert engine.groups == 2  # no rows yet: nothing to go by
+        engine._rows, engine._rows_peak = {1: 8, 2: 8}, 16
+        probes[:] = [20.0, 20.0]  # busy nodes answer late: the 0.3 ms hops stay
+        engine._refresh_groups()
+        assert engine.groups == 2
+        probes[:] = [20.0, 20.0]
+        engine._hop_s = {}  # (had the hops always been that long: more groups while they pass)
+        engine._refresh_groups()
+        assert engine.groups == 4
     finally:
         engine.close()
 

@@ -111,6 +111,8 @@ def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next
         kept_prefix_bytes=h.kept_prefix_bytes,
         tokens_processed=h.tokens_processed,
         mean_step_ms=round(h.mean_step_ms, 3),
+        round_fixed_ms=round(h.round_fixed_ms, 3),  # a decode round here: fixed + per row x rows (ring groups)
+        round_row_ms=round(h.round_row_ms, 3),
         next=h.next or None,
         next_rtt_ms=round(h.next_rtt_ms, 3) if h.next_rtt_ms >= 0 else None,
         next_transport=h.next_transport or None,  # "tcp" (data plane) or "grpc", once a frame went

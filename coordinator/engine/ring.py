@@ -48,9 +48,8 @@ RESUME_WINDOW_S = 30.0  # a request whose node is lost waits this long for the p
 RETRY_AFTER_DOWN_S = 5  # the Retry-After of a request refused while the pipeline is down
 MEASURED_PROMPT = 64  # prompts at least this long time the pipeline's seconds per prompt token
 TRIP_OUTLIER = 2.0  # a trip counts as at most this many times the running figure (a stall, a lost node)
-# A row with no round for this long fails as its node lost. A node lost or hung is found sooner (the
-# pipeline's keepalive and lease renewals, the last node's idle groups); this is the backstop for rounds
-# that stop while every node still answers.
+# A row with no round for this long fails as its node lost: the backstop for rounds that stop while every node
+# answers (a node lost or hung is found sooner: the keepalive, lease renewals, the last node's idle groups).
 ROW_STALL_S = 60.0
 MAX_RESUMES = 3  # a request lost more often than this fails: a fault that comes back at once is not going away
 
@@ -84,12 +83,13 @@ class RingEngine:
         self._pool = ThreadPoolExecutor(max_rows + 1, thread_name_prefix="ring-prefill")
         self._lock = threading.Lock()
         self._rows: dict[int, int] = {}  # group -> live rows in it
+        self._rows_peak = 0  # for the groups in flight: the most live rows since they were last reconsidered,
+        self._hop_s: dict[int, float] = {}  # and each node's hop to the next, the quickest seen
         # Measured here, to size prompt chunks while rows decode: a group's trip around the nodes
         # (between two outcomes of a row), and a prompt's seconds per token through the pipeline.
         self._trip_s = 0.0
         self._token_s = 0.0
-        # Until a prompt alone has been timed (under steady load, never): the nodes' own seconds per
-        # prompt token, added up (a prompt alone takes them all, and the hops besides).
+        # Until a prompt alone is timed (under steady load, never): the nodes' seconds per prompt token, added up
         self._node_token_s = 0.0
         self.row_stall = row_stall
         self._decoding: dict[int, RingLive] = {}  # id(live) -> rows whose prompt is through (watched)
@@ -187,6 +187,7 @@ class RingEngine:
         with self._lock:
             live.group = plan.pick_group(self._rows, self.groups)
             self._rows[live.group] = self._rows.get(live.group, 0) + 1
+            self._rows_peak = max(self._rows_peak, sum(self._rows.values()))
         self.pipeline.row_sinks[live.seq_id] = lambda item, seq=live.seq_id: self._on_row(live, seq, item)
 
     def _prefill(self, live: RingLive) -> None:
@@ -422,9 +423,8 @@ class RingEngine:
             log.exception("releasing %s failed", seq_id)
 
     def _chunk_size(self, tokens: int) -> tuple[int, bool]:
-        """A prompt's chunk: about a node's share of a group round while other rows decode (each chunk
-        a node takes delays the groups behind it), the whole of `prefill_chunk` otherwise; and whether
-        no other row decodes."""
+        """A prompt's chunk: about a node's share of a group round while other rows decode (a chunk delays
+        the groups behind it), the whole of `prefill_chunk` otherwise; and whether no other row decodes."""
         with self._lock:
             decoding = sum(self._rows.values()) > 1  # (this request is placed already)
             node_round = self._trip_s / max(self.groups, 1)
@@ -433,18 +433,18 @@ class RingEngine:
             return size, not decoding
 
     def _refresh_groups(self) -> None:
-        """Groups in flight, from the nodes' measured step times (on the watch's thread: a node busy in
-        a step answers late, and neither an admission nor a row's outcome waits for it)."""
+        """Groups in flight, from the nodes' measured rounds and hops (on the watch's thread: a node busy
+        in a step answers late, and neither an admission nor a row's outcome waits for it)."""
         try:
             health = self.pipeline.health(probe_next=not self.fixed_groups, timeout=1.0)  # (hops: for groups)
         except Exception as e:  # keep the last choice; the nodes' own errors reach the requests
             log.debug("no step times from the nodes: %s", e)
             return
-        hops = [h.next_rtt_ms / 2000.0 for h in health if h.next_rtt_ms > 0]
-        groups = plan.ring_groups(len(health), [h.mean_step_ms / 1000.0 for h in health],
-                                  sum(hops) / len(hops) if hops else 0.0)
+        self._hop_s = plan.quickest_hops(self._hop_s, [h.next_rtt_ms for h in health])
+        stages = [plan.StageRound(h.round_fixed_ms / 1000.0, h.round_row_ms / 1000.0) for h in health]
         token_s = sum(h.prefill_seconds / h.prefill_tokens for h in health if h.prefill_tokens)
         with self._lock:
-            if not self.fixed_groups:
-                self.groups = groups
+            rows, self._rows_peak = self._rows_peak, sum(self._rows.values())
+            if not self.fixed_groups and rows > 0:  # (no rows since the last look: nothing to go by)
+                self.groups = plan.ring_groups(stages, rows, list(self._hop_s.values()))
             self._node_token_s = token_s

@@ -11,7 +11,6 @@ round: running streams keep flowing while a long prompt goes in.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 MIN_PREFILL_CHUNK = 32  # shorter chunks cost much more per token (the stepped GatedDeltaNet path)
@@ -149,17 +148,54 @@ def ema(old: float, new: float, weight: float = 0.2) -> float:
     return new if old <= 0 else (1 - weight) * old + weight * new
 
 
-def ring_groups(stages: int, stage_seconds: list[float], hop_seconds: float = 0.0, most: int | None = None) -> int:
-    """Groups to keep in flight around a ring of `stages` nodes so that the busiest one never waits: a
-    group's trip takes every stage's time and every hop, and the busiest stage must have a group to
-    work on during all of it. Unmeasured: one group per stage."""
-    if stages <= 1:
+GROUPS_TIE = 0.02  # group counts whose rounds come within this share of the best are as good: nearest stages wins
+
+
+@dataclass(frozen=True)
+class StageRound:
+    """One node's decode round, as it measured it: fixed + per_row x rows seconds."""
+
+    fixed: float
+    per_row: float
+
+    def seconds(self, rows: float) -> float:
+        return self.fixed + self.per_row * rows
+
+
+def ring_cycle(groups: int, rows: int, stages: list[StageRound], hops: list[float]) -> float:
+    """Seconds for every one of `rows` rows to get a round, with the rows split into `groups` groups in
+    flight: each node takes every group in turn (its rounds back to back when it never waits), and a
+    group cannot come round faster than its own trip (every node's round and every hop)."""
+    used = max(1, min(groups, rows))  # (a group without rows costs nothing)
+    each = [s.seconds(max(rows, 1) / used) for s in stages]
+    return max(used * max(each), sum(each) + sum(max(h, 0.0) for h in hops))
+
+
+def quickest_hops(hops: dict[int, float], probes_ms: list[float]) -> dict[int, float]:
+    """Each node's hop to the next (seconds), the quickest seen over its probes (round trips in ms, <= 0
+    when not probed): a probe over gRPC waits for a busy node's answer, which is no part of the hop."""
+    out = dict(hops)
+    for i, rtt in enumerate(probes_ms):
+        if rtt > 0:
+            out[i] = min(out.get(i, rtt / 2000.0), rtt / 2000.0)
+    return out
+
+
+def ring_groups(stages: list[StageRound], rows: int, hops: list[float] | None = None, most: int | None = None) -> int:
+    """Groups to keep in flight around a ring so that its rows get their rounds soonest. More groups
+    keep every node busy over the hops (seconds each, as measured: the last node's to the first, when
+    not, as the others' mean), but each pays a round's fixed part once more on every node; where the
+    nodes measured nothing yet, one group per node."""
+    n = len(stages)
+    if n <= 1:
         return 1
-    most = most or 2 * stages
-    if len(stage_seconds) != stages or min(stage_seconds) <= 0:
-        return stages
-    trip = sum(stage_seconds) + stages * max(hop_seconds, 0.0)
-    return max(1, min(most, math.ceil(trip / max(stage_seconds))))
+    if min(s.seconds(1) for s in stages) <= 0:
+        return n
+    hops = list(hops or [])
+    hops += [sum(hops) / len(hops)] * (n - len(hops)) if hops else []
+    cycles = {g: ring_cycle(g, rows, stages, hops) for g in range(1, (most or 2 * n) + 1)}
+    best = min(cycles.values())
+    return min((g for g, c in cycles.items() if c <= best * (1 + GROUPS_TIE)), key=lambda g: (abs(g - n), g))
 
 
 def pick_group(rows: dict[int, int], groups: int) -> int:
