@@ -34,6 +34,7 @@ OUTLIER = 2.0  # a timing counts as at most this many times the estimate it upda
 PROBE_EVERY = 16  # rounds between probes of a neighbouring depth, at first
 PROBE_EVERY_MAX = 64  # probes that keep confirming the choice back off up to this
 PROBE_EVERY_MAX_BATCH = 128  # the same for a batch, whose probe costs every row a round
+CHALLENGE_EVERY = 8  # rounds between probes of a depth estimated best but not chosen (`Probe`'s challenger)
 # A neighbouring depth estimated this much slower than the best is within the estimates' noise; one
 # estimated n times as far behind is probed up to n times less often (at most PROBE_STRETCH times).
 PROBE_SHORTFALL = 0.1
@@ -370,8 +371,9 @@ class Probe:
     never timed at the context length (given `context`), it is probed once within `PROBE_EVERY`
     rounds, whatever the gap: its cost there is carried over from other lengths, and one carried over
     too dear would otherwise keep a sequence from drafting deeper for its whole life. (Not the depth
-    below: drafts accepted less often than hoped bring a sequence down by themselves.) With `hold`, a
-    probe lasts two rounds (the first, a change of depth, is not timed)."""
+    below: drafts accepted less often than hoped bring a sequence down by themselves.) A `challenger`
+    (best before the error is weighed: `settled`) is probed every `CHALLENGE_EVERY` rounds: only its
+    timings tell it behind from stale. With `hold`, a probe lasts two rounds (the first is not timed)."""
 
     hold: bool = False
     most: int = PROBE_EVERY_MAX
@@ -380,14 +382,15 @@ class Probe:
     probed_on: StageCosts | None = field(default=None, repr=False, compare=False)  # the table it was made on
     held: int | None = None
 
-    def next(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0, context: int | None = None) -> int:
+    def next(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0, context: int | None = None,
+             challenger: int | None = None) -> int:
         """A round's depth when `best` is the best known (counts the round); `behind`: its neighbours'
         shortfall (`shortfall`); `context`: the round's context length."""
         self.clock.rounds += 1
-        return self.choose(best, costs, kmax, behind, context=context)
+        return self.choose(best, costs, kmax, behind, context=context, challenger=challenger)
 
     def choose(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0, clock: Clock | None = None,
-               context: int | None = None) -> int:
+               context: int | None = None, challenger: int | None = None) -> int:
         clock = clock or self.clock
         if self.held is not None:
             depth, self.held = self.held, None
@@ -400,13 +403,18 @@ class Probe:
                 most = int(self.most * min(PROBE_STRETCH, max(1.0, behind / PROBE_SHORTFALL)))
                 costs.probe_gap = min(2 * costs.probe_gap, most) if confirmed else PROBE_EVERY
             self.probed_from = self.probed_on = None
-        due = clock.rounds - clock.last_probe >= costs.probe_gap
-        early = (not due and context is not None and best < kmax and clock.rounds - clock.last_probe >= PROBE_EVERY
-                 and costs.first_try(best + 1, context))
-        if not (due or early):
+        since = clock.rounds - clock.last_probe
+        due = since >= costs.probe_gap
+        early = not due and since >= PROBE_EVERY and context is not None and best < kmax and costs.first_try(
+            best + 1, context)
+        challenged = not (due or early) and since >= CHALLENGE_EVERY and challenger not in (None, best)
+        if not (due or early or challenged):
             return best
-        self.probed_from, self.probed_on, clock.last_probe = best, costs, clock.rounds
-        if early:
+        clock.last_probe = clock.rounds  # (a challenge says nothing of how often probes should come: the gap stays)
+        self.probed_from, self.probed_on = (None, None) if challenged else (best, costs)
+        if challenged:
+            depth = min(challenger, kmax)
+        elif early:
             depth = best + 1
         else:
             if 0 < best < kmax:  # (a probe counted in rounds would keep the parity of the gap)
@@ -439,4 +447,4 @@ class DepthChooser:
         acceptance = self.acceptance.hopeful(costs.acceptance.extrapolated()[: self.kmax])
         rates = depth_rates(acceptance, costs.round_seconds(context)[: self.kmax + 1])
         best = settled(rates, costs.noise(context), costs.when())
-        return self.probe.choose(best, costs, self.kmax, shortfall(rates, best), costs.clock, context)
+        return self.probe.choose(best, costs, self.kmax, shortfall(rates, best), costs.clock, context, best_of(rates))

@@ -298,6 +298,36 @@ def test_a_deeper_depth_carried_over_too_dear_is_probed_soon() -> None:
     assert depths[2 * P - 1:] == [3] * P + [0, 0] + [3] * (len(depths) - 3 * P - 1)
 
 
+def test_a_depth_estimated_best_but_not_settled_on_is_challenged_soon() -> None:
+    """Drafting estimated a little faster than no drafts is not chosen while the gain lies within the
+    costs' error (`settled`: a cost timed long ago counts the machine's drift besides). Only new timings
+    of it tell whether it is behind or only stale, and the stage's probes may have backed off far: it
+    is probed every CHALLENGE_EVERY rounds, leaving the stage's gap as it was, and once timed afresh
+    it is chosen. A depth not estimated best is not challenged."""
+    C = policy.CHALLENGE_EVERY
+    probe, costs = Probe(), StageCosts(prior=[1.0, 1.5])
+    costs.probe_gap = policy.PROBE_EVERY_MAX
+    assert [probe.next(0, costs, 1, challenger=1) for _ in range(4 * C)] == ([0] * (C - 1) + [1]) * 4
+    assert [probe.next(0, costs, 1, challenger=0) for _ in range(4 * C)] == [0] * (4 * C)
+    assert costs.probe_gap == policy.PROBE_EVERY_MAX
+
+    costs, now = StageCosts(prior=[1.0, 1.5]), time.perf_counter()
+    costs.observe(1, 64, 1.5, now=now - 10.0)  # one draft: timed long ago
+    for _ in range(3):
+        costs.observe(0, 64, 1.0, now=now)
+    chooser = DepthChooser(kmax=1)
+    chooser.acceptance = Acceptance([1e4], [6e3])  # known well: 1.6 tokens a round, 1.067 as fast as none
+    assert policy.best_of(policy.depth_rates([0.6], [1.0, 1.5])) == 1
+    depths: list[int] = []
+    for _ in range(2 * C):
+        depth = chooser.next_depth(costs, 64)
+        if depths and depths[-1] == depth:  # (a change of depth is not timed)
+            costs.observe(depth, 64, [1.0, 1.5][depth])
+        depths.append(depth)
+    assert depths[: C - 1] == [0] * (C - 1)  # within its drift: not chosen
+    assert depths[C - 1:] == [1] * (C + 1)  # challenged, timed afresh beside no drafts: chosen
+
+
 def test_an_early_probe_is_one_try_per_context_length() -> None:
     """Rounds that never get timed (rows with logits processors in a batch, a row that cannot draft as
     deep) leave the depth above untimed: it is probed early once per context length, then waits for
