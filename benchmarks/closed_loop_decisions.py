@@ -20,7 +20,7 @@ from mtpipe.coordinator.bench.serve_steady import engine_closed_loop, lengths
 from mtpipe.coordinator.engine.build import batch_engine
 from mtpipe.models.registry import DEMO_MODEL
 from mtpipe.node import batch_depth
-from mtpipe.node.depth import context_bucket, hoped
+from mtpipe.node.depth_rates import context_bucket, hoped
 
 SLOTS, TOTAL, ROWS = 8, 32, 8
 

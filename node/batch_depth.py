@@ -24,7 +24,8 @@ import time
 import weakref
 from collections.abc import Callable
 
-from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, best_of, hoped, nearest, settled, shortfall
+from .depth import PROBE_EVERY_MAX_BATCH, Probe, StageCosts, challenger
+from .depth_rates import hoped, nearest, settled, shortfall
 
 # A new depth is held until a round at it was timed (two rounds of the deciding member, when nothing
 # else runs); rounds that are not timed (prompt chunks in between) release it after this many.
@@ -134,8 +135,9 @@ class DepthPlan:
             seconds, noise, when = self.round_seconds(bucket, context)
             per_depth = hoped(r(seconds[: deepest + 1]) for _, _, r in self.members.values())
             best = settled(per_depth, noise, when)
+            top = challenger(per_depth, best, costs, context)
             depth = max(least, self.probe.next(best, costs, deepest, shortfall(per_depth, best), context,
-                                               best_of(per_depth)))
+                                               None if top is None else max(least, top)))
         if depth != self.depth:
             self.depth = depth
             self.held, self.held_at = HOLD_ROUNDS, bucket

@@ -24,7 +24,7 @@ from ..models.ragged import RaggedKV, pad_rows
 from ..models.shard import queue_layers
 from .acceptance import accept_greedy, filtered_probs, kept_of_round
 from .batch_depth import DepthPlan
-from .depth import batch_rates
+from .depth_rates import batch_rates
 from .device_sampling import drafts_on_device, draw_drafts, sample, samples_on_device
 from .head import DraftState, Head, Prepared
 from .processors import LogprobTable, apply, logprob_table, read_logprobs

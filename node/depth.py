@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .depth_acceptance import MEMORY, Acceptance
+from .depth_rates import DRIFT_SECONDS, best_of, context_bucket, depth_rates, nearest, settled, shortfall, spread
 
 PRIOR_ROUNDS = 16  # rounds with drafts of each sequence that inform the stage's acceptance (the prior)
 EMA = 0.2  # weight of a new timing
@@ -34,104 +34,22 @@ OUTLIER = 2.0  # a timing counts as at most this many times the estimate it upda
 PROBE_EVERY = 16  # rounds between probes of a neighbouring depth, at first
 PROBE_EVERY_MAX = 64  # probes that keep confirming the choice back off up to this
 PROBE_EVERY_MAX_BATCH = 128  # the same for a batch, whose probe costs every row a round
-CHALLENGE_EVERY = 8  # rounds between probes of a depth estimated best but not chosen (`Probe`'s challenger)
+CHALLENGE_EVERY = 8  # rounds at least between probes of a depth estimated best but not chosen (`challenger`)
+CHALLENGE_AFTER = 16  # timings of other depths after which a depth estimated best, not chosen, is probed
 # A neighbouring depth estimated this much slower than the best is within the estimates' noise; one
 # estimated n times as far behind is probed up to n times less often (at most PROBE_STRETCH times).
 PROBE_SHORTFALL = 0.1
 PROBE_STRETCH = 4
 WARMUP = 1  # timings of rounds without drafts a stage takes at each context length before choosing
 TRUSTED = 3  # timings of a depth on a stage before they may say it costs more than the calibration
-LEAD = 1.0  # standard errors by which drafting must beat no drafts to be chosen (`settled`)
 NOISE_TIMINGS = 8  # a cost's latest timings, whose spread says how far its estimate may be off
-# The machine's pace drifts (other work, clocks): two costs timed this many seconds or more apart may
-# be off against each other by DRIFT (relative), however steady each one's own timings.
-DRIFT, DRIFT_SECONDS = 0.1, 2.0
 
 
-def expected_tokens(acceptance: list[float], depth: int) -> float:
-    """Tokens a round with `depth` drafts emits on average: the accepted prefix plus one."""
-    total, reach = 1.0, 1.0
-    for a in acceptance[:depth]:
-        reach *= a
-        total += reach
-    return total
-
-
-def depth_rates(acceptance: list[float], round_seconds: list[float]) -> list[float]:
-    """Expected tokens per second at each depth 0..len(round_seconds)-1."""
-    return [expected_tokens(acceptance, k) / max(s, 1e-9) for k, s in enumerate(round_seconds)]
-
-
-def batch_rates(rows: list[tuple[list[float], list[float]]], kmaxes: list[int],
-                round_seconds: list[float]) -> list[tuple[float, float]]:
-    """The same for rows decoding together: a round lasts as long as its deepest row makes it, so
-    tokens per second summed over the rows (each row capped at its own most drafts). Each row gives
-    its acceptance and its hopeful one (`Acceptance.hopeful`). Per depth: the rows' expected tokens
-    per second, and the square of how far their hopes lie above it (`hoped` adds those up)."""
-    out = []
-    for k, s in enumerate(round_seconds):
-        s = max(s, 1e-9)
-        mean = [expected_tokens(a, min(k, m)) for (a, _), m in zip(rows, kmaxes)]
-        hope = [expected_tokens(h, min(k, m)) for (_, h), m in zip(rows, kmaxes)]
-        out.append((sum(mean) / s, sum((h - t) ** 2 for t, h in zip(mean, hope)) / s**2))
-    return out
-
-
-def hoped(parts: Iterable[list[tuple[float, float]]]) -> list[float]:
-    """Tokens per second by depth of rows that share rounds (`batch_rates` of each batch), as hopeful
-    as they are together: their errors add in quadrature, so many rows new to drafting hope for less
-    each than one row alone (and their drafts cost more to try)."""
-    return [sum(m for m, _ in col) + math.sqrt(sum(v for _, v in col)) for col in zip(*parts)]
-
-
-def best_of(rates: list[float]) -> int:
-    """The depth with the most tokens per second (ties: fewer drafts)."""
-    return max(range(len(rates)), key=lambda k: (rates[k], -k))
-
-
-def settled(rates: list[float], noise: list[float], when: list[float | None], lead: float | None = None) -> int:
-    """The depth to run: the most tokens per second, less `lead` standard errors of each depth's gain
-    over no drafts. `noise`: each depth's cost's relative error from its own timings; `when`: when it
-    was last timed (seconds; None: never), as costs timed far apart differ by the machine's drift too.
-    Costs are estimates from a few noisy timings, and the best of several noisy estimates is biased
-    towards whichever dipped: where depths nearly tie, that picks drafts which then lose to no drafts,
-    the one depth auto must never lose to. So drafts are chosen only when their gain shows through."""
-    lead = LEAD if lead is None else lead
-
-    def lower(k: int) -> float:
-        if k == 0:
-            return rates[0]
-        t, t0 = when[k], when[0]
-        drift = DRIFT if t is None or t0 is None else DRIFT * min(1.0, abs(t - t0) / DRIFT_SECONDS)
-        return rates[k] - lead * math.sqrt((rates[k] * noise[k]) ** 2 + (rates[0] * noise[0]) ** 2
-                                           + (rates[k] * drift) ** 2)
-    return best_of([lower(k) for k in range(len(rates))])
-
-
-def spread(xs: list[float]) -> float:
-    """The variance of timings relative to their mean squared, in plain floats (`statistics` works in
-    fractions, too slow for every round)."""
-    n = len(xs)
-    mean = sum(xs) / n
-    return sum((x - mean) ** 2 for x in xs) / (n - 1) / max(mean * mean, 1e-24)
-
-
-def shortfall(rates: list[float], best: int) -> float:
-    """How far below the best depth's tokens per second its nearest neighbour is estimated (0..1)."""
-    near = [rates[k] for k in (best - 1, best + 1) if 0 <= k < len(rates)]
-    if not near or rates[best] <= 0:
-        return 0.0
-    return max(0.0, 1.0 - max(near) / rates[best])
-
-
-def nearest(buckets: Iterable[int], at: int, index: Callable[[int], int] = lambda b: b) -> int:
-    """The bucket closest to `at` by `index` (ties: the larger one)."""
-    return min(buckets, key=lambda b: (abs(index(b) - index(at)), -b))
-
-
-def context_bucket(context: int) -> int:
-    """Costs are kept per power-of-two context length: attention grows with it."""
-    return max(int(context), 1).bit_length()
+def challenger(rates: list[float], best: int, costs: StageCosts, context: int) -> int | None:
+    """The depth estimated best where `settled` chose another, if `costs` took CHALLENGE_AFTER timings or
+    more since it was last timed at this context length: only new timings tell it behind from stale."""
+    top = best_of(rates)
+    return top if top != best and costs.timings_since(top, context) >= CHALLENGE_AFTER else None
 
 
 @dataclass
@@ -140,6 +58,7 @@ class Clock:
 
     rounds: int = 0
     last_probe: int = 0
+    last_challenge: int = 0  # (`Probe`'s challenger: apart from the probes, which come as they would without)
     probes: int = 0  # probes from between 0 and the most drafts: up and down in turn
 
 
@@ -247,6 +166,10 @@ class StageCosts:
         if first is not None:
             return first
         return 0 if self.samples.get((context_bucket(context), 0), 0) < WARMUP else None
+
+    def timings_since(self, depth: int, context: int) -> int:
+        """Timings on this table since `depth` was last timed at this context length (never: every one)."""
+        return sum(self.samples.values()) - self.timed_at.get((context_bucket(context), depth), 0)
 
     def first_try(self, depth: int, context: int) -> bool:
         """Whether `depth` was neither timed nor probed early at this context length (its cost there is
@@ -372,8 +295,7 @@ class Probe:
     rounds, whatever the gap: its cost there is carried over from other lengths, and one carried over
     too dear would otherwise keep a sequence from drafting deeper for its whole life. (Not the depth
     below: drafts accepted less often than hoped bring a sequence down by themselves.) A `challenger`
-    (best before the error is weighed: `settled`) is probed every `CHALLENGE_EVERY` rounds: only its
-    timings tell it behind from stale. With `hold`, a probe lasts two rounds (the first is not timed)."""
+    is probed within CHALLENGE_EVERY rounds. With `hold`, a probe lasts two rounds (the first untimed)."""
 
     hold: bool = False
     most: int = PROBE_EVERY_MAX
@@ -385,7 +307,7 @@ class Probe:
     def next(self, best: int, costs: StageCosts, kmax: int, behind: float = 0.0, context: int | None = None,
              challenger: int | None = None) -> int:
         """A round's depth when `best` is the best known (counts the round); `behind`: its neighbours'
-        shortfall (`shortfall`); `context`: the round's context length."""
+        shortfall (`shortfall`); `context`: the round's context length; `challenger`: the best estimate's."""
         self.clock.rounds += 1
         return self.choose(best, costs, kmax, behind, context=context, challenger=challenger)
 
@@ -407,19 +329,16 @@ class Probe:
         due = since >= costs.probe_gap
         early = not due and since >= PROBE_EVERY and context is not None and best < kmax and costs.first_try(
             best + 1, context)
-        challenged = not (due or early) and since >= CHALLENGE_EVERY and challenger not in (None, best)
-        if not (due or early or challenged):
-            return best
-        clock.last_probe = clock.rounds  # (a challenge says nothing of how often probes should come: the gap stays)
-        self.probed_from, self.probed_on = (None, None) if challenged else (best, costs)
-        if challenged:
-            depth = min(challenger, kmax)
-        elif early:
-            depth = best + 1
-        else:
-            if 0 < best < kmax:  # (a probe counted in rounds would keep the parity of the gap)
+        challenger = None if challenger is None or min(challenger, kmax) == best else min(challenger, kmax)
+        if not (due or early):
+            if challenger is None or clock.rounds - max(clock.last_probe, clock.last_challenge) < CHALLENGE_EVERY:
+                return best
+            clock.last_challenge, depth = clock.rounds, challenger  # (says nothing of how often probes should come)
+        else:  # (an early probe goes up; one counted in rounds would keep the parity of the gap: counted here)
+            self.probed_from, self.probed_on, clock.last_probe = best, costs, clock.rounds
+            if 0 < best < kmax and not early:
                 clock.probes += 1
-            up = best == 0 or (best < kmax and clock.probes % 2 == 1)
+            up = early or best == 0 or (best < kmax and clock.probes % 2 == 1)
             depth = min(best + 1, kmax) if up else costs.stalest_below(best, context)
         if self.hold:
             self.held = depth
@@ -447,4 +366,5 @@ class DepthChooser:
         acceptance = self.acceptance.hopeful(costs.acceptance.extrapolated()[: self.kmax])
         rates = depth_rates(acceptance, costs.round_seconds(context)[: self.kmax + 1])
         best = settled(rates, costs.noise(context), costs.when())
-        return self.probe.choose(best, costs, self.kmax, shortfall(rates, best), costs.clock, context, best_of(rates))
+        return self.probe.choose(best, costs, self.kmax, shortfall(rates, best), costs.clock, context,
+                                 challenger(rates, best, costs, context))

@@ -21,9 +21,8 @@ from mtpipe.node.depth import (
     Acceptance,
     DepthChooser,
     StageCosts,
-    batch_rates,
-    context_bucket,
 )
+from mtpipe.node.depth_rates import batch_rates, context_bucket
 
 ACCEPTED = 0.6  # every draft position
 

@@ -15,18 +15,9 @@ from helpers import PROMPTS
 from mtpipe.coordinator.engine.build import local_engine
 from mtpipe.coordinator.engine.request import AUTO_MAX_DEPTH, GenerationRequest, resolve_depth
 from mtpipe.node import depth as policy
-from mtpipe.node.depth import (
-    DRIFT_SECONDS,
-    NOISE_TIMINGS,
-    Acceptance,
-    DepthChooser,
-    Probe,
-    StageCosts,
-    best_of,
-    depth_rates,
-    expected_tokens,
-    settled,
-)
+from mtpipe.node import depth_rates as arithmetic
+from mtpipe.node.depth import NOISE_TIMINGS, Acceptance, DepthChooser, Probe, StageCosts
+from mtpipe.node.depth_rates import DRIFT_SECONDS, best_of, depth_rates, expected_tokens, settled
 from mtpipe.node.depth_acceptance import MEMORY, PRIOR_ACCEPTANCE
 from mtpipe.node.protocol import SamplingParams
 
@@ -137,16 +128,17 @@ def test_batch_rows_hope_together_for_less_than_one_row_alone() -> None:
     fresh = Acceptance.empty(2)
     row = (fresh.rates([0.5, 0.5]), fresh.hopeful([0.5, 0.5]))
     seconds = [1.0, 1.6, 2.0]
-    assert policy.hoped([policy.batch_rates([row], [2], seconds)]) == pytest.approx(depth_rates(row[1], seconds))
-    eight = policy.hoped([policy.batch_rates([row] * 8, [2] * 8, seconds)])
-    groups = policy.hoped([policy.batch_rates([row] * 2, [2] * 2, seconds) for _ in range(4)])
+    alone = arithmetic.hoped([arithmetic.batch_rates([row], [2], seconds)])
+    assert alone == pytest.approx(depth_rates(row[1], seconds))
+    eight = arithmetic.hoped([arithmetic.batch_rates([row] * 8, [2] * 8, seconds)])
+    groups = arithmetic.hoped([arithmetic.batch_rates([row] * 2, [2] * 2, seconds) for _ in range(4)])
     assert groups == pytest.approx(eight)
     assert eight[0] == pytest.approx(8.0)  # no drafts: nothing to hope for
     for k in (1, 2):
         mean = 8 * depth_rates(row[0], seconds)[k]
         assert mean < eight[k] < 8 * depth_rates(row[1], seconds)[k]
-    capped = policy.batch_rates([row, row], [2, 0], seconds)  # a row that never drafts hopes for nothing
-    assert capped[2][1] == pytest.approx(policy.batch_rates([row], [2], seconds)[2][1])
+    capped = arithmetic.batch_rates([row, row], [2, 0], seconds)  # a row that never drafts hopes for nothing
+    assert capped[2][1] == pytest.approx(arithmetic.batch_rates([row], [2], seconds)[2][1])
 
 
 def test_costs_widen_for_deeper_requests_and_keep_their_timings() -> None:
@@ -265,7 +257,7 @@ def test_probes_of_a_close_neighbour_back_off_to_the_usual_most() -> None:
     for _ in range(40 * policy.PROBE_EVERY):
         chooser.next_depth(costs, 64)
     assert costs.probe_gap == policy.PROBE_EVERY_MAX
-    assert policy.shortfall(policy.depth_rates([0.6, 0.6], [1.0, 1.62, 9.0]), 0) < policy.PROBE_SHORTFALL
+    assert arithmetic.shortfall(arithmetic.depth_rates([0.6, 0.6], [1.0, 1.62, 9.0]), 0) < policy.PROBE_SHORTFALL
 
 
 def test_a_deeper_depth_carried_over_too_dear_is_probed_soon() -> None:
@@ -298,34 +290,36 @@ def test_a_deeper_depth_carried_over_too_dear_is_probed_soon() -> None:
     assert depths[2 * P - 1:] == [3] * P + [0, 0] + [3] * (len(depths) - 3 * P - 1)
 
 
-def test_a_depth_estimated_best_but_not_settled_on_is_challenged_soon() -> None:
+def test_a_depth_estimated_best_but_held_back_is_challenged_soon() -> None:
     """Drafting estimated a little faster than no drafts is not chosen while the gain lies within the
-    costs' error (`settled`: a cost timed long ago counts the machine's drift besides). Only new timings
-    of it tell whether it is behind or only stale, and the stage's probes may have backed off far: it
-    is probed every CHALLENGE_EVERY rounds, leaving the stage's gap as it was, and once timed afresh
-    it is chosen. A depth not estimated best is not challenged."""
-    C = policy.CHALLENGE_EVERY
+    costs' error (`settled`), which for a cost timed long ago counts the machine's drift besides. Only
+    new timings tell whether it is behind or only stale, and the stage's probes may have backed off
+    far: a depth not timed for CHALLENGE_AFTER timings is probed within CHALLENGE_EVERY rounds, and once
+    timed afresh it is chosen. The stage's own probes come as they would without challenges."""
+    C, P = policy.CHALLENGE_EVERY, policy.PROBE_EVERY
     probe, costs = Probe(), StageCosts(prior=[1.0, 1.5])
-    costs.probe_gap = policy.PROBE_EVERY_MAX
-    assert [probe.next(0, costs, 1, challenger=1) for _ in range(4 * C)] == ([0] * (C - 1) + [1]) * 4
-    assert [probe.next(0, costs, 1, challenger=0) for _ in range(4 * C)] == [0] * (4 * C)
-    assert costs.probe_gap == policy.PROBE_EVERY_MAX
+    got = [probe.next(0, costs, 1, challenger=1) for _ in range(3 * P + 1)]
+    assert [i + 1 for i, d in enumerate(got) if d] == list(range(C, 3 * P + 1, C))
+    assert costs.probe_gap == 4 * P  # the probes at P and 3P came, each confirming no drafts: the gap doubled twice
+    assert [probe.next(0, costs, 1, challenger=None) for _ in range(P)] == [0] * P
 
     costs, now = StageCosts(prior=[1.0, 1.5]), time.perf_counter()
-    costs.observe(1, 64, 1.5, now=now - 10.0)  # one draft: timed long ago
-    for _ in range(3):
+    costs.observe(1, 64, 1.5, now=now - 10.0)  # one draft: timed long ago, and many timings before these
+    rates = depth_rates([0.6], [1.0, 1.5])  # drafts accepted as below: 1.067 times as fast as none
+    for i in range(policy.CHALLENGE_AFTER):
+        assert policy.challenger(rates, 0, costs, 64) is None  # timed lately: left to `settled`
         costs.observe(0, 64, 1.0, now=now)
+    assert policy.challenger(rates, 0, costs, 64) == 1 and policy.challenger(rates, 1, costs, 64) is None
     chooser = DepthChooser(kmax=1)
-    chooser.acceptance = Acceptance([1e4], [6e3])  # known well: 1.6 tokens a round, 1.067 as fast as none
-    assert policy.best_of(policy.depth_rates([0.6], [1.0, 1.5])) == 1
+    chooser.acceptance = Acceptance([1e4], [6e3])  # known well
     depths: list[int] = []
-    for _ in range(2 * C):
+    for _ in range(2 * C - 1):
         depth = chooser.next_depth(costs, 64)
         if depths and depths[-1] == depth:  # (a change of depth is not timed)
             costs.observe(depth, 64, [1.0, 1.5][depth])
         depths.append(depth)
     assert depths[: C - 1] == [0] * (C - 1)  # within its drift: not chosen
-    assert depths[C - 1:] == [1] * (C + 1)  # challenged, timed afresh beside no drafts: chosen
+    assert depths[C - 1:] == [1] * C  # challenged, timed afresh beside no drafts: chosen
 
 
 def test_an_early_probe_is_one_try_per_context_length() -> None:
