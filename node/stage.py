@@ -69,29 +69,38 @@ class Sequence:
 
 
 ROUND_FIT_WEIGHT = 0.05  # a round's weight in its row count's running mean: the fit follows the node's pace
+ROUND_FIT_OUTLIER = 2.0  # a round counts as at most this many times its row count's mean (a stall)
+ROUND_FIT_TRUSTED = 4  # rounds of a row count before its mean informs the fit
+ROUND_FIT_WEIGHT_MOST = 20  # a row count's weight in the fit: its rounds, up to this
 
 
 @dataclass
 class RoundFit:
-    """A decode round's seconds here against its rows, as fixed + per_row x rows: a least-squares line
-    through a running mean per row count. Rounds of a few rows cost little less than rounds of many where
-    dispatch dominates: a ring splitting its rows into more groups pays the fixed part again per group."""
+    """A decode round's seconds here against its rows, as fixed + per_row x rows: a weighted least-squares
+    line through a running mean per row count. Rounds of a few rows cost little less than rounds of many
+    where dispatch dominates: a ring splitting its rows into more groups pays the fixed part again per
+    group. A row count's first round builds its kernels: left out."""
 
-    means: dict[int, float] = field(default_factory=dict)  # rows -> running mean of a round's seconds
+    means: dict[int, tuple[float, int]] = field(default_factory=dict)  # rows -> (mean seconds, rounds in it)
 
     def add(self, rows: int, seconds: float) -> None:
-        old = self.means.get(rows)
-        self.means[rows] = seconds if old is None else old + ROUND_FIT_WEIGHT * (seconds - old)
+        if rows not in self.means:
+            self.means[rows] = (0.0, 0)
+            return
+        mean, n = self.means[rows]
+        seconds = seconds if n == 0 else min(seconds, ROUND_FIT_OUTLIER * mean)
+        self.means[rows] = (seconds if n == 0 else mean + ROUND_FIT_WEIGHT * (seconds - mean), n + 1)
 
     def line(self) -> tuple[float, float]:
-        """(fixed, per row) seconds; (0, 0) before any round. Until rounds of two row counts came, all
-        fixed: the cautious reading (it never argues for more groups)."""
-        if not self.means:
+        """(fixed, per row) seconds; (0, 0) until two row counts were timed enough: unmeasured, so a ring
+        keeps a group per node (a line through one row count would read it all as fixed, or all per row)."""
+        pts = [(r, m, min(n, ROUND_FIT_WEIGHT_MOST)) for r, (m, n) in self.means.items() if n >= ROUND_FIT_TRUSTED]
+        if len(pts) < 2:
             return 0.0, 0.0
-        xs, ys = list(self.means), list(self.means.values())
-        x, y = sum(xs) / len(xs), sum(ys) / len(ys)
-        spread = sum((r - x) ** 2 for r in xs)
-        slope = max(0.0, sum((r - x) * (t - y) for r, t in zip(xs, ys)) / spread) if spread else 0.0
+        total = sum(w for _, _, w in pts)
+        x, y = sum(r * w for r, _, w in pts) / total, sum(m * w for _, m, w in pts) / total
+        spread = sum(w * (r - x) ** 2 for r, _, w in pts)
+        slope = max(0.0, sum(w * (r - x) * (m - y) for r, m, w in pts) / spread)
         fixed = y - slope * x
         if fixed < 0:  # (a line through the origin, then)
             return 0.0, y / x

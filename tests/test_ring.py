@@ -685,7 +685,7 @@ def test_prompt_chunks_are_sized_under_steady_load_from_the_nodes_own_prefill_ti
     def node(prefill_tokens: int, prefill_seconds: float) -> SimpleNamespace:
         return SimpleNamespace(next_rtt_ms=0.2, mean_step_ms=5.0, steps=100, tokens_processed=900,
                                prefill_tokens=prefill_tokens, prefill_seconds=prefill_seconds,
-                               round_fixed_ms=3.0, round_row_ms=0.3)
+                               round_fixed_ms=3.0, round_row_ms=0.3, node_id="n", next="")
 
     nodes = [node(1000, 0.5), node(1000, 1.0)]  # 0.5 and 1 ms per prompt token
     pipeline = SimpleNamespace(nodes=("a:1", "b:2"), addresses=("a:1", "b:2"), row_sinks={},
@@ -707,20 +707,23 @@ def test_prompt_chunks_are_sized_under_steady_load_from_the_nodes_own_prefill_ti
 
 def test_a_round_fit_reads_a_rounds_fixed_part_and_its_cost_per_row() -> None:
     """A node fits its decode rounds' seconds against their rows: with rounds of several row counts it
-    finds both parts, with one row count only it reads the whole as fixed, and older rounds fade."""
+    finds both parts; with one row count only it reports nothing (a ring then keeps a group per node);
+    each row count's first round (kernels built) and stalls are left out; older rounds fade."""
     from mtpipe.node.stage import RoundFit
 
     fit = RoundFit()
     assert fit.line() == (0.0, 0.0)
     for i in range(200):
         rows = 1 + i % 8
-        fit.add(rows, 0.002 + 0.0005 * rows)
+        fit.add(rows, 0.5 if i < 8 else 0.002 + 0.0005 * rows)  # (the first round of each: building kernels)
     fixed, per_row = fit.line()
     assert fixed == pytest.approx(0.002, rel=1e-6) and per_row == pytest.approx(0.0005, rel=1e-6)
+    fit.add(4, 10.0)  # a stall counts as twice the mean at most
+    assert fit.line()[0] == pytest.approx(0.002, abs=0.001)
     steady = RoundFit()
     for _ in range(50):
         steady.add(4, 0.004)
-    assert steady.line() == (pytest.approx(0.004), 0.0)
+    assert steady.line() == (0.0, 0.0)
     for i in range(800):  # the rounds got dearer: the fit follows them, the old ones faded
         rows = 1 + i % 8
         fit.add(rows, 0.004 + 0.001 * rows)
@@ -738,15 +741,20 @@ def test_groups_in_flight_weigh_the_hops_against_a_rounds_fixed_part() -> None:
     assert plan.ring_groups([plan.StageRound(0.0, 0.0)] * 2, 8, [0.0003]) == 2  # unmeasured
     assert plan.ring_groups(dispatch[:1], 8) == 1
     assert plan.ring_groups(dispatch, 8, [0.0003, 0.0003]) == 2
+    # all fixed, the last node's round dearer than the first's and the hops: one group would come round
+    # sooner, yet every node but one would wait; never fewer groups than nodes
+    assert plan.ring_cycle(1, 8, [plan.StageRound(0.004, 0.0), plan.StageRound(0.005, 0.0)], [2e-5] * 2) < 0.01
+    assert plan.ring_groups([plan.StageRound(0.004, 0.0), plan.StageRound(0.005, 0.0)], 8, [2e-5] * 2) == 2
     # a busy node answering a probe late used to read as a 10 ms hop, and the ring ran 4 groups of 2
     # rows (about 0.6 of the rate of 2 groups on the demo model); the quickest probe is the hop
-    hops = plan.quickest_hops({}, [0.6, 0.6])
-    hops = plan.quickest_hops(hops, [21.0, -1.0])
-    assert hops == {0: pytest.approx(0.0003), 1: pytest.approx(0.0003)}
+    hops = plan.quickest_hops({}, {"a>b": 0.6, "b>a": -1.0})
+    hops = plan.quickest_hops(hops, {"a>b": 21.0, "b>a": -1.0})
+    assert hops == {"a>b": pytest.approx(0.0003)}
     assert plan.ring_groups(dispatch, 8, list(hops.values())) == 2
     # rows that cost most of a round, long hops: more groups keep the nodes busy meanwhile
     heavy = [plan.StageRound(0.0005, 0.002)] * 2
     assert plan.ring_groups(heavy, 16, [0.01, 0.01]) == 4
+    assert plan.ring_groups(heavy, 16, [0.05, 0.05]) == 4  # (never more than twice the nodes)
     assert plan.ring_groups(heavy, 16, [0.01, 0.01], most=3) == 3
     # rows cost nearly all, hops short: a group per node suffices, and one row is one group whatever
     assert plan.ring_groups(heavy, 16, [0.0001, 0.0001]) == 2
@@ -757,18 +765,19 @@ def test_groups_in_flight_weigh_the_hops_against_a_rounds_fixed_part() -> None:
 
 def test_the_nodes_round_times_and_their_quickest_hops_choose_the_groups() -> None:
     """The engine asks the nodes now and then: with rows decoding since its last look it chooses the
-    groups from the nodes' fitted rounds and the quickest probe of each hop; with none it keeps its choice."""
+    groups from the nodes' fitted rounds and each link's quickest probe (the last node's link to the
+    first, not probed, taken as the others'); with none it keeps its choice; a link gone is forgotten."""
     from types import SimpleNamespace
 
     from mtpipe.coordinator.engine.ring import RingEngine
 
-    probes = [0.6, 0.6]
-    nodes = [SimpleNamespace(next_rtt_ms=0.0, round_fixed_ms=0.5, round_row_ms=2.0, prefill_tokens=0,
-                             prefill_seconds=0.0) for _ in range(2)]
+    probes = [0.6, 0.6, 0.6]
+    nodes = [SimpleNamespace(node_id=name, next=nxt, next_rtt_ms=0.0, round_fixed_ms=0.5, round_row_ms=2.0,
+                             prefill_tokens=0, prefill_seconds=0.0) for name, nxt in [("a", "b:2"), ("b", "")]]
 
     def health(probe_next: bool = False, timeout: float = 5.0) -> list:
         for n, rtt in zip(nodes, probes):
-            n.next_rtt_ms = rtt if probe_next else -1.0
+            n.next_rtt_ms = rtt if probe_next and n.next else -1.0
         return nodes
 
     pipeline = SimpleNamespace(nodes=("a:1", "b:2"), addresses=("a:1", "b:2"), row_sinks={},
@@ -776,16 +785,16 @@ def test_the_nodes_round_times_and_their_quickest_hops_choose_the_groups() -> No
     engine = RingEngine(pipeline, SimpleNamespace(), [0], 100000, False, 100, prefill_chunk=512)
     engine._stop.set()
     try:
+        engine.groups = 3
         engine._refresh_groups()
-        assert engine.groups == 2  # no rows yet: nothing to go by
+        assert engine.groups == 3 and engine._hop_s == {"a>b:2": pytest.approx(0.0003)}  # no rows: kept
         engine._rows, engine._rows_peak = {1: 8, 2: 8}, 16
-        probes[:] = [20.0, 20.0]  # busy nodes answer late: the 0.3 ms hops stay
+        probes[0] = 20.0  # a busy node answers late: the 0.3 ms hop stays
         engine._refresh_groups()
         assert engine.groups == 2
-        probes[:] = [20.0, 20.0]
-        engine._hop_s = {}  # (had the hops always been that long: more groups while they pass)
+        nodes[0].next = "c:3"  # healed: b's place taken by c, whose link is 10 ms a hop
         engine._refresh_groups()
-        assert engine.groups == 4
+        assert engine._hop_s == {"a>c:3": pytest.approx(0.01)} and engine.groups == 4
     finally:
         engine.close()
 

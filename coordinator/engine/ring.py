@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 Sink = Callable[[Any], None]
 DEFAULT_MAX_ROWS = 32
 DEFAULT_QUEUE_TIMEOUT_S = 60.0
-GROUPS_REFRESH_S = 10.0  # how often the number of groups is reconsidered from the nodes' step times
+GROUPS_REFRESH_S = 10.0  # how often the number of groups is reconsidered from the nodes' rounds and hops
 RESUME_WINDOW_S = 30.0  # a request whose node is lost waits this long for the pipeline to come back
 RETRY_AFTER_DOWN_S = 5  # the Retry-After of a request refused while the pipeline is down
 MEASURED_PROMPT = 64  # prompts at least this long time the pipeline's seconds per prompt token
@@ -84,7 +84,7 @@ class RingEngine:
         self._lock = threading.Lock()
         self._rows: dict[int, int] = {}  # group -> live rows in it
         self._rows_peak = 0  # for the groups in flight: the most live rows since they were last reconsidered,
-        self._hop_s: dict[int, float] = {}  # and each node's hop to the next, the quickest seen
+        self._hop_s: dict[str, float] = {}  # and each link's hop, the quickest seen
         # Measured here, to size prompt chunks while rows decode: a group's trip around the nodes
         # (between two outcomes of a row), and a prompt's seconds per token through the pipeline.
         self._trip_s = 0.0
@@ -284,8 +284,7 @@ class RingEngine:
                     if resume:
                         live.resuming = True
                         self._end_kept(live, None)  # (its row's end, kept as it was lost, goes)
-                        # the lost sequence: freed where it survived, once no chunk of its prompt is
-                        # still on its way (one sent after the release would bring it back)
+                        # the lost sequence: freed where it survived once no chunk of its prompt is on its way
                         self._release(live, slot=False, free=not live.prefilling)
                         if live.prefilling:
                             live.lost_prompt = (live.seq_id, live.group)
@@ -438,9 +437,10 @@ class RingEngine:
         try:
             health = self.pipeline.health(probe_next=not self.fixed_groups, timeout=1.0)  # (hops: for groups)
         except Exception as e:  # keep the last choice; the nodes' own errors reach the requests
-            log.debug("no step times from the nodes: %s", e)
+            log.debug("no rounds timed from the nodes: %s", e)
             return
-        self._hop_s = plan.quickest_hops(self._hop_s, [h.next_rtt_ms for h in health])
+        self._hop_s = plan.quickest_hops(self._hop_s, {f"{h.node_id}>{h.next}": h.next_rtt_ms
+                                                       for h in health if h.next})
         stages = [plan.StageRound(h.round_fixed_ms / 1000.0, h.round_row_ms / 1000.0) for h in health]
         token_s = sum(h.prefill_seconds / h.prefill_tokens for h in health if h.prefill_tokens)
         with self._lock:

@@ -11,6 +11,7 @@ round: running streams keep flowing while a long prompt goes in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MIN_PREFILL_CHUNK = 32  # shorter chunks cost much more per token (the stepped GatedDeltaNet path)
@@ -148,7 +149,7 @@ def ema(old: float, new: float, weight: float = 0.2) -> float:
     return new if old <= 0 else (1 - weight) * old + weight * new
 
 
-GROUPS_TIE = 0.02  # group counts whose rounds come within this share of the best are as good: nearest stages wins
+GROUPS_TIE = 0.02  # group counts whose rounds come within this share of the best's are as good: the fewest wins
 
 
 @dataclass(frozen=True)
@@ -171,31 +172,29 @@ def ring_cycle(groups: int, rows: int, stages: list[StageRound], hops: list[floa
     return max(used * max(each), sum(each) + sum(max(h, 0.0) for h in hops))
 
 
-def quickest_hops(hops: dict[int, float], probes_ms: list[float]) -> dict[int, float]:
-    """Each node's hop to the next (seconds), the quickest seen over its probes (round trips in ms, <= 0
-    when not probed): a probe over gRPC waits for a busy node's answer, which is no part of the hop."""
-    out = dict(hops)
-    for i, rtt in enumerate(probes_ms):
-        if rtt > 0:
-            out[i] = min(out.get(i, rtt / 2000.0), rtt / 2000.0)
-    return out
+def quickest_hops(hops: dict[str, float], probes_ms: dict[str, float]) -> dict[str, float]:
+    """Each link's hop (seconds), the quickest seen over its probes (round trips in ms, <= 0 when not
+    probed), for the links there are now (a link gone with a heal is forgotten). A probe over gRPC waits
+    for a busy node's answer, which is no part of the hop."""
+    return {link: min(hops.get(link, math.inf), rtt / 2000.0) if rtt > 0 else hops[link]
+            for link, rtt in probes_ms.items() if rtt > 0 or link in hops}
 
 
 def ring_groups(stages: list[StageRound], rows: int, hops: list[float] | None = None, most: int | None = None) -> int:
-    """Groups to keep in flight around a ring so that its rows get their rounds soonest. More groups
-    keep every node busy over the hops (seconds each, as measured: the last node's to the first, when
-    not, as the others' mean), but each pays a round's fixed part once more on every node; where the
-    nodes measured nothing yet, one group per node."""
+    """Groups to keep in flight around a ring so that its rows get their rounds soonest: one per node at
+    least, and more where they keep every node busy over the hops (seconds each, as measured; a hop not
+    measured, such as the last node's to the first, as the others' mean), though each group more pays a
+    round's fixed part again on every node. Where the nodes measured nothing yet, one group per node."""
     n = len(stages)
     if n <= 1:
         return 1
     if min(s.seconds(1) for s in stages) <= 0:
         return n
-    hops = list(hops or [])
+    hops = list(hops or [])[:n]
     hops += [sum(hops) / len(hops)] * (n - len(hops)) if hops else []
-    cycles = {g: ring_cycle(g, rows, stages, hops) for g in range(1, (most or 2 * n) + 1)}
+    cycles = {g: ring_cycle(g, rows, stages, hops) for g in range(n, max(most or 2 * n, n) + 1)}
     best = min(cycles.values())
-    return min((g for g, c in cycles.items() if c <= best * (1 + GROUPS_TIE)), key=lambda g: (abs(g - n), g))
+    return min(g for g, c in cycles.items() if c <= best * (1 + GROUPS_TIE))
 
 
 def pick_group(rows: dict[int, int], groups: int) -> int:
