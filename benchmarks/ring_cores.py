@@ -2,9 +2,9 @@
 streams, and so their tokens per core-second.
 
 The in-process batch engine and a ring over 2 node processes (the ring's own choice of groups), each
-at no MTP and auto, the serve bench's prompts, 128 tokens each, PASSES times; cores are the CPU
-seconds (user + system, all threads) of this process and of the node processes over the wall time of
-each run.
+at no MTP and auto, the serve bench's prompts, 128 tokens each, PASSES times. Cores: the CPU seconds
+(user + system, all threads) of this process, and for the ring of the node processes too, over each
+run's wall time; tokens per CPU second: every token of the run (prompts' first ones too) over them.
 
     python benchmarks/ring_cores.py PASSES C
 """
@@ -46,13 +46,13 @@ def main() -> None:
                 _run(engine, prompts, 8, method)
         for p in range(passes):
             for name, engine in (("single", single), ("pipe2", ring)):
+                procs = [me, *nodes] if engine is ring else [me]
                 for method in ("no_mtp", "auto"):
-                    here, there, start = cpu_seconds([me]), cpu_seconds(nodes), time.perf_counter()
-                    decode, _, _ = _run(engine, prompts, 128, method)
-                    wall = time.perf_counter() - start
-                    cores = (cpu_seconds([me]) - here + cpu_seconds(nodes) - there) / wall
-                    print(p, name, method, f"{decode.tps:.1f} tok/s, cores {cores:.2f} (this process "
-                          f"{(cpu_seconds([me]) - here) / wall:.2f}), {decode.tps / cores:.0f} tok/s per core", flush=True)
+                    before, start = cpu_seconds(procs), time.perf_counter()
+                    decode, _, tokens = _run(engine, prompts, 128, method)
+                    wall, cpu = time.perf_counter() - start, cpu_seconds(procs) - before
+                    print(p, name, method, f"decode {decode.tps:.1f} tok/s, {cpu / wall:.2f} cores, "
+                          f"{sum(map(len, tokens)) / cpu:.0f} tokens per CPU second", flush=True)
 
 
 if __name__ == "__main__":

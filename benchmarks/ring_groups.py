@@ -3,7 +3,7 @@ at each of G1,G2,..., against the ring's own choice (`auto`).
 
 The serve bench's prompts, 128 tokens each, every count back to back in each of PASSES passes; prints
 per pass the aggregate decode tok/s and each node's ms per round, rounds and busy share (its own
-counters), and the medians. `auto` also prints what the engine chose from.
+counters), and the medians; at the end, what the engine chooses from (the nodes' fitted rounds, the hops).
 
     python benchmarks/ring_groups.py PASSES C G1,G2,... [no_mtp|auto]
 """
@@ -38,12 +38,13 @@ def main() -> None:
         tok_s: dict[str, list[float]] = {g: [] for g in counts}
         for p in range(passes):
             for g in counts:
-                engine.fixed_groups = None if g == "auto" else int(g)
-                if g != "auto":
-                    engine.groups = int(g)
-                else:
+                _run(engine, prompts, 8, method)  # (the rows' first rounds at this count; then they leave)
+                with engine._lock:
+                    engine.fixed_groups = None if g == "auto" else int(g)
+                    engine.groups = engine.groups if g == "auto" else int(g)
+                    engine._rows_peak = max(engine._rows_peak, streams)  # (as if its watch looked now)
+                if g == "auto":
                     engine._refresh_groups()
-                _run(engine, prompts, 8, method)  # (rows placed at the old count leave)
                 before, start = _node_counters(engine), time.perf_counter()
                 decode, _, tokens = _run(engine, prompts, 128, method)
                 nodes = _breakdown(before, _node_counters(engine), sum(map(len, tokens)),
@@ -53,8 +54,8 @@ def main() -> None:
                       [(n["ms_per_step"], n["steps"], n["busy"]) for n in nodes], flush=True)
         print("median", {g: round(statistics.median(v), 1) for g, v in tok_s.items()})
         health = engine.pipeline.health(probe_next=True)
-        print("rounds (fixed ms, ms per row):", [(round(h.round_fixed_ms, 2), round(h.round_row_ms, 3)) for h in health],
-              "hops (ms, round trip):", [round(h.next_rtt_ms, 3) for h in health])
+        rounds = [(round(h.round_fixed_ms, 2), round(h.round_row_ms, 3)) for h in health]
+        print("rounds (fixed ms, ms per row):", rounds, "hops (ms, round trip):", [round(h.next_rtt_ms, 3) for h in health])
 
 
 if __name__ == "__main__":
