@@ -379,6 +379,10 @@ BAD = [
     ("unknown-model-text", TEXT, {"model": "gpt-4o", "prompt": "x"}, 404, "model"),
     ("empty-messages", CHAT, {"messages": []}, 400, "messages"),
     ("image-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("text-part-without-text", CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages"),
+    ("user-without-content", CHAT, {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("assistant-without-content-or-calls", CHAT,
+     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}, 400, "messages"),
     ("max-tokens-zero", CHAT, {"messages": M, "max_tokens": 0}, 400, "max_tokens"),
     ("max-tokens-negative", CHAT, {"messages": M, "max_tokens": -5}, 400, "max_tokens"),
     ("max-completion-tokens-zero", CHAT, {"messages": M, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
@@ -604,6 +608,30 @@ def test_api_key(engine: Engine) -> None:
         assert r.usage.completion_tokens == 3
 
 
+def test_browser_pages_may_call_the_api_where_allowed(engine: Engine) -> None:
+    """CORS: a browser's preflight (no key) is answered, and responses (a 401 too, so a page can read
+    it) name the origins allowed; the key is still required. With no origins allowed, no header."""
+    page = {"Origin": "http://localhost:3000"}
+    preflight = {**page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with LiveServer(create_app(engine, MODEL, api_key=KEY)) as s:
+        r = httpx.options(s.url + "/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": M}, headers=page)
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+        r = httpx.get(s.url + "/v1/models", headers={**page, "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    with LiveServer(create_app(engine, MODEL, cors_origins=["http://localhost:3000"])) as s:
+        assert httpx.options(s.url + "/v1/models", headers=preflight).status_code == 200
+        other = {**preflight, "Origin": "http://evil.example"}
+        assert "access-control-allow-origin" not in httpx.options(s.url + "/v1/models", headers=other).headers
+    with LiveServer(create_app(engine, MODEL, cors_origins=())) as s:
+        r = httpx.get(s.url + "/v1/models", headers=page)
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        assert httpx.options(s.url + "/v1/models", headers=preflight).status_code == 405
+
+
 # -- `mtpipe serve` -------------------------------------------------------------------------------
 
 
@@ -626,8 +654,13 @@ def test_serve_command(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert seen["engine"].has_mtp
     assert seen["model_path"] == dense_ckpt and seen["api_process"]  # the API in a process of its own
     assert seen["stall_timeout"] == 120.0
-    assert cli.main(["serve", "--model", str(dense_ckpt), "--api-in-process", "--stall-timeout", "0"]) == 0
+    assert seen["cors_origins"] == ("*",)
+    assert cli.main(["serve", "--model", str(dense_ckpt), "--api-in-process", "--stall-timeout", "0",
+                     "--allowed-origins", "http://localhost:3000/,https://chat.example"]) == 0
     assert not seen["api_process"] and seen["stall_timeout"] is None
+    assert seen["cors_origins"] == ("http://localhost:3000", "https://chat.example")
+    assert cli.main(["serve", "--model", str(dense_ckpt), "--allowed-origins", "none"]) == 0
+    assert seen["cors_origins"] == ()
 
 
 # -- the same over a 2-node gRPC pipeline ------------------------------------------------------------

@@ -101,6 +101,17 @@ def test_completion_logprobs_of_tokens_that_split_a_character() -> None:
     assert first["text_offset"] + later["text_offset"] == [0, 0, 1, 3]
     assert all(o < len(text) for o in first["text_offset"] + later["text_offset"])
     assert first["top_logprobs"][0] == {"bytes:\\xc3": -0.1, "bytes:\\xc4": -2.0}
+    assert first["top_logprobs"][1] == {"bytes:\\xa9": -0.2}  # the sampled token, always (OpenAI's logprobs + 1)
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token(client: Any) -> None:
+    """A sampled token outside the most likely ones is still in its position's top logprobs, as OpenAI
+    gives it: up to `logprobs` + 1 entries."""
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=2.0, seed=3, logprobs=1)
+    lp = out.choices[0].logprobs
+    assert all(top.get(token) == pytest.approx(value) and len(top) <= 2
+               for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # (at temperature 2, some token was not the likeliest)
 
 
 def test_penalties_and_bias_change_the_output_identically_at_every_depth(client: Any, engine: BatchEngine) -> None:

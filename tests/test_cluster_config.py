@@ -117,6 +117,7 @@ def test_a_secret_flag_replaces_the_files_secret(tmp_path: Path, monkeypatch: py
 
 KNOWN_TOP = ("name, secret, secret_file, secret_env, model, revision, dtype, mtp_depth, draft_vocab, mtp_window, "
              "prefix_cache_gib, nodes, node, discovery, placement, api")
+KNOWN_API = "host, port, api_key, api_key_env, generation_config, allowed_origins"
 
 
 @pytest.mark.parametrize(
@@ -124,11 +125,12 @@ KNOWN_TOP = ("name, secret, secret_file, secret_env, model, revision, dtype, mtp
     [
         # unknown keys, at the top level and in sections, named with their path and the known ones
         ({"nmae": "x"}, rf": nmae: unknown key \(known: {KNOWN_TOP}\)$"),
-        ({"api": {"prot": 1}}, r": api\.prot: unknown key \(known: host, port, api_key, api_key_env, generation_config\)$"),
+        ({"api": {"prot": 1}}, rf": api\.prot: unknown key \(known: {KNOWN_API}\)$"),
         ({"discovery": {"setle": 1}}, r": discovery\.setle: unknown key \(known: enabled, interfaces,"),
         ({"nodes": ["h", {"host": "h", "prt": 1}]}, r": nodes\[1\]\.prt: unknown key \(known: host, port\)$"),
         # wrong types: nothing is coerced silently
         ({"api": {"port": "eighty"}}, r": api\.port: Input should be a valid integer \(got 'eighty'\)$"),
+        ({"api": {"allowed_origins": ["localhost:3000"]}}, r": api\.allowed_origins: .*expected '\*' or origins"),
         ({"node": {"port": "6000"}}, r": node\.port: Input should be a valid integer \(got '6000'\)$"),
         ({"mtp_depth": True}, r": mtp_depth: Input should be a valid integer \(got True\)$"),
         ({"discovery": {"expect": 2.0}}, r": discovery\.expect: Input should be a valid integer"),
@@ -237,7 +239,7 @@ def test_overlay_puts_flags_over_the_file() -> None:
         ({"mtp_depth": 9}, r"mtp_depth: Input should be less than or equal to 8 \(got 9\)$"),
         ({"discovery.settle": "soon"}, r"discovery\.settle: Input should be a valid number"),
         ({"nodes": ["h:99999"]}, r"nodes\[0\]: 'h:99999': '99999' is not a TCP port$"),
-        ({"api.prot": 1}, r"api\.prot: unknown key \(known: host, port, api_key, api_key_env, generation_config\)$"),
+        ({"api.prot": 1}, rf"api\.prot: unknown key \(known: {KNOWN_API}\)$"),
         ({"dtype": "fp8"}, r"dtype: Input should be 'float32', 'float16' or 'bfloat16'"),
     ],
 )

@@ -28,12 +28,12 @@ fastapi and uvicorn are imported when an app is built, not when the CLI register
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .chat import chat_messages, tool_spec
-from .defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
+from .defaults import DEFAULT_CORS_ORIGINS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
 from .errors import APIError, error_body, parse_body, validation_error
 from .gate import Gate
 from .generation import ResponseFormat
@@ -66,11 +66,14 @@ def create_app(
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
     max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES,
     generation_config: Optional[Union[Path, str]] = None,
+    cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS,
 ) -> "FastAPI":
     """The API over `engine`. `cluster_info` answers GET /v1/cluster (default: the local stages);
     bodies over `max_body_bytes` are refused with 413 (None: no cap). A request that leaves out its
     sampling gets what the generation config in the directory `generation_config` recommends (the
-    model's, usually: model_defaults.py); None: OpenAI's defaults."""
+    model's, usually: model_defaults.py); None: OpenAI's defaults. Web pages of `cors_origins` ("*":
+    any, as mlx-lm's and vLLM's servers allow; none: only pages of the API's own origin) may call it
+    from a browser, with the key still required where one is set."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
@@ -87,7 +90,12 @@ def create_app(
     app.state.metrics = metrics
     readiness = Readiness(engine)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    app.add_middleware(Gate, api_key=api_key or None, metrics=metrics)  # outermost: auth before any body is read
+    app.add_middleware(Gate, api_key=api_key or None, metrics=metrics)  # auth before any body is read
+    if cors_origins:  # outermost: a browser's preflight carries no key, and an error needs the headers to be read
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError) -> JSONResponse:

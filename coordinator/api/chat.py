@@ -154,13 +154,18 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def _content(i: int, m: ChatMessage) -> str:
+    """A message's text. Only an assistant's message that makes calls may go without content, as OpenAI's."""
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+        raise APIError(400, f"messages[{i}]: a {m.role} message needs content", param="messages")
     if not isinstance(m.content, list):
         return m.content or ""
     texts = []
     for part in m.content:
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise APIError(400, f"messages[{i}]: only text content parts are supported, got {part.type!r}",
                            param="messages")
+        if part.text is None:
+            raise APIError(400, f"messages[{i}]: a text content part needs its text", param="messages")
         texts.append(part.text)
     return "\n".join(texts)
 

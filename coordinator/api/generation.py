@@ -238,6 +238,14 @@ def token_name(entry: dict[str, Any]) -> str:
     return entry["token"]
 
 
+def _top(entry: dict[str, Any]) -> dict[str, float]:
+    """Completions' top logprobs of a position: the most likely tokens and, as OpenAI always gives it,
+    the sampled one (so up to `logprobs` + 1 of them)."""
+    top = {token_name(t): t["logprob"] for t in entry["top_logprobs"]}
+    top.setdefault(token_name(entry), entry["logprob"])
+    return top
+
+
 class ResponseFormat:
     """OpenAI's response and chunk objects for chat (`chat.completion`) or text (`text_completion`)."""
 
@@ -268,7 +276,7 @@ class ResponseFormat:
             offsets.append(self.text_offset)
             self.text_offset += len(self._text_chars.decode(bytes(e["bytes"])))
         return {"tokens": [token_name(e) for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{token_name(t): t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "top_logprobs": [_top(e) for e in entries],
                 "text_offset": offsets}
 
     def response(self, text: str, finish: str, usage: dict[str, Any],

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from .app import create_app
 from .defaults import (
+    DEFAULT_CORS_ORIGINS,
     DEFAULT_HOST,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENCY,
@@ -71,6 +72,7 @@ def serve(
     front: Optional["FrontProcess"] = None,
     stall_timeout: Optional[float] = STALL_TIMEOUT_S,
     generation_config: Optional[Path] = None,
+    cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS,
     announce: Optional[Callable[[str], None]] = None,
 ) -> int:
     """Run the API with uvicorn until interrupted (Ctrl-C or SIGTERM: 0) or until the API process ends
@@ -91,7 +93,7 @@ def serve(
 
         spec = front_spec(model_path, host, port, api_key, model_name, default_mtp_depth=default_mtp_depth,
                           max_concurrency=max_concurrency, max_body_bytes=max_body_bytes, stall_timeout=stall_timeout,
-                          generation_config=generation_config)
+                          generation_config=generation_config, cors_origins=cors_origins)
         if front is not None and front.spec != spec:
             log.warning("the API process spawned early has other settings: starting another")
             front.stop()
@@ -107,7 +109,7 @@ def serve(
 
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
-                     max_body_bytes=max_body_bytes, generation_config=generation_config)
+                     max_body_bytes=max_body_bytes, generation_config=generation_config, cors_origins=cors_origins)
     server = api_server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5))
     if announce is not None:
         threading.Thread(target=when_serving, args=(server, lambda host, port: announce(base_url(host, port))),

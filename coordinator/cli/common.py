@@ -10,6 +10,7 @@ from typing import Any
 from ...node.cli import add_draft_options, number_arg
 from ...node.links import bind_problem, format_host_port, split_host_port
 from ...node.protocol import MAX_MTP_DEPTH
+from ..api.defaults import check_origins
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 EXIT_SIGPIPE = 141  # what a shell reports for a filter its reader left (128 + SIGPIPE)
@@ -95,6 +96,23 @@ def add_generation_config(p: argparse.ArgumentParser, checked: bool = True) -> N
                    help="where a request that leaves out its sampling or max_tokens gets them: auto, the model's "
                         "generation_config.json (default, as vLLM); none (or vllm), OpenAI's defaults; or a "
                         "directory holding a generation_config.json")
+
+
+def origins_arg(value: str) -> list[str]:
+    """Comma-separated origins (`*`: any; `none`: only the API's own)."""
+    origins = [o for o in value.split(",") if o.strip()]
+    if [o.strip() for o in origins] == ["none"]:
+        return []
+    try:
+        return check_origins(origins) if origins else check_origins([value])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or 'none')") from None
+
+
+def add_allowed_origins(p: argparse.ArgumentParser, default: str = "*") -> None:
+    p.add_argument("--allowed-origins", type=origins_arg, metavar="ORIGINS",
+                   help="comma-separated origins of web pages that may call the API from a browser (CORS), "
+                        f"e.g. http://localhost:3000; '*': any; 'none': only the API's own (default {default})")
 
 
 def add_take_over(p: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ import signal
 from ...node.secrets import add_secret_args, add_secret_file, read_secret
 from ..api.defaults import (
     API_KEY_ENV,
+    DEFAULT_CORS_ORIGINS,
     DEFAULT_HOST,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENCY,
@@ -19,6 +20,7 @@ from ..api.defaults import (
 from ..engine.ring import RESUME_WINDOW_S
 from ...node.cli import number_arg, port_arg
 from .common import (
+    add_allowed_origins,
     add_generation_config,
     add_model,
     add_mtp,
@@ -76,6 +78,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-in-process", action="store_true",
                    help="serve HTTP from the engine's process (default: an API process of its own, so that parsing "
                         "and streaming never hold up the engine's rounds)")
+    add_allowed_origins(p)
     add_generation_config(p)
     add_mtp(p)
     p.set_defaults(func=cmd_serve)
@@ -112,7 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.model_name or model_name_for(args.model, path)
     settings = dict(default_mtp_depth=depth, max_concurrency=args.max_concurrency,
                     max_body_bytes=args.max_body_bytes or None, stall_timeout=args.stall_timeout or None,
-                    generation_config=generation_config_dir(args.generation_config, path))
+                    generation_config=generation_config_dir(args.generation_config, path),
+                    cors_origins=DEFAULT_CORS_ORIGINS if args.allowed_origins is None else tuple(args.allowed_origins))
     front = engine = None
     try:
         if not args.api_in_process:  # its process imports the app while the model loads

@@ -30,7 +30,7 @@ from pydantic import (
 from ...node.links import DEFAULT_PORT as DEFAULT_GRPC_PORT
 from ...node.links import format_host_port, is_host, split_host_port
 from ...node.secrets import read_secret
-from ..api.defaults import API_KEY_ENV
+from ..api.defaults import API_KEY_ENV, check_origins
 from ..api.defaults import DEFAULT_HOST as DEFAULT_API_HOST
 from ..api.defaults import DEFAULT_PORT as DEFAULT_API_PORT
 
@@ -124,6 +124,13 @@ class ApiConfig(_Section):
     # The request defaults: the model's, none (OpenAI's), or a directory's, checked on the coordinator
     # alone (`mtpipe launch`): the others never serve the API, and may not have that directory.
     generation_config: Text = "auto"
+    # Web pages that may call the API from a browser (CORS): "*" any, [] only the API's own origin.
+    allowed_origins: list[Text] = Field(default_factory=lambda: ["*"])
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        return check_origins(value)
 
 
 class NodeConfig(_Section):
