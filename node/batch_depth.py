@@ -35,6 +35,19 @@ HOLD_ROUNDS = 4
 Rates = Callable[[list[float]], list[tuple[float, float]]]
 
 
+def scaled(seconds: float, depth: int, plain_there: float, plain_here: float) -> float:
+    """A round at `depth` timed at another batch size (`seconds`), at this one, where rounds without
+    drafts took `plain_there` there and take `plain_here` here: what the rows change in a plain round
+    they change in each of a drafting round's depth + 1 tokens a row. Where a wider round costs about
+    what a narrow one does (the weights read once, as on a Mac's GPU), that is about the cost timed
+    there; where each row costs (a CPU's products), drafting gets dearer with the rows than the plain
+    rounds' ratio would say. Wider, never below that ratio's scaling; narrower, never above it; never
+    below a plain round here."""
+    ratio = seconds * plain_here / plain_there
+    by_rows = seconds + (depth + 1) * (plain_here - plain_there)
+    return max(plain_here, ratio, by_rows) if plain_here >= plain_there else max(plain_here, min(ratio, by_rows))
+
+
 class DepthPlan:
     """The depth of the rounds of some batches (members) that share a stage's time, and what they cost."""
 
@@ -155,8 +168,8 @@ class DepthPlan:
 
     def round_seconds(self, bucket: int, context: int) -> tuple[list[float], list[float], list[float | None]]:
         """Round costs at this batch size, their relative errors and when they were timed (`settled`);
-        a depth not timed at it is its cost at the nearest batch size where it was, scaled as rounds
-        without drafts compare between the two."""
+        a depth not timed at it is its cost at the nearest batch size where it was, moved by what
+        rounds without drafts gained or lost between the two (`scaled`)."""
         own = self.costs_by_rows[bucket]
         out, noise, when = own.round_seconds(context), own.noise(context), own.when()
         for k in range(1, len(out)):
@@ -167,7 +180,7 @@ class DepthPlan:
             if near:
                 other = self.costs_by_rows[nearest(near, bucket, int.bit_length)]
                 seconds = other.round_seconds(context)
-                out[k] = seconds[k] * out[0] / seconds[0]
+                out[k] = scaled(seconds[k], k, seconds[0], out[0])
                 noise[k], when[k] = other.noise(context)[k], other.when()[k]
         return out, noise, when
 

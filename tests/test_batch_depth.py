@@ -262,3 +262,32 @@ def test_rows_of_a_fixed_depth_set_the_least_depth_the_plan_chooses(clock: Clock
     assert plan.next(member, 1, 100, 3, rates, least=2) == 2
     plan.timed()
     assert plan.next(member, 1, 100, 3, rates) == 0  # the same plan without such rows: no drafts
+
+
+@pytest.mark.parametrize("plain_here", [1.0, 1.02, 2.4])
+def test_a_depth_timed_at_another_batch_size_costs_what_the_rows_add_to_each_token(plain_here: float) -> None:
+    """A depth timed at one row, read at eight: where eight rows cost about what one does, about what it
+    cost at one row; where each row costs, each of its tokens a row pays what a plain round's row does,
+    dearer than the plain rounds' ratio says. Narrower than where it was timed, it gets cheaper at least
+    as the ratio says, never below a plain round."""
+    plan = DepthPlan()
+    one, eight = StageCosts([1.0, 1.7, 2.0, 2.3]), StageCosts([1.0, 1.7, 2.0, 2.3])
+    plan.costs_by_rows = {1: one, 8: eight}
+    for k, seconds in enumerate([1.0, 1.7, 2.0, 2.3]):
+        one.observe(k, 100, seconds)
+    eight.observe(0, 100, plain_here)
+    seconds, _, _ = plan.round_seconds(8, 100)
+    assert seconds[0] == pytest.approx(plain_here)
+    extra = plain_here - 1.0
+    assert seconds[1:] == pytest.approx([1.7 + 2 * extra, 2.0 + 3 * extra, 2.3 + 4 * extra])
+    for k in (1, 2, 3):
+        assert seconds[k] >= one.round_seconds(100)[k] * plain_here - 1e-12  # never below the ratio's scaling
+    wide = StageCosts([1.0, 1.7, 2.0, 2.3])
+    for k, s in enumerate(seconds):
+        wide.observe(k, 100, s)
+    lone = StageCosts([1.0, 1.7, 2.0, 2.3])
+    lone.observe(0, 100, 1.0)
+    plan.costs_by_rows = {1: lone, 8: wide}
+    back, _, _ = plan.round_seconds(1, 100)
+    assert back == pytest.approx([1.0, 1.7, 2.0, 2.3])
+    assert all(b <= s / plain_here + 1e-12 and b >= 1.0 for b, s in zip(back, seconds))
