@@ -47,8 +47,11 @@ SHORT_SECRET_CHARS = 16  # shorter secrets are warned about (`openssl rand -hex 
 
 def read_secret(path: str | None = None, env: str | None = SECRET_ENV, option: str = "--secret-file") -> str | None:
     """The secret in `path` (surrounding whitespace dropped), else in $env; None when neither has one.
-    `option` names the path in errors."""
-    if path:
+    `option` names the path in errors. An empty path is an error, never "no secret": it is what a
+    script's unset variable gives."""
+    if path is not None:
+        if not path.strip():
+            raise ValueError(f"{option}: the path is empty")
         file = Path(path).expanduser()
         try:
             text = file.read_text(encoding="utf-8")

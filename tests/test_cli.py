@@ -48,7 +48,7 @@ def test_bad_options_are_usage_errors_naming_the_option(argv: list[str], message
 
 
 @pytest.mark.parametrize("argv", [["--timeout", "abc"], ["--timeout", "-1", "127.0.0.1:1"], ["--wait", "0"],
-                                  ["--timeout", "nan"], ["--secret", "x"]])
+                                  ["--timeout", "nan"], ["--secret", "x"], ["--bogus", "127.0.0.1:1"]])
 def test_a_mistyped_health_check_could_not_check(argv: list[str], capsys: pytest.CaptureFixture,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Exit 3 (could not check), never argparse's 2, which `health` means as unreachable; with --json
@@ -140,6 +140,46 @@ def test_a_launch_that_fails_says_so_in_its_events(tmp_path: Path, capsys: pytes
     assert main(["launch", "--json", "--secret-file", str(missing)]) != 0
     (event,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert event["event"] == "error" and str(missing) in event["error"]
+
+
+@pytest.mark.parametrize("argv", [["--port", "abc"], ["--zzz"]])
+def test_a_launch_with_a_bad_command_line_says_so_in_its_events(argv: list[str], capsys: pytest.CaptureFixture,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["mtpipe", "launch", "--json", *argv])
+    with pytest.raises(SystemExit) as ended:
+        main()
+    assert ended.value.code == 2
+    (event,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert event["event"] == "error" and argv[0] in event["error"]
+
+
+def test_an_unknown_option_with_a_secret_is_not_echoed(capsys: pytest.CaptureFixture) -> None:
+    for argv in (["generate", "--api-key", "sk-hush"], ["generate", "--token=sk-hush"]):
+        with pytest.raises(SystemExit) as ended:
+            main(argv)
+        assert ended.value.code == 2
+        err = capsys.readouterr().err
+        assert "unrecognized arguments: --" in err and "sk-hush" not in err
+
+
+@pytest.mark.parametrize("command, option", [("serve", "--api-key-file"), ("node", "--secret-file")])
+def test_an_empty_secret_path_is_an_error_not_no_secret(command: str, option: str, capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a script's unset variable gives (`--api-key-file "$KEYFILE"`): never a server without a key."""
+    monkeypatch.setenv("MTPIPE_API_KEY", "from-env")
+    assert main([command, "--model", "/nonexistent/model", "--port", str(free_port()), option, ""]) == 2
+    assert f"{option}: the path is empty" in capsys.readouterr().err
+
+
+def test_a_cluster_config_that_cannot_be_read_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe")
+    (tmp_path / "dir.yaml").mkdir()
+    (tmp_path / "nodisc.yaml").write_text("discovery:\n  enabled: false\n")
+    for name, message in (("binary.yaml", "not UTF-8 text"), ("dir.yaml", "Is a directory"),
+                          ("nodisc.yaml", "nothing to check")):
+        assert main(["health", "--json", "--config", str(tmp_path / name)]) == 3
+        out = capsys.readouterr().out
+        assert json.loads(out)["status"] == "error" and message in out and (name == "nodisc.yaml" or name in out)
 
 
 def test_serve_refuses_a_port_it_cannot_listen_on_before_loading(capsys: pytest.CaptureFixture) -> None:

@@ -19,10 +19,9 @@ import socket
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from ...node.advertise import NodeAdvert, cluster_hash
 from ...node.cache_cli import add_cache_command
@@ -50,11 +49,13 @@ from ..cluster.formation import (
 from ..cluster.health import EXIT_CHECK_FAILED
 from ..cluster.membership import Membership
 from .common import (
+    EXIT_USAGE,
     add_allowed_origins,
     add_generation_config,
     add_model,
     add_mtp,
     add_take_over,
+    json_usage_errors,
     check_default_depth,
     check_port_free,
     exit_on_sigterm,
@@ -93,7 +94,7 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         "api.allowed_origins": "allowed_origins",
     }
     values = {key: getattr(args, dest, None) for key, dest in flags.items()}
-    if getattr(args, "api_key_file", None):
+    if getattr(args, "api_key_file", None) is not None:
         values["api.api_key"] = read_secret(args.api_key_file, env=None, option="--api-key-file")
     return overlay(cfg, values)
 
@@ -333,6 +334,8 @@ def _health(args: argparse.Namespace) -> int:
     targets = [format_host_port(*split_host_port(n, cfg.node.port)) for n in args.nodes]
     left_out: dict[str, str] = {}
     browsed = not targets
+    if browsed and not cfg.discovery.enabled and not cfg.nodes:
+        raise ValueError("nothing to check: give NODE addresses, list nodes in cluster.yaml, or enable discovery")
     ids: dict[str, str] = {}
     if browsed:
         targets, left_out, ids = browse_targets(cfg, args.wait, args.timeout)
@@ -418,6 +421,7 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     add_take_over(p)
     add_mtp(p)
     p.set_defaults(func=cmd_launch)
+    json_usage_errors(p, EXIT_USAGE, event="error")  # (cmd_launch's error event, for a bad command line too)
 
     p = sub.add_parser("health", help="health of each node: a table, or --json; exit 0 healthy or idle (no shard "
                                       "placed yet), 1 degraded, 2 unreachable, 3 could not check")
@@ -427,17 +431,9 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=positive_seconds, default=5.0, help="seconds to wait for each node")
     p.add_argument("--wait", type=positive_seconds, default=3.0, help="seconds to browse for nodes (without NODE)")
     p.set_defaults(func=cmd_health)
-    p.error = types.MethodType(_health_usage_error, p)  # type: ignore[method-assign]
-
-
-def _health_usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    """A mistyped health command is a check that could not run (EXIT_CHECK_FAILED), never a cluster
-    found unreachable (2, argparse's own code for usage errors)."""
-    if "--json" in sys.argv[1:]:
-        print(json.dumps({"status": "error", "error": message}))
-    parser.print_usage(sys.stderr)
-    print(f"{parser.prog}: error: {message}", file=sys.stderr)
-    sys.exit(EXIT_CHECK_FAILED)
+    # A mistyped health command is a check that could not run, never a cluster found unreachable (2,
+    # argparse's own code for usage errors).
+    json_usage_errors(p, EXIT_CHECK_FAILED, status="error")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import sys
+import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from ...node.cli import add_draft_options, number_arg
 from ...node.links import bind_problem, format_host_port, split_host_port
@@ -113,6 +116,29 @@ def add_allowed_origins(p: argparse.ArgumentParser, default: str = "*") -> None:
     p.add_argument("--allowed-origins", type=origins_arg, metavar="ORIGINS",
                    help="comma-separated origins of web pages that may call the API from a browser (CORS), "
                         f"e.g. http://localhost:3000; '*': any; 'none': only the API's own (default {default})")
+
+
+def json_usage_errors(p: argparse.ArgumentParser, exit_code: int, **shape: str) -> None:
+    """Usage errors of `p` (an option's bad value, one it does not know) for a command whose --json
+    output a script reads: exit `exit_code`, and with --json one JSON object (`shape` and the error)
+    on stdout too."""
+    def error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+        if "--json" in sys.argv[1:]:
+            print(json.dumps({**shape, "error": message}), flush=True)
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        sys.exit(exit_code)
+
+    p.error = types.MethodType(error, p)  # type: ignore[method-assign]
+    p.set_defaults(usage_parser=p)  # (`main` reports unknown options through it)
+
+
+def unrecognized(extra: list[str]) -> str:
+    """argparse's message for options nobody knows, without the value of one that looks secret."""
+    secret = ("--api-key", "--secret", "--password", "--token")
+    shown = ["***" if i and extra[i - 1] in secret else a.split("=", 1)[0] + "=***" if a.startswith(secret) and "=" in a
+             else a for i, a in enumerate(extra)]
+    return "unrecognized arguments: " + " ".join(shown)
 
 
 def add_take_over(p: argparse.ArgumentParser) -> None:

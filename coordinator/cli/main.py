@@ -30,6 +30,7 @@ from .common import (
     progress_loader,
     stage_options,
     stderr_console,
+    unrecognized,
 )
 
 
@@ -308,7 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        getattr(args, "usage_parser", parser).error(unrecognized(extra))
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.command in COMPUTES:

@@ -190,7 +190,7 @@ class ClusterConfig(_Section):
         """The literal secret, else the one in `secret_file`, else in the environment variable `secret_env`."""
         if self.secret:
             return self.secret
-        if self.secret_file:
+        if self.secret_file is not None:
             return read_secret(self.secret_file, env=None, option="--secret-file (cluster.yaml secret_file)")
         return os.environ.get(self.secret_env) if self.secret_env else None
 
@@ -273,7 +273,13 @@ def load_cluster_config(path: Path | str) -> ClusterConfig:
             return super().construct_mapping(node, deep)
 
     try:
-        data = yaml.load(path.read_text(), Loader=Loader)  # noqa: S506 - a SafeLoader
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ClusterConfigError(f"{path}: not UTF-8 text") from None
+    except OSError as e:
+        raise ClusterConfigError(f"{path}: {e.strerror or e}") from None
+    try:
+        data = yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader
     except Twice as e:
         raise ClusterConfigError(f"{path}, line {e.problem_mark.line + 1}: {e.problem}") from None
     except yaml.MarkedYAMLError as e:
