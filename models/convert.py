@@ -52,11 +52,13 @@ def convert(
     mtp: bool = True,
 ) -> Path:
     src, dst = Path(src), Path(dst)
-    if dst.exists() and any(dst.iterdir()):
-        raise FileExistsError(f"{dst} exists and is not empty")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise FileExistsError(f"{dst} exists and is not an empty directory")
     shard = load_shard(src, mtp=mtp, dtype=getattr(mx, dtype) if dtype else None)
     model = shard.model
     config = dict(shard.config.raw)
+    if quantize and config.get("quantization"):
+        raise ValueError(f"{src} is already quantized ({config['quantization']}): convert its original checkpoint")
     if quantize:
 
         def predicate(path: str, module: nn.Module) -> bool | dict:

@@ -194,6 +194,8 @@ def test_serve_refuses_a_port_it_cannot_listen_on_before_loading(capsys: pytest.
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "/nonexistent/model", "--prompt", ""], "the prompt is empty"),
     (["bench", "faults", "--nodes", "x"], "--nodes: expected comma-separated counts"),
+    (["convert", "--hf-path", "/nonexistent", "--mlx-path", "/nonexistent2", "--q-bits", "8"],
+     "--q-bits apply with -q/--quantize"),
 ])
 def test_bad_input_found_before_any_model_is_read(argv: list[str], message: str,
                                                   capsys: pytest.CaptureFixture) -> None:

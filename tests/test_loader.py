@@ -183,6 +183,12 @@ def test_quantized_checkpoint_loads(dense_ckpt: Path, tmp_path: Path, mtp_quanti
     a, b = model.final_norm(h).reshape(-1), ref.final_norm(hr).reshape(-1)
     cosine = (a * b).sum() / (mx.linalg.norm(a) * mx.linalg.norm(b))
     assert cosine.item() > 0.99
+    if mtp_quantized:  # quantizing it again would write a config its weights no longer match
+        with pytest.raises(ValueError, match="already quantized"):
+            convert(out, tmp_path / "q2", quantize=True)
+        (tmp_path / "afile").write_text("")
+        with pytest.raises(FileExistsError, match="not an empty directory"):
+            convert(dense_ckpt, tmp_path / "afile")
 
 
 def test_bad_config_errors(tmp_path: Path, dense_ckpt: Path) -> None:

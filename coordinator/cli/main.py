@@ -102,7 +102,12 @@ def _print_stats(stats: dict[str, Any], depth: int | str) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     from ...models.convert import convert
 
-    convert(
+    if not args.quantize:
+        given = [o for o, v, default in (("--q-bits", args.q_bits, 4), ("--q-group-size", args.q_group_size, 64),
+                                         ("--mtp-unquantized", args.mtp_unquantized, False)) if v != default]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply with -q/--quantize")
+    out = convert(
         Path(args.hf_path),
         Path(args.mlx_path),
         quantize=args.quantize,
@@ -112,6 +117,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         mtp=not args.no_mtp,
     )
+    stderr_console().print(f"converted {args.hf_path} -> [cyan]{out}[/cyan]"
+                           + (f" ({args.q_bits}-bit)" if args.quantize else f" ({args.dtype})"))
     return EXIT_OK
 
 
@@ -252,14 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("convert", help="convert an HF checkpoint to mlx, keeping the MTP head")
-    p.add_argument("--hf-path", required=True)
-    p.add_argument("--mlx-path", required=True)
-    p.add_argument("-q", "--quantize", action="store_true")
-    p.add_argument("--q-bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
-    p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128])
-    p.add_argument("--mtp-unquantized", action="store_true", help="keep MTP weights in full precision")
+    p.add_argument("--hf-path", required=True, help="the Hugging Face-layout checkpoint directory to convert")
+    p.add_argument("--mlx-path", required=True, help="where to write the converted model (a new or empty directory)")
+    p.add_argument("-q", "--quantize", action="store_true", help="quantize the weights (affine, as mlx-lm's)")
+    p.add_argument("--q-bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8],
+                   help="bits per weight with -q (default 4)")
+    p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128],
+                   help="weights per quantization group with -q (default 64)")
+    p.add_argument("--mtp-unquantized", action="store_true", help="with -q: keep the MTP head's weights unquantized")
     p.add_argument("--no-mtp", action="store_true", help="drop the MTP head")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"],
+                   help="dtype of the weights not quantized (default bfloat16)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
