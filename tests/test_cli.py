@@ -226,3 +226,10 @@ def test_health_and_cache_load_no_node_server() -> None:
     for argv in (["health", "--json", "--timeout", "1", f"127.0.0.1:{port}"], ["cache", "--help"]):
         r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)
         assert r.stdout.strip() and r.stdout.strip().splitlines()[-1] == "[]", (argv, r.stdout, r.stderr)
+
+
+def test_verbose_before_or_after_the_command() -> None:
+    parse = build_parser().parse_args
+    assert parse(["generate"]).verbose == 0
+    assert parse(["-v", "generate"]).verbose == parse(["generate", "-v"]).verbose == 1
+    assert parse(["health", "-vv", "127.0.0.1:1"]).verbose == 2

@@ -314,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cluster import add_cluster_commands
 
     add_cluster_commands(sub)
+    for command in sub.choices.values():  # `mtpipe generate -v` as well as `mtpipe -v generate`
+        command.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                             help="more logging (-vv for debug)")
     return parser
 
 
