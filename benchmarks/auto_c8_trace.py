@@ -54,10 +54,10 @@ def traced() -> None:
     batch_depth.settled = plan_settled
 
 
-def run(engine: Any, prompts: list[list[int]], depth: int, auto: bool) -> float:
+def run(engine: Any, prompts: list[list[int]], depth: int, auto: bool, max_tokens: int = 128) -> float:
     recs = [Recorder() for _ in prompts]
     for prompt, rec in zip(prompts, recs):
-        engine.open(GenerationRequest(prompt, max_tokens=128, params=SamplingParams(), mtp_depth=depth,
+        engine.open(GenerationRequest(prompt, max_tokens=max_tokens, params=SamplingParams(), mtp_depth=depth,
                                       mtp_auto=auto), rec)
     for rec in recs:
         rec.wait()
