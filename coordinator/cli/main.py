@@ -23,6 +23,7 @@ from .common import (
     add_mtp,
     add_sampling,
     add_take_over,
+    check_default_depth,
     depth_arg,
     nodes_arg,
     positive_int,
@@ -67,6 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 **options,
             )
     try:
+        check_default_depth(0 if args.no_mtp else args.mtp_depth, engine.has_mtp)  # (named as this command's)
         depth, auto = resolve_depth(0 if args.no_mtp else args.mtp_depth, engine.has_mtp)
         chat = [{"role": "user", "content": prompt}]
         tokens = engine.encode_chat(chat) if args.chat else engine.tokenizer.encode(prompt)

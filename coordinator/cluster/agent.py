@@ -46,7 +46,8 @@ def discovery_addresses(wanted: list[str], interfaces: list[Interface]) -> list[
             try:
                 ipaddress.ip_address(strip_scope(entry)[0])
             except ValueError:
-                raise ValueError(f"--interface {entry}: neither an address nor an interface of this machine") from None
+                raise ValueError(f"--interface {entry}: neither an address nor an interface of this machine "
+                                 "that is up with an address") from None
             out.append(strip_scope(entry)[0])  # (zeroconf takes addresses unscoped: it finds their interface)
     for links in ([] if wanted else _DEFAULT_DISCOVERY):
         out = [str(n.ip) for i in interfaces if i.link in links for n in i.networks() if n.version == 4]
