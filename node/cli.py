@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..models.mtp import DEFAULT_WINDOW
-from .links import DEFAULT_PORT, warn_bridge_loops
+from .links import DEFAULT_PORT, bind_problem, format_host_port, warn_bridge_loops
 from .secrets import add_secret_args, check_exposure, read_secret
 
 if TYPE_CHECKING:
@@ -82,6 +82,8 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     secret = read_secret(args.secret_file)
     check_exposure(args.host, secret, args.insecure)
+    if (problem := bind_problem(args.host, args.port)) is not None:  # (a usage error, as `serve` says it)
+        raise ValueError(f"--host/--port {format_host_port(args.host, args.port)} cannot be used: {problem}")
     warn_bridge_loops()
     for d in args.model_dir:  # (a typo would silently turn every Load of that model into a fetch)
         if not os.path.isdir(os.path.expanduser(d)):

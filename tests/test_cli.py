@@ -188,6 +188,8 @@ def test_serve_refuses_a_port_it_cannot_listen_on_before_loading(capsys: pytest.
         busy.listen()
         port = busy.getsockname()[1]
         assert main(["serve", "--model", "/nonexistent/model", "--port", str(port)]) == 2
+        assert f"--host/--port 127.0.0.1:{port} cannot be used: Address already in use" in capsys.readouterr().err
+        assert main(["node", "--host", "127.0.0.1", "--port", str(port)]) == 2  # (as `serve` says it)
     assert f"--host/--port 127.0.0.1:{port} cannot be used: Address already in use" in capsys.readouterr().err
 
 
