@@ -54,11 +54,12 @@ def convert(
     src, dst = Path(src), Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise FileExistsError(f"{dst} exists and is not an empty directory")
+    if quantize and (src / "config.json").is_file() and (done := json.loads(
+            (src / "config.json").read_text()).get("quantization")):  # (before reading any weights)
+        raise ValueError(f"{src} is already quantized ({done}): convert its original checkpoint")
     shard = load_shard(src, mtp=mtp, dtype=getattr(mx, dtype) if dtype else None)
     model = shard.model
     config = dict(shard.config.raw)
-    if quantize and config.get("quantization"):
-        raise ValueError(f"{src} is already quantized ({config['quantization']}): convert its original checkpoint")
     if quantize:
 
         def predicate(path: str, module: nn.Module) -> bool | dict:

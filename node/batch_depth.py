@@ -41,8 +41,8 @@ def scaled(seconds: float, depth: int, plain_there: float, plain_here: float) ->
     they change in each of a drafting round's depth + 1 tokens a row. Where a wider round costs about
     what a narrow one does (the weights read once, as on a Mac's GPU), that is about the cost timed
     there; where each row costs (a CPU's products), drafting gets dearer with the rows than the plain
-    rounds' ratio would say. Wider, never below that ratio's scaling; narrower, never above it; never
-    below a plain round here."""
+    rounds' ratio would say. Where plain rounds are dearer here, never below that ratio's scaling;
+    cheaper, never above it; never below a plain round here."""
     ratio = seconds * plain_here / plain_there
     by_rows = seconds + (depth + 1) * (plain_here - plain_there)
     return max(plain_here, ratio, by_rows) if plain_here >= plain_there else max(plain_here, min(ratio, by_rows))
@@ -179,9 +179,11 @@ class DepthPlan:
                     if b != bucket and {0, k} <= {d for _, d in c.live} and len(c.prior) == len(own.prior)]
             if near:
                 other = self.costs_by_rows[nearest(near, bucket, int.bit_length)]
-                seconds = other.round_seconds(context)
+                seconds, errors = other.round_seconds(context), other.noise(context)
                 out[k] = scaled(seconds[k], k, seconds[0], out[0])
-                noise[k], when[k] = other.noise(context)[k], other.when()[k]
+                # its own error, and the two plain rounds' errors, once for each of its tokens a row
+                shift = (k + 1) * math.hypot(noise[0] * out[0], errors[0] * seconds[0])
+                noise[k], when[k] = math.hypot(errors[k] * seconds[k], shift) / out[k], other.when()[k]
         return out, noise, when
 
     def _take(self, member: object, depth: int) -> int:

@@ -622,6 +622,11 @@ def test_browser_pages_may_call_the_api_where_allowed(engine: Engine) -> None:
         assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
         r = httpx.get(s.url + "/v1/models", headers={**page, "Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        assert "retry-after" in r.headers["access-control-expose-headers"].lower()  # (a 503's, for the page)
+        # a public page calling a server on a private address or localhost (Chrome's private-network preflight)
+        r = httpx.options(s.url + "/v1/chat/completions", headers={**preflight,
+                                                                   "Access-Control-Request-Private-Network": "true"})
+        assert r.status_code == 200
     with LiveServer(create_app(engine, MODEL, cors_origins=["http://localhost:3000"])) as s:
         assert httpx.options(s.url + "/v1/models", headers=preflight).status_code == 200
         other = {**preflight, "Origin": "http://evil.example"}
@@ -839,3 +844,23 @@ def test_a_stop_leaves_a_finished_generation_alone_while_its_sequence_is_release
 
     aborted, got = asyncio.run(run())
     assert aborted == 0 and [c.finish_reason for c in got] == ["stop"]
+
+
+@pytest.mark.parametrize("given, origins", [
+    ("*", ["*"]), ("none", []), (" None ", []), ("http://LOCALHOST:3000/", ["http://localhost:3000"]),
+    ("https://chat.example:443,http://[::1]:80", ["https://chat.example", "http://[::1]"]),
+    (["*", "http://a:8080"], ["*", "http://a:8080"]),
+])
+def test_allowed_origins_are_written_as_browsers_send_them(given: Any, origins: list[str]) -> None:
+    from mtpipe.coordinator.api.defaults import check_origins
+
+    assert check_origins(given) == origins
+
+
+@pytest.mark.parametrize("given", ["https://*.example.com", "http://a/path", "ftp://x", "http://", "*,none",
+                                   "localhost:3000", "http://a:99999", "", "http://user@a"])
+def test_origins_that_could_never_match_are_refused(given: str) -> None:
+    from mtpipe.coordinator.api.defaults import check_origins
+
+    with pytest.raises(ValueError, match="expected '\\*', 'none' or origins such as http://localhost:3000"):
+        check_origins(given)

@@ -291,3 +291,22 @@ def test_a_depth_timed_at_another_batch_size_costs_what_the_rows_add_to_each_tok
     back, _, _ = plan.round_seconds(1, 100)
     assert back == pytest.approx([1.0, 1.7, 2.0, 2.3])
     assert all(b <= s / plain_here + 1e-12 and b >= 1.0 for b, s in zip(back, seconds))
+
+
+
+def test_a_carried_cost_is_as_uncertain_as_the_plain_rounds_it_moved_by() -> None:
+    """Cheaper plain rounds here than where a depth was timed (noise, or a batch size with less host work)
+    make it cheaper, never below a plain round; and the plain rounds' errors, counted once for each of its
+    tokens a row, make its error larger than the one it had there."""
+    plan = DepthPlan()
+    there, here = StageCosts([1.0, 1.05, 1.1, 1.15]), StageCosts([1.0, 1.05, 1.1, 1.15])
+    plan.costs_by_rows = {8: there, 16: here}
+    for seconds in ((1.0, 1.05, 1.1, 1.15), (1.1, 1.15, 1.2, 1.25)):
+        for k, s in enumerate(seconds):
+            there.observe(k, 100, s)
+    here.observe(0, 100, 0.85)
+    here.observe(0, 100, 0.95)
+    seconds, noise, _ = plan.round_seconds(16, 100)
+    assert all(s >= seconds[0] - 1e-12 for s in seconds[1:]) and seconds[3] == pytest.approx(seconds[0])
+    assert all(n > e for n, e in zip(noise[1:], there.noise(100)[1:]))
+    assert noise[3] > noise[1]

@@ -154,7 +154,8 @@ def test_a_launch_with_a_bad_command_line_says_so_in_its_events(argv: list[str],
 
 
 def test_an_unknown_option_with_a_secret_is_not_echoed(capsys: pytest.CaptureFixture) -> None:
-    for argv in (["generate", "--api-key", "sk-hush"], ["generate", "--token=sk-hush"]):
+    for argv in (["generate", "--api-key", "sk-hush"], ["generate", "--token=sk-hush"],
+                 ["generate", "--hf_token", "sk-hush"]):
         with pytest.raises(SystemExit) as ended:
             main(argv)
         assert ended.value.code == 2
@@ -196,7 +197,7 @@ def test_serve_refuses_a_port_it_cannot_listen_on_before_loading(capsys: pytest.
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "/nonexistent/model", "--prompt", ""], "the prompt is empty"),
     (["bench", "faults", "--nodes", "x"], "--nodes: expected comma-separated counts"),
-    (["convert", "--hf-path", "/nonexistent", "--mlx-path", "/nonexistent2", "--q-bits", "8"],
+    (["convert", "--hf-path", "/nonexistent", "--mlx-path", "/nonexistent2", "--q-bits", "4"],
      "--q-bits apply with -q/--quantize"),
 ])
 def test_bad_input_found_before_any_model_is_read(argv: list[str], message: str,
@@ -231,7 +232,10 @@ def test_health_and_cache_load_no_node_server() -> None:
 
 
 def test_verbose_before_or_after_the_command() -> None:
-    parse = build_parser().parse_args
-    assert parse(["generate"]).verbose == 0
-    assert parse(["-v", "generate"]).verbose == parse(["generate", "-v"]).verbose == 1
-    assert parse(["health", "-vv", "127.0.0.1:1"]).verbose == 2
+    def verbose(argv: list[str]) -> int:
+        args = build_parser().parse_args(argv)
+        return args.verbose + args.verbose_after
+
+    assert verbose(["generate"]) == 0
+    assert verbose(["-v", "generate"]) == verbose(["generate", "-v"]) == 1
+    assert verbose(["health", "-vv", "127.0.0.1:1"]) == verbose(["-v", "cache", "list", "-v"]) == 2

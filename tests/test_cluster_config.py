@@ -130,7 +130,7 @@ KNOWN_API = "host, port, api_key, api_key_env, generation_config, allowed_origin
         ({"nodes": ["h", {"host": "h", "prt": 1}]}, r": nodes\[1\]\.prt: unknown key \(known: host, port\)$"),
         # wrong types: nothing is coerced silently
         ({"api": {"port": "eighty"}}, r": api\.port: Input should be a valid integer \(got 'eighty'\)$"),
-        ({"api": {"allowed_origins": ["localhost:3000"]}}, r": api\.allowed_origins: .*expected '\*' or origins"),
+        ({"api": {"allowed_origins": ["localhost:3000"]}}, r": api\.allowed_origins: .*expected '\*', 'none' or origins"),
         ({"node": {"port": "6000"}}, r": node\.port: Input should be a valid integer \(got '6000'\)$"),
         ({"mtp_depth": True}, r": mtp_depth: Input should be a valid integer \(got True\)$"),
         ({"discovery": {"expect": 2.0}}, r": discovery\.expect: Input should be a valid integer"),
@@ -526,3 +526,11 @@ def test_the_coordinator_names_a_cluster_yaml_node_at_its_listed_address() -> No
     static = {"b": NodeResources("b", 1, (), 52700, ("mac-b.local",))}
     assert placed_addresses(Formation(plan, control, []), static) == {
         "a": "127.0.0.1:52700", "b": "mac-b.local:52700", "c": "169.254.3.3:52701"}
+
+
+@pytest.mark.parametrize("given, origins", [('"*"', ["*"]), ("none", []), ("[]", []),
+                                            ("http://a:3000,https://b", ["http://a:3000", "https://b"])])
+def test_allowed_origins_in_the_file_as_on_the_command_line(given: str, origins: list[str], tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(f"api:\n  allowed_origins: {given}\n")
+    assert load_cluster_config(path).api.allowed_origins == origins

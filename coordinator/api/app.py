@@ -92,10 +92,16 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(Gate, api_key=api_key or None, metrics=metrics)  # auth before any body is read
     if cors_origins:  # outermost: a browser's preflight carries no key, and an error needs the headers to be read
+        import inspect
+
         from starlette.middleware.cors import CORSMiddleware
 
+        # A page on a public site calling this server on a private address or localhost sends a
+        # private-network preflight (Chrome): refused unless allowed, where starlette knows of it.
+        private = {"allow_private_network": True} if "allow_private_network" in inspect.signature(
+            CORSMiddleware).parameters else {}
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+                           allow_headers=["*"], expose_headers=["Retry-After"], **private)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError) -> JSONResponse:

@@ -12,10 +12,37 @@ DEFAULT_CORS_ORIGINS = ("*",)  # web pages that may call the API from a browser 
 STALL_TIMEOUT_S = 120.0  # an engine in one round (or silent) this long is stuck: its requests fail, the API stops
 
 
-def check_origins(origins: list[str]) -> list[str]:
-    """CORS origins as a browser sends them: "*" (any) or scheme://host[:port], without a trailing slash."""
-    out = [o.strip().rstrip("/") for o in origins]
-    bad = [o for o in out if o != "*" and ("://" not in o or o.split("://", 1)[1] in ("", "*"))]
-    if bad:
-        raise ValueError(f"expected '*' or origins such as http://localhost:3000, got {', '.join(map(repr, bad))}")
+def check_origins(origins: list[str] | str) -> list[str]:
+    """CORS origins as a browser sends them (compared as exact strings): "*" (any), or http(s)://host[:port]
+    with no path, in lower case. A string is a comma-separated list; "none" (or an empty list): no origin,
+    only the API's own."""
+    from urllib.parse import urlsplit
+
+    if isinstance(origins, str):
+        origins = [o for o in origins.split(",") if o.strip()] or [origins]
+    elif not origins:
+        return []
+    if [o.strip().lower() for o in origins] == ["none"]:
+        return []
+    out, bad = [], []
+    for raw in origins:
+        origin = raw.strip()
+        try:
+            parts = urlsplit(origin)
+            parts.port  # (a port that is not one raises)
+        except ValueError:
+            parts = None
+        if origin == "*":
+            out.append(origin)
+        elif (parts is None or parts.scheme.lower() not in ("http", "https") or not parts.hostname
+              or "*" in parts.netloc or "@" in parts.netloc or parts.path not in ("", "/") or parts.query
+              or parts.fragment):
+            bad.append(raw)
+        else:  # (a browser leaves out the scheme's own port)
+            default = {"http": 80, "https": 443}[parts.scheme.lower()]
+            host = parts.netloc.rsplit(":", 1)[0] if parts.port == default else parts.netloc
+            out.append(f"{parts.scheme}://{host}".lower())
+    if bad or not out:
+        got = ", ".join(map(repr, bad or origins)) or "nothing"
+        raise ValueError(f"expected '*', 'none' or origins such as http://localhost:3000, got {got}")
     return out

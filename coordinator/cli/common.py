@@ -103,13 +103,10 @@ def add_generation_config(p: argparse.ArgumentParser, checked: bool = True) -> N
 
 def origins_arg(value: str) -> list[str]:
     """Comma-separated origins (`*`: any; `none`: only the API's own)."""
-    origins = [o for o in value.split(",") if o.strip()]
-    if [o.strip() for o in origins] == ["none"]:
-        return []
     try:
-        return check_origins(origins) if origins else check_origins([value])
+        return check_origins(value)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{e} (or 'none')") from None
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_allowed_origins(p: argparse.ArgumentParser, default: str = "*") -> None:
@@ -135,9 +132,12 @@ def json_usage_errors(p: argparse.ArgumentParser, exit_code: int, **shape: str) 
 
 def unrecognized(extra: list[str]) -> str:
     """argparse's message for options nobody knows, without the value of one that looks secret."""
-    secret = ("--api-key", "--secret", "--password", "--token")
-    shown = ["***" if i and extra[i - 1] in secret else a.split("=", 1)[0] + "=***" if a.startswith(secret) and "=" in a
-             else a for i, a in enumerate(extra)]
+    def secret(option: str) -> bool:
+        name = option.split("=", 1)[0].lower().replace("_", "-")
+        return name.startswith("-") and any(w in name for w in ("key", "secret", "password", "token"))
+
+    shown = ["***" if i and secret(extra[i - 1]) and "=" not in extra[i - 1] and not a.startswith("-")
+             else a.split("=", 1)[0] + "=***" if secret(a) and "=" in a else a for i, a in enumerate(extra)]
     return "unrecognized arguments: " + " ".join(shown)
 
 

@@ -105,22 +105,24 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ...models.convert import convert
 
     if not args.quantize:
-        given = [o for o, v, default in (("--q-bits", args.q_bits, 4), ("--q-group-size", args.q_group_size, 64),
-                                         ("--mtp-unquantized", args.mtp_unquantized, False)) if v != default]
+        given = [o for o, v in (("--q-bits", args.q_bits), ("--q-group-size", args.q_group_size),
+                                ("--mtp-unquantized", args.mtp_unquantized or None)) if v is not None]
         if given:
             raise ValueError(f"{', '.join(given)} apply with -q/--quantize")
     out = convert(
         Path(args.hf_path),
         Path(args.mlx_path),
         quantize=args.quantize,
-        bits=args.q_bits,
-        group_size=args.q_group_size,
+        bits=args.q_bits or 4,
+        group_size=args.q_group_size or 64,
         quantize_mtp=not args.mtp_unquantized,
         dtype=args.dtype,
         mtp=not args.no_mtp,
     )
-    stderr_console().print(f"converted {args.hf_path} -> [cyan]{out}[/cyan]"
-                           + (f" ({args.q_bits}-bit)" if args.quantize else f" ({args.dtype})"))
+    from rich.markup import escape
+
+    stderr_console().print(f"converted {escape(args.hf_path)} -> [cyan]{escape(str(out))}[/cyan]"
+                           + (f" ({args.q_bits or 4}-bit)" if args.quantize else f" ({args.dtype})"))
     return EXIT_OK
 
 
@@ -264,9 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-path", required=True, help="the Hugging Face-layout checkpoint directory to convert")
     p.add_argument("--mlx-path", required=True, help="where to write the converted model (a new or empty directory)")
     p.add_argument("-q", "--quantize", action="store_true", help="quantize the weights (affine, as mlx-lm's)")
-    p.add_argument("--q-bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8],
+    p.add_argument("--q-bits", type=int, choices=[2, 3, 4, 5, 6, 8],
                    help="bits per weight with -q (default 4)")
-    p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128],
+    p.add_argument("--q-group-size", type=int, choices=[32, 64, 128],
                    help="weights per quantization group with -q (default 64)")
     p.add_argument("--mtp-unquantized", action="store_true", help="with -q: keep the MTP head's weights unquantized")
     p.add_argument("--no-mtp", action="store_true", help="drop the MTP head")
@@ -316,9 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .cluster import add_cluster_commands
 
     add_cluster_commands(sub)
-    for command in sub.choices.values():  # `mtpipe generate -v` as well as `mtpipe -v generate`
-        command.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
-                             help="more logging (-vv for debug)")
+    for command in {id(p): p for p in sub.choices.values()}.values():  # `mtpipe generate -v` as `mtpipe -v generate`
+        if "-v" not in command._option_string_actions:
+            command.add_argument("-v", "--verbose", dest="verbose_after", action="count", default=0,
+                                 help="more logging (-vv for debug)")
     return parser
 
 
@@ -327,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         getattr(args, "usage_parser", parser).error(unrecognized(extra))
+    args.verbose += getattr(args, "verbose_after", 0)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.command in COMPUTES:

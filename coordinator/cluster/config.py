@@ -127,10 +127,11 @@ class ApiConfig(_Section):
     # Web pages that may call the API from a browser (CORS): "*" any, [] only the API's own origin.
     allowed_origins: list[Text] = Field(default_factory=lambda: ["*"])
 
-    @field_validator("allowed_origins")
+    @field_validator("allowed_origins", mode="before")
     @classmethod
-    def _origins(cls, value: list[str]) -> list[str]:
-        return check_origins(value)
+    def _origins(cls, value: Any) -> Any:  # (a list, or as on the command line: "*", "none", "a,b")
+        return check_origins(value) if isinstance(value, (str, list)) and all(
+            isinstance(o, str) for o in ([value] if isinstance(value, str) else value)) else value
 
 
 class NodeConfig(_Section):
