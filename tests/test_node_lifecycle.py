@@ -63,8 +63,8 @@ def test_no_method_of_the_node_service_is_a_mixin_stub() -> None:
 
 
 def test_a_node_that_cannot_listen_says_why_and_exits_cleanly() -> None:
-    """A port in use, or an address this machine does not have: one line naming the cause, exit 1 (not
-    gRPC's abort as the interpreter tore its threads down)."""
+    """A port in use, or an address this machine does not have: one line naming the cause, exit 2 as
+    `serve` says it, before any server starts (never gRPC's abort as the interpreter tore its threads down)."""
     import socket
     import subprocess
     import sys
@@ -76,5 +76,5 @@ def test_a_node_that_cannot_listen_says_why_and_exits_cleanly() -> None:
         for host, why in (("127.0.0.1", "Address already in use"), ("10.255.255.1", "Cannot assign requested address")):
             r = subprocess.run([sys.executable, "-m", "mtpipe", "node", "--host", host, "--port", str(port),
                                 "--insecure"], capture_output=True, text=True, timeout=60)
-            assert r.returncode == 1 and f"cannot listen on {host}:{port}: {why}" in r.stderr, r.stderr
+            assert r.returncode == 2 and f"--host/--port {host}:{port} cannot be used: {why}" in r.stderr, r.stderr
             assert "Traceback" not in r.stderr and "add_port" not in r.stderr
