@@ -16,6 +16,7 @@ from mtpipe.coordinator.engine import scheduler as plan
 from mtpipe.coordinator.engine.batch import BatchEngine
 from mtpipe.coordinator.engine.build import batch_engine, local_engine
 from mtpipe.coordinator.engine.request import GenerationRequest, GenerationResult, resolve_depth
+from mtpipe.coordinator.engine.sinks import ServerBusy
 from mtpipe.node.batch import BatchStage
 from mtpipe.node.protocol import SamplingParams, StageError, StepKind, StepRequest
 
@@ -370,6 +371,36 @@ def test_a_request_ends_where_its_row_does_only_on_its_budget_or_an_eos() -> Non
     assert not ended_in_stages([5, 2], [5], eos, stopped, 9, 20)  # a stop string at 5, then the EOS
     assert ended_in_stages([5, 6], [5, 6], eos, stopped, 20, 20)  # its budget (its last token never fed)
     assert not ended_in_stages([5, 6], [5], eos, stopped, 19, 20)
+
+
+def test_a_request_no_drop_could_admit_waits_with_the_kept_prefixes_left_alone(dense_ckpt: Path) -> None:
+    """Beside running rows a request that would not fit even with nothing kept waits (and is refused)
+    with the kept prefixes as they were: dropping them would gain it nothing and cost the next turns."""
+    probe = batch_engine(dense_ckpt, dtype=mx.float32, prefix_cache=0)
+    tokenizer, dims = probe.tokenizer, probe.dims
+    probe.close()
+    text = list(tokenizer.encode("".join(PROMPTS)))
+    row = plan.footprint(dims, 20 + 3000, 0)
+    budget = plan.batch_bytes(dims, [row, row]) + 3 * plan.kept_bytes(dims, 200)  # two long rows, a few prefixes
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, memory_budget=budget, prefix_cache=budget // 4,
+                          queue_timeout=1.0)
+    try:
+        first = engine.complete(GenerationRequest(text[:60], max_tokens=8))
+        never = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
+        running = [engine.generate(GenerationRequest(text[100 + 30 * i : 120 + 30 * i], max_tokens=3000,
+                                                     params=never)) for i in range(2)]
+        for stream in running:
+            next(stream)
+        before = sorted(k.key for k in kept(engine))
+        with pytest.raises(ServerBusy):
+            engine.complete(GenerationRequest(text[200:220], max_tokens=3000, params=never))
+        assert sorted(k.key for k in kept(engine)) == before
+        for stream in running:
+            stream.close()
+        turn = text[:60] + first.tokens + list(tokenizer.encode(PROMPTS[3]))
+        assert engine.complete(GenerationRequest(turn, max_tokens=4)).stats.cached_tokens == 60 + len(first.tokens) - 1
+    finally:
+        engine.close()
 
 
 def test_a_kept_prefix_that_alone_keeps_a_request_out_goes(dense_ckpt: Path) -> None:

@@ -225,7 +225,7 @@ class BatchEngine:
             # (unless that prefix alone would keep it out beside running rows: then its prompt goes in whole)
             spare = wanted is not None and (not running or
                                             plan.batch_bytes(self.dims, rows) + wanted.nbytes <= self.budget)
-            self._fit(rows, keep={wanted.key} if spare else set())
+            self._fit(rows, keep={wanted.key} if spare else set(), only_if_room=bool(running))
         budget = self.budget - sum(k.nbytes for k in self._kept.values())
         for seq_id in plan.admit(waiting, running, self.dims, budget, self.max_rows):
             live = next(x for x in self._waiting if x.seq_id == seq_id)
@@ -347,11 +347,16 @@ class BatchEngine:
             self._drop_kept(plan.least_used(list(self._kept.values()), over, self._pinned()))
         self._fit([x.need for x in self._prefilling + self._decoding if x is not ending])
 
-    def _fit(self, rows: list[plan.Footprint], keep: set[str] = frozenset()) -> None:
-        """Drop kept prefixes, least recently used first, until they and these rows fit the budget."""
+    def _fit(self, rows: list[plan.Footprint], keep: set[str] = frozenset(), only_if_room: bool = False) -> None:
+        """Drop kept prefixes, least recently used first, until they and these rows fit the budget.
+        `only_if_room`: none, where dropping every one it may would still leave the rows over it (a
+        request that must wait for running rows to leave would empty the cache and wait all the same)."""
         kept = list(self._kept.values())
         over = plan.batch_bytes(self.dims, rows) + sum(k.nbytes for k in kept) - self.budget
-        self._drop_kept(plan.least_used(kept, over, self._pinned() | keep))
+        spared = self._pinned() | keep
+        if only_if_room and over > sum(k.nbytes for k in kept if k.key not in spared):
+            return
+        self._drop_kept(plan.least_used(kept, over, spared))
 
     def _pinned(self) -> set[str]:
         """Kept prefixes a prompt is about to start from (its first step not taken yet)."""
