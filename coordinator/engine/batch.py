@@ -2,7 +2,8 @@
 
 Requests arrive from any thread (`open`); the MLX thread runs the loop: refuse what waited too long,
 admit what fits the memory budget (scheduler.py), run one decode round for all decoding rows, then
-one prefill chunk of the oldest prompt, and hand each request its chunks through its sink. A
+one prefill step for every prompt being taken in (a chunk of each, in one forward), and hand each
+request its chunks through its sink. A
 request cancelled by its client (or done) leaves the batch before the next round, on every stage.
 
 Each prompt's state before its last token is kept (node/prefixes.py), and each request's as it ends
@@ -111,7 +112,8 @@ class BatchEngine:
         self._prefilling: list[Live] = []
         self._decoding: list[Live] = []  # in batch order
         self._round_s = 0.0
-        self._prefill_token_s = 0.0
+        self._prefill_token_s = 0.0  # per token of a prefill step's rows, each padded to the step's width
+        self._narrowed = 0  # prefill steps just run narrower than the widest row's chunk (plan.fill_width)
         self._stop_tokens = tuple(sorted(self.eos))
         self.vocab_size = stages[0].worker.shard.config.args.vocab_size  # what the first stage embeds
         self.pipeline = self  # describe() and close() for the API and CLI, as a pipeline offers them
@@ -245,9 +247,11 @@ class BatchEngine:
         """One prompt chunk for every sequence taking its prompt, in one forward (the prompt's last
         token goes alone, as its own step, and yields the first token)."""
         group = list(self._prefilling)
-        widest = max(len(x.req.prompt_tokens) - 1 - x.prefilled for x in group)
-        n = plan.prefill_chunk(max(widest, 1), self.prefill_chunk, bool(self._decoding), self._round_s,
-                               self._prefill_token_s * len(group))
+        needs = [max(1, len(x.req.prompt_tokens) - 1 - x.prefilled) for x in group]
+        wide = plan.prefill_chunk(max(needs), self.prefill_chunk, bool(self._decoding), self._round_s,
+                                  self._prefill_token_s * len(group))
+        n = plan.fill_width(needs, wide, self._narrowed)
+        self._narrowed = self._narrowed + 1 if n < wide else 0
         reqs = []
         for live in group:
             prompt = live.req.prompt_tokens
@@ -264,9 +268,9 @@ class BatchEngine:
         x = None
         for stage in self.stages:
             x = stage.fill(reqs, x)
-        tokens = sum(len(r.tokens) for r in reqs)
+        padded = max(len(r.tokens) for r in reqs) * len(reqs)  # (every row runs at the step's width)
         if any(not r.final for r in reqs):
-            self._prefill_token_s = plan.ema(self._prefill_token_s, (time.perf_counter() - start) / tokens)
+            self._prefill_token_s = plan.ema(self._prefill_token_s, (time.perf_counter() - start) / padded)
         for live, req, out in zip(group, reqs, x):
             live.step += 1
             live.prefilled += len(req.tokens)

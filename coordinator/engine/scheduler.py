@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 MIN_PREFILL_CHUNK = 32  # shorter chunks cost much more per token (the stepped GatedDeltaNet path)
 PREFILL_ROUND_RATIO = 1.0  # a prefill chunk between two rounds takes about this many rounds' time
+NARROW_SHARE = 4  # a prefill step narrows to a row that would take at most this share of its width...
+NARROW_STEPS = 2  # ...for at most this many steps in a row (a prompt's chunk, then its last token)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,17 @@ def prefill_chunk(remaining: int, largest: int, decoding: bool, round_seconds: f
         return min(remaining, largest)
     fit = int(PREFILL_ROUND_RATIO * round_seconds / seconds_per_token)
     return max(1, min(remaining, largest, max(MIN_PREFILL_CHUNK, fit)))
+
+
+def fill_width(needs: list[int], width: int, narrowed: int) -> int:
+    """The width of a prefill step whose rows would take `needs` tokens (a prompt's last token: 1), at
+    most `width` each. Every row runs padded to the step's width, so a short prompt beside a long one
+    would pay the long one's width for its few tokens, twice (its chunk, then its last token alone).
+    So the narrowest row sets the width where it would take a small share of it, for up to
+    NARROW_STEPS steps in a row (`narrowed`: the steps just narrowed); then a step at full width comes,
+    so short prompts arriving one after another never starve a long one."""
+    narrowest = min(min(needs), width)
+    return narrowest if narrowest * NARROW_SHARE <= width and narrowed < NARROW_STEPS else width
 
 
 def ema(old: float, new: float, weight: float = 0.2) -> float:
