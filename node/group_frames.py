@@ -90,6 +90,9 @@ class GroupFrames:
         for client_id, end in ended.ends:
             self._drop_end(client_id, end)
 
+    def has_groups(self) -> bool:
+        return self._ring_groups is not None and bool(self._ring_groups.groups)
+
     def pause_groups(self, seconds: float) -> None:
         """The loop was held for `seconds` (a step): no round could come by meanwhile."""
         if self._ring_groups is not None:

@@ -75,6 +75,7 @@ class LeaseHolder:
     def left_to_the_ring(self, seq_id: str) -> bool: ...  # GroupFrames'
     def end_idle_groups(self, idle_s: float) -> None: ...  # GroupFrames'
     def pause_groups(self, seconds: float) -> None: ...  # GroupFrames'
+    def has_groups(self) -> bool: ...  # GroupFrames'
 
     @property
     def leases(self) -> Leases:
@@ -102,7 +103,9 @@ class LeaseHolder:
             self._release_expired()
         except Exception:  # noqa: BLE001 - a failed sweep must not be the last one
             log.exception("the lease sweep failed")
-        self._sweeping = bool(self.leases.expires)
+        # (and while groups are held: a lost group's rows may have no lease left, their release deferred to
+        # a next round that never comes, and only the sweep ends the group)
+        self._sweeping = bool(self.leases.expires) or self.has_groups()
         if self._sweeping:
             self._next_sweep()
 

@@ -9,6 +9,7 @@ every row within seconds, naming it.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -282,6 +283,34 @@ def test_lost_node_fails_every_row(dense_ckpt: Path) -> None:
                     assert item is not END, "a row ended without an error"
                 assert isinstance(item, NodeFailure) and victim in str(item)
             assert time.monotonic() - start < 5.0
+        finally:
+            engine.close()
+
+
+def test_the_nodes_left_free_the_groups_of_a_lost_middle_node(dense_ckpt: Path) -> None:
+    """The middle of 3 nodes goes away for good: the last node's groups never come round again, and their
+    rows' leases run out before the groups are found idle; the groups and rows go all the same, with
+    no lease left to keep the node's sweep going."""
+    with node_servers(3) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32", resume_window=0)
+        try:
+            never = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
+            queues: list[queue.SimpleQueue] = []
+            for i in range(6):
+                q: queue.SimpleQueue = queue.SimpleQueue()
+                engine.open(request(engine, i, 2, 3000, params=never), q.put)
+                queues.append(q)
+            for q in queues:
+                assert not isinstance(q.get(timeout=WAIT_S), BaseException)
+            servers[1].stop(0)
+            for q in queues:
+                while not isinstance(item := q.get(timeout=10), BaseException):
+                    assert item is not END
+            last = servers[2].service
+            deadline = time.monotonic() + 30  # (a lease, then idle groups: 5 s each)
+            while last.ring_groups.groups or last.worker.sequences:
+                assert time.monotonic() < deadline, (len(last.ring_groups.groups), len(last.worker.sequences))
+                time.sleep(0.5)
         finally:
             engine.close()
 
@@ -739,6 +768,9 @@ def test_groups_in_flight_weigh_the_hops_against_a_rounds_fixed_part() -> None:
 
     dispatch = [plan.StageRound(0.003, 0.0002), plan.StageRound(0.0033, 0.00025)]
     assert plan.ring_groups([plan.StageRound(0.0, 0.0)] * 2, 8, [0.0003]) == 2  # unmeasured
+    for odd in ((math.nan, 0.001), (0.01, -0.001), (-0.01, 0.02), (math.inf, 0.0)):  # no round takes these
+        assert plan.ring_groups([plan.StageRound(*odd), plan.StageRound(0.01, 0.001)], 8, [0.0003]) == 2
+    assert plan.ring_groups([plan.StageRound(0.004, 0.0005)] * 2, 8, [math.nan, math.inf]) == 2
     assert plan.ring_groups(dispatch[:1], 8) == 1
     assert plan.ring_groups(dispatch, 8, [0.0003, 0.0003]) == 2
     # all fixed, the last node's round dearer than the first's and the hops: one group would come round

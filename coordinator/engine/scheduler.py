@@ -201,9 +201,10 @@ def ring_groups(stages: list[StageRound], rows: int, hops: list[float] | None = 
     n = len(stages)
     if n <= 1:
         return 1
-    if min(s.seconds(1) for s in stages) <= 0:
+    if not all(math.isfinite(s.fixed + s.per_row) and min(s.fixed, s.per_row) >= 0 and s.seconds(1) > 0
+               for s in stages):  # (a node that measured nothing, or sent what no round takes)
         return n
-    hops = list(hops or [])[:n]
+    hops = [h for h in (hops or [])[:n] if math.isfinite(h)]
     hops += [sum(hops) / len(hops)] * (n - len(hops)) if hops else []
     cycles = {g: ring_cycle(g, rows, stages, hops) for g in range(n, max(most or 2 * n, n) + 1)}
     best = min(cycles.values())
