@@ -513,6 +513,77 @@ def test_a_row_lost_while_its_prompt_goes_in_is_freed_once_it_is_through() -> No
         engine.close()
 
 
+class ResumingPipeline(FakePipeline):
+    """Prompts go in at once; the pipeline is back as soon as asked, unless `back` is cleared."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        super().__init__()
+        self.prefilled: list[str] = []
+        self.back = threading.Event()
+        self.back.set()
+        self.reformer = SimpleNamespace(down=None, down_at=0.0, given_up=False, wait=self.back.wait)
+
+    def steps(self, steps: list) -> list:
+        from mtpipe.node.protocol import StepOutput
+
+        self.prefilled.append(steps[0].seq_id)
+        return [StepOutput(steps[-1].seq_id, steps[-1].step, [7], continued=True)]
+
+
+def resuming_engine(queue_timeout: float) -> tuple[ResumingPipeline, RingEngine, queue.SimpleQueue, list]:
+    """One row decoding (max_rows 1) and two requests waiting for a row: every thread of the prefill pool
+    is taken."""
+    from types import SimpleNamespace
+
+    pipeline = ResumingPipeline()
+    tokenizer = SimpleNamespace(detokenizer=SimpleNamespace(add_token=lambda t: None, last_segment="",
+                                                            finalize=lambda: None, tokens=[]))
+    engine = RingEngine(pipeline, tokenizer, [0], 100000, False, 100, prefill_chunk=8, max_rows=1,
+                        queue_timeout=queue_timeout, resume_window=30.0, groups=2)
+    row: queue.SimpleQueue = queue.SimpleQueue()
+    engine.open(GenerationRequest([1, 2, 3], max_tokens=1000), row.put)
+    assert row.get(timeout=WAIT_S).tokens == [7]
+    waiting = [queue.SimpleQueue() for _ in range(2)]
+    for q in waiting:
+        engine.open(GenerationRequest([4, 5, 6], max_tokens=10), q.put)
+    time.sleep(0.3)
+    return pipeline, engine, row, waiting
+
+
+def test_a_row_waiting_to_resume_is_not_held_behind_requests_waiting_for_a_row() -> None:
+    """A lost row holds its slot while it waits for the pipeline: its resume never waits for a thread
+    behind admissions that wait for that slot (they would time out first, and it with them)."""
+    from mtpipe.node.protocol import StageUnavailable
+
+    pipeline, engine, row, waiting = resuming_engine(queue_timeout=10.0)
+    try:
+        start = time.monotonic()
+        pipeline.row_sinks[pipeline.prefilled[0]](StageUnavailable("node b is gone"))
+        while len(pipeline.prefilled) < 2:
+            assert time.monotonic() - start < 2.0, "the resume waited behind the queue"
+            time.sleep(0.01)
+    finally:
+        engine.close()
+    for q in waiting:  # (they never got a row: close() ends them)
+        assert isinstance(q.get(timeout=WAIT_S), StageUnavailable)
+
+
+def test_close_ends_a_request_waiting_to_resume() -> None:
+    from mtpipe.node.protocol import StageUnavailable
+
+    pipeline, engine, row, waiting = resuming_engine(queue_timeout=30.0)
+    pipeline.back.clear()  # the pipeline is down
+    pipeline.row_sinks[pipeline.prefilled[0]](StageUnavailable("node b is gone"))
+    time.sleep(0.2)
+    engine.close()
+    items = []
+    while (item := row.get(timeout=5)) is not END:
+        items.append(item)
+    assert isinstance(items[-1], StageUnavailable)
+
+
 def test_a_request_cancelled_as_it_is_admitted_is_released_once() -> None:
     """A client that leaves between its admission and its prompt going out: its row and slot are given
     back once, and nothing of it is sent (the group's count and `max_rows` hold)."""

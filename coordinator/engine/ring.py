@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ...node.protocol import StageError, StageUnavailable, StepKind, StepOutput, StepRequest
+from ...node.protocol import StageError, StageUnavailable, StepOutput
 from . import scheduler as plan
 from .kept import KeptPrefixes
 from .ring_live import RingHandle, RingLive
@@ -81,6 +81,7 @@ class RingEngine:
         self._stop_tokens = tuple(sorted(self.eos))
         self._slots = threading.BoundedSemaphore(max_rows)
         self._pool = ThreadPoolExecutor(max_rows + 1, thread_name_prefix="ring-prefill")
+        self._resumes = ThreadPoolExecutor(max_rows, thread_name_prefix="ring-resume")  # (never behind admissions)
         self._lock = threading.Lock()
         self._rows: dict[int, int] = {}  # group -> live rows in it
         self._rows_peak = 0  # for the groups in flight: the most live rows since they were last reconsidered,
@@ -93,7 +94,7 @@ class RingEngine:
         self._node_token_s = 0.0
         self.row_stall = row_stall
         self._decoding: dict[int, RingLive] = {}  # id(live) -> rows whose prompt is through (watched)
-        self._queued: dict[int, RingLive] = {}  # id(live) -> opened, admission not started (ended by close())
+        self._queued: dict[int, RingLive] = {}  # id(live) -> admission or resume not started (ended by close())
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="ring-watch", daemon=True).start()
 
@@ -140,8 +141,7 @@ class RingEngine:
         with self._lock:
             out["ring"] = {"groups": self.groups, "max_rows": self.max_rows,
                            "rows": {str(g): n for g, n in sorted(self._rows.items()) if n}}
-        if self.kept is not None:
-            out["ring"].update(self.kept.describe())
+        out["ring"].update(self.kept.describe() if self.kept is not None else {})
         return out
 
     def close(self) -> None:
@@ -149,7 +149,8 @@ class RingEngine:
             self._stop.set()
             queued, self._queued = list(self._queued.values()), {}
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for live in queued:  # (those whose admission never starts now: every request ends)
+        self._resumes.shutdown(wait=False, cancel_futures=True)
+        for live in queued:  # (those whose admission or resume never starts now: every request ends)
             self._finish(live, StageUnavailable("the engine was stopped"))
         self.pipeline.close()
 
@@ -157,12 +158,12 @@ class RingEngine:
 
     def _start(self, live: RingLive) -> None:
         """Admission, then the prompt (a thread of the pool: prefill waits on the nodes)."""
-        with self._lock:
+        admitted = self._slots.acquire(timeout=max(0.0, self.queue_timeout - (time.monotonic() - live.queued)))
+        with self._lock:  # (until here, close() ends it)
             self._queued.pop(id(live), None)
-        if not self._slots.acquire(timeout=max(0.0, self.queue_timeout - (time.monotonic() - live.queued))):
-            self._finish(live, ServerBusy(f"no free row for this request after {self.queue_timeout:.0f} s in the queue",
-                                          retry_after=max(1, int(self.queue_timeout // 4))))
-            return
+        if not admitted:
+            return self._finish(live, ServerBusy(f"no free row for this request after {self.queue_timeout:.0f} s in "
+                                                 "the queue", retry_after=max(1, int(self.queue_timeout // 4))))
         with live.lock:
             if live.done:  # cancelled while it waited
                 self._slots.release()
@@ -211,15 +212,7 @@ class RingEngine:
         size, alone = self._chunk_size(len(body))
         chunks = [(body[i : i + size], False) for i in range(0, len(body), size)]
         chunks.append((prompt[-1:], True))
-        left = req.max_tokens - live.generated
-        steps = [StepRequest(live.seq_id, i, StepKind.PREFILL, chunk, final=final,
-                             params=req.params if i == 0 else None, mtp_depth=req.mtp_depth if i == 0 else 0,
-                             mtp_auto=req.mtp_auto and i == 0, budget=left if final else 0,
-                             stop_tokens=self._stop_tokens if final else (), group=live.group,
-                             resumed_at=len(req.prompt_tokens) if live.emitted and i == 0 else 0,
-                             prefix=hit.key if hit and i == 0 else "", keep=keep if final else "",
-                             keep_end=live.keep_end if final else "")
-                 for i, (chunk, final) in enumerate(chunks)]
+        steps = live.prompt_steps(chunks, self._stop_tokens, hit.key if hit else "", keep)
         seq_id = live.seq_id
         with live.lock:  # (`prefilling` was set where the row was placed)
             if live.done:  # cancelled before its prompt went out: nothing of it is on the nodes
@@ -288,8 +281,13 @@ class RingEngine:
                         self._release(live, slot=False, free=not live.prefilling)
                         if live.prefilling:
                             live.lost_prompt = (live.seq_id, live.group)
-                if resume:
-                    self._pool.submit(self._resume, live, item)
+                with self._lock:  # (once close() has run, nothing resumes)
+                    stopped = self._stop.is_set()
+                    if resume and not stopped:
+                        self._queued[id(live)] = live
+                        self._resumes.submit(self._resume, live, item)
+                if resume and stopped:
+                    self._finish(live, item)
                 return
             self._finish(live, item)
             return
@@ -300,8 +298,10 @@ class RingEngine:
         """Wait for the pipeline to be formed again, then go on as a new sequence: the prompt and the
         tokens already handed out are prefilled, and decoding continues where it stopped."""
         log.info("request %s waits for the pipeline (%s)", live.seq_id, error)
-        if not self.pipeline.reformer.wait(self.resume_window):
-            # (resuming until it has finished: a cancel meanwhile frees nothing twice)
+        back = self.pipeline.reformer.wait(self.resume_window)
+        with self._lock:  # (until here, close() ends it)
+            self._queued.pop(id(live), None)
+        if not back:  # (resuming until it has finished: a cancel meanwhile frees nothing twice)
             self._finish(live, error, released=True)
             return
         with live.lock:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...node.protocol import StepOutput
+from ...node.protocol import StepKind, StepOutput, StepRequest
 from .detokenizer import TextStream
 from .request import GenerationRequest, GenerationStats
 from .sinks import Sink
@@ -41,6 +41,20 @@ class RingLive:
     lock: threading.RLock = field(default_factory=threading.RLock)
     expected: int = 0  # the order of the next outcome to hand out (0: the prefill's)
     early: dict[int, StepOutput] = field(default_factory=dict)  # outcomes that overtook an earlier one
+
+    def prompt_steps(self, chunks: list[tuple[list[int], bool]], stop_tokens: tuple[int, ...], prefix: str,
+                     keep: str) -> list[StepRequest]:
+        """Its prompt's chunks as steps (the first names its sampling and drafts, the final one its budget,
+        the prompt prefix kept under `keep`, and its end's key); after a resume, the tokens handed out too."""
+        req = self.req
+        return [StepRequest(self.seq_id, i, StepKind.PREFILL, chunk, final=final,
+                            params=req.params if i == 0 else None, mtp_depth=req.mtp_depth if i == 0 else 0,
+                            mtp_auto=req.mtp_auto and i == 0, budget=req.max_tokens - self.generated if final else 0,
+                            stop_tokens=stop_tokens if final else (), group=self.group,
+                            resumed_at=len(req.prompt_tokens) if self.emitted and i == 0 else 0,
+                            prefix=prefix if i == 0 else "", keep=keep if final else "",
+                            keep_end=self.keep_end if final else "")
+                for i, (chunk, final) in enumerate(chunks)]
 
 
 class RingHandle:
