@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...models import blas
+from ...models import blas, cpu_jit
 from ..engine.build import batch_engine
 from ..engine.request import AUTO, GenerationRequest, resolve_depth
 from .engine import long_prompt
@@ -150,8 +150,8 @@ def bench_chat(model_path: Path | str, *, turns: int = DEFAULT_TURNS, turn_token
         ratios["cached_vs_mlx_lm_ttft"] = ratio("cached", "mlx_lm")
         ratios["mlx_lm_vs_whole_ttft"] = ratio("mlx_lm", "whole")
     shown = [{**r, "ttft_ms": {k: round(v, 2) for k, v in r["ttft_ms"].items()}} for r in rows]
-    return {"model": str(model_path), "blas": blas.info().to_dict(), "nodes": nodes, "turns": turns,
-            "turn_tokens": turn_tokens, "reply_tokens": reply_tokens, "rows": shown, "ratios": ratios,
+    return {"model": str(model_path), "blas": blas.info().to_dict(), "cpu_jit": cpu_jit.info(), "nodes": nodes,
+            "turns": turns, "turn_tokens": turn_tokens, "reply_tokens": reply_tokens, "rows": shown, "ratios": ratios,
             "measure": "speedups: the median over turns 2.. of the other side's time to the first token over this side's",
             "identical": all(r["same_reply"] for r in rows)}
 

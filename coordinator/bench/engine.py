@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...models import blas
+from ...models import blas, cpu_jit
 from ...node.protocol import SamplingParams
 from ..engine.build import local_engine
 from ..engine.engine import Engine
@@ -242,7 +242,7 @@ def bench_engine(
     identical = all(outputs[m] == outputs["mlx_lm"] for m in methods)
     result = {
         "model": str(model_path),
-        "blas": blas.info().to_dict(),
+        "blas": blas.info().to_dict(), "cpu_jit": cpu_jit.info(),
         "mtp_hidden": "pre_norm" if mtp_pre_norm else "post_norm",
         "prompts": len(encoded),
         "max_tokens": max_tokens,

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ...models import blas
+from ...models import blas, cpu_jit
 from ..engine.build import local_engine, remote_engine
 from ..engine.engine import Engine
 from ..engine.request import AUTO, AUTO_MAX_DEPTH, GenerationRequest
@@ -216,7 +216,7 @@ def bench_pipeline(
     reference = {k: outputs[_method("single", k)] for k in [0, *depths, AUTO]}
     return {
         "model": str(model_path),
-        "blas": blas.info().to_dict(),
+        "blas": blas.info().to_dict(), "cpu_jit": cpu_jit.info(),
         "prompts": len(encoded),
         "max_tokens": max_tokens,
         "depths": depths,

@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...models import blas
+from ...models import blas, cpu_jit
 from ..engine.build import local_engine
 from ..engine.engine import Engine
 from ..engine.request import AUTO, GenerationRequest, resolve_depth
@@ -62,7 +62,8 @@ def bench_prefill(model_path: Path | str, *, lengths: list[int] | tuple[int, ...
         raise ValueError(f"prompt lengths and reps must be positive, got {list(lengths)} and {reps}")
     engine = local_engine(model_path)
     model, tokenizer = mlx_load(str(model_path))
-    out: dict[str, Any] = {"model": str(model_path), "blas": blas.info().to_dict(), "reps": reps, "lengths": {}}
+    out: dict[str, Any] = {"model": str(model_path), "blas": blas.info().to_dict(), "cpu_jit": cpu_jit.info(),
+                           "reps": reps, "lengths": {}}
     for length in lengths:
         prompt = long_prompt(engine.tokenizer, length)
         time_mtpipe(engine, prompt)

@@ -55,7 +55,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...models import blas
+from ...models import blas, cpu_jit
 from ...node.protocol import SamplingParams
 from ..engine.batch import DEFAULT_MAX_ROWS, BatchEngine, Handle
 from ..engine.build import batch_engine, local_engine
@@ -377,7 +377,7 @@ def bench_serve(
         closed_tok_s = {name: med(cells) for name, cells in closed_runs.items()}
         result = {
             "model": str(model_path),
-            "blas": blas.info().to_dict(),
+            "blas": blas.info().to_dict(), "cpu_jit": cpu_jit.info(),
             "has_mtp": engine.has_mtp,
             "concurrency": levels, "max_tokens": max_tokens, "reps": reps,
             "api": ("a process of its own" if api_process else "the engine's process") if api else None,

@@ -24,7 +24,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from ...models import blas
+from ...models import blas, cpu_jit
 from ..engine.batch import DEFAULT_MAX_ROWS
 from ..engine.build import batch_engine, ring_engine
 from ..engine.ring import RingEngine
@@ -124,7 +124,7 @@ def bench_serve_nodes(model_path: Path | str, *, nodes: list[int], concurrency: 
     identity = {key: toks == reference for key, toks in outputs.items()}
     return {
         "model": str(model_path),
-        "blas": blas.info().to_dict(),
+        "blas": blas.info().to_dict(), "cpu_jit": cpu_jit.info(),
         "nodes": nodes,
         "concurrency": levels,
         "max_tokens": max_tokens,
