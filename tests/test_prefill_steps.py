@@ -21,7 +21,8 @@ from mtpipe.coordinator.engine.request import GenerationRequest
     ([2991, 1], 512, 2, 512),  # then the long one at full width, whatever still waits
     ([600, 200], 512, 0, 512),  # nothing small beside it: full width
     ([1, 1, 1], 1, 0, 1),
-    ([40, 9], 36, 0, 9),  # while rows decode the width is a round's worth of tokens
+    ([200, 9], 128, 0, 9),  # while rows decode the width is a round's worth of tokens
+    ([40, 9], 36, 0, 36),  # a width about as cheap as a narrow one: not narrowed
 ])
 def test_the_width_of_a_prefill_step(needs: list[int], width: int, narrowed: int, expected: int) -> None:
     assert plan.fill_width(needs, width, narrowed) == expected

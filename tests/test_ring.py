@@ -581,6 +581,7 @@ def test_close_ends_a_request_waiting_to_resume() -> None:
     items = []
     while (item := row.get(timeout=5)) is not END:
         items.append(item)
+    pipeline.back.set()  # (the resume's thread, waiting for it, ends)
     assert isinstance(items[-1], StageUnavailable)
 
 

@@ -269,7 +269,7 @@ class BatchEngine:
         for stage in self.stages:
             x = stage.fill(reqs, x)
         padded = max(len(r.tokens) for r in reqs) * len(reqs)  # (every row runs at the step's width)
-        if any(not r.final for r in reqs):
+        if n == wide and any(not r.final for r in reqs):  # (a narrow step's time is mostly its fixed part)
             self._prefill_token_s = plan.ema(self._prefill_token_s, (time.perf_counter() - start) / padded)
         for live, req, out in zip(group, reqs, x):
             live.step += 1

@@ -155,7 +155,8 @@ def fill_width(needs: list[int], width: int, narrowed: int) -> int:
     NARROW_STEPS steps in a row (`narrowed`: the steps just narrowed); then a step at full width comes,
     so short prompts arriving one after another never starve a long one."""
     narrowest = min(min(needs), width)
-    return narrowest if narrowest * NARROW_SHARE <= width and narrowed < NARROW_STEPS else width
+    worth = width >= NARROW_SHARE * MIN_PREFILL_CHUNK  # (narrower than that, a step costs about what a narrow one does)
+    return narrowest if worth and narrowest * NARROW_SHARE <= width and narrowed < NARROW_STEPS else width
 
 
 def ema(old: float, new: float, weight: float = 0.2) -> float:
