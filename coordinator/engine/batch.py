@@ -3,8 +3,8 @@
 Requests arrive from any thread (`open`); the MLX thread runs the loop: refuse what waited too long,
 admit what fits the memory budget (scheduler.py), run one decode round for all decoding rows, then
 one prefill step for every prompt being taken in (a chunk of each, in one forward), and hand each
-request its chunks through its sink. A
-request cancelled by its client (or done) leaves the batch before the next round, on every stage.
+request its chunks through its sink. A request cancelled by its client (or done) leaves the batch
+before the next round, on every stage.
 
 Each prompt's state before its last token is kept (node/prefixes.py), and each request's as it ends
 (its prompt and reply but the reply's last token, never fed), within `prefix_cache` bytes, least
