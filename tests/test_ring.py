@@ -548,7 +548,10 @@ def resuming_engine(queue_timeout: float) -> tuple[ResumingPipeline, RingEngine,
     waiting = [queue.SimpleQueue() for _ in range(2)]
     for q in waiting:
         engine.open(GenerationRequest([4, 5, 6], max_tokens=10), q.put)
-    time.sleep(0.3)
+    deadline = time.monotonic() + WAIT_S
+    while engine._pool._work_queue.qsize():  # (both admissions taken up by the pool's threads)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     return pipeline, engine, row, waiting
 
 
@@ -576,8 +579,7 @@ def test_close_ends_a_request_waiting_to_resume() -> None:
     pipeline, engine, row, waiting = resuming_engine(queue_timeout=30.0)
     pipeline.back.clear()  # the pipeline is down
     pipeline.row_sinks[pipeline.prefilled[0]](StageUnavailable("node b is gone"))
-    time.sleep(0.2)
-    engine.close()
+    engine.close()  # (its resume waiting for the pipeline, or not started yet: ended either way)
     items = []
     while (item := row.get(timeout=5)) is not END:
         items.append(item)
