@@ -961,3 +961,26 @@ def test_a_client_callback_that_fails_ends_its_request_alone(dense_ckpt: Path) -
         engine.close()
     while running.get(timeout=60) is not END:  # (a queue.Empty here: a request left hanging)
         pass
+
+
+def test_the_allocator_cache_is_cleared_now_and_then_on_the_batch_path(dense_ckpt: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the per-sequence stage does and mlx-lm's batches do: memory of rows that left goes back."""
+    from mtpipe.node import batch as node_batch
+
+    cleared: list[int] = []
+    monkeypatch.setattr(node_batch, "CLEAR_CACHE_EVERY", 4)
+    monkeypatch.setattr(node_batch.mx, "clear_cache", lambda: cleared.append(1))
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, prefix_cache=0)
+    try:
+        result = engine.complete(GenerationRequest(engine.tokenizer.encode(PROMPTS[0]), max_tokens=12))
+        steps = engine.stages[0].stats.steps
+    finally:
+        engine.close()
+    assert len(result.tokens) == 12 and steps >= 12 and len(cleared) == steps // 4
+
+
+def test_prefill_speed_counts_the_tokens_prefilled_not_those_taken_from_a_kept_prefix() -> None:
+    from mtpipe.coordinator.engine.request import GenerationStats
+
+    assert GenerationStats(prompt_tokens=100, cached_tokens=60, prefill_seconds=2.0).prefill_tps == 20.0

@@ -66,8 +66,8 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
-    def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+    def prefill_tps(self) -> float:  # (tokens prefilled: those taken from a kept prefix were not)
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tps(self) -> float:
