@@ -21,6 +21,7 @@ from .loading import load_shard
 
 log = logging.getLogger(__name__)
 
+DEFAULT_BITS, DEFAULT_GROUP_SIZE = 4, 64  # as mlx-lm's convert
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -45,8 +46,8 @@ def convert(
     dst: Path,
     *,
     quantize: bool = False,
-    bits: int = 4,
-    group_size: int = 64,
+    bits: int = DEFAULT_BITS,
+    group_size: int = DEFAULT_GROUP_SIZE,
     quantize_mtp: bool = True,
     dtype: str | None = "bfloat16",
     mtp: bool = True,

@@ -20,7 +20,6 @@ would need checking there first) nothing changes.
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 import shlex
@@ -29,8 +28,6 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 ENV = "MTPIPE_CPU_JIT"
 FLAGS = ("-march=x86-64-v3", "-ffp-contract=off")

@@ -68,8 +68,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 **options,
             )
     try:
-        check_default_depth(0 if args.no_mtp else args.mtp_depth, engine.has_mtp)  # (named as this command's)
-        depth, auto = resolve_depth(0 if args.no_mtp else args.mtp_depth, engine.has_mtp)
+        asked = 0 if args.no_mtp else args.mtp_depth
+        check_default_depth(asked, engine.has_mtp)  # (its error names this command's option)
+        depth, auto = resolve_depth(asked, engine.has_mtp)
         chat = [{"role": "user", "content": prompt}]
         tokens = engine.encode_chat(chat) if args.chat else engine.tokenizer.encode(prompt)
         req = GenerationRequest(prompt_tokens=tokens, max_tokens=args.max_tokens, params=params, mtp_depth=depth,
@@ -102,19 +103,20 @@ def _print_stats(stats: dict[str, Any], depth: int | str) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ...models.convert import convert
+    from ...models.convert import DEFAULT_BITS, DEFAULT_GROUP_SIZE, convert
 
     if not args.quantize:
         given = [o for o, v in (("--q-bits", args.q_bits), ("--q-group-size", args.q_group_size),
                                 ("--mtp-unquantized", args.mtp_unquantized or None)) if v is not None]
         if given:
             raise ValueError(f"{', '.join(given)} apply with -q/--quantize")
+    bits = args.q_bits or DEFAULT_BITS
     out = convert(
         Path(args.hf_path),
         Path(args.mlx_path),
         quantize=args.quantize,
-        bits=args.q_bits or 4,
-        group_size=args.q_group_size or 64,
+        bits=bits,
+        group_size=args.q_group_size or DEFAULT_GROUP_SIZE,
         quantize_mtp=not args.mtp_unquantized,
         dtype=args.dtype,
         mtp=not args.no_mtp,
@@ -122,7 +124,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     stderr_console().print(f"converted {escape(args.hf_path)} -> [cyan]{escape(str(out))}[/cyan]"
-                           + (f" ({args.q_bits or 4}-bit)" if args.quantize else f" ({args.dtype})"))
+                           + (f" ({bits}-bit)" if args.quantize else f" ({args.dtype})"))
     return EXIT_OK
 
 
