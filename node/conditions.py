@@ -3,7 +3,8 @@
 A broken link to the next (or first) node lasts until a new link to it opens; a failed load until a
 load succeeds; a round that failed inside the node (a bug, an MLX error) is shown for a while. A step
 refused for its own content (a malformed or out-of-order request) is the request's error, not the
-node's: it is answered to its client and logged, never shown here.
+node's: it is answered to its client and logged, never shown here; so is a round the node no longer
+expects (ABORTED: a group it ended, or that a reload for a new shard dropped): its rows resume.
 """
 
 from __future__ import annotations
@@ -37,5 +38,5 @@ class Conditions:
 
     def failed(self, code: str, message: str) -> None:
         """A step or round refused with gRPC status `code`: the node's condition unless the request's own."""
-        if code != "INVALID_ARGUMENT":
+        if code not in ("INVALID_ARGUMENT", "ABORTED"):
             self.set("round", message, transient=True)
