@@ -140,3 +140,27 @@ def test_bad_processor_values_are_400(client: Any) -> None:
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                        logprobs=True, top_logprobs=21)
+
+
+def test_special_tokens_leave_the_text_unless_kept(client: Any, engine: BatchEngine) -> None:
+    """As vLLM: a generated special token (here `<|im_start|>`, forced by a bias) adds no text, streamed
+    or whole, unless `skip_special_tokens` is false, or tools are given (a parser may need their tags);
+    usage and logprobs still count and name it."""
+    special = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    forced = {"logit_bias": {str(special): 100}, "max_tokens": 3, "temperature": 0}
+    r = client.completions.create(model=MODEL, prompt=PROMPT, logprobs=0, **forced)
+    assert r.choices[0].text == "" and r.usage.completion_tokens == 3
+    assert r.choices[0].logprobs.tokens == ["<|im_start|>"] * 3
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, stream=True, **forced)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == ""
+    kept = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"skip_special_tokens": False}, **forced)
+    assert kept.choices[0].text == "<|im_start|>" * 3
+    messages = [{"role": "user", "content": PROMPT}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    chat = client.chat.completions.create(model=MODEL, messages=messages, **forced)
+    assert chat.choices[0].message.content == ""
+    with_tools = client.chat.completions.create(model=MODEL, messages=messages, tools=[tool], **forced)
+    assert with_tools.choices[0].message.content == "<|im_start|>" * 3
+    skipped = client.chat.completions.create(model=MODEL, messages=messages, tools=[tool],
+                                             extra_body={"skip_special_tokens": True}, **forced)
+    assert skipped.choices[0].message.content == ""

@@ -745,8 +745,8 @@ def test_a_row_that_fails_fails_alone_and_a_closed_engine_ends_what_it_holds(
             raise ValueError("no text for this one")
 
     made = batch_module.TextStream
-    monkeypatch.setattr(batch_module, "TextStream",
-                        lambda tok, stop: (Failing if stop == ["boom"] else made)(tok, stop))
+    monkeypatch.setattr(made, "of", classmethod(
+        lambda cls, tok, req: (Failing if req.stop == ["boom"] else made)(tok, req.stop, req.skip_special_tokens)))
     engine = batch_engine(dense_ckpt, dtype=mx.float32)
     try:
         prompts = [encode(engine, t) for t in PROMPTS[:3]]

@@ -226,3 +226,27 @@ def test_a_stop_that_ends_in_a_held_back_space_stops_at_that_token(tok) -> None:
     text = TextStream(tok, ["nowhere"])  # and text without a stop is still exactly decode
     new, finish = take_tokens(tokens, set(), text, 0, 100)
     assert finish is None and new == tokens and text.release(final=True) == tok.decode(tokens)
+
+
+def test_special_tokens_add_no_text_when_skipped(tok) -> None:
+    """vLLM's default: the text is `decode(..., skip_special_tokens=True)`, streamed; `<|im_start|>` is
+    among the tokens left out though the tokenizer's special tokens map does not list it."""
+    from mtpipe.coordinator.engine.detokenizer import special_ids
+
+    specials = sorted(special_ids(tok))
+    assert tok.convert_tokens_to_ids("<|im_start|>") in specials
+    assert set(tok.all_special_ids) <= set(specials)
+    vocab = [i for i in range(len(tok)) if "Ā" not in tok.convert_ids_to_tokens(i)]
+    rng = random.Random(1)
+    for _ in range(100):
+        ids = [rng.choice(specials) if rng.random() < 0.2 else rng.choice(vocab) for _ in range(rng.randint(1, 30))]
+        text = TextStream(tok, [], skip_special=True)
+        chunks = []
+        for t in ids:
+            text.add(t)
+            chunks.append(text.release(final=False))
+        chunks.append(text.release(final=True))
+        assert "".join(chunks) == tok.decode(ids, skip_special_tokens=True), ids
+    kept = TextStream(tok, [])
+    kept.add(specials[0])
+    assert kept.release(final=True) == tok.decode([specials[0]]) != ""

@@ -15,8 +15,10 @@ event loop (service.py).
 GET /health answers 200 only when every stage is ready, else 503 naming each node that is not and why
 (readiness.py).
 
-Extensions: the `mtp_depth` request field, and `usage.mtp` = {depth, drafted, accepted,
-acceptance, rounds}. Defaults: the sampling and max_new_tokens of the model's
+Extensions: the `mtp_depth` request field, vLLM's `skip_special_tokens` (special tokens such as
+`<|im_start|>` are left out of the text unless it is false; kept by default when tools are given,
+as vLLM's tool parsers need their tags), and `usage.mtp` = {depth, drafted, accepted, acceptance,
+rounds}. Defaults: the sampling and max_new_tokens of the model's
 generation_config.json (as vLLM takes them), else temperature 1.0 and top_p 1.0 as in OpenAI's API
 and max_tokens 256; max_tokens never past what is left of the context; mtp_depth the server's
 (auto when the model has an MTP head).
@@ -190,7 +192,8 @@ def create_app(
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, max_param = body.max_tokens, "max_tokens"
-        req = service.generation_request(body, params, tokens, max_tokens, "messages", max_param)
+        req = service.generation_request(body, params, tokens, max_tokens, "messages", max_param,
+                                         tools=tools is not None and tools.active)
         return await respond("/v1/chat/completions", body, req, request, started, tools)
 
     @app.post("/v1/completions")

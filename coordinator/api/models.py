@@ -108,6 +108,8 @@ class _GenerationBody(_Body):
     repetition_penalty: float | None = None  # extension (mlx-lm's, over the last 20 tokens)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     response_format: dict[str, Any] | None = None  # only {"type": "text"}: decoding is not constrained
+    # extension (vLLM's): leave special tokens out of the text; None: yes, but with tools (their tags may be special)
+    skip_special_tokens: bool | None = None
 
 
 class ChatCompletionRequest(_GenerationBody):

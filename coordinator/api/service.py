@@ -127,8 +127,9 @@ class Service:
 
     def generation_request(self, body: "_GenerationBody", params: SamplingParams, prompt: list[int],
                            max_tokens: Optional[int], prompt_param: str,
-                           max_param: str = "max_tokens") -> "GenerationRequest":
-        """The engine's request for this body; the engine decides whether it can serve it."""
+                           max_param: str = "max_tokens", tools: bool = False) -> "GenerationRequest":
+        """The engine's request for this body; the engine decides whether it can serve it. `tools`: its
+        output is parsed for tool calls, whose tags stay in the text unless the body says otherwise."""
         try:
             depth, auto = resolve_depth(self.default_mtp_depth if body.mtp_depth is None else body.mtp_depth,
                                         self.engine.has_mtp)
@@ -143,8 +144,9 @@ class Service:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+        skip = not tools if body.skip_special_tokens is None else body.skip_special_tokens
         req = GenerationRequest(prompt_tokens=prompt, max_tokens=max_tokens, params=params, mtp_depth=depth, stop=stop,
-                                mtp_auto=auto)
+                                mtp_auto=auto, skip_special_tokens=skip)
         try:
             self.engine.validate(req)
         except RequestError as e:

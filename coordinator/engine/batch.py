@@ -136,7 +136,7 @@ class BatchEngine:
         positions = len(req.prompt_tokens) + req.max_tokens
         seq_id = uuid.uuid4().hex
         cancelled = threading.Event()  # (a client callback that fails cancels its request: `guarded`)
-        live = Live(seq_id, req, guarded(sink, cancelled.set, seq_id), TextStream(self.tokenizer, req.stop),
+        live = Live(seq_id, req, guarded(sink, cancelled.set, seq_id), TextStream.of(self.tokenizer, req),
                     GenerationStats(prompt_tokens=len(req.prompt_tokens)),
                     plan.footprint(self.dims, positions, req.mtp_depth), time.monotonic(), cancelled=cancelled,
                     admitted=guarded(admitted, cancelled.set, seq_id) if admitted is not None else None)

@@ -16,17 +16,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+    from .request import GenerationRequest
+
 
 class TextStream:
     """One request's text: never releases text at or past a stop string.
 
     While generating, the last len(longest stop) - 1 characters are held back: they may begin a
-    stop string that the next tokens complete.
+    stop string that the next tokens complete. With `skip_special`, the special tokens (`special_ids`)
+    add no text, as `decode(..., skip_special_tokens=True)` leaves them out.
     """
 
-    def __init__(self, tokenizer: TokenizerWrapper, stop: list[str]):
+    def __init__(self, tokenizer: TokenizerWrapper, stop: list[str], skip_special: bool = False):
         self.tokenizer = tokenizer
         self.detokenizer = tokenizer.detokenizer  # a fresh one for each request
+        self.skipped = special_ids(tokenizer) if skip_special else frozenset()
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # detokenized so far, cut at the first stop string
@@ -35,8 +39,12 @@ class TextStream:
         self._begun = False
         self._flushed = False
 
+    @classmethod
+    def of(cls, tokenizer: TokenizerWrapper, req: GenerationRequest) -> TextStream:
+        return cls(tokenizer, req.stop, req.skip_special_tokens)
+
     def add(self, token: int) -> None:
-        if self.stopped:
+        if self.stopped or token in self.skipped:
             return
         self.detokenizer.add_token(token)
         self._extend(self.detokenizer.last_segment)
@@ -104,6 +112,17 @@ def _byte_level_map() -> dict[str, int]:
     rest = (b for b in range(256) if b not in out.values())
     out.update({chr(256 + i): b for i, b in enumerate(rest)})
     return out
+
+
+def special_ids(tokenizer: TokenizerWrapper) -> frozenset[int]:
+    """The tokens a Hugging Face tokenizer leaves out of `decode(..., skip_special_tokens=True)`: its
+    added tokens marked special (`<|im_start|>` among them, which `all_special_ids` may not list), and
+    its special tokens. Qwen's tool-call and thinking tags are added tokens but not special. (Read once
+    per request: a few dozen tokens.)"""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    marked = {int(i) for i, t in added.items() if getattr(t, "special", False)}
+    return frozenset(marked | set(getattr(hf, "all_special_ids", None) or ()))
 
 
 _BYTE_LEVEL = _byte_level_map()

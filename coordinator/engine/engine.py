@@ -81,7 +81,7 @@ class Engine:
         self.validate(req)
         seq_id = uuid.uuid4().hex
         stats = GenerationStats(prompt_tokens=len(req.prompt_tokens))
-        text = TextStream(self.tokenizer, req.stop)
+        text = TextStream.of(self.tokenizer, req)
         stop_tokens = tuple(sorted(self.eos))
         try:
             t0 = time.perf_counter()

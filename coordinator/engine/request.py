@@ -40,6 +40,7 @@ class GenerationRequest:
     mtp_depth: int = 0  # drafts per round; with mtp_auto, the most a round may carry
     stop: list[str] = field(default_factory=list)
     mtp_auto: bool = False  # the last stage picks each round's depth (node/depth.py)
+    skip_special_tokens: bool = True  # the text leaves out special tokens (`<|im_start|>`...), as vLLM's does
 
     @property
     def depth_label(self) -> int | str:

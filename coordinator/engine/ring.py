@@ -117,7 +117,7 @@ class RingEngine:
         if down is not None:
             raise ServerBusy(f"{down}; the pipeline is being formed again", retry_after=RETRY_AFTER_DOWN_S)
         # 64 random bits for an id: every group frame names each of its rows
-        live = RingLive(uuid.uuid4().hex[:16], req, sink, TextStream(self.tokenizer, req.stop),
+        live = RingLive(uuid.uuid4().hex[:16], req, sink, TextStream.of(self.tokenizer, req),
                         GenerationStats(prompt_tokens=len(req.prompt_tokens)), time.monotonic(), on_admit=admitted)
         handle = RingHandle(self, live)
         live.sink = guarded(sink, handle.cancel, live.seq_id)  # (a client callback that fails cancels)
