@@ -164,3 +164,59 @@ def test_special_tokens_leave_the_text_unless_kept(client: Any, engine: BatchEng
     skipped = client.chat.completions.create(model=MODEL, messages=messages, tools=[tool],
                                              extra_body={"skip_special_tokens": True}, **forced)
     assert skipped.choices[0].message.content == ""
+
+
+def test_vllm_stop_extensions(client: Any, engine: BatchEngine) -> None:
+    """vLLM's `stop_token_ids` end a request as EOS does, `ignore_eos` lets EOS through (here forced by a
+    bias: every token is EOS, none in the text), `include_stop_str_in_output` keeps the stop string;
+    `min_tokens` is refused (EOS is never held back), as is a stop token outside the vocabulary."""
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0)
+    tokens = [engine.tokenizer.convert_tokens_to_ids(t) for t in plain.choices[0].logprobs.tokens]
+    at = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body={"stop_token_ids": [tokens[at]]})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == at
+    assert cut.choices[0].text == engine.tokenizer.decode(tokens[:at])
+    eos = sorted(engine.eos)[0]
+    forced = {"max_tokens": 4, "temperature": 0, "logit_bias": {str(eos): 100}}
+    ended = client.completions.create(model=MODEL, prompt=PROMPT, **forced)
+    assert (ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("stop", 0)
+    through = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"ignore_eos": True}, **forced)
+    assert (through.choices[0].finish_reason, through.usage.completion_tokens, through.choices[0].text) == ("length", 4, "")
+    text = plain.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    for keep, expected in ((False, text[: text.index(stop)]), (True, text[: text.index(stop) + len(stop)])):
+        whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
+                                          extra_body={"include_stop_str_in_output": keep})
+        streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
+                                             stream=True, extra_body={"include_stop_str_in_output": keep})
+        assert whole.choices[0].text == "".join(c.choices[0].text for c in streamed if c.choices) == expected
+    for extra, param in (({"min_tokens": 3}, "min_tokens"), ({"stop_token_ids": [10**6]}, "stop_token_ids")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=extra)
+        assert e.value.body["param"] == param
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"min_tokens": 0})
+
+
+def test_chat_template_kwargs_reach_the_template(client: Any, engine: BatchEngine) -> None:
+    """vLLM's `chat_template_kwargs` (Qwen's enable_thinking, say) are variables of the chat template;
+    one that would set an argument of the template call is a 400."""
+    hf = engine.tokenizer._tokenizer
+    template = hf.chat_template
+    hf.chat_template = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+                        "<|im_start|>assistant\n{%- if enable_thinking is defined and not enable_thinking %}"
+                        "<think>\n\n</think>\n\n{%- endif %}")
+    try:
+        messages = [{"role": "user", "content": PROMPT}]
+        asked = {}
+        for thinking in (True, False):
+            r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+            asked[thinking] = r.usage.prompt_tokens
+        assert asked[False] > asked[True]  # (the empty thinking block)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                           extra_body={"chat_template_kwargs": {"tokenize": False}})
+        assert e.value.body["param"] == "chat_template_kwargs"
+    finally:
+        hf.chat_template = template

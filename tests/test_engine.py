@@ -46,6 +46,17 @@ def test_eos_stops_before_the_token(dense_engine: Engine, reference, depth: int)
     assert r.tokens == greedy[:first] and r.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("depth", [0, 3])
+def test_a_requests_stop_tokens_and_ignore_eos(dense_engine: Engine, reference, depth: int) -> None:
+    prompt, greedy = reference
+    first = greedy.index(greedy[6])
+    r = dense_engine.complete(GenerationRequest(prompt, max_tokens=40, mtp_depth=depth, stop_token_ids=[greedy[6]]))
+    assert r.tokens == greedy[:first] and r.finish_reason == "stop"
+    engine = Engine(dense_engine.pipeline, dense_engine.tokenizer, {greedy[6]}, 4096, has_mtp=True)
+    r = engine.complete(GenerationRequest(prompt, max_tokens=40, mtp_depth=depth, ignore_eos=True))
+    assert r.tokens == greedy and r.finish_reason == "length"
+
+
 @pytest.mark.parametrize("depth", [0, 2])
 def test_stop_string_never_emitted(dense_engine: Engine, reference, depth: int) -> None:
     prompt, greedy = reference

@@ -208,6 +208,21 @@ def test_cancelled_and_stopped_rows_leave_nothing(ring: Any) -> None:
     assert quiet(servers) == [0] * len(servers)
 
 
+def test_a_requests_own_stop_tokens_end_its_row_on_the_nodes(ring: Any) -> None:
+    """`stop_token_ids` end a row as EOS does, in the stages too (nothing left on any node); with
+    `ignore_eos` the model's EOS does not end it."""
+    engine, servers, _ = ring
+    whole = engine.complete(request(engine, 1, 2, 24)).tokens
+    at = next(i for i in range(2, len(whole)) if whole[i] not in whole[:i])
+    cut = engine.complete(request(engine, 1, 2, 24, stop_token_ids=[whole[at]]))
+    assert cut.tokens == whole[:at] and cut.finish_reason == "stop"
+    eos = sorted(engine.eos)[0]
+    through = engine.complete(request(engine, 1, "auto", 6, ignore_eos=True,
+                                      params=SamplingParams(logit_bias=((eos, 100.0),))))
+    assert through.tokens == [eos] * 6 and through.finish_reason == "length"
+    assert quiet(servers) == [0] * len(servers)
+
+
 def test_a_prompt_for_a_sequence_decoding_in_a_group_is_refused(ring: Any) -> None:
     """Bad input: a prompt naming a sequence that decodes in a group is refused before any node takes
     it, a round of a group that does not exist naming it is refused to no row, and that row and the

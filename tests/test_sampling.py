@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtpipe.coordinator.engine.build import local_engine
-from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.models.loading import load_shard
 from mtpipe.node.acceptance import (
@@ -244,14 +243,12 @@ def test_seeded_sampling_is_reproducible_and_mtp_matches_distribution(dense_ckpt
 
     params = [SamplingParams(temperature=0.5, top_p=0.95, seed=seed) for seed in range(20)]
     batch = batch_engine(dense_ckpt, dtype=mx.float32)
-    batch.eos, batch._stop_tokens = set(), ()  # (see pit_requests)
     try:
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(batch.complete, pit_requests(prompt, params)))
     finally:
         batch.close()
-    spec = Engine(engine.pipeline, engine.tokenizer, set(), engine.max_context, has_mtp=True)
-    assert [spec.complete(r).tokens for r in pit_requests(prompt, params[:2])] == [r.tokens for r in results[:2]]
+    assert [engine.complete(r).tokens for r in pit_requests(prompt, params[:2])] == [r.tokens for r in results[:2]]
     assert_plain_sampling(dense_ckpt, prompt, results, 0.5, 0.95)
 
 
@@ -259,9 +256,9 @@ PIT_TOKENS, PIT_BINS = 64, 10  # (12 to 20 requests: 768 to 1280 tokens, with th
 
 
 def pit_requests(prompt: list[int], params: list[SamplingParams]) -> list[GenerationRequest]:
-    """Depth 2, PIT_TOKENS tokens each. For an engine without EOS: every request yields all its tokens
-    (stopping at EOS would condition the last ones on not being EOS)."""
-    return [GenerationRequest(prompt, max_tokens=PIT_TOKENS, params=p, mtp_depth=2) for p in params]
+    """Depth 2, PIT_TOKENS tokens each, EOS ignored: every request yields all its tokens (stopping at EOS
+    would condition the last ones on not being EOS)."""
+    return [GenerationRequest(prompt, max_tokens=PIT_TOKENS, params=p, mtp_depth=2, ignore_eos=True) for p in params]
 
 
 def assert_plain_sampling(ckpt: Path, prompt: list[int], results: list, temperature: float, top_p: float) -> None:
@@ -332,7 +329,6 @@ def test_unseeded_tokens_are_plain_samples_with_drafts_drawn_on_the_device(
     params = [SamplingParams(temperature=temperature, top_p=top_p) for _ in range(12 if kind == "single" else 20)]
     alone = local_engine(dense_ckpt, dtype=mx.float32, draft_vocab=DRAFT_VOCAB)
     prompt = alone.tokenizer.encode("def main():\n")
-    alone = Engine(alone.pipeline, alone.tokenizer, set(), alone.max_context, has_mtp=True)
     if kind == "single":
         results = [alone.complete(r) for r in pit_requests(prompt, params)]
     else:
@@ -345,7 +341,6 @@ def test_unseeded_tokens_are_plain_samples_with_drafts_drawn_on_the_device(
         lazy.clear()
         draws[0] = rounds[0] = taken[0] = 0  # (counted in the batch only)
         engine = batch_engine(dense_ckpt, dtype=mx.float32, draft_vocab=DRAFT_VOCAB)
-        engine.eos, engine._stop_tokens = set(), ()  # (see pit_requests)
         try:
             with ThreadPoolExecutor(4) as pool:
                 done = list(pool.map(engine.complete, [*others, *pit_requests(prompt, params)]))

@@ -15,10 +15,11 @@ event loop (service.py).
 GET /health answers 200 only when every stage is ready, else 503 naming each node that is not and why
 (readiness.py).
 
-Extensions: the `mtp_depth` request field, vLLM's `skip_special_tokens` (special tokens such as
+Extensions: the `mtp_depth` request field; vLLM's `skip_special_tokens` (special tokens such as
 `<|im_start|>` are left out of the text unless it is false; kept by default when tools are given,
-as vLLM's tool parsers need their tags), and `usage.mtp` = {depth, drafted, accepted, acceptance,
-rounds}. Defaults: the sampling and max_new_tokens of the model's
+as vLLM's tool parsers need their tags), `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`
+and `chat_template_kwargs` (`min_tokens` above 0 is refused); and `usage.mtp` = {depth, drafted,
+accepted, acceptance, rounds}. Defaults: the sampling and max_new_tokens of the model's
 generation_config.json (as vLLM takes them), else temperature 1.0 and top_p 1.0 as in OpenAI's API
 and max_tokens 256; max_tokens never past what is left of the context; mtp_depth the server's
 (auto when the model has an MTP head).
@@ -187,7 +188,7 @@ def create_app(
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         tools = tool_spec(body)
-        tokens = await service.encode_chat(chat_messages(body), tools)
+        tokens = await service.encode_chat(chat_messages(body), tools, body.chat_template_kwargs)
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
         else:

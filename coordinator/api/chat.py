@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from .models import ChatCompletionRequest, ChatMessage
 
 CHOICES = ("none", "auto", "required")
+# apply_chat_template's own arguments: never a template variable from `chat_template_kwargs`
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
 
 # Qwen3's tool prompt (hermes JSON calls), for templates that do not render tools themselves.
 TOOLS_PREAMBLE = (
@@ -257,3 +262,11 @@ def text_size(messages: list[dict[str, Any]]) -> int:
             if value:
                 size += len(value) if isinstance(value, str) else len(str(value))
     return size
+
+
+def check_template_variables(variables: dict[str, Any] | None) -> None:
+    """`chat_template_kwargs` (vLLM's): variables of the template, never arguments of its call."""
+    reserved = sorted(TEMPLATE_ARGUMENTS.intersection(variables or {}))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}: it is an argument of the template "
+                            "call, not a variable of the template", param="chat_template_kwargs")

@@ -108,8 +108,13 @@ class _GenerationBody(_Body):
     repetition_penalty: float | None = None  # extension (mlx-lm's, over the last 20 tokens)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     response_format: dict[str, Any] | None = None  # only {"type": "text"}: decoding is not constrained
-    # extension (vLLM's): leave special tokens out of the text; None: yes, but with tools (their tags may be special)
+    # vLLM's extensions. skip_special_tokens: leave special tokens out of the text (None: yes, but with tools,
+    # whose tags may be special); min_tokens is refused above 0 (EOS is never held back here).
     skip_special_tokens: bool | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: Flag = False
+    include_stop_str_in_output: Flag = False
+    min_tokens: int | None = None
 
 
 class ChatCompletionRequest(_GenerationBody):
@@ -121,6 +126,7 @@ class ChatCompletionRequest(_GenerationBody):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
 
 
 class CompletionRequest(_GenerationBody):

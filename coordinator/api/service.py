@@ -23,12 +23,13 @@ from ...node.protocol import GREEDY_BELOW, SamplingParams, StageError, StageUnav
 from ..engine.detokenizer import token_bytes
 from ..engine.sinks import ServerBusy
 from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
-from .chat import has_tool_turns, renders_tools, template_input, text_size
+from .chat import check_template_variables, has_tool_turns, renders_tools, template_input, text_size
 from .defaults import DEFAULT_MAX_TOKENS, SLOT_TIMEOUT_S
 from .errors import APIError
 from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
 from .metrics import ServerMetrics
 from .model_defaults import with_defaults
+from .stopping import stops
 from .tools import ToolCallParser, parse_tool_calls
 
 if TYPE_CHECKING:
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MAX_STOP_STRINGS = 16
 DISCONNECT_POLL_S = 0.1
 LONG_PROMPT_CHARS = 32 * 1024  # longer prompts are tokenized on the long lane
 LONG_TOKEN_IDS = 64 * 1024  # longer token-id prompts are checked on a worker thread
@@ -141,12 +141,11 @@ class Service:
         if auto:  # drafts only where the context leaves room for them: `auto` refuses nothing plain decoding serves
             depth = max(0, min(depth, context_room(len(prompt), 0, self.engine.max_context) - max_tokens))
             auto = depth > 0
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stop) > MAX_STOP_STRINGS:
-            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+        stop, stop_ids = stops(body)
         skip = not tools if body.skip_special_tokens is None else body.skip_special_tokens
         req = GenerationRequest(prompt_tokens=prompt, max_tokens=max_tokens, params=params, mtp_depth=depth, stop=stop,
-                                mtp_auto=auto, skip_special_tokens=skip)
+                                mtp_auto=auto, skip_special_tokens=skip, stop_token_ids=stop_ids,
+                                ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output)
         try:
             self.engine.validate(req)
         except RequestError as e:
@@ -174,8 +173,11 @@ class Service:
 
         return await asyncio.get_running_loop().run_in_executor(self.long_lane, long)
 
-    async def encode_chat(self, messages: list[dict[str, Any]], tools: "ToolSpec | None" = None) -> list[int]:
-        """The prompt: plain messages as the engine encodes them; tools and tool turns as chat.py renders them."""
+    async def encode_chat(self, messages: list[dict[str, Any]], tools: "ToolSpec | None" = None,
+                          variables: dict[str, Any] | None = None) -> list[int]:
+        """The prompt: plain messages as the engine encodes them; tools and tool turns as chat.py renders them;
+        `variables` (`chat_template_kwargs`, such as Qwen's enable_thinking) for the template."""
+        check_template_variables(variables)
         plain = (tools is None or not tools.active) and not has_tool_turns(messages)
         if self.native_tools is None and not plain:
             self.native_tools = await self.tokenize(0, lambda tok: renders_tools(tok))
@@ -185,7 +187,7 @@ class Service:
                 turns, rendered = messages, None
             else:
                 turns, rendered = template_input(messages, tools, self.native_tools)
-            kwargs = {"tools": rendered} if rendered is not None else {}
+            kwargs = {**(variables or {}), **({"tools": rendered} if rendered is not None else {})}
             return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, **kwargs))
 
         try:

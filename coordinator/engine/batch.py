@@ -70,6 +70,7 @@ class Live:
     started: float = 0.0
     prefix: str = ""  # the kept prefix its prompt goes on from
     admitted: Callable[[], None] | None = None  # told once it leaves the queue
+    ends: frozenset[int] = frozenset()  # the tokens that end it (`GenerationRequest.ends`)
 
 
 class Handle:
@@ -114,7 +115,6 @@ class BatchEngine:
         self._round_s = 0.0
         self._prefill_token_s = 0.0  # per token of a prefill step's rows, each padded to the step's width
         self._narrowed = 0  # prefill steps just run narrower than the widest row's chunk (plan.fill_width)
-        self._stop_tokens = tuple(sorted(self.eos))
         self.vocab_size = stages[0].worker.shard.config.args.vocab_size  # what the first stage embeds
         self.pipeline = self  # describe() and close() for the API and CLI, as a pipeline offers them
         thread.set_worker(self._work)
@@ -139,7 +139,8 @@ class BatchEngine:
         live = Live(seq_id, req, guarded(sink, cancelled.set, seq_id), TextStream.of(self.tokenizer, req),
                     GenerationStats(prompt_tokens=len(req.prompt_tokens)),
                     plan.footprint(self.dims, positions, req.mtp_depth), time.monotonic(), cancelled=cancelled,
-                    admitted=guarded(admitted, cancelled.set, seq_id) if admitted is not None else None)
+                    admitted=guarded(admitted, cancelled.set, seq_id) if admitted is not None else None,
+                    ends=req.ends(self.eos))
         with self._open_lock:  # (close() ends what is in the inbox once it is closed)
             if self._closed:
                 raise StageUnavailable("the engine was stopped")
@@ -263,7 +264,7 @@ class BatchEngine:
                                     params=live.req.params if first else None,
                                     mtp_depth=live.req.mtp_depth if first else 0, mtp_auto=live.req.mtp_auto and first,
                                     prefix=live.prefix if first else "", budget=live.req.max_tokens if final else 0,
-                                    stop_tokens=self._stop_tokens if final else ()))
+                                    stop_tokens=tuple(sorted(live.ends)) if final else ()))
         start = time.perf_counter()
         x = None
         for stage in self.stages:
@@ -402,7 +403,7 @@ class BatchEngine:
 
     def _hand_out(self, live: Live, out: StepOutput) -> None:
         live.emitted += out.tokens
-        new, finish = take_tokens(out.tokens, self.eos, live.text, live.generated, live.req.max_tokens)
+        new, finish = take_tokens(out.tokens, live.ends, live.text, live.generated, live.req.max_tokens)
         live.generated += len(new)
         live.stats.generation_tokens = live.generated
         logprobs = out.logprobs[: len(new)] if live.req.params.top_logprobs >= 0 else None
@@ -414,7 +415,7 @@ class BatchEngine:
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
                                   stats=live.stats, logprobs=logprobs))
-        if ended_in_stages(out.tokens, new, self.eos, live.text, live.generated, live.req.max_tokens):
+        if ended_in_stages(out.tokens, new, live.ends, live.text, live.generated, live.req.max_tokens):
             self._keep_end(live)
         self._finish(live, None)
 

@@ -24,13 +24,16 @@ class TextStream:
 
     While generating, the last len(longest stop) - 1 characters are held back: they may begin a
     stop string that the next tokens complete. With `skip_special`, the special tokens (`special_ids`)
-    add no text, as `decode(..., skip_special_tokens=True)` leaves them out.
+    add no text, as `decode(..., skip_special_tokens=True)` leaves them out; with `keep_stop`, the text
+    ends with the stop string found instead of before it.
     """
 
-    def __init__(self, tokenizer: TokenizerWrapper, stop: list[str], skip_special: bool = False):
+    def __init__(self, tokenizer: TokenizerWrapper, stop: list[str], skip_special: bool = False,
+                 keep_stop: bool = False):
         self.tokenizer = tokenizer
         self.detokenizer = tokenizer.detokenizer  # a fresh one for each request
         self.skipped = special_ids(tokenizer) if skip_special else frozenset()
+        self.keep_stop = keep_stop
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # detokenized so far, cut at the first stop string
@@ -41,7 +44,7 @@ class TextStream:
 
     @classmethod
     def of(cls, tokenizer: TokenizerWrapper, req: GenerationRequest) -> TextStream:
-        return cls(tokenizer, req.stop, req.skip_special_tokens)
+        return cls(tokenizer, req.stop, req.skip_special_tokens, req.include_stop_str_in_output)
 
     def add(self, token: int) -> None:
         if self.stopped or token in self.skipped:
@@ -86,9 +89,10 @@ class TextStream:
             return
         start = max(0, len(self.text) - self.hold)  # a stop may begin in the text held back
         self.text += piece
-        found = [at for s in self.stop if (at := self.text.find(s, start)) >= 0]
+        found = [(at, -len(s)) for s in self.stop if (at := self.text.find(s, start)) >= 0]
         if found:
-            self.text = self.text[: min(found)]
+            at, longest = min(found)  # the first; of those that begin there, the longest
+            self.text = self.text[: at - longest if self.keep_stop else at]
             self.stopped = True
 
     def _keep_leading_space(self, piece: str) -> str:

@@ -82,7 +82,8 @@ class Engine:
         seq_id = uuid.uuid4().hex
         stats = GenerationStats(prompt_tokens=len(req.prompt_tokens))
         text = TextStream.of(self.tokenizer, req)
-        stop_tokens = tuple(sorted(self.eos))
+        ends = req.ends(self.eos)
+        stop_tokens = tuple(sorted(ends))
         try:
             t0 = time.perf_counter()
             prefill = [
@@ -100,7 +101,7 @@ class Engine:
             t0 = time.perf_counter()
             generated: list[int] = []
             while True:
-                new, finish = take_tokens(out.tokens, self.eos, text, len(generated), req.max_tokens)
+                new, finish = take_tokens(out.tokens, ends, text, len(generated), req.max_tokens)
                 generated += new
                 stats.generation_tokens = len(generated)
                 if finish:

@@ -41,6 +41,14 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     mtp_auto: bool = False  # the last stage picks each round's depth (node/depth.py)
     skip_special_tokens: bool = True  # the text leaves out special tokens (`<|im_start|>`...), as vLLM's does
+    # vLLM's: tokens that end it as EOS does (not in the text); EOS that does not end it; the stop string kept
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def ends(self, eos: set[int]) -> frozenset[int]:
+        """The tokens that end it: the model's EOS tokens (unless it ignores them) and its own."""
+        return frozenset(() if self.ignore_eos else eos).union(self.stop_token_ids)
 
     @property
     def depth_label(self) -> int | str:
@@ -177,6 +185,10 @@ def check_vocabulary(req: GenerationRequest, vocab_size: int) -> None:
     bad = next((t for t in req.prompt_tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+    bad = next((t for t in req.stop_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"stop_token_ids names token id {bad}, outside the vocabulary [0, {vocab_size})",
+                           "stop_token_ids")
     bad = next((t for t, _ in req.params.logit_bias if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary [0, {vocab_size})", "logit_bias")

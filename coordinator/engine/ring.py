@@ -78,7 +78,6 @@ class RingEngine:
         self.resume_window = resume_window
         self.fixed_groups = groups
         self.groups = groups or len(pipeline.nodes)
-        self._stop_tokens = tuple(sorted(self.eos))
         self._slots = threading.BoundedSemaphore(max_rows)
         self._pool = ThreadPoolExecutor(max_rows + 1, thread_name_prefix="ring-prefill")
         self._resumes = ThreadPoolExecutor(max_rows, thread_name_prefix="ring-resume")  # (never behind admissions)
@@ -118,7 +117,8 @@ class RingEngine:
             raise ServerBusy(f"{down}; the pipeline is being formed again", retry_after=RETRY_AFTER_DOWN_S)
         # 64 random bits for an id: every group frame names each of its rows
         live = RingLive(uuid.uuid4().hex[:16], req, sink, TextStream.of(self.tokenizer, req),
-                        GenerationStats(prompt_tokens=len(req.prompt_tokens)), time.monotonic(), on_admit=admitted)
+                        GenerationStats(prompt_tokens=len(req.prompt_tokens)), time.monotonic(), on_admit=admitted,
+                        ends=req.ends(self.eos))
         handle = RingHandle(self, live)
         live.sink = guarded(sink, handle.cancel, live.seq_id)  # (a client callback that fails cancels)
         if admitted is not None:
@@ -212,7 +212,7 @@ class RingEngine:
         size, alone = self._chunk_size(len(body))
         chunks = [(body[i : i + size], False) for i in range(0, len(body), size)]
         chunks.append((prompt[-1:], True))
-        steps = live.prompt_steps(chunks, self._stop_tokens, hit.key if hit else "", keep)
+        steps = live.prompt_steps(chunks, hit.key if hit else "", keep)
         seq_id = live.seq_id
         with live.lock:  # (`prefilling` was set where the row was placed)
             if live.done:  # cancelled before its prompt went out: nothing of it is on the nodes
@@ -339,7 +339,7 @@ class RingEngine:
     def _emit(self, live: RingLive, out: StepOutput, first: bool) -> bool:
         """Hand the round's tokens to the request; True when that finished it."""
         req = live.req
-        new, finish = take_tokens(out.tokens, self.eos, live.text, live.generated, req.max_tokens)
+        new, finish = take_tokens(out.tokens, live.ends, live.text, live.generated, req.max_tokens)
         live.generated += len(new)
         live.emitted += new
         live.stats.generation_tokens = live.generated
@@ -347,7 +347,7 @@ class RingEngine:
         if finish is not None and live.keep_end:  # (noted before the client hears: a next turn may come at once)
             if first and not out.continued:  # (it never joined a group: nothing is kept)
                 live.keep_end = ""
-            elif ended_in_stages(out.tokens, new, self.eos, live.text, live.generated, req.max_tokens):
+            elif ended_in_stages(out.tokens, new, live.ends, live.text, live.generated, req.max_tokens):
                 self._end_kept(live, [*req.prompt_tokens, *live.emitted[: len(live.emitted) - len(new)], *out.tokens])
             else:  # (what the last node kept, if anything, goes)
                 self._end_kept(live, None)

@@ -39,18 +39,18 @@ class RingLive:
     on_admit: Callable[[], None] | None = None  # told once it has a row
     # Held while outcomes are handed out (in order, by one thread at a time) and while it finishes.
     lock: threading.RLock = field(default_factory=threading.RLock)
+    ends: frozenset[int] = frozenset()  # the tokens that end it (`GenerationRequest.ends`)
     expected: int = 0  # the order of the next outcome to hand out (0: the prefill's)
     early: dict[int, StepOutput] = field(default_factory=dict)  # outcomes that overtook an earlier one
 
-    def prompt_steps(self, chunks: list[tuple[list[int], bool]], stop_tokens: tuple[int, ...], prefix: str,
-                     keep: str) -> list[StepRequest]:
+    def prompt_steps(self, chunks: list[tuple[list[int], bool]], prefix: str, keep: str) -> list[StepRequest]:
         """Its prompt's chunks as steps (the first names its sampling and drafts, the final one its budget,
         the prompt prefix kept under `keep`, and its end's key); after a resume, the tokens handed out too."""
         req = self.req
         return [StepRequest(self.seq_id, i, StepKind.PREFILL, chunk, final=final,
                             params=req.params if i == 0 else None, mtp_depth=req.mtp_depth if i == 0 else 0,
                             mtp_auto=req.mtp_auto and i == 0, budget=req.max_tokens - self.generated if final else 0,
-                            stop_tokens=stop_tokens if final else (), group=self.group,
+                            stop_tokens=tuple(sorted(self.ends)) if final else (), group=self.group,
                             resumed_at=len(req.prompt_tokens) if self.emitted and i == 0 else 0,
                             prefix=prefix if i == 0 else "", keep=keep if final else "",
                             keep_end=self.keep_end if final else "")
