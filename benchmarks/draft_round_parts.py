@@ -2,7 +2,9 @@
 
 1. Rounds of a batch engine at fixed depths 0-3 (ROWS streams of the bench's prompts, 128 greedy tokens
    each, two reps): the median time between the last stage's verdicts and the tokens a row gets per
-   round. Drafts pay where (round ms / tokens per round) falls below depth 0's.
+   round. Drafts pay where (round ms / tokens per round) falls below depth 0's. Also each busy thread's
+   CPU time per round (from /proc): MLX's compute thread against the engine's (the host); the compute
+   thread's share of a round is how much of it is computing rather than waiting on the host.
 2. The whole model's parts, synchronous, over a 200-token cache at 1 and ROWS rows: building a
    forward of M tokens a row on the host, then computing it; the same for one MTP draft step.
 3. How long MLX's `async_eval` holds the host on this backend for a chain of 40 matmuls (on the CPU it
@@ -13,8 +15,10 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +35,20 @@ from mtpipe.models import shard  # noqa: E402
 from mtpipe.models.loading import load_shard  # noqa: E402
 from mtpipe.models.registry import DEMO_MODEL  # noqa: E402
 from mtpipe.node import batch_head  # noqa: E402
+
+
+def thread_seconds() -> dict[str, float]:
+    """CPU seconds of each of this process's threads, by name (a thread MLX started: its id)."""
+    names = {str(t.native_id): t.name for t in threading.enumerate()}
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[names.get(tid, f"native {tid}")] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def engine_rounds(rows: int) -> None:
@@ -50,12 +68,16 @@ def engine_rounds(rows: int) -> None:
         for rep in range(2):
             for k in range(4):
                 verdicts.clear()
+                before, start = thread_seconds(), time.perf_counter()
                 tps = trace.run(engine, prompts, k, False)
+                wall, after = time.perf_counter() - start, thread_seconds()
                 gaps = sorted(b[0] - a[0] for a, b in zip(verdicts, verdicts[1:]) if a[1] == b[1] == rows)
                 ms = statistics.median(gaps) * 1e3
                 per_round = 128 / len(verdicts)
+                busy = sorted(((after[t] - before.get(t, 0.0)) * 1e3 / len(verdicts), t) for t in after)[::-1][:2]
                 print(f"{rows} rows, K={k}: {tps:7.1f} tok/s, round {ms:5.2f} ms, {per_round:.2f} tokens a row "
-                      f"per round, {ms / per_round:5.2f} ms per token a row (rep {rep})")
+                      f"per round, {ms / per_round:5.2f} ms per token a row (rep {rep}); CPU ms a round: "
+                      f"{wall * 1e3 / len(verdicts):.2f} wall, " + ", ".join(f"{t} {v:.2f}" for v, t in busy))
     finally:
         engine.close()
         batch_head.BatchHead.decide = decide
