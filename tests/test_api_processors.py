@@ -220,3 +220,37 @@ def test_chat_template_kwargs_reach_the_template(client: Any, engine: BatchEngin
         assert e.value.body["param"] == "chat_template_kwargs"
     finally:
         hf.chat_template = template
+
+
+def test_a_reasoning_models_thinking_comes_apart_from_its_answer(client: Any, engine: BatchEngine) -> None:
+    """With thinking tags in the tokenizer (here made up: the chat prompt's last tag opens the thought,
+    a piece of the greedy reply closes it), the reply's thinking goes out as `reasoning_content` and
+    `reasoning`, streamed or whole, the answer as `content`; `include_reasoning: false` drops it, and an
+    assistant message may carry it back."""
+    messages = [{"role": "user", "content": PROMPT}]
+    text = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    text = text.choices[0].message.content
+    end = text[len(text) // 3 : len(text) // 3 + 4]
+    thought, answer = text[: text.index(end)], text[text.index(end) + len(end):].lstrip("\r\n")
+    assert thought and answer
+    tok = engine.tokenizer
+    saved = (tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens)
+    opening = "<|im_start|>assistant"
+    tok._think_start, tok._think_end = opening, end
+    tok._think_start_tokens = tuple(tok.encode(opening, add_special_tokens=False))
+    tok._think_end_tokens = tuple(tok.encode(end, add_special_tokens=False))
+    try:
+        ask = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0}
+        r = client.chat.completions.create(**ask).choices[0].message
+        assert (r.content, r.model_extra["reasoning_content"], r.model_extra["reasoning"]) == (answer, thought, thought)
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **ask) if c.choices]
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
+        assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == thought
+        assert "".join(d.content or "" for d in deltas) == answer
+        dropped = client.chat.completions.create(extra_body={"include_reasoning": False}, **ask).choices[0].message
+        assert dropped.content == answer and "reasoning_content" not in (dropped.model_extra or {})
+        again = [*messages, {"role": "assistant", "content": answer, "reasoning_content": thought},
+                 {"role": "user", "content": "more"}]
+        assert client.chat.completions.create(model=MODEL, messages=again, max_tokens=2).choices[0].message
+    finally:
+        tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens = saved

@@ -19,7 +19,9 @@ Extensions: the `mtp_depth` request field; vLLM's `skip_special_tokens` (special
 `<|im_start|>` are left out of the text unless it is false; kept by default when tools are given,
 as vLLM's tool parsers need their tags), `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`
 and `chat_template_kwargs` (`min_tokens` above 0 is refused); and `usage.mtp` = {depth, drafted,
-accepted, acceptance, rounds}. Defaults: the sampling and max_new_tokens of the model's
+accepted, acceptance, rounds}. A reasoning model's thinking (between the tokenizer's thinking tags)
+comes apart from its answer as `reasoning_content` and `reasoning` (reasoning.py; vLLM's
+`include_reasoning: false` drops it). Defaults: the sampling and max_new_tokens of the model's
 generation_config.json (as vLLM takes them), else temperature 1.0 and top_p 1.0 as in OpenAI's API
 and max_tokens 256; max_tokens never past what is left of the context; mtp_depth the server's
 (auto when the model has an MTP head).
@@ -44,6 +46,7 @@ from .limits import BodyLimit
 from .metrics import ServerMetrics
 from .model_defaults import model_defaults
 from .readiness import Readiness
+from .reasoning import ReasoningSplit, reasoning_split
 from .service import Service
 
 if TYPE_CHECKING:
@@ -165,15 +168,16 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def respond(endpoint: str, body: Any, req: "GenerationRequest", request: Request, started: float,
-                      tools: "ToolSpec | None" = None) -> Any:
-        """A streamed (SSE) or whole response in the endpoint's object shape; `tools`: parse the output for calls."""
+                      tools: "ToolSpec | None" = None, thinking: "ReasoningSplit | None" = None) -> Any:
+        """A streamed (SSE) or whole response in the endpoint's object shape; `tools`: parse the output for calls;
+        `thinking`: split the reasoning off."""
         if body.stream_options is not None and not body.stream:  # (as OpenAI's and vLLM's servers answer)
             raise APIError(400, "stream_options can only be given with stream: true", param="stream_options")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = ResponseFormat(endpoint == "/v1/chat/completions", model_name, include_usage)
         if body.stream:
-            return await service.stream(endpoint, req, fmt, request, started, tools)
-        return await service.complete(endpoint, req, fmt, request, started, tools)
+            return await service.stream(endpoint, req, fmt, request, started, tools, thinking)
+        return await service.complete(endpoint, req, fmt, request, started, tools, thinking)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -195,7 +199,8 @@ def create_app(
             max_tokens, max_param = body.max_tokens, "max_tokens"
         req = service.generation_request(body, params, tokens, max_tokens, "messages", max_param,
                                          tools=tools is not None and tools.active)
-        return await respond("/v1/chat/completions", body, req, request, started, tools)
+        thinking = reasoning_split(service.engine.tokenizer, tokens, body.include_reasoning)
+        return await respond("/v1/chat/completions", body, req, request, started, tools, thinking)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

@@ -138,6 +138,9 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": role, "content": _content(i, m)}
         if m.name is not None:
             msg["name"] = m.name
+        thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if thought is not None and role == "assistant":  # (Qwen's templates read `reasoning_content`)
+            msg["reasoning_content"] = thought
         if m.tool_calls:
             if role != "assistant":
                 raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls, not {m.role!r} ones",

@@ -281,11 +281,13 @@ class ResponseFormat:
 
     def response(self, text: str, finish: str, usage: dict[str, Any],
                  logprobs: Optional[list[dict[str, Any]]] = None,
-                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                 tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "") -> dict[str, Any]:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:  # the text outside the calls, or null
                 message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+            if reasoning:  # (reasoning.py: under both names clients read)
+                message["reasoning_content"] = message["reasoning"] = reasoning
             choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
             return self._object("chat.completion", [choice], usage=usage)
         choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
@@ -293,11 +295,13 @@ class ResponseFormat:
 
     def chunk(self, text: str = "", finish: Optional[str] = None, role: bool = False,
               logprobs: Optional[list[dict[str, Any]]] = None,
-              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "") -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"content": text} if text else {}
             if tool_calls:  # each whole: index, id, type, function name and arguments
                 delta["tool_calls"] = tool_calls
+            if reasoning:
+                delta["reasoning_content"] = delta["reasoning"] = reasoning
             if role:
                 delta = {"role": "assistant", "content": ""}
             choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}

@@ -44,6 +44,9 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this answers
+    # an assistant message's thinking, sent back (DeepSeek's and vLLM's names): templates may show it again
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
@@ -127,6 +130,7 @@ class ChatCompletionRequest(_GenerationBody):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
+    include_reasoning: Flag = True  # vLLM's: false drops a reasoning model's thinking from the reply
 
 
 class CompletionRequest(_GenerationBody):

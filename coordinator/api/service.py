@@ -25,6 +25,7 @@ from ..engine.sinks import ServerBusy
 from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
 from .chat import check_template_variables, has_tool_turns, renders_tools, template_input, text_size
 from .defaults import DEFAULT_MAX_TOKENS, SLOT_TIMEOUT_S
+from .deltas import thought_apart, tool_deltas
 from .errors import APIError
 from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
 from .metrics import ServerMetrics
@@ -34,9 +35,10 @@ from .tools import ToolCallParser, parse_tool_calls
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
-    from ..engine.request import GenerationChunk, GenerationStats
+    from ..engine.request import GenerationStats
     from .chat import ToolSpec
     from .models import _GenerationBody
+    from .reasoning import ReasoningSplit
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -291,20 +293,22 @@ class Service:
         return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error", code="internal_error")
 
     async def complete(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, request: Any,
-                       started: float, tools: "ToolSpec | None" = None) -> Any:
+                       started: float, tools: "ToolSpec | None" = None, thinking: "ReasoningSplit | None" = None) -> Any:
         from fastapi.responses import JSONResponse, Response
 
         run = await self._begin(req, request)
         watcher = asyncio.create_task(self._watch(request, run))
         parts: list[str] = []
+        thoughts: list[str] = []
         final = None
         first_token = None
         asked = req.params.top_logprobs >= 0
         entries: list[dict[str, Any]] = []
         try:
-            async for chunk in run.chunks():
+            async for chunk, thought in thought_apart(run.chunks(), thinking):
                 first_token = first_token or time.perf_counter()
                 parts.append(chunk.text)
+                thoughts.append(thought)
                 if asked:
                     entries += self.token_logprobs(chunk.tokens, chunk.logprobs)
                 if chunk.finish_reason:
@@ -324,7 +328,8 @@ class Service:
                 calls = [c.to_dict() for c in (found if tools.parallel else found[:1])]
                 finish = "tool_calls"
         return JSONResponse(fmt.response(text, finish, usage_of(final.stats, req.depth_label),
-                                         logprobs=entries if asked else None, tool_calls=calls))
+                                         logprobs=entries if asked else None, tool_calls=calls,
+                                         reasoning="".join(thoughts)))
 
     async def _begin(self, req: "GenerationRequest", request: Any) -> GenerationThread:
         try:
@@ -358,7 +363,7 @@ class Service:
         run.cancel()
 
     async def stream(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, request: Any,
-                     started: float, tools: "ToolSpec | None" = None) -> Any:
+                     started: float, tools: "ToolSpec | None" = None, thinking: "ReasoningSplit | None" = None) -> Any:
         """Started before the response, so that a request refused at once (no slot in time, the pipeline
         down) gets its status (503 with Retry-After), not an error event in a 200 stream."""
         from fastapi.responses import StreamingResponse
@@ -367,14 +372,14 @@ class Service:
         await self._admitted(run, request)
         watcher = asyncio.create_task(self._watch(request, run))  # also if the stream is never iterated
         return StreamingResponse(
-            self._events(endpoint, req, fmt, run, watcher, started, tools),
+            self._events(endpoint, req, fmt, run, watcher, started, tools, thinking),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def _events(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, run: GenerationThread,
                       watcher: "asyncio.Task[None]", started: float,
-                      tools: "ToolSpec | None" = None) -> AsyncIterator[str]:
+                      tools: "ToolSpec | None" = None, thinking: "ReasoningSplit | None" = None) -> AsyncIterator[str]:
         # When the client leaves, Starlette cancels this generator and `finally` stops the run: the
         # watcher, needed until the stream began, is not.
         watcher.cancel()
@@ -384,10 +389,14 @@ class Service:
         try:
             if fmt.chat:
                 yield sse_event(fmt.chunk(role=True))
-            async for chunk in run.chunks():
+            async for chunk, thought in thought_apart(run.chunks(), thinking):
                 first_token = first_token or time.perf_counter()
+                if thought:
+                    yield sse_event(fmt.chunk(reasoning=thought))
                 if parser is not None:
-                    deltas, calls = self._tool_deltas(fmt, parser, tools, chunk, calls, req.params.top_logprobs >= 0)
+                    asked = req.params.top_logprobs >= 0 and chunk.tokens
+                    logprobs = self.token_logprobs(chunk.tokens, chunk.logprobs) if asked else None
+                    deltas, calls = tool_deltas(fmt, parser, tools, chunk, calls, logprobs)
                     for delta in deltas:
                         yield sse_event(delta)
                 elif req.params.top_logprobs >= 0 and chunk.tokens:
@@ -406,28 +415,6 @@ class Service:
         finally:
             watcher.cancel()
             run.cancel()
-
-    def _tool_deltas(self, fmt: ResponseFormat, parser: ToolCallParser, tools: "ToolSpec", chunk: "GenerationChunk",
-                     calls: int, asked: bool) -> tuple[list[dict[str, Any]], int]:
-        """A chunk's text through the tool-call parser: content deltas, and each whole call as a tool_calls
-        delta. Its logprobs ride on the first delta (an empty one when the parser holds its text back)."""
-        events = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason else [])
-        items: list[tuple[str, list[dict[str, Any]] | None]] = []
-        for kind, value in events:
-            if kind == "text":
-                if items and items[-1][1] is None:
-                    items[-1] = (items[-1][0] + value, None)
-                else:
-                    items.append((value, None))
-            elif tools.parallel or calls == 0:
-                items.append(("", [value.to_dict(index=calls)]))
-                calls += 1
-        logprobs = None
-        if asked and chunk.tokens:
-            logprobs = self.token_logprobs(chunk.tokens, chunk.logprobs)
-            items = items or [("", None)]
-        return [fmt.chunk(text, tool_calls=delta, logprobs=logprobs if i == 0 else None)
-                for i, (text, delta) in enumerate(items)], calls
 
     # cluster --------------------------------------------------------------------------------
 
