@@ -247,10 +247,18 @@ def test_a_reasoning_models_thinking_comes_apart_from_its_answer(client: Any, en
         assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
         assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == thought
         assert "".join(d.content or "" for d in deltas) == answer
+        logged = [c for c in client.chat.completions.create(stream=True, logprobs=True, **ask,
+                                                             stream_options={"include_usage": True})]
+        carrying = [c.choices[0] for c in logged if c.choices and c.choices[0].logprobs]
+        assert sum(len(c.logprobs.content) for c in carrying) == logged[-1].usage.completion_tokens == 24
+        thinking = [c for c in carrying if (c.delta.model_extra or {}).get("reasoning")]
+        assert thinking and all(not c.delta.content for c in thinking)  # (its own tokens' logprobs)
         dropped = client.chat.completions.create(extra_body={"include_reasoning": False}, **ask).choices[0].message
         assert dropped.content == answer and "reasoning_content" not in (dropped.model_extra or {})
-        again = [*messages, {"role": "assistant", "content": answer, "reasoning_content": thought},
-                 {"role": "user", "content": "more"}]
-        assert client.chat.completions.create(model=MODEL, messages=again, max_tokens=2).choices[0].message
+        shown = client.chat.completions.create(extra_body={"include_reasoning": None}, **ask).choices[0].message
+        assert shown.model_extra["reasoning"] == thought  # (null: the default, as vLLM's)
+        for turn in ({"content": answer, "reasoning_content": thought}, {"content": None, "reasoning": thought}):
+            again = [*messages, {"role": "assistant", **turn}, {"role": "user", "content": "more"}]
+            assert client.chat.completions.create(model=MODEL, messages=again, max_tokens=2).choices[0].message
     finally:
         tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens = saved

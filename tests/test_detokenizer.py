@@ -250,3 +250,28 @@ def test_special_tokens_add_no_text_when_skipped(tok) -> None:
     kept = TextStream(tok, [])
     kept.add(specials[0])
     assert kept.release(final=True) == tok.decode([specials[0]]) != ""
+
+
+def test_a_stop_string_that_is_a_skipped_special_token_still_stops(tok) -> None:
+    """`stop: ["<|im_start|>"]` catches a runaway turn though the token adds no text; the text before it
+    is kept whole, and with `keep_stop` the stop string ends the text as it would if shown."""
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    ids = tok.encode("def f(x):\n    return x ")
+    for keep in (False, True):
+        text = TextStream(tok, ["<|im_start|>"], skip_special=True, keep_stop=keep)
+        for t in [*ids, start, *ids]:
+            text.add(t)
+        assert text.stopped
+        assert text.release(final=True) == tok.decode(ids) + ("<|im_start|>" if keep else "")
+
+
+def test_thinking_and_tool_tags_are_never_skipped() -> None:
+    """Tags the API splits replies at stay in the text even where a tokenizer marks them special."""
+    from types import SimpleNamespace
+
+    from mtpipe.coordinator.engine.detokenizer import special_ids
+
+    marked = {i: SimpleNamespace(special=True) for i in (5, 6, 8)}
+    tokenizer = SimpleNamespace(added_tokens_decoder={**marked, 9: SimpleNamespace(special=False)}, all_special_ids=[7],
+                                think_start_tokens=(5,), think_end_tokens=(6,), tool_call_start_tokens=None)
+    assert special_ids(tokenizer) == {7, 8}

@@ -55,12 +55,15 @@ def test_any_cutting_of_a_reply_splits_as_the_whole_does(parts: list[str], opene
 
 
 def test_the_prompt_says_whether_the_reply_begins_inside_a_thought() -> None:
+    pieces = {7: START, 8: END, 3: "\n"}
     tokenizer = SimpleNamespace(
-        has_thinking=True, think_start=START, think_end=END,
+        has_thinking=True, think_start=START, think_end=END, think_start_tokens=(7,),
         rfind_think_start=lambda t, start=None: TokenizerWrapper._find(t, (7,), start=start, reverse=True),
-        rfind_think_end=lambda t, start=None: TokenizerWrapper._find(t, (8,), start=start, reverse=True))
+        rfind_think_end=lambda t, start=None: TokenizerWrapper._find(t, (8,), start=start, reverse=True),
+        decode=lambda ids: "".join(pieces.get(i, "w") for i in ids))
     assert reasoning_split(tokenizer, [1, 2, 7, 3]).thinking  # a template that opens the thought
     assert not reasoning_split(tokenizer, [1, 7, 3, 8, 4]).thinking  # one that closed it (thinking off)
+    assert not reasoning_split(tokenizer, [1, 7, 5, 6, 3]).thinking  # the tag written in a message
     assert not reasoning_split(tokenizer, [7] + [1] * PROMPT_TAIL).thinking  # (only the prompt's tail is read)
     assert not reasoning_split(tokenizer, [1, 2], shown=False).shown
     assert reasoning_split(SimpleNamespace(has_thinking=False), [7]) is None

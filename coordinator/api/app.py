@@ -16,9 +16,10 @@ GET /health answers 200 only when every stage is ready, else 503 naming each nod
 (readiness.py).
 
 Extensions: the `mtp_depth` request field; vLLM's `skip_special_tokens` (special tokens such as
-`<|im_start|>` are left out of the text unless it is false; kept by default when tools are given,
-as vLLM's tool parsers need their tags), `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`
-and `chat_template_kwargs` (`min_tokens` above 0 is refused); and `usage.mtp` = {depth, drafted,
+`<|im_start|>` are left out of the text unless it is false; kept by default when tools are in use,
+tool_choice not "none", as vLLM's tool parsers need their tags; a stop string that is a special
+token still stops), `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` and
+`chat_template_kwargs` (a `min_tokens` other than 0 is refused); and `usage.mtp` = {depth, drafted,
 accepted, acceptance, rounds}. A reasoning model's thinking (between the tokenizer's thinking tags)
 comes apart from its answer as `reasoning_content` and `reasoning` (reasoning.py; vLLM's
 `include_reasoning: false` drops it). Defaults: the sampling and max_new_tokens of the model's
@@ -199,7 +200,7 @@ def create_app(
             max_tokens, max_param = body.max_tokens, "max_tokens"
         req = service.generation_request(body, params, tokens, max_tokens, "messages", max_param,
                                          tools=tools is not None and tools.active)
-        thinking = reasoning_split(service.engine.tokenizer, tokens, body.include_reasoning)
+        thinking = reasoning_split(service.engine.tokenizer, tokens, body.include_reasoning is not False)
         return await respond("/v1/chat/completions", body, req, request, started, tools, thinking)
 
     @app.post("/v1/completions")

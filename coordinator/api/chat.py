@@ -162,8 +162,10 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def _content(i: int, m: ChatMessage) -> str:
-    """A message's text. Only an assistant's message that makes calls may go without content, as OpenAI's."""
-    if m.content is None and not (m.role == "assistant" and m.tool_calls):
+    """A message's text. Only an assistant's message that makes calls may go without content, as OpenAI's
+    (or one that sends its thinking back)."""
+    thought = m.reasoning_content is not None or m.reasoning is not None
+    if m.content is None and not (m.role == "assistant" and (m.tool_calls or thought)):
         raise APIError(400, f"messages[{i}]: {m.role} messages need content", param="messages")
     if not isinstance(m.content, list):
         return m.content or ""

@@ -130,7 +130,7 @@ class ChatCompletionRequest(_GenerationBody):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
-    include_reasoning: Flag = True  # vLLM's: false drops a reasoning model's thinking from the reply
+    include_reasoning: bool | None = None  # vLLM's: false drops a reasoning model's thinking from the reply
 
 
 class CompletionRequest(_GenerationBody):

@@ -70,9 +70,12 @@ def _tag_prefix(text: str, tag: str) -> int:
 
 def reasoning_split(tokenizer: Any, prompt: list[int], shown: bool = True) -> ReasoningSplit | None:
     """The split for a reply to `prompt`, if the tokenizer knows thinking tags: inside a thought when
-    the prompt's last tag opens one."""
+    the prompt ends in an opening tag and blank space (as a template that opens the thought leaves it;
+    the tag written in a message is not that)."""
     if not getattr(tokenizer, "has_thinking", False):
         return None
     tail = max(0, len(prompt) - PROMPT_TAIL)
-    opened = tokenizer.rfind_think_start(prompt, start=tail) > tokenizer.rfind_think_end(prompt, start=tail)
+    at = tokenizer.rfind_think_start(prompt, start=tail)
+    opened = at >= 0 and at > tokenizer.rfind_think_end(prompt, start=tail) and \
+        not tokenizer.decode(prompt[at + len(tokenizer.think_start_tokens) :]).strip()
     return ReasoningSplit(tokenizer.think_start, tokenizer.think_end, shown, thinking=opened, answered=opened)

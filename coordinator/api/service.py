@@ -391,16 +391,17 @@ class Service:
                 yield sse_event(fmt.chunk(role=True))
             async for chunk, thought in thought_apart(run.chunks(), thinking):
                 first_token = first_token or time.perf_counter()
-                if thought:
-                    yield sse_event(fmt.chunk(reasoning=thought))
+                asked = req.params.top_logprobs >= 0 and chunk.tokens
+                logprobs = self.token_logprobs(chunk.tokens, chunk.logprobs) if asked else None
+                if thought:  # (a chunk all thinking carries its logprobs on its thinking)
+                    yield sse_event(fmt.chunk(reasoning=thought, logprobs=None if chunk.text else logprobs))
+                    logprobs = logprobs if chunk.text else None
                 if parser is not None:
-                    asked = req.params.top_logprobs >= 0 and chunk.tokens
-                    logprobs = self.token_logprobs(chunk.tokens, chunk.logprobs) if asked else None
                     deltas, calls = tool_deltas(fmt, parser, tools, chunk, calls, logprobs)
                     for delta in deltas:
                         yield sse_event(delta)
-                elif req.params.top_logprobs >= 0 and chunk.tokens:
-                    yield sse_event(fmt.chunk(chunk.text, logprobs=self.token_logprobs(chunk.tokens, chunk.logprobs)))
+                elif logprobs is not None:
+                    yield sse_event(fmt.chunk(chunk.text, logprobs=logprobs))
                 elif chunk.text:
                     yield sse_event(fmt.chunk(chunk.text))
                 if chunk.finish_reason:

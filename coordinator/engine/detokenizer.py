@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import functools
 import re
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -24,8 +25,9 @@ class TextStream:
 
     While generating, the last len(longest stop) - 1 characters are held back: they may begin a
     stop string that the next tokens complete. With `skip_special`, the special tokens (`special_ids`)
-    add no text, as `decode(..., skip_special_tokens=True)` leaves them out; with `keep_stop`, the text
-    ends with the stop string found instead of before it.
+    add no text, as `decode(..., skip_special_tokens=True)` leaves them out, but one whose text is a
+    stop string still stops; with `keep_stop`, the text ends with the stop string found instead of
+    before it.
     """
 
     def __init__(self, tokenizer: TokenizerWrapper, stop: list[str], skip_special: bool = False,
@@ -35,6 +37,9 @@ class TextStream:
         self.skipped = special_ids(tokenizer) if skip_special else frozenset()
         self.keep_stop = keep_stop
         self.stop = [s for s in stop if s]
+        # skipped tokens whose text is a stop string: they stop as that string in the text would
+        self.stopping = {t: piece for t in self.skipped
+                         if (piece := tokenizer.convert_ids_to_tokens(t)) in self.stop} if self.stop else {}
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # detokenized so far, cut at the first stop string
         self.released = 0  # characters handed out
@@ -47,7 +52,14 @@ class TextStream:
         return cls(tokenizer, req.stop, req.skip_special_tokens, req.include_stop_str_in_output)
 
     def add(self, token: int) -> None:
-        if self.stopped or token in self.skipped:
+        if self.stopped:
+            return
+        if token in self.skipped:
+            if token in self.stopping:
+                self.flush()  # (what the detokenizer holds comes before it, and may stop first)
+                if not self.stopped:
+                    self.text += self.stopping[token] if self.keep_stop else ""
+                    self.stopped = True
             return
         self.detokenizer.add_token(token)
         self._extend(self.detokenizer.last_segment)
@@ -118,15 +130,31 @@ def _byte_level_map() -> dict[str, int]:
     return out
 
 
+_SPECIAL: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
 def special_ids(tokenizer: TokenizerWrapper) -> frozenset[int]:
     """The tokens a Hugging Face tokenizer leaves out of `decode(..., skip_special_tokens=True)`: its
     added tokens marked special (`<|im_start|>` among them, which `all_special_ids` may not list), and
-    its special tokens. Qwen's tool-call and thinking tags are added tokens but not special. (Read once
-    per request: a few dozen tokens.)"""
+    its special tokens; but never the thinking and tool-call tags mlx-lm found, which the API splits
+    replies at (Qwen's are not special; other models' may be). Read once per tokenizer."""
+    try:
+        return _SPECIAL[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # (a stand-in that cannot be a weak key: read every time)
+        return _read_special_ids(tokenizer)
+    found = _SPECIAL[tokenizer] = _read_special_ids(tokenizer)
+    return found
+
+
+def _read_special_ids(tokenizer: Any) -> frozenset[int]:
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     added = getattr(hf, "added_tokens_decoder", None) or {}
     marked = {int(i) for i, t in added.items() if getattr(t, "special", False)}
-    return frozenset(marked | set(getattr(hf, "all_special_ids", None) or ()))
+    tags = ("think_start_tokens", "think_end_tokens", "tool_call_start_tokens", "tool_call_end_tokens")
+    kept = {t for name in tags for t in (getattr(tokenizer, name, None) or ())}
+    return frozenset((marked | set(getattr(hf, "all_special_ids", None) or ())) - kept)
 
 
 _BYTE_LEVEL = _byte_level_map()
