@@ -200,7 +200,8 @@ def create_app(
             max_tokens, max_param = body.max_tokens, "max_tokens"
         req = service.generation_request(body, params, tokens, max_tokens, "messages", max_param,
                                          tools=tools is not None and tools.active)
-        thinking = reasoning_split(service.engine.tokenizer, tokens, body.include_reasoning is not False)
+        shown = body.include_reasoning is not False
+        thinking = await service.tokenize(0, lambda tokenizer: reasoning_split(tokenizer, tokens, shown))
         return await respond("/v1/chat/completions", body, req, request, started, tools, thinking)
 
     @app.post("/v1/completions")

@@ -101,10 +101,10 @@ class TextStream:
             return
         start = max(0, len(self.text) - self.hold)  # a stop may begin in the text held back
         self.text += piece
-        found = [(at, -len(s)) for s in self.stop if (at := self.text.find(s, start)) >= 0]
+        found = [(at, -len(s), s) for s in self.stop if (at := self.text.find(s, start)) >= 0]
         if found:
-            at, longest = min(found)  # the first; of those that begin there, the longest
-            self.text = self.text[: at - longest if self.keep_stop else at]
+            at, _, stop = min(found)  # the first; of those that begin there, the longest
+            self.text = self.text[: at + len(stop) if self.keep_stop else at]
             self.stopped = True
 
     def _keep_leading_space(self, piece: str) -> str:
