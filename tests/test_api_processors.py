@@ -182,7 +182,8 @@ def test_vllm_stop_extensions(client: Any, engine: BatchEngine) -> None:
     ended = client.completions.create(model=MODEL, prompt=PROMPT, **forced)
     assert (ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("stop", 0)
     through = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"ignore_eos": True}, **forced)
-    assert (through.choices[0].finish_reason, through.usage.completion_tokens, through.choices[0].text) == ("length", 4, "")
+    assert through.choices[0].finish_reason == "length" and through.usage.completion_tokens == 4
+    assert through.choices[0].text == ""
     text = plain.choices[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     for keep, expected in ((False, text[: text.index(stop)]), (True, text[: text.index(stop) + len(stop)])):

@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 CHOICES = ("none", "auto", "required")
 # apply_chat_template's own arguments: never a template variable from `chat_template_kwargs`
 TEMPLATE_ARGUMENTS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs"})
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 # Qwen3's tool prompt (hermes JSON calls), for templates that do not render tools themselves.
 TOOLS_PREAMBLE = (

@@ -111,8 +111,8 @@ class _GenerationBody(_Body):
     repetition_penalty: float | None = None  # extension (mlx-lm's, over the last 20 tokens)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     response_format: dict[str, Any] | None = None  # only {"type": "text"}: decoding is not constrained
-    # vLLM's extensions. skip_special_tokens: leave special tokens out of the text (None: yes, but with tools,
-    # whose tags may be special); min_tokens is refused above 0 (EOS is never held back here).
+    # vLLM's extensions. skip_special_tokens: leave special tokens out of the text (None: yes, but with tools in
+    # use, whose tags may be special); a min_tokens other than 0 is refused (EOS is never held back here).
     skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: Flag = False

@@ -293,7 +293,8 @@ class Service:
         return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error", code="internal_error")
 
     async def complete(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, request: Any,
-                       started: float, tools: "ToolSpec | None" = None, thinking: "ReasoningSplit | None" = None) -> Any:
+                       started: float, tools: "ToolSpec | None" = None,
+                       thinking: "ReasoningSplit | None" = None) -> Any:
         from fastapi.responses import JSONResponse, Response
 
         run = await self._begin(req, request)

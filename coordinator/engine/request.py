@@ -201,8 +201,9 @@ def context_room(prompt_tokens: int, mtp_depth: int, max_context: int) -> int:
 
 def ended_in_stages(tokens: list[int], new: list[int], eos: set[int], text: Any, generated: int, max_tokens: int) -> bool:
     """After `take_tokens` ended a request: whether its row ended in the stages too, where its reply
-    does (its budget, or a token that ends it, `GenerationRequest.ends`, right after the tokens handed out). Not after a stop string: the state
-    then holds tokens past it, which no next turn has, and the row is released rather than ended."""
+    does (its budget, or one of the tokens that end it, `GenerationRequest.ends`, right after the
+    tokens handed out). Not after a stop string: the state then holds tokens past it, which no next
+    turn has, and the row is released rather than ended."""
     return generated >= max_tokens or (len(new) < len(tokens) and tokens[len(new)] in eos and not text.stopped)
 
 
