@@ -200,8 +200,9 @@ def create_app(
             max_tokens, max_param = body.max_tokens, "max_tokens"
         req = service.generation_request(body, params, tokens, max_tokens, "messages", max_param,
                                          tools=tools is not None and tools.active)
-        shown = body.include_reasoning is not False
-        thinking = await service.tokenize(0, lambda tokenizer: reasoning_split(tokenizer, tokens, shown))
+        shown, thinking = body.include_reasoning is not False, None
+        if getattr(service.engine.tokenizer, "has_thinking", False):  # (the prompt is read on the tokenizer's lane)
+            thinking = await service.tokenize(0, lambda tokenizer: reasoning_split(tokenizer, tokens, shown))
         return await respond("/v1/chat/completions", body, req, request, started, tools, thinking)
 
     @app.post("/v1/completions")

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .tools import tag_prefix
+
 PROMPT_TAIL = 64  # the prompt's last tokens, where a template opens (or closes) a thought for the reply
 
 
@@ -37,7 +39,7 @@ class ReasoningSplit:
             if self.thinking:
                 at = text.find(self.end)
                 if at < 0:
-                    keep = 0 if final else _tag_prefix(text, self.end)
+                    keep = 0 if final else tag_prefix(text, self.end)
                     thought, self.held = thought + text[: len(text) - keep], text[len(text) - keep :]
                     break
                 thought, text = thought + text[:at], text[at + len(self.end) :]
@@ -58,14 +60,6 @@ class ReasoningSplit:
             answer += text
             break
         return thought, answer
-
-
-def _tag_prefix(text: str, tag: str) -> int:
-    """How many of the text's last characters begin the tag (they may be the start of it)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 def reasoning_split(tokenizer: Any, prompt: list[int], shown: bool = True) -> ReasoningSplit | None:

@@ -146,7 +146,7 @@ class ToolCallParser:
             if not self._in_block:
                 at = self._buf.find(OPEN)
                 if at < 0:
-                    keep = 0 if final else _open_prefix(self._buf)
+                    keep = 0 if final else tag_prefix(self._buf, OPEN)
                     self._text(self._buf[: len(self._buf) - keep], out)
                     self._buf = self._buf[len(self._buf) - keep:]
                     return
@@ -198,10 +198,11 @@ class ToolCallParser:
             self._pending_ws += s
 
 
-def _open_prefix(text: str) -> int:
-    """The length of the longest end of `text` that `<tool_call>` begins with."""
-    for n in range(min(len(text), len(OPEN) - 1), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def tag_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that `tag` begins with (short of the whole tag): what
+    must be held back while the next text may complete the tag."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 

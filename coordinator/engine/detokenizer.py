@@ -38,8 +38,8 @@ class TextStream:
         self.keep_stop = keep_stop
         self.stop = [s for s in stop if s]
         # skipped tokens whose text is a stop string: they stop as that string in the text would
-        self.stopping = {t: piece for t in self.skipped
-                         if (piece := tokenizer.convert_ids_to_tokens(t)) in self.stop} if self.stop else {}
+        self.stopping = {t: s for s in self.stop if (t := tokenizer.convert_tokens_to_ids(s)) in self.skipped
+                         and tokenizer.convert_ids_to_tokens(t) == s}  # (not an unknown string's id)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # detokenized so far, cut at the first stop string
         self.released = 0  # characters handed out
