@@ -24,7 +24,7 @@ from .filling import FillGroup
 from .head import Prepared
 from .prefixes import Prefix, prefix_at_end, prefix_of
 from .protocol import Commit, StageError, StepOutput, StepRequest
-from .stage import CLEAR_CACHE_EVERY, StageWorker, check_hidden
+from .stage import StageWorker, check_hidden, stepped
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class BatchStage:
         start = time.perf_counter()
         out = self.filling.step(reqs, hidden)
         tokens, elapsed = sum(len(r.tokens) for r in reqs), time.perf_counter() - start
-        self._stepped()
+        stepped(self.stats)
         self.stats.tokens_processed += tokens
         self.stats.step_seconds += elapsed
         if not any(r.final for r in reqs):  # (a final chunk samples too, and drafts)
@@ -182,11 +182,6 @@ class BatchStage:
 
     # -- a round --------------------------------------------------------------------------------
 
-    def _stepped(self) -> None:
-        self.stats.steps += 1
-        if self.stats.steps % CLEAR_CACHE_EVERY == 0:  # (rows that left give their memory back, as mlx-lm's batches)
-            mx.clear_cache()
-
     def forward(self, rows: list[RowStep], hidden: mx.array | None = None) -> mx.array | list[RowOutput]:
         """One decode round for every row, in batch order; the last stage returns each row's outcome."""
         if [r.seq_id for r in rows] != self.ids:
@@ -214,7 +209,7 @@ class BatchStage:
                 h = hidden.astype(self.worker.dtype)
             h, self.snapshots = self.model.run_rows(h, self.cache, real)
         self.real = real
-        self._stepped()
+        stepped(self.stats)
         self.stats.tokens_processed += sum(real)
         self.positions = [p + t for p, t in zip(self.positions, real)]
         if not self.spec.is_last:

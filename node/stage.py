@@ -107,6 +107,15 @@ class RoundFit:
         return fixed, slope
 
 
+def stepped(stats: StageStats) -> None:
+    """A step ran (a sequence's, a prompt chunk of several, a batch's round): counted, and every
+    CLEAR_CACHE_EVERY steps MLX's allocator cache is given back, as mlx-lm does (long generations, and
+    rows that left a batch, otherwise keep growing it)."""
+    stats.steps += 1
+    if stats.steps % CLEAR_CACHE_EVERY == 0:
+        mx.clear_cache()
+
+
 @dataclass
 class StageStats:
     tokens_processed: int = 0
@@ -163,9 +172,7 @@ class StageWorker:
             except StageError as e:
                 self.stats.last_error = str(e)
                 raise
-            self.stats.steps += 1
-            if self.stats.steps % CLEAR_CACHE_EVERY == 0:
-                mx.clear_cache()  # long generations otherwise grow the allocator cache (as mlx-lm does)
+            stepped(self.stats)
             self.stats.tokens_processed += len(req.tokens)
             elapsed = time.perf_counter() - start
             self.stats.step_seconds += elapsed

@@ -967,11 +967,11 @@ def test_a_client_callback_that_fails_ends_its_request_alone(dense_ckpt: Path) -
 def test_the_allocator_cache_is_cleared_now_and_then_on_the_batch_path(dense_ckpt: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """As the per-sequence stage does and mlx-lm's batches do: memory of rows that left goes back."""
-    from mtpipe.node import batch as node_batch
+    from mtpipe.node import stage as node_stage
 
     cleared: list[int] = []
-    monkeypatch.setattr(node_batch, "CLEAR_CACHE_EVERY", 4)
-    monkeypatch.setattr(node_batch.mx, "clear_cache", lambda: cleared.append(1))
+    monkeypatch.setattr(node_stage, "CLEAR_CACHE_EVERY", 4)
+    monkeypatch.setattr(node_stage.mx, "clear_cache", lambda: cleared.append(1))
     engine = batch_engine(dense_ckpt, dtype=mx.float32, prefix_cache=0)
     try:
         result = engine.complete(GenerationRequest(engine.tokenizer.encode(PROMPTS[0]), max_tokens=12))
