@@ -329,7 +329,9 @@ def test_election_placement_and_links(cluster: dict, topology: Topology, model_p
     assert (ring["source"], ring["target"], ring["address"]) == ("node-c", "node-a", f"10.77.0.1:{PORT}")
     # And the engine was built on that link: its sequences go round in ring groups (rows of batches).
     assert serving["batching"] == "ring", cluster["procs"][1].log()
-    # The API's process was started as the coordinator placed the model, and is the one that serves.
+    # The API's process was started as the coordinator placed the model, and is the one that serves
+    # (its line may come just after the event the test waited for).
+    cluster["procs"][1].wait_stderr("the API serves at", timeout=30)
     lines = cluster["procs"][1].stderr
     started = [(i, m.group(1)) for i, ln in enumerate(lines) if (m := re.search(r"API process (\d+) started", ln))]
     serves = [m.group(1) for ln in lines if (m := re.search(r"the API serves at \S+ from process (\d+)", ln))]
