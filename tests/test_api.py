@@ -399,8 +399,11 @@ BAD = [
     ("min-p-above-one", CHAT, {"messages": M, "min_p": 2.0}, 400, "min_p"),
     ("seed-beyond-int64", CHAT, {"messages": M, "seed": 2**63}, 400, "seed"),
     ("seed-below-int64", CHAT, {"messages": M, "seed": -(2**63) - 1}, 400, "seed"),
-    ("n-two", CHAT, {"messages": M, "n": 2}, 400, "n"),
-    ("n-two-text", TEXT, {"prompt": "x", "n": 3}, 400, "n"),
+    ("n-zero", CHAT, {"messages": M, "n": 0}, 400, "n"),
+    ("n-past-the-slots", CHAT, {"messages": M, "n": 33}, 400, "n"),
+    ("choices-past-the-slots", TEXT, {"prompt": ["x"] * 11, "n": 3}, 400, "n"),
+    ("prompts-past-the-slots", TEXT, {"prompt": ["x"] * 33}, 400, "prompt"),
+    ("best-of-more-than-n", TEXT, {"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of"),
     ("mtp-depth-negative", CHAT, {"messages": M, "mtp_depth": -1}, 400, "mtp_depth"),
     ("mtp-depth-too-deep", CHAT, {"messages": M, "mtp_depth": 99}, 400, "mtp_depth"),
     ("too-many-stops", CHAT, {"messages": M, "stop": [str(i) for i in range(17)]}, 400, "stop"),
@@ -410,8 +413,8 @@ BAD = [
     ("empty-prompt", TEXT, {"prompt": ""}, 400, "prompt"),
     ("empty-token-prompt", TEXT, {"prompt": []}, 400, "prompt"),
     ("token-out-of-vocab", TEXT, {"prompt": [1, 10**6]}, 400, "prompt"),
-    ("two-prompts", TEXT, {"prompt": ["a", "b"]}, 400, "prompt"),
-    ("two-token-prompts", TEXT, {"prompt": [[5, 6], [7]]}, 400, "prompt"),
+    ("second-prompt-empty", TEXT, {"prompt": ["a", ""]}, 400, "prompt[1]"),
+    ("second-token-prompt-empty", TEXT, {"prompt": [[5, 6], []]}, 400, "prompt[1]"),
     ("empty-token-prompt-in-a-list", TEXT, {"prompt": [[]]}, 400, "prompt"),
     ("mixed-prompt", TEXT, {"prompt": [1, "a"]}, 400, "prompt"),
     ("echo", TEXT, {"prompt": "x", "echo": True}, 400, "echo"),
@@ -447,8 +450,8 @@ def test_bad_input(
 
 
 def test_bad_input_through_client(client: Any) -> None:
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.chat.completions.create(model=MODEL, messages=M, n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be at least 1"):
+        client.chat.completions.create(model=MODEL, messages=M, n=0)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=M)
     with pytest.raises(openai.BadRequestError) as e:

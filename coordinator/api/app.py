@@ -3,7 +3,8 @@
 `POST /v1/chat/completions`, `POST /v1/completions` (streamed as server-sent events or not),
 `GET /v1/models`, `GET /health`, `GET /v1/cluster` and `GET /metrics` (Prometheus text).
 
-Routes only: what a body means is decided in service.py, auth and request metrics in gate.py.
+Routes only: what a body means is decided in service.py, how its choices run and are answered in
+responses.py (`n` per prompt; completions take a list of prompts), auth and request metrics in gate.py.
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 400 for a bad value, invalid JSON or a body of the wrong shape (a wrong type, a missing field: as
@@ -47,6 +48,7 @@ from .limits import BodyLimit
 from .metrics import ServerMetrics
 from .model_defaults import model_defaults
 from .readiness import Readiness
+from .responses import choices_of, complete, stream
 from .reasoning import ReasoningSplit, reasoning_split
 from .service import Service
 
@@ -168,17 +170,18 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def respond(endpoint: str, body: Any, req: "GenerationRequest", request: Request, started: float,
-                      tools: "ToolSpec | None" = None, thinking: "ReasoningSplit | None" = None) -> Any:
-        """A streamed (SSE) or whole response in the endpoint's object shape; `tools`: parse the output for calls;
-        `thinking`: split the reasoning off."""
+    async def respond(endpoint: str, body: Any, reqs: "list[GenerationRequest]", n: int, request: Request,
+                      started: float, tools: "ToolSpec | None" = None, thinking: "ReasoningSplit | None" = None) -> Any:
+        """A streamed (SSE) or whole response in the endpoint's object shape, `n` choices for each prompt's
+        request; `tools`: parse the output for calls; `thinking`: split the reasoning off."""
         if body.stream_options is not None and not body.stream:  # (as OpenAI's and vLLM's servers answer)
             raise APIError(400, "stream_options can only be given with stream: true", param="stream_options")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = ResponseFormat(endpoint == "/v1/chat/completions", model_name, include_usage)
+        choices = choices_of(reqs, n, thinking)
         if body.stream:
-            return await service.stream(endpoint, req, fmt, request, started, tools, thinking)
-        return await service.complete(endpoint, req, fmt, request, started, tools, thinking)
+            return await stream(service, endpoint, choices, fmt, request, started, tools)
+        return await complete(service, endpoint, choices, fmt, request, started, tools)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -190,6 +193,7 @@ def create_app(
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
         params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1)
+        n = service.choices(body)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         tools = tool_spec(body)
@@ -203,7 +207,7 @@ def create_app(
         shown, thinking = body.include_reasoning is not False, None
         if getattr(service.engine.tokenizer, "has_thinking", False):  # (the prompt is read on the tokenizer's lane)
             thinking = await service.tokenize(0, lambda tokenizer: reasoning_split(tokenizer, tokens, shown))
-        return await respond("/v1/chat/completions", body, req, request, started, tools, thinking)
+        return await respond("/v1/chat/completions", body, [req], n, request, started, tools, thinking)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -214,21 +218,20 @@ def create_app(
             raise APIError(400, "echo is not supported", param="echo")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if body.best_of not in (None, 1):
-            raise APIError(400, "best_of must be 1", param="best_of")
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {body.logprobs}", param="logprobs")
         params = service.sampling(body, -1 if body.logprobs is None else body.logprobs)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a list of prompts
-            if len(prompt) != 1:
-                raise APIError(400, f"one prompt per request, got {len(prompt)}", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            tokens = await service.encode_text(prompt)
-        else:
-            tokens = await service.token_ids(prompt)
-        req = service.generation_request(body, params, tokens, body.max_tokens, "prompt")
-        return await respond("/v1/completions", body, req, request, started)
+        prompts = body.prompt
+        if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+            prompts = [prompts]  # (one prompt: a string or token ids)
+        n = service.choices(body, len(prompts))
+        if body.best_of not in (None, n):  # (the best n of more: not done here)
+            raise APIError(400, f"best_of must equal n ({n}): every choice generated is returned", param="best_of")
+        reqs = []
+        for i, prompt in enumerate(prompts):
+            tokens = await (service.encode_text(prompt) if isinstance(prompt, str) else service.token_ids(prompt))
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            reqs.append(service.generation_request(body, params, tokens, body.max_tokens, param))
+        return await respond("/v1/completions", body, reqs, n, request, started)
 
     return app

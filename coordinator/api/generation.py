@@ -91,6 +91,11 @@ def abort_all() -> int:
     return len(runs)
 
 
+def _began(item: Any) -> bool:
+    """A queue item that shows a run under way or over: a chunk, or its end."""
+    return item is _END or getattr(item, "text", None) is not None
+
+
 class GenerationThread:
     """One generation, its chunks handed to the event loop.
 
@@ -130,15 +135,25 @@ class GenerationThread:
     async def admitted(self) -> None:
         """Once the engine admitted the request (it left the queue for the batch); raises a refusal that
         came first (a queue timeout, the pipeline down). At once with an engine that does not say."""
-        while self.tells:
-            item = await self.queue.get()
-            if item is _ADMITTED:
-                return
-            self.early.append(item)
-            if isinstance(item, BaseException):
-                raise item
-            if item is _END or getattr(item, "text", None) is not None:  # (ended, or already streaming)
-                return
+        if self.tells:
+            await self._until(lambda item: item is _ADMITTED or _began(item))
+
+    async def first(self) -> None:
+        """Once its first chunk came (its prompt is in: a kept prefix another request may start from), or
+        it ended; raises a refusal or failure that came first."""
+        await self._until(_began)
+
+    async def _until(self, done: Callable[[Any], bool]) -> None:
+        """Read the queue into `early` (which `chunks` gives out first) until an item is `done`."""
+        at = 0
+        while True:
+            while at < len(self.early):
+                item, at = self.early[at], at + 1
+                if isinstance(item, BaseException):
+                    raise item
+                if done(item):
+                    return
+            self.early.append(await self.queue.get())
 
     def cancel(self) -> None:
         self.stopping.set()
@@ -210,19 +225,30 @@ class GenerationThread:
 # -- response shapes --------------------------------------------------------------------------
 
 
-def usage_of(stats: "GenerationStats", depth: "int | str") -> dict[str, Any]:
+def usage_of(stats: "GenerationStats | list[tuple[int, GenerationStats]]", depth: "int | str") -> dict[str, Any]:
+    """Usage of one generation, or of a response's choices as (prompt index, stats): each prompt counted
+    once however many choices continue it (as OpenAI and vLLM count `n`), every choice's tokens."""
+    parts = [(0, stats)] if not isinstance(stats, list) else stats
+    prompts = {p: s for p, s in reversed(parts)}  # (a prompt's first choice: the one that prefilled it)
+    prompt_tokens = sum(s.prompt_tokens for s in prompts.values())
+    generated = sum(s.generation_tokens for _, s in parts)
+    drafted, accepted = sum(s.drafted for _, s in parts), sum(s.accepted for _, s in parts)
+    depths: dict[int, int] = {}
+    for _, s in parts:
+        for k, v in s.depths.items():
+            depths[k] = depths.get(k, 0) + v
     return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generation_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generation_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": generated,
+        "total_tokens": prompt_tokens + generated,
+        "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in prompts.values())},
         "mtp": {
             "depth": depth,
-            "drafted": stats.drafted,
-            "accepted": stats.accepted,
-            "acceptance": round(stats.acceptance, 4),
-            "rounds": stats.rounds,
-            "depths": {str(k): v for k, v in sorted(stats.depths.items())},  # rounds by drafts carried
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance": round(accepted / drafted if drafted else 0.0, 4),
+            "rounds": sum(s.rounds for _, s in parts),
+            "depths": {str(k): v for k, v in sorted(depths.items())},  # rounds by drafts carried
         },
     }
 
@@ -249,14 +275,21 @@ def _top(entry: dict[str, Any]) -> dict[str, float]:
 class ResponseFormat:
     """OpenAI's response and chunk objects for chat (`chat.completion`) or text (`text_completion`)."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool = False):
+    def __init__(self, chat: bool, model: str, include_usage: bool = False, index: int = 0):
         self.chat = chat
         self.model = model
         self.include_usage = include_usage
+        self.index = index  # the choice this one formats (a request with `n` or several prompts has many)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.text_offset = 0  # completions' logprobs: where the next token starts in the text
         self._text_chars = codecs.getincrementaldecoder("utf-8")(errors="replace")  # (a character may span tokens)
+
+    def for_choice(self, index: int) -> "ResponseFormat":
+        """The format of choice `index` of the same response (its id and time), with its own text offsets."""
+        fmt = ResponseFormat(self.chat, self.model, self.include_usage, index)
+        fmt.id, fmt.created = self.id, self.created
+        return fmt
 
     def _object(self, object: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
@@ -279,19 +312,21 @@ class ResponseFormat:
                 "top_logprobs": [_top(e) for e in entries],
                 "text_offset": offsets}
 
-    def response(self, text: str, finish: str, usage: dict[str, Any],
-                 logprobs: Optional[list[dict[str, Any]]] = None,
-                 tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "") -> dict[str, Any]:
+    def choice(self, text: str, finish: str, logprobs: Optional[list[dict[str, Any]]] = None,
+               tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "") -> dict[str, Any]:
+        """This choice of a whole response."""
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:  # the text outside the calls, or null
                 message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
             if reasoning:  # (reasoning.py: under both names clients read)
                 message["reasoning_content"] = message["reasoning"] = reasoning
-            choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
-            return self._object("chat.completion", [choice], usage=usage)
-        choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
-        return self._object("text_completion", [choice], usage=usage)
+            return {"index": self.index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+        return {"index": self.index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        """The whole response: its choices (`choice`, in index order) and their usage."""
+        return self._object("chat.completion" if self.chat else "text_completion", choices, usage=usage)
 
     def chunk(self, text: str = "", finish: Optional[str] = None, role: bool = False,
               logprobs: Optional[list[dict[str, Any]]] = None,
@@ -304,9 +339,9 @@ class ResponseFormat:
                 delta["reasoning_content"] = delta["reasoning"] = reasoning
             if role:
                 delta = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            choice = {"index": self.index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            choice = {"index": self.index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         extra = {"usage": None} if self.include_usage else {}
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
 

@@ -134,8 +134,8 @@ class ChatCompletionRequest(_GenerationBody):
 
 
 class CompletionRequest(_GenerationBody):
-    prompt: str | list[int] | list[str] | list[list[int]]  # OpenAI's four forms; one prompt per request
+    prompt: str | list[int] | list[str] | list[list[int]]  # OpenAI's four forms: one prompt, or a list
     echo: bool | None = None
     suffix: str | None = None  # (fill-in-the-middle: refused, not ignored)
     logprobs: int | None = None
-    best_of: int | None = None
+    best_of: int | None = None  # only n (the best n of more is not done here)

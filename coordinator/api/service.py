@@ -15,7 +15,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
@@ -25,20 +25,17 @@ from ..engine.sinks import ServerBusy
 from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
 from .chat import check_template_variables, has_tool_turns, renders_tools, template_input, text_size
 from .defaults import DEFAULT_MAX_TOKENS, SLOT_TIMEOUT_S
-from .deltas import thought_apart, tool_deltas
 from .errors import APIError
-from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
+from .generation import GenerationThread
 from .metrics import ServerMetrics
 from .model_defaults import with_defaults
 from .stopping import stops
-from .tools import ToolCallParser, parse_tool_calls
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
     from ..engine.request import GenerationStats
     from .chat import ToolSpec
     from .models import _GenerationBody
-    from .reasoning import ReasoningSplit
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,8 +72,6 @@ class Service:
 
     def sampling(self, body: "_GenerationBody", top_logprobs: int = -1) -> SamplingParams:
         """The body's sampling, processors and logprobs (-1: none asked; else how many alternatives)."""
-        if body.n not in (None, 1):
-            raise APIError(400, f"n must be 1: this server returns one choice per request (got {body.n})", param="n")
         kind = (body.response_format or {}).get("type", "text")
         if kind != "text":
             raise APIError(400, f"response_format {kind!r} is not supported: this server does not constrain decoding "
@@ -103,6 +98,18 @@ class Service:
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split()[0]) from None
         return params
+
+    def choices(self, body: "_GenerationBody", prompts: int = 1) -> int:
+        """How many choices each prompt gets (`n`). A request's choices all run at once, so all of them
+        together fit in the generation slots."""
+        n = 1 if body.n is None else body.n
+        if n < 1:
+            raise APIError(400, f"n must be at least 1, got {n}", param="n")
+        if n * prompts > self.max_concurrency:
+            many = f"{prompts} prompts with n={n}" if prompts > 1 else f"n={n}"
+            raise APIError(400, f"{many} asks for {n * prompts} choices; this server runs at most "
+                                f"{self.max_concurrency} generations at once", param="n" if n > 1 else "prompt")
+        return n
 
     @staticmethod
     def _logit_bias(bias: Optional[dict[str, float]]) -> tuple[tuple[int, float], ...]:
@@ -291,132 +298,6 @@ class Service:
             return APIError(503, f"a node failed: {e}", type="server_error", code="node_failure")
         log.error("generation failed", exc_info=e)
         return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error", code="internal_error")
-
-    async def complete(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, request: Any,
-                       started: float, tools: "ToolSpec | None" = None,
-                       thinking: "ReasoningSplit | None" = None) -> Any:
-        from fastapi.responses import JSONResponse, Response
-
-        run = await self._begin(req, request)
-        watcher = asyncio.create_task(self._watch(request, run))
-        parts: list[str] = []
-        thoughts: list[str] = []
-        final = None
-        first_token = None
-        asked = req.params.top_logprobs >= 0
-        entries: list[dict[str, Any]] = []
-        try:
-            async for chunk, thought in thought_apart(run.chunks(), thinking):
-                first_token = first_token or time.perf_counter()
-                parts.append(chunk.text)
-                thoughts.append(thought)
-                if asked:
-                    entries += self.token_logprobs(chunk.tokens, chunk.logprobs)
-                if chunk.finish_reason:
-                    final = chunk
-        except Exception as e:
-            raise self.server_error(e) from None
-        finally:
-            watcher.cancel()
-            run.cancel()
-        if final is None:  # the client went away; nobody reads this
-            return Response(status_code=499)
-        self.record(endpoint, final.stats, started, first_token)
-        text, finish, calls = "".join(parts), final.finish_reason, None
-        if tools is not None and tools.active:
-            text, found = parse_tool_calls(text, tools.tools)
-            if found:
-                calls = [c.to_dict() for c in (found if tools.parallel else found[:1])]
-                finish = "tool_calls"
-        return JSONResponse(fmt.response(text, finish, usage_of(final.stats, req.depth_label),
-                                         logprobs=entries if asked else None, tool_calls=calls,
-                                         reasoning="".join(thoughts)))
-
-    async def _begin(self, req: "GenerationRequest", request: Any) -> GenerationThread:
-        try:
-            return await self.start(req, request)
-        except APIError:
-            raise
-        except Exception as e:  # an engine that refuses at once (its pipeline down, its process gone)
-            raise self.server_error(e) from None
-
-    async def _admitted(self, run: GenerationThread, request: Any) -> None:
-        """Wait for the engine to admit the run, while its client waits too."""
-        admitted = asyncio.ensure_future(run.admitted())
-        try:
-            while not admitted.done():
-                await asyncio.wait({admitted}, timeout=DISCONNECT_POLL_S)
-                if not admitted.done() and request is not None and await request.is_disconnected():
-                    raise APIError(499, "the client went away while its request waited", code="client_gone")
-            admitted.result()
-        except APIError:
-            run.cancel()
-            raise
-        except Exception as e:  # refused while it waited, or at once
-            run.cancel()
-            raise self.server_error(e) from None
-        finally:
-            admitted.cancel()
-
-    async def _watch(self, request: Any, run: GenerationThread) -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
-        run.cancel()
-
-    async def stream(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, request: Any,
-                     started: float, tools: "ToolSpec | None" = None, thinking: "ReasoningSplit | None" = None) -> Any:
-        """Started before the response, so that a request refused at once (no slot in time, the pipeline
-        down) gets its status (503 with Retry-After), not an error event in a 200 stream."""
-        from fastapi.responses import StreamingResponse
-
-        run = await self._begin(req, request)
-        await self._admitted(run, request)
-        watcher = asyncio.create_task(self._watch(request, run))  # also if the stream is never iterated
-        return StreamingResponse(
-            self._events(endpoint, req, fmt, run, watcher, started, tools, thinking),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-
-    async def _events(self, endpoint: str, req: "GenerationRequest", fmt: ResponseFormat, run: GenerationThread,
-                      watcher: "asyncio.Task[None]", started: float,
-                      tools: "ToolSpec | None" = None, thinking: "ReasoningSplit | None" = None) -> AsyncIterator[str]:
-        # When the client leaves, Starlette cancels this generator and `finally` stops the run: the
-        # watcher, needed until the stream began, is not.
-        watcher.cancel()
-        first_token = None
-        parser = ToolCallParser(tools.tools) if tools is not None and tools.active else None
-        calls = 0  # tool calls streamed
-        try:
-            if fmt.chat:
-                yield sse_event(fmt.chunk(role=True))
-            async for chunk, thought in thought_apart(run.chunks(), thinking):
-                first_token = first_token or time.perf_counter()
-                asked = req.params.top_logprobs >= 0 and chunk.tokens
-                logprobs = self.token_logprobs(chunk.tokens, chunk.logprobs) if asked else None
-                if thought:  # (a chunk all thinking carries its logprobs on its thinking)
-                    yield sse_event(fmt.chunk(reasoning=thought, logprobs=None if chunk.text else logprobs))
-                    logprobs = logprobs if chunk.text else None
-                if parser is not None:
-                    deltas, calls = tool_deltas(fmt, parser, tools, chunk, calls, logprobs)
-                    for delta in deltas:
-                        yield sse_event(delta)
-                elif logprobs is not None:
-                    yield sse_event(fmt.chunk(chunk.text, logprobs=logprobs))
-                elif chunk.text:
-                    yield sse_event(fmt.chunk(chunk.text))
-                if chunk.finish_reason:
-                    self.record(endpoint, chunk.stats, started, first_token)
-                    yield sse_event(fmt.chunk(finish="tool_calls" if calls else chunk.finish_reason))
-                    if fmt.include_usage:
-                        yield sse_event(fmt.usage_chunk(usage_of(chunk.stats, req.depth_label)))
-            yield SSE_DONE
-        except Exception as e:
-            yield sse_event(self.server_error(e).body())
-            yield SSE_DONE
-        finally:
-            watcher.cancel()
-            run.cancel()
 
     # cluster --------------------------------------------------------------------------------
 

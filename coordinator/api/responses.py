@@ -1,0 +1,275 @@
+"""A request's choices run and answered: whole, or streamed as server-sent events.
+
+A request asks for several choices with `n` (that many replies to its prompt) or, on completions, with
+a list of prompts; each choice is a generation of its own, and they run side by side in the batch.
+The choices of one prompt start once the first has prefilled it, so that the others take the prompt
+from the kept prefixes instead of prefilling it again. Choice i of prompt p has index p * n + i, as
+OpenAI orders them; usage counts each prompt once and every choice's tokens. Any choice refused before
+the response starts refuses the request (its status: 503 with Retry-After when busy); a choice that
+fails later fails the response, and the others stop.
+
+(No `from __future__ import annotations` here, as in service.py.)
+"""
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Optional
+
+from .deltas import thought_apart, tool_deltas
+from .errors import APIError
+from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
+from .service import DISCONNECT_POLL_S
+from .tools import ToolCallParser, parse_tool_calls
+
+if TYPE_CHECKING:
+    from ..engine.request import GenerationRequest, GenerationStats
+    from .chat import ToolSpec
+    from .reasoning import ReasoningSplit
+    from .service import Service
+
+
+@dataclasses.dataclass
+class Choice:
+    index: int
+    prompt: int  # which of the request's prompts it continues
+    req: "GenerationRequest"
+    thinking: "Optional[ReasoningSplit]" = None  # its own: a split reads one reply
+
+
+def choices_of(reqs: "list[GenerationRequest]", n: int, thinking: "Optional[ReasoningSplit]" = None) -> list[Choice]:
+    """`n` choices for each prompt's request. A seeded request's choice i samples with seed + i (as vLLM's
+    do), so that its choices differ and each is reproduced by the same request."""
+    out = []
+    for p, req in enumerate(reqs):
+        for i in range(n):
+            mine = req
+            if i:  # (its own prompt list: nothing an engine does to one choice's request reaches another's)
+                seed = req.params.seed
+                params = req.params if seed is None else dataclasses.replace(req.params, seed=(seed + i) % 2**63)
+                mine = dataclasses.replace(req, prompt_tokens=list(req.prompt_tokens), params=params)
+            out.append(Choice(p * n + i, p, mine, None if thinking is None else dataclasses.replace(thinking)))
+    return out
+
+
+async def _until(service: "Service", waited: Any, request: Any) -> None:
+    """Wait for `waited` (the run's admission or first chunk) while its client waits too."""
+    task = asyncio.ensure_future(waited)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and request is not None and await request.is_disconnected():
+                raise APIError(499, "the client went away while its request waited", code="client_gone")
+        task.result()
+    except APIError:
+        raise
+    except Exception as e:  # refused while it waited, or at once
+        raise service.server_error(e) from None
+    finally:
+        task.cancel()
+
+
+async def _begin(service: "Service", req: "GenerationRequest", request: Any) -> GenerationThread:
+    try:
+        return await service.start(req, request)
+    except APIError:
+        raise
+    except Exception as e:  # an engine that refuses at once (its pipeline down, its process gone)
+        raise service.server_error(e) from None
+
+
+async def begin(service: "Service", choices: list[Choice], request: Any, admitted: bool) -> list[GenerationThread]:
+    """Every choice's run started (with `admitted`, and admitted by the engine), in index order: a
+    prompt's first choice at once, its others once that one's first chunk shows the prompt is in. A
+    refusal of any stops those begun and is raised."""
+    runs: dict[int, GenerationThread] = {}
+
+    async def start(choice: Choice) -> None:
+        runs[choice.index] = await _begin(service, choice.req, request)
+
+    async def prompt(group: list[Choice]) -> None:
+        await start(group[0])
+        if len(group) > 1:
+            await _until(service, runs[group[0].index].first(), request)
+            await _all([asyncio.ensure_future(start(c)) for c in group[1:]])
+        if admitted:
+            await _all([asyncio.ensure_future(_until(service, runs[c.index].admitted(), request)) for c in group])
+
+    groups: dict[int, list[Choice]] = {}
+    for choice in choices:
+        groups.setdefault(choice.prompt, []).append(choice)
+    tasks = [asyncio.ensure_future(prompt(group)) for group in groups.values()]
+    try:
+        await _all(tasks)
+    except BaseException:
+        for run in runs.values():
+            run.cancel()
+        raise
+    return [runs[c.index] for c in choices]
+
+
+async def _all(tasks: "list[asyncio.Future[Any]]") -> list[Any]:
+    """The tasks' results; at the first that fails the others are cancelled and its error raised."""
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _watch(request: Any, runs: list[GenerationThread]) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    for run in runs:
+        run.cancel()
+
+
+# -- whole ------------------------------------------------------------------------------------
+
+
+async def complete(service: "Service", endpoint: str, choices: list[Choice], fmt: ResponseFormat, request: Any,
+                   started: float, tools: "Optional[ToolSpec]" = None) -> Any:
+    from fastapi.responses import JSONResponse, Response
+
+    runs = await begin(service, choices, request, admitted=False)
+    watcher = asyncio.create_task(_watch(request, runs))
+    try:
+        answers = await _all([asyncio.ensure_future(_answer(service, endpoint, c, run, fmt.for_choice(c.index),
+                                                            started, tools)) for c, run in zip(choices, runs)])
+    except APIError:
+        raise
+    except Exception as e:
+        raise service.server_error(e) from None
+    finally:
+        watcher.cancel()
+        for run in runs:
+            run.cancel()
+    if any(a is None for a in answers):  # the client went away; nobody reads this
+        return Response(status_code=499)
+    usage = usage_of([(c.prompt, stats) for c, (_, stats) in zip(choices, answers)], choices[0].req.depth_label)
+    return JSONResponse(fmt.response([choice for choice, _ in answers], usage))
+
+
+async def _answer(service: "Service", endpoint: str, choice: Choice, run: GenerationThread, fmt: ResponseFormat,
+                  started: float, tools: "Optional[ToolSpec]") -> "Optional[tuple[dict[str, Any], GenerationStats]]":
+    """One choice, whole, and its stats; None if it never finished (its client went away)."""
+    parts: list[str] = []
+    thoughts: list[str] = []
+    final = None
+    first_token = None
+    asked = choice.req.params.top_logprobs >= 0
+    entries: list[dict[str, Any]] = []
+    async for chunk, thought in thought_apart(run.chunks(), choice.thinking):
+        first_token = first_token or time.perf_counter()
+        parts.append(chunk.text)
+        thoughts.append(thought)
+        if asked:
+            entries += service.token_logprobs(chunk.tokens, chunk.logprobs)
+        if chunk.finish_reason:
+            final = chunk
+    if final is None:
+        return None
+    service.record(endpoint, final.stats, started, first_token)
+    text, finish, calls = "".join(parts), final.finish_reason, None
+    if tools is not None and tools.active:
+        text, found = parse_tool_calls(text, tools.tools)
+        if found:
+            calls = [c.to_dict() for c in (found if tools.parallel else found[:1])]
+            finish = "tool_calls"
+    return fmt.choice(text, finish, logprobs=entries if asked else None, tool_calls=calls,
+                      reasoning="".join(thoughts)), final.stats
+
+
+# -- streamed ---------------------------------------------------------------------------------
+
+
+async def stream(service: "Service", endpoint: str, choices: list[Choice], fmt: ResponseFormat, request: Any,
+                 started: float, tools: "Optional[ToolSpec]" = None) -> Any:
+    """Begun and admitted before the response, so that a request refused at once (no slot in time, the
+    pipeline down) gets its status (503 with Retry-After), not an error event in a 200 stream."""
+    from fastapi.responses import StreamingResponse
+
+    runs = await begin(service, choices, request, admitted=True)
+    watcher = asyncio.create_task(_watch(request, runs))  # also if the stream is never iterated
+    return StreamingResponse(
+        _events(service, endpoint, choices, runs, fmt, watcher, started, tools),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _events(service: "Service", endpoint: str, choices: list[Choice], runs: list[GenerationThread],
+                  fmt: ResponseFormat, watcher: "asyncio.Task[None]", started: float,
+                  tools: "Optional[ToolSpec]") -> AsyncIterator[str]:
+    # When the client leaves, Starlette cancels this generator and `finally` stops the runs: the
+    # watcher, needed until the stream began, is not.
+    watcher.cancel()
+    events: asyncio.Queue = asyncio.Queue()
+    finals: list[Any] = [None] * len(choices)
+
+    async def pump(i: int) -> None:
+        async for event in _choice_events(service, endpoint, choices[i], runs[i], fmt.for_choice(choices[i].index),
+                                          started, tools, finals, i):
+            events.put_nowait(event)
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(choices))]
+    done = asyncio.ensure_future(_all(tasks))
+    try:
+        while True:
+            getter = asyncio.ensure_future(events.get())
+            await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                yield getter.result()
+                continue
+            getter.cancel()
+            while not events.empty():
+                yield events.get_nowait()
+            done.result()
+            break
+        if fmt.include_usage and all(f is not None for f in finals):
+            usage = usage_of([(c.prompt, f) for c, f in zip(choices, finals)], choices[0].req.depth_label)
+            yield sse_event(fmt.usage_chunk(usage))
+        yield SSE_DONE
+    except Exception as e:
+        yield sse_event(service.server_error(e).body())
+        yield SSE_DONE
+    finally:
+        done.cancel()
+        for run in runs:
+            run.cancel()
+
+
+async def _choice_events(service: "Service", endpoint: str, choice: Choice, run: GenerationThread,
+                         fmt: ResponseFormat, started: float, tools: "Optional[ToolSpec]", finals: list[Any],
+                         at: int) -> AsyncIterator[str]:
+    """One choice's events: its role, its deltas, its finish (its stats then in `finals[at]`)."""
+    first_token = None
+    parser = ToolCallParser(tools.tools) if tools is not None and tools.active else None
+    calls = 0  # tool calls streamed
+    if fmt.chat:
+        yield sse_event(fmt.chunk(role=True))
+    async for chunk, thought in thought_apart(run.chunks(), choice.thinking):
+        first_token = first_token or time.perf_counter()
+        asked = choice.req.params.top_logprobs >= 0 and chunk.tokens
+        logprobs = service.token_logprobs(chunk.tokens, chunk.logprobs) if asked else None
+        if thought:  # (a chunk all thinking carries its logprobs on its thinking)
+            yield sse_event(fmt.chunk(reasoning=thought, logprobs=None if chunk.text else logprobs))
+            logprobs = logprobs if chunk.text else None
+        if parser is not None:
+            deltas, calls = tool_deltas(fmt, parser, tools, chunk, calls, logprobs)  # type: ignore[arg-type]
+            for delta in deltas:
+                yield sse_event(delta)
+        elif logprobs is not None:
+            yield sse_event(fmt.chunk(chunk.text, logprobs=logprobs))
+        elif chunk.text:
+            yield sse_event(fmt.chunk(chunk.text))
+        if chunk.finish_reason:
+            service.record(endpoint, chunk.stats, started, first_token)
+            finals[at] = chunk.stats
+            yield sse_event(fmt.chunk(finish="tool_calls" if calls else chunk.finish_reason))

@@ -1,0 +1,191 @@
+"""Several choices in one response: `n`, and completions' lists of prompts.
+
+Each choice must be what the same request alone gives (greedy: the same tokens; seeded: choice i is the
+request with seed + i), in OpenAI's order, whole and streamed; usage counts each prompt once; the other
+choices of a prompt take it from the kept prefixes; a client that leaves stops every choice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from helpers import LiveServer  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from mtpipe.coordinator.api.app import create_app  # noqa: E402
+from mtpipe.coordinator.engine.batch import BatchEngine  # noqa: E402
+from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
+
+MODEL = "tiny-dense"
+
+
+@pytest.fixture(scope="module")
+def engine(dense_ckpt: Path) -> BatchEngine:
+    return batch_engine(dense_ckpt, stages=2, dtype=mx.float32)
+
+
+@pytest.fixture(scope="module")
+def server(engine: BatchEngine) -> Iterator[LiveServer]:
+    with LiveServer(create_app(engine, MODEL, max_concurrency=8)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> Any:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def held(engine: BatchEngine) -> list[int]:
+    return engine.thread.call(lambda: [stage.sequences for stage in engine.stages])
+
+
+def wait_idle(engine: BatchEngine) -> None:
+    deadline = time.monotonic() + 10
+    while any(held(engine)):
+        assert time.monotonic() < deadline, f"sequences still held: {held(engine)}"
+        time.sleep(0.02)
+
+
+def metric(server: LiveServer, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def chat(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+def test_greedy_choices_are_the_request_alone(client: Any, engine: BatchEngine) -> None:
+    one = client.chat.completions.create(model=MODEL, messages=chat("count with me"), max_tokens=12, temperature=0)
+    three = client.chat.completions.create(model=MODEL, messages=chat("count with me"), max_tokens=12, temperature=0,
+                                           n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
+    assert [c.finish_reason for c in three.choices] == [one.choices[0].finish_reason] * 3
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert three.usage.total_tokens == three.usage.prompt_tokens + three.usage.completion_tokens
+    wait_idle(engine)
+
+
+def test_seeded_choice_i_is_the_request_with_seed_plus_i(client: Any) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 1.0}
+    many = client.completions.create(**body, seed=41, n=3)
+    alone = [client.completions.create(**body, seed=41 + i).choices[0].text for i in range(3)]
+    assert [c.text for c in many.choices] == alone
+    assert len(set(alone)) > 1  # (the choices differ)
+    again = client.completions.create(**body, seed=41, n=3)
+    assert [c.text for c in again.choices] == alone
+
+
+def test_a_list_of_prompts_gives_n_choices_each_in_openais_order(client: Any) -> None:
+    prompts = ["The sky is", "def add(a, b):", "1, 2, 3,"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0) for p in prompts]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.text for c in out.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert out.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert out.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    ids = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=4, temperature=0)
+    assert [c.index for c in ids.choices] == [0, 1]
+    assert ids.usage.prompt_tokens == 5
+
+
+def test_each_choices_logprobs_count_offsets_in_its_own_text(client: Any) -> None:
+    prompts = ["Hello", "Goodbye"]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, logprobs=2)
+    for prompt, choice in zip(prompts, out.choices):
+        alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+        mine, its = choice.logprobs, alone.choices[0].logprobs
+        assert mine.text_offset[0] == 0
+        assert (mine.tokens, mine.text_offset) == (its.tokens, its.text_offset)
+        assert mine.token_logprobs == pytest.approx(its.token_logprobs, abs=1e-4)  # (batched: low-order bits)
+
+
+def test_streamed_choices_are_the_whole_ones(server: LiveServer, engine: BatchEngine) -> None:
+    body = {"model": MODEL, "messages": chat("tell me more"), "max_tokens": 10, "temperature": 0, "n": 3,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=60) as http:
+        whole = http.post(server.url + "/v1/chat/completions", json={**body, "stream": False,
+                                                                      "stream_options": None}).json()
+        with http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1
+    usage = [c for c in chunks if not c["choices"]]
+    assert len(usage) == 1 and chunks[-1] is usage[0]  # once, after every choice finished
+    text: dict[int, str] = {}
+    roles: dict[int, int] = {}
+    finishes: dict[int, str] = {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        i = choice["index"]
+        assert i not in finishes  # nothing of a choice after its finish
+        roles[i] = roles.get(i, 0) + (choice["delta"].get("role") == "assistant")
+        text[i] = text.get(i, "") + (choice["delta"].get("content") or "")
+        if choice["finish_reason"]:
+            finishes[i] = choice["finish_reason"]
+    assert roles == {0: 1, 1: 1, 2: 1}
+    assert text == {c["index"]: c["message"]["content"] for c in whole["choices"]}
+    assert finishes == {c["index"]: c["finish_reason"] for c in whole["choices"]}
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert usage[0]["usage"][key] == whole["usage"][key]
+    wait_idle(engine)
+
+
+def test_a_prompts_other_choices_take_it_from_the_kept_prefixes(server: LiveServer, client: Any) -> None:
+    prompt = "A prompt that no other test sends, long enough to be worth keeping: " + "alpha beta gamma " * 12
+    before = metric(server, "mtpipe_prompt_tokens_cached_total")
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, n=3)
+    cached = metric(server, "mtpipe_prompt_tokens_cached_total") - before
+    assert out.usage.prompt_tokens_details.cached_tokens == 0  # (the prompt is new: its first choice prefilled it)
+    assert cached == 2 * (out.usage.prompt_tokens - 1)  # the other two prefilled only its last token
+
+
+def test_a_client_that_leaves_stops_every_choice(server: LiveServer, engine: BatchEngine) -> None:
+    wait_idle(engine)
+    never_ends = {str(t): -100 for t in engine.eos}
+    body = {"model": MODEL, "messages": chat("go on"), "max_tokens": 3000, "temperature": 0, "n": 3,
+            "logit_bias": never_ends}
+    cancelled = metric(server, "mtpipe_generations_cancelled_total")
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            seen = set()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    seen.add(json.loads(line[6:])["choices"][0]["index"])
+                if len(seen) == 3:
+                    assert sum(held(engine)) == 3 * len(engine.stages)  # every choice mid-generation
+                    break
+    wait_idle(engine)
+    assert metric(server, "mtpipe_generations_cancelled_total") == cancelled + 3
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.8))
+    wait_idle(engine)
+    assert metric(server, "mtpipe_generations_cancelled_total") == cancelled + 6
+
+
+def test_a_refused_choice_refuses_the_request_and_leaves_nothing(server: LiveServer, engine: BatchEngine) -> None:
+    """A choice that cannot run (its prompt too long for the context with this max_tokens) refuses the
+    whole request before any choice starts."""
+    wait_idle(engine)
+    steps = [s.stats.steps for s in engine.pipeline.stages]
+    r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": ["fine", "x " * (engine.max_context + 8)], "max_tokens": 4, "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]", r.text
+    assert [s.stats.steps for s in engine.pipeline.stages] == steps
+    assert not any(held(engine))
