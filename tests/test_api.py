@@ -415,6 +415,7 @@ BAD = [
     ("token-out-of-vocab", TEXT, {"prompt": [1, 10**6]}, 400, "prompt"),
     ("second-prompt-empty", TEXT, {"prompt": ["a", ""]}, 400, "prompt[1]"),
     ("second-token-prompt-empty", TEXT, {"prompt": [[5, 6], []]}, 400, "prompt[1]"),
+    ("second-token-prompt-out-of-vocab", TEXT, {"prompt": [[5, 6], [1, 10**6]]}, 400, "prompt[1]"),
     ("empty-token-prompt-in-a-list", TEXT, {"prompt": [[]]}, 400, "prompt"),
     ("mixed-prompt", TEXT, {"prompt": [1, "a"]}, 400, "prompt"),
     ("echo", TEXT, {"prompt": "x", "echo": True}, 400, "echo"),

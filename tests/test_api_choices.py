@@ -147,6 +147,19 @@ def test_streamed_choices_are_the_whole_ones(server: LiveServer, engine: BatchEn
     wait_idle(engine)
 
 
+def test_streamed_completions_of_several_prompts_are_the_whole_ones(client: Any) -> None:
+    ask = {"model": MODEL, "prompt": ["Hello", "It was"], "max_tokens": 8, "temperature": 0, "n": 2, "logprobs": 1}
+    whole = client.completions.create(**ask)
+    text: dict[int, str] = {}
+    offsets: dict[int, list[int]] = {}
+    for chunk in client.completions.create(stream=True, **ask):
+        for choice in chunk.choices:
+            text[choice.index] = text.get(choice.index, "") + choice.text
+            offsets.setdefault(choice.index, []).extend(choice.logprobs.text_offset if choice.logprobs else [])
+    assert text == {c.index: c.text for c in whole.choices}
+    assert offsets == {c.index: c.logprobs.text_offset for c in whole.choices}
+
+
 def test_a_prompts_other_choices_take_it_from_the_kept_prefixes(server: LiveServer, client: Any) -> None:
     prompt = "A prompt that no other test sends, long enough to be worth keeping: " + "alpha beta gamma " * 12
     before = metric(server, "mtpipe_prompt_tokens_cached_total")
@@ -189,3 +202,35 @@ def test_a_refused_choice_refuses_the_request_and_leaves_nothing(server: LiveSer
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]", r.text
     assert [s.stats.steps for s in engine.pipeline.stages] == steps
     assert not any(held(engine))
+
+
+def test_a_request_reserves_all_its_slots_or_none() -> None:
+    """Two requests that each need most of the slots take them in turn: neither holds part of them while
+    it waits for the rest (each would then wait on the other until both got a 503), and a request that
+    waits past the slot timeout gives back what it took."""
+    import asyncio
+
+    from mtpipe.coordinator.api.metrics import ServerMetrics
+    from mtpipe.coordinator.api.service import Service
+    from mtpipe.coordinator.engine.sinks import ServerBusy
+
+    async def main() -> None:
+        service = Service(None, MODEL, default_mtp_depth=None, max_concurrency=4, cluster_info=None,  # type: ignore[arg-type]
+                          metrics=ServerMetrics())
+        await service.reserve(3, None)
+        second = asyncio.ensure_future(service.reserve(3, None))
+        single = asyncio.ensure_future(service.reserve(1, None))
+        await asyncio.sleep(0.3)
+        assert not second.done() and not single.done()  # (the single one waits its turn behind it)
+        service.release(3)
+        await asyncio.wait_for(second, 5)
+        await asyncio.wait_for(single, 5)
+        assert service.slots._value == 0
+        service.release(4)
+        service.slot_timeout = 0.3
+        await service.reserve(2, None)
+        with pytest.raises(ServerBusy):
+            await service.reserve(4, None)
+        assert service.slots._value == 2  # what the refused one took is back
+
+    asyncio.run(main())

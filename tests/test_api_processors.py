@@ -254,6 +254,14 @@ def test_a_reasoning_models_thinking_comes_apart_from_its_answer(client: Any, en
         assert sum(len(c.logprobs.content) for c in carrying) == logged[-1].usage.completion_tokens == 24
         thinking = [c for c in carrying if (c.delta.model_extra or {}).get("reasoning")]
         assert thinking and all(not c.delta.content for c in thinking)  # (its own tokens' logprobs)
+        two = client.chat.completions.create(n=2, **ask).choices  # (each choice's reply split on its own)
+        assert [(c.message.content, c.message.model_extra["reasoning"]) for c in two] == [(answer, thought)] * 2
+        streamed: dict[int, list[str]] = {0: ["", ""], 1: ["", ""]}
+        for c in client.chat.completions.create(stream=True, n=2, **ask):
+            for choice in c.choices:
+                streamed[choice.index][0] += choice.delta.content or ""
+                streamed[choice.index][1] += (choice.delta.model_extra or {}).get("reasoning") or ""
+        assert streamed == {0: [answer, thought], 1: [answer, thought]}
         dropped = client.chat.completions.create(extra_body={"include_reasoning": False}, **ask).choices[0].message
         assert dropped.content == answer and "reasoning_content" not in (dropped.model_extra or {})
         shown = client.chat.completions.create(extra_body={"include_reasoning": None}, **ask).choices[0].message

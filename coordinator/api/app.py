@@ -229,8 +229,8 @@ def create_app(
             raise APIError(400, f"best_of must equal n ({n}): every choice generated is returned", param="best_of")
         reqs = []
         for i, prompt in enumerate(prompts):
-            tokens = await (service.encode_text(prompt) if isinstance(prompt, str) else service.token_ids(prompt))
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            tokens = await (service.encode_text(prompt) if isinstance(prompt, str) else service.token_ids(prompt, param))
             reqs.append(service.generation_request(body, params, tokens, body.max_tokens, param))
         return await respond("/v1/completions", body, reqs, n, request, started)
 

@@ -114,6 +114,7 @@ class GenerationThread:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.stopping = threading.Event()
         self.cancelled = False  # stopped before the last chunk
+        self.by_client = True  # stopped because its client went away
         self.finished = False
         self.handle: Any = None
         self.early: list[Any] = []  # what came before the admission it was waiting for
@@ -155,14 +156,18 @@ class GenerationThread:
                     return
             self.early.append(await self.queue.get())
 
-    def cancel(self) -> None:
+    def cancel(self, by_client: bool = True) -> None:
+        """Stop it; `by_client`: because its client went away (counted so), else with its response (the
+        first cancel says which)."""
+        if not self.stopping.is_set():
+            self.by_client = by_client
         self.stopping.set()
         if self.handle is not None:
             self.handle.cancel()
 
     def abort(self, error: BaseException) -> None:
         """Stop, and end its chunks with `error` (on the event loop): its client hears why it ends."""
-        self.cancel()
+        self.cancel(by_client=False)
         self.queue.put_nowait(error)
 
     def _on_item(self, item: Any) -> None:

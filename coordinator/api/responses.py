@@ -7,8 +7,6 @@ from the kept prefixes instead of prefilling it again. Choice i of prompt p has 
 OpenAI orders them; usage counts each prompt once and every choice's tokens. Any choice refused before
 the response starts refuses the request (its status: 503 with Retry-After when busy); a choice that
 fails later fails the response, and the others stop.
-
-(No `from __future__ import annotations` here, as in service.py.)
 """
 
 import asyncio
@@ -70,41 +68,46 @@ async def _until(service: "Service", waited: Any, request: Any) -> None:
         task.cancel()
 
 
-async def _begin(service: "Service", req: "GenerationRequest", request: Any) -> GenerationThread:
+async def begin(service: "Service", choices: list[Choice], request: Any, admitted: bool) -> list[GenerationThread]:
+    """Every choice's run started on a slot reserved for it (with `admitted`, and admitted by the engine),
+    in index order: a prompt's first choice at once, its others once that one's first chunk shows the
+    prompt is in. A refusal of any stops those begun, gives the slots back and is raised."""
     try:
-        return await service.start(req, request)
+        await service.reserve(len(choices), request)
     except APIError:
         raise
-    except Exception as e:  # an engine that refuses at once (its pipeline down, its process gone)
+    except Exception as e:  # no slots in time
         raise service.server_error(e) from None
-
-
-async def begin(service: "Service", choices: list[Choice], request: Any, admitted: bool) -> list[GenerationThread]:
-    """Every choice's run started (with `admitted`, and admitted by the engine), in index order: a
-    prompt's first choice at once, its others once that one's first chunk shows the prompt is in. A
-    refusal of any stops those begun and is raised."""
     runs: dict[int, GenerationThread] = {}
+    unused = len(choices)  # slots reserved and not yet handed to a run
 
-    async def start(choice: Choice) -> None:
-        runs[choice.index] = await _begin(service, choice.req, request)
+    def start(choice: Choice) -> None:
+        nonlocal unused
+        unused -= 1  # (a run gives its slot back when it ends, or at once if it cannot start)
+        try:
+            runs[choice.index] = service.run(choice.req)
+        except Exception as e:  # an engine that refuses at once (its pipeline down, its process gone)
+            raise service.server_error(e) from None
 
     async def prompt(group: list[Choice]) -> None:
-        await start(group[0])
+        start(group[0])
         if len(group) > 1:
             await _until(service, runs[group[0].index].first(), request)
-            await _all([asyncio.ensure_future(start(c)) for c in group[1:]])
+            for choice in group[1:]:
+                start(choice)
         if admitted:
             await _all([asyncio.ensure_future(_until(service, runs[c.index].admitted(), request)) for c in group])
 
     groups: dict[int, list[Choice]] = {}
     for choice in choices:
         groups.setdefault(choice.prompt, []).append(choice)
-    tasks = [asyncio.ensure_future(prompt(group)) for group in groups.values()]
     try:
-        await _all(tasks)
-    except BaseException:
+        await _all([asyncio.ensure_future(prompt(group)) for group in groups.values()])
+    except BaseException as e:
+        service.release(unused)
+        gone = not isinstance(e, Exception) or (isinstance(e, APIError) and e.status == 499)
         for run in runs.values():
-            run.cancel()
+            run.cancel(by_client=gone)
         raise
     return [runs[c.index] for c in choices]
 
@@ -142,16 +145,18 @@ async def complete(service: "Service", endpoint: str, choices: list[Choice], fmt
     try:
         answers = await _all([asyncio.ensure_future(_answer(service, endpoint, c, run, fmt.for_choice(c.index),
                                                             started, tools)) for c, run in zip(choices, runs)])
-    except APIError:
-        raise
     except Exception as e:
-        raise service.server_error(e) from None
+        for run in runs:
+            run.cancel(by_client=False)
+        raise e if isinstance(e, APIError) else service.server_error(e) from None
     finally:
         watcher.cancel()
         for run in runs:
             run.cancel()
-    if any(a is None for a in answers):  # the client went away; nobody reads this
-        return Response(status_code=499)
+    if any(a is None for a in answers):  # stopped before it finished: its client went away, or the engine let it go
+        if request is None or await request.is_disconnected():
+            return Response(status_code=499)  # (nobody reads this)
+        raise service.server_error(RuntimeError("a generation ended before it finished"))
     usage = usage_of([(c.prompt, stats) for c, (_, stats) in zip(choices, answers)], choices[0].req.depth_label)
     return JSONResponse(fmt.response([choice for choice, _ in answers], usage))
 
@@ -210,39 +215,60 @@ async def _events(service: "Service", endpoint: str, choices: list[Choice], runs
     # When the client leaves, Starlette cancels this generator and `finally` stops the runs: the
     # watcher, needed until the stream began, is not.
     watcher.cancel()
-    events: asyncio.Queue = asyncio.Queue()
     finals: list[Any] = [None] * len(choices)
-
-    async def pump(i: int) -> None:
-        async for event in _choice_events(service, endpoint, choices[i], runs[i], fmt.for_choice(choices[i].index),
-                                          started, tools, finals, i):
-            events.put_nowait(event)
-
-    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(choices))]
-    done = asyncio.ensure_future(_all(tasks))
+    streams = [_choice_events(service, endpoint, c, run, fmt.for_choice(c.index), started, tools, finals, i)
+               for i, (c, run) in enumerate(zip(choices, runs))]
     try:
-        while True:
-            getter = asyncio.ensure_future(events.get())
-            await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
-            if getter.done():
-                yield getter.result()
-                continue
-            getter.cancel()
-            while not events.empty():
-                yield events.get_nowait()
-            done.result()
-            break
+        async for event in _merged(streams):
+            yield event
         if fmt.include_usage and all(f is not None for f in finals):
             usage = usage_of([(c.prompt, f) for c, f in zip(choices, finals)], choices[0].req.depth_label)
             yield sse_event(fmt.usage_chunk(usage))
         yield SSE_DONE
     except Exception as e:
+        for run in runs:
+            run.cancel(by_client=False)
         yield sse_event(service.server_error(e).body())
         yield SSE_DONE
     finally:
-        done.cancel()
         for run in runs:
             run.cancel()
+
+
+_ENDED = object()
+
+
+async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The streams' items as they come; the first error raised, the other streams then stopped."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    items: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[str]) -> None:
+        try:
+            async for item in stream:
+                items.put_nowait(item)
+        except Exception as e:
+            items.put_nowait(e)
+        finally:
+            items.put_nowait(_ENDED)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await items.get()
+            if item is _ENDED:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _choice_events(service: "Service", endpoint: str, choice: Choice, run: GenerationThread,

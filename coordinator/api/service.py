@@ -56,6 +56,7 @@ class Service:
         self.metrics = metrics
         self.max_concurrency = max_concurrency
         self.slots = asyncio.Semaphore(max_concurrency)
+        self.reserving = asyncio.Lock()  # (one request reserves its slots at a time)
         self.slot_timeout = SLOT_TIMEOUT_S
         self.tokenizer_lock = threading.Lock()  # fast tokenizers may refuse concurrent use
         self.long_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")  # one long prompt at a time
@@ -207,31 +208,52 @@ class Service:
     async def encode_text(self, text: str) -> list[int]:
         return await self.tokenize(len(text), lambda tok: list(tok.encode(text)))
 
-    async def token_ids(self, ids: list[int]) -> list[int]:
+    async def token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         """A prompt given as token ids, checked against the vocabulary (a long one off the event loop)."""
         if len(ids) > LONG_TOKEN_IDS:
-            await asyncio.to_thread(self.check_token_ids, ids)
+            await asyncio.to_thread(self.check_token_ids, ids, param)
         else:
-            self.check_token_ids(ids)
+            self.check_token_ids(ids, param)
         return list(ids)
 
-    def check_token_ids(self, ids: list[int]) -> None:
+    def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
         vocab = len(self.engine.tokenizer)
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
     # runs ---------------------------------------------------------------------------------
 
-    async def _slot(self, request: Any) -> None:
-        """One of the `max_concurrency` generation slots, waited for only while the client waits too and at
-        most SLOT_TIMEOUT_S (then ServerBusy: 503 with Retry-After)."""
-        acquire = asyncio.ensure_future(self.slots.acquire())
+    async def reserve(self, count: int, request: Any) -> None:
+        """`count` of the `max_concurrency` generation slots, all or none, waited for only while the client
+        waits too and at most SLOT_TIMEOUT_S (then ServerBusy: 503 with Retry-After). Requests reserve in
+        turn, so that two whose choices each hold part of what they need never wait on each other."""
         deadline = time.monotonic() + self.slot_timeout
+        taken = 0
         try:
-            while not acquire.done():
-                await asyncio.wait({acquire}, timeout=DISCONNECT_POLL_S)
-                if acquire.done():
+            await self._waited(self.reserving.acquire, self.reserving.release, request, deadline)
+            try:
+                while taken < count:
+                    await self._waited(self.slots.acquire, self.slots.release, request, deadline)
+                    taken += 1
+            finally:
+                self.reserving.release()
+        except BaseException:
+            self.release(taken)
+            raise
+
+    def release(self, count: int) -> None:
+        """Reserved slots given back unused."""
+        for _ in range(count):
+            self.slots.release()
+
+    async def _waited(self, acquire: Callable[[], Any], release: Callable[[], None], request: Any,
+                      deadline: float) -> None:
+        task = asyncio.ensure_future(acquire())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if task.done():
                     break
                 if request is not None and await request.is_disconnected():
                     raise APIError(499, "the client went away while its request waited", code="client_gone")
@@ -240,14 +262,14 @@ class Service:
                                      f"({self.max_concurrency} at once)",
                                      retry_after=max(1, int(self.slot_timeout // 4)))
         except BaseException:
-            if acquire.done() and not acquire.cancelled():
-                self.slots.release()  # acquired meanwhile
+            if task.done() and not task.cancelled():
+                release()  # taken meanwhile
             else:
-                acquire.cancel()
+                task.cancel()
             raise
 
-    async def start(self, req: "GenerationRequest", request: Any = None) -> GenerationThread:
-        await self._slot(request)
+    def run(self, req: "GenerationRequest") -> GenerationThread:
+        """A generation on a reserved slot, which it gives back when it ends (at once if it cannot start)."""
         try:
             run = GenerationThread(self.engine, req, self._on_exit)
             self.metrics.in_flight.inc()
@@ -263,9 +285,11 @@ class Service:
 
     def _on_exit(self, run: GenerationThread) -> None:  # on the run's thread
         self.metrics.in_flight.dec()
-        if run.cancelled:
+        if run.cancelled and run.by_client:
             self.metrics.cancelled.inc()
             log.info("client went away: generation stopped and its caches released")
+        elif run.cancelled:
+            log.info("generation stopped with its response (another choice of it failed), its caches released")
 
         try:
             run.loop.call_soon_threadsafe(self.slots.release)
