@@ -58,7 +58,7 @@ class FillGroup:
         self.positions.append(0 if prefix is None else prefix.length)
         self.steps.append(0)
         if self.head is not None:
-            self.drafts[req.seq_id] = draft = new_draft_state(req)
+            self.drafts[req.seq_id] = draft = new_draft_state(req, self.head.grammars)
             if prefix is not None:
                 resume_draft(draft, prefix)
 

@@ -23,6 +23,7 @@ from ..models.shard import queue_layers
 from .acceptance import accept_coupled, accept_greedy, accept_sampled, draw, filtered_probs, gumbel_pick
 from .depth import PRIOR_ROUNDS, DepthChooser, StageCosts
 from .device_sampling import drafts_on_device, draw_drafts
+from .constraints import Grammars, constraint_for
 from .processors import History, LogprobTable, apply, bias_vector, has_processors, logprob_table, read_logprobs
 from .protocol import Commit, SamplingParams, StepKind, StepOutput, StepRequest
 
@@ -110,19 +111,14 @@ class DraftState:
         return self.bias
 
 
-def new_draft_state(req: StepRequest) -> DraftState:
+def new_draft_state(req: StepRequest, grammars: Grammars | None = None) -> DraftState:
+    """A sequence's head state; its grammar compiled with `grammars` (StageError where there are none)."""
     params = req.params or SamplingParams()
     seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
-    auto = req.mtp_auto and req.mtp_depth > 0
-    chooser = DepthChooser(req.mtp_depth) if auto else None
-    return DraftState(
-        params=params,
-        depth=req.mtp_depth,
-        rng=np.random.default_rng(seed),
-        mtp_cache=KVCache() if req.mtp_depth > 0 else None,
-        chooser=chooser,
-        history=History(generated_from=req.resumed_at),
-    )
+    chooser = DepthChooser(req.mtp_depth) if req.mtp_auto and req.mtp_depth > 0 else None
+    return DraftState(params=params, depth=req.mtp_depth, rng=np.random.default_rng(seed),
+                      mtp_cache=KVCache() if req.mtp_depth > 0 else None, chooser=chooser,
+                      history=History(generated_from=req.resumed_at, constraint=constraint_for(params, grammars)))
 
 
 class Prepared(NamedTuple):
@@ -164,6 +160,7 @@ class Head:
         if mtp_window is not None and mtp_window < 0:
             raise ValueError(f"mtp_window must be 0 (the whole context) or more, got {mtp_window}")
         self.mtp_window = (DEFAULT_WINDOW if mtp_window is None else mtp_window) or None
+        self.grammars: Grammars | None = None  # where the stage's process holds the tokenizer (constraints.py)
 
     def prepare(self, h: mx.array, d: DraftState, drafts: list[int]) -> Prepared:
         """A step's head part, all still lazy: queued with the forward that makes `h`, the whole next

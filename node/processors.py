@@ -10,6 +10,8 @@ are one dense row per request, kept on the device and updated with each round's 
 picks and sampling both read the processed logits, so greedy output equals non-speculative decoding
 with the same settings and sampled output keeps its distribution.
 
+A grammar (constraints.py) comes last: the tokens it refuses at a position get -inf there.
+
 Log-probabilities are those of the processed logits before temperature and the top-k/top-p/min-p
 filters (what the model, with the request's biases and penalties, gives each token).
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from .constraints import Constraint
 from .protocol import SamplingParams
 
 REPETITION_CONTEXT = 20
@@ -55,14 +58,20 @@ class History:
     length: int = 0  # tokens in the sequence: the position of the next one
     generated_from: int = 0  # a resumed sequence: its prompt's tokens from here on were generated (0: none)
     additive: PenaltyRow | None = None  # made by the first `apply` that needs it
+    constraint: Constraint | None = None  # the grammar its output is held to
 
     def extend_prompt(self, tokens: list[int]) -> None:
         if self.generated_from:
-            self.generated += list(tokens)[max(0, self.generated_from - self.length) :]
+            again = list(tokens)[max(0, self.generated_from - self.length) :]
+            self.generated += again
+            if self.constraint is not None:
+                self.constraint.take(again)
         self.recent = (self.recent + list(tokens))[-REPETITION_CONTEXT - 1 :]
         self.length += len(tokens)
 
     def emit(self, tokens: list[int]) -> None:
+        if self.constraint is not None:
+            self.constraint.take(tokens)
         self.generated += tokens
         self.recent = (self.recent + list(tokens))[-REPETITION_CONTEXT - 1 :]
         self.length += len(tokens)
@@ -87,7 +96,7 @@ def has_additive(params: SamplingParams) -> bool:
 
 
 def has_processors(params: SamplingParams) -> bool:
-    return has_additive(params) or params.repetition_penalty != 1.0
+    return has_additive(params) or params.repetition_penalty != 1.0 or params.grammar is not None
 
 
 def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, History, list[int]]]) -> mx.array:
@@ -98,8 +107,11 @@ def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, History, list[
     rep: list[tuple[int, int, int, float]] = []  # (row, position, token, factor)
     adds: list[tuple[int, mx.array]] = []  # (row, dense additive row)
     extra: list[tuple[int, int, int, float]] = []  # (row, position, token, add): the drafts' own penalties
+    allowed: list[tuple[int, np.ndarray]] = []  # (row, [positions, V]): what its grammar allows (constraints.py)
     for b, params, history, drafts in rows:
         positions = min(len(drafts), logits.shape[1] - 1) + 1
+        if history.constraint is not None:
+            allowed.append((b, history.constraint.masks(drafts, positions)))
         if params.repetition_penalty != 1.0:
             for j in range(positions):
                 for t in set((history.recent + drafts[:j])[-REPETITION_CONTEXT:]):
@@ -124,6 +136,12 @@ def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, History, list[
     if extra:
         b, j, t, value = (mx.array(list(c)) for c in zip(*extra))
         out = out.at[b, j, t].add(value)
+    if allowed:  # last: a token the grammar refuses stays refused whatever the penalties
+        mask = np.ones((len(allowed), *out.shape[1:]), dtype=bool)  # (only the rows a grammar holds)
+        for i, (_, rows_allowed) in enumerate(allowed):
+            mask[i, : rows_allowed.shape[0]] = rows_allowed
+        held = mx.array([b for b, _ in allowed])
+        out[held] = mx.where(mx.array(mask), out[held], -mx.inf)
     return out
 
 
@@ -213,7 +231,8 @@ def read_logprobs(table: LogprobTable, rows: list[tuple[int, list[int], int]]
         for j in range(len(tokens)):
             best = []
             if top > 0 and ids is not None:
-                best = sorted(zip(ids[j].tolist(), vals[j].tolist()), key=lambda p: (-p[1], p[0]))[:top]
+                best = sorted(((t, v) for t, v in zip(ids[j].tolist(), vals[j].tolist()) if v > -np.inf),
+                              key=lambda p: (-p[1], p[0]))[:top]  # (none a grammar refuses: constraints.py)
             per_row.append((float(lp[j]), best))
         out.append(per_row)
     return out

@@ -39,6 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     top_logprobs: int = -1  # -1: no log-probabilities; 0-20: the emitted token's and this many others'
+    grammar: str | None = None  # the output held to this llguidance grammar (constraints.py); on a stage that has the tokenizer
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +69,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
         if not -1 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if self.grammar is not None and not self.grammar.strip():
+            raise ValueError("grammar must not be empty")
 
 
 @dataclass(frozen=True)

@@ -326,7 +326,7 @@ class StageWorker:
         else:
             seq = Sequence(cache=sequence_cache(prefix, len(self.model.layers)), position=prefix.length)
         if self.spec.is_last:
-            seq.draft = new_draft_state(req)
+            seq.draft = new_draft_state(req, self.head.grammars)
             if prefix is not None:
                 resume_draft(seq.draft, prefix)
         return seq

@@ -106,6 +106,8 @@ def frame_to_request(f: pb.Frame) -> StepRequest:
 
 
 def params_to_pb(p: SamplingParams) -> pb.Sampling:
+    if p.grammar is not None:  # (never dropped on the way: a node holds no tokenizer to compile it with)
+        raise StageError("output held to a grammar (response_format) runs on a single machine only, not on nodes")
     s = pb.Sampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                     logit_bias=[pb.TokenBias(token=t, bias=b) for t, b in p.logit_bias],
                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty)

@@ -425,7 +425,7 @@ BAD = [
      {"messages": M, "stream": False, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("completion-logprobs-negative", TEXT, {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
     ("completion-logprobs-21", TEXT, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    ("json-mode", CHAT, {"messages": M, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("response-format-xml", CHAT, {"messages": M, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("json-schema-text", TEXT, {"prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format"),
 ]
 

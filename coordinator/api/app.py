@@ -16,6 +16,10 @@ event loop (service.py).
 GET /health answers 200 only when every stage is ready, else 503 naming each node that is not and why
 (readiness.py).
 
+Output formats (formats.py): `response_format` json_object and json_schema, vLLM's `structured_outputs`
+(json, regex, choice) and `guided_json` / `guided_regex` / `guided_choice`, held by the last stage
+(node/constraints.py) on an engine that can; elsewhere a 400.
+
 Extensions: the `mtp_depth` request field; vLLM's `skip_special_tokens` (special tokens such as
 `<|im_start|>` are left out of the text unless it is false; kept by default when tools are in use,
 tool_choice not "none", as vLLM's tool parsers need their tags; a stop string that is a special
@@ -33,6 +37,7 @@ fastapi and uvicorn are imported when an app is built, not when the CLI register
 """
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from .chat import chat_messages, tool_spec
 from .defaults import DEFAULT_CORS_ORIGINS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
 from .errors import APIError, error_body, parse_body, validation_error
+from .formats import output_format
 from .gate import Gate
 from .generation import ResponseFormat
 from .limits import BodyLimit
@@ -192,7 +198,8 @@ def create_app(
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
-        params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1)
+        fmt = output_format(body)
+        params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1, fmt)
         n = service.choices(body)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
@@ -207,6 +214,9 @@ def create_app(
         shown, thinking = body.include_reasoning is not False, None
         if getattr(service.engine.tokenizer, "has_thinking", False):  # (the prompt is read on the tokenizer's lane)
             thinking = await service.tokenize(0, lambda tokenizer: reasoning_split(tokenizer, tokens, shown))
+            ends = getattr(service.engine.tokenizer, "think_end_tokens", ())
+            if fmt is not None and thinking is not None and thinking.thinking and len(ends) == 1:
+                req = dataclasses.replace(req, params=dataclasses.replace(params, grammar=fmt.grammar(ends[0])))
         return await respond("/v1/chat/completions", body, [req], n, request, started, tools, thinking)
 
     @app.post("/v1/completions")
@@ -220,7 +230,7 @@ def create_app(
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {body.logprobs}", param="logprobs")
-        params = service.sampling(body, -1 if body.logprobs is None else body.logprobs)
+        params = service.sampling(body, -1 if body.logprobs is None else body.logprobs, output_format(body))
         prompts = body.prompt
         if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
             prompts = [prompts]  # (one prompt: a string or token ids)

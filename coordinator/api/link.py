@@ -47,7 +47,8 @@ READY_MARGIN_S = 2.0  # GET /health waits this much beyond the engine's own chec
 def engine_info(engine: Any, *, cluster: bool) -> dict[str, Any]:
     """What the front needs to know of the engine to validate and answer without asking it."""
     return {"has_mtp": bool(engine.has_mtp), "max_context": int(engine.max_context),
-            "vocab_size": int(engine.vocab_size), "eos": sorted(engine.eos), "cluster": cluster}
+            "vocab_size": int(engine.vocab_size), "eos": sorted(engine.eos), "cluster": cluster,
+            "constrains": bool(getattr(engine, "constrains", False))}
 
 
 class EngineHost:
@@ -213,6 +214,7 @@ class EngineClient:
         self.max_context: int = info["max_context"]
         self.vocab_size: int = info["vocab_size"]
         self.eos = set(info["eos"])
+        self.constrains: bool = info["constrains"]  # (the engine holds output to grammars)
         self.pipeline = self  # describe() and close(), as an engine's pipeline offers them
         self.on_lost: Callable[[], None] | None = None
         self.lost: str | None = None
@@ -227,7 +229,7 @@ class EngineClient:
         self._reader.start()
 
     def validate(self, req: GenerationRequest) -> None:
-        check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
+        check_request(req, max_context=self.max_context, has_mtp=self.has_mtp, constrains=self.constrains)
         check_vocabulary(req, self.vocab_size)
 
     def open(self, req: GenerationRequest, sink: Sink, admitted: Callable[[], None] | None = None) -> LinkHandle:

@@ -110,7 +110,12 @@ class _GenerationBody(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension (mlx-lm's, over the last 20 tokens)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}: decoding is not constrained
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema (formats.py)
+    # vLLM's output formats: structured_outputs {json | regex | choice}, and its older fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     # vLLM's extensions. skip_special_tokens: leave special tokens out of the text (None: yes, but with tools in
     # use, whose tags may be special); a min_tokens other than 0 is refused (EOS is never held back here).
     skip_special_tokens: bool | None = None

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ..engine.engine import Engine
     from ..engine.request import GenerationStats
     from .chat import ToolSpec
+    from .formats import OutputFormat
     from .models import _GenerationBody
 
 log = logging.getLogger(__name__)
@@ -71,12 +72,10 @@ class Service:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def sampling(self, body: "_GenerationBody", top_logprobs: int = -1) -> SamplingParams:
-        """The body's sampling, processors and logprobs (-1: none asked; else how many alternatives)."""
-        kind = (body.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise APIError(400, f"response_format {kind!r} is not supported: this server does not constrain decoding "
-                                "to JSON; ask for JSON in the prompt instead", param="response_format")
+    def sampling(self, body: "_GenerationBody", top_logprobs: int = -1,
+                 fmt: "OutputFormat | None" = None) -> SamplingParams:
+        """The body's sampling, processors and logprobs (-1: none asked; else how many alternatives), and
+        the grammar of its output format (formats.py)."""
         body = with_defaults(body, self.defaults)
         temperature = 1.0 if body.temperature is None else body.temperature
         if 0.0 < temperature < GREEDY_BELOW:
@@ -93,6 +92,7 @@ class Service:
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             top_logprobs=top_logprobs,
+            grammar=None if fmt is None else fmt.grammar(),
         )
         try:
             params.validate()

@@ -116,6 +116,8 @@ class BatchEngine:
         self._prefill_token_s = 0.0  # per token of a prefill step's rows, each padded to the step's width
         self._narrowed = 0  # prefill steps just run narrower than the widest row's chunk (plan.fill_width)
         self.vocab_size = stages[0].worker.shard.config.args.vocab_size  # what the first stage embeds
+        head = stages[-1].worker.head
+        self.constrains = head is not None and head.grammars is not None  # output held to grammars (constraints.py)
         self.pipeline = self  # describe() and close() for the API and CLI, as a pipeline offers them
         thread.set_worker(self._work)
 
@@ -125,7 +127,7 @@ class BatchEngine:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
 
     def validate(self, req: GenerationRequest) -> None:
-        check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
+        check_request(req, max_context=self.max_context, has_mtp=self.has_mtp, constrains=self.constrains)
         # The first stage would refuse it in the middle of the batch's work: refuse it here, from open().
         check_vocabulary(req, self.vocab_size)
 

@@ -52,6 +52,7 @@ def batch_engine(
     from ...models.mlx_thread import MLXThread
     from ...models.ragged import CAPACITY_STEP
     from ...node.batch import BatchStage
+    from ...node.constraints import grammars_for
     from ...node.stage import StageWorker
     from ...node.sysinfo import system_memory
     from ..pipeline.local import even_split
@@ -80,6 +81,7 @@ def batch_engine(
         raise
     last = built[-1].worker
     has_mtp = last.shard.has_mtp
+    last.head.grammars = grammars_for(tokenizer, config.args.vocab_size, tokenizer.eos_token_ids)
     dims = ModelDims.of(config.args, itemsize=last.dtype.size, mtp=has_mtp, kv_step=CAPACITY_STEP)
     if memory_budget is None:
         memory_budget = max(thread.call(system_memory)[1] // 2, 256 * 2**20)  # (MLX's memory, asked on its thread)

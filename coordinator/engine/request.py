@@ -151,8 +151,9 @@ def collect(chunks: Iterable[GenerationChunk]) -> GenerationResult:
     raise RuntimeError("generation ended without a finish reason")
 
 
-def check_request(req: GenerationRequest, *, max_context: int, has_mtp: bool) -> None:
-    """Every rule a generation request must meet, with the field each rule is about."""
+def check_request(req: GenerationRequest, *, max_context: int, has_mtp: bool, constrains: bool = False) -> None:
+    """Every rule a generation request must meet, with the field each rule is about (`constrains`: the
+    engine holds output to a grammar)."""
     if not req.prompt_tokens:
         raise RequestError("the prompt is empty", "prompt")
     if not 0 <= req.mtp_depth <= MAX_MTP_DEPTH:
@@ -178,6 +179,9 @@ def check_request(req: GenerationRequest, *, max_context: int, has_mtp: bool) ->
         req.params.validate()
     except ValueError as e:
         raise RequestError(str(e), str(e).split()[0]) from None
+    if req.params.grammar is not None and not constrains:
+        raise RequestError("output held to a format (response_format) is served on one machine (mtpipe serve "
+                           "without --nodes) with llguidance installed, not by this engine", "response_format")
 
 
 def check_vocabulary(req: GenerationRequest, vocab_size: int) -> None:

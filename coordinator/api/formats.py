@@ -1,0 +1,119 @@
+"""What a request asks its output to look like, as the grammar the last stage holds it to (node/constraints.py).
+
+OpenAI's `response_format`: `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
+"json_schema": {"name", "schema", "strict"}}`; vLLM's `structured_outputs` with one of `json` (a schema),
+`regex` or `choice` (one of the strings), and its older `guided_json`, `guided_regex` and `guided_choice`.
+JSON comes laid out as `json.dumps` lays it out. Where the chat template opened a thought the reply
+thinks first, unconstrained, up to the closing tag (when the tokenizer has it as one token): only the
+answer is held to the format.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import APIError
+
+REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~")  # what a regex (Rust's syntax, llguidance's) must escape
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """A JSON schema (`schema`) or a regular expression (`regex`) the answer must match."""
+
+    schema: dict[str, Any] | None = None
+    regex: str | None = None
+
+    def grammar(self, after_token: int | None = None) -> str:
+        """The llguidance grammar; with `after_token`, everything up to that token is free (a thought)."""
+        from ...node.constraints import JSON_LAYOUT, grammar_of_schema
+
+        if after_token is None:
+            if self.schema is not None:
+                return grammar_of_schema(self.schema)
+            from llguidance import LLMatcher
+
+            return LLMatcher.grammar_from_regex(self.regex or "")
+        if self.schema is not None:
+            answer = f"%json {json.dumps({'x-guidance': JSON_LAYOUT, **self.schema})}"
+        else:
+            answer = "/" + (self.regex or "").replace("/", "\\/") + "/"
+        from llguidance import LLMatcher
+
+        return LLMatcher.grammar_from_lark(f"start: <[^{after_token}]>* <[{after_token}]> /\\n*/ answer\n"
+                                           f"answer: {answer}\n")
+
+
+def output_format(body: Any) -> OutputFormat | None:
+    """The format `body` asks for (None: free text), checked: 400 naming the field otherwise."""
+    asked = [(name, getattr(body, name, None)) for name in ("structured_outputs", "guided_json", "guided_regex",
+                                                             "guided_choice")]
+    asked = [(name, value) for name, value in asked if value is not None]
+    response_format = body.response_format or {}
+    kind = response_format.get("type", "text")
+    if kind != "text":
+        asked.insert(0, ("response_format", response_format))
+    if len(asked) > 1:
+        raise APIError(400, f"ask for one output format, got {' and '.join(name for name, _ in asked)}",
+                       param=asked[1][0])
+    if not asked:
+        return None
+    name, value = asked[0]
+    fmt = _of(name, value)
+    from ...node.constraints import grammar_error
+
+    try:
+        error = grammar_error(fmt.grammar())
+    except ValueError as e:
+        error = str(e)
+    if error:
+        raise APIError(400, f"{name}: the output cannot be held to this format: {error}", param=name)
+    return fmt
+
+
+def _of(name: str, value: Any) -> OutputFormat:
+    param = name  # (the field errors name: structured_outputs' parts are read as the guided_ fields are)
+    if name == "response_format":
+        kind = value.get("type")
+        if kind == "json_object":
+            return OutputFormat(schema={"type": "object"})
+        if kind != "json_schema":
+            raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                           param=name)
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise APIError(400, "response_format json_schema must be an object whose schema is a JSON Schema object",
+                           param=name)
+        return OutputFormat(schema=spec.get("schema") or {"type": "object"})
+    if name == "structured_outputs":
+        if not isinstance(value, dict):
+            raise APIError(400, "structured_outputs must be an object", param=param)
+        given = {k: v for k, v in value.items() if v is not None and k in ("json", "regex", "choice", "grammar",
+                                                                             "json_object", "structural_tag")}
+        if len(given) != 1:
+            raise APIError(400, "structured_outputs takes one of json, regex or choice", param=param)
+        (key, inner), = given.items()
+        if key == "json_object" and inner is True:
+            return OutputFormat(schema={"type": "object"})
+        if key not in ("json", "regex", "choice"):
+            raise APIError(400, f"structured_outputs {key} is not supported here: use json, regex or choice",
+                           param=param)
+        name, value = f"guided_{key}", inner
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise APIError(400, "the JSON schema is not valid JSON", param=param) from None
+        if not isinstance(value, dict):
+            raise APIError(400, "the JSON schema must be an object", param=param)
+        return OutputFormat(schema=value)
+    if name == "guided_regex":
+        if not isinstance(value, str) or not value:
+            raise APIError(400, "the regex must be a non-empty string", param=param)
+        return OutputFormat(regex=value)
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise APIError(400, "choice must be a list of non-empty strings", param=param)
+    return OutputFormat(regex="|".join("".join("\\" + c if c in REGEX_SPECIAL else c for c in s) for s in value))

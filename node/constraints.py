@@ -1,0 +1,135 @@
+"""Output held to a grammar (OpenAI's `response_format`: JSON, or JSON that fits a schema), token by token.
+
+llguidance's matcher says, from the tokens emitted so far, which tokens may come next; the others' logits
+become -inf before anything picks or samples from them. A verify scores K+1 positions at once, and
+position j must be masked as decoding one token at a time would have masked it, with d1..dj accepted:
+the matcher takes the drafts one by one, a mask before each, and gives them back; the tokens the round
+emits are then taken for good. A draft the grammar refuses is never accepted (its own position's mask
+excludes it), so the positions after it are left unmasked: nothing is read from them. Greedy output
+thus equals plain decoding under the same grammar at any depth, and sampled output keeps its
+distribution. The drafts themselves are drawn unconstrained.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from .protocol import SamplingParams, StageError
+
+log = logging.getLogger(__name__)
+
+# JSON as json.dumps lays it out, with no other whitespace: a weak or sampled model is not led into runs
+# of blank space the grammar would allow (a schema's own "x-guidance" options may say otherwise).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class Grammars:
+    """What compiles a request's grammar for this model: its tokenizer in llguidance's form (`vocab`: the
+    model's logits, which may outnumber the tokenizer's words; the ones past it are never allowed)."""
+
+    def __init__(self, hf_tokenizer: Any, vocab: int, eos: list[int]):
+        from llguidance import hf
+
+        self.tokenizer = hf.from_tokenizer(hf_tokenizer, n_vocab=vocab, eos_token=sorted(eos))
+        self.vocab = vocab
+
+    def check(self, grammar: str) -> None:
+        """ValueError naming what is wrong with `grammar` for this tokenizer."""
+        from llguidance import LLMatcher
+
+        error = LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise ValueError(error)
+
+    def constraint(self, grammar: str) -> Constraint:
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return Constraint(matcher, self.vocab)
+
+
+def grammars_for(tokenizer: Any, vocab: int, eos: set[int] | list[int]) -> Grammars | None:
+    """Grammars for a model with `tokenizer` (mlx-lm's wrapper or a Hugging Face one); None, logged, where
+    llguidance cannot take it (not a fast tokenizer) or is not installed."""
+    hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        return Grammars(hf_tokenizer, vocab, list(eos))
+    except (ImportError, ValueError) as e:
+        log.warning("output cannot be held to a grammar (response_format) with this tokenizer: %s", e)
+        return None
+
+
+def constraint_for(params: SamplingParams, grammars: Grammars | None) -> Constraint | None:
+    """The request's grammar compiled for a sequence (None: it has none); StageError where it cannot be."""
+    if params.grammar is None:
+        return None
+    if grammars is None:
+        raise StageError("this stage holds no tokenizer to hold output to a grammar (response_format)")
+    try:
+        return grammars.constraint(params.grammar)
+    except ValueError as e:
+        raise StageError(f"the grammar does not compile: {e}") from None
+
+
+def grammar_of_schema(schema: dict[str, Any]) -> str:
+    """The grammar of JSON that fits `schema` (a JSON Schema; {"type": "object"}: any object), laid out
+    as JSON_LAYOUT. ValueError if it is not a JSON object."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+
+
+def grammar_error(grammar: str) -> str:
+    """What is wrong with `grammar` whatever the tokenizer ("" if nothing)."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar(grammar)
+
+
+class Constraint:
+    """One sequence's grammar, at the tokens it has emitted."""
+
+    def __init__(self, matcher: Any, vocab: int):
+        self.matcher = matcher
+        self.vocab = vocab
+        self.broken = False  # took a token the grammar refuses (not picked under its mask): no longer held
+
+    def masks(self, drafts: list[int], positions: int) -> np.ndarray:
+        """The tokens allowed at each of `positions` positions [positions, vocab] (bool), position j after
+        drafts[:j]."""
+        out = np.ones((positions, self.vocab), dtype=bool)
+        if self.broken:
+            return out
+        taken = 0
+        for j in range(positions):
+            out[j] = self._allowed()
+            if j == positions - 1 or self.matcher.validate_tokens([drafts[j]]) != 1:
+                break
+            self.matcher.consume_token(drafts[j])
+            taken += 1
+        if taken:
+            self.matcher.rollback(taken)
+        return out
+
+    def take(self, tokens: list[int]) -> None:
+        """Tokens emitted: the grammar moves past them."""
+        for token in tokens:
+            if self.broken or self.matcher.is_stopped():
+                return
+            if self.matcher.validate_tokens([token]) != 1:
+                log.warning("a sequence emitted token %d, which its grammar refuses: no longer held to it", token)
+                self.broken = True
+                return
+            self.matcher.consume_token(token)
+
+    def _allowed(self) -> np.ndarray:
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: self.vocab].astype(bool)
+        if allowed.shape[0] < self.vocab:
+            allowed = np.concatenate([allowed, np.zeros(self.vocab - allowed.shape[0], dtype=bool)])
+        return allowed

@@ -1,0 +1,196 @@
+"""Output held to a grammar: `response_format` (JSON, a JSON schema) and vLLM's regex and choice.
+
+Greedy output under a grammar must be the same tokens at every MTP depth (auto too) and in a batch
+beside other rows, as plain decoding under the grammar gives them; seeded sampled output must be the
+same at every depth; the output must match the format; the masks of a verify's positions must leave
+the grammar's state where it was; bad formats are 400s that touch no stage.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("llguidance")
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from helpers import LiveServer, batch_chunks  # noqa: E402
+
+from mtpipe.coordinator.api.app import create_app  # noqa: E402
+from mtpipe.coordinator.api.formats import OutputFormat  # noqa: E402
+from mtpipe.coordinator.engine.batch import BatchEngine  # noqa: E402
+from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
+from mtpipe.coordinator.engine.request import GenerationRequest, RequestError, check_request  # noqa: E402
+from mtpipe.node.constraints import grammar_of_schema  # noqa: E402
+from mtpipe.node.protocol import SamplingParams  # noqa: E402
+
+MODEL = "tiny"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "tags": {"type": "array", "items": {"enum": ["red", "blue"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def engine(dense_ckpt: Path) -> BatchEngine:
+    return batch_engine(dense_ckpt, stages=2, dtype=mx.float32)
+
+
+@pytest.fixture(scope="module")
+def client(engine: BatchEngine) -> Any:
+    with LiveServer(create_app(engine, MODEL)) as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def fits(value: Any) -> bool:
+    return (isinstance(value, dict) and set(value) == {"name", "age", "tags"} and isinstance(value["name"], str)
+            and len(value["name"]) <= 12 and isinstance(value["age"], int) and 0 <= value["age"] <= 150
+            and all(t in ("red", "blue") for t in value["tags"]) and len(value["tags"]) <= 3)
+
+
+def run(engine: BatchEngine, prompt: list[int], depth: int, auto: bool = False, **params: Any) -> Any:
+    return engine.complete(GenerationRequest(prompt, 64, SamplingParams(grammar=grammar_of_schema(SCHEMA), **params),
+                                             mtp_depth=depth, mtp_auto=auto))
+
+
+def test_greedy_output_under_a_grammar_is_the_same_at_every_depth_and_fits(engine: BatchEngine) -> None:
+    prompt = engine.tokenizer.encode("The record reads")
+    plain = run(engine, prompt, 0)
+    assert plain.finish_reason == "stop" and fits(json.loads(plain.text)), plain.text
+    for depth, auto in ((1, False), (2, False), (3, False), (3, True)):
+        out = run(engine, prompt, depth, auto)
+        assert out.tokens == plain.tokens, (depth, auto, out.text, plain.text)
+    free = engine.complete(GenerationRequest(prompt, 16, SamplingParams(), mtp_depth=2))
+    assert not free.text.startswith("{")  # (the grammar, not the model, made it JSON)
+
+
+def test_seeded_output_under_a_grammar_is_the_same_at_every_depth(engine: BatchEngine) -> None:
+    prompt = engine.tokenizer.encode("Another record:")
+    outs = [run(engine, prompt, depth, temperature=1.0, seed=7) for depth in (0, 2, 3)]
+    assert outs[0].tokens == outs[1].tokens == outs[2].tokens
+    assert outs[0].finish_reason == "length" or fits(json.loads(outs[0].text)), outs[0].text
+
+
+def test_a_held_row_in_a_batch_is_what_it_is_alone_and_leaves_the_others_alone(engine: BatchEngine) -> None:
+    prompts = [engine.tokenizer.encode(t) for t in ("one", "and two", "three of them")]
+    held = GenerationRequest(prompts[0], 40, SamplingParams(grammar=grammar_of_schema(SCHEMA)), mtp_depth=2)
+    free = [GenerationRequest(p, 24, SamplingParams(), mtp_depth=d) for p, d in zip(prompts[1:], (0, 3))]
+    alone = [engine.complete(r).tokens for r in (held, *free)]
+    together = [[t for c in chunks for t in c.tokens] for chunks in batch_chunks(engine, [held, *free], 60)]
+    assert together == alone
+
+
+def test_the_masks_of_a_verify_leave_the_grammar_where_it_was(engine: BatchEngine) -> None:
+    grammars = engine.stages[-1].worker.head.grammars
+    constraint = grammars.constraint(grammar_of_schema(SCHEMA))
+    tok = engine.tokenizer
+    good = tok.encode('{"name": "a', add_special_tokens=False)
+    before = constraint.masks([], 1)
+    masks = constraint.masks(good + [good[0]], len(good) + 2)  # the last draft ('{' inside a string) is fine too
+    assert (masks[0] == before[0]).all() and masks[0].sum() < masks.shape[1]
+    assert (constraint.masks([], 1)[0] == before[0]).all()  # given back
+    bad = [good[0], good[0]]  # a second '{' right after the first: refused
+    masks = constraint.masks(bad, 3)
+    assert not masks[1, good[0]] and masks[2].all()  # refused at its own position; nothing read after it
+    constraint.take(good)
+    assert not (constraint.masks([], 1)[0] == before[0]).all()  # taken for good
+
+
+def test_engines_over_nodes_refuse_a_grammar() -> None:
+    req = GenerationRequest([1, 2], 4, SamplingParams(grammar=grammar_of_schema(SCHEMA)))
+    with pytest.raises(RequestError) as e:
+        check_request(req, max_context=64, has_mtp=True)
+    assert e.value.param == "response_format"
+    check_request(req, max_context=64, has_mtp=True, constrains=True)
+
+
+def test_response_formats_through_the_api(client: Any) -> None:
+    messages = [{"role": "user", "content": "Who is it?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}})
+    assert fits(json.loads(r.choices[0].message.content)), r.choices[0].message.content
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
+                                              response_format={"type": "json_object"}, stream=True, logprobs=True,
+                                              top_logprobs=5)
+    chunks = [c.choices[0] for c in streamed if c.choices]
+    text = "".join(c.delta.content or "" for c in chunks)
+    assert text.startswith("{")
+    if chunks[-1].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    first = next(c.logprobs.content[0] for c in chunks if c.logprobs)
+    assert first.token == "{" and all(np.isfinite(t.logprob) for t in first.top_logprobs)  # (only what may come)
+    choice = client.completions.create(model=MODEL, prompt="The answer:", max_tokens=8, n=3, temperature=1.0, seed=3,
+                                       extra_body={"guided_choice": ["yes", "no", "a.b"]})
+    assert all(c.text in ("yes", "no", "a.b") for c in choice.choices), [c.text for c in choice.choices]
+    regex = client.completions.create(model=MODEL, prompt="Call", max_tokens=12, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}})
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", regex.choices[0].text), regex.choices[0].text
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "no"}}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+])
+def test_bad_formats_are_refused(client: Any, engine: BatchEngine, extra: dict[str, Any], param: str) -> None:
+    steps = [s.stats.steps for s in engine.pipeline.stages]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       extra_body=extra)
+    assert e.value.body["param"] == param, e.value.body
+    assert [s.stats.steps for s in engine.pipeline.stages] == steps
+
+
+def test_a_thought_the_template_opened_stays_free_until_it_closes(engine: BatchEngine) -> None:
+    """Where the prompt opened a thought, the reply thinks freely up to the closing tag (one token), then
+    answers in the format."""
+    from mtpipe.node.protocol import SamplingParams as P
+
+    prompt = engine.tokenizer.encode("Let me think")
+    free = engine.complete(GenerationRequest(prompt, 12, P(), mtp_depth=0)).tokens
+    end = free[3]
+    grammar = OutputFormat(schema=SCHEMA).grammar(after_token=end)
+    out = engine.complete(GenerationRequest(prompt, 80, P(grammar=grammar), mtp_depth=2))
+    at = out.tokens.index(end)
+    assert out.tokens[:at] == free[: free.index(end)]  # the thought as the model thinks it
+    answer = engine.tokenizer.decode(out.tokens[at + 1 :]).lstrip("\n")
+    assert out.finish_reason != "stop" or fits(json.loads(answer)), answer
+
+
+def test_through_the_api_a_reasoning_model_thinks_then_answers_in_the_format(client: Any, engine: BatchEngine) -> None:
+    """With thinking tags in the tokenizer (made up, as in test_api_processors: the chat prompt's last tag
+    opens the thought, a token of the free reply closes it), the thought is free and goes out as
+    `reasoning`, the answer as JSON in `content`."""
+    messages = [{"role": "user", "content": "Think, then answer"}]
+    free = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True)
+    tok = engine.tokenizer
+    end_text = free.choices[0].logprobs.content[3].token
+    (end,) = tok.encode(end_text, add_special_tokens=False)
+    saved = (tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens)
+    opening = "<|im_start|>assistant"
+    tok._think_start, tok._think_end = opening, end_text
+    tok._think_start_tokens, tok._think_end_tokens = tuple(tok.encode(opening, add_special_tokens=False)), (end,)
+    try:
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0,
+                                           response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "p", "schema": SCHEMA}})
+        message = r.choices[0].message
+        assert message.model_extra["reasoning"] == "".join(t.token for t in free.choices[0].logprobs.content[:3])
+        assert fits(json.loads(message.content)), message.content
+    finally:
+        tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens = saved
