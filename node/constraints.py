@@ -101,14 +101,20 @@ class Constraint:
 
     def masks(self, drafts: list[int], positions: int) -> np.ndarray:
         """The tokens allowed at each of `positions` positions [positions, vocab] (bool), position j after
-        drafts[:j]."""
+        drafts[:j] taken as `take` would take them, so that a verify masks what decoding one token at a
+        time would; the grammar is left where it was."""
         out = np.ones((positions, self.vocab), dtype=bool)
-        if self.broken:
-            return out
         taken = 0
         for j in range(positions):
+            if self.broken:
+                break
             out[j] = self._allowed()
-            if j == positions - 1 or self.matcher.validate_tokens([drafts[j]]) != 1:
+            if j == positions - 1:
+                break
+            if self.matcher.is_stopped():  # (complete: what follows moves it no more)
+                out[j + 1 :] = out[j]
+                break
+            if self.matcher.validate_tokens([drafts[j]]) != 1:  # (refused: never accepted, or `take` lets go)
                 break
             self.matcher.consume_token(drafts[j])
             taken += 1
@@ -117,7 +123,7 @@ class Constraint:
         return out
 
     def take(self, tokens: list[int]) -> None:
-        """Tokens emitted: the grammar moves past them."""
+        """Tokens emitted: the grammar moves past them (once complete, it stays so)."""
         for token in tokens:
             if self.broken or self.matcher.is_stopped():
                 return

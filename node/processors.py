@@ -13,7 +13,8 @@ with the same settings and sampled output keeps its distribution.
 A grammar (constraints.py) comes last: the tokens it refuses at a position get -inf there.
 
 Log-probabilities are those of the processed logits before temperature and the top-k/top-p/min-p
-filters (what the model, with the request's biases and penalties, gives each token).
+filters (what the model, with the request's biases and penalties, gives each token; under a grammar,
+over the tokens it allows, so fewer than asked may be listed where it allows fewer).
 """
 
 from __future__ import annotations

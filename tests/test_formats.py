@@ -45,6 +45,14 @@ def engine(dense_ckpt: Path) -> BatchEngine:
 
 
 @pytest.fixture(scope="module")
+def demo() -> BatchEngine:
+    """The demo model: its drafts are accepted, so a verify's masks past the first position are read."""
+    from mtpipe.models.registry import DEMO_MODEL
+
+    return batch_engine(DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
 def client(engine: BatchEngine) -> Any:
     with LiveServer(create_app(engine, MODEL)) as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -61,31 +69,46 @@ def run(engine: BatchEngine, prompt: list[int], depth: int, auto: bool = False, 
                                              mtp_depth=depth, mtp_auto=auto))
 
 
-def test_greedy_output_under_a_grammar_is_the_same_at_every_depth_and_fits(engine: BatchEngine) -> None:
-    prompt = engine.tokenizer.encode("The record reads")
-    plain = run(engine, prompt, 0)
+def test_greedy_output_under_a_grammar_is_the_same_at_every_depth_and_fits(demo: BatchEngine) -> None:
+    prompt = demo.tokenizer.encode("def fibonacci(n):")
+    plain = run(demo, prompt, 0)
     assert plain.finish_reason == "stop" and fits(json.loads(plain.text)), plain.text
     for depth, auto in ((1, False), (2, False), (3, False), (3, True)):
-        out = run(engine, prompt, depth, auto)
+        out = run(demo, prompt, depth, auto)
         assert out.tokens == plain.tokens, (depth, auto, out.text, plain.text)
-    free = engine.complete(GenerationRequest(prompt, 16, SamplingParams(), mtp_depth=2))
+        assert out.stats.accepted > 0 or auto  # (drafts accepted: the masks after them were read)
+    free = demo.complete(GenerationRequest(prompt, 16, SamplingParams(), mtp_depth=2))
     assert not free.text.startswith("{")  # (the grammar, not the model, made it JSON)
 
 
-def test_seeded_output_under_a_grammar_is_the_same_at_every_depth(engine: BatchEngine) -> None:
-    prompt = engine.tokenizer.encode("Another record:")
-    outs = [run(engine, prompt, depth, temperature=1.0, seed=7) for depth in (0, 2, 3)]
+def test_seeded_output_under_a_grammar_is_the_same_at_every_depth(demo: BatchEngine) -> None:
+    prompt = demo.tokenizer.encode("import os")
+    outs = [run(demo, prompt, depth, temperature=1.0, seed=7) for depth in (0, 2, 3)]
     assert outs[0].tokens == outs[1].tokens == outs[2].tokens
-    assert outs[0].finish_reason == "length" or fits(json.loads(outs[0].text)), outs[0].text
+    assert outs[1].stats.accepted > 0
+    assert fits(json.loads(outs[0].text)), outs[0].text
 
 
-def test_a_held_row_in_a_batch_is_what_it_is_alone_and_leaves_the_others_alone(engine: BatchEngine) -> None:
-    prompts = [engine.tokenizer.encode(t) for t in ("one", "and two", "three of them")]
+def test_a_held_row_in_a_batch_is_what_it_is_alone_and_leaves_the_others_alone(demo: BatchEngine) -> None:
+    prompts = [demo.tokenizer.encode(t) for t in ("class Point:", "def main():", "import sys")]
     held = GenerationRequest(prompts[0], 40, SamplingParams(grammar=grammar_of_schema(SCHEMA)), mtp_depth=2)
     free = [GenerationRequest(p, 24, SamplingParams(), mtp_depth=d) for p, d in zip(prompts[1:], (0, 3))]
-    alone = [engine.complete(r).tokens for r in (held, *free)]
-    together = [[t for c in chunks for t in c.tokens] for chunks in batch_chunks(engine, [held, *free], 60)]
+    alone = [demo.complete(r).tokens for r in (held, *free)]
+    together = [[t for c in chunks for t in c.tokens] for chunks in batch_chunks(demo, [held, *free], 60)]
     assert together == alone
+
+
+def test_a_complete_grammar_allows_only_the_end_even_where_the_end_does_not_stop(demo: BatchEngine) -> None:
+    """With ignore_eos a finished format goes on with end-of-sequence tokens alone, at every depth (a
+    drafted end token after the format is complete leaves the positions after it masked too)."""
+    eos = sorted(demo.eos)
+    params = SamplingParams(grammar=OutputFormat(regex="yes|no").grammar(), logit_bias=((eos[0], 4.0),))
+    prompt = demo.tokenizer.encode("Say yes:")
+    outs = [demo.complete(GenerationRequest(prompt, 16, params, mtp_depth=d, ignore_eos=True)) for d in (0, 3)]
+    assert outs[0].tokens == outs[1].tokens
+    text = demo.tokenizer.decode([t for t in outs[0].tokens if t not in demo.eos])
+    assert text in ("yes", "no") and len(outs[0].tokens) == 16, outs[0].tokens
+    assert outs[1].stats.accepted > 0
 
 
 def test_the_masks_of_a_verify_leave_the_grammar_where_it_was(engine: BatchEngine) -> None:
@@ -146,6 +169,9 @@ def test_response_formats_through_the_api(client: Any) -> None:
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"response_format": {"json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "response_format"),
 ])
 def test_bad_formats_are_refused(client: Any, engine: BatchEngine, extra: dict[str, Any], param: str) -> None:
     steps = [s.stats.steps for s in engine.pipeline.stages]
@@ -156,20 +182,39 @@ def test_bad_formats_are_refused(client: Any, engine: BatchEngine, extra: dict[s
     assert [s.stats.steps for s in engine.pipeline.stages] == steps
 
 
-def test_a_thought_the_template_opened_stays_free_until_it_closes(engine: BatchEngine) -> None:
+def test_a_thought_the_template_opened_stays_free_until_it_closes(demo: BatchEngine) -> None:
     """Where the prompt opened a thought, the reply thinks freely up to the closing tag (one token), then
-    answers in the format."""
-    from mtpipe.node.protocol import SamplingParams as P
+    answers in the format; the same at every depth."""
+    from mtpipe.coordinator.api.formats import after_thought
 
-    prompt = engine.tokenizer.encode("Let me think")
-    free = engine.complete(GenerationRequest(prompt, 12, P(), mtp_depth=0)).tokens
+    tok = demo.tokenizer
+    prompt = tok.encode("def fibonacci(n):")
+    free = demo.complete(GenerationRequest(prompt, 12, SamplingParams(), mtp_depth=0)).tokens
     end = free[3]
-    grammar = OutputFormat(schema=SCHEMA).grammar(after_token=end)
-    out = engine.complete(GenerationRequest(prompt, 80, P(grammar=grammar), mtp_depth=2))
-    at = out.tokens.index(end)
-    assert out.tokens[:at] == free[: free.index(end)]  # the thought as the model thinks it
-    answer = engine.tokenizer.decode(out.tokens[at + 1 :]).lstrip("\n")
-    assert out.finish_reason != "stop" or fits(json.loads(answer)), answer
+
+    class Tagged:  # the tokenizer, with `end` as its closing tag
+        think_end_tokens = (end,)
+
+        def __len__(self) -> int:
+            return len(tok)
+
+    grammar = after_thought(OutputFormat(schema=SCHEMA), Tagged(), demo.eos, demo.vocab_size)
+    outs = [demo.complete(GenerationRequest(prompt, 80, SamplingParams(grammar=grammar), mtp_depth=d))
+            for d in (0, 2)]
+    assert outs[0].tokens == outs[1].tokens
+    out = outs[0].tokens
+    at = out.index(end)
+    assert out[:at] == free[: free.index(end)]  # the thought as the model thinks it
+    assert outs[0].finish_reason == "stop" and fits(json.loads(tok.decode(out[at + 1 :]).lstrip("\n"))), out
+
+
+def test_regexes_with_slashes_hold_after_a_thought_too() -> None:
+    from mtpipe.node.constraints import grammar_error
+
+    for regex in (r"[0-9]{2}/[0-9]{2}", r"[0-9]{2}\/[0-9]{2}", r"a\\/b"):
+        for after in (None, 5):
+            grammar = OutputFormat(regex=regex).grammar(after, ("0", "2")) if after else OutputFormat(regex=regex).grammar()
+            assert grammar_error(grammar) == "", (regex, after)
 
 
 def test_through_the_api_a_reasoning_model_thinks_then_answers_in_the_format(client: Any, engine: BatchEngine) -> None:

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from .chat import chat_messages, tool_spec
 from .defaults import DEFAULT_CORS_ORIGINS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
 from .errors import APIError, error_body, parse_body, validation_error
-from .formats import output_format
+from .formats import after_thought, output_format
 from .gate import Gate
 from .generation import ResponseFormat
 from .limits import BodyLimit
@@ -204,19 +204,22 @@ def create_app(
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         tools = tool_spec(body)
+        if fmt is not None and tools is not None and tools.active:  # (a format leaves no room for a call's tags)
+            raise APIError(400, f"{fmt.field} cannot be given with tools (or use tool_choice none)", param=fmt.field)
         tokens = await service.encode_chat(chat_messages(body), tools, body.chat_template_kwargs)
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, max_param = body.max_tokens, "max_tokens"
-        req = service.generation_request(body, params, tokens, max_tokens, "messages", max_param,
-                                         tools=tools is not None and tools.active)
         shown, thinking = body.include_reasoning is not False, None
         if getattr(service.engine.tokenizer, "has_thinking", False):  # (the prompt is read on the tokenizer's lane)
             thinking = await service.tokenize(0, lambda tokenizer: reasoning_split(tokenizer, tokens, shown))
-            ends = getattr(service.engine.tokenizer, "think_end_tokens", ())
-            if fmt is not None and thinking is not None and thinking.thinking and len(ends) == 1:
-                req = dataclasses.replace(req, params=dataclasses.replace(params, grammar=fmt.grammar(ends[0])))
+            if fmt is not None and thinking is not None and thinking.thinking:  # (only the answer is held)
+                engine = service.engine
+                grammar = after_thought(fmt, engine.tokenizer, engine.eos, engine.vocab_size)
+                params = dataclasses.replace(params, grammar=grammar)
+        req = service.generation_request(body, params, tokens, max_tokens, "messages", max_param,
+                                         tools=tools is not None and tools.active)
         return await respond("/v1/chat/completions", body, [req], n, request, started, tools, thinking)
 
     @app.post("/v1/completions")

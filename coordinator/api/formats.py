@@ -10,7 +10,9 @@ answer is held to the format.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,24 +27,26 @@ class OutputFormat:
 
     schema: dict[str, Any] | None = None
     regex: str | None = None
+    field: str = "response_format"  # the request field that asked for it
 
-    def grammar(self, after_token: int | None = None) -> str:
-        """The llguidance grammar; with `after_token`, everything up to that token is free (a thought)."""
+    def grammar(self, after_token: int | None = None, never: tuple[str, ...] = ()) -> str:
+        """The llguidance grammar. With `after_token` the reply thinks first: any tokens but that one and
+        `never` (the end-of-sequence tokens and ids past the tokenizer's words, as "7" or "100-127"), then
+        it, up to two line breaks and the answer; an end-of-sequence token may end it in its thought."""
+        from llguidance import LLMatcher
+
         from ...node.constraints import JSON_LAYOUT, grammar_of_schema
 
         if after_token is None:
-            if self.schema is not None:
-                return grammar_of_schema(self.schema)
-            from llguidance import LLMatcher
-
-            return LLMatcher.grammar_from_regex(self.regex or "")
+            return grammar_of_schema(self.schema) if self.schema is not None else \
+                LLMatcher.grammar_from_regex(self.regex or "")
         if self.schema is not None:
-            answer = f"%json {json.dumps({'x-guidance': JSON_LAYOUT, **self.schema})}"
+            layout = {**JSON_LAYOUT, **self.schema.get("x-guidance", {})}
+            answer = f"%json {json.dumps({**self.schema, 'x-guidance': layout})}"
         else:
-            answer = "/" + (self.regex or "").replace("/", "\\/") + "/"
-        from llguidance import LLMatcher
-
-        return LLMatcher.grammar_from_lark(f"start: <[^{after_token}]>* <[{after_token}]> /\\n*/ answer\n"
+            answer = "/" + re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", self.regex or "") + "/"
+        free = ",".join((str(after_token), *never))
+        return LLMatcher.grammar_from_lark(f"start: <[^{free}]>* (<[{after_token}]> /\\n{{0,2}}/ answer)?\n"
                                            f"answer: {answer}\n")
 
 
@@ -51,8 +55,10 @@ def output_format(body: Any) -> OutputFormat | None:
     asked = [(name, getattr(body, name, None)) for name in ("structured_outputs", "guided_json", "guided_regex",
                                                              "guided_choice")]
     asked = [(name, value) for name, value in asked if value is not None]
-    response_format = body.response_format or {}
-    kind = response_format.get("type", "text")
+    response_format = body.response_format
+    kind = "text" if response_format is None else response_format.get("type")
+    if kind is None:
+        raise APIError(400, "response_format needs a type: text, json_object or json_schema", param="response_format")
     if kind != "text":
         asked.insert(0, ("response_format", response_format))
     if len(asked) > 1:
@@ -61,7 +67,7 @@ def output_format(body: Any) -> OutputFormat | None:
     if not asked:
         return None
     name, value = asked[0]
-    fmt = _of(name, value)
+    fmt = dataclasses.replace(_of(name, value), field=name)
     from ...node.constraints import grammar_error
 
     try:
@@ -71,6 +77,18 @@ def output_format(body: Any) -> OutputFormat | None:
     if error:
         raise APIError(400, f"{name}: the output cannot be held to this format: {error}", param=name)
     return fmt
+
+
+def after_thought(fmt: OutputFormat, tokenizer: Any, eos: set[int], vocab: int) -> str:
+    """The grammar of a reply whose thought the chat template opened: free up to the tokenizer's closing
+    tag, which must be one token (else a 400: the answer could not be told from the thought)."""
+    ends = tuple(getattr(tokenizer, "think_end_tokens", ()))
+    if len(ends) != 1:
+        raise APIError(400, f"{fmt.field} needs a thinking model's closing tag to be one token; turn thinking off "
+                            "(chat_template_kwargs: {\"enable_thinking\": false})", param=fmt.field)
+    words = len(tokenizer)
+    never = tuple(map(str, sorted(eos))) + ((f"{words}-{vocab - 1}",) if words < vocab else ())
+    return fmt.grammar(ends[0], never)
 
 
 def _of(name: str, value: Any) -> OutputFormat:
@@ -86,7 +104,7 @@ def _of(name: str, value: Any) -> OutputFormat:
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise APIError(400, "response_format json_schema must be an object whose schema is a JSON Schema object",
                            param=name)
-        return OutputFormat(schema=spec.get("schema") or {"type": "object"})
+        return OutputFormat(schema=spec.get("schema", {}))  # ({}: any JSON value)
     if name == "structured_outputs":
         if not isinstance(value, dict):
             raise APIError(400, "structured_outputs must be an object", param=param)

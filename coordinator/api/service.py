@@ -309,6 +309,8 @@ class Service:
             m.decode_tps.observe(stats.decode_tps)
 
     def server_error(self, e: Exception) -> APIError:
+        if isinstance(e, RequestError):  # (refused where it runs: an API in a process of its own checks less)
+            return APIError(400, str(e), param=e.param, code=e.code)
         self.metrics.failed.inc()
         if isinstance(e, StageError):
             log.warning("a stage refused a generation: %s", e)

@@ -33,6 +33,7 @@ from .request import (
     GenerationRequest,
     GenerationResult,
     GenerationStats,
+    RequestError,
     check_request,
     check_vocabulary,
     collect,
@@ -130,6 +131,11 @@ class BatchEngine:
         check_request(req, max_context=self.max_context, has_mtp=self.has_mtp, constrains=self.constrains)
         # The first stage would refuse it in the middle of the batch's work: refuse it here, from open().
         check_vocabulary(req, self.vocab_size)
+        if req.params.grammar is not None:  # (so would the last, compiling it with the tokenizer)
+            try:
+                self.stages[-1].worker.head.grammars.check(req.params.grammar)
+            except ValueError as e:
+                raise RequestError(f"the output cannot be held to this format: {e}", "response_format") from None
 
     def open(self, req: GenerationRequest, sink: Sink, admitted: Callable[[], None] | None = None) -> Handle:
         """Queue a request; its chunks, then END or an exception, go to `sink` (from the MLX thread),
