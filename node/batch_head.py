@@ -266,6 +266,9 @@ class BatchHead:
         on the device go to `ahead` still lazy, before the host waits for them, unless a row's drafts
         are drawn on the host (a seed's)."""
         B = len(self.states)
+        for d in self.states:
+            if d.history.constraint is not None and d.history.constraint.finished:
+                d.depth = 0  # (its format is complete: nothing but an end token can follow)
         hids, toks, counts = [], [], []
         for d, drafting, (hid, tok) in zip(self.states, self.drafting, pairs):
             if drafting:
@@ -348,7 +351,8 @@ class BatchHead:
         drafts = mx.stack(lazy, axis=1)  # [B, depth]
         # (stacked before the next round is queued: an array made after it would wait for that round)
         reported = mx.stack([q for row in drawn_from for q in row]) if on_device else None  # rows in order
-        if ahead is not None and not host:
+        held = any(d.history.constraint is not None and d.depth for d in self.states)  # (drafts the host may change)
+        if ahead is not None and not host and not held:
             # on their own: computed in one go with the next round, reading them would wait for it
             mx.async_eval(drafts, *([reported] if reported is not None else []))
             ahead(drafts)
@@ -360,3 +364,5 @@ class BatchHead:
         for i, d in enumerate(self.states):
             d.drafts = drafted[i][: d.depth]
             d.draft_probs = np.stack(probs[i]) if probs[i] else None
+            if d.history.constraint is not None and d.params.greedy:  # what the grammar forces, else what it takes
+                d.drafts = d.history.constraint.drafts(d.drafts)
