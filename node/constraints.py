@@ -15,6 +15,7 @@ it drafts nothing. Sampled sequences draft as the MTP head draws.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,6 +65,25 @@ def grammars_for(tokenizer: Any, vocab: int, eos: set[int] | list[int]) -> Gramm
     except (ImportError, ValueError) as e:
         log.warning("output cannot be held to a grammar (response_format) with this tokenizer: %s", e)
         return None
+
+
+def grammars_in(model_path: str, vocab: int, eos: list[int]) -> Grammars | None:
+    """A node's grammars, from the tokenizer in the directory its shard came from (None where there is
+    none: a shard fetched from a peer holds only its tensors). Reads files: off the event loop."""
+    from ..models.fingerprint import TOKENIZER_FILES
+
+    path = Path(model_path)
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        log.info("no tokenizer in %s: output cannot be held to a grammar on this node", path)
+        return None
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(path, eos_token_ids=eos or None)
+    except Exception as e:  # (the shard serves all the same)
+        log.warning("the tokenizer in %s does not load (%s): output cannot be held to a grammar on this node", path, e)
+        return None
+    return grammars_for(tokenizer, vocab, eos)
 
 
 def constraint_for(params: SamplingParams, grammars: Grammars | None) -> Constraint | None:

@@ -17,6 +17,7 @@ import grpc
 
 from ..proto import mtpipe_pb2 as pb
 from .conditions import Conditions
+from .constraints import grammars_in
 from .coordinators import Coordinators, taken_over
 from .loader import LoadKey, check_load, load_stage, same_shard
 from .weights import WeightStore
@@ -98,6 +99,9 @@ class ShardLoads:
                     # On this thread (arrays belong to it), yielding to the loop between pieces.
                     self.worker, self.key = await load_stage(load, draft_vocab=self.draft_vocab,
                                                              mtp_window=self.mtp_window), key
+                    if (head := self.worker.head) is not None:  # the last stage: grammars where the tokenizer is
+                        args, eos = self.worker.shard.config.args, self.worker.shard.config.eos_token_ids
+                        head.grammars = await asyncio.to_thread(grammars_in, load.model_path, args.vocab_size, eos)
                     self.conditions.clear("load")
                 except (ValueError, OSError, KeyError) as e:
                     self.conditions.set("load", f"load failed: {e}")
@@ -118,6 +122,7 @@ class ShardLoads:
                 weights_path=str(self.weights.loaded.path) if self.weights.loaded else key.model_path,
                 fetched_bytes=found.fetched if found is not None else 0,
                 ring_groups=not self.worker.overlap,
+                constrains=self.worker.head is not None and self.worker.head.grammars is not None,
             )
 
     async def _refuse(self, client_id: str, context: grpc.aio.ServicerContext) -> None:

@@ -106,8 +106,6 @@ def frame_to_request(f: pb.Frame) -> StepRequest:
 
 
 def params_to_pb(p: SamplingParams) -> pb.Sampling:
-    if p.grammar is not None:  # (never dropped on the way: a node holds no tokenizer to compile it with)
-        raise StageError("output held to a grammar (response_format) runs on a single machine only, not on nodes")
     s = pb.Sampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                     logit_bias=[pb.TokenBias(token=t, bias=b) for t, b in p.logit_bias],
                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty)
@@ -117,6 +115,8 @@ def params_to_pb(p: SamplingParams) -> pb.Sampling:
         s.repetition_penalty = p.repetition_penalty
     if p.top_logprobs >= 0:  # presence says "asked": 0 (the emitted token's alone) differs from unset
         s.top_logprobs = p.top_logprobs
+    if p.grammar is not None:
+        s.grammar = p.grammar
     return s
 
 
@@ -127,6 +127,7 @@ def params_from_pb(p: pb.Sampling) -> SamplingParams:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
         top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else -1,
+        grammar=p.grammar if p.HasField("grammar") else None,
     )
 
 

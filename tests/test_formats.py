@@ -21,12 +21,12 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from helpers import LiveServer, batch_chunks  # noqa: E402
+from helpers import LiveServer, batch_chunks, node_servers  # noqa: E402
 
 from mtpipe.coordinator.api.app import create_app  # noqa: E402
 from mtpipe.coordinator.api.formats import OutputFormat  # noqa: E402
 from mtpipe.coordinator.engine.batch import BatchEngine  # noqa: E402
-from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
+from mtpipe.coordinator.engine.build import batch_engine, ring_engine  # noqa: E402
 from mtpipe.coordinator.engine.request import GenerationRequest, RequestError, check_request  # noqa: E402
 from mtpipe.node.constraints import grammar_of_schema  # noqa: E402
 from mtpipe.node.protocol import SamplingParams  # noqa: E402
@@ -142,7 +142,27 @@ def test_the_masks_of_a_verify_leave_the_grammar_where_it_was(engine: BatchEngin
     assert not (constraint.masks([], 1)[0] == before[0]).all()  # taken for good
 
 
-def test_engines_over_nodes_refuse_a_grammar() -> None:
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "ring"])
+def test_over_nodes_the_last_node_holds_the_format(demo: BatchEngine, nodes: int) -> None:
+    """The last node loads the tokenizer beside its shard: a held request over one node (a sequence at a
+    time) or a ring of two gives the tokens one machine gives, at every depth."""
+    from mtpipe.models.registry import DEMO_MODEL
+
+    params = SamplingParams(grammar=grammar_of_schema(SCHEMA))
+    prompt = demo.tokenizer.encode("def fibonacci(n):")
+    want = demo.complete(GenerationRequest(prompt, 64, params, mtp_depth=0)).tokens
+    with node_servers(nodes) as servers:
+        engine = ring_engine(DEMO_MODEL, [s.address for s in servers])
+        try:
+            assert engine.constrains
+            for depth, auto in ((0, False), (3, False), (3, True)):
+                got = engine.complete(GenerationRequest(prompt, 64, params, mtp_depth=depth, mtp_auto=auto))
+                assert got.tokens == want, (nodes, depth, auto)
+        finally:
+            engine.close()
+
+
+def test_engines_whose_last_stage_has_no_tokenizer_refuse_a_grammar() -> None:
     req = GenerationRequest([1, 2], 4, SamplingParams(grammar=grammar_of_schema(SCHEMA)))
     with pytest.raises(RequestError) as e:
         check_request(req, max_context=64, has_mtp=True)

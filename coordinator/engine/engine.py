@@ -59,6 +59,11 @@ class Engine:
         self.vocab_size = vocab_size  # what the model embeds: logit_bias ids are checked against it
         self.processors = processors  # False: the pipeline cannot carry logits processors and logprobs
 
+    @property
+    def constrains(self) -> bool:
+        """The pipeline's last stage holds output to grammars (a node with the model's tokenizer)."""
+        return bool(getattr(self.pipeline, "constrains", False))
+
     def close(self) -> None:
         """Stop the engine: its pipeline lets go of its stages (the batch and ring engines also end their threads)."""
         self.pipeline.close()
@@ -68,7 +73,7 @@ class Engine:
 
     def validate(self, req: GenerationRequest) -> None:
         """Refuse a request this engine cannot serve (RequestError), before any stage is touched."""
-        check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
+        check_request(req, max_context=self.max_context, has_mtp=self.has_mtp, constrains=self.constrains)
         p = req.params
         if self.vocab_size:  # (prompt ids too: the first stage would refuse them only once a step is sent)
             check_vocabulary(req, self.vocab_size)

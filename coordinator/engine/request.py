@@ -180,8 +180,9 @@ def check_request(req: GenerationRequest, *, max_context: int, has_mtp: bool, co
     except ValueError as e:
         raise RequestError(str(e), str(e).split()[0]) from None
     if req.params.grammar is not None and not constrains:
-        raise RequestError("output held to a format (response_format, structured_outputs, guided_*) is served on one "
-                           "machine (mtpipe serve without --nodes), not by this engine", "response_format")
+        raise RequestError("output held to a format (response_format, structured_outputs, guided_*) needs the last "
+                           "stage to hold the model's tokenizer (a node that loaded its shard from a model directory)",
+                           "response_format")
 
 
 def check_vocabulary(req: GenerationRequest, vocab_size: int) -> None:

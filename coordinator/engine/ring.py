@@ -67,11 +67,8 @@ class RingEngine:
         self.kept = KeptPrefixes(dims, prefix_cache, pipeline.drop_prefix) if dims and prefix_cache > 0 else None
         if self.kept is not None:
             pipeline.on_kept = self.kept.heard
-        self.tokenizer = tokenizer
-        self.eos = set(eos_token_ids)
-        self.max_context = max_context
-        self.has_mtp = has_mtp
-        self.vocab_size = vocab_size
+        self.tokenizer, self.eos = tokenizer, set(eos_token_ids)
+        self.max_context, self.has_mtp, self.vocab_size = max_context, has_mtp, vocab_size
         self.prefill_chunk = prefill_chunk
         self.max_rows = max_rows
         self.queue_timeout = queue_timeout
@@ -87,8 +84,7 @@ class RingEngine:
         self._hop_s: dict[str, float] = {}  # and each link's hop, the quickest seen
         # Measured here, to size prompt chunks while rows decode: a group's trip around the nodes
         # (between two outcomes of a row), and a prompt's seconds per token through the pipeline.
-        self._trip_s = 0.0
-        self._token_s = 0.0
+        self._trip_s, self._token_s = 0.0, 0.0
         # Until a prompt alone is timed (under steady load, never): the nodes' seconds per prompt token, added up
         self._node_token_s = 0.0
         self.row_stall = row_stall
@@ -102,8 +98,10 @@ class RingEngine:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
 
+    constrains = property(lambda self: bool(getattr(self.pipeline, "constrains", False)))  # (its last node: grammars)
+
     def validate(self, req: GenerationRequest) -> None:
-        check_request(req, max_context=self.max_context, has_mtp=self.has_mtp)
+        check_request(req, max_context=self.max_context, has_mtp=self.has_mtp, constrains=self.constrains)
         check_vocabulary(req, self.vocab_size)
 
     def open(self, req: GenerationRequest, sink: Sink, admitted: Callable[[], None] | None = None) -> RingHandle:

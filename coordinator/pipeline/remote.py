@@ -181,6 +181,11 @@ class RemotePipeline(Reforming):
         self.next_targets = [*targets, ""]
 
     @property
+    def constrains(self) -> bool:
+        """The last node holds output to grammars (it loaded the model's tokenizer with its shard)."""
+        return bool(self.load_replies) and self.load_replies[-1].constrains
+
+    @property
     def rings(self) -> bool:
         """The last node starts rounds itself (it reached the first node): ring groups can run."""
         # (one node: only if it said it runs groups on the whole model, as a node that knows the ask does)
