@@ -15,6 +15,8 @@ it drafts nothing. Sampled sequences draft as the MTP head draws.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -29,31 +31,47 @@ log = logging.getLogger(__name__)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+COMPILED_KEPT = 32  # grammars kept compiled, the most recently used
+
+
 class Grammars:
     """What compiles a request's grammar for this model: its tokenizer in llguidance's form (`vocab`: the
-    model's logits, which may outnumber the tokenizer's words; the ones past it are never allowed)."""
+    model's logits, which may outnumber the tokenizer's words; the ones past it are never allowed).
+    A grammar is compiled when a request is checked (on the API's thread, where the engine checks it)
+    and kept: the MLX thread then copies a compiled matcher for each sequence instead of compiling,
+    which for a large schema can take longer than many rounds."""
 
     def __init__(self, hf_tokenizer: Any, vocab: int, eos: list[int]):
         from llguidance import hf
 
         self.tokenizer = hf.from_tokenizer(hf_tokenizer, n_vocab=vocab, eos_token=sorted(eos))
         self.vocab = vocab
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar -> a matcher at its start, never fed
+        self._lock = threading.Lock()
 
     def check(self, grammar: str) -> None:
-        """ValueError naming what is wrong with `grammar` for this tokenizer."""
-        from llguidance import LLMatcher
-
-        error = LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise ValueError(error)
+        """ValueError naming what is wrong with `grammar` for this tokenizer (compiled, and kept)."""
+        self._matcher(grammar)
 
     def constraint(self, grammar: str) -> Constraint:
+        return Constraint(self._matcher(grammar).deep_copy(), self.vocab)
+
+    def _matcher(self, grammar: str) -> Any:
         from llguidance import LLMatcher
 
+        with self._lock:
+            matcher = self._compiled.get(grammar)
+            if matcher is not None:
+                self._compiled.move_to_end(grammar)
+                return matcher
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
-        return Constraint(matcher, self.vocab)
+        with self._lock:
+            self._compiled[grammar] = matcher
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return matcher
 
 
 def grammars_for(tokenizer: Any, vocab: int, eos: set[int] | list[int]) -> Grammars | None:

@@ -142,6 +142,18 @@ def test_the_masks_of_a_verify_leave_the_grammar_where_it_was(engine: BatchEngin
     assert not (constraint.masks([], 1)[0] == before[0]).all()  # taken for good
 
 
+def test_a_grammar_is_compiled_where_the_request_is_checked_and_copied_for_each_sequence(demo: BatchEngine) -> None:
+    """Checking a request compiles its grammar (the API's thread), so the MLX thread only copies it: the
+    copies move on their own."""
+    grammars = demo.stages[-1].worker.head.grammars
+    grammar = grammar_of_schema({"type": "object", "properties": {"only_here": {"type": "boolean"}}})
+    demo.validate(GenerationRequest([1, 2], 8, SamplingParams(grammar=grammar)))
+    assert grammar in grammars._compiled
+    a, b = grammars.constraint(grammar), grammars.constraint(grammar)
+    a.take(demo.tokenizer.encode("{", add_special_tokens=False))
+    assert not (a.masks([], 1) == b.masks([], 1)).all()
+
+
 @pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "ring"])
 def test_over_nodes_the_last_node_holds_the_format(demo: BatchEngine, nodes: int) -> None:
     """The last node loads the tokenizer beside its shard: a held request over one node (a sequence at a
