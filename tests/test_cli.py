@@ -196,6 +196,12 @@ def test_serve_refuses_a_port_it_cannot_listen_on_before_loading(capsys: pytest.
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "/nonexistent/model", "--prompt", ""], "the prompt is empty"),
+    (["generate", "--model", "/nonexistent/model", "--prompt", "x", "--regex", "("],
+     "--regex: the output cannot be held to it"),
+    (["generate", "--model", "/nonexistent/model", "--prompt", "x", "--json-schema", '{"type": "nonsense"}'],
+     "--json-schema: the output cannot be held to it: Invalid type: nonsense"),
+    (["generate", "--model", "/nonexistent/model", "--prompt", "x", "--json-schema", "/nowhere.json"],
+     "--json-schema is neither a JSON Schema nor a file holding one"),
     (["bench", "faults", "--nodes", "x"], "--nodes: expected comma-separated counts"),
     (["convert", "--hf-path", "/nonexistent", "--mlx-path", "/nonexistent2", "--q-bits", "4"],
      "--q-bits apply with -q/--quantize"),

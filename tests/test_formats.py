@@ -286,3 +286,15 @@ def test_through_the_api_a_reasoning_model_thinks_then_answers_in_the_format(cli
         assert fits(json.loads(message.content)), message.content
     finally:
         tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens = saved
+
+
+def test_generate_holds_its_output_to_a_schema_file_or_a_regex(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from mtpipe.coordinator.cli.main import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    assert main(["generate", "--prompt", "A record:", "--max-tokens", "64", "--json-schema", str(schema), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "stop" and fits(json.loads(out["text"])), out["text"]
+    assert main(["generate", "--prompt", "Call", "--max-tokens", "12", "--regex", "[0-9]{3}-[0-9]{4}", "--json"]) == 0
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", json.loads(capsys.readouterr().out)["text"])

@@ -45,7 +45,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.weights_from and not args.nodes:
         raise ValueError("--weights-from applies with --nodes")
-    params = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
+    params = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed, grammar=_held_to(args))
     params.validate()  # (before any node is loaded, or taken over)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt and not args.chat:  # (a chat template makes tokens of an empty message)
@@ -90,6 +90,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return EXIT_OK
+
+
+def _held_to(args: argparse.Namespace) -> str | None:
+    """The grammar of --json-schema or --regex (None: free text); ValueError naming a bad one."""
+    from ...node.constraints import grammar_error, grammar_of_schema
+
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{") and Path(text).expanduser().is_file():
+            text = Path(text).expanduser().read_text()
+        try:
+            schema = json.loads(text)
+        except ValueError:
+            raise ValueError(f"--json-schema is neither a JSON Schema nor a file holding one: {args.json_schema!r}") \
+                from None
+        if not isinstance(schema, dict):
+            raise ValueError("--json-schema must be a JSON object")
+        grammar, option = grammar_of_schema(schema), "--json-schema"
+    elif args.regex is not None:
+        from llguidance import LLMatcher
+
+        grammar, option = LLMatcher.grammar_from_regex(args.regex), "--regex"
+    else:
+        return None
+    if error := grammar_error(grammar):
+        raise ValueError(f"{option}: the output cannot be held to it: {error}")
+    return grammar
 
 
 def _print_stats(stats: dict[str, Any], depth: int | str) -> None:
@@ -252,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-tokens", type=positive_int, default=256, help="tokens to generate at most (default 256)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    held = p.add_mutually_exclusive_group()
+    held.add_argument("--json-schema", metavar="FILE|JSON",
+                      help="hold the output to JSON that fits this JSON Schema (a file, or the schema; '{}': any JSON)")
+    held.add_argument("--regex", help="hold the output to this regular expression")
     p.add_argument("--nodes", type=nodes_arg, help="comma-separated host:port of running nodes, in pipeline order")
     add_secret_args(p, "the nodes' shared secret, with --nodes")
     p.add_argument("--weights-from", type=nodes_arg,

@@ -8,6 +8,7 @@ from typing import Any
 
 from ...models.config import load_config
 from ...models.shard import ShardSpec
+from ...node.constraints import grammars_for
 from ..pipeline.local import even_split, local_pipeline
 from .batch import BatchEngine
 from .engine import DEFAULT_PREFILL_CHUNK, Engine
@@ -30,6 +31,7 @@ def local_engine(
     tokenizer = load_tokenizer(model_path, config.eos_token_ids)
     pipeline = local_pipeline(model_path, stages=stages, mtp=mtp, dtype=dtype, **pipeline_options)
     has_mtp = pipeline.stages[-1].shard.has_mtp
+    pipeline.stages[-1].head.grammars = grammars_for(tokenizer, config.args.vocab_size, tokenizer.eos_token_ids)
     return Engine(pipeline, tokenizer, set(tokenizer.eos_token_ids), config.args.max_position_embeddings, has_mtp,
                   vocab_size=config.args.vocab_size)
 
@@ -52,7 +54,6 @@ def batch_engine(
     from ...models.mlx_thread import MLXThread
     from ...models.ragged import CAPACITY_STEP
     from ...node.batch import BatchStage
-    from ...node.constraints import grammars_for
     from ...node.stage import StageWorker
     from ...node.sysinfo import system_memory
     from ..pipeline.local import even_split

@@ -38,6 +38,12 @@ class LocalPipeline:
         for stage in self.stages:
             stage.release(seq_id)
 
+    @property
+    def constrains(self) -> bool:
+        """The last stage holds output to grammars (given them: engine/build.py)."""
+        head = self.stages[-1].head if self.stages else None
+        return head is not None and head.grammars is not None
+
     def describe(self) -> dict[str, Any]:
         return {"kind": "local", "stages": [dict(index=i, **stage.describe()) for i, stage in enumerate(self.stages)]}
 
