@@ -351,7 +351,8 @@ class BatchHead:
         drafts = mx.stack(lazy, axis=1)  # [B, depth]
         # (stacked before the next round is queued: an array made after it would wait for that round)
         reported = mx.stack([q for row in drawn_from for q in row]) if on_device else None  # rows in order
-        held = any(d.history.constraint is not None and d.depth for d in self.states)  # (drafts the host may change)
+        held = any(d.history.constraint is not None and d.depth and d.params.greedy  # (drafts the host may change)
+                   for d in self.states)
         if ahead is not None and not host and not held:
             # on their own: computed in one go with the next round, reading them would wait for it
             mx.async_eval(drafts, *([reported] if reported is not None else []))

@@ -98,10 +98,10 @@ def grammars_in(model_path: str, vocab: int, eos: list[int]) -> Grammars | None:
 
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=eos or None)
+        return grammars_for(tokenizer, vocab, tokenizer.eos_token_ids)  # (as one machine's: the tokenizer's too)
     except Exception as e:  # (the shard serves all the same)
         log.warning("the tokenizer in %s does not load (%s): output cannot be held to a grammar on this node", path, e)
         return None
-    return grammars_for(tokenizer, vocab, eos)
 
 
 def constraint_for(params: SamplingParams, grammars: Grammars | None) -> Constraint | None:
@@ -164,8 +164,8 @@ class Constraint:
 
     @property
     def finished(self) -> bool:
-        """Complete (only an end-of-sequence token may follow), or let go: no drafts are worth making."""
-        return self.broken or self.matcher.is_stopped()
+        """Complete: only an end-of-sequence token may follow, no drafts are worth making."""
+        return not self.broken and self.matcher.is_stopped()
 
     def drafts(self, drafted: list[int]) -> list[int]:
         """A greedy sequence's next drafts (as many as `drafted`, the MTP head's): the tokens the grammar

@@ -17,6 +17,7 @@ from ..models.gdn_chunked import prefill_layer
 from ..models.ragged import RaggedKV, cache_arrays, concat_caches, pad_rows, ragged_layer, take_rows
 from ..models.shard import queue_layers
 from .batch_depth import DepthPlan
+from .constraints import constraint_for
 from .head import DraftState, Head, new_draft_state
 from .prefixes import Mark, Prefix, check_resumed, mark_row, resume_draft, row_from
 from .protocol import StageError, StepKind, StepOutput, StepRequest
@@ -177,6 +178,8 @@ class FillGroup:
                 check_resumed(prefix, req.resumed_at)
                 if (start := prefix.length if prefix else 0) + len(req.tokens) > self.max_context:
                     raise StageError(f"context overflow: {start + len(req.tokens)} > {self.max_context}")
+                if self.head is not None and req.params is not None:  # (its grammar compiles: kept for `_add`)
+                    constraint_for(req.params, self.head.grammars)
         if self.first and hidden is not None:
             raise StageError("the first stage takes token ids, not hidden states")
         if not self.first:  # every row, the new ones too, as wide as the step's longest chunk

@@ -97,11 +97,12 @@ class ShardLoads:
                     self.drop_groups()
                     self._owners.clear()
                     # On this thread (arrays belong to it), yielding to the loop between pieces.
-                    self.worker, self.key = await load_stage(load, draft_vocab=self.draft_vocab,
-                                                             mtp_window=self.mtp_window), key
-                    if (head := self.worker.head) is not None:  # the last stage: grammars where the tokenizer is
-                        args, eos = self.worker.shard.config.args, self.worker.shard.config.eos_token_ids
-                        head.grammars = await asyncio.to_thread(grammars_in, load.model_path, args.vocab_size, eos)
+                    worker = await load_stage(load, draft_vocab=self.draft_vocab, mtp_window=self.mtp_window)
+                    if worker.head is not None:  # the last stage: grammars where the tokenizer is
+                        config = worker.shard.config
+                        worker.head.grammars = await asyncio.to_thread(grammars_in, load.model_path,
+                                                                       config.args.vocab_size, config.eos_token_ids)
+                    self.worker, self.key = worker, key
                     self.conditions.clear("load")
                 except (ValueError, OSError, KeyError) as e:
                     self.conditions.set("load", f"load failed: {e}")

@@ -98,8 +98,11 @@ def _held_to(args: argparse.Namespace) -> str | None:
 
     if args.json_schema is not None:
         text = args.json_schema
-        if not text.lstrip().startswith("{") and Path(text).expanduser().is_file():
-            text = Path(text).expanduser().read_text()
+        try:
+            if not text.lstrip().startswith("{") and Path(text).expanduser().is_file():
+                text = Path(text).expanduser().read_text()
+        except OSError:  # (a name too long to be a file's: the schema itself)
+            pass
         try:
             schema = json.loads(text)
         except ValueError:
