@@ -86,8 +86,9 @@ def grammars_for(tokenizer: Any, vocab: int, eos: set[int] | list[int]) -> Gramm
 
 
 def grammars_in(model_path: str, vocab: int, eos: list[int]) -> Grammars | None:
-    """A node's grammars, from the tokenizer in the directory its shard came from (None where there is
-    none: a shard fetched from a peer holds only its tensors). Reads files: off the event loop."""
+    """A node's grammars, from the tokenizer in the directory its shard came from (a model directory, or
+    the last shard's cache entry, which its fetch fills with the tokenizer files too); None where there is
+    none. Reads files: off the event loop."""
     from ..models.fingerprint import TOKENIZER_FILES
 
     path = Path(model_path)

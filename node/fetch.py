@@ -162,7 +162,8 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
     offset = _resume_offset(part)
     async with make_aio_channel(source, secret) as channel:
         call = pb_grpc.NodeStub(channel).FetchTensors(
-            pb.FetchRequest(fingerprint=key.fingerprint, names=names, offset=offset, raw=raw))
+            pb.FetchRequest(fingerprint=key.fingerprint, names=names, offset=offset, raw=raw,
+                            tokenizer=key.end == key.num_layers))  # (the last stage holds output to grammars)
         chunks = call.__aiter__()
         try:
             first = await asyncio.wait_for(chunks.__anext__(), CONNECT_TIMEOUT_S)
@@ -283,7 +284,8 @@ async def _fetch_from(source: str, cache: ShardCache, key: ShardKey, names: list
         part.unlink(missing_ok=True)
         raise _SourceFailed(f"verification failed ({problem}); the part file is dropped")
     manifest = Manifest(key.fingerprint, key.start, key.end, key.num_layers, key.mtp, first.raw_hf, tensors)
-    await loop.run_in_executor(None, cache.complete, key, manifest, first.config_json)
+    await loop.run_in_executor(None, cache.complete, key, manifest, first.config_json,
+                               {f.name: f.data for f in first.files})
     log.info("shard [%d, %d) of model %s: %.1f MiB fetched from %s", key.start, key.end, key.fingerprint[:12],
              received / 2**20, source)
     return received

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..models.fingerprint import SHARD_MANIFEST, file_tensors, hash_range, is_fingerprint
+from ..models.fingerprint import SHARD_MANIFEST, TOKENIZER_FILES, file_tensors, hash_range, is_fingerprint
 from ..models.fingerprint import config_sha256 as config_hash
 
 log = logging.getLogger(__name__)
@@ -334,13 +334,18 @@ class ShardCache:
 
     def discard(self, key: ShardKey) -> None:
         d = self.dir(key)
-        for name in (SHARD_MANIFEST, WEIGHTS, "config.json", *_stray_weights(d)):
+        for name in (SHARD_MANIFEST, WEIGHTS, "config.json", *TOKENIZER_FILES, *_stray_weights(d)):
             (d / name).unlink(missing_ok=True)
 
-    def complete(self, key: ShardKey, manifest: Manifest, config_json: str) -> Path:
-        """Move a verified .part into place and write the manifest last (the entry exists from then on)."""
+    def complete(self, key: ShardKey, manifest: Manifest, config_json: str,
+                 files: dict[str, bytes] | None = None) -> Path:
+        """Move a verified .part into place and write the manifest last (the entry exists from then on).
+        `files`: the model's tokenizer files, by name (others are not written)."""
         d = self.dir(key)
         (d / "config.json").write_text(config_json)
+        for name, data in (files or {}).items():
+            if name in TOKENIZER_FILES:
+                (d / name).write_bytes(data)
         _sync(d / PART)  # on disk before a manifest vouches for it (a power loss keeps no half file)
         os.replace(d / PART, d / WEIGHTS)
         try:

@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from ..models.fingerprint import (
+    TOKENIZER_FILES,
     TensorLoc,
     checkpoint_index,
     file_tensors,
@@ -75,6 +76,11 @@ class _Held:
     hashes: Callable[[list[str]], dict[str, str]]
     config_json: str
     raw_hf: bool
+    directory: Path  # where its tokenizer files are, if it has them
+
+    def tokenizer_files(self) -> list[pb.NamedFile]:
+        return [pb.NamedFile(name=name, data=(self.directory / name).read_bytes()) for name in TOKENIZER_FILES
+                if (self.directory / name).is_file()]
 
 
 class WeightStore:
@@ -222,14 +228,14 @@ class WeightStore:
             if await self._fingerprint(path) == fp:
                 index = await asyncio.get_running_loop().run_in_executor(None, checkpoint_index, path)
                 return _Held(index, lambda ns, p=path: tensor_hashes(p, ns), (path / "config.json").read_text(),
-                             raw_hf_layout(index))
+                             raw_hf_layout(index), path)
         entry = await asyncio.get_running_loop().run_in_executor(None, self.cache.holding, fp, names)
         if entry is None:
             return None
         d, m = entry
         hashes = {t.name: t.sha256 for t in m.tensors}
         return _Held(file_tensors(d / WEIGHTS), lambda ns: {n: hashes[n] for n in ns}, (d / "config.json").read_text(),
-                     m.raw_hf)
+                     m.raw_hf, d)
 
     async def serve(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext, node: str) -> AsyncIterator:
         names = list(request.names)
@@ -258,11 +264,12 @@ class WeightStore:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"{node}: offset {request.offset} beyond {total} bytes")
         loop = asyncio.get_running_loop()
         hashes = await loop.run_in_executor(None, held.hashes, names)
+        files = await loop.run_in_executor(None, held.tokenizer_files) if request.tokenizer else []
         raw = bool(request.raw and self.data_port)
         yield pb.TensorChunk(
             tensors=[pb.TensorInfo(name=t.name, dtype=t.dtype, shape=t.shape, size=t.size, sha256=hashes[t.name])
                      for t in locs],
-            total_bytes=total, config_json=held.config_json, raw_hf=held.raw_hf,
+            total_bytes=total, config_json=held.config_json, raw_hf=held.raw_hf, files=files,
             token=self.grants.issue(locs, request.offset) if raw else b"", data_port=self.data_port if raw else 0)
         log.info("serving %d tensors (%.1f MiB from byte %d) of model %s%s", len(locs), total / 2**20,
                  request.offset, request.fingerprint[:12], f" on data port {self.data_port}" if raw else "")

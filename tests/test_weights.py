@@ -174,12 +174,17 @@ def test_shards_reach_nodes_without_the_model(dense_ckpt: Path, tmp_path: Path, 
             assert [(h.transfer_state, h.transfer_done, h.transfer_total) for h in health[1:]] == [
                 ("done", totals[1], totals[1]), ("done", totals[2], totals[2])]
             assert health[0].served_bytes == totals[1] + totals[2]
-        # Exactly the shard's tensors arrived, and load as the same shard.
+            # The last shard came with the model's tokenizer files: its node holds output to grammars.
+            assert [r.constrains for r in replies] == [False, False, True] and engine.constrains
+        # Exactly the shard's tensors arrived, and load as the same shard; the last one's tokenizer beside it.
         for i in (1, 2):
             d = Path(replies[i].weights_path)
             assert d.is_relative_to(tmp_path / f"cache{i}")
             assert sorted(checkpoint_index(d)) == shard_names(dense_ckpt, *SPECS[i], TINY_LAYERS, True)
             assert same_weights(d, dense_ckpt, ShardSpec(*SPECS[i], TINY_LAYERS))
+            assert (d / "tokenizer.json").is_file() == (i == 2)
+        assert (Path(replies[2].weights_path) / "tokenizer.json").read_bytes() == \
+            (dense_ckpt / "tokenizer.json").read_bytes()
         # A node serves what its cache holds too: the bytes of the original's tensors.
         names = shard_names(dense_ckpt, *SPECS[2], TINY_LAYERS, True)
         with make_channel(servers[2].address) as channel:
@@ -193,6 +198,7 @@ def test_shards_reach_nodes_without_the_model(dense_ckpt: Path, tmp_path: Path, 
         replies = engine.pipeline.load_replies
         assert [r.weights_source for r in replies] == ["local", "cache", "cache"]
         assert [r.fetched_bytes for r in replies] == [0, 0, 0]
+        assert replies[2].constrains
         assert [h.fetched_bytes for h in engine.pipeline.health()] == [0, 0, 0]
         assert engine.pipeline.health()[0].served_bytes == 0
         text = PROMPTS[0]
