@@ -166,6 +166,16 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
 
     # -- steps ----------------------------------------------------------------------------------
 
+    async def _compile(self, frame: pb.Frame) -> None:
+        """A first step's grammar compiled off the loop (and kept: constraints.py), so the loop, which runs
+        every round here, only copies it; StageError for one that does not compile."""
+        head = self.worker.head if self.worker is not None else None
+        if frame.step == 0 and frame.params.HasField("grammar") and head is not None and head.grammars is not None:
+            try:
+                await asyncio.to_thread(head.grammars.check, frame.params.grammar)
+            except ValueError as e:
+                raise StageError(f"{self.name}: the grammar does not compile: {e}") from None
+
     def _run(self, frame: pb.Frame) -> StepOutput | pb.Tensor:
         """One step on this node, on the loop thread."""
         worker = self.worker
@@ -225,6 +235,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
             log.debug("round %d of released sequence %s dropped", frame.step, frame.seq_id)
             return
         try:
+            await self._compile(frame)
             out = self._run(frame)
         except StageError as e:
             self._fail(frame, "INVALID_ARGUMENT", str(e))
@@ -291,6 +302,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         if request.kind == pb.RELEASE:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "use Release to drop a sequence")
         try:
+            await self._compile(request)
             out = self._run(request)
         except StageError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -155,12 +155,26 @@ def test_a_grammar_is_compiled_where_the_request_is_checked_and_copied_for_each_
 
 
 @pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "ring"])
-def test_over_nodes_the_last_node_holds_the_format(demo: BatchEngine, nodes: int) -> None:
+def test_over_nodes_the_last_node_holds_the_format(demo: BatchEngine, nodes: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The last node loads the tokenizer beside its shard: a held request over one node (a sequence at a
-    time) or a ring of two gives the tokens one machine gives, at every depth."""
-    from mtpipe.models.registry import DEMO_MODEL
+    time) or a ring of two gives the tokens one machine gives, at every depth; the node compiles the
+    grammar off its loop thread, which runs every round there."""
+    import threading
 
-    params = SamplingParams(grammar=grammar_of_schema(SCHEMA))
+    from mtpipe.models.registry import DEMO_MODEL
+    from mtpipe.node.constraints import Grammars
+
+    compiled_on: list[str] = []
+    matcher = Grammars._matcher
+
+    def spy(self: Grammars, grammar: str) -> Any:
+        if grammar not in self._compiled:
+            compiled_on.append(threading.current_thread().name)
+        return matcher(self, grammar)
+
+    monkeypatch.setattr(Grammars, "_matcher", spy)
+    params = SamplingParams(grammar=grammar_of_schema({**SCHEMA, "title": f"over {nodes} node(s)"}))
     prompt = demo.tokenizer.encode("def fibonacci(n):")
     want = demo.complete(GenerationRequest(prompt, 64, params, mtp_depth=0)).tokens
     with node_servers(nodes) as servers:
@@ -172,6 +186,7 @@ def test_over_nodes_the_last_node_holds_the_format(demo: BatchEngine, nodes: int
                 assert got.tokens == want, (nodes, depth, auto)
         finally:
             engine.close()
+    assert compiled_on and "node-loop" not in compiled_on, compiled_on
 
 
 def test_engines_whose_last_stage_has_no_tokenizer_refuse_a_grammar() -> None:
