@@ -313,3 +313,35 @@ def test_generate_holds_its_output_to_a_schema_file_or_a_regex(tmp_path: Path, c
     assert out["finish_reason"] == "stop" and fits(json.loads(out["text"])), out["text"]
     assert main(["generate", "--prompt", "Call", "--max-tokens", "12", "--regex", "[0-9]{3}-[0-9]{4}", "--json"]) == 0
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", json.loads(capsys.readouterr().out)["text"])
+
+
+def test_generate_with_chat_leaves_a_thought_the_template_opened_free(monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    """As the API does: with thinking tags in the tokenizer (made up: the chat prompt's last tag opens the
+    thought, a token of the free reply closes it), `generate --chat` holds only the answer to the format."""
+    from mtpipe.coordinator.cli.main import main
+    from mtpipe.coordinator.engine import build
+
+    ask = ["generate", "--chat", "--prompt", "Think first", "--mtp-depth", "0", "--json"]
+    assert main([*ask, "--max-tokens", "8"]) == 0
+    free = json.loads(capsys.readouterr().out)["tokens"]
+    end = free[3]
+    load = build.load_tokenizer
+
+    def tagged(*a: Any, **kw: Any) -> Any:
+        tok = load(*a, **kw)
+        opening = "<|im_start|>assistant"
+        tok._think_start, tok._think_end = opening, tok.decode([end])
+        tok._think_start_tokens, tok._think_end_tokens = tuple(tok.encode(opening, add_special_tokens=False)), (end,)
+        return tok
+
+    monkeypatch.setattr(build, "load_tokenizer", tagged)
+    assert main([*ask, "--max-tokens", "80", "--json-schema", json.dumps(SCHEMA)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    at = out["tokens"].index(end)
+    assert out["tokens"][:at] == free[:at] and end not in free[:at]
+    from mtpipe.models.registry import DEMO_MODEL
+    from mtpipe.coordinator.engine.tokenizer import load_tokenizer
+
+    answer = load_tokenizer(DEMO_MODEL, []).decode(out["tokens"][at + 1 :]).lstrip("\n")
+    assert out["finish_reason"] == "stop" and fits(json.loads(answer)), answer

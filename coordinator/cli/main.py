@@ -45,7 +45,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.weights_from and not args.nodes:
         raise ValueError("--weights-from applies with --nodes")
-    params = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed, grammar=_held_to(args))
+    fmt = _held_to(args)
+    params = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed,
+                            grammar=fmt.grammar() if fmt is not None else None)
     params.validate()  # (before any node is loaded, or taken over)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt and not args.chat:  # (a chat template makes tokens of an empty message)
@@ -73,6 +75,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         depth, auto = resolve_depth(asked, engine.has_mtp)
         chat = [{"role": "user", "content": prompt}]
         tokens = engine.encode_chat(chat) if args.chat else engine.tokenizer.encode(prompt)
+        if fmt is not None and args.chat:  # (a thought the template opened stays free, as the API leaves it)
+            params = _after_thought(fmt, engine, tokens, params)
         req = GenerationRequest(prompt_tokens=tokens, max_tokens=args.max_tokens, params=params, mtp_depth=depth,
                                 mtp_auto=auto, stop=args.stop or [])
         if args.json:
@@ -92,9 +96,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _held_to(args: argparse.Namespace) -> str | None:
-    """The grammar of --json-schema or --regex (None: free text); ValueError naming a bad one."""
-    from ...node.constraints import grammar_error, grammar_of_schema
+def _held_to(args: argparse.Namespace) -> Any:
+    """The format of --json-schema or --regex (api/formats.py; None: free text), its grammar checked;
+    ValueError naming a bad one."""
+    from ...node.constraints import grammar_error
+    from ..api.formats import OutputFormat
 
     if args.json_schema is not None:
         text = args.json_schema
@@ -110,16 +116,32 @@ def _held_to(args: argparse.Namespace) -> str | None:
                 from None
         if not isinstance(schema, dict):
             raise ValueError("--json-schema must be a JSON object")
-        grammar, option = grammar_of_schema(schema), "--json-schema"
+        fmt = OutputFormat(schema=schema, field="--json-schema")
     elif args.regex is not None:
-        from llguidance import LLMatcher
-
-        grammar, option = LLMatcher.grammar_from_regex(args.regex), "--regex"
+        fmt = OutputFormat(regex=args.regex, field="--regex")
     else:
         return None
-    if error := grammar_error(grammar):
-        raise ValueError(f"{option}: the output cannot be held to it: {error}")
-    return grammar
+    if error := grammar_error(fmt.grammar()):
+        raise ValueError(f"{fmt.field}: the output cannot be held to it: {error}")
+    return fmt
+
+
+def _after_thought(fmt: Any, engine: Any, tokens: list[int], params: Any) -> Any:
+    """`params` held to `fmt` after the thought the chat prompt opened, if it opened one."""
+    import dataclasses
+
+    from ..api.errors import APIError
+    from ..api.formats import after_thought
+    from ..api.reasoning import reasoning_split
+
+    split = reasoning_split(engine.tokenizer, tokens)
+    if split is None or not split.thinking:
+        return params
+    try:
+        grammar = after_thought(fmt, engine.tokenizer, engine.eos, engine.vocab_size)
+    except APIError as e:
+        raise ValueError(e.message) from None
+    return dataclasses.replace(params, grammar=grammar)
 
 
 def _print_stats(stats: dict[str, Any], depth: int | str) -> None:
