@@ -115,7 +115,7 @@ async def begin(service: "Service", choices: list[Choice], request: Any, admitte
 async def _all(tasks: "list[asyncio.Future[Any]]") -> list[Any]:
     """The tasks' results; at the first that fails the others are cancelled and its error raised."""
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
         if failed is not None:
             raise failed.exception()  # type: ignore[misc]
