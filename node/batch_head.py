@@ -26,6 +26,7 @@ from .acceptance import accept_greedy, filtered_probs, kept_of_round
 from .batch_depth import DepthPlan
 from .depth_rates import batch_rates
 from .device_sampling import drafts_on_device, draw_drafts, sample, samples_on_device
+from .constraints import Constraint
 from .head import DraftState, Head, Prepared
 from .processors import LogprobTable, apply, logprob_table, read_logprobs
 from .protocol import Commit, SamplingParams, StageError, StepOutput
@@ -35,6 +36,19 @@ from .protocol import Commit, SamplingParams, StageError, StepOutput
 class RowOutput:
     seq_id: str
     output: StepOutput
+
+
+def held_drafts(d: DraftState, constraint: Constraint) -> None:
+    """A held row's drafts (constraints.py): what its grammar forces, proposed with certainty; else the MTP
+    head's, cut at the first refused where the verdict does not read how they were drawn."""
+    if forced := constraint.forced(len(d.drafts)):
+        d.drafts = forced
+        if d.draft_probs is not None:
+            d.draft_probs = np.zeros((len(forced), d.draft_probs.shape[-1]), d.draft_probs.dtype)
+            d.draft_probs[np.arange(len(forced)), forced] = 1.0
+    elif d.params.greedy or d.params.seed is not None:
+        d.drafts = constraint.allowed_prefix(d.drafts)
+        d.draft_probs = None if d.draft_probs is None else d.draft_probs[: len(d.drafts)]
 
 
 def rows_bucket(rows: int) -> int:
@@ -351,8 +365,7 @@ class BatchHead:
         drafts = mx.stack(lazy, axis=1)  # [B, depth]
         # (stacked before the next round is queued: an array made after it would wait for that round)
         reported = mx.stack([q for row in drawn_from for q in row]) if on_device else None  # rows in order
-        held = any(d.history.constraint is not None and d.depth and d.params.greedy  # (drafts the host may change)
-                   for d in self.states)
+        held = any(d.history.constraint is not None and d.depth for d in self.states)  # (drafts the host may change)
         if ahead is not None and not host and not held:
             # on their own: computed in one go with the next round, reading them would wait for it
             mx.async_eval(drafts, *([reported] if reported is not None else []))
@@ -365,5 +378,5 @@ class BatchHead:
         for i, d in enumerate(self.states):
             d.drafts = drafted[i][: d.depth]
             d.draft_probs = np.stack(probs[i]) if probs[i] else None
-            if d.history.constraint is not None and d.params.greedy:  # what the grammar forces, else what it takes
-                d.drafts = d.history.constraint.drafts(d.drafts)
+            if d.history.constraint is not None and d.drafts:
+                held_drafts(d, d.history.constraint)

@@ -7,9 +7,11 @@ the matcher takes the drafts one by one, a mask before each, and gives them back
 emits are then taken for good. A draft the grammar refuses is never accepted (its own position's mask
 excludes it), so the positions after it are left unmasked: nothing is read from them. Greedy output
 thus equals plain decoding under the same grammar at any depth, and sampled output keeps its
-distribution. A greedy sequence drafts what the grammar forces (a schema's keys and punctuation), where
-it forces something, else the MTP head's drafts up to the first it refuses; once its format is complete
-it drafts nothing. Sampled sequences draft as the MTP head draws.
+distribution. A sequence drafts what the grammar forces (a schema's keys and punctuation) where it forces
+something (a sampled one then proposes them with certainty: the acceptance test reads a one-hot draft
+distribution); else the MTP head's drafts, which a greedy or seeded sequence cuts at the first the
+grammar refuses (an unseeded sampled one may not: whether a draw is kept must not depend on the draw);
+once its format is complete it drafts nothing.
 """
 
 from __future__ import annotations
@@ -168,16 +170,14 @@ class Constraint:
         """Complete: only an end-of-sequence token may follow, no drafts are worth making."""
         return not self.broken and self.matcher.is_stopped()
 
-    def drafts(self, drafted: list[int]) -> list[int]:
-        """A greedy sequence's next drafts (as many as `drafted`, the MTP head's): the tokens the grammar
-        forces from here, where it forces some (they are what decoding would pick, as near as the model
-        follows the tokenizer's own splits); else the MTP head's, up to the first the grammar refuses."""
-        if self.broken or not drafted:
-            return drafted
-        forced = self.matcher.compute_ff_tokens()
-        if forced:
-            return forced[: len(drafted)]
-        return drafted[: self.matcher.validate_tokens(drafted)]
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces from here (none where it leaves a choice): drafts that
+        are what decoding would pick, as near as the model follows the tokenizer's own splits."""
+        return [] if self.broken or limit <= 0 else self.matcher.compute_ff_tokens()[:limit]
+
+    def allowed_prefix(self, drafted: list[int]) -> list[int]:
+        """`drafted` up to the first token the grammar refuses."""
+        return drafted if self.broken else drafted[: self.matcher.validate_tokens(drafted)]
 
     def take(self, tokens: list[int]) -> None:
         """Tokens emitted: the grammar moves past them (once complete, it stays so)."""

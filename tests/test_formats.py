@@ -345,3 +345,25 @@ def test_generate_with_chat_leaves_a_thought_the_template_opened_free(monkeypatc
 
     answer = load_tokenizer(DEMO_MODEL, []).decode(out["tokens"][at + 1 :]).lstrip("\n")
     assert out["finish_reason"] == "stop" and fits(json.loads(answer)), answer
+
+
+def test_sampled_held_rows_keep_their_distribution_with_forced_drafts(demo: BatchEngine) -> None:
+    """Unseeded sampled rows held to a choice between two values the grammar frames with forced keys and
+    punctuation (drafted as forced, proposed with certainty): the share of each value is the same with
+    drafts as without, within sampling error."""
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    params = SamplingParams(temperature=1.0, grammar=grammar_of_schema(schema))
+    prompt = demo.tokenizer.encode("Is it?")
+    rows = 96
+    shares, accepted = [], 0
+    for depth in (0, 2):
+        reqs = [GenerationRequest(prompt, 24, params, mtp_depth=depth) for _ in range(rows)]
+        texts = ["".join(c.text for c in chunks) for chunks in batch_chunks(demo, reqs, 120)]
+        values = [json.loads(t)["answer"] for t in texts]
+        shares.append({v: values.count(v) / rows for v in ("yes", "no", "maybe")})
+        if depth:
+            accepted = sum(chunks[-1].stats.accepted for chunks in batch_chunks(demo, reqs[:8], 120))
+    assert accepted > 0
+    for v in ("yes", "no", "maybe"):  # (3.5 standard errors of a difference of two shares over 96 rows each)
+        assert abs(shares[0][v] - shares[1][v]) <= 3.5 * (2 * 0.25 / rows) ** 0.5, shares
