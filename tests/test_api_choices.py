@@ -234,3 +234,28 @@ def test_a_request_reserves_all_its_slots_or_none() -> None:
         assert service.slots._value == 2  # what the refused one took is back
 
     asyncio.run(main())
+
+
+def test_without_kept_prefixes_a_prompts_choices_start_at_once(dense_ckpt: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that keeps no prompt prefixes: nothing to wait for, the choices start together (none
+    waits for the first one's first token)."""
+    from mtpipe.coordinator.api.generation import GenerationThread
+
+    waited: list[Any] = []
+    first = GenerationThread.first
+
+    async def spy(self: GenerationThread) -> None:
+        waited.append(self)
+        await first(self)
+
+    monkeypatch.setattr(GenerationThread, "first", spy)
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, prefix_cache=0)
+    try:
+        assert not engine.keeps_prefixes
+        with LiveServer(create_app(engine, MODEL, max_concurrency=8)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            out = client.completions.create(model=MODEL, prompt="Once", max_tokens=6, temperature=0, n=3)
+        assert len({c.text for c in out.choices}) == 1 and not waited
+    finally:
+        engine.close()

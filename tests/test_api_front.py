@@ -384,7 +384,8 @@ def _linked(engine: Any) -> tuple[EngineHost, EngineClient]:
     host.start()
     (op, info), = b.recv()
     assert op == "hello" and info == {"has_mtp": True, "max_context": 64, "vocab_size": 100, "eos": [0],
-                                      "cluster": False, "constrains": False}
+                                      "cluster": False, "constrains": False,
+                                      "keeps_prefixes": False}
     return host, EngineClient(b, info, tokenizer=None)
 
 
@@ -452,7 +453,7 @@ def test_either_end_going_away() -> None:
     a, b = multiprocessing.Pipe()
     lost = threading.Event()
     client = EngineClient(b, {"has_mtp": True, "max_context": 64, "vocab_size": 100, "eos": [0],
-                                       "constrains": False}, tokenizer=None)
+                                       "constrains": False, "keeps_prefixes": False}, tokenizer=None)
     client.on_lost = lost.set
     got = Collect()
     client.open(GenerationRequest([1], 8), got)
@@ -502,7 +503,7 @@ def test_a_stuck_engine_is_given_up_on() -> None:
 
     a, b = multiprocessing.Pipe()  # an engine's process that never answers
     client = EngineClient(b, {"has_mtp": True, "max_context": 64, "vocab_size": 100, "eos": [0],
-                                       "constrains": False}, tokenizer=None)
+                                       "constrains": False, "keeps_prefixes": False}, tokenizer=None)
     lost.clear()
     client.on_lost = lost.set
     try:
@@ -528,7 +529,7 @@ def test_the_front_sends_apart_from_its_callers() -> None:
     a request that has ended is not cancelled over the link; the sender failing ends the link."""
     a, b = multiprocessing.Pipe()
     client = EngineClient(b, {"has_mtp": True, "max_context": 64, "vocab_size": 100, "eos": [0],
-                                       "constrains": False}, tokenizer=None)
+                                       "constrains": False, "keeps_prefixes": False}, tokenizer=None)
     try:
         odd = Collect()
         client.open(GenerationRequest([1], 8, stop=[Unpicklable("x")]), odd)
@@ -564,7 +565,8 @@ def test_an_api_over_a_lost_engine_answers_503(engine: BatchEngine) -> None:
 
     a, b = multiprocessing.Pipe()
     client = EngineClient(b, {"has_mtp": True, "max_context": engine.max_context, "vocab_size": engine.vocab_size,
-                              "eos": sorted(engine.eos), "constrains": False}, engine.tokenizer)
+                              "eos": sorted(engine.eos), "constrains": False,
+                              "keeps_prefixes": False}, engine.tokenizer)
     a.close()
     deadline = time.monotonic() + 5
     while client.lost is None:

@@ -48,7 +48,8 @@ def engine_info(engine: Any, *, cluster: bool) -> dict[str, Any]:
     """What the front needs to know of the engine to validate and answer without asking it."""
     return {"has_mtp": bool(engine.has_mtp), "max_context": int(engine.max_context),
             "vocab_size": int(engine.vocab_size), "eos": sorted(engine.eos), "cluster": cluster,
-            "constrains": bool(getattr(engine, "constrains", False))}
+            "constrains": bool(getattr(engine, "constrains", False)),
+            "keeps_prefixes": bool(getattr(engine, "keeps_prefixes", False))}
 
 
 class EngineHost:
@@ -215,6 +216,7 @@ class EngineClient:
         self.vocab_size: int = info["vocab_size"]
         self.eos = set(info["eos"])
         self.constrains: bool = info["constrains"]  # (the engine holds output to grammars)
+        self.keeps_prefixes: bool = info["keeps_prefixes"]  # (a prompt's other choices may start from its prefix)
         self.pipeline = self  # describe() and close(), as an engine's pipeline offers them
         self.on_lost: Callable[[], None] | None = None
         self.lost: str | None = None

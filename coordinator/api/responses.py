@@ -2,8 +2,8 @@
 
 A request asks for several choices with `n` (that many replies to its prompt) or, on completions, with
 a list of prompts; each choice is a generation of its own, and they run side by side in the batch.
-The choices of one prompt start once the first has prefilled it, so that the others take the prompt
-from the kept prefixes instead of prefilling it again. Choice i of prompt p has index p * n + i, as
+Where the engine keeps prompt prefixes, the choices of one prompt start once the first has prefilled it,
+so that the others take the prompt from them instead of prefilling it again; elsewhere all at once. Choice i of prompt p has index p * n + i, as
 OpenAI orders them; usage counts each prompt once and every choice's tokens. Any choice refused before
 the response starts refuses the request (its status: 503 with Retry-After when busy); a choice that
 fails later fails the response, and the others stop.
@@ -91,10 +91,10 @@ async def begin(service: "Service", choices: list[Choice], request: Any, admitte
 
     async def prompt(group: list[Choice]) -> None:
         start(group[0])
-        if len(group) > 1:
+        if len(group) > 1 and getattr(service.engine, "keeps_prefixes", False):
             await _until(service, runs[group[0].index].first(), request)
-            for choice in group[1:]:
-                start(choice)
+        for choice in group[1:]:
+            start(choice)
         if admitted:
             await _all([asyncio.ensure_future(_until(service, runs[c.index].admitted(), request)) for c in group])
 

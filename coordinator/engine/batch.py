@@ -119,6 +119,7 @@ class BatchEngine:
         self.vocab_size = stages[0].worker.shard.config.args.vocab_size  # what the first stage embeds
         head = stages[-1].worker.head
         self.constrains = head is not None and head.grammars is not None  # output held to grammars (constraints.py)
+        self.keeps_prefixes = self.prefix_cache > 0  # (a prompt's other choices start from its kept prefix)
         self.pipeline = self  # describe() and close() for the API and CLI, as a pipeline offers them
         thread.set_worker(self._work)
 

@@ -99,6 +99,7 @@ class RingEngine:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
 
     constrains = property(lambda self: bool(getattr(self.pipeline, "constrains", False)))  # (its last node: grammars)
+    keeps_prefixes = property(lambda self: self.kept is not None)  # (a prompt's other choices start from its prefix)
 
     def validate(self, req: GenerationRequest) -> None:
         check_request(req, max_context=self.max_context, has_mtp=self.has_mtp, constrains=self.constrains)
