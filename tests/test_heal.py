@@ -243,6 +243,12 @@ def test_nodes_that_keep_their_shards_as_the_pipeline_forms_again_drop_what_its_
             pipeline.steps([StepRequest("alone", 0, StepKind.PREFILL, prompt, final=True)])
             pipeline.steps([StepRequest("grouped", 0, StepKind.PREFILL, prompt, final=True, group=1, budget=10**6)])
             assert all({"alone", "grouped"} <= held(s) for s in servers)
+            # The group's first round reaches the first node on a link the last node opens then: until it
+            # has, the first node holds the row as a sequence alone, which a re-forming keeps.
+            deadline = time.monotonic() + 10
+            while not any("grouped" in g.stage.ids for g in servers[0].service.ring_groups.groups.values()):
+                assert time.monotonic() < deadline, "the group's first round never reached the first node"
+                time.sleep(0.002)
             model_path, specs, mtp, dtype = pipeline._load_args
             pipeline.load(model_path, specs, mtp=mtp, dtype=dtype)
             assert [r.reused for r in pipeline.load_replies] == [True, True]
