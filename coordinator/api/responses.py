@@ -52,20 +52,14 @@ def choices_of(reqs: "list[GenerationRequest]", n: int, thinking: "Optional[Reas
 
 
 async def _until(service: "Service", waited: Any, request: Any) -> None:
-    """Wait for `waited` (the run's admission or first chunk) while its client waits too."""
-    task = asyncio.ensure_future(waited)
+    """Wait for `waited` (the run's admission or first chunk) while its client waits too; a refusal that
+    comes instead is answered as the server's."""
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and request is not None and await request.is_disconnected():
-                raise APIError(499, "the client went away while its request waited", code="client_gone")
-        task.result()
+        await service.waited(waited, request)
     except APIError:
         raise
     except Exception as e:  # refused while it waited, or at once
         raise service.server_error(e) from None
-    finally:
-        task.cancel()
 
 
 async def begin(service: "Service", choices: list[Choice], request: Any, admitted: bool) -> list[GenerationThread]:

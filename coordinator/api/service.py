@@ -92,7 +92,7 @@ class Service:
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             top_logprobs=top_logprobs,
-            grammar=None if fmt is None else fmt.grammar(),
+            grammar=None if fmt is None else fmt.plain,
         )
         try:
             params.validate()
@@ -231,10 +231,10 @@ class Service:
         deadline = time.monotonic() + self.slot_timeout
         taken = 0
         try:
-            await self._waited(self.reserving.acquire, self.reserving.release, request, deadline)
+            await self.waited(self.reserving.acquire(), request, deadline, undo=self.reserving.release)
             try:
                 while taken < count:
-                    await self._waited(self.slots.acquire, self.slots.release, request, deadline)
+                    await self.waited(self.slots.acquire(), request, deadline, undo=self.slots.release)
                     taken += 1
             finally:
                 self.reserving.release()
@@ -247,9 +247,12 @@ class Service:
         for _ in range(count):
             self.slots.release()
 
-    async def _waited(self, acquire: Callable[[], Any], release: Callable[[], None], request: Any,
-                      deadline: float) -> None:
-        task = asyncio.ensure_future(acquire())
+    async def waited(self, waited: Any, request: Any, deadline: Optional[float] = None,
+                     undo: Optional[Callable[[], None]] = None) -> Any:
+        """`waited`'s result, waited for while the client waits too (else a 499) and, with `deadline`, until
+        then (a slot's wait: ServerBusy, 503 with Retry-After). Given up, it is cancelled, or what it took
+        given back with `undo` where it finished meanwhile; its own error is raised as it is."""
+        task = asyncio.ensure_future(waited)
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -257,13 +260,15 @@ class Service:
                     break
                 if request is not None and await request.is_disconnected():
                     raise APIError(499, "the client went away while its request waited", code="client_gone")
-                if time.monotonic() > deadline:
+                if deadline is not None and time.monotonic() > deadline:
                     raise ServerBusy(f"no free generation slot after {self.slot_timeout:.0f} s "
                                      f"({self.max_concurrency} at once)",
                                      retry_after=max(1, int(self.slot_timeout // 4)))
+            return task.result()
         except BaseException:
-            if task.done() and not task.cancelled():
-                release()  # taken meanwhile
+            if task.done() and not task.cancelled() and task.exception() is None:
+                if undo is not None:
+                    undo()  # taken meanwhile
             else:
                 task.cancel()
             raise
