@@ -11,6 +11,7 @@ answer is held to the format.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -29,17 +30,35 @@ class OutputFormat:
     regex: str | None = None
     field: str = "response_format"  # the request field that asked for it
 
+    @functools.cached_property
+    def plain(self) -> str:
+        """The llguidance grammar of the whole reply (made once: a request's checks and its sampling read it)."""
+        from llguidance import LLMatcher
+
+        from ...node.constraints import grammar_of_schema
+
+        return grammar_of_schema(self.schema) if self.schema is not None else \
+            LLMatcher.grammar_from_regex(self.regex or "")
+
+    def problem(self) -> str:
+        """What keeps output from being held to it, whatever the tokenizer ("" if nothing)."""
+        from ...node.constraints import grammar_error
+
+        try:
+            return grammar_error(self.plain)
+        except ValueError as e:  # (a schema that is no JSON object)
+            return str(e)
+
     def grammar(self, after_token: int | None = None, never: tuple[str, ...] = ()) -> str:
         """The llguidance grammar. With `after_token` the reply thinks first: any tokens but that one and
         `never` (the end-of-sequence tokens and ids past the tokenizer's words, as "7" or "100-127"), then
         it, up to two line breaks and the answer; an end-of-sequence token may end it in its thought."""
         from llguidance import LLMatcher
 
-        from ...node.constraints import JSON_LAYOUT, grammar_of_schema
+        from ...node.constraints import JSON_LAYOUT
 
         if after_token is None:
-            return grammar_of_schema(self.schema) if self.schema is not None else \
-                LLMatcher.grammar_from_regex(self.regex or "")
+            return self.plain
         if self.schema is not None:
             layout = {**JSON_LAYOUT, **self.schema.get("x-guidance", {})}
             answer = f"%json {json.dumps({**self.schema, 'x-guidance': layout})}"
@@ -68,13 +87,7 @@ def output_format(body: Any) -> OutputFormat | None:
         return None
     name, value = asked[0]
     fmt = dataclasses.replace(_of(name, value), field=name)
-    from ...node.constraints import grammar_error
-
-    try:
-        error = grammar_error(fmt.grammar())
-    except ValueError as e:
-        error = str(e)
-    if error:
+    if error := fmt.problem():
         raise APIError(400, f"{name}: the output cannot be held to this format: {error}", param=name)
     return fmt
 

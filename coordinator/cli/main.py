@@ -47,7 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--weights-from applies with --nodes")
     fmt = _held_to(args)
     params = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed,
-                            grammar=fmt.grammar() if fmt is not None else None)
+                            grammar=fmt.plain if fmt is not None else None)
     params.validate()  # (before any node is loaded, or taken over)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt and not args.chat:  # (a chat template makes tokens of an empty message)
@@ -99,7 +99,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _held_to(args: argparse.Namespace) -> Any:
     """The format of --json-schema or --regex (api/formats.py; None: free text), its grammar checked;
     ValueError naming a bad one."""
-    from ...node.constraints import grammar_error
     from ..api.formats import OutputFormat
 
     if args.json_schema is not None:
@@ -121,7 +120,7 @@ def _held_to(args: argparse.Namespace) -> Any:
         fmt = OutputFormat(regex=args.regex, field="--regex")
     else:
         return None
-    if error := grammar_error(fmt.grammar()):
+    if error := fmt.problem():
         raise ValueError(f"{fmt.field}: the output cannot be held to it: {error}")
     return fmt
 
