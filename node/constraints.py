@@ -107,13 +107,17 @@ def grammars_in(model_path: str, vocab: int, eos: list[int]) -> Grammars | None:
         return None
 
 
-def constraint_for(params: SamplingParams, grammars: Grammars | None) -> Constraint | None:
-    """The request's grammar compiled for a sequence (None: it has none); StageError where it cannot be."""
+def constraint_for(params: SamplingParams, grammars: Grammars | None, build: bool = True) -> Constraint | None:
+    """The request's grammar compiled for a sequence (None: it has none, or not `build`: only checked);
+    StageError where it cannot be."""
     if params.grammar is None:
         return None
     if grammars is None:
         raise StageError("this stage holds no tokenizer to hold output to a grammar (response_format)")
     try:
+        if not build:
+            grammars.check(params.grammar)
+            return None
         return grammars.constraint(params.grammar)
     except ValueError as e:
         raise StageError(f"the grammar does not compile: {e}") from None

@@ -179,7 +179,7 @@ class FillGroup:
                 if (start := prefix.length if prefix else 0) + len(req.tokens) > self.max_context:
                     raise StageError(f"context overflow: {start + len(req.tokens)} > {self.max_context}")
                 if self.head is not None and req.params is not None:  # (its grammar compiles: kept for `_add`)
-                    constraint_for(req.params, self.head.grammars)
+                    constraint_for(req.params, self.head.grammars, build=False)
         if self.first and hidden is not None:
             raise StageError("the first stage takes token ids, not hidden states")
         if not self.first:  # every row, the new ones too, as wide as the step's longest chunk
