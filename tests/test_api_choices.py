@@ -220,7 +220,11 @@ def test_a_request_reserves_all_its_slots_or_none() -> None:
         await service.reserve(3, None)
         second = asyncio.ensure_future(service.reserve(3, None))
         single = asyncio.ensure_future(service.reserve(1, None))
-        await asyncio.sleep(0.3)
+        for _ in range(100):  # (until the second has taken the turn and the last free slot)
+            await asyncio.sleep(0)
+            if service.slots._value == 0:
+                break
+        assert service.slots._value == 0 and service.reserving.locked()
         assert not second.done() and not single.done()  # (the single one waits its turn behind it)
         service.release(3)
         await asyncio.wait_for(second, 5)
