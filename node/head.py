@@ -26,6 +26,7 @@ from .device_sampling import drafts_on_device, draw_drafts
 from .constraints import Grammars, constraint_for
 from .processors import History, LogprobTable, apply, bias_vector, has_processors, logprob_table, read_logprobs
 from .protocol import Commit, SamplingParams, StepKind, StepOutput, StepRequest
+from .scoring import PromptScores
 
 
 @dataclass
@@ -60,6 +61,7 @@ class DraftState:
     history: History = field(default_factory=History)  # for the logits processors, and positions
     bias: mx.array | None = None  # logit_bias as a dense row, for the drafts (made on first use)
     key: mx.array | None = None  # for draws on the device (device_sampling.py), seeded from `rng`
+    scores: PromptScores | None = None  # its prompt's log-probabilities, where asked (scoring.py)
 
     @property
     def processed(self) -> bool:
@@ -118,7 +120,8 @@ def new_draft_state(req: StepRequest, grammars: Grammars | None = None) -> Draft
     chooser = DepthChooser(req.mtp_depth) if req.mtp_auto and req.mtp_depth > 0 else None
     return DraftState(params=params, depth=req.mtp_depth, rng=np.random.default_rng(seed),
                       mtp_cache=KVCache() if req.mtp_depth > 0 else None, chooser=chooser,
-                      history=History(generated_from=req.resumed_at, constraint=constraint_for(params, grammars)))
+                      history=History(generated_from=req.resumed_at, constraint=constraint_for(params, grammars)),
+                      scores=PromptScores(params.prompt_logprobs) if params.prompt_logprobs >= 0 else None)
 
 
 class Prepared(NamedTuple):
@@ -184,8 +187,7 @@ class Head:
         processors: `out.drafts`, once known); `prepared` is what `prepare` made of `h` for a round
         queued so. A sampled sequence, or one with processors, gets its next round without drafts
         queued once this round's token is known and in its history."""
-        # A processed pick depends on the tokens before it, a sample is drawn on the host: the next
-        # round is queued once the token is known.
+        # A processed pick depends on the tokens before it, a sample is drawn on the host: the next round waits for it.
         queue_token, on_token = (on_token, None) if d.processed or not d.params.greedy else (None, on_token)
         normed = self.model.final_norm(h) if prepared is None else prepared.normed
         mtp_in = h if self.mtp_pre_norm else normed  # which backbone hidden feeds the MTP head
@@ -199,6 +201,8 @@ class Head:
             self.observe(req.tokens)
             d.history.extend_prompt(req.tokens)
             self._extend_mtp(d, mtp_in, req.tokens)
+            if d.scores is not None:
+                out.prompt_logprobs = d.scores.read(self.model, normed, req.tokens, req.final)
             if not req.final:
                 mx.eval(normed, [c.state for c in caches], d.mtp_cache.state if d.mtp_cache else [])
                 return out

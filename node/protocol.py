@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 
 class StepKind(str, Enum):
@@ -39,7 +40,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     top_logprobs: int = -1  # -1: no log-probabilities; 0-20: the emitted token's and this many others'
-    grammar: str | None = None  # the output held to this llguidance grammar (constraints.py); on a stage that has the tokenizer
+    grammar: str | None = None  # output held to this llguidance grammar (constraints.py), by a stage with the tokenizer
+    prompt_logprobs: int = -1  # -1: none; 0-20: each prompt token's log-probability (scoring.py) and this many others'
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +71,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
         if not -1 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if not -1 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if self.grammar is not None and not self.grammar.strip():
             raise ValueError("grammar must not be empty")
 
@@ -104,6 +108,15 @@ class StepRequest:
     keep_end: str = ""  # a prompt's last step meant for a group: keep the sequence's state at its end here
 
 
+class Scored(NamedTuple):
+    """A prompt token read against the positions before it: its log-probability, its rank among all
+    tokens (1: the most likely) and the most likely tokens with theirs, most likely first."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class StepOutput:
     """What the last stage returns: token ids and counts, never logits or state."""
@@ -117,6 +130,9 @@ class StepOutput:
     commit: Commit | None = None  # to echo to every stage with the next step
     # per emitted token, when asked (params.top_logprobs >= 0): its log-probability and the top others'
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # a prefill step's, when asked (params.prompt_logprobs >= 0): per token of the step, in order (none
+    # for the prompt's first token, which nothing before it predicts)
+    prompt_logprobs: list[Scored] = field(default_factory=list)
     continued: bool = False  # the last node has already started the next step (remote pipelines)
     keep_refused: bool = False  # a prompt's last step: a node did not keep its prefix (remote pipelines)
 

@@ -39,6 +39,8 @@ def check_first_step(req: StepRequest, *, drafts_here: bool, has_mtp: bool) -> N
         raise StageError(f"mtp_depth must be in [0, {MAX_MTP_DEPTH}], got {req.mtp_depth}")
     if req.resumed_at < 0:
         raise StageError(f"resumed_at must be >= 0, got {req.resumed_at}")
+    if req.params is not None and req.params.prompt_logprobs >= 0 and (req.prefix or req.resumed_at):
+        raise StageError("prompt log-probabilities read the whole prompt: not from a kept prefix or on a resume")
     if req.mtp_depth > 0 and drafts_here and not has_mtp:
         raise StageError("this model was loaded without an MTP head; use mtp_depth 0")
 

@@ -8,7 +8,8 @@ from typing import Any
 import grpc
 
 from ..proto import mtpipe_pb2 as pb
-from .protocol import Commit, GroupEnd, GroupRound, GroupRow, SamplingParams, StageError, StepKind, StepOutput, StepRequest
+from .protocol import (Commit, GroupEnd, GroupRound, GroupRow, SamplingParams, Scored, StageError, StepKind, StepOutput,
+                       StepRequest)
 from .tls import TARGET_NAME_OPTION, channel_credentials, is_secured_node
 
 # The largest message is a prefill chunk's hidden states: 512 tokens x hidden x 4 bytes is 16 MiB at
@@ -117,6 +118,8 @@ def params_to_pb(p: SamplingParams) -> pb.Sampling:
         s.top_logprobs = p.top_logprobs
     if p.grammar is not None:
         s.grammar = p.grammar
+    if p.prompt_logprobs >= 0:
+        s.prompt_logprobs = p.prompt_logprobs
     return s
 
 
@@ -128,6 +131,7 @@ def params_from_pb(p: pb.Sampling) -> SamplingParams:
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
         top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else -1,
         grammar=p.grammar if p.HasField("grammar") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else -1,
     )
 
 
@@ -140,14 +144,17 @@ def output_to_result(out: StepOutput) -> pb.StepResult:
         r.commit.CopyFrom(pb.Commit(step=out.commit.step, accepted=out.commit.accepted, trim=out.commit.trim))
     for lp, top in out.logprobs:  # empty unless the client asked for them
         r.logprobs.add(logprob=lp, top_ids=[i for i, _ in top], top_logprobs=[v for _, v in top])
+    for lp, rank, top in out.prompt_logprobs:
+        r.prompt_logprobs.add(logprob=lp, rank=rank, top_ids=[i for i, _ in top], top_logprobs=[v for _, v in top])
     return r
 
 
 def result_to_output(r: pb.StepResult) -> StepOutput:
     commit = Commit(r.commit.step, r.commit.accepted, r.commit.trim) if r.HasField("commit") else None
     logprobs = [(e.logprob, list(zip(e.top_ids, e.top_logprobs))) for e in r.logprobs]
+    scored = [Scored(e.logprob, e.rank, list(zip(e.top_ids, e.top_logprobs))) for e in r.prompt_logprobs]
     return StepOutput(r.seq_id, r.step, list(r.tokens), r.accepted, r.drafted, list(r.drafts), commit,
-                      logprobs=logprobs, continued=r.continued, keep_refused=r.keep_refused)
+                      logprobs=logprobs, prompt_logprobs=scored, continued=r.continued, keep_refused=r.keep_refused)
 
 
 def next_round(frame: pb.Frame, out: StepOutput) -> pb.Frame | None:

@@ -177,14 +177,16 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def respond(endpoint: str, body: Any, reqs: "list[GenerationRequest]", n: int, request: Request,
-                      started: float, tools: "ToolSpec | None" = None, thinking: "ReasoningSplit | None" = None) -> Any:
+                      started: float, tools: "ToolSpec | None" = None, thinking: "ReasoningSplit | None" = None,
+                      echo: "list[str] | None" = None) -> Any:
         """A streamed (SSE) or whole response in the endpoint's object shape, `n` choices for each prompt's
-        request; `tools`: parse the output for calls; `thinking`: split the reasoning off."""
+        request; `tools`: parse the output for calls; `thinking`: split the reasoning off; `echo`: each
+        prompt's text, shown before its choices' own."""
         if body.stream_options is not None and not body.stream:  # (as OpenAI's and vLLM's servers answer)
             raise APIError(400, "stream_options can only be given with stream: true", param="stream_options")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = ResponseFormat(endpoint == "/v1/chat/completions", model_name, include_usage)
-        choices = choices_of(reqs, n, thinking)
+        choices = choices_of(reqs, n, thinking, echo, body.prompt_logprobs)
         if body.stream:
             return await stream(service, endpoint, choices, fmt, request, started, tools)
         return await complete(service, endpoint, choices, fmt, request, started, tools)
@@ -199,7 +201,8 @@ def create_app(
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
         fmt = output_format(body)
-        params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1, fmt)
+        params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1, fmt,
+                                  -1 if body.prompt_logprobs is None else body.prompt_logprobs)
         n = service.choices(body)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
@@ -227,24 +230,31 @@ def create_app(
         started = time.perf_counter()
         body: CompletionRequest = await parse_body(request, CompletionRequest)
         service.check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {body.logprobs}", param="logprobs")
-        params = service.sampling(body, -1 if body.logprobs is None else body.logprobs, output_format(body))
+        # The prompt is scored for vLLM's prompt_logprobs and for OpenAI's echo with logprobs (or with
+        # max_tokens 0, which only scores it); the echoed prompt's logprobs have `logprobs` alternatives.
+        scored = -1 if body.prompt_logprobs is None else body.prompt_logprobs
+        if body.echo and (body.logprobs is not None or body.max_tokens == 0):
+            scored = max(scored, body.logprobs or 0)
+        params = service.sampling(body, -1 if body.logprobs is None else body.logprobs, output_format(body), scored)
         prompts = body.prompt
         if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
             prompts = [prompts]  # (one prompt: a string or token ids)
         n = service.choices(body, len(prompts))
         if body.best_of not in (None, n):  # (the best n of more: not done here)
             raise APIError(400, f"best_of must equal n ({n}): every choice generated is returned", param="best_of")
-        reqs = []
+        reqs, echo = [], []
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             tokens = await (service.encode_text(prompt) if isinstance(prompt, str) else service.token_ids(prompt, param))
             reqs.append(service.generation_request(body, params, tokens, body.max_tokens, param))
-        return await respond("/v1/completions", body, reqs, n, request, started)
+            if body.echo:  # (token ids echo as their text)
+                echo.append(prompt if isinstance(prompt, str) else
+                            await service.tokenize(len(tokens), lambda tok, ids=tokens: tok.decode(ids)))
+        return await respond("/v1/completions", body, reqs, n, request, started,
+                             echo=echo if body.echo else None)
 
     return app

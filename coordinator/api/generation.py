@@ -277,6 +277,11 @@ def _top(entry: dict[str, Any]) -> dict[str, float]:
     return top
 
 
+def _top_or_none(entry: dict[str, Any]) -> Optional[dict[str, float]]:
+    """`_top`, or None for an echoed prompt's first token, which nothing before it predicts."""
+    return None if entry["top_logprobs"] is None else _top(entry)
+
+
 class ResponseFormat:
     """OpenAI's response and chunk objects for chat (`chat.completion`) or text (`text_completion`)."""
 
@@ -314,12 +319,14 @@ class ResponseFormat:
             offsets.append(self.text_offset)
             self.text_offset += len(self._text_chars.decode(bytes(e["bytes"])))
         return {"tokens": [token_name(e) for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [_top(e) for e in entries],
+                "top_logprobs": [_top_or_none(e) for e in entries],
                 "text_offset": offsets}
 
     def choice(self, text: str, finish: str, logprobs: Optional[list[dict[str, Any]]] = None,
-               tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "") -> dict[str, Any]:
-        """This choice of a whole response."""
+               tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "",
+               prompt_logprobs: Optional[list[Any]] = None) -> dict[str, Any]:
+        """This choice of a whole response (`prompt_logprobs`: vLLM's, on a completions choice; a chat
+        response carries them once, `response`)."""
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:  # the text outside the calls, or null
@@ -327,15 +334,20 @@ class ResponseFormat:
             if reasoning:  # (reasoning.py: under both names clients read)
                 message["reasoning_content"] = message["reasoning"] = reasoning
             return {"index": self.index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
-        return {"index": self.index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+        return {"index": self.index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish,
+                **({} if prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs})}
 
-    def response(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, Any],
+                 prompt_logprobs: Optional[list[Any]] = None) -> dict[str, Any]:
         """The whole response: its choices (`choice`, in index order) and their usage."""
-        return self._object("chat.completion" if self.chat else "text_completion", choices, usage=usage)
+        extra = {"prompt_logprobs": prompt_logprobs} if self.chat and prompt_logprobs is not None else {}
+        return self._object("chat.completion" if self.chat else "text_completion", choices, usage=usage, **extra)
 
     def chunk(self, text: str = "", finish: Optional[str] = None, role: bool = False,
               logprobs: Optional[list[dict[str, Any]]] = None,
-              tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "") -> dict[str, Any]:
+              tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "",
+              prompt_logprobs: Optional[list[Any]] = None) -> dict[str, Any]:
+        shown = {} if prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs}  # (vLLM's, as in `choice`)
         if self.chat:
             delta: dict[str, Any] = {"content": text} if text else {}
             if tool_calls:  # each whole: index, id, type, function name and arguments
@@ -345,9 +357,12 @@ class ResponseFormat:
             if role:
                 delta = {"role": "assistant", "content": ""}
             choice = {"index": self.index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            extra = shown
         else:
-            choice = {"index": self.index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
-        extra = {"usage": None} if self.include_usage else {}
+            choice = {"index": self.index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish,
+                      **shown}
+            extra = {}
+        extra.update({"usage": None} if self.include_usage else {})
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:

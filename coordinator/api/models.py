@@ -116,6 +116,7 @@ class _GenerationBody(_Body):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability and this many others' (0-20)
     # vLLM's extensions. skip_special_tokens: leave special tokens out of the text (None: yes, but with tools in
     # use, whose tags may be special); a min_tokens other than 0 is refused (EOS is never held back here).
     skip_special_tokens: bool | None = None

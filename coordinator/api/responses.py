@@ -22,6 +22,7 @@ from .service import DISCONNECT_POLL_S
 from .tools import ToolCallParser, parse_tool_calls
 
 if TYPE_CHECKING:
+    from ...node.protocol import Scored
     from ..engine.request import GenerationRequest, GenerationStats
     from .chat import ToolSpec
     from .reasoning import ReasoningSplit
@@ -34,11 +35,15 @@ class Choice:
     prompt: int  # which of the request's prompts it continues
     req: "GenerationRequest"
     thinking: "Optional[ReasoningSplit]" = None  # its own: a split reads one reply
+    echo: Optional[str] = None  # completions' echo: its prompt's text, before its own
+    prompt_top: int = -1  # vLLM's prompt_logprobs: alternatives shown per prompt token (-1: not shown)
 
 
-def choices_of(reqs: "list[GenerationRequest]", n: int, thinking: "Optional[ReasoningSplit]" = None) -> list[Choice]:
+def choices_of(reqs: "list[GenerationRequest]", n: int, thinking: "Optional[ReasoningSplit]" = None,
+               echo: Optional[list[str]] = None, prompt_top: Optional[int] = None) -> list[Choice]:
     """`n` choices for each prompt's request. A seeded request's choice i samples with seed + i (as vLLM's
-    do), so that its choices differ and each is reproduced by the same request."""
+    do), so that its choices differ and each is reproduced by the same request. `echo`: each prompt's
+    text, shown first; `prompt_top`: vLLM's prompt_logprobs."""
     out = []
     for p, req in enumerate(reqs):
         for i in range(n):
@@ -47,8 +52,20 @@ def choices_of(reqs: "list[GenerationRequest]", n: int, thinking: "Optional[Reas
                 seed = req.params.seed
                 params = req.params if seed is None else dataclasses.replace(req.params, seed=(seed + i) % 2**63)
                 mine = dataclasses.replace(req, prompt_tokens=list(req.prompt_tokens), params=params)
-            out.append(Choice(p * n + i, p, mine, None if thinking is None else dataclasses.replace(thinking)))
+            out.append(Choice(p * n + i, p, mine, None if thinking is None else dataclasses.replace(thinking),
+                              None if echo is None else echo[p], -1 if prompt_top is None else prompt_top))
     return out
+
+
+async def _prompt_shown(service: "Service", choice: Choice, scored: "Optional[list[Scored]]"
+                        ) -> tuple[str, Optional[list[dict[str, Any]]], Optional[list[Any]]]:
+    """What a choice shows of its prompt: the echoed text, that text's logprobs entries (where logprobs
+    are asked) and vLLM's prompt_logprobs (where asked)."""
+    tokens, top = choice.req.prompt_tokens, choice.req.params.top_logprobs
+    entries = await service.prompt_entries(tokens, scored, top) if choice.echo is not None and top >= 0 else None
+    shown = await service.prompt_entries(tokens, scored, choice.prompt_top, ranked=True) \
+        if choice.prompt_top >= 0 else None
+    return choice.echo or "", entries, shown
 
 
 async def _until(service: "Service", waited: Any, request: Any) -> None:
@@ -85,7 +102,8 @@ async def begin(service: "Service", choices: list[Choice], request: Any, admitte
 
     async def prompt(group: list[Choice]) -> None:
         start(group[0])
-        if len(group) > 1 and getattr(service.engine, "keeps_prefixes", False):
+        scored = group[0].req.params.prompt_logprobs >= 0  # (a scored prompt is read whole, by each choice)
+        if len(group) > 1 and getattr(service.engine, "keeps_prefixes", False) and not scored:
             await _until(service, runs[group[0].index].first(), request)
         for choice in group[1:]:
             start(choice)
@@ -151,20 +169,26 @@ async def complete(service: "Service", endpoint: str, choices: list[Choice], fmt
         if request is None or await request.is_disconnected():
             return Response(status_code=499)  # (nobody reads this)
         raise service.server_error(RuntimeError("a generation ended before it finished"))
-    usage = usage_of([(c.prompt, stats) for c, (_, stats) in zip(choices, answers)], choices[0].req.depth_label)
-    return JSONResponse(fmt.response([choice for choice, _ in answers], usage))
+    usage = usage_of([(c.prompt, stats) for c, (_, stats, _) in zip(choices, answers)], choices[0].req.depth_label)
+    return JSONResponse(fmt.response([choice for choice, _, _ in answers], usage, prompt_logprobs=answers[0][2]))
 
 
 async def _answer(service: "Service", endpoint: str, choice: Choice, run: GenerationThread, fmt: ResponseFormat,
-                  started: float, tools: "Optional[ToolSpec]") -> "Optional[tuple[dict[str, Any], GenerationStats]]":
-    """One choice, whole, and its stats; None if it never finished (its client went away)."""
+                  started: float, tools: "Optional[ToolSpec]"
+                  ) -> "Optional[tuple[dict[str, Any], GenerationStats, Optional[list[Any]]]]":
+    """One choice, whole, its stats and vLLM's prompt_logprobs; None if it never finished (its client went away)."""
     parts: list[str] = []
     thoughts: list[str] = []
     final = None
     first_token = None
     asked = choice.req.params.top_logprobs >= 0
     entries: list[dict[str, Any]] = []
+    shown = None
     async for chunk, thought in thought_apart(run.chunks(), choice.thinking):
+        if first_token is None and (choice.echo is not None or choice.prompt_top >= 0):
+            echo, echoed, shown = await _prompt_shown(service, choice, chunk.prompt_logprobs)
+            parts.append(echo)
+            entries += echoed or []
         first_token = first_token or time.perf_counter()
         parts.append(chunk.text)
         thoughts.append(thought)
@@ -182,7 +206,7 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
             calls = [c.to_dict() for c in (found if tools.parallel else found[:1])]
             finish = "tool_calls"
     return fmt.choice(text, finish, logprobs=entries if asked else None, tool_calls=calls,
-                      reasoning="".join(thoughts)), final.stats
+                      reasoning="".join(thoughts), prompt_logprobs=shown), final.stats, shown
 
 
 # -- streamed ---------------------------------------------------------------------------------
@@ -275,6 +299,9 @@ async def _choice_events(service: "Service", endpoint: str, choice: Choice, run:
     if fmt.chat:
         yield sse_event(fmt.chunk(role=True))
     async for chunk, thought in thought_apart(run.chunks(), choice.thinking):
+        if first_token is None and (choice.echo is not None or choice.prompt_top >= 0):
+            echo, echoed, shown = await _prompt_shown(service, choice, chunk.prompt_logprobs)
+            yield sse_event(fmt.chunk(echo, logprobs=echoed, prompt_logprobs=shown))
         first_token = first_token or time.perf_counter()
         asked = choice.req.params.top_logprobs >= 0 and chunk.tokens
         logprobs = service.token_logprobs(chunk.tokens, chunk.logprobs) if asked else None

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
-from ...node.protocol import GREEDY_BELOW, SamplingParams, StageError, StageUnavailable
+from ...node.protocol import GREEDY_BELOW, SamplingParams, Scored, StageError, StageUnavailable
 from ..engine.detokenizer import token_bytes
 from ..engine.sinks import ServerBusy
 from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
@@ -72,10 +72,13 @@ class Service:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def sampling(self, body: "_GenerationBody", top_logprobs: int = -1,
-                 fmt: "OutputFormat | None" = None) -> SamplingParams:
-        """The body's sampling, processors and logprobs (-1: none asked; else how many alternatives), and
-        the grammar of its output format (formats.py)."""
+    def sampling(self, body: "_GenerationBody", top_logprobs: int = -1, fmt: "OutputFormat | None" = None,
+                 prompt_logprobs: int = -1) -> SamplingParams:
+        """The body's sampling, processors and logprobs (-1: none asked; else how many alternatives; the
+        same for the prompt's tokens), and the grammar of its output format (formats.py)."""
+        if body.prompt_logprobs is not None and not 0 <= body.prompt_logprobs <= 20:  # (vLLM's -1, all: not here)
+            raise APIError(400, f"prompt_logprobs must be in [0, 20], got {body.prompt_logprobs}",
+                           param="prompt_logprobs")
         body = with_defaults(body, self.defaults)
         temperature = 1.0 if body.temperature is None else body.temperature
         if 0.0 < temperature < GREEDY_BELOW:
@@ -93,6 +96,7 @@ class Service:
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             top_logprobs=top_logprobs,
             grammar=None if fmt is None else fmt.plain,
+            prompt_logprobs=prompt_logprobs,
         )
         try:
             params.validate()
@@ -134,6 +138,29 @@ class Service:
         with self.tokenizer_lock:
             return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
                     for t, (lp, top) in zip(tokens, logprobs or [])]
+
+    async def prompt_entries(self, tokens: list[int], scored: "Optional[list[Scored]]", top: int,
+                             ranked: bool = False) -> list[dict[str, Any]]:
+        """A scored prompt's entries, as `token_logprobs` gives them (`top` alternatives), the first one's
+        logprob and alternatives None: nothing before it predicts it. `ranked`: vLLM's prompt_logprobs
+        instead, per position {token id: {logprob, rank, decoded_token}}, the prompt's token first."""
+        if scored is None or len(scored) != len(tokens) - 1:
+            raise RuntimeError(f"{len(scored)} prompt log-probabilities for a prompt of {len(tokens)} tokens")
+
+        def entries(tok: Any) -> list[Any]:
+            def entry(token: int, value: float | None) -> dict[str, Any]:
+                return {"token": tok.decode([token]), "logprob": value, "bytes": list(token_bytes(tok, token))}
+
+            if ranked:
+                return [None] + [{str(t): {"logprob": s.logprob, "rank": s.rank, "decoded_token": tok.decode([t])},
+                                  **{str(i): {"logprob": v, "rank": r, "decoded_token": tok.decode([i])}
+                                     for r, (i, v) in enumerate(s.top[:top], 1) if i != t}}
+                                 for t, s in zip(tokens[1:], scored)]
+            return [{**entry(tokens[0], None), "top_logprobs": None}] + [
+                {**entry(t, s.logprob), "top_logprobs": [entry(i, v) for i, v in s.top[:top]]}
+                for t, s in zip(tokens[1:], scored)]
+
+        return await self.tokenize(len(tokens), entries)
 
     def generation_request(self, body: "_GenerationBody", params: SamplingParams, prompt: list[int],
                            max_tokens: Optional[int], prompt_param: str,

@@ -25,7 +25,7 @@ from typing import Any
 
 from ...models.mlx_thread import MLXThread
 from ...node.batch import BatchStage, RowStep
-from ...node.protocol import StageUnavailable, StepKind, StepOutput, StepRequest
+from ...node.protocol import Scored, StageUnavailable, StepKind, StepOutput, StepRequest
 from . import scheduler as plan
 from .detokenizer import TextStream
 from .request import (
@@ -72,6 +72,7 @@ class Live:
     prefix: str = ""  # the kept prefix its prompt goes on from
     admitted: Callable[[], None] | None = None  # told once it leaves the queue
     ends: frozenset[int] = frozenset()  # the tokens that end it (`GenerationRequest.ends`)
+    scored: list[Scored] | None = None  # its prompt's log-probabilities so far, where asked; handed out first
 
 
 class Handle:
@@ -149,7 +150,7 @@ class BatchEngine:
                     GenerationStats(prompt_tokens=len(req.prompt_tokens)),
                     plan.footprint(self.dims, positions, req.mtp_depth), time.monotonic(), cancelled=cancelled,
                     admitted=guarded(admitted, cancelled.set, seq_id) if admitted is not None else None,
-                    ends=req.ends(self.eos))
+                    ends=req.ends(self.eos), scored=[] if req.params.prompt_logprobs >= 0 else None)
         with self._open_lock:  # (close() ends what is in the inbox once it is closed)
             if self._closed:
                 raise StageUnavailable("the engine was stopped")
@@ -272,7 +273,8 @@ class BatchEngine:
             reqs.append(StepRequest(live.seq_id, live.step, StepKind.PREFILL, chunk, final=final,
                                     params=live.req.params if first else None,
                                     mtp_depth=live.req.mtp_depth if first else 0, mtp_auto=live.req.mtp_auto and first,
-                                    prefix=live.prefix if first else "", budget=live.req.max_tokens if final else 0,
+                                    prefix=live.prefix if first else "",
+                                    budget=max(1, live.req.max_tokens) if final else 0,
                                     stop_tokens=tuple(sorted(live.ends)) if final else ()))
         start = time.perf_counter()
         x = None
@@ -284,6 +286,8 @@ class BatchEngine:
         for live, req, out in zip(group, reqs, x):
             live.step += 1
             live.prefilled += len(req.tokens)
+            if live.scored is not None:
+                live.scored += out.prompt_logprobs
             if not req.final:
                 continue
             live.stats.prefill_seconds = time.perf_counter() - live.started
@@ -304,9 +308,10 @@ class BatchEngine:
     # -- kept prompt prefixes -----------------------------------------------------------------------
 
     def _reuse(self, live: Live) -> None:
-        """Start an admitted prompt from the longest kept prefix it begins with."""
+        """Start an admitted prompt from the longest kept prefix it begins with (unless it is scored:
+        the prompt's tokens are read as they go in)."""
         hit = plan.reusable(list(self._kept.values()), live.req.prompt_tokens, live.req.mtp_depth > 0)
-        if hit is None:
+        if hit is None or live.scored is not None:
             return
         hit.used = time.monotonic()
         live.prefix, live.prefilled = hit.key, len(hit.tokens)
@@ -416,14 +421,16 @@ class BatchEngine:
         live.generated += len(new)
         live.stats.generation_tokens = live.generated
         logprobs = out.logprobs[: len(new)] if live.req.params.top_logprobs >= 0 else None
+        scored, live.scored = live.scored, None
         if finish is None:
             live.next_tokens = [out.tokens[-1], *out.drafts]
-            live.sink(GenerationChunk(text=live.text.release(final=False), tokens=new, logprobs=logprobs))
+            live.sink(GenerationChunk(text=live.text.release(final=False), tokens=new, logprobs=logprobs,
+                                      prompt_logprobs=scored))
             return
         live.stats.decode_seconds = time.perf_counter() - live.started
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
-                                  stats=live.stats, logprobs=logprobs))
+                                  stats=live.stats, logprobs=logprobs, prompt_logprobs=scored))
         if ended_in_stages(out.tokens, new, live.ends, live.text, live.generated, live.req.max_tokens):
             self._keep_end(live)
         self._finish(live, None)

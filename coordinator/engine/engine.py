@@ -77,9 +77,10 @@ class Engine:
         p = req.params
         if self.vocab_size:  # (prompt ids too: the first stage would refuse them only once a step is sent)
             check_vocabulary(req, self.vocab_size)
-        if not self.processors and (has_processors(p) or p.top_logprobs >= 0):
+        if not self.processors and (has_processors(p) or p.top_logprobs >= 0 or p.prompt_logprobs >= 0):
             raise RequestError("this pipeline does not carry logit_bias, penalties or logprobs",
-                               "logit_bias" if p.logit_bias else "logprobs" if p.top_logprobs >= 0 else "penalty")
+                               "logit_bias" if p.logit_bias else "logprobs" if p.top_logprobs >= 0 else
+                               "prompt_logprobs" if p.prompt_logprobs >= 0 else "penalty")
 
     def generate(self, req: GenerationRequest) -> Iterator[GenerationChunk]:
         """Stream chunks of text; the last chunk carries finish_reason and stats."""
@@ -96,12 +97,13 @@ class Engine:
                     seq_id, i, StepKind.PREFILL, chunk, final=final,
                     params=req.params if i == 0 else None,
                     mtp_depth=req.mtp_depth if i == 0 else 0, mtp_auto=req.mtp_auto and i == 0,
-                    budget=req.max_tokens if final else 0, stop_tokens=stop_tokens if final else (),
+                    budget=max(1, req.max_tokens) if final else 0, stop_tokens=stop_tokens if final else (),
                 )
                 for i, (chunk, final) in enumerate(self._prefill_chunks(req.prompt_tokens))
             ]
-            out = self.pipeline.steps(prefill)[-1]  # a pipeline of nodes works on several chunks at once
-            step = len(prefill)
+            outs = self.pipeline.steps(prefill)  # a pipeline of nodes works on several chunks at once
+            out, step = outs[-1], len(prefill)
+            scored = [s for o in outs for s in o.prompt_logprobs] if req.params.prompt_logprobs >= 0 else None
             stats.prefill_seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
             generated: list[int] = []
@@ -111,8 +113,9 @@ class Engine:
                 stats.generation_tokens = len(generated)
                 if finish:
                     break
-                yield GenerationChunk(text=text.release(final=False), tokens=new,
+                yield GenerationChunk(text=text.release(final=False), tokens=new, prompt_logprobs=scored,
                                       logprobs=out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None)
+                scored = None
                 out = self.pipeline.step(
                     StepRequest(seq_id, step, StepKind.DECODE, [out.tokens[-1]] + out.drafts, commit=out.commit,
                                 budget=req.max_tokens - len(generated), stop_tokens=stop_tokens)
@@ -122,7 +125,8 @@ class Engine:
             stats.decode_seconds = time.perf_counter() - t0
             stats.ended_within(out, len(new))
             yield GenerationChunk(text=text.release(final=True), tokens=new, finish_reason=finish, stats=stats,
-                                  logprobs=out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None)
+                                  logprobs=out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None,
+                                  prompt_logprobs=scored)
         finally:
             self.pipeline.release(seq_id)
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...node.protocol import MAX_MTP_DEPTH, SamplingParams, StepOutput
+from ...node.protocol import MAX_MTP_DEPTH, SamplingParams, Scored, StepOutput
 
 AUTO = "auto"
 AUTO_MAX_DEPTH = 3  # the most drafts `auto` puts in a round
@@ -130,6 +130,8 @@ class GenerationChunk:
     stats: GenerationStats | None = None
     # per token of `tokens`, when asked: its log-probability and the most likely tokens with theirs
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # on the first chunk, when asked (params.prompt_logprobs): the prompt's tokens but its first, scored
+    prompt_logprobs: list[Scored] | None = None
 
 
 @dataclass
@@ -169,8 +171,9 @@ def check_request(req: GenerationRequest, *, max_context: int, has_mtp: bool, co
     if room <= 0:
         raise RequestError(f"the prompt ({len(req.prompt_tokens)} tokens) does not fit the context of {max_context} "
                            "tokens", "prompt", "context_length_exceeded")
-    if req.max_tokens <= 0:
-        raise RequestError(f"max_tokens must be positive, got {req.max_tokens}", "max_tokens")
+    if req.max_tokens < 0 or (req.max_tokens == 0 and req.params.prompt_logprobs < 0):
+        raise RequestError(f"max_tokens must be positive (0 only to score the prompt), got {req.max_tokens}",
+                           "max_tokens")
     if req.max_tokens > room:
         raise RequestError(f"max_tokens ({req.max_tokens}) plus the prompt ({len(req.prompt_tokens)} tokens) exceeds "
                            f"the context of {max_context} tokens; at most {room} tokens can be generated",
@@ -216,6 +219,8 @@ def take_tokens(tokens: list[int], eos: set[int], text: Any, generated: int, max
     """A round's tokens as the request sees them: up to an EOS token, a stop string (`text`, a
     TextStream, gets each one) or max_tokens; with the finish reason when one of those ended it."""
     new: list[int] = []
+    if generated >= max_tokens:  # (none wanted: the prompt was only scored)
+        return new, "length"
     for tok in tokens:
         if tok in eos:
             return new, "stop"

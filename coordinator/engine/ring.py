@@ -26,17 +26,8 @@ from .kept import KeptPrefixes
 from .ring_live import RingHandle, RingLive
 from .sinks import END, ServerBusy, guarded, stream
 from .detokenizer import TextStream
-from .request import (
-    GenerationChunk,
-    GenerationRequest,
-    GenerationResult,
-    GenerationStats,
-    check_request,
-    check_vocabulary,
-    collect,
-    ended_in_stages,
-    take_tokens,
-)
+from .request import (GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, check_request,
+                      check_vocabulary, collect, ended_in_stages, take_tokens)
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +192,8 @@ class RingEngine:
         # A resumed request goes on from a kept prefix within its prompt only: a node rebuilds what its
         # penalties count from the tokens it is sent, and a prefix's own tokens are not among them.
         within = req.prompt_tokens if live.emitted else prompt
-        hit = kept.reuse(within, drafts, epoch, wait=min(1.0, 0.05 + 4 * self._trip_s)) if kept else None
+        scored = req.params.prompt_logprobs >= 0 and not live.emitted  # (read as the whole prompt goes in)
+        hit = kept.reuse(within, drafts, epoch, wait=min(1.0, 0.05 + 4 * self._trip_s)) if kept and not scored else None
         start = len(hit.tokens) if hit else 0
         keep = kept.keep_as(live.seq_id, prompt, drafts, start) if kept else ""
         live.keep_end, live.kept_epoch = (kept.end_key(live.seq_id, prompt) if kept else ""), epoch
@@ -221,7 +213,8 @@ class RingEngine:
                     kept.done(hit.key)
                 return
         try:
-            out = self.pipeline.steps(steps)[-1]
+            outs = self.pipeline.steps(steps)
+            out, live.scored = outs[-1], [x for o in outs for x in o.prompt_logprobs] if scored else None
         except Exception as e:
             out = e
         if hit:
@@ -343,6 +336,7 @@ class RingEngine:
         live.emitted += new
         live.stats.generation_tokens = live.generated
         logprobs = out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None
+        scored, live.scored = live.scored, None  # (only until the prefill's outcome is handed out)
         if finish is not None and live.keep_end:  # (noted before the client hears: a next turn may come at once)
             if first and not out.continued:  # (it never joined a group: nothing is kept)
                 live.keep_end = ""
@@ -354,12 +348,13 @@ class RingEngine:
             self._finish(live, RuntimeError(f"the last node did not put sequence {live.seq_id} in a group"))
             return True
         if finish is None:
-            live.sink(GenerationChunk(text=live.text.release(final=False), tokens=new, logprobs=logprobs))
+            live.sink(GenerationChunk(text=live.text.release(final=False), tokens=new, logprobs=logprobs,
+                                      prompt_logprobs=scored))
             return False
         live.stats.decode_seconds = time.perf_counter() - live.started
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
-                                  stats=live.stats, logprobs=logprobs))
+                                  stats=live.stats, logprobs=logprobs, prompt_logprobs=scored))
         self._finish(live, None)
         return True
 

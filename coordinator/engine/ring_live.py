@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...node.protocol import StepKind, StepOutput, StepRequest
+from ...node.protocol import Scored, StepKind, StepOutput, StepRequest
 from .detokenizer import TextStream
 from .request import GenerationRequest, GenerationStats
 from .sinks import Sink
@@ -42,14 +43,18 @@ class RingLive:
     ends: frozenset[int] = frozenset()  # the tokens that end it (`GenerationRequest.ends`)
     expected: int = 0  # the order of the next outcome to hand out (0: the prefill's)
     early: dict[int, StepOutput] = field(default_factory=dict)  # outcomes that overtook an earlier one
+    scored: list[Scored] | None = None  # its prompt's log-probabilities, where asked, until handed out
 
     def prompt_steps(self, chunks: list[tuple[list[int], bool]], prefix: str, keep: str) -> list[StepRequest]:
         """Its prompt's chunks as steps (the first names its sampling and drafts, the final one its budget,
         the prompt prefix kept under `keep`, and its end's key); after a resume, the tokens handed out too."""
-        req = self.req
+        req, params = self.req, self.req.params
+        if self.emitted and params.prompt_logprobs >= 0:  # (resumed: its prompt was scored already)
+            params = dataclasses.replace(params, prompt_logprobs=-1)
         return [StepRequest(self.seq_id, i, StepKind.PREFILL, chunk, final=final,
-                            params=req.params if i == 0 else None, mtp_depth=req.mtp_depth if i == 0 else 0,
-                            mtp_auto=req.mtp_auto and i == 0, budget=req.max_tokens - self.generated if final else 0,
+                            params=params if i == 0 else None, mtp_depth=req.mtp_depth if i == 0 else 0,
+                            mtp_auto=req.mtp_auto and i == 0,
+                            budget=max(1, req.max_tokens - self.generated) if final else 0,
                             stop_tokens=tuple(sorted(self.ends)) if final else (), group=self.group,
                             resumed_at=len(req.prompt_tokens) if self.emitted and i == 0 else 0,
                             prefix=prefix if i == 0 else "", keep=keep if final else "",
