@@ -389,7 +389,7 @@ BAD = [
     ("max-tokens-beyond-context", CHAT, {"messages": M, "max_tokens": 10**9}, 400, "max_tokens"),
     ("max-tokens-beyond-context-text", TEXT, {"prompt": "x", "max_tokens": 4096}, 400, "max_tokens"),
     ("prompt-longer-than-context", TEXT, {"prompt": [5] * 4096}, 400, "prompt"),
-    ("no-room-for-drafts", TEXT, {"prompt": [5] * 4095, "mtp_depth": 1, "max_tokens": 1}, 400, "mtp_depth"),
+    ("no-room-for-drafts", TEXT, {"prompt": [5] * 4094, "mtp_depth": 2, "max_tokens": 2}, 400, "mtp_depth"),
     ("chat-longer-than-context", CHAT, {"messages": chat("a b c d " * 1500)}, 400, "messages"),
     ("temperature-negative", CHAT, {"messages": M, "temperature": -0.5}, 400, "temperature"),
     ("top-p-zero", CHAT, {"messages": M, "top_p": 0}, 400, "top_p"),

@@ -216,7 +216,21 @@ def test_vllms_prompt_logprobs_on_completions_and_chat(client: Any, engine: Batc
     tokens = engine.encode_chat(messages)
     assert len(chat.model_extra["prompt_logprobs"]) == len(tokens)
     assert [next(iter(row)) for row in chat.model_extra["prompt_logprobs"][1:]] == [str(t) for t in tokens[1:]]
-    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0, n=2,
                                                  stream=True, extra_body={"prompt_logprobs": 0}))
     firsts = [e.model_extra.get("prompt_logprobs") for e in stream if e.model_extra.get("prompt_logprobs")]
     assert firsts == [chat.model_extra["prompt_logprobs"]]
+
+
+def test_a_prompt_only_scored_may_fill_the_context_and_drafts_nothing(client: Any, engine: BatchEngine) -> None:
+    prompt = prompt_of(engine)
+    context = engine.max_context
+    engine.max_context = len(prompt)  # (the prompt fills it: no token could be generated, one scored is fine)
+    try:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0,
+                                      temperature=0, extra_body={"mtp_depth": "auto"})
+        assert len(r.choices[0].logprobs.token_logprobs) == len(prompt) and r.usage.mtp["drafted"] == 0
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    finally:
+        engine.max_context = context

@@ -187,6 +187,8 @@ def create_app(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = ResponseFormat(endpoint == "/v1/chat/completions", model_name, include_usage)
         choices = choices_of(reqs, n, thinking, echo, body.prompt_logprobs)
+        for choice in choices[1:] if fmt.chat else []:  # (a chat response shows its prompt's logprobs once)
+            choice.prompt_top = -1
         if body.stream:
             return await stream(service, endpoint, choices, fmt, request, started, tools)
         return await complete(service, endpoint, choices, fmt, request, started, tools)

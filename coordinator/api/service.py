@@ -145,7 +145,8 @@ class Service:
         logprob and alternatives None: nothing before it predicts it. `ranked`: vLLM's prompt_logprobs
         instead, per position {token id: {logprob, rank, decoded_token}}, the prompt's token first."""
         if scored is None or len(scored) != len(tokens) - 1:
-            raise RuntimeError(f"{len(scored)} prompt log-probabilities for a prompt of {len(tokens)} tokens")
+            raise RuntimeError(f"{0 if scored is None else len(scored)} prompt log-probabilities for a prompt of "
+                               f"{len(tokens)} tokens")
 
         def entries(tok: Any) -> list[Any]:
             def entry(token: int, value: float | None) -> dict[str, Any]:
@@ -175,6 +176,8 @@ class Service:
         if max_tokens is None:  # (leaving drafts their room: a default, the model's too, never turns `auto` off)
             room = context_room(len(prompt), depth, self.engine.max_context)
             max_tokens = max(1, min(self.defaults.get("max_tokens", DEFAULT_MAX_TOKENS), room))
+        if max_tokens <= 1:  # (the one token comes from the prompt's last step: no round would carry drafts)
+            depth, auto = 0, False
         if auto:  # drafts only where the context leaves room for them: `auto` refuses nothing plain decoding serves
             depth = max(0, min(depth, context_room(len(prompt), 0, self.engine.max_context) - max_tokens))
             auto = depth > 0

@@ -163,7 +163,8 @@ def check_request(req: GenerationRequest, *, max_context: int, has_mtp: bool, co
     if req.mtp_depth > 0 and not has_mtp:
         raise RequestError("this model runs without an MTP head (--no-mtp, or none in the checkpoint); use mtp_depth 0",
                            "mtp_depth")
-    room = context_room(len(req.prompt_tokens), req.mtp_depth, max_context)
+    # (a prompt only scored, max_tokens 0, may fill the context: its one token is never fed)
+    room = context_room(len(req.prompt_tokens), req.mtp_depth, max_context) + (req.max_tokens == 0)
     if room <= 0 and context_room(len(req.prompt_tokens), 0, max_context) > 0:  # (the drafts do not fit)
         raise RequestError(f"the prompt ({len(req.prompt_tokens)} tokens) leaves no room in the context of "
                            f"{max_context} tokens for {req.mtp_depth} draft token(s); use mtp_depth 0 or auto",

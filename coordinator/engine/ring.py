@@ -214,7 +214,7 @@ class RingEngine:
                 return
         try:
             outs = self.pipeline.steps(steps)
-            out, live.scored = outs[-1], [x for o in outs for x in o.prompt_logprobs] if scored else None
+            out = outs[-1]
         except Exception as e:
             out = e
         if hit:
@@ -252,6 +252,7 @@ class RingEngine:
         with self._lock:
             live.last_at = live.started  # (a row resumed after a long wait is not stalled)
             self._decoding[id(live)] = live
+        live.scored = [x for o in outs for x in o.prompt_logprobs] if scored else None  # (this sequence's, current)
         self._deliver(live, 0, out)
 
     def _on_row(self, live: RingLive, seq_id: str, item: StepOutput | Exception) -> None:
