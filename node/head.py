@@ -198,6 +198,7 @@ class Head:
             self.processed_costs = None
         prefill = req.kind is StepKind.PREFILL
         if prefill:
+            d.history.ends = frozenset(req.stop_tokens) if req.final else d.history.ends  # (min_tokens: before a pick)
             self.observe(req.tokens)
             d.history.extend_prompt(req.tokens)
             self._extend_mtp(d, mtp_in, req.tokens)
@@ -262,8 +263,7 @@ class Head:
         d.handed_out = 0.0 if prefill else time.perf_counter()
         return out
 
-    def observe(self, tokens: list[int]) -> None:
-        """Tokens seen here, which rank the draft vocabulary."""
+    def observe(self, tokens: list[int]) -> None:  # (tokens seen here rank the draft vocabulary)
         if self.vocab is not None:
             self.vocab.observe(tokens)
 

@@ -10,7 +10,8 @@ are one dense row per request, kept on the device and updated with each round's 
 picks and sampling both read the processed logits, so greedy output equals non-speculative decoding
 with the same settings and sampled output keeps its distribution.
 
-A grammar (constraints.py) comes last: the tokens it refuses at a position get -inf there.
+Until `min_tokens` were generated, the tokens that end the sequence get -inf (vLLM's min_tokens). A
+grammar (constraints.py) comes last: the tokens it refuses at a position get -inf there.
 
 Log-probabilities are those of the processed logits before temperature and the top-k/top-p/min-p
 filters (what the model, with the request's biases and penalties, gives each token; under a grammar,
@@ -60,6 +61,7 @@ class History:
     generated_from: int = 0  # a resumed sequence: its prompt's tokens from here on were generated (0: none)
     additive: PenaltyRow | None = None  # made by the first `apply` that needs it
     constraint: Constraint | None = None  # the grammar its output is held to
+    ends: frozenset[int] = frozenset()  # the tokens that end it: refused before params.min_tokens were generated
 
     def extend_prompt(self, tokens: list[int]) -> None:
         if self.generated_from:
@@ -97,7 +99,8 @@ def has_additive(params: SamplingParams) -> bool:
 
 
 def has_processors(params: SamplingParams) -> bool:
-    return has_additive(params) or params.repetition_penalty != 1.0 or params.grammar is not None
+    return (has_additive(params) or params.repetition_penalty != 1.0 or params.grammar is not None
+            or params.min_tokens > 0)
 
 
 def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, History, list[int]]]) -> mx.array:
@@ -109,8 +112,11 @@ def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, History, list[
     adds: list[tuple[int, mx.array]] = []  # (row, dense additive row)
     extra: list[tuple[int, int, int, float]] = []  # (row, position, token, add): the drafts' own penalties
     allowed: list[tuple[int, np.ndarray]] = []  # (row, [positions, V]): what its grammar allows (constraints.py)
+    early: list[tuple[int, int, int]] = []  # (row, position, token): an end before min_tokens were generated
     for b, params, history, drafts in rows:
         positions = min(len(drafts), logits.shape[1] - 1) + 1
+        short = min(positions, params.min_tokens - len(history.generated))
+        early += [(b, j, t) for j in range(short) for t in history.ends]
         if history.constraint is not None:
             allowed.append((b, history.constraint.masks(drafts, positions)))
         if params.repetition_penalty != 1.0:
@@ -137,6 +143,9 @@ def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, History, list[
     if extra:
         b, j, t, value = (mx.array(list(c)) for c in zip(*extra))
         out = out.at[b, j, t].add(value)
+    if early:
+        b, j, t = (mx.array(list(c)) for c in zip(*early))
+        out[b, j, t] = -mx.inf
     if allowed:  # last: a token the grammar refuses stays refused whatever the penalties
         mask = np.ones((len(allowed), *out.shape[1:]), dtype=bool)  # (only the rows a grammar holds)
         for i, (_, rows_allowed) in enumerate(allowed):

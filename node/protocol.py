@@ -42,6 +42,7 @@ class SamplingParams:
     top_logprobs: int = -1  # -1: no log-probabilities; 0-20: the emitted token's and this many others'
     grammar: str | None = None  # output held to this llguidance grammar (constraints.py), by a stage with the tokenizer
     prompt_logprobs: int = -1  # -1: none; 0-20: each prompt token's log-probability (scoring.py) and this many others'
+    min_tokens: int = 0  # vLLM's: the tokens that end the sequence are refused until this many were generated
 
     @property
     def greedy(self) -> bool:
@@ -71,6 +72,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
         if not -1 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if not 0 <= self.min_tokens < 2**31:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if not -1 <= self.prompt_logprobs <= 20:
             raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if self.grammar is not None and not self.grammar.strip():

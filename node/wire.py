@@ -109,7 +109,8 @@ def frame_to_request(f: pb.Frame) -> StepRequest:
 def params_to_pb(p: SamplingParams) -> pb.Sampling:
     s = pb.Sampling(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                     logit_bias=[pb.TokenBias(token=t, bias=b) for t, b in p.logit_bias],
-                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty)
+                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                    min_tokens=p.min_tokens)
     if p.seed is not None:
         s.seed = p.seed
     if p.repetition_penalty != 1.0:
@@ -132,6 +133,7 @@ def params_from_pb(p: pb.Sampling) -> SamplingParams:
         top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else -1,
         grammar=p.grammar if p.HasField("grammar") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else -1,
+        min_tokens=p.min_tokens,
     )
 
 

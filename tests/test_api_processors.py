@@ -169,7 +169,7 @@ def test_special_tokens_leave_the_text_unless_kept(client: Any, engine: BatchEng
 def test_vllm_stop_extensions(client: Any, engine: BatchEngine) -> None:
     """vLLM's `stop_token_ids` end a request as EOS does, `ignore_eos` lets EOS through (here forced by a
     bias: every token is EOS, none in the text), `include_stop_str_in_output` keeps the stop string;
-    `min_tokens` is refused (EOS is never held back), as is a stop token outside the vocabulary."""
+    a stop token outside the vocabulary is refused."""
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0)
     tokens = [engine.tokenizer.convert_tokens_to_ids(t) for t in plain.choices[0].logprobs.tokens]
     at = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
@@ -192,11 +192,40 @@ def test_vllm_stop_extensions(client: Any, engine: BatchEngine) -> None:
         streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
                                              stream=True, extra_body={"include_stop_str_in_output": keep})
         assert whole.choices[0].text == "".join(c.choices[0].text for c in streamed if c.choices) == expected
-    for extra, param in (({"min_tokens": 3}, "min_tokens"), ({"stop_token_ids": [10**6]}, "stop_token_ids")):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"stop_token_ids": [10**6]})
+    assert e.value.body["param"] == "stop_token_ids"
+
+
+def test_min_tokens_holds_back_what_ends_a_request(client: Any, engine: BatchEngine) -> None:
+    """vLLM's `min_tokens`: EOS and `stop_token_ids` are refused (masked inside the verify, so the tokens are
+    the same at every MTP depth) and stop strings not looked for until that many tokens were generated."""
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0)
+    tokens = [engine.tokenizer.convert_tokens_to_ids(t) for t in plain.choices[0].logprobs.tokens]
+    at = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    held = []
+    for depth in (0, 3, "auto"):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0,
+                                      extra_body={"stop_token_ids": [tokens[at]], "min_tokens": at + 2,
+                                                  "mtp_depth": depth})
+        held.append([engine.tokenizer.convert_tokens_to_ids(t) for t in r.choices[0].logprobs.tokens])
+        assert r.usage.completion_tokens >= at + 2 and tokens[at] not in held[-1][: at + 2]
+    assert held[0] == held[1] == held[2] and held[0][:at] == tokens[:at]
+    eos = sorted(engine.eos)[0]
+    forced = {"max_tokens": 6, "temperature": 0, "logit_bias": {str(eos): 100}}
+    for depth in (0, 2):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, **forced, extra_body={"min_tokens": 3,
+                                                                                           "mtp_depth": depth})
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 3)
+    text = plain.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    early = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
+                                      extra_body={"min_tokens": 12})
+    assert early.choices[0].text == text and early.choices[0].finish_reason == "length"
+    for extra in ({"min_tokens": 5}, {"min_tokens": -1}, {"min_tokens": 2, "guided_regex": "[a-z]+"}):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body=extra)
-        assert e.value.body["param"] == param
-    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"min_tokens": 0})
+        assert e.value.body["param"] == "min_tokens"
 
 
 def test_chat_template_kwargs_reach_the_template(client: Any, engine: BatchEngine) -> None:

@@ -71,7 +71,8 @@ def record_events(engine: Engine) -> list[pb.StepResult]:
 
 def test_sampling_round_trips_the_wire() -> None:
     for p in [SamplingParams(), PROCESSED, SamplingParams(top_logprobs=0, repetition_penalty=1.3, seed=7),
-              SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, frequency_penalty=-0.5, top_logprobs=20)]:
+              SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, frequency_penalty=-0.5, top_logprobs=20),
+              SamplingParams(min_tokens=3, prompt_logprobs=0)]:
         assert params_from_pb(params_to_pb(p)) == p
     assert not params_to_pb(SamplingParams()).HasField("top_logprobs")  # unset: none asked
     assert params_to_pb(SamplingParams(top_logprobs=0)).HasField("top_logprobs")  # 0: asked, no alternatives
@@ -87,6 +88,17 @@ def test_greedy_with_processors_equals_in_process(engines: tuple[Engine, Engine]
     assert got == want
     if depth == 2:
         assert stats.drafted > 0 and stats.accepted > 0  # speculation ran, and drafts passed the processed verify
+
+
+@pytest.mark.parametrize("depth,auto", [(0, False), (3, True)], ids=["depth0", "auto"])
+def test_min_tokens_over_nodes(engines: tuple[Engine, Engine], depth: int, auto: bool) -> None:
+    """EOS, pushed to the top of every position, is refused on the last node until min_tokens were generated."""
+    local, remote = engines
+    eos = sorted(local.eos)[0]
+    params = SamplingParams(logit_bias=((eos, 100.0),), min_tokens=4)
+    want = run(local, params, 0)[0]
+    assert len(want) == 4 and eos not in want
+    assert run(remote, params, depth, auto)[0] == want
 
 
 @pytest.mark.parametrize("depth", [0, 2])

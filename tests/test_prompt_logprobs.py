@@ -219,7 +219,9 @@ def test_vllms_prompt_logprobs_on_completions_and_chat(client: Any, engine: Batc
     stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0, n=2,
                                                  stream=True, extra_body={"prompt_logprobs": 0}))
     firsts = [e.model_extra.get("prompt_logprobs") for e in stream if e.model_extra.get("prompt_logprobs")]
-    assert firsts == [chat.model_extra["prompt_logprobs"]]
+    assert len(firsts) == 1  # once (its choices prefill side by side: the same values to within a batch's rounding)
+    for got, row in zip(firsts[0][1:], chat.model_extra["prompt_logprobs"][1:]):
+        assert got.keys() == row.keys() and all(abs(got[k]["logprob"] - row[k]["logprob"]) < 1e-4 for k in row)
 
 
 def test_a_prompt_only_scored_may_fill_the_context_and_drafts_nothing(client: Any, engine: BatchEngine) -> None:

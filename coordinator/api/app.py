@@ -24,7 +24,7 @@ Extensions: the `mtp_depth` request field; vLLM's `skip_special_tokens` (special
 `<|im_start|>` are left out of the text unless it is false; kept by default when tools are in use,
 tool_choice not "none", as vLLM's tool parsers need their tags; a stop string that is a special
 token still stops), `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` and
-`chat_template_kwargs` (a `min_tokens` other than 0 is refused); and `usage.mtp` = {depth, drafted,
+`chat_template_kwargs` and `min_tokens`; and `usage.mtp` = {depth, drafted,
 accepted, acceptance, rounds}. A reasoning model's thinking (between the tokenizer's thinking tags)
 comes apart from its answer as `reasoning_content` and `reasoning` (reasoning.py; vLLM's
 `include_reasoning: false` drops it). Defaults: the sampling and max_new_tokens of the model's

@@ -118,7 +118,7 @@ class _GenerationBody(_Body):
     guided_choice: list[str] | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability and this many others' (0-20)
     # vLLM's extensions. skip_special_tokens: leave special tokens out of the text (None: yes, but with tools in
-    # use, whose tags may be special); a min_tokens other than 0 is refused (EOS is never held back here).
+    # use, whose tags may be special); min_tokens holds EOS, stop_token_ids and stop strings back.
     skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: Flag = False

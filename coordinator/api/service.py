@@ -97,6 +97,7 @@ class Service:
             top_logprobs=top_logprobs,
             grammar=None if fmt is None else fmt.plain,
             prompt_logprobs=prompt_logprobs,
+            min_tokens=body.min_tokens or 0,
         )
         try:
             params.validate()

@@ -14,15 +14,12 @@ MAX_STOP_TOKEN_IDS = 64
 
 
 def stops(body: _GenerationBody) -> tuple[list[str], list[int]]:
-    """The body's stop strings and stop token ids (the engine checks the ids against the vocabulary).
-    `min_tokens` above 0 is refused, not ignored: nothing here holds EOS back."""
+    """The body's stop strings and stop token ids (the engine checks the ids against the vocabulary; its
+    sampling holds them, EOS and stop strings back for `min_tokens`)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
     ids = list(body.stop_token_ids or [])
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise APIError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}", param="stop_token_ids")
-    if body.min_tokens:
-        raise APIError(400, f"min_tokens is not supported (got {body.min_tokens}): EOS is never held back here; "
-                            "ignore_eos with max_tokens generates exactly max_tokens", param="min_tokens")
     return stop, ids

@@ -27,11 +27,12 @@ class TextStream:
     stop string that the next tokens complete. With `skip_special`, the special tokens (`special_ids`)
     add no text, as `decode(..., skip_special_tokens=True)` leaves them out, but one whose text is a
     stop string still stops; with `keep_stop`, the text ends with the stop string found instead of
-    before it.
+    before it. With `after` (vLLM's min_tokens), a stop string is looked for only once that many tokens
+    were added: one that ends earlier never stops the text.
     """
 
     def __init__(self, tokenizer: TokenizerWrapper, stop: list[str], skip_special: bool = False,
-                 keep_stop: bool = False):
+                 keep_stop: bool = False, after: int = 0):
         self.tokenizer = tokenizer
         self.detokenizer = tokenizer.detokenizer  # a fresh one for each request
         self.skipped = special_ids(tokenizer) if skip_special else frozenset()
@@ -46,16 +47,24 @@ class TextStream:
         self.stopped = False
         self._begun = False
         self._flushed = False
+        self.after = after
+        self.added = 0  # tokens taken in
 
     @classmethod
     def of(cls, tokenizer: TokenizerWrapper, req: GenerationRequest) -> TextStream:
-        return cls(tokenizer, req.stop, req.skip_special_tokens, req.include_stop_str_in_output)
+        return cls(tokenizer, req.stop, req.skip_special_tokens, req.include_stop_str_in_output, req.params.min_tokens)
+
+    @property
+    def armed(self) -> bool:
+        """Whether stop strings are looked for yet."""
+        return self.added >= self.after
 
     def add(self, token: int) -> None:
         if self.stopped:
             return
+        self.added += 1
         if token in self.skipped:
-            if token in self.stopping:
+            if token in self.stopping and self.armed:
                 self.flush()  # (what the detokenizer holds comes before it, and may stop first)
                 if not self.stopped:
                     self.text += self.stopping[token] if self.keep_stop else ""
@@ -63,7 +72,7 @@ class TextStream:
             return
         self.detokenizer.add_token(token)
         self._extend(self.detokenizer.last_segment)
-        if self.stop and not self.stopped and self._begun and self._held_completes_a_stop():
+        if self.stop and not self.stopped and self._begun and self.armed and self._held_completes_a_stop():
             self.flush()  # this token ends a stop string in what the detokenizer holds back (a lone space)
 
     def _held_completes_a_stop(self) -> bool:
@@ -101,7 +110,7 @@ class TextStream:
             return
         start = max(0, len(self.text) - self.hold)  # a stop may begin in the text held back
         self.text += piece
-        found = [(at, -len(s), s) for s in self.stop if (at := self.text.find(s, start)) >= 0]
+        found = [(at, -len(s), s) for s in self.stop if self.armed and (at := self.text.find(s, start)) >= 0]
         if found:
             at, _, stop = min(found)  # the first; of those that begin there, the longest
             self.text = self.text[: at + len(stop) if self.keep_stop else at]

@@ -183,6 +183,11 @@ def check_request(req: GenerationRequest, *, max_context: int, has_mtp: bool, co
         req.params.validate()
     except ValueError as e:
         raise RequestError(str(e), str(e).split()[0]) from None
+    if req.params.min_tokens > req.max_tokens:
+        raise RequestError(f"min_tokens ({req.params.min_tokens}) must not exceed max_tokens ({req.max_tokens})",
+                           "min_tokens")
+    if req.params.min_tokens and req.params.grammar is not None:  # (a complete format leaves only its ends)
+        raise RequestError("min_tokens cannot be given with an output format", "min_tokens")
     if req.params.grammar is not None and not constrains:
         raise RequestError("output held to a format (response_format, structured_outputs, guided_*) needs the last "
                            "stage to hold the model's tokenizer (a node that loaded its shard from a model directory)",
