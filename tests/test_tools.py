@@ -437,3 +437,43 @@ def test_bad_tool_choice_with_official_client(live: Live) -> None:
         live.client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=1,
                                             tool_choice={"type": "function", "function": {"name": "missing"}})
     assert e.value.status_code == 400 and e.value.body["param"] == "tool_choice"
+
+
+COUNT = {"type": "function", "function": {"name": "count", "parameters": {
+    "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["days"],
+    "additionalProperties": False}}}
+FLAG = {"type": "function", "function": {"name": "flag", "parameters": {
+    "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_required_or_named_is_held_to_the_tools(live: Live, stream: bool) -> None:
+    """Where the engine holds output to a grammar, "required" and a named function get a call (vLLM's way:
+    the reply is the named function's arguments, or a list of calls, as JSON), whatever the model would
+    rather write; a named call finishes "stop" as OpenAI's does, a required one "tool_calls"."""
+    c = live.client
+    avoid = {str(i): -100 for i in live.ids.values()}  # (the tiny model's own call tokens: it is held, not biased)
+    for choice, finish in (({"type": "function", "function": {"name": "count"}}, "stop"), ("required", "tool_calls")):
+        args = {"model": MODEL, "messages": ASK, "tools": [FLAG, COUNT], "tool_choice": choice, "max_tokens": 48,
+                "temperature": 0, "logit_bias": avoid, "parallel_tool_calls": False}
+        if stream:
+            chunks = list(c.chat.completions.create(**args, stream=True))
+            deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+            calls = [(d.index, d.function.name, d.function.arguments) for d in deltas]
+            assert [i for i, _, _ in calls] == [0]
+            assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
+                [finish]
+        else:
+            r = c.chat.completions.create(**args)
+            assert r.choices[0].finish_reason == finish and r.choices[0].message.content is None
+            calls = [(0, t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls]
+        assert len(calls) == 1
+        _, name, arguments = calls[0]
+        if choice != "required":
+            assert name == "count"
+        parsed = json.loads(arguments)
+        if name == "count":
+            assert set(parsed) == {"days"} and 1 <= parsed["days"] <= 9
+        else:
+            assert name == "flag" and set(parsed) == {"on"} and isinstance(parsed["on"], bool)

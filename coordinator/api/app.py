@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from .chat import chat_messages, tool_spec
 from .defaults import DEFAULT_CORS_ORIGINS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
 from .errors import APIError, error_body, parse_body, validation_error
-from .formats import after_thought, output_format
+from .formats import OutputFormat, after_thought, output_format
 from .gate import Gate
 from .generation import ResponseFormat
 from .limits import BodyLimit
@@ -198,19 +198,29 @@ def create_app(
         started = time.perf_counter()
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
         service.check_model(body.model)
+        req, n, tools, thinking = await chat_request(body)
+        return await respond("/v1/chat/completions", body, [req], n, request, started, tools, thinking)
+
+    async def chat_request(body: ChatCompletionRequest
+                           ) -> "tuple[GenerationRequest, int, ToolSpec | None, ReasoningSplit | None]":
+        """A chat body's generation request, checked: with its choices (`n`), tools and reasoning split."""
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
         fmt = output_format(body)
+        tools = tool_spec(body)
+        if fmt is not None and tools is not None and tools.active:  # (a format leaves no room for a call's tags)
+            raise APIError(400, f"{fmt.field} cannot be given with tools (or use tool_choice none)", param=fmt.field)
+        if tools is not None and tools.must_call and service.engine.constrains:  # (held to the call, as vLLM holds it)
+            tools.held, fmt = True, OutputFormat(schema=tools.call_schema(), field="tool_choice")
+            if error := fmt.problem():
+                raise APIError(400, f"tools: a call cannot be held to these parameters: {error}", param="tools")
         params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1, fmt,
                                   -1 if body.prompt_logprobs is None else body.prompt_logprobs)
         n = service.choices(body)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
-        tools = tool_spec(body)
-        if fmt is not None and tools is not None and tools.active:  # (a format leaves no room for a call's tags)
-            raise APIError(400, f"{fmt.field} cannot be given with tools (or use tool_choice none)", param=fmt.field)
         tokens = await service.encode_chat(chat_messages(body), tools, body.chat_template_kwargs)
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
@@ -225,7 +235,7 @@ def create_app(
                 params = dataclasses.replace(params, grammar=grammar)
         req = service.generation_request(body, params, tokens, max_tokens, "messages", max_param,
                                          tools=tools is not None and tools.active)
-        return await respond("/v1/chat/completions", body, [req], n, request, started, tools, thinking)
+        return req, n, tools, thinking
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

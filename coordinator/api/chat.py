@@ -10,9 +10,11 @@ messages instead: the tools, with the JSON call format, in the system message; e
 tool_choice (the output is parsed by tools.py):
 - "auto", the default with tools: tools rendered, the output parsed for calls.
 - "none": tools neither rendered nor parsed for (earlier calls and results in the messages still are).
-- "required", or a named function: templates have no such notion and decoding is not constrained, so the
-  tools are rendered and the system message ends with an instruction to call (that) function. An output
-  with no call that parses comes back as text, with the finish reason it had.
+- "required", or a named function: templates have no such notion. Where the last stage holds output to a
+  grammar, the reply is held, as vLLM holds it, to JSON: the named function's arguments, or a list of calls
+  ({"name", "parameters"}), one unless calls may be parallel; the system message ends with an instruction
+  to write just that. Elsewhere the tools are rendered, the instruction asks for (that) function's call, and
+  an output with no call that parses comes back as text, with the finish reason it had.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ TOOLS_FORMAT = (
 )
 REQUIRED = "In this reply you must call at least one of the functions you are provided with."
 NAMED = 'In this reply you must call the function "{name}".'
+# Where the reply is held to the call (`ToolSpec.held`): what it is held to.
+REQUIRED_HELD = ('In this reply you must call {which} of the functions you are provided with: reply with only a JSON '
+                 'array of calls, each {{"name": <function-name>, "parameters": <args-json-object>}}.')
+NAMED_HELD = 'In this reply you must call the function "{name}": reply with only its arguments, as a JSON object.'
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "mtpipe_probe", "description": "probe",
                                                  "parameters": {"type": "object", "properties": {}}}}
@@ -58,18 +64,35 @@ class ToolSpec:
     choice: str  # "auto", "none", "required", or "function" for a named one
     name: str | None = None  # the named function
     parallel: bool = True  # False: only the first call is returned
+    held: bool = False  # "required" or named: the reply is held to `call_schema` (set where it can be)
 
     @property
     def active(self) -> bool:
         """Tools rendered into the prompt and the output parsed for calls."""
         return bool(self.tools) and self.choice != "none"
 
+    @property
+    def must_call(self) -> bool:
+        return self.active and self.choice in ("required", "function")
+
     def instruction(self) -> str | None:
         if not self.active:
             return None
         if self.choice == "required":
-            return REQUIRED
-        return NAMED.format(name=self.name) if self.choice == "function" else None
+            return REQUIRED_HELD.format(which="one or more" if self.parallel else "one") if self.held else REQUIRED
+        if self.choice == "function":
+            return (NAMED_HELD if self.held else NAMED).format(name=self.name)
+        return None
+
+    def call_schema(self) -> dict[str, Any]:
+        """The JSON Schema a reply that must call is held to: the named function's arguments, or a list of
+        calls, each {"name", "parameters"} of one of the tools (one call unless they may be parallel)."""
+        params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
+        if self.choice == "function":
+            return params[self.name]
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+                  "required": ["name", "parameters"], "additionalProperties": False} for name, schema in params.items()]
+        return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
 
 
 def tool_spec(body: ChatCompletionRequest) -> ToolSpec | None:

@@ -19,7 +19,7 @@ from .deltas import thought_apart, tool_deltas
 from .errors import APIError
 from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
 from .service import DISCONNECT_POLL_S
-from .tools import ToolCallParser, parse_tool_calls
+from .tools import ToolCallParser, held_calls, parse_tool_calls
 
 if TYPE_CHECKING:
     from ...node.protocol import Scored
@@ -199,14 +199,26 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
     if final is None:
         return None
     service.record(endpoint, final.stats, started, first_token)
-    text, finish, calls = "".join(parts), final.finish_reason, None
-    if tools is not None and tools.active:
-        text, found = parse_tool_calls(text, tools.tools)
-        if found:
-            calls = [c.to_dict() for c in (found if tools.parallel else found[:1])]
-            finish = "tool_calls"
+    text, calls, finish = _calls("".join(parts), final.finish_reason, tools)
     return fmt.choice(text, finish, logprobs=entries if asked else None, tool_calls=calls,
                       reasoning="".join(thoughts), prompt_logprobs=shown), final.stats, shown
+
+
+def _calls(text: str, finish: str, tools: "Optional[ToolSpec]") -> tuple[str, Optional[list[dict[str, Any]]], str]:
+    """A reply's text left, its tool calls and its finish reason: a reply held to a call is that call (the
+    finish "tool_calls" where any was required, OpenAI's "stop" for a named one); otherwise its text is
+    parsed for calls. A reply that holds none (cut short) stays text."""
+    if tools is None or not tools.active:
+        return text, None, finish
+    if tools.held:
+        found = held_calls(text, tools.name if tools.choice == "function" else None)
+        if found is None:
+            return text, None, finish
+        return "", [c.to_dict() for c in found], "tool_calls" if tools.choice == "required" else finish
+    text, found = parse_tool_calls(text, tools.tools)
+    if not found:
+        return text, None, finish
+    return text, [c.to_dict() for c in (found if tools.parallel else found[:1])], "tool_calls"
 
 
 # -- streamed ---------------------------------------------------------------------------------
@@ -294,7 +306,8 @@ async def _choice_events(service: "Service", endpoint: str, choice: Choice, run:
                          at: int) -> AsyncIterator[str]:
     """One choice's events: its role, its deltas, its finish (its stats then in `finals[at]`)."""
     first_token = None
-    parser = ToolCallParser(tools.tools) if tools is not None and tools.active else None
+    parser = ToolCallParser(tools.tools) if tools is not None and tools.active and not tools.held else None
+    held: Optional[list[str]] = [] if tools is not None and tools.active and tools.held else None  # (whole, at the end)
     calls = 0  # tool calls streamed
     if fmt.chat:
         yield sse_event(fmt.chunk(role=True))
@@ -312,6 +325,15 @@ async def _choice_events(service: "Service", endpoint: str, choice: Choice, run:
             deltas, calls = tool_deltas(fmt, parser, tools, chunk, calls, logprobs)  # type: ignore[arg-type]
             for delta in deltas:
                 yield sse_event(delta)
+        elif held is not None:  # a reply held to a call: the call once it is whole
+            held.append(chunk.text)
+            if logprobs is not None:
+                yield sse_event(fmt.chunk(logprobs=logprobs))
+            if chunk.finish_reason:
+                text, found, finish = _calls("".join(held), chunk.finish_reason, tools)
+                calls = len(found or [])
+                yield sse_event(fmt.chunk(text, tool_calls=[{"index": i, **c} for i, c in enumerate(found or [])]
+                                          or None))
         elif logprobs is not None:
             yield sse_event(fmt.chunk(chunk.text, logprobs=logprobs))
         elif chunk.text:
@@ -319,4 +341,5 @@ async def _choice_events(service: "Service", endpoint: str, choice: Choice, run:
         if chunk.finish_reason:
             service.record(endpoint, chunk.stats, started, first_token)
             finals[at] = chunk.stats
-            yield sse_event(fmt.chunk(finish="tool_calls" if calls else chunk.finish_reason))
+            yield sse_event(fmt.chunk(finish=finish if held is not None else
+                                      "tool_calls" if calls else chunk.finish_reason))

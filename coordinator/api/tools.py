@@ -109,6 +109,20 @@ def parse_block(body: str, tools: list[dict[str, Any]] | None = None) -> list[To
     return calls or None
 
 
+def held_calls(text: str, name: str | None) -> list[ToolCall] | None:
+    """The calls of a reply held to a call (chat.py `ToolSpec.call_schema`): `name`'s, whose arguments it
+    is, or a list of {"name", "parameters"}; None where it does not parse (cut short by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if name is not None:
+        return [ToolCall(name, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) else None
+    if not isinstance(value, list) or not all(isinstance(c, dict) and {"name", "parameters"} <= c.keys() for c in value):
+        return None
+    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+
+
 class ToolCallParser:
     """Generated text in, as it comes; out, in order: ("text", str) and ("call", ToolCall) events."""
 
