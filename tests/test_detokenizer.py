@@ -275,3 +275,26 @@ def test_thinking_and_tool_tags_are_never_skipped() -> None:
     tokenizer = SimpleNamespace(added_tokens_decoder={**marked, 9: SimpleNamespace(special=False)}, all_special_ids=[7],
                                 think_start_tokens=(5,), think_end_tokens=(6,), tool_call_start_tokens=None)
     assert special_ids(tokenizer) == {7, 8}
+
+
+def test_a_stop_string_within_min_tokens_never_stops(tok) -> None:
+    """vLLM's min_tokens: a stop string that ends within the first `after` tokens' text is passed over,
+    also one whose last character the detokenizer held back (a lone space) until a later token."""
+    ids = tok.encode(" is Lee, and I'm here", add_special_tokens=False)
+    lee = next(i for i in range(len(ids)) if "Lee" in tok.decode(ids[: i + 1])) + 1  # tokens up to its end
+    for after, stops in ((lee - 1, True), (lee, False)):
+        text = TextStream(tok, ["Lee"], after=after)
+        for t in ids:
+            text.add(t)
+        assert text.stopped is stops and ("Lee" in text.release(final=True)) is not stops
+    spaced = [tok.encode(x, add_special_tokens=False)[0] for x in ("x", "a", " ", "b")]
+    assert tok.decode(spaced) == "xa b"
+    for after in (3, 4):  # ("a " ends with the third token: its space comes out with the fourth)
+        text = TextStream(tok, ["a "], after=after)
+        for t in spaced:
+            text.add(t)
+        assert not text.stopped and text.release(final=True) == "xa b"
+    text = TextStream(tok, ["a "], after=2)
+    for t in spaced:
+        text.add(t)
+    assert text.stopped and text.release(final=True) == "x"

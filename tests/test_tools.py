@@ -442,8 +442,9 @@ def test_bad_tool_choice_with_official_client(live: Live) -> None:
 COUNT = {"type": "function", "function": {"name": "count", "parameters": {
     "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["days"],
     "additionalProperties": False}}}
-FLAG = {"type": "function", "function": {"name": "flag", "parameters": {
-    "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"], "additionalProperties": False}}}
+FLAG = {"type": "function", "function": {"name": "flag", "parameters": {  # (a reference: its definitions go up)
+    "type": "object", "properties": {"on": {"$ref": "#/$defs/Switch"}}, "$defs": {"Switch": {"type": "boolean"}},
+    "required": ["on"], "additionalProperties": False}}}
 
 
 @pytest.mark.parametrize("stream", [False, True])

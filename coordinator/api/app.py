@@ -1,7 +1,8 @@
 """The coordinator's OpenAI-compatible REST API.
 
-`POST /v1/chat/completions`, `POST /v1/completions` (streamed as server-sent events or not),
-`GET /v1/models`, `GET /health`, `GET /v1/cluster` and `GET /metrics` (Prometheus text).
+`POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (OpenAI's Responses API, read as
+a chat request: responses_api.py) (streamed as server-sent events or not), `GET /v1/models`, `GET /health`,
+`GET /v1/cluster` and `GET /metrics` (Prometheus text).
 
 Routes only: what a body means is decided in service.py, how its choices run and are answered in
 responses.py (`n` per prompt; completions take a list of prompts), auth and request metrics in gate.py.
@@ -55,6 +56,7 @@ from .metrics import ServerMetrics
 from .model_defaults import model_defaults
 from .readiness import Readiness
 from .responses import choices_of, complete, stream
+from .responses_api import chat_body, renamed, respond_to
 from .reasoning import ReasoningSplit, reasoning_split
 from .service import Service
 
@@ -95,7 +97,7 @@ def create_app(
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.exceptions import HTTPException
 
-    from .models import ChatCompletionRequest, CompletionRequest
+    from .models import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 
     metrics = ServerMetrics()
     service = Service(engine, model_name, default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
@@ -201,6 +203,17 @@ def create_app(
         req, n, tools, thinking = await chat_request(body)
         return await respond("/v1/chat/completions", body, [req], n, request, started, tools, thinking)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Any:
+        started = time.perf_counter()
+        body: ResponsesRequest = await parse_body(request, ResponsesRequest)
+        service.check_model(body.model)
+        try:
+            req, _, tools, thinking = await chat_request(chat_body(body))
+        except APIError as e:  # (named as this endpoint names its fields)
+            raise renamed(e) from None
+        return await respond_to(service, body, req, tools, thinking, request, started, model_name)
+
     async def chat_request(body: ChatCompletionRequest
                            ) -> "tuple[GenerationRequest, int, ToolSpec | None, ReasoningSplit | None]":
         """A chat body's generation request, checked: with its choices (`n`), tools and reasoning split."""
@@ -213,9 +226,12 @@ def create_app(
         if fmt is not None and tools is not None and tools.active:  # (a format leaves no room for a call's tags)
             raise APIError(400, f"{fmt.field} cannot be given with tools (or use tool_choice none)", param=fmt.field)
         if tools is not None and tools.must_call and service.engine.constrains:  # (held to the call, as vLLM holds it)
-            tools.held, fmt = True, OutputFormat(schema=tools.call_schema(), field="tool_choice")
-            if error := fmt.problem():
-                raise APIError(400, f"tools: a call cannot be held to these parameters: {error}", param="tools")
+            held = OutputFormat(schema=schema, field="tool_choice") if (schema := tools.call_schema()) else None
+            if held is not None and not (error := held.problem()):
+                tools.held, fmt = True, held
+            else:  # (the prompt asks for the call instead)
+                log.info("tool_choice %s: not held to the tools' parameters (%s)", tools.choice, error if held else
+                         "two tools define one name differently")
         params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1, fmt,
                                   -1 if body.prompt_logprobs is None else body.prompt_logprobs)
         n = service.choices(body)

@@ -84,15 +84,26 @@ class ToolSpec:
             return (NAMED_HELD if self.held else NAMED).format(name=self.name)
         return None
 
-    def call_schema(self) -> dict[str, Any]:
+    def call_schema(self) -> dict[str, Any] | None:
         """The JSON Schema a reply that must call is held to: the named function's arguments, or a list of
-        calls, each {"name", "parameters"} of one of the tools (one call unless they may be parallel)."""
+        calls, each {"name", "parameters"} of one of the tools (one call unless they may be parallel), their
+        definitions (`$defs`, `definitions`) at its root, where their references look; None where two
+        tools define one name differently."""
         params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
         if self.choice == "function":
             return params[self.name]
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-                  "required": ["name", "parameters"], "additionalProperties": False} for name, schema in params.items()]
-        return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+        shared: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
+        calls = []
+        for name, schema in params.items():
+            for key, defs in shared.items():
+                for k, v in (schema.get(key) or {}).items():
+                    if defs.setdefault(k, v) != v:
+                        return None
+            schema = {k: v for k, v in schema.items() if k not in shared}
+            calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
+                **{k: v for k, v in shared.items() if v}}
 
 
 def tool_spec(body: ChatCompletionRequest) -> ToolSpec | None:

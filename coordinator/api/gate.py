@@ -8,7 +8,8 @@ from .errors import error_body
 from .metrics import ServerMetrics
 
 OPEN_PATHS = ("/health",)  # reachable without the API key
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/cluster", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models",
+             "/v1/cluster", "/health", "/metrics")
 
 
 class Gate:

@@ -145,3 +145,22 @@ class CompletionRequest(_GenerationBody):
     suffix: str | None = None  # (fill-in-the-middle: refused, not ignored)
     logprobs: int | None = None
     best_of: int | None = None  # only n (the best n of more is not done here)
+
+
+class ResponsesRequest(_GenerationBody):
+    """OpenAI's Responses API (`/v1/responses`): the fields read here (responses_api.py)."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    tools: Any = None  # function tools, flat ({"type": "function", "name", "parameters"}); checked as chat's
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    top_logprobs: int | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs" asks for logprobs (else top_logprobs does)
+    previous_response_id: str | None = None  # (nothing is stored here: refused)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    include_reasoning: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None

@@ -150,7 +150,20 @@ async def _watch(request: Any, runs: list[GenerationThread]) -> None:
 
 async def complete(service: "Service", endpoint: str, choices: list[Choice], fmt: ResponseFormat, request: Any,
                    started: float, tools: "Optional[ToolSpec]" = None) -> Any:
-    from fastapi.responses import JSONResponse, Response
+    from fastapi.responses import JSONResponse
+
+    answers = await answered(service, endpoint, choices, fmt, request, started, tools)
+    if not isinstance(answers, list):
+        return answers
+    usage = usage_of([(c.prompt, stats) for c, (_, stats, _) in zip(choices, answers)], choices[0].req.depth_label)
+    return JSONResponse(fmt.response([choice for choice, _, _ in answers], usage, prompt_logprobs=answers[0][2]))
+
+
+async def answered(service: "Service", endpoint: str, choices: list[Choice], fmt: ResponseFormat, request: Any,
+                   started: float, tools: "Optional[ToolSpec]" = None) -> Any:
+    """Every choice run whole: (its choice object in `fmt`'s shape, its stats, vLLM's prompt_logprobs) in
+    index order; or the response to give when one never finished (499: its client went away)."""
+    from fastapi.responses import Response
 
     runs = await begin(service, choices, request, admitted=False)
     watcher = asyncio.create_task(_watch(request, runs))
@@ -169,8 +182,7 @@ async def complete(service: "Service", endpoint: str, choices: list[Choice], fmt
         if request is None or await request.is_disconnected():
             return Response(status_code=499)  # (nobody reads this)
         raise service.server_error(RuntimeError("a generation ended before it finished"))
-    usage = usage_of([(c.prompt, stats) for c, (_, stats, _) in zip(choices, answers)], choices[0].req.depth_label)
-    return JSONResponse(fmt.response([choice for choice, _, _ in answers], usage, prompt_logprobs=answers[0][2]))
+    return answers
 
 
 async def _answer(service: "Service", endpoint: str, choice: Choice, run: GenerationThread, fmt: ResponseFormat,
@@ -206,7 +218,8 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
 
 def _calls(text: str, finish: str, tools: "Optional[ToolSpec]") -> tuple[str, Optional[list[dict[str, Any]]], str]:
     """A reply's text left, its tool calls and its finish reason: a reply held to a call is that call (the
-    finish "tool_calls" where any was required, OpenAI's "stop" for a named one); otherwise its text is
+    finish "tool_calls" where any was required and it stopped, as vLLM's; "stop" for a named one, as
+    OpenAI's; "length" where the budget ended it as it closed); otherwise its text is
     parsed for calls. A reply that holds none (cut short) stays text."""
     if tools is None or not tools.active:
         return text, None, finish
@@ -214,7 +227,8 @@ def _calls(text: str, finish: str, tools: "Optional[ToolSpec]") -> tuple[str, Op
         found = held_calls(text, tools.name if tools.choice == "function" else None)
         if found is None:
             return text, None, finish
-        return "", [c.to_dict() for c in found], "tool_calls" if tools.choice == "required" else finish
+        required = tools.choice == "required" and finish == "stop"
+        return "", [c.to_dict() for c in found], "tool_calls" if required else finish
     text, found = parse_tool_calls(text, tools.tools)
     if not found:
         return text, None, finish
@@ -246,11 +260,11 @@ async def _events(service: "Service", endpoint: str, choices: list[Choice], runs
     # watcher, needed until the stream began, is not.
     watcher.cancel()
     finals: list[Any] = [None] * len(choices)
-    streams = [_choice_events(service, endpoint, c, run, fmt.for_choice(c.index), started, tools, finals, i)
+    streams = [choice_chunks(service, endpoint, c, run, fmt.for_choice(c.index), started, tools, finals, i)
                for i, (c, run) in enumerate(zip(choices, runs))]
     try:
         async for event in _merged(streams):
-            yield event
+            yield sse_event(event)
         if fmt.include_usage and all(f is not None for f in finals):
             usage = usage_of([(c.prompt, f) for c, f in zip(choices, finals)], choices[0].req.depth_label)
             yield sse_event(fmt.usage_chunk(usage))
@@ -268,7 +282,7 @@ async def _events(service: "Service", endpoint: str, choices: list[Choice], runs
 _ENDED = object()
 
 
-async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
     """The streams' items as they come; the first error raised, the other streams then stopped."""
     if len(streams) == 1:
         async for item in streams[0]:
@@ -276,7 +290,7 @@ async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
         return
     items: asyncio.Queue = asyncio.Queue()
 
-    async def pump(stream: AsyncIterator[str]) -> None:
+    async def pump(stream: AsyncIterator[Any]) -> None:
         try:
             async for item in stream:
                 items.put_nowait(item)
@@ -301,45 +315,44 @@ async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
             task.cancel()
 
 
-async def _choice_events(service: "Service", endpoint: str, choice: Choice, run: GenerationThread,
-                         fmt: ResponseFormat, started: float, tools: "Optional[ToolSpec]", finals: list[Any],
-                         at: int) -> AsyncIterator[str]:
-    """One choice's events: its role, its deltas, its finish (its stats then in `finals[at]`)."""
+async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: GenerationThread,
+                        fmt: ResponseFormat, started: float, tools: "Optional[ToolSpec]", finals: list[Any],
+                        at: int) -> AsyncIterator[dict[str, Any]]:
+    """One choice's chunk objects, as `fmt` shapes them: its role, its deltas, its finish (its stats then
+    in `finals[at]`)."""
     first_token = None
     parser = ToolCallParser(tools.tools) if tools is not None and tools.active and not tools.held else None
     held: Optional[list[str]] = [] if tools is not None and tools.active and tools.held else None  # (whole, at the end)
     calls = 0  # tool calls streamed
     if fmt.chat:
-        yield sse_event(fmt.chunk(role=True))
+        yield fmt.chunk(role=True)
     async for chunk, thought in thought_apart(run.chunks(), choice.thinking):
         if first_token is None and (choice.echo is not None or choice.prompt_top >= 0):
             echo, echoed, shown = await _prompt_shown(service, choice, chunk.prompt_logprobs)
-            yield sse_event(fmt.chunk(echo, logprobs=echoed, prompt_logprobs=shown))
+            yield fmt.chunk(echo, logprobs=echoed, prompt_logprobs=shown)
         first_token = first_token or time.perf_counter()
         asked = choice.req.params.top_logprobs >= 0 and chunk.tokens
         logprobs = service.token_logprobs(chunk.tokens, chunk.logprobs) if asked else None
         if thought:  # (a chunk all thinking carries its logprobs on its thinking)
-            yield sse_event(fmt.chunk(reasoning=thought, logprobs=None if chunk.text else logprobs))
+            yield fmt.chunk(reasoning=thought, logprobs=None if chunk.text else logprobs)
             logprobs = logprobs if chunk.text else None
         if parser is not None:
             deltas, calls = tool_deltas(fmt, parser, tools, chunk, calls, logprobs)  # type: ignore[arg-type]
             for delta in deltas:
-                yield sse_event(delta)
+                yield delta
         elif held is not None:  # a reply held to a call: the call once it is whole
             held.append(chunk.text)
             if logprobs is not None:
-                yield sse_event(fmt.chunk(logprobs=logprobs))
+                yield fmt.chunk(logprobs=logprobs)
             if chunk.finish_reason:
                 text, found, finish = _calls("".join(held), chunk.finish_reason, tools)
                 calls = len(found or [])
-                yield sse_event(fmt.chunk(text, tool_calls=[{"index": i, **c} for i, c in enumerate(found or [])]
-                                          or None))
+                yield fmt.chunk(text, tool_calls=[{"index": i, **c} for i, c in enumerate(found or [])] or None)
         elif logprobs is not None:
-            yield sse_event(fmt.chunk(chunk.text, logprobs=logprobs))
+            yield fmt.chunk(chunk.text, logprobs=logprobs)
         elif chunk.text:
-            yield sse_event(fmt.chunk(chunk.text))
+            yield fmt.chunk(chunk.text)
         if chunk.finish_reason:
             service.record(endpoint, chunk.stats, started, first_token)
             finals[at] = chunk.stats
-            yield sse_event(fmt.chunk(finish=finish if held is not None else
-                                      "tool_calls" if calls else chunk.finish_reason))
+            yield fmt.chunk(finish=finish if held is not None else "tool_calls" if calls else chunk.finish_reason)

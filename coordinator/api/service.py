@@ -176,7 +176,7 @@ class Service:
             raise APIError(400, str(e), param=e.param) from None
         if max_tokens is None:  # (leaving drafts their room: a default, the model's too, never turns `auto` off)
             room = context_room(len(prompt), depth, self.engine.max_context)
-            max_tokens = max(1, min(self.defaults.get("max_tokens", DEFAULT_MAX_TOKENS), room))
+            max_tokens = max(1, min(max(self.defaults.get("max_tokens", DEFAULT_MAX_TOKENS), params.min_tokens), room))
         if max_tokens <= 1:  # (the one token comes from the prompt's last step: no round would carry drafts)
             depth, auto = 0, False
         if auto:  # drafts only where the context leaves room for them: `auto` refuses nothing plain decoding serves

@@ -27,8 +27,8 @@ class TextStream:
     stop string that the next tokens complete. With `skip_special`, the special tokens (`special_ids`)
     add no text, as `decode(..., skip_special_tokens=True)` leaves them out, but one whose text is a
     stop string still stops; with `keep_stop`, the text ends with the stop string found instead of
-    before it. With `after` (vLLM's min_tokens), a stop string is looked for only once that many tokens
-    were added: one that ends earlier never stops the text.
+    before it. With `after` (vLLM's min_tokens), a stop string that ends within the first `after` tokens'
+    text never stops it (the text of those tokens, what the detokenizer holds back included, is `floor` long).
     """
 
     def __init__(self, tokenizer: TokenizerWrapper, stop: list[str], skip_special: bool = False,
@@ -49,6 +49,7 @@ class TextStream:
         self._flushed = False
         self.after = after
         self.added = 0  # tokens taken in
+        self.floor = 0  # a stop string must end past this many characters
 
     @classmethod
     def of(cls, tokenizer: TokenizerWrapper, req: GenerationRequest) -> TextStream:
@@ -57,7 +58,7 @@ class TextStream:
     @property
     def armed(self) -> bool:
         """Whether stop strings are looked for yet."""
-        return self.added >= self.after
+        return self.added > self.after
 
     def add(self, token: int) -> None:
         if self.stopped:
@@ -72,19 +73,25 @@ class TextStream:
             return
         self.detokenizer.add_token(token)
         self._extend(self.detokenizer.last_segment)
+        if self.stop and self.added == self.after:  # (the last token whose text cannot stop it)
+            self.floor = len(self.text) + len(self._held())
         if self.stop and not self.stopped and self._begun and self.armed and self._held_completes_a_stop():
             self.flush()  # this token ends a stop string in what the detokenizer holds back (a lone space)
 
-    def _held_completes_a_stop(self) -> bool:
-        """Whether what the detokenizer holds back, once taken in, completes a stop string: its text is
-        asked of a copy (finalizing one only reassigns its fields, so the copy leaves this one as it was)."""
+    def _held(self) -> str:
+        """What the detokenizer holds back, as text: asked of a copy (finalizing one only reassigns its
+        fields, so the copy leaves this one as it was)."""
         probe = copy.copy(self.detokenizer)
         probe.finalize()
-        held = probe.last_segment
+        return probe.last_segment
+
+    def _held_completes_a_stop(self) -> bool:
+        """Whether what the detokenizer holds back, once taken in, completes a stop string."""
+        held = self._held()
         if not held:
             return False
-        tail = self.text[max(0, len(self.text) - self.hold) :] + held
-        return any(s in tail for s in self.stop)
+        text, start = self.text + held, max(0, len(self.text) - self.hold)
+        return any(text.find(s, max(start, self.floor - len(s) + 1)) >= 0 for s in self.stop)
 
     def flush(self) -> None:
         """No token follows: take in what the detokenizer holds back (a stop string may end in it)."""
@@ -110,7 +117,8 @@ class TextStream:
             return
         start = max(0, len(self.text) - self.hold)  # a stop may begin in the text held back
         self.text += piece
-        found = [(at, -len(s), s) for s in self.stop if self.armed and (at := self.text.find(s, start)) >= 0]
+        found = [(at, -len(s), s) for s in self.stop
+                 if self.armed and (at := self.text.find(s, max(start, self.floor - len(s) + 1))) >= 0]
         if found:
             at, _, stop = min(found)  # the first; of those that begin there, the longest
             self.text = self.text[: at + len(stop) if self.keep_stop else at]

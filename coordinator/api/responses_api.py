@@ -1,0 +1,333 @@
+"""OpenAI's Responses API (`POST /v1/responses`) on the chat path.
+
+A body is read as a chat request: `instructions` and its `input` items become messages (text messages of
+any role, `function_call` items as an assistant's calls, `function_call_output` items as tool results),
+its flat function tools chat's tools, `text.format` a response_format, `max_output_tokens` the token
+budget. It runs as one choice, as a chat request does (responses.py), and is answered as a Response whose
+`output` holds a reasoning item (a thinking model's thought), a message item (the answer's text) and a
+function_call item per call; streamed, as the Responses API's semantic events (`response.created` ...
+`response.completed`, each with its `sequence_number`), built from the chat chunks of that choice.
+Nothing is stored: a `previous_response_id` is refused, so a client sends the whole conversation.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Optional
+
+from .errors import APIError, validation_error
+from .generation import ResponseFormat, usage_of
+from .responses import answered, begin, choice_chunks, choices_of
+
+if TYPE_CHECKING:
+    from ..engine.request import GenerationRequest, GenerationStats
+    from .chat import ToolSpec
+    from .models import ChatCompletionRequest, ResponsesRequest
+    from .reasoning import ReasoningSplit
+    from .service import Service
+
+ENDPOINT = "/v1/responses"
+ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
+# chat's field names as this endpoint's (in errors)
+FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
+          "top_logprobs": "top_logprobs"}
+
+
+# -- the body, as a chat request ----------------------------------------------------------------
+
+
+def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request a Responses body asks for (a 400 naming the Responses field where it cannot be one)."""
+    from pydantic import ValidationError
+
+    from .models import ChatCompletionRequest, _GenerationBody
+
+    if body.previous_response_id is not None:
+        raise APIError(400, "responses are not stored here: send the whole conversation as input",
+                       param="previous_response_id")
+    if body.n not in (None, 1) or body.stream_options is not None:
+        raise APIError(400, "n and stream_options are not fields of the Responses API",
+                       param="n" if body.n not in (None, 1) else "stream_options")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
+    shared = body.model_dump(include=set(_GenerationBody.model_fields) - {"max_tokens", "response_format", "n"},
+                             exclude_none=True)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    logprobs = body.top_logprobs is not None or "message.output_text.logprobs" in (body.include or [])
+    chat = {**shared, "messages": system + _messages(body.input), "max_completion_tokens": body.max_output_tokens,
+            "logprobs": logprobs, "top_logprobs": body.top_logprobs if logprobs else None,
+            "response_format": _format(body.text), "tools": _tools(body.tools),
+            "tool_choice": _choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls, "include_reasoning": body.include_reasoning,
+            "chat_template_kwargs": body.chat_template_kwargs}
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    except ValidationError as e:
+        raise renamed(validation_error(e.errors(include_url=False))) from None
+
+
+def renamed(e: APIError) -> APIError:
+    """A chat request's error named as this endpoint names its fields."""
+    head = (e.param or "").split("[")[0].split(".")[0]
+    if head not in FIELDS:
+        return e
+    return APIError(e.status, e.message.replace(head, FIELDS[head]), param=FIELDS[head] + (e.param or "")[len(head):],
+                    code=e.code, type=e.type, headers=e.headers)
+
+
+def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            if item.get("role") not in ROLES:
+                raise APIError(400, f"input[{i}].role must be one of {', '.join(ROLES)}", param=f"input[{i}].role")
+            out.append({"role": item["role"], "content": _text(i, item.get("content"))})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise APIError(400, f"input[{i}]: a function_call needs call_id, name and arguments (strings)",
+                               param=f"input[{i}]")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:  # (calls made together)
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or output is None:
+                raise APIError(400, f"input[{i}]: a function_call_output needs call_id and output", param=f"input[{i}]")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": output if isinstance(output, str) else _text(i, output)})
+        elif kind != "reasoning":  # (a reasoning item sent back: the next turn's template leaves it out)
+            raise APIError(400, f"input[{i}]: items of type {kind!r} are not supported here", param=f"input[{i}].type")
+    return out
+
+
+def _text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS and
+                                         isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise APIError(400, f"input[{i}].content must be text, or a list of input_text/output_text parts",
+                   param=f"input[{i}].content")
+
+
+def _tools(tools: Any) -> Any:
+    """Flat function tools ({"type": "function", "name", ...}) as chat's; anything else as it is, for chat's checks."""
+    if not isinstance(tools, list):
+        return tools
+    out = []
+    for i, tool in enumerate(tools):
+        if isinstance(tool, dict) and tool.get("type") not in (None, "function"):
+            raise APIError(400, f"tools[{i}]: only function tools are supported here, got {tool.get('type')!r}",
+                           param=f"tools[{i}].type")
+        flat = isinstance(tool, dict) and "function" not in tool
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}} if flat else tool)
+    return out
+
+
+def _choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    fmt = (text or {}).get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+        return None
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    return {"type": fmt.get("type")}
+
+
+# -- the answer ---------------------------------------------------------------------------------
+
+
+class Shape:
+    """One response's object and output items, in the Responses API's shape."""
+
+    def __init__(self, body: ResponsesRequest, model: str):
+        self.body, self.model = body, model
+        self.id = "resp_" + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def response(self, status: str, output: list[dict[str, Any]], usage: Optional[dict[str, Any]] = None,
+                 finish: Optional[str] = None) -> dict[str, Any]:
+        b = self.body
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" and finish == "length" else None
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+                "incomplete_details": incomplete, "instructions": b.instructions,
+                "max_output_tokens": b.max_output_tokens, "model": self.model, "output": output,
+                "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
+                "reasoning": None, "store": False, "temperature": b.temperature,
+                "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
+                "tools": b.tools or [], "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": None,
+                "metadata": b.metadata or {}}
+
+    @staticmethod
+    def item_id(kind: str) -> str:
+        return f"{kind}_{uuid.uuid4().hex}"
+
+    @staticmethod
+    def reasoning(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+        return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+    @staticmethod
+    def message(item_id: str, text: str, logprobs: Optional[list[dict[str, Any]]],
+                status: str = "completed") -> dict[str, Any]:
+        content = [Shape.part(text, logprobs)] if status == "completed" else []
+        return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def part(text: str, logprobs: Optional[list[dict[str, Any]]]) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+    @staticmethod
+    def call(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+        fn = call["function"]
+        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+                "name": fn["name"], "arguments": fn["arguments"] if status == "completed" else "", "status": status}
+
+
+async def _usage(service: Service, stats: GenerationStats, thought: str, depth: Any) -> dict[str, Any]:
+    """The Responses usage; its reasoning tokens are the thought's text as the tokenizer encodes it."""
+    reasoning = await service.tokenize(len(thought), lambda tok: len(tok.encode(thought))) if thought else 0
+    return {"input_tokens": stats.prompt_tokens, "input_tokens_details": {"cached_tokens": stats.cached_tokens},
+            "output_tokens": stats.generation_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": stats.prompt_tokens + stats.generation_tokens, "mtp": usage_of(stats, depth)["mtp"]}
+
+
+async def respond_to(service: Service, body: ResponsesRequest, req: GenerationRequest, tools: Optional[ToolSpec],
+                     thinking: Optional[ReasoningSplit], request: Any, started: float, model: str) -> Any:
+    """The response to a Responses body's request, whole or streamed."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    shape, chat = Shape(body, model), ResponseFormat(True, model)
+    choices = choices_of([req], 1, thinking)
+    if body.stream:
+        runs = await begin(service, choices, request, admitted=True)
+        return StreamingResponse(_events(service, shape, choices[0], runs[0], chat, started, tools),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    answers = await answered(service, ENDPOINT, choices, chat, request, started, tools)
+    if not isinstance(answers, list):
+        return answers
+    (choice, stats, _), = answers
+    message, logprobs = choice["message"], (choice["logprobs"] or {}).get("content")
+    thought = message.get("reasoning", "")
+    output = [Shape.reasoning(Shape.item_id("rs"), thought)] if thought else []
+    if message.get("content"):
+        output.append(Shape.message(Shape.item_id("msg"), message["content"], logprobs))
+    output += [Shape.call(c) for c in message.get("tool_calls") or []]
+    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    usage = await _usage(service, stats, thought, req.depth_label)
+    return JSONResponse(shape.response(status, output, usage, choice["finish_reason"]))
+
+
+class _Events:
+    """The stream's events, numbered; the output items as they open and close."""
+
+    def __init__(self, shape: Shape):
+        self.shape, self.seq = shape, 0
+        self.output: list[dict[str, Any]] = []  # closed items
+        self.open: Optional[tuple[str, str, list[str], list[dict[str, Any]]]] = None  # (kind, id, texts, logprobs)
+        self.thought = ""
+
+    def event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def text(self, kind: str, delta: str, logprobs: Optional[list[dict[str, Any]]]) -> list[str]:
+        """A delta of the reasoning item's text or the message's, opening that item first if need be."""
+        out = []
+        if self.open is None or self.open[0] != kind:
+            out += self.close()
+            item_id = Shape.item_id("rs" if kind == "reasoning" else "msg")
+            self.open = (kind, item_id, [], [])
+            item = Shape.reasoning(item_id, "", "in_progress") if kind == "reasoning" else \
+                Shape.message(item_id, "", None, "in_progress")
+            out.append(self.event("response.output_item.added", output_index=len(self.output), item=item))
+            if kind == "message":
+                out.append(self.event("response.content_part.added", item_id=item_id, output_index=len(self.output),
+                                      content_index=0, part=Shape.part("", None)))
+        _, item_id, texts, lps = self.open
+        texts.append(delta)
+        lps += logprobs or []
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": logprobs or []}
+        return out + [self.event(name, item_id=item_id, output_index=len(self.output), content_index=0, delta=delta,
+                                 **extra)]
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        kind, item_id, texts, lps = self.open
+        self.open, text, at = None, "".join(texts), len(self.output)
+        if kind == "reasoning":
+            self.thought += text
+            item = Shape.reasoning(item_id, text)
+            out = [self.event("response.reasoning_text.done", item_id=item_id, output_index=at, content_index=0,
+                              text=text)]
+        else:
+            item = Shape.message(item_id, text, lps)
+            out = [self.event("response.output_text.done", item_id=item_id, output_index=at, content_index=0,
+                              text=text, logprobs=lps),
+                   self.event("response.content_part.done", item_id=item_id, output_index=at, content_index=0,
+                              part=Shape.part(text, lps))]
+        self.output.append(item)
+        return out + [self.event("response.output_item.done", output_index=at, item=item)]
+
+    def call(self, call: dict[str, Any]) -> list[str]:
+        out, at = self.close(), len(self.output)
+        item = Shape.call(call)
+        out += [self.event("response.output_item.added", output_index=at, item=Shape.call(call, "in_progress")),
+                self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
+                           delta=item["arguments"]),
+                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                           arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=at, item=item)]
+        self.output.append(item)
+        return out
+
+
+async def _events(service: Service, shape: Shape, choice: Any, run: Any, chat: ResponseFormat, started: float,
+                  tools: Optional[ToolSpec]) -> AsyncIterator[str]:
+    events, finals = _Events(shape), [None]
+    yield events.event("response.created", response=shape.response("in_progress", []))
+    yield events.event("response.in_progress", response=shape.response("in_progress", []))
+    try:
+        async for chunk in choice_chunks(service, ENDPOINT, choice, run, chat, started, tools, finals, 0):
+            (part,) = chunk["choices"]
+            delta, logprobs = part["delta"], (part["logprobs"] or {}).get("content")
+            if delta.get("reasoning"):
+                for event in events.text("reasoning", delta["reasoning"], None):
+                    yield event
+            if delta.get("content") or (logprobs and events.open is not None and events.open[0] == "message"):
+                for event in events.text("message", delta.get("content", ""), logprobs):
+                    yield event
+            for call in delta.get("tool_calls") or []:
+                for event in events.call(call):
+                    yield event
+            if part["finish_reason"]:
+                for event in events.close():
+                    yield event
+                usage = await _usage(service, finals[0], events.thought, choice.req.depth_label)
+                status = "incomplete" if part["finish_reason"] == "length" else "completed"
+                yield events.event(f"response.{status}",
+                                   response=shape.response(status, events.output, usage, part["finish_reason"]))
+    except Exception as e:  # (the stream has begun: an error event ends it)
+        run.cancel(by_client=False)
+        error = e if isinstance(e, APIError) else service.server_error(e)
+        yield events.event("error", code=error.code, message=error.message, param=error.param)
+    finally:
+        run.cancel()

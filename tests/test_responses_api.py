@@ -1,0 +1,152 @@
+"""OpenAI's Responses API (`/v1/responses`) through the official client: the same generation as the chat
+request it reads as, in the Responses shape, whole and as its semantic events."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import mlx.core as mx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+pytest.importorskip("llguidance")
+
+from helpers import LiveServer  # noqa: E402
+
+from mtpipe.coordinator.api.app import create_app  # noqa: E402
+from mtpipe.coordinator.engine.batch import BatchEngine  # noqa: E402
+from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
+
+MODEL = "tiny-dense"
+PROMPT = "def add(a, b):\n    return"
+COUNT = {"type": "function", "name": "count", "description": "Count days", "parameters": {
+    "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["days"],
+    "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def engine(dense_ckpt: Path) -> Iterator[BatchEngine]:
+    eng = batch_engine(dense_ckpt, stages=2, dtype=mx.float32)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def client(engine: BatchEngine) -> Iterator[Any]:
+    with LiveServer(create_app(engine, MODEL)) as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def events_of(client: Any, **ask: Any) -> list[Any]:
+    events = list(client.responses.create(model=MODEL, stream=True, **ask))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    return events
+
+
+def test_text_whole_and_streamed_is_the_chat_reply(client: Any) -> None:
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."},
+                                                                 {"role": "user", "content": PROMPT}],
+                                          max_tokens=12, temperature=0)
+    ask = {"instructions": "Be brief.", "max_output_tokens": 12, "temperature": 0,
+           "input": [{"role": "user", "content": [{"type": "input_text", "text": PROMPT}]}]}
+    r = client.responses.create(model=MODEL, **ask)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.output_text == chat.choices[0].message.content and [o.type for o in r.output] == ["message"]
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    finished = chat.choices[0].finish_reason == "length"
+    assert r.status == ("incomplete" if finished else "completed")
+    assert (r.incomplete_details.reason if finished else r.incomplete_details) == \
+        ("max_output_tokens" if finished else None)
+    events = events_of(client, **ask)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == r.output_text == events[-1].response.output_text
+    kinds = [e.type for e in events]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    same = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=12, temperature=0)
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=12, temperature=0)
+    assert same.output_text == plain.choices[0].message.content  # (a string input: one user message)
+
+
+def test_logprobs_and_a_json_schema(client: Any) -> None:
+    r = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=6, temperature=0, top_logprobs=2,
+                                include=["message.output_text.logprobs"])
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in lps)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    held = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=32, temperature=0,
+                                   text={"format": {"type": "json_schema", "name": "n", "schema": schema}})
+    value = json.loads(held.output_text)
+    assert set(value) == {"n"} and 0 <= value["n"] <= 9
+
+
+def test_a_call_and_its_output_sent_back(client: Any) -> None:
+    ask = {"model": MODEL, "input": "How many days?", "tools": [COUNT], "max_output_tokens": 32, "temperature": 0,
+           "tool_choice": {"type": "function", "name": "count"}}
+    r = client.responses.create(**ask)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "count" and 1 <= json.loads(call.arguments)["days"] <= 9 and call.call_id.startswith("call_")
+    events = events_of(client, **{k: v for k, v in ask.items() if k != "model"})
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].arguments == call.arguments
+    assert events[-1].response.output[-1].type == "function_call"
+    turn = [{"role": "user", "content": "How many days?"},
+            {"type": "function_call", "call_id": call.call_id, "name": "count", "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "3 days"}]
+    follow = client.responses.create(model=MODEL, input=turn, tools=[COUNT], max_output_tokens=4, temperature=0)
+    assert follow.usage.input_tokens > r.usage.input_tokens
+    chat = client.chat.completions.create(model=MODEL, tools=[{"type": "function", "function": {
+        k: v for k, v in COUNT.items() if k != "type"}}], max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": "How many days?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": "count", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "3 days"}])
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens  # (the same conversation as chat's)
+
+
+def test_thinking_comes_as_a_reasoning_item(client: Any, engine: BatchEngine) -> None:
+    """With made-up thinking tags (the prompt's last tag opens the thought, a piece of the reply closes
+    it), the thought is a reasoning item before the message, whole and streamed."""
+    plain = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=24, temperature=0).output_text
+    end = plain[len(plain) // 3 : len(plain) // 3 + 4]
+    thought, answer = plain[: plain.index(end)], plain[plain.index(end) + len(end):].lstrip("\r\n")
+    tok = engine.tokenizer
+    saved = (tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens)
+    opening = "<|im_start|>assistant"
+    tok._think_start, tok._think_end = opening, end
+    tok._think_start_tokens = tuple(tok.encode(opening, add_special_tokens=False))
+    tok._think_end_tokens = tuple(tok.encode(end, add_special_tokens=False))
+    try:
+        ask = {"input": PROMPT, "max_output_tokens": 24, "temperature": 0}
+        r = client.responses.create(model=MODEL, **ask)
+        assert [o.type for o in r.output] == ["reasoning", "message"]
+        assert r.output[0].content[0].text == thought and r.output_text == answer
+        assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+        events = events_of(client, **ask)
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
+        assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
+    finally:
+        tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens = saved
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content"),
+    ({"input": [{"type": "computer_call", "id": "c"}]}, "input[0].type"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": []}, "input"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+])
+def test_refused_with_the_field_named(client: Any, body: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, **body)
+    assert e.value.body["param"] == param, e.value.body
