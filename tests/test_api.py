@@ -872,3 +872,24 @@ def test_origins_that_could_never_match_are_refused(given: str) -> None:
 
     with pytest.raises(ValueError, match="expected '\\*', 'none' or origins such as http://localhost:3000"):
         check_origins(given)
+
+
+def test_tokenize_and_detokenize(server: LiveServer, client: Any, engine: BatchEngine) -> None:
+    """vLLM's /tokenize gives the ids a request is fed (a chat's: what its usage counts), /detokenize the text."""
+    post = server.client.post
+    text = "def add(a, b):\n    return a + b"
+    r = post("/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+    assert r["tokens"] == engine.tokenizer.encode(text) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == engine.max_context and len(r["token_strs"]) == r["count"]
+    messages = chat("Say hi.")
+    asked = post("/tokenize", json={"messages": messages}).json()
+    fed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    assert asked["count"] == fed.usage.prompt_tokens and asked["token_strs"] is None
+    assert post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": engine.tokenizer.decode(r["tokens"])}
+    for path, body, param in (("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
+                              ("/tokenize", {"messages": messages, "add_generation_prompt": False},
+                               "add_generation_prompt"),
+                              ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+                              ("/detokenize", {"tokens": "1 2"}, "tokens")):
+        bad = post(path, json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text

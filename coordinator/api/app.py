@@ -1,8 +1,9 @@
 """The coordinator's OpenAI-compatible REST API.
 
 `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (OpenAI's Responses API, read as
-a chat request: responses_api.py) (streamed as server-sent events or not), `GET /v1/models`, `GET /health`,
-`GET /v1/cluster` and `GET /metrics` (Prometheus text).
+a chat request: responses_api.py) (streamed as server-sent events or not), vLLM's `POST /tokenize` and
+`POST /detokenize` (tokens_api.py), `GET /v1/models`, `GET /health`, `GET /v1/cluster` and `GET /metrics`
+(Prometheus text).
 
 Routes only: what a body means is decided in service.py, how its choices run and are answered in
 responses.py (`n` per prompt; completions take a list of prompts), auth and request metrics in gate.py.
@@ -59,6 +60,7 @@ from .responses import choices_of, complete, stream
 from .responses_api import chat_body, renamed, respond_to
 from .reasoning import ReasoningSplit, reasoning_split
 from .service import Service
+from .tokens_api import add_token_routes
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -285,4 +287,5 @@ def create_app(
         return await respond("/v1/completions", body, reqs, n, request, started,
                              echo=echo if body.echo else None)
 
+    add_token_routes(app, service)
     return app

@@ -9,7 +9,7 @@ from .metrics import ServerMetrics
 
 OPEN_PATHS = ("/health",)  # reachable without the API key
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models",
-             "/v1/cluster", "/health", "/metrics")
+             "/v1/cluster", "/health", "/metrics", "/tokenize", "/detokenize")
 
 
 class Gate:
