@@ -29,6 +29,21 @@ def node_servers(n: int, **kw) -> Iterator[list[NodeServer]]:
             s.stop(0)
 
 
+@contextmanager
+def thinking_tags(tokenizer: Any, end: str, opening: str = "<|im_start|>assistant") -> Iterator[None]:
+    """Made-up thinking tags on a tokenizer, for a model that has none: the chat prompt's last tag opens
+    the thought, `end` (a piece of its reply) closes it."""
+    tok = tokenizer
+    saved = (tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens)
+    tok._think_start, tok._think_end = opening, end
+    tok._think_start_tokens = tuple(tok.encode(opening, add_special_tokens=False))
+    tok._think_end_tokens = tuple(tok.encode(end, add_special_tokens=False))
+    try:
+        yield
+    finally:
+        tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens = saved
+
+
 def batch_chunks(engine: Any, reqs: list[Any], timeout: float) -> list[list[Any]]:
     """Requests opened in a batch engine all at once, so they decode as rows of one batch: each
     one's chunks, up to its end (an error fails the test)."""

@@ -12,6 +12,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
+from helpers import thinking_tags  # noqa: E402
 from test_api import LiveServer  # noqa: E402
 
 from mtpipe.coordinator.api.app import create_app  # noqa: E402
@@ -263,13 +264,7 @@ def test_a_reasoning_models_thinking_comes_apart_from_its_answer(client: Any, en
     end = text[len(text) // 3 : len(text) // 3 + 4]
     thought, answer = text[: text.index(end)], text[text.index(end) + len(end):].lstrip("\r\n")
     assert thought and answer
-    tok = engine.tokenizer
-    saved = (tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens)
-    opening = "<|im_start|>assistant"
-    tok._think_start, tok._think_end = opening, end
-    tok._think_start_tokens = tuple(tok.encode(opening, add_special_tokens=False))
-    tok._think_end_tokens = tuple(tok.encode(end, add_special_tokens=False))
-    try:
+    with thinking_tags(engine.tokenizer, end):
         ask = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0}
         r = client.chat.completions.create(**ask).choices[0].message
         assert (r.content, r.model_extra["reasoning_content"], r.model_extra["reasoning"]) == (answer, thought, thought)
@@ -298,5 +293,3 @@ def test_a_reasoning_models_thinking_comes_apart_from_its_answer(client: Any, en
         for turn in ({"content": answer, "reasoning_content": thought}, {"content": None, "reasoning": thought}):
             again = [*messages, {"role": "assistant", **turn}, {"role": "user", "content": "more"}]
             assert client.chat.completions.create(model=MODEL, messages=again, max_tokens=2).choices[0].message
-    finally:
-        tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens = saved

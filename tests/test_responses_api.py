@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("llguidance")
 
-from helpers import LiveServer  # noqa: E402
+from helpers import LiveServer, thinking_tags  # noqa: E402
 
 from mtpipe.coordinator.api.app import create_app  # noqa: E402
 from mtpipe.coordinator.engine.batch import BatchEngine  # noqa: E402
@@ -117,13 +117,7 @@ def test_thinking_comes_as_a_reasoning_item(client: Any, engine: BatchEngine) ->
     plain = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=24, temperature=0).output_text
     end = plain[len(plain) // 3 : len(plain) // 3 + 4]
     thought, answer = plain[: plain.index(end)], plain[plain.index(end) + len(end):].lstrip("\r\n")
-    tok = engine.tokenizer
-    saved = (tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens)
-    opening = "<|im_start|>assistant"
-    tok._think_start, tok._think_end = opening, end
-    tok._think_start_tokens = tuple(tok.encode(opening, add_special_tokens=False))
-    tok._think_end_tokens = tuple(tok.encode(end, add_special_tokens=False))
-    try:
+    with thinking_tags(engine.tokenizer, end):
         ask = {"input": PROMPT, "max_output_tokens": 24, "temperature": 0}
         r = client.responses.create(model=MODEL, **ask)
         assert [o.type for o in r.output] == ["reasoning", "message"]
@@ -133,8 +127,6 @@ def test_thinking_comes_as_a_reasoning_item(client: Any, engine: BatchEngine) ->
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
         assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
-    finally:
-        tok._think_start, tok._think_end, tok._think_start_tokens, tok._think_end_tokens = saved
 
 
 @pytest.mark.parametrize("body, param", [
