@@ -74,6 +74,21 @@ def test_text_whole_and_streamed_is_the_chat_reply(client: Any) -> None:
     assert same.output_text == plain.choices[0].message.content  # (a string input: one user message)
 
 
+def test_the_objects_validate_strictly_as_the_sdk_models_them(client: Any, engine: BatchEngine) -> None:
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    raw = client.responses.with_raw_response.create(model=MODEL, input=PROMPT, max_output_tokens=4, temperature=0,
+                                                    stream_options={"include_obfuscation": False})
+    Response.model_validate(json.loads(raw.text), strict=True)
+    stream = client.responses.with_raw_response.create(model=MODEL, input=PROMPT, max_output_tokens=4, stream=True)
+    stream.http_response.read()
+    events = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.incomplete"
+    for event in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(event, strict=True)
+
+
 def test_logprobs_and_a_json_schema(client: Any) -> None:
     r = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=6, temperature=0, top_logprobs=2,
                                 include=["message.output_text.logprobs"])
@@ -100,15 +115,17 @@ def test_a_call_and_its_output_sent_back(client: Any) -> None:
     turn = [{"role": "user", "content": "How many days?"},
             {"type": "function_call", "call_id": call.call_id, "name": "count", "arguments": call.arguments},
             {"type": "function_call_output", "call_id": call.call_id, "output": "3 days"}]
+    turn.insert(1, {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Counting."}]})
     follow = client.responses.create(model=MODEL, input=turn, tools=[COUNT], max_output_tokens=4, temperature=0)
     assert follow.usage.input_tokens > r.usage.input_tokens
     chat = client.chat.completions.create(model=MODEL, tools=[{"type": "function", "function": {
         k: v for k, v in COUNT.items() if k != "type"}}], max_tokens=4, temperature=0, messages=[
         {"role": "user", "content": "How many days?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {
-            "name": "count", "arguments": call.arguments}}]},
+        {"role": "assistant", "content": "Counting.", "tool_calls": [{"id": call.call_id, "type": "function",
+                                                                      "function": {"name": "count",
+                                                                                   "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.call_id, "content": "3 days"}])
-    assert follow.usage.input_tokens == chat.usage.prompt_tokens  # (the same conversation as chat's)
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens  # (the same conversation as chat's: one turn)
 
 
 def test_thinking_comes_as_a_reasoning_item(client: Any, engine: BatchEngine) -> None:
@@ -119,8 +136,9 @@ def test_thinking_comes_as_a_reasoning_item(client: Any, engine: BatchEngine) ->
     thought, answer = plain[: plain.index(end)], plain[plain.index(end) + len(end):].lstrip("\r\n")
     with thinking_tags(engine.tokenizer, end):
         ask = {"input": PROMPT, "max_output_tokens": 24, "temperature": 0}
-        r = client.responses.create(model=MODEL, **ask)
+        r = client.responses.create(model=MODEL, **ask, include=["message.output_text.logprobs"])
         assert [o.type for o in r.output] == ["reasoning", "message"]
+        assert "".join(lp.token for lp in r.output[1].content[0].logprobs).endswith(r.output_text)  # (its own)
         assert r.output[0].content[0].text == thought and r.output_text == answer
         assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
         events = events_of(client, **ask)
@@ -137,6 +155,10 @@ def test_thinking_comes_as_a_reasoning_item(client: Any, engine: BatchEngine) ->
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": []}, "input"),
     ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "nope", "output": "1"}],
+      "instructions": "Be brief."}, "input[1]"),
+    ({"input": "x", "tools": [{"type": "function", "name": "has space"}]}, "tools[0].name"),
 ])
 def test_refused_with_the_field_named(client: Any, body: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:

@@ -210,10 +210,11 @@ def create_app(
         started = time.perf_counter()
         body: ResponsesRequest = await parse_body(request, ResponsesRequest)
         service.check_model(body.model)
+        chat, origins = chat_body(body)
         try:
-            req, _, tools, thinking = await chat_request(chat_body(body))
+            req, _, tools, thinking = await chat_request(chat)
         except APIError as e:  # (named as this endpoint names its fields)
-            raise renamed(e) from None
+            raise renamed(e, origins) from None
         return await respond_to(service, body, req, tools, thinking, request, started, model_name)
 
     async def chat_request(body: ChatCompletionRequest

@@ -159,7 +159,10 @@ class ResponsesRequest(_GenerationBody):
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
     top_logprobs: int | None = None
     include: list[str] | None = None  # "message.output_text.logprobs" asks for logprobs (else top_logprobs does)
-    previous_response_id: str | None = None  # (nothing is stored here: refused)
+    previous_response_id: str | None = None  # (nothing is stored here: refused, as these are)
+    conversation: Any = None
+    prompt: Any = None
+    background: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     include_reasoning: bool | None = None

@@ -12,7 +12,9 @@ Nothing is stored: a `previous_response_id` is refused, so a client sends the wh
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import APIError, validation_error
 from .generation import ResponseFormat, usage_of
-from .responses import answered, begin, choice_chunks, choices_of
+from .responses import _watch, begin, choice_chunks, choices_of
 
 if TYPE_CHECKING:
     from ..engine.request import GenerationRequest, GenerationStats
@@ -40,73 +42,107 @@ FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "re
 # -- the body, as a chat request ----------------------------------------------------------------
 
 
-def chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request a Responses body asks for (a 400 naming the Responses field where it cannot be one)."""
+def chat_body(body: ResponsesRequest) -> tuple[ChatCompletionRequest, list[str]]:
+    """The chat request a Responses body asks for, and where each of its messages came from (for errors:
+    `renamed`); a 400 naming the Responses field where it cannot be one."""
     from pydantic import ValidationError
 
     from .models import ChatCompletionRequest, _GenerationBody
 
-    if body.previous_response_id is not None:
-        raise APIError(400, "responses are not stored here: send the whole conversation as input",
-                       param="previous_response_id")
-    if body.n not in (None, 1) or body.stream_options is not None:
-        raise APIError(400, "n and stream_options are not fields of the Responses API",
-                       param="n" if body.n not in (None, 1) else "stream_options")
+    stateful = [name for name in ("previous_response_id", "conversation", "prompt") if getattr(body, name) is not None]
+    if stateful or body.background:
+        raise APIError(400, "nothing is stored here (responses, conversations, prompts, background runs): send the "
+                            "whole conversation as input", param=(stateful or ["background"])[0])
+    if body.n not in (None, 1):
+        raise APIError(400, "n is not a field of the Responses API: one output per response", param="n")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
-    shared = body.model_dump(include=set(_GenerationBody.model_fields) - {"max_tokens", "response_format", "n"},
-                             exclude_none=True)
-    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    skip = {"max_tokens", "response_format", "n", "stream_options"}
+    shared = body.model_dump(include=set(_GenerationBody.model_fields) - skip, exclude_none=True)
+    messages, origins = _messages(body.input, body.instructions)
     logprobs = body.top_logprobs is not None or "message.output_text.logprobs" in (body.include or [])
-    chat = {**shared, "messages": system + _messages(body.input), "max_completion_tokens": body.max_output_tokens,
-            "logprobs": logprobs, "top_logprobs": body.top_logprobs if logprobs else None,
-            "response_format": _format(body.text), "tools": _tools(body.tools),
-            "tool_choice": _choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls, "include_reasoning": body.include_reasoning,
+    chat = {**shared, "messages": messages, "max_completion_tokens": body.max_output_tokens, "logprobs": logprobs,
+            "top_logprobs": body.top_logprobs if logprobs else None, "response_format": _format(body.text),
+            "tools": _tools(body.tools), "tool_choice": _choice(body.tool_choice),
+            "parallel_tool_calls": body.parallel_tool_calls, "include_reasoning": body.include_reasoning,
             "chat_template_kwargs": body.chat_template_kwargs}
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None}), origins
     except ValidationError as e:
-        raise renamed(validation_error(e.errors(include_url=False))) from None
+        raise renamed(validation_error(e.errors(include_url=False)), origins) from None
 
 
-def renamed(e: APIError) -> APIError:
-    """A chat request's error named as this endpoint names its fields."""
-    head = (e.param or "").split("[")[0].split(".")[0]
-    if head not in FIELDS:
-        return e
-    return APIError(e.status, e.message.replace(head, FIELDS[head]), param=FIELDS[head] + (e.param or "")[len(head):],
-                    code=e.code, type=e.type, headers=e.headers)
+def renamed(e: APIError, origins: list[str]) -> APIError:
+    """A chat request's error named as this endpoint names its fields: a message by the input item (or the
+    instructions) it came from, a tool's field without chat's `function.`, chat's field names by ours; the
+    field a message names first, where the param is only its list."""
+    def origin(at: re.Match) -> str:
+        return origins[int(at.group(1))] if int(at.group(1)) < len(origins) else "input"
+
+    def ours(text: str) -> str:
+        text = re.sub(r"(tools\[\d+\])\.function\b\.?", r"\1.", re.sub(r"messages\[(\d+)\]", origin, text))
+        return text.replace("max_completion_tokens", "max_output_tokens").replace("messages", "input")
+
+    message, param = ours(e.message), ours(e.param or "").rstrip(".")
+    head = param.split("[")[0].split(".")[0]
+    param = FIELDS.get(head, head) + param[len(head):]
+    if param in ("input", "tools") and (named := re.match(r"((?:input|tools)\[\d+\][\w.\[\]]*):", message)):
+        param = named.group(1)
+    return APIError(e.status, message, param=param or None, code=e.code, type=e.type, headers=e.headers)
 
 
-def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+def _messages(items: str | list[dict[str, Any]], instructions: Optional[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The conversation as chat messages, and each one's origin (`input[i]`, or `instructions`). The
+    instructions and the system and developer items before the first other turn are one system message
+    (templates want one, first); a call follows its assistant's text in that message; a reasoning item
+    goes back as the next assistant message's reasoning."""
     out: list[dict[str, Any]] = []
+    origins: list[str] = []
+    if instructions:
+        out.append({"role": "system", "content": instructions})
+        origins.append("instructions")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    thought: Optional[str] = None
     for i, item in enumerate(items):
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            thought = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
+            continue
         if kind == "message":
-            if item.get("role") not in ROLES:
+            role = item.get("role")
+            if role not in ROLES:
                 raise APIError(400, f"input[{i}].role must be one of {', '.join(ROLES)}", param=f"input[{i}].role")
-            out.append({"role": item["role"], "content": _text(i, item.get("content"))})
+            text = _text(i, item.get("content"))
+            role = "system" if role == "developer" else role
+            if role == "system" and len(out) == len([m for m in out if m["role"] == "system"]) and out:
+                out[-1]["content"] += "\n\n" + text  # (one system message, first)
+                continue
+            msg: dict[str, Any] = {"role": role, "content": text}
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise APIError(400, f"input[{i}]: a function_call needs call_id, name and arguments (strings)",
                                param=f"input[{i}]")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:  # (calls made together)
-                out[-1]["tool_calls"].append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if out and out[-1]["role"] == "assistant":  # (its text, or calls made together)
+                out[-1].setdefault("tool_calls", []).append(call)
+                continue
+            msg = {"role": "assistant", "content": None, "tool_calls": [call]}
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or output is None:
                 raise APIError(400, f"input[{i}]: a function_call_output needs call_id and output", param=f"input[{i}]")
-            out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": output if isinstance(output, str) else _text(i, output)})
-        elif kind != "reasoning":  # (a reasoning item sent back: the next turn's template leaves it out)
+            msg = {"role": "tool", "tool_call_id": item["call_id"],
+                   "content": output if isinstance(output, str) else _text(i, output)}
+        else:
             raise APIError(400, f"input[{i}]: items of type {kind!r} are not supported here", param=f"input[{i}].type")
-    return out
+        if msg["role"] == "assistant" and thought is not None:
+            msg["reasoning_content"], thought = thought, None
+        out.append(msg)
+        origins.append(f"input[{i}]")
+    return out, origins
 
 
 def _text(i: int, content: Any) -> str:
@@ -178,13 +214,13 @@ class Shape:
 
     @staticmethod
     def reasoning(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-        content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+        content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
         return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
     @staticmethod
     def message(item_id: str, text: str, logprobs: Optional[list[dict[str, Any]]],
                 status: str = "completed") -> dict[str, Any]:
-        content = [Shape.part(text, logprobs)] if status == "completed" else []
+        content = [Shape.part(text, logprobs)] if status != "in_progress" else []
         return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
     @staticmethod
@@ -199,38 +235,39 @@ class Shape:
 
 
 async def _usage(service: Service, stats: GenerationStats, thought: str, depth: Any) -> dict[str, Any]:
-    """The Responses usage; its reasoning tokens are the thought's text as the tokenizer encodes it."""
+    """The Responses usage; its reasoning tokens are the thought's text as the tokenizer encodes it (no
+    prompt tokens are counted as written to a cache: a kept prefix is not billed apart)."""
     reasoning = await service.tokenize(len(thought), lambda tok: len(tok.encode(thought))) if thought else 0
-    return {"input_tokens": stats.prompt_tokens, "input_tokens_details": {"cached_tokens": stats.cached_tokens},
+    return {"input_tokens": stats.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": stats.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": stats.generation_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": stats.prompt_tokens + stats.generation_tokens, "mtp": usage_of(stats, depth)["mtp"]}
 
 
 async def respond_to(service: Service, body: ResponsesRequest, req: GenerationRequest, tools: Optional[ToolSpec],
                      thinking: Optional[ReasoningSplit], request: Any, started: float, model: str) -> Any:
-    """The response to a Responses body's request, whole or streamed."""
-    from fastapi.responses import JSONResponse, StreamingResponse
+    """The response to a Responses body's request: streamed, or whole as the stream's last event holds it
+    (so both read a reply alike: an item's logprobs are its own text's)."""
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    shape, chat = Shape(body, model), ResponseFormat(True, model)
-    choices = choices_of([req], 1, thinking)
+    events, chat = _Events(Shape(body, model)), ResponseFormat(True, model)
+    (choice,) = choices_of([req], 1, thinking)
+    (run,) = await begin(service, [choice], request, admitted=bool(body.stream))
     if body.stream:
-        runs = await begin(service, choices, request, admitted=True)
-        return StreamingResponse(_events(service, shape, choices[0], runs[0], chat, started, tools),
+        return StreamingResponse(_events(service, events, choice, run, chat, started, tools),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    answers = await answered(service, ENDPOINT, choices, chat, request, started, tools)
-    if not isinstance(answers, list):
-        return answers
-    (choice, stats, _), = answers
-    message, logprobs = choice["message"], (choice["logprobs"] or {}).get("content")
-    thought = message.get("reasoning", "")
-    output = [Shape.reasoning(Shape.item_id("rs"), thought)] if thought else []
-    if message.get("content"):
-        output.append(Shape.message(Shape.item_id("msg"), message["content"], logprobs))
-    output += [Shape.call(c) for c in message.get("tool_calls") or []]
-    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-    usage = await _usage(service, stats, thought, req.depth_label)
-    return JSONResponse(shape.response(status, output, usage, choice["finish_reason"]))
+    watcher = asyncio.create_task(_watch(request, [run]))
+    try:
+        async for _ in _events(service, events, choice, run, chat, started, tools, raising=True):
+            pass
+    finally:
+        watcher.cancel()
+    if events.last.get("type") not in ("response.completed", "response.incomplete"):  # (stopped before it finished)
+        if request is None or await request.is_disconnected():
+            return Response(status_code=499)  # (nobody reads this)
+        raise service.server_error(RuntimeError("a generation ended before it finished"))
+    return JSONResponse(events.last["response"])
 
 
 class _Events:
@@ -241,11 +278,12 @@ class _Events:
         self.output: list[dict[str, Any]] = []  # closed items
         self.open: Optional[tuple[str, str, list[str], list[dict[str, Any]]]] = None  # (kind, id, texts, logprobs)
         self.thought = ""
+        self.last: dict[str, Any] = {}  # the last event's data
 
     def event(self, kind: str, **fields: Any) -> str:
-        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.last = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {json.dumps(self.last, ensure_ascii=False)}\n\n"
 
     def text(self, kind: str, delta: str, logprobs: Optional[list[dict[str, Any]]]) -> list[str]:
         """A delta of the reasoning item's text or the message's, opening that item first if need be."""
@@ -268,18 +306,19 @@ class _Events:
         return out + [self.event(name, item_id=item_id, output_index=len(self.output), content_index=0, delta=delta,
                                  **extra)]
 
-    def close(self) -> list[str]:
+    def close(self, status: str = "completed") -> list[str]:
+        """The open item done (`status` "incomplete": the budget cut it)."""
         if self.open is None:
             return []
         kind, item_id, texts, lps = self.open
         self.open, text, at = None, "".join(texts), len(self.output)
         if kind == "reasoning":
             self.thought += text
-            item = Shape.reasoning(item_id, text)
+            item = Shape.reasoning(item_id, text, status)
             out = [self.event("response.reasoning_text.done", item_id=item_id, output_index=at, content_index=0,
                               text=text)]
         else:
-            item = Shape.message(item_id, text, lps)
+            item = Shape.message(item_id, text, lps, status)
             out = [self.event("response.output_text.done", item_id=item_id, output_index=at, content_index=0,
                               text=text, logprobs=lps),
                    self.event("response.content_part.done", item_id=item_id, output_index=at, content_index=0,
@@ -300,9 +339,11 @@ class _Events:
         return out
 
 
-async def _events(service: Service, shape: Shape, choice: Any, run: Any, chat: ResponseFormat, started: float,
-                  tools: Optional[ToolSpec]) -> AsyncIterator[str]:
-    events, finals = _Events(shape), [None]
+async def _events(service: Service, events: _Events, choice: Any, run: Any, chat: ResponseFormat, started: float,
+                  tools: Optional[ToolSpec], raising: bool = False) -> AsyncIterator[str]:
+    """The Responses events of one choice's chat chunks; an error ends them with `error` and
+    `response.failed` (`raising`: raised instead)."""
+    shape, finals = events.shape, [None]
     yield events.event("response.created", response=shape.response("in_progress", []))
     yield events.event("response.in_progress", response=shape.response("in_progress", []))
     try:
@@ -318,16 +359,20 @@ async def _events(service: Service, shape: Shape, choice: Any, run: Any, chat: R
             for call in delta.get("tool_calls") or []:
                 for event in events.call(call):
                     yield event
-            if part["finish_reason"]:
-                for event in events.close():
+            if finish := part["finish_reason"]:
+                status = "incomplete" if finish == "length" else "completed"
+                for event in events.close(status):
                     yield event
                 usage = await _usage(service, finals[0], events.thought, choice.req.depth_label)
-                status = "incomplete" if part["finish_reason"] == "length" else "completed"
-                yield events.event(f"response.{status}",
-                                   response=shape.response(status, events.output, usage, part["finish_reason"]))
+                yield events.event(f"response.{status}", response=shape.response(status, events.output, usage, finish))
     except Exception as e:  # (the stream has begun: an error event ends it)
         run.cancel(by_client=False)
+        if raising:
+            raise e if isinstance(e, APIError) else service.server_error(e) from None
         error = e if isinstance(e, APIError) else service.server_error(e)
         yield events.event("error", code=error.code, message=error.message, param=error.param)
+        failed = {**shape.response("failed", events.output), "error": {"code": "server_error",  # (OpenAI's codes)
+                                                                       "message": error.message}}
+        yield events.event("response.failed", response=failed)
     finally:
         run.cancel()
