@@ -177,6 +177,8 @@ def test_vllm_stop_extensions(client: Any, engine: BatchEngine) -> None:
     cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
                                     extra_body={"stop_token_ids": [tokens[at]]})
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == at
+    assert cut.choices[0].model_extra["stop_reason"] == tokens[at]  # (vLLM's: what ended it)
+    assert plain.choices[0].model_extra["stop_reason"] is None
     assert cut.choices[0].text == engine.tokenizer.decode(tokens[:at])
     eos = sorted(engine.eos)[0]
     forced = {"max_tokens": 4, "temperature": 0, "logit_bias": {str(eos): 100}}
@@ -192,7 +194,9 @@ def test_vllm_stop_extensions(client: Any, engine: BatchEngine) -> None:
                                           extra_body={"include_stop_str_in_output": keep})
         streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
                                              stream=True, extra_body={"include_stop_str_in_output": keep})
+        streamed = list(streamed)
         assert whole.choices[0].text == "".join(c.choices[0].text for c in streamed if c.choices) == expected
+        assert whole.choices[0].model_extra["stop_reason"] == stop == streamed[-1].choices[0].model_extra["stop_reason"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"stop_token_ids": [10**6]})
     assert e.value.body["param"] == "stop_token_ids"

@@ -1,7 +1,8 @@
 """The coordinator's OpenAI-compatible REST API.
 
 `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (OpenAI's Responses API, read as
-a chat request: responses_api.py) (streamed as server-sent events or not), vLLM's `POST /tokenize` and
+a chat request: responses_api.py), Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens`
+(messages_api.py) (streamed as server-sent events or not), vLLM's `POST /tokenize` and
 `POST /detokenize` (tokens_api.py), `GET /v1/models`, `GET /health`, `GET /v1/cluster` and `GET /metrics`
 (Prometheus text).
 
@@ -57,7 +58,7 @@ from .metrics import ServerMetrics
 from .model_defaults import model_defaults
 from .readiness import Readiness
 from .responses import choices_of, complete, stream
-from .responses_api import chat_body, renamed, respond_to
+from . import messages_api, responses_api
 from .reasoning import ReasoningSplit, reasoning_split
 from .service import Service
 from .tokens_api import add_token_routes
@@ -99,7 +100,7 @@ def create_app(
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.exceptions import HTTPException
 
-    from .models import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+    from .models import ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest
 
     metrics = ServerMetrics()
     service = Service(engine, model_name, default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
@@ -210,12 +211,33 @@ def create_app(
         started = time.perf_counter()
         body: ResponsesRequest = await parse_body(request, ResponsesRequest)
         service.check_model(body.model)
-        chat, origins = chat_body(body)
+        chat, origins = responses_api.chat_body(body)
         try:
             req, _, tools, thinking = await chat_request(chat)
         except APIError as e:  # (named as this endpoint names its fields)
-            raise renamed(e, origins) from None
-        return await respond_to(service, body, req, tools, thinking, request, started, model_name)
+            raise responses_api.renamed(e, origins) from None
+        return await responses_api.respond_to(service, body, req, tools, thinking, request, started, model_name)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Any:
+        started = time.perf_counter()
+        try:  # (errors in Anthropic's shape)
+            body: MessagesRequest = await parse_body(request, MessagesRequest)
+            service.check_model(body.model)
+            req, _, tools, thinking = await chat_request(messages_api.chat_body(body))
+            return await messages_api.respond_to(service, body, req, tools, thinking, request, started, model_name)
+        except APIError as e:
+            return messages_api.anthropic_error(e)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Any:
+        try:
+            body: MessagesRequest = await parse_body(request, MessagesRequest)
+            service.check_model(body.model)
+            req, _, _, _ = await chat_request(messages_api.chat_body(body, counting=True))
+            return {"input_tokens": len(req.prompt_tokens)}
+        except APIError as e:
+            return messages_api.anthropic_error(e)
 
     async def chat_request(body: ChatCompletionRequest
                            ) -> "tuple[GenerationRequest, int, ToolSpec | None, ReasoningSplit | None]":

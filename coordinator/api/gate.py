@@ -9,7 +9,8 @@ from .metrics import ServerMetrics
 
 OPEN_PATHS = ("/health",)  # reachable without the API key
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models",
-             "/v1/cluster", "/health", "/metrics", "/tokenize", "/detokenize")
+             "/v1/cluster", "/health", "/metrics", "/tokenize", "/detokenize", "/v1/messages",
+             "/v1/messages/count_tokens")
 
 
 class Gate:
@@ -29,7 +30,9 @@ class Gate:
             return True
         headers = dict(scope.get("headers") or [])
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        if scheme.lower() != "bearer":  # (Anthropic's clients send the key as x-api-key)
+            token = headers.get(b"x-api-key", b"").decode("latin-1")
+        return bool(token.strip()) and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":

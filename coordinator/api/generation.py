@@ -324,18 +324,20 @@ class ResponseFormat:
 
     def choice(self, text: str, finish: str, logprobs: Optional[list[dict[str, Any]]] = None,
                tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "",
-               prompt_logprobs: Optional[list[Any]] = None) -> dict[str, Any]:
+               prompt_logprobs: Optional[list[Any]] = None,
+               stop_reason: "str | int | None" = None) -> dict[str, Any]:
         """This choice of a whole response (`prompt_logprobs`: vLLM's, on a completions choice; a chat
-        response carries them once, `response`)."""
+        response carries them once, `response`; `stop_reason`: vLLM's, the stop string or token that ended it)."""
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:  # the text outside the calls, or null
                 message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
             if reasoning:  # (reasoning.py: under both names clients read)
                 message["reasoning_content"] = message["reasoning"] = reasoning
-            return {"index": self.index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            return {"index": self.index, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish,
+                    "stop_reason": stop_reason}
         return {"index": self.index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish,
-                **({} if prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs})}
+                "stop_reason": stop_reason, **({} if prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs})}
 
     def response(self, choices: list[dict[str, Any]], usage: dict[str, Any],
                  prompt_logprobs: Optional[list[Any]] = None) -> dict[str, Any]:
@@ -346,8 +348,9 @@ class ResponseFormat:
     def chunk(self, text: str = "", finish: Optional[str] = None, role: bool = False,
               logprobs: Optional[list[dict[str, Any]]] = None,
               tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "",
-              prompt_logprobs: Optional[list[Any]] = None) -> dict[str, Any]:
+              prompt_logprobs: Optional[list[Any]] = None, stop_reason: "str | int | None" = None) -> dict[str, Any]:
         shown = {} if prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs}  # (vLLM's, as in `choice`)
+        ended = {} if finish is None else {"stop_reason": stop_reason}
         if self.chat:
             delta: dict[str, Any] = {"content": text} if text else {}
             if tool_calls:  # each whole: index, id, type, function name and arguments
@@ -356,11 +359,12 @@ class ResponseFormat:
                 delta["reasoning_content"] = delta["reasoning"] = reasoning
             if role:
                 delta = {"role": "assistant", "content": ""}
-            choice = {"index": self.index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            choice = {"index": self.index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish,
+                      **ended}
             extra = shown
         else:
             choice = {"index": self.index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish,
-                      **shown}
+                      **ended, **shown}
             extra = {}
         extra.update({"usage": None} if self.include_usage else {})
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)

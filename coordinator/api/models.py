@@ -167,3 +167,16 @@ class ResponsesRequest(_GenerationBody):
     metadata: dict[str, str] | None = None
     include_reasoning: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class MessagesRequest(_GenerationBody):
+    """Anthropic's Messages API (`/v1/messages`): the fields read here (messages_api.py)."""
+
+    messages: list[dict[str, Any]]
+    system: Any = None  # text, or a list of text blocks
+    stop_sequences: list[str] | None = None
+    tools: Any = None  # client tools ({"name", "description", "input_schema"}); checked as chat's
+    tool_choice: Any = None  # {"type": "auto" | "any" | "tool" | "none", "name", "disable_parallel_tool_use"}
+    thinking: Any = None  # {"type": "enabled" | "disabled", ...}: Qwen's enable_thinking
+    metadata: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None

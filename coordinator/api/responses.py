@@ -212,8 +212,8 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
         return None
     service.record(endpoint, final.stats, started, first_token)
     text, calls, finish = _calls("".join(parts), final.finish_reason, tools)
-    return fmt.choice(text, finish, logprobs=entries if asked else None, tool_calls=calls,
-                      reasoning="".join(thoughts), prompt_logprobs=shown), final.stats, shown
+    return fmt.choice(text, finish, logprobs=entries if asked else None, tool_calls=calls, reasoning="".join(thoughts),
+                      prompt_logprobs=shown, stop_reason=final.stop_reason), final.stats, shown
 
 
 def _calls(text: str, finish: str, tools: "Optional[ToolSpec]") -> tuple[str, Optional[list[dict[str, Any]]], str]:
@@ -355,4 +355,5 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
         if chunk.finish_reason:
             service.record(endpoint, chunk.stats, started, first_token)
             finals[at] = chunk.stats
-            yield fmt.chunk(finish=finish if held is not None else "tool_calls" if calls else chunk.finish_reason)
+            yield fmt.chunk(finish=finish if held is not None else "tool_calls" if calls else chunk.finish_reason,
+                            stop_reason=chunk.stop_reason)

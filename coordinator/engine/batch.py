@@ -28,18 +28,8 @@ from ...node.batch import BatchStage, RowStep
 from ...node.protocol import Scored, StageUnavailable, StepKind, StepOutput, StepRequest
 from . import scheduler as plan
 from .detokenizer import TextStream
-from .request import (
-    GenerationChunk,
-    GenerationRequest,
-    GenerationResult,
-    GenerationStats,
-    RequestError,
-    check_request,
-    check_vocabulary,
-    collect,
-    ended_in_stages,
-    take_tokens,
-)
+from .request import (GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, RequestError,
+                      check_request, check_vocabulary, collect, ended_in_stages, stop_reason, take_tokens)
 from .sinks import END, ServerBusy, Sink, guarded, stream
 
 log = logging.getLogger(__name__)
@@ -430,7 +420,8 @@ class BatchEngine:
         live.stats.decode_seconds = time.perf_counter() - live.started
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
-                                  stats=live.stats, logprobs=logprobs, prompt_logprobs=scored))
+                                  stats=live.stats, logprobs=logprobs, prompt_logprobs=scored,
+                                  stop_reason=stop_reason(finish, out.tokens, new, live.text, live.req)))
         if ended_in_stages(out.tokens, new, live.ends, live.text, live.generated, live.req.max_tokens):
             self._keep_end(live)
         self._finish(live, None)

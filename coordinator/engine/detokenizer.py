@@ -45,6 +45,7 @@ class TextStream:
         self.text = ""  # detokenized so far, cut at the first stop string
         self.released = 0  # characters handed out
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped it
         self._begun = False
         self._flushed = False
         self.after = after
@@ -69,7 +70,7 @@ class TextStream:
                 self.flush()  # (what the detokenizer holds comes before it, and may stop first)
                 if not self.stopped:
                     self.text += self.stopping[token] if self.keep_stop else ""
-                    self.stopped = True
+                    self.stopped, self.matched = True, self.stopping[token]
             return
         self.detokenizer.add_token(token)
         self._extend(self.detokenizer.last_segment)
@@ -122,7 +123,7 @@ class TextStream:
         if found:
             at, _, stop = min(found)  # the first; of those that begin there, the longest
             self.text = self.text[: at + len(stop) if self.keep_stop else at]
-            self.stopped = True
+            self.stopped, self.matched = True, stop
 
     def _keep_leading_space(self, piece: str) -> str:
         """mlx-lm's BPE detokenizer drops the text's leading space, as if it began a document; a

@@ -28,6 +28,7 @@ from .request import (
     check_request,
     check_vocabulary,
     collect,
+    stop_reason,
     take_tokens,
 )
 
@@ -126,7 +127,7 @@ class Engine:
             stats.ended_within(out, len(new))
             yield GenerationChunk(text=text.release(final=True), tokens=new, finish_reason=finish, stats=stats,
                                   logprobs=out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None,
-                                  prompt_logprobs=scored)
+                                  prompt_logprobs=scored, stop_reason=stop_reason(finish, out.tokens, new, text, req))
         finally:
             self.pipeline.release(seq_id)
 

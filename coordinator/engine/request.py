@@ -132,6 +132,7 @@ class GenerationChunk:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     # on the first chunk, when asked (params.prompt_logprobs): the prompt's tokens but its first, scored
     prompt_logprobs: list[Scored] | None = None
+    stop_reason: str | int | None = None  # on the last: the stop string or stop token id that ended it (`stop_reason`)
 
 
 @dataclass
@@ -219,6 +220,18 @@ def ended_in_stages(tokens: list[int], new: list[int], eos: set[int], text: Any,
     tokens handed out). Not after a stop string: the state then holds tokens past it, which no next
     turn has, and the row is released rather than ended."""
     return generated >= max_tokens or (len(new) < len(tokens) and tokens[len(new)] in eos and not text.stopped)
+
+
+def stop_reason(finish: str, tokens: list[int], new: list[int], text: Any,
+                req: GenerationRequest) -> str | int | None:
+    """vLLM's stop_reason of a request `take_tokens` ended (`finish`): the stop string, or the
+    `stop_token_ids` token, that ended it (None for EOS or max_tokens). Read once its text is released."""
+    if finish != "stop":
+        return None
+    if text.stopped:
+        return text.matched
+    ended = tokens[len(new)] if len(new) < len(tokens) else None
+    return ended if ended in req.stop_token_ids else None
 
 
 def take_tokens(tokens: list[int], eos: set[int], text: Any, generated: int, max_tokens: int) -> tuple[list[int], str | None]:

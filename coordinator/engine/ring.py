@@ -27,7 +27,7 @@ from .ring_live import RingHandle, RingLive
 from .sinks import END, ServerBusy, guarded, stream
 from .detokenizer import TextStream
 from .request import (GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, check_request,
-                      check_vocabulary, collect, ended_in_stages, take_tokens)
+                      check_vocabulary, collect, ended_in_stages, stop_reason, take_tokens)
 
 log = logging.getLogger(__name__)
 
@@ -355,7 +355,8 @@ class RingEngine:
         live.stats.decode_seconds = time.perf_counter() - live.started
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
-                                  stats=live.stats, logprobs=logprobs, prompt_logprobs=scored))
+                                  stats=live.stats, logprobs=logprobs, prompt_logprobs=scored,
+                                  stop_reason=stop_reason(finish, out.tokens, new, live.text, req)))
         self._finish(live, None)
         return True
 

@@ -1,0 +1,281 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) on the chat path.
+
+A body is read as a chat request: `system` the system message; each message's content blocks as chat
+messages (text; an assistant's `tool_use` blocks as its tool calls and its `thinking` blocks as its
+reasoning; a user's `tool_result` blocks as tool messages, before its text); tools (`input_schema`) and
+tool_choice (`any` is chat's "required", `tool` a named function) as chat's; `stop_sequences` its stop
+strings; `thinking` Qwen's `enable_thinking`. It runs as one choice, as a chat request does
+(responses.py), and is answered as a Message whose content holds a thinking block (a thinking model's
+thought), a text block and a tool_use block per call; streamed, as the Messages API's events
+(`message_start`, `content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`), built from
+that choice's chat chunks. Errors have Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Optional
+
+from .errors import APIError, validation_error
+from .generation import ResponseFormat
+from .responses import _watch, begin, choice_chunks, choices_of
+
+if TYPE_CHECKING:
+    from ..engine.request import GenerationRequest, GenerationStats
+    from .chat import ToolSpec
+    from .models import ChatCompletionRequest, MessagesRequest
+    from .reasoning import ReasoningSplit
+    from .service import Service
+
+ENDPOINT = "/v1/messages"
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+STOPS = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def anthropic_error(e: APIError) -> Any:
+    """An error as Anthropic's API answers it (its status and headers kept)."""
+    from fastapi.responses import JSONResponse
+
+    kind = ERROR_TYPES.get(e.status, "api_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, status_code=e.status,
+                        headers=e.headers)
+
+
+# -- the body, as a chat request ----------------------------------------------------------------
+
+
+def chat_body(body: MessagesRequest, counting: bool = False) -> ChatCompletionRequest:
+    """The chat request a Messages body asks for (a 400 where it cannot be one; `counting`: only its prompt
+    is wanted, as count_tokens asks, so max_tokens may be left out)."""
+    from pydantic import ValidationError
+
+    from .models import ChatCompletionRequest, _GenerationBody
+
+    if body.max_tokens is None and not counting:
+        raise APIError(400, "max_tokens: Field required", param="max_tokens")
+    skip = {"stop", "n", "stream_options", "response_format"}
+    shared = body.model_dump(include=set(_GenerationBody.model_fields) - skip, exclude_none=True)
+    system = _text("system", body.system) if body.system is not None else ""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if isinstance(body.thinking, dict) and body.thinking.get("type") in ("enabled", "disabled"):
+        kwargs.setdefault("enable_thinking", body.thinking["type"] == "enabled")  # (Qwen's templates read it)
+    choice, parallel = _choice(body.tool_choice)
+    messages = ([{"role": "system", "content": system}] if system else []) + _messages(body.messages)
+    chat = {**shared, "messages": messages, "stop": body.stop_sequences, "tools": _tools(body.tools), "tool_choice": choice,
+            "parallel_tool_calls": parallel, "chat_template_kwargs": kwargs or None}
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+
+
+def _text(where: str, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" and
+                                         isinstance(b.get("text"), str) for b in content):
+        return "".join(b["text"] for b in content)
+    raise APIError(400, f"{where} must be text, or a list of text blocks", param=where)
+
+
+def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        role, content, where = m.get("role"), m.get("content"), f"messages[{i}]"
+        if role not in ("user", "assistant"):
+            raise APIError(400, f"{where}.role must be user or assistant", param=f"{where}.role")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
+            raise APIError(400, f"{where}.content must be text or a list of content blocks", param=f"{where}.content")
+        text, calls, thought = [], [], []
+        for j, b in enumerate(blocks):
+            kind = b.get("type")
+            if kind == "text" and isinstance(b.get("text"), str):
+                text.append(b["text"])
+            elif kind == "tool_use" and role == "assistant" and isinstance(b.get("id"), str):
+                calls.append({"id": b["id"], "type": "function", "function": {
+                    "name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                thought.append(b.get("thinking") or "")
+            elif kind == "tool_result" and role == "user" and isinstance(b.get("tool_use_id"), str):
+                result = b.get("content") or ""
+                result = _text(f"{where}.content[{j}].content", result)
+                out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
+                            "content": f"Error: {result}" if b.get("is_error") else result})
+            else:
+                raise APIError(400, f"{where}.content[{j}]: {kind!r} blocks are not supported here",
+                               param=f"{where}.content[{j}].type")
+        if role == "user" and (text or not blocks):
+            out.append({"role": "user", "content": "".join(text)})
+        elif role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
+            if calls:
+                msg["tool_calls"] = calls
+            if thought:
+                msg["reasoning_content"] = "".join(thought)
+            out.append(msg)
+    return out
+
+
+def _tools(tools: Any) -> Any:
+    if not isinstance(tools, list):
+        return tools
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise APIError(400, f"tools[{i}]: only client tools (name, input_schema) are supported here, got {kind!r}",
+                           param=f"tools[{i}].type")
+        fn = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+        if tool.get("description") is not None:
+            fn["description"] = tool["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _choice(choice: Any) -> tuple[Any, Optional[bool]]:
+    """Chat's tool_choice and parallel_tool_calls for Anthropic's tool_choice."""
+    if not isinstance(choice, dict):
+        return choice, None
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    kind = choice.get("type")
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}, parallel
+    return {"auto": "auto", "any": "required", "none": "none"}.get(kind, kind), parallel
+
+
+# -- the answer ---------------------------------------------------------------------------------
+
+
+class _Blocks:
+    """A Message's content blocks as the chat chunks bring them, and the stream's events for them."""
+
+    def __init__(self, model: str, req: GenerationRequest):
+        self.id = "msg_" + uuid.uuid4().hex
+        self.model, self.req = model, req
+        self.content: list[dict[str, Any]] = []
+        self.open: Optional[str] = None  # the kind of the last block, while text may still come to it
+        self.stopped: Optional[tuple[str, Optional[str], dict[str, Any]]] = None  # (stop_reason, sequence, usage)
+
+    @staticmethod
+    def event(kind: str, **fields: Any) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+
+    def message(self, stop: Optional[str] = None, sequence: Optional[str] = None,
+                usage: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        usage = usage or {"input_tokens": len(self.req.prompt_tokens), "output_tokens": 0,
+                          "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": self.content,
+                "stop_reason": stop, "stop_sequence": sequence, "usage": usage}
+
+    def text(self, kind: str, delta: str) -> list[str]:
+        """A piece of the thinking block's text or the text block's, opening that block first if need be."""
+        out = []
+        if self.open != kind:
+            out += self.close()
+            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                {"type": "text", "text": ""}
+            self.content.append(block)
+            self.open = kind
+            out.append(self.event("content_block_start", index=len(self.content) - 1, content_block=dict(block)))
+        self.content[-1][kind] += delta
+        return out + [self.event("content_block_delta", index=len(self.content) - 1,
+                                 delta={"type": f"{kind}_delta", kind: delta})]
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [self.event("content_block_stop", index=len(self.content) - 1)]
+
+    def call(self, call: dict[str, Any]) -> list[str]:
+        out = self.close()
+        fn = call["function"]
+        block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": json.loads(fn["arguments"])}
+        self.content.append(block)
+        at = len(self.content) - 1
+        return out + [self.event("content_block_start", index=at, content_block={**block, "input": {}}),
+                      self.event("content_block_delta", index=at,
+                                 delta={"type": "input_json_delta", "partial_json": fn["arguments"]}),
+                      self.event("content_block_stop", index=at)]
+
+
+def _usage(stats: GenerationStats) -> dict[str, Any]:
+    """Anthropic's usage: input tokens are those not read from a kept prefix (those are cache reads)."""
+    return {"input_tokens": stats.prompt_tokens - stats.cached_tokens, "output_tokens": stats.generation_tokens,
+            "cache_read_input_tokens": stats.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+async def _chunks(service: Service, blocks: _Blocks, choice: Any, run: Any, started: float,
+                  tools: Optional[ToolSpec]) -> AsyncIterator[str]:
+    """The Messages events of one choice's chat chunks (an error is raised: the caller answers it)."""
+    finals: list[Any] = [None]
+    chat = ResponseFormat(True, blocks.model)
+    yield blocks.event("message_start", message={**blocks.message(), "content": []})
+    async for chunk in choice_chunks(service, ENDPOINT, choice, run, chat, started, tools, finals, 0):
+        (part,) = chunk["choices"]
+        delta = part["delta"]
+        for kind, key in (("thinking", "reasoning"), ("text", "content")):
+            if delta.get(key):
+                for event in blocks.text(kind, delta[key]):
+                    yield event
+        for call in delta.get("tool_calls") or []:
+            for event in blocks.call(call):
+                yield event
+        if finish := part["finish_reason"]:
+            for event in blocks.close():
+                yield event
+            sequence = part.get("stop_reason") if isinstance(part.get("stop_reason"), str) else None
+            called = finish != "length" and any(b["type"] == "tool_use" for b in blocks.content)  # (forced too)
+            stop = "stop_sequence" if sequence is not None else "tool_use" if called else STOPS.get(finish, "end_turn")
+            blocks.stopped = (stop, sequence, _usage(finals[0]))
+            yield blocks.event("message_delta", delta={"stop_reason": stop, "stop_sequence": sequence},
+                               usage=_usage(finals[0]))
+            yield blocks.event("message_stop")
+
+
+async def respond_to(service: Service, body: MessagesRequest, req: GenerationRequest, tools: Optional[ToolSpec],
+                     thinking: Optional[ReasoningSplit], request: Any, started: float, model: str) -> Any:
+    """A Messages body's Message: streamed, or whole as its stream builds it."""
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    blocks = _Blocks(model, req)
+    (choice,) = choices_of([req], 1, thinking)
+    (run,) = await begin(service, [choice], request, admitted=bool(body.stream))
+    if body.stream:
+        return StreamingResponse(_streamed(service, blocks, choice, run, started, tools),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    watcher = asyncio.create_task(_watch(request, [run]))
+    try:
+        async for _ in _chunks(service, blocks, choice, run, started, tools):
+            pass
+    except Exception as e:
+        run.cancel(by_client=False)
+        raise e if isinstance(e, APIError) else service.server_error(e) from None
+    finally:
+        watcher.cancel()
+        run.cancel()
+    if blocks.stopped is None:  # (stopped before it finished)
+        if request is None or await request.is_disconnected():
+            return Response(status_code=499)  # (nobody reads this)
+        raise service.server_error(RuntimeError("a generation ended before it finished"))
+    return JSONResponse(blocks.message(*blocks.stopped))
+
+
+async def _streamed(service: Service, blocks: _Blocks, choice: Any, run: Any, started: float,
+                    tools: Optional[ToolSpec]) -> AsyncIterator[str]:
+    try:
+        async for event in _chunks(service, blocks, choice, run, started, tools):
+            yield event
+    except Exception as e:  # (the stream has begun: an error event ends it)
+        run.cancel(by_client=False)
+        error = e if isinstance(e, APIError) else service.server_error(e)
+        yield blocks.event("error", error={"type": ERROR_TYPES.get(error.status, "api_error"),
+                                           "message": error.message})
+    finally:
+        run.cancel()

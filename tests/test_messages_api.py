@@ -1,0 +1,138 @@
+"""Anthropic's Messages API (`/v1/messages`) through the official anthropic client: the same generation as
+the chat request it reads as, in the Messages shape, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import mlx.core as mx
+import pytest
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+pytest.importorskip("llguidance")
+
+from helpers import LiveServer, thinking_tags  # noqa: E402
+
+from mtpipe.coordinator.api.app import create_app  # noqa: E402
+from mtpipe.coordinator.engine.batch import BatchEngine  # noqa: E402
+from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
+
+MODEL = "tiny-dense"
+KEY = "sk-test-key"
+PROMPT = "def add(a, b):\n    return"
+GREEDY = {"temperature": 0}  # (the anthropic client has no temperature argument: sent as an extra field)
+COUNT = {"name": "count", "description": "Count days", "input_schema": {
+    "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["days"],
+    "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def engine(dense_ckpt: Path) -> Iterator[BatchEngine]:
+    eng = batch_engine(dense_ckpt, stages=1, dtype=mx.float32)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine: BatchEngine) -> Iterator[LiveServer]:
+    with LiveServer(create_app(engine, MODEL, api_key=KEY)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def claude(server: LiveServer) -> Any:
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> Any:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_text_whole_and_streamed_is_the_chat_reply(claude: Any, client: Any) -> None:
+    chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}])
+    ask = {"model": MODEL, "max_tokens": 12, "extra_body": GREEDY, "system": "Be brief.",
+           "messages": [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}]}
+    m = claude.messages.create(**ask)
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == chat.choices[0].message.content
+    assert m.stop_reason == ("max_tokens" if chat.choices[0].finish_reason == "length" else "end_turn")
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert m.usage.output_tokens == chat.usage.completion_tokens
+    with claude.messages.stream(**ask) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
+    assert final.content[0].text == m.content[0].text and final.stop_reason == m.stop_reason
+    assert final.usage.output_tokens == m.usage.output_tokens
+    counted = claude.messages.count_tokens(model=MODEL, system="Be brief.", messages=ask["messages"])
+    assert counted.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_stop_sequence_is_named(claude: Any) -> None:
+    text = claude.messages.create(model=MODEL, max_tokens=12, extra_body=GREEDY,
+                                  messages=[{"role": "user", "content": PROMPT}]).content[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    m = claude.messages.create(model=MODEL, max_tokens=12, extra_body=GREEDY, stop_sequences=[stop],
+                               messages=[{"role": "user", "content": PROMPT}])
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop) and m.content[0].text == text[: text.index(stop)]
+
+
+def test_a_forced_tool_and_its_result_sent_back(claude: Any, client: Any) -> None:
+    ask = {"model": MODEL, "max_tokens": 32, "extra_body": GREEDY, "tools": [COUNT],
+           "tool_choice": {"type": "tool", "name": "count"}, "messages": [{"role": "user", "content": "How many?"}]}
+    m = claude.messages.create(**ask)
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and use.name == "count" and 1 <= use.input["days"] <= 9
+    with claude.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert [b.input for b in final.content if b.type == "tool_use"] == [use.input]
+    turn = [{"role": "user", "content": "How many?"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Counting."},
+                                              {"type": "tool_use", "id": use.id, "name": "count", "input": use.input}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "3 days"}]}]
+    follow = claude.messages.create(model=MODEL, max_tokens=4, extra_body=GREEDY, tools=[COUNT], messages=turn)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, tools=[
+        {"type": "function", "function": {"name": "count", "description": "Count days",
+                                          "parameters": COUNT["input_schema"]}}], messages=[
+        {"role": "user", "content": "How many?"},
+        {"role": "assistant", "content": "Counting.", "tool_calls": [{"id": use.id, "type": "function", "function": {
+            "name": "count", "arguments": json.dumps(use.input)}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": "3 days"}])
+    assert follow.usage.input_tokens + follow.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+
+
+def test_thinking_comes_as_a_thinking_block(claude: Any, engine: BatchEngine) -> None:
+    plain = claude.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY,
+                                   messages=[{"role": "user", "content": PROMPT}]).content[0].text
+    end = plain[len(plain) // 3 : len(plain) // 3 + 4]
+    thought, answer = plain[: plain.index(end)], plain[plain.index(end) + len(end):].lstrip("\r\n")
+    with thinking_tags(engine.tokenizer, end):
+        ask = {"model": MODEL, "max_tokens": 24, "extra_body": GREEDY, "messages": [{"role": "user", "content": PROMPT}]}
+        m = claude.messages.create(**ask)
+        assert [(b.type, getattr(b, "thinking", None) or b.text) for b in m.content] == \
+            [("thinking", thought), ("text", answer)]
+        with claude.messages.stream(**ask) as stream:
+            final = stream.get_final_message()
+        assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == thought
+
+
+def test_errors_in_anthropics_shape_and_the_key_as_x_api_key(server: LiveServer, claude: Any) -> None:
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "http://x"}}]}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "image" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="claude-x", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    missing = server.client.post("/v1/messages", json={"model": MODEL, "messages": []},
+                                 headers={"x-api-key": KEY})
+    assert missing.status_code == 400 and missing.json()["error"]["type"] == "invalid_request_error"
