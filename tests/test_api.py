@@ -885,6 +885,10 @@ def test_tokenize_and_detokenize(server: LiveServer, client: Any, engine: BatchE
     asked = post("/tokenize", json={"messages": messages}).json()
     fed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
     assert asked["count"] == fed.usage.prompt_tokens and asked["token_strs"] is None
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with_tools = post("/tokenize", json={"messages": messages, "tools": [tool]}).json()["count"]
+    unused = post("/tokenize", json={"messages": messages, "tools": [tool], "tool_choice": "none"}).json()["count"]
+    assert unused == asked["count"] < with_tools  # (tool_choice none: the tools are not rendered)
     assert post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": engine.tokenizer.decode(r["tokens"])}
     for path, body, param in (("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
                               ("/tokenize", {"messages": messages, "add_generation_prompt": False},

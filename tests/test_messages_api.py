@@ -136,3 +136,39 @@ def test_errors_in_anthropics_shape_and_the_key_as_x_api_key(server: LiveServer,
     missing = server.client.post("/v1/messages", json={"model": MODEL, "messages": []},
                                  headers={"x-api-key": KEY})
     assert missing.status_code == 400 and missing.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_prefill_blocks_and_structured_output(server: LiveServer, claude: Any, client: Any) -> None:
+    """A last assistant message is continued (as chat's continue_final_message); text blocks join as chat's
+    content parts do; output_config.format holds the reply to a schema."""
+    turn = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "a +"}]
+    m = claude.messages.create(model=MODEL, max_tokens=6, extra_body=GREEDY, messages=turn)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=turn,
+                                          extra_body={"continue_final_message": True})
+    assert m.content[0].text == chat.choices[0].message.content
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    blocks = [{"type": "text", "text": "One."}, {"type": "text", "text": "Two.", "cache_control": {"type": "ephemeral"}}]
+    counted = claude.messages.count_tokens(model=MODEL, system=blocks, messages=[{"role": "user", "content": blocks}])
+    fed = server.client.post("/tokenize", json={"messages": [{"role": "system", "content": "One.\nTwo."},
+                                                             {"role": "user", "content": "One.\nTwo."}]},
+                             headers={"x-api-key": KEY}).json()
+    assert counted.input_tokens == fed["count"]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    held = claude.messages.create(model=MODEL, max_tokens=32, messages=[{"role": "user", "content": PROMPT}],
+                                  extra_body={**GREEDY, "output_config": {"format": {"type": "json_schema",
+                                                                                     "schema": schema}}})
+    assert set(json.loads(held.content[0].text)) == {"n"}
+
+
+def test_every_error_on_its_paths_is_anthropics(server: LiveServer) -> None:
+    for headers, body, status, kind in (({"x-api-key": "wrong"}, {}, 401, "authentication_error"),
+                                        ({"x-api-key": KEY}, {"model": MODEL, "max_tokens": 4, "tools": [
+                                            {"name": "has space", "input_schema": {"type": "object"}}],
+                                          "messages": [{"role": "user", "content": "hi"}]}, 400,
+                                         "invalid_request_error")):
+        r = server.client.post("/v1/messages", json=body, headers=headers)
+        assert r.status_code == status and r.json()["type"] == "error" and r.json()["error"]["type"] == kind, r.text
+    assert "tools[0].name" in r.json()["error"]["message"]  # (its own field names, not chat's)
+    openai_shape = server.client.post("/v1/chat/completions", json={}, headers={"x-api-key": "wrong"}).json()
+    assert "type" not in openai_shape and openai_shape["error"]["code"] == "invalid_api_key"

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .chat import chat_messages, tool_spec
 from .defaults import DEFAULT_CORS_ORIGINS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
-from .errors import APIError, error_body, parse_body, validation_error
+from .errors import APIError, body_for, error_body, parse_body, validation_error
 from .formats import OutputFormat, after_thought, output_format
 from .gate import Gate
 from .generation import ResponseFormat
@@ -124,24 +124,25 @@ def create_app(
                            allow_headers=["*"], expose_headers=["Retry-After"], **private)
 
     @app.exception_handler(APIError)
-    async def on_api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    async def on_api_error(request: Request, e: APIError) -> JSONResponse:  # (Anthropic's shape on its paths)
+        body = body_for(request.url.path, e.status, e.message, type=e.type, param=e.param, code=e.code)
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        err = validation_error(list(e.errors()))
-        return JSONResponse(err.body(), status_code=err.status)
+        return await on_api_error(request, validation_error(list(e.errors())))
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, e: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(error_body(str(e.detail), code=code), status_code=e.status_code, headers=e.headers)
+        return JSONResponse(body_for(request.url.path, e.status_code, str(e.detail), code=code),
+                            status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, e: Exception) -> JSONResponse:
         log.error("unhandled error on %s", request.url.path, exc_info=e)
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}", type="server_error",
-                                       code="internal_error"), status_code=500)
+        return JSONResponse(body_for(request.url.path, 500, f"internal error: {type(e).__name__}", type="server_error",
+                                     code="internal_error"), status_code=500)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -221,23 +222,23 @@ def create_app(
     @app.post("/v1/messages")
     async def messages(request: Request) -> Any:
         started = time.perf_counter()
-        try:  # (errors in Anthropic's shape)
-            body: MessagesRequest = await parse_body(request, MessagesRequest)
-            service.check_model(body.model)
+        body: MessagesRequest = await parse_body(request, MessagesRequest)
+        service.check_model(body.model)
+        try:
             req, _, tools, thinking = await chat_request(messages_api.chat_body(body))
-            return await messages_api.respond_to(service, body, req, tools, thinking, request, started, model_name)
-        except APIError as e:
-            return messages_api.anthropic_error(e)
+        except APIError as e:  # (named as this endpoint names its fields)
+            raise messages_api.renamed(e) from None
+        return await messages_api.respond_to(service, body, req, tools, thinking, request, started, model_name)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Any:
+        body: MessagesRequest = await parse_body(request, MessagesRequest)
+        service.check_model(body.model)
         try:
-            body: MessagesRequest = await parse_body(request, MessagesRequest)
-            service.check_model(body.model)
             req, _, _, _ = await chat_request(messages_api.chat_body(body, counting=True))
-            return {"input_tokens": len(req.prompt_tokens)}
         except APIError as e:
-            return messages_api.anthropic_error(e)
+            raise messages_api.renamed(e) from None
+        return {"input_tokens": len(req.prompt_tokens)}
 
     async def chat_request(body: ChatCompletionRequest
                            ) -> "tuple[GenerationRequest, int, ToolSpec | None, ReasoningSplit | None]":
@@ -262,7 +263,8 @@ def create_app(
         n = service.choices(body)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
-        tokens = await service.encode_chat(chat_messages(body), tools, body.chat_template_kwargs)
+        tokens = await service.encode_chat(chat_messages(body), tools, body.chat_template_kwargs,
+                                           body.continue_final_message)
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
         else:

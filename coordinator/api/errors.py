@@ -11,6 +11,22 @@ def error_body(message: str, type: str = "invalid_request_error", param: Optiona
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+ANTHROPIC_PATHS = "/v1/messages"  # (and below it): errors in Anthropic's shape
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
+def body_for(path: str, status: int, message: str, **fields: Any) -> dict[str, Any]:
+    """An error body in the shape the path's clients read: Anthropic's under /v1/messages, else OpenAI's."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_body(status, message)
+    return error_body(message, **fields)
+
+
 class APIError(Exception):
     """An error answered with OpenAI's error body."""
 

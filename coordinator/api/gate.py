@@ -4,7 +4,7 @@ import hmac
 import time
 from typing import Any, Optional
 
-from .errors import error_body
+from .errors import body_for
 from .metrics import ServerMetrics
 
 OPEN_PATHS = ("/health",)  # reachable without the API key
@@ -53,8 +53,8 @@ class Gate:
             if self._authorized(scope):
                 await self.app(scope, receive, send_status)
             else:
-                body = error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key")
+                body = body_for(scope["path"], 401, "invalid or missing API key: send 'Authorization: Bearer <key>' "
+                                "(or 'x-api-key: <key>')", code="invalid_api_key")
                 await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(
                     scope, receive, send_status)
         finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .errors import APIError
+from .errors import APIError, body_for
 
 log = logging.getLogger(__name__)
 
@@ -79,4 +79,5 @@ class BodyLimit:
 
         # Connection: close, so the server need not read the rest of a body nobody wants.
         headers = {"Connection": "close"}
-        await JSONResponse(e.body(), status_code=e.status, headers=headers)(scope, receive, send)
+        body = body_for(scope["path"], e.status, e.message, type=e.type, code=e.code)
+        await JSONResponse(body, status_code=e.status, headers=headers)(scope, receive, send)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Optional
 
-from .errors import APIError, validation_error
+from .errors import APIError, anthropic_body, validation_error
 from .generation import ResponseFormat
 from .responses import _watch, begin, choice_chunks, choices_of
 
@@ -31,18 +32,16 @@ if TYPE_CHECKING:
     from .service import Service
 
 ENDPOINT = "/v1/messages"
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 STOPS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def anthropic_error(e: APIError) -> Any:
-    """An error as Anthropic's API answers it (its status and headers kept)."""
-    from fastapi.responses import JSONResponse
-
-    kind = ERROR_TYPES.get(e.status, "api_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, status_code=e.status,
-                        headers=e.headers)
+def renamed(e: APIError) -> APIError:
+    """A chat request's error as this endpoint names its fields (its errors go out in Anthropic's shape:
+    errors.py `body_for`)."""
+    message = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", e.message)
+    message = message.replace("tool_choice 'required'", 'tool_choice {"type": "any"}').replace(
+        "max_completion_tokens", "max_tokens")
+    return APIError(e.status, message, param=e.param, code=e.code, type=e.type, headers=e.headers)
 
 
 # -- the body, as a chat request ----------------------------------------------------------------
@@ -65,12 +64,27 @@ def chat_body(body: MessagesRequest, counting: bool = False) -> ChatCompletionRe
         kwargs.setdefault("enable_thinking", body.thinking["type"] == "enabled")  # (Qwen's templates read it)
     choice, parallel = _choice(body.tool_choice)
     messages = ([{"role": "system", "content": system}] if system else []) + _messages(body.messages)
-    chat = {**shared, "messages": messages, "stop": body.stop_sequences, "tools": _tools(body.tools), "tool_choice": choice,
-            "parallel_tool_calls": parallel, "chat_template_kwargs": kwargs or None}
+    prefill = bool(messages) and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+    # (a last assistant message is Anthropic's prefill: the reply goes on from it)
+    chat = {**shared, "messages": messages, "stop": body.stop_sequences,
+            "response_format": _format(body.output_config), "continue_final_message": prefill or None,
+            "tools": _tools(body.tools), "tool_choice": choice, "parallel_tool_calls": parallel,
+            "chat_template_kwargs": kwargs or None}
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
     except ValidationError as e:
         raise validation_error(e.errors(include_url=False)) from None
+
+
+def _format(config: Any) -> Optional[dict[str, Any]]:
+    """Anthropic's structured output (`output_config.format`) as chat's response_format."""
+    fmt = config.get("format") if isinstance(config, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise APIError(400, "output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                       param="output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def _text(where: str, content: Any) -> str:
@@ -78,7 +92,7 @@ def _text(where: str, content: Any) -> str:
         return content
     if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" and
                                          isinstance(b.get("text"), str) for b in content):
-        return "".join(b["text"] for b in content)
+        return "\n".join(b["text"] for b in content)  # (as chat joins its content parts)
     raise APIError(400, f"{where} must be text, or a list of text blocks", param=where)
 
 
@@ -110,9 +124,9 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise APIError(400, f"{where}.content[{j}]: {kind!r} blocks are not supported here",
                                param=f"{where}.content[{j}].type")
         if role == "user" and (text or not blocks):
-            out.append({"role": "user", "content": "".join(text)})
+            out.append({"role": "user", "content": "\n".join(text)})
         elif role == "assistant":
-            msg: dict[str, Any] = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
+            msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(text) or (None if calls else "")}
             if calls:
                 msg["tool_calls"] = calls
             if thought:
@@ -231,7 +245,7 @@ async def _chunks(service: Service, blocks: _Blocks, choice: Any, run: Any, star
                 yield event
             sequence = part.get("stop_reason") if isinstance(part.get("stop_reason"), str) else None
             called = finish != "length" and any(b["type"] == "tool_use" for b in blocks.content)  # (forced too)
-            stop = "stop_sequence" if sequence is not None else "tool_use" if called else STOPS.get(finish, "end_turn")
+            stop = "tool_use" if called else "stop_sequence" if sequence is not None else STOPS.get(finish, "end_turn")
             blocks.stopped = (stop, sequence, _usage(finals[0]))
             yield blocks.event("message_delta", delta={"stop_reason": stop, "stop_sequence": sequence},
                                usage=_usage(finals[0]))
@@ -247,7 +261,8 @@ async def respond_to(service: Service, body: MessagesRequest, req: GenerationReq
     (choice,) = choices_of([req], 1, thinking)
     (run,) = await begin(service, [choice], request, admitted=bool(body.stream))
     if body.stream:
-        return StreamingResponse(_streamed(service, blocks, choice, run, started, tools),
+        watcher = asyncio.create_task(_watch(request, [run]))  # (also if the stream is never iterated)
+        return StreamingResponse(_streamed(service, blocks, choice, run, started, tools, watcher),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(_watch(request, [run]))
@@ -268,14 +283,14 @@ async def respond_to(service: Service, body: MessagesRequest, req: GenerationReq
 
 
 async def _streamed(service: Service, blocks: _Blocks, choice: Any, run: Any, started: float,
-                    tools: Optional[ToolSpec]) -> AsyncIterator[str]:
+                    tools: Optional[ToolSpec], watcher: "asyncio.Task[None]") -> AsyncIterator[str]:
+    watcher.cancel()  # (iterated: a client that leaves cancels the iteration)
     try:
         async for event in _chunks(service, blocks, choice, run, started, tools):
             yield event
     except Exception as e:  # (the stream has begun: an error event ends it)
         run.cancel(by_client=False)
         error = e if isinstance(e, APIError) else service.server_error(e)
-        yield blocks.event("error", error={"type": ERROR_TYPES.get(error.status, "api_error"),
-                                           "message": error.message})
+        yield blocks.event("error", error=anthropic_body(error.status, error.message)["error"])
     finally:
         run.cancel()

@@ -137,6 +137,7 @@ class ChatCompletionRequest(_GenerationBody):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
     include_reasoning: bool | None = None  # vLLM's: false drops a reasoning model's thinking from the reply
+    continue_final_message: Flag = False  # vLLM's: the reply goes on from the last (assistant) message
 
 
 class CompletionRequest(_GenerationBody):
@@ -178,5 +179,6 @@ class MessagesRequest(_GenerationBody):
     tools: Any = None  # client tools ({"name", "description", "input_schema"}); checked as chat's
     tool_choice: Any = None  # {"type": "auto" | "any" | "tool" | "none", "name", "disable_parallel_tool_use"}
     thinking: Any = None  # {"type": "enabled" | "disabled", ...}: Qwen's enable_thinking
+    output_config: Any = None  # {"format": {"type": "json_schema", "schema"}}: structured output
     metadata: Any = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -254,7 +254,8 @@ async def respond_to(service: Service, body: ResponsesRequest, req: GenerationRe
     (choice,) = choices_of([req], 1, thinking)
     (run,) = await begin(service, [choice], request, admitted=bool(body.stream))
     if body.stream:
-        return StreamingResponse(_events(service, events, choice, run, chat, started, tools),
+        watcher = asyncio.create_task(_watch(request, [run]))  # (also if the stream is never iterated)
+        return StreamingResponse(_events(service, events, choice, run, chat, started, tools, watcher=watcher),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(_watch(request, [run]))
@@ -340,9 +341,13 @@ class _Events:
 
 
 async def _events(service: Service, events: _Events, choice: Any, run: Any, chat: ResponseFormat, started: float,
-                  tools: Optional[ToolSpec], raising: bool = False) -> AsyncIterator[str]:
+                  tools: Optional[ToolSpec], raising: bool = False,
+                  watcher: "Optional[asyncio.Task[None]]" = None) -> AsyncIterator[str]:
     """The Responses events of one choice's chat chunks; an error ends them with `error` and
-    `response.failed` (`raising`: raised instead)."""
+    `response.failed` (`raising`: raised instead). Once iterated, a client that leaves cancels the
+    iteration (Starlette), so the `watcher` of a stream not begun yet is not needed."""
+    if watcher is not None:
+        watcher.cancel()
     shape, finals = events.shape, [None]
     yield events.event("response.created", response=shape.response("in_progress", []))
     yield events.event("response.in_progress", response=shape.response("in_progress", []))

@@ -25,6 +25,8 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True  # messages': the assistant's turn opened, as chat requests are fed
     return_token_strs: bool = False
     tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
@@ -47,7 +49,9 @@ def add_token_routes(app: Any, service: "Service") -> None:
                 raise APIError(400, "messages are tokenized as chat requests are fed: with the generation prompt",
                                param="add_generation_prompt")
             try:
-                chat = ChatCompletionRequest.model_validate({"messages": body.messages, "tools": body.tools})
+                chat = ChatCompletionRequest.model_validate({"messages": body.messages, "tools": body.tools,
+                                                             "tool_choice": body.tool_choice,
+                                                             "parallel_tool_calls": body.parallel_tool_calls})
             except ValidationError as e:
                 raise validation_error(e.errors(include_url=False)) from None
             ids = await service.encode_chat(chat_messages(chat), tool_spec(chat), body.chat_template_kwargs)

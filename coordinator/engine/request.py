@@ -141,6 +141,7 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: str
     stats: GenerationStats
+    stop_reason: str | int | None = None
 
 
 def collect(chunks: Iterable[GenerationChunk]) -> GenerationResult:
@@ -150,7 +151,7 @@ def collect(chunks: Iterable[GenerationChunk]) -> GenerationResult:
         parts.append(chunk.text)
         tokens += chunk.tokens
         if chunk.finish_reason:
-            return GenerationResult("".join(parts), tokens, chunk.finish_reason, chunk.stats)
+            return GenerationResult("".join(parts), tokens, chunk.finish_reason, chunk.stats, chunk.stop_reason)
     raise RuntimeError("generation ended without a finish reason")
 
 
