@@ -35,9 +35,14 @@ def engine(dense_ckpt: Path) -> Iterator[BatchEngine]:
 
 
 @pytest.fixture(scope="module")
-def client(engine: BatchEngine) -> Iterator[Any]:
+def server_url(engine: BatchEngine) -> Iterator[str]:
     with LiveServer(create_app(engine, MODEL)) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def client(server_url: str) -> Any:
+    return openai.OpenAI(base_url=server_url + "/v1", api_key="none", max_retries=0)
 
 
 def events_of(client: Any, **ask: Any) -> list[Any]:
@@ -145,6 +150,32 @@ def test_thinking_comes_as_a_reasoning_item(client: Any, engine: BatchEngine) ->
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
         assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
+
+
+def test_a_response_goes_on_from_a_kept_one(client: Any) -> None:
+    """previous_response_id: the kept conversation (its input and output) comes before the new input, as
+    if sent whole; GET reads a kept response, DELETE forgets it; store false keeps nothing."""
+    first = client.responses.create(model=MODEL, input="How many?", max_output_tokens=6, temperature=0)
+    assert first.store is True and client.responses.retrieve(first.id).output_text == first.output_text
+    chained = client.responses.create(model=MODEL, previous_response_id=first.id, input="And then?",
+                                      max_output_tokens=6, temperature=0)
+    whole = client.responses.create(model=MODEL, max_output_tokens=6, temperature=0, input=[
+        {"role": "user", "content": "How many?"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And then?"}])
+    assert chained.previous_response_id == first.id
+    assert (chained.usage.input_tokens, chained.output_text) == (whole.usage.input_tokens, whole.output_text)
+    again = client.responses.create(model=MODEL, previous_response_id=chained.id, input="More.", max_output_tokens=2)
+    assert again.usage.input_tokens > chained.usage.input_tokens  # (a chain of three)
+    streamed = events_of(client, input="x", max_output_tokens=2)[-1].response
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    unkept = client.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, previous_response_id=first.id, input="x", max_output_tokens=2)
+    assert e.value.body["param"] == "previous_response_id"
 
 
 @pytest.mark.parametrize("body, param", [

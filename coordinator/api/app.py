@@ -60,6 +60,7 @@ from .readiness import Readiness
 from .responses import choices_of, complete, stream
 from . import messages_api, responses_api
 from .reasoning import ReasoningSplit, reasoning_split
+from .response_store import ResponseStore
 from .service import Service
 from .tokens_api import add_token_routes
 
@@ -207,17 +208,33 @@ def create_app(
         req, n, tools, thinking = await chat_request(body)
         return await respond("/v1/chat/completions", body, [req], n, request, started, tools, thinking)
 
+    kept = ResponseStore()  # (responses, for previous_response_id)
+
     @app.post("/v1/responses")
     async def responses(request: Request) -> Any:
         started = time.perf_counter()
         body: ResponsesRequest = await parse_body(request, ResponsesRequest)
         service.check_model(body.model)
-        chat, origins = responses_api.chat_body(body)
+        items = responses_api.input_items(body, kept)
+        chat, origins = responses_api.chat_body(body, items)
         try:
             req, _, tools, thinking = await chat_request(chat)
         except APIError as e:  # (named as this endpoint names its fields)
             raise responses_api.renamed(e, origins) from None
-        return await responses_api.respond_to(service, body, req, tools, thinking, request, started, model_name)
+        return await responses_api.respond_to(service, body, req, tools, thinking, request, started, model_name,
+                                              kept, items)
+
+    @app.get("/v1/responses/{response_id}")
+    async def kept_response(response_id: str) -> Any:
+        if (response := kept.get(response_id)) is None:
+            raise APIError(404, f"no response {response_id!r} is kept here", param="response_id", code="not_found")
+        return response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def forget_response(response_id: str) -> Any:
+        if not kept.delete(response_id):
+            raise APIError(404, f"no response {response_id!r} is kept here", param="response_id", code="not_found")
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Any:

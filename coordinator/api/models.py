@@ -160,8 +160,8 @@ class ResponsesRequest(_GenerationBody):
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
     top_logprobs: int | None = None
     include: list[str] | None = None  # "message.output_text.logprobs" asks for logprobs (else top_logprobs does)
-    previous_response_id: str | None = None  # (nothing is stored here: refused, as these are)
-    conversation: Any = None
+    previous_response_id: str | None = None  # goes on from a kept response (response_store.py)
+    conversation: Any = None  # (these three keep state this server does not: refused)
     prompt: Any = None
     background: bool | None = None
     store: bool | None = None

@@ -7,7 +7,8 @@ budget. It runs as one choice, as a chat request does (responses.py), and is ans
 `output` holds a reasoning item (a thinking model's thought), a message item (the answer's text) and a
 function_call item per call; streamed, as the Responses API's semantic events (`response.created` ...
 `response.completed`, each with its `sequence_number`), built from the chat chunks of that choice.
-Nothing is stored: a `previous_response_id` is refused, so a client sends the whole conversation.
+Finished responses are kept in the API process's memory (response_store.py, unless `store: false`): a request
+may go on from one (`previous_response_id`), and `GET` / `DELETE /v1/responses/{id}` read and forget one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from .chat import ToolSpec
     from .models import ChatCompletionRequest, ResponsesRequest
     from .reasoning import ReasoningSplit
+    from .response_store import ResponseStore
     from .service import Service
 
 ENDPOINT = "/v1/responses"
@@ -42,24 +44,39 @@ FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "re
 # -- the body, as a chat request ----------------------------------------------------------------
 
 
-def chat_body(body: ResponsesRequest) -> tuple[ChatCompletionRequest, list[str]]:
-    """The chat request a Responses body asks for, and where each of its messages came from (for errors:
-    `renamed`); a 400 naming the Responses field where it cannot be one."""
+def input_items(body: ResponsesRequest, store: ResponseStore) -> list[dict[str, Any]]:
+    """The conversation's input items: those of the response it follows (`previous_response_id`, kept in
+    `store`) and its output, then the body's own input."""
+    earlier: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        found = store.conversation(body.previous_response_id)
+        if found is None:
+            raise APIError(400, f"no response {body.previous_response_id!r} is kept here (the most recent "
+                                f"{store.most} are, while the server runs)", param="previous_response_id")
+        earlier = found
+    own = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else list(body.input)
+    return earlier + own
+
+
+def chat_body(body: ResponsesRequest, items: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, list[str]]:
+    """The chat request a Responses body asks for, its conversation's input items given (`input_items`),
+    and where each of its messages came from (for errors: `renamed`); a 400 naming the Responses field where
+    it cannot be one."""
     from pydantic import ValidationError
 
     from .models import ChatCompletionRequest, _GenerationBody
 
-    stateful = [name for name in ("previous_response_id", "conversation", "prompt") if getattr(body, name) is not None]
+    stateful = [name for name in ("conversation", "prompt") if getattr(body, name) is not None]
     if stateful or body.background:
-        raise APIError(400, "nothing is stored here (responses, conversations, prompts, background runs): send the "
-                            "whole conversation as input", param=(stateful or ["background"])[0])
+        raise APIError(400, "conversations, stored prompts and background runs are not kept here: send the "
+                            "conversation as input (or previous_response_id)", param=(stateful or ["background"])[0])
     if body.n not in (None, 1):
         raise APIError(400, "n is not a field of the Responses API: one output per response", param="n")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
     skip = {"max_tokens", "response_format", "n", "stream_options"}
     shared = body.model_dump(include=set(_GenerationBody.model_fields) - skip, exclude_none=True)
-    messages, origins = _messages(body.input, body.instructions)
+    messages, origins = _messages(items, body.instructions, len(items) - len(_own(body.input)))
     logprobs = body.top_logprobs is not None or "message.output_text.logprobs" in (body.include or [])
     chat = {**shared, "messages": messages, "max_completion_tokens": body.max_output_tokens, "logprobs": logprobs,
             "top_logprobs": body.top_logprobs if logprobs else None, "response_format": _format(body.text),
@@ -91,8 +108,14 @@ def renamed(e: APIError, origins: list[str]) -> APIError:
     return APIError(e.status, message, param=param or None, code=e.code, type=e.type, headers=e.headers)
 
 
-def _messages(items: str | list[dict[str, Any]], instructions: Optional[str]) -> tuple[list[dict[str, Any]], list[str]]:
-    """The conversation as chat messages, and each one's origin (`input[i]`, or `instructions`). The
+def _own(given: str | list[dict[str, Any]]) -> list[Any]:
+    return [given] if isinstance(given, str) else given
+
+
+def _messages(items: list[dict[str, Any]], instructions: Optional[str],
+              earlier: int = 0) -> tuple[list[dict[str, Any]], list[str]]:
+    """The conversation as chat messages, and each one's origin (`input[i]`, `instructions`, or for the
+    first `earlier` items, those of the responses it follows, `previous_response_id`). The
     instructions and the system and developer items before the first other turn are one system message
     (templates want one, first); a call follows its assistant's text in that message; a reasoning item
     goes back as the next assistant message's reasoning."""
@@ -101,10 +124,9 @@ def _messages(items: str | list[dict[str, Any]], instructions: Optional[str]) ->
     if instructions:
         out.append({"role": "system", "content": instructions})
         origins.append("instructions")
-    if isinstance(items, str):
-        items = [{"role": "user", "content": items}]
     thought: Optional[str] = None
-    for i, item in enumerate(items):
+    for at, item in enumerate(items):
+        i = at - earlier  # (its index in the body's input; below 0: kept from an earlier response)
         kind = item.get("type", "message")
         if kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
@@ -141,7 +163,7 @@ def _messages(items: str | list[dict[str, Any]], instructions: Optional[str]) ->
         if msg["role"] == "assistant" and thought is not None:
             msg["reasoning_content"], thought = thought, None
         out.append(msg)
-        origins.append(f"input[{i}]")
+        origins.append(f"input[{i}]" if i >= 0 else "previous_response_id")
     return out, origins
 
 
@@ -202,8 +224,9 @@ class Shape:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
                 "incomplete_details": incomplete, "instructions": b.instructions,
                 "max_output_tokens": b.max_output_tokens, "model": self.model, "output": output,
-                "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
-                "reasoning": None, "store": False, "temperature": b.temperature,
+                "parallel_tool_calls": b.parallel_tool_calls is not False,
+                "previous_response_id": b.previous_response_id, "reasoning": None, "store": b.store is not False,
+                "temperature": b.temperature,
                 "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
                 "tools": b.tools or [], "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": None,
                 "metadata": b.metadata or {}}
@@ -245,12 +268,15 @@ async def _usage(service: Service, stats: GenerationStats, thought: str, depth: 
 
 
 async def respond_to(service: Service, body: ResponsesRequest, req: GenerationRequest, tools: Optional[ToolSpec],
-                     thinking: Optional[ReasoningSplit], request: Any, started: float, model: str) -> Any:
+                     thinking: Optional[ReasoningSplit], request: Any, started: float, model: str,
+                     store: ResponseStore, items: list[dict[str, Any]]) -> Any:
     """The response to a Responses body's request: streamed, or whole as the stream's last event holds it
-    (so both read a reply alike: an item's logprobs are its own text's)."""
+    (so both read a reply alike: an item's logprobs are its own text's). Once finished it is kept in
+    `store` with its conversation's input `items`, unless the body says `store: false`."""
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    events, chat = _Events(Shape(body, model)), ResponseFormat(True, model)
+    events, chat = _Events(Shape(body, model), store if body.store is not False else None, items), \
+        ResponseFormat(True, model)
     (choice,) = choices_of([req], 1, thinking)
     (run,) = await begin(service, [choice], request, admitted=bool(body.stream))
     if body.stream:
@@ -274,8 +300,10 @@ async def respond_to(service: Service, body: ResponsesRequest, req: GenerationRe
 class _Events:
     """The stream's events, numbered; the output items as they open and close."""
 
-    def __init__(self, shape: Shape):
+    def __init__(self, shape: Shape, store: Optional[ResponseStore] = None,
+                 items: Optional[list[dict[str, Any]]] = None):
         self.shape, self.seq = shape, 0
+        self.store, self.items = store, items or []  # (where a finished response is kept, with its input)
         self.output: list[dict[str, Any]] = []  # closed items
         self.open: Optional[tuple[str, str, list[str], list[dict[str, Any]]]] = None  # (kind, id, texts, logprobs)
         self.thought = ""
@@ -369,7 +397,10 @@ async def _events(service: Service, events: _Events, choice: Any, run: Any, chat
                 for event in events.close(status):
                     yield event
                 usage = await _usage(service, finals[0], events.thought, choice.req.depth_label)
-                yield events.event(f"response.{status}", response=shape.response(status, events.output, usage, finish))
+                response = shape.response(status, events.output, usage, finish)
+                if events.store is not None:
+                    events.store.put(response, events.items)
+                yield events.event(f"response.{status}", response=response)
     except Exception as e:  # (the stream has begun: an error event ends it)
         run.cancel(by_client=False)
         if raising:
