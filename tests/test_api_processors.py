@@ -294,6 +294,10 @@ def test_a_reasoning_models_thinking_comes_apart_from_its_answer(client: Any, en
         assert dropped.content == answer and "reasoning_content" not in (dropped.model_extra or {})
         shown = client.chat.completions.create(extra_body={"include_reasoning": None}, **ask).choices[0].message
         assert shown.model_extra["reasoning"] == thought  # (null: the default, as vLLM's)
+        prefilled = client.chat.completions.create(  # (a prefill inside the thought goes on inside it)
+            **{**ask, "messages": [*messages, {"role": "assistant", "content": thought[:2]}]},
+            extra_body={"continue_final_message": True}).choices[0].message
+        assert prefilled.model_extra.get("reasoning")
         for turn in ({"content": answer, "reasoning_content": thought}, {"content": None, "reasoning": thought}):
             again = [*messages, {"role": "assistant", **turn}, {"role": "user", "content": "more"}]
             assert client.chat.completions.create(model=MODEL, messages=again, max_tokens=2).choices[0].message

@@ -170,5 +170,12 @@ def test_every_error_on_its_paths_is_anthropics(server: LiveServer) -> None:
         r = server.client.post("/v1/messages", json=body, headers=headers)
         assert r.status_code == status and r.json()["type"] == "error" and r.json()["error"]["type"] == kind, r.text
     assert "tools[0].name" in r.json()["error"]["message"]  # (its own field names, not chat's)
+    use = {"type": "tool_use", "id": "t1", "name": "count", "input": {"days": 1}}
+    wrong = server.client.post("/v1/messages", headers={"x-api-key": KEY}, json={
+        "model": MODEL, "max_tokens": 4, "system": "S", "tools": [COUNT], "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "1"},
+                                         {"type": "tool_result", "tool_use_id": "nope", "content": "2"}]}]})
+    assert wrong.status_code == 400 and wrong.json()["error"]["message"].startswith("messages[2].content[1]")
     openai_shape = server.client.post("/v1/chat/completions", json={}, headers={"x-api-key": "wrong"}).json()
     assert "type" not in openai_shape and openai_shape["error"]["code"] == "invalid_api_key"

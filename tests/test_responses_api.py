@@ -157,6 +157,8 @@ def test_a_response_goes_on_from_a_kept_one(client: Any) -> None:
     if sent whole; GET reads a kept response, DELETE forgets it; store false keeps nothing."""
     first = client.responses.create(model=MODEL, input="How many?", max_output_tokens=6, temperature=0)
     assert first.store is True and client.responses.retrieve(first.id).output_text == first.output_text
+    scored = client.responses.create(model=MODEL, input="x", max_output_tokens=4, top_logprobs=2)
+    assert scored.output[0].content[0].logprobs and not client.responses.retrieve(scored.id).output[0].content[0].logprobs
     chained = client.responses.create(model=MODEL, previous_response_id=first.id, input="And then?",
                                       max_output_tokens=6, temperature=0)
     whole = client.responses.create(model=MODEL, max_output_tokens=6, temperature=0, input=[

@@ -241,20 +241,22 @@ def create_app(
         started = time.perf_counter()
         body: MessagesRequest = await parse_body(request, MessagesRequest)
         service.check_model(body.model)
+        chat, origins = messages_api.chat_body(body)
         try:
-            req, _, tools, thinking = await chat_request(messages_api.chat_body(body))
+            req, _, tools, thinking = await chat_request(chat)
         except APIError as e:  # (named as this endpoint names its fields)
-            raise messages_api.renamed(e) from None
+            raise messages_api.renamed(e, origins) from None
         return await messages_api.respond_to(service, body, req, tools, thinking, request, started, model_name)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Any:
         body: MessagesRequest = await parse_body(request, MessagesRequest)
         service.check_model(body.model)
+        chat, origins = messages_api.chat_body(body, counting=True)
         try:
-            req, _, _, _ = await chat_request(messages_api.chat_body(body, counting=True))
+            req, _, _, _ = await chat_request(chat)
         except APIError as e:
-            raise messages_api.renamed(e) from None
+            raise messages_api.renamed(e, origins) from None
         return {"input_tokens": len(req.prompt_tokens)}
 
     async def chat_request(body: ChatCompletionRequest
@@ -288,7 +290,8 @@ def create_app(
             max_tokens, max_param = body.max_tokens, "max_tokens"
         shown, thinking = body.include_reasoning is not False, None
         if getattr(service.engine.tokenizer, "has_thinking", False):  # (the prompt is read on the tokenizer's lane)
-            thinking = await service.tokenize(0, lambda tokenizer: reasoning_split(tokenizer, tokens, shown))
+            thinking = await service.tokenize(0, lambda tokenizer: reasoning_split(tokenizer, tokens, shown,
+                                                                                   body.continue_final_message))
             if fmt is not None and thinking is not None and thinking.thinking:  # (only the answer is held)
                 engine = service.engine
                 grammar = after_thought(fmt, engine.tokenizer, engine.eos, engine.vocab_size)

@@ -13,7 +13,7 @@ def error_body(message: str, type: str = "invalid_request_error", param: Optiona
 
 ANTHROPIC_PATHS = "/v1/messages"  # (and below it): errors in Anthropic's shape
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+                   404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def anthropic_body(status: int, message: str) -> dict[str, Any]:

@@ -35,21 +35,29 @@ ENDPOINT = "/v1/messages"
 STOPS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def renamed(e: APIError) -> APIError:
-    """A chat request's error as this endpoint names its fields (its errors go out in Anthropic's shape:
-    errors.py `body_for`)."""
-    message = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", e.message)
+def renamed(e: APIError, origins: list[str]) -> APIError:
+    """A chat request's error as this endpoint names its fields: a chat message by the message or block it
+    came from (`origins`), a tool's field without chat's `function.` (its errors go out in Anthropic's
+    shape: errors.py `body_for`)."""
+    def ours(text: str) -> str:
+        text = re.sub(r"messages\[(\d+)\]", lambda at: origins[int(at.group(1))] if int(at.group(1)) < len(origins)
+                      else at.group(0), text)
+        return re.sub(r"(tools\[\d+\])\.function\.", r"\1.", text)
+
+    message = ours(e.message)
     message = message.replace("tool_choice 'required'", 'tool_choice {"type": "any"}').replace(
         "max_completion_tokens", "max_tokens")
-    return APIError(e.status, message, param=e.param, code=e.code, type=e.type, headers=e.headers)
+    return APIError(e.status, message, param=ours(e.param) if e.param else None, code=e.code, type=e.type,
+                    headers=e.headers)
 
 
 # -- the body, as a chat request ----------------------------------------------------------------
 
 
-def chat_body(body: MessagesRequest, counting: bool = False) -> ChatCompletionRequest:
-    """The chat request a Messages body asks for (a 400 where it cannot be one; `counting`: only its prompt
-    is wanted, as count_tokens asks, so max_tokens may be left out)."""
+def chat_body(body: MessagesRequest, counting: bool = False) -> tuple[ChatCompletionRequest, list[str]]:
+    """The chat request a Messages body asks for, and where each of its messages came from (for errors:
+    `renamed`); a 400 where it cannot be one (`counting`: only its prompt is wanted, as count_tokens asks,
+    so max_tokens may be left out)."""
     from pydantic import ValidationError
 
     from .models import ChatCompletionRequest, _GenerationBody
@@ -63,7 +71,9 @@ def chat_body(body: MessagesRequest, counting: bool = False) -> ChatCompletionRe
     if isinstance(body.thinking, dict) and body.thinking.get("type") in ("enabled", "disabled"):
         kwargs.setdefault("enable_thinking", body.thinking["type"] == "enabled")  # (Qwen's templates read it)
     choice, parallel = _choice(body.tool_choice)
-    messages = ([{"role": "system", "content": system}] if system else []) + _messages(body.messages)
+    messages, origins = _messages(body.messages)
+    if system:
+        messages, origins = [{"role": "system", "content": system}, *messages], ["system", *origins]
     prefill = bool(messages) and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     # (a last assistant message is Anthropic's prefill: the reply goes on from it)
     chat = {**shared, "messages": messages, "stop": body.stop_sequences,
@@ -71,9 +81,9 @@ def chat_body(body: MessagesRequest, counting: bool = False) -> ChatCompletionRe
             "tools": _tools(body.tools), "tool_choice": choice, "parallel_tool_calls": parallel,
             "chat_template_kwargs": kwargs or None}
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+        return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None}), origins
     except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
+        raise renamed(validation_error(e.errors(include_url=False)), origins) from None
 
 
 def _format(config: Any) -> Optional[dict[str, Any]]:
@@ -96,8 +106,9 @@ def _text(where: str, content: Any) -> str:
     raise APIError(400, f"{where} must be text, or a list of text blocks", param=where)
 
 
-def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
     out: list[dict[str, Any]] = []
+    origins: list[str] = []  # (each chat message's: the message, or the tool_result block, it came from)
     for i, m in enumerate(messages):
         role, content, where = m.get("role"), m.get("content"), f"messages[{i}]"
         if role not in ("user", "assistant"):
@@ -120,11 +131,13 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 result = _text(f"{where}.content[{j}].content", result)
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                             "content": f"Error: {result}" if b.get("is_error") else result})
+                origins.append(f"{where}.content[{j}]")
             else:
                 raise APIError(400, f"{where}.content[{j}]: {kind!r} blocks are not supported here",
                                param=f"{where}.content[{j}].type")
         if role == "user" and (text or not blocks):
             out.append({"role": "user", "content": "\n".join(text)})
+            origins.append(where)
         elif role == "assistant":
             msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(text) or (None if calls else "")}
             if calls:
@@ -132,7 +145,8 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if thought:
                 msg["reasoning_content"] = "".join(thought)
             out.append(msg)
-    return out
+            origins.append(where)
+    return out, origins
 
 
 def _tools(tools: Any) -> Any:

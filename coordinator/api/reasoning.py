@@ -62,14 +62,16 @@ class ReasoningSplit:
         return thought, answer
 
 
-def reasoning_split(tokenizer: Any, prompt: list[int], shown: bool = True) -> ReasoningSplit | None:
+def reasoning_split(tokenizer: Any, prompt: list[int], shown: bool = True,
+                    continued: bool = False) -> ReasoningSplit | None:
     """The split for a reply to `prompt`, if the tokenizer knows thinking tags: inside a thought when
     the prompt ends in an opening tag and blank space (as a template that opens the thought leaves it;
-    the tag written in a message is not that)."""
+    the tag written in a message is not that), or, where the reply goes on from the prompt's last message
+    (`continued`: a prefill), when that message opened a thought it has not closed."""
     if not getattr(tokenizer, "has_thinking", False):
         return None
     tail = max(0, len(prompt) - PROMPT_TAIL)
     at = tokenizer.rfind_think_start(prompt, start=tail)
     opened = at >= 0 and at > tokenizer.rfind_think_end(prompt, start=tail) and \
-        not tokenizer.decode(prompt[at + len(tokenizer.think_start_tokens) :]).strip()
+        (continued or not tokenizer.decode(prompt[at + len(tokenizer.think_start_tokens) :]).strip())
     return ReasoningSplit(tokenizer.think_start, tokenizer.think_end, shown, thinking=opened, answered=opened)

@@ -1,29 +1,45 @@
 """Responses kept for `previous_response_id` and `GET /v1/responses/{id}`: the most recent ones, in the API
 process's memory (gone when it restarts), as OpenAI keeps them for clients that chain turns. A response
 is kept with the conversation that led to it, its input items after those of the responses it followed;
-its own output items continue that conversation. Instructions are not kept: each request gives its own."""
+its own output items continue that conversation. Instructions are not kept: each request gives its own,
+nor are log-probabilities (a response read back has none). At most `most` responses, and `most_bytes` of
+them as JSON, are kept; the least recently used go first."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from typing import Any, Optional
 
 DEFAULT_KEPT = 256
+DEFAULT_KEPT_BYTES = 256 * 2**20
 
 
 class ResponseStore:
-    def __init__(self, most: int = DEFAULT_KEPT):
-        self.most = most
-        self._kept: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+    def __init__(self, most: int = DEFAULT_KEPT, most_bytes: int = DEFAULT_KEPT_BYTES):
+        self.most, self.most_bytes = most, most_bytes
+        self._kept: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], int]] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def put(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
-        """Keep `response`, which `items` (its conversation's input items) led to; the oldest go past `most`."""
+        """Keep `response` (without its log-probabilities), which `items` (its conversation's input items)
+        led to; the least recently used go past `most` responses or `most_bytes`."""
+        response = {**response, "output": [_without_logprobs(item) for item in response["output"]]}
+        size = len(json.dumps([response, items], ensure_ascii=False))
         with self._lock:
-            self._kept[response["id"]] = (response, items)
-            while len(self._kept) > self.most:
-                self._kept.popitem(last=False)
+            self._drop(response["id"])
+            self._kept[response["id"]] = (response, items, size)
+            self._bytes += size
+            while self._kept and (len(self._kept) > self.most or self._bytes > self.most_bytes):
+                self._drop(next(iter(self._kept)))
+
+    def _drop(self, response_id: str) -> bool:
+        kept = self._kept.pop(response_id, None)
+        if kept is not None:
+            self._bytes -= kept[2]
+        return kept is not None
 
     def get(self, response_id: str) -> Optional[dict[str, Any]]:
         with self._lock:
@@ -40,4 +56,10 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
-            return self._kept.pop(response_id, None) is not None
+            return self._drop(response_id)
+
+
+def _without_logprobs(item: dict[str, Any]) -> dict[str, Any]:
+    if item.get("type") != "message":
+        return item
+    return {**item, "content": [{**part, "logprobs": []} if "logprobs" in part else part for part in item["content"]]}

@@ -103,7 +103,8 @@ def renamed(e: APIError, origins: list[str]) -> APIError:
     message, param = ours(e.message), ours(e.param or "").rstrip(".")
     head = param.split("[")[0].split(".")[0]
     param = FIELDS.get(head, head) + param[len(head):]
-    if param in ("input", "tools") and (named := re.match(r"((?:input|tools)\[\d+\][\w.\[\]]*):", message)):
+    if param in ("input", "tools") and (named := re.match(r"((?:input|tools)\[\d+\][\w.\[\]]*|previous_response_id):",
+                                                          message)):
         param = named.group(1)
     return APIError(e.status, message, param=param or None, code=e.code, type=e.type, headers=e.headers)
 
@@ -127,6 +128,7 @@ def _messages(items: list[dict[str, Any]], instructions: Optional[str],
     thought: Optional[str] = None
     for at, item in enumerate(items):
         i = at - earlier  # (its index in the body's input; below 0: kept from an earlier response)
+        where = f"input[{i}]" if i >= 0 else "previous_response_id"
         kind = item.get("type", "message")
         if kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
@@ -135,8 +137,8 @@ def _messages(items: list[dict[str, Any]], instructions: Optional[str],
         if kind == "message":
             role = item.get("role")
             if role not in ROLES:
-                raise APIError(400, f"input[{i}].role must be one of {', '.join(ROLES)}", param=f"input[{i}].role")
-            text = _text(i, item.get("content"))
+                raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}", param=f"{where}.role")
+            text = _text(where, item.get("content"))
             role = "system" if role == "developer" else role
             if role == "system" and len(out) == len([m for m in out if m["role"] == "system"]) and out:
                 out[-1]["content"] += "\n\n" + text  # (one system message, first)
@@ -144,8 +146,8 @@ def _messages(items: list[dict[str, Any]], instructions: Optional[str],
             msg: dict[str, Any] = {"role": role, "content": text}
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise APIError(400, f"input[{i}]: a function_call needs call_id, name and arguments (strings)",
-                               param=f"input[{i}]")
+                raise APIError(400, f"{where}: a function_call needs call_id, name and arguments (strings)",
+                               param=f"{where}")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             if out and out[-1]["role"] == "assistant":  # (its text, or calls made together)
@@ -155,26 +157,26 @@ def _messages(items: list[dict[str, Any]], instructions: Optional[str],
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or output is None:
-                raise APIError(400, f"input[{i}]: a function_call_output needs call_id and output", param=f"input[{i}]")
+                raise APIError(400, f"{where}: a function_call_output needs call_id and output", param=f"{where}")
             msg = {"role": "tool", "tool_call_id": item["call_id"],
-                   "content": output if isinstance(output, str) else _text(i, output)}
+                   "content": output if isinstance(output, str) else _text(where, output)}
         else:
-            raise APIError(400, f"input[{i}]: items of type {kind!r} are not supported here", param=f"input[{i}].type")
+            raise APIError(400, f"{where}: items of type {kind!r} are not supported here", param=f"{where}.type")
         if msg["role"] == "assistant" and thought is not None:
             msg["reasoning_content"], thought = thought, None
         out.append(msg)
-        origins.append(f"input[{i}]" if i >= 0 else "previous_response_id")
+        origins.append(where)
     return out, origins
 
 
-def _text(i: int, content: Any) -> str:
+def _text(where: str, content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS and
                                          isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise APIError(400, f"input[{i}].content must be text, or a list of input_text/output_text parts",
-                   param=f"input[{i}].content")
+    raise APIError(400, f"{where}.content must be text, or a list of input_text/output_text parts",
+                   param=f"{where}.content")
 
 
 def _tools(tools: Any) -> Any:
