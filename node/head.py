@@ -65,7 +65,7 @@ class DraftState:
 
     @property
     def processed(self) -> bool:
-        return has_processors(self.params)
+        return has_processors(self.params, self.history)
 
     def pick(self, p: np.ndarray, offset: int = 0) -> int:
         """A sampled token (or draft) for the position `offset` after the sequence's end: keyed by

@@ -98,9 +98,12 @@ def has_additive(params: SamplingParams) -> bool:
     return bool(params.logit_bias) or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
-def has_processors(params: SamplingParams) -> bool:
-    return (has_additive(params) or params.repetition_penalty != 1.0 or params.grammar is not None
-            or params.min_tokens > 0)
+def has_processors(params: SamplingParams, history: History | None = None) -> bool:
+    """Whether a row's logits are processed: for penalties, a bias or a grammar always; for min_tokens while
+    it holds back a token that would end the row (known from its `history`; without one, whenever asked)."""
+    holds = params.min_tokens > 0 if history is None else \
+        params.min_tokens > len(history.generated) and bool(history.ends)
+    return has_additive(params) or params.repetition_penalty != 1.0 or params.grammar is not None or holds
 
 
 def apply(logits: mx.array, rows: list[tuple[int, SamplingParams, History, list[int]]]) -> mx.array:

@@ -274,3 +274,18 @@ def test_sampled_joint_distribution_with_penalties_matches_plain_sampling() -> N
             tokens = tokens + [draw(target(1, tokens, [])[0], rng)]
         counts[tokens[0], tokens[1]] += 1
     assert chi_square(counts.reshape(-1), reference.reshape(-1)) < chi2_critical(ALPHA, 24)
+
+
+def test_min_tokens_processes_a_row_only_while_it_holds_an_end_back() -> None:
+    """A row with min_tokens is processed (its next round waits for its token) while an end token is
+    masked, not for its whole life; with nothing to mask (ignore_eos, no stop ids) never."""
+    has_processors = processors.has_processors
+    params = SamplingParams(min_tokens=2)
+    history = History(ends=frozenset({5}))
+    assert has_processors(params) and has_processors(params, history)
+    history.emit([1])
+    assert has_processors(params, history)
+    history.emit([2])
+    assert not has_processors(params, history)
+    assert not has_processors(params, History())
+    assert has_processors(SamplingParams(min_tokens=2, logit_bias=((1, 1.0),)), History())
