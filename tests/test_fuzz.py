@@ -122,3 +122,28 @@ def test_api_bodies_get_an_answer_never_a_crash(api: tuple[Any, Any], path: str,
         assert r.json()["error"]["message"]
     held = engine.thread.call(lambda: [stage.sequences for stage in engine.stages])  # nothing left behind
     assert held == [0] * len(held)
+
+
+NEW_FIELDS = ["model", "input", "instructions", "max_output_tokens", "messages", "system", "max_tokens",
+              "stop_sequences", "tools", "tool_choice", "text", "output_config", "thinking", "previous_response_id",
+              "min_tokens", "prompt_logprobs", "echo", "prompt", "logprobs", "top_logprobs", "include", "store"]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/v1/completions",
+                        "/tokenize"]),
+       st.dictionaries(st.sampled_from(NEW_FIELDS), JSON, max_size=6), st.integers(0, 3))
+def test_the_newer_endpoints_answer_any_body(api: tuple[Any, Any], path: str, body: dict, budget: int) -> None:
+    """The Responses and Messages APIs, scoring and /tokenize: a clear error (in the path's shape) or an
+    answer, never a crash, nothing left behind."""
+    engine, client = api
+    for name in ("max_tokens", "max_output_tokens"):  # (valid bodies generate a few tokens, not thousands)
+        if not isinstance(body.get(name), int) or body[name] > 3:
+            body[name] = budget
+    r = client.post(path, json=body)
+    assert r.status_code in (200, 400, 404, 413), (r.status_code, r.text[:300])
+    if r.status_code != 200:
+        error = r.json()
+        assert error["error"]["message"] and (error.get("type") == "error") == path.startswith("/v1/messages")
+    held = engine.thread.call(lambda: [stage.sequences for stage in engine.stages])
+    assert held == [0] * len(held)

@@ -189,6 +189,7 @@ def test_a_response_goes_on_from_a_kept_one(client: Any) -> None:
     ({"input": []}, "input"),
     ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
     ({"input": "x", "background": True}, "background"),
+    ({"input": [{"type": "reasoning", "content": -4}, {"role": "user", "content": "x"}]}, "input[0]"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "nope", "output": "1"}],
       "instructions": "Be brief."}, "input[1]"),
     ({"input": "x", "tools": [{"type": "function", "name": "has space"}]}, "tools[0].name"),

@@ -132,7 +132,10 @@ def _messages(items: list[dict[str, Any]], instructions: Optional[str],
         kind = item.get("type", "message")
         if kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            thought = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
+            if not isinstance(parts, list):
+                raise APIError(400, f"{where}: a reasoning item's content is a list of text parts", param=where)
+            texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            thought = "".join(texts) or None
             continue
         if kind == "message":
             role = item.get("role")
