@@ -236,3 +236,18 @@ def test_a_prompt_only_scored_may_fill_the_context_and_drafts_nothing(client: An
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
     finally:
         engine.max_context = context
+
+
+@pytest.mark.parametrize("top", [0, 1, 3])
+def test_scores_read_on_the_host_equal_those_read_on_the_device(top: int) -> None:
+    """On the CPU backend the scores are normalized with numpy, on a GPU by MLX: the same numbers."""
+    from mtpipe.node.scoring import _on_device, _on_host
+
+    logits = mx.random.normal((9, 50), key=mx.random.key(top)) * 4
+    tokens = [3, 7, 0, 49, 12, 12, 5, 8, 30]
+    host, device = _on_host(np.array(logits), tokens, top), _on_device(logits, tokens, top)
+    np.testing.assert_allclose(host[0], device[0], atol=1e-5)
+    assert host[1] == device[1] and (host[2] is None) == (device[2] is None) == (top == 0)
+    if top:
+        assert [sorted(i) for i in host[2]] == [sorted(i) for i in device[2]]
+        np.testing.assert_allclose(np.sort(host[3]), np.sort(device[3]), atol=1e-5)
