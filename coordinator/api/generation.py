@@ -361,12 +361,10 @@ class ResponseFormat:
                 delta = {"role": "assistant", "content": ""}
             choice = {"index": self.index, "delta": delta, "logprobs": self.logprobs(logprobs), "finish_reason": finish,
                       **ended}
-            extra = shown
         else:
             choice = {"index": self.index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish,
                       **ended, **shown}
-            extra = {}
-        extra.update({"usage": None} if self.include_usage else {})
+        extra = {**(shown if self.chat else {}), **({"usage": None} if self.include_usage else {})}
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,6 @@ that choice's chat chunks. Errors have Anthropic's shape, `{"type": "error", "er
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import uuid
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import APIError, anthropic_body, validation_error
 from .generation import ResponseFormat
-from .responses import _watch, begin, choice_chunks, choices_of
+from .responses import choice_chunks, one_choice
 
 if TYPE_CHECKING:
     from ..engine.request import GenerationRequest, GenerationStats
@@ -269,42 +268,24 @@ async def _chunks(service: Service, blocks: _Blocks, choice: Any, run: Any, star
 async def respond_to(service: Service, body: MessagesRequest, req: GenerationRequest, tools: Optional[ToolSpec],
                      thinking: Optional[ReasoningSplit], request: Any, started: float, model: str) -> Any:
     """A Messages body's Message: streamed, or whole as its stream builds it."""
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-
     blocks = _Blocks(model, req)
-    (choice,) = choices_of([req], 1, thinking)
-    (run,) = await begin(service, [choice], request, admitted=bool(body.stream))
-    if body.stream:
-        watcher = asyncio.create_task(_watch(request, [run]))  # (also if the stream is never iterated)
-        return StreamingResponse(_streamed(service, blocks, choice, run, started, tools, watcher),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    watcher = asyncio.create_task(_watch(request, [run]))
-    try:
-        async for _ in _chunks(service, blocks, choice, run, started, tools):
-            pass
-    except Exception as e:
-        run.cancel(by_client=False)
-        raise e if isinstance(e, APIError) else service.server_error(e) from None
-    finally:
-        watcher.cancel()
-        run.cancel()
-    if blocks.stopped is None:  # (stopped before it finished)
-        if request is None or await request.is_disconnected():
-            return Response(status_code=499)  # (nobody reads this)
-        raise service.server_error(RuntimeError("a generation ended before it finished"))
-    return JSONResponse(blocks.message(*blocks.stopped))
+    return await one_choice(service, req, thinking, request, bool(body.stream),
+                            lambda choice, run, raising: _events(service, blocks, choice, run, started, tools,
+                                                                 raising),
+                            lambda: None if blocks.stopped is None else blocks.message(*blocks.stopped))
 
 
-async def _streamed(service: Service, blocks: _Blocks, choice: Any, run: Any, started: float,
-                    tools: Optional[ToolSpec], watcher: "asyncio.Task[None]") -> AsyncIterator[str]:
-    watcher.cancel()  # (iterated: a client that leaves cancels the iteration)
+async def _events(service: Service, blocks: _Blocks, choice: Any, run: Any, started: float,
+                  tools: Optional[ToolSpec], raising: bool) -> AsyncIterator[str]:
+    """The Messages events of one choice; an error ends them with an `error` event (`raising`: raised)."""
     try:
         async for event in _chunks(service, blocks, choice, run, started, tools):
             yield event
-    except Exception as e:  # (the stream has begun: an error event ends it)
+    except Exception as e:
         run.cancel(by_client=False)
         error = e if isinstance(e, APIError) else service.server_error(e)
+        if raising:
+            raise error from None
         yield blocks.event("error", error=anthropic_body(error.status, error.message)["error"])
     finally:
         run.cancel()

@@ -12,7 +12,7 @@ fails later fails the response, and the others stop.
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 from .deltas import thought_apart, tool_deltas
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from .chat import ToolSpec
     from .reasoning import ReasoningSplit
     from .service import Service
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclasses.dataclass
@@ -150,20 +152,7 @@ async def _watch(request: Any, runs: list[GenerationThread]) -> None:
 
 async def complete(service: "Service", endpoint: str, choices: list[Choice], fmt: ResponseFormat, request: Any,
                    started: float, tools: "Optional[ToolSpec]" = None) -> Any:
-    from fastapi.responses import JSONResponse
-
-    answers = await answered(service, endpoint, choices, fmt, request, started, tools)
-    if not isinstance(answers, list):
-        return answers
-    usage = usage_of([(c.prompt, stats) for c, (_, stats, _) in zip(choices, answers)], choices[0].req.depth_label)
-    return JSONResponse(fmt.response([choice for choice, _, _ in answers], usage, prompt_logprobs=answers[0][2]))
-
-
-async def answered(service: "Service", endpoint: str, choices: list[Choice], fmt: ResponseFormat, request: Any,
-                   started: float, tools: "Optional[ToolSpec]" = None) -> Any:
-    """Every choice run whole: (its choice object in `fmt`'s shape, its stats, vLLM's prompt_logprobs) in
-    index order; or the response to give when one never finished (499: its client went away)."""
-    from fastapi.responses import Response
+    from fastapi.responses import JSONResponse, Response
 
     runs = await begin(service, choices, request, admitted=False)
     watcher = asyncio.create_task(_watch(request, runs))
@@ -182,7 +171,8 @@ async def answered(service: "Service", endpoint: str, choices: list[Choice], fmt
         if request is None or await request.is_disconnected():
             return Response(status_code=499)  # (nobody reads this)
         raise service.server_error(RuntimeError("a generation ended before it finished"))
-    return answers
+    usage = usage_of([(c.prompt, stats) for c, (_, stats, _) in zip(choices, answers)], choices[0].req.depth_label)
+    return JSONResponse(fmt.response([choice for choice, _, _ in answers], usage, prompt_logprobs=answers[0][2]))
 
 
 async def _answer(service: "Service", endpoint: str, choice: Choice, run: GenerationThread, fmt: ResponseFormat,
@@ -246,11 +236,39 @@ async def stream(service: "Service", endpoint: str, choices: list[Choice], fmt: 
 
     runs = await begin(service, choices, request, admitted=True)
     watcher = asyncio.create_task(_watch(request, runs))  # also if the stream is never iterated
-    return StreamingResponse(
-        _events(service, endpoint, choices, runs, fmt, watcher, started, tools),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return StreamingResponse(_events(service, endpoint, choices, runs, fmt, watcher, started, tools),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def one_choice(service: "Service", req: "GenerationRequest", thinking: "Optional[ReasoningSplit]", request: Any,
+                     streamed: bool, events: Callable[[Choice, GenerationThread, bool], AsyncIterator[str]],
+                     whole: Callable[[], Optional[dict[str, Any]]]) -> Any:
+    """One choice answered in another API's shape (responses_api.py, messages_api.py): streamed as
+    `events(choice, run, False)` gives them (an error ends them as an event), or whole: its events run
+    through (`events(choice, run, True)`: an error raised), then `whole()` is the object (None where it
+    never finished: its client went away, or the engine let it go)."""
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    (choice,) = choices_of([req], 1, thinking)
+    (run,) = await begin(service, [choice], request, admitted=streamed)
+    watcher = asyncio.create_task(_watch(request, [run]))  # (also if a stream is never iterated)
+    if streamed:
+        async def iterated() -> AsyncIterator[str]:
+            watcher.cancel()  # (from here a client that leaves cancels the iteration)
+            async for event in events(choice, run, False):
+                yield event
+
+        return StreamingResponse(iterated(), media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        async for _ in events(choice, run, True):
+            pass
+    finally:
+        watcher.cancel()
+    if (answer := whole()) is None:
+        if request is None or await request.is_disconnected():
+            return Response(status_code=499)  # (nobody reads this)
+        raise service.server_error(RuntimeError("a generation ended before it finished"))
+    return JSONResponse(answer)
 
 
 async def _events(service: "Service", endpoint: str, choices: list[Choice], runs: list[GenerationThread],

@@ -13,7 +13,6 @@ may go on from one (`previous_response_id`), and `GET` / `DELETE /v1/responses/{
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import APIError, validation_error
 from .generation import ResponseFormat, usage_of
-from .responses import _watch, begin, choice_chunks, choices_of
+from .responses import choice_chunks, one_choice
 
 if TYPE_CHECKING:
     from ..engine.request import GenerationRequest, GenerationStats
@@ -278,28 +277,16 @@ async def respond_to(service: Service, body: ResponsesRequest, req: GenerationRe
     """The response to a Responses body's request: streamed, or whole as the stream's last event holds it
     (so both read a reply alike: an item's logprobs are its own text's). Once finished it is kept in
     `store` with its conversation's input `items`, unless the body says `store: false`."""
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-
     events, chat = _Events(Shape(body, model), store if body.store is not False else None, items), \
         ResponseFormat(True, model)
-    (choice,) = choices_of([req], 1, thinking)
-    (run,) = await begin(service, [choice], request, admitted=bool(body.stream))
-    if body.stream:
-        watcher = asyncio.create_task(_watch(request, [run]))  # (also if the stream is never iterated)
-        return StreamingResponse(_events(service, events, choice, run, chat, started, tools, watcher=watcher),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    watcher = asyncio.create_task(_watch(request, [run]))
-    try:
-        async for _ in _events(service, events, choice, run, chat, started, tools, raising=True):
-            pass
-    finally:
-        watcher.cancel()
-    if events.last.get("type") not in ("response.completed", "response.incomplete"):  # (stopped before it finished)
-        if request is None or await request.is_disconnected():
-            return Response(status_code=499)  # (nobody reads this)
-        raise service.server_error(RuntimeError("a generation ended before it finished"))
-    return JSONResponse(events.last["response"])
+
+    def whole() -> Optional[dict[str, Any]]:
+        return events.last["response"] if events.last.get("type") in ("response.completed", "response.incomplete") \
+            else None
+
+    return await one_choice(service, req, thinking, request, bool(body.stream),
+                            lambda choice, run, raising: _events(service, events, choice, run, chat, started, tools,
+                                                                 raising), whole)
 
 
 class _Events:
@@ -374,13 +361,9 @@ class _Events:
 
 
 async def _events(service: Service, events: _Events, choice: Any, run: Any, chat: ResponseFormat, started: float,
-                  tools: Optional[ToolSpec], raising: bool = False,
-                  watcher: "Optional[asyncio.Task[None]]" = None) -> AsyncIterator[str]:
+                  tools: Optional[ToolSpec], raising: bool = False) -> AsyncIterator[str]:
     """The Responses events of one choice's chat chunks; an error ends them with `error` and
-    `response.failed` (`raising`: raised instead). Once iterated, a client that leaves cancels the
-    iteration (Starlette), so the `watcher` of a stream not begun yet is not needed."""
-    if watcher is not None:
-        watcher.cancel()
+    `response.failed` (`raising`: raised instead)."""
     shape, finals = events.shape, [None]
     yield events.event("response.created", response=shape.response("in_progress", []))
     yield events.event("response.in_progress", response=shape.response("in_progress", []))

@@ -132,13 +132,8 @@ class Service:
 
     def token_logprobs(self, tokens: list[int], logprobs: Any) -> list[dict[str, Any]]:
         """Chat-style entries (token text, logprob, bytes, top_logprobs) for emitted tokens."""
-        def entry(token: int, value: float) -> dict[str, Any]:
-            tok = self.engine.tokenizer
-            return {"token": tok.decode([token]), "logprob": value, "bytes": list(token_bytes(tok, token))}
-
         with self.tokenizer_lock:
-            return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
-                    for t, (lp, top) in zip(tokens, logprobs or [])]
+            return _entries(self.engine.tokenizer, tokens, logprobs or [])
 
     async def prompt_entries(self, tokens: list[int], scored: "Optional[list[Scored]]", top: int,
                              ranked: bool = False) -> list[dict[str, Any]]:
@@ -150,17 +145,13 @@ class Service:
                                f"{len(tokens)} tokens")
 
         def entries(tok: Any) -> list[Any]:
-            def entry(token: int, value: float | None) -> dict[str, Any]:
-                return {"token": tok.decode([token]), "logprob": value, "bytes": list(token_bytes(tok, token))}
-
             if ranked:
                 return [None] + [{str(t): {"logprob": s.logprob, "rank": s.rank, "decoded_token": tok.decode([t])},
                                   **{str(i): {"logprob": v, "rank": r, "decoded_token": tok.decode([i])}
                                      for r, (i, v) in enumerate(s.top[:top], 1) if i != t}}
                                  for t, s in zip(tokens[1:], scored)]
-            return [{**entry(tokens[0], None), "top_logprobs": None}] + [
-                {**entry(t, s.logprob), "top_logprobs": [entry(i, v) for i, v in s.top[:top]]}
-                for t, s in zip(tokens[1:], scored)]
+            return [{**_entry(tok, tokens[0], None), "top_logprobs": None}] + \
+                _entries(tok, tokens[1:], [(s.logprob, s.top[:top]) for s in scored])
 
         return await self.tokenize(len(tokens), entries)
 
@@ -381,3 +372,13 @@ class Service:
             "links": [],
             "nodes": [{"name": "local", "address": None, "healthy": True, "stages": stages}],
         }
+
+
+def _entry(tok: Any, token: int, value: Optional[float]) -> dict[str, Any]:
+    return {"token": tok.decode([token]), "logprob": value, "bytes": list(token_bytes(tok, token))}
+
+
+def _entries(tok: Any, tokens: list[int], logprobs: Any) -> list[dict[str, Any]]:
+    """Chat-style entries for `tokens`, each with its (logprob, [(token, logprob) of the top others])."""
+    return [{**_entry(tok, t, lp), "top_logprobs": [_entry(tok, i, v) for i, v in top]}
+            for t, (lp, top) in zip(tokens, logprobs)]
