@@ -198,9 +198,8 @@ class Head:
             self.processed_costs = None
         prefill = req.kind is StepKind.PREFILL
         if prefill:
-            d.history.ends = frozenset(req.stop_tokens) if req.final else d.history.ends  # (min_tokens: before a pick)
             self.observe(req.tokens)
-            d.history.extend_prompt(req.tokens)
+            d.history.extend_prompt(req.tokens, req.stop_tokens if req.final else None)  # (ends: before a pick)
             self._extend_mtp(d, mtp_in, req.tokens)
             if d.scores is not None:
                 out.prompt_logprobs = d.scores.read(self.model, normed, req.tokens, req.final)

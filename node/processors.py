@@ -63,7 +63,10 @@ class History:
     constraint: Constraint | None = None  # the grammar its output is held to
     ends: frozenset[int] = frozenset()  # the tokens that end it: refused before params.min_tokens were generated
 
-    def extend_prompt(self, tokens: list[int]) -> None:
+    def extend_prompt(self, tokens: list[int], ends: tuple[int, ...] | None = None) -> None:
+        """A prompt chunk taken in; the last one names the tokens that end the row (`ends`)."""
+        if ends is not None:
+            self.ends = frozenset(ends)
         if self.generated_from:
             again = list(tokens)[max(0, self.generated_from - self.length) :]
             self.generated += again
