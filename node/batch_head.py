@@ -28,7 +28,7 @@ from .depth_rates import batch_rates
 from .device_sampling import drafts_on_device, draw_drafts, sample, samples_on_device
 from .constraints import Constraint
 from .head import DraftState, Head, Prepared
-from .processors import LogprobTable, apply, logprob_table, read_logprobs
+from .processors import LogprobTable, apply, draft_row, logprob_table, read_logprobs
 from .protocol import Commit, SamplingParams, StageError, StepOutput
 
 
@@ -328,15 +328,19 @@ class BatchHead:
         queue = not host and queue_layers()  # each draft step computes while the host builds the next
         tokens = mx.zeros((B,), mx.int32)
         vocab = self.head.vocab
-        bias = None  # rows' logit_bias on their drafts too: drafts from the biased distribution are accepted
-        if any(d.params.logit_bias and d.depth for d in self.states):
-            bias = vocab.narrow(mx.stack([d.bias_row(vocab.vocab) if d.params.logit_bias
-                                          else mx.zeros((vocab.vocab,), mx.float32) for d in self.states]))
+        rows_bias: list[mx.array | None] = [None] * B  # (what each row's drafts add: processors.draft_row)
+        bias = None
         for k in range(depth):
             if k:
                 real = [1 if d.depth > k else 0 for d in self.states]
                 g = self.model.mtp.rows(g, self.model.embed(tokens[:, None]), self.mtp, real, window)
             logits = vocab.logits(g)[:, 0]
+            adds = [draft_row(d.bias_row(vocab.vocab), d.params, d.history, k, vocab.vocab) if d.depth > k else None
+                    for d in self.states]
+            if any(a is not b for a, b in zip(adds, rows_bias)):
+                rows_bias, zero = adds, mx.zeros((vocab.vocab,), mx.float32)
+                bias = vocab.narrow(mx.stack([zero if a is None else a for a in adds])) if any(
+                    a is not None for a in adds) else None
             if bias is not None:
                 logits = logits + bias
             index = mx.argmax(logits, axis=-1)

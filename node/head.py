@@ -24,7 +24,8 @@ from .acceptance import accept_coupled, accept_greedy, accept_sampled, draw, fil
 from .depth import PRIOR_ROUNDS, DepthChooser, StageCosts
 from .device_sampling import drafts_on_device, draw_drafts
 from .constraints import Grammars, constraint_for
-from .processors import History, LogprobTable, apply, bias_vector, has_processors, logprob_table, read_logprobs
+from .processors import (History, LogprobTable, apply, bias_vector, draft_row, has_processors, logprob_table,
+                         read_logprobs)
 from .protocol import Commit, SamplingParams, StepKind, StepOutput, StepRequest
 from .scoring import PromptScores
 
@@ -384,14 +385,13 @@ class Head:
         drawn_from: list[mx.array] = []  # drawn on the device
         on_device = drafts_on_device(d.params)
         queue = queue_layers()  # each draft step computes while the host builds the next
-        vocab = self.vocab
-        bias = d.bias_row(vocab.vocab)  # drafts drawn from the biased distribution are accepted as often
-        bias = vocab.narrow(bias) if bias is not None else None
+        vocab, narrowed = self.vocab, (None, None)  # (a bias row, the same row over the draft vocabulary)
         for k in range(d.depth):
             g = self.model.mtp(hid, self.model.embed(inputs), d.mtp_cache, self.mtp_window)[:, -1:]
             logits = vocab.logits(g).reshape(-1)
-            if bias is not None:
-                logits = logits + bias
+            if (bias := draft_row(d.bias_row(vocab.vocab), d.params, d.history, k, vocab.vocab)) is not None:
+                narrowed = narrowed if narrowed[0] is bias else (bias, vocab.narrow(bias))
+                logits = logits + narrowed[1]
             if d.params.greedy or on_device:
                 if on_device:
                     index, q = draw_drafts(logits[None], d.params, d.next_key())

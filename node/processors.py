@@ -10,8 +10,8 @@ are one dense row per request, kept on the device and updated with each round's 
 picks and sampling both read the processed logits, so greedy output equals non-speculative decoding
 with the same settings and sampled output keeps its distribution.
 
-Until `min_tokens` were generated, the tokens that end the sequence get -inf (vLLM's min_tokens). A
-grammar (constraints.py) comes last: the tokens it refuses at a position get -inf there.
+Until `min_tokens` were generated, the tokens that end the sequence get -inf (vLLM's min_tokens), in
+the MTP head's draft logits too (`draft_row`). A grammar (constraints.py) comes last: the tokens it refuses at a position get -inf there.
 
 Log-probabilities are those of the processed logits before temperature and the top-k/top-p/min-p
 filters (what the model, with the request's biases and penalties, gives each token; under a grammar,
@@ -168,6 +168,22 @@ def bias_vector(params: SamplingParams, vocab: int) -> mx.array:
     if pairs:
         row[mx.array([t for t, _ in pairs])] = mx.array([v for _, v in pairs])
     return row
+
+
+def draft_row(bias: mx.array | None, params: SamplingParams, history: History, ahead: int,
+              vocab: int) -> mx.array | None:
+    """What a row's draft `ahead` tokens past its emitted ones adds to the MTP head's logits: its logit_bias
+    (`bias`, its dense row: drafts from the biased distribution are accepted as often), and -inf for the
+    tokens that end it while min_tokens were not generated there (the verify refuses them: a greedy draft
+    is then the token the verify picks instead). Whatever a draft is drawn from is also what its
+    acceptance reads, so output is unchanged. None: nothing to add."""
+    if len(history.generated) + ahead >= params.min_tokens:
+        return bias
+    if not (ends := sorted(t for t in history.ends if t < vocab)):
+        return bias
+    early = mx.zeros((vocab,), mx.float32)
+    early[mx.array(ends)] = -mx.inf
+    return early if bias is None else bias + early
 
 
 @dataclass

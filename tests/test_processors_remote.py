@@ -13,7 +13,7 @@ import pytest
 from helpers import node_servers
 from test_pipeline_grpc import accepting_checkpoint
 
-from mtpipe.coordinator.engine.build import local_engine, remote_engine
+from mtpipe.coordinator.engine.build import batch_engine, local_engine, remote_engine
 from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.node.protocol import SamplingParams
@@ -132,3 +132,22 @@ def test_no_logprobs_on_the_wire_unless_asked(engines: tuple[Engine, Engine]) ->
             del remote.pipeline._dispatch
         assert tokens and lps == [] and results
         assert all(len(r.logprobs) == 0 for r in results)
+
+
+@pytest.mark.parametrize("where", ["in-process", "nodes", "batch"])
+def test_drafts_leave_out_what_min_tokens_refuses(engines: tuple[Engine, Engine], ckpt: Path, where: str) -> None:
+    """EOS pushed to the top is not drafted before min_tokens (the verify would refuse it): the head drafts
+    the token the verify picks instead, so drafts are accepted, and the tokens are those of depth 0."""
+    local, remote = engines
+    eos = sorted(local.eos)[0]
+    params = SamplingParams(logit_bias=((eos, 100.0),), min_tokens=MAX_TOKENS)
+    want = run(local, params, 0)[0]
+    assert len(want) == MAX_TOKENS and eos not in want
+    engine = {"in-process": local, "nodes": remote}.get(where) or batch_engine(ckpt, dtype=mx.float32)
+    try:
+        got, _, stats = run(engine, params, 2)
+    finally:
+        if where == "batch":
+            engine.close()
+    assert got == want
+    assert stats.drafted > 0 and stats.accepted > stats.drafted // 2
