@@ -180,6 +180,35 @@ def test_a_response_goes_on_from_a_kept_one(client: Any) -> None:
     assert e.value.body["param"] == "previous_response_id"
 
 
+def test_a_kept_responses_input_items_are_listed(client: Any) -> None:
+    """GET /v1/responses/{id}/input_items: the conversation that led to a response (the responses it followed,
+    their output, then its own input), as the client types them, newest first unless asked, paged by id."""
+    first = client.responses.create(model=MODEL, input="How many?", max_output_tokens=4, temperature=0)
+    chained = client.responses.create(model=MODEL, previous_response_id=first.id, max_output_tokens=4, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "And then?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "count", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "2"}])
+    items = client.responses.input_items.list(chained.id, order="asc")
+    assert [i.type for i in items.data] == ["message", "message", "message", "function_call", "function_call_output"]
+    assert items.data[0].role == "user" and items.data[0].content[0].text == "How many?"
+    assert items.data[1].id == first.output[0].id and items.data[1].content[0].text == first.output_text
+    assert items.data[2].content[0].type == "input_text" and items.data[4].output == "2"
+    assert len({i.id for i in items.data}) == 5 and not items.has_more
+    assert [i.id for i in client.responses.input_items.list(first.id).data] == [items.data[0].id]  # (kept ids)
+    newest = client.responses.input_items.list(chained.id, limit=3)
+    assert [i.id for i in newest.data] == [i.id for i in items.data[::-1][:3]] and newest.has_more
+    rest = client.responses.input_items.list(chained.id, limit=3, after=newest.last_id)
+    assert [i.id for i in rest.data] == [i.id for i in items.data[1::-1]] and not rest.has_more
+    assert [i.id for i in client.responses.input_items.list(chained.id, limit=2)] \
+        == [i.id for i in items.data[::-1]]
+    for ask, param in [({"after": "msg_nope"}, "after"), ({"limit": 101}, "limit"), ({"order": "up"}, "order")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.input_items.list(chained.id, **ask)
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content"),

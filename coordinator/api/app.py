@@ -45,7 +45,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from .chat import chat_messages, tool_spec
 from .defaults import DEFAULT_CORS_ORIGINS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
@@ -60,7 +60,7 @@ from .readiness import Readiness
 from .responses import choices_of, complete, stream
 from . import messages_api, responses_api
 from .reasoning import ReasoningSplit, reasoning_split
-from .response_store import ResponseStore
+from .response_store import ResponseStore, page
 from .service import Service
 from .tokens_api import add_token_routes
 
@@ -95,7 +95,7 @@ def create_app(
     model's, usually: model_defaults.py); None: OpenAI's defaults. Web pages of `cors_origins` ("*":
     any, as mlx-lm's and vLLM's servers allow; none: only pages of the API's own origin) may call it
     from a browser, with the key still required where one is set."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, Query, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -131,7 +131,9 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        return await on_api_error(request, validation_error(list(e.errors())))
+        # (FastAPI's locations start with where the value was: the query, the path)
+        errors = [{**err, "loc": tuple(err.get("loc", ()))[1:]} for err in e.errors()]
+        return await on_api_error(request, validation_error(errors))
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -229,6 +231,16 @@ def create_app(
         if (response := kept.get(response_id)) is None:
             raise APIError(404, f"no response {response_id!r} is kept here", param="response_id", code="not_found")
         return response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def kept_input_items(response_id: str, limit: int = Query(20, ge=1, le=100),
+                               order: Literal["asc", "desc"] = "desc", after: Optional[str] = None) -> Any:
+        if (items := kept.input_items(response_id)) is None:
+            raise APIError(404, f"no response {response_id!r} is kept here", param="response_id", code="not_found")
+        try:
+            return page(items, limit=limit, order=order, after=after)
+        except KeyError:
+            raise APIError(400, f"response {response_id!r} has no input item {after!r}", param="after") from None
 
     @app.delete("/v1/responses/{response_id}")
     async def forget_response(response_id: str) -> Any:

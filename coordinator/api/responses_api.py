@@ -8,7 +8,8 @@ budget. It runs as one choice, as a chat request does (responses.py), and is ans
 function_call item per call; streamed, as the Responses API's semantic events (`response.created` ...
 `response.completed`, each with its `sequence_number`), built from the chat chunks of that choice.
 Finished responses are kept in the API process's memory (response_store.py, unless `store: false`): a request
-may go on from one (`previous_response_id`), and `GET` / `DELETE /v1/responses/{id}` read and forget one.
+may go on from one (`previous_response_id`), `GET` / `DELETE /v1/responses/{id}` read and forget one, and
+`GET /v1/responses/{id}/input_items` lists the conversation that led to it.
 """
 
 from __future__ import annotations
