@@ -169,21 +169,27 @@ def test_special_tokens_leave_the_text_unless_kept(client: Any, engine: BatchEng
 
 def test_vllm_stop_extensions(client: Any, engine: BatchEngine) -> None:
     """vLLM's `stop_token_ids` end a request as EOS does, `ignore_eos` lets EOS through (here forced by a
-    bias: every token is EOS, none in the text), `include_stop_str_in_output` keeps the stop string;
-    a stop token outside the vocabulary is refused."""
+    bias: every token is EOS, none in the text), `include_stop_str_in_output` keeps the stop string, and
+    the stop token's text; the token that ends a request is counted, with its log-probability, as in
+    vLLM; a stop token outside the vocabulary is refused."""
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0)
     tokens = [engine.tokenizer.convert_tokens_to_ids(t) for t in plain.choices[0].logprobs.tokens]
     at = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
-    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
-                                    extra_body={"stop_token_ids": [tokens[at]]})
-    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == at
-    assert cut.choices[0].model_extra["stop_reason"] == tokens[at]  # (vLLM's: what ended it)
+    for keep in (False, True):
+        cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0,
+                                        extra_body={"stop_token_ids": [tokens[at]], "include_stop_str_in_output": keep})
+        assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == at + 1
+        assert cut.choices[0].logprobs.token_logprobs == pytest.approx(plain.choices[0].logprobs.token_logprobs[: at + 1],
+                                                                       abs=1e-5)
+        assert cut.choices[0].model_extra["stop_reason"] == tokens[at]  # (vLLM's: what ended it)
+        assert cut.choices[0].text == engine.tokenizer.decode(tokens[: at + keep])
     assert plain.choices[0].model_extra["stop_reason"] is None
-    assert cut.choices[0].text == engine.tokenizer.decode(tokens[:at])
     eos = sorted(engine.eos)[0]
     forced = {"max_tokens": 4, "temperature": 0, "logit_bias": {str(eos): 100}}
-    ended = client.completions.create(model=MODEL, prompt=PROMPT, **forced)
-    assert (ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("stop", 0)
+    for keep in (False, True):  # (EOS is a special token: its text is left out either way)
+        ended = client.completions.create(model=MODEL, prompt=PROMPT, **forced,
+                                          extra_body={"include_stop_str_in_output": keep})
+        assert (ended.choices[0].finish_reason, ended.usage.completion_tokens, ended.choices[0].text) == ("stop", 1, "")
     through = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"ignore_eos": True}, **forced)
     assert through.choices[0].finish_reason == "length" and through.usage.completion_tokens == 4
     assert through.choices[0].text == ""
@@ -221,7 +227,7 @@ def test_min_tokens_holds_back_what_ends_a_request(client: Any, engine: BatchEng
     for depth in (0, 2):
         r = client.completions.create(model=MODEL, prompt=PROMPT, **forced, extra_body={"min_tokens": 3,
                                                                                            "mtp_depth": depth})
-        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 3)
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 4)  # (3, then the EOS)
     text = plain.choices[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     early = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],

@@ -37,13 +37,16 @@ def test_max_tokens_exact(dense_engine: Engine, reference, depth: int) -> None:
 
 
 @pytest.mark.parametrize("depth", [0, 3])
-def test_eos_stops_before_the_token(dense_engine: Engine, reference, depth: int) -> None:
+def test_eos_ends_with_the_token(dense_engine: Engine, reference, depth: int) -> None:
+    """The EOS token is the last of the reply's tokens (vLLM's: counted, with its log-probability), its
+    text left out."""
     prompt, greedy = reference
     eos = greedy[6]
     first = greedy.index(eos)
     engine = Engine(dense_engine.pipeline, dense_engine.tokenizer, {eos}, 4096, has_mtp=True)
     r = engine.complete(GenerationRequest(prompt, max_tokens=40, mtp_depth=depth))
-    assert r.tokens == greedy[:first] and r.finish_reason == "stop"
+    assert r.tokens == greedy[: first + 1] and r.finish_reason == "stop"
+    assert r.text == dense_engine.tokenizer.decode(greedy[:first]) and r.stats.generation_tokens == first + 1
 
 
 @pytest.mark.parametrize("depth", [0, 3])
@@ -51,7 +54,11 @@ def test_a_requests_stop_tokens_and_ignore_eos(dense_engine: Engine, reference, 
     prompt, greedy = reference
     first = greedy.index(greedy[6])
     r = dense_engine.complete(GenerationRequest(prompt, max_tokens=40, mtp_depth=depth, stop_token_ids=[greedy[6]]))
-    assert r.tokens == greedy[:first] and r.finish_reason == "stop"
+    assert r.tokens == greedy[: first + 1] and r.finish_reason == "stop" and r.stop_reason == greedy[6]
+    assert r.text == dense_engine.tokenizer.decode(greedy[:first])
+    kept = dense_engine.complete(GenerationRequest(prompt, max_tokens=40, mtp_depth=depth, stop_token_ids=[greedy[6]],
+                                                   include_stop_str_in_output=True))
+    assert kept.tokens == r.tokens and kept.text == dense_engine.tokenizer.decode(greedy[: first + 1])
     engine = Engine(dense_engine.pipeline, dense_engine.tokenizer, {greedy[6]}, 4096, has_mtp=True)
     r = engine.complete(GenerationRequest(prompt, max_tokens=40, mtp_depth=depth, ignore_eos=True))
     assert r.tokens == greedy and r.finish_reason == "length"
@@ -226,3 +233,12 @@ def test_generate_into_a_pipe_its_reader_closes_ends_quietly(dense_ckpt: Path) -
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 141 and "Error" not in err and "Traceback" not in err, err
 
+
+
+def test_what_compares_with_mlx_lm_leaves_out_the_token_that_ended_a_reply() -> None:
+    from mtpipe.coordinator.engine.request import GenerationChunk
+
+    assert GenerationChunk("", [4, 5, 2], "stop").shown == [4, 5]  # an EOS
+    assert GenerationChunk("", [4, 5], "stop", stop_reason=5).shown == [4]  # a stop token id
+    assert GenerationChunk("", [4, 5], "stop", stop_reason="x").shown == [4, 5]  # a stop string: all its tokens
+    assert GenerationChunk("", [4, 5], "length").shown == GenerationChunk("", [4, 5]).shown == [4, 5]

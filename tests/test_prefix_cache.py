@@ -366,11 +366,12 @@ def test_a_request_ends_where_its_row_does_only_on_its_budget_or_an_eos() -> Non
     from mtpipe.coordinator.engine.request import ended_in_stages
 
     going, stopped, eos = SimpleNamespace(stopped=False), SimpleNamespace(stopped=True), {2}
-    assert ended_in_stages([5, 6, 2], [5, 6], eos, going, 10, 20)  # the EOS right after what was handed out
+    assert ended_in_stages([5, 6, 2], [5, 6, 2], eos, going, 11, 20)  # the EOS, the last handed out
     assert not ended_in_stages([5, 6, 2], [5], eos, stopped, 9, 20)  # a stop string at 5, the EOS after 6
     assert not ended_in_stages([5, 2], [5], eos, stopped, 9, 20)  # a stop string at 5, then the EOS
     assert ended_in_stages([5, 6], [5, 6], eos, stopped, 20, 20)  # its budget (its last token never fed)
     assert not ended_in_stages([5, 6], [5], eos, stopped, 19, 20)
+    assert not ended_in_stages([5, 6], [5, 6], eos, going, 12, 20)  # (still going)
 
 
 def test_a_request_no_drop_could_admit_waits_with_the_kept_prefixes_left_alone(dense_ckpt: Path) -> None:

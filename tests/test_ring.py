@@ -215,7 +215,7 @@ def test_a_requests_own_stop_tokens_end_its_row_on_the_nodes(ring: Any) -> None:
     whole = engine.complete(request(engine, 1, 2, 24)).tokens
     at = next(i for i in range(2, len(whole)) if whole[i] not in whole[:i])
     cut = engine.complete(request(engine, 1, 2, 24, stop_token_ids=[whole[at]]))
-    assert cut.tokens == whole[:at] and cut.finish_reason == "stop"
+    assert cut.tokens == whole[: at + 1] and cut.finish_reason == "stop"
     eos = sorted(engine.eos)[0]
     through = engine.complete(request(engine, 1, "auto", 6, ignore_eos=True,
                                       params=SamplingParams(logit_bias=((eos, 100.0),))))

@@ -45,7 +45,7 @@ def time_engine(engine: Any, prompt: list[int], max_tokens: int) -> tuple[float,
     cached = 0
     for chunk in engine.generate(GenerationRequest(prompt, max_tokens=max_tokens, mtp_depth=depth, mtp_auto=auto)):
         first = first or time.perf_counter() - start
-        tokens += chunk.tokens
+        tokens += chunk.shown
         if chunk.stats is not None:
             cached = chunk.stats.cached_tokens
     return first or 0.0, tokens, cached

@@ -53,7 +53,7 @@ def engine_chunks(engine: Engine, prompt: list[int], max_tokens: int, depth: int
                             mtp_auto=auto)
     with closing(engine.generate(req)) as chunks:  # closed early, the engine releases the sequence
         for chunk in chunks:
-            yield chunk.tokens, chunk.stats
+            yield chunk.shown, chunk.stats
 
 
 def timed(chunks: Chunks) -> tuple[list[int], float, Any]:

@@ -78,14 +78,17 @@ class StreamRecord:
     text: str = ""
     completion_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
     def token_counts(self) -> list[float]:
         """Tokens per chunk, estimated: the usage's completion tokens shared out by characters (the
-        chunks carry text, not token ids; a chunk holds one round's text, possibly several tokens)."""
+        chunks carry text, not token ids; a chunk holds one round's text, possibly several tokens),
+        but the token that ended it (an EOS: counted, no text), as the engine level counts them."""
         total = sum(self.chars)
         if not total:
             return [0.0] * len(self.chars)
-        return [self.completion_tokens * c / total for c in self.chars]
+        ended = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
+        return [(self.completion_tokens - ended) * c / total for c in self.chars]
 
 
 async def _post_stream(url: str, body: dict[str, Any]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -150,6 +153,7 @@ def _record(rec: StreamRecord, obj: dict[str, Any], now: float) -> None:
             rec.chars.append(len(choice["text"]))
             rec.text += choice["text"]
         rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
+        rec.stop_reason = choice.get("stop_reason", rec.stop_reason)
 
 
 async def _stream_all(url: str, bodies: list[dict[str, Any]]) -> list[StreamRecord]:

@@ -30,10 +30,10 @@ class Recorder:
             self.done.set()
         elif isinstance(item, BaseException):
             self.error = item
-        elif item.tokens:
+        elif shown := item.shown:  # (as mlx-lm's, without the token that ended it)
             self.times.append(time.perf_counter())
-            self.counts.append(len(item.tokens))
-            self.tokens += item.tokens
+            self.counts.append(len(shown))
+            self.tokens += shown
 
     def wait(self) -> None:
         if not self.done.wait(WAIT_S):

@@ -79,6 +79,12 @@ class TextStream:
         if self.stop and not self.stopped and self._begun and self.armed and self._held_completes_a_stop():
             self.flush()  # this token ends a stop string in what the detokenizer holds back (a lone space)
 
+    def end_with(self, token: int) -> None:
+        """The token that ended the request (an EOS or a stop token id): its text follows with `keep_stop`
+        (vLLM's include_stop_str_in_output; none for a special token left out), and may hold a stop string."""
+        if self.keep_stop:
+            self.add(token)
+
     def _held(self) -> str:
         """What the detokenizer holds back, as text: asked of a copy (finalizing one only reassigns its
         fields, so the copy leaves this one as it was)."""

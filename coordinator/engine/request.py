@@ -134,6 +134,13 @@ class GenerationChunk:
     prompt_logprobs: list[Scored] | None = None
     stop_reason: str | int | None = None  # on the last: the stop string or stop token id that ended it (`stop_reason`)
 
+    @property
+    def shown(self) -> list[int]:
+        """Its tokens but the one that ended the request, if it holds it (an EOS or a stop token id, which
+        vLLM counts and mlx-lm does not hand out): what compares with mlx-lm's output."""
+        ended = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
+        return self.tokens[:-1] if ended and self.tokens else self.tokens
+
 
 @dataclass
 class GenerationResult:
@@ -217,10 +224,10 @@ def context_room(prompt_tokens: int, mtp_depth: int, max_context: int) -> int:
 
 def ended_in_stages(tokens: list[int], new: list[int], eos: set[int], text: Any, generated: int, max_tokens: int) -> bool:
     """After `take_tokens` ended a request: whether its row ended in the stages too, where its reply
-    does (its budget, or one of the tokens that end it, `GenerationRequest.ends`, right after the
-    tokens handed out). Not after a stop string: the state then holds tokens past it, which no next
-    turn has, and the row is released rather than ended."""
-    return generated >= max_tokens or (len(new) < len(tokens) and tokens[len(new)] in eos and not text.stopped)
+    does (its budget, or one of the tokens that end it, `GenerationRequest.ends`, the last handed
+    out). Not after a stop string: the state then holds tokens past it, which no next turn has, and
+    the row is released rather than ended."""
+    return generated >= max_tokens or (bool(new) and new[-1] in eos and not text.stopped)
 
 
 def stop_reason(finish: str, tokens: list[int], new: list[int], text: Any,
@@ -231,18 +238,21 @@ def stop_reason(finish: str, tokens: list[int], new: list[int], text: Any,
         return None
     if text.stopped:
         return text.matched
-    ended = tokens[len(new)] if len(new) < len(tokens) else None
-    return ended if ended in req.stop_token_ids else None
+    return new[-1] if new and new[-1] in req.stop_token_ids else None
 
 
 def take_tokens(tokens: list[int], eos: set[int], text: Any, generated: int, max_tokens: int) -> tuple[list[int], str | None]:
-    """A round's tokens as the request sees them: up to an EOS token, a stop string (`text`, a
-    TextStream, gets each one) or max_tokens; with the finish reason when one of those ended it."""
+    """A round's tokens as the request sees them: up to a token that ends it (`eos`: EOS or a stop
+    token id), a stop string (`text`, a TextStream, gets each one) or max_tokens; with the finish
+    reason when one of those ended it. As in vLLM, the token that ends it is one of its tokens
+    (counted, with its log-probability), its text only kept when asked (TextStream.end_with)."""
     new: list[int] = []
     if generated >= max_tokens:  # (none wanted: the prompt was only scored)
         return new, "length"
     for tok in tokens:
         if tok in eos:
+            new.append(tok)
+            text.end_with(tok)
             return new, "stop"
         new.append(tok)
         text.add(tok)
