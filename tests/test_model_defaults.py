@@ -105,6 +105,31 @@ def test_a_models_long_default_leaves_room_for_drafts(engine: BatchEngine, dense
     assert asked.mtp_depth == 0 and not asked.mtp_auto  # (the client's length wins: no room is left to draft)
 
 
+def test_a_servers_max_tokens_default_comes_before_the_models(engine: BatchEngine, tmp_path: Path) -> None:
+    """`mtpipe serve --max-tokens N` (`api.max_tokens`): the length of a request that leaves it out, over
+    the model's max_new_tokens; without either, ours (bounded by what is left of the context)."""
+    from mtpipe.coordinator.api.defaults import DEFAULT_MAX_TOKENS
+    from mtpipe.coordinator.api.models import CompletionRequest
+    from mtpipe.coordinator.cli.main import build_parser
+    from mtpipe.node.protocol import SamplingParams
+
+    model_with(tmp_path, {"max_new_tokens": 7})
+    prompt = [5] * 20
+
+    def length(**options: object) -> int:
+        service = create_app(engine, "m", **options).state.service
+        return service.generation_request(CompletionRequest(prompt="x"), SamplingParams(), prompt, None,
+                                          "prompt").max_tokens
+
+    assert length(generation_config=tmp_path) == 7
+    assert length(generation_config=tmp_path, default_max_tokens=11) == length(default_max_tokens=11) == 11
+    assert length() == min(DEFAULT_MAX_TOKENS, engine.max_context - len(prompt) - 3)  # (3: auto's drafts)
+    for command in (["serve"], ["launch"]):
+        assert build_parser().parse_args([*command, "--max-tokens", "9"]).default_max_tokens == 9
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, "--max-tokens", "0"])
+
+
 def test_where_the_defaults_come_from_is_chosen_as_with_vllm(tmp_path: Path, dense_ckpt: Path) -> None:
     """--generation-config (api.generation_config): auto, the model's; none (vLLM's vllm), OpenAI's; or a
     directory of one's own, which must hold a generation_config.json (checked where the API runs,

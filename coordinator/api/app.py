@@ -32,7 +32,8 @@ accepted, acceptance, rounds}. A reasoning model's thinking (between the tokeniz
 comes apart from its answer as `reasoning_content` and `reasoning` (reasoning.py; vLLM's
 `include_reasoning: false` drops it). Defaults: the sampling and max_new_tokens of the model's
 generation_config.json (as vLLM takes them), else temperature 1.0 and top_p 1.0 as in OpenAI's API
-and max_tokens 256; max_tokens never past what is left of the context; mtp_depth the server's
+and max_tokens 32768 (what Qwen advises for its thinking models; `mtpipe serve --max-tokens` sets another);
+max_tokens never past what is left of the context; mtp_depth the server's
 (auto when the model has an MTP head).
 
 fastapi and uvicorn are imported when an app is built, not when the CLI registers `serve`.
@@ -88,11 +89,13 @@ def create_app(
     max_body_bytes: Optional[int] = DEFAULT_MAX_BODY_BYTES,
     generation_config: Optional[Union[Path, str]] = None,
     cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS,
+    default_max_tokens: Optional[int] = None,
 ) -> "FastAPI":
     """The API over `engine`. `cluster_info` answers GET /v1/cluster (default: the local stages);
     bodies over `max_body_bytes` are refused with 413 (None: no cap). A request that leaves out its
     sampling gets what the generation config in the directory `generation_config` recommends (the
-    model's, usually: model_defaults.py); None: OpenAI's defaults. Web pages of `cors_origins` ("*":
+    model's, usually: model_defaults.py); None: OpenAI's defaults; `default_max_tokens` is the max_tokens of
+    one that leaves it out, before the generation config's and ours. Web pages of `cors_origins` ("*":
     any, as mlx-lm's and vLLM's servers allow; none: only pages of the API's own origin) may call it
     from a browser, with the key still required where one is set."""
     from fastapi import FastAPI, Query, Request
@@ -104,8 +107,11 @@ def create_app(
     from .models import ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest
 
     metrics = ServerMetrics()
+    defaults = model_defaults(generation_config)
+    if default_max_tokens is not None:
+        defaults["max_tokens"] = default_max_tokens
     service = Service(engine, model_name, default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
-                       cluster_info=cluster_info, metrics=metrics, defaults=model_defaults(generation_config))
+                       cluster_info=cluster_info, metrics=metrics, defaults=defaults)
     app = FastAPI(title="mtpipe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.state.metrics = metrics

@@ -3,7 +3,7 @@
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MODEL_NAME = "mtpipe"
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = 32768  # a request without max_tokens (and a model without max_new_tokens): Qwen's advice
 DEFAULT_MAX_CONCURRENCY = 32  # generations at once; more wait their turn (a stage holds 64 sequences)
 SLOT_TIMEOUT_S = 60.0  # how long a request waits for one of those, then 503 (as the engines' own queues do)
 API_KEY_ENV = "MTPIPE_API_KEY"

@@ -51,6 +51,7 @@ from ..cluster.membership import Membership
 from .common import (
     EXIT_USAGE,
     add_allowed_origins,
+    add_default_max_tokens,
     add_generation_config,
     add_model,
     add_mtp,
@@ -91,7 +92,7 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         "nodes": "node", "node.host": "host", "node.port": "port", "node.state_dir": "state_dir",
         "node.max_memory_gib": "max_memory", "node.model_dirs": "model_dir", "node.download": "download",
         "api.host": "api_host", "api.port": "api_port", "api.generation_config": "generation_config",
-        "api.allowed_origins": "allowed_origins",
+        "api.allowed_origins": "allowed_origins", "api.max_tokens": "default_max_tokens",
     }
     values = {key: getattr(args, dest, None) for key, dest in flags.items()}
     if getattr(args, "api_key_file", None) is not None:
@@ -249,7 +250,8 @@ def _launch(args: argparse.Namespace) -> int:
         name, api_key = model_name_for(cfg.model, model_path), cfg.resolve_api_key()
         settings = dict(default_mtp_depth=cfg.mtp_depth if mtp else 0, max_concurrency=DEFAULT_MAX_CONCURRENCY,
                         max_body_bytes=DEFAULT_MAX_BODY_BYTES, cors_origins=tuple(cfg.api.allowed_origins),
-                        generation_config=generation_config_dir(defaults_from, model_path))
+                        generation_config=generation_config_dir(defaults_from, model_path),
+                        default_max_tokens=cfg.api.max_tokens)
         static = static_nodes(cfg, secret, me, interfaces)
         alone = set(peers) | set(static) <= {me}  # (cluster.yaml may list this machine alone)
         # With peers, each machine's node drafts as its own command says (every machine runs the same one).
@@ -417,6 +419,7 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
                         "next turn prefills only the rest (default: as `mtpipe serve`; 0: off)")
     p.add_argument("--json", action="store_true", help="print readiness events as JSON lines on stdout")
     add_generation_config(p, checked=False)  # (checked on the coordinator alone)
+    add_default_max_tokens(p)
     add_allowed_origins(p, "cluster.yaml's api.allowed_origins, else *")
     add_take_over(p)
     add_mtp(p)

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from ...node.cli import add_draft_options, number_arg
 from ...node.links import bind_problem, format_host_port, split_host_port
 from ...node.protocol import MAX_MTP_DEPTH
-from ..api.defaults import check_origins
+from ..api.defaults import DEFAULT_MAX_TOKENS, check_origins
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 EXIT_SIGPIPE = 141  # what a shell reports for a filter its reader left (128 + SIGPIPE)
@@ -99,6 +99,12 @@ def add_generation_config(p: argparse.ArgumentParser, checked: bool = True) -> N
                    help="where a request that leaves out its sampling or max_tokens gets them: auto, the model's "
                         "generation_config.json (default, as vLLM); none (or vllm), OpenAI's defaults; or a "
                         "directory holding a generation_config.json")
+
+
+def add_default_max_tokens(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=positive_int, metavar="N", dest="default_max_tokens",
+                   help="the max_tokens of a request that leaves it out (default: the generation config's "
+                        f"max_new_tokens, else {DEFAULT_MAX_TOKENS}); never past what is left of the context")
 
 
 def origins_arg(value: str) -> list[str]:

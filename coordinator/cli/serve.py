@@ -21,6 +21,7 @@ from ..engine.ring import RESUME_WINDOW_S
 from ...node.cli import number_arg, port_arg
 from .common import (
     add_allowed_origins,
+    add_default_max_tokens,
     add_generation_config,
     add_model,
     add_mtp,
@@ -80,6 +81,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                         "and streaming never hold up the engine's rounds)")
     add_allowed_origins(p)
     add_generation_config(p)
+    add_default_max_tokens(p)
     add_mtp(p)
     p.set_defaults(func=cmd_serve)
 
@@ -116,7 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = dict(default_mtp_depth=depth, max_concurrency=args.max_concurrency,
                     max_body_bytes=args.max_body_bytes or None, stall_timeout=args.stall_timeout or None,
                     generation_config=generation_config_dir(args.generation_config, path),
-                    cors_origins=DEFAULT_CORS_ORIGINS if args.allowed_origins is None else tuple(args.allowed_origins))
+                    default_max_tokens=args.default_max_tokens, cors_origins=DEFAULT_CORS_ORIGINS if args.allowed_origins is None else tuple(args.allowed_origins))
     front = engine = None
     try:
         if not args.api_in_process:  # its process imports the app while the model loads
