@@ -270,8 +270,9 @@ class NextStage:
     `send` queues the frame and returns at once; one writer task writes them in order (a node may
     forward frames of two inbound streams: its client's and the ring's). The link is the next node's
     data plane (plain TCP, above) when its Ping reply offers one, else a gRPC Forward
-    stream. If it breaks, `on_error(target, error)` runs once and the next frame opens a new link;
-    frames in flight are lost, which every client learns through that callback.
+    stream. If it breaks, `on_error(target, error)` runs once and the next frame opens a new link
+    (or `connect`, when the pipeline is formed again); frames in flight are lost, which every client
+    learns through that callback.
     """
 
     def __init__(self, target: str, secret: str | None, on_error: Callable[[str, Exception], None],
@@ -289,6 +290,7 @@ class NextStage:
         self._writer: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()
         self._closed = False
+        self._opening = asyncio.Lock()  # (the writer and `connect` may both open the link)
 
     @property
     def transport(self) -> str:
@@ -313,16 +315,33 @@ class NextStage:
                             reply.data_port, e or type(e).__name__)
         return GrpcFrameLink(self.stub)
 
+    async def _opened(self) -> GrpcFrameLink | TcpFrameLink:
+        """The link, opened if there is none."""
+        async with self._opening:
+            if self.link is None:
+                link = self.link = await self._open()
+                self._watcher = asyncio.get_running_loop().create_task(self._watch(link))
+                if self.on_open is not None:
+                    self.on_open(self.target)
+            return self.link
+
+    async def connect(self) -> bool:
+        """Opens the link now if it is down: once the pipeline is formed again after a break, the break
+        is over, not at the next frame. False (logged) when the next node does not answer."""
+        try:
+            await self._opened()
+        except Exception as e:  # noqa: BLE001 (the next frame tries again, and reports what fails then)
+            log.info("no link to %s yet: %s", self.target, describe_rpc_error(e))
+            return False
+        return True
+
     async def _write_all(self) -> None:
         while True:
             frame = await self._queue.get()
             link = self.link
             try:
                 if link is None:
-                    link = self.link = await self._open()
-                    self._watcher = asyncio.get_running_loop().create_task(self._watch(link))
-                    if self.on_open is not None:
-                        self.on_open(self.target)
+                    link = await self._opened()
                 await link.write(frame)
             except Exception as e:  # the link ended under us, or could not be opened
                 self._broken(link, e)

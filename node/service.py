@@ -115,6 +115,8 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
 
     async def _set_next(self, target: str) -> None:
         if self.next is not None and self.next.target == target:
+            if self.next.link is None:  # (formed again after a break: the link opens now)
+                await self.next.connect()
             return
         if self.next is not None:
             await self.next.close()
@@ -130,6 +132,8 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         spec = self.worker.spec
         want = target if spec.is_last and not spec.is_first else ""
         if self.ring is not None and self.ring.target == want:
+            if self.ring.link is None:
+                await self.ring.connect()
             return
         if self.ring is not None:
             await self.ring.close()

@@ -321,6 +321,34 @@ def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n:
             engine.close()
 
 
+@pytest.mark.timeout(120)
+def test_health_is_ready_again_once_the_pipeline_is_formed_again(dense_ckpt: Path) -> None:
+    """The last node lost while idle and started again: once the pipeline is formed again, the links
+    broken with it are open again (GET /health is 200), with no request needed to open them."""
+    from mtpipe.coordinator.api.readiness import Readiness
+
+    with NodeProcesses(2, model_dirs=[dense_ckpt]) as nodes:
+        engine = ring_engine(dense_ckpt, nodes.addresses, dtype="float32")
+        readiness = Readiness(engine, timeout=2.0)
+        try:
+            req = GenerationRequest(engine.tokenizer.encode(PROMPTS[0]), max_tokens=8, mtp_depth=2)
+            want = engine.complete(req).tokens  # (the links are open)
+            nodes.kill(-1)
+            deadline = time.monotonic() + 10
+            while engine.pipeline.reformer.down is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.pipeline.reformer.down is not None
+            nodes.start(-1)
+            deadline = time.monotonic() + 60
+            while engine.pipeline.reformer.down is not None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert engine.pipeline.reformer.down is None
+            assert readiness.check() == (True, {"nodes": 2, "unready": []})
+            assert engine.complete(req).tokens == want
+        finally:
+            engine.close()
+
+
 HANG_S = 4.0
 
 
