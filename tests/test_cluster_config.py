@@ -500,6 +500,23 @@ def test_a_placed_node_is_listed_missing_once() -> None:
     assert missing_members([{"node_id": "a", "status": "healthy", "placed": None}]) == []
 
 
+def test_layers_no_node_holds_are_listed_once_the_coordinator_is_gone() -> None:
+    """With no coordinator among the rows (its placement went with it), the runs of a model's layers no
+    node found holds are listed, unreachable: the node left, healthy on its own, serves nothing."""
+    from mtpipe.coordinator.cluster.health import missing_layers, overall
+
+    follower = {"node_id": "b", "address": "10.0.0.2:52700", "status": "healthy", "reachable": True,
+                "model": "/m", "layers": [5, 8], "num_layers": 8}
+    missing = missing_layers([follower])
+    assert [(m["layers"], m["status"]) for m in missing] == [([0, 5], "unreachable")]
+    assert overall([follower, *missing]) == "unreachable"
+    middle = [{**follower, "layers": [0, 2]}, {**follower, "layers": [6, 8]}]
+    assert [m["layers"] for m in missing_layers(middle)] == [[2, 6]]
+    assert missing_layers([{**follower, "layers": [0, 5]}, follower]) == []  # (all held)
+    assert missing_layers([{**follower, "placed": ["a", "b"]}]) == []  # (a coordinator: missing_members says)
+    assert missing_layers([{"node_id": "c", "status": "idle", "layers": None}]) == []
+
+
 def test_a_static_node_that_is_down_is_named_and_listed_once() -> None:
     """A cluster.yaml node that does not answer has no id of its own; the coordinator placed the model
     on it at that address, so the row takes that id and no second row says it is missing."""

@@ -506,3 +506,22 @@ def test_the_others_take_the_layers_of_the_node_that_left(cluster: dict, topolog
     assert [(h["source"], h["target"]) for h in info["links"]] == [("node-a", "node-b")], info["links"]
     assert (info["ring"]["source"], info["ring"]["target"]) == ("node-b", "node-a"), info["ring"]
     check_generation(topology, 1, single_node, cluster["procs"][1], prompts=1)
+
+
+def test_with_the_coordinator_gone_health_names_the_layers_no_node_holds(cluster: dict, topology: Topology) -> None:
+    """(Last: it stops the coordinator.) node-b, left with its shard, answers (its ring back to node-a
+    broken); found by zeroconf, `mtpipe health` lists the layers no node holds any more, and the cluster as
+    unreachable, not as a node that serves."""
+    assert "stopped" in cluster, "test_a_node_that_stops_is_seen_leaving runs first"
+    node_a = cluster["procs"][1]
+    assert node_a.stop() == 0, node_a.log()
+    deadline = time.monotonic() + 30
+    while True:
+        rc, report = browse_health(topology, cluster["config"])
+        if "node-a" not in {n.get("node_id") for n in report["nodes"]} or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    by_id = {n["node_id"]: n for n in report["nodes"]}
+    assert by_id["node-b"]["reachable"] and by_id["node-b"]["layers"][0] > 0, report
+    assert rc == 2 and report["status"] == "unreachable", report
+    assert by_id["-"]["layers"] == [0, by_id["node-b"]["layers"][0]] and by_id["-"]["status"] == "unreachable"

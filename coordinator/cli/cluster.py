@@ -324,6 +324,7 @@ def _health(args: argparse.Namespace) -> int:
     from ..cluster.health import (
         EXIT_CODES,
         distinct_nodes,
+        missing_layers,
         missing_members,
         name_placed,
         overall,
@@ -348,6 +349,7 @@ def _health(args: argparse.Namespace) -> int:
     if browsed:  # (a node listed twice on the command line is shown twice, as asked; only those)
         rows = distinct_nodes(name_placed(rows))
         rows += missing_members(rows, set(left_out))
+        rows += missing_layers(rows)
     status = overall(rows)
     if left_out and status in ("healthy", "idle"):  # something advertises the cluster and did not prove it belongs
         status = "degraded"

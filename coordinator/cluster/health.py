@@ -177,6 +177,29 @@ def missing_members(rows: Sequence[dict[str, Any]], left_out: Collection[str] = 
              "problems": ["in the pipeline its coordinator placed, and not found"]} for n in gone]
 
 
+def missing_layers(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where no coordinator is among `rows` (its placement went with it): a row for each run of a model's
+    layers that no node found holds, unreachable. The nodes left may look healthy, each with its shard,
+    while the pipeline they were part of cannot run."""
+    if any(r.get("placed") for r in rows):
+        return []  # (the coordinator names its missing members: `missing_members`)
+    models: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for r in rows:
+        if r.get("layers") and r.get("num_layers"):
+            models.setdefault((r.get("model") or "?", r["num_layers"]), []).append(tuple(r["layers"]))
+    out = []
+    for (model, n), held in sorted(models.items()):
+        at = 0
+        for start, end in [*sorted(held), (n, n)]:
+            if start > at:
+                out.append({"address": "-", "node_id": "-", "status": UNREACHABLE, "reachable": False,
+                            "model": model, "layers": [at, start], "num_layers": n,
+                            "problems": [f"layers {at}-{start - 1} of {n} are held by no node found (their node and "
+                                         "the coordinator that placed them are gone)"]})
+            at = max(at, end)
+    return out
+
+
 def overall(rows: Sequence[dict[str, Any]]) -> str:
     statuses = {r["status"] for r in rows}
     if not rows or UNREACHABLE in statuses:
