@@ -326,6 +326,10 @@ def test_election() -> None:
     assert elect_coordinator("b2", peers, forced=True) == "b2"
     peers["c3"] = _ad("c3", coordinator=True)  # started with --coordinator, or already serving
     assert [elect_coordinator(me, peers) for me in ("a1", "b2")] == ["c3", "c3"]
+    with pytest.raises(ValueError, match="node c3 coordinates this cluster too"):  # (two: neither may)
+        elect_coordinator("b2", peers, forced=True)
+    assert elect_coordinator("c3", peers, forced=True) == "c3"
+    assert elect_coordinator("b2", peers, forced=True, taking_over=True) == "b2"
     # Static nodes vote by their Ping: each machine alone on its multicast still agrees with the others.
     alone = {"b2": _ad("b2")}
     assert elect_coordinator("b2", alone, listed={"a1": False, "b2": False}) == "a1"

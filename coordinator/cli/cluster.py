@@ -230,7 +230,7 @@ def _launch(args: argparse.Namespace) -> int:
         # Static nodes vote too (by their Ping): without multicast between the machines, each would
         # otherwise see itself alone and coordinate.
         votes = static_flags(cfg.nodes, secret, cfg.discovery.settle) if cfg.nodes else {}
-        coordinator = elect_coordinator(me, peers, forced=args.coordinator, listed=votes)
+        coordinator = elect_coordinator(me, peers, forced=args.coordinator, listed=votes, taking_over=args.take_over)
         if coordinator != me:
             _emit(args, console, "follower", f"node {me}: {coordinator} coordinates; serving shards until stopped",
                   node_id=me, coordinator=coordinator)
@@ -394,7 +394,9 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("launch", help="run this machine as a node of a cluster (the same command on every machine)")
     _add_common(p)
     add_model(p, "cluster.yaml's, else the demo model")
-    p.add_argument("--coordinator", action="store_true", help="coordinate: place the model and serve the API")
+    p.add_argument("--coordinator", action="store_true",
+                   help="coordinate: place the model and serve the API (refused where another node coordinates, "
+                        "unless --take-over)")
     p.add_argument("--insecure", action="store_true",
                    help="without a secret, let the node server listen on a non-loopback address (a trusted network)")
     p.add_argument("--expect", type=int, help="nodes to wait for, this one included")

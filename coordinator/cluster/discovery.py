@@ -137,15 +137,20 @@ class Discovery:
 
 
 def elect_coordinator(me: str, peers: dict[str, NodeAdvert], forced: bool = False,
-                      listed: dict[str, bool] | None = None) -> str:
+                      listed: dict[str, bool] | None = None, taking_over: bool = False) -> str:
     """The coordinator: this node if started with --coordinator; else a node that says it coordinates
     (the lowest such id); else the lowest id of a node that has the model (it serves the others their
     shards), else the lowest id. Every node that sees the same peers agrees. `listed`: cluster.yaml's
-    nodes that answered, by id, each with whether it says it coordinates."""
-    if forced:
-        return me
+    nodes that answered, by id, each with whether it says it coordinates. ValueError for --coordinator
+    where another node says it coordinates (a cluster has one), unless `taking_over` (--take-over)."""
     flags = {ad.node_id: ad.coordinator for ad in peers.values()} | (listed or {})
     flagged = sorted(node_id for node_id, flag in flags.items() if flag and node_id != me)
+    if forced and flagged and not taking_over:
+        raise ValueError(f"started with --coordinator, and node {', '.join(flagged)} coordinates this cluster too "
+                         f"(started with --coordinator, or serving as its coordinator): a cluster has one; stop "
+                         f"that one, start {me} without --coordinator, or with --take-over")
+    if forced:
+        return me
     if flagged:
         return flagged[0]
     ids = {me, *flags}
