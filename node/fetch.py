@@ -118,6 +118,20 @@ def _resume_offset(part: Path) -> int:
         return 0
 
 
+def _leave_nothing(cache: ShardCache, key: ShardKey) -> None:
+    """After a transfer failed: its entry goes, unless a part file holds what a next transfer resumes
+    from (listed, and pruned, as an incomplete entry: cache_admin.py)."""
+    d = cache.dir(key)
+    if (d / PART).exists():
+        return
+    cache.discard(key)
+    for empty in (d, d.parent):  # (the model's directory too, once it holds no shard)
+        try:
+            empty.rmdir()
+        except OSError:
+            break
+
+
 async def fetch_shard(cache: ShardCache, key: ShardKey, names: list[str], sources: list[str], secret: str | None,
                       progress: Transfer, expected: Expected | None = None) -> tuple[int, str]:
     """Fetch `names` of model `key.fingerprint` into the cache entry of `key`; (bytes received, source). A
@@ -145,9 +159,11 @@ async def fetch_shard(cache: ShardCache, key: ShardKey, names: list[str], source
                 errors.append(f"{source}: {e or 'no answer'}")
             except BaseException:
                 progress.state = "failed"
+                _leave_nothing(cache, key)
                 raise
             log.warning("shard transfer from %s failed: %s", source, errors[-1])
     progress.state = "failed"
+    _leave_nothing(cache, key)
     raise FileNotFoundError(f"could not fetch the shard's {len(names)} tensors from any of {', '.join(sources)}: "
                             + "; ".join(errors))
 

@@ -156,6 +156,30 @@ def test_a_shard_cache_directory_loads_as_the_same_shard(moe: bool, dense_ckpt: 
             assert same_weights(d, ckpt, ShardSpec(start, end, TINY_LAYERS), mtp), (start, end, mtp)
 
 
+def test_a_transfer_that_fails_leaves_no_entry_behind(dense_ckpt: Path, tmp_path: Path) -> None:
+    """No source serves the shard: the entry the transfer began (its directory, the model's) is gone,
+    unless a part file holds what a next transfer would resume from, which `mtpipe cache` lists."""
+    import asyncio
+    import socket
+
+    from mtpipe.node.cache_admin import entries
+    from mtpipe.node.shards import PART
+
+    with socket.socket() as s:  # (a port nothing listens on)
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    key = ShardKey(model_fingerprint(dense_ckpt), 0, 2, TINY_LAYERS, False)
+    names = shard_names(dense_ckpt, 0, 2, TINY_LAYERS, False)
+    cache = ShardCache(tmp_path / "mine")
+    with pytest.raises(FileNotFoundError, match="could not fetch"):
+        asyncio.run(fetch.fetch_shard(cache, key, names, [nobody], None, fetch.Transfer()))
+    assert not cache.dir(key).parent.exists() and entries(cache.root) == []
+    cache.dir(key).mkdir(parents=True)
+    (cache.dir(key) / PART).write_bytes(b"begun")  # (as a transfer cut off leaves it)
+    fetch._leave_nothing(cache, key)
+    assert [(e.path, e.complete) for e in entries(cache.root)] == [(cache.dir(key), False)]
+
+
 # -- shards reach the nodes -------------------------------------------------------------------------
 
 
