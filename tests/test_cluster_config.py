@@ -480,7 +480,8 @@ def test_expected_nodes_count_the_listed_ones_that_answer() -> None:
 
 def test_the_cluster_is_idle_only_when_every_node_is() -> None:
     """Nodes up with no shard placed yet wait for a coordinator (exit 0); a node without one beside
-    nodes that serve is a gap in the pipeline (degraded)."""
+    nodes that serve is a gap in the pipeline (degraded), unless the coordinator placed the model
+    without it (a spare: back after the others took its layers)."""
     from mtpipe.coordinator.cluster.health import EXIT_CODES, overall
 
     def rows(*statuses: str) -> list[dict]:
@@ -490,6 +491,10 @@ def test_the_cluster_is_idle_only_when_every_node_is() -> None:
     assert overall(rows("healthy", "idle")) == "degraded"
     assert overall(rows("healthy", "healthy")) == "healthy"
     assert overall(rows("idle", "unreachable")) == overall([]) == "unreachable"
+    coordinator = {"node_id": "a", "status": "healthy", "placed": ["a", "b"]}
+    placed, spare = {"node_id": "b", "status": "idle"}, {"node_id": "c", "status": "idle"}
+    assert overall([coordinator, {**placed, "status": "healthy"}, spare]) == "healthy"
+    assert overall([coordinator, placed, spare]) == "degraded"  # (b was placed, and holds nothing)
 
 
 def test_a_placed_node_is_listed_missing_once() -> None:

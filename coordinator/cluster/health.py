@@ -5,7 +5,8 @@ A node is healthy when it answers, holds a shard, reports no error and reaches i
 idle when it answers with no error and holds no shard (it waits for a coordinator to place one);
 degraded when it answers but something else fails; unreachable when it does not answer (or refuses
 the cluster secret). The cluster is idle when every node is: a node without a shard beside nodes
-that hold one makes it degraded. Exit codes follow: 0 healthy or idle, 1 degraded, 2 unreachable.
+that hold one makes it degraded, unless a coordinator among them placed the model without it (a spare).
+With no coordinator among them, the layers no node holds are listed, unreachable. Exit codes follow: 0 healthy or idle, 1 degraded, 2 unreachable.
 Whether a model is served is the API's GET /health.
 """
 
@@ -206,7 +207,11 @@ def overall(rows: Sequence[dict[str, Any]]) -> str:
         return UNREACHABLE
     if statuses == {IDLE}:
         return IDLE
-    return DEGRADED if statuses & {DEGRADED, IDLE} else HEALTHY  # (an idle node where others serve: a gap)
+    # An idle node where others serve is a gap, unless a coordinator among them placed the model
+    # without it: a spare (one that came back after the others took its layers, one that joined late).
+    placed = {n for r in rows for n in r.get("placed") or []}
+    gaps = [r for r in rows if r["status"] == IDLE and not (placed and r.get("node_id") not in placed)]
+    return DEGRADED if DEGRADED in statuses or gaps else HEALTHY
 
 
 def _gib(n: int | None) -> str:
