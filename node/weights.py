@@ -86,7 +86,8 @@ class _Held:
 class WeightStore:
     def __init__(self, model_dirs: list[Path | str] | None = None, shard_cache: Path | str | None = None,
                  secret: str | None = None, download: bool = False):
-        self.model_dirs = [Path(d).expanduser() for d in model_dirs or ()] + env_model_dirs()
+        given = [Path(d).expanduser() for d in model_dirs or ()] + env_model_dirs()
+        self.model_dirs = list(dict.fromkeys(given))  # (each once, in order)
         self.cache = ShardCache(shard_cache)
         self.readable = ModelDirs(self.model_dirs, self.cache.root)  # what a Load may read at all
         self.secret = secret

@@ -442,3 +442,14 @@ def test_a_long_prompt_step_is_not_a_hang(dense_ckpt: Path, monkeypatch: pytest.
             assert len(result.tokens) == 8 and engine.pipeline.reformer.down is None
         finally:
             engine.close()
+
+
+def test_a_node_named_by_its_own_message_is_named_once() -> None:
+    from mtpipe.coordinator.pipeline.nodes import NodeFailure, TakenOver
+    from mtpipe.node.weights import WeightStore
+
+    assert str(NodeFailure("10.0.0.2:52700", "10.0.0.2:52700: model f94 is not here")) == \
+        "node 10.0.0.2:52700: model f94 is not here"
+    assert str(TakenOver("b", "node b: was taken over")) == "node b: was taken over"
+    assert str(NodeFailure("b", "load failed")) == "node b: load failed"
+    assert WeightStore(["/m", "/n", "/m"]).model_dirs[:2] == [Path("/m"), Path("/n")]

@@ -32,6 +32,8 @@ class NodeFailure(StageUnavailable):
     """A node died, hung or cannot be reached. The steps in flight are lost."""
 
     def __init__(self, node: str, message: str):
+        for named in (f"node {node}: ", f"{node}: "):  # (a node's own message may name it already)
+            message = message.removeprefix(named)
         super().__init__(f"node {node}: {message}")
         self.node = node
 
