@@ -415,11 +415,13 @@ def test_health_by_zeroconf(cluster: dict, topology: Topology) -> None:
     assert by_id["node-a"]["next_transport"] == by_id["node-b"]["next_transport"] == "tcp"
     assert all(n["data_port"] for n in by_id.values())
     # A reachable node holding no shard (the other cluster's, still waiting for peers) is idle; beside
-    # nodes that serve, it is a gap in the pipeline.
+    # nodes that serve, it is a gap in the pipeline, unless their coordinator placed the model without it.
     rc, report = mtpipe(topology, 1, "health", "--json", f"10.77.0.4:{PORT}")
     assert rc == 0 and report["status"] == "idle" and report["nodes"][0]["problems"] == []
-    rc, report = mtpipe(topology, 1, "health", "--json", f"10.77.0.4:{PORT}", f"10.77.0.1:{PORT}")
+    rc, report = mtpipe(topology, 1, "health", "--json", f"10.77.0.4:{PORT}", f"10.77.0.2:{PORT}")
     assert rc == 1 and report["status"] == "degraded" and report["nodes"][0]["status"] == "idle"
+    rc, report = mtpipe(topology, 1, "health", "--json", f"10.77.0.4:{PORT}", f"10.77.0.1:{PORT}")
+    assert rc == 0 and report["status"] == "healthy" and report["nodes"][0]["status"] == "idle"
 
 
 def test_a_node_that_stops_is_seen_leaving(cluster: dict, topology: Topology) -> None:
@@ -509,12 +511,14 @@ def test_the_others_take_the_layers_of_the_node_that_left(cluster: dict, topolog
 
 
 def test_with_the_coordinator_gone_health_names_the_layers_no_node_holds(cluster: dict, topology: Topology) -> None:
-    """(Last: it stops the coordinator.) node-b, left with its shard, answers (its ring back to node-a
-    broken); found by zeroconf, `mtpipe health` lists the layers no node holds any more, and the cluster as
+    """(Last: it stops the coordinator.) node-b, a follower, says its coordinator left; left with its shard,
+    it answers (its ring back to node-a broken); found by zeroconf, `mtpipe health` lists the layers no node holds any more, and the cluster as
     unreachable, not as a node that serves."""
     assert "stopped" in cluster, "test_a_node_that_stops_is_seen_leaving runs first"
     node_a = cluster["procs"][1]
     assert node_a.stop() == 0, node_a.log()
+    left = cluster["procs"][2].event("coordinator_left", timeout=30)  # (node-b, a follower, says so)
+    assert (left["node_id"], left["coordinator"]) == ("node-b", "node-a")
     deadline = time.monotonic() + 30
     while True:
         rc, report = browse_health(topology, cluster["config"])

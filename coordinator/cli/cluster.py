@@ -197,10 +197,18 @@ def _launch(args: argparse.Namespace) -> int:
                         advertised_interfaces(interfaces, bind), coordinator=args.coordinator,
                         has_model=model_here is not None)
     placed: dict[str, str] = {}  # id -> where `mtpipe health` finds it (formation.placed_addresses)
+    following: list[str] = []  # a follower: the coordinator it follows
 
     def on_change(kind: str, ad: NodeAdvert) -> None:
         if ad.node_id == me:
             return
+        if following and ad.node_id == following[0]:  # (a follower hears of its coordinator only here)
+            if kind == "leave":
+                _emit(args, console, "coordinator_left", f"node {me}: the coordinator {ad.node_id} left; this node "
+                      "keeps its shard and waits for a coordinator", node_id=me, coordinator=ad.node_id)
+            elif kind == "join":
+                _emit(args, console, "coordinator_back", f"node {me}: the coordinator {ad.node_id} is back",
+                      node_id=me, coordinator=ad.node_id)
         if placed and kind == "join" and ad.node_id not in placed:
             log.warning("node %s joined after placement; restart the coordinator to use it", ad.node_id)
         elif placed and kind == "leave" and ad.node_id in placed:
@@ -232,6 +240,7 @@ def _launch(args: argparse.Namespace) -> int:
         votes = static_flags(cfg.nodes, secret, cfg.discovery.settle) if cfg.nodes else {}
         coordinator = elect_coordinator(me, peers, forced=args.coordinator, listed=votes, taking_over=args.take_over)
         if coordinator != me:
+            following.append(coordinator)
             _emit(args, console, "follower", f"node {me}: {coordinator} coordinates; serving shards until stopped",
                   node_id=me, coordinator=coordinator)
             while True:
