@@ -560,3 +560,21 @@ def test_allowed_origins_in_the_file_as_on_the_command_line(given: str, origins:
     path = tmp_path / "cluster.yaml"
     path.write_text(f"api:\n  allowed_origins: {given}\n")
     assert load_cluster_config(path).api.allowed_origins == origins
+
+
+def test_a_machine_alone_is_placed_as_one_of_several_would_be(dense_ckpt: Path) -> None:
+    """`mtpipe launch` with no peers: its memory (less the reserve) must hold the model, and
+    placement.layers may name only it, with every layer."""
+    from mtpipe.coordinator.cluster.formation import check_alone
+    from mtpipe.coordinator.cluster.placement import PlacementError
+
+    GiB = 2**30
+    ample, tiny = _ad("a1"), _ad("a1")
+    ample, tiny = replace(ample, mem_available=8 * GiB), replace(tiny, mem_available=2 * GiB + 1000)
+    cfg = ClusterConfig()
+    check_alone(cfg, ample, dense_ckpt, mtp=True)
+    with pytest.raises(PlacementError, match="GiB short"):
+        check_alone(cfg, tiny, dense_ckpt, mtp=True)
+    for layers, match in (({"b2": 2}, "names node b2"), ({"a1": 100}, "give 100 of")):
+        with pytest.raises(PlacementError, match=match):
+            check_alone(ClusterConfig.model_validate({"placement": {"layers": layers}}), ample, dense_ckpt, mtp=True)

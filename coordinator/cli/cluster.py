@@ -39,6 +39,7 @@ from ..cluster.config import ClusterConfig, load_cluster_config, overlay
 from ..cluster.discovery import elect_coordinator
 from ..cluster.formation import (
     Formation,
+    check_alone,
     cluster_info_fn,
     form_cluster,
     placed_addresses,
@@ -274,6 +275,7 @@ def _launch(args: argparse.Namespace) -> int:
             front.spawn()  # (assigned first: `finally` stops it whatever interrupts the spawn)
         if alone:
             log.info("no peers: running the whole model on this machine")
+            check_alone(cfg, advert, model_path, mtp)
             with progress_loader("loading model")() as progress:
                 engine = single_node_engine(server, model_path, mtp, cfg.dtype, options, progress)
             formation = None

@@ -295,6 +295,16 @@ def load_with_progress(
     return engine
 
 
+def check_alone(cfg: ClusterConfig, advert: NodeAdvert, model_path: Path, mtp: bool) -> None:
+    """A machine that runs the model alone is placed as one of several would be: PlacementError where
+    its memory (less the reserve) cannot hold the model, or where placement.layers names another node
+    or gives it other than all the layers."""
+    from .placement import model_footprint, plan_layers
+
+    me = resources_from_advert(advert, int(cfg.placement.reserve_gib * GiB))
+    plan_layers(model_footprint(model_path, mtp=mtp), [me], dict(cfg.placement.layers))
+
+
 def form_cluster(
     cfg: ClusterConfig, me: str, my_target: str, peers: dict[str, NodeAdvert], static: dict[str, NodeResources],
     local: list[Interface], model_path: Path, mtp: bool, secret: str | None, console: Any, take_over: bool = False,
