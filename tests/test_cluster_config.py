@@ -537,7 +537,7 @@ def test_a_static_node_that_is_down_is_named_and_listed_once() -> None:
     elsewhere = {"address": "10.0.0.9:52700", "status": "unreachable", "reachable": False}
     rows = distinct_nodes(name_placed([coordinator, down, elsewhere]))
     assert [r.get("node_id") for r in rows] == ["a", "b", None] and "node_id" not in down
-    assert [m["node_id"] for m in missing_members(rows)] == ["c"]
+    assert [(m["node_id"], m["address"]) for m in missing_members(rows)] == [("c", "10.0.0.3:52700")]
 
 
 def test_the_coordinator_names_a_cluster_yaml_node_at_its_listed_address() -> None:

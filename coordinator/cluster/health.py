@@ -174,7 +174,8 @@ def missing_members(rows: Sequence[dict[str, Any]], left_out: Collection[str] = 
     left out, listed apart): gone (its advert went with it), so unreachable."""
     found = {r.get("node_id") for r in rows} | set(left_out)
     gone = sorted({n for r in rows for n in r.get("placed") or [] if n not in found})
-    return [{"address": "-", "node_id": n, "status": UNREACHABLE, "reachable": False,
+    where = {n: a for r in rows for n, a in (r.get("placed_at") or {}).items()}  # (where the coordinator reached it)
+    return [{"address": where.get(n, "-"), "node_id": n, "status": UNREACHABLE, "reachable": False,
              "problems": ["in the pipeline its coordinator placed, and not found"]} for n in gone]
 
 
