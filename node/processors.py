@@ -11,7 +11,8 @@ picks and sampling both read the processed logits, so greedy output equals non-s
 with the same settings and sampled output keeps its distribution.
 
 Until `min_tokens` were generated, the tokens that end the sequence get -inf (vLLM's min_tokens), in
-the MTP head's draft logits too (`draft_row`). A grammar (constraints.py) comes last: the tokens it refuses at a position get -inf there.
+the MTP head's draft logits too (`draft_row`). A grammar (constraints.py) comes last: the tokens it
+refuses at a position get -inf there.
 
 Log-probabilities are those of the processed logits before temperature and the top-k/top-p/min-p
 filters (what the model, with the request's biases and penalties, gives each token; under a grammar,

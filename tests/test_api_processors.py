@@ -179,8 +179,8 @@ def test_vllm_stop_extensions(client: Any, engine: BatchEngine) -> None:
         cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0,
                                         extra_body={"stop_token_ids": [tokens[at]], "include_stop_str_in_output": keep})
         assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == at + 1
-        assert cut.choices[0].logprobs.token_logprobs == pytest.approx(plain.choices[0].logprobs.token_logprobs[: at + 1],
-                                                                       abs=1e-5)
+        want = plain.choices[0].logprobs.token_logprobs[: at + 1]
+        assert cut.choices[0].logprobs.token_logprobs == pytest.approx(want, abs=1e-5)
         assert cut.choices[0].model_extra["stop_reason"] == tokens[at]  # (vLLM's: what ended it)
         assert cut.choices[0].text == engine.tokenizer.decode(tokens[: at + keep])
     assert plain.choices[0].model_extra["stop_reason"] is None

@@ -512,8 +512,8 @@ def test_the_others_take_the_layers_of_the_node_that_left(cluster: dict, topolog
 
 def test_with_the_coordinator_gone_health_names_the_layers_no_node_holds(cluster: dict, topology: Topology) -> None:
     """(Last: it stops the coordinator.) node-b, a follower, says its coordinator left; left with its shard,
-    it answers (its ring back to node-a broken); found by zeroconf, `mtpipe health` lists the layers no node holds any more, and the cluster as
-    unreachable, not as a node that serves."""
+    it answers (its ring back to node-a broken); found by zeroconf, `mtpipe health` lists the layers no
+    node holds any more, and the cluster as unreachable, not as a node that serves."""
     assert "stopped" in cluster, "test_a_node_that_stops_is_seen_leaving runs first"
     node_a = cluster["procs"][1]
     assert node_a.stop() == 0, node_a.log()

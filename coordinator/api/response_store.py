@@ -3,9 +3,9 @@ process's memory (gone when it restarts), as OpenAI keeps them for clients that 
 is kept with the conversation that led to it, its input items after those of the responses it followed;
 its own output items continue that conversation. Those input items are listed by
 `GET /v1/responses/{id}/input_items` in the Responses API's item form: each with an id, given when it is
-first kept (so that listings agree, and page by it), a message's text as content parts. Instructions are not kept: each request gives its own,
-nor are log-probabilities (a response read back has none). At most `most` responses, and `most_bytes` of
-them as JSON, are kept; the least recently used go first."""
+first kept (so that listings agree, and page by it), a message's text as content parts. Instructions
+are not kept: each request gives its own, nor are log-probabilities (a response read back has none).
+At most `most` responses, and `most_bytes` of them as JSON, are kept; the least recently used go first."""
 
 from __future__ import annotations
 

@@ -118,7 +118,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = dict(default_mtp_depth=depth, max_concurrency=args.max_concurrency,
                     max_body_bytes=args.max_body_bytes or None, stall_timeout=args.stall_timeout or None,
                     generation_config=generation_config_dir(args.generation_config, path),
-                    default_max_tokens=args.default_max_tokens, cors_origins=DEFAULT_CORS_ORIGINS if args.allowed_origins is None else tuple(args.allowed_origins))
+                    default_max_tokens=args.default_max_tokens,
+                    cors_origins=DEFAULT_CORS_ORIGINS if args.allowed_origins is None else tuple(args.allowed_origins))
     front = engine = None
     try:
         if not args.api_in_process:  # its process imports the app while the model loads

@@ -124,7 +124,8 @@ class ApiConfig(_Section):
     # The request defaults: the model's, none (OpenAI's), or a directory's, checked on the coordinator
     # alone (`mtpipe launch`): the others never serve the API, and may not have that directory.
     generation_config: Text = "auto"
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # of a request that leaves it out (None: as above, else 32768)
+    # The max_tokens of a request that leaves it out (None: the generation config's, else 32768).
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
     # Web pages that may call the API from a browser (CORS): "*" any, [] only the API's own origin.
     allowed_origins: list[Text] = Field(default_factory=lambda: ["*"])
 

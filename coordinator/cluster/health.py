@@ -5,8 +5,9 @@ A node is healthy when it answers, holds a shard, reports no error and reaches i
 idle when it answers with no error and holds no shard (it waits for a coordinator to place one);
 degraded when it answers but something else fails; unreachable when it does not answer (or refuses
 the cluster secret). The cluster is idle when every node is: a node without a shard beside nodes
-that hold one makes it degraded, unless a coordinator among them placed the model without it (a spare).
-With no coordinator among them, the layers no node holds are listed, unreachable. Exit codes follow: 0 healthy or idle, 1 degraded, 2 unreachable.
+that hold one makes it degraded, unless a coordinator among them placed the model without it (a
+spare). With no coordinator among them, the layers no node holds are listed, unreachable. Exit codes
+follow: 0 healthy or idle, 1 degraded, 2 unreachable.
 Whether a model is served is the API's GET /health.
 """
 
