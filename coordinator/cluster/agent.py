@@ -128,6 +128,12 @@ class ClusterAgent:
             await self.discovery.stop()
         if self.azc is not None:
             await self.azc.async_close()
+        # Zeroconf's own broadcasts (an update's, a goodbye's) may still be pending: ended here, they do
+        # not outlive the loop (and are not reported destroyed while pending at exit).
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in rest:
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
 
 
 def offered_memory(available: int, max_memory_gib: float | None) -> int:
