@@ -389,14 +389,14 @@ def test_health_with_static_nodes_only_and_when_it_cannot_check(tmp_path: Path, 
     JSON status "error"."""
     import json
 
-    from mtpipe.coordinator.cli import cluster as cli_cluster
+    from mtpipe.coordinator.cli import health as cli_health
     from mtpipe.coordinator.cli.main import main
     from mtpipe.node.server import NodeServer
 
     def no_browsing(*args: object) -> None:
         raise AssertionError("zeroconf was started with discovery off")
 
-    monkeypatch.setattr(cli_cluster, "ClusterAgent", no_browsing)
+    monkeypatch.setattr(cli_health, "ClusterAgent", no_browsing)
     monkeypatch.setenv("MTPIPE_SECRET", "s3")
     server = NodeServer("127.0.0.1", 0, node_id="static-1", secret="s3").start()
     try:

@@ -1,4 +1,4 @@
-"""`mtpipe node`, `serve`, `launch` and `health`: the cluster's subcommands.
+"""`mtpipe node`, `serve`, `launch` and `health` (health.py): the cluster's subcommands.
 
 `mtpipe launch` is the same command on every machine (exo-style). Each one starts a node server,
 advertises it over zeroconf and browses for the nodes of its cluster. One of them coordinates:
@@ -16,18 +16,16 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ...node.advertise import NodeAdvert, cluster_hash
 from ...node.cache_cli import add_cache_command
 from ...node.cli import add_node_command
-from ...node.links import format_host_port, local_interfaces, split_host_port, warn_bridge_loops
-from ...node.secrets import add_secret_args, add_secret_file, check_exposure, read_secret
+from ...node.links import format_host_port, local_interfaces, warn_bridge_loops
+from ...node.secrets import add_secret_file, check_exposure
 from ..cluster.agent import (
     ClusterAgent,
     advertised_interfaces,
@@ -35,7 +33,6 @@ from ..cluster.agent import (
     offered_memory,
     wait_for_peers,
 )
-from ..cluster.config import ClusterConfig, load_cluster_config, overlay
 from ..cluster.discovery import elect_coordinator
 from ..cluster.formation import (
     Formation,
@@ -47,7 +44,6 @@ from ..cluster.formation import (
     static_flags,
     static_nodes,
 )
-from ..cluster.health import EXIT_CHECK_FAILED
 from ..cluster.membership import Membership
 from .common import (
     EXIT_USAGE,
@@ -61,17 +57,15 @@ from .common import (
     check_default_depth,
     check_port_free,
     exit_on_sigterm,
-    positive_seconds,
     progress_loader,
     stage_options,
     stderr_console,
 )
+from .cluster_args import add_cluster_args, resolve_config
+from .health import add_health_command
 from .serve import add_serve_command
 
 log = logging.getLogger(__name__)
-
-CONFIG_ENV = "MTPIPE_CONFIG"
-
 
 def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     """Register the cluster subcommands on the main parser."""
@@ -79,26 +73,7 @@ def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     add_cache_command(sub)
     add_serve_command(sub)
     add_launch_commands(sub)
-
-
-def resolve_config(args: argparse.Namespace) -> ClusterConfig:
-    """cluster.yaml (--config, $MTPIPE_CONFIG, or ./cluster.yaml if present) with flags on top."""
-    path = args.config or os.environ.get(CONFIG_ENV) or ("cluster.yaml" if Path("cluster.yaml").exists() else None)
-    cfg = load_cluster_config(path) if path else ClusterConfig()
-    flags = {  # config key -> argparse dest; a flag not given, or not defined for this subcommand, is None
-        "name": "cluster", "model": "model", "revision": "revision", "dtype": "dtype", "mtp_depth": "mtp_depth",
-        "secret_env": "secret_env", "secret_file": "secret_file", "draft_vocab": "draft_vocab",
-        "mtp_window": "mtp_window", "prefix_cache_gib": "prefix_cache",
-        "discovery.interfaces": "interface", "discovery.expect": "expect", "discovery.settle": "settle",
-        "nodes": "node", "node.host": "host", "node.port": "port", "node.state_dir": "state_dir",
-        "node.max_memory_gib": "max_memory", "node.model_dirs": "model_dir", "node.download": "download",
-        "api.host": "api_host", "api.port": "api_port", "api.generation_config": "generation_config",
-        "api.allowed_origins": "allowed_origins", "api.max_tokens": "default_max_tokens",
-    }
-    values = {key: getattr(args, dest, None) for key, dest in flags.items()}
-    if getattr(args, "api_key_file", None) is not None:
-        values["api.api_key"] = read_secret(args.api_key_file, env=None, option="--api-key-file")
-    return overlay(cfg, values)
+    add_health_command(sub)
 
 
 def _emit(args: argparse.Namespace, console: Any, event: str, message: str, **fields: Any) -> None:
@@ -316,94 +291,9 @@ def _launch(args: argparse.Namespace) -> int:
         server.stop()
 
 
-def cmd_health(args: argparse.Namespace) -> int:
-    """Exit 0 / 1 / 2 for a healthy or idle / degraded / unreachable cluster, and EXIT_CHECK_FAILED (with a JSON
-    status "error") when the check itself could not run, so a monitor never reads a failure as degraded."""
-    try:
-        return _health(args)
-    except Exception as e:  # noqa: BLE001 - a bad config, a missing secret file, no interface to browse on
-        why = str(e) if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: {e}"
-        if args.json:
-            print(json.dumps({"status": "error", "error": why}))
-        print(f"mtpipe: error: {why}", file=sys.stderr)
-        return EXIT_CHECK_FAILED
-
-
-def _health(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from ..cluster.health import (
-        EXIT_CODES,
-        distinct_nodes,
-        missing_layers,
-        missing_members,
-        name_placed,
-        overall,
-        probe_nodes,
-        render_table,
-    )
-
-    cfg = resolve_config(args)
-    secret = cfg.resolve_secret()
-    targets = [format_host_port(*split_host_port(n, cfg.node.port)) for n in args.nodes]
-    left_out: dict[str, str] = {}
-    browsed = not targets
-    if browsed and not cfg.discovery.enabled and not cfg.nodes:
-        raise ValueError("nothing to check: give NODE addresses, list nodes in cluster.yaml, or enable discovery")
-    ids: dict[str, str] = {}
-    if browsed:
-        targets, left_out, ids = browse_targets(cfg, args.wait, args.timeout)
-    rows = probe_nodes(targets, secret, timeout=args.timeout)
-    for row in rows:  # (a member that stopped answering since it proved itself: named all the same)
-        if "node_id" not in row and row["address"] in ids:
-            row["node_id"] = ids[row["address"]]
-    if browsed:  # (a node listed twice on the command line is shown twice, as asked; only those)
-        rows = distinct_nodes(name_placed(rows))
-        rows += missing_members(rows, set(left_out))
-        rows += missing_layers(rows)
-    status = overall(rows)
-    if left_out and status in ("healthy", "idle"):  # something advertises the cluster and did not prove it belongs
-        status = "degraded"
-    if args.json:
-        print(json.dumps({"status": status, "nodes": rows, "left_out": left_out}))
-    else:
-        if rows:
-            console = Console()
-            render_table(rows, console if console.is_terminal else Console(width=200), status)
-        for node_id, why in sorted(left_out.items()):
-            print(f"mtpipe: node {node_id} advertises this cluster but {why}: left out", file=sys.stderr)
-        if not rows:
-            print("mtpipe: no nodes found" + (" that prove they belong (is the secret right?)" if left_out else ""),
-                  file=sys.stderr)
-    return EXIT_CODES[status]
-
-
-def browse_targets(cfg: ClusterConfig, wait: float,
-                   timeout: float = 1.0) -> tuple[list[str], dict[str, str], dict[str, str]]:
-    """The cluster's nodes by zeroconf on the discovery interfaces, each at the address where it proved
-    it belongs (membership.py), then the static ones; the advertised nodes left out, with why; and the
-    discovered members' ids by address."""
-    if not cfg.discovery.enabled:  # static nodes only: nothing to browse
-        return [n.address for n in cfg.nodes], {}, {}
-    interfaces = local_interfaces()
-    agent = ClusterAgent(discovery_addresses(cfg.discovery.interfaces, interfaces), None, cfg.name).start()
-    try:
-        agent.run(agent.discovery.settle(min(1.0, wait), wait))
-        peers = agent.peers()
-    finally:
-        agent.stop()
-    membership = Membership("", interfaces, cfg.resolve_secret(), timeout=timeout)
-    members = membership.members(peers)
-    targets = [membership.address(ad) or "" for _, ad in sorted(members.items())]
-    ids = {target: node_id for target, node_id in zip(targets, sorted(members)) if target}
-    left_out = {node_id: f"{reason} ({', '.join(peers[node_id].addresses) or '?'})"
-                for node_id, reason in membership.report(peers)[1].items()}
-    return targets + [n.address for n in cfg.nodes], left_out, ids
-
-
 def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("launch", help="run this machine as a node of a cluster (the same command on every machine)")
-    _add_common(p)
+    add_cluster_args(p)
     add_model(p, "cluster.yaml's, else the demo model")
     p.add_argument("--coordinator", action="store_true",
                    help="coordinate: place the model and serve the API (refused where another node coordinates, "
@@ -440,25 +330,3 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     add_mtp(p)
     p.set_defaults(func=cmd_launch)
     json_usage_errors(p, EXIT_USAGE, event="error")  # (cmd_launch's error event, for a bad command line too)
-
-    p = sub.add_parser("health", help="health of each node: a table, or --json; exit 0 healthy or idle (no shard "
-                                      "placed yet), 1 degraded, 2 unreachable, 3 could not check")
-    _add_common(p)
-    p.add_argument("nodes", nargs="*", metavar="NODE", help="host[:port] of a node (default: find them by zeroconf)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--timeout", type=positive_seconds, default=5.0, help="seconds to wait for each node")
-    p.add_argument("--wait", type=positive_seconds, default=3.0, help="seconds to browse for nodes (without NODE)")
-    p.set_defaults(func=cmd_health)
-    # A mistyped health command is a check that could not run, never a cluster found unreachable (2,
-    # argparse's own code for usage errors).
-    json_usage_errors(p, EXIT_CHECK_FAILED, status="error")
-
-
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help=f"cluster.yaml (default: ${CONFIG_ENV}, else ./cluster.yaml if present)")
-    p.add_argument("--cluster", help="cluster name (overrides cluster.yaml)")
-    p.add_argument("--secret-env", help="environment variable holding the cluster secret (default MTPIPE_SECRET)")
-    add_secret_args(p, "the cluster secret")
-    p.add_argument("--interface", action="append",
-                   help="discover on this interface name or address (repeatable; default: Ethernet and Wi-Fi, "
-                        "else Thunderbolt)")
