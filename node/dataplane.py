@@ -45,6 +45,7 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # halfway holds its buffer no longer.
 FRAME_BODY_TIMEOUT_S = 60.0
 CONNECT_TIMEOUT_S = 30.0  # opening a link to the next stage: one in a long step answers only after it
+RECONNECT_TIMEOUT_S = 5.0  # opening it again as the pipeline is formed again (a Connect waits for it)
 
 
 class DataPlaneError(ConnectionError):
@@ -316,20 +317,26 @@ class NextStage:
         return GrpcFrameLink(self.stub)
 
     async def _opened(self) -> GrpcFrameLink | TcpFrameLink:
-        """The link, opened if there is none."""
+        """The link, opened if there is none (never once closed)."""
         async with self._opening:
+            if self._closed:
+                raise ConnectionError(f"the link to {self.target} is closed")
             if self.link is None:
-                link = self.link = await self._open()
+                link = await self._open()
+                if self._closed:  # (closed while it opened)
+                    await link.close()
+                    raise ConnectionError(f"the link to {self.target} is closed")
+                self.link = link
                 self._watcher = asyncio.get_running_loop().create_task(self._watch(link))
                 if self.on_open is not None:
                     self.on_open(self.target)
             return self.link
 
-    async def connect(self) -> bool:
+    async def connect(self, timeout: float = RECONNECT_TIMEOUT_S) -> bool:
         """Opens the link now if it is down: once the pipeline is formed again after a break, the break
-        is over, not at the next frame. False (logged) when the next node does not answer."""
+        is over, not at the next frame. False (logged) when the next node does not answer in `timeout`."""
         try:
-            await self._opened()
+            await asyncio.wait_for(self._opened(), timeout)
         except Exception as e:  # noqa: BLE001 (the next frame tries again, and reports what fails then)
             log.info("no link to %s yet: %s", self.target, describe_rpc_error(e))
             return False

@@ -63,6 +63,7 @@ class History:
     additive: PenaltyRow | None = None  # made by the first `apply` that needs it
     constraint: Constraint | None = None  # the grammar its output is held to
     ends: frozenset[int] = frozenset()  # the tokens that end it: refused before params.min_tokens were generated
+    refused: mx.array | None = field(default=None, repr=False)  # -inf at `ends` over the vocabulary (`draft_row`)
 
     def extend_prompt(self, tokens: list[int], ends: tuple[int, ...] | None = None) -> None:
         """A prompt chunk taken in; the last one names the tokens that end the row (`ends`)."""
@@ -180,11 +181,12 @@ def draft_row(bias: mx.array | None, params: SamplingParams, history: History, a
     acceptance reads, so output is unchanged. None: nothing to add."""
     if len(history.generated) + ahead >= params.min_tokens:
         return bias
-    if not (ends := sorted(t for t in history.ends if t < vocab)):
-        return bias
-    early = mx.zeros((vocab,), mx.float32)
-    early[mx.array(ends)] = -mx.inf
-    return early if bias is None else bias + early
+    if history.refused is None:  # (made once: the same row for every draft step it holds back)
+        if not (ends := sorted(t for t in history.ends if t < vocab)):
+            return bias
+        history.refused = mx.zeros((vocab,), mx.float32)
+        history.refused[mx.array(ends)] = -mx.inf
+    return history.refused if bias is None else bias + history.refused
 
 
 @dataclass

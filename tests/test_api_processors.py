@@ -186,10 +186,17 @@ def test_vllm_stop_extensions(client: Any, engine: BatchEngine) -> None:
     assert plain.choices[0].model_extra["stop_reason"] is None
     eos = sorted(engine.eos)[0]
     forced = {"max_tokens": 4, "temperature": 0, "logit_bias": {str(eos): 100}}
-    for keep in (False, True):  # (EOS is a special token: its text is left out either way)
-        ended = client.completions.create(model=MODEL, prompt=PROMPT, **forced,
-                                          extra_body={"include_stop_str_in_output": keep})
+    eos_text = engine.tokenizer.convert_ids_to_tokens(eos)
+    for keep in (False, True):  # (EOS is a special token: its text is left out either way, and stops as a token)
+        extra = {"include_stop_str_in_output": keep, "stop": [eos_text]}
+        ended = client.completions.create(model=MODEL, prompt=PROMPT, **forced, logprobs=0, extra_body=extra)
         assert (ended.choices[0].finish_reason, ended.usage.completion_tokens, ended.choices[0].text) == ("stop", 1, "")
+        assert ended.choices[0].model_extra["stop_reason"] is None and len(ended.choices[0].logprobs.tokens) == 1
+        chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, **forced, logprobs=0, extra_body=extra,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens == 1  # (streamed: the same count, the same entry)
+        assert [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == \
+            ended.choices[0].logprobs.tokens
     through = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"ignore_eos": True}, **forced)
     assert through.choices[0].finish_reason == "length" and through.usage.completion_tokens == 4
     assert through.choices[0].text == ""

@@ -342,6 +342,35 @@ def test_a_request_ending_near_the_budget_keeps_its_end_when_it_fits_once_its_ro
         engine.close()
 
 
+def test_a_reply_that_ends_on_its_stop_token_is_kept_through_it(dense_ckpt: Path) -> None:
+    """A reply a stop token id ends holds that token (vLLM's rule); its state, which was fed every token
+    before it, is kept, and the next turn (the reply as returned, then a message) prefills only the message:
+    so too when the stop token's text, kept (include_stop_str_in_output), matches a stop string, and
+    the text then ends with it."""
+    engine = batch_engine(dense_ckpt, dtype=mx.float32)
+    whole = batch_engine(dense_ckpt, dtype=mx.float32, prefix_cache=0)
+    try:
+        tok = engine.tokenizer
+        for n, keep in enumerate([False, True]):
+            prompt = list(tok.encode(PROMPTS[n] + PROMPTS[3]))
+            full = whole.complete(GenerationRequest(prompt, max_tokens=24, mtp_depth=0)).tokens
+            at = next(i for i in range(2, len(full)) if full[i] not in full[:i]
+                      and tok.decode([full[i]]).strip() and "\ufffd" not in tok.decode([full[i]]))  # (a whole character)
+            extra = {"include_stop_str_in_output": True, "stop": [tok.decode([full[at]])]} if keep else {}
+            reply = engine.complete(GenerationRequest(prompt, max_tokens=24, mtp_depth=2,
+                                                      stop_token_ids=[full[at]], **extra))
+            assert reply.finish_reason == "stop" and reply.tokens[-1] == full[at]
+            assert reply.text == tok.decode(reply.tokens if extra else reply.tokens[:-1]), extra
+            turn = prompt + reply.tokens + list(tok.encode(PROMPTS[10]))
+            req = GenerationRequest(turn, max_tokens=4, mtp_depth=2)
+            going_on = engine.complete(req)
+            assert going_on.stats.cached_tokens == len(prompt) + len(reply.tokens) - 1, extra
+            assert going_on.tokens == whole.complete(req).tokens
+    finally:
+        engine.close()
+        whole.close()
+
+
 def test_a_request_a_stop_string_ends_keeps_no_end(dense_ckpt: Path) -> None:
     """Its state holds the tokens past the stop string, which the reply (and so a next turn) does not
     have: only its prompt's prefix is kept."""
@@ -360,18 +389,15 @@ def test_a_request_a_stop_string_ends_keeps_no_end(dense_ckpt: Path) -> None:
 
 def test_a_request_ends_where_its_row_does_only_on_its_budget_or_an_eos() -> None:
     """Only then does its state end where its reply does (`ended_in_stages`): not where a stop string
-    ended it, even in a round that goes on to an EOS."""
-    from types import SimpleNamespace
-
+    in a token before ended it, even in a round that goes on to an EOS; an EOS whose own text holds a
+    stop string (include_stop_str_in_output) still ends it, with nothing past it."""
     from mtpipe.coordinator.engine.request import ended_in_stages
 
-    going, stopped, eos = SimpleNamespace(stopped=False), SimpleNamespace(stopped=True), {2}
-    assert ended_in_stages([5, 6, 2], [5, 6, 2], eos, going, 11, 20)  # the EOS, the last handed out
-    assert not ended_in_stages([5, 6, 2], [5], eos, stopped, 9, 20)  # a stop string at 5, the EOS after 6
-    assert not ended_in_stages([5, 2], [5], eos, stopped, 9, 20)  # a stop string at 5, then the EOS
-    assert ended_in_stages([5, 6], [5, 6], eos, stopped, 20, 20)  # its budget (its last token never fed)
-    assert not ended_in_stages([5, 6], [5], eos, stopped, 19, 20)
-    assert not ended_in_stages([5, 6], [5, 6], eos, going, 12, 20)  # (still going)
+    eos = {2}
+    assert ended_in_stages([5, 6, 2], eos, 11, 20)  # the EOS, the last handed out
+    assert not ended_in_stages([5], eos, 9, 20)  # a stop string at 5 (an EOS may follow in the round)
+    assert ended_in_stages([5, 6], eos, 20, 20)  # its budget (its last token never fed)
+    assert not ended_in_stages([5, 6], eos, 12, 20)  # (still going)
 
 
 def test_a_request_no_drop_could_admit_waits_with_the_kept_prefixes_left_alone(dense_ckpt: Path) -> None:

@@ -421,8 +421,8 @@ class BatchEngine:
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
                                   stats=live.stats, logprobs=logprobs, prompt_logprobs=scored,
-                                  stop_reason=stop_reason(finish, out.tokens, new, live.text, live.req)))
-        if ended_in_stages(out.tokens, new, live.ends, live.text, live.generated, live.req.max_tokens):
+                                  stop_reason=stop_reason(finish, new, live.text, live.req)))
+        if ended_in_stages(new, live.ends, live.generated, live.req.max_tokens):
             self._keep_end(live)
         self._finish(live, None)
 

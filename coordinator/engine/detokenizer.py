@@ -81,8 +81,9 @@ class TextStream:
 
     def end_with(self, token: int) -> None:
         """The token that ended the request (an EOS or a stop token id): its text follows with `keep_stop`
-        (vLLM's include_stop_str_in_output; none for a special token left out), and may hold a stop string."""
-        if self.keep_stop:
+        (vLLM's include_stop_str_in_output), and may hold a stop string; a special token left out adds
+        nothing, and is no stop string here (it ended the request as a token)."""
+        if self.keep_stop and token not in self.skipped:
             self.add(token)
 
     def _held(self) -> str:

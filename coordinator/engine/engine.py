@@ -127,7 +127,7 @@ class Engine:
             stats.ended_within(out, len(new))
             yield GenerationChunk(text=text.release(final=True), tokens=new, finish_reason=finish, stats=stats,
                                   logprobs=out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None,
-                                  prompt_logprobs=scored, stop_reason=stop_reason(finish, out.tokens, new, text, req))
+                                  prompt_logprobs=scored, stop_reason=stop_reason(finish, new, text, req))
         finally:
             self.pipeline.release(seq_id)
 

@@ -222,16 +222,15 @@ def context_room(prompt_tokens: int, mtp_depth: int, max_context: int) -> int:
     return max_context - prompt_tokens - mtp_depth
 
 
-def ended_in_stages(tokens: list[int], new: list[int], eos: set[int], text: Any, generated: int, max_tokens: int) -> bool:
+def ended_in_stages(new: list[int], eos: set[int], generated: int, max_tokens: int) -> bool:
     """After `take_tokens` ended a request: whether its row ended in the stages too, where its reply
     does (its budget, or one of the tokens that end it, `GenerationRequest.ends`, the last handed
-    out). Not after a stop string: the state then holds tokens past it, which no next turn has, and
-    the row is released rather than ended."""
-    return generated >= max_tokens or (bool(new) and new[-1] in eos and not text.stopped)
+    out, whatever stop string its text may hold). Not after a stop string in a token before: the
+    state then holds tokens past it, which no next turn has, and the row is released rather than ended."""
+    return generated >= max_tokens or (bool(new) and new[-1] in eos)
 
 
-def stop_reason(finish: str, tokens: list[int], new: list[int], text: Any,
-                req: GenerationRequest) -> str | int | None:
+def stop_reason(finish: str, new: list[int], text: Any, req: GenerationRequest) -> str | int | None:
     """vLLM's stop_reason of a request `take_tokens` ended (`finish`): the stop string, or the
     `stop_token_ids` token, that ended it (None for EOS or max_tokens). Read once its text is released."""
     if finish != "stop":

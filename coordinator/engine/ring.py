@@ -341,7 +341,7 @@ class RingEngine:
         if finish is not None and live.keep_end:  # (noted before the client hears: a next turn may come at once)
             if first and not out.continued:  # (it never joined a group: nothing is kept)
                 live.keep_end = ""
-            elif ended_in_stages(out.tokens, new, live.ends, live.text, live.generated, req.max_tokens):
+            elif ended_in_stages(new, live.ends, live.generated, req.max_tokens):
                 self._end_kept(live, [*req.prompt_tokens, *live.emitted[: len(live.emitted) - len(new)], *out.tokens])
             else:  # (what the last node kept, if anything, goes)
                 self._end_kept(live, None)
@@ -356,7 +356,7 @@ class RingEngine:
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
                                   stats=live.stats, logprobs=logprobs, prompt_logprobs=scored,
-                                  stop_reason=stop_reason(finish, out.tokens, new, live.text, req)))
+                                  stop_reason=stop_reason(finish, new, live.text, req)))
         self._finish(live, None)
         return True
 
