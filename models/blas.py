@@ -88,8 +88,23 @@ def is_preferred(path: str | None) -> bool:
 
 def default_threads() -> int:
     """Half of this process's share of the cores (the rest is MLX's stream thread and Python's)."""
-    workers = max(1, int(os.environ.get(ENV_WORKERS, "1") or 1))
+    workers = _count(ENV_WORKERS) or 1
     return max(1, (os.cpu_count() or 1) // (2 * workers))
+
+
+def _count(var: str) -> int | None:
+    """A positive whole number from the environment; None (with a warning) for anything else, or unset."""
+    value = os.environ.get(var, "").strip()
+    if not value:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        log.warning("%s=%r is not a positive whole number; left out", var, value)
+        return None
+    return n
 
 
 def preload() -> None:
@@ -106,7 +121,7 @@ def preload() -> None:
     path = wanted or find_optimized()
     if not path:
         return
-    threads = str(int(os.environ.get(ENV_THREADS) or default_threads()))
+    threads = str(_count(ENV_THREADS) or default_threads())
     for var in _THREAD_VARS:
         if var not in os.environ:  # (read once, when the library initializes)
             os.environ[var] = threads

@@ -63,6 +63,18 @@ def test_thread_count_comes_from_the_environment(tmp_path: Path) -> None:
     assert json.loads(out)["threads"] == 1
 
 
+@pytest.mark.parametrize("bad", ["abc", "1.5", "0", "-2"])
+def test_a_thread_count_that_is_no_count_is_left_out_with_a_warning(bad: str) -> None:
+    """Read as mtpipe is imported, by every command (`--help` too): a bad value never stops one."""
+    from mtpipe.models import blas
+
+    env = {**os.environ, "MTPIPE_BLAS_THREADS": bad}
+    r = subprocess.run([sys.executable, "-m", "mtpipe", "--help"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "usage: mtpipe" in r.stdout, r.stderr
+    assert f"MTPIPE_BLAS_THREADS={bad!r} is not a positive whole number" in r.stderr
+    assert blas.default_threads() >= 1
+
+
 def test_blis_is_preferred_to_openblas_and_its_pthreads_build_to_the_others(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """OpenBLAS packs the whole weight matrix on every product, which at a decode step's few rows
