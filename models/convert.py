@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import uuid
 from pathlib import Path
 
 import mlx.core as mx
@@ -75,7 +76,26 @@ def convert(
         nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
         config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
     weights = {mlx_name(k): v for k, v in tree_flatten(model.parameters())}
-    dst.mkdir(parents=True, exist_ok=True)
+    if not mtp:
+        config.get("text_config", config)["mtp_num_hidden_layers"] = 0
+    # Written beside `dst` and renamed once whole: a conversion cut short (Ctrl-C, a full disk) leaves
+    # nothing a loader could take for a model, nor a directory a second try would refuse.
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    partial = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.partial"
+    partial.mkdir()  # (as `dst` would be made: the umask's permissions)
+    try:
+        _write(partial, weights, config, src)
+        if dst.exists():
+            dst.rmdir()  # (empty: checked above)
+        partial.rename(dst)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    log.info("converted %s -> %s (%s)", src, dst, f"{bits}-bit" if quantize else dtype or "original dtype")
+    return dst
+
+
+def _write(dst: Path, weights: dict[str, mx.array], config: dict, src: Path) -> None:
     shards = make_shards(weights)
     index: dict[str, str] = {}
     for i, tensors in enumerate(shards):
@@ -83,11 +103,7 @@ def convert(
         mx.save_safetensors(str(dst / fname), tensors, metadata={"format": "mlx"})
         index.update({k: fname for k in tensors})
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))
-    if not mtp:
-        config.get("text_config", config)["mtp_num_hidden_layers"] = 0
     (dst / "config.json").write_text(json.dumps(config, indent=1))
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copy(src / name, dst / name)
-    log.info("converted %s -> %s (%s)", src, dst, f"{bits}-bit" if quantize else dtype or "original dtype")
-    return dst

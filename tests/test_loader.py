@@ -105,6 +105,28 @@ def test_mlx_lm_loads_converted_backbone(dense_ckpt: Path, tmp_path: Path) -> No
     assert mx.allclose(model(x), ours.lm_logits(ours.final_norm(h)), atol=1e-5).item()
 
 
+def test_a_conversion_cut_short_leaves_nothing(dense_ckpt: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the files are written: neither a half-written model nor a leftover that a second try
+    would refuse; the second try then writes it whole."""
+    from mtpipe.models import convert as conversion
+
+    written = conversion._write
+
+    def interrupted(dst: Path, *args: object) -> None:
+        written(dst, *args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conversion, "_write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(dense_ckpt, tmp_path / "out", dtype="float32")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(conversion, "_write", written)
+    (tmp_path / "out").mkdir()  # (an empty directory is taken)
+    out = convert(dense_ckpt, tmp_path / "out", dtype="float32")
+    assert (out / "config.json").is_file() and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
 def test_missing_mtp_weights_error(tiny_root: Path) -> None:
     path = build_tiny_checkpoint(layout="no_mtp", root=tiny_root)
     with pytest.raises(MissingMTPWeightsError) as err:

@@ -174,8 +174,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     )
     from rich.markup import escape
 
+    held = json.loads((out / "config.json").read_text()).get("quantization")  # (-q, or a quantized source)
     stderr_console().print(f"converted {escape(args.hf_path)} -> [cyan]{escape(str(out))}[/cyan]"
-                           + (f" ({bits}-bit)" if args.quantize else f" ({args.dtype})"))
+                           + (f" ({held['bits']}-bit)" if held else f" ({args.dtype})"))
     return EXIT_OK
 
 
