@@ -107,10 +107,22 @@ def is_fingerprint(value: str) -> bool:
     return FINGERPRINT.fullmatch(value) is not None
 
 
+INDEX = "model.safetensors.index.json"
+
+
 def weight_files(model_dir: Path | str) -> list[Path]:
+    """The directory's safetensors files; FileNotFoundError naming those its index lists and it lacks
+    (a download that stopped halfway), rather than the tensors they held."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    try:
+        listed = set(json.loads((Path(model_dir) / INDEX).read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return files  # (no index, or one that says nothing usable: the files are what there is)
+    if missing := sorted(f for f in listed if isinstance(f, str) and not (Path(model_dir) / f).is_file()):
+        raise FileNotFoundError(f"{model_dir}: {', '.join(missing)}, listed in {INDEX}, "
+                                f"{'is' if len(missing) == 1 else 'are'} missing (a download that did not finish?)")
     return files
 
 

@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .config import ModelConfig, load_config
-from .fingerprint import SHARD_MANIFEST
+from .fingerprint import SHARD_MANIFEST, weight_files
 from .names import canonical_name
 from .shard import Qwen35Shard, ShardSpec
 
@@ -61,9 +61,7 @@ class LoadedShard:
 def read_checkpoint(path: Path, originals: dict[str, str] | None = None) -> dict[str, mx.array]:
     """All tensors of a checkpoint directory, lazily, under canonical names (`originals`, if given,
     gets each one's name in the checkpoint)."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {path}")
+    files = weight_files(path)
     weights: dict[str, mx.array] = {}
     for f in files:
         try:

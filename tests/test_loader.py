@@ -127,6 +127,20 @@ def test_a_conversion_cut_short_leaves_nothing(dense_ckpt: Path, tmp_path: Path,
     assert (out / "config.json").is_file() and [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+def test_a_weight_file_its_index_lists_and_that_is_missing_is_named(tiny_root: Path, tmp_path: Path) -> None:
+    """A sharded checkpoint whose download stopped halfway: the file is named, not the tensors it held."""
+    import shutil
+
+    sharded = build_tiny_checkpoint(layout="sharded", root=tiny_root)
+    broken = shutil.copytree(sharded, tmp_path / "broken")
+    last = sorted(broken.glob("model-*.safetensors"))[-1]
+    last.unlink()
+    with pytest.raises(FileNotFoundError, match=f"{last.name}, listed in model.safetensors.index.json, is missing"):
+        load_shard(broken)
+    with pytest.raises(FileNotFoundError, match=last.name):
+        convert(broken, tmp_path / "out")
+
+
 def test_missing_mtp_weights_error(tiny_root: Path) -> None:
     path = build_tiny_checkpoint(layout="no_mtp", root=tiny_root)
     with pytest.raises(MissingMTPWeightsError) as err:
