@@ -279,6 +279,7 @@ def load_shard(
         raise CheckpointError(f"{path}: unexpected tensor(s) for this model: {', '.join(unexpected[:3])}")
     model.load_weights([(k, weights[k]) for k in expected])
     model.eval()
+    _check_runs_here(model, path)
     if not materialize:
         return LoadedShard(config=config, spec=spec, model=model, path=path)
     # Materialize tensor by tensor so a progress bar can follow long loads.
@@ -288,6 +289,20 @@ def load_shard(
         if progress is not None:
             progress(i + 1, len(params))
     return LoadedShard(config=config, spec=spec, model=model, path=path)
+
+
+def _check_runs_here(model: nn.Module, path: Path) -> None:
+    """MLX's CPU backend multiplies unquantized MoE experts (gather_mm) in float32 only: a shard whose
+    experts are stored otherwise would load, then fail at its first forward."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if mx.default_device().type != mx.cpu:
+        return
+    for name, m in model.named_modules():
+        if isinstance(m, SwitchLinear) and m.weight.dtype != mx.float32:
+            raise CheckpointError(
+                f"{path}: its MoE experts are {str(m.weight.dtype).removeprefix('mlx.core.')} ({name}), and MLX's CPU "
+                "backend runs unquantized experts in float32 only: load it with --dtype float32 (or on a Mac's GPU)")
 
 
 def arrays_in(obj: Any, seen: set[int] | None = None) -> list:

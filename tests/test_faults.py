@@ -343,7 +343,10 @@ def test_health_is_ready_again_once_the_pipeline_is_formed_again(dense_ckpt: Pat
             while engine.pipeline.reformer.down is not None and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert engine.pipeline.reformer.down is None
-            assert readiness.check() == (True, {"nodes": 2, "unready": []})
+            deadline = time.monotonic() + 15  # (a node busy beside other test workers may miss one Health)
+            while (state := readiness.check())[0] is False and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert state == (True, {"nodes": 2, "unready": []})  # (before any request: none opened the links)
             assert engine.complete(req).tokens == want
         finally:
             engine.close()

@@ -141,6 +141,14 @@ def test_a_weight_file_its_index_lists_and_that_is_missing_is_named(tiny_root: P
         convert(broken, tmp_path / "out")
 
 
+@pytest.mark.skipif(mx.default_device().type != mx.cpu, reason="MLX's CPU backend only")
+def test_moe_experts_the_cpu_cannot_multiply_are_refused_at_load(moe_ckpt: Path) -> None:
+    """gather_mm runs float32 only on the CPU: a bfloat16 MoE shard is refused as it loads, saying what runs."""
+    with pytest.raises(CheckpointError, match="experts are bfloat16.*--dtype float32"):
+        load_shard(moe_ckpt, dtype=mx.bfloat16)
+    assert load_shard(moe_ckpt, dtype=mx.float32).model.parameter_bytes() > 0
+
+
 def test_missing_mtp_weights_error(tiny_root: Path) -> None:
     path = build_tiny_checkpoint(layout="no_mtp", root=tiny_root)
     with pytest.raises(MissingMTPWeightsError) as err:
