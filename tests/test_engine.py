@@ -242,3 +242,21 @@ def test_what_compares_with_mlx_lm_leaves_out_the_token_that_ended_a_reply() -> 
     assert GenerationChunk("", [4, 5], "stop", stop_reason=5).shown == [4]  # a stop token id
     assert GenerationChunk("", [4, 5], "stop", stop_reason="x").shown == [4, 5]  # a stop string: all its tokens
     assert GenerationChunk("", [4, 5], "length").shown == GenerationChunk("", [4, 5]).shown == [4, 5]
+
+
+def test_generate_without_max_tokens_takes_what_the_context_leaves(dense_ckpt: Path, capsys) -> None:
+    """`mtpipe generate`'s own default length (256) never makes a long prompt an error the user did not ask
+    for: it is cut to what the context leaves; an explicit --max-tokens past it still is one."""
+    from mtpipe.coordinator.cli.main import main
+    from mtpipe.coordinator.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(dense_ckpt, [])
+    text = tok.decode([5 + i % 50 for i in range(4096)])
+    text = tok.decode(tok.encode(text)[: 4096 - 40])  # (40 left: the default is cut to fit)
+    prompt = len(tok.encode(text))
+    assert 4096 - 256 < prompt < 4096 - 8
+    assert main(["generate", "--model", str(dense_ckpt), "--prompt", text, "--no-mtp", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "length" and out["stats"]["generation_tokens"] == 4096 - prompt
+    assert main(["generate", "--model", str(dense_ckpt), "--prompt", text, "--no-mtp", "--max-tokens", "256"]) == 2
+    assert "exceeds the context" in capsys.readouterr().err

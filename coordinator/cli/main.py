@@ -34,6 +34,8 @@ from .common import (
     unrecognized,
 )
 
+GENERATE_MAX_TOKENS = 256  # `mtpipe generate`'s length when --max-tokens is left out (mlx-lm's too)
+
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import mlx.core as mx
@@ -41,7 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ...models.registry import resolve_model
     from ...node.protocol import SamplingParams
     from ..engine.build import local_engine
-    from ..engine.request import GenerationRequest, resolve_depth
+    from ..engine.request import GenerationRequest, context_room, resolve_depth
 
     if args.weights_from and not args.nodes:
         raise ValueError("--weights-from applies with --nodes")
@@ -77,7 +79,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tokens = engine.encode_chat(chat) if args.chat else engine.tokenizer.encode(prompt)
         if fmt is not None and args.chat:  # (a thought the template opened stays free, as the API leaves it)
             params = _after_thought(fmt, engine, tokens, params)
-        req = GenerationRequest(prompt_tokens=tokens, max_tokens=args.max_tokens, params=params, mtp_depth=depth,
+        max_tokens = args.max_tokens or max(1, min(GENERATE_MAX_TOKENS,  # (a default: never past the context)
+                                                   context_room(len(tokens), depth, engine.max_context)))
+        req = GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens, params=params, mtp_depth=depth,
                                 mtp_auto=auto, stop=args.stop or [])
         if args.json:
             result = engine.complete(req)
@@ -302,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(p)
     p.add_argument("--prompt", help="prompt text (default: read standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=positive_int, default=256, help="tokens to generate at most (default 256)")
+    p.add_argument("--max-tokens", type=positive_int, default=None,
+                   help=f"tokens to generate at most (default {GENERATE_MAX_TOKENS}, or what the context leaves)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     held = p.add_mutually_exclusive_group()
     held.add_argument("--json-schema", metavar="FILE|JSON",
