@@ -151,6 +151,9 @@ class FrameListener:
                     body = await reader.readexactly(size)
                 frame = pb.Frame.FromString(body)
                 await self.on_frame(frame)
+                # A frame already read comes back without a wait: between two (a long prompt's chunks, one
+                # after another) the loop runs what else is due, lease renewals and Health among it.
+                await asyncio.sleep(0)
         except (TimeoutError, DataPlaneError, DecodeError, asyncio.IncompleteReadError) as e:
             log.warning("data plane: closed the stream from %s: %s", peer, e or type(e).__name__)
         except (ConnectionError, OSError) as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import __version__
@@ -14,12 +15,43 @@ if TYPE_CHECKING:
     from .service import NodeService
 
 
+MEMORY_FRESH_S = 2.0  # a memory reading this old is answered as it is while a new one is taken
+
+
+class MemoryReadings:
+    """(used, available, offered) bytes for Health. Reading them blocks (psutil, sysctl), so it runs on
+    the executor, and on a node whose loop runs steps back to back (a long prompt's chunks) each await
+    waits out a step: after the first, the last reading is answered at once, and a new one is taken
+    beside it once that is MEMORY_FRESH_S old. Health then answers in one turn of the loop."""
+
+    def __init__(self, offered: Callable[[], int] | None):
+        self.offered = offered
+        self._last: tuple[float, tuple[int, int, int]] | None = None
+        self._task: asyncio.Task | None = None
+
+    async def get(self, active: int) -> tuple[int, int, int]:
+        if self._last is None:
+            return await self._refresh(active)
+        if time.monotonic() - self._last[0] > MEMORY_FRESH_S and (self._task is None or self._task.done()):
+            self._task = asyncio.get_running_loop().create_task(self._refresh(active))
+        return self._last[1]
+
+    async def _refresh(self, active: int) -> tuple[int, int, int]:
+        value = await asyncio.get_running_loop().run_in_executor(None, self._read, active)
+        self._last = (time.monotonic(), value)
+        return value
+
+    def _read(self, active: int) -> tuple[int, int, int]:
+        used, available = system_memory(active)
+        return used, available, self.offered() if self.offered is not None else 0
+
+
 async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
     gpu_limit()  # asks MLX once, cached: here on the node's MLX thread, not on the executor's
     active = mlx_active_memory()  # (likewise)
-    loop = asyncio.get_running_loop()
-    used, available = await loop.run_in_executor(None, system_memory, active)
-    offered = await loop.run_in_executor(None, node.memory_offered) if node.memory_offered is not None else 0
+    if node.memory_readings is None or node.memory_readings.offered is not node.memory_offered:
+        node.memory_readings = MemoryReadings(node.memory_offered)  # (`mtpipe launch` sets what it offers)
+    used, available, offered = await node.memory_readings.get(active)
     condition = node.conditions.current()
     reply = pb.HealthReply(
         node_id=node.node_id,

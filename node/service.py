@@ -35,7 +35,7 @@ from .conditions import Conditions
 from .coordinators import Coordinators
 from .dataplane import NextStage
 from .group_frames import GroupFrames
-from .health import health_reply
+from .health import MemoryReadings, health_reply
 from .kept import KeptFrames
 from .leases import LeaseHolder
 from .loader import LoadKey
@@ -79,6 +79,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         self.coordinating = False  # it drives the cluster (set by `mtpipe launch`): Ping says so
         self.placed: dict[str, str] = {}  # coordinating: the nodes it placed the model on, id -> address (Health)
         self.memory_offered: Callable[[], int] | None = None  # what `mtpipe launch` offers: Health says so
+        self.memory_readings: MemoryReadings | None = None  # (health.py)
         self.worker: StageWorker | None = None
         self.key: LoadKey | None = None
         self.next: NextStage | None = None
@@ -232,7 +233,6 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
             return
         if frame.kind == pb.GROUP:
             self.on_group(frame)
-            await asyncio.sleep(0)
             return
         if frame.ring and (self.worker is None or frame.seq_id not in self.worker.sequences):
             # The client released the sequence while the last node was starting this round.
@@ -299,6 +299,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
     async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async for frame in request_iterator:  # one stream's frames, strictly in order
             await self.on_frame(frame)
+            await asyncio.sleep(0)  # (see FrameListener: frames already read do not starve the loop)
         return
         yield  # an async generator: the reply stream stays silent
 

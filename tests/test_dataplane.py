@@ -158,3 +158,37 @@ def test_closing_the_listener_ends_open_streams_without_an_error(caplog: pytest.
     with caplog.at_level(logging.DEBUG, logger="asyncio"):
         asyncio.run(run())
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_frames_read_back_to_back_leave_the_loop_its_turns() -> None:
+    """A long prompt's chunks arrive together and each step holds the loop (it is the node's MLX thread):
+    between two frames the loop runs what else is due (lease renewals, Health), not after all of them."""
+    import asyncio
+    import time
+
+    from mtpipe.proto import mtpipe_pb2 as pb
+
+    async def run() -> None:
+        done: list[str] = []
+
+        async def on_frame(frame: pb.Frame) -> None:
+            time.sleep(0.02)  # (a step: the loop waits for it)
+            done.append(frame.seq_id)
+
+        listener = dataplane.FrameListener(on_frame, None, max_bytes=1 << 20)
+        port = await listener.start("127.0.0.1")
+        link = await dataplane.TcpFrameLink.connect("127.0.0.1", port, None)
+        for i in range(20):
+            await link.write(pb.Frame(seq_id=f"s{i}"))
+        while not done:  # (the first frame is in: the others are read back to back)
+            await asyncio.sleep(0.001)
+        renewed = asyncio.get_running_loop().create_future()
+        asked = len(done)
+        asyncio.get_running_loop().call_soon(lambda: renewed.set_result(len(done)))
+        assert await renewed - asked <= 2 and asked < 15  # (its turn within a step or two, not after the rest)
+        while len(done) < 20:
+            await asyncio.sleep(0.01)
+        await listener.close()
+        link.writer.close()
+
+    asyncio.run(run())

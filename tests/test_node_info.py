@@ -257,3 +257,25 @@ def test_an_id_another_node_advertises_is_a_clear_error() -> None:
     ad = NodeAdvert("node-a", cluster_hash("lab"), 52700, 2**34, 2**33, "Apple M2 Max", "0.1.0")
     with pytest.raises(ValueError, match="another node on this network advertises the id 'node-a'.*node_id file"):
         asyncio.run(Advertiser(Taken(), ad, ["127.0.0.1"]).start())
+
+
+def test_health_answers_the_last_memory_reading_and_takes_a_new_one_beside_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading memory blocks, so it runs on the executor: after the first, Health answers the last
+    reading at once (one turn of a loop busy with steps), and a stale one is renewed in the background."""
+    import asyncio
+
+    from mtpipe.node import health
+
+    reads = iter(range(100))
+    monkeypatch.setattr(health, "system_memory", lambda active: (next(reads), 7))
+    readings = health.MemoryReadings(lambda: 5)
+
+    async def run() -> list[tuple[int, int, int]]:
+        got = [await readings.get(0), await readings.get(0)]  # (the first waits for its reading)
+        readings._last = (readings._last[0] - health.MEMORY_FRESH_S - 1, readings._last[1])  # (gone stale)
+        got.append(await readings.get(0))  # (answered as it is, renewed beside)
+        await readings._task
+        got.append(await readings.get(0))
+        return got
+
+    assert asyncio.run(run()) == [(0, 7, 5), (0, 7, 5), (0, 7, 5), (1, 7, 5)]
