@@ -7,8 +7,10 @@ was frozen longer than the lease. So a stage never fills up with the dead. A lea
 sequence's first frame, so a sequence whose first renewal is still on its way keeps its place.
 
 A lease runs while the node's loop could have heard renewals: a step holds the loop (a long prompt
-chunk may take longer than a lease), and the renewals sent meanwhile wait behind it, so the time a
-sweep comes late is added to every lease, and to the groups' idle clocks, before it looks.
+chunk may take longer than a lease), and the renewals sent meanwhile wait behind it, so each step's
+time is added to every lease, and to the groups' idle clocks, as is the time a sweep comes late
+beyond the steps'. Steps back to back (a long prompt's chunks) leave the loop a turn between two, too
+few for a renewal to get through in time: without this, their leases would run out under them.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class LeaseHolder:
     _leases: Leases | None = None
     _sweeping: bool = False
     _sweep_due: float = 0.0
+    _held: float = 0.0  # the steps' time since the last sweep (already added to the leases)
 
     name: str
     _subs: dict[str, Any]
@@ -87,15 +90,22 @@ class LeaseHolder:
         """A client's sequence starts here: its lease runs from now; the sweep runs while any does."""
         self.leases.start(seq_id)
         if not self._sweeping:
-            self._sweeping = True
+            self._sweeping, self._held = True, 0.0
             self._next_sweep()
+
+    def held(self, seconds: float) -> None:
+        """A step held the loop this long: the leases and the groups' idle clocks stand still for it."""
+        if seconds > LATE_S and self._leases is not None:
+            self._leases.pause(seconds)
+            self.pause_groups(seconds)
+            self._held += seconds
 
     def _next_sweep(self) -> None:
         self._sweep_due = time.monotonic() + SWEEP_S
         asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
 
     def _sweep(self) -> None:
-        late = time.monotonic() - self._sweep_due
+        late, self._held = time.monotonic() - self._sweep_due - self._held, 0.0
         if late > LATE_S:  # the loop was held (a step): no renewal could be heard meanwhile
             self.leases.pause(late)
             self.pause_groups(late)

@@ -240,7 +240,11 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
             return
         try:
             await self._compile(frame)
-            out = self._run(frame)
+            started = time.monotonic()
+            try:
+                out = self._run(frame)
+            finally:
+                self.held(time.monotonic() - started)  # (no renewal could be heard meanwhile: leases.py)
         except StageError as e:
             self._fail(frame, "INVALID_ARGUMENT", str(e))
             return

@@ -89,6 +89,23 @@ def test_a_lease_stands_still_while_the_nodes_loop_is_held() -> None:
     leases.pause(6.0)
     assert leases.expired(now=7.0) == [] and leases.expired(now=11.5) == ["a"]
 
+    async def chunks(n: int, step_s: float) -> Node:
+        """A long prompt's chunks back to back: each step adds its time; the sweep after them adds only
+        what is late beyond it (nothing counted twice), and no renewal came through meanwhile."""
+        node = Node()
+        node.lease("s")
+        for _ in range(n):
+            node.leases.expires["s"] -= step_s  # (the clock ran on while the step held the loop)
+            node._sweep_due -= step_s
+            node.held(step_s)
+        node._sweep()
+        return node
+
+    node = asyncio.run(chunks(8, 1.4))  # 11.2 s of steps, longer than two leases
+    assert node.released == [] and sum(node.paused) == pytest.approx(8 * 1.4, abs=0.2)
+    node = asyncio.run(chunks(8, LATE_S / 2))  # decode rounds: nothing moves
+    assert node.released == [] and node.paused == []
+
 
 def test_a_sequence_a_node_ended_itself_may_resume_and_a_hop_that_does_not_carry_is_named() -> None:
     """A node's error about one sequence it ended on its own account (its group's rounds stopped coming,
