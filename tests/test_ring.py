@@ -507,7 +507,7 @@ def test_a_row_lost_while_its_prompt_goes_in_is_freed_once_it_is_through() -> No
             self.early: list[str] = []
             self.through = threading.Event()
 
-        def steps(self, steps: list) -> list:
+        def steps(self, steps: list, stop: Any = None) -> list:
             self.row_sinks[steps[0].seq_id](StageUnavailable("node b is gone"))  # heard while chunks go
             self.early = list(self.released)
             self.through.set()
@@ -540,7 +540,7 @@ class ResumingPipeline(FakePipeline):
         self.back.set()
         self.reformer = SimpleNamespace(down=None, down_at=0.0, given_up=False, wait=self.back.wait)
 
-    def steps(self, steps: list) -> list:
+    def steps(self, steps: list, stop: Any = None) -> list:
         from mtpipe.node.protocol import StepOutput
 
         self.prefilled.append(steps[0].seq_id)
@@ -602,6 +602,29 @@ def test_close_ends_a_request_waiting_to_resume() -> None:
     assert isinstance(items[-1], StageUnavailable)
 
 
+def test_a_client_gone_while_its_prompt_goes_in_stops_it_there(ring: Any) -> None:
+    """A long prompt, in many chunks: once its client goes away no more chunks are sent, so the nodes
+    compute only those already in flight, not the whole prompt; nothing is left on any node."""
+    engine, servers, _ = ring
+    chunk, engine.prefill_chunk = engine.prefill_chunk, 32
+    try:
+        tokens = [5 + i % 50 for i in range(3000)]
+        first = servers[0].service.worker.stats
+        before = first.tokens_processed
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        handle = engine.open(GenerationRequest(tokens, max_tokens=4), q.put)
+        deadline = time.monotonic() + WAIT_S
+        while first.tokens_processed == before and time.monotonic() < deadline:  # (its first chunk is in)
+            time.sleep(0.001)
+        handle.cancel()
+        while (item := q.get(timeout=WAIT_S)) is not END:
+            assert not isinstance(item, BaseException)
+        assert quiet(servers) == [0] * len(servers)
+        assert first.tokens_processed - before < len(tokens) // 2
+    finally:
+        engine.prefill_chunk = chunk
+
+
 def test_a_request_cancelled_as_it_is_admitted_is_released_once() -> None:
     """A client that leaves between its admission and its prompt going out: its row and slot are given
     back once, and nothing of it is sent (the group's count and `max_rows` hold)."""
@@ -616,7 +639,7 @@ def test_a_request_cancelled_as_it_is_admitted_is_released_once() -> None:
             super().__init__()
             self.prefilled: list[str] = []
 
-        def steps(self, steps: list) -> list:  # the prompt goes in; no rounds come, so the row stays
+        def steps(self, steps: list, stop: Any = None) -> list:  # the prompt goes in; no rounds come, so the row stays
             self.prefilled.append(steps[0].seq_id)
             return [StepOutput(steps[-1].seq_id, steps[-1].step, [7], continued=True)]
 
@@ -662,7 +685,7 @@ def test_a_row_whose_rounds_stop_coming_fails() -> None:
         nodes = addresses = ("a:1", "b:2")
         reformer = SimpleNamespace(down=None)
 
-        def steps(self, steps: list) -> list:  # the prompt goes in; its row joins a group, then nothing
+        def steps(self, steps: list, stop: Any = None) -> list:  # the prompt goes in; its row joins a group, then none
             return [StepOutput(steps[-1].seq_id, steps[-1].step, [7], continued=True)]
 
     detokenizer = SimpleNamespace(add_token=lambda t: None, last_segment="", finalize=lambda: None, tokens=[])
@@ -748,7 +771,7 @@ def test_asking_the_nodes_for_their_step_times_holds_up_no_row_and_no_admission(
         def __init__(self) -> None:
             self.row_sinks: dict = {}
 
-        def steps(self, steps):
+        def steps(self, steps, stop=None):
             return [StepOutput(steps[-1].seq_id, steps[-1].step, [7], continued=True)]
 
         def release(self, seq_id, group=0):

@@ -213,7 +213,7 @@ class RingEngine:
                     kept.done(hit.key)
                 return
         try:
-            outs = self.pipeline.steps(steps)
+            outs = self.pipeline.steps(steps, stop=lambda: live.done)  # (a client gone: no more chunks)
             out = outs[-1]
         except Exception as e:
             out = e

@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 
 from ...models.shard import ShardSpec
-from ...node.protocol import GroupEnd, StageError, StepKind, StepOutput, StepRequest
+from ...node.protocol import GroupEnd, StageError, StageUnavailable, StepKind, StepOutput, StepRequest
 from ...node.wire import describe_rpc_error, describe_unreached, end_from_pb, request_to_frame, result_to_output
 from ...proto import mtpipe_pb2 as pb
 from .nodes import (
@@ -317,9 +317,11 @@ class RemotePipeline(Reforming):
     def step(self, req: StepRequest) -> StepOutput:
         return self.steps([req])[0]
 
-    def steps(self, reqs: list[StepRequest]) -> list[StepOutput]:
+    def steps(self, reqs: list[StepRequest], stop: Callable[[], bool] | None = None) -> list[StepOutput]:
         """Consecutive steps of one sequence (a prompt's chunks), up to `steps_in_flight` at once: the
-        first node computes chunk i+1 while the next ones work on chunk i."""
+        first node computes chunk i+1 while the next ones work on chunk i. Once `stop()` says so (its
+        client went away), no more are sent, and StageUnavailable is raised: the nodes compute only
+        those already in flight."""
         if self._closed:
             raise RuntimeError("the pipeline is closed")
         in_flight: deque[tuple[StepRequest, StepWaiter]] = deque()
@@ -329,6 +331,8 @@ class RemotePipeline(Reforming):
             self._prefilling += prefill
         try:
             for req in reqs:
+                if stop is not None and in_flight and stop():
+                    raise StageUnavailable(f"{req.seq_id}: its client went away while its prompt went in")
                 waiter = self._register(req)
                 in_flight.append((req, waiter))
                 if not waiter.claimed:
