@@ -154,6 +154,18 @@ def test_health_names_each_reason() -> None:
     time.sleep(0.01)
     assert watch.check(1.0)[3].error_at == first  # since when, not when last asked
 
+    class Late(Unreachable):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    for prefilling in (False, True):  # late while prompt chunks are in flight: busy in a step, not unready
+        pipeline = type("P", (), {"nodes": [link("a:1", pb.HealthReply(loaded=True)), link("b:2", Late())],
+                                  "prefilling": prefilling})()
+        ready, details = Readiness(type("E", (), {"pipeline": pipeline})()).check()  # type: ignore[arg-type]
+        assert ready is prefilling and [u["address"] for u in details["unready"]] == ([] if prefilling else ["b:2"])
+    pipeline.nodes[1] = link("b:2", Unreachable())  # (gone, not late: unready whatever is in flight)
+    assert Readiness(type("E", (), {"pipeline": pipeline})()).check()[0] is False  # type: ignore[arg-type]
+
 
 def test_health_and_cluster_over_nodes(dense_ckpt: Path) -> None:
     with node_servers(2) as nodes:

@@ -2,7 +2,8 @@
 
 A pipeline of nodes is asked node by node, in parallel, so a node that does not answer neither hides
 the others' state nor holds them up beyond one timeout. A node is ready when it answers, holds its
-shard and reports no error. A local engine is ready while its MLX thread runs.
+shard and reports no error; while prompt chunks are in flight, one that answers late is busy in a
+step (its loop runs them), not unready. A local engine is ready while its MLX thread runs.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class NodeState:
     error: str | None = None  # why the node is not ready, None when it is
     error_at: float | None = None  # when that error was first seen (wall clock)
     checked_at: float = field(default_factory=time.time)
+    busy: bool = False  # it did not answer in time while it computes prompt chunks (a step holds its loop)
 
     @property
     def ready(self) -> bool:
@@ -81,8 +83,9 @@ class NodeWatch:
     def check(self, timeout: float, probe_next: bool = False) -> list[NodeState]:
         """Every node's state, in pipeline order; blocks for at most about `timeout` (call off the event loop)."""
         links = list(self.pipeline.nodes)
+        busy = bool(getattr(self.pipeline, "prefilling", False))
         with ThreadPoolExecutor(len(links), thread_name_prefix="node-health") as pool:
-            states = list(pool.map(lambda link: self._ask(link, timeout, probe_next), links))
+            states = list(pool.map(lambda link: self._ask(link, timeout, probe_next, busy), links))
         with self._lock:
             current = {(s.address, s.error) for s in states if s.error}
             self._since = {k: v for k, v in self._since.items() if k in current}
@@ -94,7 +97,11 @@ class NodeWatch:
         return states
 
     @staticmethod
-    def _ask(link: Any, timeout: float, probe_next: bool) -> NodeState:
+    def _ask(link: Any, timeout: float, probe_next: bool, prefilling: bool = False) -> NodeState:
+        """A node that answers late while prompt chunks are in flight is busy in a step, not unready: the
+        lease renewals, which tolerate that for longer (pipeline/renewals.py), say when it is lost."""
+        import grpc
+
         from ...node.wire import describe_rpc_error
         from ...proto import mtpipe_pb2 as pb
 
@@ -102,6 +109,8 @@ class NodeWatch:
             reply = link.stub.Health(pb.HealthRequest(probe_next=probe_next), timeout=timeout)
         except Exception as e:  # noqa: BLE001 - grpc.RpcError, or a closed channel: the node is down either way
             log.debug("node %s does not answer Health: %s", link.address, e)
+            if prefilling and isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return NodeState(link.address, busy=True)
             return NodeState(link.address, error=f"does not answer: {describe_rpc_error(e)}")
         return NodeState(link.address, reply=reply, error=_problem(reply))
 

@@ -317,6 +317,11 @@ class RemotePipeline(Reforming):
     def step(self, req: StepRequest) -> StepOutput:
         return self.steps([req])[0]
 
+    @property
+    def prefilling(self) -> bool:
+        """Prompt chunks are in flight: a node may be in a step that holds its loop for a while."""
+        return self._prefilling > 0
+
     def steps(self, reqs: list[StepRequest], stop: Callable[[], bool] | None = None) -> list[StepOutput]:
         """Consecutive steps of one sequence (a prompt's chunks), up to `steps_in_flight` at once: the
         first node computes chunk i+1 while the next ones work on chunk i. Once `stop()` says so (its
