@@ -94,6 +94,8 @@ def eos_token_ids(raw: dict[str, Any]) -> list[int]:
 
 def load_config(model_path: Path) -> ModelConfig:
     path = Path(model_path) / "config.json"
+    if not Path(model_path).is_dir():
+        raise FileNotFoundError(f"{model_path} is no directory (a model is a directory holding config.json)")
     if not path.exists():
         raise FileNotFoundError(f"no config.json in {model_path}")
     try:

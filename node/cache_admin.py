@@ -125,6 +125,7 @@ def prune(root: Path, *, max_bytes: int | None = None,
     what was chosen but kept because a node is fetching or loading it."""
     if fingerprint is not None and not fingerprint:
         raise ValueError("an empty model fingerprint names every model: use --all for that")
+    fingerprint = fingerprint.lower() if fingerprint is not None else None  # (hex digits, as written)
     all_entries = entries(root)
     if max_bytes is None:
         removable, busy = _lock_all([e for e in all_entries

@@ -67,7 +67,7 @@ def test_entries_least_recently_used_first_and_prune(filled, capsys: pytest.Capt
     assert main(["cache", "prune", "--shard-cache", str(cache.root)]) == 2  # which entries: not said
     assert main(["cache", "prune", "--model", "", "--shard-cache", str(cache.root)]) == 2  # "" is not a model
     fp = listed[0].fingerprint
-    assert main(["cache", "prune", "--json", "--model", fp[:10], "--shard-cache", str(cache.root)]) == 0
+    assert main(["cache", "prune", "--json", "--model", fp[:10].upper(), "--shard-cache", str(cache.root)]) == 0
     out = capsys.readouterr().out.strip().splitlines()[-1]
     assert len(json.loads(out)["removed"]) == 2 and cache_admin.entries(cache.root) == []
     assert not (cache.root / fp).exists()

@@ -241,6 +241,11 @@ def test_bad_config_errors(tmp_path: Path, dense_ckpt: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
         load_shard(tmp_path)
+    with pytest.raises(FileNotFoundError, match="is no directory"):  # (a path that is not there at all)
+        convert(tmp_path / "nowhere", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json in"):
+        load_shard(tmp_path / "empty")
 
 
 @pytest.mark.parametrize(("bits", "group_size", "mode"), [(4, 64, "affine"), (8, 32, "affine"), (4, 32, "mxfp4"),
