@@ -89,6 +89,8 @@ def resolve_model(model: str | Path | None, revision: str | None = None) -> Path
     check_revision(model, revision)
     if model is None:
         return default_model_path()
+    if not str(model).strip():
+        raise ValueError("the model is empty: give a directory or a hub repo id (or leave --model out: the demo model)")
     path = Path(model).expanduser()
     if path.exists():
         return path

@@ -25,6 +25,9 @@ def test_bundled_demo_model_resolves_to_its_directory() -> None:
 
 def test_local_directory_is_taken_as_is(tmp_path: Path) -> None:
     assert registry.resolve_model(str(tmp_path)) == tmp_path
+    for empty in ("", "  "):  # (not the working directory)
+        with pytest.raises(ValueError, match="the model is empty"):
+            registry.resolve_model(empty)
 
 
 def test_unknown_local_path_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
