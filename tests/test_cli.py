@@ -161,6 +161,7 @@ def test_an_unknown_option_with_a_secret_is_not_echoed(capsys: pytest.CaptureFix
         assert ended.value.code == 2
         err = capsys.readouterr().err
         assert "unrecognized arguments: --" in err and "sk-hush" not in err
+        assert err.startswith("usage: mtpipe generate")  # (the command's usage, not the top level's)
 
 
 @pytest.mark.parametrize("command, option", [("serve", "--api-key-file"), ("node", "--secret-file")])

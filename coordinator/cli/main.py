@@ -382,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cluster_commands(sub)
     for command in {id(p): p for p in sub.choices.values()}.values():  # `mtpipe generate -v` as `mtpipe -v generate`
+        if command.get_default("usage_parser") is None:  # (an unknown option is reported with its command's usage)
+            command.set_defaults(usage_parser=command)
         if "-v" not in command._option_string_actions:
             command.add_argument("-v", "--verbose", dest="verbose_after", action="count", default=0,
                                  help="more logging (-vv for debug)")
