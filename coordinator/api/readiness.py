@@ -38,7 +38,6 @@ class NodeState:
     error: str | None = None  # why the node is not ready, None when it is
     error_at: float | None = None  # when that error was first seen (wall clock)
     checked_at: float = field(default_factory=time.time)
-    busy: bool = False  # it did not answer in time while it computes prompt chunks (a step holds its loop)
 
     @property
     def ready(self) -> bool:
@@ -110,7 +109,7 @@ class NodeWatch:
         except Exception as e:  # noqa: BLE001 - grpc.RpcError, or a closed channel: the node is down either way
             log.debug("node %s does not answer Health: %s", link.address, e)
             if prefilling and isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return NodeState(link.address, busy=True)
+                return NodeState(link.address)  # (no reply, no error: busy in a step)
             return NodeState(link.address, error=f"does not answer: {describe_rpc_error(e)}")
         return NodeState(link.address, reply=reply, error=_problem(reply))
 
