@@ -152,7 +152,8 @@ class FrameListener:
                 frame = pb.Frame.FromString(body)
                 await self.on_frame(frame)
                 # A frame already read comes back without a wait: between two (a long prompt's chunks, one
-                # after another) the loop runs what else is due, lease renewals and Health among it.
+                # after another) the loop runs what else is due: the writer passes the last one on, lease
+                # renewals and Health are answered.
                 await asyncio.sleep(0)
         except (TimeoutError, DataPlaneError, DecodeError, asyncio.IncompleteReadError) as e:
             log.warning("data plane: closed the stream from %s: %s", peer, e or type(e).__name__)

@@ -268,7 +268,6 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         else:
             frame.hidden.CopyFrom(out)
             self._forward(frame)
-        await asyncio.sleep(0)  # with more frames already buffered, let the writer pass this one on first
 
     def _forward(self, frame: pb.Frame) -> None:
         link = self.next
@@ -303,7 +302,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
     async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         async for frame in request_iterator:  # one stream's frames, strictly in order
             await self.on_frame(frame)
-            await asyncio.sleep(0)  # (see FrameListener: frames already read do not starve the loop)
+            await asyncio.sleep(0)  # (as FrameListener does between frames)
         return
         yield  # an async generator: the reply stream stays silent
 
