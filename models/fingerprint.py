@@ -110,17 +110,30 @@ def is_fingerprint(value: str) -> bool:
 INDEX = "model.safetensors.index.json"
 
 
+def missing_files(model_dir: Path | str) -> list[str]:
+    """The weight files the directory's index lists and it lacks (a download that stopped halfway); none
+    without an index. ValueError for an index that cannot be read."""
+    index = Path(model_dir) / INDEX
+    if not index.is_file():
+        return []
+    try:
+        listed = set(json.loads(index.read_text()).get("weight_map", {}).values())
+    except (OSError, AttributeError) as e:  # (JSON that is no object has no .get; bad JSON is a ValueError)
+        raise ValueError(f"{index}: {e}") from None
+    return sorted(f for f in listed if isinstance(f, str) and not (Path(model_dir) / f).is_file())
+
+
 def weight_files(model_dir: Path | str) -> list[Path]:
-    """The directory's safetensors files; FileNotFoundError naming those its index lists and it lacks
-    (a download that stopped halfway), rather than the tensors they held."""
+    """The directory's safetensors files; FileNotFoundError naming those its index lists and it lacks,
+    rather than the tensors they held."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
     try:
-        listed = set(json.loads((Path(model_dir) / INDEX).read_text())["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return files  # (no index, or one that says nothing usable: the files are what there is)
-    if missing := sorted(f for f in listed if isinstance(f, str) and not (Path(model_dir) / f).is_file()):
+        missing = missing_files(model_dir)
+    except ValueError:
+        return files  # (an index that says nothing usable: the files are what there is)
+    if missing:
         raise FileNotFoundError(f"{model_dir}: {', '.join(missing)}, listed in {INDEX}, "
                                 f"{'is' if len(missing) == 1 else 'are'} missing (a download that did not finish?)")
     return files

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
+
+from .fingerprint import missing_files
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +41,10 @@ def complete(path: Path) -> bool:
     stopped halfway leaves a snapshot without some)."""
     if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
         return False
-    index = path / "model.safetensors.index.json"
-    if not index.is_file():
-        return True
     try:
-        files = set(json.loads(index.read_text()).get("weight_map", {}).values())
-    except (OSError, ValueError, AttributeError):
+        return not missing_files(path)
+    except ValueError:  # (an index that cannot be read: not a finished download)
         return False
-    return all((path / f).is_file() for f in files)
 
 
 def check_revision(model: str | Path | None, revision: str | None) -> None:
