@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..engine.request import ends_on_token
+
 MODEL_NAME = "bench"
 START_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 900.0
@@ -87,7 +89,7 @@ class StreamRecord:
         total = sum(self.chars)
         if not total:
             return [0.0] * len(self.chars)
-        ended = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
+        ended = ends_on_token(self.finish_reason, self.stop_reason)
         return [(self.completion_tokens - ended) * c / total for c in self.chars]
 
 

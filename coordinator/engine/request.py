@@ -138,8 +138,14 @@ class GenerationChunk:
     def shown(self) -> list[int]:
         """Its tokens but the one that ended the request, if it holds it (an EOS or a stop token id, which
         vLLM counts and mlx-lm does not hand out): what compares with mlx-lm's output."""
-        ended = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
+        ended = ends_on_token(self.finish_reason, self.stop_reason)
         return self.tokens[:-1] if ended and self.tokens else self.tokens
+
+
+def ends_on_token(finish_reason: str | None, stop_reason: str | int | None) -> bool:
+    """Whether a request that finished so ended on a token (EOS, or a stop token id), the last of its
+    tokens: stopped, and not by a stop string."""
+    return finish_reason == "stop" and not isinstance(stop_reason, str)
 
 
 @dataclass
