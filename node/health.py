@@ -24,8 +24,8 @@ class MemoryReadings:
     waits out a step: after the first, the last reading is answered at once, and a new one is taken
     beside it once that is MEMORY_FRESH_S old. Health then answers in one turn of the loop."""
 
-    def __init__(self, offered: Callable[[], Callable[[], int] | None]):
-        self.offered = offered  # what the node offers a placement, if it says (`mtpipe launch` sets it later)
+    def __init__(self, offered: Callable[[], int] | None):
+        self.offered = offered
         self._last: tuple[float, tuple[int, int, int]] | None = None
         self._task: asyncio.Task | None = None
 
@@ -43,13 +43,14 @@ class MemoryReadings:
 
     def _read(self, active: int) -> tuple[int, int, int]:
         used, available = system_memory(active)
-        offered = self.offered()
-        return used, available, offered() if offered is not None else 0
+        return used, available, self.offered() if self.offered is not None else 0
 
 
 async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
     gpu_limit()  # asks MLX once, cached: here on the node's MLX thread, not on the executor's
     active = mlx_active_memory()  # (likewise)
+    if node.memory_readings is None or node.memory_readings.offered is not node.memory_offered:
+        node.memory_readings = MemoryReadings(node.memory_offered)  # (`mtpipe launch` sets what it offers)
     used, available, offered = await node.memory_readings.get(active)
     condition = node.conditions.current()
     reply = pb.HealthReply(

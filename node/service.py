@@ -79,7 +79,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         self.coordinating = False  # it drives the cluster (set by `mtpipe launch`): Ping says so
         self.placed: dict[str, str] = {}  # coordinating: the nodes it placed the model on, id -> address (Health)
         self.memory_offered: Callable[[], int] | None = None  # what `mtpipe launch` offers: Health says so
-        self.memory_readings = MemoryReadings(lambda: self.memory_offered)  # (health.py)
+        self.memory_readings: MemoryReadings | None = None  # (health.py)
         self.worker: StageWorker | None = None
         self.key: LoadKey | None = None
         self.next: NextStage | None = None

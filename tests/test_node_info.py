@@ -268,7 +268,7 @@ def test_health_answers_the_last_memory_reading_and_takes_a_new_one_beside_it(mo
 
     reads = iter(range(100))
     monkeypatch.setattr(health, "system_memory", lambda active: (next(reads), 7))
-    readings = health.MemoryReadings(lambda: lambda: 5)
+    readings = health.MemoryReadings(lambda: 5)
 
     async def run() -> list[tuple[int, int, int]]:
         got = [await readings.get(0), await readings.get(0)]  # (the first waits for its reading)
