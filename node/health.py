@@ -50,7 +50,8 @@ async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
     gpu_limit()  # asks MLX once, cached: here on the node's MLX thread, not on the executor's
     active = mlx_active_memory()  # (likewise)
     if node.memory_readings is None or node.memory_readings.offered is not node.memory_offered:
-        node.memory_readings = MemoryReadings(node.memory_offered)  # (`mtpipe launch` sets what it offers)
+        # (re-made when `mtpipe launch` sets what it offers: a reading from before would not hold it)
+        node.memory_readings = MemoryReadings(node.memory_offered)
     used, available, offered = await node.memory_readings.get(active)
     condition = node.conditions.current()
     reply = pb.HealthReply(
