@@ -521,7 +521,7 @@ def test_metrics(server: LiveServer, client: Any) -> None:
     kinds = {
         "mtpipe_requests": "counter", "mtpipe_generations_cancelled": "counter",
         "mtpipe_generations_failed": "counter", "mtpipe_prompt_tokens": "counter",
-        "mtpipe_prompt_tokens_cached": "counter",
+        "mtpipe_prompt_tokens_cached": "counter", "mtpipe_preemptions": "counter",
         "mtpipe_completion_tokens": "counter", "mtpipe_mtp_drafted_tokens": "counter",
         "mtpipe_mtp_accepted_tokens": "counter", "mtpipe_generations_in_flight": "gauge",
         "mtpipe_mtp_acceptance_ratio": "gauge", "mtpipe_request_duration_seconds": "histogram",

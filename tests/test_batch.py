@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from batch_streams import Stream, encode, never_ends, request
 from helpers import PROMPTS
 from mlx_threads import record_mlx_threads
 
@@ -26,7 +27,7 @@ from mtpipe.coordinator.engine import scheduler as plan
 from mtpipe.coordinator.engine.batch import BatchEngine
 from mtpipe.coordinator.engine.build import batch_engine, local_engine
 from mtpipe.coordinator.engine.engine import Engine
-from mtpipe.coordinator.engine.request import GenerationChunk, GenerationRequest, RequestError, resolve_depth
+from mtpipe.coordinator.engine.request import GenerationRequest, RequestError
 from mtpipe.coordinator.engine.sinks import END, ServerBusy
 from mtpipe.models import blas
 from mtpipe.models.config import load_config
@@ -38,8 +39,6 @@ from mtpipe.node.protocol import SamplingParams, StageError, StageUnavailable, S
 from mtpipe.node.stage import StageWorker
 from mtpipe.node.sysinfo import gpu_limit
 
-MAX_TOKENS = 28
-WAIT_S = 60.0  # the longest any single wait for a chunk may take before the test fails
 NEAR_TIE = 1e-4  # a top-2 logit gap below this may flip under batch arithmetic; above it, never
 # Largest cache difference from the unbatched reference (issue 12: 1e-5): 0 exactly on the reference BLAS;
 # an optimized BLAS computes a row of a [B, K+1]-row matmul and of a 1-row one differently, up to 4.7e-6
@@ -111,70 +110,6 @@ def engines(dense_ckpt: Path, moe_ckpt: Path):
     e.close()
 
 
-def encode(engine: Any, text: str) -> list[int]:
-    return list(engine.tokenizer.encode(text))
-
-
-def request(prompt: list[int], depth: int | str = 0, max_tokens: int = MAX_TOKENS, **kw: Any) -> GenerationRequest:
-    drafts, auto = resolve_depth(depth, has_mtp=True)
-    return GenerationRequest(prompt, max_tokens=max_tokens, mtp_depth=drafts, mtp_auto=auto, **kw)
-
-
-def never_ends(engine: Any) -> SamplingParams:
-    """Greedy, never an end token: only max_tokens ends such a request."""
-    return SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
-
-
-class Stream:
-    """One request in a batch engine: its sink is a SimpleQueue the test thread drains (chunks, then
-    an exception or END, as BatchEngine.generate reads them). Items are stamped as the sink gets them."""
-
-    def __init__(self, engine: BatchEngine, req: GenerationRequest):
-        self.req = req
-        self.items: queue.SimpleQueue = queue.SimpleQueue()
-        self.chunks: list[GenerationChunk] = []
-        self.stamps: list[float] = []  # when the sink got each chunk (monotonic)
-        self.error: BaseException | None = None
-        self.ended_at: float | None = None
-        self.handle = engine.open(req, lambda item: self.items.put((time.monotonic(), item)))
-
-    @property
-    def ended(self) -> bool:
-        return self.ended_at is not None
-
-    @property
-    def tokens(self) -> list[int]:
-        return [t for c in self.chunks for t in c.tokens]
-
-    def _take(self) -> None:
-        stamp, item = self.items.get(timeout=WAIT_S)
-        assert not self.ended, "nothing may follow END"
-        if item is END:
-            self.ended_at = stamp
-        elif isinstance(item, BaseException):
-            assert self.error is None
-            self.error = item
-        else:
-            assert self.error is None, "no chunk after an error"
-            self.chunks.append(item)
-            self.stamps.append(stamp)
-
-    def first(self) -> Stream:
-        """Wait for the first chunk (or the end)."""
-        while not self.chunks and not self.ended:
-            self._take()
-        return self
-
-    def finish(self) -> list[int]:
-        while not self.ended:
-            self._take()
-        if self.error is not None:
-            raise self.error
-        return self.tokens
-
-    @property
-    def stats(self):
-        return self.chunks[-1].stats
 
 
 # -- 1. greedy rows are the sequence alone ---------------------------------------------------------
@@ -641,8 +576,9 @@ def test_admission_waits_for_memory_and_times_out(dense_ckpt: Path, engines: Eng
     finally:
         engine.close()
 
+    # Admitted with room to grow by a horizon: a second row does not fit beside one with that room.
     long = request(encode(tok, PROMPTS[0]), 0, 2000, params=never_ends(tok))
-    alone = plan.batch_bytes(dims, [plan.footprint(dims, len(long.prompt_tokens) + 2000, 0)])
+    alone = plan.batch_bytes(dims, [plan.footprint(dims, len(long.prompt_tokens) + plan.ADMIT_HORIZON, 0)])
     engine = batch_engine(dense_ckpt, dtype=mx.float32, queue_timeout=0.2, memory_budget=alone)
     try:
         running = Stream(engine, long).first()

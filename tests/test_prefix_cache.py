@@ -409,8 +409,9 @@ def test_a_request_no_drop_could_admit_waits_with_the_kept_prefixes_left_alone(d
     text = list(tokenizer.encode("".join(PROMPTS)))
     row = plan.footprint(dims, 20 + 3000, 0)
     budget = plan.batch_bytes(dims, [row, row]) + 3 * plan.kept_bytes(dims, 200)  # two long rows, a few prefixes
+    # (rows admitted for all their max tokens: by a horizon, the third one would be, and preempted later)
     engine = batch_engine(dense_ckpt, dtype=mx.float32, memory_budget=budget, prefix_cache=budget // 4,
-                          queue_timeout=1.0)
+                          queue_timeout=1.0, horizon=None)
     try:
         first = engine.complete(GenerationRequest(text[:60], max_tokens=8))
         never = SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))

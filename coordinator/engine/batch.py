@@ -1,32 +1,30 @@
 """The batch engine: every active sequence decodes in one round, on the process's one MLX thread.
 
 Requests arrive from any thread (`open`); the MLX thread runs the loop: refuse what waited too long,
-admit what fits the memory budget (scheduler.py), run one decode round for all decoding rows, then
-one prefill step for every prompt being taken in (a chunk of each, in one forward), and hand each
-request its chunks through its sink. A request cancelled by its client (or done) leaves the batch
-before the next round, on every stage.
-
-Each prompt's state before its last token is kept (node/prefixes.py), and each request's as it ends
-(its prompt and reply but the reply's last token, never fed), within `prefix_cache` bytes, least
-recently used dropped first and all of them before a request waits for memory: a prompt that starts
-with a kept one (the next turn of a chat, the same prompt again) prefills only the rest.
+admit what fits the memory budget (scheduler.py), preempt the last admitted rows where the running
+ones outgrew it, run one decode round for all decoding rows, then one prefill step for every prompt
+being taken in (a chunk of each, in one forward), and hand each request its chunks through its sink.
+A request cancelled by its client (or done) leaves the batch before the next round, on every stage.
+Prompt prefixes are kept between requests (batch_prefixes.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from ...models.mlx_thread import MLXThread
 from ...node.batch import BatchStage, RowStep
-from ...node.protocol import Scored, StageUnavailable, StepKind, StepOutput, StepRequest
+from ...node.protocol import StageUnavailable, StepKind, StepOutput, StepRequest
 from . import scheduler as plan
+from .batch_live import Handle, Live
+from .batch_prefixes import KeepsPrefixes
 from .detokenizer import TextStream
 from .request import (GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, RequestError,
                       check_request, check_vocabulary, collect, ended_in_stages, stop_reason, take_tokens)
@@ -41,48 +39,14 @@ PREFIX_CACHE_SHARE = 4  # kept prompt prefixes may take up to 1/4 of the memory 
 END_TIMEOUT_S = 30.0  # close(): how long the MLX thread may take to end what it holds (longer: it is stuck)
 
 
-@dataclass
-class Live:
-    """One request inside the engine (touched only on the MLX thread, except `cancelled`)."""
-
-    seq_id: str
-    req: GenerationRequest
-    sink: Sink
-    text: TextStream
-    stats: GenerationStats
-    need: plan.Footprint
-    queued: float
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    prefilled: int = 0  # prompt tokens fed so far
-    step: int = 0  # prefill steps sent
-    generated: int = 0
-    emitted: list[int] = field(default_factory=list)  # every token the stages gave, past a stop included
-    next_tokens: list[int] = field(default_factory=list)  # the next round's [y, d1..dK]
-    started: float = 0.0
-    prefix: str = ""  # the kept prefix its prompt goes on from
-    admitted: Callable[[], None] | None = None  # told once it leaves the queue
-    ends: frozenset[int] = frozenset()  # the tokens that end it (`GenerationRequest.ends`)
-    scored: list[Scored] | None = None  # its prompt's log-probabilities so far, where asked; handed out first
-
-
-class Handle:
-    def __init__(self, live: Live, wake: Callable[[], None]):
-        self._live = live
-        self._wake = wake
-
-    def cancel(self) -> None:
-        """The client is gone: the sequence leaves the batch at the next round."""
-        self._live.cancelled.set()
-        self._wake()
-
-
-class BatchEngine:
+class BatchEngine(KeepsPrefixes):
     batching = "batch"  # the active sequences as rows of one batch per round
 
     def __init__(self, stages: list[BatchStage], tokenizer: Any, eos_token_ids: set[int] | list[int],
                  max_context: int, has_mtp: bool, thread: MLXThread, *, dims: plan.ModelDims, budget: int,
                  max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, prefix_cache: int | None = None):
+                 queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, prefix_cache: int | None = None,
+                 horizon: int | None = plan.ADMIT_HORIZON):
         self.stages = stages
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
@@ -94,6 +58,9 @@ class BatchEngine:
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
         self.queue_timeout = queue_timeout
+        self.horizon = horizon  # admitted with room to grow by this many tokens (None: by all its max tokens)
+        self.preemptions = 0
+        self._admissions = 0
         self.prefix_cache = budget // PREFIX_CACHE_SHARE if prefix_cache is None else max(0, prefix_cache)
         self._kept: dict[str, plan.KeptPrefix] = {}
         if self.prefix_cache:
@@ -133,12 +100,10 @@ class BatchEngine:
         """Queue a request; its chunks, then END or an exception, go to `sink` (from the MLX thread),
         and `admitted()` is called once it leaves the queue."""
         self.validate(req)
-        positions = len(req.prompt_tokens) + req.max_tokens
         seq_id = uuid.uuid4().hex
         cancelled = threading.Event()  # (a client callback that fails cancels its request: `guarded`)
         live = Live(seq_id, req, guarded(sink, cancelled.set, seq_id), TextStream.of(self.tokenizer, req),
-                    GenerationStats(prompt_tokens=len(req.prompt_tokens)),
-                    plan.footprint(self.dims, positions, req.mtp_depth), time.monotonic(), cancelled=cancelled,
+                    GenerationStats(prompt_tokens=len(req.prompt_tokens)), time.monotonic(), cancelled=cancelled,
                     admitted=guarded(admitted, cancelled.set, seq_id) if admitted is not None else None,
                     ends=req.ends(self.eos), scored=[] if req.params.prompt_logprobs >= 0 else None)
         with self._open_lock:  # (close() ends what is in the inbox once it is closed)
@@ -157,7 +122,9 @@ class BatchEngine:
     def describe(self) -> dict[str, Any]:
         stages = self.thread.call(lambda: [dict(index=i, **s.describe()) for i, s in enumerate(self.stages)])
         return {"kind": "local", "stages": stages, "batch": {"max_rows": self.max_rows, "budget_bytes": self.budget,
-                                                             "prefix_cache_bytes": self.prefix_cache}}
+                                                             "prefix_cache_bytes": self.prefix_cache,
+                                                             "admit_horizon": self.horizon,
+                                                             "preemptions": self.preemptions}}
 
     def close(self) -> None:
         """Stop the engine: every request it still holds ends with an error, and no other is taken."""
@@ -189,6 +156,7 @@ class BatchEngine:
         self._take_inbox()
         self._drop_cancelled()
         self._admit()
+        self._preempt()
         if self._decoding:
             self._guard(self._decoding, self._round)
         if self._prefilling:
@@ -218,9 +186,16 @@ class BatchEngine:
             for live in [x for x in group if x.cancelled.is_set()]:
                 self._finish(live, None)
 
+    def _needs(self, lives: list[Live], horizon: int | None = -1) -> list[plan.Footprint]:
+        """What these rows hold, in the order they were admitted, once each has `horizon` tokens more
+        (-1: the engine's admission horizon; None: at their ends)."""
+        horizon = self.horizon if horizon == -1 else horizon
+        return [x.need(self.dims, horizon) for x in sorted(lives, key=lambda x: x.order)]
+
     def _admit(self) -> None:
-        waiting = [plan.Waiting(x.seq_id, x.need, x.queued) for x in self._waiting]
-        running = [x.need for x in self._prefilling + self._decoding]
+        needs = self._needs(self._waiting)
+        waiting = [plan.Waiting(x.seq_id, need, x.queued) for x, need in zip(self._waiting, needs)]
+        running = self._needs(self._prefilling + self._decoding)
         if waiting and self._kept and len(running) < self.max_rows:  # kept prefixes make room for the next
             head = self._waiting[0].req  # request before it waits for it (sparing the prefix it goes on from)
             wanted = plan.reusable(list(self._kept.values()), head.prompt_tokens, head.mtp_depth > 0)
@@ -233,39 +208,75 @@ class BatchEngine:
         for seq_id in plan.admit(waiting, running, self.dims, budget, self.max_rows):
             live = next(x for x in self._waiting if x.seq_id == seq_id)
             self._waiting.remove(live)
-            live.started = time.perf_counter()
+            self._admissions += 1
+            live.order = self._admissions
+            if not live.resumed:
+                live.started = time.perf_counter()
             self._reuse(live)
             self._prefilling.append(live)
             if live.admitted is not None:
-                live.admitted()
-        waiting = [plan.Waiting(x.seq_id, x.need, x.queued) for x in self._waiting]
+                live.admitted, told = None, live.admitted
+                told()
+        # (one preempted was admitted once: it waits for room however long that takes, at the queue's head)
+        waiting = [plan.Waiting(x.seq_id, plan.Footprint(0, 0), x.queued) for x in self._waiting if not x.order]
         for seq_id in plan.expired(waiting, time.monotonic(), self.queue_timeout):
             live = next(x for x in self._waiting if x.seq_id == seq_id)
             self._finish(live, ServerBusy(f"no room for this request after {self.queue_timeout:.0f} s in the queue",
                                           retry_after=max(1, int(self.queue_timeout // 4))))
 
+    def _preempt(self) -> None:
+        """Where the running rows, each grown by its next round, outgrow the budget: drop kept prefixes,
+        then take the last admitted rows out (their caches freed on every stage) to the head of the
+        queue, until the others fit."""
+        lives = sorted(self._prefilling + self._decoding, key=lambda x: x.order)
+        needs = self._needs(lives, horizon=1)
+        kept = sum(k.nbytes for k in self._kept.values())
+        if len(lives) < 2 or plan.batch_bytes(self.dims, needs) + kept <= self.budget:
+            return
+        self._fit(needs)
+        budget = self.budget - sum(k.nbytes for k in self._kept.values())
+        for live in reversed(lives[len(lives) - plan.to_preempt(needs, self.dims, budget):]):
+            log.info("sequence %s preempted after %d tokens: it waits for memory", live.seq_id, live.generated)
+            for group in (self._prefilling, self._decoding):
+                if live in group:
+                    group.remove(live)
+            for stage in self.stages:
+                stage.release(live.seq_id)
+            live.seq_id = uuid.uuid4().hex  # (a new sequence on the stages, its prompt and tokens so far)
+            live.prefilled, live.step, live.prefix, live.next_tokens = 0, 0, "", []
+            if not live.resumed and live.scored is not None:
+                live.scored = []  # (its prompt is read again from the start)
+            live.stats.preempted += 1
+            self.preemptions += 1
+            self._waiting.insert(0, live)
+
     def _prefill(self) -> None:
         """One prompt chunk for every sequence taking its prompt, in one forward (the prompt's last
-        token goes alone, as its own step, and yields the first token)."""
+        token goes alone, as its own step, and yields the first token). A preempted sequence's prompt is
+        followed by the tokens it had, and goes on from there."""
         group = list(self._prefilling)
-        needs = [max(1, len(x.req.prompt_tokens) - 1 - x.prefilled) for x in group]
+        needs = [max(1, len(x.tokens) - 1 - x.prefilled) for x in group]
         wide = plan.prefill_chunk(max(needs), self.prefill_chunk, bool(self._decoding), self._round_s,
                                   self._prefill_token_s * len(group))
         n = plan.fill_width(needs, wide, self._narrowed)
         self._narrowed = self._narrowed + 1 if n < wide else 0
         reqs = []
         for live in group:
-            prompt = live.req.prompt_tokens
+            prompt = live.tokens
             left = len(prompt) - 1 - live.prefilled
             chunk, final = (prompt[live.prefilled : live.prefilled + min(n, left)], False) if left > 0 \
                 else (prompt[-1:], True)
             first = live.step == 0
+            params = live.req.params
+            if live.resumed and params.prompt_logprobs >= 0:  # (its prompt was scored already)
+                params = dataclasses.replace(params, prompt_logprobs=-1)
             reqs.append(StepRequest(live.seq_id, live.step, StepKind.PREFILL, chunk, final=final,
-                                    params=live.req.params if first else None,
+                                    params=params if first else None,
                                     mtp_depth=live.req.mtp_depth if first else 0, mtp_auto=live.req.mtp_auto and first,
                                     prefix=live.prefix if first else "",
-                                    budget=max(1, live.req.max_tokens) if final else 0,
-                                    stop_tokens=tuple(sorted(live.ends)) if final else ()))
+                                    budget=max(1, live.req.max_tokens - live.generated) if final else 0,
+                                    stop_tokens=tuple(sorted(live.ends)) if final else (),
+                                    resumed_at=len(live.req.prompt_tokens) if live.resumed and first else 0))
         start = time.perf_counter()
         x = None
         for stage in self.stages:
@@ -280,7 +291,8 @@ class BatchEngine:
                 live.scored += out.prompt_logprobs
             if not req.final:
                 continue
-            live.stats.prefill_seconds = time.perf_counter() - live.started
+            if not live.resumed:
+                live.stats.prefill_seconds = time.perf_counter() - live.started
             keep = self._keep_as(live)
             try:
                 kept = [stage.join(live.seq_id, keep) for stage in self.stages]
@@ -292,93 +304,9 @@ class BatchEngine:
             self._kept_now(keep, live.req.prompt_tokens[:-1], kept)
             self._prefilling.remove(live)
             self._decoding.append(live)
-            live.started = time.perf_counter()
+            if not live.resumed:  # (a preempted one's decode time runs on from its first token)
+                live.started = time.perf_counter()
             self._emit(live, out)
-
-    # -- kept prompt prefixes -----------------------------------------------------------------------
-
-    def _reuse(self, live: Live) -> None:
-        """Start an admitted prompt from the longest kept prefix it begins with (unless it is scored:
-        the prompt's tokens are read as they go in)."""
-        hit = plan.reusable(list(self._kept.values()), live.req.prompt_tokens, live.req.mtp_depth > 0)
-        if hit is None or live.scored is not None:
-            return
-        hit.used = time.monotonic()
-        live.prefix, live.prefilled = hit.key, len(hit.tokens)
-        live.stats.cached_tokens = len(hit.tokens)
-
-    def _keep_as(self, live: Live) -> str:
-        """The key its prompt is kept under as it joins ("": not kept, as one larger than the cache)."""
-        tokens = tuple(live.req.prompt_tokens[:-1])
-        if plan.kept_bytes(self.dims, len(tokens)) > self.prefix_cache:  # (not copied to go at once)
-            return ""
-        return self._new_key(live.seq_id, tokens, live.req.mtp_depth > 0)
-
-    def _new_key(self, key: str, tokens: tuple[int, ...], drafts: bool) -> str:
-        """`key`, or "" when `tokens` are not to be kept: nothing, or kept already (unless that one lacks
-        the MTP head's part and this sequence drafts)."""
-        if not self.prefix_cache or not tokens:
-            return ""
-        if plan.held(list(self._kept.values()), tokens, drafts):
-            return ""
-        return key
-
-    def _keep_end(self, live: Live) -> None:
-        """Keep a finished request's state at its end, its prompt and reply but the reply's last token
-        (never fed): the next turn of a chat starts with them. It never fails the request."""
-        tokens = (*live.req.prompt_tokens, *live.emitted[:-1])
-        key = self._new_key(f"{live.seq_id}/end", tokens, live.req.mtp_depth > 0)
-        if not key or plan.kept_bytes(self.dims, len(tokens)) > self.prefix_cache:  # (not copied to go at once)
-            return
-        try:
-            kept = [stage.keep_end(live.seq_id, key, len(tokens)) for stage in self.stages]
-        except Exception:  # noqa: BLE001
-            log.exception("keeping the end of %s failed", live.seq_id)
-            kept = [None]
-        self._kept_now(key, list(tokens), kept, ending=live)
-
-    def _kept_now(self, key: str, tokens: list[int], kept: list[Any], ending: Live | None = None) -> None:
-        """Kept on every stage (`kept`, None where not): note it, and drop what no longer fits beside the
-        running rows (`ending`, about to leave, not among them)."""
-        if not key:
-            return
-        if any(k is None for k in kept):  # (a stage that marked nothing: none keeps it)
-            self._drop_kept([key])
-            return
-        nbytes = sum(k.nbytes for k in kept)
-        if nbytes > self.prefix_cache:  # (it alone would empty the cache, then go too)
-            self._drop_kept([key])
-            return
-        self._drop_kept([k.key for k in self._kept.values() if k.tokens == tuple(tokens)])  # (without MTP)
-        self._kept[key] = plan.KeptPrefix(key, tuple(tokens), nbytes, kept[-1].drafts, time.monotonic())
-        over = sum(k.nbytes for k in self._kept.values()) - self.prefix_cache
-        if over > 0:
-            self._drop_kept(plan.least_used(list(self._kept.values()), over, self._pinned()))
-        self._fit([x.need for x in self._prefilling + self._decoding if x is not ending])
-
-    def _fit(self, rows: list[plan.Footprint], keep: set[str] = frozenset(), only_if_room: bool = False) -> None:
-        """Drop kept prefixes, least recently used first, until they and these rows fit the budget.
-        `only_if_room`: none, where dropping every one it may would still leave the rows over it (a
-        request that must wait for running rows to leave would empty the cache and wait all the same)."""
-        kept = list(self._kept.values())
-        over = plan.batch_bytes(self.dims, rows) + sum(k.nbytes for k in kept) - self.budget
-        spared = self._pinned() | keep
-        if only_if_room and over > sum(k.nbytes for k in kept if k.key not in spared):
-            return
-        self._drop_kept(plan.least_used(kept, over, spared))
-
-    def _pinned(self) -> set[str]:
-        """Kept prefixes a prompt is about to start from (its first step not taken yet)."""
-        return {x.prefix for x in self._prefilling if x.prefix and x.step == 0}
-
-    def _drop_kept(self, keys: list[str]) -> None:
-        pinned = self._pinned()
-        for key in keys:
-            if not key or key in pinned:
-                continue
-            self._kept.pop(key, None)
-            for stage in self.stages:
-                stage.drop_prefix(key)
 
     # -- rounds -------------------------------------------------------------------------------------
 

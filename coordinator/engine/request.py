@@ -69,6 +69,7 @@ class GenerationStats:
     depths: dict[int, int] = field(default_factory=dict)  # rounds by drafts they carried
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    preempted: int = 0  # times it left the batch to wait for memory, and went on later
 
     @property
     def acceptance(self) -> float:
@@ -119,6 +120,7 @@ class GenerationStats:
             "accepted_per_position": self.accepted_per_position,
             "prefill_tps": round(self.prefill_tps, 2),
             "decode_tps": round(self.decode_tps, 2),
+            "preempted": self.preempted,
         }
 
 

@@ -1,10 +1,13 @@
 """What the batch engine does next, as pure functions over plain data (the runner does the work).
 
-Admission is by memory: each sequence may reach some number of positions of attention KV, and holds
-its GatedDeltaNet states and the per-position states a verify captures. A batch's KV is one tensor
-per layer as long as its longest row, and a round as wide as its deepest row, so every row pays for the
-longest reach and the most drafts. Sequences
-wait in FIFO order until the batch with them fits the budget, and are refused after a queue timeout.
+Admission is by memory: each sequence holds some number of positions of attention KV, its
+GatedDeltaNet states and the per-position states a verify captures. A batch's KV is one tensor per
+layer as long as its longest row, and a round as wide as its deepest row, so every row pays for the
+longest reach and the most drafts. Sequences wait in FIFO order until the batch with them fits the
+budget with room for each row to grow by a horizon (not by all its max tokens, which few replies
+use), and are refused after a queue timeout. Where the running rows outgrow the budget after all, the
+last admitted leave (preemption, as vLLM does it) and wait at the head of the queue: their prompt and
+the tokens they had go in again when there is room, and they go on where they stopped.
 Prompts are prefilled in chunks between decode rounds, sized so a chunk takes about as long as a
 round: running streams keep flowing while a long prompt goes in.
 """
@@ -53,6 +56,16 @@ def footprint(dims: ModelDims, positions: int, depth: int) -> Footprint:
     return Footprint(positions + depth, depth)
 
 
+ADMIT_HORIZON = 256  # a sequence is admitted where it fits with this many tokens more than it holds
+
+
+def reach(prompt: int, generated: int, max_tokens: int, horizon: int | None) -> int:
+    """Positions a sequence holds once it has `horizon` tokens more than its prompt and the `generated`
+    ones (never past its end; None: at its end)."""
+    end = prompt + max_tokens
+    return end if horizon is None else min(end, prompt + generated + horizon)
+
+
 def batch_bytes(dims: ModelDims, rows: list[Footprint]) -> int:
     """Bytes a batch of these rows may hold. Each attention layer's KV is [rows, heads, positions,
     dim] (models/ragged.py), as long as the longest row, grown in steps; a round is as wide as its
@@ -85,6 +98,15 @@ def admit(waiting: list[Waiting], running: list[Footprint], dims: ModelDims, bud
         out.append(w.seq_id)
         rows.append(w.need)
     return out
+
+
+def to_preempt(running: list[Footprint], dims: ModelDims, budget: int) -> int:
+    """How many of the running rows (in the order they were admitted) must leave, the last admitted
+    first, for the others to fit the budget: never the first, which runs whatever it costs."""
+    n = len(running)
+    while n > 1 and batch_bytes(dims, running[:n]) > budget:
+        n -= 1
+    return len(running) - n
 
 
 @dataclass

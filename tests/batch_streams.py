@@ -1,0 +1,81 @@
+"""A request in a batch engine as a test reads it (test_batch.py, test_preemption.py)."""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any
+
+from mtpipe.coordinator.engine.batch import BatchEngine
+from mtpipe.coordinator.engine.request import GenerationChunk, GenerationRequest, resolve_depth
+from mtpipe.coordinator.engine.sinks import END
+from mtpipe.node.protocol import SamplingParams
+
+MAX_TOKENS = 28
+WAIT_S = 60.0  # the longest any single wait for a chunk may take before the test fails
+
+
+def encode(engine: Any, text: str) -> list[int]:
+    return list(engine.tokenizer.encode(text))
+
+
+def request(prompt: list[int], depth: int | str = 0, max_tokens: int = MAX_TOKENS, **kw: Any) -> GenerationRequest:
+    drafts, auto = resolve_depth(depth, has_mtp=True)
+    return GenerationRequest(prompt, max_tokens=max_tokens, mtp_depth=drafts, mtp_auto=auto, **kw)
+
+
+def never_ends(engine: Any) -> SamplingParams:
+    """Greedy, never an end token: only max_tokens ends such a request."""
+    return SamplingParams(logit_bias=tuple((t, -100.0) for t in sorted(engine.eos)))
+
+
+class Stream:
+    """One request in a batch engine: its sink is a SimpleQueue the test thread drains (chunks, then
+    an exception or END, as BatchEngine.generate reads them). Items are stamped as the sink gets them."""
+
+    def __init__(self, engine: BatchEngine, req: GenerationRequest):
+        self.req = req
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+        self.chunks: list[GenerationChunk] = []
+        self.stamps: list[float] = []  # when the sink got each chunk (monotonic)
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+        self.handle = engine.open(req, lambda item: self.items.put((time.monotonic(), item)))
+
+    @property
+    def ended(self) -> bool:
+        return self.ended_at is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for c in self.chunks for t in c.tokens]
+
+    def _take(self) -> None:
+        stamp, item = self.items.get(timeout=WAIT_S)
+        assert not self.ended, "nothing may follow END"
+        if item is END:
+            self.ended_at = stamp
+        elif isinstance(item, BaseException):
+            assert self.error is None
+            self.error = item
+        else:
+            assert self.error is None, "no chunk after an error"
+            self.chunks.append(item)
+            self.stamps.append(stamp)
+
+    def first(self) -> Stream:
+        """Wait for the first chunk (or the end)."""
+        while not self.chunks and not self.ended:
+            self._take()
+        return self
+
+    def finish(self) -> list[int]:
+        while not self.ended:
+            self._take()
+        if self.error is not None:
+            raise self.error
+        return self.tokens
+
+    @property
+    def stats(self):
+        return self.chunks[-1].stats

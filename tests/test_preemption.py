@@ -1,0 +1,105 @@
+"""Preemption in the batch engine (issue 12, admission by memory): a request is admitted with room to
+grow by a horizon, not by all its max tokens; where the running rows outgrow the budget after all, the
+last admitted leave to the head of the queue, and go on where they stopped once there is room, giving
+the tokens they give without it (greedy and seeded rows, penalties and min_tokens counted across it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from batch_streams import Stream, encode, never_ends, request
+from helpers import PROMPTS
+
+from mtpipe.coordinator.engine import scheduler as plan
+from mtpipe.coordinator.engine.build import batch_engine, local_engine
+
+HORIZON = 8  # a small horizon: the rows below outgrow the budget within a few rounds
+TOKENS = 48
+
+
+def test_the_plan_admits_by_a_horizon_and_preempts_the_last_admitted() -> None:
+    assert plan.reach(100, 10, 2000, 256) == 366  # what it holds, and room for the horizon
+    assert plan.reach(100, 10, 50, 256) == plan.reach(100, 10, 50, None) == 150  # never past its end
+    dims = plan.ModelDims(kv_bytes_per_token=10, state_bytes=1000)
+    short, long = plan.footprint(dims, 100, 0), plan.footprint(dims, 10_000, 0)
+    budget = plan.batch_bytes(dims, [short] * 4)
+    assert plan.to_preempt([short] * 4, dims, budget) == 0
+    assert plan.to_preempt([short, short, long], dims, budget) == 1  # the last admitted leaves
+    assert plan.to_preempt([long, short, short], dims, budget) == 2  # the first stays, whatever it costs
+    assert plan.to_preempt([long], dims, 0) == 0
+
+
+@pytest.mark.parametrize(("model", "stages"), [("dense", 1), ("moe", 2)])
+def test_preempted_rows_go_on_where_they_stopped_token_identical(dense_ckpt: Path, moe_ckpt: Path, model: str,
+                                                                 stages: int) -> None:
+    path = dense_ckpt if model == "dense" else moe_ckpt
+    reference = local_engine(path, dtype=mx.float32)
+    # A queue timeout far shorter than a preempted row waits: one admitted once is never refused.
+    engine = batch_engine(path, dtype=mx.float32, stages=stages, horizon=HORIZON, prefix_cache=0,
+                          queue_timeout=0.05)
+    try:
+        # KV counted token by token (not in the steps the batch grows by), so that a few rounds outgrow it.
+        dims = dataclasses.replace(engine.dims, kv_step=1)
+        engine.thread.call(setattr, engine, "dims", dims)
+        ends = never_ends(engine)
+        sampled = dataclasses.replace(ends, temperature=0.9, seed=11, frequency_penalty=0.5, min_tokens=TOKENS)
+        scored = dataclasses.replace(ends, prompt_logprobs=1, top_logprobs=1)
+        prompts = [encode(engine, p) for p in PROMPTS[:4]]
+        # (admitted in this order: the last ones leave first)
+        reqs = [request(prompts[0], 0, TOKENS, params=ends), request(prompts[1], "auto", TOKENS, params=ends),
+                request(prompts[2], 3, TOKENS, params=scored), request(prompts[3], 2, TOKENS, params=sampled)]
+        # Room for all four with the horizon, not for all four at their ends.
+        needs = [plan.footprint(dims, len(r.prompt_tokens) + HORIZON, r.mtp_depth) for r in reqs]
+        engine.thread.call(setattr, engine, "budget", plan.batch_bytes(dims, needs))
+        assert plan.batch_bytes(dims, [plan.footprint(dims, len(r.prompt_tokens) + TOKENS, r.mtp_depth)
+                                       for r in reqs]) > engine.budget
+        streams = [Stream(engine, r) for r in reqs]
+        for s in streams:
+            got = s.finish()
+            alone = reference.complete(s.req)
+            assert got == alone.tokens, f"depth {s.req.depth_label}: {got} vs alone {alone.tokens}"
+            assert s.chunks[-1].finish_reason == "length" and s.stats.generation_tokens == TOKENS
+        preempted = [s for s in streams if s.stats.preempted]
+        assert preempted and engine.preemptions == sum(s.stats.preempted for s in streams)
+        assert not streams[0].stats.preempted and streams[3].stats.preempted  # (the last admitted left first)
+        # A preempted row waited far longer than the queue timeout, and was never refused.
+        assert any(max(b - a for a, b in zip(s.stamps, s.stamps[1:])) > 0.05 for s in preempted)
+        # Its prompt's log-probabilities were handed out once, with its first chunk.
+        chunks = streams[2].chunks
+        assert len(chunks[0].prompt_logprobs) == len(prompts[2]) - 1
+        assert all(c.prompt_logprobs is None for c in chunks[1:])
+        assert sum(len(c.logprobs) for c in chunks) == TOKENS
+        assert engine.thread.call(lambda: [st.sequences for st in engine.stages]) == [0] * stages
+        assert engine.describe()["batch"]["preemptions"] == engine.preemptions
+    finally:
+        engine.close()
+        reference.close()
+
+
+def test_a_preempted_request_cancelled_while_it_waits_ends_and_holds_nothing(dense_ckpt: Path) -> None:
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, horizon=HORIZON, prefix_cache=0)
+    try:
+        dims = dataclasses.replace(engine.dims, kv_step=1)
+        engine.thread.call(setattr, engine, "dims", dims)
+        ends = never_ends(engine)
+        first = request(encode(engine, PROMPTS[5]), 0, 2000, params=ends)
+        second = request(encode(engine, PROMPTS[6]), 0, 2000, params=ends)
+        needs = [plan.footprint(dims, len(r.prompt_tokens) + HORIZON, 0) for r in (first, second)]
+        engine.thread.call(setattr, engine, "budget", plan.batch_bytes(dims, needs))
+        running, waiting = Stream(engine, first).first(), Stream(engine, second).first()
+        deadline = time.monotonic() + 60
+        while not engine.preemptions:  # (the second outgrows the budget within a few rounds)
+            assert time.monotonic() < deadline, "never preempted"
+            time.sleep(0.01)
+        waiting.handle.cancel()
+        waiting.finish()  # (ends, without an error)
+        assert waiting.error is None and all(c.finish_reason is None for c in waiting.chunks)
+        running.handle.cancel()
+        running.finish()
+        assert engine.thread.call(lambda: (engine.stages[0].sequences, len(engine._waiting))) == (0, 0)
+    finally:
+        engine.close()
