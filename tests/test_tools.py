@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from mtpipe.coordinator.api.chat import REQUIRED, ToolSpec, renders_tools, template_input
+from mtpipe.coordinator.api.chat import REQUIRED, ToolSpec, renders_tools, rooted, template_input
 from mtpipe.coordinator.api.tools import ToolCallParser, parse_tool_calls
 from mtpipe.node.protocol import SamplingParams
 
@@ -442,7 +442,7 @@ def test_bad_tool_choice_with_official_client(live: Live) -> None:
 COUNT = {"type": "function", "function": {"name": "count", "parameters": {
     "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["days"],
     "additionalProperties": False}}}
-FLAG = {"type": "function", "function": {"name": "flag", "parameters": {  # (a reference: its definitions go up)
+FLAG = {"type": "function", "function": {"name": "flag", "parameters": {  # (a reference to its own definitions)
     "type": "object", "properties": {"on": {"$ref": "#/$defs/Switch"}}, "$defs": {"Switch": {"type": "boolean"}},
     "required": ["on"], "additionalProperties": False}}}
 
@@ -478,3 +478,41 @@ def test_a_call_required_or_named_is_held_to_the_tools(live: Live, stream: bool)
             assert set(parsed) == {"days"} and 1 <= parsed["days"] <= 9
         else:
             assert name == "flag" and set(parsed) == {"on"} and isinstance(parsed["on"], bool)
+
+
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {  # (references to its own root)
+    "type": "object", "additionalProperties": False, "required": ["label", "children", "alias"],
+    "properties": {"label": {"type": "string", "maxLength": 3}, "alias": {"$ref": "#/properties/label"},
+                   "children": {"type": "array", "minItems": 1, "maxItems": 1,
+                                "items": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"$ref": "#"}]}}}}}}
+
+
+def a_tree(value: Any, depth: int = 0) -> bool:
+    """Whether `value` is an instance of TREE's parameters (at most a few levels deep)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return 0 <= value <= 9
+    return (depth < 8 and isinstance(value, dict) and set(value) == {"label", "children", "alias"}
+            and all(isinstance(value[k], str) and len(value[k]) <= 3 for k in ("label", "alias"))
+            and isinstance(value["children"], list) and len(value["children"]) == 1
+            and a_tree(value["children"][0], depth + 1))
+
+
+def test_references_to_a_tools_own_root_hold_when_a_call_is_required(live: Live) -> None:
+    """"required" holds the reply to a list of calls, each tool's parameters under the list's `$defs`: a
+    tool's references to its own root (`#`, `#/properties/...`) are pointed there, never at the list."""
+    assert rooted({"$ref": "#", "properties": {"default": {"$ref": "#/properties/x"}}, "default": {"$ref": "#"},
+                   "items": [{"$ref": "#/$defs/a"}, {"$ref": "other.json#/a"}]}, "#/$defs/tool0") == {
+        "$ref": "#/$defs/tool0", "properties": {"default": {"$ref": "#/$defs/tool0/properties/x"}},
+        "default": {"$ref": "#"}, "items": [{"$ref": "#/$defs/tool0/$defs/a"}, {"$ref": "other.json#/a"}]}
+    avoid = {str(i): -100 for i in live.ids.values()}
+    trees = 0
+    for seed in range(3):
+        r = live.client.chat.completions.create(model=MODEL, messages=ASK, tools=[TREE], tool_choice="required",
+                                                max_tokens=96, temperature=1.0, seed=seed, logit_bias=avoid)
+        if r.choices[0].finish_reason == "length":  # (a deep tree cut short: no call parses)
+            continue
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and calls and calls[0].function.name == "tree", r.choices[0]
+        trees += all(a_tree(json.loads(c.function.arguments)) for c in calls)
+        assert trees, calls
+    assert trees

@@ -289,12 +289,11 @@ def create_app(
         if fmt is not None and tools is not None and tools.active:  # (a format leaves no room for a call's tags)
             raise APIError(400, f"{fmt.field} cannot be given with tools (or use tool_choice none)", param=fmt.field)
         if tools is not None and tools.must_call and service.engine.constrains:  # (held to the call, as vLLM holds it)
-            held = OutputFormat(schema=schema, field="tool_choice") if (schema := tools.call_schema()) else None
-            if held is not None and not (error := held.problem()):
+            held = OutputFormat(schema=tools.call_schema(), field="tool_choice")
+            if not (error := held.problem()):
                 tools.held, fmt = True, held
             else:  # (the prompt asks for the call instead)
-                log.info("tool_choice %s: not held to the tools' parameters (%s)", tools.choice, error if held else
-                         "two tools define one name differently")
+                log.info("tool_choice %s: not held to the tools' parameters (%s)", tools.choice, error)
         params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1, fmt,
                                   -1 if body.prompt_logprobs is None else body.prompt_logprobs)
         n = service.choices(body)

@@ -84,26 +84,41 @@ class ToolSpec:
             return (NAMED_HELD if self.held else NAMED).format(name=self.name)
         return None
 
-    def call_schema(self) -> dict[str, Any] | None:
+    def call_schema(self) -> dict[str, Any]:
         """The JSON Schema a reply that must call is held to: the named function's arguments, or a list of
-        calls, each {"name", "parameters"} of one of the tools (one call unless they may be parallel), their
-        definitions (`$defs`, `definitions`) at its root, where their references look; None where two
-        tools define one name differently."""
+        calls, each {"name", "parameters"} of one of the tools (one call unless they may be parallel). Each
+        tool's parameters go under the list's `$defs`, their references to their own root (`#`,
+        `#/$defs/...`, `#/properties/...`) pointed there."""
         params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
         if self.choice == "function":
             return params[self.name]
-        shared: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
-        calls = []
-        for name, schema in params.items():
-            for key, defs in shared.items():
-                for k, v in (schema.get(key) or {}).items():
-                    if defs.setdefault(k, v) != v:
-                        return None
-            schema = {k: v for k, v in schema.items() if k not in shared}
-            calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+        defs, calls = {}, []
+        for i, (name, schema) in enumerate(params.items()):
+            defs[f"tool{i}"] = rooted(schema, f"#/$defs/tool{i}")
+            calls.append({"type": "object", "properties": {"name": {"const": name},
+                                                           "parameters": {"$ref": f"#/$defs/tool{i}"}},
                           "required": ["name", "parameters"], "additionalProperties": False})
         return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
-                **{k: v for k, v in shared.items() if v}}
+                "$defs": defs}
+
+
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})  # values, never schemas: left as they are
+
+
+def rooted(schema: Any, root: str) -> Any:
+    """`schema` with its references to its own root (`#...`) pointing under `root` (a JSON pointer) instead."""
+    if not isinstance(schema, dict):
+        return [rooted(s, root) for s in schema] if isinstance(schema, list) else schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: rooted(s, root) for name, s in value.items()}
+        else:
+            out[key] = value if key in SCHEMA_DATA else rooted(value, root)
+    return out
 
 
 def tool_spec(body: ChatCompletionRequest) -> ToolSpec | None:
