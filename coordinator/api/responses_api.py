@@ -203,10 +203,21 @@ def _choice(choice: Any) -> Any:
 
 
 def _format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """`text.format` as chat's response_format (None: free text); a json_schema one needs its schema."""
     fmt = (text or {}).get("format")
-    if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+    if fmt is None:
         return None
-    if fmt.get("type") == "json_schema":
+    if not isinstance(fmt, dict):
+        raise APIError(400, f"text.format must be an object with a type, got {type(fmt).__name__}",
+                       param="text.format")
+    if fmt.get("type") is None:
+        raise APIError(400, "text.format needs a type: text, json_object or json_schema", param="text.format.type")
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, "text.format: a json_schema format needs its schema (a JSON Schema object)",
+                           param="text.format.schema")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     return {"type": fmt.get("type")}
 
