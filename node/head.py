@@ -117,7 +117,7 @@ class DraftState:
 def new_draft_state(req: StepRequest, grammars: Grammars | None = None) -> DraftState:
     """A sequence's head state; its grammar compiled with `grammars` (StageError where there are none)."""
     params = req.params or SamplingParams()
-    seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+    seed = params.seed % 2**64 if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
     chooser = DepthChooser(req.mtp_depth) if req.mtp_auto and req.mtp_depth > 0 else None
     return DraftState(params=params, depth=req.mtp_depth, rng=np.random.default_rng(seed),
                       mtp_cache=KVCache() if req.mtp_depth > 0 else None, chooser=chooser,

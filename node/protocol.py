@@ -60,8 +60,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k >= 2**31:  # the wire carries it as int32
             raise ValueError(f"top_k must be below 2^31, got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:  # and the seed as int64
-            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:  # the wire carries it as int64
+            raise ValueError(f"seed must be a 64-bit integer, in [-2^63, 2^63), got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -188,6 +188,9 @@ def test_stop_and_seeded_sampling(engine: Engine, client: Any) -> None:
                                                seed=-1, extra_body={"stream": None, "stream_options": None})
                 for _ in range(2)]
     assert negative[0].choices[0].message.content == negative[1].choices[0].message.content
+    # ...and is a seed of its own: -1 is not 2^63 - 1 (as it was taken modulo 2^63)
+    top = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.9, seed=2**63 - 1)
+    assert top.choices[0].message.content != negative[0].choices[0].message.content
     # top_k -1 is "off", as clients written for vLLM send it: the same draws as no top_k at all
     off, unset = (client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.9,
                                                  seed=7, extra_body=extra) for extra in ({"top_k": -1}, {}))

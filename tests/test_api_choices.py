@@ -88,6 +88,9 @@ def test_seeded_choice_i_is_the_request_with_seed_plus_i(client: Any) -> None:
     assert len(set(alone)) > 1  # (the choices differ)
     again = client.completions.create(**body, seed=41, n=3)
     assert [c.text for c in again.choices] == alone
+    # seed + i wraps around as a 64-bit integer: choice 1 of the largest seed is the smallest one's choice 0
+    top = client.completions.create(**body, seed=2**63 - 1, n=2)
+    assert top.choices[1].text == client.completions.create(**body, seed=-(2**63)).choices[0].text
 
 
 def test_a_list_of_prompts_gives_n_choices_each_in_openais_order(client: Any) -> None:

@@ -41,6 +41,11 @@ class Choice:
     prompt_top: int = -1  # vLLM's prompt_logprobs: alternatives shown per prompt token (-1: not shown)
 
 
+def int64(n: int) -> int:
+    """`n` wrapped into a 64-bit integer's range, as a seed's arithmetic wraps."""
+    return (n + 2**63) % 2**64 - 2**63
+
+
 def choices_of(reqs: "list[GenerationRequest]", n: int, thinking: "Optional[ReasoningSplit]" = None,
                echo: Optional[list[str]] = None, prompt_top: Optional[int] = None) -> list[Choice]:
     """`n` choices for each prompt's request. A seeded request's choice i samples with seed + i (as vLLM's
@@ -52,7 +57,7 @@ def choices_of(reqs: "list[GenerationRequest]", n: int, thinking: "Optional[Reas
             mine = req
             if i:  # (its own prompt list: nothing an engine does to one choice's request reaches another's)
                 seed = req.params.seed
-                params = req.params if seed is None else dataclasses.replace(req.params, seed=(seed + i) % 2**63)
+                params = req.params if seed is None else dataclasses.replace(req.params, seed=int64(seed + i))
                 mine = dataclasses.replace(req, prompt_tokens=list(req.prompt_tokens), params=params)
             out.append(Choice(p * n + i, p, mine, None if thinking is None else dataclasses.replace(thinking),
                               None if echo is None else echo[p], -1 if prompt_top is None else prompt_top))

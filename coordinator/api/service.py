@@ -88,8 +88,7 @@ class Service:
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=0 if body.top_k == -1 else body.top_k or 0,  # -1: off, as vLLM clients send it
             min_p=body.min_p or 0.0,
-            # Any int64, as OpenAI and vLLM take it (-1 included): negatives map to seeds of their own.
-            seed=body.seed % 2**63 if body.seed is not None and -(2**63) <= body.seed < 0 else body.seed,
+            seed=body.seed,  # (any int64, as OpenAI and vLLM take it, -1 included)
             logit_bias=self._logit_bias(body.logit_bias),
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
