@@ -177,5 +177,17 @@ def test_every_error_on_its_paths_is_anthropics(server: LiveServer) -> None:
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "1"},
                                          {"type": "tool_result", "tool_use_id": "nope", "content": "2"}]}]})
     assert wrong.status_code == 400 and wrong.json()["error"]["message"].startswith("messages[2].content[1]")
+    # A block or a tool_choice that lacks a field is told in the Messages API's own terms.
+    hi = {"role": "user", "content": "hi"}
+    for turns, tool_choice, says in (
+            ([{"role": "user", "content": [{"type": "text"}]}], None, "messages[0].content[0]: a text block needs its text"),
+            ([hi], {"type": "tool"}, 'tool_choice {"type": "tool"} needs the name'),
+            ([hi, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "input": {}}]}], None,
+             "messages[1].content[0]: a tool_use block needs its name"),
+            ([{"role": "user", "content": [use]}], None, "'tool_use' blocks are not supported here in user messages")):
+        body = {"model": MODEL, "max_tokens": 4, "messages": turns, "tools": [COUNT],
+                **({"tool_choice": tool_choice} if tool_choice else {})}
+        r = server.client.post("/v1/messages", headers={"x-api-key": KEY}, json=body)
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
     openai_shape = server.client.post("/v1/chat/completions", json={}, headers={"x-api-key": "wrong"}).json()
     assert "type" not in openai_shape and openai_shape["error"]["code"] == "invalid_api_key"

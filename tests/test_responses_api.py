@@ -224,6 +224,9 @@ def test_a_kept_responses_input_items_are_listed(client: Any) -> None:
     ({"input": "x", "tools": [{"type": "function", "name": "has space"}]}, "tools[0].name"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
     ({"input": "x", "text": {"format": "json"}}, "text.format"),
+    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                   "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": 3}]}, "input[2].output"),
     ({"input": "x", "text": {"format": {"name": "n"}}}, "text.format.type"),
 ])
 def test_refused_with_the_field_named(client: Any, body: dict[str, Any], param: str) -> None:

@@ -105,6 +105,10 @@ def _text(where: str, content: Any) -> str:
     raise APIError(400, f"{where} must be text, or a list of text blocks", param=where)
 
 
+NEEDS = {"text": ("text",), "tool_use": ("id", "name"), "tool_result": ("tool_use_id",)}  # (strings)
+SENT_BY = {"tool_use": "assistant", "tool_result": "user"}
+
+
 def _messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
     out: list[dict[str, Any]] = []
     origins: list[str] = []  # (each chat message's: the message, or the tool_result block, it came from)
@@ -120,7 +124,8 @@ def _messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
             kind = b.get("type")
             if kind == "text" and isinstance(b.get("text"), str):
                 text.append(b["text"])
-            elif kind == "tool_use" and role == "assistant" and isinstance(b.get("id"), str):
+            elif kind == "tool_use" and role == "assistant" and isinstance(b.get("id"), str) and \
+                    isinstance(b.get("name"), str):
                 calls.append({"id": b["id"], "type": "function", "function": {
                     "name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
@@ -131,8 +136,13 @@ def _messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                             "content": f"Error: {result}" if b.get("is_error") else result})
                 origins.append(f"{where}.content[{j}]")
+            elif kind in NEEDS and SENT_BY.get(kind, role) == role:  # (a field of it missing)
+                field = next(f for f in NEEDS[kind] if not isinstance(b.get(f), str))
+                raise APIError(400, f"{where}.content[{j}]: a {kind} block needs its {field} (a string)",
+                               param=f"{where}.content[{j}].{field}")
             else:
-                raise APIError(400, f"{where}.content[{j}]: {kind!r} blocks are not supported here",
+                raise APIError(400, f"{where}.content[{j}]: {kind!r} blocks are not supported here"
+                                    f"{' in ' + role + ' messages' if kind in NEEDS else ''}",
                                param=f"{where}.content[{j}].type")
         if role == "user" and (text or not blocks):
             out.append({"role": "user", "content": "\n".join(text)})
@@ -171,7 +181,9 @@ def _choice(choice: Any) -> tuple[Any, Optional[bool]]:
     parallel = False if choice.get("disable_parallel_tool_use") else None
     kind = choice.get("type")
     if kind == "tool":
-        return {"type": "function", "function": {"name": choice.get("name")}}, parallel
+        if not isinstance(choice.get("name"), str):
+            raise APIError(400, 'tool_choice {"type": "tool"} needs the name of the tool', param="tool_choice.name")
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
     return {"auto": "auto", "any": "required", "none": "none"}.get(kind, kind), parallel
 
 

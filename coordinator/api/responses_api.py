@@ -141,7 +141,7 @@ def _messages(items: list[dict[str, Any]], instructions: Optional[str],
             role = item.get("role")
             if role not in ROLES:
                 raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}", param=f"{where}.role")
-            text = _text(where, item.get("content"))
+            text = _text(f"{where}.content", item.get("content"))
             role = "system" if role == "developer" else role
             if role == "system" and len(out) == len([m for m in out if m["role"] == "system"]) and out:
                 out[-1]["content"] += "\n\n" + text  # (one system message, first)
@@ -162,7 +162,7 @@ def _messages(items: list[dict[str, Any]], instructions: Optional[str],
             if not isinstance(item.get("call_id"), str) or output is None:
                 raise APIError(400, f"{where}: a function_call_output needs call_id and output", param=f"{where}")
             msg = {"role": "tool", "tool_call_id": item["call_id"],
-                   "content": output if isinstance(output, str) else _text(where, output)}
+                   "content": output if isinstance(output, str) else _text(f"{where}.output", output)}
         else:
             raise APIError(400, f"{where}: items of type {kind!r} are not supported here", param=f"{where}.type")
         if msg["role"] == "assistant" and thought is not None:
@@ -172,14 +172,14 @@ def _messages(items: list[dict[str, Any]], instructions: Optional[str],
     return out, origins
 
 
-def _text(where: str, content: Any) -> str:
+def _text(field: str, content: Any) -> str:
+    """`content` (at `field`) as text: a string, or text parts joined."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS and
                                          isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise APIError(400, f"{where}.content must be text, or a list of input_text/output_text parts",
-                   param=f"{where}.content")
+    raise APIError(400, f"{field} must be text, or a list of input_text/output_text parts", param=field)
 
 
 def _tools(tools: Any) -> Any:
