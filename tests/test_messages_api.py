@@ -65,11 +65,17 @@ def test_text_whole_and_streamed_is_the_chat_reply(claude: Any, client: Any) -> 
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat.usage.prompt_tokens
     assert m.usage.output_tokens == chat.usage.completion_tokens
     with claude.messages.stream(**ask) as stream:
-        kinds = [e.type for e in stream]
+        events = list(stream)
         final = stream.get_final_message()
+    kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
     assert final.content[0].text == m.content[0].text and final.stop_reason == m.stop_reason
     assert final.usage.output_tokens == m.usage.output_tokens
+    # message_start's input usage is the final one: the same prompt again reads its kept prefix
+    start = events[0].message.usage
+    assert final.usage.cache_read_input_tokens > 0
+    assert (start.input_tokens, start.cache_read_input_tokens) == (final.usage.input_tokens,
+                                                                   final.usage.cache_read_input_tokens)
     counted = claude.messages.count_tokens(model=MODEL, system="Be brief.", messages=ask["messages"])
     assert counted.input_tokens == chat.usage.prompt_tokens
 

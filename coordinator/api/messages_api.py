@@ -199,15 +199,13 @@ class _Blocks:
         self.content: list[dict[str, Any]] = []
         self.open: Optional[str] = None  # the kind of the last block, while text may still come to it
         self.stopped: Optional[tuple[str, Optional[str], dict[str, Any]]] = None  # (stop_reason, sequence, usage)
+        self.begun = False  # message_start was sent
 
     @staticmethod
     def event(kind: str, **fields: Any) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
-    def message(self, stop: Optional[str] = None, sequence: Optional[str] = None,
-                usage: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-        usage = usage or {"input_tokens": len(self.req.prompt_tokens), "output_tokens": 0,
-                          "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+    def message(self, stop: Optional[str], sequence: Optional[str], usage: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": self.content,
                 "stop_reason": stop, "stop_sequence": sequence, "usage": usage}
 
@@ -243,10 +241,14 @@ class _Blocks:
                       self.event("content_block_stop", index=at)]
 
 
-def _usage(stats: GenerationStats) -> dict[str, Any]:
+def _usage(prompt: int, cached: int, output: int = 0) -> dict[str, Any]:
     """Anthropic's usage: input tokens are those not read from a kept prefix (those are cache reads)."""
-    return {"input_tokens": stats.prompt_tokens - stats.cached_tokens, "output_tokens": stats.generation_tokens,
-            "cache_read_input_tokens": stats.cached_tokens, "cache_creation_input_tokens": 0}
+    return {"input_tokens": prompt - cached, "output_tokens": output, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0}
+
+
+def _final_usage(stats: GenerationStats) -> dict[str, Any]:
+    return _usage(stats.prompt_tokens, stats.cached_tokens, stats.generation_tokens)
 
 
 async def _chunks(service: Service, blocks: _Blocks, choice: Any, run: Any, started: float,
@@ -254,8 +256,13 @@ async def _chunks(service: Service, blocks: _Blocks, choice: Any, run: Any, star
     """The Messages events of one choice's chat chunks (an error is raised: the caller answers it)."""
     finals: list[Any] = [None]
     chat = ResponseFormat(True, blocks.model)
-    yield blocks.event("message_start", message={**blocks.message(), "content": []})
-    async for chunk in choice_chunks(service, ENDPOINT, choice, run, chat, started, tools, finals, 0):
+    cached: list[int] = []  # (from the engine's first chunk: the prompt's tokens read from a kept prefix)
+    async for chunk in choice_chunks(service, ENDPOINT, choice, run, chat, started, tools, finals, 0,
+                                     lambda first: cached.append(first.cached_tokens or 0)):
+        if cached and not blocks.begun:  # (message_start once the prompt is in: its usage is final then)
+            blocks.begun = True
+            usage = _usage(len(blocks.req.prompt_tokens), cached[0])
+            yield blocks.event("message_start", message={**blocks.message(None, None, usage), "content": []})
         (part,) = chunk["choices"]
         delta = part["delta"]
         for kind, key in (("thinking", "reasoning"), ("text", "content")):
@@ -271,9 +278,9 @@ async def _chunks(service: Service, blocks: _Blocks, choice: Any, run: Any, star
             sequence = part.get("stop_reason") if isinstance(part.get("stop_reason"), str) else None
             called = finish != "length" and any(b["type"] == "tool_use" for b in blocks.content)  # (forced too)
             stop = "tool_use" if called else "stop_sequence" if sequence is not None else STOPS.get(finish, "end_turn")
-            blocks.stopped = (stop, sequence, _usage(finals[0]))
+            blocks.stopped = (stop, sequence, _final_usage(finals[0]))
             yield blocks.event("message_delta", delta={"stop_reason": stop, "stop_sequence": sequence},
-                               usage=_usage(finals[0]))
+                               usage=_final_usage(finals[0]))
             yield blocks.event("message_stop")
 
 

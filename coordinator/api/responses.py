@@ -23,7 +23,7 @@ from .tools import ToolCallParser, held_calls, parse_tool_calls
 
 if TYPE_CHECKING:
     from ...node.protocol import Scored
-    from ..engine.request import GenerationRequest, GenerationStats
+    from ..engine.request import GenerationChunk, GenerationRequest, GenerationStats
     from .chat import ToolSpec
     from .reasoning import ReasoningSplit
     from .service import Service
@@ -340,9 +340,10 @@ async def _merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
 
 async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: GenerationThread,
                         fmt: ResponseFormat, started: float, tools: "Optional[ToolSpec]", finals: list[Any],
-                        at: int) -> AsyncIterator[dict[str, Any]]:
+                        at: int, on_first: "Optional[Callable[[GenerationChunk], None]]" = None
+                        ) -> AsyncIterator[dict[str, Any]]:
     """One choice's chunk objects, as `fmt` shapes them: its role, its deltas, its finish (its stats then
-    in `finals[at]`)."""
+    in `finals[at]`); `on_first` is told the engine's first chunk before anything of it is shaped."""
     first_token = None
     parser = ToolCallParser(tools.tools) if tools is not None and tools.active and not tools.held else None
     held: Optional[list[str]] = [] if tools is not None and tools.active and tools.held else None  # (whole, at the end)
@@ -350,6 +351,8 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
     if fmt.chat:
         yield fmt.chunk(role=True)
     async for chunk, thought in thought_apart(run.chunks(), choice.thinking):
+        if first_token is None and on_first is not None:
+            on_first(chunk)
         if first_token is None and (choice.echo is not None or choice.prompt_top >= 0):
             echo, echoed, shown = await _prompt_shown(service, choice, chunk.prompt_logprobs)
             yield fmt.chunk(echo, logprobs=echoed, prompt_logprobs=shown)

@@ -334,6 +334,7 @@ class BatchEngine(KeepsPrefixes):
             self._finish(live, e)
 
     def _hand_out(self, live: Live, out: StepOutput) -> None:
+        cached = live.stats.cached_tokens if not live.emitted else None  # (told with its first chunk)
         live.emitted += out.tokens
         new, finish = take_tokens(out.tokens, live.ends, live.text, live.generated, live.req.max_tokens)
         live.generated += len(new)
@@ -343,13 +344,13 @@ class BatchEngine(KeepsPrefixes):
         if finish is None:
             live.next_tokens = [out.tokens[-1], *out.drafts]
             live.sink(GenerationChunk(text=live.text.release(final=False), tokens=new, logprobs=logprobs,
-                                      prompt_logprobs=scored))
+                                      prompt_logprobs=scored, cached_tokens=cached))
             return
         live.stats.decode_seconds = time.perf_counter() - live.started
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
                                   stats=live.stats, logprobs=logprobs, prompt_logprobs=scored,
-                                  stop_reason=stop_reason(finish, new, live.text, live.req)))
+                                  stop_reason=stop_reason(finish, new, live.text, live.req), cached_tokens=cached))
         if ended_in_stages(new, live.ends, live.generated, live.req.max_tokens):
             self._keep_end(live)
         self._finish(live, None)

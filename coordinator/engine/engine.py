@@ -115,7 +115,8 @@ class Engine:
                 if finish:
                     break
                 yield GenerationChunk(text=text.release(final=False), tokens=new, prompt_logprobs=scored,
-                                      logprobs=out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None)
+                                      logprobs=out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None,
+                                      cached_tokens=None if step > len(prefill) else stats.cached_tokens)
                 scored = None
                 out = self.pipeline.step(
                     StepRequest(seq_id, step, StepKind.DECODE, [out.tokens[-1]] + out.drafts, commit=out.commit,
@@ -127,7 +128,8 @@ class Engine:
             stats.ended_within(out, len(new))
             yield GenerationChunk(text=text.release(final=True), tokens=new, finish_reason=finish, stats=stats,
                                   logprobs=out.logprobs[: len(new)] if req.params.top_logprobs >= 0 else None,
-                                  prompt_logprobs=scored, stop_reason=stop_reason(finish, new, text, req))
+                                  prompt_logprobs=scored, stop_reason=stop_reason(finish, new, text, req),
+                                  cached_tokens=None if step > len(prefill) else stats.cached_tokens)
         finally:
             self.pipeline.release(seq_id)
 

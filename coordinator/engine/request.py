@@ -135,6 +135,7 @@ class GenerationChunk:
     # on the first chunk, when asked (params.prompt_logprobs): the prompt's tokens but its first, scored
     prompt_logprobs: list[Scored] | None = None
     stop_reason: str | int | None = None  # on the last: the stop string or stop token id that ended it (`stop_reason`)
+    cached_tokens: int | None = None  # on the first: its prompt's tokens taken from a kept prefix (usage before the end)
 
     @property
     def shown(self) -> list[int]:

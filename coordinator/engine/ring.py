@@ -332,6 +332,7 @@ class RingEngine:
     def _emit(self, live: RingLive, out: StepOutput, first: bool) -> bool:
         """Hand the round's tokens to the request; True when that finished it."""
         req = live.req
+        cached = live.stats.cached_tokens if not live.emitted else None  # (told with its first chunk)
         new, finish = take_tokens(out.tokens, live.ends, live.text, live.generated, req.max_tokens)
         live.generated += len(new)
         live.emitted += new
@@ -350,13 +351,13 @@ class RingEngine:
             return True
         if finish is None:
             live.sink(GenerationChunk(text=live.text.release(final=False), tokens=new, logprobs=logprobs,
-                                      prompt_logprobs=scored))
+                                      prompt_logprobs=scored, cached_tokens=cached))
             return False
         live.stats.decode_seconds = time.perf_counter() - live.started
         live.stats.ended_within(out, len(new))
         live.sink(GenerationChunk(text=live.text.release(final=True), tokens=new, finish_reason=finish,
                                   stats=live.stats, logprobs=logprobs, prompt_logprobs=scored,
-                                  stop_reason=stop_reason(finish, new, live.text, req)))
+                                  stop_reason=stop_reason(finish, new, live.text, req), cached_tokens=cached))
         self._finish(live, None)
         return True
 
