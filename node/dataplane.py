@@ -46,6 +46,7 @@ HANDSHAKE_TIMEOUT_S = 5.0
 FRAME_BODY_TIMEOUT_S = 60.0
 CONNECT_TIMEOUT_S = 30.0  # opening a link to the next stage: one in a long step answers only after it
 RECONNECT_TIMEOUT_S = 5.0  # opening it again as the pipeline is formed again (a Connect waits for it)
+CLOSE_TIMEOUT_S = 1.0  # closing a link: how long its peer may take to close its end
 
 
 class DataPlaneError(ConnectionError):
@@ -224,9 +225,13 @@ class TcpFrameLink:
             raise DataPlaneError("unexpected bytes from the next stage")
 
     async def close(self) -> None:
+        """Close the stream; one the peer does not close in turn within CLOSE_TIMEOUT_S (a node that hangs:
+        TLS waits for its answer for 30 s) is dropped."""
         self.writer.close()
         try:
-            await self.writer.wait_closed()
+            await asyncio.wait_for(self.writer.wait_closed(), CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            self.writer.transport.abort()
         except (ConnectionError, OSError):
             pass
 

@@ -21,6 +21,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 # the coordinator's lease renewals, which its loop answers between steps (coordinator/pipeline/renewals.py).
 KEEPALIVE_MS = 1000
 PING_TIMEOUT_MS = 1500
+RECONNECT_FIRST_MS, RECONNECT_MAX_MS = 500, 2000
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -29,6 +30,11 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # A peer gone for a while is tried again within a couple of seconds once it is back (gRPC's own backoff
+    # grows to two minutes: a restarted node would wait that long to be seen, the cluster down meanwhile).
+    # Not grpc.min_reconnect_backoff_ms: gRPC takes it for the time a connection may take to be made too.
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_FIRST_MS),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
 ]
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -197,6 +197,8 @@ def test_serve_refuses_a_port_it_cannot_listen_on_before_loading(capsys: pytest.
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "/nonexistent/model", "--prompt", ""], "the prompt is empty"),
+    (["generate", "--model", "/nonexistent/model", "--prompt", b"abc\xff".decode("utf-8", "surrogateescape")],
+     "the prompt is not UTF-8 text (byte 0xff at character 3)"),  # (as a shell hands over bytes that are not)
     (["generate", "--model", "/nonexistent/model", "--prompt", "x", "--regex", "("],
      "--regex: the output cannot be held to it"),
     (["generate", "--model", "/nonexistent/model", "--prompt", "x", "--json-schema", '{"type": "nonsense"}'],

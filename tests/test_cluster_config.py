@@ -307,9 +307,11 @@ def test_discovery_binds_only_named_or_physical_interfaces() -> None:
     assert discovery_addresses([], [LO, TB, VPN]) == ["169.254.3.4"]  # Thunderbolt when there is nothing else
     assert discovery_addresses(["en0"], ifaces) == ["192.168.1.20"]
     assert discovery_addresses(["127.0.0.1"], ifaces) == ["127.0.0.1"]
-    assert discovery_addresses(["fe80::1%en0", "fd88::1"], ifaces) == ["fe80::1", "fd88::1"]  # zeroconf: unscoped
+    assert discovery_addresses(["fe80::1%en0", "::1"], ifaces) == ["fe80::1", "::1"]  # zeroconf: unscoped
     with pytest.raises(ValueError, match="neither an address nor an interface"):
         discovery_addresses(["en9"], ifaces)
+    with pytest.raises(ValueError, match="10.99.9.9: not an address of this machine"):  # (zeroconf: "No such device")
+        discovery_addresses(["10.99.9.9"], ifaces)
     with pytest.raises(ValueError, match="no network interface"):
         discovery_addresses([], [LO, VPN])
     assert advertised_interfaces(ifaces, ["192.168.1.20"]) == (ETH, TB, VPN)

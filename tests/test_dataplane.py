@@ -160,6 +160,36 @@ def test_closing_the_listener_ends_open_streams_without_an_error(caplog: pytest.
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+def test_a_tls_link_to_a_peer_that_hangs_closes_at_once() -> None:
+    """A node that hangs (SIGSTOP) never answers TLS's closing: its link is dropped after CLOSE_TIMEOUT_S,
+    not after asyncio's 30 s wait for that answer, which held the pipeline from forming again."""
+    import asyncio
+
+    secret = "ab" * 32
+    hung = asyncio.Event()
+
+    async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert await reader.readexactly(len(HELLO)) == HELLO
+        writer.write(b"OK")
+        await writer.start_tls(ssl_context(secret, server=True))
+        writer.transport.pause_reading()  # (it stops: nothing it is sent is read or answered)
+        hung.set()
+        await asyncio.sleep(3600)
+
+    async def run() -> float:
+        server = await asyncio.start_server(peer, "127.0.0.1", 0)
+        try:
+            link = await dataplane.TcpFrameLink.connect("127.0.0.1", server.sockets[0].getsockname()[1], secret)
+            await hung.wait()
+            start = time.monotonic()
+            await link.close()
+            return time.monotonic() - start
+        finally:
+            server.close()
+
+    assert asyncio.run(run()) < dataplane.CLOSE_TIMEOUT_S + 2.0
+
+
 def test_frames_read_back_to_back_leave_the_loop_its_turns() -> None:
     """A long prompt's chunks arrive together and each step holds the loop (it is the node's MLX thread):
     between two frames the loop runs what else is due (lease renewals, Health), not after all of them."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from typing import Any
 
 from ...node.links import format_host_port, local_interfaces, split_host_port
 from ..cluster.agent import ClusterAgent, discovery_addresses
@@ -91,6 +93,13 @@ def _health(args: argparse.Namespace) -> int:
     return EXIT_CODES[status]
 
 
+async def _browse(discovery: Any, wait: float) -> None:
+    """Up to `wait` seconds for a first node, then until none joined or left for a second (within `wait`)."""
+    start = time.monotonic()
+    if await discovery.wait_count(1, wait):
+        await discovery.settle(min(1.0, wait), max(0.0, wait - (time.monotonic() - start)))
+
+
 def browse_targets(cfg: ClusterConfig, wait: float,
                    timeout: float = 1.0) -> tuple[list[str], dict[str, str], dict[str, str]]:
     """The cluster's nodes by zeroconf on the discovery interfaces, each at the address where it proved
@@ -101,7 +110,7 @@ def browse_targets(cfg: ClusterConfig, wait: float,
     interfaces = local_interfaces()
     agent = ClusterAgent(discovery_addresses(cfg.discovery.interfaces, interfaces), None, cfg.name).start()
     try:
-        agent.run(agent.discovery.settle(min(1.0, wait), wait))
+        agent.run(_browse(agent.discovery, wait))
         peers = agent.peers()
     finally:
         agent.stop()

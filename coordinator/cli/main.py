@@ -52,6 +52,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             grammar=fmt.plain if fmt is not None else None)
     params.validate()  # (before any node is loaded, or taken over)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    try:
+        prompt.encode("utf-8")  # (bytes that are not UTF-8 arrive as lone surrogates: no tokenizer takes them)
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the prompt is not UTF-8 text (byte 0x{ord(e.object[e.start]) & 0xFF:02x} at character "
+                         f"{e.start})") from None
     if not prompt and not args.chat:  # (a chat template makes tokens of an empty message)
         raise ValueError("the prompt is empty")
     model = resolve_model(args.model, args.revision)

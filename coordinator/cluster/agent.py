@@ -48,7 +48,11 @@ def discovery_addresses(wanted: list[str], interfaces: list[Interface]) -> list[
             except ValueError:
                 raise ValueError(f"--interface {entry}: neither an address nor an interface of this machine "
                                  "that is up with an address") from None
-            out.append(strip_scope(entry)[0])  # (zeroconf takes addresses unscoped: it finds their interface)
+            address = strip_scope(entry)[0]
+            if not any(n.ip == ipaddress.ip_address(address) for i in interfaces for n in i.networks()):
+                raise ValueError(f"--interface {entry}: not an address of this machine (its interfaces have "
+                                 f"{', '.join(str(n.ip) for i in interfaces for n in i.networks()) or 'none'})")
+            out.append(address)  # (zeroconf takes addresses unscoped: it finds their interface)
     for links in ([] if wanted else _DEFAULT_DISCOVERY):
         out = [str(n.ip) for i in interfaces if i.link in links for n in i.networks() if n.version == 4]
         if out:
