@@ -497,6 +497,16 @@ def test_the_cluster_is_idle_only_when_every_node_is() -> None:
     placed, spare = {"node_id": "b", "status": "idle"}, {"node_id": "c", "status": "idle"}
     assert overall([coordinator, {**placed, "status": "healthy"}, spare]) == "healthy"
     assert overall([coordinator, placed, spare]) == "degraded"  # (b was placed, and holds nothing)
+    # A node that hung and came back after the others took its layers holds its old shard: a spare too.
+    from mtpipe.coordinator.cluster.health import mark_spares
+
+    back = {"node_id": "c", "status": "degraded", "reachable": True, "layers": [5, 8],
+            "problems": ["next stage 10.0.0.9:52700 unreachable"]}
+    marked = mark_spares([coordinator, {**placed, "status": "healthy", "layers": [0, 8]}, back])
+    assert marked[2] == {**back, "status": "idle", "spare": True, "problems": []} and marked[:2] == [
+        coordinator, {**placed, "status": "healthy", "layers": [0, 8]}]
+    assert overall(marked) == "healthy"
+    assert mark_spares([back]) == [back]  # (no coordinator among them: nothing says it is not placed)
 
 
 def test_a_placed_node_is_listed_missing_once() -> None:

@@ -6,7 +6,8 @@ idle when it answers with no error and holds no shard (it waits for a coordinato
 degraded when it answers but something else fails; unreachable when it does not answer (or refuses
 the cluster secret). The cluster is idle when every node is: a node without a shard beside nodes
 that hold one makes it degraded, unless a coordinator among them placed the model without it (a
-spare). With no coordinator among them, the layers no node holds are listed, unreachable. Exit codes
+spare; one that holds a shard from an earlier placement, as a node that hung and came back does, is shown
+idle too). With no coordinator among them, the layers no node holds are listed, unreachable. Exit codes
 follow: 0 healthy or idle, 1 degraded, 2 unreachable.
 Whether a model is served is the API's GET /health.
 """
@@ -170,6 +171,17 @@ def name_placed(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             for r in rows]
 
 
+def mark_spares(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows`, where a coordinator among them placed the model, with each node it did not place that still
+    holds a shard (one that hung and came back after the others took its layers) idle, a spare: its shard
+    and links are from an earlier placement and serve nothing."""
+    placed = {n for r in rows for n in r.get("placed") or []}
+    if not placed:
+        return list(rows)
+    return [{**r, "status": IDLE, "spare": True, "problems": []}
+            if r.get("reachable") and r.get("layers") and r.get("node_id") not in placed else r for r in rows]
+
+
 def missing_members(rows: Sequence[dict[str, Any]], left_out: Collection[str] = ()) -> list[dict[str, Any]]:
     """A row for each node a coordinator among `rows` placed the model on that is not among them (nor
     left out, listed apart): gone (its advert went with it), so unreachable."""
@@ -266,6 +278,6 @@ def render_table(rows: Sequence[dict[str, Any]], console: Any, status: str | Non
             _blas(r.get("blas")),
             _next_hop(r),
             _duration(r.get("uptime_s")),
-            "; ".join(r["problems"]) or "-",
+            "; ".join(r["problems"]) or ("a spare: its shard is from an earlier placement" if r.get("spare") else "-"),
         )
     console.print(table)
