@@ -206,6 +206,7 @@ def test_serve_refuses_a_port_it_cannot_listen_on_before_loading(capsys: pytest.
     (["generate", "--model", "/nonexistent/model", "--prompt", "x", "--json-schema", "/nowhere.json"],
      "--json-schema is neither a JSON Schema nor a file holding one"),
     (["bench", "faults", "--nodes", "x"], "--nodes: expected comma-separated counts"),
+    (["node", "--port", "0", "--shard-cache", sys.executable], "is a file, not a directory"),
     (["convert", "--hf-path", "/nonexistent", "--mlx-path", "/nonexistent2", "--q-bits", "4"],
      "--q-bits apply with -q/--quantize"),
 ])

@@ -90,8 +90,8 @@ def _health(args: argparse.Namespace) -> int:
         for node_id, why in sorted(left_out.items()):
             print(f"mtpipe: node {node_id} advertises this cluster but {why}: left out", file=sys.stderr)
         if not rows:
-            print("mtpipe: no nodes found" + (" that prove they belong (is the secret right?)" if left_out else ""),
-                  file=sys.stderr)
+            print("mtpipe: no nodes found" + (" that prove they belong" if left_out else "")
+                  + (" (is the secret right?)" if left_out and secret else ""), file=sys.stderr)
     return EXIT_CODES[status]
 
 
@@ -116,10 +116,12 @@ def browse_targets(cfg: ClusterConfig, wait: float,
         peers = agent.peers()
     finally:
         agent.stop()
-    membership = Membership("", interfaces, cfg.resolve_secret(), timeout=timeout)
+    secret = cfg.resolve_secret()
+    membership = Membership("", interfaces, secret, timeout=timeout)
     members = membership.members(peers)
     targets = [membership.address(ad) or "" for _, ad in sorted(members.items())]
     ids = {target: node_id for target, node_id in zip(targets, sorted(members)) if target}
-    left_out = {node_id: f"{reason} ({', '.join(peers[node_id].addresses) or '?'})"
+    unsure = "" if secret else "; no cluster secret was given ($MTPIPE_SECRET, --secret-file, cluster.yaml)"
+    left_out = {node_id: f"{reason} ({', '.join(peers[node_id].addresses) or '?'}){unsure}"
                 for node_id, reason in membership.report(peers)[1].items()}
     return targets + [n.address for n in cfg.nodes], left_out, ids
