@@ -62,6 +62,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                         "prefills only the rest. One machine: dropped first when requests need the memory (default: "
                         "a quarter of the batch's memory budget). With --nodes: over all nodes together (default: an "
                         "eighth of the memory the node with least available has, per node). 0: off")
+    p.add_argument("--memory-budget", type=float, metavar="GB",
+                   help="one machine: GB the batch's caches may hold (attention KV, GatedDeltaNet states, kept "
+                        "prefixes); requests past it wait, and where running ones outgrow it the last admitted wait "
+                        "again, then go on (default: half the memory free once the model is loaded)")
     p.add_argument("--resume-window", type=seconds_or_never,
                    help="with --nodes: how long a request whose node is lost waits for the pipeline to be formed "
                         f"again, then goes on where it stopped (default {RESUME_WINDOW_S:g} s, plus --heal-after; "
@@ -95,6 +99,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           ("--resume-window", args.resume_window)):
         if value is not None and not args.nodes:
             raise ValueError(f"{option} applies with --nodes")
+    if args.memory_budget is not None and args.nodes:
+        raise ValueError("--memory-budget applies on one machine, without --nodes")
+    if args.memory_budget is not None and not (args.memory_budget > 0 and math.isfinite(args.memory_budget)):
+        raise ValueError("--memory-budget must be a number of GB, more than 0")
     heal_after = args.heal_after or None
     resume_window = RESUME_WINDOW_S + (heal_after or 0.0) if args.resume_window is None else args.resume_window
     if heal_after and resume_window and resume_window < heal_after:
@@ -113,6 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = stage_options(args, remote=bool(args.nodes))
     if args.prefix_cache is not None:
         options["prefix_cache"] = int(args.prefix_cache * 2**30)
+    if args.memory_budget is not None:
+        options["memory_budget"] = int(args.memory_budget * 2**30)
     depth = 0 if args.no_mtp else args.mtp_depth
     name = args.model_name or model_name_for(args.model, path)
     settings = dict(default_mtp_depth=depth, max_concurrency=args.max_concurrency,
