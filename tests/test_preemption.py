@@ -103,3 +103,31 @@ def test_a_preempted_request_cancelled_while_it_waits_ends_and_holds_nothing(den
         assert engine.thread.call(lambda: (engine.stages[0].sequences, len(engine._waiting))) == (0, 0)
     finally:
         engine.close()
+
+
+def test_each_waiting_request_is_judged_on_its_own_need(dense_ckpt: Path) -> None:
+    """A preempted row with a long prompt waits at the queue's head for room of its own, also when a new,
+    short request waits behind it (judged on the short one's need, it was admitted and preempted again
+    every unit)."""
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, horizon=HORIZON, prefix_cache=0)
+    try:
+        dims = dataclasses.replace(engine.dims, kv_step=1)
+        engine.thread.call(setattr, engine, "dims", dims)
+        ends = never_ends(engine)
+        short, long = (request(encode(engine, text), 0, 2000, params=ends) for text in (PROMPTS[5], "".join(PROMPTS[:8])))
+        engine.thread.call(setattr, engine, "budget", plan.batch_bytes(
+            dims, [plan.footprint(dims, len(long.prompt_tokens) + HORIZON, 0)] * 2))
+        running, preempted = Stream(engine, short).first(), Stream(engine, long).first()
+        deadline = time.monotonic() + 60
+        while not engine.preemptions:
+            assert time.monotonic() < deadline, "never preempted"
+            time.sleep(0.01)
+        new = Stream(engine, request(encode(engine, PROMPTS[6]), 0, 4, params=ends))
+        time.sleep(1.0)  # (many units of the running row's rounds)
+        assert engine.preemptions == 1 and not new.chunks  # (it never overtakes the preempted one)
+        for s in (new, preempted, running):
+            s.handle.cancel()
+            s.finish()
+        assert engine.thread.call(lambda: (engine.stages[0].sequences, len(engine._waiting))) == (0, 0)
+    finally:
+        engine.close()

@@ -501,9 +501,10 @@ def test_references_to_a_tools_own_root_hold_when_a_call_is_required(live: Live)
     """"required" holds the reply to a list of calls, each tool's parameters under the list's `$defs`: a
     tool's references to its own root (`#`, `#/properties/...`) are pointed there, never at the list."""
     assert rooted({"$ref": "#", "properties": {"default": {"$ref": "#/properties/x"}}, "default": {"$ref": "#"},
-                   "items": [{"$ref": "#/$defs/a"}, {"$ref": "other.json#/a"}]}, "#/$defs/tool0") == {
+                   "items": [{"$ref": "#/$defs/a"}, {"$ref": "other.json#/a"}, {"$ref": "#anchor"}]}, "#/$defs/tool0") == {
         "$ref": "#/$defs/tool0", "properties": {"default": {"$ref": "#/$defs/tool0/properties/x"}},
-        "default": {"$ref": "#"}, "items": [{"$ref": "#/$defs/tool0/$defs/a"}, {"$ref": "other.json#/a"}]}
+        "default": {"$ref": "#"},
+        "items": [{"$ref": "#/$defs/tool0/$defs/a"}, {"$ref": "other.json#/a"}, {"$ref": "#anchor"}]}
     avoid = {str(i): -100 for i in live.ids.values()}
     trees = 0
     for seed in range(3):

@@ -112,7 +112,7 @@ def rooted(schema: Any, root: str) -> Any:
         return [rooted(s, root) for s in schema] if isinstance(schema, list) else schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):  # (not "#anchor")
             out[key] = root + value[1:]
         elif key in SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: rooted(s, root) for name, s in value.items()}

@@ -353,6 +353,7 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
     async for chunk, thought in thought_apart(run.chunks(), choice.thinking):
         if first_token is None and on_first is not None:
             on_first(chunk)
+            yield fmt.chunk()  # (nothing of its own: the caller acts on it now, before any text is held back)
         if first_token is None and (choice.echo is not None or choice.prompt_top >= 0):
             echo, echoed, shown = await _prompt_shown(service, choice, chunk.prompt_logprobs)
             yield fmt.chunk(echo, logprobs=echoed, prompt_logprobs=shown)

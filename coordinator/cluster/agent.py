@@ -49,7 +49,7 @@ def discovery_addresses(wanted: list[str], interfaces: list[Interface]) -> list[
                 raise ValueError(f"--interface {entry}: neither an address nor an interface of this machine "
                                  "that is up with an address") from None
             address = strip_scope(entry)[0]
-            if not any(n.ip == ipaddress.ip_address(address) for i in interfaces for n in i.networks()):
+            if interfaces and not any(n.ip == ipaddress.ip_address(address) for i in interfaces for n in i.networks()):
                 raise ValueError(f"--interface {entry}: not an address of this machine (its interfaces have "
                                  f"{', '.join(str(n.ip) for i in interfaces for n in i.networks()) or 'none'})")
             out.append(address)  # (zeroconf takes addresses unscoped: it finds their interface)

@@ -187,10 +187,10 @@ class BatchEngine(KeepsPrefixes):
                 self._finish(live, None)
 
     def _needs(self, lives: list[Live], horizon: int | None = -1) -> list[plan.Footprint]:
-        """What these rows hold, in the order they were admitted, once each has `horizon` tokens more
-        (-1: the engine's admission horizon; None: at their ends)."""
+        """What these rows hold, in their order, once each has `horizon` tokens more (-1: the engine's
+        admission horizon; None: at their ends)."""
         horizon = self.horizon if horizon == -1 else horizon
-        return [x.need(self.dims, horizon) for x in sorted(lives, key=lambda x: x.order)]
+        return [x.need(self.dims, horizon) for x in lives]
 
     def _admit(self) -> None:
         needs = self._needs(self._waiting)
@@ -240,15 +240,19 @@ class BatchEngine(KeepsPrefixes):
             for group in (self._prefilling, self._decoding):
                 if live in group:
                     group.remove(live)
+            self._waiting.insert(0, live)  # (first: whatever fails below, it is held, and ends with the engine)
             for stage in self.stages:
-                stage.release(live.seq_id)
+                try:
+                    stage.release(live.seq_id)
+                except Exception:
+                    log.exception("releasing %s failed", live.seq_id)
             live.seq_id = uuid.uuid4().hex  # (a new sequence on the stages, its prompt and tokens so far)
             live.prefilled, live.step, live.prefix, live.next_tokens = 0, 0, "", []
-            if not live.resumed and live.scored is not None:
-                live.scored = []  # (its prompt is read again from the start)
+            if not live.resumed:  # (its prompt goes in again from the start, from a kept prefix or not)
+                live.stats.cached_tokens = 0
+                live.scored = [] if live.scored is not None else None
             live.stats.preempted += 1
             self.preemptions += 1
-            self._waiting.insert(0, live)
 
     def _prefill(self) -> None:
         """One prompt chunk for every sequence taking its prompt, in one forward (the prompt's last
