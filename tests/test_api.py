@@ -149,6 +149,15 @@ def test_chat_stream(engine: Engine, client: Any) -> None:
     assert chunks[-1].usage.model_extra["mtp"]["depth"] == 1
     assert all(c.usage is None for c in chunks[:-1])
     assert len({c.id for c in chunks}) == 1
+    # vLLM's continuous_usage_stats: every chunk with its choice's usage so far, the last one's the whole
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"mtp_depth": 1})
+    chunks = list(stream)
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == chunks[-1].usage.completion_tokens
+    assert {(c.usage.prompt_tokens, c.usage.total_tokens - c.usage.completion_tokens) for c in chunks} == {
+        (chunks[-1].usage.prompt_tokens, chunks[-1].usage.prompt_tokens)}
 
 
 def test_completions(engine: Engine, client: Any) -> None:

@@ -200,7 +200,8 @@ def create_app(
         if body.stream_options is not None and not body.stream:  # (as OpenAI's and vLLM's servers answer)
             raise APIError(400, "stream_options can only be given with stream: true", param="stream_options")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = ResponseFormat(endpoint == "/v1/chat/completions", model_name, include_usage)
+        fmt = ResponseFormat(endpoint == "/v1/chat/completions", model_name, include_usage,
+                             continuous=include_usage and bool(body.stream_options.continuous_usage_stats))
         choices = choices_of(reqs, n, thinking, echo, body.prompt_logprobs)
         for choice in choices[1:] if fmt.chat else []:  # (a chat response shows its prompt's logprobs once)
             choice.prompt_top = -1

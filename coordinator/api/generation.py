@@ -285,10 +285,12 @@ def _top_or_none(entry: dict[str, Any]) -> Optional[dict[str, float]]:
 class ResponseFormat:
     """OpenAI's response and chunk objects for chat (`chat.completion`) or text (`text_completion`)."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool = False, index: int = 0):
+    def __init__(self, chat: bool, model: str, include_usage: bool = False, index: int = 0, continuous: bool = False):
         self.chat = chat
         self.model = model
         self.include_usage = include_usage
+        self.continuous = continuous  # every chunk with the choice's usage so far (vLLM's continuous_usage_stats)
+        self.so_far: dict[str, int] | None = None  # that usage (`counted`)
         self.index = index  # the choice this one formats (a request with `n` or several prompts has many)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -297,9 +299,13 @@ class ResponseFormat:
 
     def for_choice(self, index: int) -> "ResponseFormat":
         """The format of choice `index` of the same response (its id and time), with its own text offsets."""
-        fmt = ResponseFormat(self.chat, self.model, self.include_usage, index)
+        fmt = ResponseFormat(self.chat, self.model, self.include_usage, index, self.continuous)
         fmt.id, fmt.created = self.id, self.created
         return fmt
+
+    def counted(self, prompt: int, completion: int) -> None:
+        """The choice's tokens so far, for the chunks that follow (with `continuous`)."""
+        self.so_far = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _object(self, object: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
@@ -364,7 +370,8 @@ class ResponseFormat:
         else:
             choice = {"index": self.index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish,
                       **ended, **shown}
-        extra = {**(shown if self.chat else {}), **({"usage": None} if self.include_usage else {})}
+        usage = self.so_far if self.continuous else None
+        extra = {**(shown if self.chat else {}), **({"usage": usage} if self.include_usage else {})}
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:

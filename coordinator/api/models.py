@@ -91,6 +91,7 @@ class NamedToolChoice(_Body):
 
 class StreamOptions(_Body):
     include_usage: Flag = False
+    continuous_usage_stats: Flag = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class _GenerationBody(_Body):

@@ -348,6 +348,8 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
     parser = ToolCallParser(tools.tools) if tools is not None and tools.active and not tools.held else None
     held: Optional[list[str]] = [] if tools is not None and tools.active and tools.held else None  # (whole, at the end)
     calls = 0  # tool calls streamed
+    generated = 0
+    fmt.counted(len(choice.req.prompt_tokens), 0)
     if fmt.chat:
         yield fmt.chunk(role=True)
     async for chunk, thought in thought_apart(run.chunks(), choice.thinking):
@@ -358,6 +360,8 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
             echo, echoed, shown = await _prompt_shown(service, choice, chunk.prompt_logprobs)
             yield fmt.chunk(echo, logprobs=echoed, prompt_logprobs=shown)
         first_token = first_token or time.perf_counter()
+        generated += len(chunk.tokens)
+        fmt.counted(len(choice.req.prompt_tokens), generated)
         asked = choice.req.params.top_logprobs >= 0 and chunk.tokens
         logprobs = service.token_logprobs(chunk.tokens, chunk.logprobs) if asked else None
         if thought:  # (a chunk all thinking carries its logprobs on its thinking)
