@@ -115,8 +115,11 @@ def test_a_taken_over_coordinator_gives_the_nodes_up(dense_ckpt: Path, tmp_path:
         assert reformer.given_up and isinstance(reformer.down, TakenOver), reformer.down
         assert "taken over by coordinator " + second.pipeline.client_id in str(reformer.down)
         assert tried == [] and not reformer.wait(10.0)
-        ready, details = Readiness(first, timeout=2.0).check()  # what /health says: the node, and why
-        assert not ready and details["unready"][0]["address"] in addresses
+        deadline = time.monotonic() + 10  # (each node tells it was taken over: both are named)
+        while len(Readiness(first, timeout=2.0).check()[1]["unready"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ready, details = Readiness(first, timeout=2.0).check()  # what /health says: the nodes, and why
+        assert not ready and sorted(d["address"] for d in details["unready"]) == sorted(addresses)
         assert "taken over" in details["unready"][0]["reason"] and "formed again" not in details["unready"][0]["reason"]
         reason = details["unready"][0]["reason"]
         assert reason.count(details["unready"][0]["address"]) == 1, reason  # the node named once

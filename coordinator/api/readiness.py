@@ -137,6 +137,8 @@ class Readiness:
                 why = str(lost) if reformer.given_up else f"being formed again after: {lost}"
                 down = [{"address": getattr(lost, "node", "pipeline"), "reason": why,
                          "since": timestamp(reformer.down_at)}]
+                down += [{"address": getattr(e, "node", "pipeline"), "reason": str(e),
+                          "since": timestamp(reformer.down_at)} for e in (reformer.also if reformer.given_up else [])]
             return not down, {"nodes": len(states), "unready": down}
         thread = getattr(self.engine, "thread", None)  # a BatchEngine runs every stage on one MLX thread
         if thread is not None and not getattr(thread, "alive", True):

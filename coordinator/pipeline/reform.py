@@ -64,6 +64,7 @@ class Reformer:
         self.final = final
         self.given_up = False  # down for good (`down` says why)
         self.down: Exception | None = None  # why the pipeline is down, None while it serves
+        self.also: list[Exception] = []  # given up: the same of other nodes that came after (each taken over)
         self.down_at = 0.0  # since when (time.time())
         self.reformed = threading.Event()  # set while it serves
         self.reformed.set()
@@ -95,6 +96,10 @@ class Reformer:
     def give_up(self, error: Exception) -> None:
         """Down for good: no more attempts."""
         with self._lock:
+            named = [str(e) for e in (self.down, *self.also)]
+            if self.given_up and type(error) is type(self.down) and str(error) not in named:
+                self.also.append(error)  # (another node, for the same reason: each is told)
+                return
             if self.given_up or (self._stop.is_set() and self.down is None):
                 return  # (already, or the pipeline was closed)
             log.warning("pipeline down for good: %s", error)
