@@ -31,6 +31,9 @@ def test_the_plan_admits_by_a_horizon_and_preempts_the_last_admitted() -> None:
     assert plan.to_preempt([short, short, long], dims, budget) == 1  # the last admitted leaves
     assert plan.to_preempt([long, short, short], dims, budget) == 2  # the first stays, whatever it costs
     assert plan.to_preempt([long], dims, 0) == 0
+    # One preempted was admitted once: it is never refused for the time it waits.
+    queue = [plan.Waiting("new", short, 0.0), plan.Waiting("preempted", long, 0.0, preempted=True)]
+    assert plan.expired(queue, 61.0, 60.0) == ["new"] and plan.expired(queue, 59.0, 60.0) == []
 
 
 @pytest.mark.parametrize(("model", "stages"), [("dense", 1), ("moe", 2)])

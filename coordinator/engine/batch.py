@@ -186,16 +186,15 @@ class BatchEngine(KeepsPrefixes):
             for live in [x for x in group if x.cancelled.is_set()]:
                 self._finish(live, None)
 
-    def _needs(self, lives: list[Live], horizon: int | None = -1) -> list[plan.Footprint]:
-        """What these rows hold, in their order, once each has `horizon` tokens more (-1: the engine's
-        admission horizon; None: at their ends)."""
-        horizon = self.horizon if horizon == -1 else horizon
+    def _needs(self, lives: list[Live], horizon: int | None) -> list[plan.Footprint]:
+        """What these rows hold, in their order, once each has `horizon` tokens more (None: at their ends)."""
         return [x.need(self.dims, horizon) for x in lives]
 
     def _admit(self) -> None:
-        needs = self._needs(self._waiting)
-        waiting = [plan.Waiting(x.seq_id, need, x.queued) for x, need in zip(self._waiting, needs)]
-        running = self._needs(self._prefilling + self._decoding)
+        needs = self._needs(self._waiting, self.horizon)
+        waiting = [plan.Waiting(x.seq_id, need, x.queued, preempted=bool(x.order))
+                   for x, need in zip(self._waiting, needs)]
+        running = self._needs(self._prefilling + self._decoding, self.horizon)
         if waiting and self._kept and len(running) < self.max_rows:  # kept prefixes make room for the next
             head = self._waiting[0].req  # request before it waits for it (sparing the prefix it goes on from)
             wanted = plan.reusable(list(self._kept.values()), head.prompt_tokens, head.mtp_depth > 0)
@@ -217,9 +216,8 @@ class BatchEngine(KeepsPrefixes):
             if live.admitted is not None:
                 live.admitted, told = None, live.admitted
                 told()
-        # (one preempted was admitted once: it waits for room however long that takes, at the queue's head)
-        waiting = [plan.Waiting(x.seq_id, plan.Footprint(0, 0), x.queued) for x in self._waiting if not x.order]
-        for seq_id in plan.expired(waiting, time.monotonic(), self.queue_timeout):
+        still = {x.seq_id for x in self._waiting}
+        for seq_id in plan.expired([w for w in waiting if w.seq_id in still], time.monotonic(), self.queue_timeout):
             live = next(x for x in self._waiting if x.seq_id == seq_id)
             self._finish(live, ServerBusy(f"no room for this request after {self.queue_timeout:.0f} s in the queue",
                                           retry_after=max(1, int(self.queue_timeout // 4))))

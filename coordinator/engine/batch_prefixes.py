@@ -28,6 +28,7 @@ class KeepsPrefixes:
     stages: list[Any]  # BatchStage
     _prefilling: list[Live]
     _decoding: list[Live]
+    horizon: int | None
 
     def _reuse(self, live: Live) -> None:
         """Start an admitted prompt from the longest kept prefix it begins with (unless it is scored:
@@ -91,7 +92,7 @@ class KeepsPrefixes:
         over = sum(k.nbytes for k in self._kept.values()) - self.prefix_cache
         if over > 0:
             self._drop_kept(plan.least_used(list(self._kept.values()), over, self._pinned()))
-        self._fit(self._needs([x for x in self._prefilling + self._decoding if x is not ending]))
+        self._fit(self._needs([x for x in self._prefilling + self._decoding if x is not ending], self.horizon))
 
     def _fit(self, rows: list[plan.Footprint], keep: set[str] = frozenset(), only_if_room: bool = False) -> None:
         """Drop kept prefixes, least recently used first, until they and these rows fit the budget.

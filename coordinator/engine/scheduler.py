@@ -82,6 +82,7 @@ class Waiting:
     seq_id: str
     need: Footprint
     since: float  # when it was queued (monotonic seconds)
+    preempted: bool = False  # admitted once: it waits for room however long that takes, at the queue's head
 
 
 def admit(waiting: list[Waiting], running: list[Footprint], dims: ModelDims, budget: int, max_rows: int) -> list[str]:
@@ -156,7 +157,8 @@ def least_used(kept: list[KeptPrefix], over: int, pinned: set[str] = frozenset()
 
 
 def expired(waiting: list[Waiting], now: float, timeout: float) -> list[str]:
-    return [w.seq_id for w in waiting if now - w.since > timeout]
+    """Those refused after waiting `timeout` seconds: never one that was preempted."""
+    return [w.seq_id for w in waiting if not w.preempted and now - w.since > timeout]
 
 
 def prefill_chunk(remaining: int, largest: int, decoding: bool, round_seconds: float,
