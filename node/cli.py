@@ -85,8 +85,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     if (problem := bind_problem(args.host, args.port)) is not None:  # (a usage error, as `serve` says it)
         raise ValueError(f"--host/--port {format_host_port(args.host, args.port)} cannot be used: {problem}")
     warn_bridge_loops()
-    if args.shard_cache and os.path.exists(os.path.expanduser(args.shard_cache)) and \
-            not os.path.isdir(os.path.expanduser(args.shard_cache)):  # (else the first fetch fails, much later)
+    cache = os.path.expanduser(args.shard_cache or "")
+    if cache and os.path.exists(cache) and not os.path.isdir(cache):  # (else the first fetch fails, much later)
         raise ValueError(f"--shard-cache {args.shard_cache} is a file, not a directory")
     for d in args.model_dir:  # (a typo would silently turn every Load of that model into a fetch)
         if not os.path.isdir(os.path.expanduser(d)):

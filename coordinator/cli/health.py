@@ -68,7 +68,7 @@ def _health(args: argparse.Namespace) -> int:
         raise ValueError("nothing to check: give NODE addresses, list nodes in cluster.yaml, or enable discovery")
     ids: dict[str, str] = {}
     if browsed:
-        targets, left_out, ids = browse_targets(cfg, args.wait, args.timeout)
+        targets, left_out, ids = browse_targets(cfg, secret, args.wait, args.timeout)
     rows = probe_nodes(targets, secret, timeout=args.timeout)
     for row in rows:  # (a member that stopped answering since it proved itself: named all the same)
         if "node_id" not in row and row["address"] in ids:
@@ -102,7 +102,7 @@ async def _browse(discovery: Any, wait: float) -> None:
         await discovery.settle(min(1.0, wait), max(0.0, wait - (time.monotonic() - start)))
 
 
-def browse_targets(cfg: ClusterConfig, wait: float,
+def browse_targets(cfg: ClusterConfig, secret: str | None, wait: float,
                    timeout: float = 1.0) -> tuple[list[str], dict[str, str], dict[str, str]]:
     """The cluster's nodes by zeroconf on the discovery interfaces, each at the address where it proved
     it belongs (membership.py), then the static ones; the advertised nodes left out, with why; and the
@@ -116,7 +116,6 @@ def browse_targets(cfg: ClusterConfig, wait: float,
         peers = agent.peers()
     finally:
         agent.stop()
-    secret = cfg.resolve_secret()
     membership = Membership("", interfaces, secret, timeout=timeout)
     members = membership.members(peers)
     targets = [membership.address(ad) or "" for _, ad in sorted(members.items())]
