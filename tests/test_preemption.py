@@ -126,7 +126,11 @@ def test_each_waiting_request_is_judged_on_its_own_need(dense_ckpt: Path) -> Non
             assert time.monotonic() < deadline, "never preempted"
             time.sleep(0.01)
         new = Stream(engine, request(encode(engine, PROMPTS[6]), 0, 4, params=ends))
-        time.sleep(1.0)  # (many units of the running row's rounds)
+        while not engine.thread.call(lambda: any(x.req is new.req for x in engine._waiting)):
+            assert time.monotonic() < deadline, "never queued"
+        before = len(running.chunks)
+        while len(running.chunks) < before + 20:  # (as many units of work, each a round of the running row)
+            running._take()
         assert engine.preemptions == 1 and not new.chunks  # (it never overtakes the preempted one)
         for s in (new, preempted, running):
             s.handle.cancel()
