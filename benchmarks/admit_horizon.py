@@ -1,4 +1,5 @@
-"""Admission by a horizon with preemption, against admission by all of max_tokens, on one batch engine.
+"""Admission by a horizon with preemption, against admission by all of max_tokens, on one batch engine, or
+(`--nodes N`) on the ring engine over N node processes (each node's budget for its own layers).
 
 The demo model, 8 streams opened at once, auto MTP, each asking max_tokens 4096 (a client that leaves
 max_tokens out gets far more) but ending after about REPLY tokens (sampled with a seed, each stops at a
@@ -10,21 +11,27 @@ tokens more, and preempts where the rows outgrow the budget after all. Two cases
         (rows admitted by the horizon outgrow it: preemptions).
 Prints per case and way the aggregate tok/s (wave wall time), the mean time to the first token and
 the preemptions (medians over REPS waves each, the ways alternated), and horizon/reserve ratios.
+Over nodes, each budget is what the node with the most attention layers needs (the MTP layer's included).
 
-    python benchmarks/admit_horizon.py [REPS]
+    python benchmarks/admit_horizon.py [REPS] [--nodes N]
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import queue
 import statistics
-import sys
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
 
+import mtpipe  # noqa: F401  (the optimized BLAS before MLX)
 from mtpipe.coordinator.bench.engine import bench_prompts
+from mtpipe.coordinator.bench.nodes import spawn_nodes
 from mtpipe.coordinator.engine import scheduler as plan
-from mtpipe.coordinator.engine.build import batch_engine
+from mtpipe.coordinator.engine.build import batch_engine, ring_engine
 from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.coordinator.engine.sinks import END
 from mtpipe.models.registry import DEMO_MODEL
@@ -65,32 +72,59 @@ def wave(engine: object, reqs: list[GenerationRequest]) -> tuple[float, float, i
     return tokens / (time.perf_counter() - start), statistics.mean(firsts), preempted
 
 
-def main(reps: int) -> None:
+def batch(stack: ExitStack) -> tuple[Any, plan.ModelDims, Callable[[int | None, int], None]]:
+    """The batch engine, its dims, and how to set its horizon and budget."""
     engine = batch_engine(DEMO_MODEL, prefix_cache=0)
+    stack.callback(engine.close)
+
+    def setup(horizon: int | None, budget: int) -> None:
+        engine.thread.call(lambda: (setattr(engine, "horizon", horizon), setattr(engine, "budget", budget)))
+    return engine, engine.dims, setup
+
+
+def ring(stack: ExitStack, nodes: int) -> tuple[Any, plan.ModelDims, Callable[[int | None, int], None]]:
+    """The ring engine over node processes, the dims of its fullest node, and how to set every node's."""
+    engine = ring_engine(DEMO_MODEL, stack.enter_context(spawn_nodes(nodes, DEMO_MODEL)), prefix_cache=0)
+    stack.callback(engine.close)
+    health = engine.pipeline.health()
+
+    def setup(horizon: int | None, budget: int) -> None:
+        engine.room.horizon = horizon
+        engine.room.rebudget(budget, health)
+    return engine, max((n.dims for n in engine.room.nodes), key=lambda d: d.kv_bytes_per_token), setup
+
+
+def main(reps: int, nodes: int) -> None:
+    with ExitStack() as stack:
+        engine, dims, setup = ring(stack, nodes) if nodes > 1 else batch(stack)
+        run(engine, dims, setup, reps)
+
+
+def run(engine: Any, dims: plan.ModelDims, setup: Callable[[int | None, int], None], reps: int) -> None:
     prompts = [engine.tokenizer.encode(p) for p in bench_prompts(ROWS)]
     longest = max(len(p) for p in prompts)
-    full = plan.footprint(engine.dims, longest + MAX_TOKENS, DEPTH)
-    cases = {"short": (128, plan.batch_bytes(engine.dims, [full] * 2)),
-             "long": (1024, plan.batch_bytes(engine.dims, [plan.footprint(engine.dims, longest + 1100, DEPTH)] * 2))}
+    full = plan.footprint(dims, longest + MAX_TOKENS, DEPTH)
+    cases = {"short": (128, plan.batch_bytes(dims, [full] * 2)),
+             "long": (1024, plan.batch_bytes(dims, [plan.footprint(dims, longest + 1100, DEPTH)] * 2))}
     ways = {"reserve": None, "horizon": plan.ADMIT_HORIZON}
-    try:
-        for case, (reply, budget) in cases.items():
-            reqs = requests(engine, prompts, reply)
-            engine.thread.call(setattr, engine, "budget", budget)
-            got: dict[str, list[tuple[float, float, int]]] = {w: [] for w in ways}
-            for rep in range(reps):
-                for way in list(ways) if rep % 2 == 0 else list(ways)[::-1]:
-                    engine.thread.call(setattr, engine, "horizon", ways[way])
-                    got[way].append(wave(engine, reqs))
-            med = {w: [statistics.median(x[i] for x in runs) for i in range(3)] for w, runs in got.items()}
-            for way, (tps, ttft, pre) in med.items():
-                print(f"{case} (replies {reply}, budget {budget / 2**20:.1f} MiB) {way}: {tps:.1f} tok/s, "
-                      f"mean TTFT {ttft:.2f} s, {pre:.0f} preemptions")
-            print(f"{case}: horizon/reserve tok/s {med['horizon'][0] / med['reserve'][0]:.3f}, "
-                  f"TTFT {med['horizon'][1] / med['reserve'][1]:.3f}")
-    finally:
-        engine.close()
+    for case, (reply, budget) in cases.items():
+        reqs = requests(engine, prompts, reply)
+        got: dict[str, list[tuple[float, float, int]]] = {w: [] for w in ways}
+        for rep in range(reps):
+            for way in list(ways) if rep % 2 == 0 else list(ways)[::-1]:
+                setup(ways[way], budget)
+                got[way].append(wave(engine, reqs))
+        med = {w: [statistics.median(x[i] for x in runs) for i in range(3)] for w, runs in got.items()}
+        for way, (tps, ttft, pre) in med.items():
+            print(f"{case} (replies {reply}, budget {budget / 2**20:.1f} MiB) {way}: {tps:.1f} tok/s, "
+                  f"mean TTFT {ttft:.2f} s, {pre:.0f} preemptions")
+        print(f"{case}: horizon/reserve tok/s {med['horizon'][0] / med['reserve'][0]:.3f}, "
+              f"TTFT {med['horizon'][1] / med['reserve'][1]:.3f}", flush=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("reps", type=int, nargs="?", default=3)
+    parser.add_argument("--nodes", type=int, default=1, help="over N node processes (the ring engine)")
+    args = parser.parse_args()
+    main(args.reps, args.nodes)

@@ -24,6 +24,7 @@ from mtpipe.coordinator.engine.build import local_engine, ring_engine
 from mtpipe.coordinator.engine.engine import Engine
 from mtpipe.coordinator.engine.request import GenerationRequest, resolve_depth
 from mtpipe.coordinator.engine.ring import RingEngine
+from mtpipe.coordinator.engine.ring_room import RingRoom
 from mtpipe.coordinator.engine.sinks import END
 from mtpipe.coordinator.pipeline.nodes import NodeFailure
 from mtpipe.models.config import load_config
@@ -548,14 +549,13 @@ class ResumingPipeline(FakePipeline):
 
 
 def resuming_engine(queue_timeout: float) -> tuple[ResumingPipeline, RingEngine, queue.SimpleQueue, list]:
-    """One row decoding (max_rows 1) and two requests waiting for a row: every thread of the prefill pool
-    is taken."""
+    """One row decoding (max_rows 1) and two requests waiting for a row in the queue."""
     from types import SimpleNamespace
 
     pipeline = ResumingPipeline()
     tokenizer = SimpleNamespace(detokenizer=SimpleNamespace(add_token=lambda t: None, last_segment="",
                                                             finalize=lambda: None, tokens=[]))
-    engine = RingEngine(pipeline, tokenizer, [0], 100000, False, 100, prefill_chunk=8, max_rows=1,
+    engine = RingEngine(pipeline, tokenizer, [0], 100000, False, 100, prefill_chunk=8, room=RingRoom(None, False, max_rows=1),
                         queue_timeout=queue_timeout, resume_window=30.0, groups=2)
     row: queue.SimpleQueue = queue.SimpleQueue()
     engine.open(GenerationRequest([1, 2, 3], max_tokens=1000), row.put)
@@ -564,15 +564,15 @@ def resuming_engine(queue_timeout: float) -> tuple[ResumingPipeline, RingEngine,
     for q in waiting:
         engine.open(GenerationRequest([4, 5, 6], max_tokens=10), q.put)
     deadline = time.monotonic() + WAIT_S
-    while engine._pool._work_queue.qsize():  # (both admissions taken up by the pool's threads)
+    while len(engine.room.waiting) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     return pipeline, engine, row, waiting
 
 
 def test_a_row_waiting_to_resume_is_not_held_behind_requests_waiting_for_a_row() -> None:
-    """A lost row holds its slot while it waits for the pipeline: its resume never waits for a thread
-    behind admissions that wait for that slot (they would time out first, and it with them)."""
+    """A lost row holds its room while it waits for the pipeline: its resume never waits behind the
+    requests queued for that room (they would time out first, and it with them)."""
     from mtpipe.node.protocol import StageUnavailable
 
     pipeline, engine, row, waiting = resuming_engine(queue_timeout=10.0)
@@ -645,7 +645,7 @@ def test_a_request_cancelled_as_it_is_admitted_is_released_once() -> None:
 
     pipeline = Pipeline()
     engine = RingEngine(pipeline, SimpleNamespace(detokenizer=None), [0], 64, False, 100, prefill_chunk=8,
-                        max_rows=2, groups=2)
+                        room=RingRoom(None, False, max_rows=2), groups=2)
     ended = threading.Event()
     handle: list[Any] = []
     real = engine._chunk_size
@@ -666,10 +666,10 @@ def test_a_request_cancelled_as_it_is_admitted_is_released_once() -> None:
                                   lambda item: ended.set() if item is END else None))
         assert ended.wait(5)
         deadline = time.monotonic() + 5
-        while engine._slots._value != 1 and time.monotonic() < deadline:
+        while len(engine.room.held) != 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(pipeline.prefilled) == 1 and pipeline.released == []  # its prompt never went out
-        assert engine._slots._value == 1 and sorted(engine._rows.values()) == [0, 1]
+        assert len(engine.room.held) == 1 and sorted(engine._rows.values()) == [0, 1]
     finally:
         engine.close()
 

@@ -63,9 +63,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                         "a quarter of the batch's memory budget). With --nodes: over all nodes together (default: an "
                         "eighth of the memory the node with least available has, per node). 0: off")
     p.add_argument("--memory-budget", type=float, metavar="GB",
-                   help="one machine: GB the batch's caches may hold (attention KV, GatedDeltaNet states, kept "
-                        "prefixes); requests past it wait, and where running ones outgrow it the last admitted wait "
-                        "again, then go on (default: half the memory free once the model is loaded)")
+                   help="GB the batch's caches may hold (attention KV, GatedDeltaNet states; one machine: kept "
+                        "prefixes too; with --nodes: on each node, for its layers); requests past it wait, and where "
+                        "running ones outgrow it the last admitted wait again, then go on (default: half the memory "
+                        "free once the model is loaded, on each node less its share of kept prefixes)")
     p.add_argument("--resume-window", type=seconds_or_never,
                    help="with --nodes: how long a request whose node is lost waits for the pipeline to be formed "
                         f"again, then goes on where it stopped (default {RESUME_WINDOW_S:g} s, plus --heal-after; "
@@ -99,8 +100,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           ("--resume-window", args.resume_window)):
         if value is not None and not args.nodes:
             raise ValueError(f"{option} applies with --nodes")
-    if args.memory_budget is not None and args.nodes:
-        raise ValueError("--memory-budget applies on one machine, without --nodes")
     if args.memory_budget is not None and not (args.memory_budget > 0 and math.isfinite(args.memory_budget)):
         raise ValueError("--memory-budget must be a number of GB, more than 0")
     heal_after = args.heal_after or None

@@ -14,13 +14,13 @@ from .batch import BatchEngine
 from .engine import DEFAULT_PREFILL_CHUNK, Engine
 from .ring import DEFAULT_MAX_ROWS as RING_MAX_ROWS
 from .ring import RESUME_WINDOW_S, RingEngine
-from .scheduler import ModelDims
+from .ring_room import DTYPE_SIZES, RingRoom
+from .scheduler import ADMIT_HORIZON, ModelDims
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
 RING_PREFIX_CACHE_SHARE = 8  # a quarter of the half of its memory a node's batch engine would take
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}  # the nodes' (HealthReply.dtype)
 
 
 def local_engine(
@@ -133,12 +133,15 @@ def ring_engine(
     max_rows: int = RING_MAX_ROWS,
     resume_window: float = RESUME_WINDOW_S,
     prefix_cache: int | None = None,
+    memory_budget: int | None = None,
+    horizon: int | None = ADMIT_HORIZON,
     **pipeline_options: Any,
 ) -> RingEngine | Engine:
     """Many sequences over `nodes`, in groups whose rounds circle the nodes (engine/ring.py). One node,
     or a last node that cannot reach the first, has no ring: the per-sequence Engine then. Prompt
     prefixes kept on the nodes take up to `prefix_cache` bytes over all of them (by default an eighth
-    of the memory the node with least available has, times the nodes; 0: none kept)."""
+    of the memory the node with least available has, times the nodes; 0: none kept). Each node's rows
+    may hold `memory_budget` bytes (by default half the memory it has free, less its share of prefixes)."""
     # (a pipeline of several nodes that loses all but one to a heal runs its groups on that one)
     pipeline_options.setdefault("ring_groups", len(nodes) > 1)
     pipeline, tokenizer, config = _load_remote(model_path, nodes, mtp, secret, specs, dtype, pipeline_options)
@@ -149,14 +152,20 @@ def ring_engine(
         log.warning("no ring groups over %d node(s) (%s): one sequence per round", len(nodes),
                     "one node" if len(nodes) == 1 else "the last node cannot reach the first")
         pipeline.ring_groups = False  # (one node left after a heal runs a sequence at a time, as it does best)
+        if memory_budget is not None:
+            log.warning("--memory-budget is not used: one sequence at a time needs no admission")
         return Engine(pipeline, tokenizer, eos, context, has_mtp, prefill_chunk=chunk, vocab_size=config.args.vocab_size)
     health = pipeline.health()
     if prefix_cache is None:
         prefix_cache = len(nodes) * min(h.memory_available for h in health) // RING_PREFIX_CACHE_SHARE
     dims = ModelDims.of(config.args, itemsize=DTYPE_SIZES.get(health[-1].dtype, 2), mtp=has_mtp)
+    from ...models.ragged import CAPACITY_STEP  # (the nodes' batches grow by it)
+
+    room = RingRoom(config.args, has_mtp, max_rows=max_rows, horizon=horizon, budget=memory_budget,
+                    prefix_share=prefix_cache // len(nodes), kv_step=CAPACITY_STEP)
+    room.measure(health)
     return RingEngine(pipeline, tokenizer, eos, context, has_mtp, config.args.vocab_size, prefill_chunk=chunk,
-                      groups=groups, max_rows=max_rows, resume_window=resume_window, dims=dims,
-                      prefix_cache=prefix_cache)
+                      groups=groups, room=room, resume_window=resume_window, dims=dims, prefix_cache=prefix_cache)
 
 
 def _load_remote(model_path: Path | str, nodes: list[str], mtp: bool, secret: str | None,

@@ -7,7 +7,8 @@ and goes straight to the first. Each round's outcome for the row comes back on t
 the engine detokenizes it, ends the request at EOS, a stop string or max_tokens, and releases the
 sequence. Several groups are in flight at once (scheduler.ring_groups), so while one group is on
 node i another is on node i+1. While rows decode, a prompt goes in chunks of about a node's share of
-a group round, so the groups behind a chunk are not held up for long.
+a group round, so the groups behind a chunk are not held up for long. Requests are admitted by the
+memory each node has for its layers' caches, and preempted where rows outgrow it (ring_room.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ...node.protocol import StageError, StageUnavailable, StepOutput
 from . import scheduler as plan
 from .kept import KeptPrefixes
 from .ring_live import RingHandle, RingLive
+from .ring_room import RingRoom, RoomForRows
 from .sinks import END, ServerBusy, guarded, stream
 from .detokenizer import TextStream
 from .request import (GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, check_request,
@@ -45,11 +47,11 @@ ROW_STALL_S = 60.0
 MAX_RESUMES = 3  # a request lost more often than this fails: a fault that comes back at once is not going away
 
 
-class RingEngine:
+class RingEngine(RoomForRows):
     batching = "ring"  # groups of rows whose rounds circle the nodes
 
     def __init__(self, pipeline: Any, tokenizer: Any, eos_token_ids: set[int] | list[int], max_context: int,
-                 has_mtp: bool, vocab_size: int, *, prefill_chunk: int, max_rows: int = DEFAULT_MAX_ROWS,
+                 has_mtp: bool, vocab_size: int, *, prefill_chunk: int, room: RingRoom | None = None,
                  queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S, groups: int | None = None,
                  resume_window: float = RESUME_WINDOW_S, row_stall: float = ROW_STALL_S,
                  dims: plan.ModelDims | None = None, prefix_cache: int = 0):
@@ -60,13 +62,12 @@ class RingEngine:
             pipeline.on_kept = self.kept.heard
         self.tokenizer, self.eos = tokenizer, set(eos_token_ids)
         self.max_context, self.has_mtp, self.vocab_size = max_context, has_mtp, vocab_size
-        self.prefill_chunk = prefill_chunk
-        self.max_rows = max_rows
-        self.queue_timeout = queue_timeout
-        self.resume_window = resume_window
-        self.fixed_groups = groups
+        self.prefill_chunk, self.queue_timeout, self.resume_window = prefill_chunk, queue_timeout, resume_window
+        # Who waits for room on the nodes and who holds it (ring_room.py; none measured: by count)
+        self.room = room or RingRoom(None, has_mtp, max_rows=DEFAULT_MAX_ROWS)
+        self.max_rows = max_rows = self.room.max_rows
+        self.fixed_groups, self.row_stall = groups, row_stall
         self.groups = groups or len(pipeline.nodes)
-        self._slots = threading.BoundedSemaphore(max_rows)
         self._pool = ThreadPoolExecutor(max_rows + 1, thread_name_prefix="ring-prefill")
         self._resumes = ThreadPoolExecutor(max_rows, thread_name_prefix="ring-resume")  # (never behind admissions)
         self._lock = threading.Lock()
@@ -74,11 +75,9 @@ class RingEngine:
         self._rows_peak = 0  # for the groups in flight: the most live rows since they were last reconsidered,
         self._hop_s: dict[str, float] = {}  # and each link's hop, the quickest seen
         # Measured here, to size prompt chunks while rows decode: a group's trip around the nodes
-        # (between two outcomes of a row), and a prompt's seconds per token through the pipeline.
-        self._trip_s, self._token_s = 0.0, 0.0
-        # Until a prompt alone is timed (under steady load, never): the nodes' seconds per prompt token, added up
-        self._node_token_s = 0.0
-        self.row_stall = row_stall
+        # (between two outcomes of a row), a prompt's seconds per token through the pipeline, and until
+        # a prompt alone is timed (under steady load, never) the nodes' seconds per prompt token, added up.
+        self._trip_s, self._token_s, self._node_token_s = 0.0, 0.0, 0.0
         self._decoding: dict[int, RingLive] = {}  # id(live) -> rows whose prompt is through (watched)
         self._queued: dict[int, RingLive] = {}  # id(live) -> admission or resume not started (ended by close())
         self._stop = threading.Event()
@@ -117,7 +116,8 @@ class RingEngine:
             if self._stop.is_set():
                 raise StageUnavailable("the engine was stopped")
             self._queued[id(live)] = live
-        self._pool.submit(self._start, live)
+        self.room.queue(live)
+        self._admit()
         return handle
 
     def generate(self, req: GenerationRequest) -> Iterator[GenerationChunk]:
@@ -130,7 +130,7 @@ class RingEngine:
         out = self.pipeline.describe()
         with self._lock:
             out["ring"] = {"groups": self.groups, "max_rows": self.max_rows,
-                           "rows": {str(g): n for g, n in sorted(self._rows.items()) if n}}
+                           "rows": {str(g): n for g, n in sorted(self._rows.items()) if n}, **self.room.describe()}
         out["ring"].update(self.kept.describe() if self.kept is not None else {})
         return out
 
@@ -147,36 +147,35 @@ class RingEngine:
     # -- a request's life -------------------------------------------------------------------------
 
     def _start(self, live: RingLive) -> None:
-        """Admission, then the prompt (a thread of the pool: prefill waits on the nodes)."""
-        admitted = self._slots.acquire(timeout=max(0.0, self.queue_timeout - (time.monotonic() - live.queued)))
+        """Its room on the nodes is there: the prompt goes in (a thread of the pool: prefill waits on the
+        nodes). One preempted goes on as a new sequence: its prompt and the tokens it had go in again."""
         with self._lock:  # (until here, close() ends it)
             self._queued.pop(id(live), None)
-        if not admitted:
-            return self._finish(live, ServerBusy(f"no free row for this request after {self.queue_timeout:.0f} s in "
-                                                 "the queue", retry_after=max(1, int(self.queue_timeout // 4))))
         with live.lock:
             if live.done:  # cancelled while it waited
-                self._slots.release()
+                self._give_back(live)
                 return
-            live.resuming = True  # (a slot and nothing on the nodes: a cancel from here gives the slot back)
+            again = live.admitted
+            live.resuming = True  # (room and nothing on the nodes: a cancel from here gives the room back)
         down = self.pipeline.reformer.down  # its prompt waits for the pipeline, as a lost row's does
         if down is not None and not self.pipeline.reformer.wait(self.resume_window):
             return self._finish(live, StageUnavailable(str(down)), released=True)
         with live.lock:
-            if live.done:  # (cancelled meanwhile: its slot went back then)
+            if live.done:  # (cancelled meanwhile: its room went back then)
                 return
+            if again:
+                live.seq_id, live.expected, live.early = uuid.uuid4().hex[:16], 0, {}
             live.resuming, live.admitted = False, True
-            live.started = time.perf_counter()
-            self._place(live)
+            self._place(live, live.group)
             live.prefilling = True  # (from here a cancel leaves the release to `_prefill`)
-        if live.on_admit is not None:
+        if live.on_admit is not None and not again:
             live.on_admit()
         self._prefill(live)
 
-    def _place(self, live: RingLive) -> None:
-        """Into the group with the fewest rows; its outcomes come to this request (under live.lock)."""
+    def _place(self, live: RingLive, group: int | None) -> None:
+        """Into `group` (None: the one with the fewest rows); its outcomes come to this request (under live.lock)."""
         with self._lock:
-            live.group = plan.pick_group(self._rows, self.groups)
+            live.group = plan.pick_group(self._rows, self.groups) if group is None else group
             self._rows[live.group] = self._rows.get(live.group, 0) + 1
             self._rows_peak = max(self._rows_peak, sum(self._rows.values()))
         self.pipeline.row_sinks[live.seq_id] = lambda item, seq=live.seq_id: self._on_row(live, seq, item)
@@ -184,7 +183,7 @@ class RingEngine:
     def _prefill(self, live: RingLive) -> None:
         """The prompt, and after a resume the tokens already handed out, in chunks; then the row
         decodes in its group for the tokens still wanted."""
-        req = live.req
+        req, began = live.req, time.perf_counter()
         prompt = req.prompt_tokens + live.emitted
         reformer, drafts = self.pipeline.reformer, req.mtp_depth > 0
         kept = self.kept if self.kept is not None and reformer.down is None else None  # (none while down)
@@ -243,25 +242,26 @@ class RingEngine:
         if isinstance(out, Exception):
             self._on_row(live, seq_id, out)
             return
-        elapsed = time.perf_counter() - live.started
-        live.stats.prefill_seconds += elapsed
+        now = time.perf_counter()
         if alone and len(prompt) >= MEASURED_PROMPT:  # (with rows decoding, their rounds would count)
             with self._lock:
-                self._token_s = plan.ema(self._token_s, elapsed / len(prompt))
-        live.started = time.perf_counter()
+                self._token_s = plan.ema(self._token_s, (now - began) / len(prompt))
+        if not live.emitted:  # (a resumed request's decode time runs on from its first token, through this)
+            live.stats.prefill_seconds += now - began
+            live.started = now
         with self._lock:
-            live.last_at = live.started  # (a row resumed after a long wait is not stalled)
+            live.last_at = now  # (a row resumed after a long wait is not stalled)
             self._decoding[id(live)] = live
         live.scored = [x for o in outs for x in o.prompt_logprobs] if scored else None  # (this sequence's, current)
-        self._deliver(live, 0, out)
+        self._deliver(live, seq_id, 0, out)
 
     def _on_row(self, live: RingLive, seq_id: str, item: StepOutput | Exception) -> None:
         """A group round's outcome for this row, or an error about it (the subscription's thread).
         A lost node does not end the request while the pipeline may come back: it resumes."""
         if isinstance(item, Exception):
+            if live.seq_id != seq_id:  # (an earlier sequence's, freed: its request went on)
+                return
             if isinstance(item, StageUnavailable) and self.resume_window > 0 and live.resumes >= MAX_RESUMES:
-                if live.seq_id != seq_id:  # (an earlier sequence's)
-                    return
                 # the same fault again and again: it is not going away
                 item = StageUnavailable(f"{item} (lost {live.resumes + 1} times: the request ends)")
             elif isinstance(item, StageUnavailable) and self.resume_window > 0:
@@ -284,8 +284,8 @@ class RingEngine:
                 return
             self._finish(live, item)
             return
-        if seq_id == live.seq_id:
-            self._deliver(live, item.step + 1, item)
+        self._deliver(live, seq_id, item.step + 1, item)
+        self._make_room()
 
     def _resume(self, live: RingLive, error: Exception) -> None:
         """Wait for the pipeline to be formed again, then go on as a new sequence: the prompt and the
@@ -298,21 +298,20 @@ class RingEngine:
             self._finish(live, error, released=True)
             return
         with live.lock:
-            if live.done:  # cancelled while it waited (its slot went back then)
+            if live.done:  # cancelled while it waited (its room went back then)
                 return
             live.seq_id = uuid.uuid4().hex[:16]
             live.expected, live.early, live.resuming = 0, {}, False
             live.resumes += 1
-            live.started = time.perf_counter()
-            self._place(live)
+            self._place(live, None)
             live.prefilling = True
         self._prefill(live)
 
-    def _deliver(self, live: RingLive, order: int, out: StepOutput) -> None:
-        """Outcomes in order: the prefill's, then the group rounds' (the prefill's thread may hand its
-        own over after the first round's has arrived)."""
+    def _deliver(self, live: RingLive, seq_id: str, order: int, out: StepOutput) -> None:
+        """Outcomes of its sequence `seq_id` in order: the prefill's, then the group rounds' (the prefill's
+        thread may hand its own over after the first round's has arrived). An earlier sequence's are late."""
         with live.lock:
-            if live.done:
+            if live.done or live.seq_id != seq_id:
                 return
             live.early[order] = out
             while not live.done and live.expected in live.early:
@@ -370,15 +369,15 @@ class RingEngine:
     def _finish(self, live: RingLive, error: BaseException | None, released: bool = False) -> None:
         """Take a request out (once): its row leaves the group and is freed on every node (once its
         prompt is through, if it is still on its way). A request waiting to resume has no sequence
-        on the nodes (`released`): only its slot is given back."""
+        on the nodes (`released`): only its room is given back."""
         with live.lock:
             if live.done:
                 return
             live.done = True
             self._end_kept(live, None)  # (ended otherwise: nothing of it is kept)
-            if released or live.resuming:
-                self._slots.release()
-            elif live.admitted and not live.prefilling:
+            if released or live.resuming or not live.admitted:  # (nothing of it on the nodes)
+                self._give_back(live)
+            elif not live.prefilling:
                 self._release(live)
             if error is not None:
                 live.sink(error)
@@ -391,26 +390,29 @@ class RingEngine:
         with self._lock:
             self._rows[live.group] -= 1
         if slot:
-            self._slots.release()
+            self._give_back(live)
 
     def _watch(self) -> None:
-        """Fail the rows whose rounds stopped coming (as lost with a node: they may resume); and now
-        and then, the number of groups in flight."""
+        """Admit and preempt; fail rows whose rounds stopped coming (as lost: they may resume); choose the groups."""
         refresh_at = 0.0
-        while not self._stop.wait(min(1.0, self.row_stall / 4)):
-            if time.monotonic() >= refresh_at:
-                self._refresh_groups()
-                refresh_at = time.monotonic() + GROUPS_REFRESH_S
-            now = time.perf_counter()
-            with self._lock:
-                for key in [k for k, live in self._decoding.items() if live.done]:
-                    del self._decoding[key]
-                stalled = [live for live in self._decoding.values() if not live.resuming and not live.prefilling
-                           and live.last_at and now - live.last_at > self.row_stall]
-            last = (getattr(self.pipeline, "addresses", None) or ["the last node"])[-1]
-            for live in stalled:
-                self._on_row(live, live.seq_id, StageUnavailable(
-                    f"node {last}: no round of group {live.group} came back for {self.row_stall:.0f} s"))
+        while not self._stop.wait(max(0.05, min(1.0, self.row_stall / 4, self.queue_timeout / 4))):
+            try:
+                self._tend()
+                if time.monotonic() >= refresh_at:
+                    self._refresh_groups()
+                    refresh_at = time.monotonic() + GROUPS_REFRESH_S
+                now = time.perf_counter()
+                with self._lock:
+                    for key in [k for k, live in self._decoding.items() if live.done]:
+                        del self._decoding[key]
+                    stalled = [live for live in self._decoding.values() if not live.resuming and not live.prefilling
+                               and live.last_at and now - live.last_at > self.row_stall]
+                last = (getattr(self.pipeline, "addresses", None) or ["the last node"])[-1]
+                for live in stalled:
+                    self._on_row(live, live.seq_id, StageUnavailable(
+                        f"node {last}: no round of group {live.group} came back for {self.row_stall:.0f} s"))
+            except Exception:  # (the watch goes on: the queue and stalled rows depend on it)
+                log.exception("watching the ring failed")
 
     def _free(self, seq_id: str, group: int) -> None:
         try:
@@ -436,6 +438,7 @@ class RingEngine:
         except Exception as e:  # keep the last choice; the nodes' own errors reach the requests
             log.debug("no rounds timed from the nodes: %s", e)
             return
+        self.room.measure(health)  # (the nodes' layers change with a heal)
         self._hop_s = plan.quickest_hops(self._hop_s, {f"{h.node_id}>{h.next}": h.next_rtt_ms
                                                        for h in health if h.next})
         stages = [plan.StageRound(h.round_fixed_ms / 1000.0, h.round_row_ms / 1000.0) for h in health]

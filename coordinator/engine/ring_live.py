@@ -33,6 +33,7 @@ class RingLive:
     resuming: bool = False  # its sequence was lost with a node: waiting for the pipeline to come back
     lost_prompt: tuple[str, int] | None = None  # (sequence, group) lost while its prompt went in: freed after
     resumes: int = 0
+    order: int = 0  # when it was admitted, as a count (ring_room.py): the last admitted is preempted first
     emitted: list[int] = field(default_factory=list)  # every token handed out (replayed on a resume)
     keep_end: str = ""  # the key its state is kept under as it ends (kept.py), and the epoch it counts in
     kept_epoch: float = 0.0

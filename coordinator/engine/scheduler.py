@@ -32,16 +32,17 @@ class ModelDims:
     kv_step: int = 1  # a batch's KV grows by this many positions at a time (models/ragged.py)
 
     @classmethod
-    def of(cls, args: object, itemsize: int, mtp: bool, kv_step: int = 1) -> ModelDims:
-        layers = args.num_hidden_layers
-        interval = args.full_attention_interval
-        attention = layers // interval + (1 if mtp else 0)
-        kv = 2 * args.num_key_value_heads * args.head_dim * itemsize * attention
+    def of(cls, args: object, itemsize: int, mtp: bool, kv_step: int = 1,
+           layers: tuple[int, int] | None = None) -> ModelDims:
+        """The whole model's, or those of layers [start, end) (a node's shard; `mtp`: it holds the head)."""
+        start, end = layers or (0, args.num_hidden_layers)
+        full = sum(1 for i in range(start, end) if (i + 1) % args.full_attention_interval == 0)
+        kv = 2 * args.num_key_value_heads * args.head_dim * itemsize * (full + (1 if mtp else 0))
         key_dim = args.linear_num_key_heads * args.linear_key_head_dim
         value_dim = args.linear_num_value_heads * args.linear_value_head_dim
         conv = (args.linear_conv_kernel_dim - 1) * (2 * key_dim + value_dim) * itemsize
         recurrent = args.linear_num_value_heads * args.linear_value_head_dim * args.linear_key_head_dim * 4
-        return cls(kv, (layers - layers // interval) * (conv + recurrent), kv_step)
+        return cls(kv, (end - start - full) * (conv + recurrent), kv_step)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,54 @@ def to_preempt(running: list[Footprint], dims: ModelDims, budget: int) -> int:
     while n > 1 and batch_bytes(dims, running[:n]) > budget:
         n -= 1
     return len(running) - n
+
+
+@dataclass(frozen=True)
+class NodeRoom:
+    """What one node of a ring holds per row (its layers' caches) and may hold in all (bytes)."""
+
+    dims: ModelDims
+    budget: int
+
+
+def ring_fits(nodes: list[NodeRoom], groups: list[list[Footprint]]) -> bool:
+    """Every node holds each group as a batch of its own (node/groups.py): do they all fit its budget?"""
+    return all(sum(batch_bytes(n.dims, rows) for rows in groups) <= n.budget for n in nodes)
+
+
+def admit_ring(waiting: list[Waiting], groups: dict[int, list[Footprint]], count: int, nodes: list[NodeRoom],
+               max_rows: int) -> list[tuple[str, int]]:
+    """The head of the FIFO queue that fits every node beside the running rows, each with the group it
+    joins (`pick_group` of `count` groups); one alone is admitted whatever it costs, as `admit` does."""
+    out: list[tuple[str, int]] = []
+    groups = {g: list(rows) for g, rows in groups.items()}
+    for w in waiting:
+        if sum(len(rows) for rows in groups.values()) >= max_rows:
+            break
+        g = pick_group({k: len(rows) for k, rows in groups.items()}, count)
+        trial = {**groups, g: [*groups.get(g, []), w.need]}
+        if any(groups.values()) and not ring_fits(nodes, list(trial.values())):
+            break
+        out.append((w.seq_id, g))
+        groups = trial
+    return out
+
+
+def ring_to_preempt(running: list[tuple[int, Footprint]], nodes: list[NodeRoom], movable: list[bool]) -> list[int]:
+    """Which of the running rows ((group, need), in the order they were admitted) must leave, the last
+    admitted first, for the others to fit every node: only those `movable` (a prompt on its way stays
+    and counts), never the first."""
+    keep, out = list(range(len(running))), []
+    for i in reversed(range(1, len(running))):
+        groups: dict[int, list[Footprint]] = {}
+        for j in keep:
+            groups.setdefault(running[j][0], []).append(running[j][1])
+        if ring_fits(nodes, list(groups.values())):
+            break
+        if movable[i]:
+            keep.remove(i)
+            out.append(i)
+    return out
 
 
 @dataclass

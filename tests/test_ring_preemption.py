@@ -1,0 +1,216 @@
+"""Admission by memory in the ring engine (issues 12 and 13): each node's rows, in the groups they run in,
+must fit that node's budget for its own layers, with room for each row to grow by a horizon; where they
+outgrow a node after all, the last admitted leave for the head of the queue and go on where they stopped
+once there is room, giving the tokens they give without it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from batch_streams import Stream, encode, never_ends, request
+from helpers import PROMPTS, node_servers
+from test_ring import quiet
+
+from mtpipe.coordinator.engine import scheduler as plan
+from mtpipe.coordinator.engine.build import local_engine, ring_engine
+from mtpipe.coordinator.engine.ring import RingEngine
+from mtpipe.coordinator.engine.ring_room import RingRoom
+from mtpipe.coordinator.engine.sinks import ServerBusy
+from mtpipe.models.config import load_config
+from mtpipe.node.protocol import StageUnavailable
+
+HORIZON = 8
+TOKENS = 48
+GROUPS = 2
+
+
+def test_each_node_counts_its_own_layers_and_the_plan_admits_and_preempts_by_the_fullest() -> None:
+    args = SimpleNamespace(num_hidden_layers=8, full_attention_interval=4, num_key_value_heads=2, head_dim=4,
+                           linear_num_key_heads=2, linear_key_head_dim=4, linear_num_value_heads=2,
+                           linear_value_head_dim=4, linear_conv_kernel_dim=4)
+    whole = plan.ModelDims.of(args, 2, mtp=True)
+    first, last = plan.ModelDims.of(args, 2, mtp=False, layers=(0, 3)), plan.ModelDims.of(args, 2, mtp=True,
+                                                                                         layers=(3, 8))
+    assert first.kv_bytes_per_token == 0 and first.state_bytes == last.state_bytes  # (3 linear layers each)
+    assert first.kv_bytes_per_token + last.kv_bytes_per_token == whole.kv_bytes_per_token  # (layers 3, 7 and MTP)
+    assert first.state_bytes + last.state_bytes == whole.state_bytes
+    row = plan.Footprint(100, 0)
+    nodes = [plan.NodeRoom(first, 10**9), plan.NodeRoom(last, plan.batch_bytes(last, [row]) * 2)]
+    waiting = [plan.Waiting(s, row, 0.0) for s in "abcd"]
+    # Two groups: two rows fit the last node, one in each group; the third waits, and the fourth behind it.
+    assert plan.admit_ring(waiting, {}, 2, nodes, 32) == [("a", 1), ("b", 2)]
+    assert plan.admit_ring(waiting, {}, 2, nodes, 1) == [("a", 1)]
+    assert plan.admit_ring(waiting[2:], {1: [row], 2: [row]}, 2, nodes, 32) == []
+    # One alone is admitted whatever it costs.
+    huge = plan.Waiting("e", plan.Footprint(10**6, 3), 0.0)
+    assert plan.admit_ring([huge], {}, 2, nodes, 32) == [("e", 1)]
+    grown = plan.Footprint(150, 0)
+    assert plan.ring_to_preempt([(1, row), (2, row)], nodes, [True] * 2) == []
+    # The last admitted leave first; a prompt on its way stays (and counts), and the first never leaves.
+    assert plan.ring_to_preempt([(1, grown), (2, grown), (1, row)], nodes, [True] * 3) == [2, 1]
+    assert plan.ring_to_preempt([(1, grown), (2, grown), (1, row)], nodes, [True, True, False]) == [1]
+    assert plan.ring_to_preempt([(1, grown), (2, grown), (1, row)], nodes, [True, False, False]) == []
+    assert plan.ring_to_preempt([(1, huge.need)], nodes, [True]) == []
+
+
+def squeeze(engine: RingEngine, reqs: list[Any], horizon: int) -> list[int]:
+    """Each node's budget: room (on the fullest node) for these rows, in the groups they join in this order,
+    once each has `horizon` tokens, not at their ends (KV counted token by token, not in the steps a batch
+    grows by). What each node needs for them."""
+    room, health = engine.room, engine.pipeline.health()
+    room.kv_step = 1
+    room.rebudget(0, health)
+    groups: dict[int, list[plan.Footprint]] = {}
+    for r in reqs:
+        g = plan.pick_group({k: len(v) for k, v in groups.items()}, engine.groups)
+        groups.setdefault(g, []).append(plan.Footprint(len(r.prompt_tokens) + horizon + r.mtp_depth, r.mtp_depth))
+    needs = [sum(plan.batch_bytes(n.dims, rows) for rows in groups.values()) for n in room.nodes]
+    room.rebudget(max(needs), health)
+    return needs
+
+
+@pytest.mark.parametrize(("model", "nodes"), [("dense", 2), ("moe", 3)])
+def test_preempted_rows_go_on_where_they_stopped_token_identical(dense_ckpt: Path, moe_ckpt: Path, model: str,
+                                                                 nodes: int) -> None:
+    path = dense_ckpt if model == "dense" else moe_ckpt
+    reference = local_engine(path, dtype=mx.float32)
+    with node_servers(nodes) as servers:
+        engine = ring_engine(path, [s.address for s in servers], dtype="float32", horizon=HORIZON, prefix_cache=0,
+                             groups=GROUPS)
+        try:
+            ends = never_ends(engine)
+            sampled = dataclasses.replace(ends, temperature=0.9, seed=11, frequency_penalty=0.5, min_tokens=TOKENS)
+            scored = dataclasses.replace(ends, prompt_logprobs=1, top_logprobs=1)
+            prompts = [encode(engine, p) for p in PROMPTS[:4]]
+            # (admitted in this order: the last ones leave first)
+            reqs = [request(prompts[0], 0, TOKENS, params=ends), request(prompts[1], "auto", TOKENS, params=ends),
+                    request(prompts[2], 3, TOKENS, params=scored), request(prompts[3], 2, TOKENS, params=sampled)]
+            ends_at = squeeze(engine, reqs, TOKENS)
+            assert max(squeeze(engine, reqs, HORIZON)) < max(ends_at)  # (not all four at their ends)
+            streams = [Stream(engine, r) for r in reqs]
+            for s in streams:
+                got = s.finish()
+                alone = reference.complete(s.req)
+                assert got == alone.tokens, f"depth {s.req.depth_label}: {got} vs alone {alone.tokens}"
+                assert s.chunks[-1].finish_reason == "length" and s.stats.generation_tokens == TOKENS
+            preempted = [s for s in streams if s.stats.preempted]
+            assert preempted and engine.room.preemptions == sum(s.stats.preempted for s in streams)
+            assert not streams[0].stats.preempted and streams[3].stats.preempted  # (the last admitted left first)
+            # Its prompt's log-probabilities were handed out once, with its first chunk.
+            chunks = streams[2].chunks
+            assert len(chunks[0].prompt_logprobs) == len(prompts[2]) - 1
+            assert all(c.prompt_logprobs is None for c in chunks[1:])
+            assert sum(len(c.logprobs) for c in chunks) == TOKENS
+            assert quiet(servers) == [0] * nodes
+            assert not engine.room.held and not engine.room.waiting
+            ring = engine.describe()["ring"]
+            assert ring["preemptions"] == engine.room.preemptions and ring["admit_horizon"] == HORIZON
+        finally:
+            engine.close()
+    reference.close()
+
+
+def test_a_preempted_request_cancelled_while_it_waits_ends_and_holds_nothing(dense_ckpt: Path) -> None:
+    with node_servers(2) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32", horizon=HORIZON,
+                             prefix_cache=0, groups=GROUPS)
+        try:
+            ends = never_ends(engine)
+            first = request(encode(engine, PROMPTS[5]), 0, 2000, params=ends)
+            second = request(encode(engine, PROMPTS[6]), 0, 2000, params=ends)
+            squeeze(engine, [first, second], HORIZON)
+            running, waiting = Stream(engine, first), Stream(engine, second)  # (both admitted before either grows)
+            running.first(), waiting.first()
+            deadline = time.monotonic() + 60
+            while not engine.room.preemptions:  # (the second outgrows the budget within a few rounds)
+                assert time.monotonic() < deadline, "never preempted"
+                time.sleep(0.01)
+            assert len(engine.room.waiting) == 1 and len(engine.room.held) == 1
+            waiting.handle.cancel()
+            waiting.finish()  # (ends, without an error)
+            assert waiting.error is None and all(c.finish_reason is None for c in waiting.chunks)
+            running.handle.cancel()
+            running.finish()
+            assert quiet(servers) == [0, 0]
+            assert not engine.room.held and not engine.room.waiting and not engine._queued
+        finally:
+            engine.close()
+
+
+def test_a_request_without_room_waits_then_is_refused_and_the_nodes_budgets_come_from_their_memory(
+        dense_ckpt: Path) -> None:
+    """Beside a row that fills a node, a new request waits in the queue; after the queue timeout it is refused
+    with a retry hint, and nothing of it reached a node. By default each node's budget is half of what it had
+    free, less its share of kept prefixes; a budget given holds on every node."""
+    with node_servers(2) as servers:
+        addresses = [s.address for s in servers]
+        engine = ring_engine(dense_ckpt, addresses, dtype="float32", horizon=HORIZON, groups=GROUPS)
+        try:
+            health = engine.pipeline.health()  # (free memory read again: a little off what it was at the start)
+            assert engine.kept is not None
+            share = engine.kept.budget // 2
+            for n, h in zip(engine.room.nodes, health):
+                assert n.budget == pytest.approx(max(64 * 2**20, h.memory_available // 2 - share), rel=0.25)
+            whole = plan.ModelDims.of(load_config(dense_ckpt).args, 4, mtp=True)  # (the MTP layer: on the last node)
+            assert sum(n.dims.kv_bytes_per_token for n in engine.room.nodes) == whole.kv_bytes_per_token
+            assert sum(n.dims.state_bytes for n in engine.room.nodes) == whole.state_bytes
+        finally:
+            engine.close()
+        engine = ring_engine(dense_ckpt, addresses, dtype="float32", horizon=HORIZON, groups=GROUPS, prefix_cache=0,
+                             memory_budget=12345)
+        try:
+            assert [n.budget for n in engine.room.nodes] == [12345, 12345]
+            engine.queue_timeout = 0.5
+            ends = never_ends(engine)
+            first = request(encode(engine, PROMPTS[5]), 0, 2000, params=ends)
+            running = Stream(engine, first).first()  # (one alone is admitted whatever it costs)
+            late = Stream(engine, request(encode(engine, PROMPTS[6]), 0, 8, params=ends))
+            with pytest.raises(ServerBusy, match="no room for this request") as refused:
+                late.finish()
+            assert refused.value.retry_after >= 1 and not late.chunks
+            running.handle.cancel()
+            running.finish()
+            assert quiet(servers) == [0, 0] and not engine.room.held and not engine.room.waiting
+            assert not engine._queued  # (one refused leaves nothing for close() to end)
+        finally:
+            engine.close()
+
+
+def test_close_ends_a_preempted_request_waiting_for_room(dense_ckpt: Path) -> None:
+    with node_servers(2) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32", horizon=HORIZON,
+                             prefix_cache=0, groups=GROUPS)
+        ends = never_ends(engine)
+        first = request(encode(engine, PROMPTS[5]), 0, 2000, params=ends)
+        second = request(encode(engine, PROMPTS[6]), 0, 2000, params=ends)
+        squeeze(engine, [first, second], HORIZON)
+        running, waiting = Stream(engine, first), Stream(engine, second)
+        running.first(), waiting.first()
+        deadline = time.monotonic() + 60
+        while not engine.room.waiting:
+            assert time.monotonic() < deadline, "never preempted"
+            time.sleep(0.01)
+        engine.close()
+        with pytest.raises(StageUnavailable, match="the engine was stopped"):
+            waiting.finish()
+        with pytest.raises(Exception):  # (the pipeline closed under it)
+            running.finish()
+        assert not engine.room.waiting and not engine._queued
+
+
+def test_a_room_without_the_models_config_admits_by_count() -> None:
+    room = RingRoom(None, False, max_rows=2)
+    room.measure([SimpleNamespace()])  # (nothing to measure by)
+    lives = [SimpleNamespace(req=SimpleNamespace(prompt_tokens=[1], max_tokens=4, mtp_depth=0), generated=0,
+                             queued=0.0, order=0, group=0) for _ in range(3)]
+    for x in lives:
+        room.queue(x)
+    admitted, refused = room.admit(2, 0.0, 60.0)
+    assert admitted == lives[:2] and not refused and sorted(x.group for x in admitted) == [1, 2]
+    assert room.admit(2, 61.0, 60.0) == ([], [lives[2]]) and not room.waiting
