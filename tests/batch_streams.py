@@ -1,9 +1,11 @@
-"""A request in a batch engine as a test reads it (test_batch.py, test_preemption.py)."""
+"""A request in a batch engine as a test reads it (test_batch.py, test_preemption.py, test_ring_preemption.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mtpipe.coordinator.engine.batch import BatchEngine
@@ -79,3 +81,32 @@ class Stream:
     @property
     def stats(self):
         return self.chunks[-1].stats
+
+
+def preemption_mix(engine: Any, prompts: list[list[int]], tokens: int) -> list[GenerationRequest]:
+    """Four requests that end at `tokens` only, in the order they are to be admitted (the last ones leave
+    first): greedy at depth 0 and auto, scored at depth 3, sampled with a seed, a penalty and min_tokens at 2."""
+    ends = never_ends(engine)
+    sampled = dataclasses.replace(ends, temperature=0.9, seed=11, frequency_penalty=0.5, min_tokens=tokens)
+    scored = dataclasses.replace(ends, prompt_logprobs=1, top_logprobs=1)
+    return [request(prompts[0], 0, tokens, params=ends), request(prompts[1], "auto", tokens, params=ends),
+            request(prompts[2], 3, tokens, params=scored), request(prompts[3], 2, tokens, params=sampled)]
+
+
+def check_preemption_mix(streams: list[Stream], reference: Any, tokens: int,
+                         preemptions: Callable[[], int]) -> list[Stream]:
+    """Each of `preemption_mix` gave the tokens it gives alone; the first admitted was never preempted, the
+    last was; the scored one's prompt log-probabilities came once, with its first chunk. Those preempted."""
+    for s in streams:
+        got = s.finish()
+        alone = reference.complete(s.req)
+        assert got == alone.tokens, f"depth {s.req.depth_label}: {got} vs alone {alone.tokens}"
+        assert s.chunks[-1].finish_reason == "length" and s.stats.generation_tokens == tokens
+    preempted = [s for s in streams if s.stats.preempted]
+    assert preempted and preemptions() == sum(s.stats.preempted for s in streams)
+    assert not streams[0].stats.preempted and streams[3].stats.preempted  # (the last admitted left first)
+    chunks = streams[2].chunks
+    assert len(chunks[0].prompt_logprobs) == len(streams[2].req.prompt_tokens) - 1
+    assert all(c.prompt_logprobs is None for c in chunks[1:])
+    assert sum(len(c.logprobs) for c in chunks) == tokens
+    return preempted

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from batch_streams import Stream, encode, never_ends, request
+from batch_streams import Stream, check_preemption_mix, encode, never_ends, preemption_mix, request
 from helpers import PROMPTS
 
 from mtpipe.coordinator.engine import scheduler as plan
@@ -48,34 +48,17 @@ def test_preempted_rows_go_on_where_they_stopped_token_identical(dense_ckpt: Pat
         # KV counted token by token (not in the steps the batch grows by), so that a few rounds outgrow it.
         dims = dataclasses.replace(engine.dims, kv_step=1)
         engine.thread.call(setattr, engine, "dims", dims)
-        ends = never_ends(engine)
-        sampled = dataclasses.replace(ends, temperature=0.9, seed=11, frequency_penalty=0.5, min_tokens=TOKENS)
-        scored = dataclasses.replace(ends, prompt_logprobs=1, top_logprobs=1)
         prompts = [encode(engine, p) for p in PROMPTS[:4]]
-        # (admitted in this order: the last ones leave first)
-        reqs = [request(prompts[0], 0, TOKENS, params=ends), request(prompts[1], "auto", TOKENS, params=ends),
-                request(prompts[2], 3, TOKENS, params=scored), request(prompts[3], 2, TOKENS, params=sampled)]
+        reqs = preemption_mix(engine, prompts, TOKENS)
         # Room for all four with the horizon, not for all four at their ends.
         needs = [plan.footprint(dims, len(r.prompt_tokens) + HORIZON, r.mtp_depth) for r in reqs]
         engine.thread.call(setattr, engine, "budget", plan.batch_bytes(dims, needs))
         assert plan.batch_bytes(dims, [plan.footprint(dims, len(r.prompt_tokens) + TOKENS, r.mtp_depth)
                                        for r in reqs]) > engine.budget
         streams = [Stream(engine, r) for r in reqs]
-        for s in streams:
-            got = s.finish()
-            alone = reference.complete(s.req)
-            assert got == alone.tokens, f"depth {s.req.depth_label}: {got} vs alone {alone.tokens}"
-            assert s.chunks[-1].finish_reason == "length" and s.stats.generation_tokens == TOKENS
-        preempted = [s for s in streams if s.stats.preempted]
-        assert preempted and engine.preemptions == sum(s.stats.preempted for s in streams)
-        assert not streams[0].stats.preempted and streams[3].stats.preempted  # (the last admitted left first)
+        preempted = check_preemption_mix(streams, reference, TOKENS, lambda: engine.preemptions)
         # A preempted row waited far longer than the queue timeout, and was never refused.
         assert any(max(b - a for a, b in zip(s.stamps, s.stamps[1:])) > 0.05 for s in preempted)
-        # Its prompt's log-probabilities were handed out once, with its first chunk.
-        chunks = streams[2].chunks
-        assert len(chunks[0].prompt_logprobs) == len(prompts[2]) - 1
-        assert all(c.prompt_logprobs is None for c in chunks[1:])
-        assert sum(len(c.logprobs) for c in chunks) == TOKENS
         assert engine.thread.call(lambda: [st.sequences for st in engine.stages]) == [0] * stages
         assert engine.describe()["batch"]["preemptions"] == engine.preemptions
     finally:

@@ -5,7 +5,6 @@ once there is room, giving the tokens they give without it."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,7 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from batch_streams import Stream, encode, never_ends, request
+from batch_streams import Stream, check_preemption_mix, encode, never_ends, preemption_mix, request
 from helpers import PROMPTS, node_servers
 from test_ring import quiet
 
@@ -84,29 +83,11 @@ def test_preempted_rows_go_on_where_they_stopped_token_identical(dense_ckpt: Pat
         engine = ring_engine(path, [s.address for s in servers], dtype="float32", horizon=HORIZON, prefix_cache=0,
                              groups=GROUPS)
         try:
-            ends = never_ends(engine)
-            sampled = dataclasses.replace(ends, temperature=0.9, seed=11, frequency_penalty=0.5, min_tokens=TOKENS)
-            scored = dataclasses.replace(ends, prompt_logprobs=1, top_logprobs=1)
-            prompts = [encode(engine, p) for p in PROMPTS[:4]]
-            # (admitted in this order: the last ones leave first)
-            reqs = [request(prompts[0], 0, TOKENS, params=ends), request(prompts[1], "auto", TOKENS, params=ends),
-                    request(prompts[2], 3, TOKENS, params=scored), request(prompts[3], 2, TOKENS, params=sampled)]
+            reqs = preemption_mix(engine, [encode(engine, p) for p in PROMPTS[:4]], TOKENS)
             ends_at = squeeze(engine, reqs, TOKENS)
             assert max(squeeze(engine, reqs, HORIZON)) < max(ends_at)  # (not all four at their ends)
-            streams = [Stream(engine, r) for r in reqs]
-            for s in streams:
-                got = s.finish()
-                alone = reference.complete(s.req)
-                assert got == alone.tokens, f"depth {s.req.depth_label}: {got} vs alone {alone.tokens}"
-                assert s.chunks[-1].finish_reason == "length" and s.stats.generation_tokens == TOKENS
-            preempted = [s for s in streams if s.stats.preempted]
-            assert preempted and engine.room.preemptions == sum(s.stats.preempted for s in streams)
-            assert not streams[0].stats.preempted and streams[3].stats.preempted  # (the last admitted left first)
-            # Its prompt's log-probabilities were handed out once, with its first chunk.
-            chunks = streams[2].chunks
-            assert len(chunks[0].prompt_logprobs) == len(prompts[2]) - 1
-            assert all(c.prompt_logprobs is None for c in chunks[1:])
-            assert sum(len(c.logprobs) for c in chunks) == TOKENS
+            check_preemption_mix([Stream(engine, r) for r in reqs], reference, TOKENS,
+                                 lambda: engine.room.preemptions)
             assert quiet(servers) == [0] * nodes
             assert not engine.room.held and not engine.room.waiting
             ring = engine.describe()["ring"]
