@@ -114,6 +114,7 @@ def test_answers_equal_the_engine_and_only_the_engine_thread_does_mlx(engine: Ba
     assert whole["choices"][0]["text"] == want.text and whole["usage"]["mtp"]["depth"] == 2
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert cluster["mode"] == "local" and [p["layers"] for p in cluster["placement"]] == [[0, 2], [2, 4]]
+    assert cluster["batch"]["budget_bytes"] == engine.budget and cluster["batch"]["preemptions"] == engine.preemptions
     # Engine-side, the link's threads hand work over: MLX runs on the engine's thread alone.
     assert rec.threads == {"mlx-engine"}, {k: v.most_common(5) for k, v in rec.calls_by_thread.items()}
     wait_idle(engine, front)

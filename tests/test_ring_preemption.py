@@ -16,6 +16,7 @@ from batch_streams import Stream, check_preemption_mix, encode, never_ends, pree
 from helpers import PROMPTS, node_servers
 from test_ring import quiet
 
+from mtpipe.coordinator.api.serve import nodes_cluster_info
 from mtpipe.coordinator.engine import scheduler as plan
 from mtpipe.coordinator.engine.build import local_engine, ring_engine
 from mtpipe.coordinator.engine.ring import RingEngine
@@ -90,8 +91,9 @@ def test_preempted_rows_go_on_where_they_stopped_token_identical(dense_ckpt: Pat
                                  lambda: engine.room.preemptions)
             assert quiet(servers) == [0] * nodes
             assert not engine.room.held and not engine.room.waiting
-            ring = engine.describe()["ring"]
+            ring = nodes_cluster_info(engine, "tiny")()["ring"]  # (GET /v1/cluster)
             assert ring["preemptions"] == engine.room.preemptions and ring["admit_horizon"] == HORIZON
+            assert ring["waiting"] == 0 and ring["budget_bytes"] == [n.budget for n in engine.room.nodes]
         finally:
             engine.close()
     reference.close()

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 def nodes_cluster_info(engine: "Engine", model_name: str, timeout: float = 2.0) -> Callable[[], dict]:
     """GET /v1/cluster for an engine over running nodes (`mtpipe serve --nodes`): each node's Health,
-    asked of each node on its own, so one that is down shows as down beside the others' real state."""
+    asked of each node on its own, so one that is down shows as down beside the others' real state; and
+    a ring engine's groups, rows, queue, per-node memory budgets and preemptions."""
     watch = NodeWatch(engine.pipeline)
 
     def info() -> dict[str, Any]:
@@ -47,6 +48,8 @@ def nodes_cluster_info(engine: "Engine", model_name: str, timeout: float = 2.0) 
                                "placement": placement, "links": links, "nodes": nodes, "errors": errors}
         if errors:
             out["error"] = "; ".join(f"{e['node']}: {e['error']}" for e in errors)
+        if engine.batching == "ring":
+            out["ring"] = engine.describe()["ring"]
         return out
 
     return info

@@ -360,9 +360,11 @@ class Service:
     # cluster --------------------------------------------------------------------------------
 
     def local_cluster(self) -> dict[str, Any]:
-        """One local node: the engine's stages and their layer ranges."""
+        """One local node: the engine's stages and their layer ranges, and a batch engine's rows, memory
+        budget and preemptions."""
         engine = self.engine
-        stages = engine.pipeline.describe()["stages"]
+        described = engine.pipeline.describe()
+        stages = described["stages"]
         return {
             "mode": "local",
             "model": self.model_name,
@@ -371,6 +373,7 @@ class Service:
             "placement": [{"node": "local", "layers": s["layers"]} for s in stages],
             "links": [],
             "nodes": [{"name": "local", "address": None, "healthy": True, "stages": stages}],
+            **({"batch": described["batch"]} if "batch" in described else {}),
         }
 
 
