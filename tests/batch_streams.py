@@ -110,3 +110,14 @@ def check_preemption_mix(streams: list[Stream], reference: Any, tokens: int,
     assert all(c.prompt_logprobs is None for c in chunks[1:])
     assert sum(len(c.logprobs) for c in chunks) == tokens
     return preempted
+
+
+def scraped(engine: Any) -> dict[str, float]:
+    """The scheduler's metrics as /metrics exposes them for `engine` (unlabelled samples by name)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mtpipe.coordinator.api.metrics import ServerMetrics
+
+    text = generate_latest(ServerMetrics(engine.scheduler_state).registry).decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}

@@ -516,8 +516,9 @@ def test_cluster_callable_and_failure(engine: Engine) -> None:
         assert r.status_code == 503 and "unreachable" in r.json()["error"]["message"]
 
 
-def test_metrics(server: LiveServer, client: Any) -> None:
+def test_metrics(engine: BatchEngine, server: LiveServer, client: Any) -> None:
     client.chat.completions.create(model=MODEL, messages=M, max_tokens=4, temperature=0)
+    wait_idle(engine)
     m = Scrape(server.url)
     chat_endpoint = "/v1/chat/completions"
     assert m("mtpipe_requests_total", endpoint=chat_endpoint, status="200") >= 1
@@ -528,6 +529,9 @@ def test_metrics(server: LiveServer, client: Any) -> None:
     assert m("mtpipe_request_duration_seconds_count", endpoint=chat_endpoint) >= 1
     assert m("mtpipe_time_to_first_token_seconds_count", endpoint=chat_endpoint) >= 1
     assert "# TYPE mtpipe_request_duration_seconds histogram" in m.text
+    # The scheduler's state, asked of the engine as the metrics are scraped (nothing runs or waits now).
+    assert m("mtpipe_requests_running") == m("mtpipe_requests_waiting") == 0 and m("mtpipe_cache_usage_ratio") == 0
+    assert m("mtpipe_preemptions_total") == 0
 
     # The exposition's shape: what dashboards query, and no `_created` series.
     kinds = {
@@ -538,6 +542,7 @@ def test_metrics(server: LiveServer, client: Any) -> None:
         "mtpipe_mtp_accepted_tokens": "counter", "mtpipe_generations_in_flight": "gauge",
         "mtpipe_mtp_acceptance_ratio": "gauge", "mtpipe_request_duration_seconds": "histogram",
         "mtpipe_time_to_first_token_seconds": "histogram", "mtpipe_decode_tokens_per_second": "histogram",
+        "mtpipe_requests_running": "gauge", "mtpipe_requests_waiting": "gauge", "mtpipe_cache_usage_ratio": "gauge",
     }
     assert {name: f.type for name, f in m.families.items()} == kinds
     assert all(f.documentation for f in m.families.values())

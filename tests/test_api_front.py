@@ -109,12 +109,14 @@ def test_answers_equal_the_engine_and_only_the_engine_thread_does_mlx(engine: Ba
         whole = c.post("/v1/completions", json={**body, "stream": False, "stream_options": None}).json()
         health = c.get("/health")
         cluster = c.get("/v1/cluster").json()
+        scrape = c.get("/metrics").text  # (the scheduler's state: asked of the engine's process)
     assert "".join(e["choices"][0]["text"] for e in got if e["choices"]) == want.text
     assert got[-1]["usage"]["completion_tokens"] == len(want.tokens)
     assert whole["choices"][0]["text"] == want.text and whole["usage"]["mtp"]["depth"] == 2
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert cluster["mode"] == "local" and [p["layers"] for p in cluster["placement"]] == [[0, 2], [2, 4]]
     assert cluster["batch"]["budget_bytes"] == engine.budget and cluster["batch"]["preemptions"] == engine.preemptions
+    assert "\nmtpipe_requests_waiting 0.0\n" in scrape and "\nmtpipe_preemptions_total 0.0\n" in scrape
     # Engine-side, the link's threads hand work over: MLX runs on the engine's thread alone.
     assert rec.threads == {"mlx-engine"}, {k: v.most_common(5) for k, v in rec.calls_by_thread.items()}
     wait_idle(engine, front)

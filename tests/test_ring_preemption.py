@@ -12,7 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from batch_streams import Stream, check_preemption_mix, encode, never_ends, preemption_mix, request
+from batch_streams import Stream, check_preemption_mix, encode, never_ends, preemption_mix, request, scraped
 from helpers import PROMPTS, node_servers
 from test_ring import quiet
 
@@ -115,6 +115,9 @@ def test_a_preempted_request_cancelled_while_it_waits_ends_and_holds_nothing(den
                 assert time.monotonic() < deadline, "never preempted"
                 time.sleep(0.01)
             assert len(engine.room.waiting) == 1 and len(engine.room.held) == 1
+            now = scraped(engine)  # (/metrics: preemptions counted as they happen)
+            assert (now["mtpipe_requests_running"], now["mtpipe_requests_waiting"]) == (1, 1)
+            assert now["mtpipe_preemptions_total"] == 1 and 0 < now["mtpipe_cache_usage_ratio"] <= 1
             waiting.handle.cancel()
             waiting.finish()  # (ends, without an error)
             assert waiting.error is None and all(c.finish_reason is None for c in waiting.chunks)
@@ -122,6 +125,9 @@ def test_a_preempted_request_cancelled_while_it_waits_ends_and_holds_nothing(den
             running.finish()
             assert quiet(servers) == [0, 0]
             assert not engine.room.held and not engine.room.waiting and not engine._queued
+            now = scraped(engine)
+            assert [now[f"mtpipe_{x}"] for x in ("requests_running", "requests_waiting", "cache_usage_ratio")] \
+                == [0] * 3
         finally:
             engine.close()
 

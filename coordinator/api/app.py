@@ -106,7 +106,7 @@ def create_app(
 
     from .models import ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest
 
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(engine.scheduler_state)
     defaults = model_defaults(generation_config)
     if default_max_tokens is not None:
         defaults["max_tokens"] = default_max_tokens
@@ -188,8 +188,8 @@ def create_app(
                            code="cluster_unavailable") from None
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus() -> Response:  # (the scheduler's state is asked of the engine: off the event loop)
+        return Response(await asyncio.to_thread(generate_latest, metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def respond(endpoint: str, body: Any, reqs: "list[GenerationRequest]", n: int, request: Request,
                       started: float, tools: "ToolSpec | None" = None, thinking: "ReasoningSplit | None" = None,

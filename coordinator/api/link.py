@@ -41,6 +41,7 @@ from .readiness import Readiness, timestamp
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0
+SCHEDULER_TIMEOUT_S = 2.0  # /metrics reports the scheduler as it last was when its engine answers no sooner
 READY_MARGIN_S = 2.0  # GET /health waits this much beyond the engine's own check before it says "not ready"
 
 
@@ -168,6 +169,7 @@ class EngineHost:
             "describe": lambda: self.engine.pipeline.describe(),
             "ready": self._ready,
             "cluster": lambda: self.cluster_info() if self.cluster_info else None,
+            "scheduler": lambda: self.engine.scheduler_state(),
         }
         try:
             self._outbox.put(("reply", cid, True, calls[name]()))
@@ -276,6 +278,10 @@ class EngineClient:
 
     def cluster_info(self) -> dict[str, Any]:
         return self.call("cluster")
+
+    def scheduler_state(self) -> Any:
+        """The engine's SchedulerState (or None), for /metrics."""
+        return self.call("scheduler", SCHEDULER_TIMEOUT_S)
 
     def watch(self, stall_after: float) -> None:
         """Fail every open request and stop (as if the engine's process were gone) once the engine has

@@ -334,7 +334,6 @@ class Service:
         m.completion_tokens.inc(stats.generation_tokens)
         m.drafted.inc(stats.drafted)
         m.accepted.inc(stats.accepted)
-        m.preemptions.inc(stats.preempted)
         if first_token is not None:
             m.ttft_seconds.labels(endpoint=endpoint).observe(first_token - started)
         if stats.decode_tps:

@@ -126,6 +126,14 @@ class BatchEngine(KeepsPrefixes):
                                                              "admit_horizon": self.horizon,
                                                              "preemptions": self.preemptions}}
 
+    def scheduler_state(self) -> plan.SchedulerState:
+        """Rows, queue, memory the rows hold (not kept prefixes, which make way for them) and preemptions,
+        from any thread: it reads copies of the engine thread's lists and never waits for a round."""
+        lives = [*self._prefilling, *self._decoding]
+        held = plan.batch_bytes(self.dims, self._needs(lives, 0))
+        return plan.SchedulerState(len(lives), len(self._waiting), held / self.budget if self.budget else 0.0,
+                                   self.preemptions)
+
     def close(self) -> None:
         """Stop the engine: every request it still holds ends with an error, and no other is taken."""
         with self._open_lock:

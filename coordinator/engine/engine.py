@@ -65,6 +65,10 @@ class Engine:
         """The pipeline's last stage holds output to grammars (a node with the model's tokenizer)."""
         return bool(getattr(self.pipeline, "constrains", False))
 
+    def scheduler_state(self) -> None:
+        """None: each caller runs its own sequence, with no queue or memory budget of the engine's."""
+        return None
+
     def close(self) -> None:
         """Stop the engine: its pipeline lets go of its stages (the batch and ring engines also end their threads)."""
         self.pipeline.close()

@@ -128,6 +128,14 @@ class RingRoom:
                 self.waiting.insert(0, live)
                 self.preemptions += 1
 
+    def state(self) -> plan.SchedulerState:
+        with self.lock:
+            groups: dict[int, list[plan.Footprint]] = {}
+            for x in self.held.values():
+                groups.setdefault(x.group, []).append(self.need(x, 0))
+            usage = plan.held_share(self.nodes, list(groups.values()))
+            return plan.SchedulerState(len(self.held), len(self.waiting), usage, self.preemptions)
+
     def describe(self) -> dict[str, Any]:
         with self.lock:
             return {"admit_horizon": self.horizon, "preemptions": self.preemptions, "waiting": len(self.waiting),
@@ -168,6 +176,9 @@ class RoomForRows:
                 self._queued.pop(id(live), None)
             self._finish(live, ServerBusy(f"no room for this request after {self.queue_timeout:.0f} s in the queue",
                                           retry_after=max(1, int(self.queue_timeout // 4))))
+
+    def scheduler_state(self) -> plan.SchedulerState:
+        return self.room.state()
 
     def _give_back(self, live: RingLive) -> None:
         with self._lock:  # (nothing of it left for close() to end)

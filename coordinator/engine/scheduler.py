@@ -79,6 +79,22 @@ def batch_bytes(dims: ModelDims, rows: list[Footprint]) -> int:
 
 
 @dataclass(frozen=True)
+class SchedulerState:
+    """What the scheduler holds now, as /metrics reports it."""
+
+    running: int  # requests with their room (admitted, not finished)
+    waiting: int  # requests in the queue for room (preempted ones included)
+    cache_usage: float  # what the running rows hold over the memory budget (the fullest node's, over nodes)
+    preemptions: int  # since the engine started
+
+
+def held_share(nodes: list[NodeRoom], groups: list[list[Footprint]]) -> float:
+    """The fullest node's share of its budget that these groups hold."""
+    return max((sum(batch_bytes(n.dims, rows) for rows in groups) / n.budget for n in nodes if n.budget > 0),
+               default=0.0)
+
+
+@dataclass(frozen=True)
 class Waiting:
     seq_id: str
     need: Footprint
