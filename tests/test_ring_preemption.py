@@ -23,6 +23,7 @@ from mtpipe.coordinator.engine.ring import RingEngine
 from mtpipe.coordinator.engine.ring_room import RingRoom
 from mtpipe.coordinator.engine.sinks import ServerBusy
 from mtpipe.models.config import load_config
+from mtpipe.models.registry import DEMO_MODEL
 from mtpipe.node.protocol import StageUnavailable
 
 HORIZON = 8
@@ -191,6 +192,23 @@ def test_close_ends_a_preempted_request_waiting_for_room(dense_ckpt: Path) -> No
         with pytest.raises(Exception):  # (the pipeline closed under it)
             running.finish()
         assert not engine.room.waiting and not engine._queued
+
+
+def test_a_nodes_budget_is_half_its_free_memory_within_what_it_offers() -> None:
+    room = RingRoom(load_config(DEMO_MODEL).args, True, max_rows=8, prefix_share=10)
+
+    def reply(node: str, start: int, end: int, available: int, offered: int = 0) -> SimpleNamespace:
+        return SimpleNamespace(node_id=node, start=start, end=end, num_layers=8, loaded=True, dtype="bfloat16",
+                               memory_available=available, memory_offered=offered, parameter_bytes=1000)
+
+    room.measure([reply("a", 0, 4, 2**31), reply("b", 4, 8, 2**31, offered=2**30 + 1000)])
+    assert [n.budget for n in room.nodes] == [2**30 - 10, 2**29 - 10]  # (b's cap: 1 GiB beside its weights)
+    room.measure([reply("a", 0, 4, 2**20), reply("b", 4, 8, 2**33)])
+    assert [n.budget for n in room.nodes] == [2**30 - 10, 2**29 - 10]  # (read once per shard a node holds)
+    room.measure([reply("a", 0, 8, 2**28)])  # (healed: one node holds every layer now)
+    assert [n.budget for n in room.nodes] == [2**27 - 10] and room.nodes[0].dims.state_bytes > 0
+    room.measure([reply("a", 0, 8, 1), SimpleNamespace(loaded=False)])  # (one being formed again: no reading)
+    assert [n.budget for n in room.nodes] == [2**27 - 10]
 
 
 def test_a_room_without_the_models_config_admits_by_count() -> None:

@@ -2,7 +2,8 @@
 
 Every node holds, for each group, the caches of its rows for its own layers (node/groups.py: a batch
 per group, as long as its longest row), and its budget is its own: half the memory it had free once
-its shard was loaded, less its share of kept prompt prefixes, unless one is given. A request is
+its shard was loaded (within what a launched node offers, its --max-memory cap), less its share of kept
+prompt prefixes, unless one is given. A request is
 admitted when, with room for it to grow by a horizon, every node's groups still fit (scheduler.py);
 where the running rows outgrow a node after all, the last admitted leave for the head of the queue
 and go on where they stopped once there is room (ring.py puts them back as it puts back rows lost with
@@ -54,8 +55,9 @@ class RingRoom:
         nodes = []
         for h in health:
             key = f"{h.node_id}:{h.start}-{h.end}"
-            if key not in self._budgets:
-                free = max(0, h.memory_available // 2 - self.prefix_share)
+            if key not in self._budgets:  # (a launched node's cap holds: it offers what its weights and rows may use)
+                room = h.memory_offered - h.parameter_bytes if h.memory_offered else h.memory_available
+                free = max(0, room // 2 - self.prefix_share)
                 self._budgets[key] = self.budget if self.budget is not None else max(MIN_NODE_BUDGET, free)
             dims = plan.ModelDims.of(self.args, DTYPE_SIZES.get(h.dtype, 2), mtp=self.has_mtp and h.end == h.num_layers,
                                      kv_step=self.kv_step, layers=(h.start, h.end))
