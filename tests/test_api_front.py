@@ -122,6 +122,22 @@ def test_answers_equal_the_engine_and_only_the_engine_thread_does_mlx(engine: Ba
     wait_idle(engine, front)
 
 
+def test_cluster_answers_while_the_mlx_thread_is_busy(engine: BatchEngine, front: FrontProcess) -> None:
+    """GET /v1/cluster does not wait for a long unit of the MLX thread (a long prompt's step): it shows the
+    stages as the thread last described them."""
+    release = threading.Event()
+    engine.thread.submit(release.wait, 30)  # (the MLX thread held)
+    try:
+        with httpx.Client(base_url=front.url, timeout=30, headers=AUTH) as c:
+            start = time.monotonic()
+            r = c.get("/v1/cluster")
+            took = time.monotonic() - start
+    finally:
+        release.set()
+    assert r.status_code == 200 and [p["layers"] for p in r.json()["placement"]] == [[0, 2], [2, 4]]
+    assert took < 5.0
+
+
 def test_chat_with_the_key_from_the_pipe_and_refusals_in_the_front(engine: BatchEngine, front: FrontProcess) -> None:
     messages = [{"role": "user", "content": PROMPTS[1]}]
     want = direct(engine, engine.encode_chat(messages), 16, depth=0)

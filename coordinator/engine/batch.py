@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_ROWS = 16
 DEFAULT_QUEUE_TIMEOUT_S = 60.0
 DEFAULT_PREFILL_CHUNK = 512
+DESCRIBE_WAIT_S = 0.5  # GET /v1/cluster waits this long for the MLX thread, then shows the stages as they were
 PREFIX_CACHE_SHARE = 4  # kept prompt prefixes may take up to 1/4 of the memory budget by default
 END_TIMEOUT_S = 30.0  # close(): how long the MLX thread may take to end what it holds (longer: it is stuck)
 
@@ -79,6 +80,8 @@ class BatchEngine(KeepsPrefixes):
         self.constrains = head is not None and head.grammars is not None  # output held to grammars (constraints.py)
         self.keeps_prefixes = self.prefix_cache > 0  # (a prompt's other choices start from its kept prefix)
         self.pipeline = self  # describe() and close() for the API and CLI, as a pipeline offers them
+        self._stages: list[dict[str, Any]] = []  # as the MLX thread last described them
+        thread.call(self._describe_stages)
         thread.set_worker(self._work)
 
     # -- any thread -------------------------------------------------------------------------------
@@ -120,8 +123,16 @@ class BatchEngine(KeepsPrefixes):
         return collect(self.generate(req))
 
     def describe(self) -> dict[str, Any]:
-        stages = self.thread.call(lambda: [dict(index=i, **s.describe()) for i, s in enumerate(self.stages)])
-        return {"kind": "local", "stages": stages, "batch": {"max_rows": self.max_rows, "budget_bytes": self.budget,
+        """The stages as the MLX thread describes them (as it last did, where it is busy for longer than
+        DESCRIBE_WAIT_S: a long prompt's step), and the batch."""
+        if self.thread.owns():
+            self._describe_stages()
+        else:
+            try:
+                self.thread.submit(self._describe_stages).result(DESCRIBE_WAIT_S)
+            except TimeoutError:  # (it still runs, for the next one)
+                pass
+        return {"kind": "local", "stages": self._stages, "batch": {"max_rows": self.max_rows, "budget_bytes": self.budget,
                                                              "prefix_cache_bytes": self.prefix_cache,
                                                              "admit_horizon": self.horizon,
                                                              "preemptions": self.preemptions}}
@@ -133,6 +144,9 @@ class BatchEngine(KeepsPrefixes):
         held = plan.batch_bytes(self.dims, self._needs(lives, 0))
         return plan.SchedulerState(len(lives), len(self._waiting), held / self.budget if self.budget else 0.0,
                                    self.preemptions)
+
+    def _describe_stages(self) -> None:
+        self._stages = [dict(index=i, **s.describe()) for i, s in enumerate(self.stages)]
 
     def close(self) -> None:
         """Stop the engine: every request it still holds ends with an error, and no other is taken."""
