@@ -116,9 +116,8 @@ class EngineHost:
                 handle = self._handles.get(msg[1])
             if handle is not None:
                 handle.cancel()
-        elif op == "call" and msg[2] == "progress":  # (answered here: never behind a slow call)
-            assert self._outbox is not None
-            self._outbox.put(("reply", msg[1], True, self._busy_for()))
+        elif op == "call" and msg[2] in ("progress", "scheduler"):  # (answered here: never behind a slow call)
+            self._answer_now(msg[1], msg[2])
         elif op == "call":
             (self._ready_calls if msg[2] == "ready" else self._calls).submit(self._answer, msg[1], msg[2])
         elif op == "listening":
@@ -163,13 +162,22 @@ class EngineHost:
         else:
             self._outbox.put(("chunk", rid, item))
 
+    def _answer_now(self, cid: int, name: str) -> None:
+        """What never waits: how long the MLX thread has been in its unit, the scheduler's state."""
+        assert self._outbox is not None
+        try:
+            value = self._busy_for() if name == "progress" else self.engine.scheduler_state()
+        except Exception as e:  # noqa: BLE001 - the front raises it where it asked
+            self._outbox.put(("reply", cid, False, f"{type(e).__name__}: {e}"))
+            return
+        self._outbox.put(("reply", cid, True, value))
+
     def _answer(self, cid: int, name: str) -> None:
         assert self._outbox is not None
         calls: dict[str, Callable[[], Any]] = {
             "describe": lambda: self.engine.pipeline.describe(),
             "ready": self._ready,
             "cluster": lambda: self.cluster_info() if self.cluster_info else None,
-            "scheduler": lambda: self.engine.scheduler_state(),
         }
         try:
             self._outbox.put(("reply", cid, True, calls[name]()))

@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..engine.scheduler import SchedulerState
+
 log = logging.getLogger(__name__)
 
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -57,7 +59,7 @@ class SchedulerMetrics(Collector):
         self._last: Any = None
 
     def describe(self) -> Iterator[Metric]:  # (registered without asking the engine)
-        return self._families(None)
+        return self._families(SchedulerState(0, 0, 0.0, 0))
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -72,12 +74,13 @@ class SchedulerMetrics(Collector):
                                   "(it then went on where it stopped).", value=state.preemptions if state else 0)
         if state is None:
             return
-        yield GaugeMetricFamily("mtpipe_requests_running", "Requests holding their room in the batch.",
+        yield GaugeMetricFamily("mtpipe_requests_running", "Requests admitted (holding their room in memory).",
                                 value=state.running)
-        yield GaugeMetricFamily("mtpipe_requests_waiting", "Requests in the queue for room in the batch.",
+        yield GaugeMetricFamily("mtpipe_requests_waiting", "Requests in the queue for room in memory.",
                                 value=state.waiting)
         yield GaugeMetricFamily("mtpipe_cache_usage_ratio", "What the running requests' caches hold over the memory "
-                                "budget (over nodes: the fullest node's).", value=state.cache_usage)
+                                "budget (over nodes: the fullest node's; above 1 where one request alone needs more).",
+                                value=state.cache_usage)
 
 
 class ServerMetrics:

@@ -128,10 +128,11 @@ class BatchEngine(KeepsPrefixes):
         if self.thread.owns():
             self._describe_stages()
         else:
+            described = self.thread.submit(self._describe_stages)
             try:
-                self.thread.submit(self._describe_stages).result(DESCRIBE_WAIT_S)
-            except TimeoutError:  # (it still runs, for the next one)
-                pass
+                described.result(DESCRIBE_WAIT_S)
+            except TimeoutError:  # (unless it has begun: the next one asks again)
+                described.cancel()
         return {"kind": "local", "stages": self._stages, "batch": {"max_rows": self.max_rows, "budget_bytes": self.budget,
                                                              "prefix_cache_bytes": self.prefix_cache,
                                                              "admit_horizon": self.horizon,
@@ -142,8 +143,8 @@ class BatchEngine(KeepsPrefixes):
         from any thread: it reads copies of the engine thread's lists and never waits for a round."""
         lives = [*self._prefilling, *self._decoding]
         held = plan.batch_bytes(self.dims, self._needs(lives, 0))
-        return plan.SchedulerState(len(lives), len(self._waiting), held / self.budget if self.budget else 0.0,
-                                   self.preemptions)
+        waiting = len(self._waiting) + self._inbox.qsize()  # (opened, not yet taken in by the MLX thread)
+        return plan.SchedulerState(len(lives), waiting, held / self.budget if self.budget else 0.0, self.preemptions)
 
     def _describe_stages(self) -> None:
         self._stages = [dict(index=i, **s.describe()) for i, s in enumerate(self.stages)]

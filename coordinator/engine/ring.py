@@ -116,7 +116,7 @@ class RingEngine(RoomForRows):
             if self._stop.is_set():
                 raise StageUnavailable("the engine was stopped")
             self._queued[id(live)] = live
-        self.room.queue(live)
+            self.room.queue(live)
         self._admit()
         return handle
 
@@ -163,8 +163,8 @@ class RingEngine(RoomForRows):
         with live.lock:
             if live.done:  # (cancelled meanwhile: its room went back then)
                 return
-            if again:
-                live.seq_id, live.expected, live.early = uuid.uuid4().hex[:16], 0, {}
+            if again:  # (a new sequence since it was preempted)
+                live.expected, live.early = 0, {}
             live.resuming, live.admitted = False, True
             self._place(live, live.group)
             live.prefilling = True  # (from here a cancel leaves the release to `_prefill`)

@@ -17,6 +17,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -52,22 +53,23 @@ class RingRoom:
         it holds, and not while one has no shard (being formed again: its caches are gone then)."""
         if self.args is None or not all(h.loaded for h in health):
             return
-        nodes = []
-        for h in health:
-            key = f"{h.node_id}:{h.start}-{h.end}"
-            if key not in self._budgets:  # (a launched node's cap holds: it offers what its weights and rows may use)
-                room = h.memory_offered - h.parameter_bytes if h.memory_offered else h.memory_available
-                free = max(0, room // 2 - self.prefix_share)
-                self._budgets[key] = self.budget if self.budget is not None else max(MIN_NODE_BUDGET, free)
-            dims = plan.ModelDims.of(self.args, DTYPE_SIZES.get(h.dtype, 2), mtp=self.has_mtp and h.end == h.num_layers,
-                                     kv_step=self.kv_step, layers=(h.start, h.end))
-            nodes.append(plan.NodeRoom(dims, self._budgets[key]))
         with self.lock:
-            self.nodes = nodes
+            self.nodes = [self._node(h) for h in health]
+
+    def _node(self, h: Any) -> plan.NodeRoom:
+        key = f"{h.node_id}:{h.start}-{h.end}"
+        if key not in self._budgets:  # (a launched node's cap holds: it offers what its weights and rows may use)
+            room = h.memory_offered - h.parameter_bytes if h.memory_offered else h.memory_available
+            free = max(0, room // 2 - self.prefix_share)
+            self._budgets[key] = self.budget if self.budget is not None else max(MIN_NODE_BUDGET, free)
+        dims = plan.ModelDims.of(self.args, DTYPE_SIZES.get(h.dtype, 2), mtp=self.has_mtp and h.end == h.num_layers,
+                                 kv_step=self.kv_step, layers=(h.start, h.end))
+        return plan.NodeRoom(dims, self._budgets[key])
 
     def rebudget(self, budget: int | None, health: list[Any]) -> None:
         """Every node's budget `budget` bytes from now on (None: from the memory each has free now)."""
-        self.budget, self._budgets = budget, {}
+        with self.lock:
+            self.budget, self._budgets = budget, {}
         self.measure(health)
 
     def need(self, live: RingLive, horizon: int | None) -> plan.Footprint:
@@ -215,6 +217,7 @@ class RoomForRows:
                 live.resuming = True  # (nothing on the nodes: a cancel gives its room back)
                 self._end_kept(live, None)
                 self._release(live, slot=False)
+                live.seq_id = uuid.uuid4().hex[:16]  # (what still comes for the one freed is late: dropped)
                 live.stats.preempted += 1
                 self.room.preempted(live)
         if victims:
