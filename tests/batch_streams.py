@@ -121,3 +121,26 @@ def scraped(engine: Any) -> dict[str, float]:
 
     text = generate_latest(ServerMetrics(engine.scheduler_state).registry).decode()
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+def cancel_while_preempted(engine: Any, running: Stream, waiting: Stream, preemptions: Callable[[], int]) -> None:
+    """Once `waiting` was preempted beside `running`, /metrics has counted it (as it happened) and shows one
+    request running and one waiting; cancelled, it ends without an error; then `running` is cancelled."""
+    deadline = time.monotonic() + WAIT_S
+    while not preemptions():  # (the second outgrows the budget within a few rounds)
+        assert time.monotonic() < deadline, "never preempted"
+        time.sleep(0.01)
+    now = scraped(engine)
+    assert (now["mtpipe_requests_running"], now["mtpipe_requests_waiting"]) == (1, 1)
+    assert now["mtpipe_preemptions_total"] == 1 and 0 < now["mtpipe_cache_usage_ratio"] <= 1
+    waiting.handle.cancel()
+    waiting.finish()  # (ends, without an error)
+    assert waiting.error is None and all(c.finish_reason is None for c in waiting.chunks)
+    running.handle.cancel()
+    running.finish()
+
+
+def nothing_scheduled(engine: Any) -> bool:
+    """/metrics shows no request running or waiting, and no memory held."""
+    now = scraped(engine)
+    return [now[f"mtpipe_{x}"] for x in ("requests_running", "requests_waiting", "cache_usage_ratio")] == [0] * 3

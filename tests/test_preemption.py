@@ -11,7 +11,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from batch_streams import Stream, check_preemption_mix, encode, never_ends, preemption_mix, request, scraped
+from batch_streams import (Stream, cancel_while_preempted, check_preemption_mix, encode, never_ends, nothing_scheduled,
+                           preemption_mix, request)
 from helpers import PROMPTS
 
 from mtpipe.coordinator.engine import scheduler as plan
@@ -77,21 +78,9 @@ def test_a_preempted_request_cancelled_while_it_waits_ends_and_holds_nothing(den
         needs = [plan.footprint(dims, len(r.prompt_tokens) + HORIZON, 0) for r in (first, second)]
         engine.thread.call(setattr, engine, "budget", plan.batch_bytes(dims, needs))
         running, waiting = Stream(engine, first).first(), Stream(engine, second).first()
-        deadline = time.monotonic() + 60
-        while not engine.preemptions:  # (the second outgrows the budget within a few rounds)
-            assert time.monotonic() < deadline, "never preempted"
-            time.sleep(0.01)
-        now = scraped(engine)  # (/metrics: preemptions counted as they happen)
-        assert (now["mtpipe_requests_running"], now["mtpipe_requests_waiting"]) == (1, 1)
-        assert now["mtpipe_preemptions_total"] == 1 and 0 < now["mtpipe_cache_usage_ratio"] <= 1
-        waiting.handle.cancel()
-        waiting.finish()  # (ends, without an error)
-        assert waiting.error is None and all(c.finish_reason is None for c in waiting.chunks)
-        running.handle.cancel()
-        running.finish()
+        cancel_while_preempted(engine, running, waiting, lambda: engine.preemptions)
         assert engine.thread.call(lambda: (engine.stages[0].sequences, len(engine._waiting))) == (0, 0)
-        now = scraped(engine)
-        assert [now[f"mtpipe_{x}"] for x in ("requests_running", "requests_waiting", "cache_usage_ratio")] == [0] * 3
+        assert nothing_scheduled(engine)
     finally:
         engine.close()
 

@@ -602,6 +602,23 @@ def test_close_ends_a_request_waiting_to_resume() -> None:
     assert isinstance(items[-1], StageUnavailable)
 
 
+def test_a_request_refused_from_the_queue_while_the_pipeline_is_down_is_told_so() -> None:
+    """No room comes back while a node is lost: a request that waited its queue timeout then hears that, and
+    the node, not that the server is busy."""
+    from mtpipe.coordinator.engine.sinks import ServerBusy
+
+    pipeline, engine, row, waiting = resuming_engine(queue_timeout=0.5)
+    try:
+        pipeline.reformer.down = ConnectionError("node b:2 does not answer")
+        for q in waiting:
+            error = q.get(timeout=WAIT_S)
+            assert isinstance(error, ServerBusy) and "node b:2 does not answer" in str(error)
+            assert "formed again" in str(error) and q.get(timeout=WAIT_S) is END
+    finally:
+        pipeline.reformer.down = None
+        engine.close()
+
+
 def test_a_client_gone_while_its_prompt_goes_in_stops_it_there(ring: Any) -> None:
     """A long prompt, in many chunks: once its client goes away no more chunks are sent, so the nodes
     compute only those already in flight, not the whole prompt; nothing is left on any node."""

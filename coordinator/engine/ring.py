@@ -26,7 +26,7 @@ from . import scheduler as plan
 from .kept import KeptPrefixes
 from .ring_live import RingHandle, RingLive
 from .ring_room import RingRoom, RoomForRows
-from .sinks import END, ServerBusy, guarded, stream
+from .sinks import END, guarded, stream
 from .detokenizer import TextStream
 from .request import (GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, check_request,
                       check_vocabulary, collect, ended_in_stages, stop_reason, take_tokens)
@@ -38,7 +38,6 @@ DEFAULT_MAX_ROWS = 32
 DEFAULT_QUEUE_TIMEOUT_S = 60.0
 GROUPS_REFRESH_S = 10.0  # how often the number of groups is reconsidered from the nodes' rounds and hops
 RESUME_WINDOW_S = 30.0  # a request whose node is lost waits this long for the pipeline to come back
-RETRY_AFTER_DOWN_S = 5  # the Retry-After of a request refused while the pipeline is down
 MEASURED_PROMPT = 64  # prompts at least this long time the pipeline's seconds per prompt token
 TRIP_OUTLIER = 2.0  # a trip counts as at most this many times the running figure (a stall, a lost node)
 # A row with no round for this long fails as its node lost: the backstop for rounds that stop while every node
@@ -99,11 +98,8 @@ class RingEngine(RoomForRows):
         """Queue a request; its chunks, then END or an exception, go to `sink` (from another thread),
         and `admitted()` is called once it has a row."""
         self.validate(req)
-        down = self.pipeline.reformer.down
-        if down is not None and self.pipeline.reformer.given_up:
-            raise StageUnavailable(str(down))
-        if down is not None:
-            raise ServerBusy(f"{down}; the pipeline is being formed again", retry_after=RETRY_AFTER_DOWN_S)
+        if (refused := self._down_refusal()) is not None:
+            raise refused
         # 64 random bits for an id: every group frame names each of its rows
         live = RingLive(uuid.uuid4().hex[:16], req, sink, TextStream.of(self.tokenizer, req),
                         GenerationStats(prompt_tokens=len(req.prompt_tokens)), time.monotonic(), on_admit=admitted,

@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from . import scheduler as plan
 from .ring_live import RingLive
+from ...node.protocol import StageUnavailable
 from .sinks import ServerBusy
 
 log = logging.getLogger(__name__)
 
 ROOM_CHECK_S = 0.02  # rows are checked against their nodes' budgets at most this often (each round's outcome could)
+RETRY_AFTER_DOWN_S = 5  # the Retry-After of a request refused while the pipeline is down
 MIN_NODE_BUDGET = 64 * 2**20  # a node with less free than this still takes a row at a time
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}  # the nodes' (HealthReply.dtype)
 
@@ -151,6 +153,7 @@ class RoomForRows:
     requests whose start is queued, the rows decoding, and how a request starts, leaves and ends."""
 
     room: RingRoom
+    pipeline: Any  # a RemotePipeline (its reformer says whether it is down)
     groups: int
     queue_timeout: float
     _pool: ThreadPoolExecutor
@@ -178,8 +181,19 @@ class RoomForRows:
         for live in refused:
             with self._lock:
                 self._queued.pop(id(live), None)
-            self._finish(live, ServerBusy(f"no room for this request after {self.queue_timeout:.0f} s in the queue",
-                                          retry_after=max(1, int(self.queue_timeout // 4))))
+            self._finish(live, self._down_refusal() or ServerBusy(
+                f"no room for this request after {self.queue_timeout:.0f} s in the queue",
+                retry_after=max(1, int(self.queue_timeout // 4))))
+
+    def _down_refusal(self) -> Exception | None:
+        """What a request is refused with while the pipeline is down (no room comes back then): the node lost,
+        and whether it is being formed again."""
+        down = self.pipeline.reformer.down
+        if down is not None and self.pipeline.reformer.given_up:
+            return StageUnavailable(str(down))
+        if down is not None:
+            return ServerBusy(f"{down}; the pipeline is being formed again", retry_after=RETRY_AFTER_DOWN_S)
+        return None
 
     def scheduler_state(self) -> plan.SchedulerState:
         return self.room.state()
