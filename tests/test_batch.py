@@ -595,6 +595,24 @@ def test_admission_waits_for_memory_and_times_out(dense_ckpt: Path, engines: Eng
         engine.close()
 
 
+def test_the_default_budget_stays_within_a_memory_cap(dense_ckpt: Path) -> None:
+    """`mtpipe launch --max-memory` alone: the weights and the batch's caches stay within the cap (half of what
+    the cap leaves beside the weights), where the memory free would allow more."""
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, memory_cap=2**40)  # (more than any machine: free memory rules)
+    try:
+        weights = engine.thread.call(lambda: engine.stages[0].worker.shard.model.parameter_bytes())
+        uncapped = engine.budget
+    finally:
+        engine.close()
+    cap = weights + 2 * 512 * 2**20
+    assert uncapped > 512 * 2**20  # (this machine has more than 1 GiB free)
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, memory_cap=cap)
+    try:
+        assert engine.budget == 512 * 2**20
+    finally:
+        engine.close()
+
+
 # -- 5. cancellation -------------------------------------------------------------------------------------
 
 

@@ -243,6 +243,8 @@ def _launch(args: argparse.Namespace) -> int:
         options = stage_options(args, drafting=cfg.drafting()) if alone else {}
         if alone and cfg.prefix_cache() is not None:
             options["prefix_cache"] = cfg.prefix_cache()
+        if alone and cfg.node.max_memory_gib is not None:  # (the weights and the batch's caches stay within it)
+            options["memory_cap"] = int(cfg.node.max_memory_gib * GiB)
         if not alone and args.mtp_pre_norm:
             raise ValueError("--mtp-pre-norm applies to local stages; nodes take their own")
         if not args.api_in_process:  # its process imports the app while the model loads and the cluster forms

@@ -45,11 +45,15 @@ def batch_engine(
     mtp_pre_norm: bool = False,
     progress: Any = None,
     memory_budget: int | None = None,
+    memory_cap: int | None = None,
     draft_vocab: int | None = None,
     mtp_window: int | None = None,
     **options: Any,
 ) -> BatchEngine:
-    """Single-machine engine that batches every active sequence, on one MLX thread that also loads."""
+    """Single-machine engine that batches every active sequence, on one MLX thread that also loads. Its
+    caches may hold `memory_budget` bytes: by default half the memory free once the model is loaded,
+    within `memory_cap` bytes for the weights and the caches where one is given (`mtpipe launch`'s
+    --max-memory)."""
     from ...models.loading import load_shard
     from ...models.mlx_thread import MLXThread
     from ...models.ragged import CAPACITY_STEP
@@ -85,7 +89,12 @@ def batch_engine(
     last.head.grammars = grammars_for(tokenizer, config.args.vocab_size, tokenizer.eos_token_ids)
     dims = ModelDims.of(config.args, itemsize=last.dtype.size, mtp=has_mtp, kv_step=CAPACITY_STEP)
     if memory_budget is None:
-        memory_budget = max(thread.call(system_memory)[1] // 2, 256 * 2**20)  # (MLX's memory, asked on its thread)
+        def room() -> int:  # (MLX's memory and the weights' arrays, asked on its thread)
+            free = system_memory()[1]
+            weights = sum(s.worker.shard.model.parameter_bytes() for s in built)
+            return free if memory_cap is None else min(free, max(0, memory_cap - weights))
+
+        memory_budget = max(thread.call(room) // 2, 256 * 2**20)
     return BatchEngine(built, tokenizer, set(tokenizer.eos_token_ids), config.args.max_position_embeddings, has_mtp,
                        thread, dims=dims, budget=memory_budget, **options)
 
