@@ -555,7 +555,8 @@ def resuming_engine(queue_timeout: float) -> tuple[ResumingPipeline, RingEngine,
     pipeline = ResumingPipeline()
     tokenizer = SimpleNamespace(detokenizer=SimpleNamespace(add_token=lambda t: None, last_segment="",
                                                             finalize=lambda: None, tokens=[]))
-    engine = RingEngine(pipeline, tokenizer, [0], 100000, False, 100, prefill_chunk=8, room=RingRoom(None, False, max_rows=1),
+    engine = RingEngine(pipeline, tokenizer, [0], 100000, False, 100, prefill_chunk=8,
+                        room=RingRoom(None, False, max_rows=1),
                         queue_timeout=queue_timeout, resume_window=30.0, groups=2)
     row: queue.SimpleQueue = queue.SimpleQueue()
     engine.open(GenerationRequest([1, 2, 3], max_tokens=1000), row.put)

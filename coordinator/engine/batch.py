@@ -133,10 +133,9 @@ class BatchEngine(KeepsPrefixes):
                 described.result(DESCRIBE_WAIT_S)
             except TimeoutError:  # (unless it has begun: the next one asks again)
                 described.cancel()
-        return {"kind": "local", "stages": self._stages, "batch": {"max_rows": self.max_rows, "budget_bytes": self.budget,
-                                                             "prefix_cache_bytes": self.prefix_cache,
-                                                             "admit_horizon": self.horizon,
-                                                             "preemptions": self.preemptions}}
+        batch = {"max_rows": self.max_rows, "budget_bytes": self.budget, "prefix_cache_bytes": self.prefix_cache,
+                 "admit_horizon": self.horizon, "preemptions": self.preemptions}
+        return {"kind": "local", "stages": self._stages, "batch": batch}
 
     def scheduler_state(self) -> plan.SchedulerState:
         """Rows, queue, memory the rows hold (not kept prefixes, which make way for them) and preemptions,

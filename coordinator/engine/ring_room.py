@@ -2,12 +2,12 @@
 
 Every node holds, for each group, the caches of its rows for its own layers (node/groups.py: a batch
 per group, as long as its longest row), and its budget is its own: half the memory it had free once
-its shard was loaded (within what a launched node offers, its --max-memory cap), less its share of kept
-prompt prefixes, unless one is given. A request is
-admitted when, with room for it to grow by a horizon, every node's groups still fit (scheduler.py);
-where the running rows outgrow a node after all, the last admitted leave for the head of the queue
-and go on where they stopped once there is room (ring.py puts them back as it puts back rows lost with
-a node). Nodes sharing one machine each count half of what it has free: give them a budget then.
+its shard was loaded (within what a launched node offers, its --max-memory cap), less its share of
+kept prompt prefixes, unless one is given. A request is admitted when, with room for it to grow by a
+horizon, every node's groups still fit (scheduler.py); where the running rows outgrow a node after
+all, the last admitted leave for the head of the queue and go on where they stopped once there is
+room (ring.py puts them back as it puts back rows lost with a node). Nodes sharing one machine each
+count half of what it has free: give them a budget then.
 The engine's lock order is a request's lock, then its own or this one: nothing here takes a request's.
 """
 
@@ -21,9 +21,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from ...node.protocol import StageUnavailable
 from . import scheduler as plan
 from .ring_live import RingLive
-from ...node.protocol import StageUnavailable
 from .sinks import ServerBusy
 
 log = logging.getLogger(__name__)
@@ -79,9 +79,9 @@ class RingRoom:
         reach = plan.reach(len(req.prompt_tokens), live.generated, req.max_tokens, horizon)
         return plan.Footprint(reach + req.mtp_depth, req.mtp_depth)
 
-    def queue(self, live: RingLive, first: bool = False) -> None:
+    def queue(self, live: RingLive) -> None:
         with self.lock:
-            self.waiting.insert(0, live) if first else self.waiting.append(live)
+            self.waiting.append(live)
 
     def admit(self, groups: int, now: float, timeout: float) -> tuple[list[RingLive], list[RingLive]]:
         """Those admitted now, each with the group it joins (`live.group`), and those refused after

@@ -88,12 +88,6 @@ class SchedulerState:
     preemptions: int  # since the engine started
 
 
-def held_share(nodes: list[NodeRoom], groups: list[list[Footprint]]) -> float:
-    """The fullest node's share of its budget that these groups hold."""
-    return max((sum(batch_bytes(n.dims, rows) for rows in groups) / n.budget for n in nodes if n.budget > 0),
-               default=0.0)
-
-
 @dataclass(frozen=True)
 class Waiting:
     seq_id: str
@@ -138,6 +132,12 @@ class NodeRoom:
 def ring_fits(nodes: list[NodeRoom], groups: list[list[Footprint]]) -> bool:
     """Every node holds each group as a batch of its own (node/groups.py): do they all fit its budget?"""
     return all(sum(batch_bytes(n.dims, rows) for rows in groups) <= n.budget for n in nodes)
+
+
+def held_share(nodes: list[NodeRoom], groups: list[list[Footprint]]) -> float:
+    """The fullest node's share of its budget that these groups hold."""
+    return max((sum(batch_bytes(n.dims, rows) for rows in groups) / n.budget for n in nodes if n.budget > 0),
+               default=0.0)
 
 
 def admit_ring(waiting: list[Waiting], groups: dict[int, list[Footprint]], count: int, nodes: list[NodeRoom],
