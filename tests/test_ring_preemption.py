@@ -208,3 +208,39 @@ def test_a_room_without_the_models_config_admits_by_count() -> None:
     admitted, refused = room.admit(2, 0.0, 60.0)
     assert admitted == lives[:2] and not refused and sorted(x.group for x in admitted) == [1, 2]
     assert room.admit(2, 61.0, 60.0) == ([], [lives[2]]) and not room.waiting
+
+
+@pytest.mark.timeout(180)
+def test_a_node_frozen_while_a_row_waits_preempted_loses_no_token(dense_ckpt: Path) -> None:
+    """A node frozen while one row decodes and another waits preempted: the decoding row resumes once the
+    node is back, the preempted one is admitted again later, and each gives the tokens of an undisturbed run;
+    nothing is left on the nodes."""
+    from helpers import undisturbed
+    from test_faults import FREEZE_S, SETTLE_S, active
+
+    from mtpipe.coordinator.bench.nodes import NodeProcesses
+
+    with NodeProcesses(2, model_dirs=[dense_ckpt]) as nodes:
+        engine = ring_engine(dense_ckpt, nodes.addresses, dtype="float32", horizon=HORIZON, prefix_cache=0,
+                             groups=GROUPS)
+        try:
+            ends = never_ends(engine)
+            reqs = [request(encode(engine, PROMPTS[i]), 0, 160, params=ends) for i in (5, 6)]
+            want = undisturbed(dense_ckpt, reqs)
+            squeeze(engine, reqs, HORIZON)
+            streams = [Stream(engine, r) for r in reqs]  # (both admitted before either grows)
+            deadline = time.monotonic() + 60
+            while not engine.room.waiting:  # (the second outgrows the budget within a few rounds)
+                assert time.monotonic() < deadline, "never preempted"
+                time.sleep(0.01)
+            nodes.freeze(1, FREEZE_S)
+            assert [s.finish() for s in streams] == want
+            assert streams[1].stats.preempted >= 1
+            stamps = streams[0].stamps  # (the running row stood still while the node was frozen)
+            assert max(b - a for a, b in zip(stamps, stamps[1:])) > FREEZE_S / 2
+            deadline = time.monotonic() + SETTLE_S
+            while any(left := active(engine)) and time.monotonic() < deadline:
+                time.sleep(0.25)
+            assert left == [0, 0] and nothing_scheduled(engine)
+        finally:
+            engine.close()
