@@ -620,6 +620,23 @@ def test_a_request_refused_from_the_queue_while_the_pipeline_is_down_is_told_so(
         engine.close()
 
 
+def test_requests_in_the_queue_end_at_once_when_the_pipeline_will_not_come_back() -> None:
+    from mtpipe.node.protocol import StageUnavailable
+
+    pipeline, engine, row, waiting = resuming_engine(queue_timeout=30.0)
+    try:
+        pipeline.reformer.given_up = True
+        pipeline.reformer.down = ConnectionError("node b:2 was taken over by another coordinator")
+        start = time.monotonic()
+        for q in waiting:
+            error = q.get(timeout=WAIT_S)
+            assert isinstance(error, StageUnavailable) and "taken over" in str(error) and q.get(timeout=WAIT_S) is END
+        assert time.monotonic() - start < 5.0 and not engine.room.waiting  # (not after the queue timeout)
+    finally:
+        pipeline.reformer.down, pipeline.reformer.given_up = None, False
+        engine.close()
+
+
 def test_a_client_gone_while_its_prompt_goes_in_stops_it_there(ring: Any) -> None:
     """A long prompt, in many chunks: once its client goes away no more chunks are sent, so the nodes
     compute only those already in flight, not the whole prompt; nothing is left on any node."""

@@ -110,6 +110,12 @@ class RingRoom:
             self.waiting = list(by_id.values())
             return admitted, refused
 
+    def drain(self) -> list[RingLive]:
+        """Every request in the queue, out of it (preempted ones too)."""
+        with self.lock:
+            out, self.waiting = self.waiting, []
+            return out
+
     def give_back(self, live: RingLive) -> None:
         """It ended, or never got its room: out of the queue or the rows (a request's lock may be held)."""
         with self.lock:
@@ -171,8 +177,11 @@ class RoomForRows:
 
     def _admit(self, refuse: bool = False) -> None:
         """Start those the nodes have room for now; with `refuse` (never under a request's lock), refuse
-        those that waited past the queue timeout."""
+        those that waited past the queue timeout, and every one in the queue once the pipeline will not be
+        formed again."""
         admitted, refused = self.room.admit(self.groups, time.monotonic(), self.queue_timeout if refuse else math.inf)
+        if refuse and self.pipeline.reformer.down is not None and self.pipeline.reformer.given_up:
+            refused += self.room.drain()
         for live in admitted:
             try:
                 self._pool.submit(self._start, live)
