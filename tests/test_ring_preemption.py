@@ -96,6 +96,7 @@ def test_preempted_rows_go_on_where_they_stopped_token_identical(dense_ckpt: Pat
             ring = nodes_cluster_info(engine, "tiny")()["ring"]  # (GET /v1/cluster)
             assert ring["preemptions"] == engine.room.preemptions and ring["admit_horizon"] == HORIZON
             assert ring["waiting"] == 0 and ring["budget_bytes"] == [n.budget for n in engine.room.nodes]
+            assert ring["cache_usage"] == [0.0] * nodes  # (each node's share of its budget held now: no rows)
         finally:
             engine.close()
     reference.close()

@@ -140,18 +140,23 @@ class RingRoom:
                 self.waiting.insert(0, live)
                 self.preemptions += 1
 
+    def _shares(self) -> list[float]:
+        """What each node's rows hold now over its budget (under the lock)."""
+        groups: dict[int, list[plan.Footprint]] = {}
+        for x in self.held.values():
+            groups.setdefault(x.group, []).append(self.need(x, 0))
+        return plan.held_shares(self.nodes, list(groups.values()))
+
     def state(self) -> plan.SchedulerState:
         with self.lock:
-            groups: dict[int, list[plan.Footprint]] = {}
-            for x in self.held.values():
-                groups.setdefault(x.group, []).append(self.need(x, 0))
-            usage = plan.held_share(self.nodes, list(groups.values()))
+            usage = max(self._shares(), default=0.0)
             return plan.SchedulerState(len(self.held), len(self.waiting), usage, self.preemptions)
 
     def describe(self) -> dict[str, Any]:
         with self.lock:
             return {"admit_horizon": self.horizon, "preemptions": self.preemptions, "waiting": len(self.waiting),
-                    "budget_bytes": [n.budget for n in self.nodes]}
+                    "budget_bytes": [n.budget for n in self.nodes],
+                    "cache_usage": [round(x, 4) for x in self._shares()]}
 
 
 class RoomForRows:

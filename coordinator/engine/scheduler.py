@@ -134,10 +134,9 @@ def ring_fits(nodes: list[NodeRoom], groups: list[list[Footprint]]) -> bool:
     return all(sum(batch_bytes(n.dims, rows) for rows in groups) <= n.budget for n in nodes)
 
 
-def held_share(nodes: list[NodeRoom], groups: list[list[Footprint]]) -> float:
-    """The fullest node's share of its budget that these groups hold."""
-    return max((sum(batch_bytes(n.dims, rows) for rows in groups) / n.budget for n in nodes if n.budget > 0),
-               default=0.0)
+def held_shares(nodes: list[NodeRoom], groups: list[list[Footprint]]) -> list[float]:
+    """Each node's share of its budget that these groups hold."""
+    return [sum(batch_bytes(n.dims, rows) for rows in groups) / n.budget if n.budget > 0 else 0.0 for n in nodes]
 
 
 def admit_ring(waiting: list[Waiting], groups: dict[int, list[Footprint]], count: int, nodes: list[NodeRoom],
