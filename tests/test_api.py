@@ -531,7 +531,7 @@ def test_metrics(engine: BatchEngine, server: LiveServer, client: Any) -> None:
     assert "# TYPE mtpipe_request_duration_seconds histogram" in m.text
     # The scheduler's state, asked of the engine as the metrics are scraped (nothing runs or waits now).
     assert m("mtpipe_requests_running") == m("mtpipe_requests_waiting") == 0 and m("mtpipe_cache_usage_ratio") == 0
-    assert m("mtpipe_preemptions_total") == 0
+    assert m("mtpipe_preemptions_total") == 0 and m("mtpipe_scheduler_answered") == 1
 
     # The exposition's shape: what dashboards query, and no `_created` series.
     kinds = {
@@ -543,6 +543,7 @@ def test_metrics(engine: BatchEngine, server: LiveServer, client: Any) -> None:
         "mtpipe_mtp_acceptance_ratio": "gauge", "mtpipe_request_duration_seconds": "histogram",
         "mtpipe_time_to_first_token_seconds": "histogram", "mtpipe_decode_tokens_per_second": "histogram",
         "mtpipe_requests_running": "gauge", "mtpipe_requests_waiting": "gauge", "mtpipe_cache_usage_ratio": "gauge",
+        "mtpipe_scheduler_answered": "gauge",
     }
     assert {name: f.type for name, f in m.families.items()} == kinds
     assert all(f.documentation for f in m.families.values())
@@ -558,6 +559,31 @@ def test_metrics(engine: BatchEngine, server: LiveServer, client: Any) -> None:
     bounds = [dict(labels)["le"] for name, labels in m.samples if name == "mtpipe_decode_tokens_per_second_bucket"]
     assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "1000.0", "2000.0",
                       "+Inf"]
+
+
+def test_the_schedulers_state_is_its_last_answer_when_the_engine_does_not_answer() -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mtpipe.coordinator.api.metrics import ServerMetrics
+    from mtpipe.coordinator.engine.scheduler import SchedulerState
+
+    answers: list[Any] = [SchedulerState(3, 2, 0.5, 7), TimeoutError("no answer in 2 s")]
+
+    def read() -> SchedulerState:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    metrics = ServerMetrics(read)  # (registered without asking the engine)
+    for answered in (1, 0):
+        text = generate_latest(metrics.registry).decode()
+        got = {x.name: x.value for f in text_string_to_metric_families(text) for x in f.samples}
+        assert got["mtpipe_scheduler_answered"] == answered
+        assert (got["mtpipe_requests_running"], got["mtpipe_requests_waiting"]) == (3, 2)
+        assert got["mtpipe_cache_usage_ratio"] == 0.5 and got["mtpipe_preemptions_total"] == 7
+    assert not answers
 
 
 def test_metrics_count_each_request(engine: Engine) -> None:

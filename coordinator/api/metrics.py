@@ -59,17 +59,21 @@ class SchedulerMetrics(Collector):
         self._last: Any = None
 
     def describe(self) -> Iterator[Metric]:  # (registered without asking the engine)
-        return self._families(SchedulerState(0, 0, 0.0, 0))
+        return self._families(SchedulerState(0, 0, 0.0, 0), True)
 
     def collect(self) -> Iterator[Metric]:
         try:
-            self._last = self._read()
+            self._last, answered = self._read(), True
         except Exception as e:  # noqa: BLE001 - the last reading stands
             log.debug("the scheduler's state is unavailable: %s", e)
-        return self._families(self._last)
+            answered = False
+        return self._families(self._last, answered)
 
     @staticmethod
-    def _families(state: Any) -> Iterator[Metric]:
+    def _families(state: Any, answered: bool) -> Iterator[Metric]:
+        yield GaugeMetricFamily("mtpipe_scheduler_answered", "1 when the engine told this scrape its scheduler's "
+                                "state; 0 when it did not answer in time (the values are then its last answer).",
+                                value=1.0 if answered else 0.0)
         yield CounterMetricFamily("mtpipe_preemptions", "Times a generation left the batch to wait for memory "
                                   "(it then went on where it stopped).", value=state.preemptions if state else 0)
         if state is None:
