@@ -103,9 +103,9 @@ def main(reps: int, nodes: int) -> None:
 def run(engine: Any, dims: plan.ModelDims, setup: Callable[[int | None, int], None], reps: int) -> None:
     prompts = [engine.tokenizer.encode(p) for p in bench_prompts(ROWS)]
     longest = max(len(p) for p in prompts)
-    full = plan.footprint(dims, longest + MAX_TOKENS, DEPTH)
+    full = plan.footprint(longest + MAX_TOKENS, DEPTH)
     cases = {"short": (128, plan.batch_bytes(dims, [full] * 2)),
-             "long": (1024, plan.batch_bytes(dims, [plan.footprint(dims, longest + 1100, DEPTH)] * 2))}
+             "long": (1024, plan.batch_bytes(dims, [plan.footprint(longest + 1100, DEPTH)] * 2))}
     ways = {"reserve": None, "horizon": plan.ADMIT_HORIZON}
     for case, (reply, budget) in cases.items():
         reqs = requests(engine, prompts, reply)

@@ -523,11 +523,11 @@ def test_every_row_pays_for_the_longest_reach() -> None:
     """A batch's KV is as long as its longest row, so a long request beside short ones costs what
     all of them at its length cost; the queue stays first in, first out."""
     dims = plan.ModelDims(kv_bytes_per_token=10, state_bytes=1000)
-    short, long = plan.footprint(dims, 100, 0), plan.footprint(dims, 10_000, 0)
+    short, long = plan.footprint(100, 0), plan.footprint(10_000, 0)
     assert plan.batch_bytes(dims, [short, short]) == 2 * 10 * 100 + 2 * 2000
     assert plan.batch_bytes(dims, [long, short]) == 2 * 10 * 10_000 + 2 * 2000
     # A round is as wide as its deepest row: every row's states are captured at that many positions.
-    deep = plan.footprint(dims, 100, 8)
+    deep = plan.footprint(100, 8)
     assert plan.batch_bytes(dims, [deep] + [short] * 7) == 8 * 10 * 108 + 8 * 1000 * (2 + 8)
     # KV grows in steps: a batch holds the longest row's reach rounded up to one.
     stepped = plan.ModelDims(kv_bytes_per_token=10, state_bytes=1000, kv_step=256)
@@ -560,7 +560,7 @@ def test_admission_waits_for_memory_and_times_out(dense_ckpt: Path, engines: Eng
     dims = plan.ModelDims.of(config.args, itemsize=4, mtp=True, kv_step=CAPACITY_STEP)
     tok = engines.local("dense")
     a, b = request(encode(tok, PROMPTS[0]), 2, 32), request(encode(tok, PROMPTS[1]), 1, 24)
-    need = [plan.footprint(dims, len(r.prompt_tokens) + r.max_tokens, r.mtp_depth) for r in (a, b)]
+    need = [plan.footprint(len(r.prompt_tokens) + r.max_tokens, r.mtp_depth) for r in (a, b)]
     budget = max(plan.batch_bytes(dims, [n]) for n in need)  # each fits alone, not both together
     engine = batch_engine(dense_ckpt, dtype=mx.float32, memory_budget=budget, queue_timeout=30)
     try:
@@ -578,7 +578,7 @@ def test_admission_waits_for_memory_and_times_out(dense_ckpt: Path, engines: Eng
 
     # Admitted with room to grow by a horizon: a second row does not fit beside one with that room.
     long = request(encode(tok, PROMPTS[0]), 0, 2000, params=never_ends(tok))
-    alone = plan.batch_bytes(dims, [plan.footprint(dims, len(long.prompt_tokens) + plan.ADMIT_HORIZON, 0)])
+    alone = plan.batch_bytes(dims, [plan.footprint(len(long.prompt_tokens) + plan.ADMIT_HORIZON, 0)])
     engine = batch_engine(dense_ckpt, dtype=mx.float32, queue_timeout=0.2, memory_budget=alone)
     try:
         running = Stream(engine, long).first()

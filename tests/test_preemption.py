@@ -26,7 +26,7 @@ def test_the_plan_admits_by_a_horizon_and_preempts_the_last_admitted() -> None:
     assert plan.reach(100, 10, 2000, 256) == 366  # what it holds, and room for the horizon
     assert plan.reach(100, 10, 50, 256) == plan.reach(100, 10, 50, None) == 150  # never past its end
     dims = plan.ModelDims(kv_bytes_per_token=10, state_bytes=1000)
-    short, long = plan.footprint(dims, 100, 0), plan.footprint(dims, 10_000, 0)
+    short, long = plan.footprint(100, 0), plan.footprint(10_000, 0)
     budget = plan.batch_bytes(dims, [short] * 4)
     assert plan.to_preempt([short] * 4, dims, budget) == 0
     assert plan.to_preempt([short, short, long], dims, budget) == 1  # the last admitted leaves
@@ -52,9 +52,9 @@ def test_preempted_rows_go_on_where_they_stopped_token_identical(dense_ckpt: Pat
         prompts = [encode(engine, p) for p in PROMPTS[:4]]
         reqs = preemption_mix(engine, prompts, TOKENS)
         # Room for all four with the horizon, not for all four at their ends.
-        needs = [plan.footprint(dims, len(r.prompt_tokens) + HORIZON, r.mtp_depth) for r in reqs]
+        needs = [plan.footprint(len(r.prompt_tokens) + HORIZON, r.mtp_depth) for r in reqs]
         engine.thread.call(setattr, engine, "budget", plan.batch_bytes(dims, needs))
-        assert plan.batch_bytes(dims, [plan.footprint(dims, len(r.prompt_tokens) + TOKENS, r.mtp_depth)
+        assert plan.batch_bytes(dims, [plan.footprint(len(r.prompt_tokens) + TOKENS, r.mtp_depth)
                                        for r in reqs]) > engine.budget
         streams = [Stream(engine, r) for r in reqs]
         preempted = check_preemption_mix(streams, reference, TOKENS, lambda: engine.preemptions)
@@ -75,7 +75,7 @@ def test_a_preempted_request_cancelled_while_it_waits_ends_and_holds_nothing(den
         ends = never_ends(engine)
         first = request(encode(engine, PROMPTS[5]), 0, 2000, params=ends)
         second = request(encode(engine, PROMPTS[6]), 0, 2000, params=ends)
-        needs = [plan.footprint(dims, len(r.prompt_tokens) + HORIZON, 0) for r in (first, second)]
+        needs = [plan.footprint(len(r.prompt_tokens) + HORIZON, 0) for r in (first, second)]
         engine.thread.call(setattr, engine, "budget", plan.batch_bytes(dims, needs))
         running, waiting = Stream(engine, first).first(), Stream(engine, second).first()
         cancel_while_preempted(engine, running, waiting, lambda: engine.preemptions)
@@ -96,7 +96,7 @@ def test_each_waiting_request_is_judged_on_its_own_need(dense_ckpt: Path) -> Non
         ends = never_ends(engine)
         short, long = (request(encode(engine, text), 0, 2000, params=ends) for text in (PROMPTS[5], "".join(PROMPTS[:8])))
         engine.thread.call(setattr, engine, "budget", plan.batch_bytes(
-            dims, [plan.footprint(dims, len(long.prompt_tokens) + HORIZON, 0)] * 2))
+            dims, [plan.footprint(len(long.prompt_tokens) + HORIZON, 0)] * 2))
         running, preempted = Stream(engine, short).first(), Stream(engine, long).first()
         deadline = time.monotonic() + 60
         while not engine.preemptions:

@@ -99,12 +99,12 @@ def test_kept_prefixes_stay_within_their_budget_and_give_way_to_requests(dense_c
         assert joined == [""] and {k.tokens for k in kept(engine)} == tokens
         monkeypatch.undo()
         # Memory for a request that goes on from prompt 1's prefix and for one kept prefix: the others go.
-        need = plan.footprint(engine.dims, len(prompts[1]) + 3 + TOKENS, 2)
+        need = plan.footprint(len(prompts[1]) + 3 + TOKENS, 2)
         engine.budget = plan.batch_bytes(engine.dims, [need]) + size
         assert run(engine, prompts[1] + [5, 6, 7], 2).stats.cached_tokens == len(prompts[1]) - 1
         # A request that needs the memory they hold gets it; and kept prefixes never take the room of
         # rows running beside them: its prompt's is not kept, its end is once its row is gone.
-        engine.budget = plan.batch_bytes(engine.dims, [plan.footprint(engine.dims, len(prompts[2]) + TOKENS, 0)])
+        engine.budget = plan.batch_bytes(engine.dims, [plan.footprint(len(prompts[2]) + TOKENS, 0)])
         last = run(engine, prompts[2], 0)
         assert last.stats.cached_tokens == 0
         assert [k.tokens for k in kept(engine)] == [tuple(prompts[2] + last.tokens[:-1])]
@@ -332,7 +332,7 @@ def test_a_request_ending_near_the_budget_keeps_its_end_when_it_fits_once_its_ro
     engine = batch_engine(dense_ckpt, dtype=mx.float32, prefix_cache=1 << 30)
     try:
         prompt = list(engine.tokenizer.encode(TEXT))
-        engine.budget = plan.batch_bytes(engine.dims, [plan.footprint(engine.dims, len(prompt) + TOKENS, 2)])
+        engine.budget = plan.batch_bytes(engine.dims, [plan.footprint(len(prompt) + TOKENS, 2)])
         engine.budget += plan.kept_bytes(engine.dims, len(prompt))
         reply = run(engine, prompt, 2).tokens
         assert {k.tokens for k in kept(engine)} == {tuple(prompt[:-1]), tuple(prompt + reply[:-1])}
@@ -407,7 +407,7 @@ def test_a_request_no_drop_could_admit_waits_with_the_kept_prefixes_left_alone(d
     tokenizer, dims = probe.tokenizer, probe.dims
     probe.close()
     text = list(tokenizer.encode("".join(PROMPTS)))
-    row = plan.footprint(dims, 20 + 3000, 0)
+    row = plan.footprint(20 + 3000, 0)
     budget = plan.batch_bytes(dims, [row, row]) + 3 * plan.kept_bytes(dims, 200)  # two long rows, a few prefixes
     # (rows admitted for all their max tokens: by a horizon, the third one would be, and preempted later)
     engine = batch_engine(dense_ckpt, dtype=mx.float32, memory_budget=budget, prefix_cache=budget // 4,
@@ -441,8 +441,8 @@ def test_a_kept_prefix_that_alone_keeps_a_request_out_goes(dense_ckpt: Path) -> 
     text = list(tokenizer.encode("".join(PROMPTS)))
     kept, long_row = text[:120], list(tokenizer.encode(PROMPTS[5]))
     head = kept[:119] + text[200:210]  # goes on from the kept prefix
-    budget = plan.batch_bytes(dims, [plan.footprint(dims, len(long_row) + 3000, 0),
-                                     plan.footprint(dims, len(head) + 4, 0)])  # the two rows, nothing else
+    budget = plan.batch_bytes(dims, [plan.footprint(len(long_row) + 3000, 0),
+                                     plan.footprint(len(head) + 4, 0)])  # the two rows, nothing else
     engine = batch_engine(dense_ckpt, dtype=mx.float32, memory_budget=budget, prefix_cache=budget, queue_timeout=1.0)
     try:
         engine.complete(GenerationRequest(kept, max_tokens=1))

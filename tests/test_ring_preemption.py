@@ -20,7 +20,9 @@ from test_ring import quiet
 from mtpipe.coordinator.api.serve import nodes_cluster_info
 from mtpipe.coordinator.engine import scheduler as plan
 from mtpipe.coordinator.engine.build import local_engine, ring_engine
+from mtpipe.coordinator.engine.request import GenerationRequest
 from mtpipe.coordinator.engine.ring import RingEngine
+from mtpipe.coordinator.engine.ring_live import RingLive
 from mtpipe.coordinator.engine.ring_room import RingRoom
 from mtpipe.coordinator.engine.sinks import ServerBusy
 from mtpipe.models.config import load_config
@@ -202,8 +204,7 @@ def test_a_nodes_budget_is_half_its_free_memory_within_what_it_offers() -> None:
 def test_a_room_without_the_models_config_admits_by_count() -> None:
     room = RingRoom(None, False, max_rows=2)
     room.measure([SimpleNamespace()])  # (nothing to measure by)
-    lives = [SimpleNamespace(req=SimpleNamespace(prompt_tokens=[1], max_tokens=4, mtp_depth=0), generated=0,
-                             queued=0.0, order=0, group=0) for _ in range(3)]
+    lives = [RingLive(f"s{i}", GenerationRequest([1], max_tokens=4), print, None, None, 0.0) for i in range(3)]
     for x in lives:
         room.queue(x)
     admitted, refused = room.admit(2, 0.0, 60.0)

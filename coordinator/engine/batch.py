@@ -210,7 +210,7 @@ class BatchEngine(KeepsPrefixes):
 
     def _needs(self, lives: list[Live], horizon: int | None) -> list[plan.Footprint]:
         """What these rows hold, in their order, once each has `horizon` tokens more (None: at their ends)."""
-        return [x.need(self.dims, horizon) for x in lives]
+        return [x.need(horizon) for x in lives]
 
     def _admit(self) -> None:
         needs = self._needs(self._waiting, self.horizon)

@@ -7,28 +7,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ...node.protocol import Scored
-from . import scheduler as plan
-from .detokenizer import TextStream
-from .request import GenerationRequest, GenerationStats
-from .sinks import Sink
+from .opened import Opened
 
 
 @dataclass
-class Live:
+class Live(Opened):
     """One request inside the engine (touched only on the MLX thread, except `cancelled`)."""
 
-    seq_id: str
-    req: GenerationRequest
-    sink: Sink
-    text: TextStream
-    stats: GenerationStats
-    queued: float
     cancelled: threading.Event = field(default_factory=threading.Event)
-    order: int = 0  # when it was admitted, as a count: the last admitted is preempted first
     prefilled: int = 0  # tokens of `tokens` fed so far
     step: int = 0  # prefill steps sent
     generated: int = 0
-    emitted: list[int] = field(default_factory=list)  # every token the stages gave, past a stop included
     next_tokens: list[int] = field(default_factory=list)  # the next round's [y, d1..dK]
     started: float = 0.0
     prefix: str = ""  # the kept prefix its prompt goes on from
@@ -46,11 +35,6 @@ class Live:
         """What its prefill feeds: the prompt, and after a preemption the tokens it had (the last of them,
         never fed, goes last, alone, and yields the next)."""
         return self.req.prompt_tokens + self.emitted if self.emitted else self.req.prompt_tokens
-
-    def need(self, dims: plan.ModelDims, horizon: int | None) -> plan.Footprint:
-        """What it holds once it has `horizon` tokens more (None: at its end)."""
-        positions = plan.reach(len(self.req.prompt_tokens), len(self.emitted), self.req.max_tokens, horizon)
-        return plan.footprint(dims, positions, self.req.mtp_depth)
 
 
 class Handle:

@@ -9,21 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...node.protocol import Scored, StepKind, StepOutput, StepRequest
-from .detokenizer import TextStream
-from .request import GenerationRequest, GenerationStats
-from .sinks import Sink
+from .opened import Opened
 
 
 @dataclass
-class RingLive:
+class RingLive(Opened):
     """One request in the ring; its outcomes come from the prefill's thread, then the subscription's."""
 
-    seq_id: str
-    req: GenerationRequest
-    sink: Sink
-    text: TextStream
-    stats: GenerationStats
-    queued: float
     group: int = 0
     generated: int = 0
     started: float = 0.0
@@ -33,8 +25,6 @@ class RingLive:
     resuming: bool = False  # its sequence was lost with a node: waiting for the pipeline to come back
     lost_prompt: tuple[str, int] | None = None  # (sequence, group) lost while its prompt went in: freed after
     resumes: int = 0
-    order: int = 0  # when it was admitted, as a count (ring_room.py): the last admitted is preempted first
-    emitted: list[int] = field(default_factory=list)  # every token handed out (replayed on a resume)
     keep_end: str = ""  # the key its state is kept under as it ends (kept.py), and the epoch it counts in
     kept_epoch: float = 0.0
     done: bool = False

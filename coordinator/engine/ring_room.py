@@ -74,11 +74,6 @@ class RingRoom:
             self.budget, self._budgets = budget, {}
         self.measure(health)
 
-    def need(self, live: RingLive, horizon: int | None) -> plan.Footprint:
-        req = live.req
-        reach = plan.reach(len(req.prompt_tokens), live.generated, req.max_tokens, horizon)
-        return plan.Footprint(reach + req.mtp_depth, req.mtp_depth)
-
     def queue(self, live: RingLive) -> None:
         with self.lock:
             self.waiting.append(live)
@@ -87,11 +82,11 @@ class RingRoom:
         """Those admitted now, each with the group it joins (`live.group`), and those refused after
         `timeout` seconds in the queue; both out of it."""
         with self.lock:
-            waiting = [plan.Waiting(str(id(x)), self.need(x, self.horizon), x.queued, preempted=x.order > 0)
+            waiting = [plan.Waiting(str(id(x)), x.need(self.horizon), x.queued, preempted=x.order > 0)
                        for x in self.waiting]
             running: dict[int, list[plan.Footprint]] = {}
             for x in self.held.values():
-                running.setdefault(x.group, []).append(self.need(x, self.horizon))
+                running.setdefault(x.group, []).append(x.need(self.horizon))
             if self.nodes:
                 chosen = plan.admit_ring(waiting, running, groups, self.nodes, self.max_rows)
             else:  # (no node measured: by count)
@@ -130,7 +125,7 @@ class RingRoom:
             if not self.nodes or len(self.held) < 2:
                 return []
             lives = sorted(self.held.values(), key=lambda x: x.order)
-            running = [(x.group, self.need(x, 1)) for x in lives]
+            running = [(x.group, x.need(1)) for x in lives]
             return [lives[i] for i in plan.ring_to_preempt(running, self.nodes, [id(x) in movable for x in lives])]
 
     def preempted(self, live: RingLive) -> None:
@@ -144,7 +139,7 @@ class RingRoom:
         """What each node's rows hold now over its budget (under the lock)."""
         groups: dict[int, list[plan.Footprint]] = {}
         for x in self.held.values():
-            groups.setdefault(x.group, []).append(self.need(x, 0))
+            groups.setdefault(x.group, []).append(x.need(0))
         return plan.held_shares(self.nodes, list(groups.values()))
 
     def state(self) -> plan.SchedulerState:

@@ -53,7 +53,7 @@ class Footprint:
     depth: int  # drafts per round at most: a verify captures GatedDeltaNet states at depth + 1 positions
 
 
-def footprint(dims: ModelDims, positions: int, depth: int) -> Footprint:
+def footprint(positions: int, depth: int) -> Footprint:
     return Footprint(positions + depth, depth)
 
 
@@ -99,26 +99,14 @@ class Waiting:
 def admit(waiting: list[Waiting], running: list[Footprint], dims: ModelDims, budget: int, max_rows: int) -> list[str]:
     """The head of the FIFO queue that fits beside the running rows: a sequence never overtakes an
     older one that does not fit yet, and one alone is admitted whatever its cost (it was validated
-    against the context)."""
-    out: list[str] = []
-    rows = list(running)
-    for w in waiting:
-        if len(rows) >= max_rows:
-            break
-        if rows and batch_bytes(dims, [*rows, w.need]) > budget:
-            break
-        out.append(w.seq_id)
-        rows.append(w.need)
-    return out
+    against the context). One machine's batch: a ring of one node and one group."""
+    return [seq_id for seq_id, _ in admit_ring(waiting, {1: list(running)}, 1, [NodeRoom(dims, budget)], max_rows)]
 
 
 def to_preempt(running: list[Footprint], dims: ModelDims, budget: int) -> int:
     """How many of the running rows (in the order they were admitted) must leave, the last admitted
     first, for the others to fit the budget: never the first, which runs whatever it costs."""
-    n = len(running)
-    while n > 1 and batch_bytes(dims, running[:n]) > budget:
-        n -= 1
-    return len(running) - n
+    return len(ring_to_preempt([(1, r) for r in running], [NodeRoom(dims, budget)], [True] * len(running)))
 
 
 @dataclass(frozen=True)
