@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..proto import mtpipe_pb2 as pb
-from .sysinfo import gpu_limit, mlx_active_memory, system_memory
+from .sysinfo import gpu_limit, machine_id, mlx_active_memory, system_memory
 
 if TYPE_CHECKING:
     from .service import NodeService
@@ -57,6 +57,7 @@ async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
     reply = pb.HealthReply(
         node_id=node.node_id,
         version=__version__,
+        machine=machine_id(),
         memory_used=used,
         memory_available=available,
         memory_offered=offered,

@@ -8,6 +8,7 @@ the memory available. psutil cannot name the CPU, so `chip()` asks sysctl or /pr
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import platform
 import re
@@ -110,6 +111,19 @@ def system_memory(active: int | None = None) -> tuple[int, int]:
     resident = mlx_active_memory() if active is None else active
     gpu_room = max(0, info.gpu_limit - resident)
     return info.total - info.available, placement_memory(info.available, gpu_room)
+
+
+@functools.cache
+def machine_id() -> str:
+    """This machine in this boot, the same for every process on it (network namespaces and containers
+    share its kernel, so they share it too): Linux's boot id, else the host's name and when it booted."""
+    try:
+        seed = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        seed = ""
+    if not seed:
+        seed = f"{platform.node()}|{psutil.boot_time():.6f}"
+    return hashlib.sha256(seed.encode()).hexdigest()[:16]
 
 
 def mlx_active_memory() -> int:

@@ -360,6 +360,14 @@ def test_static_nodes_and_reachability(monkeypatch: pytest.MonkeyPatch) -> None:
         (res,) = static_resources([StaticNode(host="127.0.0.1", port=server.port)], "s3", reserve=2**20)
         assert (res.node_id, res.port, res.addresses, res.interfaces) == ("static-1", server.port, ("127.0.0.1",), ())
         assert res.available > 0
+        other = NodeServer("127.0.0.1", 0, node_id="static-2", secret="s3").start()
+        try:  # (two nodes of one machine share what it has free)
+            pair = static_resources([StaticNode(host="127.0.0.1", port=p) for p in (server.port, other.port)], "s3",
+                                    reserve=0)
+            assert [r.node_id for r in pair] == ["static-1", "static-2"]
+            assert sum(r.available for r in pair) == pytest.approx(res.available + 2**20, rel=0.2)
+        finally:
+            other.stop()
         target = f"127.0.0.1:{server.port}"
         reached = first_reachable(["127.0.0.1:1", target], "s3", "static-1", timeout=2.0)
         assert reached.target == target and reached.node_id == "static-1" and reached.rtt_ms > 0

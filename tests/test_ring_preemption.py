@@ -135,8 +135,9 @@ def test_a_request_without_room_waits_then_is_refused_and_the_nodes_budgets_come
             health = engine.pipeline.health()  # (free memory read again: a little off what it was at the start)
             assert engine.kept is not None
             share = engine.kept.budget // 2
+            assert len({h.machine for h in health}) == 1  # (one machine: its free memory is theirs together)
             for n, h in zip(engine.room.nodes, health):
-                assert n.budget == pytest.approx(max(64 * 2**20, h.memory_available // 2 - share), rel=0.25)
+                assert n.budget == pytest.approx(max(64 * 2**20, h.memory_available // 4 - share), rel=0.25)
             whole = plan.ModelDims.of(load_config(dense_ckpt).args, 4, mtp=True)  # (the MTP layer: on the last node)
             assert sum(n.dims.kv_bytes_per_token for n in engine.room.nodes) == whole.kv_bytes_per_token
             assert sum(n.dims.state_bytes for n in engine.room.nodes) == whole.state_bytes
@@ -184,12 +185,13 @@ def test_close_ends_a_preempted_request_waiting_for_room(dense_ckpt: Path) -> No
         assert not engine.room.waiting and not engine._queued
 
 
-def test_a_nodes_budget_is_half_its_free_memory_within_what_it_offers() -> None:
+def test_a_nodes_budget_is_half_its_free_memory_within_what_it_offers_shared_with_nodes_on_its_machine() -> None:
     room = RingRoom(load_config(DEMO_MODEL).args, True, max_rows=8, prefix_share=10)
 
-    def reply(node: str, start: int, end: int, available: int, offered: int = 0) -> SimpleNamespace:
+    def reply(node: str, start: int, end: int, available: int, offered: int = 0, machine: str = "") -> SimpleNamespace:
         return SimpleNamespace(node_id=node, start=start, end=end, num_layers=8, loaded=True, dtype="bfloat16",
-                               memory_available=available, memory_offered=offered, parameter_bytes=1000)
+                               memory_available=available, memory_offered=offered, parameter_bytes=1000,
+                               machine=machine)
 
     room.measure([reply("a", 0, 4, 2**31), reply("b", 4, 8, 2**31, offered=2**30 + 1000)])
     assert [n.budget for n in room.nodes] == [2**30 - 10, 2**29 - 10]  # (b's cap: 1 GiB beside its weights)
@@ -199,6 +201,10 @@ def test_a_nodes_budget_is_half_its_free_memory_within_what_it_offers() -> None:
     assert [n.budget for n in room.nodes] == [2**27 - 10] and room.nodes[0].dims.state_bytes > 0
     room.measure([reply("a", 0, 8, 1), SimpleNamespace(loaded=False)])  # (one being formed again: no reading)
     assert [n.budget for n in room.nodes] == [2**27 - 10]
+    room.rebudget(None, [reply("a", 0, 2, 3 * 2**30, machine="m"), reply("b", 2, 4, 3 * 2**30, machine="m"),
+                         reply("c", 4, 6, 3 * 2**30, machine="n"), reply("d", 6, 8, 0, offered=2**30 + 1000, machine="m")])
+    # (a, b and d share one machine's free memory; c has one of its own; d's cap is its own)
+    assert [n.budget for n in room.nodes] == [2**29 - 10, 2**29 - 10, 3 * 2**29 - 10, 2**29 - 10]
 
 
 def test_a_room_without_the_models_config_admits_by_count() -> None:

@@ -72,7 +72,7 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int,
     from ...proto import mtpipe_pb2 as pb
     from ...proto import mtpipe_pb2_grpc as pb_grpc
 
-    out: list[NodeResources] = []
+    answered: list[tuple[StaticNode, Any]] = []
     seen: dict[str, str] = {}  # node id -> the address that reached it first
     for n in nodes:
         try:
@@ -87,14 +87,19 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int,
             raise ValueError(f"static nodes {seen[h.node_id]} and {n.address} are the same node ({h.node_id}): "
                              "list each machine once")
         seen[h.node_id] = n.address
-        out.append(NodeResources(h.node_id, offered_bytes(h, reserve), (), n.port, (n.host,)))
-    return out
+        answered.append((n, h))
+    sharing: dict[str, int] = {}
+    for _, h in answered:
+        sharing[h.machine] = sharing.get(h.machine, 0) + 1
+    return [NodeResources(h.node_id, offered_bytes(h, reserve, sharing[h.machine] if h.machine else 1), (), n.port,
+                          (n.host,)) for n, h in answered]
 
 
-def offered_bytes(h: Any, reserve: int) -> int:
+def offered_bytes(h: Any, reserve: int, sharing: int = 1) -> int:
     """What a node's Health says it offers for weights: as a launched node reckons it (its cap included),
-    else all it has but its own shard's share (a new shard replaces it); less `reserve`."""
-    return max((h.memory_offered or h.memory_available + h.parameter_bytes) - reserve, 0)
+    else all it has but its own shard's share (a new shard replaces it), what its machine has free shared
+    with the `sharing` nodes of these on it; less `reserve`."""
+    return max((h.memory_offered or h.memory_available // sharing + h.parameter_bytes) - reserve, 0)
 
 
 def static_flags(nodes: list[StaticNode], secret: str | None, wait: float) -> dict[str, bool]:

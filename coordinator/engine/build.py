@@ -14,7 +14,7 @@ from .batch import BatchEngine
 from .engine import DEFAULT_PREFILL_CHUNK, Engine
 from .ring import DEFAULT_MAX_ROWS as RING_MAX_ROWS
 from .ring import RESUME_WINDOW_S, RingEngine
-from .ring_room import DTYPE_SIZES, RingRoom
+from .ring_room import DTYPE_SIZES, RingRoom, machine_sharing
 from .scheduler import ADMIT_HORIZON, ModelDims
 from .tokenizer import load_tokenizer
 
@@ -166,7 +166,8 @@ def ring_engine(
         return Engine(pipeline, tokenizer, eos, context, has_mtp, prefill_chunk=chunk, vocab_size=config.args.vocab_size)
     health = pipeline.health()
     if prefix_cache is None:
-        prefix_cache = len(nodes) * min(h.memory_available for h in health) // RING_PREFIX_CACHE_SHARE
+        prefix_cache = len(nodes) * min(h.memory_available // n for h, n in zip(health, machine_sharing(health))) \
+            // RING_PREFIX_CACHE_SHARE
     dims = ModelDims.of(config.args, itemsize=DTYPE_SIZES.get(health[-1].dtype, 2), mtp=has_mtp)
     from ...models.ragged import CAPACITY_STEP  # (the nodes' batches grow by it)
 

@@ -6,8 +6,8 @@ its shard was loaded (within what a launched node offers, its --max-memory cap),
 kept prompt prefixes, unless one is given. A request is admitted when, with room for it to grow by a
 horizon, every node's groups still fit (scheduler.py); where the running rows outgrow a node after
 all, the last admitted leave for the head of the queue and go on where they stopped once there is
-room (ring.py puts them back as it puts back rows lost with a node). Nodes sharing one machine each
-count half of what it has free: give them a budget then.
+room (ring.py puts them back as it puts back rows lost with a node). Nodes sharing one machine (the
+same `machine` in their health) share what it has free.
 The engine's lock order is a request's lock, then its own or this one: nothing here takes a request's.
 """
 
@@ -56,12 +56,13 @@ class RingRoom:
         if self.args is None or not all(h.loaded for h in health):
             return
         with self.lock:
-            self.nodes = [self._node(h) for h in health]
+            self.nodes = [self._node(h, n) for h, n in zip(health, machine_sharing(health))]
 
-    def _node(self, h: Any) -> plan.NodeRoom:
-        key = f"{h.node_id}:{h.start}-{h.end}"
+    def _node(self, h: Any, sharing: int) -> plan.NodeRoom:
+        """`sharing`: how many of the pipeline's nodes run on its machine, whose free memory is theirs together."""
+        key = f"{h.node_id}:{h.start}-{h.end}/{sharing}"
         if key not in self._budgets:  # (a launched node's cap holds: it offers what its weights and rows may use)
-            room = h.memory_offered - h.parameter_bytes if h.memory_offered else h.memory_available
+            room = h.memory_offered - h.parameter_bytes if h.memory_offered else h.memory_available // sharing
             free = max(0, room // 2 - self.prefix_share)
             self._budgets[key] = self.budget if self.budget is not None else max(MIN_NODE_BUDGET, free)
         dims = plan.ModelDims.of(self.args, DTYPE_SIZES.get(h.dtype, 2), mtp=self.has_mtp and h.end == h.num_layers,
@@ -245,6 +246,14 @@ class RoomForRows:
                 self.room.preempted(live)
         if victims:
             self._admit()
+
+
+def machine_sharing(health: list[Any]) -> list[int]:
+    """For each node (pb.HealthReply), how many of these run on its machine (1 for one that does not say)."""
+    counts: dict[str, int] = {}
+    for h in health:
+        counts[h.machine] = counts.get(h.machine, 0) + 1
+    return [counts[h.machine] if h.machine else 1 for h in health]
 
 
 def _counts(held: dict[int, RingLive]) -> dict[int, int]:
