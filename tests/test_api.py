@@ -652,6 +652,8 @@ def test_api_key(engine: Engine) -> None:
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(s.url + "/v1/models").status_code == 401
         assert httpx.get(s.url + "/health").status_code == 200
+        assert httpx.get(s.url + "/metrics").status_code == 200  # (open to a scraper, as vLLM's)
+        assert httpx.get(s.url + "/v1/cluster").status_code == 401
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
         good = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0)

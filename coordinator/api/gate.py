@@ -7,7 +7,7 @@ from typing import Any, Optional
 from .errors import body_for
 from .metrics import ServerMetrics
 
-OPEN_PATHS = ("/health",)  # reachable without the API key
+OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key (as vLLM: a scraper brings none)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models",
              "/v1/cluster", "/health", "/metrics", "/tokenize", "/detokenize", "/v1/messages",
              "/v1/messages/count_tokens")
