@@ -8,6 +8,7 @@ replace the shard it serves (coordinators.py decides who may).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 from dataclasses import replace
@@ -23,6 +24,7 @@ from .loader import LoadKey, check_load, load_stage, same_shard
 from .weights import WeightStore
 
 if TYPE_CHECKING:
+    from .links import NextStage
     from .stage import StageWorker
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,8 @@ class ShardLoads:
     orphan_grace: float
     loop: asyncio.AbstractEventLoop | None
     _load_lock: asyncio.Lock | None
+    next: NextStage | None
+    ring: NextStage | None
     _subs: dict[str, asyncio.Queue]
     _owners: dict[str, str]
 
@@ -125,6 +129,36 @@ class ShardLoads:
                 ring_groups=not self.worker.overlap,
                 constrains=self.worker.head is not None and self.worker.head.grammars is not None,
             )
+
+    async def Unload(self, request: pb.UnloadRequest, context: grpc.aio.ServicerContext) -> pb.UnloadReply:
+        self._load_lock = self._load_lock or asyncio.Lock()
+        async with self._load_lock:
+            if self.worker is None:
+                return pb.UnloadReply(unloaded=False)
+            if not self.coordinators.admits(request.client_id) or self.coordinators.refuses(
+                    request.client_id, list(self._subs), reused=False, take_over=False):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"{self.name} serves another coordinator: its shard stays")
+            freed = self.worker.shard.model.parameter_bytes()
+            for client in {*self._owners.values(), *self.coordinators.clients}:
+                self.forget_client(client)
+            self.worker, self.key = None, None
+            self.drop_groups()
+            self._owners.clear()
+            self.weights.loaded = None
+            for link in (self.next, self.ring):
+                if link is not None:
+                    await link.close()
+            self.next = self.ring = None
+            self.conditions.clear("link:next stage")
+            self.conditions.clear("link:first stage")
+            import mlx.core as mx
+
+            gc.collect()  # (the shard's arrays have no other holder now)
+            mx.clear_cache()  # (MLX work: this is the node's MLX thread)
+            log.info("unloaded its shard (%.2f GiB): coordinator %s placed nothing here any more", freed / 2**30,
+                     request.client_id or "?")
+            return pb.UnloadReply(unloaded=True, freed_bytes=freed)
 
     async def _refuse(self, client_id: str, context: grpc.aio.ServicerContext) -> None:
         if (by := self.coordinators.displaced.get(client_id)) is not None:

@@ -64,6 +64,11 @@ class NodeStub:
                 request_serializer=mtpipe__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=mtpipe__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.Unload = channel.unary_unary(
+                '/mtpipe.Node/Unload',
+                request_serializer=mtpipe__pb2.UnloadRequest.SerializeToString,
+                response_deserializer=mtpipe__pb2.UnloadReply.FromString,
+                _registered_method=True)
         self.Renew = channel.unary_unary(
                 '/mtpipe.Node/Renew',
                 request_serializer=mtpipe__pb2.RenewRequest.SerializeToString,
@@ -133,6 +138,15 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Unload(self, request, context):
+        """Drop the shard it holds, with its sequences, kept prefixes and links: a node its coordinator placed
+        nothing on any more (it came back after the others took its layers). FAILED_PRECONDITION while another
+        coordinator is connected to it, or for one whose shard another coordinator's replaced.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Renew(self, request, context):
         """The client still wants these sequences: their leases run on. A client's sequence whose lease runs
         out (the client stopped renewing it: finished, failed, or the client is gone) is released.
@@ -194,6 +208,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=mtpipe__pb2.ReleaseRequest.FromString,
                     response_serializer=mtpipe__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Unload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unload,
+                    request_deserializer=mtpipe__pb2.UnloadRequest.FromString,
+                    response_serializer=mtpipe__pb2.UnloadReply.SerializeToString,
             ),
             'Renew': grpc.unary_unary_rpc_method_handler(
                     servicer.Renew,
@@ -378,6 +397,33 @@ class Node:
             '/mtpipe.Node/Release',
             mtpipe__pb2.ReleaseRequest.SerializeToString,
             mtpipe__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtpipe.Node/Unload',
+            mtpipe__pb2.UnloadRequest.SerializeToString,
+            mtpipe__pb2.UnloadReply.FromString,
             options,
             channel_credentials,
             insecure,

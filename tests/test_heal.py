@@ -300,3 +300,86 @@ def test_a_request_admitted_while_the_pipeline_is_down_waits_for_it(dense_ckpt: 
             assert seen == [True] and tokens == want
         finally:
             engine.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_node_that_comes_back_after_the_heal_gives_its_old_shard_back(dense_ckpt: Path) -> None:
+    """Two node processes; the last freezes mid-generation, the first takes every layer, and the frozen
+    one then comes back still holding its old shard: the healer has it unloaded (it serves nothing now),
+    and the pipeline goes on serving over the one node."""
+    import os
+    import signal
+
+    from mtpipe.coordinator.bench.nodes import NodeProcesses
+    from mtpipe.coordinator.cluster.health import probe_node
+    from mtpipe.coordinator.engine.build import ring_engine
+    from mtpipe.coordinator.engine.request import GenerationRequest
+    from mtpipe.node.wire import make_channel
+    from mtpipe.proto import mtpipe_pb2 as pb
+    from mtpipe.proto import mtpipe_pb2_grpc as pb_grpc
+
+    with NodeProcesses(2, model_dirs=[dense_ckpt]) as nodes:
+        engine = ring_engine(dense_ckpt, nodes.addresses, dtype="float32")
+        try:
+            pipeline = engine.pipeline
+            healer = Healer.over_nodes(dense_ckpt, pipeline)
+            healer.check_left_s = 0.2
+            healer.attach(pipeline, 0.5)
+            reqs = [GenerationRequest(engine.tokenizer.encode(PROMPTS[0]), max_tokens=48, mtp_depth=2)]
+            want = undisturbed(dense_ckpt, reqs)
+            sinks, got = streams_under_way(engine, reqs, 4)
+            held = pipeline.health()[1]
+            os.kill(nodes.procs[1].pid, signal.SIGSTOP)
+            try:
+                assert streams_ended(sinks, got, 90) == want
+                assert pipeline.addresses == [nodes.addresses[0]]
+            finally:
+                os.kill(nodes.procs[1].pid, signal.SIGCONT)
+            deadline = time.monotonic() + 60
+            while (row := probe_node(nodes.addresses[1], None)).get("layers"):
+                assert time.monotonic() < deadline, f"the node that came back kept its shard: {row}"
+                time.sleep(0.2)
+            assert row["reachable"] and row["status"] == "idle" and not healer._left
+            with make_channel(nodes.addresses[1], None) as channel:  # (its memory given back)
+                now = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=10)
+            assert now.mlx_active_memory < held.mlx_active_memory - held.parameter_bytes // 2
+            assert engine.complete(reqs[0]).tokens == want[0]  # (the pipeline of one serves on)
+        finally:
+            engine.close()
+
+
+def test_unload_frees_a_shard_for_its_own_coordinator_only(dense_ckpt: Path) -> None:
+    """Unload drops the shard a node holds for the coordinator that asks; another coordinator connected
+    to it keeps it; a node without a shard has nothing to unload, and loads again when asked."""
+    import grpc
+    from helpers import node_servers
+
+    from mtpipe.coordinator.engine.build import ring_engine
+    from mtpipe.coordinator.engine.request import GenerationRequest
+    from mtpipe.proto import mtpipe_pb2 as pb
+
+    with node_servers(2) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
+        try:
+            pipeline = engine.pipeline
+            before = pipeline.health()
+            stub = pipeline.nodes[1].stub
+            with pytest.raises(grpc.RpcError) as refused:  # (this coordinator is connected: another may not)
+                stub.Unload(pb.UnloadRequest(client_id="someone-else"), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert pipeline.health()[1].loaded
+            reply = stub.Unload(pb.UnloadRequest(client_id=pipeline.client_id), timeout=10)
+            assert reply.unloaded and reply.freed_bytes == before[1].parameter_bytes
+            service = servers[1].service
+            assert service.worker is None and service.next is None and service.ring is None and not service._owners
+            after = stub.Health(pb.HealthRequest(), timeout=10)
+            assert not after.loaded and after.fingerprint == "" and after.parameter_bytes == 0
+            assert not stub.Unload(pb.UnloadRequest(client_id=pipeline.client_id), timeout=10).unloaded
+        finally:
+            engine.close()
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")  # (it loads again)
+        try:
+            prompt = engine.tokenizer.encode(PROMPTS[1])
+            assert len(engine.complete(GenerationRequest(prompt, max_tokens=6)).tokens) == 6
+        finally:
+            engine.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -27,6 +28,8 @@ from .formation import Formation, Hop, confirm_hops, offered_bytes, ring_candida
 from .placement import ModelFootprint, NodeResources, PlacementError, StagePlan, order_nodes, plan_layers
 
 log = logging.getLogger(__name__)
+
+CHECK_LEFT_S = 5.0  # how often a node a heal left out is asked whether it came back holding its old shard
 
 
 def heal_plan(footprint: ModelFootprint, survivors: list[NodeResources], first: str,
@@ -78,6 +81,9 @@ class Healer:
         self.pipeline: Any = None
         self._pending: dict[tuple[str, ...], tuple[list[NodeResources], list[StagePlan]]] = {}
         self._lock = threading.Lock()
+        self._left: dict[str, str] = {}  # node id -> address: nodes a heal left out that may come back with a shard
+        self._sweeping = False
+        self.check_left_s = CHECK_LEFT_S
         self._said = ""  # what the last attempt found (said once, not every second)
 
     @classmethod
@@ -134,9 +140,31 @@ class Healer:
             log.warning("the new hops could not be measured (%s): kept as loaded", e)
             hops = [Hop(a.node_id, b.node_id, control[b.node_id], None, None) for a, b in itertools.pairwise(order)]
         f = self.formation
+        left = {n.node_id for n in f.order} - {n.node_id for n in order}
         f.order, f.plan, f.hops = order, plan, hops
         f.ring = ring_hop(order, ring_candidates(order, control), self.pipeline)
         self.on_placed(f)
+        with self._lock:
+            self._left.update({n: control[n] for n in left})
+            start, self._sweeping = bool(self._left) and not self._sweeping, self._sweeping or bool(self._left)
+        if start:
+            threading.Thread(target=self._sweep, name="heal-left-out", daemon=True).start()
+
+    def _sweep(self) -> None:
+        """Until the pipeline closes, ask each node a heal left out, every `check_left_s`, whether it came
+        back holding its shard of an earlier placement (it hung, say): that memory serves nothing now, so
+        it is unloaded. A node that is back without one, or serves another coordinator now, is left alone."""
+        while True:
+            time.sleep(self.check_left_s)
+            with self._lock:
+                if self.pipeline is None or self.pipeline.closed or not self._left:
+                    self._sweeping = False
+                    return
+                left = {n: a for n, a in self._left.items() if n not in {m.node_id for m in self.formation.order}}
+            for node_id, address in left.items():
+                if unload_left_out(node_id, address, self.secret, self.pipeline.client_id) is not None:
+                    with self._lock:
+                        self._left.pop(node_id, None)
 
     def _offered(self, node: NodeResources) -> int:
         """What the node offers for weights now (its Health): its own shard counts as free."""
@@ -159,3 +187,31 @@ class Healer:
         if what != self._said:
             log.warning("%s", what)
         self._said = what
+
+
+def unload_left_out(node_id: str, address: str, secret: str | None, client_id: str) -> bool | None:
+    """Unload the shard `node_id` (at `address`, left out of the pipeline) still holds for this client:
+    True if it held one, False if there is nothing to do there (no shard, another node at that address
+    now, or another coordinator's), None if it does not answer (asked again later)."""
+    import grpc
+
+    from ...node.wire import describe_rpc_error, make_channel
+    from ...proto import mtpipe_pb2 as pb
+    from ...proto import mtpipe_pb2_grpc as pb_grpc
+
+    try:
+        with make_channel(address, secret) as channel:
+            stub = pb_grpc.NodeStub(channel)
+            h = stub.Health(pb.HealthRequest(), timeout=5.0)
+            if h.node_id != node_id or not h.loaded:
+                return False
+            reply = stub.Unload(pb.UnloadRequest(client_id=client_id), timeout=30.0)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            return None
+        log.info("node %s came back serving another coordinator: %s", node_id, describe_rpc_error(e))
+        return False
+    if reply.unloaded:
+        log.warning("node %s came back holding layers %d-%d of an earlier placement: unloaded (%.2f GiB freed)",
+                    node_id, h.start, h.end - 1, reply.freed_bytes / 2**30)
+    return reply.unloaded

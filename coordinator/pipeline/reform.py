@@ -160,6 +160,10 @@ class Reforming:
     _missing_since: dict[str, float]  # address -> when the attempts first found it not answering (monotonic)
     _heal_failed = ""  # the last reason a healed layout did not load (logged once)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     if TYPE_CHECKING:  # RemotePipeline's
         def load(self, model_path: Path | str, specs: list[ShardSpec], *, mtp: bool = True,
                  dtype: str | None = None, timeout: float | None = None) -> Any: ...
