@@ -126,6 +126,15 @@ def machine_id() -> str:
     return hashlib.sha256(seed.encode()).hexdigest()[:16]
 
 
+def sharing(machines: list[str]) -> list[int]:
+    """For each node's `machine_id` (as Health says it), how many of these nodes run on that machine and
+    share what it has free (1 for a node that does not say)."""
+    counts: dict[str, int] = {}
+    for m in machines:
+        counts[m] = counts.get(m, 0) + 1
+    return [counts[m] if m else 1 for m in machines]
+
+
 def mlx_active_memory() -> int:
     try:
         import mlx.core as mx

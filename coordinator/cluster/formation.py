@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...node.advertise import NodeAdvert
 from ...node.links import Interface, format_host_port, split_host_port, strip_scope
+from ...node.sysinfo import sharing
 from .config import ClusterConfig, StaticNode
 from .placement import GiB, HopCandidate, ModelFootprint, NodeResources, StagePlan, hop_candidates
 
@@ -88,11 +89,9 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int,
                              "list each machine once")
         seen[h.node_id] = n.address
         answered.append((n, h))
-    sharing: dict[str, int] = {}
-    for _, h in answered:
-        sharing[h.machine] = sharing.get(h.machine, 0) + 1
-    return [NodeResources(h.node_id, offered_bytes(h, reserve, sharing[h.machine] if h.machine else 1), (), n.port,
-                          (n.host,)) for n, h in answered]
+    counts = sharing([h.machine for _, h in answered])
+    return [NodeResources(h.node_id, offered_bytes(h, reserve, k), (), n.port, (n.host,))
+            for (n, h), k in zip(answered, counts)]
 
 
 def offered_bytes(h: Any, reserve: int, sharing: int = 1) -> int:

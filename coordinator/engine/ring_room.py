@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ...node.protocol import StageUnavailable
+from ...node.sysinfo import sharing
 from . import scheduler as plan
 from .ring_live import RingLive
 from .sinks import ServerBusy
@@ -249,11 +250,8 @@ class RoomForRows:
 
 
 def machine_sharing(health: list[Any]) -> list[int]:
-    """For each node (pb.HealthReply), how many of these run on its machine (1 for one that does not say)."""
-    counts: dict[str, int] = {}
-    for h in health:
-        counts[h.machine] = counts.get(h.machine, 0) + 1
-    return [counts[h.machine] if h.machine else 1 for h in health]
+    """For each node (pb.HealthReply), how many of these run on its machine."""
+    return sharing([h.machine for h in health])
 
 
 def _counts(held: dict[int, RingLive]) -> dict[int, int]:
