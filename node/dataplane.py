@@ -325,6 +325,10 @@ class NextStage:
                             reply.data_port, e or type(e).__name__)
         return GrpcFrameLink(self.stub)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def _opened(self) -> GrpcFrameLink | TcpFrameLink:
         """The link, opened if there is none (never once closed)."""
         async with self._opening:

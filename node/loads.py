@@ -135,7 +135,7 @@ class ShardLoads:
         async with self._load_lock:
             if self.worker is None:
                 return pb.UnloadReply(unloaded=False)
-            if not self.coordinators.admits(request.client_id) or self.coordinators.refuses(
+            if request.client_id not in self.coordinators.clients or self.coordinators.refuses(
                     request.client_id, list(self._subs), reused=False, take_over=False):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"{self.name} serves another coordinator: its shard stays")
@@ -146,12 +146,12 @@ class ShardLoads:
             self.drop_groups()
             self._owners.clear()
             self.weights.loaded = None
-            for link in (self.next, self.ring):
-                if link is not None:
-                    await link.close()
-            self.next = self.ring = None
+            links, self.next, self.ring = (self.next, self.ring), None, None  # (gone before anything awaits)
             self.conditions.clear("link:next stage")
             self.conditions.clear("link:first stage")
+            for link in links:
+                if link is not None:
+                    await link.close()
             import mlx.core as mx
 
             gc.collect()  # (the shard's arrays have no other holder now)

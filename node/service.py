@@ -115,7 +115,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
                                    next_transport=self.next.transport if self.next is not None else "")
 
     async def _set_next(self, target: str) -> None:
-        if self.next is not None and self.next.target == target:
+        if self.next is not None and self.next.target == target and not self.next.closed:
             if self.next.link is None:  # (formed again after a break: the link opens now)
                 await self.next.connect()
             return
@@ -132,7 +132,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
     async def _set_ring(self, target: str, first_node_id: str) -> None:
         spec = self.worker.spec
         want = target if spec.is_last and not spec.is_first else ""
-        if self.ring is not None and self.ring.target == want:
+        if self.ring is not None and self.ring.target == want and not self.ring.closed:
             if self.ring.link is None:
                 await self.ring.connect()
             return

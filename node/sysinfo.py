@@ -116,13 +116,18 @@ def system_memory(active: int | None = None) -> tuple[int, int]:
 @functools.cache
 def machine_id() -> str:
     """This machine in this boot, the same for every process on it (network namespaces and containers
-    share its kernel, so they share it too): Linux's boot id, else the host's name and when it booted."""
+    share its kernel, so they share it too): Linux's boot id, macOS's boot session, else the host's name
+    and the second it booted."""
+    seed = ""
     try:
-        seed = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        seed = ""
+        if sys.platform == "darwin":
+            seed = _run("sysctl", "-n", "kern.bootsessionuuid").strip()
+        else:
+            seed = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        log.debug("no boot id: %s", e)
     if not seed:
-        seed = f"{platform.node()}|{psutil.boot_time():.6f}"
+        seed = f"{platform.node()}|{int(psutil.boot_time())}"
     return hashlib.sha256(seed.encode()).hexdigest()[:16]
 
 

@@ -141,7 +141,7 @@ class NodeServicer:
     def Unload(self, request, context):
         """Drop the shard it holds, with its sequences, kept prefixes and links: a node its coordinator placed
         nothing on any more (it came back after the others took its layers). FAILED_PRECONDITION while another
-        coordinator is connected to it, or for one whose shard another coordinator's replaced.
+        coordinator is connected to it, or for one it did not load the shard for.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

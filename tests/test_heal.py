@@ -364,9 +364,10 @@ def test_unload_frees_a_shard_for_its_own_coordinator_only(dense_ckpt: Path) -> 
             pipeline = engine.pipeline
             before = pipeline.health()
             stub = pipeline.nodes[1].stub
-            with pytest.raises(grpc.RpcError) as refused:  # (this coordinator is connected: another may not)
-                stub.Unload(pb.UnloadRequest(client_id="someone-else"), timeout=10)
-            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            for other in ("someone-else", ""):  # (this coordinator loaded it and is connected: no other may)
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Unload(pb.UnloadRequest(client_id=other), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert pipeline.health()[1].loaded
             reply = stub.Unload(pb.UnloadRequest(client_id=pipeline.client_id), timeout=10)
             assert reply.unloaded and reply.freed_bytes == before[1].parameter_bytes
@@ -383,3 +384,49 @@ def test_unload_frees_a_shard_for_its_own_coordinator_only(dense_ckpt: Path) -> 
             assert len(engine.complete(GenerationRequest(prompt, max_tokens=6)).tokens) == 6
         finally:
             engine.close()
+
+
+def test_a_node_without_unload_is_asked_once(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node of an earlier version, without the Unload RPC, is left alone (not asked again and again)."""
+    from helpers import node_servers
+
+    from mtpipe.coordinator.cluster.heal import unload_left_out
+    from mtpipe.coordinator.engine.build import ring_engine
+    from mtpipe.node.service import NodeService
+    from mtpipe.proto import mtpipe_pb2_grpc as pb_grpc
+
+    monkeypatch.setattr(NodeService, "Unload", pb_grpc.NodeServicer.Unload)
+    with node_servers(2) as servers:
+        engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
+        client = engine.pipeline.client_id
+        engine.close()
+        node = servers[1]
+        assert unload_left_out(node.service.node_id, node.address, None, client) is False
+        assert unload_left_out("another-id", node.address, None, client) is False  # (someone else there now)
+        assert node.service.worker is not None
+
+
+def test_a_heal_shares_a_machines_free_memory_among_the_nodes_left_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three nodes on this machine, one lost: the two left offer the heal what they share, as at formation."""
+    from helpers import node_servers
+
+    from mtpipe.coordinator.cluster import heal as heal_module
+    from mtpipe.coordinator.cluster.config import StaticNode
+    from mtpipe.coordinator.cluster.formation import static_resources
+
+    with node_servers(3) as servers:
+        found = static_resources([StaticNode(host="127.0.0.1", port=s.port) for s in servers], None, reserve=0)
+        control = {r.node_id: f"127.0.0.1:{r.port}" for r in found}
+        healer = Healer(Formation([], control, [], order=found), footprint(), found[0].node_id, None, 0)
+        offered: list[list[NodeResources]] = []
+
+        def plan(fp: ModelFootprint, survivors: list[NodeResources], *args: Any, **kw: Any) -> Any:
+            offered.append(survivors)
+            raise PlacementError("(only what each node offers is looked at)")
+
+        monkeypatch.setattr(heal_module, "heal_plan", plan)
+        addresses = [s.address for s in servers]
+        assert healer(addresses, [addresses[2]]) is None
+        pair = static_resources([StaticNode(host="127.0.0.1", port=s.port) for s in servers[:2]], None, reserve=0)
+        assert [n.available for n in offered[0]] == pytest.approx([n.available for n in pair], rel=0.2)
+        assert sum(n.available for n in offered[0]) < 1.3 * sum(n.available for n in found)

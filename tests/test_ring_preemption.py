@@ -202,9 +202,13 @@ def test_a_nodes_budget_is_half_its_free_memory_within_what_it_offers_shared_wit
     room.measure([reply("a", 0, 8, 1), SimpleNamespace(loaded=False)])  # (one being formed again: no reading)
     assert [n.budget for n in room.nodes] == [2**27 - 10]
     room.rebudget(None, [reply("a", 0, 2, 3 * 2**30, machine="m"), reply("b", 2, 4, 3 * 2**30, machine="m"),
-                         reply("c", 4, 6, 3 * 2**30, machine="n"), reply("d", 6, 8, 0, offered=2**30 + 1000, machine="m")])
-    # (a, b and d share one machine's free memory; c has one of its own; d's cap is its own)
+                         reply("c", 4, 6, 3 * 2**30, machine="n"), reply("d", 6, 8, 3 * 2**30, offered=2**30 + 1000, machine="m")])
+    # (a, b and d share one machine's free memory; c has one of its own; d's cap holds within its share)
     assert [n.budget for n in room.nodes] == [2**29 - 10, 2**29 - 10, 3 * 2**29 - 10, 2**29 - 10]
+    room.rebudget(None, [reply("a", 0, 4, 2**32, offered=2**32 + 1000, machine="m"),
+                         reply("b", 4, 8, 2**32, offered=2**32 + 1000, machine="m")])
+    # (two launched nodes without a cap, on one machine: each offers all of it, and they share it)
+    assert [n.budget for n in room.nodes] == [2**30 - 10, 2**30 - 10]
 
 
 def test_a_room_without_the_models_config_admits_by_count() -> None:

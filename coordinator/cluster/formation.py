@@ -95,10 +95,11 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int,
 
 
 def offered_bytes(h: Any, reserve: int, sharing: int = 1) -> int:
-    """What a node's Health says it offers for weights: as a launched node reckons it (its cap included),
-    else all it has but its own shard's share (a new shard replaces it), what its machine has free shared
-    with the `sharing` nodes of these on it; less `reserve`."""
-    return max((h.memory_offered or h.memory_available // sharing + h.parameter_bytes) - reserve, 0)
+    """What a node's Health says it offers for weights: its share of what its machine has free (shared
+    with the `sharing` nodes of these on it) and its own shard (a new shard replaces it), within what a
+    launched node offers (its cap); less `reserve`."""
+    share = h.memory_available // sharing + h.parameter_bytes
+    return max((min(share, h.memory_offered) if h.memory_offered else share) - reserve, 0)
 
 
 def static_flags(nodes: list[StaticNode], secret: str | None, wait: float) -> dict[str, bool]:

@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from ...models.shard import ShardSpec
+from ...node.sysinfo import sharing
 from ..pipeline.reform import Layout
 from .formation import Formation, Hop, confirm_hops, offered_bytes, ring_candidates, ring_hop, weight_sources
 from .placement import ModelFootprint, NodeResources, PlacementError, StagePlan, order_nodes, plan_layers
@@ -113,7 +114,9 @@ class Healer:
         placed = {control[n.node_id]: n for n in self.formation.order}
         survivors = [placed[a] for a in addresses if a not in missing and a in placed]
         try:
-            order, plan = heal_plan(self.footprint, [replace(n, available=self._offered(n)) for n in survivors],
+            health = [self._health(n) for n in survivors]
+            offered = [offered_bytes(h, self.reserve, k) for h, k in zip(health, sharing([h.machine for h in health]))]
+            order, plan = heal_plan(self.footprint, [replace(n, available=k) for n, k in zip(survivors, offered)],
                                     self.me, self.formation.overrides, keep_order=self.sources is not None)
         except (PlacementError, ConnectionError) as e:
             self._say(f"the nodes left cannot take the layers of {', '.join(missing)} ({e}): waiting for it")
@@ -154,20 +157,29 @@ class Healer:
         """Until the pipeline closes, ask each node a heal left out, every `check_left_s`, whether it came
         back holding its shard of an earlier placement (it hung, say): that memory serves nothing now, so
         it is unloaded. A node that is back without one, or serves another coordinator now, is left alone."""
-        while True:
-            time.sleep(self.check_left_s)
+        try:
+            while True:
+                time.sleep(self.check_left_s)
+                with self._lock:
+                    if self.pipeline is None or self.pipeline.closed or not self._left:
+                        return
+                    placed = {m.node_id for m in self.formation.order}
+                    left = {n: a for n, a in self._left.items() if n not in placed}
+                for node_id, address in left.items():
+                    try:
+                        done = unload_left_out(node_id, address, self.secret, self.pipeline.client_id)
+                    except Exception:  # noqa: BLE001 - asked again next time
+                        log.warning("cannot ask node %s whether it holds a shard", node_id, exc_info=True)
+                        continue
+                    if done is not None:
+                        with self._lock:
+                            self._left.pop(node_id, None)
+        finally:
             with self._lock:
-                if self.pipeline is None or self.pipeline.closed or not self._left:
-                    self._sweeping = False
-                    return
-                left = {n: a for n, a in self._left.items() if n not in {m.node_id for m in self.formation.order}}
-            for node_id, address in left.items():
-                if unload_left_out(node_id, address, self.secret, self.pipeline.client_id) is not None:
-                    with self._lock:
-                        self._left.pop(node_id, None)
+                self._sweeping = False
 
-    def _offered(self, node: NodeResources) -> int:
-        """What the node offers for weights now (its Health): its own shard counts as free."""
+    def _health(self, node: NodeResources) -> Any:
+        """The node's Health now: what it offers for weights (its own shard counts as free), its machine."""
         import grpc
 
         from ...node.wire import describe_rpc_error, make_channel
@@ -180,7 +192,7 @@ class Healer:
                 h = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=5.0)
         except grpc.RpcError as e:
             raise ConnectionError(f"node {node.node_id} at {address}: {describe_rpc_error(e)}") from None
-        return offered_bytes(h, self.reserve)
+        return h
 
     def _say(self, what: str) -> None:
         """Logged once while the attempts, a second apart, keep finding the same."""
@@ -207,6 +219,10 @@ def unload_left_out(node_id: str, address: str, secret: str | None, client_id: s
                 return False
             reply = stub.Unload(pb.UnloadRequest(client_id=client_id), timeout=30.0)
     except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # (a node of an earlier version)
+            log.warning("node %s came back holding its shard and cannot unload it: restart it to free its memory",
+                        node_id)
+            return False
         if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
             return None
         log.info("node %s came back serving another coordinator: %s", node_id, describe_rpc_error(e))

@@ -149,8 +149,9 @@ def ring_engine(
     """Many sequences over `nodes`, in groups whose rounds circle the nodes (engine/ring.py). One node,
     or a last node that cannot reach the first, has no ring: the per-sequence Engine then. Prompt
     prefixes kept on the nodes take up to `prefix_cache` bytes over all of them (by default an eighth
-    of the memory the node with least available has, times the nodes; 0: none kept). Each node's rows
-    may hold `memory_budget` bytes (by default half the memory it has free, less its share of prefixes)."""
+    of the memory the node with least available has, its share where nodes share a machine, times the
+    nodes; 0: none kept). Each node's rows may hold `memory_budget` bytes (by default half the memory it
+    has free, or its share of it, less its share of prefixes)."""
     # (a pipeline of several nodes that loses all but one to a heal runs its groups on that one)
     pipeline_options.setdefault("ring_groups", len(nodes) > 1)
     pipeline, tokenizer, config = _load_remote(model_path, nodes, mtp, secret, specs, dtype, pipeline_options)

@@ -278,7 +278,9 @@ class RingEngine(RoomForRows):
                 if resume and stopped:
                     self._finish(live, item)
                 return
-            self._finish(live, item)
+            with live.lock:  # (again under its lock: a preemption may have freed this sequence meanwhile)
+                if live.seq_id == seq_id and not live.resuming:
+                    self._finish(live, item)
             return
         self._deliver(live, seq_id, item.step + 1, item)
         self._make_room()
@@ -401,11 +403,11 @@ class RingEngine(RoomForRows):
                 with self._lock:
                     for key in [k for k, live in self._decoding.items() if live.done]:
                         del self._decoding[key]
-                    stalled = [live for live in self._decoding.values() if not live.resuming and not live.prefilling
-                               and live.last_at and now - live.last_at > self.row_stall]
+                    stalled = [(live, live.seq_id) for live in self._decoding.values() if not live.resuming
+                               and not live.prefilling and live.last_at and now - live.last_at > self.row_stall]
                 last = (getattr(self.pipeline, "addresses", None) or ["the last node"])[-1]
-                for live in stalled:
-                    self._on_row(live, live.seq_id, StageUnavailable(
+                for live, seq_id in stalled:
+                    self._on_row(live, seq_id, StageUnavailable(
                         f"node {last}: no round of group {live.group} came back for {self.row_stall:.0f} s"))
             except Exception:  # (the watch goes on: the queue and stalled rows depend on it)
                 log.exception("watching the ring failed")
