@@ -256,3 +256,57 @@ def test_a_node_frozen_while_a_row_waits_preempted_loses_no_token(dense_ckpt: Pa
             assert left == [0, 0] and nothing_scheduled(engine)
         finally:
             engine.close()
+
+
+def test_a_late_error_for_a_preempted_rows_old_sequence_is_dropped() -> None:
+    """A node's error for a row's sequence, dispatched on another thread just as the row is preempted:
+    the sequence it names is freed, the request goes on as a new one and never sees that error."""
+    import queue
+    import threading
+
+    from mtpipe.node.protocol import StageError, StepOutput
+
+    class Pipeline:  # (one that answers every prompt with token 7 and nothing else)
+        nodes = ("a", "b")
+
+        def __init__(self) -> None:
+            self.row_sinks: dict[str, Any] = {}
+            self.reformer = SimpleNamespace(down=None, down_at=0.0, given_up=False, wait=lambda t: True)
+
+        def steps(self, steps: list[Any], stop: Any = None) -> list[StepOutput]:
+            return [StepOutput(steps[-1].seq_id, steps[-1].step, [7], continued=True)]
+
+        def release(self, seq_id: str, group: int = 0) -> None: ...
+        def health(self, **kw: Any) -> list[Any]: raise RuntimeError("none")  # noqa: E704
+        def describe(self) -> dict[str, Any]: return {}  # noqa: E704
+        def close(self) -> None: ...
+
+    detok = SimpleNamespace(add_token=lambda t: None, last_segment="", finalize=lambda: None, tokens=[])
+    pipeline, room = Pipeline(), RingRoom(None, False, max_rows=4)
+    engine = RingEngine(pipeline, SimpleNamespace(detokenizer=detok), [0], 100000, False, 100, prefill_chunk=8,
+                        room=room, groups=1, resume_window=5.0)
+    try:
+        got: queue.SimpleQueue = queue.SimpleQueue()
+        engine.open(GenerationRequest([1, 2, 3], max_tokens=50), got.put)
+        assert got.get(timeout=10).tokens == [7]
+        live = next(iter(room.held.values()))
+        old, old_sink = live.seq_id, pipeline.row_sinks[live.seq_id]
+        room.nodes = [plan.NodeRoom(plan.ModelDims(1, 0), 1)]
+        room.over = lambda movable: [live]  # (the room says it must leave)
+        end_kept = engine._end_kept
+
+        def error_meanwhile(x: RingLive, fed: Any) -> None:  # (under its lock, before its sequence changes)
+            if x is live and x.resuming:
+                threading.Thread(target=old_sink, args=(StageError(f"node b: boom for {old}"),)).start()
+                time.sleep(0.2)  # (the error's thread is past its first check, and waits for the lock)
+            end_kept(x, fed)
+
+        engine._end_kept = error_meanwhile
+        engine._room_checked = 0.0
+        engine._make_room()
+        time.sleep(0.5)
+        assert live.stats.preempted == 1 and live.seq_id != old and not live.done
+        while not got.empty():
+            assert not isinstance(got.get(), BaseException)
+    finally:
+        engine.close()
