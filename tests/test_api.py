@@ -645,6 +645,26 @@ def test_metrics_count_each_request(engine: Engine) -> None:
         assert httpx.get(s.url + "/health").json()["in_flight"] == 0
 
 
+def test_priority_needs_the_priority_policy_and_reaches_the_engine(engine: BatchEngine, client: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's `priority`: refused (400, naming it) by a server that schedules first come, first served; with
+    `--scheduling-policy priority` each request's reaches the engine (which orders its queue by it)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=M, max_tokens=2, extra_body={"priority": 3})
+    assert refused.value.body["param"] == "priority" and "--scheduling-policy priority" in refused.value.body["message"]
+    assert client.chat.completions.create(model=MODEL, messages=M, max_tokens=2,
+                                          extra_body={"priority": 0}).usage.completion_tokens == 2
+    seen: list[int] = []
+    opened = engine.open
+    monkeypatch.setattr(engine, "open", lambda req, *a, **kw: seen.append(req.priority) or opened(req, *a, **kw))
+    with LiveServer(create_app(engine, MODEL, scheduling_policy="priority")) as s:
+        by_priority = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = by_priority.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": -5})
+        assert r.usage.completion_tokens == 2 and seen == [-5]
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": M, "priority": "high"})
+        assert r.status_code == 400  # (an integer, as vLLM's)
+
+
 def test_api_key(engine: Engine) -> None:
     with LiveServer(create_app(engine, MODEL, api_key=KEY)) as s:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -851,7 +871,7 @@ def test_a_server_that_stops_drains_then_ends_open_streams_with_an_error(engine:
                 waiter = threading.Thread(target=lambda: waiting.append(httpx.post(url, json=long, timeout=30)))
                 waiter.start()
                 deadline = time.monotonic() + 10
-                while not getattr(slots, "_waiters", None):  # (asyncio's queue of a semaphore's waiters)
+                while not slots.waiting:
                     assert time.monotonic() < deadline, "the second request never waited for the slot"
                     time.sleep(0.01)
                 stopped_at = time.monotonic()

@@ -223,22 +223,23 @@ def test_a_request_reserves_all_its_slots_or_none() -> None:
         await service.reserve(3, None)
         second = asyncio.ensure_future(service.reserve(3, None))
         single = asyncio.ensure_future(service.reserve(1, None))
-        for _ in range(100):  # (until the second has taken the turn and the last free slot)
+        for _ in range(100):  # (until both wait)
             await asyncio.sleep(0)
-            if service.slots._value == 0:
+            if service.slots.waiting == 2:
                 break
-        assert service.slots._value == 0 and service.reserving.locked()
+        assert service.slots.free == 1 and service.slots.waiting == 2  # (the second holds none while it waits)
         assert not second.done() and not single.done()  # (the single one waits its turn behind it)
         service.release(3)
         await asyncio.wait_for(second, 5)
         await asyncio.wait_for(single, 5)
-        assert service.slots._value == 0
+        assert service.slots.free == 0
         service.release(4)
         service.slot_timeout = 0.3
         await service.reserve(2, None)
         with pytest.raises(ServerBusy):
             await service.reserve(4, None)
-        assert service.slots._value == 2  # what the refused one took is back
+        await asyncio.sleep(0)  # (its wait, cancelled, ends)
+        assert service.slots.free == 2 and not service.slots.waiting  # (the refused one waits no more)
 
     asyncio.run(main())
 
@@ -266,3 +267,39 @@ def test_without_kept_prefixes_a_prompts_choices_start_at_once(dense_ckpt: Path,
         assert len({c.text for c in out.choices}) == 1 and not waited
     finally:
         engine.close()
+
+
+def test_slots_go_by_priority_then_arrival_and_a_request_given_up_holds_none_back() -> None:
+    import asyncio
+
+    from mtpipe.coordinator.api.slots import Slots
+
+    async def main() -> None:
+        slots, order = Slots(2), []
+
+        async def take(name: str, count: int, priority: int) -> None:
+            await slots.acquire(count, priority)
+            order.append(name)
+
+        await slots.acquire(2)
+        tasks = {name: asyncio.ensure_future(take(name, count, priority))
+                 for name, count, priority in [("late", 1, 0), ("pair", 2, -1), ("low", 1, 5), ("first", 1, -1)]}
+        await asyncio.sleep(0)
+        assert slots.waiting == 4 and not order
+        slots.release(1)  # (pair, first in priority and arrival, needs two: nothing overtakes it)
+        await asyncio.sleep(0)
+        assert not order and slots.free == 1
+        slots.release(1)
+        await asyncio.wait_for(tasks["pair"], 5)
+        slots.release(2)
+        await asyncio.wait_for(asyncio.gather(tasks["first"], tasks["late"]), 5)
+        assert order == ["pair", "first", "late"] and slots.free == 0
+        tasks["low"].cancel()  # (given up: it holds nothing, and nothing waits behind it)
+        await asyncio.gather(tasks["low"], return_exceptions=True)
+        assert slots.waiting == 0
+        slots.release(2)
+        assert slots.free == 2
+        with pytest.raises(ValueError):
+            await slots.acquire(3)
+
+    asyncio.run(main())

@@ -115,3 +115,44 @@ def test_each_waiting_request_is_judged_on_its_own_need(dense_ckpt: Path) -> Non
         assert engine.thread.call(lambda: (engine.stages[0].sequences, len(engine._waiting))) == (0, 0)
     finally:
         engine.close()
+
+
+def test_priority_orders_the_queue_and_the_lowest_leaves_first(dense_ckpt: Path) -> None:
+    """vLLM's priority policy (lower first): where rows outgrow the budget, the one of the lowest priority
+    leaves though admitted first; a request of a higher priority overtakes those of lower ones in the queue
+    (within a priority, first come, first served)."""
+    engine = batch_engine(dense_ckpt, dtype=mx.float32, horizon=HORIZON, prefix_cache=0)
+    try:
+        dims = dataclasses.replace(engine.dims, kv_step=1)
+        engine.thread.call(setattr, engine, "dims", dims)
+        ends = never_ends(engine)
+        low = request(encode(engine, PROMPTS[5]), 0, 2000, params=ends, priority=1)
+        high = request(encode(engine, PROMPTS[6]), 0, 2000, params=ends, priority=0)
+        needs = [plan.footprint(len(r.prompt_tokens) + HORIZON, 0) for r in (low, high)]
+        engine.thread.call(setattr, engine, "budget", plan.batch_bytes(dims, needs))
+        first, second = Stream(engine, low).first(), Stream(engine, high).first()
+        deadline = time.monotonic() + 60
+        while not engine.preemptions:
+            assert time.monotonic() < deadline, "never preempted"
+            time.sleep(0.01)
+        assert engine.thread.call(lambda: [x.req for x in engine._waiting]) == [low]  # (admitted first, left first)
+        # Behind it, in arrival order: one of its priority, then two of a higher one, which go first.
+        later = [request(encode(engine, PROMPTS[i]), 0, 4, params=ends, priority=p) for i, p in ((7, 1), (1, -1), (2, -1))]
+        streams = [Stream(engine, r) for r in later]
+        while engine.thread.call(lambda: len(engine._waiting)) < 4:
+            assert time.monotonic() < deadline, "never queued"
+            time.sleep(0.01)
+        second.handle.cancel()
+        second.finish()  # (its room goes to the queue's head: the higher priorities, then the preempted one)
+        ended = []
+        for s in streams:
+            s.finish()
+            ended.append(s.ended_at)
+        assert max(ended[1], ended[2]) < ended[0]
+        while len(first.chunks) < 3:  # (and the preempted one goes on)
+            first._take()
+        first.handle.cancel()
+        first.finish()
+        assert engine.thread.call(lambda: (engine.stages[0].sequences, len(engine._waiting))) == (0, 0)
+    finally:
+        engine.close()

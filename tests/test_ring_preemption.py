@@ -310,3 +310,26 @@ def test_a_late_error_for_a_preempted_rows_old_sequence_is_dropped() -> None:
             assert not isinstance(got.get(), BaseException)
     finally:
         engine.close()
+
+
+def test_the_rooms_queue_goes_by_priority_and_the_lowest_priority_leaves_first() -> None:
+    room = RingRoom(None, False, max_rows=1)  # (by count)
+    lives = [RingLive(f"s{i}", GenerationRequest([1], max_tokens=4, priority=p), print, None, None, 0.0)
+             for i, p in enumerate([3, 0, -2, 0])]
+    for x in lives:
+        room.queue(x)
+    assert room.admit(1, 0.0, 60.0)[0] == [lives[2]]
+    room.give_back(lives[2])
+    assert room.admit(1, 0.0, 60.0)[0] == [lives[1]]  # (of two of one priority, the first come)
+    reply = SimpleNamespace(node_id="a", start=0, end=8, num_layers=8, loaded=True, dtype="bfloat16", machine="",
+                            memory_available=2**30, memory_offered=0, parameter_bytes=0)
+    room = RingRoom(load_config(DEMO_MODEL).args, True, max_rows=4)
+    room.measure([reply])
+    first, second = (RingLive(f"r{p}", GenerationRequest([1] * 8, max_tokens=4, priority=p), print, None, None, 0.0)
+                     for p in (1, 0))
+    for x in (first, second):
+        room.queue(x)
+        room.admit(1, 0.0, 60.0)
+    assert list(room.held.values()) == [first, second] and first.order < second.order
+    room.rebudget(1, [reply])  # (neither fits now: the one kept is the higher priority's)
+    assert room.over({id(first), id(second)}) == [first]  # (admitted first, but of the lower priority)

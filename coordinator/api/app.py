@@ -27,7 +27,7 @@ Extensions: the `mtp_depth` request field; vLLM's `skip_special_tokens` (special
 `<|im_start|>` are left out of the text unless it is false; kept by default when tools are in use,
 tool_choice not "none", as vLLM's tool parsers need their tags; a stop string that is a special
 token still stops), `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` and
-`chat_template_kwargs` and `min_tokens`; and `usage.mtp` = {depth, drafted,
+`chat_template_kwargs` and `min_tokens`, and `priority` (with the priority policy); and `usage.mtp` = {depth, drafted,
 accepted, acceptance, rounds}. A reasoning model's thinking (between the tokenizer's thinking tags)
 comes apart from its answer as `reasoning_content` and `reasoning` (reasoning.py; vLLM's
 `include_reasoning: false` drops it). Defaults: the sampling and max_new_tokens of the model's
@@ -90,6 +90,7 @@ def create_app(
     generation_config: Optional[Union[Path, str]] = None,
     cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS,
     default_max_tokens: Optional[int] = None,
+    scheduling_policy: str = "fcfs",
 ) -> "FastAPI":
     """The API over `engine`. `cluster_info` answers GET /v1/cluster (default: the local stages);
     bodies over `max_body_bytes` are refused with 413 (None: no cap). A request that leaves out its
@@ -97,7 +98,8 @@ def create_app(
     model's, usually: model_defaults.py); None: OpenAI's defaults; `default_max_tokens` is the max_tokens of
     one that leaves it out, before the generation config's and ours. Web pages of `cors_origins` ("*":
     any, as mlx-lm's and vLLM's servers allow; none: only pages of the API's own origin) may call it
-    from a browser, with the key still required where one is set."""
+    from a browser, with the key still required where one is set. `scheduling_policy` "priority" lets
+    requests set their `priority` (vLLM's: lower first); "fcfs" refuses any but 0."""
     from fastapi import FastAPI, Query, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
@@ -111,7 +113,8 @@ def create_app(
     if default_max_tokens is not None:
         defaults["max_tokens"] = default_max_tokens
     service = Service(engine, model_name, default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
-                       cluster_info=cluster_info, metrics=metrics, defaults=defaults)
+                       cluster_info=cluster_info, metrics=metrics, defaults=defaults,
+                      scheduling_policy=scheduling_policy)
     app = FastAPI(title="mtpipe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.state.metrics = metrics

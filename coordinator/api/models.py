@@ -125,6 +125,7 @@ class _GenerationBody(_Body):
     ignore_eos: Flag = False
     include_stop_str_in_output: Flag = False
     min_tokens: int | None = None
+    priority: int = 0  # vLLM's: lower is served first (only with `serve --scheduling-policy priority`)
 
 
 class ChatCompletionRequest(_GenerationBody):

@@ -91,7 +91,7 @@ async def begin(service: "Service", choices: list[Choice], request: Any, admitte
     in index order: a prompt's first choice at once, its others once that one's first chunk shows the
     prompt is in. A refusal of any stops those begun, gives the slots back and is raised."""
     try:
-        await service.reserve(len(choices), request)
+        await service.reserve(len(choices), request, choices[0].req.priority)
     except APIError:
         raise
     except Exception as e:  # no slots in time

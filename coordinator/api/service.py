@@ -28,6 +28,7 @@ from .defaults import DEFAULT_MAX_TOKENS, SLOT_TIMEOUT_S
 from .errors import APIError
 from .generation import GenerationThread
 from .metrics import ServerMetrics
+from .slots import Slots
 from .model_defaults import with_defaults
 from .stopping import stops
 
@@ -49,15 +50,15 @@ LONG_TOKEN_IDS = 64 * 1024  # longer token-id prompts are checked on a worker th
 class Service:
     def __init__(self, engine: "Engine", model_name: str, *, default_mtp_depth: "int | str | None",
                  max_concurrency: int, cluster_info: Optional[Callable[[], dict]], metrics: ServerMetrics,
-                 defaults: Optional[dict[str, Any]] = None):
+                 defaults: Optional[dict[str, Any]] = None, scheduling_policy: str = "fcfs"):
         self.engine, self.defaults = engine, defaults or {}  # (the model's request defaults: model_defaults.py)
         self.model_name = model_name
         self.default_mtp_depth = default_mtp_depth  # None: auto where the model has an MTP head
         self.cluster_info = cluster_info
         self.metrics = metrics
         self.max_concurrency = max_concurrency
-        self.slots = asyncio.Semaphore(max_concurrency)
-        self.reserving = asyncio.Lock()  # (one request reserves its slots at a time)
+        self.slots = Slots(max_concurrency)
+        self.scheduling_policy = scheduling_policy  # "fcfs", or "priority": requests may set their priority
         self.slot_timeout = SLOT_TIMEOUT_S
         self.tokenizer_lock = threading.Lock()  # fast tokenizers may refuse concurrent use
         self.long_lane = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")  # one long prompt at a time
@@ -172,11 +173,15 @@ class Service:
         if auto:  # drafts only where the context leaves room for them: `auto` refuses nothing plain decoding serves
             depth = max(0, min(depth, context_room(len(prompt), 0, self.engine.max_context) - max_tokens))
             auto = depth > 0
+        if body.priority and self.scheduling_policy != "priority":
+            raise APIError(400, f"priority {body.priority} asked, but this server schedules first come, first "
+                           "served (start it with --scheduling-policy priority)", param="priority")
         stop, stop_ids = stops(body)
         skip = not tools if body.skip_special_tokens is None else body.skip_special_tokens
         req = GenerationRequest(prompt_tokens=prompt, max_tokens=max_tokens, params=params, mtp_depth=depth, stop=stop,
                                 mtp_auto=auto, skip_special_tokens=skip, stop_token_ids=stop_ids,
-                                ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output)
+                                ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
+                                priority=body.priority)
         try:
             self.engine.validate(req)
         except RequestError as e:
@@ -250,28 +255,16 @@ class Service:
 
     # runs ---------------------------------------------------------------------------------
 
-    async def reserve(self, count: int, request: Any) -> None:
-        """`count` of the `max_concurrency` generation slots, all or none, waited for only while the client
-        waits too and at most SLOT_TIMEOUT_S (then ServerBusy: 503 with Retry-After). Requests reserve in
-        turn, so that two whose choices each hold part of what they need never wait on each other."""
-        deadline = time.monotonic() + self.slot_timeout
-        taken = 0
-        try:
-            await self.waited(self.reserving.acquire(), request, deadline, undo=self.reserving.release)
-            try:
-                while taken < count:
-                    await self.waited(self.slots.acquire(), request, deadline, undo=self.slots.release)
-                    taken += 1
-            finally:
-                self.reserving.release()
-        except BaseException:
-            self.release(taken)
-            raise
+    async def reserve(self, count: int, request: Any, priority: int = 0) -> None:
+        """`count` of the `max_concurrency` generation slots, all or none (slots.py), waited for only while
+        the client waits too and at most SLOT_TIMEOUT_S (then ServerBusy: 503 with Retry-After)."""
+        await self.waited(self.slots.acquire(count, priority), request, time.monotonic() + self.slot_timeout,
+                          undo=lambda: self.slots.release(count))
 
     def release(self, count: int) -> None:
         """Reserved slots given back unused."""
-        for _ in range(count):
-            self.slots.release()
+        if count:
+            self.slots.release(count)
 
     async def waited(self, waited: Any, request: Any, deadline: Optional[float] = None,
                      undo: Optional[Callable[[], None]] = None) -> Any:

@@ -52,6 +52,7 @@ from .common import (
     add_generation_config,
     add_model,
     add_mtp,
+    add_scheduling_policy,
     add_take_over,
     json_usage_errors,
     check_default_depth,
@@ -236,7 +237,7 @@ def _launch(args: argparse.Namespace) -> int:
         settings = dict(default_mtp_depth=cfg.mtp_depth if mtp else 0, max_concurrency=DEFAULT_MAX_CONCURRENCY,
                         max_body_bytes=DEFAULT_MAX_BODY_BYTES, cors_origins=tuple(cfg.api.allowed_origins),
                         generation_config=generation_config_dir(defaults_from, model_path),
-                        default_max_tokens=cfg.api.max_tokens)
+                        default_max_tokens=cfg.api.max_tokens, scheduling_policy=cfg.api.scheduling_policy)
         static = static_nodes(cfg, secret, me, interfaces)
         alone = set(peers) | set(static) <= {me}  # (cluster.yaml may list this machine alone)
         # With peers, each machine's node drafts as its own command says (every machine runs the same one).
@@ -328,6 +329,7 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     add_generation_config(p, checked=False)  # (checked on the coordinator alone)
     add_default_max_tokens(p)
     add_allowed_origins(p, "cluster.yaml's api.allowed_origins, else *")
+    add_scheduling_policy(p, None)
     add_take_over(p)
     add_mtp(p)
     p.set_defaults(func=cmd_launch)

@@ -121,6 +121,13 @@ def add_allowed_origins(p: argparse.ArgumentParser, default: str = "*") -> None:
                         f"e.g. http://localhost:3000; '*': any; 'none': only the API's own (default {default})")
 
 
+def add_scheduling_policy(p: argparse.ArgumentParser, default: str | None = "fcfs") -> None:
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=default,
+                   help="how waiting requests are ordered: first come, first served, or by each request's `priority` "
+                        "(vLLM's: lower first), which then also decides whose rows leave first for room "
+                        f"(default {default or 'cluster.yaml api.scheduling_policy, else fcfs'})")
+
+
 def json_usage_errors(p: argparse.ArgumentParser, exit_code: int, **shape: str) -> None:
     """Usage errors of `p` (an option's bad value, one it does not know) for a command whose --json
     output a script reads: exit `exit_code`, and with --json one JSON object (`shape` and the error)

@@ -25,6 +25,7 @@ from .common import (
     add_generation_config,
     add_model,
     add_mtp,
+    add_scheduling_policy,
     add_take_over,
     check_default_depth,
     check_port_free,
@@ -57,6 +58,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights on load")
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
                    help="generations at once; more requests wait")
+    add_scheduling_policy(p)
     p.add_argument("--prefix-cache", type=float, metavar="GB",
                    help="GB of prompt prefixes kept so that a prompt starting with one (a chat's next turn) "
                         "prefills only the rest. One machine: dropped first when requests need the memory (default: "
@@ -127,7 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = dict(default_mtp_depth=depth, max_concurrency=args.max_concurrency,
                     max_body_bytes=args.max_body_bytes or None, stall_timeout=args.stall_timeout or None,
                     generation_config=generation_config_dir(args.generation_config, path),
-                    default_max_tokens=args.default_max_tokens,
+                    default_max_tokens=args.default_max_tokens, scheduling_policy=args.scheduling_policy,
                     cors_origins=DEFAULT_CORS_ORIGINS if args.allowed_origins is None else tuple(args.allowed_origins))
     front = engine = None
     try:

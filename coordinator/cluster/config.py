@@ -128,6 +128,8 @@ class ApiConfig(_Section):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     # Web pages that may call the API from a browser (CORS): "*" any, [] only the API's own origin.
     allowed_origins: list[Text] = Field(default_factory=lambda: ["*"])
+    # How waiting requests are ordered: first come, first served, or by their `priority` (lower first).
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     @field_validator("allowed_origins", mode="before")
     @classmethod

@@ -213,6 +213,7 @@ class BatchEngine(KeepsPrefixes):
         return [x.need(horizon) for x in lives]
 
     def _admit(self) -> None:
+        self._waiting.sort(key=lambda x: x.req.priority)  # (stable: first come, first served within a priority)
         needs = self._needs(self._waiting, self.horizon)
         waiting = [plan.Waiting(x.seq_id, need, x.queued, preempted=bool(x.order))
                    for x, need in zip(self._waiting, needs)]
@@ -246,9 +247,9 @@ class BatchEngine(KeepsPrefixes):
 
     def _preempt(self) -> None:
         """Where the running rows, each grown by its next round, outgrow the budget: drop kept prefixes,
-        then take the last admitted rows out (their caches freed on every stage) to the head of the
-        queue, until the others fit."""
-        lives = sorted(self._prefilling + self._decoding, key=lambda x: x.order)
+        then take the last admitted rows of the lowest priority out (their caches freed on every stage) to
+        the head of the queue, until the others fit."""
+        lives = sorted(self._prefilling + self._decoding, key=lambda x: (x.req.priority, x.order))
         needs = self._needs(lives, horizon=1)
         kept = sum(k.nbytes for k in self._kept.values())
         if len(lives) < 2 or plan.batch_bytes(self.dims, needs) + kept <= self.budget:

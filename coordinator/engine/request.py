@@ -45,6 +45,9 @@ class GenerationRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's: lower goes first. Those waiting for room are admitted in order of it, then of arrival; where
+    # running rows must leave for room, the ones with the highest go first (the last admitted among them).
+    priority: int = 0
 
     def ends(self, eos: set[int]) -> frozenset[int]:
         """The tokens that end it: the model's EOS tokens (unless it ignores them) and its own."""

@@ -86,6 +86,7 @@ class RingRoom:
         """Those admitted now, each with the group it joins (`live.group`), and those refused after
         `timeout` seconds in the queue; both out of it."""
         with self.lock:
+            self.waiting.sort(key=lambda x: x.req.priority)  # (stable: first come, first served within a priority)
             waiting = [plan.Waiting(str(id(x)), x.need(self.horizon), x.queued, preempted=x.order > 0)
                        for x in self.waiting]
             running: dict[int, list[plan.Footprint]] = {}
@@ -123,12 +124,12 @@ class RingRoom:
                 self.waiting.remove(live)
 
     def over(self, movable: set[int]) -> list[RingLive]:
-        """The last admitted rows that must leave, each grown by its next round, for the others to fit
-        every node (only those in `movable`, by id: decoding)."""
+        """The last admitted rows of the lowest priority that must leave, each grown by its next round, for
+        the others to fit every node (only those in `movable`, by id: decoding)."""
         with self.lock:
             if not self.nodes or len(self.held) < 2:
                 return []
-            lives = sorted(self.held.values(), key=lambda x: x.order)
+            lives = sorted(self.held.values(), key=lambda x: (x.req.priority, x.order))
             running = [(x.group, x.need(1)) for x in lives]
             return [lives[i] for i in plan.ring_to_preempt(running, self.nodes, [id(x) in movable for x in lives])]
 

@@ -3,11 +3,13 @@
 Admission is by memory: each sequence holds some number of positions of attention KV, its
 GatedDeltaNet states and the per-position states a verify captures. A batch's KV is one tensor per
 layer as long as its longest row, and a round as wide as its deepest row, so every row pays for the
-longest reach and the most drafts. Sequences wait in FIFO order until the batch with them fits the
-budget with room for each row to grow by a horizon (not by all its max tokens, which few replies
-use), and are refused after a queue timeout. Where the running rows outgrow the budget after all, the
-last admitted leave (preemption, as vLLM does it) and wait at the head of the queue: their prompt and
-the tokens they had go in again when there is room, and they go on where they stopped.
+longest reach and the most drafts. Sequences wait in FIFO order (within a request's priority, lower
+first, as vLLM's priority policy orders them: the engines sort the queue) until the batch with them
+fits the budget with room for each row to grow by a horizon (not by all its max tokens, which few
+replies use), and are refused after a queue timeout. Where the running rows outgrow the budget after
+all, the last admitted (of the lowest priority) leave (preemption, as vLLM does it) and wait at the
+head of the queue: their prompt and the tokens they had go in again when there is room, and they go
+on where they stopped.
 Prompts are prefilled in chunks between decode rounds, sized so a chunk takes about as long as a
 round: running streams keep flowing while a long prompt goes in.
 """

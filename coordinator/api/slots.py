@@ -1,0 +1,58 @@
+"""The API's generation slots: how many generations run at once (`--max-concurrency`), the rest waiting.
+
+A request takes a slot for each of its choices, all or none, so that two whose choices each hold part
+of what they need never wait on each other. Waiting requests get them in order of priority (lower
+first, as vLLM's priority policy; all 0 under first come, first served), then of arrival, and none
+overtakes one before it that does not fit yet. On the API's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+
+
+class Slots:
+    def __init__(self, total: int):
+        self.total = total
+        self.free = total
+        self._waiting: list[tuple[int, int, int, asyncio.Future[None]]] = []  # heap: (priority, arrival, count, ...)
+        self._arrivals = itertools.count()
+
+    async def acquire(self, count: int = 1, priority: int = 0) -> None:
+        """`count` slots (at most `total`), once they are free and no request before this one waits."""
+        if not 0 < count <= self.total:
+            raise ValueError(f"{count} slots asked of {self.total}")
+        if not self._waiting and count <= self.free:
+            self.free -= count
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (priority, next(self._arrivals), count, future)
+        heapq.heappush(self._waiting, entry)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():  # (given as it was cancelled: given back)
+                self.release(count)
+            elif entry in self._waiting:
+                self._waiting.remove(entry)
+                heapq.heapify(self._waiting)
+                self._grant()  # (the one it held back may go now)
+            raise
+
+    def release(self, count: int = 1) -> None:
+        self.free += count
+        self._grant()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def _grant(self) -> None:
+        while self._waiting and self._waiting[0][2] <= self.free:
+            _, _, count, future = heapq.heappop(self._waiting)
+            if future.done():  # (cancelled: its task takes itself out)
+                continue
+            self.free -= count
+            future.set_result(None)
