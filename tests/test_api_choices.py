@@ -297,6 +297,13 @@ def test_slots_go_by_priority_then_arrival_and_a_request_given_up_holds_none_bac
         tasks["low"].cancel()  # (given up: it holds nothing, and nothing waits behind it)
         await asyncio.gather(tasks["low"], return_exceptions=True)
         assert slots.waiting == 0
+        slots.release(1)
+        tall = asyncio.ensure_future(take("tall", 2, 5))  # (waits for two, with one free)
+        await asyncio.sleep(0)
+        await asyncio.wait_for(take("urgent", 1, -3), 5)  # (it overtakes it, and fits what is free at once)
+        assert order[-1] == "urgent" and not tall.done()
+        slots.release(2)
+        await asyncio.wait_for(tall, 5)
         slots.release(2)
         assert slots.free == 2
         with pytest.raises(ValueError):

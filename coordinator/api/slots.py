@@ -30,6 +30,7 @@ class Slots:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (priority, next(self._arrivals), count, future)
         heapq.heappush(self._waiting, entry)
+        self._grant()  # (first in priority, it may fit what those it overtook left free)
         try:
             await future
         except asyncio.CancelledError:

@@ -213,7 +213,8 @@ class BatchEngine(KeepsPrefixes):
         return [x.need(horizon) for x in lives]
 
     def _admit(self) -> None:
-        self._waiting.sort(key=lambda x: x.req.priority)  # (stable: first come, first served within a priority)
+        # (stable: first come, first served within a priority; a new list, as other threads count this one)
+        self._waiting = sorted(self._waiting, key=lambda x: x.req.priority)
         needs = self._needs(self._waiting, self.horizon)
         waiting = [plan.Waiting(x.seq_id, need, x.queued, preempted=bool(x.order))
                    for x, need in zip(self._waiting, needs)]
