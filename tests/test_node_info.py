@@ -279,3 +279,26 @@ def test_health_answers_the_last_memory_reading_and_takes_a_new_one_beside_it(mo
         return got
 
     assert asyncio.run(run()) == [(0, 7, 5), (0, 7, 5), (0, 7, 5), (1, 7, 5)]
+
+
+def test_one_machine_is_named_alike_by_every_process_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes on one machine share its memory: Health names the machine by its boot (Linux's boot id, macOS's
+    boot session), the same in every process (a child process here), and `sharing` counts them."""
+    import mtpipe.node.sysinfo as sysinfo
+
+    here = sysinfo.machine_id()
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(sysinfo.machine_id) == here
+    asked: list[tuple[str, ...]] = []
+    monkeypatch.setattr(sysinfo.sys, "platform", "darwin")
+    monkeypatch.setattr(sysinfo, "_run", lambda *cmd: asked.append(cmd) or "5E1D-SESSION\n")
+    sysinfo.machine_id.cache_clear()
+    try:
+        mac = sysinfo.machine_id()
+        assert asked == [("sysctl", "-n", "kern.bootsessionuuid")] and mac not in ("", here) and len(mac) == 16
+        monkeypatch.setattr(sysinfo, "_run", lambda *cmd: "")  # (none: the host and the second it booted)
+        sysinfo.machine_id.cache_clear()
+        assert sysinfo.machine_id() not in (mac, here)
+    finally:
+        sysinfo.machine_id.cache_clear()
+    assert sysinfo.sharing(["a", "b", "a", "", ""]) == [2, 1, 2, 1, 1]
