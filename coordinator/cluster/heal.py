@@ -160,8 +160,9 @@ class Healer:
         try:
             while True:
                 time.sleep(self.check_left_s)
-                with self._lock:
+                with self._lock:  # (ends in the turn that finds nothing left: a heal meanwhile starts another)
                     if self.pipeline is None or self.pipeline.closed or not self._left:
+                        self._sweeping = False
                         return
                     placed = {m.node_id for m in self.formation.order}
                     left = {n: a for n, a in self._left.items() if n not in placed}
@@ -174,9 +175,10 @@ class Healer:
                     if done is not None:
                         with self._lock:
                             self._left.pop(node_id, None)
-        finally:
+        except BaseException:
             with self._lock:
                 self._sweeping = False
+            raise
 
     def _health(self, node: NodeResources) -> Any:
         """The node's Health now: what it offers for weights (its own shard counts as free), its machine."""
