@@ -28,8 +28,8 @@ from .defaults import DEFAULT_MAX_TOKENS, SLOT_TIMEOUT_S
 from .errors import APIError
 from .generation import GenerationThread
 from .metrics import ServerMetrics
-from .slots import Slots
 from .model_defaults import with_defaults
+from .slots import Slots
 from .stopping import stops
 
 if TYPE_CHECKING:

@@ -5,9 +5,9 @@ per group, as long as its longest row), and its budget is its own: half the memo
 its shard was loaded (within what a launched node offers, its --max-memory cap), less its share of
 kept prompt prefixes, unless one is given. A request is admitted when, with room for it to grow by a
 horizon, every node's groups still fit (scheduler.py); where the running rows outgrow a node after
-all, the last admitted leave for the head of the queue and go on where they stopped once there is
-room (ring.py puts them back as it puts back rows lost with a node). Nodes sharing one machine (the
-same `machine` in their health) share what it has free.
+all, the last admitted (of the lowest priority) leave for the head of the queue and go on where they
+stopped once there is room (ring.py puts them back as it puts back rows lost with a node). Nodes
+sharing one machine (the same `machine` in their health) share what it has free.
 The engine's lock order is a request's lock, then its own or this one: nothing here takes a request's.
 """
 
