@@ -105,6 +105,8 @@ def test_models_and_health(server: LiveServer, client: Any) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    card = httpx.get(server.url + f"/v1/models/{MODEL}").json()  # (vLLM's fields too: clients read the context there)
+    assert card["max_model_len"] == card["max_context"] > 0 and card["root"] == MODEL and card["parent"] is None
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
     health = httpx.get(server.url + "/health").json()

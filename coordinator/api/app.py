@@ -167,7 +167,9 @@ def create_app(
         return JSONResponse(body, status_code=200 if ready else 503)
 
     def model_card() -> dict:
+        # (max_model_len and root as vLLM's cards say them: clients read the context length there)
         return {"id": model_name, "object": "model", "created": service.created, "owned_by": "mtpipe",
+                "root": model_name, "parent": None, "max_model_len": engine.max_context,
                 "max_context": engine.max_context, "mtp": engine.has_mtp}
 
     @app.get("/v1/models")
