@@ -476,6 +476,11 @@ def test_bad_input_through_client(client: Any) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=10**6)
     assert e.value.code == "context_length_exceeded"
+    # (in vLLM's words, which clients such as LiteLLM look for to shorten a conversation)
+    assert "This model's maximum context length is" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=M, max_completion_tokens=10**6)
+    assert "for max_completion_tokens" in e.value.body["message"] and e.value.body["param"] == "max_completion_tokens"
 
 
 def test_auto_depth_drafts_only_where_the_context_leaves_room(engine: BatchEngine, client: Any) -> None:

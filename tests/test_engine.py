@@ -92,7 +92,7 @@ def test_stats_are_consistent(dense_engine: Engine, reference) -> None:
     [
         (GenerationRequest([], max_tokens=4), "empty"),
         (GenerationRequest([1, 2], max_tokens=0), "max_tokens"),
-        (GenerationRequest([1, 2], max_tokens=5000), "exceeds the context"),
+        (GenerationRequest([1, 2], max_tokens=5000), "maximum context length is"),
         (GenerationRequest([1, 2], params=SamplingParams(temperature=-1)), "temperature"),
         (GenerationRequest([1, 2], params=SamplingParams(temperature=1, top_p=2)), "top_p"),
     ],
@@ -259,4 +259,4 @@ def test_generate_without_max_tokens_takes_what_the_context_leaves(dense_ckpt: P
     out = json.loads(capsys.readouterr().out)
     assert out["finish_reason"] == "length" and out["stats"]["generation_tokens"] == 4096 - prompt
     assert main(["generate", "--model", str(dense_ckpt), "--prompt", text, "--no-mtp", "--max-tokens", "256"]) == 2
-    assert "exceeds the context" in capsys.readouterr().err
+    assert "maximum context length is" in capsys.readouterr().err

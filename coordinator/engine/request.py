@@ -186,20 +186,22 @@ def check_request(req: GenerationRequest, *, max_context: int, has_mtp: bool, co
                            "mtp_depth")
     # (a prompt only scored, max_tokens 0, may fill the context: its one token is never fed)
     room = context_room(len(req.prompt_tokens), req.mtp_depth, max_context) + (req.max_tokens == 0)
+    # (the context errors open with vLLM's words: clients such as LiteLLM tell them from others by them)
+    limit = f"This model's maximum context length is {max_context} tokens. However,"
     if room <= 0 and context_room(len(req.prompt_tokens), 0, max_context) > 0:  # (the drafts do not fit)
-        raise RequestError(f"the prompt ({len(req.prompt_tokens)} tokens) leaves no room in the context of "
-                           f"{max_context} tokens for {req.mtp_depth} draft token(s); use mtp_depth 0 or auto",
+        raise RequestError(f"{limit} the prompt ({len(req.prompt_tokens)} tokens) leaves no room in it for "
+                           f"{req.mtp_depth} draft token(s); use mtp_depth 0 or auto",
                            "mtp_depth", "context_length_exceeded")
     if room <= 0:
-        raise RequestError(f"the prompt ({len(req.prompt_tokens)} tokens) does not fit the context of {max_context} "
-                           "tokens", "prompt", "context_length_exceeded")
+        raise RequestError(f"{limit} the prompt has {len(req.prompt_tokens)} tokens, which leaves no room for a "
+                           "reply: shorten it", "prompt", "context_length_exceeded")
     if req.max_tokens < 0 or (req.max_tokens == 0 and req.params.prompt_logprobs < 0):
         raise RequestError(f"max_tokens must be positive (0 only to score the prompt), got {req.max_tokens}",
                            "max_tokens")
     if req.max_tokens > room:
-        raise RequestError(f"max_tokens ({req.max_tokens}) plus the prompt ({len(req.prompt_tokens)} tokens) exceeds "
-                           f"the context of {max_context} tokens; at most {room} tokens can be generated",
-                           "max_tokens", "context_length_exceeded")
+        raise RequestError(f"{limit} you requested {req.max_tokens + len(req.prompt_tokens)} tokens "
+                           f"({len(req.prompt_tokens)} in the prompt, {req.max_tokens} for max_tokens): at most {room} "
+                           "tokens can be generated", "max_tokens", "context_length_exceeded")
     try:
         req.params.validate()
     except ValueError as e:
