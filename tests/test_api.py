@@ -478,6 +478,8 @@ def test_bad_input_through_client(client: Any) -> None:
     assert e.value.code == "context_length_exceeded"
     # (in vLLM's words, which clients such as LiteLLM look for to shorten a conversation)
     assert "This model's maximum context length is" in e.value.body["message"]
+    r = client.chat.completions.create(model=MODEL, messages=M, max_tokens=1, top_logprobs=0)  # (asks for nothing)
+    assert r.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=M, max_completion_tokens=10**6)
     assert "for max_completion_tokens" in e.value.body["message"] and e.value.body["param"] == "max_completion_tokens"
@@ -680,6 +682,7 @@ def test_api_key(engine: Engine) -> None:
         assert httpx.get(s.url + "/v1/models").status_code == 401
         assert httpx.get(s.url + "/health").status_code == 200
         assert httpx.get(s.url + "/metrics").status_code == 200  # (open to a scraper, as vLLM's)
+        assert httpx.post(s.url + "/ping").json()["status"] == "ok" and httpx.get(s.url + "/version").json()["version"]
         assert httpx.get(s.url + "/v1/cluster").status_code == 401
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()

@@ -314,3 +314,36 @@ def test_a_reasoning_models_thinking_comes_apart_from_its_answer(client: Any, en
         for turn in ({"content": answer, "reasoning_content": thought}, {"content": None, "reasoning": thought}):
             again = [*messages, {"role": "assistant", **turn}, {"role": "user", "content": "more"}]
             assert client.chat.completions.create(model=MODEL, messages=again, max_tokens=2).choices[0].message
+
+
+def test_reasoning_effort_none_turns_thinking_off_as_vllm_maps_it(client: Any, engine: BatchEngine) -> None:
+    """OpenAI's `reasoning_effort` (and the Responses API's `reasoning.effort`): "none" is Qwen's
+    enable_thinking false, any other effort true, unless chat_template_kwargs says otherwise; the template
+    reads the effort too. A value OpenAI does not name is a 400."""
+    hf = engine.tokenizer._tokenizer
+    template = hf.chat_template
+    hf.chat_template = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+                        "<|im_start|>assistant\n{%- if enable_thinking is defined and not enable_thinking %}"
+                        "<think>\n\n</think>\n\n{%- endif %}{{ reasoning_effort | default('') }}")
+    try:
+        messages = [{"role": "user", "content": PROMPT}]
+
+        def prompt_tokens(**extra: Any) -> int:
+            return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                                  extra_body=extra).usage.prompt_tokens
+
+        plain, off, high = prompt_tokens(), prompt_tokens(reasoning_effort="none"), prompt_tokens(reasoning_effort="high")
+        on = prompt_tokens(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})
+        # (mlx-lm's tokenizer says enable_thinking as the tokenizer thinks, here not: the empty block, unless on)
+        assert off > plain and on < off and high < off  # (the effort's word; the block gone where thinking is on)
+        r = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=1, reasoning={"effort": "none"})
+        assert r.usage.input_tokens == off
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                           extra_body={"reasoning_effort": "extreme"})
+        assert e.value.body["param"] == "reasoning_effort"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=1, reasoning={"effort": "extreme"})
+        assert e.value.body["param"] == "reasoning.effort"
+    finally:
+        hf.chat_template = template

@@ -156,6 +156,13 @@ def create_app(
         return JSONResponse(body_for(request.url.path, 500, f"internal error: {type(e).__name__}", type="server_error",
                                      code="internal_error"), status_code=500)
 
+    @app.get("/version")
+    async def version() -> dict:
+        from ... import __version__
+
+        return {"version": __version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])  # (vLLM's, for load balancers that probe it: /health's answer)
     @app.get("/health")
     async def health() -> JSONResponse:
         ready, details = await asyncio.to_thread(readiness.check)  # asks the nodes: blocking, bounded
@@ -286,7 +293,7 @@ def create_app(
     async def chat_request(body: ChatCompletionRequest
                            ) -> "tuple[GenerationRequest, int, ToolSpec | None, ReasoningSplit | None]":
         """A chat body's generation request, checked: with its choices (`n`), tools and reasoning split."""
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.top_logprobs and not body.logprobs:  # (0, as typed clients send by default, asks for nothing)
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
@@ -305,8 +312,11 @@ def create_app(
         n = service.choices(body)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
-        tokens = await service.encode_chat(chat_messages(body), tools, body.chat_template_kwargs,
-                                           body.continue_final_message)
+        variables = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:  # (what the template's own variables say wins, as in vLLM)
+            variables.setdefault("reasoning_effort", body.reasoning_effort)
+            variables.setdefault("enable_thinking", body.reasoning_effort != "none")
+        tokens = await service.encode_chat(chat_messages(body), tools, variables or None, body.continue_final_message)
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
         else:

@@ -7,9 +7,9 @@ from typing import Any, Optional
 from .errors import body_for
 from .metrics import ServerMetrics
 
-OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key (as vLLM: a scraper brings none)
+OPEN_PATHS = ("/health", "/ping", "/version", "/metrics")  # reachable without the API key (as vLLM's)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models",
-             "/v1/cluster", "/health", "/metrics", "/tokenize", "/detokenize", "/v1/messages",
+             "/v1/cluster", "/health", "/ping", "/version", "/metrics", "/tokenize", "/detokenize", "/v1/messages",
              "/v1/messages/count_tokens")
 
 

@@ -138,6 +138,8 @@ class ChatCompletionRequest(_GenerationBody):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
+    # OpenAI's: "none" turns a thinking model's thought off (enable_thinking), as vLLM maps it; a variable too
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     include_reasoning: bool | None = None  # vLLM's: false drops a reasoning model's thinking from the reply
     continue_final_message: Flag = False  # vLLM's: the reply goes on from the last (assistant) message
 
@@ -170,6 +172,7 @@ class ResponsesRequest(_GenerationBody):
     metadata: dict[str, str] | None = None
     include_reasoning: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": ...}: effort as chat's reasoning_effort
 
 
 class MessagesRequest(_GenerationBody):

@@ -82,7 +82,7 @@ def chat_body(body: ResponsesRequest, items: list[dict[str, Any]]) -> tuple[Chat
             "top_logprobs": body.top_logprobs if logprobs else None, "response_format": _format(body.text),
             "tools": _tools(body.tools), "tool_choice": _choice(body.tool_choice),
             "parallel_tool_calls": body.parallel_tool_calls, "include_reasoning": body.include_reasoning,
-            "chat_template_kwargs": body.chat_template_kwargs}
+            "chat_template_kwargs": body.chat_template_kwargs, "reasoning_effort": (body.reasoning or {}).get("effort")}
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None}), origins
     except ValidationError as e:
@@ -98,7 +98,8 @@ def renamed(e: APIError, origins: list[str]) -> APIError:
 
     def ours(text: str) -> str:
         text = re.sub(r"(tools\[\d+\])\.function\b\.?", r"\1.", re.sub(r"messages\[(\d+)\]", origin, text))
-        return text.replace("max_completion_tokens", "max_output_tokens").replace("messages", "input")
+        return (text.replace("max_completion_tokens", "max_output_tokens").replace("messages", "input")
+                .replace("reasoning_effort", "reasoning.effort"))
 
     message, param = ours(e.message), ours(e.param or "").rstrip(".")
     head = param.split("[")[0].split(".")[0]
