@@ -239,7 +239,7 @@ def create_app(
         items = responses_api.input_items(body, kept)
         chat, origins = responses_api.chat_body(body, items)
         try:
-            req, _, tools, thinking = await chat_request(chat)
+            req, _, tools, thinking = await chat_request(chat, answered=True)
         except APIError as e:  # (named as this endpoint names its fields)
             raise responses_api.renamed(e, origins) from None
         return await responses_api.respond_to(service, body, req, tools, thinking, request, started, model_name,
@@ -274,7 +274,7 @@ def create_app(
         service.check_model(body.model)
         chat, origins = messages_api.chat_body(body)
         try:
-            req, _, tools, thinking = await chat_request(chat)
+            req, _, tools, thinking = await chat_request(chat, answered=True)
         except APIError as e:  # (named as this endpoint names its fields)
             raise messages_api.renamed(e, origins) from None
         return await messages_api.respond_to(service, body, req, tools, thinking, request, started, model_name)
@@ -285,14 +285,15 @@ def create_app(
         service.check_model(body.model)
         chat, origins = messages_api.chat_body(body, counting=True)
         try:
-            req, _, _, _ = await chat_request(chat)
+            req, _, _, _ = await chat_request(chat, answered=True)
         except APIError as e:
             raise messages_api.renamed(e, origins) from None
         return {"input_tokens": len(req.prompt_tokens)}
 
-    async def chat_request(body: ChatCompletionRequest
+    async def chat_request(body: ChatCompletionRequest, answered: bool = False
                            ) -> "tuple[GenerationRequest, int, ToolSpec | None, ReasoningSplit | None]":
-        """A chat body's generation request, checked: with its choices (`n`), tools and reasoning split."""
+        """A chat body's generation request, checked: with its choices (`n`), tools and reasoning split
+        (`answered`: tool results must answer earlier calls, as `chat_messages` says)."""
         if body.top_logprobs and not body.logprobs:  # (0, as typed clients send by default, asks for nothing)
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
@@ -316,7 +317,8 @@ def create_app(
         if body.reasoning_effort is not None:  # (what the template's own variables say wins, as in vLLM)
             variables.setdefault("reasoning_effort", body.reasoning_effort)
             variables.setdefault("enable_thinking", body.reasoning_effort != "none")
-        tokens = await service.encode_chat(chat_messages(body), tools, variables or None, body.continue_final_message)
+        tokens = await service.encode_chat(chat_messages(body, answered), tools, variables or None,
+                                           body.continue_final_message)
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
         else:

@@ -178,8 +178,10 @@ def _tool_choice(raw: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None
 # -- messages -----------------------------------------------------------------------------------
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The messages as the template takes them; a tool message must answer an earlier call."""
+def chat_messages(body: ChatCompletionRequest, answered: bool = False) -> list[dict[str, Any]]:
+    """The messages as the template takes them. As vLLM's, a tool message may answer a call no longer in
+    the conversation (a client that pruned it), and a call sent back without its id gets one; with
+    `answered` (OpenAI's Responses API and Anthropic's refuse that) it must answer an earlier call."""
     out: list[dict[str, Any]] = []
     call_ids: set[str] = set()
     for i, m in enumerate(body.messages):
@@ -194,15 +196,15 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
             if role != "assistant":
                 raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls, not {m.role!r} ones",
                                param="messages")
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
+            msg["tool_calls"] = [{"id": c.id or f"call_{i}_{j}", "type": "function",
                                   "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                                 for c in m.tool_calls]
-            call_ids.update(c.id for c in m.tool_calls)
+                                 for j, c in enumerate(m.tool_calls)]
+            call_ids.update(c["id"] for c in msg["tool_calls"])
         if role == "tool":
             if not m.tool_call_id:
                 raise APIError(400, f"messages[{i}]: a tool message needs the tool_call_id it answers",
                                param="messages")
-            if m.tool_call_id not in call_ids:
+            if answered and m.tool_call_id not in call_ids:
                 raise APIError(400, f"messages[{i}]: tool_call_id {m.tool_call_id!r} answers no tool call of an "
                                     "earlier assistant message", param="messages")
             msg["tool_call_id"] = m.tool_call_id
@@ -211,10 +213,9 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def _content(i: int, m: ChatMessage) -> str:
-    """A message's text. Only an assistant's message that makes calls may go without content, as OpenAI's
-    (or one that sends its thinking back)."""
-    thought = m.reasoning_content is not None or m.reasoning is not None
-    if m.content is None and not (m.role == "assistant" and (m.tool_calls or thought)):
+    """A message's text. Only an assistant's message may go without content (one that made calls, as in
+    OpenAI's; one whose reply was all thought, which vLLM sends as null and agents send back)."""
+    if m.content is None and m.role != "assistant":
         raise APIError(400, f"messages[{i}]: {m.role} messages need content", param="messages")
     if not isinstance(m.content, list):
         return m.content or ""

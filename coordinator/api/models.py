@@ -33,7 +33,7 @@ class FunctionCall(_Body):
 class MessageToolCall(_Body):
     """A call an earlier assistant message made, sent back with the conversation."""
 
-    id: str
+    id: str | None = None  # (OpenAI's clients always send it; one without gets call_<message>_<index>)
     type: Literal["function"] = "function"
     function: FunctionCall
 
