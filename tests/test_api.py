@@ -494,6 +494,27 @@ def test_auto_depth_drafts_only_where_the_context_leaves_room(engine: BatchEngin
     assert e.value.code == "context_length_exceeded"
 
 
+def test_truncate_prompt_tokens_keeps_the_last_and_what_is_not_done_is_named(engine: BatchEngine, client: Any) -> None:
+    """vLLM's truncate_prompt_tokens: the last N prompt tokens go in (-1: what the context holds), as if
+    only they had been sent; vLLM's bad_words, allowed_token_ids and beam search are a 400, not left out."""
+    tokens = engine.tokenizer.encode(PROMPTS[0])
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 6})
+    alone = client.completions.create(model=MODEL, prompt=tokens[-6:], max_tokens=4, temperature=0)
+    assert cut.usage.prompt_tokens == 6 and cut.choices[0].text.endswith(alone.choices[0].text)
+    assert cut.choices[0].text.startswith(engine.tokenizer.decode(tokens[-6:]))  # (the prompt that went in)
+    long = [5 + i % 50 for i in range(engine.max_context + 100)]
+    r = client.completions.create(model=MODEL, prompt=long, max_tokens=1, extra_body={"truncate_prompt_tokens": 50})
+    assert r.usage.prompt_tokens == 50
+    r = client.chat.completions.create(model=MODEL, messages=M, max_tokens=1, extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3
+    for extra in ({"truncate_prompt_tokens": 0}, {"bad_words": ["import"]}, {"allowed_token_ids": [1, 2]},
+                  {"use_beam_search": True}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body=extra)
+        assert e.value.body["param"] == next(iter(extra))
+
+
 def test_unknown_route_and_method(server: LiveServer) -> None:
     r = httpx.get(server.url + "/v2/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

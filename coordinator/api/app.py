@@ -317,8 +317,8 @@ def create_app(
         if body.reasoning_effort is not None:  # (what the template's own variables say wins, as in vLLM)
             variables.setdefault("reasoning_effort", body.reasoning_effort)
             variables.setdefault("enable_thinking", body.reasoning_effort != "none")
-        tokens = await service.encode_chat(chat_messages(body, answered), tools, variables or None,
-                                           body.continue_final_message)
+        tokens = service.truncated(body, await service.encode_chat(chat_messages(body, answered), tools,
+                                                                  variables or None, body.continue_final_message))
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
         else:
@@ -359,10 +359,11 @@ def create_app(
         reqs, echo = [], []
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            tokens = await (service.encode_text(prompt) if isinstance(prompt, str) else service.token_ids(prompt, param))
+            whole = await (service.encode_text(prompt) if isinstance(prompt, str) else service.token_ids(prompt, param))
+            tokens = service.truncated(body, whole)
             reqs.append(service.generation_request(body, params, tokens, body.max_tokens, param))
-            if body.echo:  # (token ids echo as their text)
-                echo.append(prompt if isinstance(prompt, str) else
+            if body.echo:  # (token ids, or a prompt cut short, echo as their text)
+                echo.append(prompt if isinstance(prompt, str) and tokens is whole else
                             await service.tokenize(len(tokens), lambda tok, ids=tokens: tok.decode(ids)))
         return await respond("/v1/completions", body, reqs, n, request, started,
                              echo=echo if body.echo else None)

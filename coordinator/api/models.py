@@ -125,6 +125,12 @@ class _GenerationBody(_Body):
     ignore_eos: Flag = False
     include_stop_str_in_output: Flag = False
     min_tokens: int | None = None
+    # vLLM's: only the last this many prompt tokens go in (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = None
+    # vLLM's, not done here: a 400 names them rather than leaving them out unsaid
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    use_beam_search: bool | None = None
     priority: int = 0  # vLLM's: lower is served first (only with `serve --scheduling-policy priority`)
 
 

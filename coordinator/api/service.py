@@ -155,6 +155,21 @@ class Service:
 
         return await self.tokenize(len(tokens), entries)
 
+    def truncated(self, body: "_GenerationBody", prompt: list[int]) -> list[int]:
+        """`prompt` as vLLM's truncate_prompt_tokens leaves it: its last tokens only. A 400 for what vLLM
+        would do and this server does not (beam search, bad words, allowed token ids)."""
+        for name in ("bad_words", "allowed_token_ids", "use_beam_search"):
+            if getattr(body, name):
+                raise APIError(400, f"{name} is not supported by this server", param=name)
+        keep = body.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        if keep == 0 or keep < -1:
+            raise APIError(400, f"truncate_prompt_tokens must be -1 or at least 1, got {keep}",
+                           param="truncate_prompt_tokens")
+        keep = self.engine.max_context if keep == -1 else keep
+        return prompt if len(prompt) <= keep else prompt[-keep:]
+
     def generation_request(self, body: "_GenerationBody", params: SamplingParams, prompt: list[int],
                            max_tokens: Optional[int], prompt_param: str,
                            max_param: str = "max_tokens", tools: bool = False) -> "GenerationRequest":
