@@ -478,6 +478,8 @@ def test_bad_input_through_client(client: Any) -> None:
     assert "This model's maximum context length is" in e.value.body["message"]
     r = client.chat.completions.create(model=MODEL, messages=M, max_tokens=1, top_logprobs=0)  # (asks for nothing)
     assert r.choices[0].logprobs is None
+    r = client.chat.completions.create(model=MODEL, messages=M, max_tokens=2.0, seed=7.0)  # (whole floats, as vLLM)
+    assert r.usage.completion_tokens == 2
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=M, max_completion_tokens=10**6)
     assert "for max_completion_tokens" in e.value.body["message"] and e.value.body["param"] == "max_completion_tokens"

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API.
 
-Types are strict (no "5" for 5, no 1 for true, no NaN): a body of the wrong shape is a 400 naming
-the field, as OpenAI and vLLM answer (not FastAPI's 422). Ranges are not checked here but by the
+Types are strict (no "5" for 5, no 1 for true, no NaN; but 5.0 for 5, which some clients compute and
+vLLM takes): a body of the wrong shape is a 400 naming the field, as OpenAI and vLLM answer (not
+FastAPI's 422). Ranges are not checked here but by the
 engine's own validation, so a bad value is a 400 with the engine's message. Unknown fields are
 ignored, as OpenAI clients send many we have no use for.
 """
@@ -14,6 +15,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 # A flag that may come as null (OpenAI's schema allows it): false.
 Flag = Annotated[bool, BeforeValidator(lambda value: False if value is None else value)]
+# A whole number, also as a float without a fraction (5.0)
+Int = Annotated[int, BeforeValidator(lambda value: int(value) if isinstance(value, float) and value.is_integer()
+                                     else value)]
 
 
 class _Body(BaseModel):
@@ -96,17 +100,17 @@ class StreamOptions(_Body):
 
 class _GenerationBody(_Body):
     model: str | None = None  # None: the served model
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
     stream: Flag = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    mtp_depth: int | Literal["auto"] | None = None  # extension: drafts per round (0 = none); "auto" picks per round
+    n: Int | None = None
+    mtp_depth: Int | Literal["auto"] | None = None  # extension: drafts per round (0 = none); "auto" picks per round
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension (mlx-lm's, over the last 20 tokens)
@@ -117,28 +121,28 @@ class _GenerationBody(_Body):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
-    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability and this many others' (0-20)
+    prompt_logprobs: Int | None = None  # vLLM's: each prompt token's log-probability and this many others' (0-20)
     # vLLM's extensions. skip_special_tokens: leave special tokens out of the text (None: yes, but with tools in
     # use, whose tags may be special); min_tokens holds EOS, stop_token_ids and stop strings back.
     skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: Flag = False
     include_stop_str_in_output: Flag = False
-    min_tokens: int | None = None
+    min_tokens: Int | None = None
     # vLLM's: only the last this many prompt tokens go in (-1: as many as the context holds)
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Int | None = None
     # vLLM's, not done here: a 400 names them rather than leaving them out unsaid
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     use_beam_search: bool | None = None
-    priority: int = 0  # vLLM's: lower is served first (only with `serve --scheduling-policy priority`)
+    priority: Int = 0  # vLLM's: lower is served first (only with `serve --scheduling-policy priority`)
 
 
 class ChatCompletionRequest(_GenerationBody):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
+    max_completion_tokens: Int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     # Checked in chat.py: a bad tool or tool_choice is a 400 naming it, not one for the body's shape.
     tools: Any = None
     tool_choice: Any = None
@@ -154,8 +158,8 @@ class CompletionRequest(_GenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]  # OpenAI's four forms: one prompt, or a list
     echo: bool | None = None
     suffix: str | None = None  # (fill-in-the-middle: refused, not ignored)
-    logprobs: int | None = None
-    best_of: int | None = None  # only n (the best n of more is not done here)
+    logprobs: Int | None = None
+    best_of: Int | None = None  # only n (the best n of more is not done here)
 
 
 class ResponsesRequest(_GenerationBody):
@@ -163,12 +167,12 @@ class ResponsesRequest(_GenerationBody):
 
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: Int | None = None
     tools: Any = None  # function tools, flat ({"type": "function", "name", "parameters"}); checked as chat's
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     include: list[str] | None = None  # "message.output_text.logprobs" asks for logprobs (else top_logprobs does)
     previous_response_id: str | None = None  # goes on from a kept response (response_store.py)
     conversation: Any = None  # (these three keep state this server does not: refused)
