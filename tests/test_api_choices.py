@@ -106,6 +106,27 @@ def test_a_list_of_prompts_gives_n_choices_each_in_openais_order(client: Any) ->
     assert ids.usage.prompt_tokens == 5
 
 
+def test_choices_past_the_slots_wait_for_them(client: Any, server: LiveServer, engine: BatchEngine) -> None:
+    """More choices than generation slots (8 here): the first take them all, each further one waits for a
+    slot (as vLLM queues them), streamed or not; every choice is what it is alone, and every slot comes back."""
+    prompts = [f"{i} times {i} is" for i in range(11)]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text
+             for p in prompts]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.text for c in out.choices] == [a for a in alone for _ in range(2)]
+    texts = [""] * 22
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [a for a in alone for _ in range(2)]
+    service = server.server.config.app.state.service
+    deadline = time.monotonic() + 10
+    while (service.slots.free, service.slots.waiting) != (8, 0):
+        assert time.monotonic() < deadline, (service.slots.free, service.slots.waiting)
+        time.sleep(0.02)
+    wait_idle(engine)
+
+
 def test_each_choices_logprobs_count_offsets_in_its_own_text(client: Any) -> None:
     prompts = ["Hello", "Goodbye"]
     out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, logprobs=2)

@@ -89,18 +89,28 @@ async def _until(service: "Service", waited: Any, request: Any) -> None:
 async def begin(service: "Service", choices: list[Choice], request: Any, admitted: bool) -> list[GenerationThread]:
     """Every choice's run started on a slot reserved for it (with `admitted`, and admitted by the engine),
     in index order: a prompt's first choice at once, its others once that one's first chunk shows the
-    prompt is in. A refusal of any stops those begun, gives the slots back and is raised."""
-    try:
-        await service.reserve(len(choices), request, choices[0].req.priority)
-    except APIError:
-        raise
-    except Exception as e:  # no slots in time
-        raise service.server_error(e) from None
-    runs: dict[int, GenerationThread] = {}
-    unused = len(choices)  # slots reserved and not yet handed to a run
+    prompt is in. A request's choices take their slots all at once, as many as there are; past that, each
+    further one waits for a slot as a request of its own (as vLLM queues them). A refusal of any stops
+    those begun, gives the slots back and is raised."""
+    priority = choices[0].req.priority
 
-    def start(choice: Choice) -> None:
+    async def reserve(count: int) -> None:
+        try:
+            await service.reserve(count, request, priority)
+        except APIError:
+            raise
+        except Exception as e:  # no slots in time
+            raise service.server_error(e) from None
+
+    unused = min(len(choices), service.max_concurrency)  # slots reserved and not yet handed to a run
+    await reserve(unused)
+    runs: dict[int, GenerationThread] = {}
+
+    async def start(choice: Choice) -> None:
         nonlocal unused
+        if not unused:
+            await reserve(1)
+            unused += 1
         unused -= 1  # (a run gives its slot back when it ends, or at once if it cannot start)
         try:
             runs[choice.index] = service.run(choice.req)
@@ -108,12 +118,12 @@ async def begin(service: "Service", choices: list[Choice], request: Any, admitte
             raise service.server_error(e) from None
 
     async def prompt(group: list[Choice]) -> None:
-        start(group[0])
+        await start(group[0])
         scored = group[0].req.params.prompt_logprobs >= 0  # (a scored prompt is read whole, by each choice)
         if len(group) > 1 and getattr(service.engine, "keeps_prefixes", False) and not scored:
             await _until(service, runs[group[0].index].first(), request)
         for choice in group[1:]:
-            start(choice)
+            await start(choice)
         if admitted:
             await _all([asyncio.ensure_future(_until(service, runs[c.index].admitted(), request)) for c in group])
 

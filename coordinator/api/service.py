@@ -45,6 +45,7 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1
 LONG_PROMPT_CHARS = 32 * 1024  # longer prompts are tokenized on the long lane
 LONG_TOKEN_IDS = 64 * 1024  # longer token-id prompts are checked on a worker thread
+MAX_CHOICES = 1024  # choices (prompts times n) one request may ask for
 
 
 class Service:
@@ -106,15 +107,15 @@ class Service:
         return params
 
     def choices(self, body: "_GenerationBody", prompts: int = 1) -> int:
-        """How many choices each prompt gets (`n`). A request's choices all run at once, so all of them
-        together fit in the generation slots."""
+        """How many choices each prompt gets (`n`). Those past the generation slots wait for them
+        (responses.begin); MAX_CHOICES in all bounds what one request may hold in memory."""
         n = 1 if body.n is None else body.n
         if n < 1:
             raise APIError(400, f"n must be at least 1, got {n}", param="n")
-        if n * prompts > self.max_concurrency:
+        if n * prompts > MAX_CHOICES:
             many = f"{prompts} prompts with n={n}" if prompts > 1 else f"n={n}"
-            raise APIError(400, f"{many} asks for {n * prompts} choices; this server runs at most "
-                                f"{self.max_concurrency} generations at once", param="n" if n > 1 else "prompt")
+            raise APIError(400, f"{many} asks for {n * prompts} choices; a request may ask for at most "
+                                f"{MAX_CHOICES}", param="n" if n > 1 else "prompt")
         return n
 
     @staticmethod
