@@ -127,6 +127,23 @@ def test_choices_past_the_slots_wait_for_them(client: Any, server: LiveServer, e
     wait_idle(engine)
 
 
+def test_a_choice_waiting_on_its_own_requests_slot_never_times_out(engine: BatchEngine) -> None:
+    """One slot, n=2, and a first choice that runs longer than the slot timeout: the second waits for the
+    slot the first frees (the request's own runs free it), not for the timeout's 503."""
+    never_ends = {str(t): -100 for t in engine.eos}
+    app = create_app(engine, MODEL, max_concurrency=1)
+    app.state.service.slot_timeout = 0.3
+    with LiveServer(app) as s:
+        body = {"model": MODEL, "prompt": "go on", "max_tokens": 200, "temperature": 0, "logit_bias": never_ends}
+        started = time.monotonic()
+        alone = httpx.post(s.url + "/v1/completions", json=body, timeout=120).json()
+        assert time.monotonic() - started > 0.3  # (longer than the slot timeout)
+        r = httpx.post(s.url + "/v1/completions", json={**body, "n": 2}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in r.json()["choices"]] == [alone["choices"][0]["text"]] * 2
+    wait_idle(engine)
+
+
 def test_each_choices_logprobs_count_offsets_in_its_own_text(client: Any) -> None:
     prompts = ["Hello", "Goodbye"]
     out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, logprobs=2)

@@ -196,7 +196,7 @@ def chat_messages(body: ChatCompletionRequest, answered: bool = False) -> list[d
             if role != "assistant":
                 raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls, not {m.role!r} ones",
                                param="messages")
-            msg["tool_calls"] = [{"id": c.id or f"call_{i}_{j}", "type": "function",
+            msg["tool_calls"] = [{"id": c.id or f"c{i:05d}{j:03d}", "type": "function",  # (9 characters, as some want)
                                   "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                                  for j, c in enumerate(m.tool_calls)]
             call_ids.update(c["id"] for c in msg["tool_calls"])

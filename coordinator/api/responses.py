@@ -90,13 +90,13 @@ async def begin(service: "Service", choices: list[Choice], request: Any, admitte
     """Every choice's run started on a slot reserved for it (with `admitted`, and admitted by the engine),
     in index order: a prompt's first choice at once, its others once that one's first chunk shows the
     prompt is in. A request's choices take their slots all at once, as many as there are; past that, each
-    further one waits for a slot as a request of its own (as vLLM queues them). A refusal of any stops
-    those begun, gives the slots back and is raised."""
+    further one waits for a slot as a request of its own (as vLLM queues them), for as long as it takes:
+    the request's own runs free them. A refusal of any stops those begun, gives the slots back and is raised."""
     priority = choices[0].req.priority
 
-    async def reserve(count: int) -> None:
+    async def reserve(count: int, timed: bool = True) -> None:
         try:
-            await service.reserve(count, request, priority)
+            await service.reserve(count, request, priority, timed)
         except APIError:
             raise
         except Exception as e:  # no slots in time
@@ -109,7 +109,7 @@ async def begin(service: "Service", choices: list[Choice], request: Any, admitte
     async def start(choice: Choice) -> None:
         nonlocal unused
         if not unused:
-            await reserve(1)
+            await reserve(1, timed=False)
             unused += 1
         unused -= 1  # (a run gives its slot back when it ends, or at once if it cannot start)
         try:

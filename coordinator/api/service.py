@@ -45,7 +45,7 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1
 LONG_PROMPT_CHARS = 32 * 1024  # longer prompts are tokenized on the long lane
 LONG_TOKEN_IDS = 64 * 1024  # longer token-id prompts are checked on a worker thread
-MAX_CHOICES = 1024  # choices (prompts times n) one request may ask for
+MAX_CHOICES = 256  # choices (prompts times n) one request may ask for
 
 
 class Service:
@@ -271,11 +271,11 @@ class Service:
 
     # runs ---------------------------------------------------------------------------------
 
-    async def reserve(self, count: int, request: Any, priority: int = 0) -> None:
+    async def reserve(self, count: int, request: Any, priority: int = 0, timed: bool = True) -> None:
         """`count` of the `max_concurrency` generation slots, all or none (slots.py), waited for only while
-        the client waits too and at most SLOT_TIMEOUT_S (then ServerBusy: 503 with Retry-After)."""
-        await self.waited(self.slots.acquire(count, priority), request, time.monotonic() + self.slot_timeout,
-                          undo=lambda: self.slots.release(count))
+        the client waits too and (`timed`) at most SLOT_TIMEOUT_S (then ServerBusy: 503 with Retry-After)."""
+        await self.waited(self.slots.acquire(count, priority), request,
+                          time.monotonic() + self.slot_timeout if timed else None, undo=lambda: self.slots.release(count))
 
     def release(self, count: int) -> None:
         """Reserved slots given back unused."""

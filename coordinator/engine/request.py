@@ -186,11 +186,12 @@ def check_request(req: GenerationRequest, *, max_context: int, has_mtp: bool, co
                            "mtp_depth")
     # (a prompt only scored, max_tokens 0, may fill the context: its one token is never fed)
     room = context_room(len(req.prompt_tokens), req.mtp_depth, max_context) + (req.max_tokens == 0)
-    # (the context errors open with vLLM's words: clients such as LiteLLM tell them from others by them)
+    # (what overflows the context opens with vLLM's words: clients such as LiteLLM tell it by them, and
+    # shorten the conversation; drafts that do not fit are a matter of mtp_depth, not of its length)
     limit = f"This model's maximum context length is {max_context} tokens. However,"
     if room <= 0 and context_room(len(req.prompt_tokens), 0, max_context) > 0:  # (the drafts do not fit)
-        raise RequestError(f"{limit} the prompt ({len(req.prompt_tokens)} tokens) leaves no room in it for "
-                           f"{req.mtp_depth} draft token(s); use mtp_depth 0 or auto",
+        raise RequestError(f"the prompt ({len(req.prompt_tokens)} tokens) leaves no room in the context of "
+                           f"{max_context} tokens for {req.mtp_depth} draft token(s); use mtp_depth 0 or auto",
                            "mtp_depth", "context_length_exceeded")
     if room <= 0:
         raise RequestError(f"{limit} the prompt has {len(req.prompt_tokens)} tokens, which leaves no room for a "
@@ -198,6 +199,10 @@ def check_request(req: GenerationRequest, *, max_context: int, has_mtp: bool, co
     if req.max_tokens < 0 or (req.max_tokens == 0 and req.params.prompt_logprobs < 0):
         raise RequestError(f"max_tokens must be positive (0 only to score the prompt), got {req.max_tokens}",
                            "max_tokens")
+    if req.max_tokens > room and req.max_tokens + len(req.prompt_tokens) <= max_context:  # (its drafts' room)
+        raise RequestError(f"max_tokens ({req.max_tokens}) and the prompt ({len(req.prompt_tokens)} tokens) leave no "
+                           f"room in the context of {max_context} tokens for {req.mtp_depth} draft token(s): at most "
+                           f"{room} tokens with them; use mtp_depth 0 or auto", "max_tokens", "context_length_exceeded")
     if req.max_tokens > room:
         raise RequestError(f"{limit} you requested {req.max_tokens + len(req.prompt_tokens)} tokens "
                            f"({len(req.prompt_tokens)} in the prompt, {req.max_tokens} for max_tokens): at most {room} "
