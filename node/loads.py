@@ -24,7 +24,7 @@ from .loader import LoadKey, check_load, load_stage, same_shard
 from .weights import WeightStore
 
 if TYPE_CHECKING:
-    from .links import NextStage
+    from .dataplane import NextStage
     from .stage import StageWorker
 
 log = logging.getLogger(__name__)

@@ -36,6 +36,7 @@ from .coordinators import Coordinators
 from .dataplane import NextStage
 from .group_frames import GroupFrames
 from .health import MemoryReadings, health_reply
+from .sysinfo import machine_id
 from .kept import KeptFrames
 from .leases import LeaseHolder
 from .loader import LoadKey
@@ -98,6 +99,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         self._owners: dict[str, str] = {}  # sequence id -> the client that started it
         self.orphan_grace = ORPHAN_GRACE_S
         self.blas = blas.warn_if_reference()
+        machine_id()  # (asked now, off the loop: Health answers it from then on, and macOS asks a command)
         self.weights = WeightStore(model_dirs, shard_cache, secret, download)  # where shards come from (weights.py)
         self.draft_vocab = draft_vocab  # the last stage's draft vocabulary (None: the default size)
         self.mtp_window = mtp_window  # what its drafts attend to (None: the default window)

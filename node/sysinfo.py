@@ -116,12 +116,17 @@ def system_memory(active: int | None = None) -> tuple[int, int]:
 @functools.cache
 def machine_id() -> str:
     """This machine in this boot, the same for every process on it (network namespaces and containers
-    share its kernel, so they share it too): Linux's boot id, macOS's boot session, else the host's name
+    share its kernel, so they share it too). Asked once, when a node starts (macOS answers by a command)."""
+    return machine_of(sys.platform)
+
+
+def machine_of(system: str) -> str:
+    """`machine_id` on `system` (sys.platform): Linux's boot id, macOS's boot session, else the host's name
     and the second it booted."""
     seed = ""
     try:
-        if sys.platform == "darwin":
-            seed = _run("sysctl", "-n", "kern.bootsessionuuid").strip()
+        if system == "darwin":
+            seed = _run("/usr/sbin/sysctl", "-n", "kern.bootsessionuuid").strip()
         else:
             seed = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except (OSError, subprocess.SubprocessError) as e:

@@ -346,5 +346,20 @@ def test_slots_go_by_priority_then_arrival_and_a_request_given_up_holds_none_bac
         assert slots.free == 2
         with pytest.raises(ValueError):
             await slots.acquire(3)
+        # A request's further choices wait in its own place: ahead of a request that came after it.
+        one = Slots(1)
+        mine = one.arrival()
+        await one.acquire(1, 0, mine)
+        later = asyncio.ensure_future(one.acquire(1))
+        await asyncio.sleep(0)
+        further = [asyncio.ensure_future(one.acquire(1, 0, mine)) for _ in range(2)]  # (one arrival, two waits)
+        await asyncio.sleep(0)
+        one.release(1)
+        await asyncio.wait_for(further[0], 5)
+        one.release(1)
+        await asyncio.wait_for(further[1], 5)
+        assert not later.done()
+        one.release(1)
+        await asyncio.wait_for(later, 5)
 
     asyncio.run(main())

@@ -356,7 +356,9 @@ def test_unload_frees_a_shard_for_its_own_coordinator_only(dense_ckpt: Path) -> 
 
     from mtpipe.coordinator.engine.build import ring_engine
     from mtpipe.coordinator.engine.request import GenerationRequest
+    from mtpipe.node.wire import make_channel
     from mtpipe.proto import mtpipe_pb2 as pb
+    from mtpipe.proto import mtpipe_pb2_grpc as pb_grpc
 
     with node_servers(2) as servers:
         engine = ring_engine(dense_ckpt, [s.address for s in servers], dtype="float32")
@@ -382,11 +384,20 @@ def test_unload_frees_a_shard_for_its_own_coordinator_only(dense_ckpt: Path) -> 
         try:
             prompt = engine.tokenizer.encode(PROMPTS[1])
             assert len(engine.complete(GenerationRequest(prompt, max_tokens=6)).tokens) == 6
+            owner = engine.pipeline.client_id
         finally:
             engine.close()
+        with make_channel(servers[1].address, None) as channel:
+            stub = pb_grpc.NodeStub(channel)
+            for other in ("someone-else", ""):  # (its coordinator gone: still none but it may unload its shard)
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Unload(pb.UnloadRequest(client_id=other), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert servers[1].service.worker is not None
+            assert stub.Unload(pb.UnloadRequest(client_id=owner), timeout=10).unloaded
 
 
-def test_a_node_without_unload_is_asked_once(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_node_without_unload_is_left_alone(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A node of an earlier version, without the Unload RPC, is left alone (not asked again and again)."""
     from helpers import node_servers
 

@@ -290,15 +290,9 @@ def test_one_machine_is_named_alike_by_every_process_on_it(monkeypatch: pytest.M
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         assert pool.apply(sysinfo.machine_id) == here
     asked: list[tuple[str, ...]] = []
-    monkeypatch.setattr(sysinfo.sys, "platform", "darwin")
     monkeypatch.setattr(sysinfo, "_run", lambda *cmd: asked.append(cmd) or "5E1D-SESSION\n")
-    sysinfo.machine_id.cache_clear()
-    try:
-        mac = sysinfo.machine_id()
-        assert asked == [("sysctl", "-n", "kern.bootsessionuuid")] and mac not in ("", here) and len(mac) == 16
-        monkeypatch.setattr(sysinfo, "_run", lambda *cmd: "")  # (none: the host and the second it booted)
-        sysinfo.machine_id.cache_clear()
-        assert sysinfo.machine_id() not in (mac, here)
-    finally:
-        sysinfo.machine_id.cache_clear()
+    mac = sysinfo.machine_of("darwin")
+    assert asked == [("/usr/sbin/sysctl", "-n", "kern.bootsessionuuid")] and mac not in ("", here) and len(mac) == 16
+    monkeypatch.setattr(sysinfo, "_run", lambda *cmd: "")  # (none: the host and the second it booted)
+    assert sysinfo.machine_of("darwin") not in (mac, here)
     assert sysinfo.sharing(["a", "b", "a", "", ""]) == [2, 1, 2, 1, 1]

@@ -37,7 +37,7 @@ class FunctionCall(_Body):
 class MessageToolCall(_Body):
     """A call an earlier assistant message made, sent back with the conversation."""
 
-    id: str | None = None  # (OpenAI's clients always send it; one without gets call_<message>_<index>)
+    id: str | None = None  # (OpenAI's clients always send it; one without gets one: chat.chat_messages)
     type: Literal["function"] = "function"
     function: FunctionCall
 

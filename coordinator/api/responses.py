@@ -90,13 +90,14 @@ async def begin(service: "Service", choices: list[Choice], request: Any, admitte
     """Every choice's run started on a slot reserved for it (with `admitted`, and admitted by the engine),
     in index order: a prompt's first choice at once, its others once that one's first chunk shows the
     prompt is in. A request's choices take their slots all at once, as many as there are; past that, each
-    further one waits for a slot as a request of its own (as vLLM queues them), for as long as it takes:
-    the request's own runs free them. A refusal of any stops those begun, gives the slots back and is raised."""
-    priority = choices[0].req.priority
+    further one waits for a slot in the request's own place in the queue (as vLLM queues them), for as long
+    as it takes: the request's own runs free them. A refusal of any stops those begun, gives the slots back
+    and is raised."""
+    priority, arrival = choices[0].req.priority, service.slots.arrival()
 
     async def reserve(count: int, timed: bool = True) -> None:
         try:
-            await service.reserve(count, request, priority, timed)
+            await service.reserve(count, request, priority, timed, arrival)
         except APIError:
             raise
         except Exception as e:  # no slots in time

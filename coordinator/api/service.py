@@ -271,10 +271,12 @@ class Service:
 
     # runs ---------------------------------------------------------------------------------
 
-    async def reserve(self, count: int, request: Any, priority: int = 0, timed: bool = True) -> None:
+    async def reserve(self, count: int, request: Any, priority: int = 0, timed: bool = True,
+                      arrival: int | None = None) -> None:
         """`count` of the `max_concurrency` generation slots, all or none (slots.py), waited for only while
-        the client waits too and (`timed`) at most SLOT_TIMEOUT_S (then ServerBusy: 503 with Retry-After)."""
-        await self.waited(self.slots.acquire(count, priority), request,
+        the client waits too and (`timed`) at most SLOT_TIMEOUT_S (then ServerBusy: 503 with Retry-After);
+        `arrival`: its place in the queue, taken before (the request's own, for a choice past the slots)."""
+        await self.waited(self.slots.acquire(count, priority, arrival), request,
                           time.monotonic() + self.slot_timeout if timed else None, undo=lambda: self.slots.release(count))
 
     def release(self, count: int) -> None:

@@ -17,18 +17,25 @@ class Slots:
     def __init__(self, total: int):
         self.total = total
         self.free = total
-        self._waiting: list[tuple[int, int, int, asyncio.Future[None]]] = []  # heap: (priority, arrival, count, ...)
+        # heap: (priority, arrival, order, count, future); several of one request may share an arrival
+        self._waiting: list[tuple[int, int, int, int, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
+        self._order = itertools.count()  # (ties within an arrival: first asked, first served)
 
-    async def acquire(self, count: int = 1, priority: int = 0) -> None:
-        """`count` slots (at most `total`), once they are free and no request before this one waits."""
+    def arrival(self) -> int:
+        """A place in the queue's order, taken now (`acquire`'s `arrival`)."""
+        return next(self._arrivals)
+
+    async def acquire(self, count: int = 1, priority: int = 0, arrival: int | None = None) -> None:
+        """`count` slots (at most `total`), once they are free and no request before this one waits; it
+        comes where `arrival` (taken before) puts it, else after all that came before."""
         if not 0 < count <= self.total:
             raise ValueError(f"{count} slots asked of {self.total}")
         if not self._waiting and count <= self.free:
             self.free -= count
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (priority, next(self._arrivals), count, future)
+        entry = (priority, self.arrival() if arrival is None else arrival, next(self._order), count, future)
         heapq.heappush(self._waiting, entry)
         self._grant()  # (first in priority, it may fit what those it overtook left free)
         try:
@@ -51,8 +58,8 @@ class Slots:
         return len(self._waiting)
 
     def _grant(self) -> None:
-        while self._waiting and self._waiting[0][2] <= self.free:
-            _, _, count, future = heapq.heappop(self._waiting)
+        while self._waiting and self._waiting[0][3] <= self.free:
+            *_, count, future = heapq.heappop(self._waiting)
             if future.done():  # (cancelled: its task takes itself out)
                 continue
             self.free -= count
