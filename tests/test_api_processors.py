@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -246,15 +247,26 @@ def test_min_tokens_holds_back_what_ends_a_request(client: Any, engine: BatchEng
         assert e.value.body["param"] == "min_tokens"
 
 
+# A template that opens an empty thought where Qwen's enable_thinking is false.
+THINKING_TEMPLATE = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+                     "<|im_start|>assistant\n{%- if enable_thinking is defined and not enable_thinking %}"
+                     "<think>\n\n</think>\n\n{%- endif %}")
+
+
+@contextmanager
+def chat_template(engine: BatchEngine, template: str) -> Iterator[None]:
+    hf = engine.tokenizer._tokenizer
+    before, hf.chat_template = hf.chat_template, template
+    try:
+        yield
+    finally:
+        hf.chat_template = before
+
+
 def test_chat_template_kwargs_reach_the_template(client: Any, engine: BatchEngine) -> None:
     """vLLM's `chat_template_kwargs` (Qwen's enable_thinking, say) are variables of the chat template;
     one that would set an argument of the template call is a 400."""
-    hf = engine.tokenizer._tokenizer
-    template = hf.chat_template
-    hf.chat_template = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
-                        "<|im_start|>assistant\n{%- if enable_thinking is defined and not enable_thinking %}"
-                        "<think>\n\n</think>\n\n{%- endif %}")
-    try:
+    with chat_template(engine, THINKING_TEMPLATE):
         messages = [{"role": "user", "content": PROMPT}]
         asked = {}
         for thinking in (True, False):
@@ -266,8 +278,6 @@ def test_chat_template_kwargs_reach_the_template(client: Any, engine: BatchEngin
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
                                            extra_body={"chat_template_kwargs": {"tokenize": False}})
         assert e.value.body["param"] == "chat_template_kwargs"
-    finally:
-        hf.chat_template = template
 
 
 def test_a_reasoning_models_thinking_comes_apart_from_its_answer(client: Any, engine: BatchEngine) -> None:
@@ -320,12 +330,7 @@ def test_reasoning_effort_none_turns_thinking_off_as_vllm_maps_it(client: Any, e
     """OpenAI's `reasoning_effort` (and the Responses API's `reasoning.effort`): "none" is Qwen's
     enable_thinking false, any other effort true, unless chat_template_kwargs says otherwise; the template
     reads the effort too. A value OpenAI does not name is a 400."""
-    hf = engine.tokenizer._tokenizer
-    template = hf.chat_template
-    hf.chat_template = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
-                        "<|im_start|>assistant\n{%- if enable_thinking is defined and not enable_thinking %}"
-                        "<think>\n\n</think>\n\n{%- endif %}{{ reasoning_effort | default('') }}")
-    try:
+    with chat_template(engine, THINKING_TEMPLATE + "{{ reasoning_effort | default('') }}"):
         messages = [{"role": "user", "content": PROMPT}]
 
         def prompt_tokens(**extra: Any) -> int:
@@ -345,5 +350,3 @@ def test_reasoning_effort_none_turns_thinking_off_as_vllm_maps_it(client: Any, e
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=1, reasoning={"effort": "extreme"})
         assert e.value.body["param"] == "reasoning.effort"
-    finally:
-        hf.chat_template = template
