@@ -145,6 +145,14 @@ def sharing(machines: list[str]) -> list[int]:
     return [counts[m] if m else 1 for m in machines]
 
 
+def memory_offered(h: Any, sharing: int = 1) -> int:
+    """What a node's Health (`h`) says it offers for its weights and caches: its share of what its machine
+    has free (shared with the `sharing` nodes on it) and its own shard (a new one replaces it), within
+    what a launched node offers (its cap)."""
+    share = h.memory_available // sharing + h.parameter_bytes
+    return min(share, h.memory_offered) if h.memory_offered else share
+
+
 def mlx_active_memory() -> int:
     try:
         import mlx.core as mx

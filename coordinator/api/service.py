@@ -81,6 +81,9 @@ class Service:
         if body.prompt_logprobs is not None and not 0 <= body.prompt_logprobs <= 20:  # (vLLM's -1, all: not here)
             raise APIError(400, f"prompt_logprobs must be in [0, 20], got {body.prompt_logprobs}",
                            param="prompt_logprobs")
+        for name in ("bad_words", "allowed_token_ids", "use_beam_search"):  # (vLLM's, not done here: named)
+            if getattr(body, name):
+                raise APIError(400, f"{name} is not supported by this server", param=name)
         body = with_defaults(body, self.defaults)
         temperature = 1.0 if body.temperature is None else body.temperature
         if 0.0 < temperature < GREEDY_BELOW:
@@ -157,11 +160,7 @@ class Service:
         return await self.tokenize(len(tokens), entries)
 
     def truncated(self, body: "_GenerationBody", prompt: list[int]) -> list[int]:
-        """`prompt` as vLLM's truncate_prompt_tokens leaves it: its last tokens only. A 400 for what vLLM
-        would do and this server does not (beam search, bad words, allowed token ids)."""
-        for name in ("bad_words", "allowed_token_ids", "use_beam_search"):
-            if getattr(body, name):
-                raise APIError(400, f"{name} is not supported by this server", param=name)
+        """`prompt` as vLLM's truncate_prompt_tokens leaves it: its last tokens only."""
         keep = body.truncate_prompt_tokens
         if keep is None:
             return prompt

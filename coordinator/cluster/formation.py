@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...node.advertise import NodeAdvert
 from ...node.links import Interface, format_host_port, split_host_port, strip_scope
-from ...node.sysinfo import sharing
+from ...node.sysinfo import memory_offered, sharing
 from .config import ClusterConfig, StaticNode
 from .placement import GiB, HopCandidate, ModelFootprint, NodeResources, StagePlan, hop_candidates
 
@@ -95,11 +95,8 @@ def static_resources(nodes: list[StaticNode], secret: str | None, reserve: int,
 
 
 def offered_bytes(h: Any, reserve: int, sharing: int = 1) -> int:
-    """What a node's Health says it offers for weights: its share of what its machine has free (shared
-    with the `sharing` nodes of these on it) and its own shard (a new shard replaces it), within what a
-    launched node offers (its cap); less `reserve`."""
-    share = h.memory_available // sharing + h.parameter_bytes
-    return max((min(share, h.memory_offered) if h.memory_offered else share) - reserve, 0)
+    """What a node's Health says it offers for weights (sysinfo.memory_offered), less `reserve`."""
+    return max(memory_offered(h, sharing) - reserve, 0)
 
 
 def static_flags(nodes: list[StaticNode], secret: str | None, wait: float) -> dict[str, bool]:

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ...node.protocol import StageUnavailable
-from ...node.sysinfo import sharing
+from ...node.sysinfo import memory_offered, sharing
 from . import scheduler as plan
 from .ring_live import RingLive
 from .sinks import ServerBusy
@@ -63,9 +63,7 @@ class RingRoom:
         """`sharing`: how many of the pipeline's nodes run on its machine, whose free memory is theirs together."""
         key = f"{h.node_id}:{h.start}-{h.end}/{sharing}"
         if key not in self._budgets:  # (a launched node's cap holds too: it offers what its weights and rows may use)
-            room = h.memory_available // sharing
-            if h.memory_offered:
-                room = min(room, h.memory_offered - h.parameter_bytes)
+            room = memory_offered(h, sharing) - h.parameter_bytes
             free = max(0, room // 2 - self.prefix_share)
             self._budgets[key] = self.budget if self.budget is not None else max(MIN_NODE_BUDGET, free)
         dims = plan.ModelDims.of(self.args, DTYPE_SIZES.get(h.dtype, 2), mtp=self.has_mtp and h.end == h.num_layers,
