@@ -293,18 +293,34 @@ def test_a_late_error_for_a_preempted_rows_old_sequence_is_dropped() -> None:
         old, old_sink = live.seq_id, pipeline.row_sinks[live.seq_id]
         room.nodes = [plan.NodeRoom(plan.ModelDims(1, 0), 1)]
         room.over = lambda movable: [live]  # (the room says it must leave)
-        end_kept = engine._end_kept
+        end_kept, here = engine._end_kept, threading.current_thread()
+
+        class Watched:  # (the request's lock, telling when another thread waits for it)
+            def __init__(self, lock: Any) -> None:
+                self.lock, self.contended = lock, threading.Event()
+
+            def __enter__(self) -> Any:
+                if threading.current_thread() is not here:
+                    self.contended.set()
+                return self.lock.__enter__()
+
+            def __exit__(self, *exc: Any) -> Any:
+                return self.lock.__exit__(*exc)
+
+        live.lock = watched = Watched(live.lock)
+        error = threading.Thread(target=old_sink, args=(StageError(f"node b: boom for {old}"),))
 
         def error_meanwhile(x: RingLive, fed: Any) -> None:  # (under its lock, before its sequence changes)
             if x is live and x.resuming:
-                threading.Thread(target=old_sink, args=(StageError(f"node b: boom for {old}"),)).start()
-                time.sleep(0.2)  # (the error's thread is past its first check, and waits for the lock)
+                error.start()
+                assert watched.contended.wait(10)  # (the error's thread is past its first check, at the lock)
             end_kept(x, fed)
 
         engine._end_kept = error_meanwhile
         engine._room_checked = 0.0
         engine._make_room()
-        time.sleep(0.5)
+        error.join(10)
+        assert not error.is_alive()
         assert live.stats.preempted == 1 and live.seq_id != old and not live.done
         while not got.empty():
             assert not isinstance(got.get(), BaseException)
