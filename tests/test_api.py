@@ -985,9 +985,17 @@ def test_tokenize_and_detokenize(server: LiveServer, client: Any, engine: BatchE
     with_tools = post("/tokenize", json={"messages": messages, "tools": [tool]}).json()["count"]
     unused = post("/tokenize", json={"messages": messages, "tools": [tool], "tool_choice": "none"}).json()["count"]
     assert unused == asked["count"] < with_tools  # (tool_choice none: the tools are not rendered)
+    closed = post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()["count"]
+    assert closed < asked["count"]  # (vLLM's: without the assistant's turn opened)
+    reply = [*messages, {"role": "assistant", "content": "Hi"}]
+    going_on = post("/tokenize", json={"messages": reply, "continue_final_message": True,
+                                       "add_generation_prompt": False}).json()
+    fed = client.chat.completions.create(model=MODEL, messages=reply, max_tokens=1, temperature=0,
+                                         extra_body={"continue_final_message": True})
+    assert going_on["count"] == fed.usage.prompt_tokens
     assert post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": engine.tokenizer.decode(r["tokens"])}
     for path, body, param in (("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
-                              ("/tokenize", {"messages": messages, "add_generation_prompt": False},
+                              ("/tokenize", {"messages": reply, "continue_final_message": True},
                                "add_generation_prompt"),
                               ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
                               ("/detokenize", {"tokens": "1 2"}, "tokens")):

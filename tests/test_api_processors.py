@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import mlx.core as mx
 import pytest
 
@@ -343,6 +344,9 @@ def test_reasoning_effort_none_turns_thinking_off_as_vllm_maps_it(client: Any, e
         assert off > plain and on < off and high < off  # (the effort's word; the block gone where thinking is on)
         r = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=1, reasoning={"effort": "none"})
         assert r.usage.input_tokens == off
+        tokenize = str(client.base_url).removesuffix("/v1/") + "/tokenize"  # (it counts the prompt a chat is fed)
+        assert httpx.post(tokenize, json={"messages": messages, "reasoning_effort": "none"}).json()["count"] == off
+        assert httpx.post(tokenize, json={"messages": messages, "reasoning_effort": "x"}).status_code == 400
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
                                            extra_body={"reasoning_effort": "extreme"})

@@ -325,3 +325,13 @@ def check_template_variables(variables: dict[str, Any] | None) -> None:
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}: it is an argument of the template "
                             "call, not a variable of the template", param="chat_template_kwargs")
+
+
+def template_variables(kwargs: dict[str, Any] | None, reasoning_effort: str | None) -> dict[str, Any] | None:
+    """The template's variables: `chat_template_kwargs`, and OpenAI's reasoning_effort as the variable and
+    as Qwen's enable_thinking ("none" turns thought off), as vLLM maps it; what the kwargs say wins."""
+    variables = dict(kwargs or {})
+    if reasoning_effort is not None:
+        variables.setdefault("reasoning_effort", reasoning_effort)
+        variables.setdefault("enable_thinking", reasoning_effort != "none")
+    return variables or None

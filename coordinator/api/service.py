@@ -225,10 +225,12 @@ class Service:
         return await asyncio.get_running_loop().run_in_executor(self.long_lane, long)
 
     async def encode_chat(self, messages: list[dict[str, Any]], tools: "ToolSpec | None" = None,
-                          variables: dict[str, Any] | None = None, continue_final: bool = False) -> list[int]:
+                          variables: dict[str, Any] | None = None, continue_final: bool = False,
+                          opened: bool = True) -> list[int]:
         """The prompt: plain messages as the engine encodes them; tools and tool turns as chat.py renders them;
         `variables` (`chat_template_kwargs`, such as Qwen's enable_thinking) for the template; `continue_final`:
-        the reply goes on from the last message, an assistant's (vLLM's continue_final_message)."""
+        the reply goes on from the last message, an assistant's (vLLM's continue_final_message); not `opened`:
+        without the assistant's turn opened after them (only /tokenize asks for that)."""
         check_template_variables(variables)
         if continue_final and (not messages or messages[-1]["role"] != "assistant"):
             raise APIError(400, "continue_final_message needs the last message to be the assistant's",
@@ -243,7 +245,8 @@ class Service:
             else:
                 turns, rendered = template_input(messages, tools, self.native_tools)
             kwargs = {**(variables or {}), **({"tools": rendered} if rendered is not None else {})}
-            return list(tokenizer.apply_chat_template(turns, add_generation_prompt=not continue_final, tokenize=True,
+            return list(tokenizer.apply_chat_template(turns, add_generation_prompt=opened and not continue_final,
+                                                      tokenize=True,
                                                       continue_final_message=continue_final, **kwargs))
 
         try:
