@@ -234,3 +234,37 @@ def test_a_peer_with_another_secret_gets_mtpipes_error_not_grpcs_log_lines(tmp_p
     reported = json.loads(r.stdout.strip().splitlines()[-1])
     assert "Handshake failed" not in r.stderr and "ssl_transport_security" not in r.stderr, r.stderr
     assert node.address in json.dumps(reported) and "handshake" in json.dumps(reported).lower()
+
+
+def test_launched_nodes_on_one_machine_share_what_it_offers() -> None:
+    """`mtpipe launch` places discovered nodes by the memory each offers over its authenticated link; nodes
+    that run on one machine (this one's node among them) each offer their share of it, as a static
+    cluster's placement counts them."""
+    from mtpipe.coordinator.cluster.membership import Membership
+    from mtpipe.node.advertise import NodeAdvert
+    from mtpipe.node.server import NodeServer
+
+    servers = [NodeServer("127.0.0.1", 0, node_id=f"node-{c}", secret="s3").start() for c in "bc"]
+    try:
+        for s in servers:
+            s.service.memory_offered = lambda: 1 << 50  # (a cap above what the machine has: its free memory counts)
+        peers = {s.service.node_id: NodeAdvert(s.service.node_id, "h", s.port, 1, 1, "cpu", "v",
+                                               addresses=("127.0.0.1",)) for s in servers}
+        me = NodeAdvert("node-a", "h", 1, 1, 9 << 30, "cpu", "v", addresses=("127.0.0.1",))
+        membership = Membership("node-a", [], "s3", timeout=2.0)
+        members = membership.members({**peers, "node-a": me})
+        alone = {node_id: ad.mem_available for node_id, ad in members.items()}
+        assert alone["node-a"] == 9 << 30 and alone["node-b"] > 1 << 20  # (each as if it had the machine)
+        shared = {node_id: ad.mem_available for node_id, ad in membership.shared(members, lambda k: (9 << 30) // k).items()}
+        assert shared == {node_id: mem // 3 for node_id, mem in alone.items()}  # (no shard held: a third each)
+        capped = Membership("node-a", [], "s3", timeout=2.0)
+        for s in servers:
+            s.service.memory_offered = lambda: 1 << 20  # (a cap below a third of what the machine has free)
+        members = capped.members({**peers, "node-a": me})
+        shared = capped.shared(members, lambda k: (9 << 30) // k)
+        assert {node_id: ad.mem_available for node_id, ad in shared.items()} == \
+            {"node-a": 3 << 30, "node-b": 1 << 20, "node-c": 1 << 20}  # (a cap is a node's own)
+        assert capped.shared({"node-b": members["node-b"]}, lambda k: 0)["node-b"].mem_available == 1 << 20
+    finally:
+        for s in servers:
+            s.stop(0)

@@ -161,12 +161,13 @@ def _launch(args: argparse.Namespace) -> int:
                         download=cfg.node.download, **cfg.drafting()).start()
     server.service.coordinating = bool(args.coordinator)
 
-    def memory_offered() -> int:
-        # Its own shard counts as free: a new placement would replace it.
+    def memory_offered(sharing: int = 1) -> int:
+        # Its own shard counts as free: a new placement would replace it. (`sharing`: nodes on this machine.)
         worker = server.service.worker
         held = worker.shard.model.parameter_bytes() if worker is not None else 0
         now = sysinfo.memory()
-        return offered_memory(sysinfo.placement_memory(now.available + held, now.gpu_limit), cfg.node.max_memory_gib)
+        return offered_memory(sysinfo.placement_memory(now.available // sharing + held, now.gpu_limit),
+                              cfg.node.max_memory_gib)
 
     server.service.memory_offered = memory_offered
     my_target = _self_target(cfg.node.host, server.port)
@@ -212,6 +213,7 @@ def _launch(args: argparse.Namespace) -> int:
         peers = wait_for_peers(agent, me, cfg, args.coordinator, membership.members, answering) \
             if agent is not None else {}
         peers[me] = advert  # its own, not an advert claiming its id
+        peers = membership.shared(peers, memory_offered)  # (nodes on one machine share what it has free)
         # Static nodes vote too (by their Ping): without multicast between the machines, each would
         # otherwise see itself alone and coordinate.
         votes = static_flags(cfg.nodes, secret, cfg.discovery.settle) if cfg.nodes else {}

@@ -16,9 +16,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from typing import Any
 
 from ...node.advertise import NodeAdvert
 from ...node.links import Interface
+from ...node.sysinfo import machine_id, memory_offered, sharing
 from .formation import resources_from_advert
 from .health import Reached, first_reachable
 from .placement import hop_candidates
@@ -45,7 +47,8 @@ class Membership:
         self.me, self.local, self.secret = me, local, secret
         self.timeout, self.retry_s, self.clock = timeout, retry_s, clock
         self._proven: dict[Key, Reached] = {}  # -> how it answered
-        self._offered: dict[Key, int] = {}  # -> the memory it offers, as its Health says
+        self._health: dict[Key, Any] = {}  # -> its Health reply (the memory it offers, its machine)
+        self._member_health: dict[str, Any] = {}  # node id -> the Health of the member under that id
         self._failed: dict[Key, float] = {}  # -> when it last failed
 
     def _key(self, ad: NodeAdvert) -> Key:
@@ -71,8 +74,7 @@ class Membership:
                     health = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=self.timeout)
             except grpc.RpcError:
                 return None  # (answered a Ping, then not: tried again later)
-            # (as a launched node offers it, else all it has but its own shard: a new one replaces it)
-            self._offered[key] = health.memory_offered or health.memory_available + health.parameter_bytes
+            self._health[key] = health
         return reached
 
     def address(self, ad: NodeAdvert) -> str | None:
@@ -98,13 +100,27 @@ class Membership:
                                 "left out", node_id, ", ".join(peers[node_id].addresses) or "?",
                                 ", ".join(key[1]) or "no address")
                 self._failed[key] = self.clock()
+        proven = {node_id: key for node_id, key in keys.items() if key in self._proven}
+        self._member_health = {node_id: self._health[key] for node_id, key in proven.items()}
         return {node_id: ad if node_id == self.me else self._as_proven(ad, keys[node_id])
-                for node_id, ad in peers.items() if node_id == self.me or keys[node_id] in self._proven}
+                for node_id, ad in peers.items() if node_id == self.me or node_id in proven}
 
     def _as_proven(self, ad: NodeAdvert, key: Key) -> NodeAdvert:
         """The advert with what the node said over the authenticated link: its coordinator flag, and the
         memory it offers (a forged copy of its advert may claim any)."""
-        return replace(ad, coordinator=self._proven[key].coordinator, mem_available=self._offered[key])
+        return replace(ad, coordinator=self._proven[key].coordinator, mem_available=memory_offered(self._health[key]))
+
+    def shared(self, members: dict[str, NodeAdvert], own: Callable[[int], int]) -> dict[str, NodeAdvert]:
+        """`members` (as `members` gave them, this node's own advert among them) with the memory each offers
+        as its share of its machine: nodes on one machine (their Health's `machine`; this node's is this
+        machine, and `own(k)` what it offers with k nodes there) share what it has free, as a static
+        cluster's placement counts them. A launched node's cap (--max-memory) is its own, not shared."""
+        healths = [None if node_id == self.me else self._member_health.get(node_id) for node_id in members]
+        counts = sharing([machine_id() if node_id == self.me else getattr(h, "machine", "")
+                          for node_id, h in zip(members, healths)])
+        return {node_id: ad if k == 1 else replace(ad, mem_available=own(k) if node_id == self.me
+                                                   else memory_offered(h, k) if h is not None else ad.mem_available)
+                for (node_id, ad), h, k in zip(members.items(), healths, counts)}
 
     def report(self, peers: dict[str, NodeAdvert]) -> tuple[list[str], dict[str, str]]:
         """Without probing: the ids of the peers that proved they belong, and why each other is left out."""
