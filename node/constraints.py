@@ -16,6 +16,8 @@ once its format is complete it drafts nothing.
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -44,9 +46,7 @@ class Grammars:
     which for a large schema can take longer than many rounds."""
 
     def __init__(self, hf_tokenizer: Any, vocab: int, eos: list[int]):
-        from llguidance import hf
-
-        self.tokenizer = hf.from_tokenizer(hf_tokenizer, n_vocab=vocab, eos_token=sorted(eos))
+        self.tokenizer = llguidance_tokenizer(hf_tokenizer, vocab, sorted(eos))
         self.vocab = vocab
         self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar -> a matcher at its start, never fed
         self._lock = threading.Lock()
@@ -74,6 +74,36 @@ class Grammars:
             while len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
         return matcher
+
+
+HIDDEN = "\u0000"  # put before an added token's text: no text holds it
+
+
+def llguidance_tokenizer(hf_tokenizer: Any, vocab: int, eos: list[int]) -> Any:
+    """llguidance's form of a fast Hugging Face tokenizer, its added tokens' texts hidden from its splitting.
+    llguidance counts every added token as special (text never matches one), but tokenizes the text a
+    grammar forces with the tokenizer itself, which splits such a text out as the added token: where a
+    format's own text holds one (`<|im_start|>`, Qwen's `</think>`), its mask allowed only that token and
+    its own check then refused it, and the output came loose from the format. Hidden, that text is
+    tokenized as the plain text it is. ValueError for a tokenizer that is not a fast one."""
+    import transformers
+    from llguidance import LLTokenizer
+
+    if not isinstance(hf_tokenizer, transformers.PreTrainedTokenizerFast):
+        raise ValueError("llguidance takes only fast tokenizers")
+    backend = copy.copy(hf_tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    words = spec.get("model", {}).get("vocab")
+    for added in spec.get("added_tokens", []):
+        text, hidden = added["content"], HIDDEN + added["content"]
+        if isinstance(words, dict) and words.get(text) == added["id"]:  # (a BPE's or WordPiece's own word too)
+            words[hidden] = words.pop(text)
+        elif isinstance(words, list) and 0 <= added["id"] < len(words) and words[added["id"]][0] == text:  # (Unigram)
+            words[added["id"]][0] = hidden
+        added["content"] = hidden
+    return LLTokenizer(json.dumps(spec), n_vocab=vocab, eos_token=eos)
 
 
 def grammars_for(tokenizer: Any, vocab: int, eos: set[int] | list[int]) -> Grammars | None:

@@ -126,6 +126,41 @@ def test_a_complete_grammar_allows_only_the_end_even_where_the_end_does_not_stop
     assert outs[1].stats.accepted > 0
 
 
+def test_a_format_whose_text_holds_an_added_tokens_text_holds(demo: BatchEngine) -> None:
+    """llguidance never lets an added token match text, so a format whose own text holds one
+    (`<|im_start|>` here, Qwen's `</think>` or `<tool_call>`) is written out in plain tokens, at every
+    depth: the grammar stays held to the end."""
+    params = SamplingParams(grammar=OutputFormat(regex=r"ab<\|im_start\|>cd( x)?").grammar())
+    prompt = demo.tokenizer.encode("Say it:")
+    outs = [demo.complete(GenerationRequest(prompt, 24, params, mtp_depth=d)) for d in (0, 3)]
+    assert outs[0].tokens == outs[1].tokens and outs[0].finish_reason == "stop"
+    assert outs[0].text in ("ab<|im_start|>cd", "ab<|im_start|>cd x") and 1 not in outs[0].tokens  # (text, not the token)
+
+
+def test_a_grammar_over_a_tokenizer_with_added_words_walks_to_its_end(demo: BatchEngine) -> None:
+    """Added tokens that are not special (Qwen's `<think>`, `</think>`) too: each step's mask allows what
+    the grammar then takes, along the whole of a text that holds them."""
+    import copy
+
+    from mtpipe.node.constraints import Grammars
+
+    hf = copy.deepcopy(demo.tokenizer._tokenizer)
+    hf.add_tokens(["<think>", "</think>"])
+    assert len(hf.encode("a</think>b", add_special_tokens=False)) == 3  # (the added word, split out of text)
+    grammars = Grammars(hf, len(hf), sorted(demo.eos))
+    want = "ab</think>cd<|im_start|>"
+    held = grammars.constraint(OutputFormat(regex=re.escape(want).replace("/", "\\/")).grammar())
+    out: list[int] = []
+    while not held.finished:
+        forced = held.forced(8)
+        step = forced[:1] or [int(np.flatnonzero(held.masks([], 1)[0])[0])]
+        held.take(step)
+        assert not held.broken, hf.decode(out)
+        out += step
+        assert len(out) < 64
+    assert hf.decode(out) == want
+
+
 def test_the_masks_of_a_verify_leave_the_grammar_where_it_was(engine: BatchEngine) -> None:
     grammars = engine.stages[-1].worker.head.grammars
     constraint = grammars.constraint(grammar_of_schema(SCHEMA))
