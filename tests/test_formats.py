@@ -253,6 +253,12 @@ def test_response_formats_through_the_api(client: Any) -> None:
     regex = client.completions.create(model=MODEL, prompt="Call", max_tokens=12, temperature=0,
                                       extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}})
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", regex.choices[0].text), regex.choices[0].text
+    # vLLM's grammars: EBNF as xgrammar takes it, or Lark as llguidance does
+    for extra in ({"guided_grammar": 'root ::= ("yes" | "no") " " [0-9]{2}'},
+                  {"structured_outputs": {"grammar": 'start: ("yes" | "no") " " /[0-9]{2}/'}}):
+        held = client.completions.create(model=MODEL, prompt="The answer:", max_tokens=12, temperature=1.0, seed=5,
+                                         n=2, extra_body=extra)
+        assert all(re.fullmatch(r"(yes|no) [0-9]{2}", c.text) for c in held.choices), [c.text for c in held.choices]
 
 
 @pytest.mark.parametrize("extra,param", [
@@ -262,6 +268,9 @@ def test_response_formats_through_the_api(client: Any) -> None:
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "no"}}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
     ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+    ({"guided_grammar": "root ::= (("}, "guided_grammar"),
+    ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+    ({"structured_outputs": {"structural_tag": {}}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": "{not json"}, "guided_json"),
@@ -282,7 +291,7 @@ def test_bad_formats_are_refused(client: Any, engine: BatchEngine, extra: dict[s
 def test_a_thought_the_template_opened_stays_free_until_it_closes(demo: BatchEngine) -> None:
     """Where the prompt opened a thought, the reply thinks freely up to the closing tag (one token), then
     answers in the format; the same at every depth."""
-    from mtpipe.coordinator.api.formats import after_thought
+    from mtpipe.coordinator.api.formats import after_thought, lark_of
 
     tok = demo.tokenizer
     prompt = tok.encode("def fibonacci(n):")
@@ -304,6 +313,12 @@ def test_a_thought_the_template_opened_stays_free_until_it_closes(demo: BatchEng
     assert out[:at] == free[: free.index(end)]  # the thought as the model thinks it
     assert outs[0].finish_reason == "stop" and out[-1] in demo.eos  # (the EOS that ends it: one of its tokens)
     assert fits(json.loads(tok.decode(out[at + 1 : -1]).lstrip("\n"))), out
+    lark = OutputFormat(lark=lark_of('root ::= "{" answer "}"\nanswer ::= [a-z]+', "guided_grammar"))
+    grammar = after_thought(lark, Tagged(), demo.eos, demo.vocab_size)  # (its own rules apart from the thought's)
+    out = demo.complete(GenerationRequest(prompt, 40, SamplingParams(grammar=grammar), mtp_depth=2)).tokens
+    at = out.index(end)
+    assert out[:at] == free[: free.index(end)] and out[-1] in demo.eos
+    assert re.fullmatch(r"\n{0,2}\{[a-z]+\}", tok.decode(out[at + 1 : -1])), tok.decode(out)
 
 
 def test_regexes_with_slashes_hold_after_a_thought_too() -> None:

@@ -2,7 +2,9 @@
 
 OpenAI's `response_format`: `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
 "json_schema": {"name", "schema", "strict"}}`; vLLM's `structured_outputs` with one of `json` (a schema),
-`regex` or `choice` (one of the strings), and its older `guided_json`, `guided_regex` and `guided_choice`.
+`regex`, `choice` (one of the strings) or `grammar` (EBNF as xgrammar and llama.cpp write it, `root ::= ...`,
+or Lark as llguidance reads it), and its older `guided_json`, `guided_regex`, `guided_choice` and
+`guided_grammar`.
 JSON comes laid out as `json.dumps` lays it out. Where the chat template opened a thought the reply
 thinks first, unconstrained, up to the closing tag (when the tokenizer has it as one token): only the
 answer is held to the format.
@@ -24,10 +26,11 @@ REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~")  # what a regex (Rust's syntax, llgui
 
 @dataclass(frozen=True)
 class OutputFormat:
-    """A JSON schema (`schema`) or a regular expression (`regex`) the answer must match."""
+    """A JSON schema (`schema`), a regular expression (`regex`) or a Lark grammar (`lark`) the answer must match."""
 
     schema: dict[str, Any] | None = None
     regex: str | None = None
+    lark: str | None = None
     field: str = "response_format"  # the request field that asked for it
 
     @functools.cached_property
@@ -37,6 +40,8 @@ class OutputFormat:
 
         from ...node.constraints import grammar_of_schema
 
+        if self.lark is not None:
+            return LLMatcher.grammar_from_lark(self.lark)
         return grammar_of_schema(self.schema) if self.schema is not None else \
             LLMatcher.grammar_from_regex(self.regex or "")
 
@@ -59,20 +64,24 @@ class OutputFormat:
 
         if after_token is None:
             return self.plain
-        if self.schema is not None:
+        if self.lark is not None:  # (the answer a grammar of its own, named: its rules stay apart from these)
+            answer = "@answer"
+        elif self.schema is not None:
             layout = {**JSON_LAYOUT, **self.schema.get("x-guidance", {})}
             answer = f"%json {json.dumps({**self.schema, 'x-guidance': layout})}"
         else:
             answer = "/" + re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", self.regex or "") + "/"
         free = ",".join((str(after_token), *never))
-        return LLMatcher.grammar_from_lark(f"start: <[^{free}]>* (<[{after_token}]> /\\n{{0,2}}/ answer)?\n"
-                                           f"answer: {answer}\n")
+        outer = f"start: <[^{free}]>* (<[{after_token}]> /\\n{{0,2}}/ answer)?\nanswer: {answer}\n"
+        if self.lark is None:
+            return LLMatcher.grammar_from_lark(outer)
+        return json.dumps({"grammars": [{"lark_grammar": outer}, {"name": "answer", "lark_grammar": self.lark}]})
 
 
 def output_format(body: Any) -> OutputFormat | None:
     """The format `body` asks for (None: free text), checked: 400 naming the field otherwise."""
     asked = [(name, getattr(body, name, None)) for name in ("structured_outputs", "guided_json", "guided_regex",
-                                                             "guided_choice")]
+                                                             "guided_choice", "guided_grammar")]
     asked = [(name, value) for name, value in asked if value is not None]
     response_format = body.response_format
     kind = "text" if response_format is None else response_format.get("type")
@@ -124,12 +133,12 @@ def _of(name: str, value: Any) -> OutputFormat:
         given = {k: v for k, v in value.items() if v is not None and k in ("json", "regex", "choice", "grammar",
                                                                              "json_object", "structural_tag")}
         if len(given) != 1:
-            raise APIError(400, "structured_outputs takes one of json, regex or choice", param=param)
+            raise APIError(400, "structured_outputs takes one of json, regex, choice or grammar", param=param)
         (key, inner), = given.items()
         if key == "json_object" and inner is True:
             return OutputFormat(schema={"type": "object"})
-        if key not in ("json", "regex", "choice"):
-            raise APIError(400, f"structured_outputs {key} is not supported here: use json, regex or choice",
+        if key not in ("json", "regex", "choice", "grammar"):
+            raise APIError(400, f"structured_outputs {key} is not supported here: use json, regex, choice or grammar",
                            param=param)
         name, value = f"guided_{key}", inner
     if name == "guided_json":
@@ -141,6 +150,10 @@ def _of(name: str, value: Any) -> OutputFormat:
         if not isinstance(value, dict):
             raise APIError(400, "the JSON schema must be an object", param=param)
         return OutputFormat(schema=value)
+    if name == "guided_grammar":
+        if not isinstance(value, str) or not value.strip():
+            raise APIError(400, "the grammar must be a non-empty string", param=param)
+        return OutputFormat(lark=lark_of(value, param))
     if name == "guided_regex":
         if not isinstance(value, str) or not value:
             raise APIError(400, "the regex must be a non-empty string", param=param)
@@ -148,3 +161,16 @@ def _of(name: str, value: Any) -> OutputFormat:
     if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
         raise APIError(400, "choice must be a list of non-empty strings", param=param)
     return OutputFormat(regex="|".join("".join("\\" + c if c in REGEX_SPECIAL else c for c in s) for s in value))
+
+
+def lark_of(grammar: str, param: str) -> str:
+    """A grammar as Lark: EBNF (GBNF, as xgrammar and llama.cpp take it: `root ::= ...`) converted, Lark as
+    it is; a 400 where EBNF does not convert."""
+    if "::=" not in grammar:
+        return grammar
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as e:  # (the converter raises what its parser meets)
+        raise APIError(400, f"the grammar (EBNF) does not convert: {e}", param=param) from None

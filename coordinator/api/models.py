@@ -116,11 +116,12 @@ class _GenerationBody(_Body):
     repetition_penalty: float | None = None  # extension (mlx-lm's, over the last 20 tokens)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     response_format: dict[str, Any] | None = None  # text, json_object or json_schema (formats.py)
-    # vLLM's output formats: structured_outputs {json | regex | choice}, and its older fields
+    # vLLM's output formats: structured_outputs {json | regex | choice | grammar}, and its older fields
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     prompt_logprobs: Int | None = None  # vLLM's: each prompt token's log-probability and this many others' (0-20)
     # vLLM's extensions. skip_special_tokens: leave special tokens out of the text (None: yes, but with tools in
     # use, whose tags may be special); min_tokens holds EOS, stop_token_ids and stop strings back.
