@@ -993,10 +993,17 @@ def test_tokenize_and_detokenize(server: LiveServer, client: Any, engine: BatchE
     fed = client.chat.completions.create(model=MODEL, messages=reply, max_tokens=1, temperature=0,
                                          extra_body={"continue_final_message": True})
     assert going_on["count"] == fed.usage.prompt_tokens
+    assert post("/tokenize", json={"messages": reply, "continue_final_message": True}).json() == going_on  # (it wins)
+    unopened = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                              extra_body={"add_generation_prompt": False})
+    assert unopened.usage.prompt_tokens == closed
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                       extra_body={"chat_template": "{{ messages }}"})
+    assert e.value.body["param"] == "chat_template"
     assert post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": engine.tokenizer.decode(r["tokens"])}
     for path, body, param in (("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
-                              ("/tokenize", {"messages": reply, "continue_final_message": True},
-                               "add_generation_prompt"),
+                              ("/tokenize", {"messages": reply, "chat_template": "{{ messages }}"}, "chat_template"),
                               ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
                               ("/detokenize", {"tokens": "1 2"}, "tokens")):
         bad = post(path, json=body)

@@ -335,3 +335,11 @@ def template_variables(kwargs: dict[str, Any] | None, reasoning_effort: str | No
         variables.setdefault("reasoning_effort", reasoning_effort)
         variables.setdefault("enable_thinking", reasoning_effort != "none")
     return variables or None
+
+
+def check_request_template(template: str | None) -> None:
+    """A request's own `chat_template` (vLLM's field): refused, as vLLM refuses one unless its server trusts
+    requests' templates; this one renders every prompt with the model's."""
+    if template is not None:
+        raise APIError(400, "a request's chat_template is not accepted: prompts are rendered with the model's "
+                            "chat template (chat_template_kwargs sets its variables)", param="chat_template")

@@ -153,6 +153,8 @@ class ChatCompletionRequest(_GenerationBody):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     include_reasoning: bool | None = None  # vLLM's: false drops a reasoning model's thinking from the reply
     continue_final_message: Flag = False  # vLLM's: the reply goes on from the last (assistant) message
+    add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's turn unopened
+    chat_template: str | None = None  # vLLM's (refused, as vLLM refuses it unless told to trust requests)
 
 
 class CompletionRequest(_GenerationBody):

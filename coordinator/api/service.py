@@ -229,8 +229,8 @@ class Service:
                           opened: bool = True) -> list[int]:
         """The prompt: plain messages as the engine encodes them; tools and tool turns as chat.py renders them;
         `variables` (`chat_template_kwargs`, such as Qwen's enable_thinking) for the template; `continue_final`:
-        the reply goes on from the last message, an assistant's (vLLM's continue_final_message); not `opened`:
-        without the assistant's turn opened after them (only /tokenize asks for that)."""
+        the reply goes on from the last message, an assistant's (vLLM's continue_final_message; it wins over
+        `opened`); not `opened`: without the assistant's turn opened after them (vLLM's add_generation_prompt)."""
         check_template_variables(variables)
         if continue_final and (not messages or messages[-1]["role"] != "assistant"):
             raise APIError(400, "continue_final_message needs the last message to be the assistant's",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from pydantic import ValidationError
 
-from .chat import chat_messages, template_variables, tool_spec
+from .chat import chat_messages, check_request_template, template_variables, tool_spec
 from .errors import APIError, parse_body, validation_error
 from .models import ChatCompletionRequest, _Body
 
@@ -24,6 +24,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True  # a text's: the tokenizer's own special tokens (a BOS, where it has one)
     add_generation_prompt: bool = True  # messages': the assistant's turn opened, as chat requests are fed
     continue_final_message: bool = False  # messages': the last (assistant) message left open, as a chat's
+    chat_template: Optional[str] = None  # (refused, as a chat request's)
     return_token_strs: bool = False
     tools: Any = None
     tool_choice: Any = None
@@ -47,16 +48,15 @@ def add_token_routes(app: Any, service: "Service") -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if body.messages is not None:
-            if body.continue_final_message and body.add_generation_prompt:  # (vLLM's rule)
-                raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
-                               param="add_generation_prompt")
             try:
                 chat = ChatCompletionRequest.model_validate({"messages": body.messages, "tools": body.tools,
                                                              "tool_choice": body.tool_choice,
                                                              "parallel_tool_calls": body.parallel_tool_calls,
-                                                             "reasoning_effort": body.reasoning_effort})
+                                                             "reasoning_effort": body.reasoning_effort,
+                                                             "chat_template": body.chat_template})
             except ValidationError as e:
                 raise validation_error(e.errors(include_url=False)) from None
+            check_request_template(chat.chat_template)
             ids = await service.encode_chat(chat_messages(chat), tool_spec(chat),
                                             template_variables(body.chat_template_kwargs, chat.reasoning_effort),
                                             body.continue_final_message, body.add_generation_prompt)
