@@ -87,6 +87,30 @@ def test_streamed_completion_logprobs(client: Any) -> None:
     assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
 
 
+def test_logprobs_name_tokens_by_id_as_vllm_does_when_asked(client: Any, engine: BatchEngine) -> None:
+    """vLLM's return_tokens_as_token_ids: every token of the logprobs (the alternatives', an echoed
+    prompt's, a stream's) is "token_id:N", N the token emitted; the text is as it is."""
+    messages = [{"role": "user", "content": PROMPT}]
+    ref = engine.complete(GenerationRequest(engine.encode_chat(messages), 8, SamplingParams()))
+    ids = {"return_tokens_as_token_ids": True}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body=ids)
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content] == [f"token_id:{t}" for t in ref.tokens]
+    assert all(e.top_logprobs[0].token == e.token and e.top_logprobs[1].token.startswith("token_id:")
+               for e in content)
+    assert r.choices[0].message.content == ref.text
+    prompt = engine.tokenizer.encode(PROMPT)
+    done = engine.complete(GenerationRequest(prompt, 6, SamplingParams()))
+    streamed = [t for c in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                                     logprobs=1, echo=True, stream=True, extra_body=ids)
+                for t in (c.choices[0].logprobs.tokens if c.choices and c.choices[0].logprobs else [])]
+    assert streamed == [f"token_id:{t}" for t in prompt + done.tokens]
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                      extra_body=ids).choices[0].logprobs
+    assert all(set(top) >= {name} for top, name in zip(whole.top_logprobs, whole.tokens))
+
+
 def test_completion_logprobs_of_tokens_that_split_a_character() -> None:
     """Byte tokens of one character (a byte-level BPE's): each starts where its character does, never past
     the text, and is named by its bytes (OpenAI's "bytes:\\xNN"), so alternatives keep distinct names."""

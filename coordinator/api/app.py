@@ -214,7 +214,7 @@ def create_app(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = ResponseFormat(endpoint == "/v1/chat/completions", model_name, include_usage,
                              continuous=include_usage and bool(body.stream_options.continuous_usage_stats))
-        choices = choices_of(reqs, n, thinking, echo, body.prompt_logprobs)
+        choices = choices_of(reqs, n, thinking, echo, body.prompt_logprobs, body.return_tokens_as_token_ids)
         for choice in choices[1:] if fmt.chat else []:  # (a chat response shows its prompt's logprobs once)
             choice.prompt_top = -1
         if body.stream:

@@ -260,7 +260,10 @@ def usage_of(stats: "GenerationStats | list[tuple[int, GenerationStats]]", depth
 
 def token_name(entry: dict[str, Any]) -> str:
     """A token as completions' logprobs name it: its text, or for bytes that are part of a character
-    (no text of their own) "bytes:\\xNN..." as OpenAI writes them, so that no two tokens share a name."""
+    (no text of their own) "bytes:\\xNN..." as OpenAI writes them, so that no two tokens share a name
+    (named by id, "token_id:N", as it is)."""
+    if entry["token"].startswith("token_id:") and entry["token"][9:].isdigit():
+        return entry["token"]
     raw = bytes(entry["bytes"])
     try:
         raw.decode("utf-8")

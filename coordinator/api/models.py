@@ -111,6 +111,7 @@ class _GenerationBody(_Body):
     stream_options: StreamOptions | None = None
     n: Int | None = None
     mtp_depth: Int | Literal["auto"] | None = None  # extension: drafts per round (0 = none); "auto" picks per round
+    return_tokens_as_token_ids: Flag = False  # vLLM's: logprobs name each token "token_id:N", not by its text
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension (mlx-lm's, over the last 20 tokens)

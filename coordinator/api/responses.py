@@ -39,6 +39,7 @@ class Choice:
     thinking: "Optional[ReasoningSplit]" = None  # its own: a split reads one reply
     echo: Optional[str] = None  # completions' echo: its prompt's text, before its own
     prompt_top: int = -1  # vLLM's prompt_logprobs: alternatives shown per prompt token (-1: not shown)
+    token_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
 
 def int64(n: int) -> int:
@@ -47,7 +48,8 @@ def int64(n: int) -> int:
 
 
 def choices_of(reqs: "list[GenerationRequest]", n: int, thinking: "Optional[ReasoningSplit]" = None,
-               echo: Optional[list[str]] = None, prompt_top: Optional[int] = None) -> list[Choice]:
+               echo: Optional[list[str]] = None, prompt_top: Optional[int] = None,
+               token_ids: bool = False) -> list[Choice]:
     """`n` choices for each prompt's request. A seeded request's choice i samples with seed + i (as vLLM's
     do), so that its choices differ and each is reproduced by the same request. `echo`: each prompt's
     text, shown first; `prompt_top`: vLLM's prompt_logprobs."""
@@ -60,7 +62,8 @@ def choices_of(reqs: "list[GenerationRequest]", n: int, thinking: "Optional[Reas
                 params = req.params if seed is None else dataclasses.replace(req.params, seed=int64(seed + i))
                 mine = dataclasses.replace(req, prompt_tokens=list(req.prompt_tokens), params=params)
             out.append(Choice(p * n + i, p, mine, None if thinking is None else dataclasses.replace(thinking),
-                              None if echo is None else echo[p], -1 if prompt_top is None else prompt_top))
+                              None if echo is None else echo[p], -1 if prompt_top is None else prompt_top,
+                              token_ids))
     return out
 
 
@@ -69,7 +72,8 @@ async def _prompt_shown(service: "Service", choice: Choice, scored: "Optional[li
     """What a choice shows of its prompt: the echoed text, that text's logprobs entries (where logprobs
     are asked) and vLLM's prompt_logprobs (where asked)."""
     tokens, top = choice.req.prompt_tokens, choice.req.params.top_logprobs
-    entries = await service.prompt_entries(tokens, scored, top) if choice.echo is not None and top >= 0 else None
+    entries = await service.prompt_entries(tokens, scored, top, as_ids=choice.token_ids) \
+        if choice.echo is not None and top >= 0 else None
     shown = await service.prompt_entries(tokens, scored, choice.prompt_top, ranked=True) \
         if choice.prompt_top >= 0 else None
     return choice.echo or "", entries, shown
@@ -211,7 +215,7 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
         parts.append(chunk.text)
         thoughts.append(thought)
         if asked:
-            entries += service.token_logprobs(chunk.tokens, chunk.logprobs)
+            entries += service.token_logprobs(chunk.tokens, chunk.logprobs, choice.token_ids)
         if chunk.finish_reason:
             final = chunk
     if final is None:
@@ -374,7 +378,7 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
         generated += len(chunk.tokens)
         fmt.counted(len(choice.req.prompt_tokens), generated)
         asked = choice.req.params.top_logprobs >= 0 and chunk.tokens
-        logprobs = service.token_logprobs(chunk.tokens, chunk.logprobs) if asked else None
+        logprobs = service.token_logprobs(chunk.tokens, chunk.logprobs, choice.token_ids) if asked else None
         if thought:  # (a chunk all thinking carries its logprobs on its thinking)
             yield fmt.chunk(reasoning=thought, logprobs=None if chunk.text else logprobs)
             logprobs = logprobs if chunk.text else None

@@ -134,13 +134,14 @@ class Service:
             raise APIError(400, f"logit_bias names token id {twice[0]} twice", param="logit_bias")
         return tuple(out)
 
-    def token_logprobs(self, tokens: list[int], logprobs: Any) -> list[dict[str, Any]]:
-        """Chat-style entries (token text, logprob, bytes, top_logprobs) for emitted tokens."""
+    def token_logprobs(self, tokens: list[int], logprobs: Any, as_ids: bool = False) -> list[dict[str, Any]]:
+        """Chat-style entries (token text, logprob, bytes, top_logprobs) for emitted tokens (`as_ids`: vLLM's
+        return_tokens_as_token_ids, each token named "token_id:N")."""
         with self.tokenizer_lock:
-            return _entries(self.engine.tokenizer, tokens, logprobs or [])
+            return _entries(self.engine.tokenizer, tokens, logprobs or [], as_ids)
 
     async def prompt_entries(self, tokens: list[int], scored: "Optional[list[Scored]]", top: int,
-                             ranked: bool = False) -> list[dict[str, Any]]:
+                             ranked: bool = False, as_ids: bool = False) -> list[dict[str, Any]]:
         """A scored prompt's entries, as `token_logprobs` gives them (`top` alternatives), the first one's
         logprob and alternatives None: nothing before it predicts it. `ranked`: vLLM's prompt_logprobs
         instead, per position {token id: {logprob, rank, decoded_token}}, the prompt's token first."""
@@ -154,8 +155,8 @@ class Service:
                                   **{str(i): {"logprob": v, "rank": r, "decoded_token": tok.decode([i])}
                                      for r, (i, v) in enumerate(s.top[:top], 1) if i != t}}
                                  for t, s in zip(tokens[1:], scored)]
-            return [{**_entry(tok, tokens[0], None), "top_logprobs": None}] + \
-                _entries(tok, tokens[1:], [(s.logprob, s.top[:top]) for s in scored])
+            return [{**_entry(tok, tokens[0], None, as_ids), "top_logprobs": None}] + \
+                _entries(tok, tokens[1:], [(s.logprob, s.top[:top]) for s in scored], as_ids)
 
         return await self.tokenize(len(tokens), entries)
 
@@ -389,11 +390,12 @@ class Service:
         }
 
 
-def _entry(tok: Any, token: int, value: Optional[float]) -> dict[str, Any]:
-    return {"token": tok.decode([token]), "logprob": value, "bytes": list(token_bytes(tok, token))}
+def _entry(tok: Any, token: int, value: Optional[float], as_id: bool = False) -> dict[str, Any]:
+    return {"token": f"token_id:{token}" if as_id else tok.decode([token]), "logprob": value,
+            "bytes": list(token_bytes(tok, token))}
 
 
-def _entries(tok: Any, tokens: list[int], logprobs: Any) -> list[dict[str, Any]]:
+def _entries(tok: Any, tokens: list[int], logprobs: Any, as_ids: bool = False) -> list[dict[str, Any]]:
     """Chat-style entries for `tokens`, each with its (logprob, [(token, logprob) of the top others])."""
-    return [{**_entry(tok, t, lp), "top_logprobs": [_entry(tok, i, v) for i, v in top]}
+    return [{**_entry(tok, t, lp, as_ids), "top_logprobs": [_entry(tok, i, v, as_ids) for i, v in top]}
             for t, (lp, top) in zip(tokens, logprobs)]
