@@ -1008,3 +1008,20 @@ def test_tokenize_and_detokenize(server: LiveServer, client: Any, engine: BatchE
                               ("/detokenize", {"tokens": "1 2"}, "tokens")):
         bad = post(path, json=body)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+
+
+def test_chat_echo_shows_the_reply_after_the_assistants_last_message(client: Any) -> None:
+    """vLLM's chat `echo`: a reply that goes on from the assistant's last message is shown after it,
+    whole or streamed, its logprobs its own tokens'; with a user's message last nothing is echoed."""
+    reply = [*chat("Say hi."), {"role": "assistant", "content": "Hi "}]
+    ask = dict(model=MODEL, messages=reply, max_tokens=6, temperature=0)
+    going_on = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(**ask, extra_body=going_on).choices[0].message.content
+    echoed = client.chat.completions.create(**ask, logprobs=True, extra_body={**going_on, "echo": True}).choices[0]
+    assert echoed.message.content == "Hi " + plain and len(echoed.logprobs.content) == 6
+    streamed = client.chat.completions.create(**ask, stream=True, extra_body={**going_on, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "Hi " + plain
+    asked = chat("Say hi.")
+    assert client.chat.completions.create(model=MODEL, messages=asked, max_tokens=6, temperature=0,
+                                          extra_body={"echo": True}).choices[0].message.content == \
+        client.chat.completions.create(model=MODEL, messages=asked, max_tokens=6, temperature=0).choices[0].message.content

@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
-from .chat import chat_messages, check_request_template, template_variables, tool_spec
+from .chat import chat_messages, check_request_template, echoed, template_variables, tool_spec
 from .defaults import DEFAULT_CORS_ORIGINS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
 from .errors import APIError, body_for, error_body, parse_body, validation_error
 from .formats import OutputFormat, after_thought, output_format
@@ -215,8 +215,8 @@ def create_app(
         fmt = ResponseFormat(endpoint == "/v1/chat/completions", model_name, include_usage,
                              continuous=include_usage and bool(body.stream_options.continuous_usage_stats))
         choices = choices_of(reqs, n, thinking, echo, body.prompt_logprobs, body.return_tokens_as_token_ids)
-        for choice in choices[1:] if fmt.chat else []:  # (a chat response shows its prompt's logprobs once)
-            choice.prompt_top = -1
+        for choice in choices if fmt.chat else []:  # (a chat response shows its prompt's logprobs once)
+            choice.prompt_top, choice.echo_scored = choice.prompt_top if choice is choices[0] else -1, False
         if body.stream:
             return await stream(service, endpoint, choices, fmt, request, started, tools)
         return await complete(service, endpoint, choices, fmt, request, started, tools)
@@ -227,7 +227,9 @@ def create_app(
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
         service.check_model(body.model)
         req, n, tools, thinking = await chat_request(body)
-        return await respond("/v1/chat/completions", body, [req], n, request, started, tools, thinking)
+        echo = echoed(body)
+        return await respond("/v1/chat/completions", body, [req], n, request, started, tools, thinking,
+                             None if echo is None else [echo])
 
     kept = ResponseStore()  # (responses, for previous_response_id)
 

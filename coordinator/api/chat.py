@@ -230,6 +230,14 @@ def _content(i: int, m: ChatMessage) -> str:
     return "\n".join(texts)
 
 
+def echoed(body: ChatCompletionRequest) -> str | None:
+    """vLLM's chat `echo`: the text a reply is shown after, the last message's where it is the assistant's
+    (a reply that goes on from it: continue_final_message); None where nothing is echoed."""
+    if not body.echo or not body.messages or body.messages[-1].role != "assistant":
+        return None
+    return _content(len(body.messages) - 1, body.messages[-1])
+
+
 def _arguments(arguments: str | dict[str, Any]) -> Any:
     """A call's arguments as an object where they are one (templates iterate them), else as sent."""
     if isinstance(arguments, dict):

@@ -156,6 +156,7 @@ class ChatCompletionRequest(_GenerationBody):
     continue_final_message: Flag = False  # vLLM's: the reply goes on from the last (assistant) message
     add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's turn unopened
     chat_template: str | None = None  # vLLM's (refused, as vLLM refuses it unless told to trust requests)
+    echo: Flag = False  # vLLM's: the reply shown after the last message's content, where that is the assistant's
 
 
 class CompletionRequest(_GenerationBody):

@@ -40,6 +40,7 @@ class Choice:
     echo: Optional[str] = None  # completions' echo: its prompt's text, before its own
     prompt_top: int = -1  # vLLM's prompt_logprobs: alternatives shown per prompt token (-1: not shown)
     token_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+    echo_scored: bool = True  # the echoed text's logprobs shown (a completion's prompt; a chat's echo has none)
 
 
 def int64(n: int) -> int:
@@ -73,7 +74,7 @@ async def _prompt_shown(service: "Service", choice: Choice, scored: "Optional[li
     are asked) and vLLM's prompt_logprobs (where asked)."""
     tokens, top = choice.req.prompt_tokens, choice.req.params.top_logprobs
     entries = await service.prompt_entries(tokens, scored, top, as_ids=choice.token_ids) \
-        if choice.echo is not None and top >= 0 else None
+        if choice.echo is not None and top >= 0 and choice.echo_scored else None
     shown = await service.prompt_entries(tokens, scored, choice.prompt_top, ranked=True) \
         if choice.prompt_top >= 0 else None
     return choice.echo or "", entries, shown
