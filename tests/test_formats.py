@@ -364,6 +364,12 @@ def test_generate_holds_its_output_to_a_schema_file_or_a_regex(tmp_path: Path, c
     assert out["finish_reason"] == "stop" and fits(json.loads(out["text"])), out["text"]
     assert main(["generate", "--prompt", "Call", "--max-tokens", "12", "--regex", "[0-9]{3}-[0-9]{4}", "--json"]) == 0
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", json.loads(capsys.readouterr().out)["text"])
+    grammar = tmp_path / "answer.gbnf"
+    grammar.write_text('root ::= ("yes" | "no") "!"\n')
+    assert main(["generate", "--prompt", "Say", "--max-tokens", "8", "--grammar", str(grammar), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] in ("yes!", "no!")
+    assert main(["generate", "--prompt", "Say", "--max-tokens", "8", "--grammar", "start: undefined"]) == 2
+    assert "--grammar" in capsys.readouterr().err
 
 
 def test_generate_with_chat_leaves_a_thought_the_template_opened_free(monkeypatch: pytest.MonkeyPatch,

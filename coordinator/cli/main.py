@@ -106,9 +106,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _held_to(args: argparse.Namespace) -> Any:
-    """The format of --json-schema or --regex (api/formats.py; None: free text), its grammar checked;
-    ValueError naming a bad one."""
-    from ..api.formats import OutputFormat
+    """The format of --json-schema, --regex or --grammar (api/formats.py; None: free text), its grammar
+    checked; ValueError naming a bad one."""
+    from ..api.errors import APIError
+    from ..api.formats import OutputFormat, lark_of
 
     if args.json_schema is not None:
         text = args.json_schema
@@ -127,6 +128,17 @@ def _held_to(args: argparse.Namespace) -> Any:
         fmt = OutputFormat(schema=schema, field="--json-schema")
     elif args.regex is not None:
         fmt = OutputFormat(regex=args.regex, field="--regex")
+    elif args.grammar is not None:
+        text = args.grammar
+        try:
+            if "\n" not in text and Path(text).expanduser().is_file():
+                text = Path(text).expanduser().read_text()
+        except OSError:  # (a name too long to be a file's: the grammar itself)
+            pass
+        try:
+            fmt = OutputFormat(lark=lark_of(text, "--grammar"), field="--grammar")
+        except APIError as e:
+            raise ValueError(f"--grammar: {e.message}") from None
     else:
         return None
     if error := fmt.problem():
@@ -318,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     held.add_argument("--json-schema", metavar="FILE|JSON",
                       help="hold the output to JSON that fits this JSON Schema (a file, or the schema; '{}': any JSON)")
     held.add_argument("--regex", help="hold the output to this regular expression")
+    held.add_argument("--grammar", metavar="FILE|TEXT",
+                      help="hold the output to this grammar (a file, or the grammar): EBNF (root ::= ...) or Lark")
     p.add_argument("--nodes", type=nodes_arg, help="comma-separated host:port of running nodes, in pipeline order")
     add_secret_args(p, "the nodes' shared secret, with --nodes")
     p.add_argument("--weights-from", type=nodes_arg,
