@@ -250,3 +250,19 @@ def test_verbose_before_or_after_the_command() -> None:
     assert verbose(["generate"]) == 0
     assert verbose(["-v", "generate"]) == verbose(["generate", "-v"]) == 1
     assert verbose(["health", "-vv", "127.0.0.1:1"]) == verbose(["-v", "cache", "list", "-v"]) == 2
+
+
+def test_auto_depth_fits_the_context_where_plain_decoding_would(capsys: pytest.CaptureFixture) -> None:
+    """`auto` (generate's default, as the API's) drafts only where the context leaves room: a request plain
+    decoding serves is never refused for its drafts; a fixed depth that does not fit is refused, named as
+    this command's option."""
+    from mtpipe.coordinator.engine.request import fit_to_context
+
+    assert fit_to_context(1, 3, True, 32767, 256, 32768) == (0, False, 32767)  # (no room for drafts: none)
+    assert fit_to_context(1, 3, True, 32765, 256, 32768) == (2, True, 32765)
+    assert fit_to_context(32765, 3, True, None, 256, 32768) == (0, False, 1)  # (a default within the room)
+    assert fit_to_context(100, 3, True, None, 256, 32768) == (3, True, 256)
+    assert fit_to_context(100, 2, False, 1, 256, 32768) == (0, False, 1)  # (one token: no round carries drafts)
+    assert fit_to_context(100, 2, False, 32668, 256, 32768) == (2, False, 32668)  # (a fixed depth: as asked)
+    assert main(["generate", "--prompt", "hi", "--max-tokens", "32767", "--mtp-depth", "3"]) == 2
+    assert "use --mtp-depth 0 or auto" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional, TypeVar
 from ...node.protocol import GREEDY_BELOW, SamplingParams, Scored, StageError, StageUnavailable
 from ..engine.detokenizer import token_bytes
 from ..engine.sinks import ServerBusy
-from ..engine.request import GenerationRequest, RequestError, context_room, resolve_depth
+from ..engine.request import GenerationRequest, RequestError, fit_to_context, resolve_depth
 from .chat import check_template_variables, has_tool_turns, renders_tools, template_input, text_size
 from .defaults import DEFAULT_MAX_TOKENS, SLOT_TIMEOUT_S
 from .errors import APIError
@@ -181,14 +181,8 @@ class Service:
                                         self.engine.has_mtp)
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from None
-        if max_tokens is None:  # (leaving drafts their room: a default, the model's too, never turns `auto` off)
-            room = context_room(len(prompt), depth, self.engine.max_context)
-            max_tokens = max(1, min(max(self.defaults.get("max_tokens", DEFAULT_MAX_TOKENS), params.min_tokens), room))
-        if max_tokens <= 1:  # (the one token comes from the prompt's last step: no round would carry drafts)
-            depth, auto = 0, False
-        if auto:  # drafts only where the context leaves room for them: `auto` refuses nothing plain decoding serves
-            depth = max(0, min(depth, context_room(len(prompt), 0, self.engine.max_context) - max_tokens))
-            auto = depth > 0
+        default = max(self.defaults.get("max_tokens", DEFAULT_MAX_TOKENS), params.min_tokens)  # (the model's too)
+        depth, auto, max_tokens = fit_to_context(len(prompt), depth, auto, max_tokens, default, self.engine.max_context)
         if body.priority and self.scheduling_policy != "priority":
             raise APIError(400, f"priority {body.priority} asked, but this server schedules first come, first "
                            "served (start it with --scheduling-policy priority)", param="priority")

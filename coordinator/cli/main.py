@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ...models.registry import resolve_model
     from ...node.protocol import SamplingParams
     from ..engine.build import local_engine
-    from ..engine.request import GenerationRequest, context_room, resolve_depth
+    from ..engine.request import GenerationRequest, RequestError, check_request, fit_to_context, resolve_depth
 
     if args.weights_from and not args.nodes:
         raise ValueError("--weights-from applies with --nodes")
@@ -84,10 +85,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tokens = engine.encode_chat(chat) if args.chat else engine.tokenizer.encode(prompt)
         if fmt is not None and args.chat:  # (a thought the template opened stays free, as the API leaves it)
             params = _after_thought(fmt, engine, tokens, params)
-        max_tokens = args.max_tokens or max(1, min(GENERATE_MAX_TOKENS,  # (a default: never past the context)
-                                                   context_room(len(tokens), depth, engine.max_context)))
+        depth, auto, max_tokens = fit_to_context(len(tokens), depth, auto, args.max_tokens, GENERATE_MAX_TOKENS,
+                                                 engine.max_context)
         req = GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens, params=params, mtp_depth=depth,
                                 mtp_auto=auto, stop=args.stop or [])
+        try:  # (as the engine checks it, its fields named as this command's options)
+            check_request(req, max_context=engine.max_context, has_mtp=engine.has_mtp, constrains=fmt is not None)
+        except RequestError as e:
+            raise ValueError(re.sub(r"\b(mtp_depth|max_tokens)\b", lambda m: "--" + m[1].replace("_", "-"),
+                                    str(e))) from None
         if args.json:
             result = engine.complete(req)
             print(json.dumps({"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,

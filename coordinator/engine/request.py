@@ -241,6 +241,22 @@ def context_room(prompt_tokens: int, mtp_depth: int, max_context: int) -> int:
     return max_context - prompt_tokens - mtp_depth
 
 
+def fit_to_context(prompt_tokens: int, depth: int, auto: bool, max_tokens: int | None, default_max_tokens: int,
+                   max_context: int) -> tuple[int, bool, int]:
+    """(depth, auto, max_tokens) of a request as it is run: a default max_tokens within what the context
+    leaves beside the drafts (a default never turns `auto` off); no drafts for a single token (it comes
+    from the prompt's last step: no round carries drafts); and `auto` drafting only where the context
+    leaves room for them, so that it refuses nothing plain decoding serves."""
+    if max_tokens is None:
+        max_tokens = max(1, min(default_max_tokens, context_room(prompt_tokens, depth, max_context)))
+    if max_tokens <= 1:
+        return 0, False, max_tokens
+    if auto:
+        depth = max(0, min(depth, context_room(prompt_tokens, 0, max_context) - max_tokens))
+        auto = depth > 0
+    return depth, auto, max_tokens
+
+
 def ended_in_stages(new: list[int], eos: set[int], generated: int, max_tokens: int) -> bool:
     """After `take_tokens` ended a request: whether its row ended in the stages too, where its reply
     does (its budget, or one of the tokens that end it, `GenerationRequest.ends`, the last handed

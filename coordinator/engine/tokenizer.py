@@ -9,6 +9,7 @@ from typing import Any
 
 # What a Hugging Face tokenizer is read from: without any of these, transformers builds an empty one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+UNLIMITED = int(1e30)  # transformers' own "no limit" model_max_length
 
 
 def load_tokenizer(model_path: Path | str, eos_token_ids: list[int]) -> Any:
@@ -17,4 +18,8 @@ def load_tokenizer(model_path: Path | str, eos_token_ids: list[int]) -> Any:
     path = Path(model_path)
     if not any((path / name).exists() for name in TOKENIZER_FILES):
         raise FileNotFoundError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)})")
-    return mlx_load_tokenizer(path, eos_token_ids=eos_token_ids or None)
+    tokenizer = mlx_load_tokenizer(path, eos_token_ids=eos_token_ids or None)
+    # The engine checks lengths against the model's context itself: transformers' warning about a text longer
+    # than the tokenizer's model_max_length would come before that clear error, and name another limit.
+    tokenizer._tokenizer.model_max_length = UNLIMITED
+    return tokenizer
