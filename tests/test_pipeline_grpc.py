@@ -536,6 +536,18 @@ def test_refused_loads_and_releases_leave_the_shard_and_its_sequences(
     assert drv.tokens[: len(expected)] == expected
 
 
+def test_one_node_named_two_ways_is_refused_before_any_load(dense_engine: Engine, dense_ckpt: Path,
+                                                            nodes: list[str]) -> None:
+    """`localhost:P` and `127.0.0.1:P` are one node: a pipeline listing both is refused, naming them,
+    before either is loaded, so the shard that node holds for its pipeline stays."""
+    expected = generate(dense_engine, PROMPTS[3], 2).tokens
+    with remote(dense_ckpt, nodes[:2]) as engine:
+        port = nodes[0].rsplit(":", 1)[1]
+        with pytest.raises(ValueError, match=f"localhost:{port} and 127.0.0.1:{port} are the same node"):
+            remote_engine(dense_ckpt, [f"localhost:{port}", f"127.0.0.1:{port}"], dtype="float32")
+        assert generate(engine, PROMPTS[3], 2).tokens == expected
+
+
 def test_secret_required_when_set(dense_ckpt: Path) -> None:
     server = NodeServer("127.0.0.1", 0, secret="s3cret").start()
     try:

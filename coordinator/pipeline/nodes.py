@@ -210,6 +210,27 @@ def wait_for_nodes(nodes: list[str], timeout: float = 30.0, secret: str | None =
                 raise NodeFailure(address, f"not ready within {timeout:.0f} s ({why})") from None
 
 
+def node_ids(nodes: list[NodeLink], secret: str | None, timeout: float) -> list[str]:
+    """Each node's id, as its Ping says, in pipeline order: NodeFailure naming one that cannot be reached,
+    ValueError where two addresses (`localhost` and `127.0.0.1`, say) reach one node, whose second load
+    would replace the shard of its first."""
+    def ping(node: NodeLink) -> str:
+        try:
+            return node.stub.Ping(pb.PingRequest(), timeout=timeout).node_id
+        except grpc.RpcError as e:
+            raise NodeFailure(node.address, f"cannot reach it ({describe_unreached(node.address, secret, e)})") \
+                from None
+
+    with ThreadPoolExecutor(len(nodes)) as pool:
+        ids = list(pool.map(ping, nodes))
+    seen: dict[str, str] = {}
+    for node, node_id in zip(nodes, ids):
+        if node_id in seen:
+            raise ValueError(f"{seen[node_id]} and {node.address} are the same node ({node_id}): list each node once")
+        seen[node_id] = node.address
+    return ids
+
+
 def load_requests(model_path: Path | str, specs: list[ShardSpec], mtp: bool, dtype: str | None, addresses: list[str],
                   sources: list[list[str]], client_id: str, take_over: bool) -> list[pb.LoadRequest]:
     """Each node's Load: the model by identity (its fingerprint; each node checks its own copy against it,

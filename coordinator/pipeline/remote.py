@@ -34,7 +34,7 @@ import grpc
 
 from ...models.shard import ShardSpec
 from ...node.protocol import GroupEnd, StageError, StageUnavailable, StepKind, StepOutput, StepRequest
-from ...node.wire import describe_rpc_error, describe_unreached, end_from_pb, request_to_frame, result_to_output
+from ...node.wire import describe_rpc_error, end_from_pb, request_to_frame, result_to_output
 from ...proto import mtpipe_pb2 as pb
 from .nodes import (
     FrameStream,
@@ -45,6 +45,7 @@ from .nodes import (
     WireStats,
     load_node,
     load_requests,
+    node_ids,
     step_error,
 )
 from .reform import HEAL_AFTER_S, Heal, Layout, Reformer, Reforming
@@ -132,12 +133,8 @@ class RemotePipeline(Reforming):
         if len(specs) != len(self.nodes):
             raise ValueError(f"{len(specs)} shard specs for {len(self.nodes)} nodes")
         self._load_args = (model_path, specs, mtp, dtype)
-        first = self.nodes[0]
-        try:  # the last node checks that its ring reaches this very node
-            first_id = first.stub.Ping(pb.PingRequest(), timeout=self.connect_timeout).node_id
-        except grpc.RpcError as e:
-            why = describe_unreached(first.address, self.secret, e)
-            raise NodeFailure(first.address, f"cannot reach it ({why})") from None
+        # (the last node checks that its ring reaches the first, by its id)
+        first_id = node_ids(self.nodes, self.secret, self.connect_timeout)[0]
         last = len(self.nodes) - 1
         requests = load_requests(model_path, specs, mtp, dtype, self.addresses, self.sources, self.client_id,
                                  self.take_over)
