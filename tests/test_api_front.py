@@ -607,3 +607,29 @@ def test_errors_cross_as_they_were() -> None:
     assert isinstance(request, RequestError) and (request.param, request.code) == ("stop", "c")
     other = WireError.of(KeyError("k")).exception()
     assert type(other) is RuntimeError and str(other) == "KeyError: 'k'"
+
+
+SPAWN_MASK_PROBE = """
+import signal, sys
+from multiprocessing import util
+from mtpipe.coordinator.api.front import FrontProcess, FrontSpec
+
+masks = []
+launch = util.spawnv_passfds
+def spy(*args):
+    masks.append(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set()))
+    return launch(*args)
+util.spawnv_passfds = spy
+front = FrontProcess(None, FrontSpec(sys.argv[1], model_name="m", access_log=False)).spawn()
+front.stop()
+print(masks[-1], signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set()))
+"""
+
+
+def test_the_api_process_starts_with_ctrl_c_blocked(dense_ckpt: Path) -> None:
+    """The API's process is started with SIGINT blocked (a terminal's Ctrl-C while its interpreter starts
+    would end it with a fatal error), also where multiprocessing's resource tracker starts first, which
+    unblocks SIGINT as it starts; this process's own mask is left as it was. A fresh process: no tracker yet."""
+    out = subprocess.run([sys.executable, "-c", SPAWN_MASK_PROBE, str(dense_ckpt)], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["True", "False"]

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +244,9 @@ class FrontProcess:
         if self.process.pid is None:
             # The child starts with Ctrl-C blocked: a terminal's SIGINT to the whole group while its
             # interpreter starts would kill it there ("Fatal Python error"), before it can ignore it.
+            # Multiprocessing's resource tracker is started first: starting it within `start` unblocks
+            # SIGINT (its own launch blocks and then unblocks it), and the child would start unblocked.
+            resource_tracker.ensure_running()
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 self.process.start()
