@@ -35,6 +35,8 @@ def state_dir(path: Path | str | None = None) -> Path:
 def node_id(path: Path | str | None = None) -> str:
     """This node's id (12 hex digits), created on first use and kept in the state directory."""
     directory = state_dir(path)
+    if directory.exists() and not directory.is_dir():  # (a usage error, not an errno of mkdir's)
+        raise ValueError(f"the state directory {directory} (--state-dir, node.state_dir) is a file, not a directory")
     file = directory / NODE_ID_FILE
     if file.exists():
         value = file.read_text().strip()

@@ -142,6 +142,26 @@ def test_a_launch_that_fails_says_so_in_its_events(tmp_path: Path, capsys: pytes
     assert event["event"] == "error" and str(missing) in event["error"]
 
 
+def test_a_launch_with_its_node_port_taken_or_a_file_for_its_state_says_which_option(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Usage errors (exit 2) naming the option, as a busy API port is, not an errno."""
+    monkeypatch.delenv("MTPIPE_STATE_DIR", raising=False)
+    config = tmp_path / "cluster.yaml"
+    config.write_text("discovery: {enabled: false}\n")
+    (tmp_path / "afile").write_text("")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for argv, said in ((["--host", "127.0.0.1", "--port", str(port), "--state-dir", str(tmp_path / "state")],
+                            f"the node port (node.host/node.port, --host/--port) 127.0.0.1:{port} cannot be used"),
+                           (["--host", "127.0.0.1", "--state-dir", str(tmp_path / "afile")],
+                            f"the state directory {tmp_path / 'afile'} (--state-dir, node.state_dir) is a file")):
+            assert main(["launch", "--json", "--config", str(config), "--insecure", *argv]) == 2
+            (event,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+            assert event["event"] == "error" and event["error"].startswith(said), event
+
+
 @pytest.mark.parametrize("argv", [["--port", "abc"], ["--zzz"]])
 def test_a_launch_with_a_bad_command_line_says_so_in_its_events(argv: list[str], capsys: pytest.CaptureFixture,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:

@@ -147,6 +147,7 @@ def _launch(args: argparse.Namespace) -> int:
         log.warning("no cluster secret (cluster.yaml secret/secret_file/secret_env or $MTPIPE_SECRET): anyone "
                     "who reaches the node port can drive this node")
     me = persistent_id(cfg.node.state_dir)
+    check_port_free(cfg.node.host, cfg.node.port, "the node port (node.host/node.port, --host/--port)")
     mtp = not args.no_mtp
     # Only the coordinator needs the model: another node loads its own copy when it has one (checked by
     # fingerprint), else its shard cache, else fetches its shard from the coordinator's node server.
