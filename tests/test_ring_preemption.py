@@ -292,33 +292,45 @@ def test_a_late_error_for_a_preempted_rows_old_sequence_is_dropped() -> None:
         live = next(iter(room.held.values()))
         old, old_sink = live.seq_id, pipeline.row_sinks[live.seq_id]
         room.nodes = [plan.NodeRoom(plan.ModelDims(1, 0), 1)]
-        room.over = lambda movable: [live]  # (the room says it must leave)
-        end_kept, here = engine._end_kept, threading.current_thread()
+        leaving = [live]  # (the room says it must leave, once: the engine's own thread may check the room too)
+        room.over = lambda movable: [leaving.pop()] if leaving else []
+        end_kept = engine._end_kept
 
-        class Watched:  # (the request's lock, telling when another thread waits for it)
+        class Watched:  # (the request's lock, telling when a thread waits for it while another holds it)
             def __init__(self, lock: Any) -> None:
                 self.lock, self.contended = lock, threading.Event()
+                self.owner: Any = None
+                self.depth = 0
 
             def __enter__(self) -> Any:
-                if threading.current_thread() is not here:
+                if self.owner not in (None, threading.current_thread()):
                     self.contended.set()
-                return self.lock.__enter__()
+                out = self.lock.__enter__()
+                self.owner, self.depth = threading.current_thread(), self.depth + 1
+                return out
 
             def __exit__(self, *exc: Any) -> Any:
+                self.depth -= 1
+                if not self.depth:
+                    self.owner = None
                 return self.lock.__exit__(*exc)
 
         live.lock = watched = Watched(live.lock)
         error = threading.Thread(target=old_sink, args=(StageError(f"node b: boom for {old}"),))
 
+        began = threading.Event()
+
         def error_meanwhile(x: RingLive, fed: Any) -> None:  # (under its lock, before its sequence changes)
-            if x is live and x.resuming:
+            if x is live and x.resuming and not began.is_set():  # (its first end as it leaves)
                 error.start()
+                began.set()
                 assert watched.contended.wait(10)  # (the error's thread is past its first check, at the lock)
             end_kept(x, fed)
 
         engine._end_kept = error_meanwhile
         engine._room_checked = 0.0
-        engine._make_room()
+        engine._make_room()  # (here, or on the engine's thread where it checks the room first)
+        assert began.wait(10)
         error.join(10)
         assert not error.is_alive()
         assert live.stats.preempted == 1 and live.seq_id != old and not live.done
