@@ -16,8 +16,6 @@ once its format is complete it drafts nothing.
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -76,34 +74,47 @@ class Grammars:
         return matcher
 
 
-HIDDEN = "\u0000"  # put before an added token's text: no text holds it
-
-
 def llguidance_tokenizer(hf_tokenizer: Any, vocab: int, eos: list[int]) -> Any:
-    """llguidance's form of a fast Hugging Face tokenizer, its added tokens' texts hidden from its splitting.
-    llguidance counts every added token as special (text never matches one), but tokenizes the text a
-    grammar forces with the tokenizer itself, which splits such a text out as the added token: where a
-    format's own text holds one (`<|im_start|>`, Qwen's `</think>`), its mask allowed only that token and
-    its own check then refused it, and the output came loose from the format. Hidden, that text is
-    tokenized as the plain text it is. ValueError for a tokenizer that is not a fast one."""
-    import transformers
-    from llguidance import LLTokenizer
+    """llguidance's form of a fast Hugging Face tokenizer, the text a grammar forces tokenized as plain text.
+    llguidance counts every added token as special (no text matches one; a Lark grammar names one as
+    `<|im_end|>`), but tokenizes the text a grammar forces with the tokenizer itself, which splits an
+    added token's text out as that token: where a format's own text holds one (`<|im_start|>`, Qwen's
+    `</think>`), its mask allowed only that token, its own check then refused it, and the output came
+    loose from the format. Here that text goes through the tokenizer's normalizer, pre-tokenizer and
+    model alone (`PlainText`); a tokenizer that cannot be read so keeps llguidance's own tokenization.
+    ValueError for a tokenizer that is not a fast one."""
+    from llguidance import LLTokenizer, TokenizerWrapper, hf
 
-    if not isinstance(hf_tokenizer, transformers.PreTrainedTokenizerFast):
-        raise ValueError("llguidance takes only fast tokenizers")
-    backend = copy.copy(hf_tokenizer.backend_tokenizer)
-    backend.no_padding()
-    backend.no_truncation()
-    spec = json.loads(backend.to_str())
-    words = spec.get("model", {}).get("vocab")
-    for added in spec.get("added_tokens", []):
-        text, hidden = added["content"], HIDDEN + added["content"]
-        if isinstance(words, dict) and words.get(text) == added["id"]:  # (a BPE's or WordPiece's own word too)
-            words[hidden] = words.pop(text)
-        elif isinstance(words, list) and 0 <= added["id"] < len(words) and words[added["id"]][0] == text:  # (Unigram)
-            words[added["id"]][0] = hidden
-        added["content"] = hidden
-    return LLTokenizer(json.dumps(spec), n_vocab=vocab, eos_token=eos)
+    own = hf.from_tokenizer(hf_tokenizer, n_vocab=vocab, eos_token=eos)
+    try:
+        return LLTokenizer(TokenizerWrapper(PlainText(hf_tokenizer, own, vocab)), n_vocab=vocab, eos_token=eos)
+    except Exception as e:  # (what llguidance or the tokenizers library raise for one they cannot take)
+        log.warning("a format's text that holds an added token's text may come loose with this tokenizer: %s", e)
+        return own
+
+
+class PlainText:
+    """A tokenizer as llguidance's TokenizerWrapper reads one: each id's bytes and the special ids as
+    llguidance's own form of it has them (`own`: the added tokens named as tags, `<think>`, and the ids
+    past the tokenizer's words), and text tokenized without the added tokens' splitting."""
+
+    bos_token_id = None
+
+    def __init__(self, hf_tokenizer: Any, own: Any, vocab: int):
+        backend = hf_tokenizer.backend_tokenizer
+        self._normalizer, self._pre, self._model = backend.normalizer, backend.pre_tokenizer, backend.model
+        self.eos_token_id = own.eos_token
+        self.tokens = [own.decode_bytes([i]) for i in range(vocab)]
+        self.special_token_ids = [i for i in range(vocab) if own.is_special_token(i)]
+        self("<|im_start|>x")  # (a tokenizer these parts do not take fails here, not on a request)
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # (llguidance then hands over text, not bytes)
+            raise TypeError("text only")
+        if self._normalizer is not None:
+            text = self._normalizer.normalize_str(text)
+        pieces = self._pre.pre_tokenize_str(text) if self._pre is not None else [(text, (0, len(text)))]
+        return [token.id for piece, _ in pieces for token in self._model.tokenize(piece)]
 
 
 def grammars_for(tokenizer: Any, vocab: int, eos: set[int] | list[int]) -> Grammars | None:

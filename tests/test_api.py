@@ -1022,6 +1022,9 @@ def test_chat_echo_shows_the_reply_after_the_assistants_last_message(client: Any
     streamed = client.chat.completions.create(**ask, stream=True, extra_body={**going_on, "echo": True})
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "Hi " + plain
     asked = chat("Say hi.")
+    unopened = client.chat.completions.create(model=MODEL, messages=asked, max_tokens=6, temperature=0,
+                                              extra_body={"echo": True, "add_generation_prompt": False})
+    assert unopened.choices[0].message.content.startswith("Say hi.")  # (vLLM's: the reply in the user's turn)
     assert client.chat.completions.create(model=MODEL, messages=asked, max_tokens=6, temperature=0,
                                           extra_body={"echo": True}).choices[0].message.content == \
         client.chat.completions.create(model=MODEL, messages=asked, max_tokens=6, temperature=0).choices[0].message.content

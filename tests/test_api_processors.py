@@ -109,6 +109,10 @@ def test_logprobs_name_tokens_by_id_as_vllm_does_when_asked(client: Any, engine:
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
                                       extra_body=ids).choices[0].logprobs
     assert all(set(top) >= {name} for top, name in zip(whole.top_logprobs, whole.tokens))
+    r = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=4, temperature=0, top_logprobs=1,
+                                extra_body=ids)
+    shown = r.output[-1].content[0].logprobs
+    assert shown and all(lp.token.startswith("token_id:") for lp in shown)
 
 
 def test_completion_logprobs_of_tokens_that_split_a_character() -> None:

@@ -159,6 +159,12 @@ def test_a_grammar_over_a_tokenizer_with_added_words_walks_to_its_end(demo: Batc
         out += step
         assert len(out) < 64
     assert hf.decode(out) == want
+    added = hf.convert_tokens_to_ids(["<think>", "</think>"])
+    free = grammars.constraint(OutputFormat(regex=r"[^\n]{1,40}").grammar())
+    assert not free.masks([], 1)[0][[1, 2, *added]].any()  # (added tokens are no text: none comes in one)
+    named = grammars.constraint(OutputFormat(lark='start: "ab" <|im_end|>').grammar())  # (Lark names them)
+    named.take(hf.encode("ab", add_special_tokens=False))
+    assert np.flatnonzero(named.masks([], 1)[0]).tolist() == [2]
 
 
 def test_the_masks_of_a_verify_leave_the_grammar_where_it_was(engine: BatchEngine) -> None:
@@ -259,6 +265,9 @@ def test_response_formats_through_the_api(client: Any) -> None:
         held = client.completions.create(model=MODEL, prompt="The answer:", max_tokens=12, temperature=1.0, seed=5,
                                          n=2, extra_body=extra)
         assert all(re.fullmatch(r"(yes|no) [0-9]{2}", c.text) for c in held.choices), [c.text for c in held.choices]
+    lark = client.completions.create(model=MODEL, prompt="x", max_tokens=12, temperature=0,
+                                     extra_body={"guided_grammar": 'start: "a ::= b"'})  # (Lark, though it holds ::=)
+    assert lark.choices[0].text == "a ::= b"
 
 
 @pytest.mark.parametrize("extra,param", [
@@ -270,6 +279,7 @@ def test_response_formats_through_the_api(client: Any) -> None:
     ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
     ({"guided_grammar": "root ::= (("}, "guided_grammar"),
     ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+    ({"guided_grammar": 'start: "ab" <|no_such_token|>'}, "guided_grammar"),  # (refused by the tokenizer's grammars)
     ({"structured_outputs": {"structural_tag": {}}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"guided_choice": []}, "guided_choice"),
@@ -424,3 +434,23 @@ def test_sampled_held_rows_keep_their_distribution_with_forced_drafts(demo: Batc
     assert accepted > 0
     for v in ("yes", "no", "maybe"):  # (3.5 standard errors of a difference of two shares over 96 rows each)
         assert abs(shares[0][v] - shares[1][v]) <= 3.5 * (2 * 0.25 / rows) ** 0.5, shares
+
+
+def test_a_tokenizer_whose_added_word_is_also_a_merged_word_still_holds_formats() -> None:
+    """An added token whose text BPE merges also make (Gemma-like tokenizers): llguidance's form of the
+    tokenizer builds, and a format forcing that text is held in the merged word."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mtpipe.node.constraints import Grammars
+
+    bpe = Tokenizer(models.BPE(vocab={"<eos>": 0, "a": 1, "b": 2, "ab": 3, "c": 4, "<unk>": 5}, merges=[("a", "b")],
+                               unk_token="<unk>"))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.add_special_tokens([AddedToken("<eos>", special=True), AddedToken("<unk>", special=True)])
+    bpe.add_tokens([AddedToken("ab", special=False)])
+    held = Grammars(PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>"), 6, [0]).constraint(
+        OutputFormat(regex="abc").grammar())
+    assert held.forced(8) == [3, 4]
+    held.take([3, 4])
+    assert held.finished  # (taken: the merged word is text, as llguidance's own form of the tokenizer has it)

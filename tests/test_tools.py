@@ -494,6 +494,24 @@ def test_a_call_required_or_named_is_held_to_the_tools(live: Live, stream: bool)
             assert name == "flag" and set(parsed) == {"on"} and isinstance(parsed["on"], bool)
 
 
+def test_an_echo_is_no_part_of_a_call(live: Live) -> None:
+    """vLLM's chat echo before a held call: the call is what it is without the echo, whose text is the
+    reply's content (as vLLM prepends it after the call is parsed), whole or streamed."""
+    args = {"model": MODEL, "messages": [*ASK, {"role": "assistant", "content": "Hi "}], "tools": [FLAG, COUNT],
+            "tool_choice": {"type": "function", "function": {"name": "count"}}, "max_tokens": 48, "temperature": 0,
+            "logit_bias": {str(i): -100 for i in live.ids.values()}}
+    going_on = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = live.client.chat.completions.create(**args, extra_body=going_on).choices[0].message
+    echoed = live.client.chat.completions.create(**args, extra_body={**going_on, "echo": True}).choices[0].message
+    assert plain.tool_calls and plain.content is None
+    assert [c.function.arguments for c in echoed.tool_calls] == [c.function.arguments for c in plain.tool_calls]
+    assert echoed.content == "Hi "
+    chunks = list(live.client.chat.completions.create(**args, stream=True, extra_body={**going_on, "echo": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "Hi "
+    assert "".join(tc.function.arguments or "" for ch in chunks if ch.choices
+                   for tc in ch.choices[0].delta.tool_calls or []) == plain.tool_calls[0].function.arguments
+
+
 TREE = {"type": "function", "function": {"name": "tree", "parameters": {  # (references to its own root)
     "type": "object", "additionalProperties": False, "required": ["label", "children", "alias"],
     "properties": {"label": {"type": "string", "maxLength": 3}, "alias": {"$ref": "#/properties/label"},

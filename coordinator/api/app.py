@@ -333,7 +333,8 @@ def create_app(
                 grammar = after_thought(fmt, engine.tokenizer, engine.eos, engine.vocab_size)
                 params = dataclasses.replace(params, grammar=grammar)
         req = service.generation_request(body, params, tokens, max_tokens, "messages", max_param,
-                                         tools=tools is not None and tools.active)
+                                         tools=tools is not None and tools.active,
+                                         format_param=fmt.field if fmt is not None else "response_format")
         return req, n, tools, thinking
 
     @app.post("/v1/completions")
@@ -350,7 +351,8 @@ def create_app(
         scored = -1 if body.prompt_logprobs is None else body.prompt_logprobs
         if body.echo and (body.logprobs is not None or body.max_tokens == 0):
             scored = max(scored, body.logprobs or 0)
-        params = service.sampling(body, -1 if body.logprobs is None else body.logprobs, output_format(body), scored)
+        fmt = output_format(body)
+        params = service.sampling(body, -1 if body.logprobs is None else body.logprobs, fmt, scored)
         prompts = body.prompt
         if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
             prompts = [prompts]  # (one prompt: a string or token ids)
@@ -362,7 +364,8 @@ def create_app(
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             whole = await (service.encode_text(prompt) if isinstance(prompt, str) else service.token_ids(prompt, param))
             tokens = service.truncated(body, whole)
-            reqs.append(service.generation_request(body, params, tokens, body.max_tokens, param))
+            reqs.append(service.generation_request(body, params, tokens, body.max_tokens, param,
+                                                   format_param=fmt.field if fmt is not None else "response_format"))
             if body.echo:  # (token ids, or a prompt cut short, echo as their text)
                 echo.append(prompt if isinstance(prompt, str) and tokens is whole else
                             await service.tokenize(len(tokens), lambda tok, ids=tokens: tok.decode(ids)))

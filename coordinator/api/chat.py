@@ -231,9 +231,10 @@ def _content(i: int, m: ChatMessage) -> str:
 
 
 def echoed(body: ChatCompletionRequest) -> str | None:
-    """vLLM's chat `echo`: the text a reply is shown after, the last message's where it is the assistant's
-    (a reply that goes on from it: continue_final_message); None where nothing is echoed."""
-    if not body.echo or not body.messages or body.messages[-1].role != "assistant":
+    """vLLM's chat `echo`: the text a reply is shown after, the last message's where the reply is in its
+    role (the assistant's, or, without the generation prompt, any: the reply goes on in the last
+    message's turn); None where nothing is echoed."""
+    if not body.echo or not body.messages or (body.add_generation_prompt and body.messages[-1].role != "assistant"):
         return None
     return _content(len(body.messages) - 1, body.messages[-1])
 

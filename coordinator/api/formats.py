@@ -22,6 +22,7 @@ from typing import Any
 from .errors import APIError
 
 REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~")  # what a regex (Rust's syntax, llguidance's) must escape
+EBNF_RULE = re.compile(r"^\s*[A-Za-z0-9_-]+\s*::=", re.MULTILINE)  # (a Lark string may hold "::=")
 
 
 @dataclass(frozen=True)
@@ -165,8 +166,8 @@ def _of(name: str, value: Any) -> OutputFormat:
 
 def lark_of(grammar: str, param: str) -> str:
     """A grammar as Lark: EBNF (GBNF, as xgrammar and llama.cpp take it: `root ::= ...`) converted, Lark as
-    it is; a 400 where EBNF does not convert."""
-    if "::=" not in grammar:
+    it is (EBNF where a line opens with a rule's definition, `name ::=`); a 400 where EBNF does not convert."""
+    if not EBNF_RULE.search(grammar):
         return grammar
     from llguidance.gbnf_to_lark import gbnf_to_lark
 

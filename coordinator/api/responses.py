@@ -206,11 +206,10 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
     first_token = None
     asked = choice.req.params.top_logprobs >= 0
     entries: list[dict[str, Any]] = []
-    shown = None
+    shown, echo = None, ""
     async for chunk, thought in thought_apart(run.chunks(), choice.thinking):
         if first_token is None and (choice.echo is not None or choice.prompt_top >= 0):
             echo, echoed, shown = await _prompt_shown(service, choice, chunk.prompt_logprobs)
-            parts.append(echo)
             entries += echoed or []
         first_token = first_token or time.perf_counter()
         parts.append(chunk.text)
@@ -222,8 +221,8 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
     if final is None:
         return None
     service.record(endpoint, final.stats, started, first_token)
-    text, calls, finish = _calls("".join(parts), final.finish_reason, tools)
-    return fmt.choice(text, finish, logprobs=entries if asked else None, tool_calls=calls, reasoning="".join(thoughts),
+    text, calls, finish = _calls("".join(parts), final.finish_reason, tools)  # (the echo is no part of a call)
+    return fmt.choice(echo + text, finish, logprobs=entries if asked else None, tool_calls=calls, reasoning="".join(thoughts),
                       prompt_logprobs=shown, stop_reason=final.stop_reason), final.stats, shown
 
 
@@ -263,14 +262,15 @@ async def stream(service: "Service", endpoint: str, choices: list[Choice], fmt: 
 
 async def one_choice(service: "Service", req: "GenerationRequest", thinking: "Optional[ReasoningSplit]", request: Any,
                      streamed: bool, events: Callable[[Choice, GenerationThread, bool], AsyncIterator[str]],
-                     whole: Callable[[], Optional[dict[str, Any]]]) -> Any:
+                     whole: Callable[[], Optional[dict[str, Any]]], token_ids: bool = False) -> Any:
     """One choice answered in another API's shape (responses_api.py, messages_api.py): streamed as
     `events(choice, run, False)` gives them (an error ends them as an event), or whole: its events run
     through (`events(choice, run, True)`: an error raised), then `whole()` is the object (None where it
-    never finished: its client went away, or the engine let it go)."""
+    never finished: its client went away, or the engine let it go). `token_ids`: vLLM's
+    return_tokens_as_token_ids, for its log-probabilities."""
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    (choice,) = choices_of([req], 1, thinking)
+    (choice,) = choices_of([req], 1, thinking, token_ids=token_ids)
     (run,) = await begin(service, [choice], request, admitted=streamed)
     watcher = asyncio.create_task(_watch(request, [run]))  # (also if a stream is never iterated)
     if streamed:

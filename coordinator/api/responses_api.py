@@ -299,7 +299,7 @@ async def respond_to(service: Service, body: ResponsesRequest, req: GenerationRe
 
     return await one_choice(service, req, thinking, request, bool(body.stream),
                             lambda choice, run, raising: _events(service, events, choice, run, chat, started, tools,
-                                                                 raising), whole)
+                                                                 raising), whole, body.return_tokens_as_token_ids)
 
 
 class _Events:

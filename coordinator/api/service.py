@@ -173,9 +173,11 @@ class Service:
 
     def generation_request(self, body: "_GenerationBody", params: SamplingParams, prompt: list[int],
                            max_tokens: Optional[int], prompt_param: str,
-                           max_param: str = "max_tokens", tools: bool = False) -> "GenerationRequest":
+                           max_param: str = "max_tokens", tools: bool = False,
+                           format_param: str = "response_format") -> "GenerationRequest":
         """The engine's request for this body; the engine decides whether it can serve it. `tools`: its
-        output is parsed for tool calls, whose tags stay in the text unless the body says otherwise."""
+        output is parsed for tool calls, whose tags stay in the text unless the body says otherwise;
+        `format_param`: the field that asked for its output format, if any."""
         try:
             depth, auto = resolve_depth(self.default_mtp_depth if body.mtp_depth is None else body.mtp_depth,
                                         self.engine.has_mtp)
@@ -196,7 +198,8 @@ class Service:
             self.engine.validate(req)
         except RequestError as e:
             # The engine names its own fields; this endpoint may call them otherwise.
-            param = {"prompt": prompt_param, "max_tokens": max_param}.get(e.param, e.param)
+            param = {"prompt": prompt_param, "max_tokens": max_param, "response_format": format_param}.get(e.param,
+                                                                                                          e.param)
             message = str(e).replace("max_tokens", max_param, 1) if e.param == "max_tokens" else str(e)
             raise APIError(400, message, param=param, code=e.code) from None
         return req
