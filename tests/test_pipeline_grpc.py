@@ -548,6 +548,20 @@ def test_one_node_named_two_ways_is_refused_before_any_load(dense_engine: Engine
         assert generate(engine, PROMPTS[3], 2).tokens == expected
 
 
+def test_a_refused_second_coordinator_changes_no_link_of_the_first(dense_engine: Engine, dense_ckpt: Path,
+                                                                    nodes: list[str]) -> None:
+    """Another coordinator asking the same nodes for another pipeline (their order reversed: the middle
+    node's shard is the same, its next node not) is refused where a node holds another shard, and the
+    nodes it could load are not linked anew: the first coordinator's requests go on as before."""
+    from mtpipe.coordinator.pipeline.nodes import NodeInUse
+
+    expected = generate(dense_engine, PROMPTS[4], 2).tokens
+    with remote(dense_ckpt, nodes[:3]) as engine:
+        with pytest.raises(NodeInUse):
+            remote_engine(dense_ckpt, nodes[:3][::-1], dtype="float32")
+        assert generate(engine, PROMPTS[4], 2).tokens == expected
+
+
 def test_secret_required_when_set(dense_ckpt: Path) -> None:
     server = NodeServer("127.0.0.1", 0, secret="s3cret").start()
     try:

@@ -141,24 +141,28 @@ class RemotePipeline(Reforming):
         if self.ring_groups and len(requests) == 1:
             requests[0].ring_groups = True
 
-        def load_one(i: int) -> tuple[pb.LoadReply, pb.ConnectReply]:
-            node = self.nodes[i]
+        def called(node: NodeLink, failing: str, rpc: Callable[[], Any]) -> Any:
             try:
-                reply = load_node(node, requests[i], timeout)
-                if i < last:
-                    return reply, node.stub.Connect(pb.ConnectRequest(next=self.next_targets[i]), timeout=timeout)
-                return reply, self._connect_ring(node, first_id, timeout)
+                return rpc()
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ValueError(f"node {node.address}: {e.details()}") from None
-                raise NodeFailure(node.address, f"load failed: {describe_rpc_error(e)}") from None
+                raise NodeFailure(node.address, f"{failing}: {describe_rpc_error(e)}") from None
+
+        def load_one(i: int) -> pb.LoadReply:
+            return called(self.nodes[i], "load failed", lambda: load_node(self.nodes[i], requests[i], timeout))
+
+        def link_one(i: int) -> pb.ConnectReply:
+            node, target = self.nodes[i], self.next_targets[i]
+            return called(node, "linking it failed", lambda: node.stub.Connect(pb.ConnectRequest(next=target),
+                                                                                 timeout=timeout)
+                          if i < last else self._connect_ring(node, first_id, timeout))
 
         self._connect()  # subscribed first: a node holds for this coordinator from its Load on (node/service.py)
-        with ThreadPoolExecutor(len(self.nodes)) as pool:
-            replies = list(pool.map(load_one, range(len(self.nodes))))
+        with ThreadPoolExecutor(len(self.nodes)) as pool:  # (linked once every node took its shard: a pipeline
+            self.load_replies = list(pool.map(load_one, range(len(self.nodes))))  # refused changes no link)
+            self.connect_replies = list(pool.map(link_one, range(len(self.nodes))))
         self.take_over = False  # once: a pipeline formed again never takes its nodes from another
-        self.load_replies = [r for r, _ in replies]
-        self.connect_replies = [c for _, c in replies]
         return self.load_replies
 
     def _connect_ring(self, last: NodeLink, first_id: str, timeout: float | None) -> pb.ConnectReply:
