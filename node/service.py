@@ -217,8 +217,9 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
 
     async def on_frame(self, frame: pb.Frame) -> None:
         if not self.coordinators.admits(frame.client_id):  # its requests fail at once, rather than wait for nothing
-            if frame.kind != pb.RELEASE:
-                self._fail(frame, "FAILED_PRECONDITION", f"{self.name} holds another coordinator's shard now")
+            if frame.kind != pb.RELEASE:  # (its client's condition, not this node's: it serves the other one)
+                self._fail(frame, "FAILED_PRECONDITION", f"{self.name} holds another coordinator's shard now",
+                           node_fault=False)
             return
         if frame.kind == pb.RELEASE and frame.prefix and not frame.seq_id:
             self.drop_kept(frame)
@@ -295,8 +296,9 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _fail(self, frame: pb.Frame, code: str, message: str) -> None:
-        self.conditions.failed(code, message)
+    def _fail(self, frame: pb.Frame, code: str, message: str, node_fault: bool = True) -> None:
+        if node_fault:  # (else the request's client's own: not on show in this node's Health)
+            self.conditions.failed(code, message)
         log.info("step %d of %s refused: %s", frame.step, frame.seq_id, message)
         err = pb.Error(code=code, message=message, node=self.name, seq_id=frame.seq_id, step=frame.step)
         self._emit(frame.client_id, pb.Event(error=err))

@@ -129,6 +129,9 @@ def test_a_taken_over_coordinator_gives_the_nodes_up(dense_ckpt: Path, tmp_path:
         assert time.monotonic() - start < 10
         assert [(s.service.key.start, s.service.key.end) for s in servers] == [(0, 1), (1, 4)]
         assert generate(second, PROMPTS[0]) == want
+        # (the taken-over one's refused frames are its own trouble: the nodes are well, and the second ready)
+        assert [s.service.conditions.current() for s in servers] == [None, None]
+        assert Readiness(second, timeout=2.0).check()[0]
         copy = shutil.copytree(dense_ckpt, tmp_path / "copy")
         sharing = remote_engine(copy, addresses, dtype="float32", specs=OTHER)
         engines.append(sharing)
