@@ -127,6 +127,11 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         self.next = NextStage(target, self.secret, *self._link_watch("next stage")) if target else None
 
     @property
+    def subscribed(self) -> list[str]:
+        """The clients (coordinators) subscribed to this node now."""
+        return list(self._subs)
+
+    @property
     def ring_self(self) -> bool:
         """The node is the whole pipeline: it starts its rounds in-process."""
         return self.worker is not None and self.worker.spec.is_first and self.worker.spec.is_last

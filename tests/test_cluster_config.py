@@ -490,15 +490,17 @@ def test_expected_nodes_count_the_listed_ones_that_answer() -> None:
 
 def test_the_cluster_is_idle_only_when_every_node_is() -> None:
     """Nodes up with no shard placed yet wait for a coordinator (exit 0); a node without one beside
-    nodes that serve is a gap in the pipeline (degraded), unless the coordinator placed the model
-    without it (a spare: back after the others took its layers)."""
+    nodes that serve is a gap in the pipeline (degraded) where a coordinator waits for it, unless the
+    coordinator placed the model without it (a spare: back after the others took its layers); with no
+    placement among the nodes (`serve --nodes`), an idle node no coordinator is subscribed to is a spare."""
     from mtpipe.coordinator.cluster.health import EXIT_CODES, overall
 
-    def rows(*statuses: str) -> list[dict]:
-        return [{"status": s} for s in statuses]
+    def rows(*statuses: str, coordinators: int = 1) -> list[dict]:
+        return [{"status": s, "coordinators": coordinators} for s in statuses]
 
     assert overall(rows("idle", "idle")) == "idle" and EXIT_CODES["idle"] == 0
     assert overall(rows("healthy", "idle")) == "degraded"
+    assert overall([*rows("healthy"), *rows("idle", coordinators=0)]) == "healthy"
     assert overall(rows("healthy", "healthy")) == "healthy"
     assert overall(rows("idle", "unreachable")) == overall([]) == "unreachable"
     coordinator = {"node_id": "a", "status": "healthy", "placed": ["a", "b"]}

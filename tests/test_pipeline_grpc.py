@@ -380,6 +380,7 @@ def test_health_reports_the_node(dense_ckpt: Path, nodes: list[str]) -> None:
     assert [first.prefill_tokens, last.prefill_tokens] == [n + body for n in before] and first.prefill_seconds > 0
     assert first.forwarded_decode_frames > 0 and first.forwarded_decode_bytes > 0
     assert first.uptime_s > 0 and first.node_id and first.node_id != last.node_id
+    assert first.coordinators == last.coordinators == 1  # (this pipeline's, subscribed)
     if sys.platform.startswith("linux") or sys.platform == "darwin":
         assert first.memory_used > 0 and first.memory_available > 0
 

@@ -119,6 +119,7 @@ def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next
         next=h.next or None,
         next_rtt_ms=round(h.next_rtt_ms, 3) if h.next_rtt_ms >= 0 else None,
         next_transport=h.next_transport or None,  # "tcp" (data plane) or "grpc", once a frame went
+        coordinators=h.coordinators,  # subscribed to it now (an idle node none is subscribed to is a spare)
         placed=list(h.placed) or None,  # a coordinating node: the members of its pipeline
         placed_at=dict(zip(h.placed, h.placed_at)) or None,  # and where it reaches them
         data_port=h.data_port or None,
@@ -222,9 +223,11 @@ def overall(rows: Sequence[dict[str, Any]]) -> str:
     if statuses == {IDLE}:
         return IDLE
     # An idle node where others serve is a gap, unless a coordinator among them placed the model
-    # without it: a spare (one that came back after the others took its layers, one that joined late).
+    # without it, or (no placement among them: `serve --nodes`) no coordinator is subscribed to it: a
+    # spare (one that came back after the others took its layers, one that joined late).
     placed = {n for r in rows for n in r.get("placed") or []}
-    gaps = [r for r in rows if r["status"] == IDLE and not (placed and r.get("node_id") not in placed)]
+    gaps = [r for r in rows if r["status"] == IDLE
+            and (r.get("node_id") in placed if placed else bool(r.get("coordinators")))]
     return DEGRADED if DEGRADED in statuses or gaps else HEALTHY
 
 
