@@ -593,7 +593,7 @@ def test_an_api_over_a_lost_engine_answers_503(engine: BatchEngine) -> None:
         time.sleep(0.01)
     with LiveServer(create_app(client, MODEL)) as s, httpx.Client(base_url=s.url, timeout=30) as c:
         r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "node_failure", r.text
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failure", r.text  # (no node's)
         assert c.get("/health").status_code == 503
 
 

@@ -255,7 +255,8 @@ def test_launched_nodes_on_one_machine_share_what_it_offers() -> None:
         members = membership.members({**peers, "node-a": me})
         alone = {node_id: ad.mem_available for node_id, ad in members.items()}
         assert alone["node-a"] == 9 << 30 and alone["node-b"] > 1 << 20  # (each as if it had the machine)
-        shared = {node_id: ad.mem_available for node_id, ad in membership.shared(members, lambda k: (9 << 30) // k).items()}
+        shared = {node_id: ad.mem_available
+                  for node_id, ad in membership.shared(members, lambda k: (9 << 30) // k).items()}
         assert shared == {node_id: mem // 3 for node_id, mem in alone.items()}  # (no shard held: a third each)
         capped = Membership("node-a", [], "s3", timeout=2.0)
         for s in servers:

@@ -20,8 +20,8 @@ GET /health answers 200 only when every stage is ready, else 503 naming each nod
 (readiness.py).
 
 Output formats (formats.py): `response_format` json_object and json_schema, vLLM's `structured_outputs`
-(json, regex, choice, grammar) and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, held by the last stage
-(node/constraints.py) where it has the tokenizer; elsewhere a 400.
+(json, regex, choice, grammar) and `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`,
+held by the last stage (node/constraints.py) where it has the tokenizer; elsewhere a 400.
 
 Extensions: the `mtp_depth` request field; vLLM's `skip_special_tokens` (special tokens such as
 `<|im_start|>` are left out of the text unless it is false; kept by default when tools are in use,

@@ -16,7 +16,7 @@ Each side sends from a thread of its own (`Outbox`, pipe.py): the engine's sinks
 thread, and the front's event loop only append to it, so neither ever blocks on the pipe, and a
 round's chunks for every row go as one message. A front that goes away cancels every request it opened
 (their caches are freed on every stage); an engine that goes away fails every open request with
-StageUnavailable. So does an engine that is stuck (`EngineClient.watch`): one whose MLX thread has
+EngineLost (a StageUnavailable that names no node). So does an engine that is stuck (`EngineClient.watch`): one whose MLX thread has
 been in one round, or whose process has not answered, for the stall timeout. The front then stops,
 and `mtpipe serve` exits 1 for its supervisor to start it again, as vLLM's server does when its engine
 core is dead.
@@ -32,9 +32,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ...node.protocol import StageUnavailable
 from ..engine.request import GenerationRequest, check_request, check_vocabulary
-from ..engine.sinks import END, Sink, open_admitted
+from ..engine.sinks import END, EngineLost, Sink, open_admitted
 from .pipe import Outbox, WireError, hang_up, receive
 from .readiness import Readiness, timestamp
 
@@ -251,7 +250,7 @@ class EngineClient:
         rid = next(self._ids)
         with self._lock:
             if self.lost is not None:
-                raise StageUnavailable(self.lost)
+                raise EngineLost(self.lost)
             self._sinks[rid] = sink
             if admitted is not None:
                 self._admitted[rid] = admitted
@@ -264,7 +263,7 @@ class EngineClient:
         future: Future = Future()
         with self._lock:
             if self.lost is not None:
-                raise StageUnavailable(self.lost)
+                raise EngineLost(self.lost)
             self._calls[cid] = future
         self._outbox.put(("call", cid, name))
         try:
@@ -385,10 +384,10 @@ class EngineClient:
         if sinks:
             log.error("%s: %d request(s) fail", why, len(sinks))
         for sink in sinks:
-            sink(StageUnavailable(why))
+            sink(EngineLost(why))
             sink(END)
         for future in calls:
             if not future.done():
-                future.set_exception(StageUnavailable(why))
+                future.set_exception(EngineLost(why))
         if self.on_lost is not None:
             self.on_lost()

@@ -222,8 +222,9 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
         return None
     service.record(endpoint, final.stats, started, first_token)
     text, calls, finish = _calls("".join(parts), final.finish_reason, tools)  # (the echo is no part of a call)
-    return fmt.choice(echo + text, finish, logprobs=entries if asked else None, tool_calls=calls, reasoning="".join(thoughts),
-                      prompt_logprobs=shown, stop_reason=final.stop_reason), final.stats, shown
+    return fmt.choice(echo + text, finish, logprobs=entries if asked else None, tool_calls=calls,
+                      reasoning="".join(thoughts), prompt_logprobs=shown, stop_reason=final.stop_reason), \
+        final.stats, shown
 
 
 def _calls(text: str, finish: str, tools: "Optional[ToolSpec]") -> tuple[str, Optional[list[dict[str, Any]]], str]:

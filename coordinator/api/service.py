@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from ...node.protocol import GREEDY_BELOW, SamplingParams, Scored, StageError, StageUnavailable
 from ..engine.detokenizer import token_bytes
-from ..engine.sinks import ServerBusy
+from ..engine.sinks import EngineLost, ServerBusy
 from ..engine.request import GenerationRequest, RequestError, fit_to_context, resolve_depth
 from .chat import check_template_variables, has_tool_turns, renders_tools, template_input, text_size
 from .defaults import DEFAULT_MAX_TOKENS, SLOT_TIMEOUT_S
@@ -359,8 +359,11 @@ class Service:
             return APIError(503, f"a pipeline stage refused the request: {e}", type="server_error", code="stage_error")
         if isinstance(e, ServerBusy):
             log.warning("a request was turned away (503, to retry): %s", e)
-            return APIError(503, f"the server is busy: {e}", type="server_error", code="server_busy",
-                            headers={"Retry-After": str(e.retry_after)})
+            return APIError(503, f"the server cannot take this request now: {e}", type="server_error",
+                            code="server_busy", headers={"Retry-After": str(e.retry_after)})
+        if isinstance(e, EngineLost):
+            log.error("the engine is gone: %s", e)
+            return APIError(503, f"the engine failed: {e}", type="server_error", code="engine_failure")
         if isinstance(e, StageUnavailable):
             log.warning("a node failed during a generation: %s", e)
             return APIError(503, f"a node failed: {e}", type="server_error", code="node_failure")

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ...node.protocol import StageUnavailable
 from .request import GenerationChunk, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,10 @@ def open_stream(engine: Any, req: GenerationRequest, sink: Sink) -> None:
             sink(END)  # (even after a sink that raised: whoever waits on it hears the end)
 
     threading.Thread(target=run, name="stream", daemon=True).start()
+
+
+class EngineLost(StageUnavailable):
+    """The engine's process (the API runs in one of its own) is gone: no node failed, the server did."""
 
 
 class ServerBusy(RuntimeError):
