@@ -66,3 +66,13 @@ def taken_over(node: str, by: str) -> str:
     """What a coordinator taken over hears (its subscription's last event, and its Loads' refusal)."""
     return (f"{node} was taken over by coordinator {by}: this coordinator no longer serves on it "
             "(start it again with --take-over to take the node back)")
+
+
+def links_held(me: str, others: Iterable[str], now: tuple[str, str], asked: tuple[str, str]) -> bool:
+    """Whether a Connect from `me` would re-link a node that `others` (other coordinators subscribed to it)
+    run sequences through: `now` and `asked` are (target, node id) of the next node (or of the first, for
+    the ring), an id "" where not known (then the target tells). Links to the same node stay theirs."""
+    if not me or not list(others):
+        return False
+    (now_target, now_id), (target, node_id) = now, asked
+    return (node_id != now_id) if node_id and now_id else target != now_target

@@ -288,6 +288,7 @@ class NextStage:
     def __init__(self, target: str, secret: str | None, on_error: Callable[[str, Exception], None],
                  on_open: Callable[[str], None] | None = None):
         self.target = target
+        self.peer_id = ""  # the node it reaches, as told (Connect) or as it answered; "" where not known
         self.secret = secret
         self.on_error = on_error
         self.on_open = on_open  # a link opened (after a break: the break is over)

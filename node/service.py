@@ -32,7 +32,7 @@ from ..models import blas
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .conditions import Conditions
-from .coordinators import Coordinators
+from .coordinators import Coordinators, links_held
 from .dataplane import NextStage
 from .group_frames import GroupFrames
 from .health import MemoryReadings, health_reply
@@ -111,12 +111,25 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         async with self._load_lock:
             if self.worker is None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} has no shard loaded")
-            await self._set_next(request.next)
-            await self._set_ring(request.ring, request.ring_node_id)
+            others = [c for c in self._subs if c != request.client_id and self.coordinators.admits(c)]
+            spec, links = self.worker.spec, {"next stage": (self.next, request.next, request.next_node_id)}
+            if self.ring is not None:  # (a ring where there was none changes no round another one runs)
+                links["first stage"] = (self.ring, request.ring if spec.is_last and not spec.is_first else "",
+                                        request.ring_node_id)
+            for role, (link, target, node_id) in links.items():
+                now = (link.target, link.peer_id) if link is not None else ("", "")
+                if links_held(request.client_id, others, now, (target, node_id)):
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} serves another "
+                                        f"coordinator through its {role} {now[0] or '(none)'}: its links stay")
+            # (a node the others run through, asked again for the same nodes: the links they have stay)
+            if not (others and self.next is not None and request.next_node_id == self.next.peer_id != ""):
+                await self._set_next(request.next, request.next_node_id)
+            if not (others and self.ring is not None and request.ring_node_id == self.ring.peer_id != ""):
+                await self._set_ring(request.ring, request.ring_node_id)
             return pb.ConnectReply(ring=self.ring is not None or self.ring_self,
                                    next_transport=self.next.transport if self.next is not None else "")
 
-    async def _set_next(self, target: str) -> None:
+    async def _set_next(self, target: str, node_id: str = "") -> None:
         if self.next is not None and self.next.target == target and not self.next.closed:
             if self.next.link is None:  # (formed again after a break: the link opens now)
                 await self.next.connect()
@@ -125,6 +138,8 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
             await self.next.close()
         self.conditions.clear("link:next stage")  # (what broke was the link it replaces)
         self.next = NextStage(target, self.secret, *self._link_watch("next stage")) if target else None
+        if self.next is not None:
+            self.next.peer_id = node_id  # (as the coordinator knows it: "" where it did not say)
 
     @property
     def subscribed(self) -> list[str]:
@@ -159,6 +174,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
                         f"{answered} answered" if answered else "unreachable")
             await link.close()
             return
+        link.peer_id = answered
         self.ring = link
 
     def _link_watch(self, role: str) -> tuple[Callable[[str, Exception], None], Callable[[str], None]]:

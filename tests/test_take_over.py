@@ -67,6 +67,38 @@ def test_a_second_coordinator_is_refused_unless_it_takes_the_nodes_over(dense_ck
             s.stop(0)
 
 
+def test_a_coordinator_sharing_a_node_cannot_re_link_it_to_other_nodes(dense_ckpt: Path) -> None:
+    """Two nodes hold the same shard (b and c): a second coordinator whose pipeline goes a -> c loads every
+    node, but a refuses to link to c while the first, which runs a -> b, is subscribed: the first's
+    requests go on. One that names b at another address shares a's link to b, which stays."""
+    from mtpipe.coordinator.pipeline.nodes import NodeFailure
+
+    servers = [NodeServer("127.0.0.1", 0, model_dirs=[dense_ckpt]).start() for _ in range(3)]
+    a, b, c = (s.address for s in servers)
+    engines: list[Engine] = []
+    try:
+        want = generate(local_engine(dense_ckpt, dtype=mx.float32), PROMPTS[1])
+        first = remote_engine(dense_ckpt, [a, b], dtype="float32", specs=SPECS)
+        engines.append(first)
+        assert generate(first, PROMPTS[1]) == want
+        engines.append(remote_engine(dense_ckpt, [c], dtype="float32", specs=[SPECS[1]]))  # (c holds b's shard)
+        engines[-1].pipeline.close()
+        with pytest.raises(NodeFailure, match="serves another coordinator through its next stage"):
+            engines.append(remote_engine(dense_ckpt, [a, c], dtype="float32", specs=SPECS))
+        assert servers[0].service.next.target == b
+        assert generate(first, PROMPTS[1]) == want
+        other_name = b.replace("127.0.0.1", "localhost")
+        sharing = remote_engine(dense_ckpt, [a, other_name], dtype="float32", specs=SPECS)
+        engines.append(sharing)
+        assert servers[0].service.next.target == b  # (the same node: the link the first one uses stays)
+        assert generate(sharing, PROMPTS[1]) == generate(first, PROMPTS[1]) == want
+    finally:
+        for e in engines:
+            e.pipeline.close()
+        for s in servers:
+            s.stop(0)
+
+
 @pytest.mark.parametrize("build", [remote_engine, ring_engine], ids=["steps", "ring"])
 def test_a_taken_over_coordinator_gives_the_nodes_up(dense_ckpt: Path, tmp_path: Path, build: Any,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,6 +203,13 @@ def test_which_coordinators_a_node_serves() -> None:
     # A coordinator that does not say who it is opens the node to all, and sharing keeps it open.
     assert c.admit_load("", ["d"], reused=True, take_over=False) == [] and c.clients == set()
     assert c.admit_load("e", ["d"], reused=True, take_over=False) == [] and c.clients == set() and c.admits("x")
+    # Links: another's link to another node stays (by id where both are known, else by address).
+    from mtpipe.node.coordinators import links_held
+
+    assert links_held("a", ["b"], ("h:1", "n1"), ("h:2", "n2")) and not links_held("a", ["b"], ("h:1", "n1"),
+                                                                                    ("localhost:1", "n1"))
+    assert links_held("a", ["b"], ("h:1", ""), ("h:2", "n2")) and not links_held("a", ["b"], ("h:1", ""), ("h:1", ""))
+    assert not links_held("a", [], ("h:1", "n1"), ("h:2", "n2")) and not links_held("", ["b"], ("h:1", ""), ("h:2", ""))
 
 
 def test_a_node_without_a_shard_refuses_no_one() -> None:

@@ -133,8 +133,9 @@ class RemotePipeline(Reforming):
         if len(specs) != len(self.nodes):
             raise ValueError(f"{len(specs)} shard specs for {len(self.nodes)} nodes")
         self._load_args = (model_path, specs, mtp, dtype)
-        # (the last node checks that its ring reaches the first, by its id)
-        first_id = node_ids(self.nodes, self.secret, self.connect_timeout)[0]
+        # (the last node checks that its ring reaches the first, by its id; a node knows its next by id too)
+        ids = node_ids(self.nodes, self.secret, self.connect_timeout)
+        first_id = ids[0]
         last = len(self.nodes) - 1
         requests = load_requests(model_path, specs, mtp, dtype, self.addresses, self.sources, self.client_id,
                                  self.take_over)
@@ -153,9 +154,9 @@ class RemotePipeline(Reforming):
             return called(self.nodes[i], "load failed", lambda: load_node(self.nodes[i], requests[i], timeout))
 
         def link_one(i: int) -> pb.ConnectReply:
-            node, target = self.nodes[i], self.next_targets[i]
-            return called(node, "linking it failed", lambda: node.stub.Connect(pb.ConnectRequest(next=target),
-                                                                                 timeout=timeout)
+            node, ask = self.nodes[i], pb.ConnectRequest(next=self.next_targets[i], client_id=self.client_id,
+                                                         next_node_id=ids[i + 1] if i < last else "")
+            return called(node, "linking it failed", lambda: node.stub.Connect(ask, timeout=timeout)
                           if i < last else self._connect_ring(node, first_id, timeout))
 
         self._connect()  # subscribed first: a node holds for this coordinator from its Load on (node/service.py)
@@ -169,7 +170,8 @@ class RemotePipeline(Reforming):
         """Tell the last node where the first is: the first of `ring_targets` where the first node itself
         answers from there (kept first, for the pipeline formed again)."""
         for target in self.ring_targets:
-            reply = last.stub.Connect(pb.ConnectRequest(ring=target, ring_node_id=first_id), timeout=timeout)
+            reply = last.stub.Connect(pb.ConnectRequest(ring=target, ring_node_id=first_id, client_id=self.client_id),
+                                      timeout=timeout)
             if reply.ring:
                 self.ring_targets = [target, *(t for t in self.ring_targets if t != target)]
                 break
