@@ -16,10 +16,10 @@ Each side sends from a thread of its own (`Outbox`, pipe.py): the engine's sinks
 thread, and the front's event loop only append to it, so neither ever blocks on the pipe, and a
 round's chunks for every row go as one message. A front that goes away cancels every request it opened
 (their caches are freed on every stage); an engine that goes away fails every open request with
-EngineLost (a StageUnavailable that names no node). So does an engine that is stuck (`EngineClient.watch`): one whose MLX thread has
-been in one round, or whose process has not answered, for the stall timeout. The front then stops,
-and `mtpipe serve` exits 1 for its supervisor to start it again, as vLLM's server does when its engine
-core is dead.
+EngineLost (a StageUnavailable that names no node). So does an engine that is stuck
+(`EngineClient.watch`): one whose MLX thread has been in one round, or whose process has not answered,
+for the stall timeout. The front then stops, and `mtpipe serve` exits 1 for its supervisor to start it
+again, as vLLM's server does when its engine core is dead.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         req = GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens, params=params, mtp_depth=depth,
                                 mtp_auto=auto, stop=args.stop or [])
         try:  # (as the engine checks it, its fields named as this command's options)
-            check_request(req, max_context=engine.max_context, has_mtp=engine.has_mtp, constrains=fmt is not None)
+            check_request(req, max_context=engine.max_context, has_mtp=engine.has_mtp, constrains=engine.constrains)
         except RequestError as e:
             raise ValueError(re.sub(r"\b(mtp_depth|max_tokens)\b", lambda m: "--" + m[1].replace("_", "-"),
                                     str(e))) from None
