@@ -340,6 +340,10 @@ def test_a_node_that_comes_back_after_the_heal_gives_its_old_shard_back(dense_ck
                 assert time.monotonic() < deadline, f"the node that came back kept its shard: {row}"
                 time.sleep(0.2)
             assert row["reachable"] and row["status"] == "idle" and not healer._left
+            from mtpipe.coordinator.api.serve import nodes_cluster_info
+
+            info = nodes_cluster_info(engine, "m")()  # (GET /v1/cluster: the node left out is named)
+            assert list(info["left_out"]) == [nodes.addresses[1]] and info["healthy"]
             with make_channel(nodes.addresses[1], None) as channel:  # (its memory given back)
                 now = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=10)
             assert now.mlx_active_memory < held.mlx_active_memory - held.parameter_bytes // 2

@@ -50,6 +50,9 @@ def nodes_cluster_info(engine: "Engine", model_name: str, timeout: float = 2.0) 
             out["error"] = "; ".join(f"{e['node']}: {e['error']}" for e in errors)
         if engine.batching == "ring":
             out["ring"] = engine.describe()["ring"]
+        healed = getattr(getattr(engine.pipeline, "heal", None), "left_out", None)
+        if healed:  # (spares until the coordinator restarts: `mtpipe health` shows them idle)
+            out["left_out"] = {address: f"node {node_id}: a heal left it out" for node_id, address in healed.items()}
         return out
 
     return info

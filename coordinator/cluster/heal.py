@@ -83,6 +83,7 @@ class Healer:
         self._pending: dict[tuple[str, ...], tuple[list[NodeResources], list[StagePlan]]] = {}
         self._lock = threading.Lock()
         self._left: dict[str, str] = {}  # node id -> address: nodes a heal left out that may come back with a shard
+        self.left_out: dict[str, str] = {}  # node id -> address: every node heals left out, until placed again
         self._sweeping = False
         self.check_left_s = CHECK_LEFT_S
         self._said = ""  # what the last attempt found (said once, not every second)
@@ -149,6 +150,9 @@ class Healer:
         self.on_placed(f)
         with self._lock:
             self._left.update({n: control[n] for n in left})
+            placed = {n.node_id for n in order}
+            self.left_out = {**{n: a for n, a in self.left_out.items() if n not in placed},
+                             **{n: control[n] for n in left}}
             start, self._sweeping = bool(self._left) and not self._sweeping, self._sweeping or bool(self._left)
         if start:
             threading.Thread(target=self._sweep, name="heal-left-out", daemon=True).start()
