@@ -35,6 +35,8 @@ SIDECAR = ".mtpipe-hashes.json"
 SHARD_MANIFEST = "mtpipe-shard.json"  # in a node's shard cache directory (node/shards.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# What a tokenizer is read from: without any of these, transformers builds an empty one.
+TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 READ_BYTES = 8 << 20
 MAX_HEADER_BYTES = 100 << 20

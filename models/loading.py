@@ -241,11 +241,13 @@ def load_shard(
     dtype: mx.Dtype | None = None,
     progress: Callable[[int, int], None] | None = None,
     materialize: bool = True,
+    runs_here: bool = True,
 ) -> LoadedShard:
     """Load layers spec.start..spec.end (default: the whole model), the MTP head when asked and present.
 
     `materialize=False` returns the shard still lazy (nothing read from disk yet), for a caller that
-    evaluates it in pieces of its own (a node, between serving other calls on its event loop)."""
+    evaluates it in pieces of its own (a node, between serving other calls on its event loop).
+    `runs_here=False`: loaded to be converted, not run, so not refused where this machine could not run it."""
     path = Path(path)
     config = shard_config(path, spec)
     spec = spec or ShardSpec.whole(config.num_layers)
@@ -279,7 +281,8 @@ def load_shard(
         raise CheckpointError(f"{path}: unexpected tensor(s) for this model: {', '.join(unexpected[:3])}")
     model.load_weights([(k, weights[k]) for k in expected])
     model.eval()
-    _check_runs_here(model, path)
+    if runs_here and (problem := runs_here_problem(model)):
+        raise CheckpointError(f"{path}: {problem}: load it with --dtype float32 (or on a Mac's GPU)")
     if not materialize:
         return LoadedShard(config=config, spec=spec, model=model, path=path)
     # Materialize tensor by tensor so a progress bar can follow long loads.
@@ -291,18 +294,19 @@ def load_shard(
     return LoadedShard(config=config, spec=spec, model=model, path=path)
 
 
-def _check_runs_here(model: nn.Module, path: Path) -> None:
-    """MLX's CPU backend multiplies unquantized MoE experts (gather_mm) in float32 only: a shard whose
-    experts are stored otherwise would load, then fail at its first forward."""
+def runs_here_problem(model: nn.Module) -> str | None:
+    """Why this machine could not run `model` (None: it can). MLX's CPU backend multiplies unquantized
+    MoE experts (gather_mm) in float32 only: a shard whose experts are stored otherwise would load, then
+    fail at its first forward."""
     from mlx_lm.models.switch_layers import SwitchLinear
 
     if mx.default_device().type != mx.cpu:
-        return
+        return None
     for name, m in model.named_modules():
         if isinstance(m, SwitchLinear) and m.weight.dtype != mx.float32:
-            raise CheckpointError(
-                f"{path}: its MoE experts are {str(m.weight.dtype).removeprefix('mlx.core.')} ({name}), and MLX's CPU "
-                "backend runs unquantized experts in float32 only: load it with --dtype float32 (or on a Mac's GPU)")
+            return (f"its MoE experts are {str(m.weight.dtype).removeprefix('mlx.core.')} ({name}), and MLX's CPU "
+                    "backend runs unquantized experts in float32 only")
+    return None
 
 
 def arrays_in(obj: Any, seen: set[int] | None = None) -> list:

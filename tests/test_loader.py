@@ -142,11 +142,60 @@ def test_a_weight_file_its_index_lists_and_that_is_missing_is_named(tiny_root: P
 
 
 @pytest.mark.skipif(mx.default_device().type != mx.cpu, reason="MLX's CPU backend only")
-def test_moe_experts_the_cpu_cannot_multiply_are_refused_at_load(moe_ckpt: Path) -> None:
-    """gather_mm runs float32 only on the CPU: a bfloat16 MoE shard is refused as it loads, saying what runs."""
+def test_moe_experts_the_cpu_cannot_multiply_are_refused_at_load(moe_ckpt: Path, tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """gather_mm runs float32 only on the CPU: a bfloat16 MoE shard is refused as it loads, saying what runs.
+    Converting one is not running it: it is written (for a Mac, say), with a warning, and loads in float32."""
     with pytest.raises(CheckpointError, match="experts are bfloat16.*--dtype float32"):
         load_shard(moe_ckpt, dtype=mx.bfloat16)
     assert load_shard(moe_ckpt, dtype=mx.float32).model.parameter_bytes() > 0
+    with caplog.at_level("WARNING"):
+        out = convert(moe_ckpt, tmp_path / "bf16")  # (bfloat16: convert's default)
+    assert "experts are bfloat16" in caplog.text
+    assert load_shard(out, dtype=mx.float32).model.parameter_bytes() > 0
+    assert (convert(moe_ckpt, tmp_path / "q", quantize=True) / "config.json").is_file()
+
+
+def test_a_conversion_keeps_the_tokenizers_files_and_says_where_it_cannot_write(
+        dense_ckpt: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import shutil
+
+    src = shutil.copytree(dense_ckpt, tmp_path / "src")
+    (src / "added_tokens.json").write_text("{}")
+    (src / "chat_template.json").write_text('{"chat_template": ""}')
+    out = convert(src, tmp_path / "out", dtype="float32")
+    assert (out / "added_tokens.json").is_file() and (out / "chat_template.json").is_file()
+    assert (out / "tokenizer.json").is_file()
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(FileExistsError, match="afile is a file, not a directory"):
+        convert(src, tmp_path / "afile" / "sub", dtype="float32")
+    (src / "tokenizer.json").unlink()
+    with caplog.at_level("WARNING"):
+        convert(src, tmp_path / "weights-only", dtype="float32")
+    assert "holds no tokenizer" in caplog.text
+
+
+def test_a_conversion_stopped_by_sigterm_leaves_nothing(dense_ckpt: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`timeout`, systemd or `kill` stop a conversion with SIGTERM: it unwinds as Ctrl-C does (exit 143)."""
+    import os
+    import signal
+
+    from mtpipe.coordinator.cli.main import main
+    from mtpipe.models import convert as conversion
+
+    written = conversion._write
+
+    def stopped(dst: Path, *args: object) -> None:
+        written(dst, *args)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(conversion, "_write", stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as ended:
+        main(["convert", "--hf-path", str(dense_ckpt), "--mlx-path", str(tmp_path / "out"), "--dtype", "float32"])
+    assert ended.value.code == 143 and list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == before  # (the command's handler is its own)
 
 
 def test_missing_mtp_weights_error(tiny_root: Path) -> None:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -187,18 +188,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
         given = [o for o, v in (("--q-bits", args.q_bits), ("--q-group-size", args.q_group_size),
                                 ("--mtp-unquantized", args.mtp_unquantized or None)) if v is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} apply with -q/--quantize")
+            raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with -q/--quantize")
     bits = args.q_bits or DEFAULT_BITS
-    out = convert(
-        Path(args.hf_path),
-        Path(args.mlx_path),
-        quantize=args.quantize,
-        bits=bits,
-        group_size=args.q_group_size or DEFAULT_GROUP_SIZE,
-        quantize_mtp=not args.mtp_unquantized,
-        dtype=args.dtype,
-        mtp=not args.no_mtp,
-    )
+    def interrupted(signum: int, frame: Any) -> None:  # (unwinds through the conversion's clean-up, as Ctrl-C does)
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        out = convert(
+            Path(args.hf_path),
+            Path(args.mlx_path),
+            quantize=args.quantize,
+            bits=bits,
+            group_size=args.q_group_size or DEFAULT_GROUP_SIZE,
+            quantize_mtp=not args.mtp_unquantized,
+            dtype=args.dtype,
+            mtp=not args.no_mtp,
+        )
+    finally:
+        signal.signal(signal.SIGTERM, before)
     from rich.markup import escape
 
     held = json.loads((out / "config.json").read_text()).get("quantization")  # (-q, or a quantized source)

@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Any
 
 
-# What a Hugging Face tokenizer is read from: without any of these, transformers builds an empty one.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+from ...models.fingerprint import TOKENIZER_SOURCES as TOKENIZER_FILES  # (what a tokenizer is read from)
 UNLIMITED = int(1e30)  # transformers' own "no limit" model_max_length
 
 
