@@ -197,3 +197,30 @@ def test_every_error_on_its_paths_is_anthropics(server: LiveServer) -> None:
         assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
     openai_shape = server.client.post("/v1/chat/completions", json={}, headers={"x-api-key": "wrong"}).json()
     assert "type" not in openai_shape and openai_shape["error"]["code"] == "invalid_api_key"
+
+
+def test_anthropics_rules_for_its_own_fields(server: LiveServer) -> None:
+    """What Anthropic's API refuses is refused (its ranges, its thinking, its tools and tool_choice), and
+    extended thinking is off unless asked, as Anthropic's default is (Qwen's enable_thinking)."""
+    from mtpipe.coordinator.api.messages_api import chat_body
+    from mtpipe.coordinator.api.models import MessagesRequest
+
+    hi = [{"role": "user", "content": "hi"}]
+    for extra, param in (({"temperature": 1.5}, "temperature"), ({"thinking": {"type": "bogus"}}, "thinking.type"),
+                         ({"thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking.budget_tokens"),
+                         ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.budget_tokens"),
+                         ({"tools": [{"name": "f"}]}, "tools[0].input_schema"),
+                         ({"tools": [COUNT], "tool_choice": {"type": "bogus"}}, "tool_choice.type")):
+        r = server.client.post("/v1/messages", headers={"x-api-key": KEY},
+                               json={"model": MODEL, "max_tokens": 1100, "messages": hi, **extra})
+        assert r.status_code == 400 and r.json()["type"] == "error", (extra, r.text)
+        assert param in r.json()["error"]["message"], (extra, r.text)
+    assert "auto, any, tool or none" in r.json()["error"]["message"]
+
+    def thinks(**extra: Any) -> Any:
+        chat, _ = chat_body(MessagesRequest.model_validate({"model": MODEL, "max_tokens": 2048, "messages": hi, **extra}))
+        return chat.chat_template_kwargs["enable_thinking"]
+
+    assert thinks() is False and thinks(thinking={"type": "disabled"}) is False
+    assert thinks(thinking={"type": "enabled", "budget_tokens": 1024}) is True
+    assert thinks(chat_template_kwargs={"enable_thinking": True}) is True  # (the template's own variables win)

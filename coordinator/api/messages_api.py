@@ -66,9 +66,11 @@ def chat_body(body: MessagesRequest, counting: bool = False) -> tuple[ChatComple
     skip = {"stop", "n", "stream_options", "response_format"}
     shared = body.model_dump(include=set(_GenerationBody.model_fields) - skip, exclude_none=True)
     system = _text("system", body.system) if body.system is not None else ""
+    if body.temperature is not None and not 0 <= body.temperature <= 1:  # (Anthropic's range, not OpenAI's)
+        raise APIError(400, f"temperature: must be in [0, 1], got {body.temperature}", param="temperature")
     kwargs = dict(body.chat_template_kwargs or {})
-    if isinstance(body.thinking, dict) and body.thinking.get("type") in ("enabled", "disabled"):
-        kwargs.setdefault("enable_thinking", body.thinking["type"] == "enabled")  # (Qwen's templates read it)
+    # Extended thinking only where asked, as Anthropic's default is (Qwen's templates read enable_thinking).
+    kwargs.setdefault("enable_thinking", _thinking(body.thinking, body.max_tokens))
     choice, parallel = _choice(body.tool_choice)
     messages, origins = _messages(body.messages)
     if system:
@@ -158,6 +160,23 @@ def _messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
     return out, origins
 
 
+def _thinking(thinking: Any, max_tokens: Optional[int]) -> bool:
+    """Whether Anthropic's `thinking` turns extended thinking on: {"type": "enabled", "budget_tokens": N}
+    (N at least 1024 and under max_tokens, as Anthropic has it), {"type": "disabled"} or none (off)."""
+    if thinking is None:
+        return False
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled"):
+        raise APIError(400, 'thinking.type: must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}',
+                       param="thinking.type")
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024
+                              or (max_tokens is not None and budget >= max_tokens)):
+        raise APIError(400, f"thinking.budget_tokens: must be at least 1024 and less than max_tokens, got {budget}",
+                       param="thinking.budget_tokens")
+    return kind == "enabled"
+
+
 def _tools(tools: Any) -> Any:
     if not isinstance(tools, list):
         return tools
@@ -167,6 +186,9 @@ def _tools(tools: Any) -> Any:
             kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
             raise APIError(400, f"tools[{i}]: only client tools (name, input_schema) are supported here, got {kind!r}",
                            param=f"tools[{i}].type")
+        if not isinstance(tool.get("input_schema"), dict):
+            raise APIError(400, f"tools[{i}].input_schema: Field required (a JSON Schema object)",
+                           param=f"tools[{i}].input_schema")
         fn = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
         if tool.get("description") is not None:
             fn["description"] = tool["description"]
@@ -184,7 +206,9 @@ def _choice(choice: Any) -> tuple[Any, Optional[bool]]:
         if not isinstance(choice.get("name"), str):
             raise APIError(400, 'tool_choice {"type": "tool"} needs the name of the tool', param="tool_choice.name")
         return {"type": "function", "function": {"name": choice["name"]}}, parallel
-    return {"auto": "auto", "any": "required", "none": "none"}.get(kind, kind), parallel
+    if kind not in ("auto", "any", "none"):
+        raise APIError(400, f"tool_choice.type: must be auto, any, tool or none, got {kind!r}", param="tool_choice.type")
+    return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
 
 
 # -- the answer ---------------------------------------------------------------------------------
