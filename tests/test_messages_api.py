@@ -218,7 +218,8 @@ def test_anthropics_rules_for_its_own_fields(server: LiveServer) -> None:
     assert "auto, any, tool or none" in r.json()["error"]["message"]
 
     def thinks(**extra: Any) -> Any:
-        chat, _ = chat_body(MessagesRequest.model_validate({"model": MODEL, "max_tokens": 2048, "messages": hi, **extra}))
+        asked = {"model": MODEL, "max_tokens": 2048, "messages": hi, **extra}
+        chat, _ = chat_body(MessagesRequest.model_validate(asked))
         return chat.chat_template_kwargs["enable_thinking"]
 
     assert thinks() is False and thinks(thinking={"type": "disabled"}) is False

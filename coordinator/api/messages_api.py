@@ -207,7 +207,8 @@ def _choice(choice: Any) -> tuple[Any, Optional[bool]]:
             raise APIError(400, 'tool_choice {"type": "tool"} needs the name of the tool', param="tool_choice.name")
         return {"type": "function", "function": {"name": choice["name"]}}, parallel
     if kind not in ("auto", "any", "none"):
-        raise APIError(400, f"tool_choice.type: must be auto, any, tool or none, got {kind!r}", param="tool_choice.type")
+        raise APIError(400, f"tool_choice.type: must be auto, any, tool or none, got {kind!r}",
+                       param="tool_choice.type")
     return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
 
 
