@@ -99,6 +99,9 @@ def test_logprobs_and_a_json_schema(client: Any) -> None:
                                 include=["message.output_text.logprobs"])
     lps = r.output[0].content[0].logprobs
     assert len(lps) == r.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in lps)
+    assert r.top_logprobs == 2 and r.reasoning.effort is None  # (what was asked, as OpenAI echoes it)
+    assert client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=1,
+                                   reasoning={"effort": "low"}).reasoning.effort == "low"
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["n"], "additionalProperties": False}
     held = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=32, temperature=0,
@@ -178,6 +181,7 @@ def test_a_response_goes_on_from_a_kept_one(client: Any) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, previous_response_id=first.id, input="x", max_output_tokens=2)
     assert e.value.body["param"] == "previous_response_id"
+    assert e.value.body["code"] == "previous_response_not_found"  # (OpenAI's: clients send the whole input then)
 
 
 def test_a_kept_responses_input_items_are_listed(client: Any) -> None:
@@ -217,6 +221,7 @@ def test_a_kept_responses_input_items_are_listed(client: Any) -> None:
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": []}, "input"),
     ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+    ({"input": "x", "include": ["bogus.field"]}, "include"),
     ({"input": "x", "background": True}, "background"),
     ({"input": [{"type": "reasoning", "content": -4}, {"role": "user", "content": "x"}]}, "input[0]"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "nope", "output": "1"}],

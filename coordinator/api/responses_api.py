@@ -39,6 +39,10 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 # chat's field names as this endpoint's (in errors)
 FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
           "top_logprobs": "top_logprobs"}
+# OpenAI's `include` values: the logprobs are given where asked; the others name what a response here never holds
+INCLUDABLE = frozenset({"message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+                        "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                        "computer_call_output.output.image_url", "code_interpreter_call.outputs"})
 
 
 # -- the body, as a chat request ----------------------------------------------------------------
@@ -52,7 +56,8 @@ def input_items(body: ResponsesRequest, store: ResponseStore) -> list[dict[str, 
         found = store.conversation(body.previous_response_id)
         if found is None:
             raise APIError(400, f"no response {body.previous_response_id!r} is kept here (the most recent "
-                                f"{store.most} are, while the server runs)", param="previous_response_id")
+                                f"{store.most} are, while the server runs)", param="previous_response_id",
+                           code="previous_response_not_found")  # (OpenAI's: a client sends the whole input then)
         earlier = found
     own = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else list(body.input)
     return earlier + own
@@ -74,6 +79,8 @@ def chat_body(body: ResponsesRequest, items: list[dict[str, Any]]) -> tuple[Chat
         raise APIError(400, "n is not a field of the Responses API: one output per response", param="n")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
+    if unknown := [x for x in body.include or [] if x not in INCLUDABLE]:
+        raise APIError(400, f"include: {unknown[0]!r} is not one of {', '.join(sorted(INCLUDABLE))}", param="include")
     skip = {"max_tokens", "response_format", "n", "stream_options"}
     shared = body.model_dump(include=set(_GenerationBody.model_fields) - skip, exclude_none=True)
     messages, origins = _messages(items, body.instructions, len(items) - len(_own(body.input)))
@@ -242,8 +249,9 @@ class Shape:
                 "incomplete_details": incomplete, "instructions": b.instructions,
                 "max_output_tokens": b.max_output_tokens, "model": self.model, "output": output,
                 "parallel_tool_calls": b.parallel_tool_calls is not False,
-                "previous_response_id": b.previous_response_id, "reasoning": None, "store": b.store is not False,
-                "temperature": b.temperature,
+                "previous_response_id": b.previous_response_id, "store": b.store is not False,
+                "reasoning": {"effort": (b.reasoning or {}).get("effort"), "summary": None},
+                "temperature": b.temperature, "top_logprobs": b.top_logprobs,
                 "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
                 "tools": b.tools or [], "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": None,
                 "metadata": b.metadata or {}}
