@@ -494,6 +494,32 @@ def test_a_call_required_or_named_is_held_to_the_tools(live: Live, stream: bool)
             assert name == "flag" and set(parsed) == {"on"} and isinstance(parsed["on"], bool)
 
 
+def test_a_held_call_its_budget_cuts_short_is_a_call_not_text(live: Live) -> None:
+    """max_tokens ends a reply held to a call before it closes: no JSON as the reply's text (a client would
+    show it, or send it back); a named call comes with its arguments as far as they came (as OpenAI hands
+    out a call cut short), a required one's list with the calls that came whole; finish "length"."""
+    avoid = {str(i): -100 for i in live.ids.values()}
+    named = {"type": "function", "function": {"name": "count"}}
+    for stream in (False, True):
+        for choice, budget in ((named, 4), ("required", 4), ("required", 24)):
+            args = {"model": MODEL, "messages": ASK, "tools": [FLAG, COUNT], "tool_choice": choice,
+                    "max_tokens": budget, "temperature": 0, "logit_bias": avoid}
+            if stream:
+                chunks = [ch.choices[0] for ch in live.client.chat.completions.create(**args, stream=True) if ch.choices]
+                text = "".join(c.delta.content or "" for c in chunks)
+                calls = [(d.function.name, d.function.arguments) for c in chunks for d in c.delta.tool_calls or []]
+                finish = [c.finish_reason for c in chunks if c.finish_reason]
+            else:
+                r = live.client.chat.completions.create(**args).choices[0]
+                text, finish = r.message.content or "", [r.finish_reason]
+                calls = [(t.function.name, t.function.arguments) for t in r.message.tool_calls or []]
+            assert text == "" and finish == ["length"], (choice, budget, text)
+            if choice is named:
+                assert calls and calls[0][0] == "count" and calls[0][1] and not calls[0][1].endswith("}")
+            else:
+                assert all(n in ("flag", "count") for n, _ in calls) and (calls or budget < 24), calls
+
+
 def test_an_echo_is_no_part_of_a_call(live: Live) -> None:
     """vLLM's chat echo before a held call: the call is what it is without the echo, whose text is the
     reply's content (as vLLM prepends it after the call is parsed), whole or streamed."""

@@ -257,7 +257,11 @@ class _Blocks:
     def call(self, call: dict[str, Any]) -> list[str]:
         out = self.close()
         fn = call["function"]
-        block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": json.loads(fn["arguments"])}
+        try:
+            given = json.loads(fn["arguments"])
+        except ValueError:  # (a call max_tokens cut short: its input as far as it parses, none)
+            given = {}
+        block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": given}
         self.content.append(block)
         at = len(self.content) - 1
         return out + [self.event("content_block_start", index=at, content_block={**block, "input": {}}),

@@ -19,7 +19,7 @@ from .deltas import thought_apart, tool_deltas
 from .errors import APIError
 from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
 from .service import DISCONNECT_POLL_S
-from .tools import ToolCallParser, held_calls, parse_tool_calls
+from .tools import ToolCallParser, cut_calls, held_calls, parse_tool_calls
 
 if TYPE_CHECKING:
     from ...node.protocol import Scored
@@ -230,12 +230,15 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
 def _calls(text: str, finish: str, tools: "Optional[ToolSpec]") -> tuple[str, Optional[list[dict[str, Any]]], str]:
     """A reply's text left, its tool calls and its finish reason: a reply held to a call is that call (the
     finish "tool_calls" where any was required and it stopped, as vLLM's; "stop" for a named one, as
-    OpenAI's; "length" where the budget ended it as it closed); otherwise its text is
+    OpenAI's; "length" where the budget ended it, its calls then as far as they came); otherwise its text is
     parsed for calls. A reply that holds none (cut short) stays text."""
     if tools is None or not tools.active:
         return text, None, finish
     if tools.held:
-        found = held_calls(text, tools.name if tools.choice == "function" else None)
+        name = tools.name if tools.choice == "function" else None
+        found = held_calls(text, name)
+        if found is None and finish == "length":
+            return "", [c.to_dict() for c in cut_calls(text, name)] or None, finish
         if found is None:
             return text, None, finish
         required = tools.choice == "required" and finish == "stop"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +122,30 @@ def held_calls(text: str, name: str | None) -> list[ToolCall] | None:
     if not isinstance(value, list) or not all(isinstance(c, dict) and {"name", "parameters"} <= c.keys() for c in value):
         return None
     return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+
+
+CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')  # (its arguments follow)
+
+
+def cut_calls(text: str, name: str | None) -> list[ToolCall]:
+    """The calls of a reply held to a call that its budget cut short: `name`'s, its arguments as far as
+    they came (as OpenAI hands out a call cut short), or the list's whole calls and the last one's, where
+    its name came whole. Never the reply's JSON as text: a client would show it, or send it back."""
+    if name is not None:
+        return [ToolCall(name, text.strip())] if text.strip() else []
+    decoder, calls = json.JSONDecoder(), []
+    at = text.find("[") + 1
+    while 0 < at < len(text):
+        at += len(text[at:]) - len(text[at:].lstrip(", \n"))
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            if cut := CUT_CALL.match(text, at):
+                calls.append(ToolCall(json.loads(cut.group(1)), text[cut.end():]))
+            break
+        if isinstance(value, dict) and {"name", "parameters"} <= value.keys():
+            calls.append(ToolCall(value["name"], json.dumps(value["parameters"], ensure_ascii=False)))
+    return calls
 
 
 class ToolCallParser:
