@@ -225,3 +225,13 @@ def test_anthropics_rules_for_its_own_fields(server: LiveServer) -> None:
     assert thinks() is False and thinks(thinking={"type": "disabled"}) is False
     assert thinks(thinking={"type": "enabled", "budget_tokens": 1024}) is True
     assert thinks(chat_template_kwargs={"enable_thinking": True}) is True  # (the template's own variables win)
+
+
+def test_a_forced_tool_use_cut_short_is_a_tool_use_block(claude: Any) -> None:
+    """max_tokens ends a forced call before it closes: a tool_use block (its input what parses), not the
+    call's JSON as text, and stop_reason max_tokens, as Anthropic's API answers."""
+    m = claude.messages.create(model=MODEL, max_tokens=4, extra_body=GREEDY, tools=[COUNT],
+                               tool_choice={"type": "tool", "name": COUNT["name"]},
+                               messages=[{"role": "user", "content": PROMPT}])
+    assert m.stop_reason == "max_tokens" and [b.type for b in m.content] == ["tool_use"], m.content
+    assert m.content[0].name == COUNT["name"] and isinstance(m.content[0].input, dict)
