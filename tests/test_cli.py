@@ -229,7 +229,7 @@ def test_serve_refuses_a_port_it_cannot_listen_on_before_loading(capsys: pytest.
     (["node", "--port", "0", "--shard-cache", sys.executable], "is a file, not a directory"),
     (["serve", "--model", "/nonexistent/model", "--memory-budget", "0"], "--memory-budget must be a number of GB"),
     (["convert", "--hf-path", "/nonexistent", "--mlx-path", "/nonexistent2", "--q-bits", "4"],
-     "--q-bits apply with -q/--quantize"),
+     "--q-bits applies only with -q/--quantize"),
 ])
 def test_bad_input_found_before_any_model_is_read(argv: list[str], message: str,
                                                   capsys: pytest.CaptureFixture) -> None:

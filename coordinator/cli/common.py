@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from ...node.cli import add_draft_options, number_arg
@@ -17,6 +19,20 @@ from ..api.defaults import DEFAULT_MAX_TOKENS, check_origins
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 EXIT_SIGPIPE = 141  # what a shell reports for a filter its reader left (128 + SIGPIPE)
+
+
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Within it, SIGTERM (`timeout`, systemd, `kill`) unwinds through the command's clean-up as Ctrl-C
+    does, ending it with 128 + 15; the handler before is back after it."""
+    def unwind(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def exit_on_sigterm(signum: int, frame: Any) -> None:

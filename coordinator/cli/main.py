@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import re
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from .common import (
     positive_int,
     positive_seconds,
     progress_loader,
+    sigterm_unwinds,
     stage_options,
     stderr_console,
     unrecognized,
@@ -190,23 +190,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if given:
             raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with -q/--quantize")
     bits = args.q_bits or DEFAULT_BITS
-    def interrupted(signum: int, frame: Any) -> None:  # (unwinds through the conversion's clean-up, as Ctrl-C does)
-        raise SystemExit(128 + signum)
-
-    before = signal.signal(signal.SIGTERM, interrupted)
-    try:
-        out = convert(
-            Path(args.hf_path),
-            Path(args.mlx_path),
-            quantize=args.quantize,
-            bits=bits,
-            group_size=args.q_group_size or DEFAULT_GROUP_SIZE,
-            quantize_mtp=not args.mtp_unquantized,
-            dtype=args.dtype,
-            mtp=not args.no_mtp,
-        )
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    with sigterm_unwinds():  # (the conversion's clean-up then leaves nothing, as after Ctrl-C)
+        out = convert(Path(args.hf_path), Path(args.mlx_path), quantize=args.quantize, bits=bits,
+                      group_size=args.q_group_size or DEFAULT_GROUP_SIZE, quantize_mtp=not args.mtp_unquantized,
+                      dtype=args.dtype, mtp=not args.no_mtp)
     from rich.markup import escape
 
     held = json.loads((out / "config.json").read_text()).get("quantization")  # (-q, or a quantized source)
