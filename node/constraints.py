@@ -93,6 +93,9 @@ def llguidance_tokenizer(hf_tokenizer: Any, vocab: int, eos: list[int]) -> Any:
         return own
 
 
+ROUND_TRIP = ("x", " x", "a b", "<|im_start|>x", "{\"k\": 1}")  # texts `PlainText` must give back as they are
+
+
 class PlainText:
     """A tokenizer as llguidance's TokenizerWrapper reads one: each id's bytes and the special ids as
     llguidance's own form of it has them (`own`: the added tokens named as tags, `<think>`, and the ids
@@ -106,7 +109,9 @@ class PlainText:
         self.eos_token_id = own.eos_token
         self.tokens = [own.decode_bytes([i]) for i in range(vocab)]
         self.special_token_ids = [i for i in range(vocab) if own.is_special_token(i)]
-        self("<|im_start|>x")  # (a tokenizer these parts do not take fails here, not on a request)
+        for text in ROUND_TRIP:  # (parts that add to a text, as a SentencePiece normalizer's "▁", do not serve)
+            if b"".join(self.tokens[t] for t in self(text)) != text.encode():
+                raise ValueError(f"its parts do not give {text!r} back")
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):  # (llguidance then hands over text, not bytes)

@@ -68,11 +68,13 @@ def taken_over(node: str, by: str) -> str:
             "(start it again with --take-over to take the node back)")
 
 
-def links_held(me: str, others: Iterable[str], now: tuple[str, str], asked: tuple[str, str]) -> bool:
-    """Whether a Connect from `me` would re-link a node that `others` (other coordinators subscribed to it)
-    run sequences through: `now` and `asked` are (target, node id) of the next node (or of the first, for
-    the ring), an id "" where not known (then the target tells). Links to the same node stay theirs."""
-    if not me or not list(others):
-        return False
-    (now_target, now_id), (target, node_id) = now, asked
-    return (node_id != now_id) if node_id and now_id else target != now_target
+
+def relink(others: bool, now: str, answered: str | None, asked: str, asked_id: str) -> str:
+    """What a Connect does with one of a node's links (to its next node, or the ring's to the first)
+    where other coordinators are subscribed to it (`others`): "set" it as asked where none are, or where
+    it leads nowhere now (`now` "": none; `answered` None: the node linked does not answer); "keep" it
+    where it leads to the node asked for (by its id where told, which a restarted node may answer at the
+    same address, else by the address); else "refuse": another coordinator's rounds go through it."""
+    if not others or not now or answered is None:
+        return "set"
+    return "keep" if (answered == asked_id if asked_id else asked == now) else "refuse"

@@ -80,7 +80,7 @@ async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
         blas_threads=node.blas.threads or 0,
         placed=list(node.placed),
         placed_at=list(node.placed.values()),
-        coordinators=len(node.subscribed),
+        coordinators=sum(node.coordinators.admits(c) for c in node.subscribed),  # (not those taken over here)
     )
     reply.MergeFrom(node.weights.health())
     w, key = node.worker, node.key

@@ -32,7 +32,7 @@ from ..models import blas
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
 from .conditions import Conditions
-from .coordinators import Coordinators, links_held
+from .coordinators import Coordinators, relink
 from .dataplane import NextStage
 from .group_frames import GroupFrames
 from .health import MemoryReadings, health_reply
@@ -111,26 +111,30 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         async with self._load_lock:
             if self.worker is None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} has no shard loaded")
-            others = [c for c in self._subs if c != request.client_id and self.coordinators.admits(c)]
-            spec, links = self.worker.spec, {"next stage": (self.next, request.next, request.next_node_id)}
-            if self.ring is not None:  # (a ring where there was none changes no round another one runs)
-                links["first stage"] = (self.ring, request.ring if spec.is_last and not spec.is_first else "",
-                                        request.ring_node_id)
-            for role, (link, target, node_id) in links.items():
-                now = (link.target, link.peer_id) if link is not None else ("", "")
-                if links_held(request.client_id, others, now, (target, node_id)):
+            others = bool(request.client_id) and any(c != request.client_id and self.coordinators.admits(c)
+                                                     for c in self._subs)
+            ring = request.ring if self.worker.spec.is_last and not self.worker.spec.is_first else ""
+            asked = {"next stage": (self.next, request.next, request.next_node_id),
+                     "first stage": (self.ring, ring, request.ring_node_id)}
+            done: dict[str, str] = {}
+            for role, (link, target, node_id) in asked.items():
+                live = link is not None and not link.closed
+                answered = await link.node_id(timeout=RING_PROBE_S) if others and live else None
+                done[role] = relink(others, link.target if live else "", answered, target, node_id)
+                if done[role] == "refuse":
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} serves another "
-                                        f"coordinator through its {role} {now[0] or '(none)'}: its links stay")
-            # (a node the others run through, asked again for the same nodes: the links they have stay)
-            if not (others and self.next is not None and request.next_node_id == self.next.peer_id != ""):
-                await self._set_next(request.next, request.next_node_id)
-            if not (others and self.ring is not None and request.ring_node_id == self.ring.peer_id != ""):
-                await self._set_ring(request.ring, request.ring_node_id)
+                                        f"coordinator through its {role} {link.target}: its links stay")
+                if done[role] == "keep":  # (the same node, at the address the others reach it at)
+                    asked[role] = (link, link.target, answered)
+            await self._set_next(*asked["next stage"][1:])
+            if not (others and self.ring is None and ring):  # (a ring where none was would take their rounds)
+                await self._set_ring(*asked["first stage"][1:])
             return pb.ConnectReply(ring=self.ring is not None or self.ring_self,
                                    next_transport=self.next.transport if self.next is not None else "")
 
     async def _set_next(self, target: str, node_id: str = "") -> None:
         if self.next is not None and self.next.target == target and not self.next.closed:
+            self.next.peer_id = node_id or self.next.peer_id
             if self.next.link is None:  # (formed again after a break: the link opens now)
                 await self.next.connect()
             return
@@ -155,6 +159,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
         spec = self.worker.spec
         want = target if spec.is_last and not spec.is_first else ""
         if self.ring is not None and self.ring.target == want and not self.ring.closed:
+            self.ring.peer_id = first_node_id or self.ring.peer_id
             if self.ring.link is None:
                 await self.ring.connect()
             return

@@ -455,3 +455,31 @@ def test_a_tokenizer_whose_added_word_is_also_a_merged_word_still_holds_formats(
     assert held.forced(8) == [3, 4]
     held.take([3, 4])
     assert held.finished  # (taken: the merged word is text, as llguidance's own form of the tokenizer has it)
+
+
+def test_a_tokenizer_whose_parts_add_to_a_text_keeps_llguidances_own_tokenization(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A SentencePiece-style normalizer ("▁" put before every text, as Llama 2's) would add to each forced
+    text on its own: such a tokenizer keeps llguidance's own tokenization (said once), and formats hold."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from mtpipe.node.constraints import Grammars
+
+    t = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                   decoders.Strip(" ", 1, 0)])
+    t.train_from_iterator(["Hello world, hello there", "the world of words"] * 20,
+                          trainers.BpeTrainer(vocab_size=120, special_tokens=["<eos>", "<unk>"]))
+    hf = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", unk_token="<unk>")
+    with caplog.at_level("WARNING"):
+        held = Grammars(hf, len(hf), [0]).constraint(OutputFormat(regex="Hello world").grammar())
+    assert "do not give 'x' back" in caplog.text
+    out: list[int] = []
+    while not held.finished and len(out) < 32:
+        step = held.forced(8)[:1] or [int(np.flatnonzero(held.masks([], 1)[0])[0])]
+        held.take(step)
+        assert not held.broken
+        out += step
+    assert held.finished

@@ -223,7 +223,7 @@ def test_anthropics_rules_for_its_own_fields(server: LiveServer) -> None:
         return chat.chat_template_kwargs["enable_thinking"]
 
     assert thinks() is False and thinks(thinking={"type": "disabled"}) is False
-    assert thinks(thinking={"type": "enabled", "budget_tokens": 1024}) is True
+    assert thinks(thinking={"type": "enabled", "budget_tokens": 1024}) is True and thinks(thinking={"type": "adaptive"})
     assert thinks(chat_template_kwargs={"enable_thinking": True}) is True  # (the template's own variables win)
 
 

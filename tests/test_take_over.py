@@ -99,6 +99,32 @@ def test_a_coordinator_sharing_a_node_cannot_re_link_it_to_other_nodes(dense_ckp
             s.stop(0)
 
 
+@pytest.mark.parametrize("same_id", [True, False], ids=["same-id", "new-id"])
+def test_coordinators_sharing_nodes_both_come_back_after_a_node_restarts(dense_ckpt: Path, same_id: bool) -> None:
+    """Two coordinators share a -> b; b restarts on its port (with its id, or a new one, as `mtpipe node`
+    without --node-id): each forms its pipeline again, the link to b is the one both use, and a is well
+    once both have (its link open again: no condition that would keep /health 503)."""
+    servers = [NodeServer("127.0.0.1", 0, model_dirs=[dense_ckpt]).start() for _ in range(2)]
+    a, b = (s.address for s in servers)
+    engines = [remote_engine(dense_ckpt, [a, b], dtype="float32", specs=SPECS) for _ in range(2)]
+    try:
+        want = generate(engines[0], PROMPTS[2])
+        old_id, port = servers[1].service.node_id, int(b.rsplit(":", 1)[1])
+        servers[1].stop(0)
+        time.sleep(0.5)
+        servers[1] = NodeServer("127.0.0.1", port, model_dirs=[dense_ckpt],
+                                node_id=old_id if same_id else None).start()
+        assert all(e.pipeline.reformer.wait(30) for e in engines), [e.pipeline.reformer.down for e in engines]
+        assert [generate(e, PROMPTS[2]) for e in engines] == [want, want]
+        assert servers[0].service.next.peer_id == servers[1].service.node_id
+        assert servers[0].service.conditions.current() is None
+    finally:
+        for e in engines:
+            e.pipeline.close()
+        for s in servers:
+            s.stop(0)
+
+
 @pytest.mark.parametrize("build", [remote_engine, ring_engine], ids=["steps", "ring"])
 def test_a_taken_over_coordinator_gives_the_nodes_up(dense_ckpt: Path, tmp_path: Path, build: Any,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,13 +229,14 @@ def test_which_coordinators_a_node_serves() -> None:
     # A coordinator that does not say who it is opens the node to all, and sharing keeps it open.
     assert c.admit_load("", ["d"], reused=True, take_over=False) == [] and c.clients == set()
     assert c.admit_load("e", ["d"], reused=True, take_over=False) == [] and c.clients == set() and c.admits("x")
-    # Links: another's link to another node stays (by id where both are known, else by address).
-    from mtpipe.node.coordinators import links_held
+    # Links: another's live link to another node stays; one to the node asked for (by id) is kept as it is.
+    from mtpipe.node.coordinators import relink
 
-    assert links_held("a", ["b"], ("h:1", "n1"), ("h:2", "n2")) and not links_held("a", ["b"], ("h:1", "n1"),
-                                                                                    ("localhost:1", "n1"))
-    assert links_held("a", ["b"], ("h:1", ""), ("h:2", "n2")) and not links_held("a", ["b"], ("h:1", ""), ("h:1", ""))
-    assert not links_held("a", [], ("h:1", "n1"), ("h:2", "n2")) and not links_held("", ["b"], ("h:1", ""), ("h:2", ""))
+    assert relink(True, "h:1", "n1", "h:2", "n2") == "refuse"
+    assert relink(True, "h:1", "n1", "localhost:1", "n1") == "keep"
+    assert relink(True, "h:1", "n9", "h:1", "n9") == "keep" and relink(True, "h:1", "n1", "h:1", "") == "keep"
+    assert relink(True, "h:1", None, "h:2", "n2") == "set"  # (it leads nowhere now: a restart, a node gone)
+    assert relink(False, "h:1", "n1", "h:2", "n2") == relink(True, "", None, "h:2", "n2") == "set"
 
 
 def test_a_node_without_a_shard_refuses_no_one() -> None:

@@ -162,13 +162,16 @@ def _messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
 
 def _thinking(thinking: Any, max_tokens: Optional[int]) -> bool:
     """Whether Anthropic's `thinking` turns extended thinking on: {"type": "enabled", "budget_tokens": N}
-    (N at least 1024 and under max_tokens, as Anthropic has it), {"type": "disabled"} or none (off)."""
+    (N at least 1024 and under max_tokens, as Anthropic has it), {"type": "adaptive"} (the model's choice:
+    on), {"type": "disabled"} or none (off)."""
     if thinking is None:
         return False
     kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "adaptive":
+        return True
     if kind not in ("enabled", "disabled"):
-        raise APIError(400, 'thinking.type: must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}',
-                       param="thinking.type")
+        raise APIError(400, 'thinking.type: must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} '
+                            'or {"type": "disabled"}', param="thinking.type")
     budget = thinking.get("budget_tokens")
     if kind == "enabled" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024
                               or (max_tokens is not None and budget >= max_tokens)):

@@ -250,7 +250,7 @@ class Shape:
                 "max_output_tokens": b.max_output_tokens, "model": self.model, "output": output,
                 "parallel_tool_calls": b.parallel_tool_calls is not False,
                 "previous_response_id": b.previous_response_id, "store": b.store is not False,
-                "reasoning": {"effort": (b.reasoning or {}).get("effort"), "summary": None},
+                "reasoning": {k: (b.reasoning or {}).get(k) for k in ("effort", "summary")},
                 "temperature": b.temperature, "top_logprobs": b.top_logprobs,
                 "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
                 "tools": b.tools or [], "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": None,

@@ -7,6 +7,7 @@ import json
 import math
 import signal
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +29,9 @@ def sigterm_unwinds() -> Iterator[None]:
     def unwind(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
+    if threading.current_thread() is not threading.main_thread():  # (signals reach the main thread only)
+        yield
+        return
     before = signal.signal(signal.SIGTERM, unwind)
     try:
         yield
