@@ -505,7 +505,8 @@ def test_a_held_call_its_budget_cuts_short_is_a_call_not_text(live: Live) -> Non
             args = {"model": MODEL, "messages": ASK, "tools": [FLAG, COUNT], "tool_choice": choice,
                     "max_tokens": budget, "temperature": 0, "logit_bias": avoid}
             if stream:
-                chunks = [ch.choices[0] for ch in live.client.chat.completions.create(**args, stream=True) if ch.choices]
+                streamed = live.client.chat.completions.create(**args, stream=True)
+                chunks = [ch.choices[0] for ch in streamed if ch.choices]
                 text = "".join(c.delta.content or "" for c in chunks)
                 calls = [(d.function.name, d.function.arguments) for c in chunks for d in c.delta.tool_calls or []]
                 finish = [c.finish_reason for c in chunks if c.finish_reason]
