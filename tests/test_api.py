@@ -614,6 +614,10 @@ def test_the_schedulers_state_is_its_last_answer_when_the_engine_does_not_answer
         assert (got["mtpipe_requests_running"], got["mtpipe_requests_waiting"]) == (3, 2)
         assert got["mtpipe_cache_usage_ratio"] == 0.5 and got["mtpipe_preemptions_total"] == 7
     assert not answers
+    metrics.scheduled.queued = lambda: 4  # (requests waiting for a generation slot wait too, as vLLM counts them)
+    text = generate_latest(metrics.registry).decode()
+    assert {x.name: x.value for f in text_string_to_metric_families(text) for x in f.samples}[
+        "mtpipe_requests_waiting"] == 6
 
 
 def test_metrics_count_each_request(engine: Engine) -> None:

@@ -115,6 +115,7 @@ def create_app(
     service = Service(engine, model_name, default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                        cluster_info=cluster_info, metrics=metrics, defaults=defaults,
                       scheduling_policy=scheduling_policy)
+    metrics.scheduled.queued = lambda: service.slots.waiting
     app = FastAPI(title="mtpipe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.state.metrics = metrics

@@ -10,6 +10,7 @@ running and waiting requests and its cache usage.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -54,8 +55,9 @@ class SchedulerMetrics(Collector):
     SchedulerState or None for an engine without a queue of its own). An engine that does not answer in time
     is reported as it last was."""
 
-    def __init__(self, read: Callable[[], Any]):
+    def __init__(self, read: Callable[[], Any], queued: Callable[[], int] = lambda: 0):
         self._read = read
+        self.queued = queued  # requests waiting for a generation slot, before the engine's own queue
         self._last: Any = None
 
     def describe(self) -> Iterator[Metric]:  # (registered without asking the engine)
@@ -67,7 +69,10 @@ class SchedulerMetrics(Collector):
         except Exception as e:  # noqa: BLE001 - the last reading stands
             log.debug("the scheduler's state is unavailable: %s", e)
             answered = False
-        return self._families(self._last, answered)
+        state = self._last
+        if state is not None and (queued := self.queued()):
+            state = dataclasses.replace(state, waiting=state.waiting + queued)
+        return self._families(state, answered)
 
     @staticmethod
     def _families(state: Any, answered: bool) -> Iterator[Metric]:
@@ -80,7 +85,8 @@ class SchedulerMetrics(Collector):
             return
         yield GaugeMetricFamily("mtpipe_requests_running", "Requests admitted (holding their room in memory).",
                                 value=state.running)
-        yield GaugeMetricFamily("mtpipe_requests_waiting", "Requests in the queue for room in memory.",
+        yield GaugeMetricFamily("mtpipe_requests_waiting", "Requests waiting: for a generation slot "
+                                "(--max-concurrency), then in the engine's queue for room in memory.",
                                 value=state.waiting)
         yield GaugeMetricFamily("mtpipe_cache_usage_ratio", "What the running requests' caches hold over the memory "
                                 "budget (over nodes: the fullest node's; above 1 where one request alone needs more).",
@@ -96,7 +102,8 @@ class ServerMetrics:
 
     def __init__(self, scheduler: Callable[[], Any] | None = None) -> None:
         r = self.registry = Registry()
-        r.register(SchedulerMetrics(scheduler or (lambda: None)))
+        r.register(scheduled := SchedulerMetrics(scheduler or (lambda: None)))
+        self.scheduled = scheduled  # (`queued`: set by the service whose slots requests wait for)
         self.requests = Counter(
             "mtpipe_requests_total", "HTTP requests by endpoint and status code.", ("endpoint", "status"), registry=r
         )
