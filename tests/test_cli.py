@@ -286,3 +286,16 @@ def test_auto_depth_fits_the_context_where_plain_decoding_would(capsys: pytest.C
     assert fit_to_context(100, 2, False, 32668, 256, 32768) == (2, False, 32668)  # (a fixed depth: as asked)
     assert main(["generate", "--prompt", "hi", "--max-tokens", "32767", "--mtp-depth", "3"]) == 2
     assert "use --mtp-depth 0 or auto" in capsys.readouterr().err
+
+
+def test_generate_with_json_says_its_errors_as_json_on_stdout(capsys: pytest.CaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script reading `generate --json` gets one JSON object on stdout whatever went wrong (a bad value,
+    a bad command line), and the usual line on stderr; the exit code says which."""
+    assert main(["generate", "--prompt", "hi", "--temp", "-1", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert "temperature" in json.loads(out)["error"] and err.startswith("mtpipe: error: ")
+    monkeypatch.setattr(sys, "argv", ["mtpipe", "generate", "--max-tokens", "abc", "--json"])
+    with pytest.raises(SystemExit) as ended:
+        main(["generate", "--max-tokens", "abc", "--json"])
+    assert ended.value.code == 2 and "--max-tokens" in json.loads(capsys.readouterr().out)["error"]

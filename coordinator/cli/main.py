@@ -26,6 +26,7 @@ from .common import (
     add_take_over,
     check_default_depth,
     depth_arg,
+    json_usage_errors,
     nodes_arg,
     positive_int,
     positive_seconds,
@@ -321,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate text from a prompt")
+    json_usage_errors(p, EXIT_USAGE)  # (with --json, a bad command line is a JSON error on stdout too)
     add_model(p)
     p.add_argument("--prompt", help="prompt text (default: read standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -428,13 +430,19 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush cannot fail again)
         return EXIT_SIGPIPE
     except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"mtpipe: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _failed(args, str(e), EXIT_USAGE)
     except Exception as e:  # a failure the user should see as one line, with -v for the trace
         if args.verbose:
             raise
-        print(f"mtpipe: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return EXIT_ERROR
+        return _failed(args, f"{type(e).__name__}: {e}", EXIT_ERROR)
+
+
+def _failed(args: argparse.Namespace, message: str, code: int) -> int:
+    """The error on stderr; with `generate --json`, whose stdout a script reads, as JSON there too."""
+    if args.command == "generate" and getattr(args, "json", False):
+        print(json.dumps({"error": message}), flush=True)
+    print(f"mtpipe: error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
