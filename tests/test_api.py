@@ -678,6 +678,19 @@ def test_metrics_count_each_request(engine: Engine) -> None:
             time.sleep(0.02)
         assert httpx.get(s.url + "/health").json()["in_flight"] == 0
 
+        # A stream its client leaves after the first tokens counts them, its prompt and its first token's time.
+        never_ends = {str(t): -100 for t in engine.eos}
+        body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 400, "stream": True, "logit_bias": never_ends}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: {"))
+        wait_idle(engine)
+        left = Scrape(s.url)
+        assert left("mtpipe_generations_cancelled_total") == 1
+        assert left("mtpipe_time_to_first_token_seconds_count", endpoint=text_endpoint) == 2
+        assert left("mtpipe_prompt_tokens_total") == m("mtpipe_prompt_tokens_total") + len(engine.tokenizer.encode(
+            PROMPTS[2]))
+        assert m("mtpipe_completion_tokens_total") < left("mtpipe_completion_tokens_total")
+
 
 def test_priority_needs_the_priority_policy_and_reaches_the_engine(engine: BatchEngine, client: Any,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,6 @@ fails later fails the response, and the others stop.
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -211,7 +210,8 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
         if first_token is None and (choice.echo is not None or choice.prompt_top >= 0):
             echo, echoed, shown = await _prompt_shown(service, choice, chunk.prompt_logprobs)
             entries += echoed or []
-        first_token = first_token or time.perf_counter()
+        first_token = first_token or service.first_token(endpoint, started, len(choice.req.prompt_tokens))
+        service.generated(len(chunk.tokens))
         parts.append(chunk.text)
         thoughts.append(thought)
         if asked:
@@ -220,7 +220,7 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
             final = chunk
     if final is None:
         return None
-    service.record(endpoint, final.stats, started, first_token)
+    service.record(final.stats)
     text, calls, finish = _calls("".join(parts), final.finish_reason, tools)  # (the echo is no part of a call)
     return fmt.choice(echo + text, finish, logprobs=entries if asked else None, tool_calls=calls,
                       reasoning="".join(thoughts), prompt_logprobs=shown, stop_reason=final.stop_reason), \
@@ -379,8 +379,9 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
         if first_token is None and (choice.echo is not None or choice.prompt_top >= 0):
             echo, echoed, shown = await _prompt_shown(service, choice, chunk.prompt_logprobs)
             yield fmt.chunk(echo, logprobs=echoed, prompt_logprobs=shown)
-        first_token = first_token or time.perf_counter()
+        first_token = first_token or service.first_token(endpoint, started, len(choice.req.prompt_tokens))
         generated += len(chunk.tokens)
+        service.generated(len(chunk.tokens))
         fmt.counted(len(choice.req.prompt_tokens), generated)
         asked = choice.req.params.top_logprobs >= 0 and chunk.tokens
         logprobs = service.token_logprobs(chunk.tokens, chunk.logprobs, choice.token_ids) if asked else None
@@ -404,7 +405,7 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
         elif chunk.text:
             yield fmt.chunk(chunk.text)
         if chunk.finish_reason:
-            service.record(endpoint, chunk.stats, started, first_token)
+            service.record(chunk.stats)
             finals[at] = chunk.stats
             yield fmt.chunk(finish=finish if held is not None else "tool_calls" if calls else chunk.finish_reason,
                             stop_reason=chunk.stop_reason)

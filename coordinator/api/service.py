@@ -338,15 +338,24 @@ class Service:
         except RuntimeError:
             pass
 
-    def record(self, endpoint: str, stats: "GenerationStats", started: float, first_token: Optional[float]) -> None:
+    def first_token(self, endpoint: str, started: float, prompt_tokens: int) -> float:
+        """A generation's first token is here (now, returned): its time to it and its prompt are counted,
+        so a generation its client gives up on, or that fails, counts in them too (as vLLM's do)."""
+        now = time.perf_counter()
+        self.metrics.ttft_seconds.labels(endpoint=endpoint).observe(now - started)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        return now
+
+    def generated(self, tokens: int) -> None:
+        """Tokens a generation handed out, counted as they come."""
+        self.metrics.completion_tokens.inc(tokens)
+
+    def record(self, stats: "GenerationStats") -> None:
+        """A finished generation's own figures: its kept prefix, its drafts, its speed."""
         m = self.metrics
-        m.prompt_tokens.inc(stats.prompt_tokens)
         m.cached_tokens.inc(stats.cached_tokens)
-        m.completion_tokens.inc(stats.generation_tokens)
         m.drafted.inc(stats.drafted)
         m.accepted.inc(stats.accepted)
-        if first_token is not None:
-            m.ttft_seconds.labels(endpoint=endpoint).observe(first_token - started)
         if stats.decode_tps:
             m.decode_tps.observe(stats.decode_tps)
 
