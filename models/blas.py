@@ -201,7 +201,7 @@ def warn_if_reference() -> BlasInfo:
     """Log which BLAS MLX uses; warn once, with the fix, when it is the slow reference one."""
     global _warned
     current = info()
-    if current.optimized:
+    if current.optimized or os.environ.get(ENV_LIBRARY, "").strip() == "reference":  # (asked for: no fix needed)
         log.info("BLAS: %s", current)
     elif not _warned:
         _warned = True

@@ -49,7 +49,8 @@ def add_draft_options(p: argparse.ArgumentParser) -> None:
 
 def add_node_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("node", help="run a node daemon that serves one shard of a model over gRPC")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only; "
+                   "0.0.0.0 for all interfaces, with a secret or --insecure)")
     p.add_argument("--port", type=port_arg, default=DEFAULT_PORT, help="port to listen on (0 = any free port)")
     p.add_argument("--node-id", help="a name for this node (default: hostname plus a random suffix)")
     add_secret_args(p, "the cluster secret every caller must present")
