@@ -5,6 +5,8 @@ hangs)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,20 @@ from mtpipe.node.server import NodeServer
 
 SPECS = [ShardSpec(0, 2, TINY_LAYERS), ShardSpec(2, 4, TINY_LAYERS)]
 OTHER = [ShardSpec(0, 1, TINY_LAYERS), ShardSpec(1, 4, TINY_LAYERS)]
+
+
+@contextmanager
+def running(dense_ckpt: Path, count: int) -> Iterator[tuple[list[NodeServer], list[Any]]]:
+    """`count` node servers on this machine, and a list for the engines made over them: all closed after."""
+    servers = [NodeServer("127.0.0.1", 0, model_dirs=[dense_ckpt]).start() for _ in range(count)]
+    engines: list[Any] = []
+    try:
+        yield servers, engines
+    finally:
+        for e in engines:
+            e.pipeline.close()
+        for s in servers:
+            s.stop(0)
 
 
 def generate(engine: Any, text: str) -> list[int]:
@@ -73,10 +89,8 @@ def test_a_coordinator_sharing_a_node_cannot_re_link_it_to_other_nodes(dense_ckp
     requests go on. One that names b at another address shares a's link to b, which stays."""
     from mtpipe.coordinator.pipeline.nodes import NodeFailure
 
-    servers = [NodeServer("127.0.0.1", 0, model_dirs=[dense_ckpt]).start() for _ in range(3)]
-    a, b, c = (s.address for s in servers)
-    engines: list[Engine] = []
-    try:
+    with running(dense_ckpt, 3) as (servers, engines):
+        a, b, c = (s.address for s in servers)
         want = generate(local_engine(dense_ckpt, dtype=mx.float32), PROMPTS[1])
         first = remote_engine(dense_ckpt, [a, b], dtype="float32", specs=SPECS)
         engines.append(first)
@@ -92,11 +106,6 @@ def test_a_coordinator_sharing_a_node_cannot_re_link_it_to_other_nodes(dense_ckp
         engines.append(sharing)
         assert servers[0].service.next.target == b  # (the same node: the link the first one uses stays)
         assert generate(sharing, PROMPTS[1]) == generate(first, PROMPTS[1]) == want
-    finally:
-        for e in engines:
-            e.pipeline.close()
-        for s in servers:
-            s.stop(0)
 
 
 @pytest.mark.parametrize("same_id", [True, False], ids=["same-id", "new-id"])
@@ -104,10 +113,9 @@ def test_coordinators_sharing_nodes_both_come_back_after_a_node_restarts(dense_c
     """Two coordinators share a -> b; b restarts on its port (with its id, or a new one, as `mtpipe node`
     without --node-id): each forms its pipeline again, the link to b is the one both use, and a is well
     once both have (its link open again: no condition that would keep /health 503)."""
-    servers = [NodeServer("127.0.0.1", 0, model_dirs=[dense_ckpt]).start() for _ in range(2)]
-    a, b = (s.address for s in servers)
-    engines = [remote_engine(dense_ckpt, [a, b], dtype="float32", specs=SPECS) for _ in range(2)]
-    try:
+    with running(dense_ckpt, 2) as (servers, engines):
+        a, b = (s.address for s in servers)
+        engines += [remote_engine(dense_ckpt, [a, b], dtype="float32", specs=SPECS) for _ in range(2)]
         want = generate(engines[0], PROMPTS[2])
         old_id, port = servers[1].service.node_id, int(b.rsplit(":", 1)[1])
         servers[1].stop(0)
@@ -118,11 +126,6 @@ def test_coordinators_sharing_nodes_both_come_back_after_a_node_restarts(dense_c
         assert [generate(e, PROMPTS[2]) for e in engines] == [want, want]
         assert servers[0].service.next.peer_id == servers[1].service.node_id
         assert servers[0].service.conditions.current() is None
-    finally:
-        for e in engines:
-            e.pipeline.close()
-        for s in servers:
-            s.stop(0)
 
 
 @pytest.mark.parametrize("build", [remote_engine, ring_engine], ids=["steps", "ring"])
