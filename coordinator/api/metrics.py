@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 DECODE_TPS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)  # (vLLM's, about)
 
 
 class Registry(CollectorRegistry):
@@ -145,6 +146,19 @@ class ServerMetrics:
             registry=r,
         )
         self.acceptance_ratio.set_function(self._acceptance_ratio)
+        self.e2e_seconds = Histogram(
+            "mtpipe_e2e_request_latency_seconds",
+            "Time from request to a finished generation's last token.",
+            ("endpoint",),
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.tpot_seconds = Histogram(
+            "mtpipe_time_per_output_token_seconds",
+            "A finished generation's decode time per token after its first.",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
         self.decode_tps = Histogram(
             "mtpipe_decode_tokens_per_second",
             "Decode speed of finished generations.",

@@ -350,9 +350,12 @@ class Service:
         """Tokens a generation handed out, counted as they come."""
         self.metrics.completion_tokens.inc(tokens)
 
-    def record(self, stats: "GenerationStats") -> None:
-        """A finished generation's own figures: its kept prefix, its drafts, its speed."""
+    def record(self, stats: "GenerationStats", endpoint: str, started: float) -> None:
+        """A finished generation's own figures: its kept prefix, its drafts, its latency and speed."""
         m = self.metrics
+        m.e2e_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - started)
+        if stats.generation_tokens > 1 and stats.decode_seconds > 0:
+            m.tpot_seconds.observe(stats.decode_seconds / (stats.generation_tokens - 1))
         m.cached_tokens.inc(stats.cached_tokens)
         m.drafted.inc(stats.drafted)
         m.accepted.inc(stats.accepted)
