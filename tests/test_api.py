@@ -574,7 +574,7 @@ def test_metrics(engine: BatchEngine, server: LiveServer, client: Any) -> None:
         "mtpipe_time_to_first_token_seconds": "histogram", "mtpipe_decode_tokens_per_second": "histogram",
         "mtpipe_e2e_request_latency_seconds": "histogram", "mtpipe_time_per_output_token_seconds": "histogram",
         "mtpipe_requests_running": "gauge", "mtpipe_requests_waiting": "gauge", "mtpipe_cache_usage_ratio": "gauge",
-        "mtpipe_scheduler_answered": "gauge",
+        "mtpipe_scheduler_answered": "gauge", "mtpipe_generations_finished": "counter",
     }
     assert {name: f.type for name, f in m.families.items()} == kinds
     assert all(f.documentation for f in m.families.values())
@@ -673,6 +673,7 @@ def test_metrics_count_each_request(engine: Engine) -> None:
         assert m("mtpipe_decode_tokens_per_second_count") == decoded == m("mtpipe_time_per_output_token_seconds_count")
         assert m("mtpipe_e2e_request_latency_seconds_count", endpoint=chat_endpoint) == 3  # (finished generations)
         assert m("mtpipe_e2e_request_latency_seconds_count", endpoint=text_endpoint) == 1
+        assert m("mtpipe_generations_finished_total", finish_reason="length") == 4  # (each ran to its max_tokens)
         assert m("mtpipe_generations_cancelled_total") == 0 and m("mtpipe_generations_failed_total") == 0
 
         deadline = time.monotonic() + 10  # a run's thread leaves the gauge just after its last token

@@ -129,6 +129,10 @@ class ServerMetrics:
         self.failed = Counter(
             "mtpipe_generations_failed_total", "Generations that ended with a server error.", registry=r
         )
+        self.finished = Counter(
+            "mtpipe_generations_finished_total", "Generations that finished, by why (stop: an end token or a stop "
+            "string; length: max_tokens or the context).", ("finish_reason",), registry=r
+        )
         self.prompt_tokens = Counter("mtpipe_prompt_tokens_total", "Prompt tokens of generations (counted at their "
                                      "first token).", registry=r)
         self.cached_tokens = Counter("mtpipe_prompt_tokens_cached_total",

@@ -220,7 +220,7 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
             final = chunk
     if final is None:
         return None
-    service.record(final.stats, endpoint, started)
+    service.record(final.stats, endpoint, started, final.finish_reason)
     text, calls, finish = _calls("".join(parts), final.finish_reason, tools)  # (the echo is no part of a call)
     return fmt.choice(echo + text, finish, logprobs=entries if asked else None, tool_calls=calls,
                       reasoning="".join(thoughts), prompt_logprobs=shown, stop_reason=final.stop_reason), \
@@ -405,7 +405,7 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
         elif chunk.text:
             yield fmt.chunk(chunk.text)
         if chunk.finish_reason:
-            service.record(chunk.stats, endpoint, started)
+            service.record(chunk.stats, endpoint, started, chunk.finish_reason)
             finals[at] = chunk.stats
             yield fmt.chunk(finish=finish if held is not None else "tool_calls" if calls else chunk.finish_reason,
                             stop_reason=chunk.stop_reason)

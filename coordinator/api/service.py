@@ -350,9 +350,11 @@ class Service:
         """Tokens a generation handed out, counted as they come."""
         self.metrics.completion_tokens.inc(tokens)
 
-    def record(self, stats: "GenerationStats", endpoint: str, started: float) -> None:
-        """A finished generation's own figures: its kept prefix, its drafts, its latency and speed."""
+    def record(self, stats: "GenerationStats", endpoint: str, started: float, finish: str) -> None:
+        """A finished generation's own figures: why it finished, its kept prefix, its drafts, its latency and
+        speed."""
         m = self.metrics
+        m.finished.labels(finish_reason=finish).inc()
         m.e2e_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - started)
         if stats.generation_tokens > 1 and stats.decode_seconds > 0:
             m.tpot_seconds.observe(stats.decode_seconds / (stats.generation_tokens - 1))
