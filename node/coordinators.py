@@ -68,7 +68,6 @@ def taken_over(node: str, by: str) -> str:
             "(start it again with --take-over to take the node back)")
 
 
-
 def relink(others: bool, now: str, answered: str | None, asked: str, asked_id: str) -> str:
     """What a Connect does with one of a node's links (to its next node, or the ring's to the first)
     where other coordinators are subscribed to it (`others`): "set" it as asked where none are, or where

@@ -116,15 +116,14 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
             ring = request.ring if self.worker.spec.is_last and not self.worker.spec.is_first else ""
             asked = {"next stage": (self.next, request.next, request.next_node_id),
                      "first stage": (self.ring, ring, request.ring_node_id)}
-            done: dict[str, str] = {}
             for role, (link, target, node_id) in asked.items():
                 live = link is not None and not link.closed
                 answered = await link.node_id(timeout=RING_PROBE_S) if others and live else None
-                done[role] = relink(others, link.target if live else "", answered, target, node_id)
-                if done[role] == "refuse":
+                done = relink(others, link.target if live else "", answered, target, node_id)
+                if done == "refuse":
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} serves another "
                                         f"coordinator through its {role} {link.target}: its links stay")
-                if done[role] == "keep":  # (the same node, at the address the others reach it at)
+                if done == "keep":  # (the same node, at the address the others reach it at)
                     asked[role] = (link, link.target, answered)
             await self._set_next(*asked["next stage"][1:])
             if not (others and self.ring is None and ring):  # (a ring where none was would take their rounds)

@@ -115,7 +115,6 @@ def create_app(
     service = Service(engine, model_name, default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                        cluster_info=cluster_info, metrics=metrics, defaults=defaults,
                       scheduling_policy=scheduling_policy)
-    metrics.scheduled.queued = lambda: service.slots.waiting
     app = FastAPI(title="mtpipe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.state.metrics = metrics
@@ -216,8 +215,9 @@ def create_app(
         fmt = ResponseFormat(endpoint == "/v1/chat/completions", model_name, include_usage,
                              continuous=include_usage and bool(body.stream_options.continuous_usage_stats))
         choices = choices_of(reqs, n, thinking, echo, body.prompt_logprobs, body.return_tokens_as_token_ids)
-        for choice in choices if fmt.chat else []:  # (a chat response shows its prompt's logprobs once)
-            choice.prompt_top, choice.echo_scored = choice.prompt_top if choice is choices[0] else -1, False
+        for i, choice in enumerate(choices) if fmt.chat else ():
+            choice.prompt_top = choice.prompt_top if i == 0 else -1  # (a chat shows its prompt's logprobs once)
+            choice.echo_scored = False  # (a chat's echo, the last message's text, has no logprobs of its own)
         if body.stream:
             return await stream(service, endpoint, choices, fmt, request, started, tools)
         return await complete(service, endpoint, choices, fmt, request, started, tools)

@@ -59,6 +59,7 @@ class Service:
         self.metrics = metrics
         self.max_concurrency = max_concurrency
         self.slots = Slots(max_concurrency)
+        metrics.scheduled.queued = lambda: self.slots.waiting  # (those waiting for a slot wait too: /metrics)
         self.scheduling_policy = scheduling_policy  # "fcfs", or "priority": requests may set their priority
         self.slot_timeout = SLOT_TIMEOUT_S
         self.tokenizer_lock = threading.Lock()  # fast tokenizers may refuse concurrent use
@@ -198,8 +199,8 @@ class Service:
             self.engine.validate(req)
         except RequestError as e:
             # The engine names its own fields; this endpoint may call them otherwise.
-            param = {"prompt": prompt_param, "max_tokens": max_param, "response_format": format_param}.get(e.param,
-                                                                                                          e.param)
+            named = {"prompt": prompt_param, "max_tokens": max_param, "response_format": format_param}
+            param = named.get(e.param, e.param)
             message = str(e).replace("max_tokens", max_param, 1) if e.param == "max_tokens" else str(e)
             raise APIError(400, message, param=param, code=e.code) from None
         return req

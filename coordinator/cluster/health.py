@@ -7,8 +7,8 @@ degraded when it answers but something else fails; unreachable when it does not 
 the cluster secret). The cluster is idle when every node is: a node without a shard beside nodes
 that hold one makes it degraded, unless a coordinator among them placed the model without it (a
 spare; one that holds a shard from an earlier placement, as a node that hung and came back does until
-its coordinator has it unloaded, is shown idle too). With no coordinator among them, the layers no node holds are listed, unreachable. Exit codes
-follow: 0 healthy or idle, 1 degraded, 2 unreachable.
+its coordinator has it unloaded, is shown idle too). With no coordinator among them, the layers no node
+holds are listed, unreachable. Exit codes follow: 0 healthy or idle, 1 degraded, 2 unreachable.
 Whether a model is served is the API's GET /health.
 """
 

@@ -9,12 +9,13 @@ from typing import Any
 from ...models.config import load_config
 from ...models.shard import ShardSpec
 from ...node.constraints import grammars_for
+from ...node.sysinfo import sharing
 from ..pipeline.local import even_split, local_pipeline
 from .batch import BatchEngine
 from .engine import DEFAULT_PREFILL_CHUNK, Engine
 from .ring import DEFAULT_MAX_ROWS as RING_MAX_ROWS
 from .ring import RESUME_WINDOW_S, RingEngine
-from .ring_room import DTYPE_SIZES, RingRoom, machine_sharing
+from .ring_room import DTYPE_SIZES, RingRoom
 from .scheduler import ADMIT_HORIZON, ModelDims
 from .tokenizer import load_tokenizer
 
@@ -167,8 +168,8 @@ def ring_engine(
         return Engine(pipeline, tokenizer, eos, context, has_mtp, prefill_chunk=chunk, vocab_size=config.args.vocab_size)
     health = pipeline.health()
     if prefix_cache is None:
-        prefix_cache = len(nodes) * min(h.memory_available // n for h, n in zip(health, machine_sharing(health))) \
-            // RING_PREFIX_CACHE_SHARE
+        shares = zip(health, sharing([h.machine for h in health]))
+        prefix_cache = len(nodes) * min(h.memory_available // n for h, n in shares) // RING_PREFIX_CACHE_SHARE
     dims = ModelDims.of(config.args, itemsize=DTYPE_SIZES.get(health[-1].dtype, 2), mtp=has_mtp)
     from ...models.ragged import CAPACITY_STEP  # (the nodes' batches grow by it)
 

@@ -57,7 +57,7 @@ class RingRoom:
         if self.args is None or not all(h.loaded for h in health):
             return
         with self.lock:
-            self.nodes = [self._node(h, n) for h, n in zip(health, machine_sharing(health))]
+            self.nodes = [self._node(h, n) for h, n in zip(health, sharing([h.machine for h in health]))]
 
     def _node(self, h: Any, sharing: int) -> plan.NodeRoom:
         """`sharing`: how many of the pipeline's nodes run on its machine, whose free memory is theirs together."""
@@ -248,11 +248,6 @@ class RoomForRows:
                 self.room.preempted(live)
         if victims:
             self._admit()
-
-
-def machine_sharing(health: list[Any]) -> list[int]:
-    """For each node (pb.HealthReply), how many of these run on its machine."""
-    return sharing([h.machine for h in health])
 
 
 def _counts(held: dict[int, RingLive]) -> dict[int, int]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ...models.fingerprint import TOKENIZER_SOURCES
 
-from ...models.fingerprint import TOKENIZER_SOURCES as TOKENIZER_FILES  # (what a tokenizer is read from)
 UNLIMITED = int(1e30)  # transformers' own "no limit" model_max_length
 
 
@@ -15,8 +15,8 @@ def load_tokenizer(model_path: Path | str, eos_token_ids: list[int]) -> Any:
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
     path = Path(model_path)
-    if not any((path / name).exists() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)})")
+    if not any((path / name).exists() for name in TOKENIZER_SOURCES):
+        raise FileNotFoundError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_SOURCES)})")
     tokenizer = mlx_load_tokenizer(path, eos_token_ids=eos_token_ids or None)
     # The engine checks lengths against the model's context itself: transformers' warning about a text longer
     # than the tokenizer's model_max_length would come before that clear error, and name another limit.
