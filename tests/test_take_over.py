@@ -119,7 +119,10 @@ def test_coordinators_sharing_nodes_both_come_back_after_a_node_restarts(dense_c
         want = generate(engines[0], PROMPTS[2])
         old_id, port = servers[1].service.node_id, int(b.rsplit(":", 1)[1])
         servers[1].stop(0)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30  # (both see it go, before it is back)
+        while not all(e.pipeline.reformer.down for e in engines):
+            assert time.monotonic() < deadline, "a coordinator did not see the node go"
+            time.sleep(0.05)
         servers[1] = NodeServer("127.0.0.1", port, model_dirs=[dense_ckpt],
                                 node_id=old_id if same_id else None).start()
         assert all(e.pipeline.reformer.wait(30) for e in engines), [e.pipeline.reformer.down for e in engines]
