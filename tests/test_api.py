@@ -575,6 +575,9 @@ def test_metrics(engine: BatchEngine, server: LiveServer, client: Any) -> None:
         "mtpipe_e2e_request_latency_seconds": "histogram", "mtpipe_time_per_output_token_seconds": "histogram",
         "mtpipe_requests_running": "gauge", "mtpipe_requests_waiting": "gauge", "mtpipe_cache_usage_ratio": "gauge",
         "mtpipe_scheduler_answered": "gauge", "mtpipe_generations_finished": "counter",
+        "mtpipe_request_queue_time_seconds": "histogram", "mtpipe_request_prefill_time_seconds": "histogram",
+        "mtpipe_request_decode_time_seconds": "histogram", "mtpipe_request_prompt_tokens": "histogram",
+        "mtpipe_request_generation_tokens": "histogram",
     }
     assert {name: f.type for name, f in m.families.items()} == kinds
     assert all(f.documentation for f in m.families.values())
@@ -674,6 +677,15 @@ def test_metrics_count_each_request(engine: Engine) -> None:
         assert m("mtpipe_e2e_request_latency_seconds_count", endpoint=chat_endpoint) == 3  # (finished generations)
         assert m("mtpipe_e2e_request_latency_seconds_count", endpoint=text_endpoint) == 1
         assert m("mtpipe_generations_finished_total", finish_reason="length") == 4  # (each ran to its max_tokens)
+        assert m("mtpipe_request_prompt_tokens_sum") == m("mtpipe_prompt_tokens_total")  # (every one finished)
+        assert m("mtpipe_request_generation_tokens_sum") == m("mtpipe_completion_tokens_total")
+        assert m("mtpipe_request_generation_tokens_bucket", le="5.0") == 3  # (5, 4 and 4 tokens; not 6)
+        for phase in ("queue", "prefill", "decode"):
+            assert m(f"mtpipe_request_{phase}_time_seconds_count") == 4
+        # A generation's phases take no more than its whole time.
+        phases = sum(m(f"mtpipe_request_{phase}_time_seconds_sum") for phase in ("queue", "prefill", "decode"))
+        assert 0 < phases <= m("mtpipe_e2e_request_latency_seconds_sum", endpoint=chat_endpoint) + m(
+            "mtpipe_e2e_request_latency_seconds_sum", endpoint=text_endpoint) + 1e-6
         assert m("mtpipe_generations_cancelled_total") == 0 and m("mtpipe_generations_failed_total") == 0
 
         deadline = time.monotonic() + 10  # a run's thread leaves the gauge just after its last token

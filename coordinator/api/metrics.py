@@ -27,6 +27,8 @@ REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 DECODE_TPS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
 # (about vLLM's)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# a request's tokens: 1-2-5 steps, as vLLM's
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
 
 
 class Registry(CollectorRegistry):
@@ -162,6 +164,32 @@ class ServerMetrics:
             "mtpipe_time_per_output_token_seconds",
             "A finished generation's decode time per token after its first.",
             buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "mtpipe_request_queue_time_seconds",
+            "A finished generation's time before its prompt went in: waiting for a slot and for room in memory.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.prefill_seconds = Histogram(
+            "mtpipe_request_prefill_time_seconds",
+            "A finished generation's time from its prompt going in to its first token.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.decode_seconds = Histogram(
+            "mtpipe_request_decode_time_seconds",
+            "A finished generation's time from its first token to its last (a preempted one's wait included).",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "mtpipe_request_prompt_tokens", "A finished generation's prompt tokens.", buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "mtpipe_request_generation_tokens", "A finished generation's generated tokens.", buckets=TOKEN_BUCKETS,
             registry=r,
         )
         self.decode_tps = Histogram(

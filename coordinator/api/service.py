@@ -352,11 +352,17 @@ class Service:
         self.metrics.completion_tokens.inc(tokens)
 
     def record(self, stats: "GenerationStats", endpoint: str, started: float, finish: str) -> None:
-        """A finished generation's own figures: why it finished, its kept prefix, its drafts, its latency and
-        speed."""
+        """A finished generation's own figures: why it finished, its kept prefix, its drafts, its tokens, its
+        latency (its wait before prefill: what the rest of its time leaves) and speed."""
         m = self.metrics
         m.finished.labels(finish_reason=finish).inc()
-        m.e2e_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - started)
+        e2e = time.perf_counter() - started
+        m.e2e_seconds.labels(endpoint=endpoint).observe(e2e)
+        m.queue_seconds.observe(max(0.0, e2e - stats.prefill_seconds - stats.decode_seconds))
+        m.prefill_seconds.observe(stats.prefill_seconds)
+        m.decode_seconds.observe(stats.decode_seconds)
+        m.request_prompt_tokens.observe(stats.prompt_tokens)
+        m.request_generation_tokens.observe(stats.generation_tokens)
         if stats.generation_tokens > 1 and stats.decode_seconds > 0:
             m.tpot_seconds.observe(stats.decode_seconds / (stats.generation_tokens - 1))
         m.cached_tokens.inc(stats.cached_tokens)
