@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -790,18 +791,21 @@ def test_serve_command(dense_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(serve, "serve", fake_serve)
     monkeypatch.setenv("MTPIPE_API_KEY", "from-env")
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # (no SIGTERM handler left in pytest)
-    assert cli.main(["serve", "--model", str(dense_ckpt), "--port", "9999", "--mtp-depth", "1"]) == 0
-    assert seen["host"] == "127.0.0.1" and seen["port"] == 9999 and seen["api_key"] == "from-env"
+    with socket.socket() as s:  # (a port free now: the command checks it before it loads)
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    assert cli.main(["serve", "--model", str(dense_ckpt), "--port", port, "--mtp-depth", "1"]) == 0
+    assert seen["host"] == "127.0.0.1" and seen["port"] == int(port) and seen["api_key"] == "from-env"
     assert seen["model_name"] == dense_ckpt.name and seen["default_mtp_depth"] == 1
     assert seen["engine"].has_mtp
     assert seen["model_path"] == dense_ckpt and seen["api_process"]  # the API in a process of its own
     assert seen["stall_timeout"] == 120.0
     assert seen["cors_origins"] == ("*",)
-    assert cli.main(["serve", "--model", str(dense_ckpt), "--api-in-process", "--stall-timeout", "0",
+    assert cli.main(["serve", "--model", str(dense_ckpt), "--port", port, "--api-in-process", "--stall-timeout", "0",
                      "--allowed-origins", "http://localhost:3000/,https://chat.example"]) == 0
     assert not seen["api_process"] and seen["stall_timeout"] is None
     assert seen["cors_origins"] == ("http://localhost:3000", "https://chat.example")
-    assert cli.main(["serve", "--model", str(dense_ckpt), "--allowed-origins", "none"]) == 0
+    assert cli.main(["serve", "--model", str(dense_ckpt), "--port", port, "--allowed-origins", "none"]) == 0
     assert seen["cors_origins"] == ()
 
 
