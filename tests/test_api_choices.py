@@ -144,6 +144,46 @@ def test_a_choice_waiting_on_its_own_requests_slot_never_times_out(engine: Batch
     wait_idle(engine)
 
 
+def test_a_streamed_requests_choices_past_the_slots_stream_as_they_start(engine: BatchEngine) -> None:
+    """One slot, n=3: the first choice streams while the others wait for the slot it frees (nothing held
+    back until the last starts); each is what the request alone gives. A client that leaves while a choice
+    waits stops the one running, starts none, and leaves every slot free."""
+    never_ends = {str(t): -100 for t in engine.eos}
+    app = create_app(engine, MODEL, max_concurrency=1)
+    service = app.state.service
+    with LiveServer(app) as s:
+        body = {"model": MODEL, "prompt": "go on", "max_tokens": 120, "temperature": 0, "logit_bias": never_ends}
+        alone = httpx.post(s.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        order, texts, waiting = [], [""] * 3, []
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "n": 3, "stream": True}, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    waiting.append(service.slots.waiting)
+                    (c,) = json.loads(line[6:])["choices"]
+                    texts[c["index"]] += c["text"]
+                    order.append((c["index"], c["finish_reason"]))
+        assert texts == [alone] * 3
+        assert waiting[0] == 1  # the first chunk came while the others waited for the slot
+        ends = [order.index((i, "length")) for i in range(3)]
+        starts = [next(k for k, (j, _) in enumerate(order) if j == i) for i in range(3)]
+        assert starts[0] < ends[0] < starts[1] < ends[1] < starts[2]  # each streamed before the next began
+
+        wait_idle(engine)
+        before = [st.stats.steps for st in engine.pipeline.stages]
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=120,
+                          json={**body, "max_tokens": 3000, "n": 3, "stream": True}) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: {"))
+        wait_idle(engine)
+        deadline = time.monotonic() + 10
+        while (service.slots.free, service.slots.waiting) != (1, 0):
+            assert time.monotonic() < deadline, (service.slots.free, service.slots.waiting)
+            time.sleep(0.02)
+        assert [st.stats.steps for st in engine.pipeline.stages] != before
+        assert metric(s, "mtpipe_generations_cancelled_total") == 1  # (the second and third never began)
+        assert metric(s, "mtpipe_generations_in_flight") == 0
+
+
 def test_each_choices_logprobs_count_offsets_in_its_own_text(client: Any) -> None:
     prompts = ["Hello", "Goodbye"]
     out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, logprobs=2)

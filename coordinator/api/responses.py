@@ -2,11 +2,10 @@
 
 A request asks for several choices with `n` (that many replies to its prompt) or, on completions, with
 a list of prompts; each choice is a generation of its own, and they run side by side in the batch.
-Where the engine keeps prompt prefixes, the choices of one prompt start once the first has prefilled it,
-so that the others take the prompt from them instead of prefilling it again; elsewhere all at once. Choice i of prompt p has index p * n + i, as
-OpenAI orders them; usage counts each prompt once and every choice's tokens. Any choice refused before
-the response starts refuses the request (its status: 503 with Retry-After when busy); a choice that
-fails later fails the response, and the others stop.
+They start as starting.py says. Choice i of prompt p has index p * n + i, as OpenAI orders them; usage
+counts each prompt once and every choice's tokens. Any choice refused before the response starts refuses
+the request (its status: 503 with Retry-After when busy); a choice that fails later fails the response,
+and the others stop.
 """
 
 import asyncio
@@ -18,6 +17,7 @@ from .deltas import thought_apart, tool_deltas
 from .errors import APIError
 from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
 from .service import DISCONNECT_POLL_S
+from .starting import Begun, all_of, begin
 from .tools import ToolCallParser, cut_calls, held_calls, parse_tool_calls
 
 if TYPE_CHECKING:
@@ -79,92 +79,10 @@ async def _prompt_shown(service: "Service", choice: Choice, scored: "Optional[li
     return choice.echo or "", entries, shown
 
 
-async def _until(service: "Service", waited: Any, request: Any) -> None:
-    """Wait for `waited` (the run's admission or first chunk) while its client waits too; a refusal that
-    comes instead is answered as the server's."""
-    try:
-        await service.waited(waited, request)
-    except APIError:
-        raise
-    except Exception as e:  # refused while it waited, or at once
-        raise service.server_error(e) from None
-
-
-async def begin(service: "Service", choices: list[Choice], request: Any, admitted: bool) -> list[GenerationThread]:
-    """Every choice's run started on a slot reserved for it (with `admitted`, and admitted by the engine),
-    in index order: a prompt's first choice at once, its others once that one's first chunk shows the
-    prompt is in. A request's choices take their slots all at once, as many as there are; past that, each
-    further one waits for a slot in the request's own place in the queue (as vLLM queues them), for as long
-    as it takes: the request's own runs free them. A refusal of any stops those begun, gives the slots back
-    and is raised."""
-    priority, arrival = choices[0].req.priority, service.slots.arrival()
-
-    async def reserve(count: int, timed: bool = True) -> None:
-        try:
-            await service.reserve(count, request, priority, timed, arrival)
-        except APIError:
-            raise
-        except Exception as e:  # no slots in time
-            raise service.server_error(e) from None
-
-    unused = min(len(choices), service.max_concurrency)  # slots reserved and not yet handed to a run
-    await reserve(unused)
-    runs: dict[int, GenerationThread] = {}
-
-    async def start(choice: Choice) -> None:
-        nonlocal unused
-        if not unused:
-            await reserve(1, timed=False)
-            unused += 1
-        unused -= 1  # (a run gives its slot back when it ends, or at once if it cannot start)
-        try:
-            runs[choice.index] = service.run(choice.req)
-        except Exception as e:  # an engine that refuses at once (its pipeline down, its process gone)
-            raise service.server_error(e) from None
-
-    async def prompt(group: list[Choice]) -> None:
-        await start(group[0])
-        scored = group[0].req.params.prompt_logprobs >= 0  # (a scored prompt is read whole, by each choice)
-        if len(group) > 1 and getattr(service.engine, "keeps_prefixes", False) and not scored:
-            await _until(service, runs[group[0].index].first(), request)
-        for choice in group[1:]:
-            await start(choice)
-        if admitted:
-            await _all([asyncio.ensure_future(_until(service, runs[c.index].admitted(), request)) for c in group])
-
-    groups: dict[int, list[Choice]] = {}
-    for choice in choices:
-        groups.setdefault(choice.prompt, []).append(choice)
-    try:
-        await _all([asyncio.ensure_future(prompt(group)) for group in groups.values()])
-    except BaseException as e:
-        service.release(unused)
-        gone = not isinstance(e, Exception) or (isinstance(e, APIError) and e.status == 499)
-        for run in runs.values():
-            run.cancel(by_client=gone)
-        raise
-    return [runs[c.index] for c in choices]
-
-
-async def _all(tasks: "list[asyncio.Future[Any]]") -> list[Any]:
-    """The tasks' results; at the first that fails the others are cancelled and its error raised."""
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
-        if failed is not None:
-            raise failed.exception()  # type: ignore[misc]
-        return [t.result() for t in tasks]
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _watch(request: Any, runs: list[GenerationThread]) -> None:
+async def _watch(request: Any, begun: Begun) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
-    for run in runs:
-        run.cancel()
+    begun.cancel()
 
 
 # -- whole ------------------------------------------------------------------------------------
@@ -174,10 +92,10 @@ async def complete(service: "Service", endpoint: str, choices: list[Choice], fmt
                    started: float, tools: "Optional[ToolSpec]" = None) -> Any:
     from fastapi.responses import JSONResponse, Response
 
-    runs = await begin(service, choices, request, admitted=False)
-    watcher = asyncio.create_task(_watch(request, runs))
+    begun, runs = await begin(service, choices, request, admitted=False)
+    watcher = asyncio.create_task(_watch(request, begun))
     try:
-        answers = await _all([asyncio.ensure_future(_answer(service, endpoint, c, run, fmt.for_choice(c.index),
+        answers = await all_of([asyncio.ensure_future(_answer(service, endpoint, c, run, fmt.for_choice(c.index),
                                                             started, tools)) for c, run in zip(choices, runs)])
     except Exception as e:
         for run in runs:
@@ -254,13 +172,14 @@ def _calls(text: str, finish: str, tools: "Optional[ToolSpec]") -> tuple[str, Op
 
 async def stream(service: "Service", endpoint: str, choices: list[Choice], fmt: ResponseFormat, request: Any,
                  started: float, tools: "Optional[ToolSpec]" = None) -> Any:
-    """Begun and admitted before the response, so that a request refused at once (no slot in time, the
-    pipeline down) gets its status (503 with Retry-After), not an error event in a 200 stream."""
+    """Its first choices begun and admitted before the response, so that a request refused at once (no slot
+    in time, the pipeline down) gets its status (503 with Retry-After), not an error event in a 200 stream;
+    those past the free slots stream as they start."""
     from fastapi.responses import StreamingResponse
 
-    runs = await begin(service, choices, request, admitted=True)
-    watcher = asyncio.create_task(_watch(request, runs))  # also if the stream is never iterated
-    return StreamingResponse(_events(service, endpoint, choices, runs, fmt, watcher, started, tools),
+    begun, _ = await begin(service, choices, request, admitted=True, whole=False)
+    watcher = asyncio.create_task(_watch(request, begun))  # also if the stream is never iterated
+    return StreamingResponse(_events(service, endpoint, choices, begun, fmt, watcher, started, tools),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -275,8 +194,8 @@ async def one_choice(service: "Service", req: "GenerationRequest", thinking: "Op
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     (choice,) = choices_of([req], 1, thinking, token_ids=token_ids)
-    (run,) = await begin(service, [choice], request, admitted=streamed)
-    watcher = asyncio.create_task(_watch(request, [run]))  # (also if a stream is never iterated)
+    begun, (run,) = await begin(service, [choice], request, admitted=streamed)
+    watcher = asyncio.create_task(_watch(request, begun))  # (also if a stream is never iterated)
     if streamed:
         async def iterated() -> AsyncIterator[str]:
             watcher.cancel()  # (from here a client that leaves cancels the iteration)
@@ -296,30 +215,32 @@ async def one_choice(service: "Service", req: "GenerationRequest", thinking: "Op
     return JSONResponse(answer)
 
 
-async def _events(service: "Service", endpoint: str, choices: list[Choice], runs: list[GenerationThread],
+async def _events(service: "Service", endpoint: str, choices: list[Choice], begun: Begun,
                   fmt: ResponseFormat, watcher: "asyncio.Task[None]", started: float,
                   tools: "Optional[ToolSpec]") -> AsyncIterator[str]:
     # When the client leaves, Starlette cancels this generator and `finally` stops the runs: the
     # watcher, needed until the stream began, is not.
     watcher.cancel()
     finals: list[Any] = [None] * len(choices)
-    streams = [choice_chunks(service, endpoint, c, run, fmt.for_choice(c.index), started, tools, finals, i)
-               for i, (c, run) in enumerate(zip(choices, runs))]
+
+    async def chunks(i: int, c: Choice) -> AsyncIterator[dict[str, Any]]:  # (once its run has started)
+        async for chunk in choice_chunks(service, endpoint, c, await begun.runs[i], fmt.for_choice(c.index),
+                                         started, tools, finals, i):
+            yield chunk
+
     try:
-        async for event in _merged(streams):
+        async for event in _merged([chunks(i, c) for i, c in enumerate(choices)]):
             yield sse_event(event)
         if fmt.include_usage and all(f is not None for f in finals):
             usage = usage_of([(c.prompt, f) for c, f in zip(choices, finals)], choices[0].req.depth_label)
             yield sse_event(fmt.usage_chunk(usage))
         yield SSE_DONE
     except Exception as e:
-        for run in runs:
-            run.cancel(by_client=False)
+        begun.cancel(by_client=False)
         yield sse_event(service.server_error(e).body())
         yield SSE_DONE
     finally:
-        for run in runs:
-            run.cancel()
+        begun.cancel()
 
 
 _ENDED = object()
