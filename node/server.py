@@ -126,7 +126,10 @@ class NodeServer:
         self._stopped.wait()
 
     def wait(self) -> None:
-        self._stopped.wait()
+        """Until it stops. Timed waits: a signal the kernel gives another thread runs its Python handler on
+        the main thread only once that wakes."""
+        while not self._stopped.wait(0.25):
+            pass
 
 
 def _bracket(host: str) -> str:

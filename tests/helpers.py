@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import queue
 import threading
 import time
@@ -10,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from mtpipe.coordinator.engine.sinks import END
 from mtpipe.models.tiny import build_tiny_checkpoint
@@ -150,3 +153,22 @@ PROMPTS = [
     "def __repr__(self):\n        return",
     "numbers = [1, 2, 3",
 ]
+
+
+
+def signal_a_thread(pid: int, sig: int) -> None:
+    """`sig` to one of process `pid`'s threads other than its main one, as the kernel may hand a process's
+    signal to any thread that does not block it: Python runs the handler on the main thread, which must
+    then wake from whatever it waits on. Linux only (tgkill); skips elsewhere."""
+    import ctypes
+    import platform
+    import sys
+
+    number = {"x86_64": 234, "aarch64": 131}.get(platform.machine()) if sys.platform == "linux" else None
+    if number is None:
+        pytest.skip("tgkill is a Linux call (x86-64, arm64 here)")
+    tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    assert tids, "the process has no thread but its main one"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, pid, tids[0], sig) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tids[0]}, {sig})")

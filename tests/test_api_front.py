@@ -26,7 +26,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
 from front_probe import front_imports  # noqa: E402
-from helpers import PROMPTS  # noqa: E402
+from helpers import PROMPTS, signal_a_thread  # noqa: E402
 from mlx_threads import record_mlx_threads  # noqa: E402
 
 from mtpipe.coordinator.api.front import FrontProcess, FrontSpec  # noqa: E402
@@ -287,7 +287,7 @@ def test_over_ring_nodes_with_their_health(dense_ckpt: Path) -> None:
 
 # (Ctrl-C with SIGINT as usual at start takes the same path once the API serves: the command's own
 # handler, installed as it starts serving, replaces whichever it had.)
-@pytest.mark.parametrize("how", ["ctrl-c, SIGINT ignored at start", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c, SIGINT ignored at start", "sigterm", "sigterm taken by another thread"])
 def test_mtpipe_serve_runs_its_api_in_a_child_and_stops_it(dense_ckpt: Path, how: str) -> None:
     """Ctrl-C and SIGTERM stop both processes and end in 0, also where the command started with SIGINT
     ignored (as a parent's ignored signals are inherited): the front's uvicorn handles it, and may end first."""
@@ -324,6 +324,8 @@ def test_mtpipe_serve_runs_its_api_in_a_child_and_stops_it(dense_ckpt: Path, how
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         if how.startswith("ctrl-c"):
             os.killpg(proc.pid, signal.SIGINT)  # a terminal signals the whole foreground group
+        elif "thread" in how:
+            signal_a_thread(proc.pid, signal.SIGTERM)  # (the kernel may give it any thread)
         else:
             proc.send_signal(signal.SIGTERM)  # a service manager signals the command
         try:

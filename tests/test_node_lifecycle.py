@@ -4,6 +4,7 @@ gone for the grace period, while other clients' sequences on the same nodes go o
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -78,3 +79,25 @@ def test_a_node_that_cannot_listen_says_why_and_exits_cleanly() -> None:
                                 "--insecure"], capture_output=True, text=True, timeout=60)
             assert r.returncode == 2 and f"--host/--port {host}:{port} cannot be used: {why}" in r.stderr, r.stderr
             assert "Traceback" not in r.stderr and "add_port" not in r.stderr
+
+
+def test_a_node_stops_on_sigterm_that_another_thread_took() -> None:
+    """The kernel may hand SIGTERM to any of the node's threads; Python runs the handler on the main
+    thread, which must then wake from its wait to run it (a wait without end never did)."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import signal_a_thread
+
+    proc = subprocess.Popen([sys.executable, "-m", "mtpipe", "node", "--host", "127.0.0.1", "--port", "0",
+                             "--insecure", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline())["pid"] == proc.pid  # (listening)
+        signal_a_thread(proc.pid, signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

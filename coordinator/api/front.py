@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # spawning, importing the app and loading the tokenizer
 STOP_TIMEOUT_S = 10.0
+WAKE_S = 0.25  # the longest a waiting main thread sleeps before it runs the handlers of signals that came
 ABORT_BEFORE_GRACE_END_S = 1.0  # on a stop, generations still open this long before uvicorn cuts them end
 
 
@@ -88,7 +89,8 @@ def prepare_process() -> None:
     loads, and the front only tokenizes.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (blocked from the spawn: `FrontProcess.spawn`)
+    # (SIGINT blocked from the spawn, `FrontProcess.spawn`; both as a parent's thread blocked them)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     signal.signal(signal.SIGTERM, _exit_cleanly)
     dump_stacks_on_sigusr1()
     sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
@@ -308,8 +310,10 @@ class FrontProcess:
             log.info("the API serves at %s/v1 from process %d", self.url, self.process.pid)
             if announce is not None:
                 announce(self.url)
-            if not stopping.is_set():  # (a SIGTERM before the front had a pid found nothing to stop)
-                self.process.join()
+            # Timed: a signal the kernel gives another of this process's threads runs its handler here
+            # only once this thread wakes (and SIGTERM before the front had a pid found nothing to stop)
+            while not stopping.is_set() and self.process.is_alive():
+                self.process.join(WAKE_S)
         except KeyboardInterrupt:  # SIGINT to this process alone reaches the front this way
             stopping.set()
             if self.process.pid is not None:

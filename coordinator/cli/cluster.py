@@ -224,7 +224,9 @@ def _launch(args: argparse.Namespace) -> int:
             _emit(args, console, "follower", f"node {me}: {coordinator} coordinates; serving shards until stopped",
                   node_id=me, coordinator=coordinator)
             while True:
-                signal.pause()  # until SIGTERM or Ctrl-C ends the process through the finally below
+                # until SIGTERM or Ctrl-C ends the process through the finally below (not signal.pause():
+                # a signal the kernel gives another thread would never wake this one to run its handler)
+                time.sleep(0.25)
         log.info("%s coordinates %d node(s)%s", me, len(peers), f" and {len(cfg.nodes)} static" if cfg.nodes else "")
         check_port_free(cfg.api.host, cfg.api.port, "the API port (api.port, --api-port)")  # before the model loads
         try:
