@@ -1067,3 +1067,34 @@ def test_chat_echo_shows_the_reply_after_the_assistants_last_message(client: Any
                                               extra_body=extra).choices[0].message.content
 
     assert reply(echo=True) == reply()
+
+
+def test_an_unhandled_error_is_a_500_in_the_api_shape_and_keeps_the_connection(engine: Engine) -> None:
+    """A route that fails with no answer of its own: a 500 with the error body (Anthropic's under
+    /v1/messages), counted, and the client's connection stays open for its next request (a pooled
+    client's next request would otherwise meet a reset)."""
+    app = create_app(engine, MODEL)
+
+    @app.get("/v1/fails")
+    @app.get("/v1/messages/fails")
+    async def fails() -> None:
+        raise RuntimeError("a bug")
+
+    with LiveServer(app) as s:
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            ports = set()
+            for path in ("/v1/fails", "/v1/messages/fails", "/v1/fails"):
+                r = c.get(path, extensions={"trace": lambda name, info: ports.add(
+                    info["return_value"].get_extra_info("socket").getsockname()[1])
+                    if name == "connection.connect_tcp.complete" else None})
+                assert r.status_code == 500, r.text
+                assert "connection" not in r.headers or r.headers["connection"] != "close"
+                if path.startswith("/v1/messages"):
+                    assert r.json() == {"type": "error", "error": {"type": "api_error",
+                                                                   "message": "internal error: RuntimeError"}}
+                else:
+                    assert r.json()["error"]["code"] == "internal_error"
+            assert c.get("/health").status_code == 200
+            assert len(ports) == 1  # one connection for all four
+        m = Scrape(s.url)
+        assert m("mtpipe_requests_total", endpoint="other", status="500") == 3

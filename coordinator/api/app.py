@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from .chat import chat_messages, check_request_template, echoed, template_variables, tool_spec
 from .defaults import DEFAULT_CORS_ORIGINS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
-from .errors import APIError, body_for, error_body, parse_body, validation_error
+from .errors import APIError, Unhandled, body_for, error_body, parse_body, validation_error
 from .formats import OutputFormat, after_thought, output_format
 from .gate import Gate
 from .generation import ResponseFormat
@@ -119,6 +119,7 @@ def create_app(
     app.state.service = service
     app.state.metrics = metrics
     readiness = Readiness(engine)
+    app.add_middleware(Unhandled)  # (innermost: the Gate counts its 500s)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(Gate, api_key=api_key or None, metrics=metrics)  # auth before any body is read
     if cors_origins:  # outermost: a browser's preflight carries no key, and an error needs the headers to be read
@@ -149,12 +150,6 @@ def create_app(
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return JSONResponse(body_for(request.url.path, e.status_code, str(e.detail), code=code),
                             status_code=e.status_code, headers=e.headers)
-
-    @app.exception_handler(Exception)
-    async def on_error(request: Request, e: Exception) -> JSONResponse:
-        log.error("unhandled error on %s", request.url.path, exc_info=e)
-        return JSONResponse(body_for(request.url.path, 500, f"internal error: {type(e).__name__}", type="server_error",
-                                     code="internal_error"), status_code=500)
 
     @app.get("/version")
     async def version() -> dict:

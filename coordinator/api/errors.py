@@ -1,7 +1,10 @@
 """OpenAI-shaped errors for the REST API, and request bodies parsed into them."""
 
 import asyncio
+import logging
 from typing import Any, Optional
+
+log = logging.getLogger(__name__)
 
 INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed on a worker thread, not on the event loop
 
@@ -89,3 +92,35 @@ async def parse_body(request: Any, cls: type) -> Any:
         if errors[0]["type"] == "model_type" and not errors[0].get("loc"):
             raise APIError(400, "the request body must be a JSON object", code="invalid_type") from None
         raise validation_error(errors) from None
+
+
+class Unhandled:
+    """ASGI middleware: an error no route answered is a 500 in the path's error shape, logged, and the
+    connection stays open. (Starlette's own last-resort handler answers it too, but then raises it again,
+    and uvicorn closes the connection without a word: a pooled client's next request meets a reset.) An
+    error after a response began is left to the server, which can only cut that response."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def sending(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as e:
+            if started:
+                raise
+            from starlette.responses import JSONResponse
+
+            path = scope.get("path", "")
+            log.error("unhandled error on %s", path, exc_info=e)
+            body = body_for(path, 500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error")
+            await JSONResponse(body, status_code=500)(scope, receive, send)
