@@ -25,6 +25,7 @@ class StageUnavailable(RuntimeError):
 
 
 GREEDY_BELOW = 1e-5  # the least temperature that samples: logits over a tinier one overflow (the API decodes greedily)
+MIN_REPETITION_PENALTY = 1e-3
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        # (below its least, a logit over the penalty passes float32's range: inf, then NaN probabilities)
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 10], "
+                             f"got {self.repetition_penalty}")
         for token, bias in self.logit_bias:
             if not 0 <= token < 2**31 or not -100.0 <= bias <= 100.0:  # ids cross the wire as int32
                 raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")

@@ -444,6 +444,12 @@ BAD = [
     ("completion-logprobs-21", TEXT, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("response-format-xml", CHAT, {"messages": M, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("json-schema-text", TEXT, {"prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("json-schema-nested-too-deeply", CHAT, {"messages": M, "guided_json": "[" * 3000 + "]" * 3000}, 400,
+     "guided_json"),
+    ("structured-json-nested-too-deeply", CHAT,
+     {"messages": M, "structured_outputs": {"json": "[" * 3000 + "]" * 3000}}, 400, "structured_outputs"),
+    ("repetition-penalty-tiny", TEXT, {"prompt": "a a a", "repetition_penalty": 1e-38, "logprobs": 1}, 400,
+     "repetition_penalty"),
 ]
 
 
@@ -1098,3 +1104,24 @@ def test_an_unhandled_error_is_a_500_in_the_api_shape_and_keeps_the_connection(e
             assert len(ports) == 1  # one connection for all four
         m = Scrape(s.url)
         assert m("mtpipe_requests_total", endpoint="other", status="500") == 3
+
+
+def test_call_arguments_nested_past_the_parser_go_to_the_template_as_sent(server: LiveServer) -> None:
+    """An earlier call's arguments that JSON's parser cannot take (nested past its depth) are the string sent,
+    as arguments that do not parse are (never a 500), in chat and in /tokenize."""
+    deep = "[" * 1200 + "]" * 1200  # (past Python's recursion limit, within the tiny model's context)
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                      "function": {"name": "f", "arguments": deep}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "x"}]
+    r = server.client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    r = server.client.post("/tokenize", json={"messages": messages})
+    assert r.status_code == 200 and r.json()["count"] > 100, r.text
+
+
+def test_a_logprob_json_cannot_carry_is_openais_least() -> None:
+    from mtpipe.coordinator.api.service import finite
+
+    assert finite(float("-inf")) == finite(float("nan")) == -9999.0
+    assert finite(-1.5) == -1.5 and finite(None) is None

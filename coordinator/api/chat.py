@@ -245,7 +245,7 @@ def _arguments(arguments: str | dict[str, Any]) -> Any:
         return arguments
     try:
         parsed = json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past the parser's depth: as sent too)
         return arguments
     return parsed if isinstance(parsed, dict) else arguments
 

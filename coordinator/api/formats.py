@@ -148,6 +148,8 @@ def _of(name: str, value: Any) -> OutputFormat:
                 value = json.loads(value)
             except ValueError:
                 raise APIError(400, "the JSON schema is not valid JSON", param=param) from None
+            except RecursionError:
+                raise APIError(400, "the JSON schema nests too deeply", param=param) from None
         if not isinstance(value, dict):
             raise APIError(400, "the JSON schema must be an object", param=param)
         return OutputFormat(schema=value)

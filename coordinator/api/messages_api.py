@@ -262,7 +262,7 @@ class _Blocks:
         fn = call["function"]
         try:
             given = json.loads(fn["arguments"])
-        except ValueError:  # (a call max_tokens cut short: its input as far as it parses, none)
+        except (ValueError, RecursionError):  # (a call max_tokens cut short: its input as far as it parses, none)
             given = {}
         block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": given}
         self.content.append(block)

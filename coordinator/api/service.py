@@ -13,6 +13,7 @@ a copy of the tokenizer, so short requests never queue behind it for the shared 
 import asyncio
 import copy
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.1
+NEVER_LOGPROB = -9999.0  # the logprob of a token that could not come (OpenAI's and vLLM's)
 LONG_PROMPT_CHARS = 32 * 1024  # longer prompts are tokenized on the long lane
 LONG_TOKEN_IDS = 64 * 1024  # longer token-id prompts are checked on a worker thread
 MAX_CHOICES = 256  # choices (prompts times n) one request may ask for
@@ -152,8 +154,11 @@ class Service:
 
         def entries(tok: Any) -> list[Any]:
             if ranked:
-                return [None] + [{str(t): {"logprob": s.logprob, "rank": s.rank, "decoded_token": tok.decode([t])},
-                                  **{str(i): {"logprob": v, "rank": r, "decoded_token": tok.decode([i])}
+                def ranked_entry(i: int, v: float, r: int) -> dict[str, Any]:
+                    return {"logprob": finite(v), "rank": r, "decoded_token": tok.decode([i])}
+
+                return [None] + [{str(t): ranked_entry(t, s.logprob, s.rank),
+                                  **{str(i): ranked_entry(i, v, r)
                                      for r, (i, v) in enumerate(s.top[:top], 1) if i != t}}
                                  for t, s in zip(tokens[1:], scored)]
             return [{**_entry(tok, tokens[0], None, as_ids), "top_logprobs": None}] + \
@@ -411,8 +416,14 @@ class Service:
         }
 
 
+def finite(value: Optional[float]) -> Optional[float]:
+    """A log-probability JSON can carry: a token that could not come (-inf) is -9999.0, as OpenAI and vLLM
+    give it."""
+    return value if value is None or math.isfinite(value) else NEVER_LOGPROB
+
+
 def _entry(tok: Any, token: int, value: Optional[float], as_id: bool = False) -> dict[str, Any]:
-    return {"token": f"token_id:{token}" if as_id else tok.decode([token]), "logprob": value,
+    return {"token": f"token_id:{token}" if as_id else tok.decode([token]), "logprob": finite(value),
             "bytes": list(token_bytes(tok, token))}
 
 

@@ -115,7 +115,7 @@ def held_calls(text: str, name: str | None) -> list[ToolCall] | None:
     is, or a list of {"name", "parameters"}; None where it does not parse (cut short by max_tokens)."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if name is not None:
         return [ToolCall(name, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) else None
@@ -139,7 +139,7 @@ def cut_calls(text: str, name: str | None) -> list[ToolCall]:
         at += len(text[at:]) - len(text[at:].lstrip(", \n"))
         try:
             value, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             if cut := CUT_CALL.match(text, at):
                 calls.append(ToolCall(json.loads(cut.group(1)), text[cut.end():]))
             break
