@@ -403,3 +403,51 @@ def test_slots_go_by_priority_then_arrival_and_a_request_given_up_holds_none_bac
         await asyncio.wait_for(later, 5)
 
     asyncio.run(main())
+
+
+def test_a_waiting_stream_sends_keepalive_comments_and_ends_its_events_when_left() -> None:
+    import asyncio
+
+    from mtpipe.coordinator.api.generation import SSE_KEEPALIVE, with_keepalive
+
+    ended = []
+
+    async def events() -> Any:
+        try:
+            yield "data: 1\n\n"
+            await asyncio.sleep(0.35)
+            yield "data: 2\n\n"
+            await asyncio.sleep(10)
+            yield "data: 3\n\n"
+        finally:
+            ended.append(True)
+
+    async def read(n: int) -> list[str]:
+        out = []
+        stream = with_keepalive(events(), 0.1)
+        async for e in stream:
+            out.append(e)
+            if len([x for x in out if x != SSE_KEEPALIVE]) == n:
+                break
+        await stream.aclose()  # (what a client that leaves does to the response's iterator)
+        return out
+
+    out = asyncio.run(read(2))
+    assert out[0] == "data: 1\n\n" and out[-1] == "data: 2\n\n"
+    assert 2 <= out.count(SSE_KEEPALIVE) <= 4 and len(out) == 2 + out.count(SSE_KEEPALIVE)
+    assert ended == [True]  # the events' own cleanup ran
+
+
+def test_keepalive_comments_leave_a_streamed_reply_as_it_is(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mtpipe.coordinator.api import generation
+
+    monkeypatch.setattr(generation, "KEEPALIVE_S", 0.0005)  # (a comment in nearly every gap)
+    body = {"model": MODEL, "messages": chat("count to ten"), "max_tokens": 24, "temperature": 0}
+    whole = client.chat.completions.create(**body).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**body, stream=True)
+                       if c.choices)
+    assert streamed == whole
+    with httpx.stream("POST", str(client.base_url) + "chat/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        lines = list(r.iter_lines())
+    assert ": keep-alive" in lines and lines[-2:] == ["data: [DONE]", ""]

@@ -386,3 +386,33 @@ def sse_event(data: dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+SSE_KEEPALIVE = ": keep-alive\n\n"  # a comment: SSE clients skip it
+KEEPALIVE_S = 5.0
+
+
+async def with_keepalive(events: AsyncIterator[str], every: Optional[float] = None) -> AsyncIterator[str]:
+    """`events`, with a comment after each `every` seconds without one: a stream waiting (a long prompt's
+    prefill, a node lost and the request waiting to resume) keeps the clients' and proxies' read timeouts
+    from cutting it."""
+    every = KEEPALIVE_S if every is None else every
+    it = events.__aiter__()
+    pending: Optional[asyncio.Future[str]] = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield SSE_KEEPALIVE
+                continue
+            got, pending = pending, None
+            try:
+                event = got.result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:
+        if pending is not None:  # (the client left: the events' own cleanup runs as they are cancelled)
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        else:
+            await it.aclose()  # type: ignore[attr-defined]

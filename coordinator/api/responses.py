@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from .deltas import thought_apart, tool_deltas
 from .errors import APIError
-from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of
+from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of, with_keepalive
 from .service import DISCONNECT_POLL_S
 from .starting import Begun, all_of, begin
 from .tools import ToolCallParser, cut_calls, held_calls, parse_tool_calls
@@ -179,7 +179,7 @@ async def stream(service: "Service", endpoint: str, choices: list[Choice], fmt: 
 
     begun, _ = await begin(service, choices, request, admitted=True, whole=False)
     watcher = asyncio.create_task(_watch(request, begun))  # also if the stream is never iterated
-    return StreamingResponse(_events(service, endpoint, choices, begun, fmt, watcher, started, tools),
+    return StreamingResponse(with_keepalive(_events(service, endpoint, choices, begun, fmt, watcher, started, tools)),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -202,7 +202,7 @@ async def one_choice(service: "Service", req: "GenerationRequest", thinking: "Op
             async for event in events(choice, run, False):
                 yield event
 
-        return StreamingResponse(iterated(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(with_keepalive(iterated()), media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         async for _ in events(choice, run, True):
             pass
