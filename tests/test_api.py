@@ -569,6 +569,7 @@ def test_metrics(engine: BatchEngine, server: LiveServer, client: Any) -> None:
     # The scheduler's state, asked of the engine as the metrics are scraped (nothing runs or waits now).
     assert m("mtpipe_requests_running") == m("mtpipe_requests_waiting") == 0 and m("mtpipe_cache_usage_ratio") == 0
     assert m("mtpipe_preemptions_total") == 0 and m("mtpipe_scheduler_answered") == 1
+    assert m("mtpipe_ready") == 1 and m("mtpipe_nodes_unready") == 0
 
     # The exposition's shape: what dashboards query, and no `_created` series.
     kinds = {
@@ -584,7 +585,7 @@ def test_metrics(engine: BatchEngine, server: LiveServer, client: Any) -> None:
         "mtpipe_scheduler_answered": "gauge", "mtpipe_generations_finished": "counter",
         "mtpipe_request_queue_time_seconds": "histogram", "mtpipe_request_prefill_time_seconds": "histogram",
         "mtpipe_request_decode_time_seconds": "histogram", "mtpipe_request_prompt_tokens": "histogram",
-        "mtpipe_request_generation_tokens": "histogram",
+        "mtpipe_request_generation_tokens": "histogram", "mtpipe_ready": "gauge", "mtpipe_nodes_unready": "gauge",
     }
     assert {name: f.type for name, f in m.families.items()} == kinds
     assert all(f.documentation for f in m.families.values())

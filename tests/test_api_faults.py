@@ -44,6 +44,14 @@ def server(engine: BatchEngine) -> Iterator[LiveServer]:
         yield s
 
 
+def scraped(c: Any, url: str, *names: str) -> tuple[float, ...]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {s.name: s.value for f in text_string_to_metric_families(c.get(url + "/metrics").text)
+               for s in f.samples if not s.labels}
+    return tuple(samples[n] for n in names)
+
+
 def timed(fn: Any) -> tuple[Any, float, float]:
     """fn()'s result, and when it ended and how long it took (perf_counter)."""
     t0 = time.perf_counter()
@@ -177,6 +185,7 @@ def test_health_and_cluster_over_nodes(dense_ckpt: Path) -> None:
                 assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["nodes"] == 2
                 info = c.get(s.url + "/v1/cluster").json()
                 assert info["healthy"] is True and [n["healthy"] for n in info["nodes"]] == [True, True]
+                assert scraped(c, s.url, "mtpipe_ready", "mtpipe_nodes_unready") == (1, 0)
 
                 nodes[1].stop(0)
                 r, _, took = timed(lambda: c.get(s.url + "/health"))
@@ -197,6 +206,8 @@ def test_health_and_cluster_over_nodes(dense_ckpt: Path) -> None:
                 assert info["errors"] == [{"node": nodes[1].address, "error": second["error"],
                                            "at": second["error_at"]}]
                 assert info["placement"][0]["layers"] == [0, 2] and info["placement"][1]["layers"] is None
+                ready, unready = scraped(c, s.url, "mtpipe_ready", "mtpipe_nodes_unready")  # down, not busy
+                assert ready == 0 and unready >= 1
         finally:
             engine.pipeline.close()
 
@@ -280,6 +291,8 @@ def test_a_stream_refused_while_it_waits_in_the_queue_gets_its_status(dense_ckpt
                     r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=30)
                     assert r.status_code == 503 and r.headers.get("Retry-After"), (body, r.status_code, r.text[:200])
                     assert r.json()["error"]["code"] == "server_busy"
+                # refused before they began: not generations that failed (requests_total counts the 503s)
+                assert scraped(httpx, s.url, "mtpipe_generations_failed_total") == (0,)
             finally:
                 done.set()
                 t.join()

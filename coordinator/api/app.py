@@ -55,7 +55,7 @@ from .formats import OutputFormat, after_thought, output_format
 from .gate import Gate
 from .generation import ResponseFormat
 from .limits import BodyLimit
-from .metrics import ServerMetrics
+from .metrics import ReadinessMetrics, ServerMetrics
 from .model_defaults import model_defaults
 from .readiness import Readiness
 from .responses import choices_of, complete, stream
@@ -119,6 +119,7 @@ def create_app(
     app.state.service = service
     app.state.metrics = metrics
     readiness = Readiness(engine)
+    metrics.registry.register(ReadinessMetrics(readiness.check))
     app.add_middleware(Unhandled)  # (innermost: the Gate counts its 500s)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(Gate, api_key=api_key or None, metrics=metrics)  # auth before any body is read

@@ -97,6 +97,32 @@ class SchedulerMetrics(Collector):
                                 value=state.cache_usage)
 
 
+class ReadinessMetrics(Collector):
+    """Whether the engine can serve now, as GET /health says (`read`: Readiness.check, which asks each
+    node, bounded): what an alert tells a pipeline that is down from one that is busy by."""
+
+    def __init__(self, read: Callable[[], tuple[bool, dict[str, Any]]]):
+        self._read = read
+
+    def describe(self) -> Iterator[Metric]:  # (registered without asking the nodes)
+        return self._families(True, {})
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            ready, details = self._read()
+        except Exception as e:  # noqa: BLE001 - a check that fails is an engine that cannot serve
+            log.debug("readiness unavailable: %s", e)
+            ready, details = False, {}
+        return self._families(ready, details)
+
+    @staticmethod
+    def _families(ready: bool, details: dict[str, Any]) -> Iterator[Metric]:
+        yield GaugeMetricFamily("mtpipe_ready", "1 when the engine can serve (GET /health answers 200); 0 while a "
+                                "node is down or the pipeline is being formed again.", value=1.0 if ready else 0.0)
+        yield GaugeMetricFamily("mtpipe_nodes_unready", "Nodes of the pipeline that cannot serve now (GET /health "
+                                "names them and why).", value=len(details.get("unready", ())))
+
+
 class ServerMetrics:
     """The coordinator's metrics: requests, tokens, MTP acceptance, latency, and the scheduler's state
     (`scheduler`: how to read it).
@@ -130,7 +156,8 @@ class ServerMetrics:
             "mtpipe_generations_cancelled_total", "Generations stopped because the client left.", registry=r
         )
         self.failed = Counter(
-            "mtpipe_generations_failed_total", "Generations that ended with a server error.", registry=r
+            "mtpipe_generations_failed_total", "Generations that ended with a server error (not those refused "
+            "before they began: mtpipe_requests_total counts their 503s).", registry=r
         )
         self.finished = Counter(
             "mtpipe_generations_finished_total", "Generations that finished, by why (stop: an end token or a stop "

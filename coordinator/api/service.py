@@ -376,10 +376,13 @@ class Service:
         if stats.decode_tps:
             m.decode_tps.observe(stats.decode_tps)
 
-    def server_error(self, e: Exception) -> APIError:
+    def server_error(self, e: Exception, refused: bool = False) -> APIError:
+        """`e` as the client hears it; `refused`: before the generation began (not counted as one that failed,
+        as a request the engine's queue turned away is not)."""
         if isinstance(e, RequestError):  # (refused where it runs: an API in a process of its own checks less)
             return APIError(400, str(e), param=e.param, code=e.code)
-        self.metrics.failed.inc()
+        if not refused and not isinstance(e, ServerBusy):
+            self.metrics.failed.inc()
         if isinstance(e, StageError):
             log.warning("a stage refused a generation: %s", e)
             return APIError(503, f"a pipeline stage refused the request: {e}", type="server_error", code="stage_error")

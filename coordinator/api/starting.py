@@ -32,7 +32,7 @@ async def until(service: "Service", waited: Any, request: Any) -> None:
     except APIError:
         raise
     except Exception as e:  # refused while it waited, or at once
-        raise service.server_error(e) from None
+        raise service.server_error(e, refused=True) from None
 
 
 async def all_of(tasks: "list[asyncio.Future[Any]]") -> list[Any]:
@@ -100,7 +100,7 @@ def launch(service: "Service", choices: "list[Choice]", request: Any) -> Begun:
         except APIError:
             raise
         except Exception as e:  # no slots in time
-            raise service.server_error(e) from None
+            raise service.server_error(e, refused=True) from None
 
     async def start(choice: Choice) -> None:
         nonlocal unused
@@ -115,7 +115,7 @@ def launch(service: "Service", choices: "list[Choice]", request: Any) -> Begun:
         try:
             runs[at[choice.index]].set_result(service.run(choice.req))
         except Exception as e:  # an engine that refuses at once (its pipeline down, its process gone)
-            raise service.server_error(e) from None
+            raise service.server_error(e, refused=True) from None
 
     async def prompt(group: list[Choice]) -> None:
         await start(group[0])
