@@ -1126,3 +1126,17 @@ def test_a_logprob_json_cannot_carry_is_openais_least() -> None:
 
     assert finite(float("-inf")) == finite(float("nan")) == -9999.0
     assert finite(-1.5) == -1.5 and finite(None) is None
+
+
+def test_every_response_carries_a_request_id_and_health_answers_head(server: LiveServer, client: Any) -> None:
+    """x-request-id (what OpenAI's clients read) and request-id (Anthropic's): the client's own X-Request-Id
+    where it sent one (a proxy's), else a new one for each response."""
+    r = client.chat.completions.with_raw_response.create(model=MODEL, messages=M, max_tokens=2)
+    assert r.headers["x-request-id"].startswith("req_") and r.parse().choices  # (the SDK's `_request_id`)
+    other = server.client.get("/v1/models")
+    assert other.headers["x-request-id"] != r.headers["x-request-id"]
+    assert other.headers["request-id"] == other.headers["x-request-id"]
+    assert server.client.post("/v1/messages", json={}, headers={"X-Request-Id": "from-proxy-1"}).headers[
+        "request-id"] == "from-proxy-1"
+    head = server.client.head("/health")
+    assert head.status_code == 200 and head.content == b"" and head.headers["x-request-id"]

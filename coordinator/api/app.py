@@ -159,7 +159,7 @@ def create_app(
         return {"version": __version__}
 
     @app.api_route("/ping", methods=["GET", "POST"])  # (vLLM's, for load balancers that probe it: /health's answer)
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: a probe that reads the status only)
     async def health() -> JSONResponse:
         ready, details = await asyncio.to_thread(readiness.check)  # asks the nodes: blocking, bounded
         body = {"status": "ok" if ready else "unavailable", "model": model_name, "mtp": engine.has_mtp,

@@ -1,7 +1,8 @@
-"""Auth and request metrics as plain ASGI middleware (it must not buffer streamed responses)."""
+"""Auth, request ids and request metrics as plain ASGI middleware (it must not buffer streamed responses)."""
 
 import hmac
 import time
+import uuid
 from typing import Any, Optional
 
 from .errors import body_for
@@ -34,6 +35,12 @@ class Gate:
             token = headers.get(b"x-api-key", b"").decode("latin-1")
         return bool(token.strip()) and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
+    @staticmethod
+    def _request_id(scope: dict) -> bytes:
+        """The id the client sent (X-Request-Id, as a proxy sets it), else a new one."""
+        sent = dict(scope.get("headers") or []).get(b"x-request-id", b"").strip()
+        return sent if sent and len(sent) <= 256 and sent.isascii() else f"req_{uuid.uuid4().hex}".encode()
+
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
@@ -43,10 +50,15 @@ class Gate:
         status = 500
         start = time.perf_counter()
 
+        request_id = self._request_id(scope)
+
         async def send_status(message: dict) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                # the id OpenAI's clients read (x-request-id) and Anthropic's (request-id)
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id),
+                                                  (b"request-id", request_id)]}
             await send(message)
 
         try:
