@@ -322,6 +322,7 @@ def test_a_restarted_node_is_taken_back_and_requests_resume(dense_ckpt: Path, n:
                 engine.open(reqs[0], lambda item: None)
             ready, details = readiness.check()  # GET /health: 503 naming the node
             assert not ready and nodes.addresses[-1] in [u["address"] for u in details["unready"]]
+            assert nodes.addresses[-1] in details["reforming"]["after"]  # (and that it is being formed again)
             nodes.start(-1)
             for i, q in enumerate(sinks):
                 while (item := q.get(timeout=90)) is not END:
@@ -473,3 +474,31 @@ def test_a_node_named_by_its_own_message_is_named_once() -> None:
     assert str(TakenOver("b", "node b: was taken over")) == "node b: was taken over"
     assert str(NodeFailure("b", "load failed")) == "node b: load failed"
     assert WeightStore(["/m", "/n", "/m"]).model_dirs[:2] == [Path("/m"), Path("/n")]
+
+
+def test_a_reform_attempts_reason_is_logged_once_and_told(caplog: pytest.LogCaptureFixture) -> None:
+    """Why the attempts to form the pipeline again fail (a node back that cannot load its shard), logged
+    when it changes, kept for /health and the refusals, and forgotten once the pipeline serves."""
+    import logging
+
+    from mtpipe.coordinator.pipeline.reform import Reformer
+
+    outcomes = [RuntimeError("node b: no shard loaded")] * 3 + [RuntimeError("node b: transfer from c failed")]
+    seen: list[object] = []
+
+    def reform() -> None:
+        seen.append(reformer.attempt_error)
+        if outcomes:
+            raise outcomes.pop(0)
+
+    reformer = Reformer(reform, interval=0.01)
+    with caplog.at_level(logging.WARNING, logger="mtpipe.coordinator.pipeline.reform"):
+        reformer.lost(ConnectionError("node b lost"))
+        assert reformer.wait(10)
+    assert [str(e) if e else None for e in seen] == [None, *["node b: no shard loaded"] * 3,
+                                                    "node b: transfer from c failed"]
+    attempts = [r.getMessage() for r in caplog.records if "attempt" in r.getMessage() and "failed" in r.getMessage()]
+    assert attempts == ["re-forming the pipeline: attempt 1 failed: node b: no shard loaded",
+                        "re-forming the pipeline: attempt 4 failed: node b: transfer from c failed"]
+    assert reformer.down is None and reformer.attempt_error is None
+    reformer.stop()

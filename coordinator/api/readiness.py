@@ -132,6 +132,11 @@ class Readiness:
             down = [{"address": s.address, "reason": s.error, "since": timestamp(s.error_at or s.checked_at)}
                     for s in states if not s.ready]
             reformer = getattr(self.engine.pipeline, "reformer", None)
+            details: dict[str, Any] = {}
+            if reformer is not None and reformer.down is not None and not reformer.given_up:
+                tried = reformer.attempt_error
+                details["reforming"] = {"after": str(reformer.down), "since": timestamp(reformer.down_at),
+                                        "last_attempt": None if tried is None else str(tried)}
             if not down and reformer is not None and (lost := reformer.down) is not None:
                 # every node answers, but the pipeline over them is not formed again yet
                 why = str(lost) if reformer.given_up else f"being formed again after: {lost}"
@@ -139,7 +144,7 @@ class Readiness:
                          "since": timestamp(reformer.down_at)}]
                 down += [{"address": getattr(e, "node", "pipeline"), "reason": str(e),
                           "since": timestamp(reformer.down_at)} for e in (reformer.also if reformer.given_up else [])]
-            return not down, {"nodes": len(states), "unready": down}
+            return not down, {"nodes": len(states), "unready": down, **details}
         thread = getattr(self.engine, "thread", None)  # a BatchEngine runs every stage on one MLX thread
         if thread is not None and not getattr(thread, "alive", True):
             return False, {"unready": [{"address": "local", "reason": "the engine's thread has stopped",

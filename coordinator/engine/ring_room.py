@@ -200,11 +200,15 @@ class RoomForRows:
     def _down_refusal(self) -> Exception | None:
         """What a request is refused with while the pipeline is down (no room comes back then): the node lost,
         and whether it is being formed again."""
-        down = self.pipeline.reformer.down
-        if down is not None and self.pipeline.reformer.given_up:
+        reformer = self.pipeline.reformer
+        down = reformer.down
+        if down is not None and reformer.given_up:
             return StageUnavailable(str(down))
         if down is not None:
-            return ServerBusy(f"{down}; the pipeline is being formed again", retry_after=RETRY_AFTER_DOWN_S)
+            tried = reformer.attempt_error
+            return ServerBusy(f"{down}; the pipeline is being formed again" + (f" (the last attempt: {tried})"
+                                                                               if tried is not None else ""),
+                              retry_after=RETRY_AFTER_DOWN_S)
         return None
 
     def scheduler_state(self) -> plan.SchedulerState:

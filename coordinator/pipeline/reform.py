@@ -66,6 +66,7 @@ class Reformer:
         self.down: Exception | None = None  # why the pipeline is down, None while it serves
         self.also: list[Exception] = []  # given up: the same of other nodes that came after (each taken over)
         self.down_at = 0.0  # since when (time.time())
+        self.attempt_error: Exception | None = None  # why the last attempt to form it again failed
         self.reformed = threading.Event()  # set while it serves
         self.reformed.set()
         self._lock = threading.Lock()
@@ -81,6 +82,7 @@ class Reformer:
             if self.down is None:
                 log.warning("pipeline down: %s; re-forming it", error)
                 self.down_at = time.time()
+                self.attempt_error = None
             self.down = error
             self._losses += 1
             self.reformed.clear()
@@ -125,7 +127,11 @@ class Reformer:
                 self.give_up(e)
                 return
             except Exception as e:  # a node still missing, still loading: try again
-                log.debug("re-forming the pipeline (attempt %d): %s", attempt, e)
+                # (a new reason is logged once: a node back that cannot load its shard says why here)
+                changed = self.attempt_error is None or str(e) != str(self.attempt_error)
+                log.log(logging.WARNING if changed else logging.DEBUG, "re-forming the pipeline: attempt %d "
+                        "failed: %s", attempt, e)
+                self.attempt_error = e
                 continue
             with self._lock:
                 if self._stop.is_set():  # (closed meanwhile: nothing serves)
@@ -133,7 +139,7 @@ class Reformer:
                 if losses != self._losses:
                     continue
                 log.warning("pipeline formed again after %d attempt(s)", attempt)
-                self.down = None
+                self.down = self.attempt_error = None
                 self.reformed.set()
                 self._thread = None  # (a loss from now on starts a new watcher: this one is ending)
             return
