@@ -235,3 +235,52 @@ def test_a_forced_tool_use_cut_short_is_a_tool_use_block(claude: Any) -> None:
                                messages=[{"role": "user", "content": PROMPT}])
     assert m.stop_reason == "max_tokens" and [b.type for b in m.content] == ["tool_use"], m.content
     assert m.content[0].name == COUNT["name"] and isinstance(m.content[0].input, dict)
+
+
+def test_malformed_blocks_and_fields_are_400s_naming_the_field(server: LiveServer) -> None:
+    """A block or a field of the wrong type (a list as a block's type, true as its thinking) is a 400 in
+    Anthropic's shape naming that field, on both paths that read the body, never a 500."""
+    hi = {"role": "user", "content": "hi"}
+
+    def said(role: str, *blocks: dict[str, Any]) -> list[dict[str, Any]]:
+        return [hi, {"role": role, "content": list(blocks)}] if role == "assistant" else [{"role": role,
+                                                                                           "content": list(blocks)}]
+
+    use = {"type": "tool_use", "id": "t1", "name": "count", "input": {"days": 1}}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"messages": said("user", {"type": ["text"], "text": "hi"})}, "messages[0].content[0].type"),
+        ({"messages": said("user", {"type": {"a": 1}, "text": "hi"})}, "messages[0].content[0].type"),
+        ({"messages": said("user", {"type": 3, "text": "hi"})}, "messages[0].content[0].type"),
+        ({"messages": said("user", {"type": "text", "text": ["hi"]})}, "messages[0].content[0].text"),
+        *[({"messages": said("assistant", {"type": "thinking", "thinking": bad, "signature": ""})},
+           "messages[1].content[0].thinking") for bad in (True, -1, ["x"], {"x": 1})],
+        ({"messages": said("assistant", {"type": "thinking", "thinking": "x", "signature": 5})},
+         "messages[1].content[0].signature"),
+        ({"messages": said("assistant", {"type": "redacted_thinking", "data": {}})}, "messages[1].content[0].data"),
+        ({"messages": said("assistant", {**use, "id": 7})}, "messages[1].content[0].id"),
+        ({"messages": said("assistant", {**use, "name": ["count"]})}, "messages[1].content[0].name"),
+        *[({"messages": said("assistant", {**use, "input": bad})}, "messages[1].content[0].input")
+          for bad in ([1], "{}", 3)],
+        ({"messages": said("user", {"type": "tool_result", "tool_use_id": ["t1"], "content": "1"})},
+         "messages[0].content[0].tool_use_id"),
+        *[({"messages": said("user", {"type": "tool_result", "tool_use_id": "t1", "content": bad})},
+           "messages[0].content[0].content") for bad in (0, False, {"a": 1}, [{"type": "text", "text": 1}], [["x"]])],
+        ({"messages": said("user", {"type": "tool_result", "tool_use_id": "t1", "content": "1", "is_error": "yes"})},
+         "messages[0].content[0].is_error"),
+        ({"messages": [hi], "system": [{"type": ["text"], "text": "S"}]}, "system"),
+        ({"messages": [hi], "tools": [COUNT], "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
+         "tool_choice.disable_parallel_tool_use"),
+        ({"messages": [hi], "tools": [COUNT], "tool_choice": {"type": ["auto"]}}, "tool_choice.type"),
+        ({"messages": [hi], "tools": [COUNT], "tool_choice": {"type": "tool", "name": {"n": 1}}}, "tool_choice.name"),
+        ({"messages": [hi], "tools": [{**COUNT, "name": ["count"]}]}, "tools[0].name"),
+        ({"messages": [hi], "tools": [{**COUNT, "type": ["custom"]}]}, "tools[0]"),
+        ({"messages": [hi], "thinking": {"type": ["enabled"]}}, "thinking.type"),
+        ({"messages": [hi], "output_config": ["json"]}, "output_config"),
+        ({"messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role"),
+    ]
+    for extra, field in cases:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = server.client.post(path, headers={"x-api-key": KEY}, json={"model": MODEL, "max_tokens": 4, **extra})
+            assert r.status_code == 400, (path, extra, r.text)
+            assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
+            assert field in r.json()["error"]["message"], (path, extra, r.text)
