@@ -284,3 +284,28 @@ def test_malformed_blocks_and_fields_are_400s_naming_the_field(server: LiveServe
             assert r.status_code == 400, (path, extra, r.text)
             assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
             assert field in r.json()["error"]["message"], (path, extra, r.text)
+
+
+def test_models_in_anthropics_shape_for_its_clients(server: LiveServer, claude: Any, client: Any) -> None:
+    """Anthropic's clients (they send anthropic-version) read /v1/models as ModelInfo, with Anthropic's 404;
+    OpenAI's get OpenAI's model objects, as before."""
+    from datetime import datetime, timezone
+
+    (info,) = list(claude.models.list())
+    page = claude.models.list()
+    assert (page.has_more, page.first_id, page.last_id) == (False, MODEL, MODEL)
+    assert (info.type, info.id, info.display_name) == ("model", MODEL, MODEL)
+    assert info.created_at.tzinfo is not None and abs(info.created_at - datetime.now(timezone.utc)).days < 1
+    assert claude.models.retrieve(MODEL) == info
+    assert claude.models.list(after_id=MODEL).data == []
+    with pytest.raises(anthropic.NotFoundError) as e:
+        claude.models.retrieve("claude-x")
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
+    refused = server.client.get("/v1/models", headers={"x-api-key": "wrong", "anthropic-version": "2023-06-01"})
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    # Without the header: OpenAI's shapes
+    (card,) = client.models.list().data
+    assert (card.id, card.object, card.owned_by) == (MODEL, "model", "mtpipe") and isinstance(card.created, int)
+    missing = server.client.get("/v1/models/claude-x", headers={"x-api-key": KEY})
+    assert missing.status_code == 404 and "type" not in missing.json()
+    assert missing.json()["error"]["code"] == "model_not_found"

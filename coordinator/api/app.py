@@ -3,7 +3,8 @@
 `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (OpenAI's Responses API, read as
 a chat request: responses_api.py), Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens`
 (messages_api.py) (streamed as server-sent events or not), vLLM's `POST /tokenize` and
-`POST /detokenize` (tokens_api.py), `GET /v1/models`, `GET /health`, `GET /v1/cluster` and `GET /metrics`
+`POST /detokenize` (tokens_api.py), `GET /v1/models` (Anthropic's shape where the caller sends `anthropic-version`:
+messages_api.py), `GET /health`, `GET /v1/cluster` and `GET /metrics`
 (Prometheus text).
 
 Routes only: what a body means is decided in service.py, how its choices run and are answered in
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from .chat import chat_messages, check_request_template, echoed, template_variables, tool_spec
 from .defaults import DEFAULT_CORS_ORIGINS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
-from .errors import APIError, body_for, error_body, parse_body, validation_error
+from .errors import APIError, anthropic_caller, body_for, error_body, parse_body, validation_error
 from .formats import OutputFormat, after_thought, output_format
 from .gate import Gate
 from .generation import ResponseFormat
@@ -135,7 +136,7 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError) -> JSONResponse:  # (Anthropic's shape on its paths)
-        body = body_for(request.url.path, e.status, e.message, type=e.type, param=e.param, code=e.code)
+        body = body_for(request.scope, e.status, e.message, type=e.type, param=e.param, code=e.code)
         return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -147,13 +148,13 @@ def create_app(
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, e: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(body_for(request.url.path, e.status_code, str(e.detail), code=code),
+        return JSONResponse(body_for(request.scope, e.status_code, str(e.detail), code=code),
                             status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, e: Exception) -> JSONResponse:
         log.error("unhandled error on %s", request.url.path, exc_info=e)
-        return JSONResponse(body_for(request.url.path, 500, f"internal error: {type(e).__name__}", type="server_error",
+        return JSONResponse(body_for(request.scope, 500, f"internal error: {type(e).__name__}", type="server_error",
                                      code="internal_error"), status_code=500)
 
     @app.get("/version")
@@ -179,14 +180,18 @@ def create_app(
                 "root": model_name, "parent": None, "max_model_len": engine.max_context,
                 "max_context": engine.max_context, "mtp": engine.has_mtp}
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    @app.get("/v1/models")  # (in Anthropic's shape for its clients: they send anthropic-version)
+    async def models(request: Request) -> dict:
+        if anthropic_caller(request.scope):
+            asked = request.query_params
+            return messages_api.model_page(model_name, service.created, asked.get("after_id"), asked.get("before_id"))
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model:path}")
-    async def model(model: str) -> dict:
+    async def model(model: str, request: Request) -> dict:
         service.check_model(model)
-        return model_card()
+        return messages_api.model_info(model_name, service.created) if anthropic_caller(request.scope) else \
+            model_card()
 
     @app.get("/v1/cluster")
     async def cluster() -> JSONResponse:

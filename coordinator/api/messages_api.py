@@ -9,6 +9,7 @@ strings; `thinking` Qwen's `enable_thinking`. It runs as one choice, as a chat r
 thought), a text block and a tool_use block per call; streamed, as the Messages API's events
 (`message_start`, `content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`), built from
 that choice's chat chunks. Errors have Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`.
+`GET /v1/models` answers Anthropic's clients (they send `anthropic-version`) with its ModelInfo shapes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import APIError, anthropic_body, validation_error
@@ -246,6 +248,23 @@ def _choice(choice: Any) -> tuple[Any, Optional[bool]]:
         raise APIError(400, f"tool_choice.type: must be auto, any, tool or none, got {kind!r}",
                        param="tool_choice.type")
     return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
+
+
+# -- the model listing, as Anthropic's clients read it --------------------------------------------
+
+
+def model_info(name: str, created: int) -> dict[str, Any]:
+    """The served model as Anthropic's ModelInfo (`GET /v1/models/{id}`): `created_at` in RFC 3339, UTC."""
+    stamp = datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"type": "model", "id": name, "display_name": name, "created_at": stamp}
+
+
+def model_page(name: str, created: int, after_id: Optional[str], before_id: Optional[str]) -> dict[str, Any]:
+    """Anthropic's model list (`GET /v1/models`): the one model served, on one page; a page after or before
+    it (after_id, before_id) holds none."""
+    data = [] if after_id or before_id else [model_info(name, created)]
+    first = data[0]["id"] if data else None
+    return {"data": data, "has_more": False, "first_id": first, "last_id": first}
 
 
 # -- the answer ---------------------------------------------------------------------------------
