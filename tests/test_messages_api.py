@@ -309,3 +309,24 @@ def test_models_in_anthropics_shape_for_its_clients(server: LiveServer, claude: 
     missing = server.client.get("/v1/models/claude-x", headers={"x-api-key": KEY})
     assert missing.status_code == 404 and "type" not in missing.json()
     assert missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_count_tokens_counts_what_no_reply_fits(server: LiveServer, claude: Any, engine: BatchEngine) -> None:
+    """count_tokens counts a conversation past the context and a body with any max_tokens (clients ask it
+    to learn that a conversation has outgrown the context), as the prompt a Message would be fed."""
+    long = [{"role": "user", "content": "one two three " * engine.max_context}]
+    fed = server.client.post("/tokenize", json={"messages": long}, headers={"x-api-key": KEY}).json()["count"]
+    assert fed > engine.max_context
+    assert claude.messages.count_tokens(model=MODEL, messages=long).input_tokens == fed
+    with pytest.raises(anthropic.BadRequestError):  # (a reply to it has no room)
+        claude.messages.create(model=MODEL, max_tokens=4, messages=long)
+    hi = [{"role": "user", "content": "hi"}]
+    short = claude.messages.count_tokens(model=MODEL, messages=hi).input_tokens
+    for extra in ({"max_tokens": 10**9}, {"max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 4096}}):
+        r = server.client.post("/v1/messages/count_tokens", headers={"x-api-key": KEY},
+                               json={"model": MODEL, "messages": hi, **extra})
+        assert r.status_code == 200 and r.json()["input_tokens"] >= short, (extra, r.text)
+    # A forced tool's prompt (its instruction too) is counted as the Message's prompt is.
+    ask = {"model": MODEL, "tools": [COUNT], "tool_choice": {"type": "tool", "name": "count"}, "messages": hi}
+    m = claude.messages.create(**ask, max_tokens=4, extra_body=GREEDY)
+    assert claude.messages.count_tokens(**ask).input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens

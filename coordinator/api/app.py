@@ -292,20 +292,16 @@ def create_app(
         body: MessagesRequest = await parse_body(request, MessagesRequest)
         service.check_model(body.model)
         chat, origins = messages_api.chat_body(body, counting=True)
-        try:
-            req, _, _, _ = await chat_request(chat, answered=True)
+        try:  # (the prompt only: however long, and whatever max_tokens, it is counted; no generation is asked)
+            tokens, _, _ = await chat_prompt(chat, answered=True)
         except APIError as e:
             raise messages_api.renamed(e, origins) from None
-        return {"input_tokens": len(req.prompt_tokens)}
+        return {"input_tokens": len(tokens)}
 
-    async def chat_request(body: ChatCompletionRequest, answered: bool = False
-                           ) -> "tuple[GenerationRequest, int, ToolSpec | None, ReasoningSplit | None]":
-        """A chat body's generation request, checked: with its choices (`n`), tools and reasoning split
-        (`answered`: tool results must answer earlier calls, as `chat_messages` says)."""
-        if body.top_logprobs and not body.logprobs:  # (0, as typed clients send by default, asks for nothing)
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-            raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
+    async def chat_prompt(body: ChatCompletionRequest, answered: bool = False
+                          ) -> "tuple[list[int], ToolSpec | None, OutputFormat | None]":
+        """A chat body's prompt as the model is fed it (tools rendered, told whether the reply is held to a
+        call), with its tools and output format: what count_tokens counts, with no context or max_tokens check."""
         fmt = output_format(body)
         tools = tool_spec(body)
         if fmt is not None and tools is not None and tools.active:  # (a format leaves no room for a call's tags)
@@ -316,9 +312,6 @@ def create_app(
                 tools.held, fmt = True, held
             else:  # (the prompt asks for the call instead)
                 log.info("tool_choice %s: not held to the tools' parameters (%s)", tools.choice, error)
-        params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1, fmt,
-                                  -1 if body.prompt_logprobs is None else body.prompt_logprobs)
-        n = service.choices(body)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         check_request_template(body.chat_template)
@@ -326,6 +319,20 @@ def create_app(
         tokens = service.truncated(body, await service.encode_chat(chat_messages(body, answered), tools, variables,
                                                                   body.continue_final_message,
                                                                   body.add_generation_prompt))
+        return tokens, tools, fmt
+
+    async def chat_request(body: ChatCompletionRequest, answered: bool = False
+                           ) -> "tuple[GenerationRequest, int, ToolSpec | None, ReasoningSplit | None]":
+        """A chat body's generation request, checked: with its choices (`n`), tools and reasoning split
+        (`answered`: tool results must answer earlier calls, as `chat_messages` says)."""
+        if body.top_logprobs and not body.logprobs:  # (0, as typed clients send by default, asks for nothing)
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
+        tokens, tools, fmt = await chat_prompt(body, answered)
+        params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1, fmt,
+                                  -1 if body.prompt_logprobs is None else body.prompt_logprobs)
+        n = service.choices(body)
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
         else:

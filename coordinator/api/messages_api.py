@@ -58,7 +58,7 @@ def renamed(e: APIError, origins: list[str]) -> APIError:
 def chat_body(body: MessagesRequest, counting: bool = False) -> tuple[ChatCompletionRequest, list[str]]:
     """The chat request a Messages body asks for, and where each of its messages came from (for errors:
     `renamed`); a 400 where it cannot be one (`counting`: only its prompt is wanted, as count_tokens asks,
-    so max_tokens may be left out)."""
+    so max_tokens may be left out, and is not checked)."""
     from pydantic import ValidationError
 
     from .models import ChatCompletionRequest, _GenerationBody
@@ -72,7 +72,7 @@ def chat_body(body: MessagesRequest, counting: bool = False) -> tuple[ChatComple
         raise APIError(400, f"temperature: must be in [0, 1], got {body.temperature}", param="temperature")
     kwargs = dict(body.chat_template_kwargs or {})
     # Extended thinking only where asked, as Anthropic's default is (Qwen's templates read enable_thinking).
-    kwargs.setdefault("enable_thinking", _thinking(body.thinking, body.max_tokens))
+    kwargs.setdefault("enable_thinking", _thinking(body.thinking, None if counting else body.max_tokens))
     choice, parallel = _choice(body.tool_choice)
     messages, origins = _messages(body.messages)
     if system:
