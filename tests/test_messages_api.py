@@ -235,3 +235,98 @@ def test_a_forced_tool_use_cut_short_is_a_tool_use_block(claude: Any) -> None:
                                messages=[{"role": "user", "content": PROMPT}])
     assert m.stop_reason == "max_tokens" and [b.type for b in m.content] == ["tool_use"], m.content
     assert m.content[0].name == COUNT["name"] and isinstance(m.content[0].input, dict)
+
+
+def test_malformed_blocks_and_fields_are_400s_naming_the_field(server: LiveServer) -> None:
+    """A block or a field of the wrong type (a list as a block's type, true as its thinking) is a 400 in
+    Anthropic's shape naming that field, on both paths that read the body, never a 500."""
+    hi = {"role": "user", "content": "hi"}
+
+    def said(role: str, *blocks: dict[str, Any]) -> list[dict[str, Any]]:
+        return [hi, {"role": role, "content": list(blocks)}] if role == "assistant" else [{"role": role,
+                                                                                           "content": list(blocks)}]
+
+    use = {"type": "tool_use", "id": "t1", "name": "count", "input": {"days": 1}}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"messages": said("user", {"type": ["text"], "text": "hi"})}, "messages[0].content[0].type"),
+        ({"messages": said("user", {"type": {"a": 1}, "text": "hi"})}, "messages[0].content[0].type"),
+        ({"messages": said("user", {"type": 3, "text": "hi"})}, "messages[0].content[0].type"),
+        ({"messages": said("user", {"type": "text", "text": ["hi"]})}, "messages[0].content[0].text"),
+        *[({"messages": said("assistant", {"type": "thinking", "thinking": bad, "signature": ""})},
+           "messages[1].content[0].thinking") for bad in (True, -1, ["x"], {"x": 1})],
+        ({"messages": said("assistant", {"type": "thinking", "thinking": "x", "signature": 5})},
+         "messages[1].content[0].signature"),
+        ({"messages": said("assistant", {"type": "redacted_thinking", "data": {}})}, "messages[1].content[0].data"),
+        ({"messages": said("assistant", {**use, "id": 7})}, "messages[1].content[0].id"),
+        ({"messages": said("assistant", {**use, "name": ["count"]})}, "messages[1].content[0].name"),
+        *[({"messages": said("assistant", {**use, "input": bad})}, "messages[1].content[0].input")
+          for bad in ([1], "{}", 3)],
+        ({"messages": said("user", {"type": "tool_result", "tool_use_id": ["t1"], "content": "1"})},
+         "messages[0].content[0].tool_use_id"),
+        *[({"messages": said("user", {"type": "tool_result", "tool_use_id": "t1", "content": bad})},
+           "messages[0].content[0].content") for bad in (0, False, {"a": 1}, [{"type": "text", "text": 1}], [["x"]])],
+        ({"messages": said("user", {"type": "tool_result", "tool_use_id": "t1", "content": "1", "is_error": "yes"})},
+         "messages[0].content[0].is_error"),
+        ({"messages": [hi], "system": [{"type": ["text"], "text": "S"}]}, "system"),
+        ({"messages": [hi], "tools": [COUNT], "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
+         "tool_choice.disable_parallel_tool_use"),
+        ({"messages": [hi], "tools": [COUNT], "tool_choice": {"type": ["auto"]}}, "tool_choice.type"),
+        ({"messages": [hi], "tools": [COUNT], "tool_choice": {"type": "tool", "name": {"n": 1}}}, "tool_choice.name"),
+        ({"messages": [hi], "tools": [{**COUNT, "name": ["count"]}]}, "tools[0].name"),
+        ({"messages": [hi], "tools": [{**COUNT, "type": ["custom"]}]}, "tools[0]"),
+        ({"messages": [hi], "thinking": {"type": ["enabled"]}}, "thinking.type"),
+        ({"messages": [hi], "output_config": ["json"]}, "output_config"),
+        ({"messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role"),
+    ]
+    for extra, field in cases:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = server.client.post(path, headers={"x-api-key": KEY}, json={"model": MODEL, "max_tokens": 4, **extra})
+            assert r.status_code == 400, (path, extra, r.text)
+            assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
+            assert field in r.json()["error"]["message"], (path, extra, r.text)
+
+
+def test_models_in_anthropics_shape_for_its_clients(server: LiveServer, claude: Any, client: Any) -> None:
+    """Anthropic's clients (they send anthropic-version) read /v1/models as ModelInfo, with Anthropic's 404;
+    OpenAI's get OpenAI's model objects, as before."""
+    from datetime import datetime, timezone
+
+    (info,) = list(claude.models.list())
+    page = claude.models.list()
+    assert (page.has_more, page.first_id, page.last_id) == (False, MODEL, MODEL)
+    assert (info.type, info.id, info.display_name) == ("model", MODEL, MODEL)
+    assert info.created_at.tzinfo is not None and abs(info.created_at - datetime.now(timezone.utc)).days < 1
+    assert claude.models.retrieve(MODEL) == info
+    assert claude.models.list(after_id=MODEL).data == []
+    with pytest.raises(anthropic.NotFoundError) as e:
+        claude.models.retrieve("claude-x")
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
+    refused = server.client.get("/v1/models", headers={"x-api-key": "wrong", "anthropic-version": "2023-06-01"})
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    # Without the header: OpenAI's shapes
+    (card,) = client.models.list().data
+    assert (card.id, card.object, card.owned_by) == (MODEL, "model", "mtpipe") and isinstance(card.created, int)
+    missing = server.client.get("/v1/models/claude-x", headers={"x-api-key": KEY})
+    assert missing.status_code == 404 and "type" not in missing.json()
+    assert missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_count_tokens_counts_what_no_reply_fits(server: LiveServer, claude: Any, engine: BatchEngine) -> None:
+    """count_tokens counts a conversation past the context and a body with any max_tokens (clients ask it
+    to learn that a conversation has outgrown the context), as the prompt a Message would be fed."""
+    long = [{"role": "user", "content": "one two three " * engine.max_context}]
+    fed = server.client.post("/tokenize", json={"messages": long}, headers={"x-api-key": KEY}).json()["count"]
+    assert fed > engine.max_context
+    assert claude.messages.count_tokens(model=MODEL, messages=long).input_tokens == fed
+    with pytest.raises(anthropic.BadRequestError):  # (a reply to it has no room)
+        claude.messages.create(model=MODEL, max_tokens=4, messages=long)
+    hi = [{"role": "user", "content": "hi"}]
+    short = claude.messages.count_tokens(model=MODEL, messages=hi).input_tokens
+    for extra in ({"max_tokens": 10**9}, {"max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 4096}}):
+        r = server.client.post("/v1/messages/count_tokens", headers={"x-api-key": KEY},
+                               json={"model": MODEL, "messages": hi, **extra})
+        assert r.status_code == 200 and r.json()["input_tokens"] >= short, (extra, r.text)
+    # A forced tool's prompt (its instruction too) is counted as the Message's prompt is.
+    ask = {"model": MODEL, "tools": [COUNT], "tool_choice": {"type": "tool", "name": "count"}, "messages": hi}
+    m = claude.messages.create(**ask, max_tokens=4, extra_body=GREEDY)
+    assert claude.messages.count_tokens(**ask).input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens

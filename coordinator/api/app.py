@@ -3,7 +3,8 @@
 `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (OpenAI's Responses API, read as
 a chat request: responses_api.py), Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens`
 (messages_api.py) (streamed as server-sent events or not), vLLM's `POST /tokenize` and
-`POST /detokenize` (tokens_api.py), `GET /v1/models`, `GET /health`, `GET /v1/cluster` and `GET /metrics`
+`POST /detokenize` (tokens_api.py), `GET /v1/models` (Anthropic's shape where the caller sends `anthropic-version`:
+messages_api.py), `GET /health`, `GET /v1/cluster` and `GET /metrics`
 (Prometheus text).
 
 Routes only: what a body means is decided in service.py, how its choices run and are answered in
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from .chat import chat_messages, check_request_template, echoed, template_variables, tool_spec
 from .defaults import DEFAULT_CORS_ORIGINS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
-from .errors import APIError, Unhandled, body_for, error_body, parse_body, validation_error
+from .errors import APIError, Unhandled, anthropic_caller, body_for, error_body, parse_body, validation_error
 from .formats import OutputFormat, after_thought, output_format
 from .gate import Gate
 from .generation import ResponseFormat
@@ -137,7 +138,7 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError) -> JSONResponse:  # (Anthropic's shape on its paths)
-        body = body_for(request.url.path, e.status, e.message, type=e.type, param=e.param, code=e.code)
+        body = body_for(request.scope, e.status, e.message, type=e.type, param=e.param, code=e.code)
         return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -149,7 +150,7 @@ def create_app(
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, e: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(body_for(request.url.path, e.status_code, str(e.detail), code=code),
+        return JSONResponse(body_for(request.scope, e.status_code, str(e.detail), code=code),
                             status_code=e.status_code, headers=e.headers)
 
     @app.get("/version")
@@ -175,14 +176,18 @@ def create_app(
                 "root": model_name, "parent": None, "max_model_len": engine.max_context,
                 "max_context": engine.max_context, "mtp": engine.has_mtp}
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    @app.get("/v1/models")  # (in Anthropic's shape for its clients: they send anthropic-version)
+    async def models(request: Request) -> dict:
+        if anthropic_caller(request.scope):
+            asked = request.query_params
+            return messages_api.model_page(model_name, service.created, asked.get("after_id"), asked.get("before_id"))
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model:path}")
-    async def model(model: str) -> dict:
+    async def model(model: str, request: Request) -> dict:
         service.check_model(model)
-        return model_card()
+        return messages_api.model_info(model_name, service.created) if anthropic_caller(request.scope) else \
+            model_card()
 
     @app.get("/v1/cluster")
     async def cluster() -> JSONResponse:
@@ -283,20 +288,16 @@ def create_app(
         body: MessagesRequest = await parse_body(request, MessagesRequest)
         service.check_model(body.model)
         chat, origins = messages_api.chat_body(body, counting=True)
-        try:
-            req, _, _, _ = await chat_request(chat, answered=True)
+        try:  # (the prompt only: however long, and whatever max_tokens, it is counted; no generation is asked)
+            tokens, _, _ = await chat_prompt(chat, answered=True)
         except APIError as e:
             raise messages_api.renamed(e, origins) from None
-        return {"input_tokens": len(req.prompt_tokens)}
+        return {"input_tokens": len(tokens)}
 
-    async def chat_request(body: ChatCompletionRequest, answered: bool = False
-                           ) -> "tuple[GenerationRequest, int, ToolSpec | None, ReasoningSplit | None]":
-        """A chat body's generation request, checked: with its choices (`n`), tools and reasoning split
-        (`answered`: tool results must answer earlier calls, as `chat_messages` says)."""
-        if body.top_logprobs and not body.logprobs:  # (0, as typed clients send by default, asks for nothing)
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-            raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
+    async def chat_prompt(body: ChatCompletionRequest, answered: bool = False
+                          ) -> "tuple[list[int], ToolSpec | None, OutputFormat | None]":
+        """A chat body's prompt as the model is fed it (tools rendered, told whether the reply is held to a
+        call), with its tools and output format: what count_tokens counts, with no context or max_tokens check."""
         fmt = output_format(body)
         tools = tool_spec(body)
         if fmt is not None and tools is not None and tools.active:  # (a format leaves no room for a call's tags)
@@ -307,9 +308,6 @@ def create_app(
                 tools.held, fmt = True, held
             else:  # (the prompt asks for the call instead)
                 log.info("tool_choice %s: not held to the tools' parameters (%s)", tools.choice, error)
-        params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1, fmt,
-                                  -1 if body.prompt_logprobs is None else body.prompt_logprobs)
-        n = service.choices(body)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         check_request_template(body.chat_template)
@@ -317,6 +315,20 @@ def create_app(
         tokens = service.truncated(body, await service.encode_chat(chat_messages(body, answered), tools, variables,
                                                                   body.continue_final_message,
                                                                   body.add_generation_prompt))
+        return tokens, tools, fmt
+
+    async def chat_request(body: ChatCompletionRequest, answered: bool = False
+                           ) -> "tuple[GenerationRequest, int, ToolSpec | None, ReasoningSplit | None]":
+        """A chat body's generation request, checked: with its choices (`n`), tools and reasoning split
+        (`answered`: tool results must answer earlier calls, as `chat_messages` says)."""
+        if body.top_logprobs and not body.logprobs:  # (0, as typed clients send by default, asks for nothing)
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
+        tokens, tools, fmt = await chat_prompt(body, answered)
+        params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1, fmt,
+                                  -1 if body.prompt_logprobs is None else body.prompt_logprobs)
+        n = service.choices(body)
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
         else:

@@ -15,6 +15,7 @@ def error_body(message: str, type: str = "invalid_request_error", param: Optiona
 
 
 ANTHROPIC_PATHS = "/v1/messages"  # (and below it): errors in Anthropic's shape
+SHARED_PATHS = "/v1/models"  # (and below it): Anthropic's shape for callers that send its version header
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
@@ -23,9 +24,19 @@ def anthropic_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
 
 
-def body_for(path: str, status: int, message: str, **fields: Any) -> dict[str, Any]:
-    """An error body in the shape the path's clients read: Anthropic's under /v1/messages, else OpenAI's."""
+def anthropic_caller(scope: dict[str, Any]) -> bool:
+    """Whether a request (its ASGI scope) is answered in Anthropic's shapes: anything under /v1/messages, and
+    the model listing both APIs share when the caller sends `anthropic-version`, as Anthropic's clients do."""
+    path = scope["path"]
     if path.startswith(ANTHROPIC_PATHS):
+        return True
+    return path.startswith(SHARED_PATHS) and any(name == b"anthropic-version" for name, _ in scope.get("headers") or ())
+
+
+def body_for(scope: dict[str, Any], status: int, message: str, **fields: Any) -> dict[str, Any]:
+    """An error body in the shape the request's clients read (its ASGI scope): Anthropic's for Anthropic's
+    callers (`anthropic_caller`), else OpenAI's."""
+    if anthropic_caller(scope):
         return anthropic_body(status, message)
     return error_body(message, **fields)
 
@@ -120,7 +131,6 @@ class Unhandled:
                 raise
             from starlette.responses import JSONResponse
 
-            path = scope.get("path", "")
-            log.error("unhandled error on %s", path, exc_info=e)
-            body = body_for(path, 500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error")
+            log.error("unhandled error on %s", scope.get("path", ""), exc_info=e)
+            body = body_for(scope, 500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error")
             await JSONResponse(body, status_code=500)(scope, receive, send)

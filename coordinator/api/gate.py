@@ -65,7 +65,7 @@ class Gate:
             if self._authorized(scope):
                 await self.app(scope, receive, send_status)
             else:
-                body = body_for(scope["path"], 401, "invalid or missing API key: send 'Authorization: Bearer <key>' "
+                body = body_for(scope, 401, "invalid or missing API key: send 'Authorization: Bearer <key>' "
                                 "(or 'x-api-key: <key>')", code="invalid_api_key")
                 await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(
                     scope, receive, send_status)

@@ -79,5 +79,5 @@ class BodyLimit:
 
         # Connection: close, so the server need not read the rest of a body nobody wants.
         headers = {"Connection": "close"}
-        body = body_for(scope["path"], e.status, e.message, type=e.type, code=e.code)
+        body = body_for(scope, e.status, e.message, type=e.type, code=e.code)
         await JSONResponse(body, status_code=e.status, headers=headers)(scope, receive, send)

@@ -9,6 +9,7 @@ strings; `thinking` Qwen's `enable_thinking`. It runs as one choice, as a chat r
 thought), a text block and a tool_use block per call; streamed, as the Messages API's events
 (`message_start`, `content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`), built from
 that choice's chat chunks. Errors have Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`.
+`GET /v1/models` answers Anthropic's clients (they send `anthropic-version`) with its ModelInfo shapes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import APIError, anthropic_body, validation_error
@@ -56,7 +58,7 @@ def renamed(e: APIError, origins: list[str]) -> APIError:
 def chat_body(body: MessagesRequest, counting: bool = False) -> tuple[ChatCompletionRequest, list[str]]:
     """The chat request a Messages body asks for, and where each of its messages came from (for errors:
     `renamed`); a 400 where it cannot be one (`counting`: only its prompt is wanted, as count_tokens asks,
-    so max_tokens may be left out)."""
+    so max_tokens may be left out, and is not checked)."""
     from pydantic import ValidationError
 
     from .models import ChatCompletionRequest, _GenerationBody
@@ -70,7 +72,7 @@ def chat_body(body: MessagesRequest, counting: bool = False) -> tuple[ChatComple
         raise APIError(400, f"temperature: must be in [0, 1], got {body.temperature}", param="temperature")
     kwargs = dict(body.chat_template_kwargs or {})
     # Extended thinking only where asked, as Anthropic's default is (Qwen's templates read enable_thinking).
-    kwargs.setdefault("enable_thinking", _thinking(body.thinking, body.max_tokens))
+    kwargs.setdefault("enable_thinking", _thinking(body.thinking, None if counting else body.max_tokens))
     choice, parallel = _choice(body.tool_choice)
     messages, origins = _messages(body.messages)
     if system:
@@ -89,7 +91,9 @@ def chat_body(body: MessagesRequest, counting: bool = False) -> tuple[ChatComple
 
 def _format(config: Any) -> Optional[dict[str, Any]]:
     """Anthropic's structured output (`output_config.format`) as chat's response_format."""
-    fmt = config.get("format") if isinstance(config, dict) else None
+    if config is not None and not isinstance(config, dict):
+        raise APIError(400, "output_config: must be an object", param="output_config")
+    fmt = config.get("format") if config is not None else None
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
@@ -107,8 +111,39 @@ def _text(where: str, content: Any) -> str:
     raise APIError(400, f"{where} must be text, or a list of text blocks", param=where)
 
 
-NEEDS = {"text": ("text",), "tool_use": ("id", "name"), "tool_result": ("tool_use_id",)}  # (strings)
-SENT_BY = {"tool_use": "assistant", "tool_result": "user"}
+# Each block kind read here: the role that sends it, and its fields' types ((type, what, needed));
+# a field left out that is not needed is taken as empty.
+BLOCKS: dict[str, tuple[Optional[str], dict[str, tuple[type, str, bool]]]] = {
+    "text": (None, {"text": (str, "a string", True)}),
+    "tool_use": ("assistant", {"id": (str, "a string", True), "name": (str, "a string", True),
+                               "input": (dict, "an object", False)}),
+    "thinking": ("assistant", {"thinking": (str, "a string", False), "signature": (str, "a string", False)}),
+    "redacted_thinking": ("assistant", {"data": (str, "a string", False)}),
+    "tool_result": ("user", {"tool_use_id": (str, "a string", True), "is_error": (bool, "a boolean", False)}),
+}
+JSON_TYPES = {bool: "a boolean", str: "a string", int: "a number", float: "a number", list: "an array",
+              dict: "an object", type(None): "null"}
+
+
+def _kind(at: str, block: dict[str, Any], role: str) -> str:
+    """A block's type, once its fields have the types it needs: a 400 naming the field that does not (not a 500
+    where a list or an object is used as a name)."""
+    kind = block.get("type")
+    if not isinstance(kind, str):
+        raise APIError(400, f"{at}.type: must be a string, got {JSON_TYPES.get(type(kind), 'a value')}",
+                       param=f"{at}.type")
+    sender, fields = BLOCKS.get(kind, (role, None))
+    if fields is None or sender not in (None, role):
+        raise APIError(400, f"{at}: {kind!r} blocks are not supported here"
+                            f"{' in ' + role + ' messages' if fields is not None else ''}", param=f"{at}.type")
+    for field, (kind_of, what, needed) in fields.items():
+        value = block.get(field)
+        if value is None and needed:
+            raise APIError(400, f"{at}: a {kind} block needs its {field} ({what})", param=f"{at}.{field}")
+        if value is not None and not isinstance(value, kind_of):
+            raise APIError(400, f"{at}.{field}: must be {what}, got {JSON_TYPES.get(type(value), 'a value')}",
+                           param=f"{at}.{field}")
+    return kind
 
 
 def _messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -123,29 +158,17 @@ def _messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
             raise APIError(400, f"{where}.content must be text or a list of content blocks", param=f"{where}.content")
         text, calls, thought = [], [], []
         for j, b in enumerate(blocks):
-            kind = b.get("type")
-            if kind == "text" and isinstance(b.get("text"), str):
+            kind = _kind(f"{where}.content[{j}]", b, role)
+            if kind == "text":
                 text.append(b["text"])
-            elif kind == "tool_use" and role == "assistant" and isinstance(b.get("id"), str) and \
-                    isinstance(b.get("name"), str):
+            elif kind == "tool_use":
                 calls.append({"id": b["id"], "type": "function", "function": {
-                    "name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
-            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                    "name": b["name"], "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
+            elif kind in ("thinking", "redacted_thinking"):
                 thought.append(b.get("thinking") or "")
-            elif kind == "tool_result" and role == "user" and isinstance(b.get("tool_use_id"), str):
-                result = b.get("content") or ""
-                result = _text(f"{where}.content[{j}].content", result)
-                out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                            "content": f"Error: {result}" if b.get("is_error") else result})
+            else:  # (a tool_result)
+                out.append(_result(f"{where}.content[{j}]", b))
                 origins.append(f"{where}.content[{j}]")
-            elif kind in NEEDS and SENT_BY.get(kind, role) == role:  # (a field of it missing)
-                field = next(f for f in NEEDS[kind] if not isinstance(b.get(f), str))
-                raise APIError(400, f"{where}.content[{j}]: a {kind} block needs its {field} (a string)",
-                               param=f"{where}.content[{j}].{field}")
-            else:
-                raise APIError(400, f"{where}.content[{j}]: {kind!r} blocks are not supported here"
-                                    f"{' in ' + role + ' messages' if kind in NEEDS else ''}",
-                               param=f"{where}.content[{j}].type")
         if role == "user" and (text or not blocks):
             out.append({"role": "user", "content": "\n".join(text)})
             origins.append(where)
@@ -158,6 +181,14 @@ def _messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], lis
             out.append(msg)
             origins.append(where)
     return out, origins
+
+
+def _result(at: str, block: dict[str, Any]) -> dict[str, Any]:
+    """A tool_result block as chat's tool message."""
+    content = block.get("content")
+    result = "" if content is None else _text(f"{at}.content", content)
+    return {"role": "tool", "tool_call_id": block["tool_use_id"],
+            "content": f"Error: {result}" if block.get("is_error") else result}
 
 
 def _thinking(thinking: Any, max_tokens: Optional[int]) -> bool:
@@ -203,16 +234,37 @@ def _choice(choice: Any) -> tuple[Any, Optional[bool]]:
     """Chat's tool_choice and parallel_tool_calls for Anthropic's tool_choice."""
     if not isinstance(choice, dict):
         return choice, None
+    if not isinstance(choice.get("disable_parallel_tool_use", False), bool):
+        raise APIError(400, "tool_choice.disable_parallel_tool_use: must be a boolean",
+                       param="tool_choice.disable_parallel_tool_use")
     parallel = False if choice.get("disable_parallel_tool_use") else None
     kind = choice.get("type")
     if kind == "tool":
         if not isinstance(choice.get("name"), str):
-            raise APIError(400, 'tool_choice {"type": "tool"} needs the name of the tool', param="tool_choice.name")
+            raise APIError(400, 'tool_choice.name: tool_choice {"type": "tool"} needs the name of the tool (a string)',
+                           param="tool_choice.name")
         return {"type": "function", "function": {"name": choice["name"]}}, parallel
     if kind not in ("auto", "any", "none"):
         raise APIError(400, f"tool_choice.type: must be auto, any, tool or none, got {kind!r}",
                        param="tool_choice.type")
     return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
+
+
+# -- the model listing, as Anthropic's clients read it --------------------------------------------
+
+
+def model_info(name: str, created: int) -> dict[str, Any]:
+    """The served model as Anthropic's ModelInfo (`GET /v1/models/{id}`): `created_at` in RFC 3339, UTC."""
+    stamp = datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"type": "model", "id": name, "display_name": name, "created_at": stamp}
+
+
+def model_page(name: str, created: int, after_id: Optional[str], before_id: Optional[str]) -> dict[str, Any]:
+    """Anthropic's model list (`GET /v1/models`): the one model served, on one page; a page after or before
+    it (after_id, before_id) holds none."""
+    data = [] if after_id or before_id else [model_info(name, created)]
+    first = data[0]["id"] if data else None
+    return {"data": data, "has_more": False, "first_id": first, "last_id": first}
 
 
 # -- the answer ---------------------------------------------------------------------------------
