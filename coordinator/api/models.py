@@ -27,6 +27,7 @@ class _Body(BaseModel):
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    refusal: str | None = None  # a refusal part's text (an assistant's refused turn, sent back)
 
 
 class FunctionCall(_Body):
