@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
-from .chat import chat_messages, check_request_template, echoed, template_variables, tool_spec
+from .chat import chat_messages, check_request_template, echoed, template_effort, template_variables, tool_spec
 from .defaults import DEFAULT_CORS_ORIGINS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
 from .errors import APIError, body_for, error_body, parse_body, validation_error
 from .formats import OutputFormat, after_thought, output_format
@@ -317,7 +317,8 @@ def create_app(
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         check_request_template(body.chat_template)
-        variables = template_variables(body.chat_template_kwargs, body.reasoning_effort)
+        effort = await service.tokenize(0, lambda tokenizer: template_effort(tokenizer, body.reasoning_effort))
+        variables = template_variables(body.chat_template_kwargs, effort)
         tokens = service.truncated(body, await service.encode_chat(chat_messages(body, answered), tools, variables,
                                                                   body.continue_final_message,
                                                                   body.add_generation_prompt))

@@ -354,6 +354,19 @@ def template_variables(kwargs: dict[str, Any] | None, reasoning_effort: str | No
     return variables or None
 
 
+FINER_EFFORTS = ("xhigh", "max")  # OpenAI's efforts above "high", which most templates do not know
+
+
+def template_effort(tokenizer: Any, effort: str | None) -> str | None:
+    """OpenAI's reasoning_effort as the model's chat template takes it: an effort above "high" is "high"
+    where the template names no such value (a template that knows only low, medium and high would
+    otherwise see a value it never compares with)."""
+    if effort not in FINER_EFFORTS:
+        return effort
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    return effort if f"'{effort}'" in template or f'"{effort}"' in template else "high"
+
+
 def check_request_template(template: str | None) -> None:
     """A request's own `chat_template` (vLLM's field): refused, as vLLM refuses one unless its server trusts
     requests' templates; this one renders every prompt with the model's."""

@@ -152,7 +152,8 @@ class ChatCompletionRequest(_GenerationBody):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
     # OpenAI's: "none" turns a thinking model's thought off (enable_thinking), as vLLM maps it; a variable too
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # (xhigh and max as high, where the template names no such value: chat.template_effort)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     include_reasoning: bool | None = None  # vLLM's: false drops a reasoning model's thinking from the reply
     continue_final_message: Flag = False  # vLLM's: the reply goes on from the last (assistant) message
     add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's turn unopened
