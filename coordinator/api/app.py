@@ -1,8 +1,8 @@
 """The coordinator's OpenAI-compatible REST API.
 
 `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (OpenAI's Responses API, read as
-a chat request: responses_api.py), Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens`
-(messages_api.py) (streamed as server-sent events or not), vLLM's `POST /tokenize` and
+a chat request: responses_input.py, responses_api.py), Anthropic's `POST /v1/messages` and
+`/v1/messages/count_tokens` (messages_api.py) (streamed as server-sent events or not), vLLM's `POST /tokenize` and
 `POST /detokenize` (tokens_api.py), `GET /v1/models`, `GET /health`, `GET /v1/cluster` and `GET /metrics`
 (Prometheus text).
 
@@ -59,7 +59,7 @@ from .metrics import ServerMetrics
 from .model_defaults import model_defaults
 from .readiness import Readiness
 from .responses import choices_of, complete, stream
-from . import messages_api, responses_api
+from . import messages_api, responses_api, responses_input
 from .reasoning import ReasoningSplit, reasoning_split
 from .response_store import ResponseStore, page
 from .service import Service
@@ -239,12 +239,12 @@ def create_app(
         started = time.perf_counter()
         body: ResponsesRequest = await parse_body(request, ResponsesRequest)
         service.check_model(body.model)
-        items = responses_api.input_items(body, kept)
-        chat, origins = responses_api.chat_body(body, items)
+        items = responses_input.input_items(body, kept)
+        chat, origins = responses_input.chat_body(body, items)
         try:
             req, _, tools, thinking = await chat_request(chat, answered=True)
         except APIError as e:  # (named as this endpoint names its fields)
-            raise responses_api.renamed(e, origins) from None
+            raise responses_input.renamed(e, origins) from None
         return await responses_api.respond_to(service, body, req, tools, thinking, request, started, model_name,
                                               kept, items)
 
