@@ -136,6 +136,31 @@ def test_a_call_and_its_output_sent_back(client: Any) -> None:
     assert follow.usage.input_tokens == chat.usage.prompt_tokens  # (the same conversation as chat's: one turn)
 
 
+def test_a_call_the_budget_cut_is_incomplete(client: Any) -> None:
+    """A function_call that max_output_tokens cut (its arguments not whole JSON) is "incomplete", in the
+    response and in the stream's output_item.done, as OpenAI's; a whole call before it stays "completed"."""
+    ask = {"input": "How many days?", "tools": [COUNT], "tool_choice": "required", "temperature": 0}
+    for budget in (3, 24, 40, 60, 80):  # (from a call begun to two whole ones, on this model)
+        r = client.responses.create(model=MODEL, max_output_tokens=budget, **ask)
+        events = events_of(client, max_output_tokens=budget, **ask)
+        done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+        for calls in ([o for o in r.output if o.type == "function_call"], done, events[-1].response.output):
+            whole = []
+            for call in calls:
+                try:
+                    whole.append(isinstance(json.loads(call.arguments), dict))
+                except ValueError:
+                    whole.append(False)
+            assert [c.status for c in calls] == ["completed" if w else "incomplete" for w in whole]
+        assert [c.arguments for c in done] == [o.arguments for o in r.output if o.type == "function_call"]
+    cut = client.responses.create(model=MODEL, max_output_tokens=60, **ask)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert [o.status for o in cut.output] == ["completed", "incomplete"]  # (the second call cut, on this model)
+    named = client.responses.create(model=MODEL, input="How many days?", tools=[COUNT], max_output_tokens=2,
+                                    tool_choice={"type": "function", "name": "count"})
+    assert [(o.type, o.status) for o in named.output] == [("function_call", "incomplete")]
+
+
 def test_thinking_comes_as_a_reasoning_item(client: Any, engine: BatchEngine) -> None:
     """With made-up thinking tags (the prompt's last tag opens the thought, a piece of the reply closes
     it), the thought is a reasoning item before the message, whole and streamed."""

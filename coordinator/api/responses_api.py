@@ -76,10 +76,21 @@ class Shape:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
     @staticmethod
-    def call(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    def call(call: dict[str, Any], status: Optional[str] = None) -> dict[str, Any]:
+        """A function_call item; its status, unless given, "incomplete" where its arguments are not whole
+        JSON (only a call the budget cut has such arguments: whole ones are parsed or held to their schema)."""
         fn = call["function"]
+        status = status or ("completed" if _whole_json(fn["arguments"]) else "incomplete")
         return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
-                "name": fn["name"], "arguments": fn["arguments"] if status == "completed" else "", "status": status}
+                "name": fn["name"], "arguments": fn["arguments"] if status != "in_progress" else "", "status": status}
+
+
+def _whole_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 async def _usage(service: Service, stats: GenerationStats, thought: str, depth: Any) -> dict[str, Any]:
