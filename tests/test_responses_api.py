@@ -161,6 +161,47 @@ def test_a_call_the_budget_cut_is_incomplete(client: Any) -> None:
     assert [(o.type, o.status) for o in named.output] == [("function_call", "incomplete")]
 
 
+def test_what_was_asked_is_echoed(client: Any) -> None:
+    """user, truncation and service_tier are echoed (the tier "default" where none, or "auto", was asked);
+    completed_at is set once a response has completed, whole and streamed."""
+    import time
+
+    before = time.time()
+    ask = {"input": PROMPT, "max_output_tokens": 2, "user": "u-7", "truncation": "auto", "service_tier": "flex"}
+    r = client.responses.create(model=MODEL, **ask)
+    assert (r.user, r.truncation, r.service_tier) == ("u-7", "auto", "flex")
+    assert r.status == "incomplete" and r.completed_at is None
+    ended = {"input": PROMPT, "max_output_tokens": 64, "temperature": 0, "extra_body": {"stop": [" "]}}
+    plain = client.responses.create(model=MODEL, service_tier="auto", **ended)
+    assert (plain.user, plain.truncation, plain.service_tier) == (None, "disabled", "default")
+    assert plain.status == "completed" and before - 1 <= plain.completed_at <= time.time() + 1
+    streamed = events_of(client, user="u-8", **ended)
+    assert streamed[0].response.completed_at is None and streamed[0].response.user == "u-8"
+    assert streamed[-1].response.status == "completed" and streamed[-1].response.completed_at >= int(before)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=2, service_tier="fastest")
+    assert e.value.body["param"] == "service_tier"
+
+
+def test_truncation_auto_drops_the_first_turns_that_overflow(client: Any) -> None:
+    """truncation "auto": an input past the context loses its first turns, as few as let it fit (OpenAI's);
+    "disabled" (the default) refuses it, as does "auto" where the last turn alone overflows."""
+    long = [{"role": "user", "content": "a b c d " * 1500}, {"role": "assistant", "content": "Noted."}]
+    turns = [*long, {"role": "user", "content": "How many?"}, {"role": "assistant", "content": "Two."},
+             {"role": "user", "content": "And then?"}]
+    ask = {"model": MODEL, "max_output_tokens": 2, "instructions": "Be brief."}
+    for truncation in ({}, {"truncation": "disabled"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(input=turns, **ask, **truncation)
+        assert e.value.body["code"] == "context_length_exceeded"
+    cut = client.responses.create(input=turns, truncation="auto", **ask)
+    assert cut.truncation == "auto" and cut.usage.input_tokens == \
+        client.responses.create(input=turns[2:], **ask).usage.input_tokens  # (the long turn gone, the rest kept)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(input=[*turns, *long[:1]], truncation="auto", **ask)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
 def test_thinking_comes_as_a_reasoning_item(client: Any, engine: BatchEngine) -> None:
     """With made-up thinking tags (the prompt's last tag opens the thought, a piece of the reply closes
     it), the thought is a reasoning item before the message, whole and streamed."""

@@ -240,13 +240,28 @@ def create_app(
         body: ResponsesRequest = await parse_body(request, ResponsesRequest)
         service.check_model(body.model)
         items = responses_input.input_items(body, kept)
-        chat, origins = responses_input.chat_body(body, items)
-        try:
-            req, _, tools, thinking = await chat_request(chat, answered=True)
-        except APIError as e:  # (named as this endpoint names its fields)
-            raise responses_input.renamed(e, origins) from None
+        req, tools, thinking = await responses_request(body, items)
         return await responses_api.respond_to(service, body, req, tools, thinking, request, started, model_name,
                                               kept, items)
+
+    async def responses_request(body: ResponsesRequest, items: "list[dict[str, Any]]"
+                                ) -> "tuple[GenerationRequest, ToolSpec | None, ReasoningSplit | None]":
+        """The generation request of a Responses body whose conversation is `items`. With truncation "auto"
+        a conversation that overflows the context loses its first turns, as few as let it fit (OpenAI's)."""
+        async def from_turn(start: int) -> "tuple[GenerationRequest, ToolSpec | None, ReasoningSplit | None]":
+            chat, origins = responses_input.chat_body(body, items[start:])
+            try:
+                req, _, tools, thinking = await chat_request(chat, answered=True)
+            except APIError as e:  # (named as this endpoint names its fields)
+                raise responses_input.renamed(e, origins) from None
+            return req, tools, thinking
+
+        try:
+            return await from_turn(0)
+        except APIError as e:
+            if body.truncation != "auto" or e.code != "context_length_exceeded":
+                raise
+            return await responses_input.fewest_dropped(items, from_turn, e)
 
     @app.get("/v1/responses/{response_id}")
     async def kept_response(response_id: str) -> Any:

@@ -190,6 +190,9 @@ class ResponsesRequest(_GenerationBody):
     include_reasoning: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": ...}: effort as chat's reasoning_effort
+    truncation: Literal["auto", "disabled"] | None = None  # auto: the first turns dropped where the input overflows
+    user: str | None = None  # (echoed, as these two are: one tier here)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
 
 
 class MessagesRequest(_GenerationBody):

@@ -53,8 +53,13 @@ class Shape:
                 "reasoning": {k: (b.reasoning or {}).get(k) for k in ("effort", "summary")},
                 "temperature": b.temperature, "top_logprobs": b.top_logprobs,
                 "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
-                "tools": b.tools or [], "top_p": b.top_p, "truncation": "disabled", "usage": usage, "user": None,
-                "metadata": b.metadata or {}}
+                "tools": b.tools or [], "top_p": b.top_p, "truncation": b.truncation or "disabled", "usage": usage,
+                "user": b.user, "metadata": b.metadata or {}, "service_tier": self.tier(),
+                "completed_at": int(time.time()) if status == "completed" else None}
+
+    def tier(self) -> str:
+        """The tier asked ("auto": the default one), as OpenAI's names the one that served (all are alike here)."""
+        return "default" if self.body.service_tier in (None, "auto") else self.body.service_tier
 
     @staticmethod
     def item_id(kind: str) -> str:

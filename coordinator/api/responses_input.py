@@ -10,7 +10,8 @@ as this endpoint names its fields (`renamed`).
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from .errors import APIError, validation_error
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from .models import ChatCompletionRequest, ResponsesRequest
     from .response_store import ResponseStore
 
+T = TypeVar("T")
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 # chat's field names as this endpoint's (in errors)
@@ -209,3 +211,28 @@ def _format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
                            param="text.format.schema")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     return {"type": fmt.get("type")}
+
+
+def turn_starts(items: list[dict[str, Any]]) -> list[int]:
+    """Where the conversation may begin once its first turns are dropped (truncation "auto"): at its start,
+    or at a user's message (never between a call and its output)."""
+    return [0] + [i for i, item in enumerate(items) if i and item.get("type", "message") == "message"
+                  and item.get("role") == "user"]
+
+
+async def fewest_dropped(items: list[dict[str, Any]], attempt: Callable[[int], Awaitable[T]], overflow: APIError) -> T:
+    """`attempt(start)` from the first turn start (`turn_starts`) at which the conversation fits the context:
+    the fewest first turns dropped, found by halving; `overflow` (the whole conversation's error) where none fits."""
+    starts = turn_starts(items)[1:]
+    low, high, found = 0, len(starts) - 1, None
+    while low <= high:
+        mid = (low + high) // 2
+        try:
+            found, high = await attempt(starts[mid]), mid - 1
+        except APIError as e:
+            if e.code != "context_length_exceeded":
+                raise
+            low = mid + 1
+    if found is None:
+        raise overflow
+    return found
