@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("llguidance")
 
@@ -200,6 +201,35 @@ def test_truncation_auto_drops_the_first_turns_that_overflow(client: Any) -> Non
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(input=[*turns, *long[:1]], truncation="auto", **ask)
     assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_input_tokens_counts_the_prompt_a_request_is_fed(client: Any, engine: BatchEngine) -> None:
+    """POST /v1/responses/input_tokens: the prompt a Responses body would be fed (its instructions, tools,
+    the response it goes on from), counted and not generated; also past the context."""
+    first = client.responses.create(model=MODEL, input="How many?", max_output_tokens=3, temperature=0)
+    for ask in ({"input": PROMPT}, {"input": "How many days?", "instructions": "Be brief.", "tools": [COUNT],
+                                    "tool_choice": "required"},
+                {"input": "And then?", "previous_response_id": first.id}, {"input": PROMPT, "reasoning": {
+                    "effort": "none"}}):
+        counted = client.responses.input_tokens.count(model=MODEL, **ask)
+        assert counted.object == "response.input_tokens"
+        assert counted.input_tokens == client.responses.create(model=MODEL, max_output_tokens=1,
+                                                               **ask).usage.input_tokens
+    metrics = str(client.base_url).removesuffix("/v1/") + "/metrics"
+
+    def prompt_tokens_generated() -> float:
+        (line,) = [x for x in httpx.get(metrics).text.splitlines() if x.startswith("mtpipe_prompt_tokens_total ")]
+        return float(line.split()[1])
+
+    before = prompt_tokens_generated()
+    past = client.responses.input_tokens.count(model=MODEL, input="a b c d " * 1500)
+    assert past.input_tokens > engine.max_context and prompt_tokens_generated() == before  # (nothing generated)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_tokens.count(model=MODEL, input=[{"type": "computer_call"}])
+    assert e.value.body["param"] == "input[0].type"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_tokens.count(model=MODEL)
+    assert e.value.body["param"] == "input"
 
 
 def test_thinking_comes_as_a_reasoning_item(client: Any, engine: BatchEngine) -> None:

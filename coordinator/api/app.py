@@ -1,10 +1,10 @@
 """The coordinator's OpenAI-compatible REST API.
 
 `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (OpenAI's Responses API, read as
-a chat request: responses_input.py, responses_api.py), Anthropic's `POST /v1/messages` and
-`/v1/messages/count_tokens` (messages_api.py) (streamed as server-sent events or not), vLLM's `POST /tokenize` and
-`POST /detokenize` (tokens_api.py), `GET /v1/models`, `GET /health`, `GET /v1/cluster` and `GET /metrics`
-(Prometheus text).
+a chat request: responses_input.py, responses_api.py; `/v1/responses/input_tokens` counts its prompt),
+Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens` (messages_api.py) (streamed as server-sent
+events or not), vLLM's `POST /tokenize` and `POST /detokenize` (tokens_api.py), `GET /v1/models`,
+`GET /health`, `GET /v1/cluster` and `GET /metrics` (Prometheus text).
 
 Routes only: what a body means is decided in service.py, how its choices run and are answered in
 responses.py (`n` per prompt; completions take a list of prompts), auth and request metrics in gate.py.
@@ -68,6 +68,7 @@ from .tokens_api import add_token_routes
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from ...node.protocol import SamplingParams
     from ..engine.engine import Engine
     from ..engine.request import GenerationRequest
     from .chat import ToolSpec
@@ -106,7 +107,8 @@ def create_app(
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.exceptions import HTTPException
 
-    from .models import ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest
+    from .models import (ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesCountRequest,
+                         ResponsesRequest)
 
     metrics = ServerMetrics(engine.scheduler_state)
     defaults = model_defaults(generation_config)
@@ -263,6 +265,19 @@ def create_app(
                 raise
             return await responses_input.fewest_dropped(items, from_turn, e)
 
+    @app.post("/v1/responses/input_tokens")
+    async def responses_input_tokens(request: Request) -> Any:
+        """OpenAI's input token count: the prompt a Responses body would be fed, counted, nothing generated;
+        also past the context (clients ask it to decide whether to compact)."""
+        body: ResponsesCountRequest = await parse_body(request, ResponsesCountRequest)
+        service.check_model(body.model)
+        chat, origins = responses_input.chat_body(body, responses_input.input_items(body, kept))
+        try:
+            tokens, _, _, _ = await chat_prompt(chat, answered=True)
+        except APIError as e:  # (named as this endpoint names its fields)
+            raise responses_input.renamed(e, origins) from None
+        return {"object": "response.input_tokens", "input_tokens": len(tokens)}
+
     @app.get("/v1/responses/{response_id}")
     async def kept_response(response_id: str) -> Any:
         if (response := kept.get(response_id)) is None:
@@ -308,10 +323,11 @@ def create_app(
             raise messages_api.renamed(e, origins) from None
         return {"input_tokens": len(req.prompt_tokens)}
 
-    async def chat_request(body: ChatCompletionRequest, answered: bool = False
-                           ) -> "tuple[GenerationRequest, int, ToolSpec | None, ReasoningSplit | None]":
-        """A chat body's generation request, checked: with its choices (`n`), tools and reasoning split
-        (`answered`: tool results must answer earlier calls, as `chat_messages` says)."""
+    async def chat_prompt(body: ChatCompletionRequest, answered: bool = False
+                          ) -> "tuple[list[int], ToolSpec | None, OutputFormat | None, SamplingParams]":
+        """A chat body's prompt as it is fed, checked up to its generation (not against the context): with its
+        tools (held to a call where one must be made), output format and sampling (`answered`: tool results
+        must answer earlier calls, as `chat_messages` says)."""
         if body.top_logprobs and not body.logprobs:  # (0, as typed clients send by default, asks for nothing)
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
@@ -328,7 +344,6 @@ def create_app(
                 log.info("tool_choice %s: not held to the tools' parameters (%s)", tools.choice, error)
         params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1, fmt,
                                   -1 if body.prompt_logprobs is None else body.prompt_logprobs)
-        n = service.choices(body)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         check_request_template(body.chat_template)
@@ -337,6 +352,14 @@ def create_app(
         tokens = service.truncated(body, await service.encode_chat(chat_messages(body, answered), tools, variables,
                                                                   body.continue_final_message,
                                                                   body.add_generation_prompt))
+        return tokens, tools, fmt, params
+
+    async def chat_request(body: ChatCompletionRequest, answered: bool = False
+                           ) -> "tuple[GenerationRequest, int, ToolSpec | None, ReasoningSplit | None]":
+        """A chat body's generation request, checked: with its choices (`n`), tools and reasoning split
+        (`answered`: as `chat_prompt`'s)."""
+        tokens, tools, fmt, params = await chat_prompt(body, answered)
+        n = service.choices(body)
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
         else:

@@ -195,6 +195,12 @@ class ResponsesRequest(_GenerationBody):
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
 
 
+class ResponsesCountRequest(ResponsesRequest):
+    """`POST /v1/responses/input_tokens`: a Responses body whose prompt is counted (its input may be left out)."""
+
+    input: str | list[dict[str, Any]] = []
+
+
 class MessagesRequest(_GenerationBody):
     """Anthropic's Messages API (`/v1/messages`): the fields read here (messages_api.py)."""
 
