@@ -135,6 +135,21 @@ def test_chat(engine: Engine, client: Any) -> None:
     assert not any(active(engine))
 
 
+def test_an_assistants_refusal_part_is_its_text(client: Any) -> None:
+    """A refused turn sent back (OpenAI's assistant content part {"type": "refusal"}) reads as the
+    assistant's text; a user's refusal part is a 400."""
+    def prompt_tokens(content: Any) -> int:
+        messages = [*chat("x"), {"role": "assistant", "content": content}, *chat("why?")]
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens
+
+    refused = prompt_tokens([{"type": "refusal", "refusal": "I can't help with that."}])
+    assert refused == prompt_tokens("I can't help with that.") > prompt_tokens("")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+            {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])
+    assert e.value.body["param"] == "messages" and "'refusal'" in e.value.body["message"]
+
+
 def test_chat_stream(engine: Engine, client: Any) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPTS[1]}]
     ref = direct(engine, engine.encode_chat(messages), 12, depth=1)

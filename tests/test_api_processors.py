@@ -382,3 +382,24 @@ def test_reasoning_effort_none_turns_thinking_off_as_vllm_maps_it(client: Any, e
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=1, reasoning={"effort": "extreme"})
         assert e.value.body["param"] == "reasoning.effort"
+
+
+def test_efforts_above_high_are_high_unless_the_template_knows_them(client: Any, engine: BatchEngine) -> None:
+    """OpenAI's "xhigh" and "max" efforts are taken: a template that names no such value reads "high",
+    one that names it reads it; the Responses API echoes what was asked."""
+    tokenize = str(client.base_url).removesuffix("/v1/") + "/tokenize"
+    messages = [{"role": "user", "content": PROMPT}]
+
+    def tokens(effort: str) -> list[int]:
+        answer = httpx.post(tokenize, json={"messages": messages, "reasoning_effort": effort})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["tokens"]
+
+    with chat_template(engine, THINKING_TEMPLATE + "{{ reasoning_effort | default('') }}"):
+        assert tokens("xhigh") == tokens("max") == tokens("high") != tokens("low")
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, reasoning_effort="max")
+        assert chat.usage.prompt_tokens == len(tokens("high"))
+        r = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=1, reasoning={"effort": "xhigh"})
+        assert r.reasoning.effort == "xhigh" and r.usage.input_tokens == len(tokens("high"))
+    with chat_template(engine, THINKING_TEMPLATE + "{{ 'finest' if reasoning_effort == 'xhigh' else 'high' }}"):
+        assert tokens("xhigh") != tokens("high") == tokens("max")

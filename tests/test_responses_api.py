@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("llguidance")
 
@@ -134,6 +135,101 @@ def test_a_call_and_its_output_sent_back(client: Any) -> None:
                                                                                    "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.call_id, "content": "3 days"}])
     assert follow.usage.input_tokens == chat.usage.prompt_tokens  # (the same conversation as chat's: one turn)
+
+
+def test_a_call_the_budget_cut_is_incomplete(client: Any) -> None:
+    """A function_call that max_output_tokens cut (its arguments not whole JSON) is "incomplete", in the
+    response and in the stream's output_item.done, as OpenAI's; a whole call before it stays "completed"."""
+    ask = {"input": "How many days?", "tools": [COUNT], "tool_choice": "required", "temperature": 0}
+    for budget in (3, 24, 40, 60, 80):  # (from a call begun to two whole ones, on this model)
+        r = client.responses.create(model=MODEL, max_output_tokens=budget, **ask)
+        events = events_of(client, max_output_tokens=budget, **ask)
+        done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+        for calls in ([o for o in r.output if o.type == "function_call"], done, events[-1].response.output):
+            whole = []
+            for call in calls:
+                try:
+                    whole.append(isinstance(json.loads(call.arguments), dict))
+                except ValueError:
+                    whole.append(False)
+            assert [c.status for c in calls] == ["completed" if w else "incomplete" for w in whole]
+        assert [c.arguments for c in done] == [o.arguments for o in r.output if o.type == "function_call"]
+    cut = client.responses.create(model=MODEL, max_output_tokens=60, **ask)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert [o.status for o in cut.output] == ["completed", "incomplete"]  # (the second call cut, on this model)
+    named = client.responses.create(model=MODEL, input="How many days?", tools=[COUNT], max_output_tokens=2,
+                                    tool_choice={"type": "function", "name": "count"})
+    assert [(o.type, o.status) for o in named.output] == [("function_call", "incomplete")]
+
+
+def test_what_was_asked_is_echoed(client: Any) -> None:
+    """user, truncation and service_tier are echoed (the tier "default" where none, or "auto", was asked);
+    completed_at is set once a response has completed, whole and streamed."""
+    import time
+
+    before = time.time()
+    ask = {"input": PROMPT, "max_output_tokens": 2, "user": "u-7", "truncation": "auto", "service_tier": "flex"}
+    r = client.responses.create(model=MODEL, **ask)
+    assert (r.user, r.truncation, r.service_tier) == ("u-7", "auto", "flex")
+    assert r.status == "incomplete" and r.completed_at is None
+    ended = {"input": PROMPT, "max_output_tokens": 64, "temperature": 0, "extra_body": {"stop": [" "]}}
+    plain = client.responses.create(model=MODEL, service_tier="auto", **ended)
+    assert (plain.user, plain.truncation, plain.service_tier) == (None, "disabled", "default")
+    assert plain.status == "completed" and before - 1 <= plain.completed_at <= time.time() + 1
+    streamed = events_of(client, user="u-8", **ended)
+    assert streamed[0].response.completed_at is None and streamed[0].response.user == "u-8"
+    assert streamed[-1].response.status == "completed" and streamed[-1].response.completed_at >= int(before)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=2, service_tier="fastest")
+    assert e.value.body["param"] == "service_tier"
+
+
+def test_truncation_auto_drops_the_first_turns_that_overflow(client: Any) -> None:
+    """truncation "auto": an input past the context loses its first turns, as few as let it fit (OpenAI's);
+    "disabled" (the default) refuses it, as does "auto" where the last turn alone overflows."""
+    long = [{"role": "user", "content": "a b c d " * 1500}, {"role": "assistant", "content": "Noted."}]
+    turns = [*long, {"role": "user", "content": "How many?"}, {"role": "assistant", "content": "Two."},
+             {"role": "user", "content": "And then?"}]
+    ask = {"model": MODEL, "max_output_tokens": 2, "instructions": "Be brief."}
+    for truncation in ({}, {"truncation": "disabled"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(input=turns, **ask, **truncation)
+        assert e.value.body["code"] == "context_length_exceeded"
+    cut = client.responses.create(input=turns, truncation="auto", **ask)
+    assert cut.truncation == "auto" and cut.usage.input_tokens == \
+        client.responses.create(input=turns[2:], **ask).usage.input_tokens  # (the long turn gone, the rest kept)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(input=[*turns, *long[:1]], truncation="auto", **ask)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_input_tokens_counts_the_prompt_a_request_is_fed(client: Any, engine: BatchEngine) -> None:
+    """POST /v1/responses/input_tokens: the prompt a Responses body would be fed (its instructions, tools,
+    the response it goes on from), counted and not generated; also past the context."""
+    first = client.responses.create(model=MODEL, input="How many?", max_output_tokens=3, temperature=0)
+    for ask in ({"input": PROMPT}, {"input": "How many days?", "instructions": "Be brief.", "tools": [COUNT],
+                                    "tool_choice": "required"},
+                {"input": "And then?", "previous_response_id": first.id}, {"input": PROMPT, "reasoning": {
+                    "effort": "none"}}):
+        counted = client.responses.input_tokens.count(model=MODEL, **ask)
+        assert counted.object == "response.input_tokens"
+        assert counted.input_tokens == client.responses.create(model=MODEL, max_output_tokens=1,
+                                                               **ask).usage.input_tokens
+    metrics = str(client.base_url).removesuffix("/v1/") + "/metrics"
+
+    def prompt_tokens_generated() -> float:
+        (line,) = [x for x in httpx.get(metrics).text.splitlines() if x.startswith("mtpipe_prompt_tokens_total ")]
+        return float(line.split()[1])
+
+    before = prompt_tokens_generated()
+    past = client.responses.input_tokens.count(model=MODEL, input="a b c d " * 1500)
+    assert past.input_tokens > engine.max_context and prompt_tokens_generated() == before  # (nothing generated)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_tokens.count(model=MODEL, input=[{"type": "computer_call"}])
+    assert e.value.body["param"] == "input[0].type"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_tokens.count(model=MODEL)
+    assert e.value.body["param"] == "input"
 
 
 def test_thinking_comes_as_a_reasoning_item(client: Any, engine: BatchEngine) -> None:

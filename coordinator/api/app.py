@@ -1,11 +1,11 @@
 """The coordinator's OpenAI-compatible REST API.
 
 `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (OpenAI's Responses API, read as
-a chat request: responses_api.py), Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens`
-(messages_api.py) (streamed as server-sent events or not), vLLM's `POST /tokenize` and
-`POST /detokenize` (tokens_api.py), `GET /v1/models` (Anthropic's shape where the caller sends `anthropic-version`:
-messages_api.py), `GET /health`, `GET /v1/cluster` and `GET /metrics`
-(Prometheus text).
+a chat request: responses_input.py, responses_api.py; `/v1/responses/input_tokens` counts its prompt),
+Anthropic's `POST /v1/messages` and `/v1/messages/count_tokens` (messages_api.py) (streamed as server-sent
+events or not), vLLM's `POST /tokenize` and `POST /detokenize` (tokens_api.py), `GET /v1/models` (Anthropic's
+shape where the caller sends `anthropic-version`: messages_api.py), `GET /health`, `GET /v1/cluster` and
+`GET /metrics` (Prometheus text).
 
 Routes only: what a body means is decided in service.py, how its choices run and are answered in
 responses.py (`n` per prompt; completions take a list of prompts), auth and request metrics in gate.py.
@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
-from .chat import chat_messages, check_request_template, echoed, template_variables, tool_spec
+from .chat import chat_messages, check_request_template, echoed, template_effort, template_variables, tool_spec
 from .defaults import DEFAULT_CORS_ORIGINS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
 from .errors import APIError, Unhandled, anthropic_caller, body_for, error_body, parse_body, validation_error
 from .formats import OutputFormat, after_thought, output_format
@@ -60,7 +60,7 @@ from .metrics import ReadinessMetrics, ServerMetrics
 from .model_defaults import model_defaults
 from .readiness import Readiness
 from .responses import choices_of, complete, stream
-from . import messages_api, responses_api
+from . import messages_api, responses_api, responses_input
 from .reasoning import ReasoningSplit, reasoning_split
 from .response_store import ResponseStore, page
 from .service import Service
@@ -107,7 +107,8 @@ def create_app(
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.exceptions import HTTPException
 
-    from .models import ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest
+    from .models import (ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesCountRequest,
+                         ResponsesRequest)
 
     metrics = ServerMetrics(engine.scheduler_state)
     defaults = model_defaults(generation_config)
@@ -240,14 +241,42 @@ def create_app(
         started = time.perf_counter()
         body: ResponsesRequest = await parse_body(request, ResponsesRequest)
         service.check_model(body.model)
-        items = responses_api.input_items(body, kept)
-        chat, origins = responses_api.chat_body(body, items)
-        try:
-            req, _, tools, thinking = await chat_request(chat, answered=True)
-        except APIError as e:  # (named as this endpoint names its fields)
-            raise responses_api.renamed(e, origins) from None
+        items = responses_input.input_items(body, kept)
+        req, tools, thinking = await responses_request(body, items)
         return await responses_api.respond_to(service, body, req, tools, thinking, request, started, model_name,
                                               kept, items)
+
+    async def responses_request(body: ResponsesRequest, items: "list[dict[str, Any]]"
+                                ) -> "tuple[GenerationRequest, ToolSpec | None, ReasoningSplit | None]":
+        """The generation request of a Responses body whose conversation is `items`. With truncation "auto"
+        a conversation that overflows the context loses its first turns, as few as let it fit (OpenAI's)."""
+        async def from_turn(start: int) -> "tuple[GenerationRequest, ToolSpec | None, ReasoningSplit | None]":
+            chat, origins = responses_input.chat_body(body, items[start:])
+            try:
+                req, _, tools, thinking = await chat_request(chat, answered=True)
+            except APIError as e:  # (named as this endpoint names its fields)
+                raise responses_input.renamed(e, origins) from None
+            return req, tools, thinking
+
+        try:
+            return await from_turn(0)
+        except APIError as e:
+            if body.truncation != "auto" or e.code != "context_length_exceeded":
+                raise
+            return await responses_input.fewest_dropped(items, from_turn, e)
+
+    @app.post("/v1/responses/input_tokens")
+    async def responses_input_tokens(request: Request) -> Any:
+        """OpenAI's input token count: the prompt a Responses body would be fed, counted, nothing generated;
+        also past the context (clients ask it to decide whether to compact)."""
+        body: ResponsesCountRequest = await parse_body(request, ResponsesCountRequest)
+        service.check_model(body.model)
+        chat, origins = responses_input.chat_body(body, responses_input.input_items(body, kept))
+        try:
+            tokens, _, _ = await chat_prompt(chat, answered=True)
+        except APIError as e:  # (named as this endpoint names its fields)
+            raise responses_input.renamed(e, origins) from None
+        return {"object": "response.input_tokens", "input_tokens": len(tokens)}
 
     @app.get("/v1/responses/{response_id}")
     async def kept_response(response_id: str) -> Any:
@@ -311,7 +340,8 @@ def create_app(
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         check_request_template(body.chat_template)
-        variables = template_variables(body.chat_template_kwargs, body.reasoning_effort)
+        effort = await service.tokenize(0, lambda tokenizer: template_effort(tokenizer, body.reasoning_effort))
+        variables = template_variables(body.chat_template_kwargs, effort)
         tokens = service.truncated(body, await service.encode_chat(chat_messages(body, answered), tools, variables,
                                                                   body.continue_final_message,
                                                                   body.add_generation_prompt))

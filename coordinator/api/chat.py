@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import APIError, validation_error
 
 if TYPE_CHECKING:
-    from .models import ChatCompletionRequest, ChatMessage
+    from .models import ChatCompletionRequest, ChatMessage, ContentPart
 
 CHOICES = ("none", "auto", "required")
 # apply_chat_template's own arguments: never a template variable from `chat_template_kwargs`
@@ -219,15 +219,23 @@ def _content(i: int, m: ChatMessage) -> str:
         raise APIError(400, f"messages[{i}]: {m.role} messages need content", param="messages")
     if not isinstance(m.content, list):
         return m.content or ""
-    texts = []
-    for part in m.content:
-        if part.type != "text":
-            raise APIError(400, f"messages[{i}]: only text content parts are supported, got {part.type!r}",
-                           param="messages")
-        if part.text is None:
-            raise APIError(400, f"messages[{i}]: a text content part needs its text", param="messages")
-        texts.append(part.text)
-    return "\n".join(texts)
+    return "\n".join(_part_text(i, m.role, part) for part in m.content)
+
+
+def _part_text(i: int, role: str, part: ContentPart) -> str:
+    """A content part's text: a text part's, or an assistant's refusal part's (OpenAI's clients send a
+    refused turn back so)."""
+    if part.type == "refusal" and role == "assistant":
+        if part.refusal is None:
+            raise APIError(400, f"messages[{i}]: a refusal content part needs its refusal", param="messages")
+        return part.refusal
+    if part.type != "text":
+        allowed = "text and refusal" if role == "assistant" else "text"
+        raise APIError(400, f"messages[{i}]: only {allowed} content parts are supported, got {part.type!r}",
+                       param="messages")
+    if part.text is None:
+        raise APIError(400, f"messages[{i}]: a text content part needs its text", param="messages")
+    return part.text
 
 
 def echoed(body: ChatCompletionRequest) -> str | None:
@@ -344,6 +352,19 @@ def template_variables(kwargs: dict[str, Any] | None, reasoning_effort: str | No
         variables.setdefault("reasoning_effort", reasoning_effort)
         variables.setdefault("enable_thinking", reasoning_effort != "none")
     return variables or None
+
+
+FINER_EFFORTS = ("xhigh", "max")  # OpenAI's efforts above "high", which most templates do not know
+
+
+def template_effort(tokenizer: Any, effort: str | None) -> str | None:
+    """OpenAI's reasoning_effort as the model's chat template takes it: an effort above "high" is "high"
+    where the template names no such value (a template that knows only low, medium and high would
+    otherwise see a value it never compares with)."""
+    if effort not in FINER_EFFORTS:
+        return effort
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    return effort if f"'{effort}'" in template or f'"{effort}"' in template else "high"
 
 
 def check_request_template(template: str | None) -> None:

@@ -27,6 +27,7 @@ class _Body(BaseModel):
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    refusal: str | None = None  # a refusal part's text (an assistant's refused turn, sent back)
 
 
 class FunctionCall(_Body):
@@ -151,7 +152,8 @@ class ChatCompletionRequest(_GenerationBody):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
     # OpenAI's: "none" turns a thinking model's thought off (enable_thinking), as vLLM maps it; a variable too
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # (xhigh and max as high, where the template names no such value: chat.template_effort)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     include_reasoning: bool | None = None  # vLLM's: false drops a reasoning model's thinking from the reply
     continue_final_message: Flag = False  # vLLM's: the reply goes on from the last (assistant) message
     add_generation_prompt: bool = True  # vLLM's: false leaves the assistant's turn unopened
@@ -188,6 +190,15 @@ class ResponsesRequest(_GenerationBody):
     include_reasoning: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": ...}: effort as chat's reasoning_effort
+    truncation: Literal["auto", "disabled"] | None = None  # auto: the first turns dropped where the input overflows
+    user: str | None = None  # (echoed, as these two are: one tier here)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+
+
+class ResponsesCountRequest(ResponsesRequest):
+    """`POST /v1/responses/input_tokens`: a Responses body whose prompt is counted (its input may be left out)."""
+
+    input: str | list[dict[str, Any]] = []
 
 
 class MessagesRequest(_GenerationBody):

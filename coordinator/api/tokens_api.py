@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from pydantic import ValidationError
 
-from .chat import chat_messages, check_request_template, template_variables, tool_spec
+from .chat import chat_messages, check_request_template, template_effort, template_variables, tool_spec
 from .errors import APIError, parse_body, validation_error
 from .models import ChatCompletionRequest, _Body
 
@@ -57,8 +57,9 @@ def add_token_routes(app: Any, service: "Service") -> None:
             except ValidationError as e:
                 raise validation_error(e.errors(include_url=False)) from None
             check_request_template(chat.chat_template)
+            effort = await service.tokenize(0, lambda tokenizer: template_effort(tokenizer, chat.reasoning_effort))
             ids = await service.encode_chat(chat_messages(chat), tool_spec(chat),
-                                            template_variables(body.chat_template_kwargs, chat.reasoning_effort),
+                                            template_variables(body.chat_template_kwargs, effort),
                                             body.continue_final_message, body.add_generation_prompt)
         else:
             text, special = body.prompt, body.add_special_tokens
