@@ -128,8 +128,9 @@ class WeightStore:
         ShardSpec(request.start, request.end, request.num_layers)  # a layer range it has (before any fetch)
         hint = request.model_path if request.model_path and self.path_hint else ""
         refused = bool(hint) and not self.readable.allows(hint)
-        if refused:
-            log.warning("Load named %s: %s", hint, self.readable.refusal(hint))
+        if refused:  # (a warning only where nothing else can give it the shard: a peer or the hub can)
+            log.log(logging.INFO if request.sources or request.hub_repo else logging.WARNING, "Load named %s: %s",
+                    hint, self.readable.refusal(hint))
         if not fp:
             if refused or not hint:
                 raise PermissionError(self.readable.refusal(request.model_path or "''"))

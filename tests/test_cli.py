@@ -228,6 +228,10 @@ def test_serve_refuses_a_port_it_cannot_listen_on_before_loading(capsys: pytest.
     (["bench", "faults", "--nodes", "x"], "--nodes: expected comma-separated counts"),
     (["node", "--port", "0", "--shard-cache", sys.executable], "is a file, not a directory"),
     (["serve", "--model", "/nonexistent/model", "--memory-budget", "0"], "--memory-budget must be a number of GB"),
+    (["serve", "--model", "/nonexistent/model", "--api-in-process", "--stall-timeout", "10"],
+     "--stall-timeout applies without --api-in-process"),
+    (["generate", "--model", "/nonexistent/model", "--prompt", "x", "--grammar", "/nowhere.ebnf"],
+     "--grammar is neither a grammar nor a file holding one: '/nowhere.ebnf'"),
     (["convert", "--hf-path", "/nonexistent", "--mlx-path", "/nonexistent2", "--q-bits", "4"],
      "--q-bits applies only with -q/--quantize"),
 ])
@@ -299,3 +303,18 @@ def test_generate_with_json_says_its_errors_as_json_on_stdout(capsys: pytest.Cap
     with pytest.raises(SystemExit) as ended:
         main(["generate", "--max-tokens", "abc", "--json"])
     assert ended.value.code == 2 and "--max-tokens" in json.loads(capsys.readouterr().out)["error"]
+
+
+@pytest.mark.parametrize("argv", [["bench", "faults", "--nodes", "x", "--json"],  # (refused by the command)
+                                  ["bench", "serve", "--reps", "0", "--json"]])  # (by argparse)
+def test_bench_json_errors_are_json_on_stdout(argv: list[str], capsys: pytest.CaptureFixture,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script reads a bench's --json output: its usage errors come there too, as generate's do."""
+    monkeypatch.setattr(sys, "argv", ["mtpipe", *argv])  # (what argparse's errors look at)
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and json.loads(out[0])["error"]

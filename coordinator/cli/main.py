@@ -36,6 +36,7 @@ from .common import (
     stderr_console,
     unrecognized,
 )
+from .held import after_thought, held_to
 
 GENERATE_MAX_TOKENS = 256  # `mtpipe generate`'s length when --max-tokens is left out (mlx-lm's too)
 
@@ -50,7 +51,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.weights_from and not args.nodes:
         raise ValueError("--weights-from applies with --nodes")
-    fmt = _held_to(args)
+    fmt = held_to(args)
     params = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed,
                             grammar=fmt.plain if fmt is not None else None)
     params.validate()  # (before any node is loaded, or taken over)
@@ -86,7 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         chat = [{"role": "user", "content": prompt}]
         tokens = engine.encode_chat(chat) if args.chat else engine.tokenizer.encode(prompt)
         if fmt is not None and args.chat:  # (a thought the template opened stays free, as the API leaves it)
-            params = _after_thought(fmt, engine, tokens, params)
+            params = after_thought(fmt, engine, tokens, params)
         depth, auto, max_tokens = fit_to_context(len(tokens), depth, auto, args.max_tokens, GENERATE_MAX_TOKENS,
                                                  engine.max_context)
         req = GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens, params=params, mtp_depth=depth,
@@ -111,65 +112,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return EXIT_OK
-
-
-def _held_to(args: argparse.Namespace) -> Any:
-    """The format of --json-schema, --regex or --grammar (api/formats.py; None: free text), its grammar
-    checked; ValueError naming a bad one."""
-    from ..api.errors import APIError
-    from ..api.formats import OutputFormat, lark_of
-
-    if args.json_schema is not None:
-        text = args.json_schema
-        try:
-            if not text.lstrip().startswith("{") and Path(text).expanduser().is_file():
-                text = Path(text).expanduser().read_text()
-        except OSError:  # (a name too long to be a file's: the schema itself)
-            pass
-        try:
-            schema = json.loads(text)
-        except ValueError:
-            raise ValueError(f"--json-schema is neither a JSON Schema nor a file holding one: {args.json_schema!r}") \
-                from None
-        if not isinstance(schema, dict):
-            raise ValueError("--json-schema must be a JSON object")
-        fmt = OutputFormat(schema=schema, field="--json-schema")
-    elif args.regex is not None:
-        fmt = OutputFormat(regex=args.regex, field="--regex")
-    elif args.grammar is not None:
-        text = args.grammar
-        try:
-            if "\n" not in text and Path(text).expanduser().is_file():
-                text = Path(text).expanduser().read_text()
-        except OSError:  # (a name too long to be a file's: the grammar itself)
-            pass
-        try:
-            fmt = OutputFormat(lark=lark_of(text, "--grammar"), field="--grammar")
-        except APIError as e:
-            raise ValueError(f"--grammar: {e.message}") from None
-    else:
-        return None
-    if error := fmt.problem():
-        raise ValueError(f"{fmt.field}: the output cannot be held to it: {error}")
-    return fmt
-
-
-def _after_thought(fmt: Any, engine: Any, tokens: list[int], params: Any) -> Any:
-    """`params` held to `fmt` after the thought the chat prompt opened, if it opened one."""
-    import dataclasses
-
-    from ..api.errors import APIError
-    from ..api.formats import after_thought
-    from ..api.reasoning import reasoning_split
-
-    split = reasoning_split(engine.tokenizer, tokens)
-    if split is None or not split.thinking:
-        return params
-    try:
-        grammar = after_thought(fmt, engine.tokenizer, engine.eos, engine.vocab_size)
-    except APIError as e:
-        raise ValueError(e.message) from None
-    return dataclasses.replace(params, grammar=grammar)
 
 
 def _print_stats(stats: dict[str, Any], depth: int | str) -> None:
@@ -204,6 +146,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from ...models import cpu_jit
     from ...models.registry import resolve_model
     from ..bench import engine as bench
 
@@ -277,8 +220,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         result = bench_pipeline.bench_pipeline(model, max_tokens=args.max_tokens, prompts=args.prompts)
         bench_pipeline.print_report(result, stderr_console())
-    if args.json:
-        print(json.dumps(result))
+    if args.json:  # (every bench says which BLAS and JIT it measured with)
+        print(json.dumps({"blas": blas.info().to_dict(), "cpu_jit": cpu_jit.info(), **result}))
     return EXIT_OK
 
 
@@ -294,11 +237,9 @@ def _lengths(value: str) -> list[int]:
 
 def bench_chat_nodes(value: str | None) -> int:
     """The chat bench's one ring size (0: one machine)."""
-    if not value:
-        return 0
-    if not value.strip().isdigit():
+    if value and not value.strip().isdigit():
         raise ValueError(f"--nodes: the chat bench takes one number of nodes, got {value!r}")
-    return int(value)
+    return int(value) if value else 0
 
 
 def drafts_arg(value: str) -> int:
@@ -362,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="side-by-side benchmarks")
+    json_usage_errors(p, EXIT_USAGE)
     p.add_argument("target",
                    choices=["engine", "pipeline", "serve", "transfer", "faults", "sampled", "prefill", "chat"])
     add_model(p)
@@ -438,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _failed(args: argparse.Namespace, message: str, code: int) -> int:
-    """The error on stderr; with `generate --json`, whose stdout a script reads, as JSON there too."""
-    if args.command == "generate" and getattr(args, "json", False):
+    """The error on stderr; with `generate --json` or `bench --json`, whose stdout a script reads, as JSON
+    there too."""
+    if args.command in ("generate", "bench") and getattr(args, "json", False):
         print(json.dumps({"error": message}), flush=True)
     print(f"mtpipe: error: {message}", file=sys.stderr)
     return code

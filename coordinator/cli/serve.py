@@ -79,7 +79,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                         "its model directories or --weights-from. Default: wait for the node to come back")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"refuse larger request bodies with 413 (default {DEFAULT_MAX_BODY_BYTES}; 0: no limit)")
-    p.add_argument("--stall-timeout", type=seconds_or_never, default=STALL_TIMEOUT_S, metavar="S",
+    p.add_argument("--stall-timeout", type=seconds_or_never, default=None, metavar="S",
                    help="once the engine has been stuck this long (one round, or its process silent), every open "
                         f"request fails with 503 and the command exits 1, for a supervisor to restart it (default "
                         f"{STALL_TIMEOUT_S:g} s; 0: never; not with --api-in-process)")
@@ -109,6 +109,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if heal_after and resume_window and resume_window < heal_after:
         log.warning("--resume-window %g s is shorter than --heal-after %g s: requests under way when a node is lost "
                     "fail before the others take its layers", resume_window, heal_after)
+    if args.stall_timeout and args.api_in_process:  # (the API's own process is what watches the engine)
+        raise ValueError("--stall-timeout applies without --api-in-process")
+    stall_timeout = STALL_TIMEOUT_S if args.stall_timeout is None else args.stall_timeout or None
     if args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
     if args.max_body_bytes < 0:
@@ -127,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     depth = 0 if args.no_mtp else args.mtp_depth
     name = args.model_name or model_name_for(args.model, path)
     settings = dict(default_mtp_depth=depth, max_concurrency=args.max_concurrency,
-                    max_body_bytes=args.max_body_bytes or None, stall_timeout=args.stall_timeout or None,
+                    max_body_bytes=args.max_body_bytes or None, stall_timeout=stall_timeout,
                     generation_config=generation_config_dir(args.generation_config, path),
                     default_max_tokens=args.default_max_tokens, scheduling_policy=args.scheduling_policy,
                     cors_origins=DEFAULT_CORS_ORIGINS if args.allowed_origins is None else tuple(args.allowed_origins))
