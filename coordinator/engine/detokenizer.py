@@ -20,6 +20,31 @@ if TYPE_CHECKING:
     from .request import GenerationRequest
 
 
+def every_byte(detokenizer: Any) -> Any:
+    """`detokenizer`, where it is mlx-lm's BPE one, decoding the byte 0 as itself: that one takes the byte
+    for none (0 is falsy) and gives its character in the byte-level alphabet, "Ā", where decode gives
+    "\\x00"."""
+    from mlx_lm import tokenizer_utils
+
+    table = getattr(tokenizer_utils, "_byte_decoder", None)
+    if table is None or not isinstance(detokenizer, tokenizer_utils.BPEStreamingDetokenizer):
+        return detokenizer
+    to_byte = table()
+
+    def decode_bytes(seq: str) -> str:
+        out = bytearray()
+        for c in seq:
+            b = to_byte.get(c)
+            if b is None:
+                out.extend(c.encode("utf-8"))
+            else:
+                out.append(b)
+        return out.decode("utf-8", "replace")
+
+    detokenizer._decode_bytes = decode_bytes
+    return detokenizer
+
+
 class TextStream:
     """One request's text: never releases text at or past a stop string.
 
@@ -34,7 +59,7 @@ class TextStream:
     def __init__(self, tokenizer: TokenizerWrapper, stop: list[str], skip_special: bool = False,
                  keep_stop: bool = False, after: int = 0):
         self.tokenizer = tokenizer
-        self.detokenizer = tokenizer.detokenizer  # a fresh one for each request
+        self.detokenizer = every_byte(tokenizer.detokenizer)  # a fresh one for each request
         self.skipped = special_ids(tokenizer) if skip_special else frozenset()
         self.keep_stop = keep_stop
         self.stop = [s for s in stop if s]
