@@ -463,6 +463,8 @@ BAD = [
      "guided_json"),
     ("structured-json-nested-too-deeply", CHAT,
      {"messages": M, "structured_outputs": {"json": "[" * 3000 + "]" * 3000}}, 400, "structured_outputs"),
+    ("legacy-functions", CHAT, {"messages": M, "functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),
+    ("legacy-function-call", CHAT, {"messages": M, "function_call": "auto"}, 400, "function_call"),
     ("repetition-penalty-tiny", TEXT, {"prompt": "a a a", "repetition_penalty": 1e-38, "logprobs": 1}, 400,
      "repetition_penalty"),
 ]

@@ -127,6 +127,10 @@ def tool_spec(body: ChatCompletionRequest) -> ToolSpec | None:
 
     from .models import ToolsBody
 
+    for legacy, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+        if getattr(body, legacy) is not None:  # (its answer would be a message's function_call, not tool_calls)
+            raise APIError(400, f"{legacy} (OpenAI's deprecated function calling) is not supported: send {instead}",
+                           param=legacy)
     tools: list[dict[str, Any]] = []
     if body.tools is not None:
         if not isinstance(body.tools, list):

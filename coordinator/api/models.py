@@ -150,6 +150,8 @@ class ChatCompletionRequest(_GenerationBody):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    functions: Any = None  # OpenAI's deprecated function calling: refused in chat.py, never quietly dropped
+    function_call: Any = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
     # OpenAI's: "none" turns a thinking model's thought off (enable_thinking), as vLLM maps it; a variable too
     # (xhigh and max as high, where the template names no such value: chat.template_effort)
