@@ -445,3 +445,29 @@ def test_a_heal_shares_a_machines_free_memory_among_the_nodes_left_on_it(monkeyp
         pair = static_resources([StaticNode(host="127.0.0.1", port=s.port) for s in servers[:2]], None, reserve=0)
         assert [n.available for n in offered[0]] == pytest.approx([n.available for n in pair], rel=0.2)
         assert sum(n.available for n in offered[0]) < 1.3 * sum(n.available for n in found)
+
+
+def test_a_node_an_earlier_heal_left_out_takes_layers_again_when_another_is_lost() -> None:
+    """Three nodes; an earlier heal left the third out (it came back idle: a spare). Now the second is
+    lost: the heal places the model over the first and the spare, not the first alone; a spare that does
+    not answer is left out of it."""
+    from helpers import node_servers
+
+    from mtpipe.coordinator.cluster.config import StaticNode
+    from mtpipe.coordinator.cluster.formation import static_resources
+
+    small = ModelFootprint((2**20,) * 4, 2**20, 2**20, 2**20, True)
+    with node_servers(3) as servers:
+        found = static_resources([StaticNode(host="127.0.0.1", port=s.port) for s in servers], None, reserve=0)
+        control = {r.node_id: f"127.0.0.1:{r.port}" for r in found}
+        a, b, c = (control[n.node_id] for n in found)
+        healer = Healer(Formation([], control, [], order=found), small, found[0].node_id, None, 0)
+        healer.formation.order = found[:2]  # (as the earlier heal left it)
+        healer.left_out = {found[2].node_id: c}
+        layout = healer([a, b], [b])
+        assert layout is not None and layout.addresses == [a, c]
+        (first, second) = layout.specs
+        assert first.start == 0 < first.end == second.start < second.end == 4
+        servers[2].stop(0)
+        layout = healer([a, b], [b])
+        assert layout is not None and layout.addresses == [a]  # (the first alone, as without a spare)

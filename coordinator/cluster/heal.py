@@ -6,7 +6,8 @@ stays lost (`placement.heal_after_s`), the pipeline's re-forming (pipeline/refor
 (the memory each offers now, in the order their links favour, the coordinator first, cluster.yaml's
 layer counts kept for them). One node left that holds the whole model runs the ring's groups by
 itself (its rounds start in-process); nodes left that cannot hold the model wait for the lost one to
-come back. Once the pipeline serves over the new shards, the hops between new neighbours are measured
+come back. A node an earlier heal left out that is back and idle (a spare) takes layers again in the
+next heal, in the place it had. Once the pipeline serves over the new shards, the hops between new neighbours are measured
 as at launch, and the formation (what GET /v1/cluster and `mtpipe health` report) says where
 everything is. `serve --nodes --heal-after`
 heals the same way over the nodes it was given, in their order (`Healer.over_nodes`).
@@ -84,6 +85,7 @@ class Healer:
         self._lock = threading.Lock()
         self._left: dict[str, str] = {}  # node id -> address: nodes a heal left out that may come back with a shard
         self.left_out: dict[str, str] = {}  # node id -> address: every node heals left out, until placed again
+        self._known = {n.node_id: n for n in formation.order}  # every node placed at first, in its order
         self._sweeping = False
         self.check_left_s = CHECK_LEFT_S
         self._said = ""  # what the last attempt found (said once, not every second)
@@ -114,6 +116,10 @@ class Healer:
         control = self.formation.control
         placed = {control[n.node_id]: n for n in self.formation.order}
         survivors = [placed[a] for a in addresses if a not in missing and a in placed]
+        spares = self._spares(missing)
+        if spares:  # (where they were first, for an order a user chose)
+            rank = list(self._known)
+            survivors = sorted([*survivors, *spares], key=lambda n: rank.index(n.node_id))
         try:
             health = [self._health(n) for n in survivors]
             offered = [offered_bytes(h, self.reserve, k) for h, k in zip(health, sharing([h.machine for h in health]))]
@@ -131,6 +137,27 @@ class Healer:
         self._say(f"giving the layers of {', '.join(missing)} to "
                   + ", ".join(f"{s.node_id} ({s.start}-{s.end - 1})" for s in plan))
         return layout
+
+    def _spares(self, missing: list[str]) -> list[NodeResources]:
+        """The nodes an earlier heal left out that are back and idle (no shard: one it still held is being
+        unloaded): they take layers again, as at first, where a node is lost now. One that does not
+        answer, or holds a shard, is left out of this heal."""
+        with self._lock:
+            left = dict(self.left_out)
+        out = []
+        for node_id, address in left.items():
+            if address in missing or node_id not in self._known:
+                continue
+            try:
+                h = self._health(self._known[node_id])
+            except ConnectionError:
+                continue
+            if h.node_id == node_id and not h.loaded:
+                out.append(self._known[node_id])
+        if out:
+            log.info("node(s) %s, left out by an earlier heal and back, can take layers again",
+                     ", ".join(n.node_id for n in out))
+        return out
 
     def healed(self, layout: Layout) -> None:
         """The pipeline serves over `layout`: measure the new hops and say where everything is."""
