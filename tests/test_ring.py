@@ -539,7 +539,8 @@ class ResumingPipeline(FakePipeline):
         self.prefilled: list[str] = []
         self.back = threading.Event()
         self.back.set()
-        self.reformer = SimpleNamespace(down=None, down_at=0.0, given_up=False, wait=self.back.wait)
+        self.reformer = SimpleNamespace(down=None, down_at=0.0, given_up=False, attempt_error=None,
+                                        wait=self.back.wait)
 
     def steps(self, steps: list, stop: Any = None) -> list:
         from mtpipe.node.protocol import StepOutput
@@ -611,10 +612,12 @@ def test_a_request_refused_from_the_queue_while_the_pipeline_is_down_is_told_so(
     pipeline, engine, row, waiting = resuming_engine(queue_timeout=0.5)
     try:
         pipeline.reformer.down = ConnectionError("node b:2 does not answer")
+        pipeline.reformer.attempt_error = RuntimeError("node b:2: no shard loaded")  # (what the attempts find now)
         for q in waiting:
             error = q.get(timeout=WAIT_S)
             assert isinstance(error, ServerBusy) and "node b:2 does not answer" in str(error)
-            assert "formed again" in str(error) and q.get(timeout=WAIT_S) is END
+            assert "formed again (the last attempt: node b:2: no shard loaded)" in str(error)
+            assert q.get(timeout=WAIT_S) is END
     finally:
         pipeline.reformer.down = None
         engine.close()

@@ -271,7 +271,8 @@ def test_a_late_error_for_a_preempted_rows_old_sequence_is_dropped() -> None:
 
         def __init__(self) -> None:
             self.row_sinks: dict[str, Any] = {}
-            self.reformer = SimpleNamespace(down=None, down_at=0.0, given_up=False, wait=lambda t: True)
+            self.reformer = SimpleNamespace(down=None, down_at=0.0, given_up=False, attempt_error=None,
+                                            wait=lambda t: True)
 
         def steps(self, steps: list[Any], stop: Any = None) -> list[StepOutput]:
             return [StepOutput(steps[-1].seq_id, steps[-1].step, [7], continued=True)]
