@@ -451,3 +451,37 @@ def test_keepalive_comments_leave_a_streamed_reply_as_it_is(client: Any, monkeyp
                       timeout=60) as r:
         lines = list(r.iter_lines())
     assert ": keep-alive" in lines and lines[-2:] == ["data: [DONE]", ""]
+
+
+def test_a_streamed_choice_refused_as_it_starts_is_told_as_it_is(engine: BatchEngine,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """One slot, n=3: the second choice is refused as it starts, after the stream began. The stream ends
+    with that refusal (503's body, server_busy), not an internal error, and it counts as no failed
+    generation; every slot comes back."""
+    from mtpipe.coordinator.engine.sinks import ServerBusy
+
+    app = create_app(engine, MODEL, max_concurrency=1)
+    service = app.state.service
+    real_run, calls = service.run, []
+
+    def run(req: Any) -> Any:
+        calls.append(req)
+        if len(calls) == 2:
+            service.slots.release()  # (as a run that cannot start gives its slot back)
+            raise ServerBusy("refused at once", retry_after=1)
+        return real_run(req)
+
+    monkeypatch.setattr(service, "run", run)
+    with LiveServer(app) as s:
+        body = {"model": MODEL, "prompt": "go on", "max_tokens": 20, "temperature": 0, "n": 3, "stream": True,
+                "logit_bias": {str(t): -100 for t in engine.eos}}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            errors = [json.loads(line[6:])["error"] for line in r.iter_lines() if line.startswith('data: {"error"')]
+        assert [e["code"] for e in errors] == ["server_busy"] and "refused at once" in errors[0]["message"]
+        wait_idle(engine)
+        deadline = time.monotonic() + 10
+        while (service.slots.free, service.slots.waiting) != (1, 0):
+            assert time.monotonic() < deadline, (service.slots.free, service.slots.waiting)
+            time.sleep(0.02)
+        assert metric(s, "mtpipe_generations_failed_total") == 0 and len(calls) == 2

@@ -464,8 +464,10 @@ def test_a_node_an_earlier_heal_left_out_takes_layers_again_when_another_is_lost
         healer = Healer(Formation([], control, [], order=found), small, found[0].node_id, None, 0)
         healer.formation.order = found[:2]  # (as the earlier heal left it)
         healer.left_out = {found[2].node_id: c}
+        healer._left = dict(healer.left_out)  # (the sweep's list: what may come back holding a shard)
         layout = healer([a, b], [b])
         assert layout is not None and layout.addresses == [a, c]
+        assert not healer._left  # (idle, and the shard it loads now is this pipeline's: never swept)
         (first, second) = layout.specs
         assert first.start == 0 < first.end == second.start < second.end == 4
         servers[2].stop(0)

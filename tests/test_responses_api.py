@@ -201,6 +201,10 @@ def test_truncation_auto_drops_the_first_turns_that_overflow(client: Any) -> Non
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(input=[*turns, *long[:1]], truncation="auto", **ask)
     assert e.value.body["code"] == "context_length_exceeded"
+    # A system prompt sent as the first input item stays, as `instructions` does
+    system = {"role": "developer", "content": "Answer in one word."}
+    kept = client.responses.create(input=[system, *turns], truncation="auto", **ask)
+    assert kept.usage.input_tokens == client.responses.create(input=[system, *turns[2:]], **ask).usage.input_tokens
 
 
 def test_input_tokens_counts_the_prompt_a_request_is_fed(client: Any, engine: BatchEngine) -> None:

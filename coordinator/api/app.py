@@ -135,7 +135,7 @@ def create_app(
         private = {"allow_private_network": True} if "allow_private_network" in inspect.signature(
             CORSMiddleware).parameters else {}
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["Retry-After"], **private)
+                           allow_headers=["*"], expose_headers=["Retry-After", "x-request-id", "request-id"], **private)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError) -> JSONResponse:  # (Anthropic's shape on its paths)
@@ -251,7 +251,7 @@ def create_app(
         """The generation request of a Responses body whose conversation is `items`. With truncation "auto"
         a conversation that overflows the context loses its first turns, as few as let it fit (OpenAI's)."""
         async def from_turn(start: int) -> "tuple[GenerationRequest, ToolSpec | None, ReasoningSplit | None]":
-            chat, origins = responses_input.chat_body(body, items[start:])
+            chat, origins = responses_input.chat_body(body, responses_input.from_turn(items, start))
             try:
                 req, _, tools, thinking = await chat_request(chat, answered=True)
             except APIError as e:  # (named as this endpoint names its fields)
@@ -340,7 +340,7 @@ def create_app(
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         check_request_template(body.chat_template)
-        effort = await service.tokenize(0, lambda tokenizer: template_effort(tokenizer, body.reasoning_effort))
+        effort = template_effort(engine.tokenizer, body.reasoning_effort)  # (reads its template's text only)
         variables = template_variables(body.chat_template_kwargs, effort)
         tokens = service.truncated(body, await service.encode_chat(chat_messages(body, answered), tools, variables,
                                                                   body.continue_final_message,

@@ -11,7 +11,7 @@ from .metrics import ServerMetrics
 OPEN_PATHS = ("/health", "/ping", "/version", "/metrics")  # reachable without the API key (as vLLM's)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models",
              "/v1/cluster", "/health", "/ping", "/version", "/metrics", "/tokenize", "/detokenize", "/v1/messages",
-             "/v1/messages/count_tokens")
+             "/v1/messages/count_tokens", "/v1/responses/input_tokens")
 
 
 class Gate:

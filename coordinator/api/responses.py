@@ -17,7 +17,7 @@ from .deltas import thought_apart, tool_deltas
 from .errors import APIError
 from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of, with_keepalive
 from .service import DISCONNECT_POLL_S
-from .starting import Begun, all_of, begin
+from .starting import Begun, all_of, begin, client_gone
 from .tools import ToolCallParser, cut_calls, held_calls, parse_tool_calls
 
 if TYPE_CHECKING:
@@ -235,9 +235,11 @@ async def _events(service: "Service", endpoint: str, choices: list[Choice], begu
             usage = usage_of([(c.prompt, f) for c, f in zip(choices, finals)], choices[0].req.depth_label)
             yield sse_event(fmt.usage_chunk(usage))
         yield SSE_DONE
-    except Exception as e:
-        begun.cancel(by_client=False)
-        yield sse_event(service.server_error(e).body())
+    except Exception as e:  # (a later choice refused as it started is an APIError already: told as it is)
+        begun.cancel(by_client=client_gone(e))
+        if client_gone(e):
+            return
+        yield sse_event((e if isinstance(e, APIError) else service.server_error(e)).body())
         yield SSE_DONE
     finally:
         begun.cancel()

@@ -93,7 +93,7 @@ class Shape:
 def _whole_json(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 

@@ -213,10 +213,27 @@ def _format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     return {"type": fmt.get("type")}
 
 
+def leading_instructions(items: list[dict[str, Any]]) -> int:
+    """How many system or developer messages open the conversation: truncation keeps them (a client's
+    system prompt as an input item), as it keeps `instructions`."""
+    n = 0
+    while n < len(items) and items[n].get("type", "message") == "message" and items[n].get("role") in (
+            "system", "developer"):
+        n += 1
+    return n
+
+
+def from_turn(items: list[dict[str, Any]], start: int) -> list[dict[str, Any]]:
+    """The conversation with its turns before `start` dropped, its opening instructions kept."""
+    lead = leading_instructions(items)
+    return items if start <= lead else [*items[:lead], *items[start:]]
+
+
 def turn_starts(items: list[dict[str, Any]]) -> list[int]:
     """Where the conversation may begin once its first turns are dropped (truncation "auto"): at its start,
-    or at a user's message (never between a call and its output)."""
-    return [0] + [i for i, item in enumerate(items) if i and item.get("type", "message") == "message"
+    or at a user's message past its opening instructions (never between a call and its output)."""
+    lead = leading_instructions(items)
+    return [0] + [i for i, item in enumerate(items) if i > lead and item.get("type", "message") == "message"
                   and item.get("role") == "user"]
 
 

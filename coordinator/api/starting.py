@@ -24,15 +24,15 @@ if TYPE_CHECKING:
     from .service import Service
 
 
-async def until(service: "Service", waited: Any, request: Any) -> None:
-    """Wait for `waited` (the run's admission or first chunk) while its client waits too; a refusal that
-    comes instead is answered as the server's."""
+async def until(service: "Service", waited: Any, request: Any, refused: bool = False) -> None:
+    """Wait for `waited` (the run's admission, `refused`: an error then is a refusal, or its first chunk)
+    while its client waits too; an error that comes instead is answered as the server's."""
     try:
         await service.waited(waited, request)
     except APIError:
         raise
-    except Exception as e:  # refused while it waited, or at once
-        raise service.server_error(e, refused=True) from None
+    except Exception as e:
+        raise service.server_error(e, refused=refused) from None
 
 
 async def all_of(tasks: "list[asyncio.Future[Any]]") -> list[Any]:
@@ -163,7 +163,8 @@ async def begin(service: "Service", choices: "list[Choice]", request: Any, admit
     try:
         runs = await begun.head
         if admitted:
-            await all_of([asyncio.ensure_future(until(service, run.admitted(), request)) for run in runs])
+            await all_of([asyncio.ensure_future(until(service, run.admitted(), request, refused=True))
+                          for run in runs])
         if whole:
             await asyncio.shield(begun.task)
             runs = [f.result() for f in begun.runs]

@@ -57,7 +57,7 @@ def add_token_routes(app: Any, service: "Service") -> None:
             except ValidationError as e:
                 raise validation_error(e.errors(include_url=False)) from None
             check_request_template(chat.chat_template)
-            effort = await service.tokenize(0, lambda tokenizer: template_effort(tokenizer, chat.reasoning_effort))
+            effort = template_effort(service.engine.tokenizer, chat.reasoning_effort)  # (its template's text only)
             ids = await service.encode_chat(chat_messages(chat), tool_spec(chat),
                                             template_variables(body.chat_template_kwargs, effort),
                                             body.continue_final_message, body.add_generation_prompt)

@@ -31,7 +31,8 @@ from .placement import ModelFootprint, NodeResources, PlacementError, StagePlan,
 
 log = logging.getLogger(__name__)
 
-CHECK_LEFT_S = 5.0  # how often a node a heal left out is asked whether it came back holding its old shard
+CHECK_LEFT_S = 5.0
+SPARE_TIMEOUT_S = 1.0  # how long a heal waits for a node left out before to say whether it is back  # how often a node a heal left out is asked whether it came back holding its old shard
 
 
 def heal_plan(footprint: ModelFootprint, survivors: list[NodeResources], first: str,
@@ -148,12 +149,14 @@ class Healer:
         for node_id, address in left.items():
             if address in missing or node_id not in self._known:
                 continue
-            try:
-                h = self._health(self._known[node_id])
+            try:  # (briefly: a machine switched off must not hold every attempt up)
+                h = self._health(self._known[node_id], timeout=SPARE_TIMEOUT_S)
             except ConnectionError:
                 continue
             if h.node_id == node_id and not h.loaded:
                 out.append(self._known[node_id])
+                with self._lock:  # (idle: nothing for the sweep to unload, and the shard it loads now is ours)
+                    self._left.pop(node_id, None)
         if out:
             log.info("node(s) %s, left out by an earlier heal and back, can take layers again",
                      ", ".join(n.node_id for n in out))
@@ -198,6 +201,9 @@ class Healer:
                     placed = {m.node_id for m in self.formation.order}
                     left = {n: a for n, a in self._left.items() if n not in placed}
                 for node_id, address in left.items():
+                    with self._lock:
+                        if node_id not in self._left:  # (a heal took it as a spare meanwhile: its shard is ours)
+                            continue
                     try:
                         done = unload_left_out(node_id, address, self.secret, self.pipeline.client_id)
                     except Exception:  # noqa: BLE001 - asked again next time
@@ -211,7 +217,7 @@ class Healer:
                 self._sweeping = False
             raise
 
-    def _health(self, node: NodeResources) -> Any:
+    def _health(self, node: NodeResources, timeout: float = 5.0) -> Any:
         """The node's Health now: what it offers for weights (its own shard counts as free), its machine."""
         import grpc
 
@@ -222,7 +228,7 @@ class Healer:
         address = self.formation.control[node.node_id]
         try:
             with make_channel(address, self.secret) as channel:
-                h = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=5.0)
+                h = pb_grpc.NodeStub(channel).Health(pb.HealthRequest(), timeout=timeout)
         except grpc.RpcError as e:
             raise ConnectionError(f"node {node.node_id} at {address}: {describe_rpc_error(e)}") from None
         return h
