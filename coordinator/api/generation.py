@@ -393,26 +393,38 @@ KEEPALIVE_S = 5.0
 async def with_keepalive(events: AsyncIterator[str], every: Optional[float] = None) -> AsyncIterator[str]:
     """`events`, with a comment after each `every` seconds without one: a stream waiting (a long prompt's
     prefill, a node lost and the request waiting to resume) keeps the clients' and proxies' read timeouts
-    from cutting it."""
+    from cutting it. The events are read on a task of their own and a beat adds the comments, so that an
+    event costs a queue's hand-over, not a timed wait."""
     every = KEEPALIVE_S if every is None else every
-    it = events.__aiter__()
-    pending: Optional[asyncio.Future[str]] = None
-    try:
+    loop = asyncio.get_running_loop()
+    items: asyncio.Queue = asyncio.Queue()
+    last = [loop.time()]
+    ended = object()
+
+    async def pump() -> None:
+        try:
+            async for event in events:
+                last[0] = loop.time()
+                items.put_nowait(event)
+        except Exception as e:  # (raised where the events are read)
+            items.put_nowait(e)
+        finally:
+            items.put_nowait(ended)
+
+    async def beat() -> None:
         while True:
-            pending = pending or asyncio.ensure_future(it.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=every)
-            if not done:
-                yield SSE_KEEPALIVE
-                continue
-            got, pending = pending, None
-            try:
-                event = got.result()
-            except StopAsyncIteration:
-                return
-            yield event
-    finally:
-        if pending is not None:  # (the client left: the events' own cleanup runs as they are cancelled)
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
-        else:
-            await it.aclose()  # type: ignore[attr-defined]
+            await asyncio.sleep(max(every - (loop.time() - last[0]), 0.0))
+            if loop.time() - last[0] >= every:
+                last[0] = loop.time()
+                items.put_nowait(SSE_KEEPALIVE)
+
+    tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(beat())]
+    try:
+        while (item := await items.get()) is not ended:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:  # (the client left, or it ended: the events' own cleanup runs as their task is cancelled)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
