@@ -300,3 +300,21 @@ def test_a_stream_refused_while_it_waits_in_the_queue_gets_its_status(dense_ckpt
             assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")  # with room, it streams
     finally:
         engine.close()
+
+
+def test_readiness_metrics_count_the_nodes_not_the_ring_itself() -> None:
+    """mtpipe_nodes_unready counts nodes /health names; a pipeline down while every node answers (being
+    formed again) is not ready, with no node to count; a check that fails is not ready either."""
+    from mtpipe.coordinator.api.metrics import ReadinessMetrics
+
+    def read(answer: Any) -> dict[str, float]:
+        def check() -> Any:
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        return {f.name: f.samples[0].value for f in ReadinessMetrics(check).collect()}
+
+    assert read((True, {"unready": []})) == {"mtpipe_ready": 1, "mtpipe_nodes_unready": 0}
+    assert read((False, {"unready": [{"address": "pipeline"}, {"address": "a:1"}]})) == {
+        "mtpipe_ready": 0, "mtpipe_nodes_unready": 1}
+    assert read(TimeoutError("no answer")) == {"mtpipe_ready": 0, "mtpipe_nodes_unready": 0}

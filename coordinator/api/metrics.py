@@ -119,8 +119,9 @@ class ReadinessMetrics(Collector):
     def _families(ready: bool, details: dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily("mtpipe_ready", "1 when the engine can serve (GET /health answers 200); 0 while a "
                                 "node is down or the pipeline is being formed again.", value=1.0 if ready else 0.0)
+        nodes = [u for u in details.get("unready", ()) if u.get("address") != "pipeline"]  # (not the ring itself)
         yield GaugeMetricFamily("mtpipe_nodes_unready", "Nodes of the pipeline that cannot serve now (GET /health "
-                                "names them and why).", value=len(details.get("unready", ())))
+                                "names them and why).", value=len(nodes))
 
 
 class ServerMetrics:
