@@ -31,8 +31,8 @@ from .placement import ModelFootprint, NodeResources, PlacementError, StagePlan,
 
 log = logging.getLogger(__name__)
 
-CHECK_LEFT_S = 5.0
-SPARE_TIMEOUT_S = 1.0  # how long a heal waits for a node left out before to say whether it is back  # how often a node a heal left out is asked whether it came back holding its old shard
+CHECK_LEFT_S = 5.0  # how often a node a heal left out is asked whether it came back holding its old shard
+SPARE_TIMEOUT_S = 1.0  # how long a heal waits for a node left out before to say whether it is back
 
 
 def heal_plan(footprint: ModelFootprint, survivors: list[NodeResources], first: str,
