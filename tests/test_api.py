@@ -138,12 +138,13 @@ def test_chat(engine: Engine, client: Any) -> None:
 def test_an_assistants_refusal_part_is_its_text(client: Any) -> None:
     """A refused turn sent back (OpenAI's assistant content part {"type": "refusal"}) reads as the
     assistant's text; a user's refusal part is a 400."""
-    def prompt_tokens(content: Any) -> int:
-        messages = [*chat("x"), {"role": "assistant", "content": content}, *chat("why?")]
+    def prompt_tokens(content: Any, **more: Any) -> int:
+        messages = [*chat("x"), {"role": "assistant", "content": content, **more}, *chat("why?")]
         return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens
 
     refused = prompt_tokens([{"type": "refusal", "refusal": "I can't help with that."}])
     assert refused == prompt_tokens("I can't help with that.") > prompt_tokens("")
+    assert prompt_tokens(None, refusal="I can't help with that.") == refused  # (the reply's own field, sent back)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
             {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])

@@ -190,6 +190,8 @@ def test_every_error_on_its_paths_is_anthropics(server: LiveServer) -> None:
             ([hi], {"type": "tool"}, 'tool_choice {"type": "tool"} needs the name'),
             ([hi, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "input": {}}]}], None,
              "messages[1].content[0]: a tool_use block needs its name"),
+            ([hi, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "count"}]}], None,
+             "messages[1].content[0]: a tool_use block needs its input"),  # (as Anthropic's API requires it)
             ([{"role": "user", "content": [use]}], None, "'tool_use' blocks are not supported here in user messages")):
         body = {"model": MODEL, "max_tokens": 4, "messages": turns, "tools": [COUNT],
                 **({"tool_choice": tool_choice} if tool_choice else {})}

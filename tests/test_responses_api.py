@@ -205,6 +205,10 @@ def test_truncation_auto_drops_the_first_turns_that_overflow(client: Any) -> Non
     system = {"role": "developer", "content": "Answer in one word."}
     kept = client.responses.create(input=[system, *turns], truncation="auto", **ask)
     assert kept.usage.input_tokens == client.responses.create(input=[system, *turns[2:]], **ask).usage.input_tokens
+    # and input_tokens counts what that request is fed (the whole input where it is not truncated)
+    count = {"model": MODEL, "instructions": ask["instructions"], "input": [system, *turns]}
+    assert client.responses.input_tokens.count(**count, truncation="auto").input_tokens == kept.usage.input_tokens
+    assert client.responses.input_tokens.count(**count).input_tokens > kept.usage.input_tokens
 
 
 def test_input_tokens_counts_the_prompt_a_request_is_fed(client: Any, engine: BatchEngine) -> None:
@@ -338,3 +342,17 @@ def test_refused_with_the_field_named(client: Any, body: dict[str, Any], param: 
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, **body)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_a_refused_turn_sent_back_reads_as_its_text(client: Any) -> None:
+    """A response's output message with a refusal part, sent back as input (an assistant's), reads as
+    that text; a user's refusal part is a 400."""
+    def input_tokens(part: dict[str, Any], role: str = "assistant") -> int:
+        items = [{"role": "user", "content": "x"}, {"role": role, "content": [part]}, {"role": "user", "content": "why?"}]
+        return client.responses.input_tokens.count(model=MODEL, input=items).input_tokens
+
+    said = "I can't help with that."
+    assert input_tokens({"type": "refusal", "refusal": said}) == input_tokens({"type": "output_text", "text": said})
+    with pytest.raises(openai.BadRequestError) as e:
+        input_tokens({"type": "refusal", "refusal": "no"}, role="user")
+    assert e.value.body["param"] == "input[1].content"

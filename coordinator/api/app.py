@@ -160,7 +160,7 @@ def create_app(
 
         return {"version": __version__}
 
-    @app.api_route("/ping", methods=["GET", "POST"])  # (vLLM's, for load balancers that probe it: /health's answer)
+    @app.api_route("/ping", methods=["GET", "POST", "HEAD"])  # (vLLM's, for load balancers that probe it: /health's)
     @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: a probe that reads the status only)
     async def health() -> JSONResponse:
         ready, details = await asyncio.to_thread(readiness.check)  # asks the nodes: blocking, bounded
@@ -268,10 +268,19 @@ def create_app(
     @app.post("/v1/responses/input_tokens")
     async def responses_input_tokens(request: Request) -> Any:
         """OpenAI's input token count: the prompt a Responses body would be fed, counted, nothing generated;
-        also past the context (clients ask it to decide whether to compact)."""
+        also past the context (clients ask it to decide whether to compact); with truncation "auto", what it
+        would be fed once its first turns are dropped, where dropping some lets it fit."""
         body: ResponsesCountRequest = await parse_body(request, ResponsesCountRequest)
         service.check_model(body.model)
-        chat, origins = responses_input.chat_body(body, responses_input.input_items(body, kept))
+        items = responses_input.input_items(body, kept)
+        if body.truncation == "auto":
+            try:
+                req, _, _ = await responses_request(body, items)
+                return {"object": "response.input_tokens", "input_tokens": len(req.prompt_tokens)}
+            except APIError as e:
+                if e.code != "context_length_exceeded":
+                    raise
+        chat, origins = responses_input.chat_body(body, items)
         try:
             tokens, _, _ = await chat_prompt(chat, answered=True)
         except APIError as e:  # (named as this endpoint names its fields)

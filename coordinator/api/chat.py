@@ -221,6 +221,8 @@ def _content(i: int, m: ChatMessage) -> str:
     OpenAI's; one whose reply was all thought, which vLLM sends as null and agents send back)."""
     if m.content is None and m.role != "assistant":
         raise APIError(400, f"messages[{i}]: {m.role} messages need content", param="messages")
+    if m.content is None and m.refusal is not None:  # (an assistant's refused turn, as OpenAI's reply carried it)
+        return m.refusal
     if not isinstance(m.content, list):
         return m.content or ""
     return "\n".join(_part_text(i, m.role, part) for part in m.content)

@@ -116,7 +116,7 @@ def _text(where: str, content: Any) -> str:
 BLOCKS: dict[str, tuple[Optional[str], dict[str, tuple[type, str, bool]]]] = {
     "text": (None, {"text": (str, "a string", True)}),
     "tool_use": ("assistant", {"id": (str, "a string", True), "name": (str, "a string", True),
-                               "input": (dict, "an object", False)}),
+                               "input": (dict, "an object", True)}),
     "thinking": ("assistant", {"thinking": (str, "a string", False), "signature": (str, "a string", False)}),
     "redacted_thinking": ("assistant", {"data": (str, "a string", False)}),
     "tool_result": ("user", {"tool_use_id": (str, "a string", True), "is_error": (bool, "a boolean", False)}),

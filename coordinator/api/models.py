@@ -52,6 +52,7 @@ class ChatMessage(_Body):
     # an assistant message's thinking, sent back (DeepSeek's and vLLM's names): templates may show it again
     reasoning_content: str | None = None
     reasoning: str | None = None
+    refusal: str | None = None  # an assistant's refused turn sent back as OpenAI's reply gave it (content null)
 
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names

@@ -132,7 +132,7 @@ def _messages(items: list[dict[str, Any]], instructions: Optional[str],
             role = item.get("role")
             if role not in ROLES:
                 raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}", param=f"{where}.role")
-            text = _text(f"{where}.content", item.get("content"))
+            text = _text(f"{where}.content", item.get("content"), refusals=role == "assistant")
             role = "system" if role == "developer" else role
             if role == "system" and len(out) == len([m for m in out if m["role"] == "system"]) and out:
                 out[-1]["content"] += "\n\n" + text  # (one system message, first)
@@ -163,14 +163,23 @@ def _messages(items: list[dict[str, Any]], instructions: Optional[str],
     return out, origins
 
 
-def _text(field: str, content: Any) -> str:
-    """`content` (at `field`) as text: a string, or text parts joined."""
+def _text(field: str, content: Any, refusals: bool = False) -> str:
+    """`content` (at `field`) as text: a string, or text parts joined; with `refusals` (an assistant's
+    message, a response's output sent back) a refusal part's refusal too."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS and
-                                         isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise APIError(400, f"{field} must be text, or a list of input_text/output_text parts", param=field)
+
+    def text(p: Any) -> Optional[str]:
+        if not isinstance(p, dict):
+            return None
+        if refusals and p.get("type") == "refusal":
+            return p["refusal"] if isinstance(p.get("refusal"), str) else None
+        return p["text"] if p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str) else None
+
+    if isinstance(content, list) and all(text(p) is not None for p in content):
+        return "".join(text(p) or "" for p in content)
+    parts = "input_text/output_text" + ("/refusal" if refusals else "")
+    raise APIError(400, f"{field} must be text, or a list of {parts} parts", param=field)
 
 
 def _tools(tools: Any) -> Any:
