@@ -600,3 +600,32 @@ def test_a_machine_alone_is_placed_as_one_of_several_would_be(dense_ckpt: Path) 
     for layers, match in (({"b2": 2}, "names node b2"), ({"a1": 100}, "give 100 of")):
         with pytest.raises(PlacementError, match=match):
             check_alone(ClusterConfig.model_validate({"placement": {"layers": layers}}), ample, dense_ckpt, mtp=True)
+
+
+def test_a_follower_whose_coordinator_is_gone_elects_again() -> None:
+    """A follower asks its coordinator once a second; silent for `lost_after` seconds, it is gone, and the
+    nodes answering elect another: one that is not this node is followed from then on (and is asked in
+    turn), this node returns to coordinate. A coordinator that answers again in time is kept."""
+    from mtpipe.coordinator.cluster.follow import follow
+
+    now = [0.0]
+    alive = {"c": [(0, 5), (12, 14)], "b": [(0, 31)]}  # answering between these times
+    votes: list[float] = []
+    followed: list[str] = []
+
+    def answers(node_id: str) -> bool:
+        return any(a <= now[0] < b for a, b in alive[node_id])
+
+    def elect() -> str:
+        votes.append(now[0])
+        return "b" if now[0] < 30 else "me"
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    follow("me", "c", answers, elect, followed.append, lost_after=10.0, check_s=1.0, clock=lambda: now[0],
+           sleep=sleep)
+    # c silent 5-12 s (kept), then from 14 s: gone at 24 s, b elected and followed; b silent from 31 s: gone
+    # at 41 s, this node elected
+    assert followed == ["b"] and len(votes) == 2
+    assert 24 <= votes[0] < 25.5 and 41 <= votes[1] < 42.5 and now[0] == pytest.approx(votes[1], abs=0.3)

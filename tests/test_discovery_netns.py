@@ -513,10 +513,11 @@ def test_the_others_take_the_layers_of_the_node_that_left(cluster: dict, topolog
     check_generation(topology, 1, single_node, cluster["procs"][1], prompts=1)
 
 
-def test_with_the_coordinator_gone_health_names_the_layers_no_node_holds(cluster: dict, topology: Topology) -> None:
+def test_with_the_coordinator_gone_the_node_left_coordinates(cluster: dict, topology: Topology, single_node) -> None:
     """(Last: it stops the coordinator.) node-b, a follower, says its coordinator left; left with its shard,
     it answers (its ring back to node-a broken); found by zeroconf, `mtpipe health` lists the layers no
-    node holds any more, and the cluster as unreachable, not as a node that serves."""
+    node holds any more, and the cluster as unreachable, not as a node that serves. Once the coordinator
+    has been gone for heal_after_s, the node left is elected, places the model over itself and serves."""
     assert "stopped" in cluster, "test_a_node_that_stops_is_seen_leaving runs first"
     node_a = cluster["procs"][1]
     assert node_a.stop() == 0, node_a.log()
@@ -532,3 +533,10 @@ def test_with_the_coordinator_gone_health_names_the_layers_no_node_holds(cluster
     assert by_id["node-b"]["reachable"] and by_id["node-b"]["layers"][0] > 0, report
     assert rc == 2 and report["status"] == "unreachable", report
     assert by_id["-"]["layers"] == [0, by_id["node-b"]["layers"][0]] and by_id["-"]["status"] == "unreachable"
+    node_b = cluster["procs"][2]
+    elected = node_b.event("coordinating", timeout=HEAL_AFTER_S + 30)
+    assert (elected["node_id"], elected["coordinator"]) == ("node-b", "node-b")
+    serving = node_b.event("serving", timeout=START_TIMEOUT)
+    assert [(p["node"], p["layers"]) for p in serving["placement"]] == [
+        ("node-b", [0, single_node.pipeline.stages[0].spec.end])]
+    check_generation(topology, 2, single_node, node_b, prompts=1)

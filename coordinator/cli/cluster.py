@@ -44,7 +44,9 @@ from ..cluster.formation import (
     static_flags,
     static_nodes,
 )
-from ..cluster.membership import Membership
+from ..cluster.follow import follow, static_addresses
+from ..cluster.health import first_reachable
+from ..cluster.membership import Membership, advert_targets
 from .common import (
     EXIT_USAGE,
     add_allowed_origins,
@@ -220,13 +222,31 @@ def _launch(args: argparse.Namespace) -> int:
         votes = static_flags(cfg.nodes, secret, cfg.discovery.settle) if cfg.nodes else {}
         coordinator = elect_coordinator(me, peers, forced=args.coordinator, listed=votes, taking_over=args.take_over)
         if coordinator != me:
-            following.append(coordinator)
-            _emit(args, console, "follower", f"node {me}: {coordinator} coordinates; serving shards until stopped",
-                  node_id=me, coordinator=coordinator)
-            while True:
-                # until SIGTERM or Ctrl-C ends the process through the finally below (not signal.pause():
-                # a signal the kernel gives another thread would never wake this one to run its handler)
-                time.sleep(0.25)
+            def answers(node_id: str) -> bool:  # (at its advert's addresses, else where cluster.yaml has it)
+                ad = agent.peers().get(node_id) if agent is not None else None
+                targets = (advert_targets(interfaces, ad) if ad is not None
+                           else static_addresses(cfg.nodes, secret).get(node_id, []))
+                return bool(targets) and first_reachable(targets, secret, node_id, timeout=2.0) is not None
+
+            def members_now() -> dict[str, NodeAdvert]:
+                seen = membership.members(agent.peers()) if agent is not None else {}
+                return {**{i: ad for i, ad in seen.items() if i != me and answers(i)}, me: advert}
+
+            def followed(node_id: str) -> None:
+                following[:] = [node_id]
+                _emit(args, console, "follower", f"node {me}: {node_id} coordinates; serving shards until stopped",
+                      node_id=me, coordinator=node_id)
+
+            followed(coordinator)
+            # until SIGTERM or Ctrl-C ends the process through the finally below, or the coordinator is gone
+            # and the nodes left elect this one (follow.py)
+            follow(me, coordinator, answers, lambda: elect_coordinator(
+                me, members_now(), listed=static_flags(cfg.nodes, secret, 0.0) if cfg.nodes else {}), followed,
+                   cfg.placement.heal_after_s)
+            _emit(args, console, "coordinating", f"node {me}: the coordinator {following[0]} is gone; the nodes left "
+                  "elected this one", node_id=me, coordinator=me)
+            following.clear()
+            peers = membership.shared(members_now(), memory_offered)
         log.info("%s coordinates %d node(s)%s", me, len(peers), f" and {len(cfg.nodes)} static" if cfg.nodes else "")
         check_port_free(cfg.api.host, cfg.api.port, "the API port (api.port, --api-port)")  # before the model loads
         try:
