@@ -473,3 +473,23 @@ def test_a_node_an_earlier_heal_left_out_takes_layers_again_when_another_is_lost
         servers[2].stop(0)
         layout = healer([a, b], [b])
         assert layout is not None and layout.addresses == [a]  # (the first alone, as without a spare)
+
+
+def test_a_member_that_joined_after_placement_takes_layers_when_a_node_is_lost() -> None:
+    """Two nodes placed; a third joined since (a launch's member, not placed). The second is lost: the
+    heal places the model over the first and the one that joined."""
+    from helpers import node_servers
+
+    from mtpipe.coordinator.cluster.config import StaticNode
+    from mtpipe.coordinator.cluster.formation import static_resources
+
+    small = ModelFootprint((2**20,) * 4, 2**20, 2**20, 2**20, True)
+    with node_servers(3) as servers:
+        found = static_resources([StaticNode(host="127.0.0.1", port=s.port) for s in servers], None, reserve=0)
+        control = {r.node_id: f"127.0.0.1:{r.port}" for r in found}
+        a, b, c = (control[n.node_id] for n in found)
+        late = found[2]
+        healer = Healer(Formation([], {k: v for k, v in control.items() if k != late.node_id}, [], order=found[:2]),
+                        small, found[0].node_id, None, 0, joined=lambda: {late.node_id: (late, c)})
+        layout = healer([a, b], [b])
+        assert layout is not None and layout.addresses == [a, c]

@@ -40,6 +40,7 @@ from ..cluster.formation import (
     cluster_info_fn,
     form_cluster,
     placed_addresses,
+    resources_from_advert,
     single_node_engine,
     static_flags,
     static_nodes,
@@ -191,7 +192,8 @@ def _launch(args: argparse.Namespace) -> int:
                 _emit(args, console, "coordinator_back", f"node {me}: the coordinator {ad.node_id} is back",
                       node_id=me, coordinator=ad.node_id)
         if placed and kind == "join" and ad.node_id not in placed:
-            log.warning("node %s joined after placement; restart the coordinator to use it", ad.node_id)
+            log.warning("node %s joined after placement: a spare, it takes layers in the next heal (a node lost), or "
+                        "at the coordinator's restart", ad.node_id)
         elif placed and kind == "leave" and ad.node_id in placed:
             heal = cfg.placement.heal_after_s
             log.warning("node %s of the pipeline left; requests wait for it%s", ad.node_id,
@@ -295,8 +297,14 @@ def _launch(args: argparse.Namespace) -> int:
                     placed.pop(gone, None)
                 server.service.placed = dict(sorted(now.items()))
 
-            Healer(formation, formation.footprint, me, secret, int(cfg.placement.reserve_gib * GiB),
-                   on_placed=replaced).attach(engine.pipeline, cfg.placement.heal_after_s)
+            def joined() -> dict[str, tuple[Any, str]]:  # (members not placed: spares for the next heal)
+                members = membership.members(agent.peers()) if agent is not None else {}
+                return {i: (resources_from_advert(ad, reserve), targets[0]) for i, ad in members.items()
+                        if i != me and (targets := advert_targets(interfaces, ad))}
+
+            reserve = int(cfg.placement.reserve_gib * GiB)
+            Healer(formation, formation.footprint, me, secret, reserve, on_placed=replaced,
+                   joined=joined).attach(engine.pipeline, cfg.placement.heal_after_s)
         server.service.placed = dict(sorted(placed.items()))  # (`mtpipe health` lists a member that is gone)
         check_default_depth(cfg.mtp_depth if mtp else 0, engine.has_mtp, "--mtp-depth (cluster.yaml mtp_depth)")
         info = cluster_info_fn(cfg, me, my_target, engine, name, formation, agent, secret, membership)

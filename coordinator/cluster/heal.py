@@ -6,11 +6,11 @@ stays lost (`placement.heal_after_s`), the pipeline's re-forming (pipeline/refor
 (the memory each offers now, in the order their links favour, the coordinator first, cluster.yaml's
 layer counts kept for them). One node left that holds the whole model runs the ring's groups by
 itself (its rounds start in-process); nodes left that cannot hold the model wait for the lost one to
-come back. A node an earlier heal left out that is back and idle (a spare) takes layers again in the
-next heal, in the place it had. Once the pipeline serves over the new shards, the hops between new neighbours are measured
-as at launch, and the formation (what GET /v1/cluster and `mtpipe health` report) says where
-everything is. `serve --nodes --heal-after`
-heals the same way over the nodes it was given, in their order (`Healer.over_nodes`).
+come back. Spares take layers too: a node an earlier heal left out that is back and idle (in the place
+it had), and, under launch, a member that joined after placement (placed last). Once the pipeline serves
+over the new shards, the hops between new neighbours are measured as at launch, and the formation (what
+GET /v1/cluster and `mtpipe health` report) says where everything is. `serve --nodes --heal-after` heals
+the same way over the nodes it was given, in their order (`Healer.over_nodes`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ class Healer:
 
     def __init__(self, formation: Formation, footprint: ModelFootprint, me: str, secret: str | None,
                  reserve: int, on_placed: Callable[[Formation], None] = lambda f: None,
-                 sources: list[str] | None = None):
+                 sources: list[str] | None = None,
+                 joined: Callable[[], dict[str, tuple[NodeResources, str]]] | None = None):
         self.formation = formation
         self.footprint = footprint
         self.me = me
@@ -81,6 +82,7 @@ class Healer:
         self.reserve = reserve
         self.on_placed = on_placed  # the formation changed (`mtpipe health`'s placed addresses)
         self.sources = sources
+        self.joined = joined or dict  # members that joined after placement: id -> (resources, control address)
         self.pipeline: Any = None
         self._pending: dict[tuple[str, ...], tuple[list[NodeResources], list[StagePlan]]] = {}
         self._lock = threading.Lock()
@@ -141,10 +143,21 @@ class Healer:
 
     def _spares(self, missing: list[str]) -> list[NodeResources]:
         """The nodes an earlier heal left out that are back and idle (no shard: one it still held is being
-        unloaded): they take layers again, as at first, where a node is lost now. One that does not
-        answer, or holds a shard, is left out of this heal."""
+        unloaded), and those that joined after placement (`joined`): they take layers, as at first, where a
+        node is lost now. One that does not answer, or holds a shard, is left out of this heal."""
         with self._lock:
             left = dict(self.left_out)
+        try:
+            joined = self.joined()
+        except Exception:  # noqa: BLE001 - without them, the heal goes on over the others
+            log.warning("the nodes that joined after placement could not be listed", exc_info=True)
+            joined = {}
+        for node_id, (node, address) in joined.items():  # (spares too, placed last)
+            if node_id not in self._known:
+                self._known[node_id] = node
+                self.formation.control[node_id] = address
+            if node_id not in {n.node_id for n in self.formation.order}:
+                left.setdefault(node_id, address)
         out = []
         for node_id, address in left.items():
             if address in missing or node_id not in self._known:
@@ -158,7 +171,7 @@ class Healer:
                 with self._lock:  # (idle: nothing for the sweep to unload, and the shard it loads now is ours)
                     self._left.pop(node_id, None)
         if out:
-            log.info("node(s) %s, left out by an earlier heal and back, can take layers again",
+            log.info("spare node(s) %s (left out by an earlier heal, or joined since placement) can take layers",
                      ", ".join(n.node_id for n in out))
         return out
 
