@@ -162,7 +162,8 @@ def wait_for_peers(agent: ClusterAgent, me: str, cfg: ClusterConfig, forced: boo
     def enough(peers: dict[str, NodeAdvert], found: int) -> bool:
         return found >= expect or (not forced and any(a.coordinator and a.node_id != me for a in peers.values()))
 
-    deadline = time.monotonic() + settle
+    start = time.monotonic()
+    deadline = start + settle
     while True:
         peers = agent.peers()
         proven = members(peers)
@@ -173,6 +174,9 @@ def wait_for_peers(agent: ClusterAgent, me: str, cfg: ClusterConfig, forced: boo
         seen = len(peers)
         # Until the adverts change, or a little while: a proof that failed is tried again.
         agent.run(d.wait_for(lambda peers, seen=seen: len(peers) != seen, min(remaining, PROOF_POLL_S)))
-    if found < expect:
-        log.warning("found %d of %d expected node(s) after %.0f s; going on with them", found, expect, settle)
+    if found < expect and remaining > 0:  # (a coordinator among them: the cluster is formed, it is joined)
+        log.info("found %d of %d expected node(s), a coordinator among them", found, expect)
+    elif found < expect:
+        log.warning("found %d of %d expected node(s) after %.0f s; going on with them", found, expect,
+                    time.monotonic() - start)
     return proven
