@@ -49,6 +49,7 @@ from ..cluster.follow import follow, static_addresses
 from ..cluster.health import first_reachable
 from ..cluster.membership import Membership, advert_targets
 from .common import (
+    EXIT_OK,
     EXIT_USAGE,
     add_allowed_origins,
     add_default_max_tokens,
@@ -242,9 +243,12 @@ def _launch(args: argparse.Namespace) -> int:
             followed(coordinator)
             # until SIGTERM or Ctrl-C ends the process through the finally below, or the coordinator is gone
             # and the nodes left elect this one (follow.py)
-            follow(me, coordinator, answers, lambda: elect_coordinator(
-                me, members_now(), listed=static_flags(cfg.nodes, secret, 0.0) if cfg.nodes else {}), followed,
-                   cfg.placement.heal_after_s)
+            try:
+                follow(me, coordinator, answers, lambda: elect_coordinator(
+                    me, members_now(), listed=static_flags(cfg.nodes, secret, 0.0) if cfg.nodes else {}), followed,
+                       cfg.placement.heal_after_s)
+            except KeyboardInterrupt:  # (Ctrl-C stops a follower as it stops a coordinator: exit 0)
+                return EXIT_OK
             _emit(args, console, "coordinating", f"node {me}: the coordinator {following[0]} is gone; the nodes left "
                   "elected this one", node_id=me, coordinator=me)
             following.clear()
