@@ -509,6 +509,7 @@ def test_the_others_take_the_layers_of_the_node_that_left(cluster: dict, topolog
     r = run_in(topology, 1, [sys.executable, "-c", get], _env())
     info = json.loads(r.stdout)
     assert [(p["node"], p["layers"]) for p in info["placement"]] == [("node-a", a["layers"]), ("node-b", b["layers"])]
+    assert info["spares"] == [] and "node-c" not in info["discovered"]  # (gone: no spare)
     assert [(h["source"], h["target"]) for h in info["links"]] == [("node-a", "node-b")], info["links"]
     assert (info["ring"]["source"], info["ring"]["target"]) == ("node-b", "node-a"), info["ring"]
     check_generation(topology, 1, single_node, cluster["procs"][1], prompts=1)

@@ -393,6 +393,8 @@ def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, mo
             "ring": ring,
             "nodes": probe_nodes([p["address"] for p in plan], secret),
             "discovered": discovered,
+            # members that hold no layers: the next heal places layers on those idle then (heal.py)
+            "spares": sorted(set(discovered) - {p["node"] for p in plan}),
             "left_out": left_out,
             "ignored": sorted(agent.discovery.ignored) if agent else [],
         }
