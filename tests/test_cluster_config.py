@@ -629,3 +629,17 @@ def test_a_follower_whose_coordinator_is_gone_elects_again() -> None:
     # at 41 s, this node elected
     assert followed == ["b"] and len(votes) == 2
     assert 24 <= votes[0] < 25.5 and 41 <= votes[1] < 42.5 and now[0] == pytest.approx(votes[1], abs=0.3)
+
+
+def test_a_node_that_listens_counts_as_there_whatever_its_loop_does() -> None:
+    """(A coordinator in a long step answers no Ping, but the kernel still takes its connections.)"""
+    import socket
+
+    from mtpipe.coordinator.cluster.follow import accepts
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert accepts(f"127.0.0.1:{port}")  # (never accepted by anyone: the backlog takes it)
+    assert not accepts(f"127.0.0.1:{port}")

@@ -45,7 +45,7 @@ from ..cluster.formation import (
     static_flags,
     static_nodes,
 )
-from ..cluster.follow import follow, static_addresses
+from ..cluster.follow import accepts, follow, static_addresses
 from ..cluster.health import first_reachable
 from ..cluster.membership import Membership, advert_targets
 from .common import (
@@ -229,7 +229,9 @@ def _launch(args: argparse.Namespace) -> int:
                 ad = agent.peers().get(node_id) if agent is not None else None
                 targets = (advert_targets(interfaces, ad) if ad is not None
                            else static_addresses(cfg.nodes, secret).get(node_id, []))
-                return bool(targets) and first_reachable(targets, secret, node_id, timeout=2.0) is not None
+                if first_reachable(targets, secret, node_id, timeout=2.0) is not None:
+                    return True
+                return any(accepts(t) for t in targets)  # (there, its loop in a long step: no Ping answered)
 
             def members_now() -> dict[str, NodeAdvert]:
                 seen = membership.members(agent.peers()) if agent is not None else {}

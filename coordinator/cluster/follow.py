@@ -1,7 +1,8 @@
 """A launched node that follows a coordinator, until that one is gone and the vote falls on this node.
 
 A coordinator that stops (killed, its machine off) sends no goodbye discovery can hear, so a follower asks
-it directly, once a second. Once it has not answered for `lost_after` seconds (cluster.yaml's
+it directly, once a second: a Ping, else whether its port takes a connection (its loop busy in a long step
+answers no Ping, while its kernel still takes connections). Once it has not answered for `lost_after` seconds (cluster.yaml's
 `placement.heal_after_s`, as for a node whose layers the others take; `null`: never), the nodes left elect
 again among those that answer now: each sees the same members, so they agree, as at launch. A follower the
 vote falls on coordinates (it places the model over the others, which follow it); the others follow it.
@@ -50,6 +51,20 @@ def follow(me: str, coordinator: str, answers: Callable[[str], bool], elect: Cal
         if chosen != coordinator:
             coordinator = chosen
             on_new(chosen)
+
+
+def accepts(target: str, timeout: float = 2.0) -> bool:
+    """Whether a process listens at `target` (host:port): the kernel completes the handshake, so a node
+    whose loop is busy in a long step, which answers no Ping then, still counts as there."""
+    import socket
+
+    from ...node.links import split_host_port
+
+    try:
+        with socket.create_connection(split_host_port(target), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def static_addresses(nodes: Sequence[Any], secret: str | None) -> dict[str, list[str]]:
