@@ -485,3 +485,25 @@ def test_a_streamed_choice_refused_as_it_starts_is_told_as_it_is(engine: BatchEn
             assert time.monotonic() < deadline, (service.slots.free, service.slots.waiting)
             time.sleep(0.02)
         assert metric(s, "mtpipe_generations_failed_total") == 0 and len(calls) == 2
+
+
+def test_the_keepalive_reads_no_further_ahead_of_a_slow_client() -> None:
+    import asyncio
+
+    from mtpipe.coordinator.api import generation
+
+    read = [0]
+
+    async def events() -> Any:
+        for i in range(1000):
+            read[0] += 1
+            yield f"data: {i}\n\n"
+
+    async def slow() -> None:
+        stream = generation.with_keepalive(events(), 60)
+        assert await stream.__anext__() == "data: 0\n\n"
+        await asyncio.sleep(0.2)  # (a client that does not read, or left)
+        assert read[0] <= generation.KEEPALIVE_AHEAD + 2
+        await stream.aclose()
+
+    asyncio.run(slow())

@@ -616,9 +616,9 @@ def test_a_follower_whose_coordinator_is_gone_elects_again() -> None:
     def answers(node_id: str) -> bool:
         return any(a <= now[0] < b for a, b in alive[node_id])
 
-    def elect() -> str:
+    def elect() -> str | None:
         votes.append(now[0])
-        return "b" if now[0] < 30 else "me"
+        return "b" if now[0] < 30 else None if now[0] < 45 else "me"  # (None: no node there holds the model)
 
     def sleep(s: float) -> None:
         now[0] += s
@@ -626,9 +626,10 @@ def test_a_follower_whose_coordinator_is_gone_elects_again() -> None:
     follow("me", "c", answers, elect, followed.append, lost_after=10.0, check_s=1.0, clock=lambda: now[0],
            sleep=sleep)
     # c silent 5-12 s (kept), then from 14 s: gone at 24 s, b elected and followed; b silent from 31 s: gone
-    # at 41 s, this node elected
-    assert followed == ["b"] and len(votes) == 2
-    assert 24 <= votes[0] < 25.5 and 41 <= votes[1] < 42.5 and now[0] == pytest.approx(votes[1], abs=0.3)
+    # at 41 s, but no node holds the model: b waited for, silent again to 52 s, this node elected then
+    assert followed == ["b"] and len(votes) == 3
+    assert 24 <= votes[0] < 25.5 and 41 <= votes[1] < 42.5 and 51 <= votes[2] < 53.5
+    assert now[0] == pytest.approx(votes[2], abs=0.3)
 
 
 def test_a_node_that_listens_counts_as_there_whatever_its_loop_does() -> None:
@@ -643,3 +644,30 @@ def test_a_node_that_listens_counts_as_there_whatever_its_loop_does() -> None:
         port = s.getsockname()[1]
         assert accepts(f"127.0.0.1:{port}")  # (never accepted by anyone: the backlog takes it)
     assert not accepts(f"127.0.0.1:{port}")
+
+
+def test_a_follower_elects_only_a_node_that_holds_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Among the members there now, one that holds the model; none: nobody (the coordinator is waited for,
+    not replaced by a node that would fail to load it). A member that follows is no coordinator to wait for."""
+    from types import SimpleNamespace
+
+    from mtpipe.coordinator.cluster.follow import Watch
+    from mtpipe.node.advertise import NodeAdvert
+
+    def ad(node_id: str, has_model: bool, coordinator: bool = False) -> NodeAdvert:
+        return NodeAdvert(node_id, "h", 1, 0, 0, "cpu", "v", coordinator=coordinator, has_model=has_model)
+
+    peers: dict[str, NodeAdvert] = {}
+    agent = SimpleNamespace(peers=lambda: dict(peers))
+    membership = SimpleNamespace(members=lambda p: p)
+    reached = {"a": SimpleNamespace(coordinator=False), "b": SimpleNamespace(coordinator=True), "c": True}
+    monkeypatch.setattr(Watch, "_reached", lambda self, node_id: reached.get(node_id, False))
+    me = ad("m", has_model=False)
+    watch = Watch(me, agent, membership, [], [], None)
+    peers.update(a=ad("a", has_model=False), c=ad("c", has_model=False))
+    assert watch.elect() is None  # (no member there holds it; this node neither)
+    peers["d"] = ad("d", has_model=True)  # (not there: gone)
+    assert watch.elect() is None
+    reached["d"] = True
+    assert watch.elect() == "d"
+    assert watch.coordinates("b") and not watch.coordinates("a") and watch.coordinates("c")  # (c busy: counts)

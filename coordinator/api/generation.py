@@ -388,16 +388,19 @@ def sse_event(data: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 SSE_KEEPALIVE = ": keep-alive\n\n"  # a comment: SSE clients skip it
 KEEPALIVE_S = 5.0
+KEEPALIVE_AHEAD = 16  # events read ahead of the client at most
 
 
 async def with_keepalive(events: AsyncIterator[str], every: Optional[float] = None) -> AsyncIterator[str]:
     """`events`, with a comment after each `every` seconds without one: a stream waiting (a long prompt's
     prefill, a node lost and the request waiting to resume) keeps the clients' and proxies' read timeouts
     from cutting it. The events are read on a task of their own and a beat adds the comments, so that an
-    event costs a queue's hand-over, not a timed wait."""
+    event costs a queue's hand-over, not a timed wait; they are read no further ahead of the client than
+    KEEPALIVE_AHEAD events."""
     every = KEEPALIVE_S if every is None else every
     loop = asyncio.get_running_loop()
     items: asyncio.Queue = asyncio.Queue()
+    room = asyncio.Semaphore(KEEPALIVE_AHEAD)  # (a client that reads slowly, or left, holds the events back)
     last = [loop.time()]
     ended = object()
 
@@ -405,6 +408,7 @@ async def with_keepalive(events: AsyncIterator[str], every: Optional[float] = No
         try:
             async for event in events:
                 last[0] = loop.time()
+                await room.acquire()
                 items.put_nowait(event)
         except Exception as e:  # (raised where the events are read)
             items.put_nowait(e)
@@ -423,6 +427,8 @@ async def with_keepalive(events: AsyncIterator[str], every: Optional[float] = No
         while (item := await items.get()) is not ended:
             if isinstance(item, Exception):
                 raise item
+            if item is not SSE_KEEPALIVE:
+                room.release()
             yield item
     finally:  # (the client left, or it ended: the events' own cleanup runs as their task is cancelled)
         for task in tasks:

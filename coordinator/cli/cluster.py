@@ -45,8 +45,7 @@ from ..cluster.formation import (
     static_flags,
     static_nodes,
 )
-from ..cluster.follow import accepts, follow, static_addresses
-from ..cluster.health import first_reachable
+from ..cluster.follow import Watch, follow
 from ..cluster.membership import Membership, advert_targets
 from .common import (
     EXIT_OK,
@@ -185,10 +184,14 @@ def _launch(args: argparse.Namespace) -> int:
     def on_change(kind: str, ad: NodeAdvert) -> None:
         if ad.node_id == me:
             return
-        if following and ad.node_id == following[0]:  # (a follower hears of its coordinator only here)
+        followed = list(following)  # (the main thread may change it meanwhile)
+        if followed and ad.node_id == followed[0]:  # (a follower hears of its coordinator only here)
             if kind == "leave":
+                heal = cfg.placement.heal_after_s
                 _emit(args, console, "coordinator_left", f"node {me}: the coordinator {ad.node_id} left; this node "
-                      "keeps its shard and waits for a coordinator", node_id=me, coordinator=ad.node_id)
+                      "keeps its shard and waits for it" + ("" if heal is None else f", or for the nodes left to "
+                                                            f"elect another after {heal:g} s"),
+                      node_id=me, coordinator=ad.node_id)
             elif kind == "join":
                 _emit(args, console, "coordinator_back", f"node {me}: the coordinator {ad.node_id} is back",
                       node_id=me, coordinator=ad.node_id)
@@ -225,17 +228,7 @@ def _launch(args: argparse.Namespace) -> int:
         votes = static_flags(cfg.nodes, secret, cfg.discovery.settle) if cfg.nodes else {}
         coordinator = elect_coordinator(me, peers, forced=args.coordinator, listed=votes, taking_over=args.take_over)
         if coordinator != me:
-            def answers(node_id: str) -> bool:  # (at its advert's addresses, else where cluster.yaml has it)
-                ad = agent.peers().get(node_id) if agent is not None else None
-                targets = (advert_targets(interfaces, ad) if ad is not None
-                           else static_addresses(cfg.nodes, secret).get(node_id, []))
-                if first_reachable(targets, secret, node_id, timeout=2.0) is not None:
-                    return True
-                return any(accepts(t) for t in targets)  # (there, its loop in a long step: no Ping answered)
-
-            def members_now() -> dict[str, NodeAdvert]:
-                seen = membership.members(agent.peers()) if agent is not None else {}
-                return {**{i: ad for i, ad in seen.items() if i != me and answers(i)}, me: advert}
+            watch = Watch(advert, agent, membership, interfaces, cfg.nodes, secret)
 
             def followed(node_id: str) -> None:
                 following[:] = [node_id]
@@ -246,15 +239,13 @@ def _launch(args: argparse.Namespace) -> int:
             # until SIGTERM or Ctrl-C ends the process through the finally below, or the coordinator is gone
             # and the nodes left elect this one (follow.py)
             try:
-                follow(me, coordinator, answers, lambda: elect_coordinator(
-                    me, members_now(), listed=static_flags(cfg.nodes, secret, 0.0) if cfg.nodes else {}), followed,
-                       cfg.placement.heal_after_s)
+                follow(me, coordinator, watch.coordinates, watch.elect, followed, cfg.placement.heal_after_s)
             except KeyboardInterrupt:  # (Ctrl-C stops a follower as it stops a coordinator: exit 0)
                 return EXIT_OK
             _emit(args, console, "coordinating", f"node {me}: the coordinator {following[0]} is gone; the nodes left "
                   "elected this one", node_id=me, coordinator=me)
             following.clear()
-            peers = membership.shared(members_now(), memory_offered)
+            peers = membership.shared(watch.members(), memory_offered)
         log.info("%s coordinates %d node(s)%s", me, len(peers), f" and {len(cfg.nodes)} static" if cfg.nodes else "")
         check_port_free(cfg.api.host, cfg.api.port, "the API port (api.port, --api-port)")  # before the model loads
         try:

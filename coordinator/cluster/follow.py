@@ -21,21 +21,28 @@ CHECK_S = 1.0  # how often a follower asks its coordinator
 WAKE_S = 0.25  # the longest the waiting main thread sleeps (a signal's handler runs when it wakes)
 
 
-def follow(me: str, coordinator: str, answers: Callable[[str], bool], elect: Callable[[], str],
+def follow(me: str, coordinator: str, answers: Callable[[str], bool], elect: Callable[[], str | None],
            on_new: Callable[[str], None], lost_after: float | None, check_s: float = CHECK_S,
            clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
     """Block while this node follows; return once the nodes left elect it to coordinate. `answers(id)`:
-    whether that node answers now; `elect()`: whom the nodes answering now elect; `on_new(id)`: the vote
-    fell on another node, followed from now on. `lost_after` None: it follows until the process ends."""
+    whether that node is there and coordinates; `elect()`: whom the nodes there elect (None: none of them
+    can, as none holds the model: the coordinator is waited for); `on_new(id)`: the vote fell on another
+    node, followed from now on. `lost_after` None: it follows until the process ends."""
     silent_since: float | None = None
     next_check = clock()
+    said = ""
     while True:
         sleep(WAKE_S)
         now = clock()
         if lost_after is None or now < next_check:
             continue
         next_check = now + check_s
-        if answers(coordinator):
+        try:
+            there = answers(coordinator)
+        except Exception:  # noqa: BLE001 - a check that fails says nothing: no election for it
+            log.warning("cannot ask the coordinator %s", coordinator, exc_info=True)
+            there = True
+        if there:
             silent_since = None
             continue
         if silent_since is None:
@@ -44,13 +51,69 @@ def follow(me: str, coordinator: str, answers: Callable[[str], bool], elect: Cal
             silent_since = now
         if now - silent_since < lost_after:
             continue
-        chosen = elect()
+        try:
+            chosen = elect()
+        except Exception:  # noqa: BLE001 - tried again at the next check
+            log.warning("the election after coordinator %s failed", coordinator, exc_info=True)
+            continue
         silent_since = None
+        if chosen is None:
+            if said != coordinator:
+                log.warning("no node left holds the model to coordinate: waiting for %s", coordinator)
+            said = coordinator
+            continue
         if chosen == me:
             return
         if chosen != coordinator:
             coordinator = chosen
             on_new(chosen)
+
+
+class Watch:
+    """A follower's view of the others: whether a node is there and coordinates (a Ping, which says so;
+    else its port taking a connection, its loop busy in a long step), and whom the nodes there elect."""
+
+    def __init__(self, me: Any, agent: Any, membership: Any, interfaces: list[Any], nodes: Sequence[Any],
+                 secret: str | None):
+        self.me, self.agent, self.membership = me, agent, membership
+        self.interfaces, self.nodes, self.secret = interfaces, nodes, secret
+        self.static = static_addresses(nodes, secret) if nodes else {}  # (where they answered as it began)
+
+    def targets(self, node_id: str) -> list[str]:
+        from .membership import advert_targets
+
+        ad = self.agent.peers().get(node_id) if self.agent is not None else None
+        return advert_targets(self.interfaces, ad) if ad is not None else self.static.get(node_id, [])
+
+    def _reached(self, node_id: str) -> Any:
+        from .health import first_reachable
+
+        targets = self.targets(node_id)
+        reached = first_reachable(targets, self.secret, node_id, timeout=2.0)
+        return reached if reached is not None else any(accepts(t) for t in targets)
+
+    def coordinates(self, node_id: str) -> bool:
+        """There and coordinating (one that only follows is no coordinator to wait for); busy counts."""
+        reached = self._reached(node_id)
+        return reached.coordinator if hasattr(reached, "coordinator") else bool(reached)
+
+    def members(self) -> dict[str, Any]:
+        """The members there now, this node's own advert (`me`) among them."""
+        seen = self.membership.members(self.agent.peers()) if self.agent is not None else {}
+        return {**{i: ad for i, ad in seen.items() if i != self.me.node_id and self._reached(i)},
+                self.me.node_id: self.me}
+
+    def elect(self) -> str | None:
+        """Whom the members there elect, among those that hold the model (None: none does)."""
+        from .discovery import elect_coordinator
+        from .formation import static_flags
+
+        members = {i: ad for i, ad in self.members().items() if ad.has_model}
+        listed = static_flags(self.nodes, self.secret, 0.0) if self.nodes else {}
+        if not members and not listed:
+            return None
+        chosen = elect_coordinator(self.me.node_id, members, listed=listed)
+        return None if chosen == self.me.node_id and not self.me.has_model else chosen
 
 
 def accepts(target: str, timeout: float = 2.0) -> bool:
