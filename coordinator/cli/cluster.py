@@ -46,7 +46,7 @@ from ..cluster.formation import (
     static_nodes,
 )
 from ..cluster.follow import Watch, follow
-from ..cluster.membership import Membership, advert_targets
+from ..cluster.membership import Membership
 from .common import (
     EXIT_OK,
     EXIT_USAGE,
@@ -296,8 +296,8 @@ def _launch(args: argparse.Namespace) -> int:
 
             def joined() -> dict[str, tuple[Any, str]]:  # (members not placed: spares for the next heal)
                 members = membership.members(agent.peers()) if agent is not None else {}
-                return {i: (resources_from_advert(ad, reserve), targets[0]) for i, ad in members.items()
-                        if i != me and (targets := advert_targets(interfaces, ad))}
+                return {i: (resources_from_advert(ad, reserve), address) for i, ad in members.items()
+                        if i != me and not ad.coordinator and (address := membership.address(ad))}
 
             reserve = int(cfg.placement.reserve_gib * GiB)
             Healer(formation, formation.footprint, me, secret, reserve, on_placed=replaced,

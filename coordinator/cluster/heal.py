@@ -19,6 +19,7 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -158,18 +159,20 @@ class Healer:
                 self.formation.control[node_id] = address
             if node_id not in {n.node_id for n in self.formation.order}:
                 left.setdefault(node_id, address)
-        out = []
-        for node_id, address in left.items():
-            if address in missing or node_id not in self._known:
-                continue
-            try:  # (briefly: a machine switched off must not hold every attempt up)
+        asked = [n for n, address in left.items() if address not in missing and n in self._known]
+
+        def idle(node_id: str) -> bool:
+            try:  # (briefly, and all at once: machines switched off must not hold every attempt up)
                 h = self._health(self._known[node_id], timeout=SPARE_TIMEOUT_S)
             except ConnectionError:
-                continue
-            if h.node_id == node_id and not h.loaded:
-                out.append(self._known[node_id])
-                with self._lock:  # (idle: nothing for the sweep to unload, and the shard it loads now is ours)
-                    self._left.pop(node_id, None)
+                return False
+            return h.node_id == node_id and not h.loaded
+
+        with ThreadPoolExecutor(max(1, min(len(asked), 8)), thread_name_prefix="heal-spares") as pool:
+            out = [self._known[n] for n, ok in zip(asked, pool.map(idle, asked)) if ok]
+        with self._lock:  # (idle: nothing for the sweep to unload, and the shard each loads now is ours)
+            for n in out:
+                self._left.pop(n.node_id, None)
         if out:
             log.info("spare node(s) %s (left out by an earlier heal, or joined since placement) can take layers",
                      ", ".join(n.node_id for n in out))
