@@ -105,6 +105,17 @@ async def parse_body(request: Any, cls: type) -> Any:
         raise validation_error(errors) from None
 
 
+class Watched:
+    """An ASGI `send` that notes whether the response began: an error after that can only cut it."""
+
+    def __init__(self, send: Any):
+        self.send, self.started = send, False
+
+    async def __call__(self, message: dict) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
+
+
 class Unhandled:
     """ASGI middleware: an error no route answered is a 500 in the path's error shape, logged, and the
     connection stays open. (Starlette's own last-resort handler answers it too, but then raises it again,
@@ -117,17 +128,11 @@ class Unhandled:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
-
-        async def sending(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        sending = Watched(send)
         try:
             await self.app(scope, receive, sending)
         except Exception as e:
-            if started:
+            if sending.started:
                 raise
             from starlette.responses import JSONResponse
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .errors import APIError, body_for
+from .errors import APIError, Watched, body_for
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,6 @@ class BodyLimit:
             return await self._refuse(BodyTooLarge(limit, declared), scope, receive, send)
 
         received = 0
-        started = False
 
         async def counted_receive() -> dict:
             nonlocal received
@@ -61,15 +60,11 @@ class BodyLimit:
                     raise BodyTooLarge(limit)
             return message
 
-        async def watched_send(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        watched_send = Watched(send)
         try:
             await self.app(scope, counted_receive, watched_send)
         except BodyTooLarge as e:
-            if started:
+            if watched_send.started:
                 raise
             await self._refuse(e, scope, receive, send)
 
