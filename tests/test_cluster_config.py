@@ -671,3 +671,17 @@ def test_a_follower_elects_only_a_node_that_holds_the_model(monkeypatch: pytest.
     reached["d"] = True
     assert watch.elect() == "d"
     assert watch.coordinates("b") and not watch.coordinates("a") and watch.coordinates("c")  # (c busy: counts)
+
+
+def test_two_coordinators_are_degraded_each_saying_so() -> None:
+    """Two nodes each coordinating a placement of their own (a partition healed after the nodes on each
+    side elected one): `mtpipe health` says so on both, and the cluster is degraded, not healthy."""
+    from mtpipe.coordinator.cluster.health import mark_coordinators, overall
+
+    a = {"address": "a:1", "node_id": "a", "status": "healthy", "problems": [], "placed": ["a", "c"]}
+    b = {"address": "b:1", "node_id": "b", "status": "healthy", "problems": [], "placed": ["b"]}
+    c = {"address": "c:1", "node_id": "c", "status": "healthy", "problems": []}
+    assert mark_coordinators([a, c]) == [a, c] and overall([a, c]) == "healthy"
+    marked = mark_coordinators([a, b, c])
+    assert [r["status"] for r in marked] == ["degraded", "degraded", "healthy"] and overall(marked) == "degraded"
+    assert "one of 2 coordinators (a, b)" in marked[0]["problems"][0]

@@ -50,6 +50,7 @@ def _health(args: argparse.Namespace) -> int:
     from ..cluster.health import (
         EXIT_CODES,
         distinct_nodes,
+        mark_coordinators,
         mark_spares,
         missing_layers,
         missing_members,
@@ -77,7 +78,7 @@ def _health(args: argparse.Namespace) -> int:
         rows = distinct_nodes(name_placed(rows))
         rows += missing_members(rows, set(left_out))
         rows += missing_layers(rows)
-    rows = mark_spares(rows)
+    rows = mark_coordinators(mark_spares(rows))
     status = overall(rows)
     if left_out and status in ("healthy", "idle"):  # something advertises the cluster and did not prove it belongs
         status = "degraded"

@@ -43,11 +43,12 @@ def follow(me: str, coordinator: str, answers: Callable[[str], bool], elect: Cal
             log.warning("cannot ask the coordinator %s", coordinator, exc_info=True)
             there = True
         if there:
-            silent_since = None
+            silent_since, said = None, ""
             continue
         if silent_since is None:
-            log.warning("the coordinator %s does not answer; the nodes left elect another after %g s",
-                        coordinator, lost_after)
+            if said != coordinator:  # (once while it stays silent, not at every round of waiting)
+                log.warning("the coordinator %s does not answer; the nodes left elect another after %g s",
+                            coordinator, lost_after)
             silent_since = now
         if now - silent_since < lost_after:
             continue
@@ -62,6 +63,7 @@ def follow(me: str, coordinator: str, answers: Callable[[str], bool], elect: Cal
                 log.warning("no node left holds the model to coordinate: waiting for %s", coordinator)
             said = coordinator
             continue
+        said = ""
         if chosen == me:
             return
         if chosen != coordinator:

@@ -216,6 +216,18 @@ def missing_layers(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def mark_coordinators(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows`, where more than one of them coordinates (each placed a model: two clusters where there
+    was one, after a partition healed, say), with each of those degraded and saying so: a cluster has one,
+    and only stopping the others ends it."""
+    coordinating = sorted(r.get("node_id") or r["address"] for r in rows if r.get("placed"))
+    if len(coordinating) < 2:
+        return list(rows)
+    why = f"one of {len(coordinating)} coordinators ({', '.join(coordinating)}): a cluster has one; stop the others"
+    return [{**r, "status": DEGRADED, "problems": [*(r.get("problems") or []), why]} if r.get("placed") else r
+            for r in rows]
+
+
 def overall(rows: Sequence[dict[str, Any]]) -> str:
     statuses = {r["status"] for r in rows}
     if not rows or UNREACHABLE in statuses:

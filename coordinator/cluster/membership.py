@@ -97,7 +97,7 @@ class Membership:
                     continue
                 if key not in self._failed:
                     log.warning("node %s (advertised from %s) did not prove it belongs to this cluster at %s: "
-                                "left out (is the cluster secret the same on every machine?)", node_id,
+                                "left out (not reached there, or not this cluster's secret)", node_id,
                                 ", ".join(peers[node_id].addresses) or "?", ", ".join(key[1]) or "no address")
                 self._failed[key] = self.clock()
         proven = {node_id: key for node_id, key in keys.items() if key in self._proven}
