@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 CHECK_S = 1.0  # how often a follower asks its coordinator
 WAKE_S = 0.25  # the longest the waiting main thread sleeps (a signal's handler runs when it wakes)
+PROBE_S = 1.0  # how long a Ping, or a connection, may take to count
 
 
 def follow(me: str, coordinator: str, answers: Callable[[str], bool], elect: Callable[[], str | None],
@@ -88,11 +89,18 @@ class Watch:
         return advert_targets(self.interfaces, ad) if ad is not None else self.static.get(node_id, [])
 
     def _reached(self, node_id: str) -> Any:
+        """(Briefly, every address at once: a check that takes long delays the election it leads to.)"""
+        from concurrent.futures import ThreadPoolExecutor
+
         from .health import first_reachable
 
         targets = self.targets(node_id)
-        reached = first_reachable(targets, self.secret, node_id, timeout=2.0)
-        return reached if reached is not None else any(accepts(t) for t in targets)
+        if not targets:
+            return False
+        with ThreadPoolExecutor(min(len(targets), 8)) as pool:
+            pinged = list(pool.map(lambda t: first_reachable([t], self.secret, node_id, timeout=PROBE_S), targets))
+            reached = next((r for r in pinged if r is not None), None)
+            return reached if reached is not None else any(pool.map(lambda t: accepts(t, PROBE_S), targets))
 
     def coordinates(self, node_id: str) -> bool:
         """There and coordinating (one that only follows is no coordinator to wait for); busy counts."""
