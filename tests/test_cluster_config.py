@@ -660,15 +660,17 @@ def test_a_follower_elects_only_a_node_that_holds_the_model(monkeypatch: pytest.
     peers: dict[str, NodeAdvert] = {}
     agent = SimpleNamespace(peers=lambda: dict(peers))
     membership = SimpleNamespace(members=lambda p: p)
-    reached = {"a": SimpleNamespace(coordinator=False), "b": SimpleNamespace(coordinator=True), "c": True}
-    monkeypatch.setattr(Watch, "_reached", lambda self, node_id: reached.get(node_id, False))
+    # (there, its Ping's answer): a follows, b coordinates, c is busy (no Ping answered, its port takes one)
+    probed = {"a": (True, SimpleNamespace(coordinator=False)), "b": (True, SimpleNamespace(coordinator=True)),
+              "c": (True, None)}
+    monkeypatch.setattr(Watch, "_probe", lambda self, node_id: probed.get(node_id, (False, None)))
     me = ad("m", has_model=False)
     watch = Watch(me, agent, membership, [], [], None)
     peers.update(a=ad("a", has_model=False), c=ad("c", has_model=False))
     assert watch.elect() is None  # (no member there holds it; this node neither)
     peers["d"] = ad("d", has_model=True)  # (not there: gone)
     assert watch.elect() is None
-    reached["d"] = True
+    probed["d"] = (True, None)
     assert watch.elect() == "d"
     assert watch.coordinates("b") and not watch.coordinates("a") and watch.coordinates("c")  # (c busy: counts)
 

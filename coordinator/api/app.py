@@ -251,11 +251,7 @@ def create_app(
         """The generation request of a Responses body whose conversation is `items`. With truncation "auto"
         a conversation that overflows the context loses its first turns, as few as let it fit (OpenAI's)."""
         async def from_turn(start: int) -> "tuple[GenerationRequest, ToolSpec | None, ReasoningSplit | None]":
-            chat, origins = responses_input.chat_body(body, responses_input.from_turn(items, start))
-            try:
-                req, _, tools, thinking = await chat_request(chat, answered=True)
-            except APIError as e:  # (named as this endpoint names its fields)
-                raise responses_input.renamed(e, origins) from None
+            req, _, tools, thinking = await as_chat(body, responses_input.from_turn(items, start), chat_request)
             return req, tools, thinking
 
         try:
@@ -280,12 +276,17 @@ def create_app(
             except APIError as e:
                 if e.code != "context_length_exceeded":
                     raise
+        tokens, _, _ = await as_chat(body, items, chat_prompt)
+        return {"object": "response.input_tokens", "input_tokens": len(tokens)}
+
+    async def as_chat(body: ResponsesRequest, items: "list[dict[str, Any]]", read: Callable[..., Any]) -> Any:
+        """`read` (chat_request, chat_prompt) of the chat request a Responses body with `items` is, its
+        errors named as this endpoint names its fields."""
         chat, origins = responses_input.chat_body(body, items)
         try:
-            tokens, _, _ = await chat_prompt(chat, answered=True)
-        except APIError as e:  # (named as this endpoint names its fields)
+            return await read(chat, answered=True)
+        except APIError as e:
             raise responses_input.renamed(e, origins) from None
-        return {"object": "response.input_tokens", "input_tokens": len(tokens)}
 
     @app.get("/v1/responses/{response_id}")
     async def kept_response(response_id: str) -> Any:
@@ -364,10 +365,10 @@ def create_app(
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
+        n = service.choices(body)  # (before the prompt is read: a bad n costs no tokenizing)
         tokens, tools, fmt = await chat_prompt(body, answered)
         params = service.sampling(body, (body.top_logprobs or 0) if body.logprobs else -1, fmt,
                                   -1 if body.prompt_logprobs is None else body.prompt_logprobs)
-        n = service.choices(body)
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
         else:

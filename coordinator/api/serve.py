@@ -51,7 +51,7 @@ def nodes_cluster_info(engine: "Engine", model_name: str, timeout: float = 2.0) 
         if engine.batching == "ring":
             out["ring"] = engine.describe()["ring"]
         healed = getattr(getattr(engine.pipeline, "heal", None), "left_out", None)
-        if healed:  # (spares until the coordinator restarts: `mtpipe health` shows them idle)
+        if healed:  # (spares the next heal places layers on: `mtpipe health` shows them idle)
             out["left_out"] = {address: f"node {node_id}: a heal left it out" for node_id, address in healed.items()}
         return out
 

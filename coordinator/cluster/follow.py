@@ -2,10 +2,11 @@
 
 A coordinator that stops (killed, its machine off) sends no goodbye discovery can hear, so a follower asks
 it directly, once a second: a Ping, else whether its port takes a connection (its loop busy in a long step
-answers no Ping, while its kernel still takes connections). Once it has not answered for `lost_after` seconds (cluster.yaml's
-`placement.heal_after_s`, as for a node whose layers the others take; `null`: never), the nodes left elect
-again among those that answer now: each sees the same members, so they agree, as at launch. A follower the
-vote falls on coordinates (it places the model over the others, which follow it); the others follow it.
+answers no Ping, while its kernel still takes connections). Once it has not answered for `lost_after`
+seconds (cluster.yaml's `placement.heal_after_s`, as for a node whose layers the others take; `null`:
+never), the nodes left elect again among those that answer now: each sees the same members, so they agree,
+as at launch. A follower the vote falls on coordinates (it places the model over the others, which follow
+it); the others follow it.
 """
 
 from __future__ import annotations
@@ -78,9 +79,13 @@ class Watch:
 
     def __init__(self, me: Any, agent: Any, membership: Any, interfaces: list[Any], nodes: Sequence[Any],
                  secret: str | None):
+        from .formation import static_reached
+
         self.me, self.agent, self.membership = me, agent, membership
         self.interfaces, self.nodes, self.secret = interfaces, nodes, secret
-        self.static = static_addresses(nodes, secret) if nodes else {}  # (where they answered as it began)
+        self.static: dict[str, list[str]] = {}  # cluster.yaml's nodes by id: where they answered as it began
+        for r in static_reached(nodes, secret, 0.0):
+            self.static.setdefault(r.node_id, []).append(r.target)
 
     def targets(self, node_id: str) -> list[str]:
         from .membership import advert_targets
@@ -88,29 +93,32 @@ class Watch:
         ad = self.agent.peers().get(node_id) if self.agent is not None else None
         return advert_targets(self.interfaces, ad) if ad is not None else self.static.get(node_id, [])
 
-    def _reached(self, node_id: str) -> Any:
-        """(Briefly, every address at once: a check that takes long delays the election it leads to.)"""
+    def _probe(self, node_id: str) -> tuple[bool, Any]:
+        """(Whether it is there, its Ping's answer or None: there without one is a node busy in a long
+        step.) Briefly, every address at once: a check that takes long delays the election it leads to."""
         from concurrent.futures import ThreadPoolExecutor
 
         from .health import first_reachable
 
         targets = self.targets(node_id)
         if not targets:
-            return False
+            return False, None
         with ThreadPoolExecutor(min(len(targets), 8)) as pool:
             pinged = list(pool.map(lambda t: first_reachable([t], self.secret, node_id, timeout=PROBE_S), targets))
             reached = next((r for r in pinged if r is not None), None)
-            return reached if reached is not None else any(pool.map(lambda t: accepts(t, PROBE_S), targets))
+            if reached is not None:
+                return True, reached
+            return any(pool.map(lambda t: accepts(t, PROBE_S), targets)), None
 
     def coordinates(self, node_id: str) -> bool:
         """There and coordinating (one that only follows is no coordinator to wait for); busy counts."""
-        reached = self._reached(node_id)
-        return reached.coordinator if hasattr(reached, "coordinator") else bool(reached)
+        there, reached = self._probe(node_id)
+        return there and (reached is None or reached.coordinator)
 
     def members(self) -> dict[str, Any]:
         """The members there now, this node's own advert (`me`) among them."""
         seen = self.membership.members(self.agent.peers()) if self.agent is not None else {}
-        return {**{i: ad for i, ad in seen.items() if i != self.me.node_id and self._reached(i)},
+        return {**{i: ad for i, ad in seen.items() if i != self.me.node_id and self._probe(i)[0]},
                 self.me.node_id: self.me}
 
     def elect(self) -> str | None:
@@ -139,17 +147,3 @@ def accepts(target: str, timeout: float = 2.0) -> bool:
     except (OSError, ValueError):
         return False
 
-
-def static_addresses(nodes: Sequence[Any], secret: str | None) -> dict[str, list[str]]:
-    """cluster.yaml's nodes that answer now, by id: where each answered (a node discovery does not see)."""
-    import grpc
-
-    from .health import ping
-
-    out: dict[str, list[str]] = {}
-    for n in nodes:
-        try:
-            out.setdefault(ping(n.address, secret, timeout=2.0).node_id, []).append(n.address)
-        except grpc.RpcError:
-            continue
-    return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -25,6 +25,7 @@ from .placement import GiB, HopCandidate, ModelFootprint, NodeResources, StagePl
 
 if TYPE_CHECKING:
     from .agent import ClusterAgent
+    from .health import Reached
     from .membership import Membership
 
 log = logging.getLogger(__name__)
@@ -99,27 +100,32 @@ def offered_bytes(h: Any, reserve: int, sharing: int = 1) -> int:
     return max(memory_offered(h, sharing) - reserve, 0)
 
 
-def static_flags(nodes: list[StaticNode], secret: str | None, wait: float) -> dict[str, bool]:
-    """cluster.yaml's nodes that answer within `wait` seconds (asked again until then), by id, each with
-    whether it says it coordinates: what they count for in the election (their Ping, over the cluster's TLS)."""
+def static_reached(nodes: Sequence[StaticNode], secret: str | None, wait: float) -> list[Reached]:
+    """cluster.yaml's nodes that answer within `wait` seconds (asked again until then): how each answered
+    its Ping, over the cluster's TLS (its id, whether it says it coordinates, its address)."""
     import grpc
 
     from .health import ping
 
     deadline = time.monotonic() + wait
-    out: dict[str, bool] = {}
+    out: list[Reached] = []
     left = list(nodes)
     while True:
         for n in list(left):
             try:
-                reached = ping(n.address, secret, timeout=2.0)
+                out.append(ping(n.address, secret, timeout=2.0))
             except grpc.RpcError:
                 continue
-            out[reached.node_id] = reached.coordinator
             left.remove(n)
         if not left or time.monotonic() >= deadline:
             return out
         time.sleep(0.5)
+
+
+def static_flags(nodes: list[StaticNode], secret: str | None, wait: float) -> dict[str, bool]:
+    """cluster.yaml's nodes that answer within `wait` seconds, by id, each with whether it says it
+    coordinates: what they count for in the election."""
+    return {r.node_id: r.coordinator for r in static_reached(nodes, secret, wait)}
 
 
 def static_nodes(cfg: ClusterConfig, secret: str | None, me: str, local: list[Interface],

@@ -19,8 +19,8 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -83,7 +83,8 @@ class Healer:
         self.reserve = reserve
         self.on_placed = on_placed  # the formation changed (`mtpipe health`'s placed addresses)
         self.sources = sources
-        self.joined = joined or dict  # members that joined after placement: id -> (resources, control address)
+        # members that joined after placement: id -> (resources, control address)
+        self.joined = joined or (lambda: {})
         self.pipeline: Any = None
         self._pending: dict[tuple[str, ...], tuple[list[NodeResources], list[StagePlan]]] = {}
         self._lock = threading.Lock()
@@ -153,13 +154,16 @@ class Healer:
         except Exception:  # noqa: BLE001 - without them, the heal goes on over the others
             log.warning("the nodes that joined after placement could not be listed", exc_info=True)
             joined = {}
+        placed = {n.node_id for n in self.formation.order}
         for node_id, (node, address) in joined.items():  # (spares too, placed last)
             if node_id not in self._known:
                 self._known[node_id] = node
                 self.formation.control[node_id] = address
-            if node_id not in {n.node_id for n in self.formation.order}:
+            if node_id not in placed:
                 left.setdefault(node_id, address)
         asked = [n for n, address in left.items() if address not in missing and n in self._known]
+        if not asked:
+            return []
 
         def idle(node_id: str) -> bool:
             try:  # (briefly, and all at once: machines switched off must not hold every attempt up)
@@ -168,7 +172,7 @@ class Healer:
                 return False
             return h.node_id == node_id and not h.loaded
 
-        with ThreadPoolExecutor(max(1, min(len(asked), 8)), thread_name_prefix="heal-spares") as pool:
+        with ThreadPoolExecutor(min(len(asked), 8), thread_name_prefix="heal-spares") as pool:
             out = [self._known[n] for n, ok in zip(asked, pool.map(idle, asked)) if ok]
         with self._lock:  # (idle: nothing for the sweep to unload, and the shard each loads now is ours)
             for n in out:
