@@ -16,6 +16,7 @@ once its format is complete it drafts nothing.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -178,10 +179,40 @@ def grammar_of_schema(schema: dict[str, Any]) -> str:
 
 
 def grammar_error(grammar: str) -> str:
-    """What is wrong with `grammar` whatever the tokenizer ("" if nothing)."""
+    """What is wrong with `grammar` whatever the tokenizer ("" if nothing): it does not compile, or no
+    text matches it (output held to it would end at once, empty, as if the model had nothing to say)."""
+    import numpy as np
     from llguidance import LLMatcher
 
-    return LLMatcher.validate_grammar(grammar)
+    if error := LLMatcher.validate_grammar(grammar):
+        return error
+    matcher = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    if matcher.is_error():  # (it names what a byte is not, as a model's special token: its tokenizer tells)
+        return ""
+    allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    if not matcher.is_accepting() and not allowed[:256].any():
+        return "no text matches it"
+    return ""
+
+
+@functools.cache
+def _byte_tokenizer() -> Any:
+    """llguidance's tokenizer of single bytes (and an end token): a grammar's text as any byte-level one reads it."""
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    return LLTokenizer(TokenizerWrapper(_Bytes()), n_vocab=257, eos_token=256)
+
+
+class _Bytes:
+    bos_token_id = None
+    eos_token_id = 256
+    tokens = [bytes([i]) for i in range(256)] + [b"<end>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # (as PlainText)
+            raise TypeError("text only")
+        return list(text.encode())
 
 
 class Constraint:

@@ -286,6 +286,8 @@ def test_response_formats_through_the_api(client: Any) -> None:
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_regex": "a[^\\s\\S]"}, "guided_regex"),  # (no text matches it: never an empty reply)
+    ({"guided_grammar": 'start: /[^\\s\\S]/ "a"'}, "guided_grammar"),
     ({"response_format": {"json_schema": {"name": "x", "schema": {}}}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "response_format"),

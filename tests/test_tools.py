@@ -576,3 +576,27 @@ def test_references_to_a_tools_own_root_hold_when_a_call_is_required(live: Live)
         trees += all(a_tree(json.loads(c.function.arguments)) for c in calls)
         assert trees, calls
     assert trees
+
+
+def test_parameters_llguidance_cannot_hold_strictly_hold_leniently_and_ones_no_call_fits_are_refused(live: Live) -> None:
+    """A required call whose parameters use what the grammar does not implement (`not`) is still held to a
+    call, those words left out; parameters no call could fit, or no JSON Schema at all, are a 400 before
+    any round (never a reply that only the prompt asked to call)."""
+    avoid = {str(i): -100 for i in live.ids.values()}
+    negated = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9, "not": {"const": 3}}},
+        "required": ["n"], "additionalProperties": False}}}
+    r = live.client.chat.completions.create(model=MODEL, messages=ASK, tools=[negated], tool_choice="required",
+                                            max_tokens=64, temperature=0, logit_bias=avoid, parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls and calls[0].function.name == "pick", r.choices[0]
+    assert set(json.loads(calls[0].function.arguments)) == {"n"}
+    for parameters in ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 3}},
+                        "required": ["n"]},
+                       {"type": "object", "properties": {"n": {"type": "nonsense"}}}):
+        tool = {"type": "function", "function": {"name": "pick", "parameters": parameters}}
+        for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+            resp = _post(live, messages=ASK, tools=[tool], tool_choice=choice, max_tokens=4)
+            assert resp.status_code == 400, resp.text
+            err = resp.json()["error"]
+            assert err["param"] == "tool_choice" and "no call to the tools could fit" in err["message"], err

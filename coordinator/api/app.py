@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 from .chat import chat_messages, check_request_template, echoed, template_effort, template_variables, tool_spec
 from .defaults import DEFAULT_CORS_ORIGINS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, DEFAULT_MODEL_NAME
 from .errors import APIError, Unhandled, anthropic_caller, body_for, error_body, parse_body, validation_error
-from .formats import OutputFormat, after_thought, output_format
+from .formats import OutputFormat, after_thought, held_call, output_format
 from .gate import Gate
 from .generation import ResponseFormat
 from .limits import BodyLimit
@@ -342,11 +342,7 @@ def create_app(
         if fmt is not None and tools is not None and tools.active:  # (a format leaves no room for a call's tags)
             raise APIError(400, f"{fmt.field} cannot be given with tools (or use tool_choice none)", param=fmt.field)
         if tools is not None and tools.must_call and service.engine.constrains:  # (held to the call, as vLLM holds it)
-            held = OutputFormat(schema=tools.call_schema(), field="tool_choice")
-            if not (error := held.problem()):
-                tools.held, fmt = True, held
-            else:  # (the prompt asks for the call instead)
-                log.info("tool_choice %s: not held to the tools' parameters (%s)", tools.choice, error)
+            tools.held, fmt = True, held_call(tools)
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         check_request_template(body.chat_template)

@@ -15,11 +15,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import APIError
+
+if TYPE_CHECKING:
+    from .chat import ToolSpec
+
+log = logging.getLogger(__name__)
 
 REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~")  # what a regex (Rust's syntax, llguidance's) must escape
 EBNF_RULE = re.compile(r"^\s*[A-Za-z0-9_-]+\s*::=", re.MULTILINE)  # (a Lark string may hold "::=")
@@ -100,6 +106,25 @@ def output_format(body: Any) -> OutputFormat | None:
     if error := fmt.problem():
         raise APIError(400, f"{name}: the output cannot be held to this format: {error}", param=name)
     return fmt
+
+
+def held_call(tools: ToolSpec) -> OutputFormat:
+    """The format a reply that must call a tool is held to (tool_choice "required" or a named function).
+    Parameters that use what llguidance does not implement (`not`, say) are held leniently, those words
+    left out; ones no call could fit, or no JSON Schema, are a 400: the call could not be held to them."""
+    strict = OutputFormat(schema=tools.call_schema(), field="tool_choice")
+    if not (error := strict.problem()):
+        return strict
+    from ...node.constraints import JSON_LAYOUT
+
+    schema = strict.schema or {}
+    layout = {**JSON_LAYOUT, **schema.get("x-guidance", {}), "lenient": True}  # (its own options replace defaults)
+    lenient = OutputFormat(schema={**schema, "x-guidance": layout}, field="tool_choice")
+    if lenient.problem():
+        raise APIError(400, f"tool_choice: no call to the tools could fit their parameters: {error}",
+                       param="tool_choice")
+    log.info("tool_choice: a call is held to the tools' parameters leniently (%s)", error)
+    return lenient
 
 
 def after_thought(fmt: OutputFormat, tokenizer: Any, eos: set[int], vocab: int) -> str:
