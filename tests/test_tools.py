@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mtpipe.coordinator.api.chat import REQUIRED, ToolSpec, renders_tools, rooted, template_input
 from mtpipe.coordinator.api.tools import ToolCallParser, parse_tool_calls
@@ -94,15 +96,35 @@ RECORDED: dict[str, tuple[str, str, list[tuple[str, dict[str, Any]]]]] = {
         ("<tool_call>\n<function=search>\n<parameter=query>\nwhat does </tool_call> mean after <tool_call>?\n"
         "</parameter>\n</function>\n</tool_call>\nThat was the call."),
         "That was the call.", [("search", {"query": "what does </tool_call> mean after <tool_call>?"})]),
-    "qwen35_no_function_close": (
+    "qwen35_no_function_close": (  # (a call once its function is named: `</tool_call>` closes it)
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>",
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>", []),
-    "qwen35_bad_integer": (  # an integer parameter that is not one: the call does not parse
+        "", [("get_weather", {"city": "Paris"})]),
+    "qwen35_bad_integer": (  # an integer parameter that is not one: the text the model wrote
         "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>",
-        "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>", []),
-    "qwen35_unclosed_parameter": (
+        "", [("get_weather", {"days": "three"})]),
+    "qwen35_unclosed_parameter": (  # (cut short: its arguments as far as they came)
         "Calling.\n<tool_call>\n<function=search>\n<parameter=query>\nunfinished",
-        "Calling.\n<tool_call>\n<function=search>\n<parameter=query>\nunfinished", []),
+        "Calling.", [("search", '{"query": "unfinished')]),
+    "qwen35_unclosed_typed": (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=options>\n{\"a\": [1",
+        "", [("get_weather", '{"city": "Rome", "options": {"a": [1')]),
+    "qwen35_unclosed_name": (
+        "<tool_call>\n<function=get_weather>\n<parameter=ci", "", [("get_weather", "")]),
+    "qwen35_null_and_empty": (
+        ("<tool_call>\n<function=search>\n<parameter=query>\nNull\n</parameter>\n<parameter=other>\nnullish"
+         "\n</parameter>\n<parameter=empty></parameter>\n<parameter=lines>\n\n\nx\n\n</parameter>\n</function>\n</tool_call>"),
+        "", [("search", {"query": None, "other": "nullish", "empty": "", "lines": "\n\nx\n"})]),
+    "qwen35_no_parameters_and_text_between": (
+        "<tool_call>\n<function=search>\nstray </param text\n</function> more\n</tool_call>\nok",
+        "ok", [("search", {})]),
+    "qwen35_unnamed_function": (  # (no name: not a call)
+        "<tool_call>\n<function=>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=>\n</function>\n</tool_call>", []),
+    "qwen35_function_tag_cut": (
+        "Hi <tool_call>\n<functi", "Hi <tool_call>\n<functi", []),
+    "qwen35_escapes_in_a_string": (
+        '<tool_call>\n<function=search>\n<parameter=query>\nsay "hi"\\ \t é ☃\n</parameter>\n</function>\n</tool_call>',
+        "", [("search", {"query": 'say "hi"\\ \t é ☃'})]),
     "mixed_formats": (
         ('<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>\n<tool_call>\n<function=search>\n'
         "<parameter=query>\nx\n</parameter>\n</function>\n</tool_call>"),
@@ -114,17 +136,36 @@ RECORDED: dict[str, tuple[str, str, list[tuple[str, dict[str, Any]]]]] = {
 }
 
 
-def _calls(calls: list[Any]) -> list[tuple[str, dict[str, Any]]]:
-    return [(c.name, json.loads(c.arguments)) for c in calls]
+def _calls(calls: list[Any]) -> list[tuple[str, Any]]:
+    """Each call's name and arguments, parsed; a call cut short keeps its arguments' text."""
+    return [(c.name, c.arguments if c.cut else json.loads(c.arguments)) for c in calls]
 
 
-def _streamed(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+def _streamed(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, Any]]]:
+    """The text and calls of `text` fed in pieces; a streamed call's parts, joined, are its arguments, and its
+    whole arguments are `json.dumps` of themselves (the layout the whole block parsed at once would have)."""
     parser = ToolCallParser(TOOLS)
     events = []
     for a, b in zip([0, *cuts], [*cuts, len(text)]):
         events += parser.feed(text[a:b])
     events += parser.finish()
-    return "".join(v for k, v in events if k == "text"), _calls([v for k, v in events if k == "call"])
+    calls, parts = [], None
+    for kind, value in events:
+        if kind == "begin":
+            assert parts is None and value.arguments == ""
+            parts, begun = [], value
+        elif kind == "arguments":
+            parts.append(value)
+        elif kind == "end":
+            assert (value.id, value.name) == (begun.id, begun.name) and "".join(parts) == value.arguments
+            assert value.cut or json.dumps(json.loads(value.arguments), ensure_ascii=False) == value.arguments
+            calls.append(value)
+            parts = None
+        elif kind == "call":
+            assert parts is None
+            calls.append(value)
+    assert parts is None
+    return "".join(v for k, v in events if k == "text"), _calls(calls)
 
 
 @pytest.mark.parametrize("name", RECORDED)
@@ -145,6 +186,36 @@ def test_stream_any_cut(name: str) -> None:
     for _ in range(20):
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1))))
         assert _streamed(text, cuts) == (content, calls), cuts
+
+
+XML_VALUES = {  # (parameter, a strategy of its text as a model writes it): WEATHER's types, and one it has not
+    "city": st.text(st.sampled_from("ab \n\t\"\\<>/=éN"), max_size=12),
+    "days": st.integers(-99, 99).map(str),
+    "metric": st.sampled_from(["true", "false", "True"]),
+    "threshold": st.floats(-1e3, 1e3, allow_nan=False).map(repr),
+    "tags": st.lists(st.text("xy", max_size=2), max_size=3).map(json.dumps),
+    "unknown": st.text(st.sampled_from("nulN \n<"), max_size=6),
+}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from(sorted(XML_VALUES)), min_size=0, max_size=4, unique=True).flatmap(
+    lambda keys: st.tuples(st.just(keys), st.tuples(*[XML_VALUES[k] for k in keys]))), st.data())
+def test_streamed_xml_calls_are_what_mlx_lms_parser_reads(params: tuple[list[str], tuple[str, ...]], data: Any) -> None:
+    """A well-formed Qwen3.5 call, fed in any cut: its streamed arguments are what mlx-lm's qwen3_coder
+    parser reads from the whole block, as `json.dumps` lays them out (where that parser reads it at all)."""
+    from mtpipe.coordinator.api.tools import parse_block
+
+    keys, values = params
+    body = "<function=get_weather>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in zip(keys, values)) + \
+        "</function>"
+    text = f"<tool_call>\n{body}\n</tool_call>"
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(text) - 1), max_size=10)))
+    content, calls = _streamed(text, cuts)
+    assert content == "" and len(calls) == 1
+    whole = parse_block(body, TOOLS)
+    if whole is not None:  # (one whose value is not of its type is the text the model wrote, where mlx-lm's is no call)
+        assert calls == _calls(whole), (text, cuts)
 
 
 def test_stream_releases_text_early() -> None:
@@ -326,8 +397,12 @@ def test_round_trip(live: Live, fmt: str, stream: bool) -> None:
         chunks = list(c.chat.completions.create(**args, stream=True))
         assert chunks[0].choices[0].delta.role == "assistant"
         deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
-        assert [(d.index, d.type, d.function.name) for d in deltas] == [(0, "function", "get_weather")]
-        call_id, name, arguments = deltas[0].id, deltas[0].function.name, deltas[0].function.arguments
+        assert {d.index for d in deltas} == {0} and (deltas[0].type, deltas[0].function.name) == ("function",
+                                                                                                   "get_weather")
+        assert all(d.id is None and d.function.name is None for d in deltas[1:])  # (the rest: arguments' parts)
+        assert len(deltas) == 1 if fmt == "json" else len(deltas) > 1 and deltas[0].function.arguments == ""
+        call_id, name = deltas[0].id, deltas[0].function.name
+        arguments = "".join(d.function.arguments or "" for d in deltas)
         assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
         assert finishes == ["tool_calls"]
@@ -461,6 +536,21 @@ FLAG = {"type": "function", "function": {"name": "flag", "parameters": {  # (a r
     "required": ["on"], "additionalProperties": False}}}
 
 
+def _joined(chunks: list[Any]) -> list[tuple[int, str, str]]:
+    """A stream's calls as a client joins their deltas: (index, name, arguments); a delta with an id begins
+    one, and the rest add to its arguments."""
+    calls: dict[int, list[str]] = {}
+    for ch in chunks:
+        for d in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            if d.id is not None:
+                assert d.index not in calls and d.function.name
+                calls[d.index] = [d.function.name, d.function.arguments or ""]
+            else:
+                assert d.function.name is None
+                calls[d.index][1] += d.function.arguments or ""
+    return [(i, name, arguments) for i, (name, arguments) in sorted(calls.items())]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_call_required_or_named_is_held_to_the_tools(live: Live, stream: bool) -> None:
     """Where the engine holds output to a grammar, "required" and a named function get a call (vLLM's way:
@@ -473,9 +563,10 @@ def test_a_call_required_or_named_is_held_to_the_tools(live: Live, stream: bool)
                 "temperature": 0, "logit_bias": avoid, "parallel_tool_calls": False}
         if stream:
             chunks = list(c.chat.completions.create(**args, stream=True))
-            deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
-            calls = [(d.index, d.function.name, d.function.arguments) for d in deltas]
+            calls = _joined(chunks)
             assert [i for i, _, _ in calls] == [0]
+            if choice != "required":  # (a named call's arguments stream as they come)
+                assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls]) > 1
             assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
             assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
                 [finish]
@@ -506,9 +597,10 @@ def test_a_held_call_its_budget_cuts_short_is_a_call_not_text(live: Live) -> Non
                     "max_tokens": budget, "temperature": 0, "logit_bias": avoid}
             if stream:
                 streamed = live.client.chat.completions.create(**args, stream=True)
+                streamed = list(streamed)
                 chunks = [ch.choices[0] for ch in streamed if ch.choices]
                 text = "".join(c.delta.content or "" for c in chunks)
-                calls = [(d.function.name, d.function.arguments) for c in chunks for d in c.delta.tool_calls or []]
+                calls = [(name, arguments) for _, name, arguments in _joined(streamed)]
                 finish = [c.finish_reason for c in chunks if c.finish_reason]
             else:
                 r = live.client.chat.completions.create(**args).choices[0]
@@ -600,3 +692,42 @@ def test_parameters_llguidance_cannot_hold_strictly_hold_leniently_and_ones_no_c
             assert resp.status_code == 400, resp.text
             err = resp.json()["error"]
             assert err["param"] == "tool_choice" and "no call to the tools could fit" in err["message"], err
+
+
+def test_a_streamed_call_comes_in_parts_to_responses_and_messages_clients(live: Live) -> None:
+    """An XML call streams into a Responses function_call item (added in progress, its arguments' deltas,
+    done) and an Anthropic tool_use block (its input as input_json_delta parts); the whole response each
+    builds from its stream holds the same call."""
+    bias = _bias(live, "xml")
+    body = {"model": MODEL, "input": ASK[0]["content"], "tools": [{"type": "function", **WEATHER["function"]}],
+            "max_output_tokens": 1, "temperature": 0, "logit_bias": bias}
+    events = []
+    with httpx.stream("POST", live.server.url + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events if "function_call" in e["type"] or e["type"].startswith("response.output_item")]
+    assert kinds[0] == "response.output_item.added" and events[[e["type"] for e in events].index(kinds[0])][
+        "item"]["status"] == "in_progress"
+    parts = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert parts and "".join(parts) == done["arguments"] and json.loads(done["arguments"]) == CALL_ARGS
+    (item,) = events[-1]["response"]["output"]
+    assert item["type"] == "function_call" and item["status"] == "completed" and item["arguments"] == done["arguments"]
+    whole = httpx.post(live.server.url + "/v1/responses", json=body, timeout=60).json()
+    assert [(o["type"], o["name"], json.loads(o["arguments"])) for o in whole["output"]] == [
+        ("function_call", "get_weather", CALL_ARGS)]
+
+    claude = {"model": MODEL, "max_tokens": 1, "temperature": 0, "logit_bias": bias, "messages": ASK,
+              "tools": [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]}
+    with httpx.stream("POST", live.server.url + "/v1/messages", json={**claude, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    (start,) = [e for e in events if e["type"] == "content_block_start"]
+    assert start["content_block"] == {"type": "tool_use", "id": start["content_block"]["id"], "name": "get_weather",
+                                      "input": {}}
+    parts = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"]
+    assert parts and json.loads("".join(parts)) == CALL_ARGS
+    assert [e["delta"]["stop_reason"] for e in events if e["type"] == "message_delta"] == ["tool_use"]
+    whole = httpx.post(live.server.url + "/v1/messages", json=claude, timeout=60).json()
+    assert whole["stop_reason"] == "tool_use" and [(b["type"], b["input"]) for b in whole["content"]] == [
+        ("tool_use", CALL_ARGS)]

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..engine.request import GenerationChunk
-    from .chat import ToolSpec
     from .generation import ResponseFormat
     from .reasoning import ReasoningSplit
     from .tools import ToolCallParser
@@ -30,23 +29,47 @@ async def thought_apart(chunks: AsyncIterator[GenerationChunk],
         yield dataclasses.replace(chunk, text=answer), thought if split.shown else ""
 
 
-def tool_deltas(fmt: ResponseFormat, parser: ToolCallParser, tools: ToolSpec, chunk: GenerationChunk, calls: int,
-                logprobs: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], int]:
-    """A chunk's text through the tool-call parser: content deltas, and each whole call as a tool_calls
-    delta (`calls`: those streamed so far). Its `logprobs` ride on the first delta (an empty one when the
-    parser holds its text back)."""
-    events = parser.feed(chunk.text) + (parser.finish() if chunk.finish_reason else [])
-    items: list[tuple[str, list[dict[str, Any]] | None]] = []
-    for kind, value in events:
-        if kind == "text":
-            if items and items[-1][1] is None:
-                items[-1] = (items[-1][0] + value, None)
-            else:
-                items.append((value, None))
-        elif tools.parallel or calls == 0:
-            items.append(("", [value.to_dict(index=calls)]))
-            calls += 1
-    if logprobs is not None:
-        items = items or [("", None)]
-    return [fmt.chunk(text, tool_calls=delta, logprobs=logprobs if i == 0 else None)
-            for i, (text, delta) in enumerate(items)], calls
+class CallDeltas:
+    """A choice's answer through the tool-call parser, as chat deltas: its text; a whole call at once; a
+    streamed one as OpenAI streams it, its id and name first (arguments ""), then each part of its
+    arguments on the call's index. With parallel calls off only the first call is handed out."""
+
+    def __init__(self, parser: ToolCallParser, parallel: bool):
+        self.parser, self.parallel = parser, parallel
+        self.calls = 0  # calls handed out
+        self.cut = False  # the last one handed out was cut short (the text ended inside it)
+        self._shown: bool | None = None  # whether the streamed call now open is handed out
+
+    def deltas(self, fmt: ResponseFormat, chunk: GenerationChunk,
+               logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        """A chunk's deltas; its `logprobs` ride on the first (an empty one when the parser holds its text back)."""
+        events = self.parser.feed(chunk.text) + (self.parser.finish() if chunk.finish_reason else [])
+        items: list[tuple[str, list[dict[str, Any]] | None]] = []
+        for kind, value in events:
+            if kind == "text":
+                if items and items[-1][1] is None:
+                    items[-1] = (items[-1][0] + value, None)
+                else:
+                    items.append((value, None))
+            elif kind in ("call", "begin"):
+                shown = self.parallel or self.calls == 0
+                if shown:
+                    items.append(("", [value.to_dict(index=self.calls)]))
+                if kind == "begin":
+                    self._shown = shown
+                elif shown:
+                    self.calls, self.cut = self.calls + 1, False
+            elif kind == "arguments" and self._shown:
+                items.append(("", [{"index": self.calls, "function": {"arguments": value}}]))
+            elif kind == "end":
+                if self._shown:
+                    self.calls, self.cut = self.calls + 1, value.cut
+                self._shown = None
+        if logprobs is not None:
+            items = items or [("", None)]
+        return [fmt.chunk(text, tool_calls=delta, logprobs=logprobs if i == 0 else None)
+                for i, (text, delta) in enumerate(items)]
+
+    def finish(self, finish: str) -> str:
+        """The choice's finish reason: "tool_calls" where it called, unless its budget cut the call short."""
+        return "tool_calls" if self.calls and not (self.cut and finish == "length") else finish

@@ -280,6 +280,7 @@ class _Blocks:
         self.open: Optional[str] = None  # the kind of the last block, while text may still come to it
         self.stopped: Optional[tuple[str, Optional[str], dict[str, Any]]] = None  # (stop_reason, sequence, usage)
         self.begun = False  # message_start was sent
+        self._input: list[str] = []  # the open tool_use block's input JSON so far
 
     @staticmethod
     def event(kind: str, **fields: Any) -> str:
@@ -306,23 +307,30 @@ class _Blocks:
     def close(self) -> list[str]:
         if self.open is None:
             return []
+        if self.open == "tool_use":
+            try:
+                self.content[-1]["input"] = json.loads("".join(self._input))
+            except (ValueError, RecursionError):  # (a call max_tokens cut short: its input as far as it parses, none)
+                self.content[-1]["input"] = {}
         self.open = None
         return [self.event("content_block_stop", index=len(self.content) - 1)]
 
-    def call(self, call: dict[str, Any]) -> list[str]:
-        out = self.close()
-        fn = call["function"]
-        try:
-            given = json.loads(fn["arguments"])
-        except (ValueError, RecursionError):  # (a call max_tokens cut short: its input as far as it parses, none)
-            given = {}
-        block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": given}
-        self.content.append(block)
-        at = len(self.content) - 1
-        return out + [self.event("content_block_start", index=at, content_block={**block, "input": {}}),
-                      self.event("content_block_delta", index=at,
-                                 delta={"type": "input_json_delta", "partial_json": fn["arguments"]}),
-                      self.event("content_block_stop", index=at)]
+    def call(self, delta: dict[str, Any]) -> list[str]:
+        """A chat tool_calls delta: one with an id opens a tool_use block, and any part of its arguments
+        streams into the open one as `input_json_delta`."""
+        out: list[str] = []
+        fn = delta["function"]
+        if "id" in delta:
+            out = self.close()
+            self.content.append({"type": "tool_use", "id": delta["id"], "name": fn["name"], "input": {}})
+            self.open, self._input = "tool_use", []
+            out.append(self.event("content_block_start", index=len(self.content) - 1,
+                                  content_block=dict(self.content[-1])))
+        if self.open == "tool_use" and (part := fn.get("arguments")):
+            self._input.append(part)
+            out.append(self.event("content_block_delta", index=len(self.content) - 1,
+                                  delta={"type": "input_json_delta", "partial_json": part}))
+        return out
 
 
 def _usage(prompt: int, cached: int, output: int = 0) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .tools import tag_prefix
+from .tool_xml import tag_prefix
 
 PROMPT_TAIL = 64  # the prompt's last tokens, where a template opens (or closes) a thought for the reply
 

@@ -13,12 +13,12 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Optional
 
-from .deltas import thought_apart, tool_deltas
+from .deltas import CallDeltas, thought_apart
 from .errors import APIError
 from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of, with_keepalive
 from .service import DISCONNECT_POLL_S
 from .starting import Begun, all_of, begin, client_gone
-from .tools import ToolCallParser, cut_calls, held_calls, parse_tool_calls
+from .tools import ToolCall, ToolCallParser, cut_calls, held_calls, parse_tool_calls
 
 if TYPE_CHECKING:
     from ...node.protocol import Scored
@@ -164,7 +164,8 @@ def _calls(text: str, finish: str, tools: "Optional[ToolSpec]") -> tuple[str, Op
     text, found = parse_tool_calls(text, tools.tools)
     if not found:
         return text, None, finish
-    return text, [c.to_dict() for c in (found if tools.parallel else found[:1])], "tool_calls"
+    found = found if tools.parallel else found[:1]
+    return text, [c.to_dict() for c in found], finish if found[-1].cut and finish == "length" else "tool_calls"
 
 
 # -- streamed ---------------------------------------------------------------------------------
@@ -288,9 +289,9 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
     """One choice's chunk objects, as `fmt` shapes them: its role, its deltas, its finish (its stats then
     in `finals[at]`); `on_first` is told the engine's first chunk before anything of it is shaped."""
     first_token = None
-    parser = ToolCallParser(tools.tools) if tools is not None and tools.active and not tools.held else None
+    parser = CallDeltas(ToolCallParser(tools.tools), tools.parallel) \
+        if tools is not None and tools.active and not tools.held else None
     held: Optional[list[str]] = [] if tools is not None and tools.active and tools.held else None  # (whole, at the end)
-    calls = 0  # tool calls streamed
     generated = 0
     fmt.counted(len(choice.req.prompt_tokens), 0)
     if fmt.chat:
@@ -312,16 +313,23 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
             yield fmt.chunk(reasoning=thought, logprobs=None if chunk.text else logprobs)
             logprobs = logprobs if chunk.text else None
         if parser is not None:
-            deltas, calls = tool_deltas(fmt, parser, tools, chunk, calls, logprobs)  # type: ignore[arg-type]
-            for delta in deltas:
+            for delta in parser.deltas(fmt, chunk, logprobs):
                 yield delta
-        elif held is not None:  # a reply held to a call: the call once it is whole
+        elif held is not None and tools.choice == "function":  # (the reply is its arguments: they stream)
+            if chunk.text:
+                call = {"index": 0, "function": {"arguments": chunk.text}} if held else \
+                    ToolCall(tools.name or "", chunk.text).to_dict(index=0)
+                held.append(chunk.text)
+            if chunk.text or logprobs is not None:
+                yield fmt.chunk(tool_calls=[call] if chunk.text else None, logprobs=logprobs)
+            if chunk.finish_reason:
+                finish = _calls("".join(held), chunk.finish_reason, tools)[2]
+        elif held is not None:  # a reply held to a list of calls: the calls once it is whole
             held.append(chunk.text)
             if logprobs is not None:
                 yield fmt.chunk(logprobs=logprobs)
             if chunk.finish_reason:
                 text, found, finish = _calls("".join(held), chunk.finish_reason, tools)
-                calls = len(found or [])
                 yield fmt.chunk(text, tool_calls=[{"index": i, **c} for i, c in enumerate(found or [])] or None)
         elif logprobs is not None:
             yield fmt.chunk(chunk.text, logprobs=logprobs)
@@ -330,5 +338,5 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
         if chunk.finish_reason:
             service.record(chunk.stats, endpoint, started, chunk.finish_reason)
             finals[at] = chunk.stats
-            yield fmt.chunk(finish=finish if held is not None else "tool_calls" if calls else chunk.finish_reason,
-                            stop_reason=chunk.stop_reason)
+            yield fmt.chunk(finish=finish if held is not None else parser.finish(chunk.finish_reason) if parser
+                            else chunk.finish_reason, stop_reason=chunk.stop_reason)

@@ -136,6 +136,7 @@ class _Events:
         self.output: list[dict[str, Any]] = []  # closed items
         self.open: Optional[tuple[str, str, list[str], list[dict[str, Any]]]] = None  # (kind, id, texts, logprobs)
         self.thought = ""
+        self.calling: dict[str, Any] = {}  # the open function_call's id and name (its chat delta)
         self.last: dict[str, Any] = {}  # the last event's data
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -170,7 +171,11 @@ class _Events:
             return []
         kind, item_id, texts, lps = self.open
         self.open, text, at = None, "".join(texts), len(self.output)
-        if kind == "reasoning":
+        if kind == "call":
+            item = Shape.call({**self.calling, "function": {**self.calling["function"], "arguments": text}})
+            out = [self.event("response.function_call_arguments.done", item_id=item_id, output_index=at,
+                              arguments=text)]
+        elif kind == "reasoning":
             self.thought += text
             item = Shape.reasoning(item_id, text, status)
             out = [self.event("response.reasoning_text.done", item_id=item_id, output_index=at, content_index=0,
@@ -184,16 +189,19 @@ class _Events:
         self.output.append(item)
         return out + [self.event("response.output_item.done", output_index=at, item=item)]
 
-    def call(self, call: dict[str, Any]) -> list[str]:
-        out, at = self.close(), len(self.output)
-        item = Shape.call(call)
-        out += [self.event("response.output_item.added", output_index=at, item=Shape.call(call, "in_progress")),
-                self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
-                           delta=item["arguments"]),
-                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
-                           arguments=item["arguments"]),
-                self.event("response.output_item.done", output_index=at, item=item)]
-        self.output.append(item)
+    def call(self, delta: dict[str, Any]) -> list[str]:
+        """A chat tool_calls delta: one with an id opens a function_call item, and any part of its
+        arguments streams into the open one (which closes as any other item does)."""
+        out: list[str] = []
+        if "id" in delta:
+            out, self.calling = self.close(), delta
+            item = Shape.call(delta, "in_progress")
+            self.open = ("call", item["id"], [], [])
+            out.append(self.event("response.output_item.added", output_index=len(self.output), item=item))
+        if self.open is not None and self.open[0] == "call" and (part := delta["function"].get("arguments")):
+            self.open[2].append(part)
+            out.append(self.event("response.function_call_arguments.delta", item_id=self.open[1],
+                                  output_index=len(self.output), delta=part))
         return out
 
 

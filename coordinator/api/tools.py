@@ -18,12 +18,15 @@ Both sit between `<tool_call>` and `</tool_call>`; the body's form picks mlx-lm'
 XML values are typeless: they take the type the request's tool schema gives the parameter.
 
 A block ends at the first `</tool_call>` that is not inside a JSON string or an XML parameter value, so
-an argument may hold the closing tag itself. A block that does not parse, or is still open when the text
-ends, is text. Text next to a call loses the whitespace on that side (the newlines around the tags).
+an argument may hold the closing tag itself. A JSON block that does not parse, or is still open when the
+text ends, is text. An XML block is a call once its `<function=NAME>` is read, and its arguments stream
+(tool_xml.py), as vLLM streams them: one the text ends inside is a call cut short (`cut`), its arguments as
+far as they came. Text next to a call loses the whitespace on that side (the newlines around the tags).
 
 `ToolCallParser` takes the text in pieces and hands out what it can decide: text, held back only while
-it may begin `<tool_call>` (or is whitespace that a call would drop), and whole calls. However the text
-is cut, the calls and the joined text are the same as for the whole text at once (`parse_tool_calls`).
+it may begin `<tool_call>` (or is whitespace that a call would drop), whole calls (JSON), and a streamed
+call's beginning, its arguments' parts and its end. However the text is cut, the calls and the joined
+text are the same as for the whole text at once (`parse_tool_calls`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from .tool_xml import XmlCall, function_name, tag_prefix
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,7 @@ class ToolCall:
     name: str
     arguments: str  # a JSON object, as OpenAI hands arguments out
     id: str = field(default_factory=_call_id)
+    cut: bool = False  # the text ended inside it: its arguments are as far as they came
 
     def to_dict(self, index: int | None = None) -> dict[str, Any]:
         """The call as `message.tool_calls[i]`, or with `index` as a streamed `delta.tool_calls[i]`."""
@@ -59,7 +65,9 @@ class ToolCall:
         return out if index is None else {"index": index, **out}
 
 
-Event = tuple[str, Any]  # ("text", str) or ("call", ToolCall)
+# ("text", str), ("call", ToolCall): a whole one; a streamed one: ("begin", ToolCall) (its id and name),
+# ("arguments", str) (the next part of them), ("end", ToolCall) (all of them)
+Event = tuple[str, Any]
 
 
 def _inside_value(body: str) -> bool:
@@ -160,6 +168,9 @@ class ToolCallParser:
         self._after_call = False  # whitespace right after a call is dropped
         self._texted = False  # text came before: text after a call is kept apart from it
         self._gap = ""  # the whitespace around the calls since the last text (one run of it separates)
+        self._whole = False  # in a block read whole (JSON), not streamed
+        self._xml: XmlCall | None = None  # the streamed call the block is
+        self._call: ToolCall | None = None  # its id and name
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
@@ -168,9 +179,14 @@ class ToolCallParser:
         return out
 
     def finish(self) -> list[Event]:
-        """The end of the text: an open block, or a held-back start of one, is text."""
+        """The end of the text: an open JSON block, or a held-back start of one, is text; a streamed call is cut."""
         out: list[Event] = []
         self._advance(out, final=True)
+        if self._xml is not None and self._call is not None:
+            self._arguments(self._xml.cut(), out)
+            out.append(("end", ToolCall(self._call.name, self._xml.arguments, self._call.id, cut=True)))
+            self._xml = self._call = None
+            self._buf, self._in_block = "", False
         if self._buf:
             self._text(self._buf, out)
             self._buf = ""
@@ -191,8 +207,13 @@ class ToolCallParser:
                     return
                 self._text(self._buf[:at], out)
                 self._buf = self._buf[at:]
-                self._in_block = True
+                self._in_block, self._whole = True, False
                 self._scanned = len(OPEN)
+            if not self._whole:
+                if not self._streamed(out, final):
+                    return
+                if not self._whole:  # (a streamed call ended: the rest is the text after it)
+                    continue
             end = self._block_end()
             if end < 0:
                 return
@@ -202,11 +223,50 @@ class ToolCallParser:
             if calls is None:
                 self._text(block, out)
             else:
-                if not self._after_call:
-                    self._gap = self._pending_ws
-                self._pending_ws = ""
-                self._after_call = True
+                self._calling()
                 out.extend(("call", c) for c in calls)
+
+    def _streamed(self, out: list[Event], final: bool) -> bool:
+        """An open block read as a streamed call, as far as the text goes: False while it is not yet known
+        whether the block is one, or while it is one and has not ended; True when the rest of `_buf` is
+        the text after it, or when the block is to be read whole."""
+        if self._xml is None:
+            body = self._buf[len(OPEN):].lstrip()
+            opened = function_name(body) if body.startswith(XML_FUNCTION) else None
+            if opened is None or not opened[0]:
+                undecided = XML_FUNCTION.startswith(body) or (body.startswith(XML_FUNCTION) and opened is None)
+                if undecided and not final:
+                    return False
+                self._whole = True
+                return True
+            name, at = opened
+            self._calling()
+            self._xml, self._call = XmlCall(name, self.tools), ToolCall(name, "")
+            out.append(("begin", self._call))
+            text = body[at:]
+        else:
+            text = self._buf
+        self._buf = ""
+        parts, rest = self._xml.feed(text)
+        self._arguments(parts, out)
+        if rest is None:
+            return False
+        out.append(("end", ToolCall(self._call.name, self._xml.arguments, self._call.id)))  # type: ignore[union-attr]
+        self._xml = self._call = None
+        self._buf, self._in_block = rest, False
+        return True
+
+    @staticmethod
+    def _arguments(parts: list[str], out: list[Event]) -> None:
+        if text := "".join(parts):
+            out.append(("arguments", text))
+
+    def _calling(self) -> None:
+        """A call comes next: the whitespace before it is dropped, and the text after it kept apart."""
+        if not self._after_call:
+            self._gap = self._pending_ws
+        self._pending_ws = ""
+        self._after_call = True
 
     def _block_end(self) -> int:
         """Where the open block ends (just past its `</tool_call>`), or -1 while it has not ended."""
@@ -237,17 +297,8 @@ class ToolCallParser:
             self._pending_ws += s
 
 
-def tag_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that `tag` begins with (short of the whole tag): what
-    must be held back while the next text may complete the tag."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
     """The text outside the calls, and the calls, of a whole generation."""
     parser = ToolCallParser(tools)
     events = parser.feed(text) + parser.finish()
-    return "".join(v for k, v in events if k == "text"), [v for k, v in events if k == "call"]
+    return "".join(v for k, v in events if k == "text"), [v for k, v in events if k in ("call", "end")]
