@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 TRANSIENT_S = 60.0  # how long a failure with no end of its own (a failed round) stays on show
+LINK_LOST = "lost the stream to the "  # how a broken link's condition begins (often the other node's fault)
 
 
 class Conditions:

@@ -31,7 +31,7 @@ import grpc
 from ..models import blas
 from ..proto import mtpipe_pb2 as pb
 from ..proto import mtpipe_pb2_grpc as pb_grpc
-from .conditions import Conditions
+from .conditions import LINK_LOST, Conditions
 from .coordinators import Coordinators, relink
 from .dataplane import NextStage
 from .group_frames import GroupFrames
@@ -186,7 +186,7 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
 
         def lost(target: str, error: Exception) -> None:
             # Frames in flight on that link are lost: every client waiting on this chain must know.
-            msg = f"lost the stream to the {role} {target}: {describe_rpc_error(error)}"
+            msg = f"{LINK_LOST}{role} {target}: {describe_rpc_error(error)}"
             self.conditions.set(f"link:{role}", msg)
             self.end_groups()
             self._broadcast(pb.Event(error=pb.Error(code="UNAVAILABLE", message=msg, node=target)))

@@ -207,7 +207,7 @@ def test_health_and_cluster_over_nodes(dense_ckpt: Path) -> None:
                                            "at": second["error_at"]}]
                 assert info["placement"][0]["layers"] == [0, 2] and info["placement"][1]["layers"] is None
                 ready, unready = scraped(c, s.url, "mtpipe_ready", "mtpipe_nodes_unready")  # down, not busy
-                assert ready == 0 and unready >= 1
+                assert ready == 0 and unready == 1
         finally:
             engine.pipeline.close()
 
@@ -318,3 +318,7 @@ def test_readiness_metrics_count_the_nodes_not_the_ring_itself() -> None:
     assert read((False, {"unready": [{"address": "pipeline"}, {"address": "a:1"}]})) == {
         "mtpipe_ready": 0, "mtpipe_nodes_unready": 1}
     assert read(TimeoutError("no answer")) == {"mtpipe_ready": 0, "mtpipe_nodes_unready": 0}
+    lost = {"address": "a:1", "reason": "reports an error: lost the stream to the next stage b:2: unavailable"}
+    assert read((False, {"unready": [lost, {"address": "b:2", "reason": "does not answer: unavailable"}]})) == {
+        "mtpipe_ready": 0, "mtpipe_nodes_unready": 1}  # (the node down, not the one whose link to it broke)
+    assert read((False, {"unready": [lost]})) == {"mtpipe_ready": 0, "mtpipe_nodes_unready": 1}  # (the link alone)

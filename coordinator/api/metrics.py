@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ...node.conditions import LINK_LOST
 from ..engine.scheduler import SchedulerState
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,9 @@ class SchedulerMetrics(Collector):
             return
         yield GaugeMetricFamily("mtpipe_requests_running", "Requests admitted (holding their room in memory).",
                                 value=state.running)
-        yield GaugeMetricFamily("mtpipe_requests_waiting", "Requests waiting: for a generation slot "
-                                "(--max-concurrency), then in the engine's queue for room in memory.",
+        yield GaugeMetricFamily("mtpipe_requests_waiting", "Generations waiting (each choice of a request with "
+                                "n > 1 is one): for a generation slot (--max-concurrency), then in the engine's queue "
+                                "for room in memory.",
                                 value=state.waiting)
         yield GaugeMetricFamily("mtpipe_cache_usage_ratio", "What the running requests' caches hold over the memory "
                                 "budget (over nodes: the fullest node's; above 1 where one request alone needs more).",
@@ -120,8 +122,10 @@ class ReadinessMetrics(Collector):
         yield GaugeMetricFamily("mtpipe_ready", "1 when the engine can serve (GET /health answers 200); 0 while a "
                                 "node is down or the pipeline is being formed again.", value=1.0 if ready else 0.0)
         nodes = [u for u in details.get("unready", ()) if u.get("address") != "pipeline"]  # (not the ring itself)
+        own = [u for u in nodes if LINK_LOST not in str(u.get("reason", ""))]
         yield GaugeMetricFamily("mtpipe_nodes_unready", "Nodes of the pipeline that cannot serve now (GET /health "
-                                "names them and why).", value=len(nodes))
+                                "names them and why); one that only lost its link to a node counted here is "
+                                "not counted.", value=len(own or nodes))
 
 
 class ServerMetrics:

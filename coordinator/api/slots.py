@@ -55,7 +55,8 @@ class Slots:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        """Generations waiting (a request's choices each wait: the engine's queue counts them so too)."""
+        return sum(entry[3] for entry in self._waiting if not entry[4].done())
 
     def _grant(self) -> None:
         while self._waiting and self._waiting[0][3] <= self.free:
