@@ -188,6 +188,12 @@ def test_membership_tries_a_failed_proof_again_later() -> None:
         info = cluster_info_fn(parse_cluster_config({}), "me", f"127.0.0.1:{port}", engine, "m", None, agent, "s3",
                                members)()
         assert (info["discovered"], info["left_out"]) == (["late"], {"new": "did not prove it belongs"})
+        assert (info["spares"], info["unreachable"]) == (["late"], [])
+        server.stop(0)  # (as a node killed outright: its advert stays until zeroconf's records expire)
+        server = None
+        info = cluster_info_fn(parse_cluster_config({}), "me", f"127.0.0.1:{port}", engine, "m", None, agent, "s3",
+                               members)()
+        assert (info["discovered"], info["spares"], info["unreachable"]) == (["late"], [], ["late"])
     finally:
         logging.getLogger(mod.__name__).removeHandler(handler)
         if server is not None:

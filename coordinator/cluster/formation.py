@@ -383,9 +383,13 @@ def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, mo
     def info() -> dict:
         plan, hops, ring = placement()
         peers = agent.peers() if agent else {}
-        if membership:
-            membership.members(peers)  # (a node that joined since: asked to prove it belongs, once)
+        members = membership.members(peers) if membership else {}  # (one that joined since proves it, once)
         discovered, left_out = membership.report(peers) if membership else (sorted(peers), {})
+        idle = sorted(set(discovered) - {p["node"] for p in plan})
+        # A spare is asked too: one killed outright keeps its advert until zeroconf's records expire.
+        where = {n: a for n in idle if n in members and (a := membership.address(members[n]))}  # type: ignore[union-attr]
+        rows = probe_nodes([p["address"] for p in plan] + list(where.values()), secret)
+        gone = sorted(n for n, row in zip(where, rows[len(plan):]) if not row.get("reachable"))
         return {
             "mode": "cluster" if formation else "local",
             "cluster": cfg.name,
@@ -397,10 +401,11 @@ def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, mo
             "placement": plan,
             "links": hops,
             "ring": ring,
-            "nodes": probe_nodes([p["address"] for p in plan], secret),
+            "nodes": rows[:len(plan)],
             "discovered": discovered,
             # members that hold no layers: the next heal places layers on those idle then (heal.py)
-            "spares": sorted(set(discovered) - {p["node"] for p in plan}),
+            "spares": [n for n in idle if n not in gone],
+            "unreachable": gone,  # (discovered members that hold no layers and do not answer)
             "left_out": left_out,
             "ignored": sorted(agent.discovery.ignored) if agent else [],
         }
