@@ -38,6 +38,10 @@ from mtpipe.models.config import load_config
     (["serve", "--generation-config", "/nowhere"], r"--generation-config: '/nowhere' is neither auto, none"),
     (["bench", "faults", "--fault-seconds", "-1"], r"--fault-seconds: expected a positive number of seconds"),
     (["bench", "faults", "--fault-seconds", "nan"], r"--fault-seconds: expected a positive number of seconds"),
+    (["serve", "--chat-template-args", "[1]"], r"--chat-template-args/--default-chat-template-kwargs: must be a JSON "
+                                               r"object"),
+    (["launch", "--chat-template-args", "{x"], r"--chat-template-args/--default-chat-template-kwargs: is not JSON"),
+    (["generate", "--chat-template-args", '{"tools": []}'], r"may not set 'tools': it is an argument"),
 ])
 def test_bad_options_are_usage_errors_naming_the_option(argv: list[str], message: str,
                                                         capsys: pytest.CaptureFixture) -> None:
@@ -318,3 +322,24 @@ def test_bench_json_errors_are_json_on_stdout(argv: list[str], capsys: pytest.Ca
     assert code == 2
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and json.loads(out[0])["error"]
+
+
+def test_a_chat_template_that_does_not_render_is_refused_before_the_model_loads(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--chat-template is a file or the template itself, checked against the model's tokenizer (with the
+    variables of --chat-template-args) before the model loads; its options apply with --chat."""
+    from mtpipe.coordinator.engine import build
+
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded for a template refused afterwards")
+
+    monkeypatch.setattr(build, "local_engine", no_model)
+    strict = tmp_path / "strict.jinja"
+    strict.write_text("{% if not allowed %}{{ raise_exception('not allowed') }}{% endif %}{{ messages[0]['content'] }}")
+    for argv, says in (([], "apply with --chat"),
+                       (["--chat", "--chat-template", "no such file"], "no such file, nor a template"),
+                       (["--chat", "--chat-template", str(strict)], "does not render a message with "
+                                                                    "--chat-template-args {}: not allowed"),
+                       (["--chat", "--chat-template", "{{ x.y.z }}"], "does not render")):
+        assert main(["generate", "--prompt", "hi", "--chat-template-args", "{}", *argv]) == 2, argv
+        assert says in capsys.readouterr().err, argv

@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from ..engine.engine import Engine
     from ..engine.request import GenerationRequest
     from .chat import ToolSpec
+    from .templates import ChatTemplate
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ def create_app(
     cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS,
     default_max_tokens: Optional[int] = None,
     scheduling_policy: str = "fcfs",
+    chat_template: Optional["ChatTemplate"] = None,
 ) -> "FastAPI":
     """The API over `engine`. `cluster_info` answers GET /v1/cluster (default: the local stages);
     bodies over `max_body_bytes` are refused with 413 (None: no cap). A request that leaves out its
@@ -100,7 +102,8 @@ def create_app(
     one that leaves it out, before the generation config's and ours. Web pages of `cors_origins` ("*":
     any, as mlx-lm's and vLLM's servers allow; none: only pages of the API's own origin) may call it
     from a browser, with the key still required where one is set. `scheduling_policy` "priority" lets
-    requests set their `priority` (vLLM's: lower first); "fcfs" refuses any but 0."""
+    requests set their `priority` (vLLM's: lower first); "fcfs" refuses any but 0. `chat_template`: the
+    server's template and its variables' defaults (templates.py)."""
     from fastapi import FastAPI, Query, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
@@ -116,7 +119,7 @@ def create_app(
         defaults["max_tokens"] = default_max_tokens
     service = Service(engine, model_name, default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                        cluster_info=cluster_info, metrics=metrics, defaults=defaults,
-                      scheduling_policy=scheduling_policy)
+                      scheduling_policy=scheduling_policy, chat_template=chat_template)
     app = FastAPI(title="mtpipe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.state.metrics = metrics

@@ -34,6 +34,7 @@ from .defaults import (
     DEFAULT_MODEL_NAME,
     STALL_TIMEOUT_S,
 )
+from .templates import ChatTemplate
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +63,22 @@ class FrontSpec:
     cors_origins: tuple[str, ...] = DEFAULT_CORS_ORIGINS  # web pages that may call it from a browser (create_app)
     default_max_tokens: int | None = None  # the max_tokens of a request that leaves it out (create_app)
     scheduling_policy: str = "fcfs"  # "priority": requests may set theirs (create_app)
+    chat_template: ChatTemplate | None = None  # the server's template and variables (create_app)
 
 
 def front_spec(model_path: Path, host: str, port: int, api_key: str | None, model_name: str, *,
                default_mtp_depth: int | None, max_concurrency: int, max_body_bytes: int | None,
                stall_timeout: float | None = STALL_TIMEOUT_S, generation_config: Path | None = None,
                cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS, default_max_tokens: int | None = None,
-               scheduling_policy: str = "fcfs") -> FrontSpec:
+               scheduling_policy: str = "fcfs", chat_template: ChatTemplate | None = None) -> FrontSpec:
     """What `serve` runs an API process with: `mtpipe serve` spawns one with it before the model loads."""
     return FrontSpec(str(model_path), host=host, port=port, model_name=model_name, api_key=api_key,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                      max_body_bytes=max_body_bytes, log_level=logging.getLogger().getEffectiveLevel(),
                      stall_timeout=stall_timeout, cors_origins=tuple(cors_origins),
                      generation_config=None if generation_config is None else str(generation_config),
-                     default_max_tokens=default_max_tokens, scheduling_policy=scheduling_policy)
+                     default_max_tokens=default_max_tokens, scheduling_policy=scheduling_policy,
+                     chat_template=chat_template)
 
 
 def prepare_process() -> None:
@@ -123,7 +126,7 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
                      default_mtp_depth=spec.default_mtp_depth, max_concurrency=spec.max_concurrency,
                      max_body_bytes=spec.max_body_bytes, generation_config=spec.generation_config,
                      cors_origins=spec.cors_origins, default_max_tokens=spec.default_max_tokens,
-                     scheduling_policy=spec.scheduling_policy)
+                     scheduling_policy=spec.scheduling_policy, chat_template=spec.chat_template)
     config = uvicorn.Config(app, host=spec.host, port=spec.port, log_config=None, access_log=spec.access_log,
                             timeout_graceful_shutdown=5)
     server = api_server(config)

@@ -24,6 +24,7 @@ from .readiness import NodeWatch, timestamp
 if TYPE_CHECKING:
     from ..engine.engine import Engine
     from .front import FrontProcess
+    from .templates import ChatTemplate
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def serve(
     cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS,
     default_max_tokens: Optional[int] = None,
     scheduling_policy: str = "fcfs",
+    chat_template: Optional["ChatTemplate"] = None,
     announce: Optional[Callable[[str], None]] = None,
 ) -> int:
     """Run the API with uvicorn until interrupted (Ctrl-C or SIGTERM: 0) or until the API process ends
@@ -92,7 +94,7 @@ def serve(
     `stall_timeout`: that process fails every open request and stops once the engine has been stuck this
     long (link.py); None: never. `generation_config`: the directory whose generation_config.json gives
     requests their defaults (None: OpenAI's), `default_max_tokens` the max_tokens of those that leave it
-    out (None: the generation config's, else ours); `scheduling_policy` as create_app's. `announce(url)`
+    out (None: the generation config's, else ours); `scheduling_policy` and `chat_template` as create_app's. `announce(url)`
     once the API listens (the port bound, if 0 was asked).
     """
     if not api_key and not _is_loopback(host):
@@ -103,7 +105,8 @@ def serve(
         spec = front_spec(model_path, host, port, api_key, model_name, default_mtp_depth=default_mtp_depth,
                           max_concurrency=max_concurrency, max_body_bytes=max_body_bytes, stall_timeout=stall_timeout,
                           generation_config=generation_config, cors_origins=cors_origins,
-                          default_max_tokens=default_max_tokens, scheduling_policy=scheduling_policy)
+                          default_max_tokens=default_max_tokens, scheduling_policy=scheduling_policy,
+                          chat_template=chat_template)
         if front is not None and front.spec != spec:
             log.warning("the API process spawned early has other settings: starting another")
             front.stop()
@@ -120,7 +123,8 @@ def serve(
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                      max_body_bytes=max_body_bytes, generation_config=generation_config, cors_origins=cors_origins,
-                     default_max_tokens=default_max_tokens, scheduling_policy=scheduling_policy)
+                     default_max_tokens=default_max_tokens, scheduling_policy=scheduling_policy,
+                     chat_template=chat_template)
     server = api_server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5))
     if announce is not None:
         threading.Thread(target=when_serving, args=(server, lambda host, port: announce(base_url(host, port))),

@@ -32,6 +32,7 @@ from .metrics import ServerMetrics
 from .model_defaults import with_defaults
 from .slots import Slots
 from .stopping import stops
+from .templates import ChatTemplate
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -53,8 +54,12 @@ MAX_CHOICES = 256  # choices (prompts times n) one request may ask for
 class Service:
     def __init__(self, engine: "Engine", model_name: str, *, default_mtp_depth: "int | str | None",
                  max_concurrency: int, cluster_info: Optional[Callable[[], dict]], metrics: ServerMetrics,
-                 defaults: Optional[dict[str, Any]] = None, scheduling_policy: str = "fcfs"):
+                 defaults: Optional[dict[str, Any]] = None, scheduling_policy: str = "fcfs",
+                 chat_template: Optional[ChatTemplate] = None):
         self.engine, self.defaults = engine, defaults or {}  # (the model's request defaults: model_defaults.py)
+        self.template = chat_template or ChatTemplate()  # (the server's: --chat-template, --chat-template-args)
+        if self.template.text is not None:
+            self.template.apply(engine.tokenizer)
         self.model_name = model_name
         self.default_mtp_depth = default_mtp_depth  # None: auto where the model has an MTP head
         self.cluster_info = cluster_info
@@ -236,6 +241,7 @@ class Service:
         the reply goes on from the last message, an assistant's (vLLM's continue_final_message; it wins over
         `opened`); not `opened`: without the assistant's turn opened after them (vLLM's add_generation_prompt)."""
         check_template_variables(variables)
+        variables = self.template.prompt_variables(variables)
         if continue_final and (not messages or messages[-1]["role"] != "assistant"):
             raise APIError(400, "continue_final_message needs the last message to be the assistant's",
                            param="continue_final_message")

@@ -51,6 +51,7 @@ from .common import (
     EXIT_OK,
     EXIT_USAGE,
     add_allowed_origins,
+    add_chat_template,
     add_default_max_tokens,
     add_generation_config,
     add_model,
@@ -137,6 +138,7 @@ def _launch(args: argparse.Namespace) -> int:
     from ..api.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY
     from ..api.front import FrontProcess, front_spec
     from ..api.model_defaults import generation_config_dir, generation_config_source
+    from ..api.templates import chat_template_of, checked_for
     from ..api.serve import serve
     from ..cluster.heal import Healer
     from ..cluster.placement import GiB
@@ -252,6 +254,7 @@ def _launch(args: argparse.Namespace) -> int:
             defaults_from = generation_config_source(cfg.api.generation_config)
         except ValueError as e:
             raise ValueError(f"api.generation_config (--generation-config): {e}") from None
+        template = chat_template_of(cfg.api.chat_template, cfg.api.chat_template_args)  # (api.chat_template...)
         server.service.coordinating = True  # before the advert says so: peers check the advert against it
         if agent is not None:
             agent.set_coordinator()
@@ -261,7 +264,8 @@ def _launch(args: argparse.Namespace) -> int:
         settings = dict(default_mtp_depth=cfg.mtp_depth if mtp else 0, max_concurrency=DEFAULT_MAX_CONCURRENCY,
                         max_body_bytes=DEFAULT_MAX_BODY_BYTES, cors_origins=tuple(cfg.api.allowed_origins),
                         generation_config=generation_config_dir(defaults_from, model_path),
-                        default_max_tokens=cfg.api.max_tokens, scheduling_policy=cfg.api.scheduling_policy)
+                        default_max_tokens=cfg.api.max_tokens, scheduling_policy=cfg.api.scheduling_policy,
+                        chat_template=checked_for(template, model_path))
         static = static_nodes(cfg, secret, me, interfaces)
         alone = set(peers) | set(static) <= {me}  # (cluster.yaml may list this machine alone)
         # With peers, each machine's node drafts as its own command says (every machine runs the same one).
@@ -358,6 +362,7 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print readiness events as JSON lines on stdout")
     add_generation_config(p, checked=False)  # (checked on the coordinator alone)
     add_default_max_tokens(p)
+    add_chat_template(p)
     add_allowed_origins(p, "cluster.yaml's api.allowed_origins, else *")
     add_scheduling_policy(p, None)
     add_take_over(p)

@@ -25,7 +25,8 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         "node.max_memory_gib": "max_memory", "node.model_dirs": "model_dir", "node.download": "download",
         "api.host": "api_host", "api.port": "api_port", "api.generation_config": "generation_config",
         "api.allowed_origins": "allowed_origins", "api.max_tokens": "default_max_tokens",
-        "api.scheduling_policy": "scheduling_policy",
+        "api.scheduling_policy": "scheduling_policy", "api.chat_template": "chat_template",
+        "api.chat_template_args": "chat_template_args",
     }
     values = {key: getattr(args, dest, None) for key, dest in flags.items()}
     if getattr(args, "api_key_file", None) is not None:

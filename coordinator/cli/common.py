@@ -121,6 +121,27 @@ def add_generation_config(p: argparse.ArgumentParser, checked: bool = True) -> N
                         "directory holding a generation_config.json")
 
 
+def template_args_arg(value: str) -> dict[str, Any]:
+    from ..api.templates import template_args
+
+    try:
+        return template_args(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--chat-template-args ")) from None
+
+
+def add_chat_template(p: argparse.ArgumentParser, applies: str = "") -> None:
+    p.add_argument("--chat-template", metavar="TEMPLATE",
+                   help=f"{applies}a chat template (a file, or the template itself) to render prompts with instead "
+                        "of the model's")
+    p.add_argument("--chat-template-args", "--default-chat-template-kwargs", metavar="JSON", dest="chat_template_args",
+                   type=template_args_arg,
+                   help=f"{applies}template variables every prompt gets unless its request's chat_template_kwargs "
+                        "set them, "
+                        "as a JSON object: '{\"enable_thinking\": false}' serves a Qwen thinking model without "
+                        "thought by default")
+
+
 def add_default_max_tokens(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=positive_int, metavar="N", dest="default_max_tokens",
                    help="the max_tokens of a request that leaves it out (default: the generation config's "

@@ -19,6 +19,7 @@ from .common import (
     EXIT_OK,
     EXIT_SIGPIPE,
     EXIT_USAGE,
+    add_chat_template,
     add_draft_options,
     add_model,
     add_mtp,
@@ -46,6 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from ...models.registry import resolve_model
     from ...node.protocol import SamplingParams
+    from ..api.templates import chat_template_of, checked_for
     from ..engine.build import local_engine
     from ..engine.request import GenerationRequest, RequestError, check_request, fit_to_context, resolve_depth
 
@@ -63,7 +65,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          f"{e.start})") from None
     if not prompt and not args.chat:  # (a chat template makes tokens of an empty message)
         raise ValueError("the prompt is empty")
+    template = chat_template_of(args.chat_template, args.chat_template_args)
+    if template is not None and not args.chat:
+        raise ValueError("--chat-template and --chat-template-args apply with --chat")
     model = resolve_model(args.model, args.revision)
+    checked_for(template, model)  # (before any node is loaded, or taken over)
     options = stage_options(args, remote=bool(args.nodes))
     if args.nodes:
         from ...node.secrets import read_secret
@@ -85,7 +91,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_default_depth(asked, engine.has_mtp)  # (its error names this command's option)
         depth, auto = resolve_depth(asked, engine.has_mtp)
         chat = [{"role": "user", "content": prompt}]
-        tokens = engine.encode_chat(chat) if args.chat else engine.tokenizer.encode(prompt)
+        if template is not None:
+            template.apply(engine.tokenizer)
+        tokens = list(engine.tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=True, **(template.variables if template else {}))) \
+            if args.chat else engine.tokenizer.encode(prompt)
         if fmt is not None and args.chat:  # (a thought the template opened stays free, as the API leaves it)
             params = after_thought(fmt, engine, tokens, params)
         depth, auto, max_tokens = fit_to_context(len(tokens), depth, auto, args.max_tokens, GENERATE_MAX_TOKENS,
@@ -267,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(p)
     p.add_argument("--prompt", help="prompt text (default: read standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_chat_template(p, "with --chat: ")
     p.add_argument("--max-tokens", type=positive_int, default=None,
                    help=f"tokens to generate at most (default {GENERATE_MAX_TOKENS}, or what the context leaves)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")

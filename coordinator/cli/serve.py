@@ -21,6 +21,7 @@ from ..engine.ring import RESUME_WINDOW_S
 from ...node.cli import number_arg, port_arg
 from .common import (
     add_allowed_origins,
+    add_chat_template,
     add_default_max_tokens,
     add_generation_config,
     add_model,
@@ -89,6 +90,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     add_allowed_origins(p)
     add_generation_config(p)
     add_default_max_tokens(p)
+    add_chat_template(p)
     add_mtp(p)
     p.set_defaults(func=cmd_serve)
 
@@ -97,6 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ...models.registry import model_name_for, resolve_model
     from ..api.front import FrontProcess, front_spec  # (light: the rest comes in once the front is spawned)
     from ..api.model_defaults import generation_config_dir
+    from ..api.templates import chat_template_of, checked_for
 
     for option, value in (("--weights-from", args.weights_from), ("--heal-after", args.heal_after),
                           ("--resume-window", args.resume_window)):
@@ -118,6 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-body-bytes must be 0 (no limit) or more")
     if args.prefix_cache is not None and not (args.prefix_cache >= 0 and math.isfinite(args.prefix_cache)):
         raise ValueError("--prefix-cache must be a number of GB, 0 (off) or more")
+    template = chat_template_of(args.chat_template, args.chat_template_args)
     check_port_free(args.host, args.port, "--host/--port")  # (before the model loads, which may take minutes)
     api_key = read_secret(args.api_key_file, API_KEY_ENV, option="--api-key-file")
     signal.signal(signal.SIGTERM, exit_on_sigterm)
@@ -133,6 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes or None, stall_timeout=stall_timeout,
                     generation_config=generation_config_dir(args.generation_config, path),
                     default_max_tokens=args.default_max_tokens, scheduling_policy=args.scheduling_policy,
+                    chat_template=checked_for(template, path),
                     cors_origins=DEFAULT_CORS_ORIGINS if args.allowed_origins is None else tuple(args.allowed_origins))
     front = engine = None
     try:

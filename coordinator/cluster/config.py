@@ -130,6 +130,10 @@ class ApiConfig(_Section):
     allowed_origins: list[Text] = Field(default_factory=lambda: ["*"])
     # How waiting requests are ordered: first come, first served, or by their `priority` (lower first).
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # A chat template in place of the model's (a file, or the template), and the variables every prompt gets
+    # unless its request sets them; checked on the coordinator alone, against the model's tokenizer.
+    chat_template: Text | None = None
+    chat_template_args: dict[str, Any] | None = None
 
     @field_validator("allowed_origins", mode="before")
     @classmethod

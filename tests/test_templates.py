@@ -1,0 +1,86 @@
+"""The server's chat template (`--chat-template`) and its variables' defaults (`--chat-template-args`):
+every prompt rendered with them, a request's own variables over them, through the API's own process too."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from helpers import LiveServer  # noqa: E402
+
+from mtpipe.coordinator.api.app import create_app  # noqa: E402
+from mtpipe.coordinator.api.templates import ChatTemplate, chat_template_of, template_args  # noqa: E402
+from mtpipe.coordinator.engine.build import batch_engine  # noqa: E402
+
+MODEL = "tiny"
+TEMPLATE = ("[{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}"
+            "{% if enable_thinking is defined and not enable_thinking %}quiet{% else %}thinking{% endif %}"
+            "{% if tone is defined %} {{ tone }}{% endif %}]")
+
+
+@pytest.fixture(scope="module")
+def served(dense_ckpt: Path) -> Iterator[tuple[Any, LiveServer]]:
+    engine = batch_engine(dense_ckpt, stages=1, dtype=mx.float32)  # (its own: the template is set on its tokenizer)
+    template = ChatTemplate(TEMPLATE, {"enable_thinking": False, "tone": "dry"})
+    try:
+        with LiveServer(create_app(engine, MODEL, chat_template=template)) as server:
+            yield engine, server
+    finally:
+        engine.close()
+
+
+def _rendered(served: tuple[Any, LiveServer], **body: Any) -> str:
+    engine, server = served
+    r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}], **body}, timeout=30)
+    assert r.status_code == 200, r.text
+    return engine.tokenizer.decode(r.json()["tokens"])
+
+
+def test_every_prompt_is_rendered_with_the_servers_template_and_variables(served: tuple[Any, LiveServer]) -> None:
+    assert _rendered(served) == "[user:hi;quiet dry]"
+    assert _rendered(served, chat_template_kwargs={"tone": "warm"}) == "[user:hi;quiet warm]"  # (the request's own)
+    assert _rendered(served, chat_template_kwargs={"enable_thinking": True}) == "[user:hi;thinking dry]"
+    assert _rendered(served, reasoning_effort="high") == "[user:hi;thinking dry]"  # (as vLLM maps an effort)
+    engine, server = served
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}).json()
+    assert chat["usage"]["prompt_tokens"] == len(engine.tokenizer.encode("[user:hi;quiet dry]",
+                                                                          add_special_tokens=False))
+
+
+def test_the_options_are_read_as_vllm_and_mlx_lm_take_them(tmp_path: Path) -> None:
+    written = tmp_path / "t.jinja"
+    written.write_text(TEMPLATE)
+    assert chat_template_of(str(written), None) == ChatTemplate(TEMPLATE, {})
+    assert chat_template_of(TEMPLATE, '{"tone": "dry"}') == ChatTemplate(TEMPLATE, {"tone": "dry"})
+    assert chat_template_of(None, {"enable_thinking": False}) == ChatTemplate(None, {"enable_thinking": False})
+    assert chat_template_of(None, None) is None
+    for bad, says in (("[1]", "JSON object"), ("{", "not JSON"), ('{"add_generation_prompt": true}', "argument")):
+        with pytest.raises(ValueError, match=says):
+            template_args(bad)
+    with pytest.raises(ValueError, match="no such file, nor a template"):
+        chat_template_of(str(tmp_path / "missing.jinja"), None)
+
+
+def test_the_api_process_of_its_own_renders_with_them(served: tuple[Any, LiveServer], dense_ckpt: Path) -> None:
+    """(`mtpipe serve`'s default: the settings cross to the API's process in its spec. This tokenizer has
+    no thought, so mlx-lm's own wrapper sets enable_thinking false where nothing else does.)"""
+    from mtpipe.coordinator.api.front import FrontProcess, FrontSpec
+
+    engine, _ = served
+    front = FrontProcess(engine, FrontSpec(str(dense_ckpt), model_name=MODEL, access_log=False,
+                                           chat_template=ChatTemplate(TEMPLATE, {"tone": "wry"})))
+    try:
+        front.start()
+        r = httpx.post(front.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert engine.tokenizer.decode(r.json()["tokens"]) == "[user:hi;quiet wry]"
+    finally:
+        front.stop()
