@@ -635,3 +635,60 @@ def test_the_api_process_starts_with_ctrl_c_blocked(dense_ckpt: Path) -> None:
     out = subprocess.run([sys.executable, "-c", SPAWN_MASK_PROBE, str(dense_ckpt)], capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
     assert out == ["True", "False"]
+
+
+def _self_signed(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """A certificate for `host` (an IP address) and its key, PEM files in `directory`."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_the_api_over_https(engine: BatchEngine, dense_ckpt: Path, tmp_path: Path) -> None:
+    """--ssl-certfile / --ssl-keyfile: the API's process serves HTTPS with them (a client that trusts the
+    certificate is answered; plain HTTP is not); files that are not a pair are refused as the command starts."""
+    import ssl
+
+    from mtpipe.coordinator.api.tls import api_tls
+
+    cert, key = _self_signed(tmp_path)
+    tls = api_tls(str(cert), str(key))
+    front = FrontProcess(engine, FrontSpec(str(dense_ckpt), model_name=MODEL, api_key=KEY, access_log=False, tls=tls))
+    try:
+        url = front.start()
+        assert url.startswith("https://127.0.0.1:")
+        trusted = ssl.create_default_context(cafile=str(cert))
+        r = httpx.post(url + "/v1/completions", headers=AUTH, verify=trusted, timeout=60,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url.replace("https://", "http://") + "/health", timeout=10)
+    finally:
+        front.stop()
+    (tmp_path / "other").mkdir()
+    other, _ = _self_signed(tmp_path / "other")
+    for certfile, keyfile, says in ((str(cert), None, "give both"), (str(tmp_path / "none.pem"), str(key), "no such file"),
+                                    (str(other), str(key), "do not load as a pair")):
+        with pytest.raises(ValueError, match=says):
+            api_tls(certfile, keyfile)
+    from mtpipe.coordinator.cli.main import main
+
+    assert main(["serve", "--model", "/nowhere", "--port", "0", "--ssl-keyfile", str(key)]) == 2

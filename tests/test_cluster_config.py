@@ -118,7 +118,7 @@ def test_a_secret_flag_replaces_the_files_secret(tmp_path: Path, monkeypatch: py
 KNOWN_TOP = ("name, secret, secret_file, secret_env, model, revision, dtype, mtp_depth, draft_vocab, mtp_window, "
              "prefix_cache_gib, nodes, node, discovery, placement, api")
 KNOWN_API = ("host, port, api_key, api_key_env, generation_config, max_tokens, allowed_origins, scheduling_policy, "
-             "chat_template, chat_template_args")
+             "chat_template, chat_template_args, ssl_certfile, ssl_keyfile")
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ from .defaults import (
     STALL_TIMEOUT_S,
 )
 from .templates import ChatTemplate
+from .tls import ApiTLS, scheme
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +65,15 @@ class FrontSpec:
     default_max_tokens: int | None = None  # the max_tokens of a request that leaves it out (create_app)
     scheduling_policy: str = "fcfs"  # "priority": requests may set theirs (create_app)
     chat_template: ChatTemplate | None = None  # the server's template and variables (create_app)
+    tls: ApiTLS | None = None  # HTTPS (tls.py); None: plain HTTP
 
 
 def front_spec(model_path: Path, host: str, port: int, api_key: str | None, model_name: str, *,
                default_mtp_depth: int | None, max_concurrency: int, max_body_bytes: int | None,
                stall_timeout: float | None = STALL_TIMEOUT_S, generation_config: Path | None = None,
                cors_origins: Sequence[str] = DEFAULT_CORS_ORIGINS, default_max_tokens: int | None = None,
-               scheduling_policy: str = "fcfs", chat_template: ChatTemplate | None = None) -> FrontSpec:
+               scheduling_policy: str = "fcfs", chat_template: ChatTemplate | None = None,
+               tls: ApiTLS | None = None) -> FrontSpec:
     """What `serve` runs an API process with: `mtpipe serve` spawns one with it before the model loads."""
     return FrontSpec(str(model_path), host=host, port=port, model_name=model_name, api_key=api_key,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
@@ -78,7 +81,7 @@ def front_spec(model_path: Path, host: str, port: int, api_key: str | None, mode
                      stall_timeout=stall_timeout, cors_origins=tuple(cors_origins),
                      generation_config=None if generation_config is None else str(generation_config),
                      default_max_tokens=default_max_tokens, scheduling_policy=scheduling_policy,
-                     chat_template=chat_template)
+                     chat_template=chat_template, tls=tls)
 
 
 def prepare_process() -> None:
@@ -128,7 +131,7 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
                      cors_origins=spec.cors_origins, default_max_tokens=spec.default_max_tokens,
                      scheduling_policy=spec.scheduling_policy, chat_template=spec.chat_template)
     config = uvicorn.Config(app, host=spec.host, port=spec.port, log_config=None, access_log=spec.access_log,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, **(spec.tls.uvicorn_options() if spec.tls else {}))
     server = api_server(config)
 
     def stop() -> None:
@@ -196,8 +199,8 @@ def when_serving(server: Any, tell: Callable[[str, int], None]) -> None:
         tell(host, port)
 
 
-def base_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def base_url(host: str, port: int, tls: ApiTLS | None = None) -> str:
+    return f"{scheme(tls)}://[{host}]:{port}" if ":" in host else f"{scheme(tls)}://{host}:{port}"
 
 
 def _early_tokenizer(model_path: str) -> Any:
@@ -285,7 +288,7 @@ class FrontProcess:
         except BaseException:
             self.stop()
             raise
-        self.url = base_url(host, port)
+        self.url = base_url(host, port, self.spec.tls)
         return self.url
 
     @property

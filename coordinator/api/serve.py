@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ..engine.engine import Engine
     from .front import FrontProcess
     from .templates import ChatTemplate
+    from .tls import ApiTLS
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ def serve(
     default_max_tokens: Optional[int] = None,
     scheduling_policy: str = "fcfs",
     chat_template: Optional["ChatTemplate"] = None,
+    tls: Optional["ApiTLS"] = None,
     announce: Optional[Callable[[str], None]] = None,
 ) -> int:
     """Run the API with uvicorn until interrupted (Ctrl-C or SIGTERM: 0) or until the API process ends
@@ -94,11 +96,14 @@ def serve(
     `stall_timeout`: that process fails every open request and stops once the engine has been stuck this
     long (link.py); None: never. `generation_config`: the directory whose generation_config.json gives
     requests their defaults (None: OpenAI's), `default_max_tokens` the max_tokens of those that leave it
-    out (None: the generation config's, else ours); `scheduling_policy` and `chat_template` as create_app's. `announce(url)`
+    out (None: the generation config's, else ours); `scheduling_policy` and `chat_template` as create_app's; `tls`: HTTPS (tls.py). `announce(url)`
     once the API listens (the port bound, if 0 was asked).
     """
     if not api_key and not _is_loopback(host):
         log.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
+    elif tls is None and not _is_loopback(host):
+        log.warning("serving on %s over plain HTTP: the API key crosses the network in clear (--ssl-certfile and "
+                    "--ssl-keyfile serve HTTPS)", host)
     if api_process and model_path is not None and hasattr(engine, "open"):
         from .front import FrontProcess, front_spec
 
@@ -106,7 +111,7 @@ def serve(
                           max_concurrency=max_concurrency, max_body_bytes=max_body_bytes, stall_timeout=stall_timeout,
                           generation_config=generation_config, cors_origins=cors_origins,
                           default_max_tokens=default_max_tokens, scheduling_policy=scheduling_policy,
-                          chat_template=chat_template)
+                          chat_template=chat_template, tls=tls)
         if front is not None and front.spec != spec:
             log.warning("the API process spawned early has other settings: starting another")
             front.stop()
@@ -115,19 +120,21 @@ def serve(
         return front.attach(engine, cluster_info).serve(announce)
     if front is not None:
         front.stop()
-    log.info("serving %s at http://%s:%d/v1", model_name, host, port)
     import uvicorn
 
     from .front import api_server, base_url, when_serving
+
+    log.info("serving %s at %s/v1", model_name, base_url(host, port, tls))
 
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
                      max_body_bytes=max_body_bytes, generation_config=generation_config, cors_origins=cors_origins,
                      default_max_tokens=default_max_tokens, scheduling_policy=scheduling_policy,
                      chat_template=chat_template)
-    server = api_server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5))
+    server = api_server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5,
+                                       **(tls.uvicorn_options() if tls else {})))
     if announce is not None:
-        threading.Thread(target=when_serving, args=(server, lambda host, port: announce(base_url(host, port))),
+        threading.Thread(target=when_serving, args=(server, lambda host, port: announce(base_url(host, port, tls))),
                          name="api-announce", daemon=True).start()
     try:
         server.run()

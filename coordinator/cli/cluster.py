@@ -51,6 +51,7 @@ from .common import (
     EXIT_OK,
     EXIT_USAGE,
     add_allowed_origins,
+    add_api_tls,
     add_chat_template,
     add_default_max_tokens,
     add_generation_config,
@@ -139,6 +140,7 @@ def _launch(args: argparse.Namespace) -> int:
     from ..api.front import FrontProcess, front_spec
     from ..api.model_defaults import generation_config_dir, generation_config_source
     from ..api.templates import chat_template_of, checked_for
+    from ..api.tls import api_tls, scheme
     from ..api.serve import serve
     from ..cluster.heal import Healer
     from ..cluster.placement import GiB
@@ -255,6 +257,8 @@ def _launch(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ValueError(f"api.generation_config (--generation-config): {e}") from None
         template = chat_template_of(cfg.api.chat_template, cfg.api.chat_template_args)  # (api.chat_template...)
+        tls = api_tls(cfg.api.ssl_certfile, cfg.api.ssl_keyfile, "api.ssl_certfile/ssl_keyfile (--ssl-certfile, "
+                      "--ssl-keyfile)")
         server.service.coordinating = True  # before the advert says so: peers check the advert against it
         if agent is not None:
             agent.set_coordinator()
@@ -265,7 +269,7 @@ def _launch(args: argparse.Namespace) -> int:
                         max_body_bytes=DEFAULT_MAX_BODY_BYTES, cors_origins=tuple(cfg.api.allowed_origins),
                         generation_config=generation_config_dir(defaults_from, model_path),
                         default_max_tokens=cfg.api.max_tokens, scheduling_policy=cfg.api.scheduling_policy,
-                        chat_template=checked_for(template, model_path))
+                        chat_template=checked_for(template, model_path), tls=tls)
         static = static_nodes(cfg, secret, me, interfaces)
         alone = set(peers) | set(static) <= {me}  # (cluster.yaml may list this machine alone)
         # With peers, each machine's node drafts as its own command says (every machine runs the same one).
@@ -310,7 +314,7 @@ def _launch(args: argparse.Namespace) -> int:
         check_default_depth(cfg.mtp_depth if mtp else 0, engine.has_mtp, "--mtp-depth (cluster.yaml mtp_depth)")
         info = cluster_info_fn(cfg, me, my_target, engine, name, formation, agent, secret, membership)
         state = info()
-        url = f"http://{format_host_port(cfg.api.host, cfg.api.port)}/v1"
+        url = f"{scheme(tls)}://{format_host_port(cfg.api.host, cfg.api.port)}/v1"
         stages = ", ".join(f"{p['node']} layers {p['layers'][0]}-{p['layers'][1] - 1}" for p in state["placement"])
         when_listening(cfg.api.host, cfg.api.port, lambda: _emit(
             args, console, "serving", f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at {url} over {stages}",
@@ -363,6 +367,7 @@ def add_launch_commands(sub: argparse._SubParsersAction) -> None:
     add_generation_config(p, checked=False)  # (checked on the coordinator alone)
     add_default_max_tokens(p)
     add_chat_template(p)
+    add_api_tls(p)
     add_allowed_origins(p, "cluster.yaml's api.allowed_origins, else *")
     add_scheduling_policy(p, None)
     add_take_over(p)

@@ -26,7 +26,8 @@ def resolve_config(args: argparse.Namespace) -> ClusterConfig:
         "api.host": "api_host", "api.port": "api_port", "api.generation_config": "generation_config",
         "api.allowed_origins": "allowed_origins", "api.max_tokens": "default_max_tokens",
         "api.scheduling_policy": "scheduling_policy", "api.chat_template": "chat_template",
-        "api.chat_template_args": "chat_template_args",
+        "api.chat_template_args": "chat_template_args", "api.ssl_certfile": "ssl_certfile",
+        "api.ssl_keyfile": "ssl_keyfile",
     }
     values = {key: getattr(args, dest, None) for key, dest in flags.items()}
     if getattr(args, "api_key_file", None) is not None:

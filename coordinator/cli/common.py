@@ -142,6 +142,11 @@ def add_chat_template(p: argparse.ArgumentParser, applies: str = "") -> None:
                         "thought by default")
 
 
+def add_api_tls(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ssl-certfile", metavar="PEM", help="serve the API over HTTPS with this certificate (chain)")
+    p.add_argument("--ssl-keyfile", metavar="PEM", help="the private key of --ssl-certfile")
+
+
 def add_default_max_tokens(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=positive_int, metavar="N", dest="default_max_tokens",
                    help="the max_tokens of a request that leaves it out (default: the generation config's "

@@ -21,6 +21,7 @@ from ..engine.ring import RESUME_WINDOW_S
 from ...node.cli import number_arg, port_arg
 from .common import (
     add_allowed_origins,
+    add_api_tls,
     add_chat_template,
     add_default_max_tokens,
     add_generation_config,
@@ -91,6 +92,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     add_generation_config(p)
     add_default_max_tokens(p)
     add_chat_template(p)
+    add_api_tls(p)
     add_mtp(p)
     p.set_defaults(func=cmd_serve)
 
@@ -100,6 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..api.front import FrontProcess, front_spec  # (light: the rest comes in once the front is spawned)
     from ..api.model_defaults import generation_config_dir
     from ..api.templates import chat_template_of, checked_for
+    from ..api.tls import api_tls
 
     for option, value in (("--weights-from", args.weights_from), ("--heal-after", args.heal_after),
                           ("--resume-window", args.resume_window)):
@@ -122,6 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.prefix_cache is not None and not (args.prefix_cache >= 0 and math.isfinite(args.prefix_cache)):
         raise ValueError("--prefix-cache must be a number of GB, 0 (off) or more")
     template = chat_template_of(args.chat_template, args.chat_template_args)
+    tls = api_tls(args.ssl_certfile, args.ssl_keyfile)
     check_port_free(args.host, args.port, "--host/--port")  # (before the model loads, which may take minutes)
     api_key = read_secret(args.api_key_file, API_KEY_ENV, option="--api-key-file")
     signal.signal(signal.SIGTERM, exit_on_sigterm)
@@ -137,7 +141,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes or None, stall_timeout=stall_timeout,
                     generation_config=generation_config_dir(args.generation_config, path),
                     default_max_tokens=args.default_max_tokens, scheduling_policy=args.scheduling_policy,
-                    chat_template=checked_for(template, path),
+                    chat_template=checked_for(template, path), tls=tls,
                     cors_origins=DEFAULT_CORS_ORIGINS if args.allowed_origins is None else tuple(args.allowed_origins))
     front = engine = None
     try:

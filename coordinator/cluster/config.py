@@ -134,6 +134,9 @@ class ApiConfig(_Section):
     # unless its request sets them; checked on the coordinator alone, against the model's tokenizer.
     chat_template: Text | None = None
     chat_template_args: dict[str, Any] | None = None
+    # HTTPS: a certificate (chain) and its private key, PEM files on the coordinator.
+    ssl_certfile: Text | None = None
+    ssl_keyfile: Text | None = None
 
     @field_validator("allowed_origins", mode="before")
     @classmethod

@@ -1,0 +1,43 @@
+"""HTTPS for the API (vLLM's `--ssl-certfile` / `--ssl-keyfile`): a certificate chain and its key in PEM.
+
+An API served beyond this machine with an API key sends that key with every request: over plain HTTP
+anyone on the path reads it. The files are checked when the command starts (they load as a pair), not
+when the first client connects.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ApiTLS:
+    certfile: str
+    keyfile: str
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        return {"ssl_certfile": self.certfile, "ssl_keyfile": self.keyfile}
+
+
+def api_tls(certfile: str | None, keyfile: str | None, option: str = "--ssl-certfile/--ssl-keyfile") -> ApiTLS | None:
+    """The API's certificate and key (None: plain HTTP); ValueError naming `option` where one is given
+    without the other, or they do not load as a pair."""
+    if certfile is None and keyfile is None:
+        return None
+    if certfile is None or keyfile is None:
+        raise ValueError(f"{option}: give both a certificate and its key")
+    cert, key = Path(certfile).expanduser().resolve(), Path(keyfile).expanduser().resolve()
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except FileNotFoundError as e:
+        raise ValueError(f"{option}: no such file: {e.filename}") from None
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"{option}: the certificate and key do not load as a pair ({e})") from None
+    return ApiTLS(str(cert), str(key))
+
+
+def scheme(tls: ApiTLS | None) -> str:
+    return "https" if tls is not None else "http"
