@@ -218,6 +218,53 @@ def test_streamed_xml_calls_are_what_mlx_lms_parser_reads(params: tuple[list[str
         assert calls == _calls(whole), (text, cuts)
 
 
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-999, 999) | st.text(st.sampled_from('ab{}[],:"\\ é\n'), max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text("kq{\"", max_size=3), inner, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["get_weather", "se\"arch"]), JSON_VALUES), max_size=3), st.booleans(),
+       st.data())
+def test_a_held_reply_streams_its_calls_as_they_come(calls: list[tuple[str, Any]], named: bool, data: Any) -> None:
+    """A reply held to calls (required: a list; named: the arguments alone), as json.dumps lays it out and
+    cut anywhere: each call begins once its name is whole, its parts join to its arguments, and it ends
+    once they close; the text cut short ends with the open call cut."""
+    from mtpipe.coordinator.api.tool_held import HeldCalls
+
+    if named:  # (a function's arguments: an object)
+        calls = [(n, p if isinstance(p, dict) else {"v": p}) for n, p in calls[:1]] or [("get_weather", {})]
+        text = json.dumps(calls[0][1], ensure_ascii=False)
+    else:
+        text = json.dumps([{"name": n, "parameters": p} for n, p in calls], ensure_ascii=False)
+    end = data.draw(st.integers(1, len(text)))  # (where the budget ended it)
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, end - 1)), max_size=8)) - {end})
+    held = HeldCalls(calls[0][0] if named else None)
+    events = []
+    for a, b in zip([0, *cuts], [*cuts, end]):
+        events += held.feed(text[a:b])
+    events += held.finish()
+    got, parts = [], None
+    for kind, value in events:
+        if kind == "begin":
+            assert parts is None
+            parts, begun = [], value
+        elif kind == "arguments":
+            parts.append(value)
+        else:
+            assert kind == "end" and value.id == begun.id and "".join(parts) == value.arguments
+            got.append(value)
+            parts = None
+    assert parts is None
+    whole = [c for c in got if not c.cut]
+    assert [(c.name, json.loads(c.arguments)) for c in whole] == [(n, p) for n, p in calls][:len(whole)]
+    if end == len(text):
+        assert len(whole) == len(got) == len(calls)
+    else:
+        assert len(got) - len(whole) <= 1 and all(not c.cut for c in got[:-1])
+
+
 def test_stream_releases_text_early() -> None:
     parser = ToolCallParser(TOOLS)
     assert parser.feed("Hello there <tool") == [("text", "Hello there")]  # " <tool" may begin a call
@@ -565,8 +612,7 @@ def test_a_call_required_or_named_is_held_to_the_tools(live: Live, stream: bool)
             chunks = list(c.chat.completions.create(**args, stream=True))
             calls = _joined(chunks)
             assert [i for i, _, _ in calls] == [0]
-            if choice != "required":  # (a named call's arguments stream as they come)
-                assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls]) > 1
+            assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls]) > 1  # (as they come)
             assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
             assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
                 [finish]

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ..engine.request import GenerationChunk
     from .generation import ResponseFormat
     from .reasoning import ReasoningSplit
+    from .tool_held import HeldCalls
     from .tools import ToolCallParser
 
 
@@ -34,8 +35,8 @@ class CallDeltas:
     streamed one as OpenAI streams it, its id and name first (arguments ""), then each part of its
     arguments on the call's index. With parallel calls off only the first call is handed out."""
 
-    def __init__(self, parser: ToolCallParser, parallel: bool):
-        self.parser, self.parallel = parser, parallel
+    def __init__(self, parser: ToolCallParser | HeldCalls, parallel: bool, named: bool = False):
+        self.parser, self.parallel, self.named = parser, parallel, named  # (named: a function tool_choice named)
         self.calls = 0  # calls handed out
         self.cut = False  # the last one handed out was cut short (the text ended inside it)
         self._shown: bool | None = None  # whether the streamed call now open is handed out
@@ -71,5 +72,6 @@ class CallDeltas:
                 for i, (text, delta) in enumerate(items)]
 
     def finish(self, finish: str) -> str:
-        """The choice's finish reason: "tool_calls" where it called, unless its budget cut the call short."""
-        return "tool_calls" if self.calls and not (self.cut and finish == "length") else finish
+        """The choice's finish reason: "tool_calls" where it called, unless its budget cut the call short or
+        the call was to the function tool_choice named (OpenAI's then says "stop")."""
+        return "tool_calls" if self.calls and not self.named and not (self.cut and finish == "length") else finish

@@ -18,7 +18,8 @@ from .errors import APIError
 from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of, with_keepalive
 from .service import DISCONNECT_POLL_S
 from .starting import Begun, all_of, begin, client_gone
-from .tools import ToolCall, ToolCallParser, cut_calls, held_calls, parse_tool_calls
+from .tool_held import HeldCalls
+from .tools import ToolCallParser, cut_calls, held_calls, parse_tool_calls
 
 if TYPE_CHECKING:
     from ...node.protocol import Scored
@@ -289,9 +290,11 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
     """One choice's chunk objects, as `fmt` shapes them: its role, its deltas, its finish (its stats then
     in `finals[at]`); `on_first` is told the engine's first chunk before anything of it is shaped."""
     first_token = None
-    parser = CallDeltas(ToolCallParser(tools.tools), tools.parallel) \
-        if tools is not None and tools.active and not tools.held else None
-    held: Optional[list[str]] = [] if tools is not None and tools.active and tools.held else None  # (whole, at the end)
+    parser = None
+    if tools is not None and tools.active:  # (a reply held to a call is read as one: tool_held.py)
+        named = tools.held and tools.choice == "function"
+        parser = CallDeltas(HeldCalls(tools.name if named else None) if tools.held else ToolCallParser(tools.tools),
+                            tools.parallel, named)
     generated = 0
     fmt.counted(len(choice.req.prompt_tokens), 0)
     if fmt.chat:
@@ -315,22 +318,6 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
         if parser is not None:
             for delta in parser.deltas(fmt, chunk, logprobs):
                 yield delta
-        elif held is not None and tools.choice == "function":  # (the reply is its arguments: they stream)
-            if chunk.text:
-                call = {"index": 0, "function": {"arguments": chunk.text}} if held else \
-                    ToolCall(tools.name or "", chunk.text).to_dict(index=0)
-                held.append(chunk.text)
-            if chunk.text or logprobs is not None:
-                yield fmt.chunk(tool_calls=[call] if chunk.text else None, logprobs=logprobs)
-            if chunk.finish_reason:
-                finish = _calls("".join(held), chunk.finish_reason, tools)[2]
-        elif held is not None:  # a reply held to a list of calls: the calls once it is whole
-            held.append(chunk.text)
-            if logprobs is not None:
-                yield fmt.chunk(logprobs=logprobs)
-            if chunk.finish_reason:
-                text, found, finish = _calls("".join(held), chunk.finish_reason, tools)
-                yield fmt.chunk(text, tool_calls=[{"index": i, **c} for i, c in enumerate(found or [])] or None)
         elif logprobs is not None:
             yield fmt.chunk(chunk.text, logprobs=logprobs)
         elif chunk.text:
@@ -338,5 +325,5 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
         if chunk.finish_reason:
             service.record(chunk.stats, endpoint, started, chunk.finish_reason)
             finals[at] = chunk.stats
-            yield fmt.chunk(finish=finish if held is not None else parser.finish(chunk.finish_reason) if parser
-                            else chunk.finish_reason, stop_reason=chunk.stop_reason)
+            yield fmt.chunk(finish=parser.finish(chunk.finish_reason) if parser else chunk.finish_reason,
+                            stop_reason=chunk.stop_reason)
