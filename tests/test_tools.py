@@ -102,6 +102,13 @@ RECORDED: dict[str, tuple[str, str, list[tuple[str, dict[str, Any]]]]] = {
     "qwen35_bad_integer": (  # an integer parameter that is not one: the text the model wrote
         "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>",
         "", [("get_weather", {"days": "three"})]),
+    "qwen35_values_json_cannot_hold": (  # (a set, a complex number, NaN as mlx-lm reads them: the text written)
+        "<tool_call>\n<function=get_weather>\n<parameter=options>\n{1, 2}\n</parameter>\n<parameter=tags>\n[1j]\n"
+        "</parameter>\n<parameter=threshold>\n1\n</parameter>\n</function>\n</tool_call>",
+        "", [("get_weather", {"options": "{1, 2}", "tags": "[1j]", "threshold": 1})]),
+    "qwen35_nan_in_an_object": (
+        "<tool_call>\n<function=get_weather>\n<parameter=options>\n{\"a\": NaN}\n</parameter>\n</function>\n</tool_call>",
+        "", [("get_weather", {"options": '{"a": NaN}'})]),
     "qwen35_unclosed_parameter": (  # (cut short: its arguments as far as they came)
         "Calling.\n<tool_call>\n<function=search>\n<parameter=query>\nunfinished",
         "Calling.", [("search", '{"query": "unfinished')]),

@@ -4,8 +4,9 @@ Once `<function=NAME>` is read the block is a call, whatever follows (as vLLM's 
 `<parameter=KEY>` adds `"KEY": ` to the arguments at once, a string value (the tool's schema says so, or
 names no such parameter) then streams as its characters come, and any other value (a number, an object)
 comes whole once its `</parameter>` is read, typed as mlx-lm's qwen3_coder parser types it; one that does
-not parse as its type is the string the model wrote. `</function>` (or `</tool_call>`) closes them. The
-JSON is `json.dumps` of the arguments however the text is cut: the same as the whole block parsed at once.
+not parse as its type, or reads as what JSON cannot hold (a Python set, NaN), is the string the model wrote.
+`</function>` (or `</tool_call>`) closes them. The JSON is `json.dumps` of the arguments however the text is
+cut: the same as the whole block parsed at once.
 """
 
 from __future__ import annotations
@@ -160,7 +161,10 @@ class XmlCall:
         if self._opened:
             return _escaped(value) + '"'
         if not self._streams:
-            return json.dumps(self._typed(value), ensure_ascii=False)
+            try:  # (what ast.literal_eval reads that JSON cannot hold, a set or NaN, is the text the model wrote)
+                return json.dumps(self._typed(value), ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError, RecursionError):
+                return json.dumps(value, ensure_ascii=False)
         return "null" if value.lower() == "null" else json.dumps(value, ensure_ascii=False)
 
     def _typed(self, value: str) -> Any:
