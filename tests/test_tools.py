@@ -115,6 +115,9 @@ RECORDED: dict[str, tuple[str, str, list[tuple[str, dict[str, Any]]]]] = {
     "qwen35_unclosed_typed": (
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=options>\n{\"a\": [1",
         "", [("get_weather", '{"city": "Rome", "options": {"a": [1')]),
+    "qwen35_unclosed_block": (  # (its function closed: a whole call, whose `</tool_call>` did not come)
+        "<tool_call>\n<function=search>\n<parameter=query>\nx\n</parameter>\n</function>\n</tool",
+        "", [("search", {"query": "x"})]),
     "qwen35_unclosed_name": (
         "<tool_call>\n<function=get_weather>\n<parameter=ci", "", [("get_weather", "")]),
     "qwen35_null_and_empty": (
@@ -223,6 +226,18 @@ def test_streamed_xml_calls_are_what_mlx_lms_parser_reads(params: tuple[list[str
     whole = parse_block(body, TOOLS)
     if whole is not None:  # (one whose value is not of its type is the text the model wrote, where mlx-lm's is no call)
         assert calls == _calls(whole), (text, cuts)
+
+
+def test_a_call_the_budget_ends_after_its_function_closed_finishes_tool_calls() -> None:
+    """Its arguments are whole: a client is told to run it ("tool_calls"), as if its `</tool_call>` had come."""
+    from mtpipe.coordinator.api.deltas import CallDeltas
+    from mtpipe.coordinator.api.generation import ResponseFormat
+    from mtpipe.coordinator.engine.request import GenerationChunk
+
+    for text in (RECORDED["qwen35_unclosed_block"][0], RECORDED["qwen35_unclosed_parameter"][0]):
+        calls = CallDeltas(ToolCallParser(TOOLS), parallel=True)
+        calls.deltas(ResponseFormat(True, "m"), GenerationChunk(text, [1], finish_reason="length"), None)
+        assert calls.finish("length") == ("tool_calls" if text.endswith("</tool") else "length")
 
 
 def test_stream_releases_text_early() -> None:

@@ -80,6 +80,11 @@ class XmlCall:
                 self.arguments += "".join(out)
                 return out, rest
 
+    @property
+    def open(self) -> bool:
+        """Whether its arguments are not whole yet (its `</function>` did not come)."""
+        return self._state != "after"
+
     def cut(self) -> list[str]:
         """The text ended inside the call: what came of the value it was in, as it came."""
         out: list[str] = []

@@ -183,8 +183,8 @@ class ToolCallParser:
         out: list[Event] = []
         self._advance(out, final=True)
         if self._xml is not None and self._call is not None:
-            self._arguments(self._xml.cut(), out)
-            out.append(("end", ToolCall(self._call.name, self._xml.arguments, self._call.id, cut=True)))
+            self._arguments(self._xml.cut(), out)  # (one whose function closed is whole: its arguments are)
+            out.append(("end", ToolCall(self._call.name, self._xml.arguments, self._call.id, cut=self._xml.open)))
             self._xml = self._call = None
             self._buf, self._in_block = "", False
         if self._buf:
