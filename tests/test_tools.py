@@ -118,6 +118,15 @@ RECORDED: dict[str, tuple[str, str, list[tuple[str, dict[str, Any]]]]] = {
     "qwen35_unclosed_block": (  # (its function closed: a whole call, whose `</tool_call>` did not come)
         "<tool_call>\n<function=search>\n<parameter=query>\nx\n</parameter>\n</function>\n</tool",
         "", [("search", {"query": "x"})]),
+    "qwen35_unclosed_python_literal": (  # (a value that cannot begin JSON: none of it, never JSON no client reads)
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=metric>\nTrue",
+        "", [("get_weather", '{"city": "Rome", "metric": ')]),
+    "qwen35_unclosed_python_list": (
+        "<tool_call>\n<function=get_weather>\n<parameter=tags>\n['a', ", "", [("get_weather", '{"tags": ')]),
+    "qwen35_unclosed_at_a_closing_tag": (  # (what may begin its `</parameter>` is no part of the value)
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</para", "", [("get_weather", '{"days": 3')]),
+    "qwen35_unclosed_string_at_a_closing_tag": (
+        "<tool_call>\n<function=search>\n<parameter=query>\nab\n</param", "", [("search", '{"query": "ab')]),
     "qwen35_unclosed_name": (
         "<tool_call>\n<function=get_weather>\n<parameter=ci", "", [("get_weather", "")]),
     "qwen35_null_and_empty": (
@@ -151,6 +160,17 @@ def _calls(calls: list[Any]) -> list[tuple[str, Any]]:
     return [(c.name, c.arguments if c.cut else json.loads(c.arguments)) for c in calls]
 
 
+def _partial_json_reads(arguments: str) -> None:
+    """Arguments, whole or cut short, read as Anthropic's and OpenAI's clients read streamed JSON (jiter's
+    partial mode): one that does not read fails a client's whole stream."""
+    try:
+        from jiter import from_json
+    except ImportError:
+        return
+    if arguments:
+        from_json(arguments.encode(), partial_mode=True)
+
+
 def _streamed(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, Any]]]:
     """The text and calls of `text` fed in pieces; a streamed call's parts, joined, are its arguments, and its
     whole arguments are `json.dumps` of themselves (the layout the whole block parsed at once would have)."""
@@ -169,6 +189,7 @@ def _streamed(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, Any]]]:
         elif kind == "end":
             assert (value.id, value.name) == (begun.id, begun.name) and "".join(parts) == value.arguments
             assert value.cut or json.dumps(json.loads(value.arguments), ensure_ascii=False) == value.arguments
+            _partial_json_reads(value.arguments)
             calls.append(value)
             parts = None
         elif kind == "call":
