@@ -261,6 +261,28 @@ def test_a_call_the_budget_ends_after_its_function_closed_finishes_tool_calls() 
         assert calls.finish("length") == ("tool_calls" if text.endswith("</tool") else "length")
 
 
+STOPPED = {  # (a stop string or token ended the text inside a Qwen3.5 call: the arguments it is closed with)
+    "<tool_call>\n<function=search>\n<parameter=query>\nPar": {"query": "Par"},
+    "<tool_call>\n<function=search>\n<parameter=query>\nnul": {"query": "nul"},
+    "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</para": {"days": 3},
+    "<tool_call>\n<function=get_weather>\n<parameter=metric>\nTrue": {"metric": True},
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=ci": {"city": "Rome"},
+    "<tool_call>\n<function=search>\n</func": {},
+}
+
+
+@pytest.mark.parametrize("text", STOPPED)
+def test_a_call_a_stop_ends_is_closed_as_its_tags_would_close_it(text: str) -> None:
+    """Not the budget: the call is whole, its arguments JSON (a client's helper parses a strict tool's, and
+    fails on arguments cut short), as vLLM's parser reads a call left open."""
+    _, (call,) = parse_tool_calls(text, TOOLS, by_budget=False)
+    assert not call.cut and call.arguments == json.dumps(STOPPED[text])
+    parser = ToolCallParser(TOOLS)
+    events = [e for ch in text for e in parser.feed(ch)] + parser.finish(by_budget=False)
+    assert "".join(v for k, v in events if k == "arguments") == call.arguments
+    assert [(k, v.cut) for k, v in events if k == "end"] == [("end", False)]
+
+
 def test_stream_releases_text_early() -> None:
     parser = ToolCallParser(TOOLS)
     assert parser.feed("Hello there <tool") == [("text", "Hello there")]  # " <tool" may begin a call
@@ -735,6 +757,36 @@ def test_parameters_llguidance_cannot_hold_strictly_hold_leniently_and_ones_no_c
             assert resp.status_code == 400, resp.text
             err = resp.json()["error"]
             assert err["param"] == "tool_choice" and "no call to the tools could fit" in err["message"], err
+
+
+def test_a_call_a_stop_string_ends_is_whole_to_the_official_clients_helpers(live: Live) -> None:
+    """A stop string inside a Qwen3.5 call ends it as its tags would: the clients' stream helpers parse a
+    strict tool's arguments (and raised on ones cut short); finish "tool_calls", a completed response,
+    Anthropic's "tool_use" with the call's input."""
+    anthropic = pytest.importorskip("anthropic")
+    bias, stop = _bias(live, "xml"), ["\n</parameter>\n<parameter=days>"]
+    fn = {**WEATHER["function"], "strict": True}
+    args = {"model": MODEL, "messages": ASK, "tools": [{"type": "function", "function": fn}], "max_tokens": 1,
+            "temperature": 0, "logit_bias": bias, "stop": stop}
+    with live.client.chat.completions.stream(**args) as s:
+        final = s.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [t.function.parsed_arguments for t in final.message.tool_calls] == [{"city": "Paris"}]
+    whole = live.client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason == "tool_calls" and json.loads(whole.message.tool_calls[0].function.arguments) == {
+        "city": "Paris"}
+    with live.client.responses.stream(model=MODEL, input=ASK[0]["content"], tools=[{"type": "function", **fn}],
+                                      max_output_tokens=1, temperature=0,
+                                      extra_body={"logit_bias": bias, "stop": stop}) as s:
+        response = s.get_final_response()
+    assert [(o.type, o.status, o.parsed_arguments) for o in response.output] == [
+        ("function_call", "completed", {"city": "Paris"})]
+    claude = anthropic.Anthropic(base_url=live.server.url, api_key="unused", max_retries=0, timeout=60)
+    with claude.messages.stream(model=MODEL, messages=ASK, max_tokens=1, stop_sequences=stop,
+                                tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+                                extra_body={"logit_bias": bias, "temperature": 0}) as s:
+        message = s.get_final_message()
+    assert message.stop_reason == "tool_use" and [b.input for b in message.content] == [{"city": "Paris"}]
 
 
 def test_a_streamed_call_comes_in_parts_to_responses_and_messages_clients(live: Live) -> None:

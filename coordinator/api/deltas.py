@@ -43,7 +43,8 @@ class CallDeltas:
     def deltas(self, fmt: ResponseFormat, chunk: GenerationChunk,
                logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
         """A chunk's deltas; its `logprobs` ride on the first (an empty one when the parser holds its text back)."""
-        events = self.parser.feed(chunk.text) + (self.parser.finish() if chunk.finish_reason else [])
+        events = self.parser.feed(chunk.text) + \
+            (self.parser.finish(chunk.finish_reason == "length") if chunk.finish_reason else [])
         items: list[tuple[str, list[dict[str, Any]] | None]] = []
         for kind, value in events:
             if kind == "text":

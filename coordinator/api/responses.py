@@ -161,7 +161,7 @@ def _calls(text: str, finish: str, tools: "Optional[ToolSpec]") -> tuple[str, Op
             return text, None, finish
         required = tools.choice == "required" and finish == "stop"
         return "", [c.to_dict() for c in found], "tool_calls" if required else finish
-    text, found = parse_tool_calls(text, tools.tools)
+    text, found = parse_tool_calls(text, tools.tools, finish == "length")
     if not found:
         return text, None, finish
     found = found if tools.parallel else found[:1]

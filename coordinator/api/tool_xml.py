@@ -131,6 +131,16 @@ class XmlCall:
         self.arguments += "".join(out)
         return out
 
+    def close(self) -> list[str]:
+        """The text ended inside the call for good (a stop string or token, not the budget): the rest of its
+        arguments as its closing tags would bring them (as vLLM's parser reads a call left open), whole
+        JSON; a name or a tag it was cut inside is left out."""
+        self._buf = ""
+        if self._state == "name":
+            self._state = "between"
+        tags = {"value": PARAMETER_END + FUNCTION_END, "between": FUNCTION_END}.get(self._state, "")
+        return self.feed(tags + CLOSE)[0]
+
     # -- the states: each reads what it can of `_buf` ---------------------------------------------
 
     def _between(self, out: list[str]) -> str | None:

@@ -20,8 +20,9 @@ XML values are typeless: they take the type the request's tool schema gives the 
 A block ends at the first `</tool_call>` that is not inside a JSON string or an XML parameter value, so
 an argument may hold the closing tag itself. A JSON block that does not parse, or is still open when the
 text ends, is text. An XML block is a call once its `<function=NAME>` is read, and its arguments stream
-(tool_xml.py), as vLLM streams them: one the text ends inside is a call cut short (`cut`), its arguments as
-far as they came. Text next to a call loses the whitespace on that side (the newlines around the tags).
+(tool_xml.py), as vLLM streams them: one the budget ends inside its arguments is a call cut short (`cut`),
+its arguments as far as they came; one a stop string or token ends is closed as its tags would close it.
+Text next to a call loses the whitespace on that side (the newlines around the tags).
 
 `ToolCallParser` takes the text in pieces and hands out what it can decide: text, held back only while
 it may begin `<tool_call>` (or is whitespace that a call would drop), whole calls (JSON), and a streamed
@@ -178,13 +179,15 @@ class ToolCallParser:
         self._advance(out, final=False)
         return out
 
-    def finish(self) -> list[Event]:
-        """The end of the text: an open JSON block, or a held-back start of one, is text; a streamed call is cut."""
+    def finish(self, by_budget: bool = True) -> list[Event]:
+        """The end of the text: an open JSON block, or a held-back start of one, is text; a streamed call is
+        cut short where the budget (`by_budget`) ended it inside its arguments, else closed."""
         out: list[Event] = []
         self._advance(out, final=True)
         if self._xml is not None and self._call is not None:
-            self._arguments(self._xml.cut(), out)  # (one whose function closed is whole: its arguments are)
-            out.append(("end", ToolCall(self._call.name, self._xml.arguments, self._call.id, cut=self._xml.open)))
+            cut = by_budget and self._xml.open  # (one whose function closed is whole: its arguments are)
+            self._arguments(self._xml.cut() if cut else self._xml.close(), out)
+            out.append(("end", ToolCall(self._call.name, self._xml.arguments, self._call.id, cut=cut)))
             self._xml = self._call = None
             self._buf, self._in_block = "", False
         if self._buf:
@@ -297,8 +300,9 @@ class ToolCallParser:
             self._pending_ws += s
 
 
-def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
-    """The text outside the calls, and the calls, of a whole generation."""
+def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None,
+                     by_budget: bool = True) -> tuple[str, list[ToolCall]]:
+    """The text outside the calls, and the calls, of a whole generation (`by_budget`: its budget ended it)."""
     parser = ToolCallParser(tools)
-    events = parser.feed(text) + parser.finish()
+    events = parser.feed(text) + parser.finish(by_budget)
     return "".join(v for k, v in events if k == "text"), [v for k, v in events if k in ("call", "end")]
