@@ -107,7 +107,8 @@ RECORDED: dict[str, tuple[str, str, list[tuple[str, dict[str, Any]]]]] = {
         "</parameter>\n<parameter=threshold>\n1\n</parameter>\n</function>\n</tool_call>",
         "", [("get_weather", {"options": "{1, 2}", "tags": "[1j]", "threshold": 1})]),
     "qwen35_nan_in_an_object": (
-        "<tool_call>\n<function=get_weather>\n<parameter=options>\n{\"a\": NaN}\n</parameter>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=get_weather>\n<parameter=options>\n{\"a\": NaN}\n</parameter>\n</function>\n"
+        "</tool_call>",
         "", [("get_weather", {"options": '{"a": NaN}'})]),
     "qwen35_unclosed_parameter": (  # (cut short: its arguments as far as they came)
         "Calling.\n<tool_call>\n<function=search>\n<parameter=query>\nunfinished",
@@ -259,6 +260,19 @@ def test_a_call_the_budget_ends_after_its_function_closed_finishes_tool_calls() 
         calls = CallDeltas(ToolCallParser(TOOLS), parallel=True)
         calls.deltas(ResponseFormat(True, "m"), GenerationChunk(text, [1], finish_reason="length"), None)
         assert calls.finish("length") == ("tool_calls" if text.endswith("</tool") else "length")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) |
+                    st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c), max_leaves=6), st.booleans())
+def test_json_cut_anywhere_begins_json_and_closes(value: Any, ascii: bool) -> None:
+    from mtpipe.coordinator.api.partial_json import json_closing, json_start
+
+    text = json.dumps(value, ensure_ascii=ascii)
+    for at in range(len(text) + 1):
+        assert json_start(text[:at]) and (closing := json_closing(text[:at])) is not None, text[:at]
+        json.loads(text[:at] + closing)
+    assert json_closing(text) == "" and not json_start("True") and json_closing("{'a'") is None
 
 
 STOPPED = {  # (a stop string or token ended the text inside a Qwen3.5 call: the arguments it is closed with)
@@ -676,6 +690,25 @@ def test_a_held_call_its_budget_cuts_short_is_a_call_not_text(live: Live) -> Non
                 assert calls and calls[0][0] == "count" and calls[0][1] and not calls[0][1].endswith("}")
             else:
                 assert all(n in ("flag", "count") for n, _ in calls) and (calls or budget < 24), calls
+
+
+def test_a_named_call_a_stop_string_ends_is_closed_whole_or_streamed(live: Live) -> None:
+    """A stop string inside a named call's held arguments: closed, the same call whole and streamed (a
+    stream that handed out the arguments it held cannot take them back), which the client's stream helper
+    parses for a strict tool (it raised on arguments cut short); finish "stop" as a named call's."""
+    count = {"type": "function", "function": {**COUNT["function"], "strict": True}}
+    args = {"model": MODEL, "messages": ASK, "tools": [count], "tool_choice": {"type": "function", "function": {
+        "name": "count"}}, "max_tokens": 48, "temperature": 0, "stop": ["}"],
+            "logit_bias": {str(i): -100 for i in live.ids.values()}}
+    whole = live.client.chat.completions.create(**args).choices[0]
+    with live.client.chat.completions.stream(**args) as s:
+        streamed = s.get_final_completion().choices[0]
+    for choice in (whole, streamed):
+        assert choice.finish_reason == "stop" and not choice.message.content, choice
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "count" and set(json.loads(call.function.arguments)) == {"days"}
+    assert streamed.message.tool_calls[0].function.parsed_arguments == json.loads(
+        whole.message.tool_calls[0].function.arguments)
 
 
 def test_an_echo_is_no_part_of_a_call(live: Live) -> None:

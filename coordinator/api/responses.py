@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from .deltas import CallDeltas, thought_apart
 from .errors import APIError
 from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of, with_keepalive
+from .partial_json import json_closing
 from .service import DISCONNECT_POLL_S
 from .starting import Begun, all_of, begin, client_gone
 from .tools import ToolCall, ToolCallParser, cut_calls, held_calls, parse_tool_calls
@@ -148,13 +149,16 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
 def _calls(text: str, finish: str, tools: "Optional[ToolSpec]") -> tuple[str, Optional[list[dict[str, Any]]], str]:
     """A reply's text left, its tool calls and its finish reason: a reply held to a call is that call (the
     finish "tool_calls" where any was required and it stopped, as vLLM's; "stop" for a named one, as
-    OpenAI's; "length" where the budget ended it, its calls then as far as they came); otherwise its text is
-    parsed for calls. A reply that holds none (cut short) stays text."""
+    OpenAI's; "length" where the budget ended it, its calls then as far as they came; a named call's
+    arguments a stop string ended, closed); otherwise its text is parsed for calls. A reply that holds none
+    (cut short) stays text."""
     if tools is None or not tools.active:
         return text, None, finish
     if tools.held:
         name = tools.name if tools.choice == "function" else None
         found = held_calls(text, name)
+        if found is None and name is not None and finish == "stop":  # (a stop string cut its arguments short)
+            found = held_calls(text + (json_closing(text) or ""), name)
         if found is None and finish == "length":
             return "", [c.to_dict() for c in cut_calls(text, name)] or None, finish
         if found is None:
@@ -322,6 +326,9 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
                 held.append(chunk.text)
             if chunk.text or logprobs is not None:
                 yield fmt.chunk(tool_calls=[call] if chunk.text else None, logprobs=logprobs)
+            if chunk.finish_reason == "stop" and held and (closing := json_closing("".join(held))):
+                held.append(closing)  # (a stop string cut them short: closed, as `_calls` closes them)
+                yield fmt.chunk(tool_calls=[{"index": 0, "function": {"arguments": closing}}])
             if chunk.finish_reason:
                 finish = _calls("".join(held), chunk.finish_reason, tools)[2]
         elif held is not None:  # a reply held to a list of calls: the calls once it is whole

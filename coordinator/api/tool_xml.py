@@ -12,8 +12,9 @@ cut: the same as the whole block parsed at once.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
+
+from .partial_json import json_start
 
 CLOSE = "</tool_call>"
 PARAMETER = "<parameter="
@@ -39,36 +40,6 @@ def function_name(body: str) -> tuple[str, int] | None:
 
 def _escaped(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1]
-
-
-PARTIAL_TOKEN = re.compile(r"(^|[\[:,])\s*(?:-?(?:\d+\.|\d+(?:\.\d+)?[eE][+-]?)?|t(?:ru?)?|f(?:a(?:ls?)?)?|n(?:ul?)?)\Z")
-
-
-def json_start(text: str) -> bool:
-    """Whether `text` is the start of some JSON value (JSON cut short, as a partial-JSON reader takes it)."""
-    in_string, escape, i = False, -1, 0  # (escape: where the last escape in a string began)
-    while i < len(text):
-        if in_string and text[i] == "\\":
-            escape, i = i, i + 2
-            continue
-        in_string ^= text[i] == '"'
-        i += 1
-    if in_string:  # (its string closed, an escape cut short left out)
-        cut_escape = escape >= 0 and (escape == len(text) - 1 or text[escape + 1] == "u" and len(text) - escape < 6)
-        text = (text[:escape] if cut_escape else text) + '"'
-    else:  # (a number or a word cut short left out)
-        text = PARTIAL_TOKEN.sub(r"\1", text)
-    try:
-        json.loads(text, parse_constant=_no_constant)
-    except json.JSONDecodeError as e:
-        return e.pos == len(text)  # (only the end was missing)
-    except (ValueError, RecursionError):
-        return False
-    return True
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def tag_prefix(text: str, *tags: str) -> int:
