@@ -102,12 +102,32 @@ RECORDED: dict[str, tuple[str, str, list[tuple[str, dict[str, Any]]]]] = {
     "qwen35_bad_integer": (  # an integer parameter that is not one: the text the model wrote
         "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>",
         "", [("get_weather", {"days": "three"})]),
+    "qwen35_values_json_cannot_hold": (  # (a set, a complex number, NaN as mlx-lm reads them: the text written)
+        "<tool_call>\n<function=get_weather>\n<parameter=options>\n{1, 2}\n</parameter>\n<parameter=tags>\n[1j]\n"
+        "</parameter>\n<parameter=threshold>\n1\n</parameter>\n</function>\n</tool_call>",
+        "", [("get_weather", {"options": "{1, 2}", "tags": "[1j]", "threshold": 1})]),
+    "qwen35_nan_in_an_object": (
+        "<tool_call>\n<function=get_weather>\n<parameter=options>\n{\"a\": NaN}\n</parameter>\n</function>\n"
+        "</tool_call>",
+        "", [("get_weather", {"options": '{"a": NaN}'})]),
     "qwen35_unclosed_parameter": (  # (cut short: its arguments as far as they came)
         "Calling.\n<tool_call>\n<function=search>\n<parameter=query>\nunfinished",
         "Calling.", [("search", '{"query": "unfinished')]),
     "qwen35_unclosed_typed": (
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=options>\n{\"a\": [1",
         "", [("get_weather", '{"city": "Rome", "options": {"a": [1')]),
+    "qwen35_unclosed_block": (  # (its function closed: a whole call, whose `</tool_call>` did not come)
+        "<tool_call>\n<function=search>\n<parameter=query>\nx\n</parameter>\n</function>\n</tool",
+        "", [("search", {"query": "x"})]),
+    "qwen35_unclosed_python_literal": (  # (a value that cannot begin JSON: none of it, never JSON no client reads)
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=metric>\nTrue",
+        "", [("get_weather", '{"city": "Rome", "metric": ')]),
+    "qwen35_unclosed_python_list": (
+        "<tool_call>\n<function=get_weather>\n<parameter=tags>\n['a', ", "", [("get_weather", '{"tags": ')]),
+    "qwen35_unclosed_at_a_closing_tag": (  # (what may begin its `</parameter>` is no part of the value)
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</para", "", [("get_weather", '{"days": 3')]),
+    "qwen35_unclosed_string_at_a_closing_tag": (
+        "<tool_call>\n<function=search>\n<parameter=query>\nab\n</param", "", [("search", '{"query": "ab')]),
     "qwen35_unclosed_name": (
         "<tool_call>\n<function=get_weather>\n<parameter=ci", "", [("get_weather", "")]),
     "qwen35_null_and_empty": (
@@ -141,6 +161,17 @@ def _calls(calls: list[Any]) -> list[tuple[str, Any]]:
     return [(c.name, c.arguments if c.cut else json.loads(c.arguments)) for c in calls]
 
 
+def _partial_json_reads(arguments: str) -> None:
+    """Arguments, whole or cut short, read as Anthropic's and OpenAI's clients read streamed JSON (jiter's
+    partial mode): one that does not read fails a client's whole stream."""
+    try:
+        from jiter import from_json
+    except ImportError:
+        return
+    if arguments:
+        from_json(arguments.encode(), partial_mode=True)
+
+
 def _streamed(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, Any]]]:
     """The text and calls of `text` fed in pieces; a streamed call's parts, joined, are its arguments, and its
     whole arguments are `json.dumps` of themselves (the layout the whole block parsed at once would have)."""
@@ -159,6 +190,7 @@ def _streamed(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, Any]]]:
         elif kind == "end":
             assert (value.id, value.name) == (begun.id, begun.name) and "".join(parts) == value.arguments
             assert value.cut or json.dumps(json.loads(value.arguments), ensure_ascii=False) == value.arguments
+            _partial_json_reads(value.arguments)
             calls.append(value)
             parts = None
         elif kind == "call":
@@ -263,6 +295,53 @@ def test_a_held_reply_streams_its_calls_as_they_come(calls: list[tuple[str, Any]
         assert len(whole) == len(got) == len(calls)
     else:
         assert len(got) - len(whole) <= 1 and all(not c.cut for c in got[:-1])
+
+
+def test_a_call_the_budget_ends_after_its_function_closed_finishes_tool_calls() -> None:
+    """Its arguments are whole: a client is told to run it ("tool_calls"), as if its `</tool_call>` had come."""
+    from mtpipe.coordinator.api.deltas import CallDeltas
+    from mtpipe.coordinator.api.generation import ResponseFormat
+    from mtpipe.coordinator.engine.request import GenerationChunk
+
+    for text in (RECORDED["qwen35_unclosed_block"][0], RECORDED["qwen35_unclosed_parameter"][0]):
+        calls = CallDeltas(ToolCallParser(TOOLS), parallel=True)
+        calls.deltas(ResponseFormat(True, "m"), GenerationChunk(text, [1], finish_reason="length"), None)
+        assert calls.finish("length") == ("tool_calls" if text.endswith("</tool") else "length")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) |
+                    st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c), max_leaves=6), st.booleans())
+def test_json_cut_anywhere_begins_json_and_closes(value: Any, ascii: bool) -> None:
+    from mtpipe.coordinator.api.partial_json import json_closing, json_start
+
+    text = json.dumps(value, ensure_ascii=ascii)
+    for at in range(len(text) + 1):
+        assert json_start(text[:at]) and (closing := json_closing(text[:at])) is not None, text[:at]
+        json.loads(text[:at] + closing)
+    assert json_closing(text) == "" and not json_start("True") and json_closing("{'a'") is None
+
+
+STOPPED = {  # (a stop string or token ended the text inside a Qwen3.5 call: the arguments it is closed with)
+    "<tool_call>\n<function=search>\n<parameter=query>\nPar": {"query": "Par"},
+    "<tool_call>\n<function=search>\n<parameter=query>\nnul": {"query": "nul"},
+    "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</para": {"days": 3},
+    "<tool_call>\n<function=get_weather>\n<parameter=metric>\nTrue": {"metric": True},
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=ci": {"city": "Rome"},
+    "<tool_call>\n<function=search>\n</func": {},
+}
+
+
+@pytest.mark.parametrize("text", STOPPED)
+def test_a_call_a_stop_ends_is_closed_as_its_tags_would_close_it(text: str) -> None:
+    """Not the budget: the call is whole, its arguments JSON (a client's helper parses a strict tool's, and
+    fails on arguments cut short), as vLLM's parser reads a call left open."""
+    _, (call,) = parse_tool_calls(text, TOOLS, by_budget=False)
+    assert not call.cut and call.arguments == json.dumps(STOPPED[text])
+    parser = ToolCallParser(TOOLS)
+    events = [e for ch in text for e in parser.feed(ch)] + parser.finish(by_budget=False)
+    assert "".join(v for k, v in events if k == "arguments") == call.arguments
+    assert [(k, v.cut) for k, v in events if k == "end"] == [("end", False)]
 
 
 def test_stream_releases_text_early() -> None:
@@ -659,6 +738,25 @@ def test_a_held_call_its_budget_cuts_short_is_a_call_not_text(live: Live) -> Non
                 assert all(n in ("flag", "count") for n, _ in calls) and (calls or budget < 24), calls
 
 
+def test_a_named_call_a_stop_string_ends_is_closed_whole_or_streamed(live: Live) -> None:
+    """A stop string inside a named call's held arguments: closed, the same call whole and streamed (a
+    stream that handed out the arguments it held cannot take them back), which the client's stream helper
+    parses for a strict tool (it raised on arguments cut short); finish "stop" as a named call's."""
+    count = {"type": "function", "function": {**COUNT["function"], "strict": True}}
+    args = {"model": MODEL, "messages": ASK, "tools": [count], "tool_choice": {"type": "function", "function": {
+        "name": "count"}}, "max_tokens": 48, "temperature": 0, "stop": ["}"],
+            "logit_bias": {str(i): -100 for i in live.ids.values()}}
+    whole = live.client.chat.completions.create(**args).choices[0]
+    with live.client.chat.completions.stream(**args) as s:
+        streamed = s.get_final_completion().choices[0]
+    for choice in (whole, streamed):
+        assert choice.finish_reason == "stop" and not choice.message.content, choice
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "count" and set(json.loads(call.function.arguments)) == {"days"}
+    assert streamed.message.tool_calls[0].function.parsed_arguments == json.loads(
+        whole.message.tool_calls[0].function.arguments)
+
+
 def test_an_echo_is_no_part_of_a_call(live: Live) -> None:
     """vLLM's chat echo before a held call: the call is what it is without the echo, whose text is the
     reply's content (as vLLM prepends it after the call is parsed), whole or streamed."""
@@ -740,6 +838,36 @@ def test_parameters_llguidance_cannot_hold_strictly_hold_leniently_and_ones_no_c
             assert err["param"] == "tool_choice" and "no call to the tools could fit" in err["message"], err
 
 
+def test_a_call_a_stop_string_ends_is_whole_to_the_official_clients_helpers(live: Live) -> None:
+    """A stop string inside a Qwen3.5 call ends it as its tags would: the clients' stream helpers parse a
+    strict tool's arguments (and raised on ones cut short); finish "tool_calls", a completed response,
+    Anthropic's "tool_use" with the call's input."""
+    anthropic = pytest.importorskip("anthropic")
+    bias, stop = _bias(live, "xml"), ["\n</parameter>\n<parameter=days>"]
+    fn = {**WEATHER["function"], "strict": True}
+    args = {"model": MODEL, "messages": ASK, "tools": [{"type": "function", "function": fn}], "max_tokens": 1,
+            "temperature": 0, "logit_bias": bias, "stop": stop}
+    with live.client.chat.completions.stream(**args) as s:
+        final = s.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [t.function.parsed_arguments for t in final.message.tool_calls] == [{"city": "Paris"}]
+    whole = live.client.chat.completions.create(**args).choices[0]
+    assert whole.finish_reason == "tool_calls" and json.loads(whole.message.tool_calls[0].function.arguments) == {
+        "city": "Paris"}
+    with live.client.responses.stream(model=MODEL, input=ASK[0]["content"], tools=[{"type": "function", **fn}],
+                                      max_output_tokens=1, temperature=0,
+                                      extra_body={"logit_bias": bias, "stop": stop}) as s:
+        response = s.get_final_response()
+    assert [(o.type, o.status, o.parsed_arguments) for o in response.output] == [
+        ("function_call", "completed", {"city": "Paris"})]
+    claude = anthropic.Anthropic(base_url=live.server.url, api_key="unused", max_retries=0, timeout=60)
+    with claude.messages.stream(model=MODEL, messages=ASK, max_tokens=1, stop_sequences=stop,
+                                tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+                                extra_body={"logit_bias": bias, "temperature": 0}) as s:
+        message = s.get_final_message()
+    assert message.stop_reason == "tool_use" and [b.input for b in message.content] == [{"city": "Paris"}]
+
+
 def test_a_streamed_call_comes_in_parts_to_responses_and_messages_clients(live: Live) -> None:
     """An XML call streams into a Responses function_call item (added in progress, its arguments' deltas,
     done) and an Anthropic tool_use block (its input as input_json_delta parts); the whole response each
@@ -777,3 +905,21 @@ def test_a_streamed_call_comes_in_parts_to_responses_and_messages_clients(live: 
     whole = httpx.post(live.server.url + "/v1/messages", json=claude, timeout=60).json()
     assert whole["stop_reason"] == "tool_use" and [(b["type"], b["input"]) for b in whole["content"]] == [
         ("tool_use", CALL_ARGS)]
+
+
+def test_a_held_call_a_stop_string_ends_is_closed_whole_or_streamed() -> None:
+    """(A list of calls too, as a named call's arguments: the same closing, streamed or whole.)"""
+    from mtpipe.coordinator.api.responses import _calls
+    from mtpipe.coordinator.api.tool_held import HeldCalls
+
+    text = '[{"name": "get_weather", "parameters": {"city": "Par'
+    held = HeldCalls(None)
+    events = held.feed(text) + held.finish(by_budget=False)
+    (end,) = [v for k, v in events if k == "end"]
+    assert not end.cut and json.loads(end.arguments) == {"city": "Par"}
+    assert "".join(v for k, v in events if k == "arguments") == end.arguments
+    required = ToolSpec(TOOLS, "required", parallel=True, held=True)
+    content, calls, finish = _calls(text, "stop", required)
+    assert (content, [c["function"]["arguments"] for c in calls], finish) == ("", [end.arguments], "tool_calls")
+    content, calls, finish = _calls(text, "length", required)  # (the budget: as far as it came)
+    assert calls[0]["function"]["arguments"] == '{"city": "Par' and finish == "length"

@@ -35,8 +35,9 @@ class CallDeltas:
     streamed one as OpenAI streams it, its id and name first (arguments ""), then each part of its
     arguments on the call's index. With parallel calls off only the first call is handed out."""
 
-    def __init__(self, parser: ToolCallParser | HeldCalls, parallel: bool, named: bool = False):
-        self.parser, self.parallel, self.named = parser, parallel, named  # (named: a function tool_choice named)
+    def __init__(self, parser: ToolCallParser | HeldCalls, parallel: bool, held: str | None = None):
+        self.parser, self.parallel = parser, parallel
+        self.held = held  # a reply held to calls: "function" (one tool_choice named) or "required"
         self.calls = 0  # calls handed out
         self.cut = False  # the last one handed out was cut short (the text ended inside it)
         self._shown: bool | None = None  # whether the streamed call now open is handed out
@@ -44,7 +45,8 @@ class CallDeltas:
     def deltas(self, fmt: ResponseFormat, chunk: GenerationChunk,
                logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
         """A chunk's deltas; its `logprobs` ride on the first (an empty one when the parser holds its text back)."""
-        events = self.parser.feed(chunk.text) + (self.parser.finish() if chunk.finish_reason else [])
+        events = self.parser.feed(chunk.text) + \
+            (self.parser.finish(chunk.finish_reason == "length") if chunk.finish_reason else [])
         items: list[tuple[str, list[dict[str, Any]] | None]] = []
         for kind, value in events:
             if kind == "text":
@@ -72,6 +74,16 @@ class CallDeltas:
                 for i, (text, delta) in enumerate(items)]
 
     def finish(self, finish: str) -> str:
-        """The choice's finish reason: "tool_calls" where it called, unless its budget cut the call short or
-        the call was to the function tool_choice named (OpenAI's then says "stop")."""
-        return "tool_calls" if self.calls and not self.named and not (self.cut and finish == "length") else finish
+        """The choice's finish reason (`finish`: the engine's), as `responses._calls` gives it whole."""
+        return calls_finish(finish, self.held, self.calls, self.cut)
+
+
+def calls_finish(finish: str, held: str | None, calls: int, cut: bool) -> str:
+    """A reply's finish reason where it made `calls` calls (`cut`: the last was cut short): "tool_calls"
+    where it called, unless its budget cut the call short; a reply held to calls says so only where it
+    stopped, and one held to a function tool_choice named keeps its own (OpenAI's says "stop")."""
+    if held == "function" or not calls:
+        return finish
+    if held == "required":
+        return "tool_calls" if finish == "stop" else finish
+    return finish if cut and finish == "length" else "tool_calls"

@@ -13,13 +13,13 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Optional
 
-from .deltas import CallDeltas, thought_apart
+from .deltas import CallDeltas, calls_finish, thought_apart
 from .errors import APIError
 from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, usage_of, with_keepalive
 from .service import DISCONNECT_POLL_S
 from .starting import Begun, all_of, begin, client_gone
 from .tool_held import HeldCalls
-from .tools import ToolCallParser, cut_calls, held_calls, parse_tool_calls
+from .tools import ToolCallParser
 
 if TYPE_CHECKING:
     from ...node.protocol import Scored
@@ -147,26 +147,25 @@ async def _answer(service: "Service", endpoint: str, choice: Choice, run: Genera
 
 
 def _calls(text: str, finish: str, tools: "Optional[ToolSpec]") -> tuple[str, Optional[list[dict[str, Any]]], str]:
-    """A reply's text left, its tool calls and its finish reason: a reply held to a call is that call (the
-    finish "tool_calls" where any was required and it stopped, as vLLM's; "stop" for a named one, as
-    OpenAI's; "length" where the budget ended it, its calls then as far as they came); otherwise its text is
-    parsed for calls. A reply that holds none (cut short) stays text."""
+    """A reply's text left, its tool calls and its finish reason, as its stream would give them (the
+    same readers: deltas.py): a reply held to a call is that call (tool_held.py); otherwise its text is
+    parsed for calls. A reply that holds none stays text."""
     if tools is None or not tools.active:
         return text, None, finish
+    by_budget = finish == "length"
     if tools.held:
-        name = tools.name if tools.choice == "function" else None
-        found = held_calls(text, name)
-        if found is None and finish == "length":
-            return "", [c.to_dict() for c in cut_calls(text, name)] or None, finish
-        if found is None:
-            return text, None, finish
-        required = tools.choice == "required" and finish == "stop"
-        return "", [c.to_dict() for c in found], "tool_calls" if required else finish
-    text, found = parse_tool_calls(text, tools.tools)
+        reader = HeldCalls(tools.name if tools.choice == "function" else None)
+        events, left = reader.feed(text) + reader.finish(by_budget), ""
+    else:
+        reader = ToolCallParser(tools.tools)
+        events = reader.feed(text) + reader.finish(by_budget)
+        left = "".join(v for k, v in events if k == "text")
+    found = [v for k, v in events if k in ("call", "end")]
     if not found:
-        return text, None, finish
+        return (left if not tools.held else "" if by_budget else text), None, finish
     found = found if tools.parallel else found[:1]
-    return text, [c.to_dict() for c in found], finish if found[-1].cut and finish == "length" else "tool_calls"
+    held = tools.choice if tools.held else None
+    return left, [c.to_dict() for c in found], calls_finish(finish, held, len(found), found[-1].cut)
 
 
 # -- streamed ---------------------------------------------------------------------------------
@@ -292,9 +291,9 @@ async def choice_chunks(service: "Service", endpoint: str, choice: Choice, run: 
     first_token = None
     parser = None
     if tools is not None and tools.active:  # (a reply held to a call is read as one: tool_held.py)
-        named = tools.held and tools.choice == "function"
-        parser = CallDeltas(HeldCalls(tools.name if named else None) if tools.held else ToolCallParser(tools.tools),
-                            tools.parallel, named)
+        held = tools.choice if tools.held else None
+        parser = CallDeltas(HeldCalls(tools.name if held == "function" else None) if held else
+                            ToolCallParser(tools.tools), tools.parallel, held)
     generated = 0
     fmt.counted(len(choice.req.prompt_tokens), 0)
     if fmt.chat:

@@ -10,8 +10,12 @@ arguments. Nothing else is in it, so a call's arguments end where their JSON val
 from __future__ import annotations
 
 import json
+import re
 
-from .tools import CUT_CALL, Event, ToolCall
+from .partial_json import json_closing
+from .tools import Event, ToolCall
+
+CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')  # (its arguments follow)
 
 
 class HeldCalls:
@@ -36,7 +40,7 @@ class HeldCalls:
             return out
         while True:
             if self._call is None:
-                head = CUT_CALL.search(self._text, self._at)
+                head = CALL_HEAD.search(self._text, self._at)
                 if head is None:
                     return out
                 self._call = ToolCall(json.loads(head.group(1)), "")
@@ -53,19 +57,21 @@ class HeldCalls:
             out.append(("end", ToolCall(self._call.name, self._text[self._from:end], self._call.id)))
             self._call, self._at = None, end
 
-    def finish(self) -> list[Event]:
-        """The reply ended: a call still open is cut short."""
+    def finish(self, by_budget: bool = True) -> list[Event]:
+        """The reply ended: a call still open is cut short where the budget (`by_budget`) ended it, its
+        arguments as far as they came; where a stop string did, they are closed (partial_json.py), so
+        that a client that parses them (a strict tool's) can."""
         if self._call is None:
             return []
+        out: list[Event] = []
         arguments = self._text if self.name is not None else self._text[self._from:]
-        call, self._call = ToolCall(self._call.name, arguments, self._call.id, cut=True), None
-        if self.name is not None:  # (whole where its JSON is: the budget ended it exactly at its close)
-            try:
-                json.loads(arguments)
-                call.cut = False
-            except (ValueError, RecursionError):
-                pass
-        return [("end", call)]
+        closing = json_closing(arguments)  # ("": whole; None: nothing closes it)
+        if not by_budget and closing:
+            out.append(("arguments", closing))
+            arguments, closing = arguments + closing, ""
+        out.append(("end", ToolCall(self._call.name, arguments, self._call.id, cut=closing != "")))
+        self._call = None
+        return out
 
     def _value_end(self) -> int:
         """Where the open call's arguments (one JSON value) end in the text so far, or -1 while they go on."""

@@ -4,14 +4,17 @@ Once `<function=NAME>` is read the block is a call, whatever follows (as vLLM's 
 `<parameter=KEY>` adds `"KEY": ` to the arguments at once, a string value (the tool's schema says so, or
 names no such parameter) then streams as its characters come, and any other value (a number, an object)
 comes whole once its `</parameter>` is read, typed as mlx-lm's qwen3_coder parser types it; one that does
-not parse as its type is the string the model wrote. `</function>` (or `</tool_call>`) closes them. The
-JSON is `json.dumps` of the arguments however the text is cut: the same as the whole block parsed at once.
+not parse as its type, or reads as what JSON cannot hold (a Python set, NaN), is the string the model wrote.
+`</function>` (or `</tool_call>`) closes them. The JSON is `json.dumps` of the arguments however the text is
+cut: the same as the whole block parsed at once.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+from .partial_json import json_start
 
 CLOSE = "</tool_call>"
 PARAMETER = "<parameter="
@@ -79,18 +82,35 @@ class XmlCall:
                 self.arguments += "".join(out)
                 return out, rest
 
+    @property
+    def open(self) -> bool:
+        """Whether its arguments are not whole yet (its `</function>` did not come)."""
+        return self._state != "after"
+
     def cut(self) -> list[str]:
-        """The text ended inside the call: what came of the value it was in, as it came."""
+        """The text ended inside the call: what came of the value it was in, as it came, but what may begin its
+        closing tag (held back); of a value that is not a string, only as far as it may begin JSON (a
+        client's partial-JSON reader, as Anthropic's stream accumulator, fails on `True` or `['a'`)."""
         out: list[str] = []
         if self._state == "value" and self._key:
-            value = self._value + self._buf
+            value = self._value
             if self._streams:
                 out.append(("" if self._opened else '"') + _escaped(value))
-            else:
+            elif json_start(value):
                 out.append(value)
         self._buf = self._value = ""
         self.arguments += "".join(out)
         return out
+
+    def close(self) -> list[str]:
+        """The text ended inside the call for good (a stop string or token, not the budget): the rest of its
+        arguments as its closing tags would bring them (as vLLM's parser reads a call left open), whole
+        JSON; a name or a tag it was cut inside is left out."""
+        self._buf = ""
+        if self._state == "name":
+            self._state = "between"
+        tags = {"value": PARAMETER_END + FUNCTION_END, "between": FUNCTION_END}.get(self._state, "")
+        return self.feed(tags + CLOSE)[0]
 
     # -- the states: each reads what it can of `_buf` ---------------------------------------------
 
@@ -160,7 +180,10 @@ class XmlCall:
         if self._opened:
             return _escaped(value) + '"'
         if not self._streams:
-            return json.dumps(self._typed(value), ensure_ascii=False)
+            try:  # (what ast.literal_eval reads that JSON cannot hold, a set or NaN, is the text the model wrote)
+                return json.dumps(self._typed(value), ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError, RecursionError):
+                return json.dumps(value, ensure_ascii=False)
         return "null" if value.lower() == "null" else json.dumps(value, ensure_ascii=False)
 
     def _typed(self, value: str) -> Any:

@@ -20,8 +20,9 @@ XML values are typeless: they take the type the request's tool schema gives the 
 A block ends at the first `</tool_call>` that is not inside a JSON string or an XML parameter value, so
 an argument may hold the closing tag itself. A JSON block that does not parse, or is still open when the
 text ends, is text. An XML block is a call once its `<function=NAME>` is read, and its arguments stream
-(tool_xml.py), as vLLM streams them: one the text ends inside is a call cut short (`cut`), its arguments as
-far as they came. Text next to a call loses the whitespace on that side (the newlines around the tags).
+(tool_xml.py), as vLLM streams them: one the budget ends inside its arguments is a call cut short (`cut`),
+its arguments as far as they came; one a stop string or token ends is closed as its tags would close it.
+Text next to a call loses the whitespace on that side (the newlines around the tags).
 
 `ToolCallParser` takes the text in pieces and hands out what it can decide: text, held back only while
 it may begin `<tool_call>` (or is whitespace that a call would drop), whole calls (JSON), and a streamed
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,44 +118,6 @@ def parse_block(body: str, tools: list[dict[str, Any]] | None = None) -> list[To
     return calls or None
 
 
-def held_calls(text: str, name: str | None) -> list[ToolCall] | None:
-    """The calls of a reply held to a call (chat.py `ToolSpec.call_schema`): `name`'s, whose arguments it
-    is, or a list of {"name", "parameters"}; None where it does not parse (cut short by max_tokens)."""
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    if name is not None:
-        return [ToolCall(name, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) else None
-    if not isinstance(value, list) or not all(isinstance(c, dict) and {"name", "parameters"} <= c.keys() for c in value):
-        return None
-    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
-
-
-CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')  # (its arguments follow)
-
-
-def cut_calls(text: str, name: str | None) -> list[ToolCall]:
-    """The calls of a reply held to a call that its budget cut short: `name`'s, its arguments as far as
-    they came (as OpenAI hands out a call cut short), or the list's whole calls and the last one's, where
-    its name came whole. Never the reply's JSON as text: a client would show it, or send it back."""
-    if name is not None:
-        return [ToolCall(name, text.strip())] if text.strip() else []
-    decoder, calls = json.JSONDecoder(), []
-    at = text.find("[") + 1
-    while 0 < at < len(text):
-        at += len(text[at:]) - len(text[at:].lstrip(", \n"))
-        try:
-            value, at = decoder.raw_decode(text, at)
-        except (ValueError, RecursionError):
-            if cut := CUT_CALL.match(text, at):
-                calls.append(ToolCall(json.loads(cut.group(1)), text[cut.end():]))
-            break
-        if isinstance(value, dict) and {"name", "parameters"} <= value.keys():
-            calls.append(ToolCall(value["name"], json.dumps(value["parameters"], ensure_ascii=False)))
-    return calls
-
-
 class ToolCallParser:
     """Generated text in, as it comes; out, in order: ("text", str) and ("call", ToolCall) events."""
 
@@ -178,13 +140,15 @@ class ToolCallParser:
         self._advance(out, final=False)
         return out
 
-    def finish(self) -> list[Event]:
-        """The end of the text: an open JSON block, or a held-back start of one, is text; a streamed call is cut."""
+    def finish(self, by_budget: bool = True) -> list[Event]:
+        """The end of the text: an open JSON block, or a held-back start of one, is text; a streamed call is
+        cut short where the budget (`by_budget`) ended it inside its arguments, else closed."""
         out: list[Event] = []
         self._advance(out, final=True)
         if self._xml is not None and self._call is not None:
-            self._arguments(self._xml.cut(), out)
-            out.append(("end", ToolCall(self._call.name, self._xml.arguments, self._call.id, cut=True)))
+            cut = by_budget and self._xml.open  # (one whose function closed is whole: its arguments are)
+            self._arguments(self._xml.cut() if cut else self._xml.close(), out)
+            out.append(("end", ToolCall(self._call.name, self._xml.arguments, self._call.id, cut=cut)))
             self._xml = self._call = None
             self._buf, self._in_block = "", False
         if self._buf:
@@ -297,8 +261,9 @@ class ToolCallParser:
             self._pending_ws += s
 
 
-def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
-    """The text outside the calls, and the calls, of a whole generation."""
+def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None = None,
+                     by_budget: bool = True) -> tuple[str, list[ToolCall]]:
+    """The text outside the calls, and the calls, of a whole generation (`by_budget`: its budget ended it)."""
     parser = ToolCallParser(tools)
-    events = parser.feed(text) + parser.finish()
+    events = parser.feed(text) + parser.finish(by_budget)
     return "".join(v for k, v in events if k == "text"), [v for k, v in events if k in ("call", "end")]
