@@ -289,6 +289,9 @@ def test_a_held_reply_streams_its_calls_as_they_come(calls: list[tuple[str, Any]
             got.append(value)
             parts = None
     assert parts is None
+    at_once = HeldCalls(calls[0][0] if named else None)
+    assert [c.arguments for k, c in at_once.feed(text[:end]) + at_once.finish() if k == "end"] == [
+        c.arguments for c in got]  # (however the text is cut)
     whole = [c for c in got if not c.cut]
     assert [(c.name, json.loads(c.arguments)) for c in whole] == [(n, p) for n, p in calls][:len(whole)]
     if end == len(text):
@@ -923,3 +926,14 @@ def test_a_held_call_a_stop_string_ends_is_closed_whole_or_streamed() -> None:
     assert (content, [c["function"]["arguments"] for c in calls], finish) == ("", [end.arguments], "tool_calls")
     content, calls, finish = _calls(text, "length", required)  # (the budget: as far as it came)
     assert calls[0]["function"]["arguments"] == '{"city": "Par' and finish == "length"
+
+
+def test_a_held_calls_arguments_begin_past_the_space_before_them() -> None:
+    """(Cut just before that space, the streamed arguments began with it where the whole text's did not.)"""
+    from mtpipe.coordinator.api.tool_held import HeldCalls
+
+    held = HeldCalls(None)
+    events = [e for piece in ('[{"name": "get_weather", "parameters":', " ", '{"city": "Paris"}}]') for e in
+              held.feed(piece)] + held.finish()
+    assert [v.arguments for k, v in events if k == "end"] == ['{"city": "Paris"}']
+    assert "".join(v for k, v in events if k == "arguments") == '{"city": "Paris"}'

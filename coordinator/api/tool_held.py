@@ -41,7 +41,7 @@ class HeldCalls:
         while True:
             if self._call is None:
                 head = CALL_HEAD.search(self._text, self._at)
-                if head is None:
+                if head is None or head.end() == len(self._text):  # (the space before its arguments may go on)
                     return out
                 self._call = ToolCall(json.loads(head.group(1)), "")
                 self._from = self._sent = head.end()
