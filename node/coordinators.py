@@ -6,20 +6,65 @@ subscriptions end then, and with them their requests on this node. `clients` are
 whose Load the held shard answers; frames of any other are refused, so a coordinator whose shard was
 replaced fails at once instead of running on layers it did not ask for. A coordinator taken over is
 told so, and its Loads stay refused here: it does not take the node back when the other one leaves.
+
+Coordinators that `mtpipe launch` runs have a term (an epoch, as Raft's): an election makes the next one
+(one more than the highest its members say they have seen). A node keeps the newest term it has seen
+(`Claim`), refuses the Load of a coordinator whose term that one outranks (so a coordinator that slept
+through an election never forms again over the nodes the new one holds), and takes itself over for a
+coordinator whose term outranks it. Pings report the claim, which is how the old coordinator learns
+that its term is over and steps down (coordinator/cluster/tenure.py). There are no votes: two
+coordinators elected apart (a partition) may share a term, and then the lower node id outranks.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import NamedTuple
 
 KEEP_DISPLACED = 64  # coordinators remembered as taken over (each restart of one is a new id)
+
+
+class Claim(NamedTuple):
+    """A coordinator's term and its node id (term 0: none, a coordinator outside `mtpipe launch`)."""
+
+    term: int = 0
+    holder: str = ""
+
+
+def outranks(a: Claim, b: Claim) -> bool:
+    """Whether `a` is the newer coordinator: the higher term, or on one term (two elected apart) the
+    lower node id. No claim (term 0) outranks nor is outranked."""
+    if not a.term or not b.term:
+        return False
+    return a.term > b.term or (a.term == b.term and a.holder < b.holder)
+
+
+def next_term(seen: Iterable[int]) -> int:
+    """The term of a coordinator elected now: one more than the highest its members have seen."""
+    return max(seen, default=0) + 1
 
 
 class Coordinators:
     def __init__(self) -> None:
         self.clients: set[str] = set()  # empty: not known (a coordinator that did not say who it is)
         self.displaced: OrderedDict[str, str] = OrderedDict()  # coordinator taken over -> the one that took it
+        self.claim = Claim()  # the newest coordinator's term this node has seen
+
+    def see(self, claim: Claim) -> bool:
+        """Keep `claim` where it is the newest seen (or the first); whether it is."""
+        if outranks(claim, self.claim) or (claim.term and not self.claim.term):
+            self.claim = claim
+            return True
+        return claim == self.claim
+
+    def stale(self, claim: Claim) -> bool:
+        """A Load of `claim` is refused: the node has seen a newer coordinator."""
+        return outranks(self.claim, claim)
+
+    def supersedes(self, claim: Claim) -> bool:
+        """A Load of `claim` takes the node over from the coordinators of the term it has now."""
+        return outranks(claim, self.claim)
 
     def admits(self, client_id: str) -> bool:
         """Not a coordinator whose shard another one's Load replaced here."""
@@ -66,6 +111,12 @@ def taken_over(node: str, by: str) -> str:
     """What a coordinator taken over hears (its subscription's last event, and its Loads' refusal)."""
     return (f"{node} was taken over by coordinator {by}: this coordinator no longer serves on it "
             "(start it again with --take-over to take the node back)")
+
+
+def superseded(node: str, newest: Claim, claim: Claim) -> str:
+    """What a coordinator of an earlier term hears (its Load refused, or its subscription ended)."""
+    return (f"{node} serves coordinator {newest.holder} of term {newest.term}: the term {claim.term} of this "
+            "coordinator is over (it was elected earlier, or apart), and it steps down")
 
 
 def relink(others: bool, now: str, answered: str | None, asked: str, asked_id: str) -> str:

@@ -19,7 +19,7 @@ import grpc
 from ..proto import mtpipe_pb2 as pb
 from .conditions import Conditions
 from .constraints import grammars_in
-from .coordinators import Coordinators, taken_over
+from .coordinators import Claim, Coordinators, superseded, taken_over
 from .loader import LoadKey, check_load, load_stage, same_shard
 from .weights import WeightStore
 
@@ -62,10 +62,16 @@ class ShardLoads:
         key = LoadKey(request.model_path, request.start, request.end, request.num_layers, request.mtp, request.dtype,
                       request.fingerprint, request.ring_groups)
         self._load_lock = self._load_lock or asyncio.Lock()
+        claim = Claim(request.term, request.term_holder)
         async with self._load_lock:
+            if self.coordinators.stale(claim):  # (it steps down: coordinators.py)
+                await context.abort(grpc.StatusCode.ABORTED, superseded(self.name, self.coordinators.claim, claim))
+            # A coordinator of a newer term takes the node over from those of the term it had.
+            newer = self.coordinators.supersedes(claim)
+            take_over = request.take_over or newer
             reused = self.worker is not None and self.key is not None and same_shard(self.key, key)
             loaded = self.worker is not None
-            if self.coordinators.refuses(request.client_id, list(self._subs), reused, request.take_over, loaded):
+            if self.coordinators.refuses(request.client_id, list(self._subs), reused, take_over, loaded):
                 await self._refuse(request.client_id, context)
             found = None
             if not reused:
@@ -79,15 +85,16 @@ class ShardLoads:
                         found.release()
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
             # (asked again: the subscriptions may have changed while the weights were found)
-            ended = self.coordinators.admit_load(request.client_id, list(self._subs), reused, request.take_over,
-                                                 loaded)
+            ended = self.coordinators.admit_load(request.client_id, list(self._subs), reused, take_over, loaded)
             if ended is None:
                 if found is not None:
                     found.release()
                 await self._refuse(request.client_id, context)
             if request.node_name:
                 self.name = request.node_name
-            self._end_taken_over(ended, request.client_id)
+            before = self.coordinators.claim
+            self.coordinators.see(claim)
+            self._end_taken_over(ended, request.client_id, superseded(self.name, claim, before) if newer else "")
             if found is None:
                 # The pipeline is formed again: its groups' rounds were lost with it, and its engine starts
                 # their rows afresh (as it forgets the kept prefixes). A sequence alone may be a request
@@ -167,12 +174,14 @@ class ShardLoads:
                             f"{self.name} serves another coordinator (connected now) with another shard: "
                             "stop that one, or take the node over (--take-over)")
 
-    def _end_taken_over(self, ended: list[str], by: str) -> None:
-        """The coordinators taken over hear it as their subscriptions' last event."""
+    def _end_taken_over(self, ended: list[str], by: str, why: str = "") -> None:
+        """The coordinators taken over hear it (`why`, else that `by` took the node over) as their
+        subscriptions' last event."""
         for client in ended:
             log.warning("%s: taken over from coordinator %s by %s", self.name, client, by)
             q = self._subs.pop(client)
-            q.put_nowait(pb.Event(error=pb.Error(code="ABORTED", node=self.name, message=taken_over(self.name, by))))
+            message = why or taken_over(self.name, by)
+            q.put_nowait(pb.Event(error=pb.Error(code="ABORTED", node=self.name, message=message)))
             q.put_nowait(None)
             asyncio.get_running_loop().call_later(self.orphan_grace, self._expire, client)
 

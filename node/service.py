@@ -419,8 +419,9 @@ class NodeService(GroupFrames, LeaseHolder, KeptFrames, ShardLoads, pb_grpc.Node
             yield chunk
 
     async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingReply:
+        claim = self.coordinators.claim
         return pb.PingReply(payload=request.payload, node_id=self.node_id, data_port=self.data_port,
-                            coordinator=self.coordinating)
+                            coordinator=self.coordinating, term=claim.term, term_holder=claim.holder)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthReply:
         return await health_reply(self, request.probe_next)

@@ -293,3 +293,60 @@ def test_a_coordinator_that_stops_leaves_the_node() -> None:
     finally:
         server.stop(0)
 
+
+def test_terms_order_coordinators() -> None:
+    """The newer coordinator: the higher term, on one term the lower node id; no term never outranks."""
+    from mtpipe.node.coordinators import Claim, Coordinators, next_term, outranks
+
+    a1, b2, c2 = Claim(1, "node-a"), Claim(2, "node-b"), Claim(2, "node-c")
+    assert outranks(b2, a1) and not outranks(a1, b2)
+    assert outranks(b2, c2) and not outranks(c2, b2) and not outranks(b2, b2)
+    assert not outranks(Claim(), a1) and not outranks(a1, Claim())
+    assert next_term([]) == 1 and next_term([0, 2, 1]) == 3
+    node = Coordinators()
+    assert not node.stale(a1) and node.see(a1) and node.claim == a1
+    assert node.supersedes(b2) and node.see(b2) and node.stale(a1) and node.stale(c2)
+    assert not node.see(a1) and node.claim == b2  # (an older claim is never kept)
+    assert not node.stale(Claim()) and not node.supersedes(Claim())  # coordinators without a term: as before
+
+
+def test_a_coordinator_of_an_older_term_is_refused_and_a_newer_one_takes_over(dense_ckpt: Path) -> None:
+    """A coordinator elected after another (a higher term) takes the nodes over, even where they hold the same
+    shards; the older one's Loads are then refused (ABORTED: it steps down, its pipeline given up at once),
+    and the nodes' Pings say which coordinator's term they serve."""
+    from mtpipe.coordinator.pipeline.nodes import TakenOver
+    from mtpipe.node.coordinators import Claim
+    from mtpipe.node.wire import make_channel
+    from mtpipe.proto import mtpipe_pb2 as pb
+    from mtpipe.proto import mtpipe_pb2_grpc as pb_grpc
+
+    def claims_at(addresses: list[str]) -> list[Claim]:
+        out = []
+        for address in addresses:
+            with make_channel(address) as channel:
+                reply = pb_grpc.NodeStub(channel).Ping(pb.PingRequest(), timeout=5)
+            out.append(Claim(reply.term, reply.term_holder))
+        return out
+
+    with running(dense_ckpt, 2) as (servers, engines):
+        addresses = [s.address for s in servers]
+        want = generate(local_engine(dense_ckpt, dtype=mx.float32), PROMPTS[0])
+        old = remote_engine(dense_ckpt, addresses, dtype="float32", specs=SPECS, claim=Claim(1, "node-a"))
+        engines.append(old)
+        assert generate(old, PROMPTS[0]) == want
+        assert claims_at(addresses) == [Claim(1, "node-a")] * 2
+        new = remote_engine(dense_ckpt, addresses, dtype="float32", specs=SPECS, claim=Claim(2, "node-b"))
+        engines.append(new)
+        assert generate(new, PROMPTS[0]) == want
+        assert claims_at(addresses) == [Claim(2, "node-b")] * 2
+        deadline = time.monotonic() + 10
+        while not old.pipeline.reformer.given_up and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reformer = old.pipeline.reformer
+        assert reformer.given_up and "term 1 of this coordinator is over" in str(reformer.down)
+        with pytest.raises((StageUnavailable, StageError)):
+            generate(old, PROMPTS[0])
+        with pytest.raises(TakenOver, match="serves coordinator node-b of term 2"):
+            engines.append(remote_engine(dense_ckpt, addresses, dtype="float32", specs=SPECS,
+                                         claim=Claim(1, "node-a")))
+        assert generate(new, PROMPTS[0]) == want  # (the refused Load changed nothing)

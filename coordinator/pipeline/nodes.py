@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from ...node.coordinators import Claim
 from ...node.protocol import StageError, StageUnavailable, StepOutput
 from ...node.wire import describe_rpc_error, describe_unreached, make_channel
 from ...proto import mtpipe_pb2 as pb
@@ -232,7 +233,8 @@ def node_ids(nodes: list[NodeLink], secret: str | None, timeout: float) -> list[
 
 
 def load_requests(model_path: Path | str, specs: list[ShardSpec], mtp: bool, dtype: str | None, addresses: list[str],
-                  sources: list[list[str]], client_id: str, take_over: bool) -> list[pb.LoadRequest]:
+                  sources: list[list[str]], client_id: str, take_over: bool,
+                  claim: Claim = Claim()) -> list[pb.LoadRequest]:
     """Each node's Load: the model by identity (its fingerprint; each node checks its own copy against it,
     or fetches its shard's tensors from `sources`, by name, hash, dtype and shape); the path is a hint."""
     from ...models.fingerprint import checkpoint_index, config_sha256, model_fingerprint, raw_hf_layout
@@ -252,7 +254,8 @@ def load_requests(model_path: Path | str, specs: list[ShardSpec], mtp: bool, dty
                            hub_repo=hub_repo, hub_revision=hub_revision, tensors=names,
                            tensor_sha256=[hashes[n] for n in names], config_sha256=config,
                            tensor_meta=[pb.TensorMeta(dtype=index[n].dtype, shape=index[n].shape) for n in names],
-                           layout=layout, client_id=client_id, take_over=take_over)
+                           layout=layout, client_id=client_id, take_over=take_over, term=claim.term,
+                           term_holder=claim.holder)
             for s, address, srcs, names in zip(specs, addresses, sources, shard_tensors)]
 
 

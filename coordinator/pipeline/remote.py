@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 
 from ...models.shard import ShardSpec
+from ...node.coordinators import Claim
 from ...node.protocol import GroupEnd, StageError, StageUnavailable, StepKind, StepOutput, StepRequest
 from ...node.wire import describe_rpc_error, end_from_pb, request_to_frame, result_to_output
 from ...proto import mtpipe_pb2 as pb
@@ -76,6 +77,7 @@ class RemotePipeline(Reforming):
         heal: Heal | None = None,
         heal_after: float = HEAL_AFTER_S,
         ring_groups: bool = False,
+        claim: Claim = Claim(),  # a launched coordinator's term and node id (node/coordinators.py)
     ):
         if not nodes:
             raise ValueError("a pipeline needs at least one node")
@@ -95,7 +97,7 @@ class RemotePipeline(Reforming):
         srcs = list(sources or [])
         self.sources = srcs if srcs and not isinstance(srcs[0], str) else [srcs] * len(nodes)
         self.client_id = uuid.uuid4().hex[:16]  # 64 random bits: unique among a node's clients, short on the wire
-        self.take_over = take_over  # load nodes that another coordinator holds, ending its requests there
+        self.take_over, self.claim = take_over, claim  # (take_over: load nodes another holds, ending its requests)
         # A ring engine's: one node (two of which one was lost, after a heal) runs ring groups too.
         self.ring_groups = ring_groups
         self.nodes = [NodeLink(a, secret) for a in nodes]
@@ -128,8 +130,7 @@ class RemotePipeline(Reforming):
         self, model_path: Path | str, specs: list[ShardSpec], *, mtp: bool = True, dtype: str | None = None,
         timeout: float | None = None,
     ) -> list[pb.LoadReply]:
-        """Ask every node, in parallel, to load its shard (nodes.load_requests), then tell node i where
-        node i+1 is and the last node where the first is."""
+        """Ask every node, in parallel, to load its shard (nodes.load_requests), then link each to the next."""
         if len(specs) != len(self.nodes):
             raise ValueError(f"{len(specs)} shard specs for {len(self.nodes)} nodes")
         self._load_args = (model_path, specs, mtp, dtype)
@@ -138,7 +139,7 @@ class RemotePipeline(Reforming):
         first_id = ids[0]
         last = len(self.nodes) - 1
         requests = load_requests(model_path, specs, mtp, dtype, self.addresses, self.sources, self.client_id,
-                                 self.take_over)
+                                 self.take_over, self.claim)
         if self.ring_groups and len(requests) == 1:
             requests[0].ring_groups = True
 
@@ -400,8 +401,7 @@ class RemotePipeline(Reforming):
                 self._waiters.pop((req.seq_id, req.step), None)
 
     def _wait(self, waiter: StepWaiter, req: StepRequest) -> StepOutput:
-        # Dead and silent nodes end the wait through their Subscribe streams; the timeout is a backstop
-        # for a node that keeps its connection alive but never answers.
+        # (dead and silent nodes end it through their subscriptions: the timeout backstops one that never answers)
         if not waiter.done.wait(self.step_timeout):
             raise NodeFailure(self.addresses[-1], f"no result for step {req.step} within {self.step_timeout:.0f} s")
         if waiter.error is not None:
