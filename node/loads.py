@@ -185,8 +185,9 @@ class ShardLoads:
             q.put_nowait(None)
             asyncio.get_running_loop().call_later(self.orphan_grace, self._expire, client)
 
-    def adopt(self, worker: StageWorker, key: LoadKey) -> None:
-        """Serve a stage built in this process (single-node `mtpipe launch`): Health reports it.
+    def adopt(self, worker: StageWorker | None, key: LoadKey | None) -> None:
+        """Serve a stage built in this process (single-node `mtpipe launch`): Health reports it. (None:
+        none any more, its coordinator stepped down.)
 
         Only Python objects change hands, and on the loop thread, so no call on the loop sees half
         an adoption. Nothing of MLX is done here: the stage's arrays belong to the thread that built
@@ -207,7 +208,7 @@ class ShardLoads:
         if not done.wait(ADOPT_TIMEOUT_S):
             raise TimeoutError(f"the node loop did not take the stage within {ADOPT_TIMEOUT_S:.0f} s")
 
-    def _adopt(self, worker: StageWorker, key: LoadKey) -> None:
+    def _adopt(self, worker: StageWorker | None, key: LoadKey | None) -> None:
         self.worker, self.key = worker, key
         self.drop_groups()
         self._owners.clear()

@@ -295,11 +295,11 @@ class FrontProcess:
     def alive(self) -> bool:
         return self.process.is_alive()
 
-    def serve(self, announce: Callable[[str], None] | None = None) -> int:
+    def serve(self, announce: Callable[[str], None] | None = None, until: threading.Event | None = None) -> int:
         """Start the front and wait for it to end; the command's exit code. Ctrl-C (a terminal signals
-        both processes) and SIGTERM to this process stop the front as uvicorn stops, and end in 0; a
-        front that ends without being told to is an error, logged, and ends in 1. `announce(url)` once
-        it serves."""
+        both processes), SIGTERM to this process and `until` set stop the front as uvicorn stops, and end
+        in 0; a front that ends without being told to is an error, logged, and ends in 1. `announce(url)`
+        once it serves."""
         stopping = threading.Event()
 
         def on_term(signum: int, frame: Any) -> None:
@@ -320,6 +320,8 @@ class FrontProcess:
             # only once this thread wakes (and SIGTERM before the front had a pid found nothing to stop)
             while not stopping.is_set() and self.process.is_alive():
                 self.process.join(WAKE_S)
+                if until is not None and until.is_set():
+                    stopping.set()  # (`finally` stops the front)
         except KeyboardInterrupt:  # SIGINT to this process alone reaches the front this way
             stopping.set()
             if self.process.pid is not None:

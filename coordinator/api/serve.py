@@ -4,6 +4,7 @@ about an engine over running nodes."""
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -86,6 +87,7 @@ def serve(
     chat_template: Optional["ChatTemplate"] = None,
     tls: Optional["ApiTLS"] = None,
     announce: Optional[Callable[[str], None]] = None,
+    until: Optional[threading.Event] = None,
 ) -> int:
     """Run the API with uvicorn until interrupted (Ctrl-C or SIGTERM: 0) or until the API process ends
     by itself (1, logged). Logging goes through the root logger.
@@ -97,7 +99,8 @@ def serve(
     long (link.py); None: never. `generation_config`: the directory whose generation_config.json gives
     requests their defaults (None: OpenAI's), `default_max_tokens` the max_tokens of those that leave it
     out (None: the generation config's, else ours); `scheduling_policy` and `chat_template` as create_app's; `tls`: HTTPS (tls.py). `announce(url)`
-    once the API listens (the port bound, if 0 was asked).
+    once the API listens (the port bound, if 0 was asked). Once `until` is set, the API stops as on
+    SIGTERM and this returns 0 (a launched coordinator that steps down, coordinator/cluster/tenure.py).
     """
     if not api_key and not _is_loopback(host):
         log.warning("serving on %s without an API key: anyone who reaches this port can use the model", host)
@@ -117,7 +120,7 @@ def serve(
             front.stop()
             front = None
         front = front or FrontProcess(None, spec)
-        return front.attach(engine, cluster_info).serve(announce)
+        return front.attach(engine, cluster_info).serve(announce, until)
     if front is not None:
         front.stop()
     import uvicorn
@@ -136,6 +139,9 @@ def serve(
     if announce is not None:
         threading.Thread(target=when_serving, args=(server, lambda host, port: announce(base_url(host, port, tls))),
                          name="api-announce", daemon=True).start()
+    if until is not None:
+        threading.Thread(target=lambda: until.wait() and server.handle_exit(signal.SIGTERM, None),
+                         name="api-until", daemon=True).start()
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has stopped

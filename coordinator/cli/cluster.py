@@ -24,6 +24,7 @@ from typing import Any
 from ...node.advertise import NodeAdvert, cluster_hash
 from ...node.cache_cli import add_cache_command
 from ...node.cli import add_node_command
+from ...node.coordinators import Claim, next_term
 from ...node.links import format_host_port, local_interfaces, warn_bridge_loops
 from ...node.secrets import add_secret_file, check_exposure
 from ..cluster.agent import (
@@ -47,6 +48,7 @@ from ..cluster.formation import (
 )
 from ..cluster.follow import Watch, follow
 from ..cluster.membership import Membership
+from ..cluster.tenure import Tenure, claims_at, release
 from .common import (
     EXIT_OK,
     EXIT_USAGE,
@@ -142,6 +144,7 @@ def _launch(args: argparse.Namespace) -> int:
     from ..api.templates import chat_template_of, checked_for
     from ..api.tls import api_tls, scheme
     from ..api.serve import serve
+    from ..api.stepped_down import SteppedDown
     from ..cluster.heal import Healer
     from ..cluster.placement import GiB
 
@@ -209,7 +212,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     agent = ClusterAgent(bind, advert, cfg.name, on_change=on_change, memory_offered=memory_offered) if bind else None
     membership = Membership(me, interfaces, secret)  # which discovered nodes count (membership.py)
-    engine = front = None
+    engine = front = gone = None
     try:
         if agent is not None:
             agent.start()
@@ -231,102 +234,144 @@ def _launch(args: argparse.Namespace) -> int:
         # otherwise see itself alone and coordinate.
         votes = static_flags(cfg.nodes, secret, cfg.discovery.settle) if cfg.nodes else {}
         coordinator = elect_coordinator(me, peers, forced=args.coordinator, listed=votes, taking_over=args.take_over)
-        if coordinator != me:
-            watch = Watch(advert, agent, membership, interfaces, cfg.nodes, secret)
+        watch, gone, first = None, None, True  # (gone: this node stepped down, its API port says so)
 
-            def followed(node_id: str) -> None:
-                following[:] = [node_id]
-                _emit(args, console, "follower", f"node {me}: {node_id} coordinates; serving shards until stopped",
-                      node_id=me, coordinator=node_id)
+        def followed(node_id: str) -> None:
+            following[:] = [node_id]
+            _emit(args, console, "follower", f"node {me}: {node_id} coordinates; serving shards until stopped",
+                  node_id=me, coordinator=node_id)
 
-            followed(coordinator)
-            # until SIGTERM or Ctrl-C ends the process through the finally below, or the coordinator is gone
-            # and the nodes left elect this one (follow.py)
+        def members_at() -> list[str]:  # where the members and the placed nodes answer (tenure.py asks them)
+            members = membership.members(agent.peers()) if agent is not None else {}
+            found = [a for i, ad in members.items() if i != me and (a := membership.address(ad))]
+            return [*found, *(n.address for n in cfg.nodes), *(a for i, a in dict(placed).items() if i != me)]
+
+        while True:  # a follower until elected, a coordinator until a newer one outranks it (tenure.py)
+            if coordinator != me:
+                watch = watch or Watch(advert, agent, membership, interfaces, cfg.nodes, secret)
+                followed(coordinator)
+                # until SIGTERM or Ctrl-C ends the process through the finally below, or the coordinator is
+                # gone and the nodes left elect this one (follow.py)
+                try:
+                    follow(me, coordinator, watch.coordinates, watch.elect, followed, cfg.placement.heal_after_s)
+                except KeyboardInterrupt:  # (Ctrl-C stops a follower as it stops a coordinator: exit 0)
+                    return EXIT_OK
+                finally:
+                    if gone is not None:
+                        gone.close()
+                _emit(args, console, "coordinating", f"node {me}: the coordinator {following[0]} is gone; the nodes "
+                      "left elected this one", node_id=me, coordinator=me)
+                following.clear()
+                peers = membership.shared(watch.members(), memory_offered)
+            # Its term: one more than any its members have seen (node/coordinators.py).
+            claim = Claim(next_term([server.service.coordinators.claim.term,
+                                     *(c.term for c in claims_at(members_at(), secret))]), me)
+            server.service.coordinators.see(claim)
+            log.info("%s coordinates %d node(s)%s, term %d", me, len(peers),
+                     f" and {len(cfg.nodes)} static" if cfg.nodes else "", claim.term)
+            check_port_free(cfg.api.host, cfg.api.port, "the API port (api.port, --api-port)")  # before the model loads
             try:
-                follow(me, coordinator, watch.coordinates, watch.elect, followed, cfg.placement.heal_after_s)
-            except KeyboardInterrupt:  # (Ctrl-C stops a follower as it stops a coordinator: exit 0)
-                return EXIT_OK
-            _emit(args, console, "coordinating", f"node {me}: the coordinator {following[0]} is gone; the nodes left "
-                  "elected this one", node_id=me, coordinator=me)
-            following.clear()
-            peers = membership.shared(watch.members(), memory_offered)
-        log.info("%s coordinates %d node(s)%s", me, len(peers), f" and {len(cfg.nodes)} static" if cfg.nodes else "")
-        check_port_free(cfg.api.host, cfg.api.port, "the API port (api.port, --api-port)")  # before the model loads
-        try:
-            defaults_from = generation_config_source(cfg.api.generation_config)
-        except ValueError as e:
-            raise ValueError(f"api.generation_config (--generation-config): {e}") from None
-        template = chat_template_of(cfg.api.chat_template, cfg.api.chat_template_args)  # (api.chat_template...)
-        tls = api_tls(cfg.api.ssl_certfile, cfg.api.ssl_keyfile, "api.ssl_certfile/ssl_keyfile (--ssl-certfile, "
-                      "--ssl-keyfile)")
-        server.service.coordinating = True  # before the advert says so: peers check the advert against it
-        if agent is not None:
-            agent.set_coordinator()
-        model_path = model_here or resolve_model(cfg.model, cfg.revision)
-        server.service.weights.add_model_dir(model_path)  # this node serves the model's tensors to the others
-        name, api_key = model_name_for(cfg.model, model_path), cfg.resolve_api_key()
-        settings = dict(default_mtp_depth=cfg.mtp_depth if mtp else 0, max_concurrency=DEFAULT_MAX_CONCURRENCY,
-                        max_body_bytes=DEFAULT_MAX_BODY_BYTES, cors_origins=tuple(cfg.api.allowed_origins),
-                        generation_config=generation_config_dir(defaults_from, model_path),
-                        default_max_tokens=cfg.api.max_tokens, scheduling_policy=cfg.api.scheduling_policy,
-                        chat_template=checked_for(template, model_path), tls=tls)
-        static = static_nodes(cfg, secret, me, interfaces)
-        alone = set(peers) | set(static) <= {me}  # (cluster.yaml may list this machine alone)
-        # With peers, each machine's node drafts as its own command says (every machine runs the same one).
-        options = stage_options(args, drafting=cfg.drafting()) if alone else {}
-        if alone and cfg.prefix_cache() is not None:
-            options["prefix_cache"] = cfg.prefix_cache()
-        if alone and cfg.node.max_memory_gib is not None:  # (the weights and the batch's caches stay within it)
-            options["memory_cap"] = int(cfg.node.max_memory_gib * GiB)
-        if not alone and args.mtp_pre_norm:
-            raise ValueError("--mtp-pre-norm applies to local stages; nodes take their own")
-        if not args.api_in_process:  # its process imports the app while the model loads and the cluster forms
-            front = FrontProcess(None, front_spec(model_path, cfg.api.host, cfg.api.port, api_key, name, **settings))
-            front.spawn()  # (assigned first: `finally` stops it whatever interrupts the spawn)
-        if alone:
-            log.info("no peers: running the whole model on this machine")
-            check_alone(cfg, advert, model_path, mtp)
-            with progress_loader("loading model")() as progress:
-                engine = single_node_engine(server, model_path, mtp, cfg.dtype, options, progress)
-            formation = None
-            placed[me] = my_target
-        else:
-            engine, formation = form_cluster(cfg, me, my_target, peers, static, interfaces, model_path, mtp, secret,
-                                             console, take_over=args.take_over)
-            placed.update(placed_addresses(formation, static))
+                defaults_from = generation_config_source(cfg.api.generation_config)
+            except ValueError as e:
+                raise ValueError(f"api.generation_config (--generation-config): {e}") from None
+            template = chat_template_of(cfg.api.chat_template, cfg.api.chat_template_args)  # (api.chat_template...)
+            tls = api_tls(cfg.api.ssl_certfile, cfg.api.ssl_keyfile, "api.ssl_certfile/ssl_keyfile (--ssl-certfile, "
+                          "--ssl-keyfile)")
+            server.service.coordinating = True  # before the advert says so: peers check the advert against it
+            if agent is not None:
+                agent.set_coordinator(True)
+            model_path = model_here or resolve_model(cfg.model, cfg.revision)
+            server.service.weights.add_model_dir(model_path)  # this node serves the model's tensors to the others
+            name, api_key = model_name_for(cfg.model, model_path), cfg.resolve_api_key()
+            settings = dict(default_mtp_depth=cfg.mtp_depth if mtp else 0, max_concurrency=DEFAULT_MAX_CONCURRENCY,
+                            max_body_bytes=DEFAULT_MAX_BODY_BYTES, cors_origins=tuple(cfg.api.allowed_origins),
+                            generation_config=generation_config_dir(defaults_from, model_path),
+                            default_max_tokens=cfg.api.max_tokens, scheduling_policy=cfg.api.scheduling_policy,
+                            chat_template=checked_for(template, model_path), tls=tls)
+            static = static_nodes(cfg, secret, me, interfaces)
+            alone = set(peers) | set(static) <= {me}  # (cluster.yaml may list this machine alone)
+            # With peers, each machine's node drafts as its own command says (every machine runs the same one).
+            options = stage_options(args, drafting=cfg.drafting()) if alone else {}
+            if alone and cfg.prefix_cache() is not None:
+                options["prefix_cache"] = cfg.prefix_cache()
+            if alone and cfg.node.max_memory_gib is not None:  # (the weights and the batch's caches stay within it)
+                options["memory_cap"] = int(cfg.node.max_memory_gib * GiB)
+            if not alone and args.mtp_pre_norm:
+                raise ValueError("--mtp-pre-norm applies to local stages; nodes take their own")
+            if not args.api_in_process:  # its process imports the app while the model loads and the cluster forms
+                front = FrontProcess(None, front_spec(model_path, cfg.api.host, cfg.api.port, api_key, name,
+                                                      **settings))
+                front.spawn()  # (assigned first: `finally` stops it whatever interrupts the spawn)
+            if alone:
+                log.info("no peers: running the whole model on this machine")
+                check_alone(cfg, advert, model_path, mtp)
+                with progress_loader("loading model")() as progress:
+                    engine = single_node_engine(server, model_path, mtp, cfg.dtype, options, progress)
+                formation = None
+                placed[me] = my_target
+            else:
+                engine, formation = form_cluster(cfg, me, my_target, peers, static, interfaces, model_path, mtp,
+                                                 secret, console, take_over=args.take_over and first, claim=claim)
+                placed.update(placed_addresses(formation, static))
 
-            def replaced(f: Formation) -> None:  # the others took a lost node's layers (heal.py)
-                now = placed_addresses(f, static)
-                placed.update(now)
-                for gone in set(placed) - set(now):
-                    placed.pop(gone, None)
-                server.service.placed = dict(sorted(now.items()))
+                def replaced(f: Formation) -> None:  # the others took a lost node's layers (heal.py)
+                    now = placed_addresses(f, static)
+                    placed.update(now)
+                    for gone_id in set(placed) - set(now):
+                        placed.pop(gone_id, None)
+                    server.service.placed = dict(sorted(now.items()))
 
-            def joined() -> dict[str, tuple[Any, str]]:  # (members not placed: spares for the next heal)
-                members = membership.members(agent.peers()) if agent is not None else {}
-                return {i: (resources_from_advert(ad, reserve), address) for i, ad in members.items()
-                        if i != me and not ad.coordinator and (address := membership.address(ad))}
+                def joined() -> dict[str, tuple[Any, str]]:  # (members not placed: spares for the next heal)
+                    members = membership.members(agent.peers()) if agent is not None else {}
+                    return {i: (resources_from_advert(ad, reserve), address) for i, ad in members.items()
+                            if i != me and not ad.coordinator and (address := membership.address(ad))}
 
-            reserve = int(cfg.placement.reserve_gib * GiB)
-            Healer(formation, formation.footprint, me, secret, reserve, on_placed=replaced,
-                   joined=joined).attach(engine.pipeline, cfg.placement.heal_after_s)
-        server.service.placed = dict(sorted(placed.items()))  # (`mtpipe health` lists a member that is gone)
-        check_default_depth(cfg.mtp_depth if mtp else 0, engine.has_mtp, "--mtp-depth (cluster.yaml mtp_depth)")
-        info = cluster_info_fn(cfg, me, my_target, engine, name, formation, agent, secret, membership)
-        state = info()
-        url = f"{scheme(tls)}://{format_host_port(cfg.api.host, cfg.api.port)}/v1"
-        stages = ", ".join(f"{p['node']} layers {p['layers'][0]}-{p['layers'][1] - 1}" for p in state["placement"])
-        when_listening(cfg.api.host, cfg.api.port, lambda: _emit(
-            args, console, "serving", f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at {url} over {stages}",
-            api=url, **{k: state[k] for k in ("placement", "links", "ring", "batching", "discovered", "left_out",
-                                                "ignored")}))
-        return serve(engine, cfg.api.host, cfg.api.port, api_key=api_key, model_name=name, cluster_info=info,
-                     model_path=model_path, api_process=not args.api_in_process, front=front, **settings)
+                reserve = int(cfg.placement.reserve_gib * GiB)
+                Healer(formation, formation.footprint, me, secret, reserve, on_placed=replaced,
+                       joined=joined).attach(engine.pipeline, cfg.placement.heal_after_s)
+            server.service.placed = dict(sorted(placed.items()))  # (`mtpipe health` lists a member that is gone)
+            check_default_depth(cfg.mtp_depth if mtp else 0, engine.has_mtp, "--mtp-depth (cluster.yaml mtp_depth)")
+            info = cluster_info_fn(cfg, me, my_target, engine, name, formation, agent, secret, membership)
+            state = info()
+            url = f"{scheme(tls)}://{format_host_port(cfg.api.host, cfg.api.port)}/v1"
+            stages = ", ".join(f"{p['node']} layers {p['layers'][0]}-{p['layers'][1] - 1}" for p in state["placement"])
+            when_listening(cfg.api.host, cfg.api.port, lambda: _emit(
+                args, console, "serving", f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at {url} over {stages}",
+                term=claim.term, api=url, **{k: state[k] for k in ("placement", "links", "ring", "batching",
+                                                                    "discovered", "left_out", "ignored")}))
+            tenure = Tenure(claim, members_at, secret).start()
+            try:
+                rc = serve(engine, cfg.api.host, cfg.api.port, api_key=api_key, model_name=name, cluster_info=info,
+                           model_path=model_path, api_process=not args.api_in_process, front=front,
+                           until=tenure.over, **settings)
+            finally:
+                tenure.stop()
+            if tenure.successor is None:
+                return rc
+            # Stepped down (its API stopped): its port says so, what it held goes, and it follows the newer
+            # coordinator (tenure.py).
+            coordinator, first = tenure.successor.holder, False
+            gone = SteppedDown(cfg.api.host, cfg.api.port, me, tenure.successor, tls).start()
+            server.service.coordinators.see(tenure.successor)
+            server.service.coordinating = False
+            if agent is not None:
+                agent.set_coordinator(False)
+            front, stopped, engine = None, engine, None
+            release(stopped, secret)
+            if formation is None:
+                server.service.adopt(None, None)  # (the whole model, held in this process)
+            placed.clear()
+            server.service.placed = {}
+            _emit(args, console, "stepped_down", f"node {me}: coordinator {coordinator} of term "
+                  f"{tenure.successor.term} outranks this one (term {claim.term}): it stepped down and follows it",
+                  node_id=me, coordinator=coordinator, term=tenure.successor.term)
     finally:
         if front is not None:
             front.stop()
         if engine is not None:
             engine.close()
+        if gone is not None:
+            gone.close()
         if agent is not None:
             agent.stop()
         server.stop()

@@ -109,9 +109,9 @@ class ClusterAgent:
     async def _snapshot(self) -> dict[str, NodeAdvert]:
         return dict(self.discovery.peers)
 
-    def set_coordinator(self) -> None:
+    def set_coordinator(self, coordinating: bool = True) -> None:
         if self.advertiser is not None:
-            self.run(self.advertiser.update(coordinator=True), timeout=10)
+            self.run(self.advertiser.update(coordinator=coordinating), timeout=10)
 
     def stop(self) -> None:
         if not self.thread.is_alive():

@@ -264,7 +264,7 @@ def load_with_progress(
     model_path: Path, order: list[NodeResources], plan: list[StagePlan], control: dict[str, str], mtp: bool,
     dtype: str | None, secret: str | None, console: Any, sources: list[list[str]] | None = None,
     take_over: bool = False, prefix_cache: int | None = None, ring_targets: list[str] | None = None,
-    resume_window: float | None = None,
+    resume_window: float | None = None, claim: Any = None,
 ) -> Any:
     """ring_engine over the placed nodes, with a line per node until its shard is loaded (and how
     much of it has arrived, while a node fetches its shard from a peer)."""
@@ -286,7 +286,8 @@ def load_with_progress(
         future = pool.submit(ring_engine, model_path, addresses, mtp, secret, specs=specs, dtype=dtype,
                              sources=sources, take_over=take_over, prefix_cache=prefix_cache,
                              ring_targets=ring_targets, **({} if resume_window is None else
-                                                           {"resume_window": resume_window}))
+                                                           {"resume_window": resume_window}),
+                             **({} if claim is None else {"claim": claim}))
         pending = dict(zip([s.node_id for s in plan], zip(plan, addresses)))
         while not wait([future], timeout=0.5).done:
             for node, (s, address) in list(pending.items()):
@@ -316,8 +317,10 @@ def check_alone(cfg: ClusterConfig, advert: NodeAdvert, model_path: Path, mtp: b
 def form_cluster(
     cfg: ClusterConfig, me: str, my_target: str, peers: dict[str, NodeAdvert], static: dict[str, NodeResources],
     local: list[Interface], model_path: Path, mtp: bool, secret: str | None, console: Any, take_over: bool = False,
+    claim: Any = None,
 ) -> tuple[Any, Formation]:
-    """Place the model over the discovered and static nodes (`static_nodes`) and build the engine over them."""
+    """Place the model over the discovered and static nodes (`static_nodes`) and build the engine over them,
+    its Loads carrying this coordinator's `claim` (its term, node/coordinators.py)."""
     from ..engine.ring import RESUME_WINDOW_S
     from .placement import describe_plan, model_footprint, order_nodes, plan_layers
 
@@ -336,7 +339,7 @@ def form_cluster(
     # Requests wait for a lost node, or for the others to take its layers (heal.py) and load them.
     resume = RESUME_WINDOW_S + (cfg.placement.heal_after_s or 0.0)
     engine = load_with_progress(model_path, order, plan, control, mtp, cfg.dtype, secret, console, sources,
-                                take_over, cfg.prefix_cache(), [c.target for c in ring], resume)
+                                take_over, cfg.prefix_cache(), [c.target for c in ring], resume, claim)
     try:
         hops = confirm_hops(order, control, secret)
         engine.pipeline.keep_next_targets([h.address for h in hops])

@@ -34,6 +34,8 @@ class Reached:
     node_id: str
     rtt_ms: float
     coordinator: bool = False  # what the node says over the authenticated channel
+    term: int = 0  # the newest coordinator's term it has seen (node/coordinators.py), and that coordinator
+    term_holder: str = ""
 
 
 def ping(target: str, secret: str | None, timeout: float = 2.0) -> Reached:
@@ -47,7 +49,8 @@ def ping(target: str, secret: str | None, timeout: float = 2.0) -> Reached:
         stub.Ping(pb.PingRequest(), timeout=timeout)
         t0 = time.perf_counter()
         reply = stub.Ping(pb.PingRequest(), timeout=timeout)
-        return Reached(target, reply.node_id, 1000.0 * (time.perf_counter() - t0), reply.coordinator)
+        return Reached(target, reply.node_id, 1000.0 * (time.perf_counter() - t0), reply.coordinator, reply.term,
+                       reply.term_holder)
 
 
 def first_reachable(

@@ -1,0 +1,55 @@
+"""A launched coordinator's tenure (coordinator/cluster/tenure.py): it ends once a member reports a newer
+coordinator's term, and the port of the API it stopped then says where the cluster is served now."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from mtpipe.coordinator.api.stepped_down import SteppedDown
+from mtpipe.coordinator.cluster.tenure import Tenure, claims_at, newest
+from mtpipe.node.coordinators import Claim
+from mtpipe.node.server import NodeServer
+
+
+def test_the_newest_claim_that_outranks_this_one() -> None:
+    a1, b2, c2 = Claim(1, "node-a"), Claim(2, "node-b"), Claim(2, "node-c")
+    assert newest([a1, c2, Claim()], a1) == c2 and newest([c2, b2], a1) == b2
+    assert newest([a1, Claim()], a1) is None and newest([a1], b2) is None and newest([], a1) is None
+
+
+def test_a_tenure_ends_when_a_member_knows_a_newer_term() -> None:
+    servers = [NodeServer("127.0.0.1", 0).start() for _ in range(2)]
+    try:
+        addresses = [s.address for s in servers]
+        servers[0].service.coordinators.see(Claim(1, "node-a"))
+        assert claims_at([*addresses, "127.0.0.1:1"], None) == [Claim(1, "node-a")]  # (one says none; one is not there)
+        tenure = Tenure(Claim(1, "node-a"), lambda: addresses, None, check_s=0.05).start()
+        assert not tenure.over.wait(0.5) and tenure.successor is None
+        servers[1].service.coordinators.see(Claim(2, "node-b"))  # (node-b was elected and loaded it)
+        assert tenure.over.wait(10) and tenure.successor == Claim(2, "node-b")
+        newer = Tenure(Claim(2, "node-b"), lambda: addresses, None, check_s=0.05).start()
+        assert not newer.over.wait(0.5)
+        newer.stop()
+    finally:
+        for s in servers:
+            s.stop(0)
+
+
+def test_a_stepped_down_api_names_the_coordinator_now() -> None:
+    gone = SteppedDown("127.0.0.1", 0, "node-a", Claim(2, "node-b")).start()
+    try:
+        assert gone.address is not None
+        host, port = gone.address
+        for path, body in (("/v1/chat/completions", b"{}"), ("/health", None)):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}{path}", data=body), timeout=10)
+            assert e.value.code == 503 and e.value.headers["retry-after"]
+            error = json.loads(e.value.read())["error"]
+            assert error["code"] == "stepped_down" and "coordinator node-b of a newer term (2)" in error["message"]
+    finally:
+        gone.close()
+        gone.close()  # (closed once more as the command ends)
