@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 # worker): each xdist worker takes whole files (--dist loadfile) in this order (--no-loadscope-reorder:
 # else xdist orders files by their number of tests), and a long file handed out last keeps one worker
 # busy while the others have nothing left.
-LONGEST_FIRST = ("test_discovery_netns.py", "test_faults.py", "test_pipeline_grpc.py", "test_api_front.py", "test_ring.py",
-                 "test_sampling.py", "test_batch.py", "test_weights_netns.py", "test_ring_prefixes.py",
+LONGEST_FIRST = ("test_discovery_netns.py", "test_terms_netns.py", "test_faults.py", "test_pipeline_grpc.py",
+                 "test_api_front.py", "test_ring.py", "test_sampling.py", "test_batch.py", "test_weights_netns.py", "test_ring_prefixes.py",
                  "test_prefix_cache.py", "test_identity.py", "test_bench_serve.py", "test_processors.py", "test_api.py",
                  "test_weights.py", "test_draft_vocab.py", "test_take_over.py", "test_engine.py", "test_demo_model.py",
                  "test_heal.py", "test_api_faults.py", "test_tls.py", "test_mtp_entries.py", "test_depth.py",
