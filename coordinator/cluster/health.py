@@ -221,12 +221,14 @@ def missing_layers(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def mark_coordinators(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """`rows`, where more than one of them coordinates (each placed a model: two clusters where there
-    was one, after a partition healed, say), with each of those degraded and saying so: a cluster has one,
-    and only stopping the others ends it."""
+    was one, after a partition healed, say), with each of those degraded and saying so: a cluster has one.
+    The one of the older term steps down within seconds of reaching the other's members (tenure.py); one
+    that stays cannot reach them."""
     coordinating = sorted(r.get("node_id") or r["address"] for r in rows if r.get("placed"))
     if len(coordinating) < 2:
         return list(rows)
-    why = f"one of {len(coordinating)} coordinators ({', '.join(coordinating)}): a cluster has one; stop the others"
+    why = (f"one of {len(coordinating)} coordinators ({', '.join(coordinating)}): a cluster has one; the older "
+           "steps down once it reaches the newer one's nodes (else stop it)")
     return [{**r, "status": DEGRADED, "problems": [*(r.get("problems") or []), why]} if r.get("placed") else r
             for r in rows]
 
