@@ -4,8 +4,10 @@ coordinator's term, and the port of the API it stopped then says where the clust
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +55,27 @@ def test_a_stepped_down_api_names_the_coordinator_now() -> None:
     finally:
         gone.close()
         gone.close()  # (closed once more as the command ends)
+
+
+def test_an_api_in_this_process_stops_once_its_tenure_is_over(dense_ckpt: Path) -> None:
+    """`serve(until=...)`: the API (here in this process, as `--api-in-process` and a per-sequence engine run
+    it) stops as on SIGTERM once the event is set, and serve returns 0 for `launch` to go on following."""
+    import mlx.core as mx
+
+    from mtpipe.coordinator.api.serve import serve
+    from mtpipe.coordinator.engine.build import local_engine
+
+    engine = local_engine(dense_ckpt, dtype=mx.float32)
+    until, listening, out = threading.Event(), threading.Event(), []
+    thread = threading.Thread(target=lambda: out.append(serve(engine, "127.0.0.1", 0, api_process=False, until=until,
+                                                              announce=lambda url: listening.set())))
+    thread.start()
+    try:
+        assert listening.wait(60)
+        until.set()
+        thread.join(30)
+        assert out == [0]
+    finally:
+        until.set()
+        thread.join(30)
+        engine.close()
