@@ -41,14 +41,28 @@ def test_a_tenure_ends_when_a_member_knows_a_newer_term() -> None:
             s.stop(0)
 
 
-def test_a_stepped_down_api_names_the_coordinator_now() -> None:
-    gone = SteppedDown("127.0.0.1", 0, "node-a", Claim(2, "node-b")).start()
+@pytest.mark.parametrize("https", [False, True], ids=["http", "https"])
+def test_a_stepped_down_api_names_the_coordinator_now(https: bool, tmp_path: Path) -> None:
+    """Over HTTPS where the API served it (--ssl-certfile / --ssl-keyfile)."""
+    import ssl
+
+    from mtpipe.coordinator.api.tls import api_tls
+
+    tls, context = None, None
+    if https:
+        from test_api_front import _self_signed
+
+        cert, key = _self_signed(tmp_path)
+        tls, context = api_tls(str(cert), str(key)), ssl.create_default_context(cafile=str(cert))
+    gone = SteppedDown("127.0.0.1", 0, "node-a", Claim(2, "node-b"), tls).start()
     try:
         assert gone.address is not None
         host, port = gone.address
+        scheme = "https" if https else "http"
         for path, body in (("/v1/chat/completions", b"{}"), ("/health", None)):
             with pytest.raises(urllib.error.HTTPError) as e:
-                urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}{path}", data=body), timeout=10)
+                urllib.request.urlopen(urllib.request.Request(f"{scheme}://{host}:{port}{path}", data=body),
+                                       timeout=10, context=context)
             assert e.value.code == 503 and e.value.headers["retry-after"]
             error = json.loads(e.value.read())["error"]
             assert error["code"] == "stepped_down" and "coordinator node-b of a newer term (2)" in error["message"]
