@@ -30,13 +30,27 @@ def api_tls(certfile: str | None, keyfile: str | None, option: str = "--ssl-cert
     if certfile is None or keyfile is None:
         raise ValueError(f"{option}: give both a certificate and its key")
     cert, key = Path(certfile).expanduser().resolve(), Path(keyfile).expanduser().resolve()
+    for path in (cert, key):  # (OpenSSL's own error names neither)
+        if not path.is_file():
+            raise ValueError(f"{option}: no such file: {path}")
     try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
-    except FileNotFoundError as e:
-        raise ValueError(f"{option}: no such file: {e.filename}") from None
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key, password=_no_passphrase)
+    except _Encrypted:
+        raise ValueError(f"{option}: the key is encrypted; give it unencrypted (the server cannot be asked for "
+                         "its passphrase)") from None
     except (ssl.SSLError, OSError) as e:
         raise ValueError(f"{option}: the certificate and key do not load as a pair ({e})") from None
     return ApiTLS(str(cert), str(key))
+
+
+class _Encrypted(Exception):
+    pass
+
+
+def _no_passphrase() -> bytes:
+    """Called for an encrypted key only: without it OpenSSL asks for the passphrase on the terminal, and
+    the command waits there (or, with no terminal, says only that the pair does not load)."""
+    raise _Encrypted
 
 
 def scheme(tls: ApiTLS | None) -> str:
