@@ -139,6 +139,28 @@ def test_a_launch_checks_where_request_defaults_come_from_once_it_coordinates(
     assert resolve_config(args).api.generation_config == "vllm"
 
 
+def test_a_launch_names_cluster_yamls_keys_for_its_chat_template(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Its errors named serve's options, --chat-template and --chat-template-args, whatever set them.) A
+    variable the file alone refuses is refused as the file is read, before a node starts."""
+    monkeypatch.setenv("MTPIPE_STATE_DIR", str(tmp_path / "state"))
+    config = tmp_path / "cluster.yaml"
+    ports = [free_port(), free_port()]
+    base = f"discovery: {{enabled: false}}\nnode: {{host: 127.0.0.1, port: {ports[0]}}}\n"
+    strict = tmp_path / "strict.jinja"
+    strict.write_text("{% if not allowed %}{{ raise_exception('not allowed') }}{% endif %}")
+    for api, said in ((f"chat_template: {tmp_path / 'none.jinja'}", "api.chat_template (--chat-template): no such"),
+                      (f"chat_template: {strict}, chat_template_args: {{allowed: false}}",
+                       "api.chat_template (--chat-template) does not render a message with api.chat_template_args "
+                       "(--chat-template-args) {\"allowed\": false}: not allowed"),
+                      ("chat_template_args: {tools: []}", "cluster.yaml: api.chat_template_args: may not set 'tools'")):
+        config.write_text(base + f"api: {{host: 127.0.0.1, port: {ports[1]}, {api}}}\n")
+        assert main(["launch", "--json", "--config", str(config), "--insecure"]) == 2
+        events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert events[-1]["event"] == "error" and said in events[-1]["error"], events[-1]
+        assert len(events) == (1 if "tools" in api else 2)  # (the node's event first, where it started)
+
+
 def test_a_launch_that_fails_says_so_in_its_events(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     missing = tmp_path / "no-secret"
     assert main(["launch", "--json", "--secret-file", str(missing)]) != 0
@@ -338,8 +360,7 @@ def test_a_chat_template_that_does_not_render_is_refused_before_the_model_loads(
     strict.write_text("{% if not allowed %}{{ raise_exception('not allowed') }}{% endif %}{{ messages[0]['content'] }}")
     for argv, says in (([], "apply with --chat"),
                        (["--chat", "--chat-template", "no such file"], "no such file, nor a template"),
-                       (["--chat", "--chat-template", str(strict)], "does not render a message with "
-                                                                    "--chat-template-args {}: not allowed"),
+                       (["--chat", "--chat-template", str(strict)], "does not render a message: not allowed"),
                        (["--chat", "--chat-template", "{{ x.y.z }}"], "does not render")):
         assert main(["generate", "--prompt", "hi", "--chat-template-args", "{}", *argv]) == 2, argv
         assert says in capsys.readouterr().err, argv

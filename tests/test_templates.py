@@ -67,6 +67,12 @@ def test_the_options_are_read_as_vllm_and_mlx_lm_take_them(tmp_path: Path) -> No
             template_args(bad)
     with pytest.raises(ValueError, match="no such file, nor a template"):
         chat_template_of(str(tmp_path / "missing.jinja"), None)
+    unreadable = tmp_path / "latin1.jinja"
+    unreadable.write_bytes(b"\xff{{ x }}")
+    with pytest.raises(ValueError, match="^--chat-template: cannot read"):  # (the decode error alone named nothing)
+        chat_template_of(str(unreadable), None)
+    with pytest.raises(ValueError, match="^api.chat_template_args must be"):  # (launch names cluster.yaml's keys)
+        chat_template_of(None, "[]", ("api.chat_template", "api.chat_template_args"))
 
 
 def test_the_api_process_of_its_own_renders_with_them(served: tuple[Any, LiveServer], dense_ckpt: Path) -> None:

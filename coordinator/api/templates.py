@@ -17,6 +17,7 @@ from typing import Any
 from .chat import TEMPLATE_ARGUMENTS
 
 PROBE = [{"role": "user", "content": "Hello"}]  # what a template must render to be served
+OPTIONS = ("--chat-template", "--chat-template-args")  # what errors call the two (launch: cluster.yaml's keys too)
 
 
 @dataclass(frozen=True)
@@ -33,33 +34,36 @@ class ChatTemplate:
             if hasattr(tokenizer, "has_chat_template"):
                 tokenizer.has_chat_template = True
 
-    def check(self, tokenizer: Any) -> None:
+    def check(self, tokenizer: Any, names: tuple[str, str] = OPTIONS) -> None:
         """ValueError where the template, with these variables, does not render a user's message (it is
         applied to `tokenizer` first)."""
         self.apply(tokenizer)
         try:
             tokenizer.apply_chat_template(PROBE, add_generation_prompt=True, tokenize=False, **self.variables)
         except Exception as e:  # (jinja's errors, or a template's raise_exception)
-            what = "--chat-template" if self.text is not None else "the model's chat template"
-            raise ValueError(f"{what} does not render a message with --chat-template-args "
-                             f"{json.dumps(self.variables)}: {e}") from None
+            what = names[0] if self.text is not None else "the model's chat template"
+            given = f" with {names[1]} {json.dumps(self.variables)}" if self.variables else ""
+            raise ValueError(f"{what} does not render a message{given}: {e}") from None
 
     def prompt_variables(self, asked: dict[str, Any] | None) -> dict[str, Any] | None:
         """A prompt's variables: a request's own over these."""
         return {**self.variables, **(asked or {})} or None
 
 
-def template_text(value: str) -> str:
+def template_text(value: str, name: str = OPTIONS[0]) -> str:
     """--chat-template: a file's text, or the template itself (as vLLM takes either)."""
     path = Path(value).expanduser()
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{name}: cannot read {path}: {e}") from None
     if "{{" in value or "{%" in value:
         return value
-    raise ValueError(f"--chat-template: no such file, nor a template: {value!r}")
+    raise ValueError(f"{name}: no such file, nor a template: {value!r}")
 
 
-def template_args(value: str | dict[str, Any] | None) -> dict[str, Any]:
+def template_args(value: str | dict[str, Any] | None, name: str = OPTIONS[1]) -> dict[str, Any]:
     """--chat-template-args: a JSON object of template variables, none of them an argument of the call."""
     if value is None:
         return {}
@@ -67,27 +71,29 @@ def template_args(value: str | dict[str, Any] | None) -> dict[str, Any]:
         try:
             value = json.loads(value)
         except ValueError as e:
-            raise ValueError(f"--chat-template-args is not JSON: {e}") from None
+            raise ValueError(f"{name} is not JSON: {e}") from None
     if not isinstance(value, dict):
-        raise ValueError("--chat-template-args must be a JSON object, as {\"enable_thinking\": false}")
+        raise ValueError(f"{name} must be a JSON object, as {{\"enable_thinking\": false}}")
     if reserved := sorted(TEMPLATE_ARGUMENTS.intersection(value)):
-        raise ValueError(f"--chat-template-args may not set {reserved[0]!r}: it is an argument of the template "
+        raise ValueError(f"{name} may not set {reserved[0]!r}: it is an argument of the template "
                          "call, not a variable of the template")
     return dict(value)
 
 
-def checked_for(template: ChatTemplate | None, model_path: Path | str) -> ChatTemplate | None:
+def checked_for(template: ChatTemplate | None, model_path: Path | str,
+                names: tuple[str, str] = OPTIONS) -> ChatTemplate | None:
     """`template`, checked against the model's tokenizer (ValueError if it does not render a message)."""
     if template is not None:
         from ..engine.tokenizer import load_tokenizer
 
-        template.check(load_tokenizer(model_path, []))
+        template.check(load_tokenizer(model_path, []), names)
     return template
 
 
-def chat_template_of(text: str | None, args: str | dict[str, Any] | None) -> ChatTemplate | None:
+def chat_template_of(text: str | None, args: str | dict[str, Any] | None,
+                     names: tuple[str, str] = OPTIONS) -> ChatTemplate | None:
     """The settings of --chat-template and --chat-template-args (None where neither is given), checked
-    as far as they can be without the model's tokenizer."""
+    as far as they can be without the model's tokenizer; errors call them `names`."""
     if text is None and args is None:
         return None
-    return ChatTemplate(None if text is None else template_text(text), template_args(args))
+    return ChatTemplate(None if text is None else template_text(text, names[0]), template_args(args, names[1]))

@@ -274,7 +274,8 @@ def _launch(args: argparse.Namespace) -> int:
                 defaults_from = generation_config_source(cfg.api.generation_config)
             except ValueError as e:
                 raise ValueError(f"api.generation_config (--generation-config): {e}") from None
-            template = chat_template_of(cfg.api.chat_template, cfg.api.chat_template_args)  # (api.chat_template...)
+            named = ("api.chat_template (--chat-template)", "api.chat_template_args (--chat-template-args)")
+            template = chat_template_of(cfg.api.chat_template, cfg.api.chat_template_args, named)
             tls = api_tls(cfg.api.ssl_certfile, cfg.api.ssl_keyfile, "api.ssl_certfile/ssl_keyfile (--ssl-certfile, "
                           "--ssl-keyfile)")
             server.service.coordinating = True  # before the advert says so: peers check the advert against it
@@ -287,7 +288,7 @@ def _launch(args: argparse.Namespace) -> int:
                             max_body_bytes=DEFAULT_MAX_BODY_BYTES, cors_origins=tuple(cfg.api.allowed_origins),
                             generation_config=generation_config_dir(defaults_from, model_path),
                             default_max_tokens=cfg.api.max_tokens, scheduling_policy=cfg.api.scheduling_policy,
-                            chat_template=checked_for(template, model_path), tls=tls)
+                            chat_template=checked_for(template, model_path, named), tls=tls)
             static = static_nodes(cfg, secret, me, interfaces)
             alone = set(peers) | set(static) <= {me}  # (cluster.yaml may list this machine alone)
             # With peers, each machine's node drafts as its own command says (every machine runs the same one).

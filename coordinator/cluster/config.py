@@ -138,6 +138,16 @@ class ApiConfig(_Section):
     ssl_certfile: Text | None = None
     ssl_keyfile: Text | None = None
 
+    @field_validator("chat_template_args")
+    @classmethod
+    def _template_args(cls, value: Any) -> Any:  # (what the file alone says: refused before anything starts)
+        from ..api.templates import template_args
+
+        try:
+            return None if value is None else template_args(value, "")
+        except ValueError as e:
+            raise ValueError(str(e).lstrip()) from None
+
     @field_validator("allowed_origins", mode="before")
     @classmethod
     def _origins(cls, value: Any) -> Any:  # (a list, or as on the command line: "*", "none", "a,b")
