@@ -21,6 +21,8 @@ class Slots:
         self._waiting: list[tuple[int, int, int, int, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
         self._order = itertools.count()  # (ties within an arrival: first asked, first served)
+        # Choices past `total` of requests under way, not yet asking: each asks for its slot once one is free.
+        self.deferred = 0
 
     def arrival(self) -> int:
         """A place in the queue's order, taken now (`acquire`'s `arrival`)."""
@@ -55,8 +57,9 @@ class Slots:
 
     @property
     def waiting(self) -> int:
-        """Generations waiting (a request's choices each wait: the engine's queue counts them so too)."""
-        return sum(entry[3] for entry in self._waiting if not entry[4].done())
+        """Generations waiting (a request's choices each wait, those not yet asking too: the engine's queue
+        counts them so)."""
+        return self.deferred + sum(entry[3] for entry in self._waiting if not entry[4].done())
 
     def _grant(self) -> None:
         while self._waiting and self._waiting[0][3] <= self.free:

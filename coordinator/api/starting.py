@@ -87,6 +87,8 @@ def launch(service: "Service", choices: "list[Choice]", request: Any) -> Begun:
         groups.setdefault(choice.prompt, []).append(choice)
     settled = 0  # prompts all started, or waiting for a further slot
     unused = min(len(choices), service.max_concurrency)  # slots reserved and not yet handed to a run
+    deferred = len(choices) - unused  # choices that ask for their slot later, one by one: they wait too (/metrics)
+    service.slots.deferred += deferred
 
     def settle(by: int) -> None:
         nonlocal settled
@@ -103,8 +105,10 @@ def launch(service: "Service", choices: "list[Choice]", request: Any) -> Begun:
             raise service.server_error(e, refused=True) from None
 
     async def start(choice: Choice) -> None:
-        nonlocal unused
+        nonlocal unused, deferred
         if not unused:
+            deferred -= 1
+            service.slots.deferred -= 1  # (it asks now: the queue counts it)
             settle(1)
             try:
                 await reserve(1, timed=False)
@@ -139,6 +143,9 @@ def launch(service: "Service", choices: "list[Choice]", request: Any) -> Begun:
             raise
 
     def ended(task: "asyncio.Task[None]") -> None:
+        nonlocal deferred
+        service.slots.deferred -= deferred  # (those that never asked: the request failed or was left)
+        deferred = 0
         e = None if task.cancelled() else task.exception()
         for f in [head, *runs]:
             if f.done():
