@@ -49,6 +49,10 @@ def test_every_prompt_is_rendered_with_the_servers_template_and_variables(served
     assert _rendered(served, chat_template_kwargs={"enable_thinking": True}) == "[user:hi;thinking dry]"
     assert _rendered(served, reasoning_effort="high") == "[user:hi;thinking dry]"  # (as vLLM maps an effort)
     engine, server = served
+    r = httpx.post(server.url + "/tokenize", json={"messages": [], "chat_template": "{{ 1 }}"}, timeout=30)
+    assert r.status_code == 400 and "with the server's chat template" in r.json()["error"]["message"]  # (not
+    # "the model's": this server's is --chat-template)
+    engine, server = served
     chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}).json()
     assert chat["usage"]["prompt_tokens"] == len(engine.tokenizer.encode("[user:hi;quiet dry]",

@@ -375,7 +375,7 @@ def template_effort(tokenizer: Any, effort: str | None) -> str | None:
 
 def check_request_template(template: str | None) -> None:
     """A request's own `chat_template` (vLLM's field): refused, as vLLM refuses one unless its server trusts
-    requests' templates; this one renders every prompt with the model's."""
+    requests' templates; this one renders every prompt with its own (the model's, or --chat-template)."""
     if template is not None:
-        raise APIError(400, "a request's chat_template is not accepted: prompts are rendered with the model's "
+        raise APIError(400, "a request's chat_template is not accepted: prompts are rendered with the server's "
                             "chat template (chat_template_kwargs sets its variables)", param="chat_template")
