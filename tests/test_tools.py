@@ -937,3 +937,21 @@ def test_a_held_calls_arguments_begin_past_the_space_before_them() -> None:
               held.feed(piece)] + held.finish()
     assert [v.arguments for k, v in events if k == "end"] == ['{"city": "Paris"}']
     assert "".join(v for k, v in events if k == "arguments") == '{"city": "Paris"}'
+
+
+def test_a_pattern_llguidance_cannot_read_is_left_out_of_a_held_call_as_its_unimplemented_words_are() -> None:
+    """(A look-around in a `pattern`, as validators often write, made a required or named call a 400 saying
+    that no call could fit, where "y" fits.) The patterns it reads stay, and so does data that looks like one."""
+    from mtpipe.coordinator.api.chat import ToolSpec
+    from mtpipe.coordinator.api.formats import held_call
+
+    parameters = {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "^(?!x)"}, "b": {"type": "string", "pattern": "^[a-z]+$"},
+        "pattern": {"const": {"pattern": "(?!x)"}}}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    for spec in (ToolSpec(tools, "required", held=True), ToolSpec(tools, "function", "f", held=True)):
+        fmt = held_call(spec)
+        assert not fmt.problem()
+        held = fmt.schema if spec.choice == "function" else fmt.schema["$defs"]["tool0"]
+        assert held["properties"] == {"a": {"type": "string"}, "b": parameters["properties"]["b"],
+                                      "pattern": {"const": {"pattern": "(?!x)"}}}

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .chat import SCHEMA_DATA
 from .errors import APIError
 
 if TYPE_CHECKING:
@@ -110,14 +111,15 @@ def output_format(body: Any) -> OutputFormat | None:
 
 def held_call(tools: ToolSpec) -> OutputFormat:
     """The format a reply that must call a tool is held to (tool_choice "required" or a named function).
-    Parameters that use what llguidance does not implement (`not`, say) are held leniently, those words
-    left out; ones no call could fit, or no JSON Schema, are a 400: the call could not be held to them."""
+    Parameters that use what llguidance does not implement (`not`, a look-around in a `pattern`) are held
+    leniently, those words left out; ones no call could fit, or no JSON Schema, are a 400: the call could
+    not be held to them."""
     strict = OutputFormat(schema=tools.call_schema(), field="tool_choice")
     if not (error := strict.problem()):
         return strict
     from ...node.constraints import JSON_LAYOUT
 
-    schema = strict.schema or {}
+    schema = _known_patterns(strict.schema or {})
     layout = {**JSON_LAYOUT, **schema.get("x-guidance", {}), "lenient": True}  # (its own options replace defaults)
     lenient = OutputFormat(schema={**schema, "x-guidance": layout}, field="tool_choice")
     if lenient.problem():
@@ -125,6 +127,29 @@ def held_call(tools: ToolSpec) -> OutputFormat:
                        param="tool_choice")
     log.info("tool_choice: a call is held to the tools' parameters leniently (%s)", error)
     return lenient
+
+
+def _known_patterns(schema: Any) -> Any:
+    """`schema` without the `pattern`s llguidance's regular expressions cannot read (look-arounds,
+    backreferences): lenient holding leaves out the words it does not implement, not these."""
+    if isinstance(schema, list):
+        return [_known_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {key: value if key in SCHEMA_DATA else _known_patterns(value) for key, value in schema.items()
+            if not (key == "pattern" and isinstance(value, str) and not _reads(value))}
+
+
+@functools.cache
+def _reads(pattern: str) -> bool:
+    from llguidance import LLMatcher
+
+    from ...node.constraints import grammar_of_schema
+
+    try:
+        return not LLMatcher.validate_grammar(grammar_of_schema({"type": "string", "pattern": pattern}))
+    except ValueError:
+        return False
 
 
 def after_thought(fmt: OutputFormat, tokenizer: Any, eos: set[int], vocab: int) -> str:
