@@ -64,6 +64,8 @@ def test_the_options_are_read_as_vllm_and_mlx_lm_take_them(tmp_path: Path) -> No
     written.write_text(TEMPLATE)
     assert chat_template_of(str(written), None) == ChatTemplate(TEMPLATE, {})
     assert chat_template_of(TEMPLATE, '{"tone": "dry"}') == ChatTemplate(TEMPLATE, {"tone": "dry"})
+    long = TEMPLATE + "{# " + "a template's own text is longer than a file's name may be " * 8 + "#}"
+    assert chat_template_of(long, None) == ChatTemplate(long, {})  # (it was OSError: File name too long)
     assert chat_template_of(None, {"enable_thinking": False}) == ChatTemplate(None, {"enable_thinking": False})
     assert chat_template_of(None, None) is None
     for bad, says in (("[1]", "JSON object"), ("{", "not JSON"), ('{"add_generation_prompt": true}', "argument")):

@@ -53,7 +53,11 @@ class ChatTemplate:
 def template_text(value: str, name: str = OPTIONS[0]) -> str:
     """--chat-template: a file's text, or the template itself (as vLLM takes either)."""
     path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        written = path.is_file()
+    except OSError:  # (a template is mostly longer than a file's name may be: ENAMETOOLONG)
+        written = False
+    if written:
         try:
             return path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
