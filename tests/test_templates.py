@@ -96,3 +96,25 @@ def test_the_api_process_of_its_own_renders_with_them(served: tuple[Any, LiveSer
         assert engine.tokenizer.decode(r.json()["tokens"]) == "[user:hi;quiet wry]"
     finally:
         front.stop()
+
+
+def test_whether_the_servers_template_renders_tools_is_asked_with_its_variables(dense_ckpt: Path) -> None:
+    """(The probe rendered without them: a template that needs one failed it, and the tools went into a
+    system message of their own instead of where the template puts them.)"""
+    import asyncio
+    from types import SimpleNamespace
+
+    from mtpipe.coordinator.api.chat import ToolSpec
+    from mtpipe.coordinator.api.metrics import ServerMetrics
+    from mtpipe.coordinator.api.service import Service
+    from mtpipe.coordinator.engine.tokenizer import load_tokenizer
+
+    needs = ("{% if tone is not defined %}{{ raise_exception('no tone') }}{% endif %}"
+             "{% if tools %}<{{ tools | length }} tools>{% endif %}" + TEMPLATE)
+    tokenizer = load_tokenizer(dense_ckpt, [])
+    service = Service(SimpleNamespace(tokenizer=tokenizer), MODEL, default_mtp_depth=None,  # type: ignore[arg-type]
+                      max_concurrency=1, cluster_info=None, metrics=ServerMetrics(),
+                      chat_template=ChatTemplate(needs, {"tone": "dry"}))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    ids = asyncio.run(service.encode_chat([{"role": "user", "content": "hi"}], ToolSpec([tool], "auto")))
+    assert tokenizer.decode(ids) == "<1 tools>[user:hi;quiet dry]"  # (quiet: mlx-lm says so, as above)

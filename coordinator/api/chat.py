@@ -271,13 +271,14 @@ def has_tool_turns(messages: list[dict[str, Any]]) -> bool:
 # -- rendering ----------------------------------------------------------------------------------
 
 
-def renders_tools(tokenizer: Any) -> bool:
-    """Whether the chat template has a notion of tools: it renders a prompt differently with one."""
+def renders_tools(tokenizer: Any, variables: dict[str, Any] | None = None) -> bool:
+    """Whether the chat template has a notion of tools: it renders a prompt differently with one (with
+    `variables`, the server's: --chat-template-args)."""
     probe = [{"role": "user", "content": "?"}]
     try:
-        plain = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+        plain = tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False, **(variables or {}))
         with_tools = tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], add_generation_prompt=True,
-                                                   tokenize=False)
+                                                   tokenize=False, **(variables or {}))
     except Exception:  # noqa: BLE001 - a template that refuses the probe gets the written-in conventions
         return False
     return with_tools != plain

@@ -247,7 +247,7 @@ class Service:
                            param="continue_final_message")
         plain = (tools is None or not tools.active) and not has_tool_turns(messages)
         if self.native_tools is None and not plain:
-            self.native_tools = await self.tokenize(0, lambda tok: renders_tools(tok))
+            self.native_tools = await self.tokenize(0, lambda tok: renders_tools(tok, self.template.variables))
 
         def encode(tokenizer: Any) -> list[int]:
             if plain:
