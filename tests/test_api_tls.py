@@ -53,3 +53,15 @@ def test_an_encrypted_key_is_refused_without_asking_for_its_passphrase(tmp_path:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
                          stdin=subprocess.DEVNULL)
     assert "key is encrypted" in out.stdout and "pass phrase" not in out.stdout + out.stderr, out
+
+
+def test_over_https_the_url_announced_names_the_host_asked(tmp_path: Path) -> None:
+    """(`serve --host localhost` announced https://127.0.0.1:...: a certificate for localhost, or for the
+    machine's name, failed the check of a client given that URL.) An address asked, or plain HTTP, is as bound."""
+    from mtpipe.coordinator.api.front import base_url
+
+    tls = api_tls(*map(str, _pair(tmp_path)))
+    assert base_url("127.0.0.1", 8443, tls, "localhost") == "https://localhost:8443"
+    assert base_url("::1", 8443, tls, "[::1]") == "https://[::1]:8443"
+    assert base_url("0.0.0.0", 8443, tls, "0.0.0.0") == "https://0.0.0.0:8443"
+    assert base_url("127.0.0.1", 8000, None, "localhost") == "http://127.0.0.1:8000"

@@ -199,8 +199,22 @@ def when_serving(server: Any, tell: Callable[[str, int], None]) -> None:
         tell(host, port)
 
 
-def base_url(host: str, port: int, tls: ApiTLS | None = None) -> str:
+def base_url(host: str, port: int, tls: ApiTLS | None = None, asked: str | None = None) -> str:
+    """The URL of an API bound to `host` (an address) and `port`. Over HTTPS, the host `asked` where it is
+    a name: the certificate names that, and a client checks it against the URL's host, not the address."""
+    if tls is not None and asked and not _is_address(asked):
+        host = asked
     return f"{scheme(tls)}://[{host}]:{port}" if ":" in host else f"{scheme(tls)}://{host}:{port}"
+
+
+def _is_address(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def _early_tokenizer(model_path: str) -> Any:
@@ -288,7 +302,7 @@ class FrontProcess:
         except BaseException:
             self.stop()
             raise
-        self.url = base_url(host, port, self.spec.tls)
+        self.url = base_url(host, port, self.spec.tls, self.spec.host)
         return self.url
 
     @property

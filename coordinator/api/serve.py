@@ -127,7 +127,7 @@ def serve(
 
     from .front import api_server, base_url, when_serving
 
-    log.info("serving %s at %s/v1", model_name, base_url(host, port, tls))
+    log.info("serving %s at %s/v1", model_name, base_url(host, port, tls, host))
 
     app = create_app(engine, model_name, api_key=api_key, cluster_info=cluster_info,
                      default_mtp_depth=default_mtp_depth, max_concurrency=max_concurrency,
@@ -137,7 +137,7 @@ def serve(
     server = api_server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5,
                                        **(tls.uvicorn_options() if tls else {})))
     if announce is not None:
-        threading.Thread(target=when_serving, args=(server, lambda host, port: announce(base_url(host, port, tls))),
+        threading.Thread(target=when_serving, args=(server, lambda at, port: announce(base_url(at, port, tls, host))),
                          name="api-announce", daemon=True).start()
     if until is not None:
         threading.Thread(target=lambda: until.wait() and server.handle_exit(signal.SIGTERM, None),
