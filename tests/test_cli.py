@@ -3,6 +3,7 @@ loads a model."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import socket
@@ -137,6 +138,16 @@ def test_a_launch_checks_where_request_defaults_come_from_once_it_coordinates(
         "api.generation_config (--generation-config): '/only-on-another-machine' is neither auto, none")
     args = build_parser().parse_args(["launch", "--generation-config", "vllm"])
     assert resolve_config(args).api.generation_config == "vllm"
+
+
+def test_generates_chat_template_options_speak_of_its_prompt_not_of_requests() -> None:
+    """(Its help said "unless its request's chat_template_kwargs set them", and "serves", of one prompt.)"""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {c: next(a.help for a in sub.choices[c]._actions if a.dest == "chat_template_args")
+             for c in ("generate", "serve", "launch")}
+    assert "request" not in helps["generate"] and "serves" not in helps["generate"], helps["generate"]
+    assert all("request's chat_template_kwargs" in helps[c] for c in ("serve", "launch"))
 
 
 def test_a_launch_names_cluster_yamls_keys_for_its_chat_template(

@@ -130,16 +130,19 @@ def template_args_arg(value: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--chat-template-args ")) from None
 
 
-def add_chat_template(p: argparse.ArgumentParser, applies: str = "") -> None:
+def add_chat_template(p: argparse.ArgumentParser, served: bool = True) -> None:
+    """The options of the server's chat template; not `served`: `generate --chat`'s, one prompt's."""
+    applies = "" if served else "with --chat: "
     p.add_argument("--chat-template", metavar="TEMPLATE",
                    help=f"{applies}a chat template (a file, or the template itself) to render prompts with instead "
                         "of the model's")
+    example = "'{\"enable_thinking\": false}'"
     p.add_argument("--chat-template-args", "--default-chat-template-kwargs", metavar="JSON", dest="chat_template_args",
                    type=template_args_arg,
-                   help=f"{applies}template variables every prompt gets unless its request's chat_template_kwargs "
-                        "set them, "
-                        "as a JSON object: '{\"enable_thinking\": false}' serves a Qwen thinking model without "
-                        "thought by default")
+                   help=f"template variables every prompt gets unless its request's chat_template_kwargs set them, as "
+                        f"a JSON object: {example} serves a Qwen thinking model without thought by default" if served
+                   else f"{applies}template variables to render the prompt with, as a JSON object: {example} asks a "
+                        "Qwen thinking model to answer without thought")
 
 
 def add_api_tls(p: argparse.ArgumentParser) -> None:

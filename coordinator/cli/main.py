@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(p)
     p.add_argument("--prompt", help="prompt text (default: read standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    add_chat_template(p, "with --chat: ")
+    add_chat_template(p, served=False)
     p.add_argument("--max-tokens", type=positive_int, default=None,
                    help=f"tokens to generate at most (default {GENERATE_MAX_TOKENS}, or what the context leaves)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
