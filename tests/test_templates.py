@@ -118,3 +118,23 @@ def test_whether_the_servers_template_renders_tools_is_asked_with_its_variables(
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
     ids = asyncio.run(service.encode_chat([{"role": "user", "content": "hi"}], ToolSpec([tool], "auto")))
     assert tokenizer.decode(ids) == "<1 tools>[user:hi;quiet dry]"  # (quiet: mlx-lm says so, as above)
+
+
+def test_a_messages_request_that_leaves_thinking_out_keeps_the_servers_default(
+        served: tuple[Any, LiveServer]) -> None:
+    """Anthropic's default is no extended thinking; a server whose --chat-template-args turn it on keeps
+    it on for a request that does not say, and a request's `thinking` still decides for itself."""
+    engine, _ = served
+    wordy = TEMPLATE.replace("{% else %}thinking", "{% else %}thinking at some length about it")
+    with LiveServer(create_app(engine, MODEL, chat_template=ChatTemplate(wordy, {"enable_thinking": True}))) as s:
+        def counted(**body: Any) -> int:
+            r = httpx.post(s.url + "/v1/messages/count_tokens", timeout=30,
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body})
+            assert r.status_code == 200, r.text
+            return r.json()["input_tokens"]
+
+        def tokens(text: str) -> int:
+            return len(engine.tokenizer.encode(text, add_special_tokens=False))
+
+        assert counted() == tokens("[user:hi;thinking at some length about it]") != tokens("[user:hi;quiet]")
+        assert counted(thinking={"type": "disabled"}) == tokens("[user:hi;quiet]")

@@ -318,7 +318,7 @@ def create_app(
         started = time.perf_counter()
         body: MessagesRequest = await parse_body(request, MessagesRequest)
         service.check_model(body.model)
-        chat, origins = messages_api.chat_body(body)
+        chat, origins = messages_api.chat_body(body, defaults=service.template.variables)
         try:
             req, _, tools, thinking = await chat_request(chat, answered=True)
         except APIError as e:  # (named as this endpoint names its fields)
@@ -329,7 +329,7 @@ def create_app(
     async def count_tokens(request: Request) -> Any:
         body: MessagesRequest = await parse_body(request, MessagesRequest)
         service.check_model(body.model)
-        chat, origins = messages_api.chat_body(body, counting=True)
+        chat, origins = messages_api.chat_body(body, counting=True, defaults=service.template.variables)
         try:  # (the prompt only: however long, and whatever max_tokens, it is counted; no generation is asked)
             tokens, _, _ = await chat_prompt(chat, answered=True)
         except APIError as e:

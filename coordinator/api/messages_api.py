@@ -55,7 +55,8 @@ def renamed(e: APIError, origins: list[str]) -> APIError:
 # -- the body, as a chat request ----------------------------------------------------------------
 
 
-def chat_body(body: MessagesRequest, counting: bool = False) -> tuple[ChatCompletionRequest, list[str]]:
+def chat_body(body: MessagesRequest, counting: bool = False,
+              defaults: Optional[dict[str, Any]] = None) -> tuple[ChatCompletionRequest, list[str]]:
     """The chat request a Messages body asks for, and where each of its messages came from (for errors:
     `renamed`); a 400 where it cannot be one (`counting`: only its prompt is wanted, as count_tokens asks,
     so max_tokens may be left out, and is not checked)."""
@@ -71,8 +72,10 @@ def chat_body(body: MessagesRequest, counting: bool = False) -> tuple[ChatComple
     if body.temperature is not None and not 0 <= body.temperature <= 1:  # (Anthropic's range, not OpenAI's)
         raise APIError(400, f"temperature: must be in [0, 1], got {body.temperature}", param="temperature")
     kwargs = dict(body.chat_template_kwargs or {})
-    # Extended thinking only where asked, as Anthropic's default is (Qwen's templates read enable_thinking).
-    kwargs.setdefault("enable_thinking", _thinking(body.thinking, None if counting else body.max_tokens))
+    # Extended thinking only where asked, as Anthropic's default is (Qwen's templates read enable_thinking),
+    # unless the server's own template variables (`defaults`: --chat-template-args) say otherwise.
+    if body.thinking is not None or "enable_thinking" not in (defaults or {}):
+        kwargs.setdefault("enable_thinking", _thinking(body.thinking, None if counting else body.max_tokens))
     choice, parallel = _choice(body.tool_choice)
     messages, origins = _messages(body.messages)
     if system:
