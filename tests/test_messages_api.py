@@ -237,6 +237,17 @@ def test_a_forced_tool_use_cut_short_is_a_tool_use_block(claude: Any) -> None:
                                messages=[{"role": "user", "content": PROMPT}])
     assert m.stop_reason == "max_tokens" and [b.type for b in m.content] == ["tool_use"], m.content
     assert m.content[0].name == COUNT["name"] and isinstance(m.content[0].input, dict)
+    # The input as far as it came, as the client's own stream accumulator builds it from the same parts.
+    inputs = []
+    for budget in range(4, 12):
+        ask = {"model": MODEL, "max_tokens": budget, "extra_body": GREEDY, "tools": [COUNT],
+               "tool_choice": {"type": "tool", "name": COUNT["name"]}, "messages": [{"role": "user", "content": PROMPT}]}
+        whole = claude.messages.create(**ask)
+        with claude.messages.stream(**ask) as stream:
+            streamed = stream.get_final_message()
+        assert [b.input for b in streamed.content] == [b.input for b in whole.content], (budget, whole.content)
+        inputs += [b.input for b in whole.content if whole.stop_reason == "max_tokens"]
+    assert any(inputs), inputs  # (one cut after a whole value, on this model)
 
 
 def test_malformed_blocks_and_fields_are_400s_naming_the_field(server: LiveServer) -> None:

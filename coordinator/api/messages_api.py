@@ -310,11 +310,15 @@ class _Blocks:
     def close(self) -> list[str]:
         if self.open is None:
             return []
-        if self.open == "tool_use":
+        if self.open == "tool_use":  # (a call max_tokens cut short: its input as far as it came, read as the
+            # client's stream accumulator reads the same parts: jiter's partial mode, its strings cut short left out)
+            from jiter import from_json
+
             try:
-                self.content[-1]["input"] = json.loads("".join(self._input))
-            except (ValueError, RecursionError):  # (a call max_tokens cut short: its input as far as it parses, none)
-                self.content[-1]["input"] = {}
+                value = from_json("".join(self._input).encode(), partial_mode=True)
+            except ValueError:
+                value = {}
+            self.content[-1]["input"] = value if isinstance(value, dict) else {}
         self.open = None
         return [self.event("content_block_stop", index=len(self.content) - 1)]
 
