@@ -124,8 +124,9 @@ class ReadinessMetrics(Collector):
         nodes = [u for u in details.get("unready", ()) if u.get("address") != "pipeline"]  # (not the ring itself)
         own = [u for u in nodes if LINK_LOST not in str(u.get("reason", ""))]
         yield GaugeMetricFamily("mtpipe_nodes_unready", "Nodes of the pipeline that cannot serve now (GET /health "
-                                "names them and why); one that only lost its link to a node counted here is "
-                                "not counted.", value=len(own or nodes))
+                                "names them and why); those that report only a lost link to another node are "
+                                "counted only where no node has a problem of its own (then it is the likely "
+                                "cause).", value=len(own or nodes))
 
 
 class ServerMetrics:
