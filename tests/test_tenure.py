@@ -93,3 +93,25 @@ def test_an_api_in_this_process_stops_once_its_tenure_is_over(dense_ckpt: Path) 
         until.set()
         thread.join(30)
         engine.close()
+
+
+def test_an_api_in_the_main_thread_stops_for_its_tenure_without_a_signal(dense_ckpt: Path) -> None:
+    """As `launch --api-in-process` runs it (the main thread, its SIGTERM handler exiting): a tenure's end
+    stops the API, and no SIGTERM is raised after it (uvicorn raises again the signals it was stopped by),
+    which would end the command rather than let it follow the newer coordinator."""
+    import signal
+
+    import mlx.core as mx
+
+    from mtpipe.coordinator.api.serve import serve
+    from mtpipe.coordinator.engine.build import local_engine
+
+    engine = local_engine(dense_ckpt, dtype=mx.float32)
+    until, terms = threading.Event(), []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
+    try:
+        rc = serve(engine, "127.0.0.1", 0, api_process=False, until=until, announce=lambda url: until.set())
+        assert rc == 0 and terms == []
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        engine.close()

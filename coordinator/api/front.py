@@ -167,9 +167,18 @@ def api_server(config: Any) -> Any:
             await super().startup(sockets)
 
         def handle_exit(self, sig: int, frame: Any) -> None:  # (a signal handler: hands the work to the loop)
+            self._drain()
+            super().handle_exit(sig, frame)
+
+        def stop(self) -> None:
+            """Stop as on SIGTERM, but with no signal: uvicorn raises again the signals it handled once it
+            has stopped, and a SIGTERM raised then would end `launch` (a tenure's end, tenure.py)."""
+            self._drain()
+            self.should_exit = True
+
+        def _drain(self) -> None:
             if not self.should_exit and self.loop is not None:
                 self.loop.call_soon_threadsafe(_drain, self.loop, self.config.timeout_graceful_shutdown)
-            super().handle_exit(sig, frame)
 
     return Server(config)
 

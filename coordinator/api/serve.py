@@ -4,7 +4,6 @@ about an engine over running nodes."""
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -140,7 +139,7 @@ def serve(
         threading.Thread(target=when_serving, args=(server, lambda at, port: announce(base_url(at, port, tls, host))),
                          name="api-announce", daemon=True).start()
     if until is not None:
-        threading.Thread(target=lambda: until.wait() and server.handle_exit(signal.SIGTERM, None),
+        threading.Thread(target=lambda: until.wait() and server.stop(),
                          name="api-until", daemon=True).start()
     try:
         server.run()
