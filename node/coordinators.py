@@ -50,6 +50,7 @@ class Coordinators:
         self.clients: set[str] = set()  # empty: not known (a coordinator that did not say who it is)
         self.displaced: OrderedDict[str, str] = OrderedDict()  # coordinator taken over -> the one that took it
         self.claim = Claim()  # the newest coordinator's term this node has seen
+        self.terms: dict[str, int] = {}  # the term of each of `clients` that had one
 
     def see(self, claim: Claim) -> bool:
         """Keep `claim` where it is the newest seen (or the first); whether it is."""
@@ -65,6 +66,23 @@ class Coordinators:
     def supersedes(self, claim: Claim) -> bool:
         """A Load of `claim` takes the node over from the coordinators of the term it has now."""
         return outranks(claim, self.claim)
+
+    def of_terms(self, me: str, subscribed: Iterable[str]) -> list[str]:
+        """The coordinators (subscribed, or whose Load the shard answers) a Load of a newer term than the
+        node's ends: those of a term. One of none (`serve --nodes`) takes no part in elections: it shares
+        the shard with the newer one, or refuses it another, as before terms."""
+        return [c for c in dict.fromkeys([*subscribed, *self.clients]) if c and c != me and self.terms.get(c)]
+
+    def supersede(self, older: Iterable[str], me: str, term: int) -> None:
+        """`me`'s Load (of `term`) was admitted: the coordinators of `older` terms are taken over."""
+        for c in older:
+            self.clients.discard(c)
+            self.displaced[c] = me
+            while len(self.displaced) > KEEP_DISPLACED:
+                self.displaced.popitem(last=False)
+        self.terms = {c: t for c, t in self.terms.items() if c in self.clients}
+        if me and term:
+            self.terms[me] = term
 
     def admits(self, client_id: str) -> bool:
         """Not a coordinator whose shard another one's Load replaced here."""

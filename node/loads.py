@@ -66,12 +66,17 @@ class ShardLoads:
         async with self._load_lock:
             if self.coordinators.stale(claim):  # (it steps down: coordinators.py)
                 await context.abort(grpc.StatusCode.ABORTED, superseded(self.name, self.coordinators.claim, claim))
-            # A coordinator of a newer term takes the node over from those of the term it had.
+            # A coordinator of a newer term takes the node over from those of a term (coordinators.py: `of_terms`).
             newer = self.coordinators.supersedes(claim)
-            take_over = request.take_over or newer
+            take_over = request.take_over
+
+            def others() -> tuple[list[str], list[str]]:  # (the subscribed that stay parties, those of older terms)
+                older = self.coordinators.of_terms(request.client_id, self._subs) if newer else []
+                return [c for c in self._subs if c not in older], older
+
             reused = self.worker is not None and self.key is not None and same_shard(self.key, key)
             loaded = self.worker is not None
-            if self.coordinators.refuses(request.client_id, list(self._subs), reused, take_over, loaded):
+            if self.coordinators.refuses(request.client_id, others()[0], reused, take_over, loaded):
                 await self._refuse(request.client_id, context)
             found = None
             if not reused:
@@ -85,15 +90,18 @@ class ShardLoads:
                         found.release()
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {e}")
             # (asked again: the subscriptions may have changed while the weights were found)
-            ended = self.coordinators.admit_load(request.client_id, list(self._subs), reused, take_over, loaded)
+            subscribed, older = others()
+            ended = self.coordinators.admit_load(request.client_id, subscribed, reused, take_over, loaded)
             if ended is None:
                 if found is not None:
                     found.release()
                 await self._refuse(request.client_id, context)
+            self.coordinators.supersede(older, request.client_id, claim.term)
             if request.node_name:
                 self.name = request.node_name
             before = self.coordinators.claim
             self.coordinators.see(claim)
+            ended = [*ended, *(c for c in older if c in self._subs and c not in ended)]
             self._end_taken_over(ended, request.client_id, superseded(self.name, claim, before) if newer else "")
             if found is None:
                 # The pipeline is formed again: its groups' rounds were lost with it, and its engine starts

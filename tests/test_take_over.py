@@ -350,3 +350,24 @@ def test_a_coordinator_of_an_older_term_is_refused_and_a_newer_one_takes_over(de
             engines.append(remote_engine(dense_ckpt, addresses, dtype="float32", specs=SPECS,
                                          claim=Claim(1, "node-a")))
         assert generate(new, PROMPTS[0]) == want  # (the refused Load changed nothing)
+
+
+def test_a_newer_term_leaves_a_coordinator_of_none_sharing_the_shards(dense_ckpt: Path) -> None:
+    """`serve --nodes` (term 0) sharing the nodes' shards with a launched coordinator behaves as before
+    when a newer launched coordinator loads the same shards: it shares them too, its requests go on; the
+    coordinator of the older term alone is taken over."""
+    from mtpipe.node.coordinators import Claim
+
+    with running(dense_ckpt, 2) as (servers, engines):
+        addresses = [s.address for s in servers]
+        want = generate(local_engine(dense_ckpt, dtype=mx.float32), PROMPTS[0])
+        plain = remote_engine(dense_ckpt, addresses, dtype="float32", specs=SPECS)
+        engines.append(plain)
+        old = remote_engine(dense_ckpt, addresses, dtype="float32", specs=SPECS, claim=Claim(1, "node-a"))
+        engines.append(old)
+        new = remote_engine(dense_ckpt, addresses, dtype="float32", specs=SPECS, claim=Claim(2, "node-b"))
+        engines.append(new)
+        assert generate(new, PROMPTS[0]) == want
+        with pytest.raises((StageUnavailable, StageError)):
+            generate(old, PROMPTS[0])
+        assert generate(plain, PROMPTS[0]) == want
