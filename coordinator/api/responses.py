@@ -19,7 +19,7 @@ from .generation import SSE_DONE, GenerationThread, ResponseFormat, sse_event, u
 from .service import DISCONNECT_POLL_S
 from .starting import Begun, all_of, begin, client_gone
 from .tool_held import HeldCalls
-from .tools import ToolCallParser
+from .tools import ToolCallParser, parse_tool_calls
 
 if TYPE_CHECKING:
     from ...node.protocol import Scored
@@ -155,12 +155,9 @@ def _calls(text: str, finish: str, tools: "Optional[ToolSpec]") -> tuple[str, Op
     by_budget = finish == "length"
     if tools.held:
         reader = HeldCalls(tools.name if tools.choice == "function" else None)
-        events, left = reader.feed(text) + reader.finish(by_budget), ""
+        left, found = "", [v for k, v in reader.feed(text) + reader.finish(by_budget) if k == "end"]
     else:
-        reader = ToolCallParser(tools.tools)
-        events = reader.feed(text) + reader.finish(by_budget)
-        left = "".join(v for k, v in events if k == "text")
-    found = [v for k, v in events if k in ("call", "end")]
+        left, found = parse_tool_calls(text, tools.tools, by_budget)
     if not found:
         return (left if not tools.held else "" if by_budget else text), None, finish
     found = found if tools.parallel else found[:1]
