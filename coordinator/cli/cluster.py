@@ -97,7 +97,7 @@ def _self_target(host: str, port: int) -> str:
     return format_host_port("127.0.0.1" if host in ("0.0.0.0", "::", "") else host, port)
 
 
-def when_listening(host: str, port: int, callback: Callable[[], None], timeout: float = 120.0) -> None:
+def when_listening(host: str, port: int, callback: Callable[[], object], timeout: float = 120.0) -> None:
     """Call `callback` once something accepts connections on host:port (the API server has started)."""
     target = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
     idle = threading.Event()  # never set: a wait between connection attempts
@@ -336,11 +336,12 @@ def _launch(args: argparse.Namespace) -> int:
             state = info()
             url = f"{scheme(tls)}://{format_host_port(cfg.api.host, cfg.api.port)}/v1"
             stages = ", ".join(f"{p['node']} layers {p['layers'][0]}-{p['layers'][1] - 1}" for p in state["placement"])
-            when_listening(cfg.api.host, cfg.api.port, lambda: _emit(
+            tenure = Tenure(claim, members_at, secret)
+            when_listening(cfg.api.host, cfg.api.port, lambda: tenure.over.is_set() or _emit(  # (not its 503 port)
                 args, console, "serving", f"[bold]mtpipe[/bold] serving [cyan]{name}[/cyan] at {url} over {stages}",
                 term=claim.term, api=url, **{k: state[k] for k in ("placement", "links", "ring", "batching",
                                                                     "discovered", "left_out", "ignored")}))
-            tenure = Tenure(claim, members_at, secret).start()
+            tenure.start()
             try:
                 rc = serve(engine, cfg.api.host, cfg.api.port, api_key=api_key, model_name=name, cluster_info=info,
                            model_path=model_path, api_process=not args.api_in_process, front=front,
