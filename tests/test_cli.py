@@ -375,3 +375,20 @@ def test_a_chat_template_that_does_not_render_is_refused_before_the_model_loads(
                        (["--chat", "--chat-template", "{{ x.y.z }}"], "does not render")):
         assert main(["generate", "--prompt", "hi", "--chat-template-args", "{}", *argv]) == 2, argv
         assert says in capsys.readouterr().err, argv
+
+
+def test_generate_chat_takes_a_system_message(capsys: pytest.CaptureFixture) -> None:
+    """--system (mlx-lm's --system-prompt): a system message before the prompt, as the template renders it."""
+    from mtpipe.models.registry import DEMO_MODEL
+
+    counts = []
+    for extra in ([], ["--system", "Be brief."]):
+        assert main(["generate", "--model", str(DEMO_MODEL), "--chat", "--prompt", "hi", "--max-tokens", "1",
+                     "--no-mtp", "--json", *extra]) == 0
+        counts.append(json.loads(capsys.readouterr().out)["stats"]["prompt_tokens"])
+    tok = load_tokenizer(DEMO_MODEL, [])
+    assert counts == [len(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)) for messages in (
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])]
+    assert main(["generate", "--prompt", "hi", "--system", "x"]) == 2
+    assert "--system applies with --chat" in capsys.readouterr().err

@@ -68,6 +68,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     template = chat_template_of(args.chat_template, args.chat_template_args)
     if template is not None and not args.chat:
         raise ValueError("--chat-template and --chat-template-args apply with --chat")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system applies with --chat")
     model = resolve_model(args.model, args.revision)
     checked_for(template, model)  # (before any node is loaded, or taken over)
     options = stage_options(args, remote=bool(args.nodes))
@@ -90,7 +92,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         asked = 0 if args.no_mtp else args.mtp_depth
         check_default_depth(asked, engine.has_mtp)  # (its error names this command's option)
         depth, auto = resolve_depth(asked, engine.has_mtp)
-        chat = [{"role": "user", "content": prompt}]
+        chat = [*([{"role": "system", "content": args.system}] if args.system is not None else []),
+                {"role": "user", "content": prompt}]
         if template is not None:
             template.apply(engine.tokenizer)
         tokens = list(engine.tokenizer.apply_chat_template(
@@ -277,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(p)
     p.add_argument("--prompt", help="prompt text (default: read standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", "--system-prompt", dest="system", metavar="TEXT",
+                   help="with --chat: a system message before the prompt")
     add_chat_template(p, served=False)
     p.add_argument("--max-tokens", type=positive_int, default=None,
                    help=f"tokens to generate at most (default {GENERATE_MAX_TOKENS}, or what the context leaves)")
