@@ -79,6 +79,8 @@ async def health_reply(node: NodeService, probe_next: bool) -> pb.HealthReply:
         blas_optimized=node.blas.optimized,
         blas_threads=node.blas.threads or 0,
         placed=list(node.placed),
+        term=node.coordinators.claim.term,
+        term_holder=node.coordinators.claim.holder,
         placed_at=list(node.placed.values()),
         coordinators=sum(node.coordinators.admits(c) for c in node.subscribed),  # (not those taken over here)
     )

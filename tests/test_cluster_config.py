@@ -688,3 +688,22 @@ def test_two_coordinators_are_degraded_each_saying_so() -> None:
     marked = mark_coordinators([a, b, c])
     assert [r["status"] for r in marked] == ["degraded", "degraded", "healthy"] and overall(marked) == "degraded"
     assert "one of 2 coordinators (a, b)" in marked[0]["problems"][0]
+
+
+def test_each_coordinators_term_is_named_and_health_reports_it() -> None:
+    """(Which of the two the cluster follows: the newer term.) A node's Health says the newest term it saw."""
+    from mtpipe.coordinator.cluster.health import mark_coordinators, probe_node
+    from mtpipe.node.coordinators import Claim
+    from mtpipe.node.server import NodeServer
+
+    a = {"address": "a:1", "node_id": "a", "status": "healthy", "problems": [], "placed": ["a"], "term": 2}
+    b = {"address": "b:1", "node_id": "b", "status": "healthy", "problems": [], "placed": ["b"], "term": 3}
+    assert "one of 2 coordinators (a term 2, b term 3)" in mark_coordinators([a, b])[0]["problems"][0]
+    node = NodeServer("127.0.0.1", 0).start()
+    try:
+        assert "term" in probe_node(node.address, None) and probe_node(node.address, None)["term"] is None
+        node.service.coordinators.see(Claim(4, "node-z"))
+        row = probe_node(node.address, None)
+        assert (row["term"], row["term_holder"]) == (4, "node-z")
+    finally:
+        node.stop()

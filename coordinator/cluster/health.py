@@ -124,6 +124,8 @@ def probe_node(target: str, secret: str | None, timeout: float = 3.0, probe_next
         next_transport=h.next_transport or None,  # "tcp" (data plane) or "grpc", once a frame went
         coordinators=h.coordinators,  # subscribed to it now (an idle node none is subscribed to is a spare)
         placed=list(h.placed) or None,  # a coordinating node: the members of its pipeline
+        term=h.term or None,  # the newest coordinator's term it has seen, and that coordinator (launch)
+        term_holder=h.term_holder or None,
         placed_at=dict(zip(h.placed, h.placed_at)) or None,  # and where it reaches them
         data_port=h.data_port or None,
         ring=h.ring or None,  # last node: where it starts decode rounds
@@ -224,7 +226,8 @@ def mark_coordinators(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     was one, after a partition healed, say), with each of those degraded and saying so: a cluster has one.
     The one of the older term steps down within seconds of reaching the other's members (tenure.py); one
     that stays cannot reach them."""
-    coordinating = sorted(r.get("node_id") or r["address"] for r in rows if r.get("placed"))
+    coordinating = sorted(f"{r.get('node_id') or r['address']}" + (f" term {r['term']}" if r.get("term") else "")
+                          for r in rows if r.get("placed"))
     if len(coordinating) < 2:
         return list(rows)
     why = (f"one of {len(coordinating)} coordinators ({', '.join(coordinating)}): a cluster has one; the older "
@@ -286,7 +289,8 @@ def render_table(rows: Sequence[dict[str, Any]], console: Any, status: str | Non
     for r in rows:
         layers, model = r.get("layers"), r.get("model")
         table.add_row(
-            f"{r.get('node_id', '?')}\n{r['address']}",
+            f"{r.get('node_id', '?')}\n{r['address']}" + (f"\ncoordinates, term {r['term']}" if r.get("placed") and
+                                                         r.get("term") else ""),
             f"[{colours[r['status']]}]{r['status']}[/]",
             r.get("version", "-"),
             (model.rstrip("/").rsplit("/", 1)[-1] if model else "-") + (f"\n{transfer_text(r)}" if transfer_text(r) else ""),
