@@ -8,6 +8,7 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,3 +116,44 @@ def test_an_api_in_the_main_thread_stops_for_its_tenure_without_a_signal(dense_c
     finally:
         signal.signal(signal.SIGTERM, previous)
         engine.close()
+
+
+def test_a_coordinator_whose_loads_a_newer_term_refuses_as_it_forms_follows_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Two elected at once: its members' terms read before a newer coordinator's Load came, its own Loads
+    are then refused as it forms the cluster. It steps down and follows that one, as a tenure that ends
+    does, where it used to exit with the refusal."""
+    from mtpipe.coordinator.bench.nodes import free_port
+    from mtpipe.coordinator.cli import cluster as launch_cli
+    from mtpipe.coordinator.cli.main import main
+    from mtpipe.models.registry import DEMO_MODEL
+
+    node = NodeServer("127.0.0.1", 0).start()
+    node.service.coordinators.see(Claim(7, "node-z"))  # (loaded since by a coordinator of term 7)
+    real, asked = launch_cli.claims_at, []
+
+    def blind_at_first(targets: Any, secret: Any, timeout: float = 1.0) -> Any:
+        asked.append(targets)  # (the terms read as it is elected: before node-z's Load came)
+        return [] if len(asked) == 1 else real(targets, secret, timeout)
+
+    followed: list[str] = []
+
+    def follow(me: str, coordinator: str, *args: Any, **kwargs: Any) -> None:
+        followed.append(coordinator)
+        raise KeyboardInterrupt  # (a follower's Ctrl-C: the command ends, 0)
+
+    monkeypatch.setattr(launch_cli, "claims_at", blind_at_first)
+    monkeypatch.setattr(launch_cli, "follow", follow)
+    config = tmp_path / "cluster.yaml"
+    config.write_text(json.dumps({
+        "model": str(DEMO_MODEL), "discovery": {"enabled": False}, "nodes": [node.address],
+        "node": {"host": "127.0.0.1", "port": free_port(), "state_dir": str(tmp_path / "state")},
+        "api": {"port": free_port()}}))
+    try:
+        assert main(["launch", "--config", str(config), "--insecure", "--coordinator", "--api-in-process",
+                     "--json"]) == 0
+    finally:
+        node.stop()
+    assert followed == ["node-z"]
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(e["coordinator"], e["term"]) for e in events if e["event"] == "stepped_down"] == [("node-z", 7)]

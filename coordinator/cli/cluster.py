@@ -48,7 +48,7 @@ from ..cluster.formation import (
 )
 from ..cluster.follow import Watch, follow
 from ..cluster.membership import Membership
-from ..cluster.tenure import Tenure, claims_at, release
+from ..cluster.tenure import Tenure, claims_at, newest, release
 from .common import (
     EXIT_OK,
     EXIT_USAGE,
@@ -115,6 +115,20 @@ def when_listening(host: str, port: int, callback: Callable[[], object], timeout
         log.warning("the API did not start listening on %s:%d within %.0f s", host, port, timeout)
 
     threading.Thread(target=watch, name="api-ready", daemon=True).start()
+
+
+def _stand_down(server: Any, agent: Any, newer: Claim) -> None:
+    """This node coordinates no more: a coordinator of a newer term outranks its own (tenure.py)."""
+    server.service.coordinators.see(newer)
+    server.service.coordinating = False
+    if agent is not None:
+        agent.set_coordinator(False)
+
+
+def _stood_down(args: argparse.Namespace, console: Any, me: str, claim: Claim, newer: Claim) -> None:
+    _emit(args, console, "stepped_down", f"node {me}: coordinator {newer.holder} of term {newer.term} outranks "
+          f"this one (term {claim.term}): it stepped down and follows it", node_id=me, coordinator=newer.holder,
+          term=newer.term)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -311,8 +325,21 @@ def _launch(args: argparse.Namespace) -> int:
                 formation = None
                 placed[me] = my_target
             else:
-                engine, formation = form_cluster(cfg, me, my_target, peers, static, interfaces, model_path, mtp,
-                                                 secret, console, take_over=args.take_over and first, claim=claim)
+                try:
+                    engine, formation = form_cluster(cfg, me, my_target, peers, static, interfaces, model_path, mtp,
+                                                     secret, console, take_over=args.take_over and first,
+                                                     claim=claim)
+                except Exception:
+                    # (elected as another was, of a term that outranks it: its Loads were refused; it follows)
+                    if (newer := newest(claims_at(members_at(), secret), claim)) is None:
+                        raise
+                    coordinator, first = newer.holder, False
+                    _stand_down(server, agent, newer)
+                    if front is not None:
+                        front.stop()
+                        front = None
+                    _stood_down(args, console, me, claim, newer)
+                    continue
                 placed.update(placed_addresses(formation, static))
 
                 def replaced(f: Formation) -> None:  # the others took a lost node's layers (heal.py)
@@ -354,19 +381,14 @@ def _launch(args: argparse.Namespace) -> int:
             # coordinator (tenure.py).
             coordinator, first = tenure.successor.holder, False
             gone = SteppedDown(cfg.api.host, cfg.api.port, me, tenure.successor, tls).start()
-            server.service.coordinators.see(tenure.successor)
-            server.service.coordinating = False
-            if agent is not None:
-                agent.set_coordinator(False)
+            _stand_down(server, agent, tenure.successor)
             front, stopped, engine = None, engine, None
             release(stopped, secret)
             if formation is None:
                 server.service.adopt(None, None)  # (the whole model, held in this process)
             placed.clear()
             server.service.placed = {}
-            _emit(args, console, "stepped_down", f"node {me}: coordinator {coordinator} of term "
-                  f"{tenure.successor.term} outranks this one (term {claim.term}): it stepped down and follows it",
-                  node_id=me, coordinator=coordinator, term=tenure.successor.term)
+            _stood_down(args, console, me, claim, tenure.successor)
     finally:
         if front is not None:
             front.stop()
