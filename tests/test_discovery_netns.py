@@ -90,22 +90,26 @@ def _kill_namespace(name: str) -> None:
     _ip("netns", "del", name, check=False)
 
 
-def clean_stale_namespaces() -> None:
+def clean_stale_namespaces(prefix: str = PREFIX) -> None:
     """Namespaces left by a run that crashed (its pid is gone)."""
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
-        if not name.startswith(PREFIX):
+        if not name.startswith(prefix):
             continue
-        pid = name[len(PREFIX):].split("-", 1)[0]
+        pid = name[len(prefix):].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
             _kill_namespace(name)
 
 
-class Topology:
-    def __init__(self) -> None:
-        self.tag = f"{PREFIX}{os.getpid()}"
+class Bridged:
+    """A test's namespaces: a bridge, and `hosts` on it, each with `lan0` at `subnet`.i/24 (those in
+    `unwired`: only their loopback). Named <prefix><pid>-<role>, so a crashed run's are found."""
+
+    def __init__(self, prefix: str, hosts: tuple[int, ...], subnet: str, unwired: tuple[int, ...] = ()):
+        self.tag = f"{prefix}{os.getpid()}"
         self.bridge = f"{self.tag}-br"
-        self.hosts = {i: f"{self.tag}-h{i}" for i in (1, 2, 3, 4, 5, 6)}  # 5: loopback only; 6: a rogue
+        self.hosts = {i: f"{self.tag}-h{i}" for i in hosts}
+        self.subnet, self.unwired = subnet, unwired
         self.created: list[str] = []
 
     def _add(self, name: str) -> None:
@@ -119,12 +123,27 @@ class Topology:
         _ip("-n", self.bridge, "link", "set", "br0", "up")
         for i, ns in self.hosts.items():
             self._add(ns)
-            if i == 5:
+            if i in self.unwired:
                 continue
             _ip("-n", ns, "link", "add", "lan0", "type", "veth", "peer", "name", f"p{i}", "netns", self.bridge)
             _ip("-n", self.bridge, "link", "set", f"p{i}", "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"10.77.0.{i}/24", "dev", "lan0")
+            _ip("-n", ns, "addr", "add", f"{self.subnet}.{i}/24", "dev", "lan0")
             _ip("-n", ns, "link", "set", "lan0", "up")
+
+    def destroy(self) -> None:
+        for name in reversed(self.created):
+            _kill_namespace(name)
+
+    def argv(self, host: int, *cmd: str) -> list[str]:
+        return ["ip", "netns", "exec", self.hosts[host], *cmd]
+
+
+class Topology(Bridged):
+    def __init__(self) -> None:
+        super().__init__(PREFIX, (1, 2, 3, 4, 5, 6), "10.77.0", unwired=(5,))  # 5: loopback only; 6: a rogue
+
+    def create(self) -> None:
+        super().create()
         # A point-to-point link with only IPv6 link-local addresses, as a Thunderbolt cable gets them.
         h2, h3 = self.hosts[2], self.hosts[3]
         _ip("-n", h2, "link", "add", "thunderbolt0", "type", "veth", "peer", "name", "thunderbolt0", "netns", h3)
@@ -134,13 +153,6 @@ class Topology:
     def link_local(self, host: int, dev: str) -> str:
         info = json.loads(_ip("-n", self.hosts[host], "-j", "addr", "show", dev).stdout)
         return next(a["local"] for a in info[0]["addr_info"] if a["family"] == "inet6")
-
-    def destroy(self) -> None:
-        for name in reversed(self.created):
-            _kill_namespace(name)
-
-    def argv(self, host: int, *cmd: str) -> list[str]:
-        return ["ip", "netns", "exec", self.hosts[host], *cmd]
 
 
 class Proc:

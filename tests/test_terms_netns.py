@@ -24,10 +24,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from test_discovery_netns import Proc, _env, _ip, _kill_namespace, namespaces
+from test_discovery_netns import Bridged, Proc, _env, _ip, clean_stale_namespaces, namespaces
 
 from mtpipe.models.registry import DEMO_MODEL
 
@@ -42,46 +41,15 @@ START_TIMEOUT = 90.0
 STEP_DOWN_S = 20.0  # at most from meeting again to the old coordinator stepping down (a check is 2 s)
 
 
-def clean_stale_namespaces() -> None:
-    for line in _ip("netns", "list", check=False).stdout.splitlines():
-        name = line.split()[0] if line.strip() else ""
-        pid = name[len(PREFIX):].split("-", 1)[0] if name.startswith(PREFIX) else ""
-        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
-            _kill_namespace(name)
-
-
-class Topology:
+class Topology(Bridged):
     def __init__(self) -> None:
-        self.tag = f"{PREFIX}{os.getpid()}"
-        self.bridge = f"{self.tag}-br"
-        self.hosts = {i: f"{self.tag}-h{i}" for i in (1, 2, 3)}
-        self.created: list[str] = []
+        super().__init__(PREFIX, (1, 2, 3), "10.79.0")
         self.closed: set[int] = set()
-
-    def _add(self, name: str) -> None:
-        _ip("netns", "add", name)
-        self.created.append(name)
-        _ip("-n", name, "link", "set", "lo", "up")
-
-    def create(self) -> None:
-        self._add(self.bridge)
-        _ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.bridge, "link", "set", "br0", "up")
-        for i, ns in self.hosts.items():
-            self._add(ns)
-            _ip("-n", ns, "link", "add", "lan0", "type", "veth", "peer", "name", f"p{i}", "netns", self.bridge)
-            _ip("-n", self.bridge, "link", "set", f"p{i}", "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"10.79.0.{i}/24", "dev", "lan0")
-            _ip("-n", ns, "link", "set", "lan0", "up")
 
     def destroy(self) -> None:
         for host in list(self.closed):
             self.open_lid(host)
-        for name in reversed(self.created):
-            _kill_namespace(name)
-
-    def argv(self, host: int, *cmd: str) -> list[str]:
-        return ["ip", "netns", "exec", self.hosts[host], *cmd]
+        super().destroy()
 
     def _signal(self, host: int, sig: int) -> None:
         for pid in _ip("netns", "pids", self.hosts[host], check=False).stdout.split():
@@ -111,7 +79,7 @@ class Topology:
 
 @pytest.fixture(scope="module")
 def topology():
-    yield from namespaces(Topology(), clean_stale_namespaces)
+    yield from namespaces(Topology(), lambda: clean_stale_namespaces(PREFIX))
 
 
 ASK = """

@@ -16,7 +16,6 @@ served) and generation is still identical.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -26,10 +25,10 @@ import pytest
 from helpers import PROMPTS
 from test_discovery_netns import (
     CLIENT,
+    Bridged,
     Proc,
     _env,
-    _ip,
-    _kill_namespace,
+    clean_stale_namespaces,
     namespaces,
 )
 
@@ -49,41 +48,10 @@ MAX_TOKENS = 24
 HIDE = 'mount -t tmpfs tmpfs "$0" && exec "$@"'  # run "$@" with the directory $0 empty
 
 
-def clean_stale_namespaces() -> None:
-    for line in _ip("netns", "list", check=False).stdout.splitlines():
-        name = line.split()[0] if line.strip() else ""
-        pid = name[len(PREFIX):].split("-", 1)[0] if name.startswith(PREFIX) else ""
-        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
-            _kill_namespace(name)
-
-
-class Topology:
+class Topology(Bridged):
     def __init__(self) -> None:
-        self.tag = f"{PREFIX}{os.getpid()}"
-        self.bridge = f"{self.tag}-br"
-        self.hosts = {i: f"{self.tag}-h{i}" for i in (1, 2, 3)}
-        self.created: list[str] = []
+        super().__init__(PREFIX, (1, 2, 3), "10.78.0")
         self.hidden: dict[int, Path] = {}  # host -> a directory it sees empty
-
-    def _add(self, name: str) -> None:
-        _ip("netns", "add", name)
-        self.created.append(name)
-        _ip("-n", name, "link", "set", "lo", "up")
-
-    def create(self) -> None:
-        self._add(self.bridge)
-        _ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.bridge, "link", "set", "br0", "up")
-        for i, ns in self.hosts.items():
-            self._add(ns)
-            _ip("-n", ns, "link", "add", "lan0", "type", "veth", "peer", "name", f"p{i}", "netns", self.bridge)
-            _ip("-n", self.bridge, "link", "set", f"p{i}", "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"10.78.0.{i}/24", "dev", "lan0")
-            _ip("-n", ns, "link", "set", "lan0", "up")
-
-    def destroy(self) -> None:
-        for name in reversed(self.created):
-            _kill_namespace(name)
 
     def argv(self, host: int, *cmd: str) -> list[str]:
         hide = ["sh", "-c", HIDE, str(self.hidden[host])] if host in self.hidden else []
@@ -92,7 +60,7 @@ class Topology:
 
 @pytest.fixture(scope="module")
 def topology():
-    yield from namespaces(Topology(), clean_stale_namespaces)
+    yield from namespaces(Topology(), lambda: clean_stale_namespaces(PREFIX))
 
 
 @pytest.fixture(scope="module")
