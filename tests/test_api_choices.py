@@ -449,10 +449,14 @@ def test_keepalive_comments_leave_a_streamed_reply_as_it_is(client: Any, monkeyp
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**body, stream=True)
                        if c.choices)
     assert streamed == whole
-    with httpx.stream("POST", str(client.base_url) + "chat/completions", json={**body, "stream": True},
-                      timeout=60) as r:
-        lines = list(r.iter_lines())
-    assert ": keep-alive" in lines and lines[-2:] == ["data: [DONE]", ""]
+    for _ in range(3):  # (a loaded machine may hand the reply's events over with no gap in between)
+        with httpx.stream("POST", str(client.base_url) + "chat/completions", json={**body, "stream": True},
+                          timeout=60) as r:
+            lines = list(r.iter_lines())
+        assert lines[-2:] == ["data: [DONE]", ""]
+        if ": keep-alive" in lines:
+            break
+    assert ": keep-alive" in lines
 
 
 def test_a_streamed_choice_refused_as_it_starts_is_told_as_it_is(engine: BatchEngine,
