@@ -35,7 +35,7 @@ from .defaults import (
     STALL_TIMEOUT_S,
 )
 from .templates import ChatTemplate
-from .tls import ApiTLS, scheme
+from .tls import ApiTLS, scheme, uvicorn_options
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def front_main(conn: Any, spec: FrontSpec) -> None:
                      cors_origins=spec.cors_origins, default_max_tokens=spec.default_max_tokens,
                      scheduling_policy=spec.scheduling_policy, chat_template=spec.chat_template)
     config = uvicorn.Config(app, host=spec.host, port=spec.port, log_config=None, access_log=spec.access_log,
-                            timeout_graceful_shutdown=5, **(spec.tls.uvicorn_options() if spec.tls else {}))
+                            timeout_graceful_shutdown=5, **uvicorn_options(spec.tls))
     server = api_server(config)
 
     def stop() -> None:

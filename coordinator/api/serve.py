@@ -97,8 +97,8 @@ def serve(
     `stall_timeout`: that process fails every open request and stops once the engine has been stuck this
     long (link.py); None: never. `generation_config`: the directory whose generation_config.json gives
     requests their defaults (None: OpenAI's), `default_max_tokens` the max_tokens of those that leave it
-    out (None: the generation config's, else ours); `scheduling_policy` and `chat_template` as create_app's; `tls`: HTTPS (tls.py). `announce(url)`
-    once the API listens (the port bound, if 0 was asked). Once `until` is set, the API stops as on
+    out (None: the generation config's, else ours); `scheduling_policy` and `chat_template` as create_app's;
+    `tls`: HTTPS (tls.py). `announce(url)` once the API listens (the port bound, if 0 was asked). Once `until` is set, the API stops as on
     SIGTERM and this returns 0 (a launched coordinator that steps down, coordinator/cluster/tenure.py).
     """
     if not api_key and not _is_loopback(host):
@@ -125,6 +125,7 @@ def serve(
     import uvicorn
 
     from .front import api_server, base_url, when_serving
+    from .tls import uvicorn_options
 
     log.info("serving %s at %s/v1", model_name, base_url(host, port, tls, host))
 
@@ -134,7 +135,7 @@ def serve(
                      default_max_tokens=default_max_tokens, scheduling_policy=scheduling_policy,
                      chat_template=chat_template)
     server = api_server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5,
-                                       **(tls.uvicorn_options() if tls else {})))
+                                       **uvicorn_options(tls)))
     if announce is not None:
         threading.Thread(target=when_serving, args=(server, lambda at, port: announce(base_url(at, port, tls, host))),
                          name="api-announce", daemon=True).start()

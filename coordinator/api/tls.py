@@ -18,8 +18,10 @@ class ApiTLS:
     certfile: str
     keyfile: str
 
-    def uvicorn_options(self) -> dict[str, Any]:
-        return {"ssl_certfile": self.certfile, "ssl_keyfile": self.keyfile}
+
+def uvicorn_options(tls: ApiTLS | None) -> dict[str, Any]:
+    """uvicorn.Config's options for `tls` (none: plain HTTP)."""
+    return {} if tls is None else {"ssl_certfile": tls.certfile, "ssl_keyfile": tls.keyfile}
 
 
 def api_tls(certfile: str | None, keyfile: str | None, option: str = "--ssl-certfile/--ssl-keyfile") -> ApiTLS | None:

@@ -390,7 +390,8 @@ def cluster_info_fn(cfg: ClusterConfig, me: str, my_target: str, engine: Any, mo
         discovered, left_out = membership.report(peers) if membership else (sorted(peers), {})
         idle = sorted(set(discovered) - {p["node"] for p in plan})
         # A spare is asked too: one killed outright keeps its advert until zeroconf's records expire.
-        where = {n: a for n in idle if n in members and (a := membership.address(members[n]))}  # type: ignore[union-attr]
+        where = {n: a for n in idle
+                 if n in members and (a := membership.address(members[n]))}  # type: ignore[union-attr]
         rows = probe_nodes([p["address"] for p in plan] + list(where.values()), secret)
         gone = sorted(n for n, row in zip(where, rows[len(plan):]) if not row.get("reachable"))
         return {
